@@ -1,0 +1,144 @@
+"""Audit of a replay: one record per token, a summary per run, and the decision log.
+
+Counts are of expert executions (one per (step, expert)); bytes are expert weight bytes moved
+host -> device (on-demand uploads, streams and background moves). A *profile hit* is a hit on an
+expert placed by the profile that has stayed resident since: once evicted it never counts again,
+even if it comes back later.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from .core import Geometry
+from .drive import AwaitBackground, EndToken, RunLayer, StartBackground
+
+__all__ = ["Audit", "COUNTERS"]
+
+COUNTERS = ("hits", "uploads", "streams", "cpu", "fills", "swaps", "upload_bytes", "profile_hits")
+
+
+class Audit:
+    """Observes driver items (``observe``); ``records`` per token, ``summary()`` per run.
+
+    ``keep_log=True`` also keeps every decision and move for ``log`` / ``digest``.
+    """
+
+    def __init__(self, geometry: Geometry, profile_residents=(), keep_log: bool = False,
+                 keep_records: bool = True):
+        self.geometry = geometry
+        self.expert_bytes = geometry.expert_bytes
+        self.profile = set(profile_residents)
+        self.keep_log, self.keep_records = keep_log, keep_records
+        self.records: list[dict] = []
+        self.log: list[tuple] = []
+        self.totals = dict.fromkeys(COUNTERS, 0)
+        self.tokens = 0
+        self.per_layer = [[0, 0, 0, 0] for _ in range(geometry.num_layers)]  # hits, uploads, streams, cpu
+        self._reset_token()
+
+    def _reset_token(self) -> None:
+        self.cur = dict.fromkeys(COUNTERS, 0)
+        self.added: list[tuple[int, int]] = []
+        self.removed: list[tuple[int, int]] = []
+
+    def observe(self, item) -> None:
+        t = type(item)
+        if t is RunLayer:
+            d = item.decision
+            c = self.cur
+            layer = d.layer
+            nh, nu, ns, nc = len(d.hits), len(d.uploads), len(d.streams), len(d.cpu)
+            c["hits"] += nh
+            c["uploads"] += nu
+            c["streams"] += ns
+            c["cpu"] += nc
+            if nu or ns:
+                c["upload_bytes"] += (nu + ns) * self.expert_bytes[layer]
+            pl = self.per_layer[layer]
+            pl[0] += nh
+            pl[1] += nu
+            pl[2] += ns
+            pl[3] += nc
+            if self.profile:
+                prof = self.profile
+                c["profile_hits"] += sum(1 for e in d.hits if (layer, e) in prof)
+                for v in d.evictions:
+                    prof.discard(v)
+            if d.evictions:
+                self.removed.extend(d.evictions)
+            if nu:
+                self.added.extend((layer, e) for e in d.uploads)
+            if d.retired:
+                self.removed.extend(d.retired)
+                self.added.extend((layer, e) for e in d.promotions)
+                if self.profile:
+                    self.profile.difference_update(d.retired)
+            if self.keep_log:
+                self.log.append((item.token.index, layer, d.hits, d.uploads, d.slots, d.streams, d.cpu, d.evictions,
+                                 d.promotions, d.promotion_slots, d.retired))
+        elif t is StartBackground:
+            c = self.cur
+            for m in item.moves:
+                c["upload_bytes"] += self.expert_bytes[m.layer]
+                if m.victim is None:
+                    c["fills"] += 1
+                else:
+                    c["swaps"] += 1
+                    self.removed.append(m.victim)
+                    self.profile.discard(m.victim)
+                self.added.append((m.layer, m.expert))
+            if self.keep_log:
+                self.log.append((item.token.index, "moves", tuple((m.layer, m.expert, m.slot, m.victim) for m in item.moves)))
+        elif t is EndToken:
+            tok = item.token
+            for k, v in self.cur.items():
+                self.totals[k] += v
+            if self.keep_records:
+                rec = {"token": tok.index, "seq": tok.seq, "pos": tok.pos, "phase": tok.phase}
+                rec.update(self.cur)
+                rec["added"] = self.added
+                rec["removed"] = self.removed
+                self.records.append(rec)
+            self.tokens += 1
+            self._reset_token()
+        elif t is AwaitBackground:
+            pass
+        else:
+            raise TypeError(f"audit cannot observe {t.__name__}")
+
+    # results ---------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        t = self.totals
+        served = t["hits"] + t["uploads"] + t["streams"] + t["cpu"]
+        return {
+            "tokens": self.tokens,
+            "experts_served": served,
+            **t,
+            "hit_rate": t["hits"] / served if served else 0.0,
+            "profile_hit_rate": t["profile_hits"] / served if served else 0.0,
+            "upload_mib": t["upload_bytes"] / 2**20,
+        }
+
+    def digest(self) -> str:
+        """SHA-256 of the decision log (needs ``keep_log=True``)."""
+        if not self.keep_log:
+            raise ValueError("Audit.digest needs keep_log=True")
+        return hashlib.sha256(repr(self.log).encode()).hexdigest()
+
+    def write_jsonl(self, path: str | os.PathLike, run: dict | None = None) -> None:
+        """Write one JSON line per token, then a summary line (``"summary": true``), atomically."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
+        try:
+            with os.fdopen(fd, "w") as f:
+                for rec in self.records:
+                    f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                f.write(json.dumps({"summary": True, **(run or {}), **self.summary()}) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise

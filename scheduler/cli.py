@@ -1,0 +1,46 @@
+"""The ``moelab`` command: dispatches each subcommand to the package that owns it.
+
+Subcommand modules are imported only when their command runs, so ``moelab trace ...`` never loads
+simpy, cupy or numba. Each handler is ``main(argv: list[str]) -> int`` for its command.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main", "COMMANDS"]
+
+# command -> (module, function, one-line help)
+COMMANDS = {
+    "trace": ("traces.cli", "main", "import, inspect, fit and synthesise routing traces"),
+    "profile": ("scheduler.profile_cli", "main", "build, read and check STRP expert profiles"),
+    "simulate": ("simulate.cli", "simulate_main", "simulate decode of a trace under a policy and hardware"),
+    "sweep": ("simulate.cli", "sweep_main", "simulate many configurations, resumable, to CSV and plots"),
+    "model": ("execute.cli", "model_main", "synthesise or describe GGUF models"),
+    "replay": ("execute.cli", "replay_main", "run a trace through real GPU/CPU expert kernels"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: moelab COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "moelab COMMAND --help shows a command's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"moelab: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    handler = getattr(importlib.import_module(module), func)
+    return int(handler(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

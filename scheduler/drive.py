@@ -1,0 +1,104 @@
+"""The one loop that drives a policy over a trace, for every backend.
+
+``drive`` is a generator of work items. A backend consumes them in order and does the work:
+the simulator in simulated time, the executor for real, ``replay`` not at all. The loop, not the
+backend, passes completions back to the policy, at points fixed by the trace, so the same trace
+and policy give the same decisions whatever the backend's speed:
+
+- an on-demand upload (``RunLayer``) completes when its layer has run;
+- background moves committed after token n complete before token ``n + 1 + lag_tokens`` starts
+  (``AwaitBackground``: the backend blocks until those copies are done). ``lag_tokens=0`` is
+  synchronous; the default 1 lets a fill overlap the next token's compute.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Union
+
+from .core import Decision, Move, Policy, Step, Token
+
+__all__ = ["RunLayer", "StartBackground", "AwaitBackground", "EndToken", "Item", "drive", "replay"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunLayer:
+    """Run one step as decided: hits, uploads and streams on the GPU, cpu on the CPU pool; then
+    copy each promoted expert from scratch into its slot."""
+
+    token: Token
+    step: Step
+    decision: Decision
+
+
+@dataclass(frozen=True, slots=True)
+class StartBackground:
+    """Start these background copies (fills and swaps) on the copy stream."""
+
+    token: Token
+    moves: tuple[Move, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitBackground:
+    """Block until these background copies have finished; they become resident after."""
+
+    moves: tuple[Move, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EndToken:
+    token: Token
+
+
+Item = Union[RunLayer, StartBackground, AwaitBackground, EndToken]
+
+
+def drive(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1) -> Iterator[Item]:
+    """Yield the work of replaying ``tokens`` under ``policy`` (see the module docstring)."""
+    if lag_tokens < 0:
+        raise ValueError(f"lag_tokens: {lag_tokens}, expected >= 0")
+    pending: deque[tuple[int, tuple[Move, ...]]] = deque()
+    complete = policy.complete
+    n = 0
+    for tok in tokens:
+        while pending and pending[0][0] <= n:
+            moves = pending.popleft()[1]
+            yield AwaitBackground(moves)
+            for m in moves:
+                complete(m.layer, m.expert)
+        for step in tok.steps:
+            d = policy.plan(step)
+            policy.commit(d)
+            yield RunLayer(tok, step, d)
+            for e in d.uploads:
+                complete(d.layer, e)
+            for e in d.promotions:
+                complete(d.layer, e)
+        moves = policy.plan_background()
+        policy.commit_background(moves)
+        if moves:
+            yield StartBackground(tok, moves)
+            pending.append((n + 1 + lag_tokens, moves))
+        yield EndToken(tok)
+        n += 1
+    while pending:
+        moves = pending.popleft()[1]
+        yield AwaitBackground(moves)
+        for m in moves:
+            complete(m.layer, m.expert)
+
+
+def replay(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1, audit=None):
+    """Drive ``policy`` over ``tokens`` with no timing; feed each item to ``audit`` if given.
+
+    Returns the audit (a fresh :class:`~scheduler.audit.Audit` when none is given).
+    """
+    from .audit import Audit
+
+    if audit is None:
+        audit = Audit(policy.geometry)
+    observe = audit.observe
+    for item in drive(policy, tokens, lag_tokens):
+        observe(item)
+    return audit

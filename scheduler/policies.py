@@ -1,0 +1,568 @@
+"""The policies, picked by name from ``POLICIES``.
+
+Each is a plain class over a :class:`~scheduler.cache.Cache`. The shared protocol lives in
+``core.Policy``; the call order is plan -> commit -> (backend runs the layer) -> complete, and
+after each token plan_background -> commit_background -> ... -> complete.
+
+Choice of which misses go over PCIe in ``hybrid`` (documented contract): a step's distinct misses
+are ranked by token count (more first), then decayed usage (higher first), then router rank;
+the first ``round(n_miss * frac / 256)`` (half rounds up) that are not in flight go over PCIe,
+the rest to the CPU. A PCIe miss is admitted into a free slot when its pool has one, otherwise it
+is streamed through a scratch buffer. Misses in flight (a background copy not yet complete) always
+go to the CPU: nothing is uploaded twice.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .cache import Cache
+from .core import Capacity, CapacityError, Decision, Geometry, Move, Step
+from .profile import Profile
+
+__all__ = [
+    "POLICIES",
+    "make_policy",
+    "CpuPolicy",
+    "GpuPolicy",
+    "LruPolicy",
+    "FreqLruPolicy",
+    "StaticPolicy",
+    "HybridPolicy",
+    "BeladyPolicy",
+    "MAX_FILLS_PER_TOKEN",
+]
+
+MAX_FILLS_PER_TOKEN = 512
+
+
+class BasePolicy:
+    """Cache ownership, completion, background commit and pre-population shared by all."""
+
+    name = "base"
+    uploads_every_miss = False  # such policies need >= top_k slots per layer
+
+    def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None):
+        self.geometry = geometry
+        self.capacity = capacity
+        if self.uploads_every_miss:
+            have = capacity.min_slots_per_layer(geometry)
+            if have < geometry.top_k:
+                raise CapacityError(
+                    f"policy {self.name!r} uploads every miss before it runs and needs at least "
+                    f"top_k={geometry.top_k} slots per MoE layer; this capacity gives {have}. "
+                    f"Use a larger cache, or a policy that computes misses on the CPU (hybrid, static, cpu)."
+                )
+        self.cache = Cache(geometry, capacity)
+        if profile is not None:
+            self.prepopulate(profile)
+
+    # protocol --------------------------------------------------------------------------------
+    def plan_background(self) -> tuple[Move, ...]:
+        return ()
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        cache = self.cache
+        for m in moves:
+            if m.victim is not None:
+                cache.evict(m.victim)
+                self._evicted(m.victim)
+            key = (m.layer, m.expert)
+            cache.reserve(key, m.slot)
+            self._admitted(key)
+
+    def complete(self, layer: int, expert: int) -> None:
+        self.cache.complete((layer, expert))
+
+    def residents(self) -> list[tuple[int, int]]:
+        return self.cache.residents()
+
+    def prepopulate(self, profile: Profile) -> list[tuple[int, int]]:
+        """Make the hottest profiled experts resident, filling each pool's free slots in rank
+        order. Returns the experts placed."""
+        profile.check_geometry(self.geometry)
+        placed = []
+        cache = self.cache
+        for layer, expert in profile.ranked:
+            key = (layer, expert)
+            p = cache.pool_of[layer]
+            if p < 0 or not cache.free[p] or key in cache.slot:
+                continue
+            cache.place(key, cache.free[p][-1])
+            self._admitted(key)
+            placed.append(key)
+        return placed
+
+    # hooks for eviction order ------------------------------------------------------------------
+    def _admitted(self, key: tuple[int, int]) -> None:
+        pass
+
+    def _evicted(self, key: tuple[int, int]) -> None:
+        pass
+
+
+class CpuPolicy(BasePolicy):
+    """Every expert computed on the CPU from host RAM (upstream ``--cpu-moe``)."""
+
+    name = "cpu"
+
+    def plan(self, step: Step) -> Decision:
+        return Decision(step, (), cpu=step.experts)
+
+    def commit(self, decision: Decision) -> None:
+        pass
+
+
+class GpuPolicy(BasePolicy):
+    """Every expert resident from the start (the model fits): all hits."""
+
+    name = "gpu"
+
+    def __init__(self, geometry: Geometry, capacity: Capacity | None = None, profile: Profile | None = None):
+        full = Capacity.per_layer(geometry, geometry.num_experts)
+        if capacity is not None and capacity.min_slots_per_layer(geometry) < geometry.max_experts:
+            short = [l for l in geometry.moe_layers
+                     if capacity.pools[capacity.pool_of_layer(geometry.num_layers)[l]][1] < geometry.num_experts[l]]
+            raise CapacityError(f"policy 'gpu' needs every expert resident; layers {short[:8]} have fewer slots than experts")
+        super().__init__(geometry, full)
+        for l in geometry.moe_layers:
+            for e in range(geometry.num_experts[l]):
+                self.cache.place((l, e), self.cache.free[self.cache.pool_of[l]][-1])
+
+    def plan(self, step: Step) -> Decision:
+        return Decision(step, step.experts)
+
+    def commit(self, decision: Decision) -> None:
+        pass
+
+
+class _UploadEveryMiss(BasePolicy):
+    """Shared plan/commit for caches that upload every miss before it runs.
+
+    Misses take free slots first, then victims chosen by ``_victims``; if a multi-token step
+    has more distinct misses than its pool can hold, the rest are streamed (upstream's large
+    batches read the cache without filling it).
+    """
+
+    uploads_every_miss = True
+
+    def plan(self, step: Step) -> Decision:
+        layer = step.layer
+        cache = self.cache
+        slot_of, inflight = cache.slot, cache.inflight
+        hits, misses = [], []
+        for e in step.experts:
+            key = (layer, e)
+            if key in slot_of and key not in inflight:
+                hits.append(e)
+            else:
+                misses.append(e)
+        if not misses:
+            return Decision(step, step.experts)
+        p = cache.pool_of[layer]
+        free = cache.free[p]
+        n_free = len(free)
+        slots = free[::-1][: len(misses)] if n_free else []
+        evictions: list[tuple[int, int]] = []
+        need = len(misses) - len(slots)
+        if need > 0:
+            used = set(step.experts)
+            evictions = self._victims(layer, need, used)
+            slots = slots + [slot_of[v] for v in evictions]
+        n_up = len(slots)
+        return Decision(
+            step,
+            tuple(hits),
+            uploads=tuple(misses[:n_up]),
+            slots=tuple(slots),
+            streams=tuple(misses[n_up:]),
+            evictions=tuple(evictions),
+        )
+
+    def commit(self, d: Decision) -> None:
+        cache = self.cache
+        for v in d.evictions:
+            cache.evict(v)
+            self._evicted(v)
+        layer = d.layer
+        for e, s in zip(d.uploads, d.slots):
+            cache.reserve((layer, e), s)
+        self._touch(layer, d)
+
+    def _victims(self, layer: int, need: int, used: set[int]) -> list[tuple[int, int]]:
+        raise NotImplementedError  # each subclass defines its eviction order
+
+    def _touch(self, layer: int, d: Decision) -> None:
+        raise NotImplementedError
+
+
+class LruPolicy(_UploadEveryMiss):
+    """Upstream's cache: every miss uploaded, least-recently-used resident evicted.
+
+    One LRU order per pool; a step's experts become most recent together (in router-rank order).
+    """
+
+    name = "lru"
+
+    def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None):
+        self.order: list[OrderedDict] = [OrderedDict() for _ in capacity.pools]
+        super().__init__(geometry, capacity, profile)
+
+    def _admitted(self, key):
+        self.order[self.cache.pool_of[key[0]]][key] = None
+
+    def _evicted(self, key):
+        del self.order[self.cache.pool_of[key[0]]][key]
+
+    def _victims(self, layer, need, used):
+        out = []
+        inflight = self.cache.inflight
+        for key in self.order[self.cache.pool_of[layer]]:
+            if (key[0] == layer and key[1] in used) or key in inflight:
+                continue
+            out.append(key)
+            if len(out) == need:
+                break
+        return out
+
+    def _touch(self, layer, d):
+        order = self.order[self.cache.pool_of[layer]]
+        if not d.uploads:
+            for e in d.hits:
+                order.move_to_end((layer, e))
+            return
+        uploaded = set(d.uploads)
+        for e in d.step.experts:
+            if e in uploaded:
+                order[(layer, e)] = None
+            elif (layer, e) in order:
+                order.move_to_end((layer, e))
+
+
+class FreqLruPolicy(_UploadEveryMiss):
+    """Evict the resident with the lowest routing frequency, least recent first on ties.
+
+    Frequencies count routes per (layer, expert) and halve every ``halve_every`` steps of that layer.
+    """
+
+    name = "freq-lru"
+
+    def __init__(self, geometry, capacity, profile=None, halve_every: int = 16):
+        if halve_every < 1:
+            raise ValueError(f"freq-lru halve_every: {halve_every}, expected >= 1")
+        self.halve_every = halve_every
+        self.freq = np.zeros((geometry.num_layers, max(geometry.max_experts, 1)))
+        self.last = np.zeros_like(self.freq)  # last use, in steps of the whole replay
+        self.layer_steps = [0] * geometry.num_layers
+        self.clock = 0
+        super().__init__(geometry, capacity, profile)
+
+    def _victims(self, layer, need, used):
+        cache = self.cache
+        p = cache.pool_of[layer]
+        cands = [k for k in cache.owner[p] if k is not None and k not in cache.inflight
+                 and not (k[0] == layer and k[1] in used)]
+        cands.sort(key=lambda k: (self.freq[k], self.last[k], k))
+        return cands[:need]
+
+    def _touch(self, layer, d):
+        self.clock += 1
+        for e in d.hits + d.uploads + d.streams:
+            self.freq[layer, e] += 1
+            self.last[layer, e] = self.clock
+        self.layer_steps[layer] += 1
+        if self.layer_steps[layer] % self.halve_every == 0:
+            self.freq[layer] *= 0.5
+
+
+class StaticPolicy(BasePolicy):
+    """Residents fixed from a profile; misses computed on the CPU; nothing is ever uploaded."""
+
+    name = "static"
+
+    def __init__(self, geometry, capacity, profile: Profile | None = None):
+        if profile is None:
+            raise ValueError("policy 'static' needs a profile (Profile.from_counts or an STRP file)")
+        super().__init__(geometry, capacity, profile)
+
+    def plan(self, step: Step) -> Decision:
+        layer = step.layer
+        mask = self.cache.resident_mask[layer]
+        hits = tuple(e for e in step.experts if mask[e])
+        if len(hits) == len(step.experts):
+            return Decision(step, hits)
+        return Decision(step, hits, cpu=tuple(e for e in step.experts if not mask[e]))
+
+    def commit(self, decision: Decision) -> None:
+        pass
+
+
+class HybridPolicy(BasePolicy):
+    """Hits on the GPU; a layer's distinct misses split between PCIe and the CPU pool.
+
+    ``miss_frac_256``/256 of the distinct misses go over PCIe (see the module docstring for
+    which). After each token, the experts that missed are filled into free slots, ranked across
+    layers by decayed usage, at most ``max_fills`` per token. Every ``swap_every`` tokens a swap
+    round runs (skipped while earlier background copies are pending): per pool, candidates
+    (non-resident, usage >= ``gate``) by usage descending first take free slots, then pair with
+    residents by usage ascending, swapping only if candidate >= victim + ``margin``; all moves
+    ranked by gain and cut to ``max_moves``; then usage *= ``decay``.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, geometry, capacity, profile=None, *, miss_frac_256: int = 44,
+                 adaptive: bool = True, swap_every: int = 4, max_moves: int = 96,
+                 gate: float = 2.0, margin: float = 1.5, decay: float = 0.7,
+                 max_fills: int = MAX_FILLS_PER_TOKEN):
+        if not 0 <= miss_frac_256 <= 256:
+            raise ValueError(f"hybrid miss_frac_256: {miss_frac_256}, expected 0..256")
+        if swap_every < 0 or max_moves < 0 or not 0 <= max_fills <= MAX_FILLS_PER_TOKEN:
+            raise ValueError("hybrid: swap_every, max_moves >= 0 and 0 <= max_fills <= 512 expected")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"hybrid decay: {decay}, expected in (0, 1]")
+        self.miss_frac_256 = miss_frac_256
+        self.adaptive = adaptive
+        self.swap_every, self.max_moves = swap_every, max_moves
+        self.gate, self.margin, self.decay = gate, margin, decay
+        self.max_fills = max_fills
+        self.usage = np.zeros((geometry.num_layers, max(geometry.max_experts, 1)))
+        self._usage_rows = [self.usage[l] for l in range(geometry.num_layers)]
+        self.missed: dict[tuple[int, int], None] = {}  # this token's misses, in order
+        self.tokens = 0
+        self.background: set[tuple[int, int]] = set()  # background copies in flight
+        super().__init__(geometry, capacity, profile)
+
+    def plan(self, step: Step) -> Decision:
+        layer = step.layer
+        cache = self.cache
+        mask = cache.resident_mask[layer]
+        experts = step.experts
+        hits, misses = [], []
+        for e in experts:
+            (hits if mask[e] else misses).append(e)
+        if not misses:
+            return Decision(step, step.experts)
+        n_pcie = (len(misses) * self.miss_frac_256 + 128) >> 8
+        if n_pcie == 0:
+            return Decision(step, tuple(hits), cpu=tuple(misses))
+        inflight = cache.inflight_mask[layer]
+        eligible = [e for e in misses if not inflight[e]]
+        u = self._usage_rows[layer]
+        if step.counts is None:
+            eligible.sort(key=lambda e: -u[e])  # stable: router rank breaks ties
+        else:
+            cnt = dict(zip(experts, step.counts))
+            eligible.sort(key=lambda e: (-cnt[e], -u[e]))
+        pcie = eligible[:n_pcie]
+        chosen = set(pcie)
+        cpu = tuple(e for e in misses if e not in chosen)
+        slots = cache.free_slots(layer, len(pcie))
+        n_up = len(slots)
+        return Decision(step, tuple(hits), uploads=tuple(pcie[:n_up]), slots=tuple(slots),
+                        streams=tuple(pcie[n_up:]), cpu=cpu)
+
+    def commit(self, d: Decision) -> None:
+        layer = d.layer
+        cache = self.cache
+        for e, s in zip(d.uploads, d.slots):
+            cache.reserve((layer, e), s)
+        u = self._usage_rows[layer]
+        for e in d.hits:
+            u[e] += 1
+        for e in d.uploads:
+            u[e] += 1
+        missed = self.missed
+        for e in d.streams:
+            u[e] += 1
+            missed[(layer, e)] = None
+        for e in d.cpu:
+            u[e] += 1
+            missed[(layer, e)] = None
+
+    def complete(self, layer: int, expert: int) -> None:
+        super().complete(layer, expert)
+        self.background.discard((layer, expert))
+
+    # background ------------------------------------------------------------------------------
+    def _swap_due(self) -> bool:
+        return bool(self.swap_every) and (self.tokens + 1) % self.swap_every == 0 and not self.background
+
+    def plan_background(self) -> tuple[Move, ...]:
+        cache = self.cache
+        free_left = [len(f) for f in cache.free]
+        fills: list[Move] = []
+        taken: set[tuple[int, int]] = set()
+        if self.adaptive and self.missed:
+            usage = self.usage
+            cands = [k for k in self.missed if k not in cache.slot and cache.pool_of[k[0]] >= 0]
+            cands.sort(key=lambda k: -usage[k])
+            for k in cands:
+                if len(fills) == self.max_fills:
+                    break
+                p = cache.pool_of[k[0]]
+                if free_left[p] == 0:
+                    continue
+                slot = cache.free[p][free_left[p] - 1]
+                free_left[p] -= 1
+                fills.append(Move(k[0], k[1], slot, None, float(usage[k])))
+                taken.add(k)
+        moves = self._swap_round(free_left, taken) if self._swap_due() else []
+        return tuple(fills) + tuple(moves)
+
+    def _swap_round(self, free_left: list[int], taken: set[tuple[int, int]]) -> list[Move]:
+        cache = self.cache
+        usage = self.usage
+        busy = cache.resident_mask | cache.inflight_mask
+        moves: list[Move] = []
+        for p, (layers, _) in enumerate(self.capacity.pools):
+            pool_cands = []
+            victims_by_layer = {}
+            for l in layers:
+                n = self.geometry.num_experts[l]
+                u = usage[l, :n]
+                c = np.flatnonzero(~busy[l, :n] & (u >= self.gate))
+                c = [int(e) for e in c[np.argsort(-u[c], kind="stable")] if (l, int(e)) not in taken]
+                pool_cands.extend((float(u[e]), l, e) for e in c)
+                v = np.flatnonzero(cache.resident_mask[l, :n])
+                victims_by_layer[l] = [int(e) for e in v[np.argsort(u[v], kind="stable")]]
+            pool_cands.sort(key=lambda t: -t[0])  # stable: layer order, then usage order
+            n_free = free_left[p]
+            free = cache.free[p]
+            rest = []
+            for i, (g, l, e) in enumerate(pool_cands):
+                if i < n_free:
+                    moves.append(Move(l, e, free[n_free - 1 - i], None, g))
+                else:
+                    rest.append((g, l, e))
+            nxt = {l: 0 for l in layers}
+            for g, l, e in rest:
+                vs = victims_by_layer[l]
+                j = nxt[l]
+                if j >= len(vs):
+                    continue
+                v = vs[j]
+                gain = g - float(usage[l, v])
+                if gain < self.margin:
+                    continue
+                nxt[l] = j + 1
+                moves.append(Move(l, e, cache.slot[(l, v)], (l, v), gain))
+        moves.sort(key=lambda m: -m.gain)
+        return moves[: self.max_moves]
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        swap_round = self._swap_due()
+        super().commit_background(moves)
+        self.background.update((m.layer, m.expert) for m in moves)
+        if swap_round:
+            self.usage *= self.decay
+        self.missed.clear()
+        self.tokens += 1
+
+
+class BeladyPolicy(BasePolicy):
+    """Optimal offline cache with bypass, given every step in replay order.
+
+    After each step the pool keeps the experts (its residents and this step's misses) whose next
+    use comes soonest; a miss not kept is streamed (bypass). Before the step, misses take free
+    slots and the slots of residents the step does not use; where the best choice is to drop an
+    expert the step itself uses, that expert is retired after the step and the miss, streamed,
+    is promoted into its slot. Ties keep residents, then lower (layer, expert).
+    """
+
+    name = "belady"
+
+    def __init__(self, geometry, capacity, profile=None, *, future: Sequence[Step] = ()):
+        super().__init__(geometry, capacity, profile)
+        self.future = list(future)
+        if not self.future:
+            raise ValueError("policy 'belady' needs the whole trace (future=steps in replay order)")
+        self.inf = inf = len(self.future) + 1
+        last: dict[tuple[int, int], int] = {}
+        self.next_use: list[tuple[int, ...]] = [()] * len(self.future)
+        for i in range(len(self.future) - 1, -1, -1):
+            st = self.future[i]
+            self.next_use[i] = tuple(last.get((st.layer, e), inf) for e in st.experts)
+            for e in st.experts:
+                last[(st.layer, e)] = i
+        self.nu: dict[tuple[int, int], int] = {k: last.get(k, inf) for k in self.cache.slot}
+        self.pos = 0
+
+    def plan(self, step: Step) -> Decision:
+        i = self.pos
+        if i >= len(self.future) or self.future[i].layer != step.layer or self.future[i].experts != step.experts:
+            raise ValueError(f"belady: step {i} differs from the trace it was given")
+        layer = step.layer
+        cache = self.cache
+        nxt = dict(zip(step.experts, self.next_use[i]))
+        hits = tuple(e for e in step.experts if cache.is_resident((layer, e)))
+        misses = [e for e in step.experts if not cache.is_resident((layer, e))]
+        p = cache.pool_of[layer]
+        if not misses:
+            return Decision(step, hits)
+        if p < 0 or cache.size[p] == 0:
+            return Decision(step, hits, streams=tuple(misses))
+        inf = self.inf
+        # every candidate for the pool after this step, with its next use
+        cand = [(nxt[e] if k[0] == layer and e in nxt else self.nu[k], 0, k)
+                for k in cache.owner[p] if k is not None for e in (k[1],)]
+        cand += [(nxt[e], 1, (layer, e)) for e in misses]
+        cand.sort()
+        keep = {k for n, kind, k in cand[: cache.size[p]] if n < inf or kind == 0}
+        admit = [e for e in misses if (layer, e) in keep]
+        if not admit:
+            return Decision(step, hits, streams=tuple(misses))
+        used = set(step.experts)
+        leaving = [k for n, kind, k in reversed(cand) if kind == 0 and k not in keep]
+        before = [k for k in leaving if not (k[0] == layer and k[1] in used)]
+        after = [k for k in leaving if k[0] == layer and k[1] in used]
+        slots = cache.free_slots(layer, len(admit))
+        evictions = before[: len(admit) - len(slots)]
+        slots += [cache.slot[k] for k in evictions]
+        uploads, promos = admit[: len(slots)], admit[len(slots):]
+        retired = after[: len(promos)]
+        promos = promos[: len(retired)]
+        kept = set(uploads)
+        return Decision(step, hits, uploads=tuple(uploads), slots=tuple(slots),
+                        streams=tuple(e for e in misses if e not in kept), evictions=tuple(evictions),
+                        promotions=tuple(promos), promotion_slots=tuple(cache.slot[k] for k in retired),
+                        retired=tuple(retired))
+
+    def commit(self, d: Decision) -> None:
+        nxt = dict(zip(d.step.experts, self.next_use[self.pos]))
+        cache = self.cache
+        layer = d.layer
+        for v in d.evictions + d.retired:
+            cache.evict(v)
+            self.nu.pop(v, None)
+        for e, s in zip(d.uploads + d.promotions, d.slots + d.promotion_slots):
+            cache.reserve((layer, e), s)
+        for e in d.step.experts:
+            if (layer, e) in cache.slot:
+                self.nu[(layer, e)] = nxt[e]
+        self.pos += 1
+
+
+POLICIES = {
+    "cpu": CpuPolicy,
+    "gpu": GpuPolicy,
+    "lru": LruPolicy,
+    "freq-lru": FreqLruPolicy,
+    "static": StaticPolicy,
+    "hybrid": HybridPolicy,
+    "belady": BeladyPolicy,
+}
+
+
+def make_policy(name: str, geometry: Geometry, capacity: Capacity, profile: Profile | None = None,
+                future: Iterable[Step] | None = None, **options):
+    """Build a policy by name. ``belady`` needs ``future``; ``static`` needs ``profile``."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}") from None
+    if name == "belady":
+        return cls(geometry, capacity, profile, future=list(future or ()), **options)
+    return cls(geometry, capacity, profile, **options)
