@@ -15,7 +15,7 @@ Time never appears here: backends pass completions back, the scheduler never rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 __all__ = [
     "Geometry",
@@ -203,7 +203,7 @@ class Token:
     seq: int  # sequence id
     pos: int  # position in its sequence
     phase: str  # "prefill" or "decode"
-    steps: tuple[Step, ...]
+    steps: Iterable[Step]  # a tuple in replay; may be a generator when routing is live
     num_tokens: int = 1
 
 
