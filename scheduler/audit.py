@@ -25,14 +25,18 @@ class Audit:
     """Observes driver items (``observe``); ``records`` per token, ``summary()`` per run.
 
     ``keep_log=True`` also keeps every decision and move for ``log`` / ``digest``.
+    ``record_routes=True`` adds each token's routing to its record, as
+    ``"routes": [[layer, [expert, ...], [weight, ...] or null], ...]`` (experts in router-rank
+    order), so that an audit file is also a routing trace (``moelab trace import audit``).
     """
 
     def __init__(self, geometry: Geometry, profile_residents=(), keep_log: bool = False,
-                 keep_records: bool = True):
+                 keep_records: bool = True, record_routes: bool = False):
         self.geometry = geometry
         self.expert_bytes = geometry.expert_bytes
         self.profile = set(profile_residents)
         self.keep_log, self.keep_records = keep_log, keep_records
+        self.record_routes = record_routes
         self.records: list[dict] = []
         self.log: list[tuple] = []
         self.totals = dict.fromkeys(COUNTERS, 0)
@@ -44,6 +48,7 @@ class Audit:
         self.cur = dict.fromkeys(COUNTERS, 0)
         self.added: list[tuple[int, int]] = []
         self.removed: list[tuple[int, int]] = []
+        self.routes: list[list] = []
 
     def observe(self, item) -> None:
         t = type(item)
@@ -77,6 +82,9 @@ class Audit:
                 self.added.extend((layer, e) for e in d.promotions)
                 if self.profile:
                     self.profile.difference_update(d.retired)
+            if self.record_routes:
+                st = d.step
+                self.routes.append([layer, list(st.experts), None if st.weights is None else [float(w) for w in st.weights]])
             if self.keep_log:
                 self.log.append((item.token.index, layer, d.hits, d.uploads, d.slots, d.streams, d.cpu, d.evictions,
                                  d.promotions, d.promotion_slots, d.retired))
@@ -102,6 +110,8 @@ class Audit:
                 rec.update(self.cur)
                 rec["added"] = self.added
                 rec["removed"] = self.removed
+                if self.record_routes:
+                    rec["routes"] = self.routes
                 self.records.append(rec)
             self.tokens += 1
             self._reset_token()
@@ -137,7 +147,9 @@ class Audit:
             with os.fdopen(fd, "w") as f:
                 for rec in self.records:
                     f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-                f.write(json.dumps({"summary": True, **(run or {}), **self.summary()}) + "\n")
+                geometry = {"num_experts": list(self.geometry.num_experts), "top_k": self.geometry.top_k,
+                            "expert_bytes": list(self.geometry.expert_bytes)}
+                f.write(json.dumps({"summary": True, "geometry": geometry, **(run or {}), **self.summary()}) + "\n")
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
