@@ -1,0 +1,508 @@
+"""GGUF models in and out: the one module of moelab that imports ``gguf``.
+
+Everything it hands out is in numpy order. **The reversed-dims trap**: GGUF lists a tensor's
+dimensions fastest-varying first (``ne[0]`` is the length of a row), numpy lists them slowest first.
+A projection ``W`` computing ``y = W @ x`` (``x`` of length ``cols``, ``y`` of length ``rows``) is
+stored as GGUF shape ``[cols, rows]`` and is a numpy array ``(rows, cols)``; an expert tensor of GGUF
+shape ``[cols, rows, experts]`` is numpy ``(experts, rows, cols)``. ``gguf.GGUFReader`` already
+reshapes ``ReaderTensor.data`` to numpy order, but ``ReaderTensor.shape`` stays in GGUF order, and
+quantized tensors arrive as ``uint8`` rows of blocks (``(..., rows, bytes_per_row)``). This module
+reverses the shape once (:class:`TensorEntry` ``.shape`` is numpy order, in elements) and nobody
+else sees GGUF order.
+
+- :func:`read_model_info` reads metadata and the tensor table only (weights stay unread on disk).
+- :func:`load_model` memory-maps the file: dense weights are dequantized to float32 numpy arrays,
+  routed-expert weights stay raw GGUF blocks, as views on the map (no copy), in
+  :class:`~execute.experts.LayerExperts`.
+- :func:`dequantize` / :func:`quantize` wrap ``gguf.quants`` so that tests and reference code need
+  not import gguf.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from .experts import ExecutorError, ExpertTensor, LayerExperts
+
+__all__ = [
+    "GGUFError",
+    "ModelInfo",
+    "TensorEntry",
+    "DenseLayer",
+    "ModelWeights",
+    "EXPERT_QTYPES",
+    "SUPPORTED_ARCHS",
+    "qtype_name",
+    "qtype_value",
+    "block_shape",
+    "read_model_info",
+    "load_model",
+    "dequantize",
+    "quantize",
+    "TensorSpec",
+    "write_gguf",
+]
+
+# Quant types the expert kernels read directly (issue 5); any other expert type is an error.
+EXPERT_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+SUPPORTED_ARCHS = ("qwen3moe",)
+# Softmax top-k renormalisation per architecture when the file has no ``{arch}.expert_weights_norm``
+# key: llama.cpp builds qwen3moe's MoE with norm_w = true (HF ``norm_topk_prob: true``).
+_DEFAULT_NORM_TOPK = {"qwen3moe": True}
+
+
+class GGUFError(ExecutorError, ValueError):
+    """A GGUF file that is unreadable, incomplete or unsupported; the message names file and field."""
+
+
+def qtype_name(qtype: int) -> str:
+    """Name of a ``GGMLQuantizationType`` value (``8 -> "Q8_0"``)."""
+    try:
+        return gguf.GGMLQuantizationType(int(qtype)).name
+    except ValueError:
+        return f"type{int(qtype)}"
+
+
+def qtype_value(name: str) -> int:
+    """``GGMLQuantizationType`` value of a name (``"Q8_0" -> 8``), case-insensitive."""
+    try:
+        return int(gguf.GGMLQuantizationType[name.upper()])
+    except KeyError:
+        raise ValueError(f"unknown GGML quant type {name!r}") from None
+
+
+def block_shape(qtype: int) -> tuple[int, int]:
+    """``(elements per block, bytes per block)`` of a quant type."""
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(qtype))]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One row of the tensor table. ``shape`` is numpy order, in elements (GGUF order reversed)."""
+
+    name: str
+    qtype: int
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def qtype_name(self) -> str:
+        return qtype_name(self.qtype)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Geometry of a GGUF MoE model, from its metadata and tensor table.
+
+    Per-layer tuples have one entry per block; a dense block has 0 experts and 0 expert bytes.
+    ``expert_bytes[l]`` is one expert's gate + up + down bytes in its GGUF type (what an upload
+    moves). ``ffn`` is the routed experts' hidden width; ``shared_ffn`` the shared expert's (0: none).
+    """
+
+    path: str
+    arch: str
+    num_layers: int
+    num_experts: tuple[int, ...]
+    top_k: int
+    hidden: int
+    ffn: int
+    dense_ffn: int
+    shared_ffn: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    context_length: int
+    rope_theta: float
+    rms_eps: float
+    norm_topk: bool
+    qk_norm: bool
+    tied_output: bool
+    fused_gate_up: bool
+    expert_bias: bool
+    expert_bytes: tuple[int, ...]
+    tensors: tuple[TensorEntry, ...] = field(repr=False, default=())
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "top_k", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim", "vocab"):
+            if getattr(self, name) < 1:
+                raise GGUFError(f"{self.path}: {name} = {getattr(self, name)}, expected >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise GGUFError(f"{self.path}: head_count {self.num_heads} is not a multiple of head_count_kv {self.num_kv_heads}")
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return sum(n * b for n, b in zip(self.num_experts, self.expert_bytes))
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(l for l, n in enumerate(self.num_experts) if n)
+
+    def tensor(self, name: str) -> TensorEntry | None:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        return None
+
+    def expert_qtypes(self) -> dict[str, str]:
+        """Quant type name of every routed-expert tensor, by tensor name."""
+        return {t.name: t.qtype_name for t in self.tensors if "_exps." in t.name}
+
+    def geometry(self):
+        """The scheduler's :class:`~scheduler.core.Geometry` of this model."""
+        from scheduler import Geometry
+
+        return Geometry(self.num_experts, self.top_k, self.expert_bytes)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able summary (what ``moelab model info --json`` prints)."""
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.qtype_name] = counts.get(t.qtype_name, 0) + 1
+        exp_types = sorted(set(self.expert_qtypes().values()))
+        return {
+            "path": self.path, "arch": self.arch, "num_layers": self.num_layers,
+            "num_experts": list(self.num_experts), "top_k": self.top_k, "hidden": self.hidden,
+            "ffn": self.ffn, "dense_ffn": self.dense_ffn, "shared_ffn": self.shared_ffn,
+            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "vocab": self.vocab, "context_length": self.context_length, "rope_theta": self.rope_theta,
+            "rms_eps": self.rms_eps, "norm_topk": self.norm_topk, "qk_norm": self.qk_norm,
+            "tied_output": self.tied_output, "fused_gate_up": self.fused_gate_up,
+            "expert_bias": self.expert_bias, "expert_qtypes": exp_types, "tensor_qtypes": counts,
+            "expert_bytes": list(self.expert_bytes), "total_expert_bytes": self.total_expert_bytes,
+            "num_tensors": len(self.tensors),
+        }
+
+
+# reading ------------------------------------------------------------------------------------------
+def _open(path: str | os.PathLike) -> gguf.GGUFReader:
+    p = Path(path)
+    if not p.is_file():
+        raise GGUFError(f"{p}: no such file")
+    try:
+        return gguf.GGUFReader(p, "r")
+    except Exception as exc:  # gguf raises ValueError/struct errors/IndexError on bad files
+        raise GGUFError(f"{p}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+class _Meta:
+    """Typed access to a reader's key/value metadata, with errors naming file and key."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: str):
+        self.reader, self.path = reader, path
+
+    def get(self, key: str, default=None, required: bool = False):
+        f = self.reader.get_field(key)
+        if f is None:
+            if required:
+                raise GGUFError(f"{self.path}: metadata key {key!r} missing")
+            return default
+        return f.contents()
+
+    def int(self, key: str, default=None, required: bool = False) -> int:
+        v = self.get(key, default, required)
+        if isinstance(v, list):  # per-layer arrays (e.g. head_count_kv): all equal supported here
+            if len(set(v)) != 1:
+                raise GGUFError(f"{self.path}: metadata key {key!r} varies per layer {v[:8]}..., not supported")
+            v = v[0]
+        if v is None:
+            raise GGUFError(f"{self.path}: metadata key {key!r} missing")
+        return int(v)
+
+
+def _tensor_table(reader: gguf.GGUFReader) -> tuple[TensorEntry, ...]:
+    return tuple(
+        TensorEntry(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), int(t.n_bytes))
+        for t in reader.tensors
+    )
+
+
+def _info_from_reader(reader: gguf.GGUFReader, path: str) -> ModelInfo:
+    meta = _Meta(reader, path)
+    arch = meta.get("general.architecture", required=True)
+    if arch not in SUPPORTED_ARCHS:
+        raise GGUFError(f"{path}: general.architecture = {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    tensors = _tensor_table(reader)
+    by_name = {t.name: t for t in tensors}
+    num_layers = meta.int(f"{arch}.block_count", required=True)
+    hidden = meta.int(f"{arch}.embedding_length", required=True)
+    num_heads = meta.int(f"{arch}.attention.head_count", required=True)
+    num_kv = meta.int(f"{arch}.attention.head_count_kv", num_heads)
+    head_dim = meta.int(f"{arch}.attention.key_length", hidden // num_heads)
+    vdim = meta.int(f"{arch}.attention.value_length", head_dim)
+    if vdim != head_dim:
+        raise GGUFError(f"{path}: attention.value_length {vdim} != key_length {head_dim}, not supported")
+    emb = by_name.get("token_embd.weight")
+    if emb is None:
+        raise GGUFError(f"{path}: tensor 'token_embd.weight' missing")
+    num_experts, expert_bytes, ffn, fused, bias = _expert_table(path, by_name, num_layers)
+    top_k = meta.int(f"{arch}.expert_used_count", required=True)
+    counts = set(n for n in num_experts if n)
+    declared = meta.int(f"{arch}.expert_count", required=True)
+    if counts and counts != {declared}:
+        raise GGUFError(f"{path}: {arch}.expert_count = {declared} but expert tensors have {sorted(counts)} experts")
+    shexp = by_name.get("blk.0.ffn_gate_shexp.weight") or by_name.get(f"blk.{num_layers - 1}.ffn_gate_shexp.weight")
+    return ModelInfo(
+        path=str(path), arch=arch, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+        hidden=hidden, ffn=ffn or meta.int(f"{arch}.expert_feed_forward_length", 0),
+        dense_ffn=meta.int(f"{arch}.feed_forward_length", 0), shared_ffn=shexp.shape[0] if shexp else 0,
+        num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim, vocab=emb.shape[0],
+        context_length=meta.int(f"{arch}.context_length", 0),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", required=True)),
+        norm_topk=bool(meta.get(f"{arch}.expert_weights_norm", _DEFAULT_NORM_TOPK.get(arch, True))),
+        qk_norm="blk.0.attn_q_norm.weight" in by_name, tied_output="output.weight" not in by_name,
+        fused_gate_up=fused, expert_bias=bias, expert_bytes=expert_bytes, tensors=tensors,
+    )
+
+
+def _expert_names(by_name: dict, layer: int) -> dict[str, str] | None:
+    """GGUF names of a layer's gate/up/down expert tensors (fused gate-up: both 'gate_up')."""
+    p = f"blk.{layer}."
+    if p + "ffn_gate_up_exps.weight" in by_name:
+        return {"gate": p + "ffn_gate_up_exps.weight", "up": p + "ffn_gate_up_exps.weight", "down": p + "ffn_down_exps.weight"}
+    if p + "ffn_gate_exps.weight" in by_name or p + "ffn_up_exps.weight" in by_name:
+        return {k: f"{p}ffn_{k}_exps.weight" for k in ("gate", "up", "down")}
+    return None
+
+
+def _expert_table(path, by_name: dict, num_layers: int):
+    num_experts, expert_bytes, ffns = [], [], set()
+    fused = bias = False
+    for l in range(num_layers):
+        names = _expert_names(by_name, l)
+        if names is None:
+            num_experts.append(0)
+            expert_bytes.append(0)
+            continue
+        ents = {}
+        for k, n in names.items():
+            if n not in by_name:
+                raise GGUFError(f"{path}: tensor {n!r} missing (layer {l} has other expert tensors)")
+            ents[k] = by_name[n]
+        fused = fused or names["gate"] == names["up"]
+        bias = bias or any(f"blk.{l}.ffn_{k}_exps.bias" in by_name for k in ("gate", "up", "down", "gate_up"))
+        for k, t in ents.items():
+            if len(t.shape) != 3:
+                raise GGUFError(f"{path}: tensor {t.name!r}: shape {t.shape} (numpy order), expected (experts, rows, cols)")
+            if t.qtype_name not in EXPERT_QTYPES:
+                raise GGUFError(f"{path}: tensor {t.name!r} has quant type {t.qtype_name}; the expert kernels read "
+                                f"{', '.join(EXPERT_QTYPES)}")
+        e = ents["down"].shape[0]
+        ffn = ents["down"].shape[2]
+        ffns.add(ffn)
+        if any(t.shape[0] != e for t in ents.values()):
+            raise GGUFError(f"{path}: layer {l}: expert tensors disagree on the expert count "
+                            f"{[t.shape[0] for t in ents.values()]}")
+        per = ents["down"].nbytes // e + (ents["gate"].nbytes // e if fused else (ents["gate"].nbytes + ents["up"].nbytes) // e)
+        num_experts.append(e)
+        expert_bytes.append(per)
+    if len(ffns) > 1:
+        raise GGUFError(f"{path}: expert ffn widths differ between layers {sorted(ffns)}, not supported")
+    return tuple(num_experts), tuple(expert_bytes), (ffns.pop() if ffns else 0), fused, bias
+
+
+def read_model_info(path: str | os.PathLike) -> ModelInfo:
+    """Geometry, quant types and expert sizes of a GGUF model, from metadata and the tensor table.
+
+    Raises :class:`GGUFError` (naming file and key/tensor) on an unreadable or unsupported file."""
+    return _info_from_reader(_open(path), str(path))
+
+
+# weights ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DenseLayer:
+    """One block's non-expert weights, float32, numpy order (``W`` is ``(out, in)``)."""
+
+    attn_norm: np.ndarray  # (hidden,)
+    wq: np.ndarray  # (heads*head_dim, hidden)
+    wk: np.ndarray  # (kv_heads*head_dim, hidden)
+    wv: np.ndarray  # (kv_heads*head_dim, hidden)
+    wo: np.ndarray  # (hidden, heads*head_dim)
+    q_norm: np.ndarray | None  # (head_dim,)
+    k_norm: np.ndarray | None  # (head_dim,)
+    ffn_norm: np.ndarray  # (hidden,)
+    router: np.ndarray | None  # (experts, hidden); None on a dense block
+    shared: dict | None = None  # gate (sf, hidden), up (sf, hidden), down (hidden, sf), gate_inp (hidden,) or None
+    expert_bias: dict | None = None  # gate/up (experts, ffn), down (experts, hidden) when present
+    dense_ffn: dict | None = None  # gate/up/down of a dense block
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """A loaded model: float32 dense weights and raw routed experts (views on the memory map)."""
+
+    info: ModelInfo
+    token_embd: np.ndarray  # (vocab, hidden)
+    output_norm: np.ndarray  # (hidden,)
+    output: np.ndarray  # (vocab, hidden); token_embd when the output is tied
+    layers: tuple[DenseLayer, ...]
+    experts: tuple[LayerExperts | None, ...]  # per block; None on a dense block
+    reader: object = field(repr=False, default=None)  # keeps the memory map alive
+
+
+def _raw_rows(t) -> np.ndarray:
+    """A reader tensor's bytes as uint8 ``(experts, bytes_per_expert)``, a view on the map."""
+    data = t.data
+    return data.view(np.uint8).reshape(data.shape[0], -1)
+
+
+def _expert_tensor(t, part: str, ffn: int, name: str) -> ExpertTensor:
+    """Routed-expert projection ``part`` (gate/up/down) from reader tensor ``t``.
+
+    A fused gate-up tensor is numpy ``(experts, 2*ffn, hidden)``, gate rows first, then up rows."""
+    raw = _raw_rows(t)
+    e, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+    if part in ("gate", "up") and rows == 2 * ffn and "gate_up" in t.name:
+        half = raw.shape[1] // 2
+        raw = raw[:, :half] if part == "gate" else raw[:, half:]
+        rows = ffn
+    return ExpertTensor(raw, int(t.tensor_type), rows, cols, name=f"{t.name}[{part}]" if "gate_up" in t.name else t.name)
+
+
+def _dense(t) -> np.ndarray:
+    """A reader tensor dequantized to float32 in numpy order."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    return dequantize(np.asarray(t.data), int(t.tensor_type)).reshape(shape)
+
+
+def load_model(path: str | os.PathLike) -> ModelWeights:
+    """Memory-map a GGUF model: dense weights as float32, routed experts as raw blocks (no copy)."""
+    reader = _open(path)
+    info = _info_from_reader(reader, str(path))
+    tens = {t.name: t for t in reader.tensors}
+
+    def need(name: str):
+        if name not in tens:
+            raise GGUFError(f"{path}: tensor {name!r} missing")
+        return _dense(tens[name])
+
+    def opt(name: str):
+        return _dense(tens[name]) if name in tens else None
+
+    layers, experts = [], []
+    for l in range(info.num_layers):
+        p = f"blk.{l}."
+        names = _expert_names(tens, l)
+        shared = None
+        if p + "ffn_gate_shexp.weight" in tens:
+            shared = {k: need(f"{p}ffn_{k}_shexp.weight") for k in ("gate", "up", "down")}
+            shared["gate_inp"] = opt(p + "ffn_gate_inp_shexp.weight")
+        bias = {k: _dense(tens[f"{p}ffn_{k}_exps.bias"]) for k in ("gate", "up", "down") if f"{p}ffn_{k}_exps.bias" in tens}
+        dense_ffn = None if names else {k: need(f"{p}ffn_{k}.weight") for k in ("gate", "up", "down")}
+        layers.append(DenseLayer(
+            attn_norm=need(p + "attn_norm.weight"), wq=need(p + "attn_q.weight"), wk=need(p + "attn_k.weight"),
+            wv=need(p + "attn_v.weight"), wo=need(p + "attn_output.weight"), q_norm=opt(p + "attn_q_norm.weight"),
+            k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=need(p + "ffn_norm.weight"),
+            router=need(p + "ffn_gate_inp.weight") if names else None, shared=shared,
+            expert_bias=bias or None, dense_ffn=dense_ffn))
+        if names:
+            experts.append(LayerExperts(l, *(_expert_tensor(tens[names[k]], k, info.ffn, names[k]) for k in ("gate", "up", "down"))))
+        else:
+            experts.append(None)
+    emb = need("token_embd.weight")
+    out = opt("output.weight")
+    return ModelWeights(info, emb, need("output_norm.weight"), emb if out is None else out,
+                        tuple(layers), tuple(experts), reader)
+
+
+# quant wrappers ----------------------------------------------------------------------------------
+def dequantize(raw: np.ndarray, qtype: int) -> np.ndarray:
+    """Blocks of ``qtype`` (uint8 rows, or the native float array for F32/F16) -> float32.
+
+    The last axis of ``raw`` is bytes (or native elements); the result's last axis is elements."""
+    qt = gguf.GGMLQuantizationType(int(qtype))
+    arr = np.ascontiguousarray(raw)
+    if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) and arr.dtype == np.uint8:
+        arr = arr.view(np.float32 if qt == gguf.GGMLQuantizationType.F32 else np.float16)
+    try:
+        out = gguf.quants.dequantize(arr, qt)
+    except NotImplementedError:
+        raise GGUFError(f"no dequantizer for quant type {qt.name}") from None
+    return np.asarray(out, dtype=np.float32)
+
+
+def quantize(values: np.ndarray, qtype: int) -> np.ndarray:
+    """float32 ``(..., n)`` -> ``qtype`` blocks as uint8 ``(..., bytes)`` via ``gguf.quants.quantize``.
+
+    Raises ``NotImplementedError`` for types gguf-py cannot quantize (Q4_K, Q6_K)."""
+    qt = gguf.GGMLQuantizationType(int(qtype))
+    out = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), qt)
+    return np.ascontiguousarray(out).view(np.uint8).reshape(*values.shape[:-1], -1)
+
+
+# writing ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to write: numpy-order ``shape`` in elements, ``qtype``, and ``make()`` returning its
+    data (uint8 blocks ``(..., bytes)`` for quantized types, the native array for F32/F16), called
+    once, when the tensor is written, so a writer holds one tensor in memory at a time."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: int
+    make: object  # () -> np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        block, size = block_shape(self.qtype)
+        rows = int(np.prod(self.shape[:-1], dtype=np.int64))
+        if self.shape[-1] % block:
+            raise ValueError(f"tensor {self.name}: row length {self.shape[-1]} is not a multiple of "
+                             f"{qtype_name(self.qtype)}'s block size {block}")
+        return rows * (self.shape[-1] // block) * size
+
+
+_VTYPES = {
+    "u32": gguf.GGUFValueType.UINT32, "i32": gguf.GGUFValueType.INT32, "f32": gguf.GGUFValueType.FLOAT32,
+    "bool": gguf.GGUFValueType.BOOL, "str": gguf.GGUFValueType.STRING,
+}
+
+
+def _add_kv(writer: gguf.GGUFWriter, key: str, value, kind: str) -> None:
+    """``kind``: u32/i32/f32/bool/str for scalars, ``[u32]``-style for arrays."""
+    if kind.startswith("["):
+        if not len(value):
+            raise ValueError(f"metadata {key}: empty array (gguf-py drops empty arrays)")
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=_VTYPES[kind[1:-1]])
+    else:
+        writer.add_key_value(key, value, _VTYPES[kind])
+
+
+def write_gguf(path: str | os.PathLike, arch: str, metadata: list[tuple[str, object, str]],
+               tensors: list[TensorSpec], progress=None) -> None:
+    """Write a GGUF file atomically (temporary file beside ``path``, then rename).
+
+    ``metadata``: ``(key, value, kind)`` triples (``general.architecture`` is added from ``arch``).
+    Tensors are produced one at a time by their ``make``; ``progress(i, n, name)`` is called before
+    each. The data of every tensor is checked against its declared size."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(None, arch)
+    try:
+        for key, value, kind in metadata:
+            _add_kv(writer, key, value, kind)
+        for t in tensors:
+            # GGUFWriter takes numpy order and writes it reversed (GGUF order), see the module docstring.
+            writer.add_tensor_info(t.name, tuple(t.shape), np.dtype(np.float32), t.nbytes, gguf.GGMLQuantizationType(t.qtype))
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for i, t in enumerate(tensors):
+            if progress is not None:
+                progress(i, len(tensors), t.name)
+            data = np.ascontiguousarray(t.make())
+            if data.nbytes != t.nbytes:
+                raise ValueError(f"tensor {t.name}: made {data.nbytes} bytes, expected {t.nbytes}")
+            writer.write_tensor_data(data)
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        if tmp.exists():
+            tmp.unlink()
+        raise
