@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ExecutorError", "ExpertTensor", "LayerExperts"]
+__all__ = ["ExecutorError", "ExpertTensor", "LayerExperts", "random_layer"]
 
 
 class ExecutorError(RuntimeError):
@@ -67,3 +67,36 @@ class LayerExperts:
     def expert_bytes(self) -> int:
         """Bytes of one expert (gate + up + down), what an upload moves."""
         return self.gate.expert_bytes + self.up.expert_bytes + self.down.expert_bytes
+
+
+# byte offsets of each block type's f16 scale fields, for random_layer(exact=False)
+_SCALE_FIELDS = {2: (0,), 8: (0,), 12: (0, 2), 14: (208,)}
+
+
+def random_layer(rng: np.random.Generator, layer: int, num_experts: int, hidden: int, ffn: int,
+                 qtype: int, down_qtype: int | None = None, exact: bool = True) -> LayerExperts:
+    """A MoE layer of random experts in ``qtype`` (``down_qtype`` for down, default the same).
+
+    ``exact``: quantize N(0, 1/cols) weights with ``execute.quant.quantize`` (tests). Otherwise fill
+    the blocks with random bytes and set every f16 scale to a small valid value (fast, for
+    benchmarks of tens of GB; float types still draw normal weights).
+    """
+    from . import quant as Q
+
+    def tensor(rows: int, cols: int, qt: int, name: str) -> ExpertTensor:
+        q = Q.quant_type(qt, name)
+        rb = Q.row_bytes(qt, cols, name)
+        if exact or q.block_weights == 1:
+            w = rng.standard_normal((num_experts * rows, cols), dtype=np.float32) / np.float32(np.sqrt(cols))
+            data = Q.quantize(w, qt).reshape(num_experts, rows * rb)
+        else:
+            data = np.frombuffer(bytearray(rng.bytes(num_experts * rows * rb)), np.uint8).reshape(num_experts, -1)
+            blocks = data.reshape(-1, q.block_bytes)
+            scale = np.float16(2.0 / (q.block_weights * np.sqrt(cols))).view(np.uint16)
+            for off in _SCALE_FIELDS[qt]:
+                blocks[:, off:off + 2].view(np.uint16)[:] = scale
+        return ExpertTensor(data, qt, rows, cols, f"blk.{layer}.{name}")
+
+    dq = qtype if down_qtype is None else down_qtype
+    return LayerExperts(layer, tensor(ffn, hidden, qtype, "ffn_gate_exps"), tensor(ffn, hidden, qtype, "ffn_up_exps"),
+                        tensor(hidden, ffn, dq, "ffn_down_exps"))

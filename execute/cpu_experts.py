@@ -1,0 +1,322 @@
+"""The CPU expert pool: Numba kernels computing a layer's CPU experts from quantized host weights.
+
+A call computes ``y[i] = down_e(silu(gate_e x[i]) * up_e x[i])`` for each row ``i`` of ``x``
+with ``e = experts[i]`` (one row per (expert, token) pair), unweighted: the caller combines the
+outputs with the router weights. Pairs are grouped by expert so that each weight row is read once
+per call however many tokens use it. Each call runs two parallel regions (gate+up, then down)
+over (expert group, block of rows) tasks; the inner loop dequantizes one weight row into a small
+float buffer (contiguous, vectorizable) and dots it with each of the group's inputs.
+
+``CpuExpertPool`` owns one persistent worker thread that calls the kernels (compiled ``nogil``,
+so the GPU driver thread runs meanwhile) with the configured Numba thread count. ``submit``
+returns at once; ``CpuJob.result`` waits at most ``timeout_s`` and raises ``ExecutorError`` on a
+stall or a failure (the pool is then marked broken): never a hang, never an abort.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from typing import Sequence
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from . import quant as Q
+from .experts import ExecutorError, ExpertTensor, LayerExperts
+
+__all__ = ["CpuExpertPool", "CpuJob", "run_experts", "tensor_views"]
+
+_LUT = Q.F16_TO_F32
+_Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16
+
+
+@njit(inline="always", fastmath=True)
+def _q4k_scale_min(u8, o, s):
+    """6-bit scale and min of sub-block ``s`` (0..7) of the Q4_K block at byte ``o``."""
+    p = o + 4
+    if s < 4:
+        return u8[p + s] & 63, u8[p + s + 4] & 63
+    sc = (u8[p + s + 4] & 15) | ((u8[p + s - 4] >> 6) << 4)
+    mn = (u8[p + s + 4] >> 4) | ((u8[p + s] >> 6) << 4)
+    return sc, mn
+
+
+@njit(inline="always", fastmath=True)
+def _dequant_row(qt, u8, i8, u16, f32, off, cols, buf):
+    """Weights of the row starting at byte ``off`` -> buf[:cols] (float32); BF16 is _load_row's."""
+    if qt == _Q8_0:
+        for b in range(cols // 32):  # block: f16 d, i8 qs[32]
+            o = off + b * 34
+            d = _LUT[u16[o >> 1]]
+            for j in range(32):
+                buf[b * 32 + j] = d * np.float32(i8[o + 2 + j])
+    elif qt == _Q4_0:
+        for b in range(cols // 32):  # block: f16 d, u8 qs[16]
+            o = off + b * 18
+            d = _LUT[u16[o >> 1]]
+            for j in range(16):
+                q = u8[o + 2 + j]
+                buf[b * 32 + j] = d * np.float32(np.int32(q & 15) - 8)
+                buf[b * 32 + 16 + j] = d * np.float32(np.int32(q >> 4) - 8)
+    elif qt == _Q4_K:
+        for b in range(cols // 256):  # block: f16 d, f16 dmin, u8 scales[12], u8 qs[128]
+            o = off + b * 144
+            d = _LUT[u16[o >> 1]]
+            dmin = _LUT[u16[(o >> 1) + 1]]
+            for c in range(4):  # 64 weights: 32 low nibbles, 32 high nibbles
+                sc0, m0 = _q4k_scale_min(u8, o, 2 * c)
+                sc1, m1 = _q4k_scale_min(u8, o, 2 * c + 1)
+                d0, n0 = d * np.float32(sc0), dmin * np.float32(m0)
+                d1, n1 = d * np.float32(sc1), dmin * np.float32(m1)
+                base = b * 256 + c * 64
+                qo = o + 16 + c * 32
+                for j in range(32):
+                    q = u8[qo + j]
+                    buf[base + j] = d0 * np.float32(q & 15) - n0
+                    buf[base + 32 + j] = d1 * np.float32(q >> 4) - n1
+    elif qt == _Q6_K:
+        for b in range(cols // 256):  # block: u8 ql[128], u8 qh[64], i8 scales[16], f16 d
+            o = off + b * 210
+            d = _LUT[u16[(o >> 1) + 104]]
+            for h in range(2):  # halves of 128 weights
+                ql = o + 64 * h
+                qh = o + 128 + 32 * h
+                sc = o + 192 + 8 * h
+                base = b * 256 + 128 * h
+                for j in range(32):
+                    hb = u8[qh + j]
+                    lo0 = u8[ql + j]
+                    lo1 = u8[ql + 32 + j]
+                    s = j >> 4
+                    buf[base + j] = d * np.float32(i8[sc + s]) * np.float32(np.int32((lo0 & 15) | ((hb & 3) << 4)) - 32)
+                    buf[base + 32 + j] = d * np.float32(i8[sc + s + 2]) * np.float32(np.int32((lo1 & 15) | (((hb >> 2) & 3) << 4)) - 32)
+                    buf[base + 64 + j] = d * np.float32(i8[sc + s + 4]) * np.float32(np.int32((lo0 >> 4) | (((hb >> 4) & 3) << 4)) - 32)
+                    buf[base + 96 + j] = d * np.float32(i8[sc + s + 6]) * np.float32(np.int32((lo1 >> 4) | ((hb >> 6) << 4)) - 32)
+    elif qt == _F32:
+        o = off >> 2
+        for j in range(cols):
+            buf[j] = f32[o + j]
+    elif qt == _F16:
+        o = off >> 1
+        for j in range(cols):
+            buf[j] = _LUT[u16[o + j]]
+
+
+@njit(inline="always", fastmath=True)
+def _load_row(qt, u8, i8, u16, f32, off, cols, buf, bits):
+    if qt == _BF16:
+        o = off >> 1
+        for j in range(cols):  # bits: uint32 view of buf
+            bits[j] = np.uint32(u16[o + j]) << 16
+    else:
+        _dequant_row(qt, u8, i8, u16, f32, off, cols, buf)
+
+
+@njit(inline="always", fastmath=True)
+def _dot(a, x, cols):
+    acc = np.float32(0.0)
+    for j in range(cols):
+        acc += a[j] * x[j]
+    return acc
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def _gate_up(g, u, group_expert, group_start, order, x, h, rows_per_task):
+    """h[i] = silu(gate_e x[i]) * (up_e x[i]) for every pair i. x: (n, hidden); h: (n, ffn)."""
+    ffn = h.shape[1]
+    hidden = x.shape[1]
+    tasks_per_group = (ffn + rows_per_task - 1) // rows_per_task
+    n_tasks = group_expert.shape[0] * tasks_per_group
+    for t in prange(n_tasks):
+        k = t // tasks_per_group
+        r0 = (t % tasks_per_group) * rows_per_task
+        r1 = min(r0 + rows_per_task, ffn)
+        e = group_expert[k]
+        wg = np.empty(hidden, np.float32)
+        wu = np.empty(hidden, np.float32)
+        bg = wg.view(np.uint32)
+        bu = wu.view(np.uint32)
+        for r in range(r0, r1):
+            _load_row(g[4], g[0], g[1], g[2], g[3], e * g[5] + r * g[6], hidden, wg, bg)
+            _load_row(u[4], u[0], u[1], u[2], u[3], e * u[5] + r * u[6], hidden, wu, bu)
+            for p in range(group_start[k], group_start[k + 1]):
+                i = order[p]
+                a = _dot(wg, x[i], hidden)
+                b = _dot(wu, x[i], hidden)
+                h[i, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def _down(dn, group_expert, group_start, order, h, y, rows_per_task):
+    """y[i] = down_e h[i] for every pair i. h: (n, ffn); y: (n, hidden)."""
+    hidden = y.shape[1]
+    ffn = h.shape[1]
+    tasks_per_group = (hidden + rows_per_task - 1) // rows_per_task
+    n_tasks = group_expert.shape[0] * tasks_per_group
+    for t in prange(n_tasks):
+        k = t // tasks_per_group
+        r0 = (t % tasks_per_group) * rows_per_task
+        r1 = min(r0 + rows_per_task, hidden)
+        e = group_expert[k]
+        w = np.empty(ffn, np.float32)
+        bits = w.view(np.uint32)
+        for r in range(r0, r1):
+            _load_row(dn[4], dn[0], dn[1], dn[2], dn[3], e * dn[5] + r * dn[6], ffn, w, bits)
+            for p in range(group_start[k], group_start[k + 1]):
+                i = order[p]
+                y[i, r] = _dot(w, h[i], ffn)
+
+
+_EMPTY_F32 = np.zeros(1, np.float32)
+
+
+def tensor_views(t: ExpertTensor) -> tuple:
+    """(u8, i8, u16, f32, qtype, expert_bytes, row_bytes): the byte views the kernels read."""
+    Q.row_bytes(t.qtype, t.cols, t.name or "expert tensor")
+    rb = Q.row_bytes(t.qtype, t.cols)
+    if t.expert_bytes != rb * t.rows:
+        raise ValueError(f"{t.name or 'expert tensor'}: {t.expert_bytes} bytes per expert, expected "
+                         f"{t.rows} rows x {rb} = {rb * t.rows} for {Q.QTYPES[t.qtype].name}")
+    flat = np.asarray(t.data).reshape(-1)
+    f32 = flat.view(np.float32) if t.qtype == Q.F32 else _EMPTY_F32
+    return (flat, flat.view(np.int8), flat.view(np.uint16), f32, np.int64(t.qtype),
+            np.int64(t.expert_bytes), np.int64(rb))
+
+
+def _groups(experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    order = np.argsort(experts, kind="stable").astype(np.int64)
+    ids, start = np.unique(experts[order], return_index=True)
+    return ids.astype(np.int64), np.append(start, len(experts)).astype(np.int64), order
+
+
+def _rows_per_task(rows: int, groups: int, threads: int) -> int:
+    """About 4 tasks per thread, at least 4 rows each."""
+    return max(4, math.ceil(rows * groups / (4 * max(threads, 1))))
+
+
+def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, threads: int | None = None,
+                views: tuple | None = None) -> np.ndarray:
+    """Compute the pairs' expert outputs on the calling thread: (n, hidden) float32."""
+    e = np.asarray(experts, dtype=np.int64).reshape(-1)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape != (len(e), layer.hidden):
+        raise ValueError(f"layer {layer.layer}: x has shape {x.shape}, expected ({len(e)}, {layer.hidden})")
+    if len(e) and (e.min() < 0 or e.max() >= layer.num_experts):
+        raise ValueError(f"layer {layer.layer}: expert ids must be in 0..{layer.num_experts - 1}")
+    y = np.empty((len(e), layer.hidden), np.float32)
+    if not len(e):
+        return y
+    g, u, d = views or (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
+    ids, start, order = _groups(e)
+    th = threads or numba.get_num_threads()
+    h = np.empty((len(e), layer.ffn), np.float32)
+    _gate_up(g, u, ids, start, order, x, h, _rows_per_task(layer.ffn, len(ids), th))
+    _down(d, ids, start, order, h, y, _rows_per_task(layer.hidden, len(ids), th))
+    return y
+
+
+class CpuJob:
+    """A submitted layer's CPU experts; ``result()`` waits for them at most the pool's timeout."""
+
+    def __init__(self, pool: "CpuExpertPool", layer: int, n: int):
+        self._pool = pool
+        self.layer = layer
+        self.num_pairs = n
+        self._done = threading.Event()
+        self._out: np.ndarray | None = None
+        self._error: BaseException | None = None
+        self.submitted_s = time.perf_counter()
+        self.compute_s = 0.0
+
+    def _finish(self, out: np.ndarray | None, error: BaseException | None) -> None:
+        self._out, self._error = out, error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> np.ndarray:
+        """(n, hidden) float32 unweighted outputs; ExecutorError on failure or timeout."""
+        left = self._pool.timeout_s - (time.perf_counter() - self.submitted_s)
+        if not self._done.wait(max(left, 0.0)):
+            self._pool._broken = f"layer {self.layer}: CPU experts did not finish within {self._pool.timeout_s} s"
+            raise ExecutorError(self._pool._broken)
+        if self._error is not None:
+            raise ExecutorError(f"layer {self.layer}: CPU experts failed: {self._error!r}") from self._error
+        return self._out
+
+
+class CpuExpertPool:
+    """One persistent worker thread running the Numba expert kernels with ``threads`` threads."""
+
+    def __init__(self, threads: int, timeout_s: float = 30.0):
+        if threads < 1 or threads > numba.config.NUMBA_NUM_THREADS:
+            raise ValueError(f"CpuExpertPool threads: {threads}, expected 1..{numba.config.NUMBA_NUM_THREADS} "
+                             f"(NUMBA_NUM_THREADS)")
+        if not timeout_s > 0:
+            raise ValueError(f"CpuExpertPool timeout_s: {timeout_s}, expected > 0")
+        self.threads = int(threads)
+        self.timeout_s = float(timeout_s)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._views: dict[int, tuple] = {}
+        self._broken: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def _views_of(self, layer: LayerExperts) -> tuple:
+        v = self._views.get(id(layer))
+        if v is None or v[0] is not layer:
+            v = (layer, (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down)))
+            self._views[id(layer)] = v
+        return v[1]
+
+    def _work(self) -> None:
+        numba.set_num_threads(self.threads)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, layer, experts, x, views = item
+            t0 = time.perf_counter()
+            try:
+                out = run_experts(layer, experts, x, self.threads, views)
+            except BaseException as exc:  # reported to the caller by result()
+                job._finish(None, exc)
+            else:
+                job.compute_s = time.perf_counter() - t0
+                job._finish(out, None)
+
+    def submit(self, layer: LayerExperts, experts: Sequence[int], x: np.ndarray) -> CpuJob:
+        """Start computing ``experts[i]`` on ``x[i]`` for every i in the background."""
+        if self._broken:
+            raise ExecutorError(f"CPU expert pool is unusable: {self._broken}")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="moelab-cpu-experts", daemon=True)
+            self._thread.start()
+        job = CpuJob(self, layer.layer, len(experts))
+        self._queue.put((job, layer, np.asarray(experts, np.int64), np.ascontiguousarray(x, np.float32),
+                         self._views_of(layer)))
+        return job
+
+    def warmup(self, layer: LayerExperts) -> None:
+        """Compile the kernels for this layer's types (first use compiles; disk-cached after)."""
+        x = np.zeros((1, layer.hidden), np.float32)
+        job = self.submit(layer, [0], x)
+        job._done.wait()
+        job.result()
+
+    def close(self) -> None:
+        """Stop the worker after the queued jobs (a stalled worker is left behind, daemonic)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            if not self._broken:
+                self._thread.join(self.timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> "CpuExpertPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

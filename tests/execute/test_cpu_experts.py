@@ -1,0 +1,92 @@
+"""The Numba CPU expert kernels and pool against gguf's dequantizer and a float64 matmul."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from execute import cpu_experts
+from execute import quant as Q
+from execute.cpu_experts import CpuExpertPool, run_experts
+from execute.experts import ExecutorError, random_layer
+
+ALL = sorted(Q.QTYPES)
+# float32 accumulation over <= 512 terms, exact dequantization: far below 1e-5 in practice
+REL_ERR = 1e-5
+
+
+def rel_err(y, ref):
+    y = np.asarray(y, np.float64)
+    assert np.isfinite(y).all()
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=[Q.QTYPES[t].name for t in ALL])
+def test_kernels_match_reference(qtype, rng, reference):
+    layer = random_layer(rng, 3, num_experts=6, hidden=512, ffn=256, qtype=qtype)
+    experts = [4, 1, 4, 0, 5, 4, 2]  # repeated experts: several tokens share one weight read
+    x = rng.standard_normal((len(experts), 512)).astype(np.float32)
+    y = run_experts(layer, experts, x, threads=2)
+    assert y.shape == (7, 512) and y.dtype == np.float32
+    assert rel_err(y, reference(layer, experts, x)) < REL_ERR
+
+
+def test_mixed_types_and_fast_random_blocks(rng, reference):
+    layer = random_layer(rng, 0, num_experts=4, hidden=256, ffn=512, qtype=Q.Q4_K, down_qtype=Q.Q6_K, exact=False)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    assert rel_err(run_experts(layer, [3, 0, 2], x), reference(layer, [3, 0, 2], x)) < REL_ERR
+
+
+def test_bad_input(rng):
+    layer = random_layer(rng, 0, 2, 256, 256, Q.Q8_0)
+    with pytest.raises(ValueError, match=r"layer 0: x has shape \(1, 128\), expected \(1, 256\)"):
+        run_experts(layer, [0], np.zeros((1, 128), np.float32))
+    with pytest.raises(ValueError, match="expert ids must be in 0..1"):
+        run_experts(layer, [2], np.zeros((1, 256), np.float32))
+    assert run_experts(layer, [], np.zeros((0, 256), np.float32)).shape == (0, 256)
+
+
+def test_pool_runs_in_background(rng, reference):
+    layer = random_layer(rng, 1, 4, 256, 256, Q.Q8_0)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    with CpuExpertPool(threads=2, timeout_s=60) as pool:
+        jobs = [pool.submit(layer, [i, 3 - i, 0, 1], x) for i in range(3)]
+        for i, job in enumerate(jobs):
+            assert rel_err(job.result(), reference(layer, [i, 3 - i, 0, 1], x)) < REL_ERR
+
+
+def test_pool_failure_is_an_error_not_an_abort(rng):
+    layer = random_layer(rng, 2, 2, 256, 256, Q.Q8_0)
+    with CpuExpertPool(threads=1) as pool:
+        job = pool.submit(layer, [0], np.zeros((1, 64), np.float32))
+        with pytest.raises(ExecutorError, match="layer 2: CPU experts failed"):
+            job.result()
+        assert pool.submit(layer, [1], np.ones((1, 256), np.float32)).result().shape == (1, 256)
+
+
+def test_pool_stall_times_out(rng, monkeypatch):
+    layer = random_layer(rng, 5, 2, 256, 256, Q.Q8_0)
+    release = threading.Event()
+    real = cpu_experts.run_experts
+
+    def stalled(*args, **kwargs):
+        release.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_experts, "run_experts", stalled)
+    pool = CpuExpertPool(threads=1, timeout_s=0.2)
+    job = pool.submit(layer, [0], np.ones((1, 256), np.float32))
+    with pytest.raises(ExecutorError, match="layer 5: CPU experts did not finish within 0.2 s"):
+        job.result()
+    with pytest.raises(ExecutorError, match="CPU expert pool is unusable"):
+        pool.submit(layer, [0], np.ones((1, 256), np.float32))
+    release.set()
+    pool.close()
+
+
+def test_pool_config_validated():
+    with pytest.raises(ValueError, match="threads: 0"):
+        CpuExpertPool(threads=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        CpuExpertPool(threads=1, timeout_s=0)
