@@ -1,0 +1,198 @@
+"""Statistics of a trace: coverage, adjacent-token overlap, reuse distances, and hit-rate sweeps.
+
+Two kinds of hit rate:
+
+- ``lru_hit_rates``: a reference per-layer LRU in numpy (all of a step's experts are requested at
+  once; hits are those resident at the start of the step; then the step's experts become most
+  recent, later router ranks more recent, and only the ``C`` most recent stay). It also works with
+  fewer slots than top-k, which the scheduler's ``lru`` refuses.
+- ``sweep``: the scheduler's own policies replayed over the trace (``scheduler.replay``, no timing).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from scheduler import Capacity, CapacityError, Profile, make_policy, replay
+
+from .format import Trace
+
+__all__ = ["coverage", "adjacent_overlap", "layer_novelty_correlation", "reuse_distances", "lru_hit_rates",
+           "sweep", "summarize", "COVERAGE_SHARES"]
+
+COVERAGE_SHARES = (0.5, 0.8, 0.9)
+
+
+def _ids(trace: Trace, phase: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids of the MoE layers of the phase's rows (T, L', k) as int64, their sequence ids)."""
+    rows = trace.rows(phase)
+    moe = list(trace.moe_layers)
+    return np.asarray(trace.expert_ids[rows])[:, moe].astype(np.int64), np.asarray(trace.seq[rows])
+
+
+def coverage(trace: Trace, phase: str | None = None, shares: Sequence[float] = COVERAGE_SHARES) -> dict[str, float]:
+    """Share of all (layer, expert) pairs that carry ``share`` of the activations (fewest pairs)."""
+    counts = trace.routing_counts(phase)[list(trace.moe_layers)]
+    pairs = sum(trace.num_experts)
+    flat = np.sort(counts.ravel())[::-1]
+    total = flat.sum()
+    out = {}
+    for s in shares:
+        n = int(np.searchsorted(np.cumsum(flat), s * total - 1e-9) + 1) if total else 0
+        out[f"{int(round(s * 100))}%"] = n / pairs
+    out["touched"] = float((flat > 0).sum() / pairs)
+    return out
+
+
+def _overlaps(ids: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Per consecutive row pair of one sequence and per layer: shared experts / k, shape (N, L)."""
+    same = seq[1:] == seq[:-1]
+    a, b = ids[1:][same], ids[:-1][same]  # (N, L, k)
+    k = ids.shape[2]
+    out = np.empty(a.shape[:2])
+    step = 16384
+    for i in range(0, len(a), step):
+        x, y = a[i:i + step], b[i:i + step]
+        hit = ((x[..., :, None] == y[..., None, :]) & (x[..., :, None] >= 0)).any(axis=-1)
+        out[i:i + step] = hit.sum(axis=-1) / k
+    return out
+
+
+def adjacent_overlap(trace: Trace, phase: str | None = None) -> float:
+    """Mean share of a token's experts (per layer) also routed at the previous token of its sequence."""
+    ids, seq = _ids(trace, phase)
+    ov = _overlaps(ids, seq)
+    return float(ov.mean()) if ov.size else 0.0
+
+
+def layer_novelty_correlation(trace: Trace, phase: str | None = None) -> float:
+    """Mean correlation, over pairs of layers, of per-token novelty (1 - overlap with the previous token).
+
+    High when a token that departs from its context does so at every layer at once."""
+    ids, seq = _ids(trace, phase)
+    nov = 1.0 - _overlaps(ids, seq)
+    if len(nov) < 3 or nov.shape[1] < 2:
+        return 0.0
+    sd = nov.std(axis=0)
+    keep = sd > 0
+    if keep.sum() < 2:
+        return 0.0
+    c = np.corrcoef(nov[:, keep].T)
+    n = c.shape[0]
+    return float((c.sum() - n) / (n * (n - 1)))
+
+
+def _lru_sweep(ids: np.ndarray, seq: np.ndarray, E: int, capacities: Sequence[int], reset: bool):
+    """Hits per capacity and reuse distances, by per-layer recency stamps (see the module docstring)."""
+    T, L, k = ids.shape
+    caps = np.asarray(capacities)
+    stamp = np.full((L, E + 1), -1, dtype=np.int64)  # column E absorbs masked (-1) entries
+    last_tok = np.full((L, E + 1), -1, dtype=np.int64)
+    hits = np.zeros(len(caps), dtype=np.int64)
+    routed = 0
+    dists = []
+    lrow = np.arange(L)[:, None]
+    rank_stamp = np.arange(k)[None, :]
+    for t in range(T):
+        if t and reset and seq[t] != seq[t - 1]:
+            stamp.fill(-1)
+            last_tok.fill(-1)
+        e = ids[t]
+        e = np.where(e >= 0, e, E)
+        valid = e < E
+        s = stamp[lrow, e]  # (L, k)
+        order = -np.sort(-stamp[:, :E], axis=1)  # (L, E) descending
+        cols = np.minimum(caps, E) - 1
+        thr = order[:, cols]  # (L, C): stamp of the C-th most recent
+        res = (s[:, :, None] >= thr[:, None, :]) & (s[:, :, None] >= 0) & valid[:, :, None]
+        hits += res.sum(axis=(0, 1))
+        routed += int(valid.sum())
+        lt = last_tok[lrow, e]
+        dists.append((t - lt)[valid & (lt >= 0)])
+        stamp[lrow, e] = t * k + rank_stamp
+        last_tok[lrow, e] = t
+    return hits, routed, np.concatenate(dists) if dists else np.zeros(0, np.int64)
+
+
+def lru_hit_rates(trace: Trace, capacities: Sequence[int], phase: str | None = None,
+                  reset_per_sequence: bool = False) -> dict[int, float]:
+    """Reference per-layer LRU hit rate at each capacity (slots per layer; see the module docstring)."""
+    ids, seq = _ids(trace, phase)
+    hits, routed, _ = _lru_sweep(ids, seq, max(trace.num_experts), capacities, reset_per_sequence)
+    return {int(c): (float(h) / routed if routed else 0.0) for c, h in zip(capacities, hits)}
+
+
+def reuse_distances(trace: Trace, phase: str | None = None, reset_per_sequence: bool = False) -> dict:
+    """Tokens since the same (layer, expert) was last routed, over routes that had a previous use."""
+    ids, seq = _ids(trace, phase)
+    _, routed, d = _lru_sweep(ids, seq, max(trace.num_experts), [1], reset_per_sequence)
+    if not len(d):
+        return {"routes": routed, "first_use": routed}
+    q = np.percentile(d, [50, 90, 99])
+    return {"routes": routed, "first_use": routed - len(d), "median": float(q[0]), "p90": float(q[1]),
+            "p99": float(q[2]), "share_1": float((d == 1).mean()), "share_le_4": float((d <= 4).mean()),
+            "share_le_16": float((d <= 16).mean())}
+
+
+def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None, seqs: list[list[int]]) -> float | None:
+    """Hit rate of scheduler policy ``name`` at ``slots`` per layer; None when it refuses the capacity."""
+    geometry = trace.geometry(1)
+    capacity = Capacity.per_layer(geometry, slots)
+    hits = served = 0
+    for group in seqs:
+        part = trace if group is None else trace.select(phase, group)
+        toks = list(part.tokens(phase if group is None else None))
+        try:
+            kw = {}
+            if name == "belady":
+                kw["future"] = [s for tok in toks for s in tok.steps]
+            if name == "static":
+                kw["profile"] = Profile.from_counts(part.routing_counts(phase if group is None else None))
+            policy = make_policy(name, geometry, capacity, **kw)
+        except CapacityError:
+            return None
+        s = replay(policy, toks, lag_tokens=0).summary()
+        hits += s["hits"]
+        served += s["experts_served"]
+    return hits / served if served else 0.0
+
+
+def sweep(trace: Trace, slots: Sequence[int], policies: Sequence[str], phase: str | None = None,
+          reset_per_sequence: bool = False, progress: bool = False) -> dict[str, dict[int, float | None]]:
+    """Hit rate of each scheduler policy at each slot count, replaying the phase's rows in order.
+
+    Caches carry across sequences unless ``reset_per_sequence`` (then a fresh policy per sequence,
+    hits and routes summed). ``static`` gets the oracle top-C profile of the replayed rows (per
+    sequence when reset). None marks a capacity the policy refuses (e.g. ``lru`` below top-k)."""
+    groups = [[s] for s in trace.select(phase).sequences()] if reset_per_sequence else [None]
+    out: dict[str, dict[int, float | None]] = {}
+    for name in policies:
+        out[name] = {}
+        for c in slots:
+            if progress:
+                print(f"trace stats: {name} at {c} slots", file=sys.stderr)
+            out[name][int(c)] = _replay_rate(trace, name, int(c), phase, groups)
+    return out
+
+
+def summarize(trace: Trace, phase: str | None = None, slots: Sequence[int] = (), policies: Sequence[str] = (),
+              reset_per_sequence: bool = False, progress: bool = False) -> dict:
+    """Everything ``moelab trace stats`` reports, as a JSON-ready dict."""
+    rows = trace.rows(phase)
+    return {
+        "model": trace.model,
+        "rows": int(len(rows)),
+        "sequences": len(trace.select(phase).sequences()) if len(rows) else 0,
+        "phase": phase or "all",
+        "geometry": {"num_layers": trace.num_layers, "num_experts": list(trace.num_experts), "top_k": trace.top_k},
+        "reset_per_sequence": reset_per_sequence,
+        "coverage": coverage(trace, phase),
+        "adjacent_overlap": adjacent_overlap(trace, phase),
+        "layer_novelty_correlation": layer_novelty_correlation(trace, phase),
+        "reuse_distance": reuse_distances(trace, phase, reset_per_sequence),
+        "reference_lru": {str(c): r for c, r in lru_hit_rates(trace, slots, phase, reset_per_sequence).items()} if slots else {},
+        "hit_rate": {p: {str(c): r for c, r in v.items()}
+                     for p, v in sweep(trace, slots, policies, phase, reset_per_sequence, progress).items()},
+    }
