@@ -1,0 +1,103 @@
+"""Per-layer resource times, computed arithmetically from a model and a hardware description.
+
+Everything the simulator charges is here, so the timing model reads in one place:
+
+- GPU dense work of a layer: ``dense_kernels`` launches + (dense weights + KV cache at the current
+  context) / GPU bandwidth; multi-token batches use the roofline max(bytes/bw, flops/peak).
+- A GPU expert: its bytes / GPU bandwidth (roofline with token count), plus ``expert_kernels``
+  launches per batch of experts.
+- An upload (on-demand, stream or background): ``copy_latency_s`` + bytes / link bandwidth.
+- CPU experts of a layer: one parallel call, ``cpu_task_s`` + bytes / pool rate (roofline: the
+  pool reads the weights once at ``cpu_mem_gbps`` and computes each token at the thread rate),
+  with the hidden state copied to the host and the result back (latency + bytes each).
+- A promotion: a device-to-device copy (read + write at GPU bandwidth).
+- Per token: the output head (bytes / GPU bandwidth) and the sampled token's readback latency.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Hardware
+from .models import ModelSpec
+
+__all__ = ["ExecConfig", "Costs"]
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """How the executor drives the hardware (kernel counts, pinned host memory).
+
+    ``dense_kernels``: launches of a layer's dense part (norms, attention, router, shared
+    expert); ``expert_kernels``: launches per batch of GPU experts; ``route_sync``: the router's
+    choice is read back to the host before the layer's decision (one copy latency).
+    """
+
+    dense_kernels: int = 12
+    expert_kernels: int = 3
+    pinned: bool = True
+    route_sync: bool = True
+    act_bytes: int = 4  # bytes per hidden-state element copied to and from the CPU pool
+
+    def __post_init__(self) -> None:
+        for f in ("dense_kernels", "expert_kernels", "act_bytes"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"ExecConfig.{f}: {getattr(self, f)}, expected >= 0")
+
+
+class Costs:
+    """Precomputed per-layer times (seconds) for one model on one hardware."""
+
+    def __init__(self, model: ModelSpec, hw: Hardware, cfg: ExecConfig = ExecConfig()):
+        self.model, self.hw, self.cfg = model, hw, cfg
+        L = model.num_layers
+        gbw = hw.gpu_gbps(model.dense_quant) * 1e9
+        ebw = hw.gpu_gbps(model.expert_quant) * 1e9
+        link = hw.h2d_gbps(cfg.pinned) * 1e9
+        flops = hw.gpu_tflops * 1e12
+        self.expert_bytes = [model.expert_bytes(l) for l in range(L)]
+        # dense part: fixed bytes, KV bytes per context position, flops per token
+        self.dense_s = [cfg.dense_kernels * hw.launch_s + model.dense_bytes(l) / gbw for l in range(L)]
+        self.kv_s_per_pos = [model.kv_bytes_per_position(l) / gbw for l in range(L)]
+        self.dense_flop_s = [2 * model.dense_bytes(l) / _bytes_per_weight(model.dense_quant) / flops for l in range(L)]
+        # routed experts
+        self.gpu_expert_s = [b / ebw for b in self.expert_bytes]
+        self.gpu_expert_flop_s = 2 * model.expert_params / flops  # per token
+        self.expert_launch_s = cfg.expert_kernels * hw.launch_s
+        self.upload_s = [hw.copy_latency_s + b / link for b in self.expert_bytes]
+        self.promote_s = [hw.launch_s + 2 * b / ebw for b in self.expert_bytes]
+        cpu_bw = hw.cpu_gbps(model.expert_quant) * 1e9  # decode: min(memory, compute) rate
+        self.cpu_expert_s = [b / cpu_bw for b in self.expert_bytes]
+        compute_bw = hw.cpu_threads * hw.cpu_thread_gbps * hw.cpu_quant_efficiency.get(model.expert_quant, 1.0) * 1e9
+        self.cpu_token_s = [b / compute_bw for b in self.expert_bytes]  # compute per token
+        self.cpu_read_s = [b / (hw.cpu_mem_gbps * 1e9) for b in self.expert_bytes]  # weights read once per step
+        self.cpu_task_s = hw.cpu_task_s
+        self.small_copy_s = hw.copy_latency_s + model.hidden * cfg.act_bytes / link
+        self.combine_s = hw.launch_s  # add the CPU result into the layer output
+        self.route_s = hw.copy_latency_s if cfg.route_sync else 0.0
+        self.token_s = (model.head_bytes() / gbw + cfg.dense_kernels * hw.launch_s  # output head, norm, sampling
+                        + hw.copy_latency_s)  # sampled id read back
+
+    # multi-token steps (counts given) ---------------------------------------------------------
+    def dense(self, layer: int, ctx: int, num_tokens: int = 1) -> float:
+        """GPU time of a layer's dense part for ``num_tokens`` tokens ending at context ``ctx``."""
+        if num_tokens == 1:
+            return self.dense_s[layer] + ctx * self.kv_s_per_pos[layer]
+        mem = self.dense_s[layer] + ctx * self.kv_s_per_pos[layer]
+        return max(mem, num_tokens * self.dense_flop_s[layer] + self.cfg.dense_kernels * self.hw.launch_s)
+
+    def gpu_experts(self, layer: int, counts) -> float:
+        """GPU time of a batch of experts given each one's token count (no launches)."""
+        e, f = self.gpu_expert_s[layer], self.gpu_expert_flop_s
+        return sum(max(e, c * f) for c in counts)
+
+    def cpu_experts(self, layer: int, counts) -> float:
+        """CPU pool time of a layer's CPU experts given each one's token count (no task overhead)."""
+        per_tok, read = self.cpu_token_s[layer], self.cpu_read_s[layer]
+        return sum(max(read, c * per_tok) for c in counts)
+
+
+def _bytes_per_weight(quant: str) -> float:
+    from .models import QUANT_BLOCKS
+
+    n, b = QUANT_BLOCKS[quant]
+    return b / n

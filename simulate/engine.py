@@ -1,0 +1,236 @@
+"""The SimPy model: consumes the scheduler driver's work items and charges them in simulated time.
+
+Resources (one to one with the executor): one copy stream (host -> device, FIFO: on-demand
+uploads queue behind background fills and swaps), one GPU compute stream, one CPU pool whose
+threads share the host memory bandwidth. One SimPy process runs the whole replay. Within a
+token, decode is a chain of dependent layers, so each layer's times are computed arithmetically
+from the resources' free times (``copy_free``, ``gpu_free``, ``cpu_free``); the environment's
+clock advances once per token and background copies are SimPy events that ``AwaitBackground``
+waits on.
+
+A layer (all times from ``costs``):
+
+1. GPU: dense part (attention at the current context, router, shared expert), then the route
+   readback; the decision is known at ``decide``.
+2. Copy stream: the uploads and streams, one copy each, starting at ``max(decide, copy_free)``.
+3. GPU: the hits as one batch from ``decide``; the uploaded/streamed experts as one batch once
+   the last copy has landed.
+4. CPU pool: hidden state copied to the host, the layer's CPU experts in one parallel call, the
+   result copied back; the GPU adds it in.
+5. Promotions: device copies from scratch into their slots, on the GPU stream.
+
+The layer ends when all parts have. Analytic bound of a layer: max(GPU work, copy work, CPU
+work) with perfect overlap and no latency between them; of a token: the sum over its layers plus
+the per-token GPU work (output head).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import simpy
+
+from scheduler import Audit, AwaitBackground, EndToken, RunLayer, StartBackground
+
+from .costs import Costs
+
+__all__ = ["Simulator", "SimResult"]
+
+
+@dataclass
+class SimResult:
+    """What a run produced: per-token times and bounds, busy times, and the scheduler's audit."""
+
+    token_s: np.ndarray  # simulated time of each token (from the previous token's end)
+    bound_s: np.ndarray  # analytic lower bound of each token
+    decode: np.ndarray  # bool: the token is a decode token
+    total_s: float
+    gpu_busy_s: float
+    copy_busy_s: float
+    cpu_busy_s: float
+    audit: Audit
+    events: list = field(default_factory=list)  # (lane, name, start_s, dur_s) when recorded
+
+    def summary(self) -> dict:
+        """The headline numbers; throughput over decode tokens (all tokens if none is decode)."""
+        sel = self.decode if self.decode.any() else np.ones_like(self.decode)
+        t, b = self.token_s[sel], self.bound_s[sel]
+        n = int(sel.sum())
+        a = self.audit.summary()
+        total = self.total_s or 1.0
+        return {
+            "tokens": n,
+            "tokens_per_s": float(n / t.sum()) if n and t.sum() > 0 else 0.0,
+            "bound_tokens_per_s": float(n / b.sum()) if n and b.sum() > 0 else 0.0,
+            "p50_token_s": float(np.percentile(t, 50)) if n else 0.0,
+            "p99_token_s": float(np.percentile(t, 99)) if n else 0.0,
+            "hit_rate": float(a["hit_rate"]),
+            "upload_bytes": int(a["upload_bytes"]),
+            "hits": a["hits"], "uploads": a["uploads"], "streams": a["streams"],
+            "cpu_experts": a["cpu"], "fills": a["fills"], "swaps": a["swaps"],
+            "gpu_busy": float(self.gpu_busy_s / total),
+            "pcie_busy": float(self.copy_busy_s / total),
+            "cpu_busy": float(self.cpu_busy_s / total),
+            "simulated_s": float(self.total_s),
+            "all_tokens": int(len(self.token_s)),
+        }
+
+
+class Simulator:
+    """Runs driver items through the cost model; ``record=True`` keeps every span for a timeline."""
+
+    def __init__(self, costs: Costs, record: bool = False):
+        self.costs = costs
+        self.record = record
+
+    def run(self, items: Iterable, audit: Audit | None = None) -> SimResult:
+        """Simulate ``items`` (from ``scheduler.drive``); each is also fed to ``audit``."""
+        env = simpy.Environment()
+        if audit is None:
+            audit = Audit(self._geometry(), keep_records=False)
+        out: dict = {}
+        env.process(self._process(env, items, audit, out))
+        env.run()
+        return SimResult(audit=audit, **out)
+
+    def _geometry(self):
+        return self.costs.model.geometry()
+
+    def _process(self, env, items, audit, out):
+        c = self.costs
+        dense_s, kv_s, gexp, up_s, cpu_e, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
+                                                     c.cpu_expert_s, c.promote_s)
+        launch, route_s, small, combine, task, token_s = (c.expert_launch_s, c.route_s, c.small_copy_s,
+                                                          c.combine_s, c.cpu_task_s, c.token_s)
+        observe = audit.observe
+        events = [] if self.record else None
+        pending: deque = deque()  # (completion event, time) of background batches, FIFO
+        tok_times, bounds, decode = [], [], []
+        t = gpu_free = copy_free = cpu_free = 0.0
+        gpu_busy = copy_busy = cpu_busy = 0.0
+        tok_start = 0.0
+        tok_bound = 0.0
+        ctx = 0
+        for item in items:
+            observe(item)
+            kind = type(item)
+            if kind is RunLayer:
+                d = item.decision
+                step = d.step
+                tok = item.token
+                l = step.layer
+                if t < gpu_free:
+                    t = gpu_free
+                t0 = t
+                if step.counts is None and tok.num_tokens == 1:
+                    g = dense_s[l] + (tok.pos + 1) * kv_s[l]
+                    nh = len(d.hits)
+                    hit_s = launch + nh * gexp[l] if nh else 0.0
+                    nu = len(d.uploads) + len(d.streams)
+                    upc_s = launch + nu * gexp[l] if nu else 0.0
+                    nc = len(d.cpu)
+                    cpu_s = task + nc * cpu_e[l] if nc else 0.0
+                else:
+                    g, hit_s, upc_s, cpu_s, nu, nc = self._multi(d, tok)
+                decide = t0 + g + route_s
+                gpu = decide + hit_s
+                if events is not None:
+                    events.append(("gpu", f"L{l} dense", t0, g))
+                    if hit_s:
+                        events.append(("gpu", f"L{l} hits x{len(d.hits)}", decide, hit_s))
+                p = 0.0
+                if nu:
+                    u = up_s[l]
+                    cs = copy_free if copy_free > decide else decide
+                    p = nu * u
+                    copy_free = cs + p
+                    if copy_free > gpu:
+                        gpu = copy_free
+                    if events is not None:
+                        for i, e in enumerate(d.uploads + d.streams):
+                            events.append(("copy", f"L{l} E{e}", cs + i * u, u))
+                        events.append(("gpu", f"L{l} uploaded x{nu}", gpu, upc_s))
+                    gpu += upc_s
+                if nc:
+                    c0 = decide + small
+                    if cpu_free > c0:
+                        c0 = cpu_free
+                    cpu_free = c0 + cpu_s
+                    cend = cpu_free + small
+                    if cend > gpu:
+                        gpu = cend
+                    if events is not None:
+                        events.append(("cpu", f"L{l} cpu x{nc}", c0, cpu_s))
+                        events.append(("gpu", f"L{l} add cpu", gpu, combine))
+                    gpu += combine
+                    cpu_busy += cpu_s
+                pro_s = 0.0
+                if d.promotions:
+                    pro_s = len(d.promotions) * promo_s[l]
+                    if events is not None:
+                        events.append(("gpu", f"L{l} promote x{len(d.promotions)}", gpu, pro_s))
+                    gpu += pro_s
+                gwork = g + hit_s + upc_s + (combine if nc else 0.0) + pro_s
+                gpu_busy += gwork
+                copy_busy += p
+                tok_bound += max(gwork, p, cpu_s)
+                t = gpu_free = gpu
+            elif kind is EndToken:
+                tok = item.token
+                if events is not None:
+                    events.append(("gpu", "head", t, token_s))
+                t += token_s
+                gpu_busy += token_s
+                gpu_free = t
+                tok_times.append(t - tok_start)
+                bounds.append(tok_bound + token_s)
+                decode.append(tok.phase == "decode")
+                if events is not None:
+                    events.append(("token", f"token {tok.index}", tok_start, t - tok_start))
+                tok_start, tok_bound = t, 0.0
+                yield env.timeout(t - env.now)
+            elif kind is StartBackground:
+                start = copy_free if copy_free > t else t
+                cs = start
+                for m in item.moves:
+                    u = up_s[m.layer]
+                    if events is not None:
+                        events.append(("copy", f"bg L{m.layer} E{m.expert}", cs, u))
+                    cs += u
+                copy_busy += cs - start
+                copy_free = cs
+                pending.append(env.timeout(cs - env.now))
+            elif kind is AwaitBackground:
+                done = pending.popleft()
+                if not done.processed:
+                    if t > env.now:
+                        yield env.timeout(t - env.now)
+                    if not done.processed:
+                        yield done
+                    if env.now > t:
+                        if events is not None:
+                            events.append(("gpu", "await background", t, env.now - t))
+                        t = env.now
+            else:
+                raise TypeError(f"simulator cannot run {kind.__name__}")
+        out.update(token_s=np.array(tok_times), bound_s=np.array(bounds), decode=np.array(decode, dtype=bool),
+                   total_s=t, gpu_busy_s=gpu_busy, copy_busy_s=copy_busy, cpu_busy_s=cpu_busy,
+                   events=events or [])
+        if t > env.now:
+            yield env.timeout(t - env.now)
+
+    def _multi(self, d, tok):
+        """Times of a step with token counts (prefill or verification batches)."""
+        c = self.costs
+        step = d.step
+        l = step.layer
+        cnt = dict(zip(step.experts, step.counts)) if step.counts is not None else {}
+        n = tok.num_tokens
+        g = c.dense(l, tok.pos + n, n)
+        hit_s = c.expert_launch_s + c.gpu_experts(l, [cnt.get(e, 1) for e in d.hits]) if d.hits else 0.0
+        up = d.uploads + d.streams
+        upc_s = c.expert_launch_s + c.gpu_experts(l, [cnt.get(e, 1) for e in up]) if up else 0.0
+        cpu_s = c.cpu_task_s + c.cpu_experts(l, [cnt.get(e, 1) for e in d.cpu]) if d.cpu else 0.0
+        return g, hit_s, upc_s, cpu_s, len(up), len(d.cpu)

@@ -1,0 +1,122 @@
+"""Hardware descriptions: the costs of the GPU, the PCIe link and the CPU pool, loaded from JSON.
+
+A hardware file is one JSON object with the fields of :class:`Hardware` and, optionally,
+``"sources": {field: "where the number comes from"}``. Presets live in
+``simulate/presets/hardware/<name>.json``; ``load_hardware`` takes a preset name or a path.
+Bandwidths are in GB/s (1e9 bytes per second), times in seconds.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+__all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_presets", "HARDWARE_DIR"]
+
+HARDWARE_DIR = Path(__file__).resolve().parent / "presets" / "hardware"
+
+
+class HardwareError(ValueError):
+    """A hardware file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU, its PCIe link and the host's CPU pool, as the simulator charges them.
+
+    ``gpu_mem_gbps`` and ``pcie_h2d_gbps`` are achievable rates (not spec-sheet peaks).
+    CPU pool: ``cpu_threads`` threads, each streaming expert weights at ``cpu_thread_gbps`` times
+    the quant type's ``cpu_quant_efficiency`` (1.0 where absent), all together at most
+    ``cpu_mem_gbps``; each parallel call costs ``cpu_task_s``.
+    """
+
+    name: str
+    gpu_name: str
+    gpu_mem_bytes: int
+    gpu_mem_gbps: float
+    gpu_tflops: float
+    launch_s: float
+    pcie_h2d_gbps: float
+    pageable_gbps: float
+    copy_latency_s: float
+    cpu_name: str
+    cpu_threads: int
+    cpu_mem_gbps: float
+    cpu_thread_gbps: float
+    cpu_task_s: float
+    cpu_quant_efficiency: dict = field(default_factory=dict, hash=False)
+    gpu_quant_efficiency: dict = field(default_factory=dict, hash=False)
+    sources: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for f in ("gpu_mem_bytes", "cpu_threads"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f}: {v!r}, expected an integer >= 1")
+        for f in ("gpu_mem_gbps", "gpu_tflops", "pcie_h2d_gbps", "pageable_gbps", "cpu_mem_gbps", "cpu_thread_gbps"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{f}: {v!r}, expected a number > 0")
+        for f in ("launch_s", "copy_latency_s", "cpu_task_s"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1:
+                raise ValueError(f"{f}: {v!r}, expected seconds in [0, 1)")
+        for f in ("cpu_quant_efficiency", "gpu_quant_efficiency"):
+            table = getattr(self, f)
+            if not isinstance(table, dict):
+                raise ValueError(f"{f}: expected an object of quant type -> factor")
+            for q, v in table.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 4:
+                    raise ValueError(f"{f}.{q}: {v!r}, expected a factor in (0, 4]")
+            object.__setattr__(self, f, {str(q).upper(): float(v) for q, v in table.items()})
+
+    def cpu_gbps(self, quant: str, threads: int | None = None) -> float:
+        """Rate (GB/s of weights) at which the pool computes one token's experts of ``quant``."""
+        n = self.cpu_threads if threads is None else threads
+        return min(self.cpu_mem_gbps, n * self.cpu_thread_gbps * self.cpu_quant_efficiency.get(quant, 1.0))
+
+    def gpu_gbps(self, quant: str) -> float:
+        """Rate (GB/s of weights) of a GPU expert/dense GEMV on ``quant`` weights."""
+        return self.gpu_mem_gbps * self.gpu_quant_efficiency.get(quant, 1.0)
+
+    def h2d_gbps(self, pinned: bool = True) -> float:
+        return self.pcie_h2d_gbps if pinned else self.pageable_gbps
+
+
+_NAMES = {f.name for f in fields(Hardware)}
+_REQUIRED = {f.name for f in fields(Hardware) if f.default is MISSING and f.default_factory is MISSING}
+
+
+def hardware_presets() -> tuple[str, ...]:
+    """Names of the bundled hardware presets."""
+    return tuple(sorted(p.stem for p in HARDWARE_DIR.glob("*.json")))
+
+
+def load_hardware(name_or_path: str | Path) -> Hardware:
+    """A preset by name, or a JSON file by path; ``HardwareError`` names the file and field."""
+    p = Path(name_or_path)
+    if not p.suffix and not p.exists():
+        p = HARDWARE_DIR / f"{name_or_path}.json"
+        if not p.exists():
+            raise HardwareError(f"unknown hardware {str(name_or_path)!r}: expected a preset "
+                                f"({', '.join(hardware_presets())}) or a path to a JSON file")
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise HardwareError(f"{p}: no such hardware file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HardwareError(f"{p}: not a readable JSON hardware file ({e})") from None
+    if not isinstance(data, dict):
+        raise HardwareError(f"{p}: expected a JSON object of hardware fields, got {type(data).__name__}")
+    unknown = sorted(set(data) - _NAMES - {"_about"})
+    if unknown:
+        raise HardwareError(f"{p}: unknown field(s) {unknown}; expected fields of Hardware: {sorted(_NAMES)}")
+    missing = sorted(_REQUIRED - set(data))
+    if missing:
+        raise HardwareError(f"{p}: missing field(s) {missing}")
+    data.pop("_about", None)
+    try:
+        return Hardware(**data)
+    except (TypeError, ValueError) as e:
+        raise HardwareError(f"{p}: field {e}") from None

@@ -1,0 +1,173 @@
+"""One simulation from a config: trace + model + hardware + policy + cache -> result summary.
+
+The glue between ``traces`` (tokens), ``scheduler`` (policy, capacity, driver loop, audit) and
+the SimPy engine. A trace's geometry must match the model's (layers, experts per layer, top-k);
+``trace="synth"`` generates a synthetic trace for the model's geometry instead.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from scheduler import Audit, Capacity, Profile, drive, make_policy
+
+from .costs import Costs, ExecConfig
+from .engine import SimResult, Simulator
+from .hardware import Hardware, load_hardware
+from .models import ModelSpec, load_model
+
+__all__ = ["SimConfig", "SimError", "run", "build_capacity", "load_tokens", "AUTO_RESERVE_BYTES"]
+
+AUTO_RESERVE_BYTES = 700 * 2**20  # VRAM kept free by the "auto" cache size (as Strata's auto mode)
+
+
+class SimError(ValueError):
+    """A configuration that cannot be simulated (mismatched trace, bad cache size, ...)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything that determines one simulation; equal configs give equal results.
+
+    ``cache_mib`` may be a number or ``"auto"`` (free VRAM after the dense weights, the KV cache
+    at ``context`` and a 700 MiB reserve); ``cache_slots`` (slots per MoE layer) wins when set.
+    ``miss_fraction`` is hybrid's share of distinct misses sent over PCIe (to 1/256).
+    ``trace``: None = bundled granite trace, a path, or ``"synth"`` (``synth_tokens`` tokens for the
+    model's geometry, from ``seed``). ``phase``: which trace rows run ("decode", "prefill", "all").
+    """
+
+    model: str = "granite-3.0-1b-a400m"
+    hardware: str = "rtx4060-laptop"
+    policy: str = "hybrid"
+    cache_slots: int | None = None
+    cache_mib: float | str | None = 512.0
+    miss_fraction: float | None = None
+    adaptive: bool = True
+    tokens: int | None = None
+    trace: str | None = None
+    phase: str = "decode"
+    expert_quant: str | None = None
+    synth_tokens: int = 1024
+    seed: int = 0
+    lag_tokens: int = 1
+    pinned: bool = True
+    context: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.cache_slots is not None and self.cache_slots < 0:
+            raise ValueError(f"cache_slots: {self.cache_slots}, expected >= 0")
+        if isinstance(self.cache_mib, str) and self.cache_mib != "auto":
+            raise ValueError(f"cache_mib: {self.cache_mib!r}, expected a number of MiB or 'auto'")
+        if isinstance(self.cache_mib, (int, float)) and self.cache_mib < 0:
+            raise ValueError(f"cache_mib: {self.cache_mib}, expected >= 0")
+        if self.miss_fraction is not None and not 0.0 <= self.miss_fraction <= 1.0:
+            raise ValueError(f"miss_fraction: {self.miss_fraction}, expected 0..1")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"tokens: {self.tokens}, expected >= 1")
+        if self.phase not in ("decode", "prefill", "all"):
+            raise ValueError(f"phase: {self.phase!r}, expected decode, prefill or all")
+        if self.lag_tokens < 0:
+            raise ValueError(f"lag_tokens: {self.lag_tokens}, expected >= 0")
+
+    def as_row(self) -> dict:
+        """The config's fields as a flat dict (one CSV row's config part)."""
+        return {k: ("" if v is None else v) for k, v in asdict(self).items()}
+
+
+def _model(cfg: SimConfig) -> ModelSpec:
+    m = load_model(cfg.model)
+    return m.with_quant(cfg.expert_quant) if cfg.expert_quant else m
+
+
+def load_tokens(cfg: SimConfig, model: ModelSpec):
+    """The trace for ``cfg`` as (trace object, token list); the geometry is checked against ``model``."""
+    import traces
+
+    if cfg.trace == "synth":
+        from traces import synth
+
+        rng = np.random.default_rng(cfg.seed)
+        params = synth.SynthParams()
+        trace = synth.generate(model.num_layers, model.num_experts, model.top_k, cfg.synth_tokens, params, rng)
+        if model.first_dense_layers:
+            raise SimError(f"trace synth: model {model.name} has dense layers; use a recorded trace")
+    else:
+        trace = traces.load(cfg.trace)
+    geometry = model.geometry()
+    got = (tuple(trace.num_experts), trace.top_k)
+    want = (geometry.num_experts, geometry.top_k)
+    if got != want:
+        where = cfg.trace or "bundled trace"
+        raise SimError(
+            f"{where}: trace geometry {len(got[0])} layers x {max(got[0])} experts top-{got[1]} does not match "
+            f"model {model.name} ({len(want[0])} layers x {max(want[0])} experts top-{want[1]}); pick the model "
+            f"the trace was recorded on, or --trace synth for a synthetic trace of the model's geometry")
+    phase = None if cfg.phase == "all" else cfg.phase
+    toks = list(trace.tokens(phase=phase, limit=cfg.tokens))
+    if not toks:
+        raise SimError(f"{cfg.trace or 'bundled trace'}: no {cfg.phase} rows to simulate")
+    return trace, toks
+
+
+def build_capacity(cfg: SimConfig, model: ModelSpec, hw: Hardware) -> Capacity:
+    """Cache slots from ``cache_slots``, ``cache_mib`` or the hardware's free VRAM ("auto")."""
+    geometry = model.geometry()
+    if cfg.policy == "gpu":  # every expert resident: a what-if, whatever the VRAM
+        return Capacity.per_layer(geometry, geometry.max_experts)
+    if cfg.cache_slots is not None:
+        return Capacity.per_layer(geometry, cfg.cache_slots)
+    mib = cfg.cache_mib
+    if mib is None or mib == "auto":
+        dense = sum(model.dense_bytes(l) for l in range(model.num_layers)) + 2 * model.head_bytes()
+        kv = cfg.context * sum(model.kv_bytes_per_position(l) for l in range(model.num_layers))
+        free = hw.gpu_mem_bytes - dense - kv - AUTO_RESERVE_BYTES
+        if free <= 0:
+            raise SimError(f"cache auto: the dense weights and KV cache of {model.name} do not fit {hw.name}")
+        mib = free / 2**20
+    return Capacity.from_mib(geometry, float(mib))
+
+
+def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
+        model: ModelSpec | None = None, tokens=None) -> tuple[SimResult, dict]:
+    """Simulate ``cfg``; returns the result and a dict of derived facts (slots, MiB, bytes)."""
+    model = model or _model(cfg)
+    hw = hardware or load_hardware(cfg.hardware)
+    if tokens is None:
+        trace, tokens = load_tokens(cfg, model)
+        counts = trace.routing_counts(None if cfg.phase == "all" else cfg.phase)
+    else:
+        counts = None
+    geometry = model.geometry()
+    capacity = build_capacity(cfg, model, hw)
+    options = {}
+    if cfg.policy == "hybrid":
+        options["adaptive"] = cfg.adaptive
+        if cfg.miss_fraction is not None:
+            options["miss_frac_256"] = int(round(cfg.miss_fraction * 256))
+    profile = None
+    if cfg.policy == "static":
+        if counts is None:
+            counts = _counts(tokens, geometry)
+        profile = Profile.from_counts(counts)
+    future = [s for t in tokens for s in t.steps] if cfg.policy == "belady" else None
+    try:
+        policy = make_policy(cfg.policy, geometry, capacity, profile=profile, future=future, **options)
+    except ValueError as e:
+        raise SimError(f"policy {cfg.policy}: {e}") from None
+    costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned))
+    audit = Audit(geometry, keep_records=False)
+    result = Simulator(costs, record=record).run(drive(policy, tokens, cfg.lag_tokens), audit)
+    slots = capacity.min_slots_per_layer(geometry) if cfg.policy != "gpu" else geometry.max_experts
+    info = {"slots_per_layer": slots, "cache_mib": capacity.slot_bytes(geometry) / 2**20,
+            "expert_bytes": model.expert_bytes(model.num_layers - 1), "num_experts": model.num_experts,
+            "model_expert_mib": model.total_expert_bytes() / 2**20}
+    return result, info
+
+
+def _counts(tokens, geometry) -> np.ndarray:
+    counts = np.zeros((geometry.num_layers, geometry.max_experts), dtype=np.int64)
+    for t in tokens:
+        for s in t.steps:
+            counts[s.layer, list(s.experts)] += 1
+    return counts
