@@ -10,11 +10,18 @@ import numpy as np
 
 from .core import Capacity, Geometry
 
-__all__ = ["Cache"]
+__all__ = ["Cache", "ABSENT", "INFLIGHT", "RESIDENT"]
+
+
+ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 
 
 class Cache:
-    """Slots of every pool; ``(layer, expert)`` keys."""
+    """Slots of every pool; ``(layer, expert)`` keys.
+
+    ``state[layer][expert]`` is ABSENT, INFLIGHT or RESIDENT (a bytearray per layer, fast to
+    read from Python); ``resident_mask`` / ``inflight_mask`` are numpy views for vector work.
+    """
 
     def __init__(self, geometry: Geometry, capacity: Capacity):
         self.geometry = geometry
@@ -26,13 +33,28 @@ class Cache:
         self.owner: list[list[tuple[int, int] | None]] = [[None] * n for n in self.size]
         self.slot: dict[tuple[int, int], int] = {}
         self.inflight: set[tuple[int, int]] = set()
-        shape = (geometry.num_layers, max(geometry.max_experts, 1))
-        self.resident_mask = np.zeros(shape, dtype=bool)  # resident (not in flight)
-        self.inflight_mask = np.zeros(shape, dtype=bool)
+        width = max(geometry.max_experts, 1)
+        self._buf = bytearray(geometry.num_layers * width)
+        self._view = np.frombuffer(self._buf, dtype=np.uint8).reshape(geometry.num_layers, width)
+        self.state = [memoryview(self._buf)[l * width:(l + 1) * width] for l in range(geometry.num_layers)]
+
+    @property
+    def resident_mask(self) -> np.ndarray:
+        """(layers, max_experts) bool: resident and not in flight (a fresh array)."""
+        return self._view == RESIDENT
+
+    @property
+    def inflight_mask(self) -> np.ndarray:
+        return self._view == INFLIGHT
+
+    @property
+    def occupied_mask(self) -> np.ndarray:
+        """Resident or in flight."""
+        return self._view != ABSENT
 
     # queries -------------------------------------------------------------------------------
     def is_resident(self, key: tuple[int, int]) -> bool:
-        return key in self.slot and key not in self.inflight
+        return self.state[key[0]][key[1]] == RESIDENT
 
     def num_free(self, layer: int) -> int:
         p = self.pool_of[layer]
@@ -45,7 +67,10 @@ class Cache:
     def free_slots(self, layer: int, n: int) -> list[int]:
         """The ``n`` slots ``reserve`` would take next, without taking them."""
         p = self.pool_of[layer]
-        return self.free[p][::-1][:n] if p >= 0 else []
+        if p < 0 or n <= 0:
+            return []
+        free = self.free[p]
+        return free[: -n - 1: -1] if n < len(free) else free[::-1]
 
     def residents(self) -> list[tuple[int, int]]:
         return sorted(k for k in self.slot if k not in self.inflight)
@@ -69,15 +94,15 @@ class Cache:
         self.owner[p][slot] = key
         self.slot[key] = slot
         self.inflight.add(key)
-        self.inflight_mask[key] = True
+        self.state[key[0]][key[1]] = INFLIGHT
 
     def complete(self, key: tuple[int, int]) -> None:
         """The copy of ``key`` has finished: it becomes resident."""
-        if key not in self.inflight:
-            raise ValueError(f"completion for {key}, which is not in flight")
-        self.inflight.discard(key)
-        self.inflight_mask[key] = False
-        self.resident_mask[key] = True
+        try:
+            self.inflight.remove(key)
+        except KeyError:
+            raise ValueError(f"completion for {key}, which is not in flight") from None
+        self.state[key[0]][key[1]] = RESIDENT
 
     def place(self, key: tuple[int, int], slot: int) -> None:
         """Reserve and complete at once (pre-population)."""
@@ -92,7 +117,24 @@ class Cache:
         p = self.pool_of[key[0]]
         self.owner[p][slot] = None
         self.free[p].append(slot)
-        self.resident_mask[key] = False
+        self.state[key[0]][key[1]] = ABSENT
+        return slot
+
+    def replace(self, old: tuple[int, int], new: tuple[int, int]) -> int:
+        """Evict resident ``old`` and put ``new`` in flight into its slot (one step of both)."""
+        p = self.pool_of[old[0]]
+        if self.pool_of[new[0]] != p:
+            raise ValueError(f"replace: {old} and {new} are in different pools")
+        if self.state[old[0]][old[1]] != RESIDENT:
+            raise ValueError(f"cannot evict {old}: it is not resident")
+        if new in self.slot:
+            raise ValueError(f"expert {new} already holds slot {self.slot[new]}")
+        slot = self.slot.pop(old)
+        self.state[old[0]][old[1]] = ABSENT
+        self.owner[p][slot] = new
+        self.slot[new] = slot
+        self.inflight.add(new)
+        self.state[new[0]][new[1]] = INFLIGHT
         return slot
 
     def check(self) -> None:
@@ -106,6 +148,7 @@ class Cache:
                 assert owners[s] is None, f"pool {p}: free slot {s} is occupied"
         for key, slot in self.slot.items():
             assert self.owner[self.pool_of[key[0]]][slot] == key, f"{key}: slot map disagrees"
-            assert self.resident_mask[key] == (key not in self.inflight)
+            want = INFLIGHT if key in self.inflight else RESIDENT
+            assert self.state[key[0]][key[1]] == want, f"{key}: state disagrees"
         assert self.inflight <= self.slot.keys()
-        assert int(self.resident_mask.sum()) == len(self.slot) - len(self.inflight)
+        assert int((self._view != ABSENT).sum()) == len(self.slot)

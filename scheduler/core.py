@@ -15,7 +15,7 @@ Time never appears here: backends pass completions back, the scheduler never rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, NamedTuple, Protocol, Sequence
 
 __all__ = [
     "Geometry",
@@ -207,9 +207,9 @@ class Token:
     num_tokens: int = 1
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """A policy's answer to one step.
+class Decision(NamedTuple):
+    """A policy's answer to one step (immutable; a NamedTuple because one is built per
+    layer-step, where a frozen dataclass costs twice as much to construct).
 
     Every expert of the step appears exactly once in ``hits + uploads + streams + cpu``.
     ``uploads[i]`` goes into slot ``slots[i]`` of the layer's pool and is resident once its
@@ -235,8 +235,7 @@ class Decision:
         return self.step.layer
 
 
-@dataclass(frozen=True, slots=True)
-class Move:
+class Move(NamedTuple):
     """Background upload of ``(layer, expert)`` into ``slot``: a fill when ``victim`` is None,
     else a swap that evicts ``victim`` at commit. ``gain`` is what ranked it."""
 

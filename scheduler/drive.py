@@ -1,5 +1,7 @@
 """The one loop that drives a policy over a trace, for every backend.
 
+Work items are immutable NamedTuples (one is built per layer-step).
+
 ``drive`` is a generator of work items. A backend consumes them in order and does the work:
 the simulator in simulated time, the executor for real, ``replay`` not at all. The loop, not the
 backend, passes completions back to the policy, at points fixed by the trace, so the same trace
@@ -13,16 +15,14 @@ and policy give the same decisions whatever the backend's speed:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Iterator, NamedTuple, Union
 
 from .core import Decision, Move, Policy, Step, Token
 
 __all__ = ["RunLayer", "StartBackground", "AwaitBackground", "EndToken", "Item", "drive", "replay"]
 
 
-@dataclass(frozen=True, slots=True)
-class RunLayer:
+class RunLayer(NamedTuple):
     """Run one step as decided: hits, uploads and streams on the GPU, cpu on the CPU pool; then
     copy each promoted expert from scratch into its slot."""
 
@@ -31,23 +31,20 @@ class RunLayer:
     decision: Decision
 
 
-@dataclass(frozen=True, slots=True)
-class StartBackground:
+class StartBackground(NamedTuple):
     """Start these background copies (fills and swaps) on the copy stream."""
 
     token: Token
     moves: tuple[Move, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class AwaitBackground:
+class AwaitBackground(NamedTuple):
     """Block until these background copies have finished; they become resident after."""
 
     moves: tuple[Move, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class EndToken:
+class EndToken(NamedTuple):
     token: Token
 
 

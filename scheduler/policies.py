@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .cache import Cache
+from .cache import INFLIGHT, RESIDENT, Cache
 from .core import Capacity, CapacityError, Decision, Geometry, Move, Step
 from .profile import Profile
 
@@ -151,20 +151,14 @@ class _UploadEveryMiss(BasePolicy):
     def plan(self, step: Step) -> Decision:
         layer = step.layer
         cache = self.cache
-        slot_of, inflight = cache.slot, cache.inflight
+        state = cache.state[layer]
         hits, misses = [], []
         for e in step.experts:
-            key = (layer, e)
-            if key in slot_of and key not in inflight:
-                hits.append(e)
-            else:
-                misses.append(e)
+            (hits if state[e] == RESIDENT else misses).append(e)
         if not misses:
             return Decision(step, step.experts)
-        p = cache.pool_of[layer]
-        free = cache.free[p]
-        n_free = len(free)
-        slots = free[::-1][: len(misses)] if n_free else []
+        slot_of = cache.slot
+        slots = cache.free_slots(layer, len(misses))
         evictions: list[tuple[int, int]] = []
         need = len(misses) - len(slots)
         if need > 0:
@@ -183,12 +177,15 @@ class _UploadEveryMiss(BasePolicy):
 
     def commit(self, d: Decision) -> None:
         cache = self.cache
-        for v in d.evictions:
-            cache.evict(v)
-            self._evicted(v)
         layer = d.layer
-        for e, s in zip(d.uploads, d.slots):
-            cache.reserve((layer, e), s)
+        n_free = len(d.uploads) - len(d.evictions)
+        for i, e in enumerate(d.uploads):
+            if i < n_free:
+                cache.reserve((layer, e), d.slots[i])
+            else:
+                v = d.evictions[i - n_free]
+                cache.replace(v, (layer, e))
+                self._evicted(v)
         self._touch(layer, d)
 
     def _victims(self, layer: int, need: int, used: set[int]) -> list[tuple[int, int]]:
@@ -218,9 +215,9 @@ class LruPolicy(_UploadEveryMiss):
 
     def _victims(self, layer, need, used):
         out = []
-        inflight = self.cache.inflight
+        state = self.cache.state
         for key in self.order[self.cache.pool_of[layer]]:
-            if (key[0] == layer and key[1] in used) or key in inflight:
+            if (key[0] == layer and key[1] in used) or state[key[0]][key[1]] != RESIDENT:
                 continue
             out.append(key)
             if len(out) == need:
@@ -229,16 +226,17 @@ class LruPolicy(_UploadEveryMiss):
 
     def _touch(self, layer, d):
         order = self.order[self.cache.pool_of[layer]]
+        to_end = order.move_to_end
         if not d.uploads:
             for e in d.hits:
-                order.move_to_end((layer, e))
+                to_end((layer, e))
             return
-        uploaded = set(d.uploads)
         for e in d.step.experts:
-            if e in uploaded:
-                order[(layer, e)] = None
-            elif (layer, e) in order:
-                order.move_to_end((layer, e))
+            key = (layer, e)
+            if key in order:
+                to_end(key)
+            elif e in d.uploads:
+                order[key] = None
 
 
 class FreqLruPolicy(_UploadEveryMiss):
@@ -288,12 +286,11 @@ class StaticPolicy(BasePolicy):
         super().__init__(geometry, capacity, profile)
 
     def plan(self, step: Step) -> Decision:
-        layer = step.layer
-        mask = self.cache.resident_mask[layer]
-        hits = tuple(e for e in step.experts if mask[e])
+        state = self.cache.state[step.layer]
+        hits = tuple(e for e in step.experts if state[e] == RESIDENT)
         if len(hits) == len(step.experts):
             return Decision(step, hits)
-        return Decision(step, hits, cpu=tuple(e for e in step.experts if not mask[e]))
+        return Decision(step, hits, cpu=tuple(e for e in step.experts if state[e] != RESIDENT))
 
     def commit(self, decision: Decision) -> None:
         pass
@@ -328,38 +325,51 @@ class HybridPolicy(BasePolicy):
         self.swap_every, self.max_moves = swap_every, max_moves
         self.gate, self.margin, self.decay = gate, margin, decay
         self.max_fills = max_fills
-        self.usage = np.zeros((geometry.num_layers, max(geometry.max_experts, 1)))
-        self._usage_rows = [self.usage[l] for l in range(geometry.num_layers)]
+        # usage: one float64 buffer, read and bumped per step through memoryview rows (fast
+        # from Python), decayed and ranked through a numpy view of the same memory.
+        width = max(geometry.max_experts, 1)
+        self._buf = bytearray(8 * geometry.num_layers * width)
+        self._u = [memoryview(self._buf)[8 * width * l: 8 * width * (l + 1)].cast("d") for l in range(geometry.num_layers)]
+        self._np = np.frombuffer(self._buf, dtype=np.float64).reshape(geometry.num_layers, width)
         self.missed: dict[tuple[int, int], None] = {}  # this token's misses, in order
         self.tokens = 0
         self.background: set[tuple[int, int]] = set()  # background copies in flight
         super().__init__(geometry, capacity, profile)
+        pool_of = self.cache.pool_of
+        self._valid = np.zeros((geometry.num_layers, width), dtype=bool)  # may be cached
+        for l, n in enumerate(geometry.num_experts):
+            if pool_of[l] >= 0 and self.cache.size[pool_of[l]] > 0:
+                self._valid[l, :n] = True
+
+    @property
+    def usage(self) -> np.ndarray:
+        """Decayed routing counts, (layers, max_experts): every committed step adds its token
+        counts; each swap round multiplies all by ``decay`` once it is committed. A copy."""
+        return self._np.copy()
 
     def plan(self, step: Step) -> Decision:
         layer = step.layer
-        cache = self.cache
-        mask = cache.resident_mask[layer]
+        state = self.cache.state[layer]
         experts = step.experts
         hits, misses = [], []
         for e in experts:
-            (hits if mask[e] else misses).append(e)
+            (hits if state[e] == RESIDENT else misses).append(e)
         if not misses:
-            return Decision(step, step.experts)
+            return Decision(step, experts)
         n_pcie = (len(misses) * self.miss_frac_256 + 128) >> 8
         if n_pcie == 0:
             return Decision(step, tuple(hits), cpu=tuple(misses))
-        inflight = cache.inflight_mask[layer]
-        eligible = [e for e in misses if not inflight[e]]
-        u = self._usage_rows[layer]
-        if step.counts is None:
-            eligible.sort(key=lambda e: -u[e])  # stable: router rank breaks ties
-        else:
-            cnt = dict(zip(experts, step.counts))
-            eligible.sort(key=lambda e: (-cnt[e], -u[e]))
+        eligible = [e for e in misses if state[e] != INFLIGHT]
+        if len(eligible) > n_pcie:
+            u = self._u[layer]
+            if step.counts is None:
+                eligible.sort(key=lambda e: -u[e])  # stable: router rank breaks ties
+            else:
+                cnt = dict(zip(experts, step.counts))
+                eligible.sort(key=lambda e: (-cnt[e], -u[e]))
         pcie = eligible[:n_pcie]
-        chosen = set(pcie)
-        cpu = tuple(e for e in misses if e not in chosen)
-        slots = cache.free_slots(layer, len(pcie))
+        cpu = tuple(e for e in misses if e not in pcie)
+        slots = self.cache.free_slots(layer, len(pcie))
         n_up = len(slots)
         return Decision(step, tuple(hits), uploads=tuple(pcie[:n_up]), slots=tuple(slots),
                         streams=tuple(pcie[n_up:]), cpu=cpu)
@@ -369,17 +379,17 @@ class HybridPolicy(BasePolicy):
         cache = self.cache
         for e, s in zip(d.uploads, d.slots):
             cache.reserve((layer, e), s)
-        u = self._usage_rows[layer]
-        for e in d.hits:
-            u[e] += 1
-        for e in d.uploads:
-            u[e] += 1
+        u = self._u[layer]
+        if d.step.counts is None:
+            for e in d.step.experts:
+                u[e] += 1.0
+        else:
+            for e, c in zip(d.step.experts, d.step.counts):
+                u[e] += c
         missed = self.missed
         for e in d.streams:
-            u[e] += 1
             missed[(layer, e)] = None
         for e in d.cpu:
-            u[e] += 1
             missed[(layer, e)] = None
 
     def complete(self, layer: int, expert: int) -> None:
@@ -395,10 +405,10 @@ class HybridPolicy(BasePolicy):
         free_left = [len(f) for f in cache.free]
         fills: list[Move] = []
         taken: set[tuple[int, int]] = set()
-        if self.adaptive and self.missed:
-            usage = self.usage
+        if self.adaptive and self.missed and any(free_left):
+            u = self._u
             cands = [k for k in self.missed if k not in cache.slot and cache.pool_of[k[0]] >= 0]
-            cands.sort(key=lambda k: -usage[k])
+            cands.sort(key=lambda k: -u[k[0]][k[1]])
             for k in cands:
                 if len(fills) == self.max_fills:
                     break
@@ -407,57 +417,68 @@ class HybridPolicy(BasePolicy):
                     continue
                 slot = cache.free[p][free_left[p] - 1]
                 free_left[p] -= 1
-                fills.append(Move(k[0], k[1], slot, None, float(usage[k])))
+                fills.append(Move(k[0], k[1], slot, None, u[k[0]][k[1]]))
                 taken.add(k)
         moves = self._swap_round(free_left, taken) if self._swap_due() else []
         return tuple(fills) + tuple(moves)
 
     def _swap_round(self, free_left: list[int], taken: set[tuple[int, int]]) -> list[Move]:
+        """Plan one swap round (see the class docstring); vectorised over layers.
+
+        Candidates of a layer are ranked by usage descending, victims ascending, ties by expert
+        id. A pool's free slots go to its best candidates (merged across the pool's layers);
+        the layer's next candidates pair with its victims in order while candidate >= victim +
+        margin. All moves are ranked by gain descending, ties by layer then expert, and cut.
+        """
         cache = self.cache
-        usage = self.usage
-        busy = cache.resident_mask | cache.inflight_mask
-        moves: list[Move] = []
+        U = self._np
+        cand = self._valid & ~cache.occupied_mask & (U >= self.gate)
+        for l, e in taken:
+            cand[l, e] = False
+        resident = self._valid & cache.resident_mask
+        ncand, nvict = cand.sum(1), resident.sum(1)
+        cu = np.where(cand, U, -np.inf)
+        corder = np.argsort(-cu, axis=1, kind="stable")
+        cs = np.take_along_axis(cu, corder, 1)
+        vu = np.where(resident, U, np.inf)
+        vorder = np.argsort(vu, axis=1, kind="stable")
+        vs = np.take_along_axis(vu, vorder, 1)
+        # fills into free slots: f[l] of layer l's best candidates
+        f = np.zeros(len(U), dtype=np.int64)
+        fills = []  # (gain, layer, expert, slot)
         for p, (layers, _) in enumerate(self.capacity.pools):
-            pool_cands = []
-            victims_by_layer = {}
-            for l in layers:
-                n = self.geometry.num_experts[l]
-                u = usage[l, :n]
-                c = np.flatnonzero(~busy[l, :n] & (u >= self.gate))
-                c = [int(e) for e in c[np.argsort(-u[c], kind="stable")] if (l, int(e)) not in taken]
-                pool_cands.extend((float(u[e]), l, e) for e in c)
-                v = np.flatnonzero(cache.resident_mask[l, :n])
-                victims_by_layer[l] = [int(e) for e in v[np.argsort(u[v], kind="stable")]]
-            pool_cands.sort(key=lambda t: -t[0])  # stable: layer order, then usage order
             n_free = free_left[p]
+            if n_free == 0:
+                continue
+            pool = [(-float(cs[l, i]), l, int(corder[l, i])) for l in layers for i in range(min(n_free, int(ncand[l])))]
+            pool.sort()
             free = cache.free[p]
-            rest = []
-            for i, (g, l, e) in enumerate(pool_cands):
-                if i < n_free:
-                    moves.append(Move(l, e, free[n_free - 1 - i], None, g))
-                else:
-                    rest.append((g, l, e))
-            nxt = {l: 0 for l in layers}
-            for g, l, e in rest:
-                vs = victims_by_layer[l]
-                j = nxt[l]
-                if j >= len(vs):
-                    continue
-                v = vs[j]
-                gain = g - float(usage[l, v])
-                if gain < self.margin:
-                    continue
-                nxt[l] = j + 1
-                moves.append(Move(l, e, cache.slot[(l, v)], (l, v), gain))
-        moves.sort(key=lambda m: -m.gain)
-        return moves[: self.max_moves]
+            for i, (g, l, e) in enumerate(pool[:n_free]):
+                f[l] += 1
+                fills.append((-g, l, e, free[n_free - 1 - i]))
+        # swaps: candidate f[l] + j of layer l against victim j
+        j = np.arange(U.shape[1])
+        ci = f[:, None] + j
+        pair = (ci < ncand[:, None]) & (j < nvict[:, None])
+        gain = np.take_along_axis(cs, np.minimum(ci, U.shape[1] - 1), 1) - vs
+        ok = pair & (gain >= self.margin)
+        ls, js = np.nonzero(ok)
+        rows = [(float(gain[l, i]), int(l), int(corder[l, f[l] + i]), int(vorder[l, i])) for l, i in zip(ls, js)]
+        ranked = sorted([(-g, l, e, s, None) for g, l, e, s in fills] + [(-g, l, e, None, v) for g, l, e, v in rows])
+        moves = []
+        for g, l, e, s, v in ranked[: self.max_moves]:
+            if v is None:
+                moves.append(Move(l, e, s, None, -g))
+            else:
+                moves.append(Move(l, e, cache.slot[(l, v)], (l, v), -g))
+        return moves
 
     def commit_background(self, moves: tuple[Move, ...]) -> None:
         swap_round = self._swap_due()
         super().commit_background(moves)
         self.background.update((m.layer, m.expert) for m in moves)
         if swap_round:
-            self.usage *= self.decay
+            self._np *= self.decay
         self.missed.clear()
         self.tokens += 1
 

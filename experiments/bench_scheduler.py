@@ -1,0 +1,88 @@
+"""Layer-steps decided per second by the scheduler, on one core, for hybrid and lru.
+
+A 48-layer, 128-expert, top-8 synthetic trace (traces.synth's qwen3-30b-a3b preset when
+available) is replayed through scheduler.replay with no timing; each policy runs in the same
+process, side by side. Usage: python experiments/bench_scheduler.py [--tokens N] [--slots S] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from scheduler import Audit, Capacity, Geometry, Step, Token, make_policy, replay
+
+
+def synthetic_tokens(num_tokens: int, seed: int) -> list[Token]:
+    """The qwen3-30b-a3b synthetic preset when traces.synth provides it, else Zipf + reuse."""
+    try:
+        from traces import synth
+
+        geometry, params = synth.PRESETS["qwen3-30b-a3b"][:2]
+        trace = synth.generate(48, 128, 8, num_tokens, params, np.random.default_rng(seed))
+        return list(trace.tokens())
+    except (ImportError, KeyError, AttributeError, TypeError):
+        pass
+    rng = np.random.default_rng(seed)
+    pop = rng.dirichlet(np.full(128, 0.3), size=48)
+    toks, prev = [], None
+    for t in range(num_tokens):
+        steps = []
+        for l in range(48):
+            if prev is not None and rng.random() < 0.5:
+                keep = list(prev[l][: rng.integers(2, 7)])
+            else:
+                keep = []
+            rest = [int(e) for e in rng.choice(128, 16, replace=False, p=pop[l]) if e not in keep]
+            steps.append(Step(l, tuple(keep + rest)[:8]))
+        prev = [s.experts for s in steps]
+        toks.append(Token(t, 0, t, "decode", tuple(steps)))
+    return toks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--slots", type=int, default=32, help="cache slots per layer")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    tokens = synthetic_tokens(args.tokens, args.seed)
+    geometry = Geometry.uniform(48, 128, 8, 5_000_000)
+    capacity = Capacity.per_layer(geometry, args.slots)
+    steps = sum(len(t.steps) for t in tokens)
+    results = {}
+    for name in ("hybrid", "lru", "static", "cpu"):
+        best = float("inf")
+        for _ in range(args.repeats):
+            kw = {}
+            if name == "static":
+                from scheduler import Profile
+
+                counts = np.zeros((48, 128))
+                for t in tokens:
+                    for s in t.steps:
+                        counts[s.layer, list(s.experts)] += 1
+                kw["profile"] = Profile.from_counts(counts)
+            policy = make_policy(name, geometry, capacity, **kw)
+            audit = Audit(geometry, keep_records=False)
+            t0 = time.perf_counter()
+            replay(policy, tokens, audit=audit)
+            best = min(best, time.perf_counter() - t0)
+        results[name] = {"layer_steps_per_s": steps / best, "hit_rate": audit.summary()["hit_rate"]}
+    out = {"tokens": args.tokens, "layer_steps": steps, "slots_per_layer": args.slots, "policies": results,
+           "hybrid_over_lru": results["hybrid"]["layer_steps_per_s"] / results["lru"]["layer_steps_per_s"]}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{steps} layer-steps ({args.tokens} tokens x 48 layers, top-8, {args.slots} slots/layer), best of {args.repeats}, one core")
+        for name, r in results.items():
+            print(f"  {name:<7} {r['layer_steps_per_s']:>10,.0f} layer-steps/s   hit rate {r['hit_rate']:.3f}")
+        print(f"  hybrid/lru speed ratio {out['hybrid_over_lru']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
