@@ -7,6 +7,7 @@ the SimPy engine. A trace's geometry must match the model's (layers, experts per
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -81,8 +82,17 @@ def _model(cfg: SimConfig) -> ModelSpec:
 
 
 def load_tokens(cfg: SimConfig, model: ModelSpec):
-    """The trace for ``cfg`` as (trace object, token list); the geometry is checked against ``model``."""
+    """The trace rows of ``cfg`` as a tuple of scheduler tokens; the geometry is checked against ``model``.
+
+    Cached per process (tokens are immutable), so a sweep loads each trace once per worker."""
+    return _load_tokens(cfg.trace, cfg.phase, cfg.tokens, cfg.synth_tokens, cfg.seed, model)
+
+
+@lru_cache(maxsize=4)
+def _load_tokens(trace_arg, phase_arg, limit, synth_tokens, seed, model: ModelSpec):
     import traces
+
+    cfg = SimConfig(trace=trace_arg, phase=phase_arg, tokens=limit, synth_tokens=synth_tokens, seed=seed)
 
     if cfg.trace == "synth":
         from traces import synth
@@ -104,10 +114,10 @@ def load_tokens(cfg: SimConfig, model: ModelSpec):
             f"model {model.name} ({len(want[0])} layers x {max(want[0])} experts top-{want[1]}); pick the model "
             f"the trace was recorded on, or --trace synth for a synthetic trace of the model's geometry")
     phase = None if cfg.phase == "all" else cfg.phase
-    toks = list(trace.tokens(phase=phase, limit=cfg.tokens))
+    toks = tuple(trace.tokens(phase=phase, limit=cfg.tokens))
     if not toks:
         raise SimError(f"{cfg.trace or 'bundled trace'}: no {cfg.phase} rows to simulate")
-    return trace, toks
+    return toks
 
 
 def build_capacity(cfg: SimConfig, model: ModelSpec, hw: Hardware) -> Capacity:
@@ -134,10 +144,7 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     model = model or _model(cfg)
     hw = hardware or load_hardware(cfg.hardware)
     if tokens is None:
-        trace, tokens = load_tokens(cfg, model)
-        counts = trace.routing_counts(None if cfg.phase == "all" else cfg.phase)
-    else:
-        counts = None
+        tokens = load_tokens(cfg, model)
     geometry = model.geometry()
     capacity = build_capacity(cfg, model, hw)
     options = {}
@@ -147,9 +154,7 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
             options["miss_frac_256"] = int(round(cfg.miss_fraction * 256))
     profile = None
     if cfg.policy == "static":
-        if counts is None:
-            counts = _counts(tokens, geometry)
-        profile = Profile.from_counts(counts)
+        profile = Profile.from_counts(_counts(tokens, geometry))  # oracle: the replayed tokens' own counts
     future = [s for t in tokens for s in t.steps] if cfg.policy == "belady" else None
     try:
         policy = make_policy(cfg.policy, geometry, capacity, profile=profile, future=future, **options)

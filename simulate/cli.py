@@ -1,0 +1,151 @@
+"""``moelab simulate`` and ``moelab sweep``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .hardware import HardwareError, hardware_presets
+from .models import MODEL_PRESETS
+from .run import SimConfig, SimError, run
+
+__all__ = ["simulate_main", "sweep_main"]
+
+DEFAULTS = SimConfig()
+
+
+def _cache_mib(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB or 'auto', got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected MiB >= 0, got {text}")
+    return v
+
+
+def _common(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trace", default=None,
+                    help="trace directory/file (default: the bundled granite-3.0-1b-a400m trace), or 'synth' "
+                         "for a synthetic trace of the model's geometry")
+    ap.add_argument("--phase", choices=("decode", "prefill", "all"), default="decode",
+                    help="which trace rows to replay (default decode)")
+    ap.add_argument("--tokens", type=int, default=None, help="replay at most N rows")
+    ap.add_argument("--quant", default=None, help="expert quant type, overriding the model preset's (e.g. Q4_K)")
+    ap.add_argument("--synth-tokens", type=int, default=DEFAULTS.synth_tokens, help="rows of a synthetic trace")
+    ap.add_argument("--seed", type=int, default=0, help="seed of a synthetic trace")
+    ap.add_argument("--no-adaptive", action="store_true", help="hybrid without background fills and swaps")
+    ap.add_argument("--pageable", action="store_true", help="uploads from pageable (not pinned) host memory")
+    ap.add_argument("--lag-tokens", type=int, default=1, help="tokens a background copy may overlap (default 1)")
+
+
+def simulate_main(argv: list[str]) -> int:
+    """Simulate one configuration and print its summary (or JSON)."""
+    ap = argparse.ArgumentParser(
+        prog="moelab simulate",
+        description="Simulate decode of a routing trace under a cache policy on a hardware preset. With no "
+                    "arguments: the bundled granite-3.0-1b-a400m trace, its model in f16 (2.25 GiB of experts) "
+                    "with a 512 MiB expert cache (7 of 32 experts per layer) on the RTX 4060 Laptop preset, hybrid.")
+    _common(ap)
+    ap.add_argument("--model", default=DEFAULTS.model,
+                    help=f"model preset ({', '.join(MODEL_PRESETS)}) or a .gguf file")
+    ap.add_argument("--hardware", default=DEFAULTS.hardware,
+                    help=f"hardware preset ({', '.join(hardware_presets())}) or a JSON file")
+    ap.add_argument("--policy", default=DEFAULTS.policy, help="cpu, gpu, lru, freq-lru, static, hybrid, belady")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--cache-slots", type=int, default=None, help="expert cache slots per MoE layer")
+    size.add_argument("--cache-mib", type=_cache_mib, default=None,
+                      help=f"expert cache budget in MiB, or 'auto' (default {DEFAULTS.cache_mib:g})")
+    ap.add_argument("--miss-fraction", type=float, default=None,
+                    help="hybrid: share of a layer's distinct misses sent over PCIe (default 44/256 = 0.17)")
+    ap.add_argument("--timeline", default=None, help="write a Chrome-trace JSON (Perfetto) of the run here")
+    ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        cfg = SimConfig(
+            model=args.model, hardware=args.hardware, policy=args.policy, cache_slots=args.cache_slots,
+            cache_mib=DEFAULTS.cache_mib if args.cache_mib is None else args.cache_mib,
+            miss_fraction=args.miss_fraction, adaptive=not args.no_adaptive, tokens=args.tokens, trace=args.trace,
+            phase=args.phase, expert_quant=args.quant, synth_tokens=args.synth_tokens, seed=args.seed,
+            lag_tokens=args.lag_tokens, pinned=not args.pageable)
+        result, info = run(cfg, record=bool(args.timeline))
+    except (SimError, HardwareError, ValueError, OSError) as e:
+        print(f"moelab simulate: {e}", file=sys.stderr)
+        return 2
+    s = result.summary()
+    if args.timeline:
+        from .timeline import write_chrome_trace
+
+        n = write_chrome_trace(result.events, args.timeline, title=f"{cfg.model} / {cfg.hardware} / {cfg.policy}")
+        print(f"timeline: {n} spans -> {args.timeline}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"config": cfg.as_row(), **info, **s}, sort_keys=True))
+        return 0
+    print(f"{cfg.model} ({info['model_expert_mib'] / 1024:.2f} GiB of experts) on {cfg.hardware}, policy {cfg.policy}, "
+          f"cache {info['cache_mib']:.0f} MiB = {info['slots_per_layer']}/{info['num_experts']} experts per layer")
+    print(f"  {s['tokens']} tokens: {s['tokens_per_s']:.1f} tokens/s simulated, analytic bound "
+          f"{s['bound_tokens_per_s']:.1f} tokens/s; p50 {s['p50_token_s'] * 1e3:.2f} ms, p99 {s['p99_token_s'] * 1e3:.2f} ms")
+    print(f"  hit rate {s['hit_rate']:.1%}; uploads {s['uploads']}, streams {s['streams']}, CPU experts "
+          f"{s['cpu_experts']}, fills {s['fills']}, swaps {s['swaps']}; {s['upload_bytes'] / 2**20:.0f} MiB over PCIe")
+    print(f"  busy: GPU {s['gpu_busy']:.0%}, PCIe {s['pcie_busy']:.0%}, CPU {s['cpu_busy']:.0%}")
+    return 0
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def sweep_main(argv: list[str]) -> int:
+    """Run the product of the given axes into a resumable CSV, then plot it."""
+    from .sweep import Sweep, expand, plot_results
+
+    ap = argparse.ArgumentParser(
+        prog="moelab sweep",
+        description="Simulate cache sizes x policies x miss fractions x hardware x models; one CSV row per "
+                    "config, resumable (finished configs are skipped), plots of tokens/s and hit rate.")
+    _common(ap)
+    ap.add_argument("--models", type=_names, default=[DEFAULTS.model], help="comma-separated model presets")
+    ap.add_argument("--hardware", type=_names, default=[DEFAULTS.hardware], help="comma-separated hardware presets")
+    ap.add_argument("--policies", type=_names, default=["lru", "hybrid", "static", "cpu"],
+                    help="comma-separated policies")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--cache-mib", type=_floats, default=None, help="comma-separated cache budgets in MiB")
+    size.add_argument("--cache-slots", type=_floats, default=None, help="comma-separated slots per layer")
+    ap.add_argument("--miss-fractions", type=_floats, default=[44 / 256], help="hybrid miss fractions, comma-separated")
+    ap.add_argument("--out", default="sweep", help="output directory (results.csv and PNG plots)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local worker processes")
+    ap.add_argument("--dask", default=None, metavar="ADDRESS", help="run on a Dask distributed scheduler instead")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    unit = "slots" if args.cache_slots is not None else "mib"
+    caches = args.cache_slots if unit == "slots" else (args.cache_mib or [256.0, 512.0, 1024.0, 1536.0])
+    common = dict(adaptive=not args.no_adaptive, tokens=args.tokens, trace=args.trace, phase=args.phase,
+                  expert_quant=args.quant, synth_tokens=args.synth_tokens, seed=args.seed, lag_tokens=args.lag_tokens,
+                  pinned=not args.pageable)
+    out = Path(args.out)
+    try:
+        configs = expand(args.models, args.hardware, args.policies, caches, args.miss_fractions, unit, **common)
+        out.mkdir(parents=True, exist_ok=True)
+        sweep = Sweep(out / "results.csv")
+    except (ValueError, OSError) as e:
+        print(f"moelab sweep: {e}", file=sys.stderr)
+        return 2
+    before = len(sweep.done())
+    ran = sweep.run(configs, jobs=max(1, args.jobs), dask_address=args.dask)
+    print(f"{len(configs)} configs: {ran} run, {len(configs) - ran} already in {out / 'results.csv'} "
+          f"({before} rows before)", file=sys.stderr)
+    errors = [r for r in sweep.rows if r.get("error")]
+    for r in errors[:5]:
+        print(f"  config {r['key']} ({r['model']}, {r['policy']}): {r['error']}", file=sys.stderr)
+    if not args.no_plots:
+        for p in plot_results(sweep.rows, out, unit):
+            print(f"plot: {p}", file=sys.stderr)
+    return 0

@@ -1,0 +1,216 @@
+"""Sweeps: many SimConfigs, in parallel, appended to a CSV one row per config, resumable.
+
+A row holds the config's fields, a ``key`` naming the config, and the result summary. On start
+the CSV is read, any torn last line dropped (the file is rewritten atomically), and configs whose
+key is present are skipped. Each finished row is appended with one write and a flush, so an
+interrupted sweep keeps every row it finished.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from .run import SimConfig, SimError, run
+
+__all__ = ["expand", "config_key", "run_row", "Sweep", "RESULT_FIELDS", "plot_results"]
+
+RESULT_FIELDS = ("tokens", "tokens_per_s", "bound_tokens_per_s", "hit_rate", "upload_bytes", "hits", "uploads",
+                 "streams", "cpu_experts", "fills", "swaps", "p50_token_s", "p99_token_s", "gpu_busy", "pcie_busy",
+                 "cpu_busy", "simulated_s", "slots_per_layer", "cache_mib_used", "error")
+CONFIG_FIELDS = tuple(f.name for f in fields(SimConfig))
+COLUMNS = ("key",) + CONFIG_FIELDS + RESULT_FIELDS
+
+
+def expand(models: Sequence[str], hardware: Sequence[str], policies: Sequence[str],
+           caches: Sequence[float], miss_fractions: Sequence[float | None], cache_unit: str = "mib",
+           **common) -> list[SimConfig]:
+    """Cartesian product of the axes; miss fractions apply to ``hybrid`` only (others get one row)."""
+    out = []
+    for m in models:
+        for h in hardware:
+            for p in policies:
+                for c in caches:
+                    size = {"cache_slots": int(c), "cache_mib": None} if cache_unit == "slots" else {"cache_mib": float(c)}
+                    for f in (miss_fractions if p == "hybrid" else [None]):
+                        out.append(SimConfig(model=m, hardware=h, policy=p, miss_fraction=f, **size, **common))
+    return list(dict.fromkeys(out))
+
+
+def config_key(cfg: SimConfig) -> str:
+    """A stable name for a config (hash of its fields)."""
+    blob = json.dumps(asdict(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_row(cfg: SimConfig) -> dict:
+    """Simulate one config and return its CSV row; a config that cannot run gets ``error`` set."""
+    row = {"key": config_key(cfg), **cfg.as_row()}
+    try:
+        result, info = run(cfg)
+    except (SimError, ValueError) as e:
+        row.update({f: "" for f in RESULT_FIELDS})
+        row["error"] = str(e).replace("\n", " ")
+        return row
+    s = result.summary()
+    row.update({f: s.get(f, "") for f in RESULT_FIELDS})
+    row.update(slots_per_layer=info["slots_per_layer"], cache_mib_used=round(info["cache_mib"], 3), error="")
+    return row
+
+
+def _format(row: dict) -> str:
+    buf = io.StringIO()
+    csv.DictWriter(buf, COLUMNS, lineterminator="\n").writerow(row)
+    return buf.getvalue()
+
+
+class Sweep:
+    """A CSV of finished configs; ``run(configs)`` runs the missing ones and appends them."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.rows: list[dict] = self._load()
+
+    def _load(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        text = self.path.read_text()
+        lines = text.splitlines(keepends=True)
+        complete = [ln for ln in lines if ln.endswith("\n")]
+        if not complete:
+            return []
+        header = next(csv.reader([complete[0]]))
+        if tuple(header) != COLUMNS:
+            raise ValueError(f"{self.path}: header {header[:4]}... is not a moelab sweep CSV of this version "
+                             f"(expected columns {list(COLUMNS[:4])}...); use another --out")
+        rows = [r for r in csv.DictReader(complete) if r.get("key") and r.get(COLUMNS[-1]) is not None]
+        if len(complete) != len(lines) or len(rows) != len(complete) - 1:
+            self._rewrite(rows)  # drop a torn last line
+        return rows
+
+    def _rewrite(self, rows: list[dict]) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(",".join(COLUMNS) + "\n")
+            for r in rows:
+                f.write(_format(r))
+        os.replace(tmp, self.path)
+
+    def done(self) -> set[str]:
+        return {r["key"] for r in self.rows}
+
+    def run(self, configs: Iterable[SimConfig], jobs: int = 1, dask_address: str | None = None,
+            progress: bool = True) -> int:
+        """Run the configs not yet in the CSV; returns how many ran."""
+        todo = [c for c in configs if config_key(c) not in self.done()]
+        if not todo:
+            return 0
+        if not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._rewrite([])
+        bar = _Progress(len(todo), enabled=progress)
+        with open(self.path, "a") as f:
+            for row in _execute(todo, jobs, dask_address):
+                f.write(_format(row))
+                f.flush()
+                self.rows.append({k: str(v) for k, v in row.items()})
+                bar.update()
+        bar.close()
+        return len(todo)
+
+
+def _execute(todo: list[SimConfig], jobs: int, dask_address: str | None):
+    if dask_address:
+        yield from _execute_dask(todo, dask_address)
+    elif jobs <= 1:
+        for cfg in todo:
+            yield run_row(cfg)
+    else:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(jobs) as pool:
+            yield from pool.imap_unordered(run_row, todo)
+
+
+def _execute_dask(todo: list[SimConfig], address: str):
+    try:
+        from dask.distributed import Client, as_completed
+    except ImportError:
+        raise SystemExit("moelab sweep --dask needs dask[distributed]: pip install 'moelab[dask]'") from None
+    with Client(address) as client:
+        futures = [client.submit(run_row, cfg, pure=False) for cfg in todo]
+        for fut in as_completed(futures):
+            yield fut.result()
+
+
+class _Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30):
+        self.total, self.n, self.width, self.enabled = total, 0, width, enabled
+        self.start = time.monotonic()
+        self._draw()
+
+    def update(self) -> None:
+        self.n += 1
+        self._draw()
+
+    def _draw(self) -> None:
+        if not self.enabled:
+            return
+        fill = int(self.width * self.n / max(self.total, 1))
+        el = time.monotonic() - self.start
+        eta = f"eta {el / self.n * (self.total - self.n):5.0f}s" if self.n else ""
+        sys.stderr.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {self.n}/{self.total} configs {el:5.0f}s {eta}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def plot_results(rows: list[dict], out_dir: str | os.PathLike, cache_unit: str = "mib") -> list[Path]:
+    """One PNG per (model, hardware): tokens/s and hit rate against cache size, a line per policy
+    (hybrid: per miss fraction). Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xname = "slots_per_layer" if cache_unit == "slots" else "cache_mib_used"
+    groups: dict[tuple, dict[str, list]] = {}
+    for r in rows:
+        if r.get("error") or not r.get("tokens_per_s"):
+            continue
+        label = r["policy"] + (f" f={float(r['miss_fraction']):.2f}" if r.get("miss_fraction") not in ("", None) else "")
+        g = groups.setdefault((r["model"], r["hardware"]), {})
+        g.setdefault(label, []).append((float(r[xname]), float(r["tokens_per_s"]), float(r["hit_rate"]),
+                                        float(r["bound_tokens_per_s"])))
+    written = []
+    for (model, hw), lines in sorted(groups.items()):
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for label, pts in sorted(lines.items()):
+            pts.sort()
+            xs = [p[0] for p in pts]
+            a1.plot(xs, [p[1] for p in pts], marker="o", label=label)
+            a2.plot(xs, [100 * p[2] for p in pts], marker="o", label=label)
+        xlabel = "cache slots per layer" if cache_unit == "slots" else "cache (MiB)"
+        a1.set(xlabel=xlabel, ylabel="decode tokens/s (simulated)", title=f"{model} on {hw}")
+        a2.set(xlabel=xlabel, ylabel="hit rate (%)", title="hit rate")
+        for a in (a1, a2):
+            a.grid(alpha=0.3)
+        a1.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(out_dir) / f"sweep_{model}_{hw}.png".replace("/", "_")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
