@@ -76,9 +76,8 @@ class Qwen3Moe:
         info = weights.info
         if info.arch != "qwen3moe":
             raise ExecutorError(f"{info.path}: architecture {info.arch!r}, this forward pass is qwen3moe's")
-        if any(l.expert_bias for l in weights.layers) or info.fused_gate_up:
-            raise ExecutorError(f"{info.path}: expert biases / fused gate-up experts are not run by the qwen3moe "
-                                f"forward pass yet")
+        if info.expert_bias:
+            raise ExecutorError(f"{info.path}: routed-expert biases are not supported by the expert kernels yet")
         self.xp = xp = array_module(use_gpu)
         self.info = info
         self.weights = weights
@@ -423,3 +422,12 @@ def trace_inputs(trace, info, phase: str | None = None, start: int = 0, limit: i
         for s in tok.steps:
             routes[s.layer] = Route(s.experts, s.weights)
         yield TokenInput(tok.index, tok.seq, tok.pos, tok.phase, int(rng.integers(info.vocab)), tuple(routes))
+
+
+def engine_backend(weights: ModelWeights, geometry, capacity, threads: int | None, timeout_s: float):
+    """The GPU expert engine (``execute.engine``) as a ``run`` backend."""
+    try:
+        from .engine import ExpertEngine  # noqa: F401
+    except ImportError as exc:
+        raise ExecutorError(f"the GPU expert engine is not available ({exc}); only --policy cpu runs") from None
+    raise ExecutorError("the GPU expert engine is not wired into the forward pass yet; only --policy cpu runs")

@@ -277,7 +277,8 @@ class _Progress:
         self.stream = stream
 
     def __call__(self, i: int, n: int, name: str) -> None:
-        if self.done - self.shown >= self.total / 20 or i == n - 1:
+        big = self.total >= 64 * 2**20
+        if (big and self.done - self.shown >= self.total / 20) or i == n - 1:
             print(f"synth: tensor {i + 1}/{n} ({name}), {self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB",
                   file=self.stream, flush=True)
             self.shown = self.done

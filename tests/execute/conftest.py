@@ -40,3 +40,49 @@ def reference():
 @pytest.fixture(name="gguf_dequant")
 def gguf_dequant_fixture():
     return gguf_dequant
+
+
+# synthetic GGUF models (execute.synth) --------------------------------------------------------
+TINY = dict(num_layers=2, num_experts=8, top_k=2, hidden=64, ffn=32, num_heads=4, num_kv_heads=2, vocab=320)
+TINY_K = dict(TINY, hidden=256, ffn=256)  # K-quants need rows of 256
+SMALL_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+K_QUANTS = ("Q4_K", "Q6_K")
+
+
+def tiny_config(quant: str, seed: int = 7, **overrides):
+    from execute.synth import SynthConfig
+
+    base = TINY_K if quant in K_QUANTS else TINY
+    return SynthConfig(**{**base, **overrides}, quant=quant, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def synth_path(tmp_path_factory):
+    """``synth_path(quant, **overrides)`` -> path of a tiny synthetic qwen3moe GGUF (cached per session)."""
+    from execute.synth import synth_model
+
+    root = tmp_path_factory.mktemp("models")
+    made: dict = {}
+
+    def make(quant: str = "Q8_0", **overrides):
+        key = (quant, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = synth_model(root / f"m{len(made)}_{quant}.gguf", tiny_config(quant, **overrides))
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(synth_path):
+    """``tiny_weights(quant)`` -> loaded ModelWeights of a tiny model (cached per session)."""
+    from execute.gguf_io import load_model
+
+    cache: dict = {}
+
+    def get(quant: str = "Q8_0"):
+        if quant not in cache:
+            cache[quant] = load_model(synth_path(quant))
+        return cache[quant]
+
+    return get

@@ -1,0 +1,248 @@
+"""``moelab model`` (synth, info) and ``moelab replay``: the executor's commands.
+
+Errors in the input (a bad GGUF file, a trace of another geometry, a policy that needs a GPU on a
+machine without one) print one line naming what was wrong and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .experts import ExecutorError
+
+__all__ = ["model_main", "replay_main"]
+
+
+class _Fail(Exception):
+    """A user error: message printed, exit 2."""
+
+
+def _parser_model() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moelab model", description="Synthesise or describe GGUF MoE models.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("synth", help="write a qwen3moe GGUF with random weights")
+    s.add_argument("out", help="output .gguf path (written atomically)")
+    s.add_argument("--arch", default="qwen3moe", help="architecture (qwen3moe)")
+    s.add_argument("--preset", default="tiny", help="geometry preset the options below override: tiny, qwen3-30b-a3b")
+    for flag, field, help_ in (("--layers", "num_layers", "blocks"), ("--experts", "num_experts", "experts per block"),
+                               ("--top-k", "top_k", "experts per token"), ("--hidden", "hidden", "embedding width"),
+                               ("--ffn", "ffn", "expert hidden width"), ("--heads", "num_heads", "attention heads"),
+                               ("--kv-heads", "num_kv_heads", "KV heads"), ("--head-dim", "head_dim", "head width"),
+                               ("--vocab", "vocab", "vocabulary size (>= 260)"),
+                               ("--context", "context_length", "context length (metadata)")):
+        s.add_argument(flag, dest=field, type=int, default=None, help=help_)
+    s.add_argument("--quant", required=True, help="expert quant type: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K")
+    s.add_argument("--dense-quant", default=None, help="type of dense matrices: F16 (default), F32, BF16, Q8_0")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    i = sub.add_parser("info", help="geometry, quant types and expert sizes (metadata and tensor table only)")
+    i.add_argument("file")
+    i.add_argument("--json", action="store_true")
+    return p
+
+
+def _synth(args) -> int:
+    from .synth import config_from_preset, synth_model
+
+    try:
+        cfg = config_from_preset(args.preset, arch=args.arch, quant=args.quant, dense_quant=args.dense_quant,
+                                 seed=args.seed, **{k: getattr(args, k) for k in (
+                                     "num_layers", "num_experts", "top_k", "hidden", "ffn", "num_heads",
+                                     "num_kv_heads", "head_dim", "vocab", "context_length")})
+    except (ValueError, TypeError) as exc:
+        raise _Fail(f"moelab model synth: {exc}") from None
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise _Fail(f"moelab model synth: {out.parent}: no such directory")
+    synth_model(out, cfg, progress=not args.quiet)
+    print(f"wrote {out}: {cfg.arch} {cfg.num_layers} layers x {cfg.num_experts} experts top-{cfg.top_k}, "
+          f"hidden {cfg.hidden}, ffn {cfg.ffn}, {cfg.quant} experts "
+          f"({cfg.expert_bytes * cfg.num_experts * cfg.num_layers / 2**20:.1f} MiB), seed {cfg.seed}")
+    return 0
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _info(args) -> int:
+    from .gguf_io import read_model_info
+
+    info = read_model_info(args.file)
+    d = info.to_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    eb = sorted(set(b for b in info.expert_bytes if b))
+    print(f"{info.path}: {info.arch}")
+    print(f"  layers {info.num_layers}, experts {sorted(set(info.num_experts))} per layer, top-{info.top_k}"
+          f"{' (renormalised)' if info.norm_topk else ''}")
+    print(f"  hidden {info.hidden}, expert ffn {info.ffn}, heads {info.num_heads} (kv {info.num_kv_heads}, "
+          f"dim {info.head_dim}), vocab {info.vocab}, context {info.context_length}")
+    print(f"  rope theta {info.rope_theta:g}, rms eps {info.rms_eps:g}, qk-norm {info.qk_norm}, "
+          f"tied output {info.tied_output}, shared expert ffn {info.shared_ffn}")
+    print(f"  expert quant types: {', '.join(d['expert_qtypes'])}; all tensors: "
+          + ", ".join(f"{k} x{v}" for k, v in sorted(d["tensor_qtypes"].items())))
+    print(f"  bytes per expert: {', '.join(_fmt_bytes(b) for b in eb)} ({eb[0] if len(eb) == 1 else eb} B)")
+    print(f"  total expert bytes: {_fmt_bytes(info.total_expert_bytes)} ({info.total_expert_bytes} B)")
+    return 0
+
+
+def _run(fn, args) -> int:
+    from .gguf_io import GGUFError
+
+    try:
+        return fn(args)
+    except _Fail as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except (GGUFError, ExecutorError) as exc:
+        print(f"moelab: {exc}", file=sys.stderr)
+        return 2
+
+
+def model_main(argv: list[str]) -> int:
+    """``moelab model synth|info``."""
+    args = _parser_model().parse_args(argv)
+    return _run(_synth if args.cmd == "synth" else _info, args)
+
+
+# replay ---------------------------------------------------------------------------------------------
+def _parser_replay() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moelab replay", description=(
+        "Run a routing trace through the model's real forward pass, experts placed by a policy."))
+    p.add_argument("model", help="GGUF model")
+    p.add_argument("--trace", default=None, help="trace directory (default: the bundled granite trace)")
+    p.add_argument("--policy", required=True, help="cpu, gpu, lru, freq-lru, static, hybrid, belady")
+    p.add_argument("--cache-mib", type=float, default=None, help="GPU expert cache budget, MiB")
+    p.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer (instead of MiB)")
+    p.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
+    p.add_argument("--tokens", type=int, default=None, help="replay at most N trace rows")
+    p.add_argument("--phase", choices=("prefill", "decode"), default=None, help="only rows of this phase")
+    p.add_argument("--map", action="store_true", help="fold the trace's layers/experts onto the model's geometry")
+    p.add_argument("--profile", default=None, help="STRP profile (static, hybrid pre-population)")
+    p.add_argument("--lag-tokens", type=int, default=1, help="background copies complete this many tokens later")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random input token ids")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="an expert step that takes longer is an error")
+    p.add_argument("--backend", choices=("auto", "numpy", "numba"), default="auto",
+                   help="CPU-only expert backend when no GPU is used (auto: numba)")
+    p.add_argument("--audit", default=None, help="write the per-token audit JSONL (with routes) here")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _capacity(args, geometry):
+    from scheduler import Capacity
+
+    if args.cache_slots is not None and args.cache_mib is not None:
+        raise _Fail("moelab replay: give --cache-mib or --cache-slots, not both")
+    if args.cache_slots is not None:
+        return Capacity.per_layer(geometry, args.cache_slots)
+    if args.cache_mib is None:
+        if args.policy == "cpu":
+            return Capacity.per_layer(geometry, 0)
+        raise _Fail(f"moelab replay: policy {args.policy!r} needs --cache-mib or --cache-slots")
+    return Capacity.from_mib(geometry, args.cache_mib)
+
+
+def _load_trace(args, info):
+    import traces
+
+    from .model import check_trace, fold_trace
+
+    try:
+        trace = traces.load(args.trace)
+    except (traces.TraceError, OSError) as exc:
+        raise _Fail(f"moelab replay: {exc}") from None
+    if args.map:
+        return fold_trace(trace, info)
+    check_trace(trace, info)
+    return trace
+
+
+def _policy(args, trace, geometry, capacity):
+    from scheduler import make_policy
+    from scheduler.core import CapacityError
+
+    profile = None
+    if args.profile:
+        from scheduler.profile import read_strp
+
+        profile = read_strp(args.profile)
+    future = None
+    if args.policy == "belady":
+        future = [s for tok in trace.tokens(args.phase, 0, args.tokens) for s in tok.steps]
+    try:
+        return make_policy(args.policy, geometry, capacity, profile=profile, future=future)
+    except (ValueError, CapacityError) as exc:
+        raise _Fail(f"moelab replay: {exc}") from None
+
+
+def _backend(args, weights, use_gpu: bool, geometry, capacity):
+    from . import model as M
+
+    if use_gpu:
+        return M.engine_backend(weights, geometry, capacity, args.threads, args.timeout_s)
+    if args.backend == "numpy":
+        return M.NumpyExperts(weights)
+    import os
+
+    return M.PoolExperts(weights, args.threads or os.cpu_count() or 1, args.timeout_s)
+
+
+def _replay(args) -> int:
+    from scheduler.audit import Audit
+
+    from . import model as M
+    from .gguf_io import load_model
+
+    weights = load_model(args.model)
+    info = weights.info
+    trace = _load_trace(args, info)
+    from scheduler import Geometry
+
+    geometry = Geometry(info.num_experts, trace.top_k, info.expert_bytes)
+    capacity = _capacity(args, geometry)
+    policy = _policy(args, trace, geometry, capacity)
+    use_gpu = args.policy != "cpu"
+    backend = _backend(args, weights, use_gpu, geometry, capacity)
+    model = M.Qwen3Moe(weights, use_gpu=use_gpu)
+    audit = Audit(geometry, keep_log=True, record_routes=args.audit is not None)
+    n = len(trace.rows(args.phase)) if args.tokens is None else min(args.tokens, len(trace.rows(args.phase)))
+    progress = (lambda i: print(f"replay: {i}/{n} tokens", file=sys.stderr, flush=True)
+                if i % max(n // 10, 1) == 0 else None)
+    try:
+        res = M.run(model, backend, policy, M.trace_inputs(trace, info, args.phase, 0, args.tokens, args.seed),
+                    args.lag_tokens, audit, progress=progress)
+    finally:
+        backend.close()
+    summary = audit.summary()
+    out = {"model": str(args.model), "trace": trace.model, "policy": args.policy,
+           "cache_slots": max((s for _, s in capacity.pools), default=0), "cache_mib": capacity.slot_bytes(geometry) / 2**20,
+           "digest": audit.digest(), **summary, **res.summary()}
+    if args.audit:
+        audit.write_jsonl(args.audit, run={k: out[k] for k in ("model", "trace", "policy", "cache_mib", "digest")})
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{args.policy}: {res.tokens} tokens in {res.wall_s:.2f} s = {res.tokens_per_s:.1f} tokens/s; "
+          f"hit rate {summary['hit_rate']:.3f}; uploaded {summary['upload_mib']:.1f} MiB; "
+          f"cache {out['cache_mib']:.1f} MiB")
+    print(f"  per token: dense {out['dense_ms_per_token']:.2f} ms, experts {out['experts_ms_per_token']:.2f} ms, "
+          f"other {out['other_ms_per_token']:.2f} ms")
+    print("  layer  dense_ms  experts_ms")
+    for row in out["per_layer_ms_per_token"]:
+        print(f"  {row['layer']:5d}  {row['dense']:8.3f}  {row['experts']:10.3f}")
+    print(f"  decision digest {out['digest'][:16]}")
+    return 0
+
+
+def replay_main(argv: list[str]) -> int:
+    """``moelab replay MODEL.gguf --trace PATH --policy P --cache-mib N ...``."""
+    args = _parser_replay().parse_args(argv)
+    return _run(_replay, args)

@@ -1,0 +1,133 @@
+"""execute.gguf_io: model info from metadata, weights as mmap views, errors naming file and field."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from execute import gguf_io, synth
+from execute.gguf_io import GGUFError, TensorSpec, qtype_value
+
+from .conftest import K_QUANTS, SMALL_QUANTS, tiny_config
+
+
+@pytest.mark.parametrize("quant", SMALL_QUANTS + K_QUANTS)
+def test_info_round_trip(quant, synth_path):
+    cfg = tiny_config(quant)
+    info = gguf_io.read_model_info(synth_path(quant))
+    assert info.arch == "qwen3moe"
+    assert (info.num_layers, info.num_experts, info.top_k) == (cfg.num_layers, (cfg.num_experts,) * cfg.num_layers, cfg.top_k)
+    assert (info.hidden, info.ffn, info.num_heads, info.num_kv_heads, info.head_dim, info.vocab) == (
+        cfg.hidden, cfg.ffn, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab)
+    assert info.rope_theta == cfg.rope_theta and info.rms_eps == pytest.approx(cfg.rms_eps)
+    assert info.norm_topk and info.qk_norm and not info.tied_output and not info.fused_gate_up
+    assert info.expert_bytes == (cfg.expert_bytes,) * cfg.num_layers
+    assert info.total_expert_bytes == cfg.expert_bytes * cfg.num_experts * cfg.num_layers
+    assert set(info.expert_qtypes().values()) == {quant}
+    g = info.geometry()
+    assert g.total_expert_bytes == info.total_expert_bytes and g.top_k == cfg.top_k
+
+
+def test_tensor_table_is_numpy_order(synth_path):
+    cfg = tiny_config("Q8_0")
+    info = gguf_io.read_model_info(synth_path("Q8_0"))
+    down = info.tensor("blk.0.ffn_down_exps.weight")
+    assert down.shape == (cfg.num_experts, cfg.hidden, cfg.ffn)  # GGUF lists [ffn, hidden, experts]
+    assert info.tensor("blk.1.attn_q.weight").shape == (cfg.num_heads * cfg.head_dim, cfg.hidden)
+    assert down.nbytes == cfg.num_experts * cfg.hidden * cfg.ffn // 32 * 34
+
+
+def test_experts_are_views_on_the_map(tiny_weights):
+    w = tiny_weights("Q8_0")
+    layer = w.experts[1]
+    mm = w.reader.data
+    for t in (layer.gate, layer.up, layer.down):
+        assert t.data.dtype == np.uint8 and t.data.shape == (8, t.expert_bytes)
+        assert np.shares_memory(t.data, mm), t.name
+        assert t.qtype == qtype_value("Q8_0")
+    assert (layer.gate.rows, layer.gate.cols, layer.down.rows, layer.down.cols) == (32, 64, 64, 32)
+    assert layer.expert_bytes == w.info.expert_bytes[1]
+
+
+def test_dense_weights_match_the_file(tiny_weights):
+    w = tiny_weights("F32")
+    t = next(t for t in w.reader.tensors if t.name == "blk.0.attn_k.weight")
+    np.testing.assert_array_equal(w.layers[0].wk, np.asarray(t.data, np.float32).reshape(w.layers[0].wk.shape))
+    assert w.layers[0].wk.shape == (2 * 16, 64)
+    assert w.token_embd.shape == (320, 64) and w.output.shape == (320, 64)
+
+
+def test_dequantize_quantize_round_trip(rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    q8 = gguf_io.quantize(x, qtype_value("Q8_0"))
+    assert q8.dtype == np.uint8 and q8.shape == (4, 2 * 34)
+    y = gguf_io.dequantize(q8, qtype_value("Q8_0"))
+    assert y.shape == x.shape and np.abs(y - x).max() < np.abs(x).max() / 100
+    np.testing.assert_array_equal(gguf_io.dequantize(x.view(np.uint8), qtype_value("F32")), x)
+
+
+def _specs_with(cfg, change):
+    return [change(s) for s in synth.tensor_specs(cfg)]
+
+
+def test_unsupported_expert_type_names_tensor_and_type(tmp_path):
+    cfg = tiny_config("Q8_0")
+    q5 = qtype_value("Q5_0")
+
+    def change(s: TensorSpec):
+        if s.name != "blk.1.ffn_up_exps.weight":
+            return s
+        n = TensorSpec(s.name, s.shape, q5, None)
+        return TensorSpec(s.name, s.shape, q5, lambda: np.zeros(n.nbytes, np.uint8))
+
+    path = tmp_path / "q5.gguf"
+    gguf_io.write_gguf(path, "qwen3moe", synth.metadata(cfg), _specs_with(cfg, change))
+    with pytest.raises(GGUFError, match=r"blk\.1\.ffn_up_exps\.weight.*Q5_0"):
+        gguf_io.read_model_info(path)
+
+
+def test_fused_gate_up_experts_split_into_gate_and_up(tmp_path):
+    cfg = tiny_config("Q8_0", num_layers=1)
+    specs = [s for s in synth.tensor_specs(cfg) if "ffn_gate_exps" not in s.name and "ffn_up_exps" not in s.name]
+    e, f, h = cfg.num_experts, cfg.ffn, cfg.hidden
+    blocks = synth.random_blocks(np.random.default_rng(1), "Q8_0", e * 2 * f, h, 0.1).reshape(e, 2 * f, -1)
+    specs.append(TensorSpec("blk.0.ffn_gate_up_exps.weight", (e, 2 * f, h), qtype_value("Q8_0"), lambda: blocks))
+    path = tmp_path / "fused.gguf"
+    gguf_io.write_gguf(path, "qwen3moe", synth.metadata(cfg), specs)
+    w = gguf_io.load_model(path)
+    assert w.info.fused_gate_up and w.info.expert_bytes == (cfg.expert_bytes,)
+    gate, up = w.experts[0].gate, w.experts[0].up
+    assert gate.rows == up.rows == f and gate.cols == h
+    np.testing.assert_array_equal(gate.data, blocks[:, :f].reshape(e, -1))
+    np.testing.assert_array_equal(up.data, blocks[:, f:].reshape(e, -1))
+
+
+def test_missing_metadata_key_is_named(tmp_path):
+    cfg = tiny_config("Q8_0")
+    meta = [m for m in synth.metadata(cfg) if m[0] != "qwen3moe.expert_used_count"]
+    path = tmp_path / "nokey.gguf"
+    gguf_io.write_gguf(path, "qwen3moe", meta, synth.tensor_specs(cfg))
+    with pytest.raises(GGUFError, match="qwen3moe.expert_used_count"):
+        gguf_io.read_model_info(path)
+
+
+def test_bad_files(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(GGUFError, match="junk.gguf"):
+        gguf_io.read_model_info(junk)
+    with pytest.raises(GGUFError, match="no such file"):
+        gguf_io.read_model_info(tmp_path / "absent.gguf")
+
+
+def test_write_is_atomic_on_failure(tmp_path):
+    cfg = tiny_config("Q8_0")
+
+    def boom():
+        raise RuntimeError("generator failed")
+
+    specs = synth.tensor_specs(cfg)
+    specs[5] = TensorSpec(specs[5].name, specs[5].shape, specs[5].qtype, boom)
+    path = tmp_path / "out.gguf"
+    with pytest.raises(RuntimeError, match="generator failed"):
+        gguf_io.write_gguf(path, "qwen3moe", synth.metadata(cfg), specs)
+    assert list(tmp_path.iterdir()) == []
