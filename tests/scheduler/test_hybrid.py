@@ -1,0 +1,89 @@
+"""hybrid: the miss split, adaptive fill, swap rounds, and asynchronous completion."""
+import pytest
+
+from scheduler import Capacity, Geometry, Profile, Step, Token, drive, make_policy, replay
+from scheduler.drive import AwaitBackground, RunLayer, StartBackground
+
+import numpy as np
+
+
+def tok(i, *layers):
+    return Token(i, 0, i, "decode", tuple(Step(l, tuple(es)) for l, es in enumerate(layers)))
+
+
+@pytest.mark.parametrize("n_miss, frac, n_pcie", [(8, 44, 1), (4, 44, 1), (2, 44, 0), (3, 44, 1),
+                                                   (8, 0, 0), (8, 256, 8), (5, 128, 3), (1, 128, 1)])
+def test_miss_fraction_rounds_half_up(n_miss, frac, n_pcie):
+    g = Geometry.uniform(1, 16, 8, 10)
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 0), miss_frac_256=frac)
+    d = policy.plan(Step(0, tuple(range(n_miss))))
+    assert len(d.streams) == n_pcie and len(d.cpu) == n_miss - n_pcie and not d.uploads
+
+
+def test_pcie_misses_are_the_most_used_then_router_rank():
+    g = Geometry.uniform(1, 8, 4, 10)
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 0), miss_frac_256=128, adaptive=False, swap_every=0)
+    replay(policy, [tok(0, [5, 6, 1, 2]), tok(1, [6, 7, 1, 3])])
+    d = policy.plan(Step(0, (0, 1, 6, 4)))  # usage: 6 -> 2, 1 -> 2, others <= 1
+    assert d.streams == (1, 6) and d.cpu == (0, 4)  # ties by router rank: 1 before 6
+    d = policy.plan(Step(0, (0, 3, 4, 5), (1, 4, 1, 1)))  # token counts come first
+    assert d.streams[0] == 3
+
+
+def test_adaptive_fill_uses_free_slots_only_and_ranks_by_usage():
+    g = Geometry.uniform(2, 8, 2, 10)
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 1), miss_frac_256=0, swap_every=0)
+    items = list(drive(policy, [tok(0, [1, 2], [3, 4])], lag_tokens=0))
+    bg = [i for i in items if type(i) is StartBackground][0]
+    assert [(m.layer, m.expert, m.victim) for m in bg.moves] == [(0, 1, None), (1, 3, None)]
+    assert policy.residents() == [(0, 1), (1, 3)]
+    # cache full: no more fills, whatever misses
+    items = list(drive(policy, [tok(1, [5, 6], [5, 6])], lag_tokens=0))
+    assert not [i for i in items if type(i) is StartBackground]
+
+
+def test_swap_round_gate_margin_and_decay():
+    g = Geometry.uniform(1, 4, 1, 10)
+    profile = Profile(1, 4, ((0, 0),), 1)
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 1), profile, miss_frac_256=0, swap_every=4)
+    # expert 1 routed 4 times: usage 4 >= gate 2 and >= 0 + 1.5 -> swapped in at the 4th token
+    items = list(drive(policy, [tok(i, [1]) for i in range(4)], lag_tokens=0))
+    moves = [m for i in items if type(i) is StartBackground for m in i.moves]
+    assert [(m.expert, m.victim, m.gain) for m in moves] == [(1, (0, 0), 4.0)]
+    assert policy.residents() == [(0, 1)]
+    assert policy.usage[0, 1] == pytest.approx(4 * 0.7)
+
+
+def test_swap_needs_margin_over_victim():
+    g = Geometry.uniform(1, 4, 1, 10)
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 1), Profile(1, 4, ((0, 0),), 1),
+                         miss_frac_256=0, swap_every=4)
+    # round 1 (after token 3): u0 = 2, u1 = 2: no swap, 2 < 2 + 1.5; then both decay to 1.4.
+    # round 2 (after token 7): u1 = 1.4 + 4 = 5.4 >= u0 1.4 + 1.5: swap with gain 4.0.
+    seq = [0, 0, 1, 1, 1, 1, 1, 1]
+    items = list(drive(policy, [tok(i, [e]) for i, e in enumerate(seq)], lag_tokens=0))
+    moves = [(i.token.index, m.expert, round(m.gain, 6)) for i in items if type(i) is StartBackground for m in i.moves]
+    assert moves == [(7, 1, 4.0)]
+
+
+def test_in_flight_fill_is_not_a_hit_and_goes_to_cpu():
+    g = Geometry.uniform(1, 4, 1, 10)
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 2), miss_frac_256=256, swap_every=0)
+    tokens = [tok(0, [1]), tok(1, [2]), tok(2, [2]), tok(3, [2])]
+    decisions = [i.decision for i in drive(policy, tokens, lag_tokens=1) if type(i) is RunLayer]
+    # token 0: expert 1 over PCIe into a free slot (admitted). token 1: expert 2 uploaded too.
+    assert decisions[0].uploads == (1,) and decisions[1].uploads == (2,)
+    assert decisions[2].hits == (2,)
+
+
+def test_background_completes_after_lag_tokens():
+    g = Geometry.uniform(1, 4, 1, 10)
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 2), miss_frac_256=0, swap_every=0)
+    tokens = [tok(0, [1]), tok(1, [1]), tok(2, [1]), tok(3, [1])]
+    items = list(drive(policy, tokens, lag_tokens=2))
+    kinds = [type(i).__name__ for i in items]
+    # fill of expert 1 starts after token 0 and is awaited before token 3 (0 + 1 + lag 2)
+    assert kinds.index("AwaitBackground") == 7
+    runs = [i.decision for i in items if type(i) is RunLayer]
+    assert [len(d.hits) for d in runs] == [0, 0, 0, 1]
+    assert [d.cpu for d in runs[:3]] == [(1,), (1,), (1,)]
