@@ -8,12 +8,14 @@ The model, per layer ``l``, sequence ``s`` and token ``t`` (all randomness from 
 - *topics*: each sequence draws a topic, ``q_sl(e) ∝ p_l(e) * Gamma(topic_concentration)``
   (smaller concentration: narrower topics, fewer distinct experts per sequence); with probability
   ``topic_shift_prob`` per token the sequence switches to a fresh topic;
-- *temporal locality*: each of ``2k`` ranked candidates repeats, with probability ``reuse_prob``,
-  an expert routed at the same layer ``d`` tokens earlier (``d`` geometric with mean
-  ``reuse_lag_tokens``), otherwise it is drawn from the topic;
-- *cross-layer correlation*: each random number is shared by all layers of the token with
-  probability ``cross_layer`` (else drawn per layer), so a token that departs from its context
-  does so at many layers at once, and topic draws follow the same quantile across layers;
+- *temporal locality*: each (token, layer) has a reuse strength ``U ** a`` (``U`` uniform, ``a``
+  chosen so that its mean is ``reuse_prob``); each of ``2k`` candidates repeats, with that
+  probability, an expert routed at the same layer ``d`` tokens earlier (``d`` geometric with mean
+  ``reuse_lag_tokens``), otherwise it is drawn from the topic; repeats take the first router ranks;
+- *cross-layer correlation*: the token's reuse strength ``U`` and each topic draw's uniform are
+  shared by all layers of the token with probability ``cross_layer`` (else drawn per layer), so a
+  token that departs from its context does so at many layers at once, and topic draws follow the
+  same quantile across layers;
 - a token's experts at a layer are the first ``k`` distinct candidates (redrawn from the topic
   while fewer than ``k`` are distinct).
 
@@ -152,6 +154,7 @@ def generate(num_layers: int, num_experts: int, top_k: int, num_tokens: int, par
     out = np.empty((num_tokens, L, k), dtype=np.int16 if E <= 32767 else np.int32)
     s_idx, l_idx = np.arange(S)[:, None, None], np.arange(L)[None, :, None]
     p_lag = 1.0 / params.reuse_lag_tokens
+    reuse_exp = (1.0 - params.reuse_prob) / max(params.reuse_prob, 1e-9)  # E[U ** reuse_exp] = reuse_prob
     report = max(1, int(lens.max()) // 10)
     for t in range(int(lens.max())):
         if t:
@@ -162,21 +165,26 @@ def generate(num_layers: int, num_experts: int, top_k: int, num_tokens: int, par
         if t:
             lag = rng.geometric(p_lag, size=(S, L, m))
             src = rng.integers(k, size=(S, L, m))
-            reuse = (_shared_uniform(rng, (S, L, m), params.cross_layer) < params.reuse_prob) & (lag <= min(t, _HISTORY))
+            strength = _shared_uniform(rng, (S, L, 1), params.cross_layer) ** reuse_exp  # (S, L, 1)
+            reuse = (rng.random((S, L, m)) < strength) & (lag <= min(t, _HISTORY))
             cand = np.where(reuse, hist[(t - lag) % _HISTORY, s_idx, l_idx, src], cand)
+            cand = np.take_along_axis(cand, np.argsort(~reuse, axis=2, kind="stable"), 2)  # repeats rank first
         sel = _first_unique(cand.reshape(S * L, m), k)
-        for _ in range(64):
+        for _ in range(4):
             short = np.flatnonzero((sel < 0).any(axis=1))
             if not len(short):
                 break
             u = rng.random((len(short), 1, m))
             extra = _topic_draw(flat, offsets.reshape(S * L, 1, 1)[short], u, E).reshape(len(short), m)
             sel[short] = _first_unique(np.concatenate([sel[short], extra], axis=1), k)
-        else:
-            short = np.flatnonzero((sel < 0).any(axis=1))
-            for r in short:  # a topic too narrow to give k experts: complete with unused ids
-                have = set(sel[r][sel[r] >= 0].tolist())
-                sel[r][sel[r] < 0] = [e for e in rng.permutation(E).tolist() if e not in have][: int((sel[r] < 0).sum())]
+        short = np.flatnonzero((sel < 0).any(axis=1))
+        if len(short):  # a topic too narrow to give k experts: complete with unused ids at random
+            keys = rng.random((len(short), E))
+            rows = sel[short]
+            np.put_along_axis(keys, np.where(rows >= 0, rows, 0), np.where(rows >= 0, 2.0, keys[:, :1]), 1)
+            fresh = np.argsort(keys, axis=1)[:, :k]
+            fill = np.cumsum(rows < 0, axis=1) - 1
+            sel[short] = np.where(rows >= 0, rows, np.take_along_axis(fresh, np.maximum(fill, 0), 1))
         sel = sel.reshape(S, L, k)
         hist[t % _HISTORY] = sel
         live = np.flatnonzero(lens > t)
@@ -193,7 +201,7 @@ def generate(num_layers: int, num_experts: int, top_k: int, num_tokens: int, par
 
 # fitting -------------------------------------------------------------------------------------------
 _FIT_REPLICAS = 4  # the calibration workload is replicated this many times to average out noise
-_BOUNDS = {"zipf_s": (0.0, 3.0), "topic_concentration": (0.02, 50.0), "topic_shift_prob": (0.0, 0.5),
+_BOUNDS = {"zipf_s": (0.0, 3.0), "topic_concentration": (0.02, 50.0), "topic_shift_prob": (0.0, 1.0),
            "reuse_prob": (0.0, 0.95), "reuse_lag_tokens": (1.0, 16.0), "cross_layer": (0.0, 1.0)}
 _LOG_SCALE = ("topic_concentration", "reuse_lag_tokens")
 
@@ -228,34 +236,37 @@ def _workload_signature(params: SynthParams, geometry: tuple[int, int, int], num
 
 def _loss(target: dict, got: dict) -> float:
     err = calibration_error(target, got)
-    weights = {"novelty_correlation": 0.25}
+    weights = {"novelty_correlation": 0.1}
     return sum(weights.get(key, 1.0) * e * e for key, e in err.items())
 
 
 def fit_to(target: dict, geometry: tuple[int, int, int], num_seqs: int, tokens_per_seq: int,
            reset_per_sequence: bool = False, start: SynthParams | None = None, seed: int = 0,
-           passes: int = 4, progress: bool = False) -> SynthParams:
+           num_random: int = 40, passes: int = 8, progress: bool = False) -> SynthParams:
     """Coordinate search for parameters whose traces match ``target`` (a :func:`signature`-like dict;
     ``overlap`` / ``novelty_correlation`` may be None) on a workload of ``num_seqs`` x ``tokens_per_seq``."""
     caps = list(target["lru"])
     def evaluate(p: SynthParams) -> float:
         return _loss(target, _workload_signature(p, geometry, num_seqs, tokens_per_seq, caps, reset_per_sequence, seed))
+    rng = np.random.default_rng(seed)
     best = start or SynthParams()
     best_loss = evaluate(best)
-    step = 0.5
-    for n in range(passes):
+    for i in range(num_random):  # global: random points in the box (log scale where marked)
+        cand = SynthParams(**{name: _from_unit(name, rng.random()) for name in _BOUNDS})
+        loss = evaluate(cand)
+        if loss < best_loss:
+            best, best_loss = cand, loss
+        if progress and (i + 1) % 10 == 0:
+            print(f"fit: random {i + 1}/{num_random}, loss {best_loss:.2f} (points^2)", file=sys.stderr)
+    step = 0.125
+    for n in range(passes):  # local: coordinate moves in the unit box, step halving
         improved = False
-        for name, (lo, hi) in _BOUNDS.items():
+        for name in _BOUNDS:
             for direction in (1, -1):
-                v = getattr(best, name)
-                if name in _LOG_SCALE:
-                    nv = v * math.exp(direction * step)
-                else:
-                    nv = v + direction * step * (hi - lo) * 0.25
-                nv = min(hi, max(lo, nv))
-                if nv == v:
+                u = min(1.0, max(0.0, _to_unit(name, getattr(best, name)) + direction * step))
+                cand = replace(best, **{name: _from_unit(name, u)})
+                if cand == best:
                     continue
-                cand = replace(best, **{name: nv})
                 loss = evaluate(cand)
                 if loss < best_loss:
                     best, best_loss, improved = cand, loss, True
@@ -267,8 +278,23 @@ def fit_to(target: dict, geometry: tuple[int, int, int], num_seqs: int, tokens_p
     return best
 
 
+def _to_unit(name: str, v: float) -> float:
+    lo, hi = _BOUNDS[name]
+    if name in _LOG_SCALE:
+        return (math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return (v - lo) / (hi - lo)
+
+
+def _from_unit(name: str, u: float) -> float:
+    lo, hi = _BOUNDS[name]
+    if name in _LOG_SCALE:
+        return math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
+    return lo + u * (hi - lo)
+
+
 def fit(trace: Trace, phase: str | None = "decode", capacities: Sequence[int] | None = None,
-        reset_per_sequence: bool = False, seed: int = 0, passes: int = 6, progress: bool = False) -> SynthParams:
+        reset_per_sequence: bool = False, seed: int = 0, num_random: int = 40, passes: int = 8,
+        progress: bool = False) -> SynthParams:
     """Parameters whose synthetic traces match ``trace``'s LRU curve, adjacent-token overlap and
     cross-layer correlation (on the same geometry and sequence lengths; ``phase`` None = all rows).
 
@@ -282,8 +308,8 @@ def fit(trace: Trace, phase: str | None = "decode", capacities: Sequence[int] | 
     seqs = part.sequences()
     tokens_per_seq = max(2, round(len(part) / max(1, len(seqs))))
     geometry = (len(trace.moe_layers), E, k)
-    return fit_to(target, geometry, len(seqs), tokens_per_seq, reset_per_sequence, seed=seed, passes=passes,
-                  progress=progress)
+    return fit_to(target, geometry, len(seqs), tokens_per_seq, reset_per_sequence, seed=seed,
+                  num_random=num_random, passes=passes, progress=progress)
 
 
 PRESETS: dict[str, Preset] = {}

@@ -1,0 +1,260 @@
+"""``moelab trace``: import, inspect, fit and synthesise routing traces.
+
+Subcommands: ``import FORMAT SRC DEST``, ``info PATH``, ``stats [PATH]``, ``fit [PATH]``,
+``synth DEST``. Every PATH defaults to the bundled granite trace. Errors go to stderr with a
+non-zero exit; nothing is written for a bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from .format import Trace, TraceError, load
+from .importers import IMPORTERS, import_trace
+
+__all__ = ["main"]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moelab trace", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="convert a recording into a trace directory")
+    imp.add_argument("format", choices=sorted(IMPORTERS))
+    imp.add_argument("src")
+    imp.add_argument("dest")
+    imp.add_argument("--layers", type=int, help="layers (vllm, strata: when the file cannot tell)")
+    imp.add_argument("--experts", type=int, help="experts per layer (vllm, strata)")
+    imp.add_argument("--model", help="model name (vllm, strata)")
+    imp.add_argument("--metadata", help="switch: capture-metadata.json (default: beside SRC)")
+    info = sub.add_parser("info", help="header and shape of a trace")
+    info.add_argument("path", nargs="?")
+    st = sub.add_parser("stats", help="coverage, overlap, reuse distances and hit rates per policy")
+    st.add_argument("path", nargs="?")
+    st.add_argument("--phase", choices=("prefill", "decode"))
+    st.add_argument("--slots", type=_ints, default=[], help="cache slots per layer, e.g. 8,16,32")
+    st.add_argument("--policies", default="lru,belady", help="scheduler policies, comma-separated")
+    st.add_argument("--reset-per-sequence", action="store_true", help="fresh cache for every sequence")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--out", help="directory for stats.json, hit_rates.csv and hit_rates.png")
+    fit = sub.add_parser("fit", help="fit synthetic-trace parameters to a trace")
+    fit.add_argument("path", nargs="?")
+    fit.add_argument("--phase", choices=("prefill", "decode"), default="decode")
+    fit.add_argument("--slots", type=_ints, help="capacities to match (default k/2, k, 2k, 3k)")
+    fit.add_argument("--reset-per-sequence", action="store_true")
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--out", help="write the parameters as JSON here")
+    syn = sub.add_parser("synth", help="write a synthetic trace")
+    syn.add_argument("dest")
+    syn.add_argument("--preset", help="named preset (geometry + parameters); see traces.synth.PRESETS")
+    syn.add_argument("--params", help="JSON file of parameters (from moelab trace fit)")
+    syn.add_argument("--layers", type=int)
+    syn.add_argument("--experts", type=int)
+    syn.add_argument("--top-k", type=int)
+    syn.add_argument("--tokens", type=int)
+    syn.add_argument("--seqs", type=int)
+    syn.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _import(a) -> int:
+    opts = {}
+    if a.format in ("vllm", "strata"):
+        opts = {"num_layers": a.layers, "num_experts": a.experts, "model": a.model or "unknown"}
+    elif a.format == "switch" and a.metadata:
+        opts = {"metadata": a.metadata}
+    trace = import_trace(a.format, a.src, **opts)
+    trace.save(a.dest)
+    print(f"wrote {a.dest}: {trace!r}", file=sys.stderr)
+    return 0
+
+
+def _info(a) -> int:
+    t = load(a.path)
+    h = t.header()
+    h["phases"] = {"prefill": int((np.asarray(t.phase) == 0).sum()), "decode": int((np.asarray(t.phase) == 1).sum())}
+    h["sequences"] = len(t.sequences())
+    h["masked_entries"] = int((np.asarray(t.expert_ids) < 0).sum() - t.top_k * len(t) * (t.num_experts.count(0)))
+    print(json.dumps(h, indent=1))
+    return 0
+
+
+def _table(s: dict) -> str:
+    lines = [f"{s['model']}: {s['rows']} rows ({s['phase']}), {s['sequences']} sequences",
+             "coverage (share of (layer, expert) pairs): " + ", ".join(f"{k} {v:.3f}" for k, v in s["coverage"].items()),
+             f"adjacent-token overlap: {s['adjacent_overlap']:.3f}   cross-layer novelty correlation: "
+             f"{s['layer_novelty_correlation']:.3f}",
+             "reuse distance (tokens): " + ", ".join(f"{k} {v:.3g}" for k, v in s["reuse_distance"].items())]
+    slots = list(s["reference_lru"])
+    if slots:
+        lines.append(f"{'hit rate':<14}" + "".join(f"{c:>9}" for c in slots))
+        rows = {"lru (ref)": s["reference_lru"], **s["hit_rate"]}
+        for name, v in rows.items():
+            lines.append(f"{name:<14}" + "".join(f"{'n/a' if v[c] is None else format(v[c], '.3f'):>9}" for c in slots))
+    return "\n".join(lines)
+
+
+def _write_out(out: Path, s: dict) -> None:
+    """stats.json, hit_rates.csv and hit_rates.png in ``out``, each written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {"lru-reference": s["reference_lru"], **s["hit_rate"]}
+
+    def atomic(name: str, write) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, out / name)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def csv_writer(tmp):
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["policy", "slots", "hit_rate"])
+            for name, v in rows.items():
+                for c, r in v.items():
+                    w.writerow([name, c, "" if r is None else f"{r:.6f}"])
+
+    def plot(tmp):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, v in rows.items():
+            pts = [(int(c), r) for c, r in v.items() if r is not None]
+            if pts:
+                style = dict(color="black", linestyle="--", label="belady (ceiling)") if name == "belady" else dict(label=name)
+                ax.plot(*zip(*pts), marker="o", **style)
+        ax.set_xlabel("cache slots per layer")
+        ax.set_ylabel("hit rate")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{s['model']} ({s['phase']}, {s['rows']} rows)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(tmp, format="png", dpi=120)
+        plt.close(fig)
+
+    atomic("stats.json", lambda tmp: Path(tmp).write_text(json.dumps(s, indent=1) + "\n"))
+    atomic("hit_rates.csv", csv_writer)
+    atomic("hit_rates.png", plot)
+
+
+def _stats(a) -> int:
+    from .stats import summarize
+
+    t = load(a.path)
+    if not len(t.rows(a.phase)):
+        raise TraceError(f"{a.path or 'bundled trace'}: no {a.phase} rows")
+    policies = [p for p in a.policies.split(",") if p]
+    from scheduler import POLICIES
+
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")
+    s = summarize(t, a.phase, a.slots, policies, a.reset_per_sequence, progress=len(t) * t.num_layers > 200_000)
+    print(json.dumps(s, indent=1) if a.json else _table(s))
+    if a.out:
+        _write_out(Path(a.out), s)
+    return 0
+
+
+def _fit(a) -> int:
+    from .synth import fit, signature, calibration_error, generate
+
+    t = load(a.path)
+    params = fit(t, a.phase, a.slots, a.reset_per_sequence, seed=a.seed, progress=True)
+    out = {"params": asdict(params), "geometry": {"num_layers": len(t.moe_layers), "num_experts": max(t.num_experts),
+                                                  "top_k": t.top_k}}
+    part = t.select(a.phase if len(t.rows(a.phase)) else None)
+    caps = a.slots or sorted({c for c in (max(1, t.top_k // 2), t.top_k, 2 * t.top_k, 3 * t.top_k) if c < max(t.num_experts)})
+    n = len(part.sequences())
+    synth = generate(len(t.moe_layers), max(t.num_experts), t.top_k, 4 * len(part), params,
+                     np.random.default_rng(a.seed + 1), num_seqs=4 * n)
+    out["check"] = calibration_error(signature(part, caps, None, a.reset_per_sequence),
+                                     signature(synth, caps, None, a.reset_per_sequence))
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out:
+        fd, tmp = tempfile.mkstemp(prefix=".fit.", dir=Path(a.out).resolve().parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, a.out)
+    return 0
+
+
+def _synth(a) -> int:
+    from .synth import PRESETS, SynthParams, generate
+
+    if a.preset:
+        if a.preset not in PRESETS:
+            raise ValueError(f"--preset: unknown {a.preset!r}; expected one of {', '.join(PRESETS)}")
+        pr = PRESETS[a.preset]
+        geo = {"layers": pr.num_layers, "experts": pr.num_experts, "top_k": pr.top_k,
+               "tokens": pr.num_seqs * pr.tokens_per_seq, "seqs": pr.num_seqs}
+        params = pr.params
+    else:
+        geo = {"layers": None, "experts": None, "top_k": None, "tokens": None, "seqs": 1}
+        params = SynthParams()
+    if a.params:
+        try:
+            d = json.loads(Path(a.params).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--params {a.params}: cannot read JSON ({e})") from None
+        d = d.get("params", d)
+        try:
+            params = SynthParams(**d)
+        except TypeError as e:
+            raise ValueError(f"--params {a.params}: {e}") from None
+    for key in geo:
+        v = getattr(a, key if key != "top_k" else "top_k")
+        if v is not None:
+            geo[key] = v
+    missing = [k for k, v in geo.items() if v is None]
+    if missing:
+        raise ValueError(f"synth: give --preset or all of --layers --experts --top-k --tokens (missing {missing})")
+    t = generate(geo["layers"], geo["experts"], geo["top_k"], geo["tokens"], params, np.random.default_rng(a.seed),
+                 num_seqs=geo["seqs"], model=f"synthetic:{a.preset or 'custom'}",
+                 progress=geo["tokens"] * geo["layers"] > 2_000_000)
+    t.meta["seed"] = a.seed
+    t.save(a.dest)
+    print(f"wrote {a.dest}: {t!r}", file=sys.stderr)
+    return 0
+
+
+_COMMANDS = {"import": _import, "info": _info, "stats": _stats, "fit": _fit, "synth": _synth}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``moelab trace`` with ``argv``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        a = _parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        return _COMMANDS[a.cmd](a)
+    except (TraceError, ValueError) as e:
+        print(f"moelab trace {a.cmd}: error: {e}", file=sys.stderr)
+        return 1
