@@ -198,15 +198,18 @@ def _rows_per_task(rows: int, groups: int, threads: int) -> int:
 
 
 def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, threads: int | None = None,
-                views: tuple | None = None) -> np.ndarray:
-    """Compute the pairs' expert outputs on the calling thread: (n, hidden) float32."""
+                views: tuple | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Compute the pairs' expert outputs on the calling thread: (n, hidden) float32 (into ``out``
+    when given, e.g. a page-locked buffer)."""
     e = np.asarray(experts, dtype=np.int64).reshape(-1)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape != (len(e), layer.hidden):
         raise ValueError(f"layer {layer.layer}: x has shape {x.shape}, expected ({len(e)}, {layer.hidden})")
     if len(e) and (e.min() < 0 or e.max() >= layer.num_experts):
         raise ValueError(f"layer {layer.layer}: expert ids must be in 0..{layer.num_experts - 1}")
-    y = np.empty((len(e), layer.hidden), np.float32)
+    y = np.empty((len(e), layer.hidden), np.float32) if out is None else out
+    if y.shape != (len(e), layer.hidden) or y.dtype != np.float32 or not y.flags.c_contiguous:
+        raise ValueError(f"layer {layer.layer}: out must be C-contiguous float32 ({len(e)}, {layer.hidden})")
     if not len(e):
         return y
     g, u, d = views or (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
@@ -278,18 +281,20 @@ class CpuExpertPool:
             item = self._queue.get()
             if item is None:
                 return
-            job, layer, experts, x, views = item
+            job, layer, experts, x, views, out = item
             t0 = time.perf_counter()
             try:
-                out = run_experts(layer, experts, x, self.threads, views)
+                out = run_experts(layer, experts, x, self.threads, views, out)
             except BaseException as exc:  # reported to the caller by result()
                 job._finish(None, exc)
             else:
                 job.compute_s = time.perf_counter() - t0
                 job._finish(out, None)
 
-    def submit(self, layer: LayerExperts, experts: Sequence[int], x: np.ndarray) -> CpuJob:
-        """Start computing ``experts[i]`` on ``x[i]`` for every i in the background."""
+    def submit(self, layer: LayerExperts, experts: Sequence[int], x: np.ndarray,
+               out: np.ndarray | None = None) -> CpuJob:
+        """Start computing ``experts[i]`` on ``x[i]`` for every i in the background (results
+        into ``out`` when given; it must not be touched until ``result()`` returns)."""
         if self._broken:
             raise ExecutorError(f"CPU expert pool is unusable: {self._broken}")
         if self._thread is None:
@@ -297,7 +302,7 @@ class CpuExpertPool:
             self._thread.start()
         job = CpuJob(self, layer.layer, len(experts))
         self._queue.put((job, layer, np.asarray(experts, np.int64), np.ascontiguousarray(x, np.float32),
-                         self._views_of(layer)))
+                         self._views_of(layer), out))
         return job
 
     def warmup(self, layer: LayerExperts) -> None:

@@ -1,0 +1,184 @@
+// moelab GPU expert kernels (compiled at run time by CuPy/NVRTC; see execute/gpu_experts.py).
+//
+// Weights are read in their GGML block type straight from a slot or scratch buffer. A row of
+// `cols` weights is split into units of 32 consecutive weights; a warp covers 4 units per
+// iteration, each lane dequantizing 4 consecutive weights (lane / 8 = unit, lane % 8 = quad).
+// A warp computes one output row for every token of one expert group (tokens in chunks of TB,
+// so each weight is read once per chunk); blocks are 4 warps over consecutive rows of a group.
+
+#define TB 4
+#define WARPS 4
+
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short ld16(const unsigned char* p) {
+    return *reinterpret_cast<const unsigned short*>(p);  // every 16-bit field is 2-aligned
+}
+
+__device__ __forceinline__ unsigned int ld32(const unsigned char* p) {  // 2-aligned 4 bytes
+    return (unsigned int)ld16(p) | ((unsigned int)ld16(p + 2) << 16);
+}
+
+// Q4_K: 6-bit scale and min of sub-block s (0..7); sc points at the 12 packed bytes
+__device__ __forceinline__ void q4k_scale_min(const unsigned char* sc, int s, int* d, int* m) {
+    if (s < 4) {
+        *d = sc[s] & 63;
+        *m = sc[s + 4] & 63;
+    } else {
+        *d = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+        *m = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+    }
+}
+
+// weights 32*unit + 4*quad .. +3 of the row starting at `row` -> w[0..3]
+__device__ __forceinline__ void dequant4(int qt, const unsigned char* row, int unit, int quad, float* w) {
+    if (qt == Q8_0) {  // block 34: f16 d, i8 qs[32]
+        const unsigned char* b = row + unit * 34;
+        float d = h2f(ld16(b));
+        unsigned int q = ld32(b + 2 + 4 * quad);
+        #pragma unroll
+        for (int i = 0; i < 4; i++) w[i] = d * (float)(signed char)(q >> (8 * i));
+    } else if (qt == Q4_0) {  // block 18: f16 d, u8 qs[16]; weights 0..15 low nibbles, 16..31 high
+        const unsigned char* b = row + unit * 18;
+        float d = h2f(ld16(b));
+        unsigned int q = ld32(b + 2 + 4 * (quad & 3));
+        int sh = quad < 4 ? 0 : 4;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) w[i] = d * (float)((int)((q >> (8 * i + sh)) & 15) - 8);
+    } else if (qt == Q4_K) {  // block 144: f16 d, f16 dmin, scales[12], qs[128]; unit = sub-block
+        const unsigned char* b = row + (unit >> 3) * 144;
+        int s = unit & 7, sc, mn;
+        q4k_scale_min(b + 4, s, &sc, &mn);
+        float d = h2f(ld16(b)) * sc, m = h2f(ld16(b + 2)) * mn;
+        unsigned int q = ld32(b + 16 + 32 * (s >> 1) + 4 * quad);
+        int sh = (s & 1) * 4;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) w[i] = d * (float)((q >> (8 * i + sh)) & 15) - m;
+    } else if (qt == Q6_K) {  // block 210: ql[128], qh[64], i8 scales[16], f16 d
+        const unsigned char* b = row + (unit >> 3) * 210;
+        int s = unit & 7, half = s >> 2, qq = s & 3, l = 4 * quad;
+        float d = h2f(ld16(b + 208)) * (float)(signed char)b[192 + 8 * half + 2 * qq + (l >> 4)];
+        unsigned int lo = ld32(b + 64 * half + 32 * (qq & 1) + l);
+        unsigned int hi = ld32(b + 128 + 32 * half + l);
+        int lsh = (qq >> 1) * 4, hsh = 2 * qq;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int v = ((lo >> (8 * i + lsh)) & 15) | (((hi >> (8 * i + hsh)) & 3) << 4);
+            w[i] = d * (float)(v - 32);
+        }
+    } else if (qt == F32) {
+        const float* p = reinterpret_cast<const float*>(row) + unit * 32 + 4 * quad;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) w[i] = p[i];
+    } else if (qt == F16) {
+        const unsigned short* p = reinterpret_cast<const unsigned short*>(row) + unit * 32 + 4 * quad;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) w[i] = h2f(p[i]);
+    } else {  // BF16
+        const unsigned short* p = reinterpret_cast<const unsigned short*>(row) + unit * 32 + 4 * quad;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) w[i] = __uint_as_float((unsigned int)p[i] << 16);
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// acc[t] += row . x[xrow[order[p0 + t]]] for t < nt (lane partial sums)
+__device__ __forceinline__ void row_dot(int qt, const unsigned char* row, int cols, const float* x, long long ldx,
+                                        const int* tok, int nt, float* acc) {
+    int lane = threadIdx.x & 31, quad = lane & 7, units = cols >> 5;
+    for (int u = lane >> 3; u < units; u += 4) {
+        float w[4];
+        dequant4(qt, row, u, quad, w);
+        int c = u * 32 + 4 * quad;
+        #pragma unroll
+        for (int t = 0; t < TB; t++) {
+            if (t < nt) {
+                float4 xv = *reinterpret_cast<const float4*>(x + tok[t] * ldx + c);
+                acc[t] += w[0] * xv.x + w[1] * xv.y + w[2] * xv.z + w[3] * xv.w;
+            }
+        }
+    }
+}
+
+// h[pair, r] = silu(gate_e x[xrow[pair]]) * (up_e x[xrow[pair]]) for every pair of every group.
+// grid (ceil(ffn / (WARPS * rows_per_warp)), groups), block 32 * WARPS.
+extern "C" __global__ void moe_gate_up(const unsigned long long* __restrict__ base,  // (G,) expert base
+                                       const int* __restrict__ gstart,  // (G + 1,)
+                                       const int* __restrict__ order,   // (P,) pair ids by group
+                                       const int* __restrict__ xrow,    // (P,) row of x per pair
+                                       const float* __restrict__ x, long long ldx,  // (T, hidden)
+                                       float* __restrict__ h,           // (P, ffn)
+                                       int ffn, int hidden, int rows_per_warp,
+                                       int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u) {
+    int g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(base[g]);
+    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp;
+    for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
+        for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += TB) {
+            int nt = min(TB, gstart[g + 1] - p0), tok[TB];
+            #pragma unroll
+            for (int t = 0; t < TB; t++) tok[t] = t < nt ? xrow[order[p0 + t]] : 0;
+            float ag[TB] = {0.f, 0.f, 0.f, 0.f}, au[TB] = {0.f, 0.f, 0.f, 0.f};
+            row_dot(qt_g, e + r * rb_g, hidden, x, ldx, tok, nt, ag);
+            row_dot(qt_u, e + off_u + r * rb_u, hidden, x, ldx, tok, nt, au);
+            #pragma unroll
+            for (int t = 0; t < TB; t++) {
+                float a = warp_sum(ag[t]), b = warp_sum(au[t]);
+                if (lane == 0 && t < nt) h[(long long)order[p0 + t] * ffn + r] = a / (1.f + __expf(-a)) * b;
+            }
+        }
+    }
+}
+
+// y[pair, r] = down_e h[pair] for every pair of every group. grid (ceil(hidden / (WARPS * rows_per_warp)), G).
+extern "C" __global__ void moe_down(const unsigned long long* __restrict__ base,
+                                    const int* __restrict__ gstart,
+                                    const int* __restrict__ order,
+                                    const float* __restrict__ h,  // (P, ffn)
+                                    float* __restrict__ y,        // (P, hidden)
+                                    int ffn, int hidden, int rows_per_warp,
+                                    long long off_d, int qt_d, long long rb_d) {
+    int g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(base[g]) + off_d;
+    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp;
+    for (int r = r0; r < min(r0 + rows_per_warp, hidden); r++) {
+        for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += TB) {
+            int nt = min(TB, gstart[g + 1] - p0), tok[TB];
+            #pragma unroll
+            for (int t = 0; t < TB; t++) tok[t] = t < nt ? order[p0 + t] : 0;
+            float a[TB] = {0.f, 0.f, 0.f, 0.f};
+            row_dot(qt_d, e + r * rb_d, ffn, h, ffn, tok, nt, a);
+            #pragma unroll
+            for (int t = 0; t < TB; t++) {
+                float s = warp_sum(a[t]);
+                if (lane == 0 && t < nt) y[(long long)tok[t] * hidden + r] = s;
+            }
+        }
+    }
+}
+
+// out[t] = sum_j weight[t, j] * y[pair_of[t, j]] in j order (pair_of < 0: skipped). grid T, block 256.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ pair_of,
+                                       const float* __restrict__ weight, float* __restrict__ out,
+                                       int k, int hidden) {
+    int t = blockIdx.x;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float s = 0.f;
+        for (int j = 0; j < k; j++) {
+            int p = pair_of[t * k + j];
+            if (p >= 0) s += weight[t * k + j] * y[(long long)p * hidden + c];
+        }
+        out[(long long)t * hidden + c] = s;
+    }
+}

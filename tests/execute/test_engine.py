@@ -1,0 +1,134 @@
+"""The expert engine under the scheduler's driver: numpy (policy cpu) and GPU (every policy)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from execute import quant as Q
+from execute.engine import ExpertEngine, gather_pairs
+from execute.experts import ExecutorError, random_layer
+from scheduler.core import Capacity, Decision, Geometry, Step, Token
+from scheduler.drive import AwaitBackground, RunLayer, StartBackground, drive
+from scheduler.policies import make_policy
+from scheduler.profile import Profile
+
+HIDDEN, FFN, EXPERTS, TOP_K, LAYERS = 256, 256, 8, 2, 3
+
+
+def scenario(rng, num_tokens=12, batch=(1, 1, 3)):
+    """Layers, and tokens whose steps carry routing: {(token, layer): (ids (T, k), weights (T, k))}."""
+    layers = [random_layer(rng, l, EXPERTS, HIDDEN, FFN, qt) for l, qt in enumerate((Q.Q8_0, Q.Q4_K, Q.Q6_K))]
+    routing, tokens = {}, []
+    for i in range(num_tokens):
+        t = int(batch[i % len(batch)])
+        steps = []
+        for l in range(LAYERS):
+            p = np.array([8, 6, 4, 2, 1, 1, 1, 1], float) / 24
+            ids = np.stack([rng.choice(EXPERTS, TOP_K, replace=False, p=p) for _ in range(t)])
+            w = rng.dirichlet(np.ones(TOP_K), size=t).astype(np.float32)
+            routing[(i, l)] = (ids, w)
+            order = list(dict.fromkeys(ids.reshape(-1).tolist()))
+            counts = tuple(int((ids == e).sum()) for e in order)
+            steps.append(Step(l, tuple(order), counts if t > 1 else None))
+        tokens.append(Token(i, 0, i, "decode" if t == 1 else "prefill", tuple(steps), t))
+    return layers, routing, tokens
+
+
+def expected(layers, reference, ids, w, x):
+    out = np.zeros((len(x), HIDDEN))
+    for t in range(len(x)):
+        y = reference(layers, list(ids[t]), np.repeat(x[t:t + 1], TOP_K, axis=0))
+        out[t] = w[t].astype(np.float64) @ y
+    return out
+
+
+def replay(engine, policy, layers, routing, tokens, rng, xp=np):
+    """Drive the policy; run every item on the engine; return (outputs, inputs) per RunLayer."""
+    results = []
+    for item in drive(policy, tokens):
+        if isinstance(item, RunLayer):
+            ids, w = routing[(item.token.index, item.step.layer)]
+            x = rng.standard_normal((len(ids), HIDDEN)).astype(np.float32)
+            out = engine.run_layer(item, xp.asarray(x), ids, w)
+            results.append((item.step.layer, ids, w, x, out))
+        elif isinstance(item, StartBackground):
+            engine.start_background(item.moves)
+        elif isinstance(item, AwaitBackground):
+            engine.await_background(item.moves)
+    return results
+
+
+def check(results, layers, reference, tol=1e-4):
+    for layer, ids, w, x, out in results:
+        out = out.get() if hasattr(out, "get") else out
+        ref = expected(layers[layer], reference, ids, w, x)
+        assert np.isfinite(out).all()
+        assert np.linalg.norm(out - ref) <= tol * np.linalg.norm(ref), f"layer {layer}"
+
+
+def test_gather_pairs_orders_by_destination():
+    step = Step(0, (5, 1, 3, 7))
+    d = Decision(step, hits=(3,), uploads=(7,), slots=(0,), cpu=(5, 1))
+    ids = np.array([[5, 3], [1, 5], [7, 3]])
+    experts, tok, pair_of, n_gpu, gpu = gather_pairs(d, ids)
+    assert experts.tolist() == [3, 3, 7, 5, 5, 1] and tok.tolist() == [0, 2, 2, 0, 1, 1]
+    assert n_gpu == 3 and gpu.tolist() == [3, 7]
+    assert (experts[pair_of] == ids).all() and (tok[pair_of] == np.arange(3)[:, None]).all()
+    with pytest.raises(ExecutorError, match=r"layer 0: routed experts \[9\] are not in the decision"):
+        gather_pairs(d, np.array([[9, 3]]))
+
+
+def test_cpu_policy_without_gpu(rng, reference):
+    layers, routing, tokens = scenario(rng, num_tokens=6)
+    geo = Geometry.uniform(LAYERS, EXPERTS, TOP_K, layers[0].expert_bytes)
+    cap = Capacity.per_layer(geo, 4)
+    engine = ExpertEngine(layers, cap, threads=2, use_gpu=False)
+    try:
+        results = replay(engine, make_policy("cpu", geo, cap), layers, routing, tokens, rng)
+        check(results, layers, reference)
+        assert engine.stats.cpu_pairs == sum(len(ids) * TOP_K for _, ids, *_ in results)
+    finally:
+        engine.close()
+
+
+def test_gpu_work_without_gpu_is_a_clear_error(rng):
+    layers, routing, tokens = scenario(rng, num_tokens=2)
+    geo = Geometry.uniform(LAYERS, EXPERTS, TOP_K, layers[0].expert_bytes)
+    cap = Capacity.per_layer(geo, 4)
+    engine = ExpertEngine(layers, cap, threads=1, use_gpu=False)
+    item = next(i for i in drive(make_policy("lru", geo, cap), tokens) if isinstance(i, RunLayer))
+    ids, w = routing[(0, 0)]
+    with pytest.raises(ExecutorError, match="need a GPU"):
+        engine.run_layer(item, np.zeros((len(ids), HIDDEN), np.float32), ids, w)
+    engine.close()
+
+
+def _gpu():
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cp.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    return cp
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["gpu", "lru", "freq-lru", "static", "hybrid", "belady", "cpu"])
+def test_every_policy_on_gpu_matches_reference(policy, rng, reference):
+    cp = _gpu()
+    layers, routing, tokens = scenario(rng, num_tokens=16)
+    geo = Geometry((EXPERTS,) * LAYERS, TOP_K, tuple(l.expert_bytes for l in layers))
+    cap = Capacity.per_layer(geo, 3)
+    profile = Profile.from_counts(np.array([[8, 6, 4, 2, 1, 1, 1, 1]] * LAYERS, float), slots=3) if policy == "static" else None
+    options = {"miss_frac_256": 128, "swap_every": 2, "gate": 0.5, "margin": 0.1} if policy == "hybrid" else {}
+    future = [s for t in tokens for s in t.steps] if policy == "belady" else None
+    pol = make_policy(policy, geo, cap, profile=profile, future=future, **options)
+    engine = ExpertEngine(layers, pol.capacity, threads=2, use_gpu=True, scratch_slots=2)
+    try:
+        engine.load_residents(pol.cache.slot)
+        results = replay(engine, pol, layers, routing, tokens, rng, xp=cp)
+        engine.synchronize()
+        check(results, layers, reference)
+    finally:
+        engine.close()
