@@ -23,11 +23,12 @@ from .run import SimConfig, SimError, run
 
 __all__ = ["expand", "config_key", "run_row", "Sweep", "RESULT_FIELDS", "plot_results"]
 
-RESULT_FIELDS = ("tokens", "tokens_per_s", "bound_tokens_per_s", "hit_rate", "upload_bytes", "hits", "uploads",
+RESULT_FIELDS = ("tokens_simulated", "tokens_per_s", "bound_tokens_per_s", "hit_rate", "upload_bytes", "hits", "uploads",
                  "streams", "cpu_experts", "fills", "swaps", "p50_token_s", "p99_token_s", "gpu_busy", "pcie_busy",
                  "cpu_busy", "simulated_s", "slots_per_layer", "cache_mib_used", "error")
 CONFIG_FIELDS = tuple(f.name for f in fields(SimConfig))
 COLUMNS = ("key",) + CONFIG_FIELDS + RESULT_FIELDS
+assert len(set(COLUMNS)) == len(COLUMNS), "a result field shadows a config field"
 
 
 def expand(models: Sequence[str], hardware: Sequence[str], policies: Sequence[str],
@@ -61,6 +62,7 @@ def run_row(cfg: SimConfig) -> dict:
         row["error"] = str(e).replace("\n", " ")
         return row
     s = result.summary()
+    s["tokens_simulated"] = s["tokens"]
     row.update({f: s.get(f, "") for f in RESULT_FIELDS})
     row.update(slots_per_layer=info["slots_per_layer"], cache_mib_used=round(info["cache_mib"], 3), error="")
     return row
