@@ -129,8 +129,8 @@ def _parser_replay() -> argparse.ArgumentParser:
     p.add_argument("--lag-tokens", type=int, default=1, help="background copies complete this many tokens later")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input token ids")
     p.add_argument("--timeout-s", type=float, default=60.0, help="an expert step that takes longer is an error")
-    p.add_argument("--backend", choices=("auto", "numpy", "numba"), default="auto",
-                   help="CPU-only expert backend when no GPU is used (auto: numba)")
+    p.add_argument("--backend", choices=("engine", "numpy"), default="engine",
+                   help="experts on the expert engine (GPU kernels + Numba CPU pool), or numpy reference (cpu only)")
     p.add_argument("--audit", default=None, help="write the per-token audit JSONL (with routes) here")
     p.add_argument("--json", action="store_true")
     return p
@@ -183,16 +183,16 @@ def _policy(args, trace, geometry, capacity):
         raise _Fail(f"moelab replay: {exc}") from None
 
 
-def _backend(args, weights, use_gpu: bool, geometry, capacity):
-    from . import model as M
-
-    if use_gpu:
-        return M.engine_backend(weights, geometry, capacity, args.threads, args.timeout_s)
-    if args.backend == "numpy":
-        return M.NumpyExperts(weights)
+def _backend(args, weights, use_gpu: bool, capacity):
     import os
 
-    return M.PoolExperts(weights, args.threads or os.cpu_count() or 1, args.timeout_s)
+    from . import model as M
+
+    if args.backend == "numpy":
+        if use_gpu:
+            raise _Fail("moelab replay: --backend numpy runs only policy 'cpu'")
+        return M.NumpyExperts(weights)
+    return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s)
 
 
 def _replay(args) -> int:
@@ -210,7 +210,7 @@ def _replay(args) -> int:
     capacity = _capacity(args, geometry)
     policy = _policy(args, trace, geometry, capacity)
     use_gpu = args.policy != "cpu"
-    backend = _backend(args, weights, use_gpu, geometry, capacity)
+    backend = _backend(args, weights, use_gpu, capacity)
     model = M.Qwen3Moe(weights, use_gpu=use_gpu)
     audit = Audit(geometry, keep_log=True, record_routes=args.audit is not None)
     n = len(trace.rows(args.phase)) if args.tokens is None else min(args.tokens, len(trace.rows(args.phase)))

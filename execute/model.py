@@ -31,7 +31,7 @@ from scheduler import Step
 from .experts import ExecutorError
 from .gguf_io import ModelWeights
 
-__all__ = ["Qwen3Moe", "Route", "TokenInput", "RunResult", "NumpyExperts", "PoolExperts", "run", "check_trace", "fold_trace", "trace_inputs", "array_module", "softmax_topk"]
+__all__ = ["Qwen3Moe", "Route", "TokenInput", "RunResult", "NumpyExperts", "EngineExperts", "run", "check_trace", "fold_trace", "trace_inputs", "array_module", "softmax_topk"]
 
 
 def array_module(use_gpu: bool):
@@ -247,25 +247,38 @@ class NumpyExperts:
         pass
 
 
-class PoolExperts(NumpyExperts):
-    """CPU-only expert backend on the Numba pool (``execute.cpu_experts.CpuExpertPool``)."""
+class EngineExperts:
+    """The expert engine (``execute.engine.ExpertEngine``: GPU arena and kernels, Numba CPU pool) as
+    a ``run`` backend; one token per step (decode, and prefill in chunks of one)."""
 
-    def __init__(self, weights: ModelWeights, threads: int, timeout_s: float = 60.0):
-        from .cpu_experts import CpuExpertPool
+    def __init__(self, weights: ModelWeights, capacity, threads: int, use_gpu: bool, timeout_s: float = 60.0):
+        if use_gpu:
+            array_module(True)  # a clear error when cupy is missing
+        from .engine import ExpertEngine
 
-        super().__init__(weights)
-        self.pool = CpuExpertPool(threads, timeout_s)
+        self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s)
+        self._first = next((l for l in weights.experts if l is not None), None)
+
+    def prepare(self, policy) -> None:
+        """Compile the CPU kernels (first use) and upload the experts the policy placed at
+        construction (profile pre-population, or all of them for ``gpu``)."""
+        if self._first is not None:
+            self.engine.pool.warmup(self._first)
+        self.engine.load_residents(dict(policy.cache.slot))
 
     def run_layer(self, item, x, weights: Sequence[float]):
-        _cpu_only(item)
-        layer = self.experts[item.step.layer]
-        ids = list(item.step.experts)
-        xh = np.broadcast_to(_host(x).astype(np.float32), (len(ids), layer.hidden))
-        out = self.pool.submit(layer, ids, xh).result()  # (k, hidden) unweighted
-        return np.asarray(weights, np.float32) @ out
+        ids = np.asarray([item.step.experts], dtype=np.int64)  # (1, k)
+        w = np.asarray([weights], dtype=np.float32)  # (1, k)
+        return self.engine.run_layer(item, x.reshape(1, -1), ids, w)[0]
+
+    def start_background(self, moves) -> None:
+        self.engine.start_background(moves)
+
+    def await_background(self, moves) -> None:
+        self.engine.await_background(moves)
 
     def close(self) -> None:
-        self.pool.close()
+        self.engine.close()
 
 
 # the driver loop ---------------------------------------------------------------------------------
@@ -323,7 +336,7 @@ def run(model: Qwen3Moe, backend, policy, inputs, lag_tokens: int = 1, audit=Non
         keep_logits: bool = False, progress=None) -> RunResult:
     """Drive ``policy`` over ``inputs`` (TokenInputs) with real compute: the model's dense path and
     ``backend`` for the experts (``run_layer(item, x, weights) -> y``, ``start_background``,
-    ``await_background``). Every driver item is also given to ``audit`` (an ``Audit``) if any."""
+    ``await_background``, optionally ``prepare(policy)`` before the first item). Every driver item is also given to ``audit`` (an ``Audit``) if any."""
     import time
 
     from scheduler import drive
@@ -332,6 +345,9 @@ def run(model: Qwen3Moe, backend, policy, inputs, lag_tokens: int = 1, audit=Non
     n_layers = model.info.num_layers
     dense, experts = np.zeros(n_layers), np.zeros(n_layers)
     logits, tokens = [], 0
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(policy)
     t0 = mark = time.perf_counter()
     other = 0.0
     for item in drive(policy, _tokens(model, inputs), lag_tokens):
@@ -423,11 +439,3 @@ def trace_inputs(trace, info, phase: str | None = None, start: int = 0, limit: i
             routes[s.layer] = Route(s.experts, s.weights)
         yield TokenInput(tok.index, tok.seq, tok.pos, tok.phase, int(rng.integers(info.vocab)), tuple(routes))
 
-
-def engine_backend(weights: ModelWeights, geometry, capacity, threads: int | None, timeout_s: float):
-    """The GPU expert engine (``execute.engine``) as a ``run`` backend."""
-    try:
-        from .engine import ExpertEngine  # noqa: F401
-    except ImportError as exc:
-        raise ExecutorError(f"the GPU expert engine is not available ({exc}); only --policy cpu runs") from None
-    raise ExecutorError("the GPU expert engine is not wired into the forward pass yet; only --policy cpu runs")
