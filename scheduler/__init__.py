@@ -6,6 +6,7 @@ from .audit import Audit
 from .cache import Cache
 from .core import (Capacity, CapacityError, Decision, Geometry, Move, Policy, Step, Token,
                    pad_slot_bytes)
+from .costmodel import CostModel, LayerLoad
 from .drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive, replay
 from .policies import MAX_FILLS_PER_TOKEN, POLICIES, make_policy
 from .profile import Profile, ProfileError, read_strp, write_strp
@@ -14,5 +15,5 @@ __all__ = [
     "Audit", "Cache", "Capacity", "CapacityError", "Decision", "Geometry", "Move", "Policy", "Step",
     "Token", "pad_slot_bytes", "AwaitBackground", "EndToken", "RunLayer", "StartBackground", "drive",
     "replay", "MAX_FILLS_PER_TOKEN", "POLICIES", "make_policy", "Profile", "ProfileError",
-    "read_strp", "write_strp",
+    "read_strp", "write_strp", "CostModel", "LayerLoad",
 ]

@@ -20,6 +20,7 @@ import numpy as np
 
 from .cache import INFLIGHT, RESIDENT, Cache
 from .core import Capacity, CapacityError, Decision, Geometry, Move, Step
+from .costmodel import CostModel
 from .profile import Profile
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "FreqLruPolicy",
     "StaticPolicy",
     "HybridPolicy",
+    "HybridCostPolicy",
     "BeladyPolicy",
     "MAX_FILLS_PER_TOKEN",
 ]
@@ -483,6 +485,70 @@ class HybridPolicy(BasePolicy):
         self.tokens += 1
 
 
+class HybridCostPolicy(HybridPolicy):
+    """``hybrid`` whose miss split comes from a cost model instead of a fixed fraction.
+
+    Per step: the hits' GPU time is counted first; the misses that are not in flight, by token
+    count (more first), decayed usage, then router rank, each go where the layer's time
+    ``max(gpu, pcie, cpu)`` grows least: over PCIe to the GPU (upload + GPU compute) or to the
+    CPU pool (its per-layer task cost paid once); ties go to the CPU, which moves no bytes.
+    In-flight misses always go to the CPU. An expert with many tokens is worth uploading; one
+    with a single token is often cheaper on the CPU (HybriMoE, Fiddler). Fills and swap rounds
+    are ``hybrid``'s.
+    """
+
+    name = "hybrid-cost"
+
+    def __init__(self, geometry, capacity, profile=None, *, cost_model: CostModel | None = None, **options):
+        if cost_model is None:
+            raise ValueError("policy 'hybrid-cost' needs cost_model= (scheduler.CostModel)")
+        if len(cost_model.upload_s) != geometry.num_layers:
+            raise ValueError(f"cost_model has {len(cost_model.upload_s)} layers, the model {geometry.num_layers}")
+        self.costs = cost_model
+        super().__init__(geometry, capacity, profile, **options)
+
+    def plan(self, step: Step) -> Decision:
+        layer = step.layer
+        state = self.cache.state[layer]
+        experts = step.experts
+        cnt = dict(zip(experts, step.counts)) if step.counts is not None else None
+        cm = self.costs
+        gpu = pcie = cpu_t = 0.0
+        hits, eligible, cpu = [], [], []
+        for e in experts:
+            s = state[e]
+            if s == RESIDENT:
+                hits.append(e)
+                gpu += cm.gpu_s(layer, cnt[e] if cnt else 1)
+            elif s == INFLIGHT:
+                cpu.append(e)
+        if len(hits) == len(experts):
+            return Decision(step, experts)
+        if cpu:
+            cpu_t = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in cpu)
+        eligible = [e for e in experts if state[e] != RESIDENT and state[e] != INFLIGHT]
+        u = self._u[layer]
+        eligible.sort(key=(lambda e: (-cnt[e], -u[e])) if cnt else (lambda e: -u[e]))
+        up_s = cm.upload_s[layer]
+        pcie_list = []
+        for e in eligible:
+            c = cnt[e] if cnt else 1
+            g_gpu, g_pcie = gpu + cm.gpu_s(layer, c), pcie + up_s
+            c_cpu = cpu_t + cm.cpu_s(layer, c) + (0.0 if cpu else cm.cpu_task_s)
+            if max(g_gpu, g_pcie, cpu_t) < max(gpu, pcie, c_cpu):
+                pcie_list.append(e)
+                gpu, pcie = g_gpu, g_pcie
+            else:
+                cpu.append(e)
+                cpu_t = c_cpu
+        order = {e: i for i, e in enumerate(experts)}
+        cpu.sort(key=order.__getitem__)
+        slots = self.cache.free_slots(layer, len(pcie_list))
+        n_up = len(slots)
+        return Decision(step, tuple(hits), uploads=tuple(pcie_list[:n_up]), slots=tuple(slots),
+                        streams=tuple(pcie_list[n_up:]), cpu=tuple(cpu))
+
+
 class BeladyPolicy(BasePolicy):
     """Optimal offline cache with bypass, given every step in replay order.
 
@@ -573,6 +639,7 @@ POLICIES = {
     "freq-lru": FreqLruPolicy,
     "static": StaticPolicy,
     "hybrid": HybridPolicy,
+    "hybrid-cost": HybridCostPolicy,
     "belady": BeladyPolicy,
 }
 

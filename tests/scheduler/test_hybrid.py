@@ -87,3 +87,35 @@ def test_background_completes_after_lag_tokens():
     runs = [i.decision for i in items if type(i) is RunLayer]
     assert [len(d.hits) for d in runs] == [0, 0, 0, 1]
     assert [d.cpu for d in runs[:3]] == [(1,), (1,), (1,)]
+
+
+def costs(layers=1, upload=1.0, gpu=0.1, gpu_tok=0.0, cpu=0.2, cpu_tok=0.8, task=0.0):
+    from scheduler import CostModel
+
+    return CostModel((gpu,) * layers, (gpu_tok,) * layers, (upload,) * layers, (cpu,) * layers,
+                     (cpu_tok,) * layers, task)
+
+
+def test_cost_model_sends_many_token_experts_over_pcie_and_single_tokens_to_cpu():
+    g = Geometry.uniform(1, 8, 2, 10)
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 0), cost_model=costs())
+    # expert 3: 6 tokens -> CPU 5.0 s vs upload 1.0 s; experts 1, 5: 1 token -> CPU 1.0 s each
+    d = policy.plan(Step(0, (1, 3, 5), (1, 6, 1)))
+    assert d.streams == (3,) and d.cpu == (1, 5)
+
+
+def test_cost_model_balances_a_decode_layer():
+    g = Geometry.uniform(1, 16, 8, 10)
+    # upload 1.0, CPU 1.0 per expert: 8 misses split 4 / 4 (ties go to the CPU)
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 0), cost_model=costs(cpu=1.0, cpu_tok=0.0))
+    d = policy.plan(Step(0, tuple(range(8))))
+    assert len(d.streams) == 4 and len(d.cpu) == 4
+
+
+def test_cost_model_needs_its_model():
+    g = Geometry.uniform(1, 8, 2, 10)
+    with pytest.raises(ValueError, match="cost_model"):
+        make_policy("hybrid-cost", g, Capacity.per_layer(g, 0))
+    with pytest.raises(ValueError, match="CostModel.gpu_expert_s: 1 entries, expected 2"):
+        from scheduler import CostModel
+        CostModel((1.0,), (1.0,), (1.0, 2.0), (1.0,), (1.0,))

@@ -10,7 +10,7 @@ from scheduler import (MAX_FILLS_PER_TOKEN, Audit, CapacityError, Profile, RunLa
 
 from .conftest import scenarios
 
-ONLINE = ("cpu", "lru", "freq-lru", "static", "hybrid")
+ONLINE = ("cpu", "lru", "freq-lru", "static", "hybrid", "hybrid-cost")
 
 
 def build(name, geometry, capacity, tokens, warm=False, **options):
@@ -26,6 +26,11 @@ def build(name, geometry, capacity, tokens, warm=False, **options):
     if name == "static" and profile is None:
         profile = Profile(geometry.num_layers, geometry.max_experts, (), 0)
     future = [s for t in tokens for s in t.steps] if name == "belady" else None
+    if name == "hybrid-cost":
+        from scheduler import CostModel
+
+        n = geometry.num_layers
+        options["cost_model"] = CostModel((1e-5,) * n, (2e-6,) * n, (9e-5,) * n, (1e-5,) * n, (7e-5,) * n, 5e-6)
     return make_policy(name, geometry, capacity, profile=profile, future=future, **options)
 
 

@@ -1,0 +1,61 @@
+"""Per-layer costs of running experts, for policies that split misses by a cost model.
+
+The numbers are plain seconds, given by whoever knows the hardware (the simulator's hardware
+description, or a calibration on a real machine); the scheduler only compares sums of them.
+A layer's time is modelled as the largest of its GPU, PCIe and CPU work (perfect overlap), as in
+HybriMoE's per-layer split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CostModel", "LayerLoad"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per unit of work, per layer (one entry per layer; dense layers are ignored).
+
+    gpu: ``gpu_expert_s + tokens * gpu_token_s`` per expert run on the GPU;
+    pcie: ``upload_s`` per expert copied host -> device;
+    cpu: ``cpu_expert_s + tokens * cpu_token_s`` per expert run on the CPU pool, whose
+    ``cpu_task_s`` is paid once per layer that uses it.
+    """
+
+    gpu_expert_s: tuple[float, ...]
+    gpu_token_s: tuple[float, ...]
+    upload_s: tuple[float, ...]
+    cpu_expert_s: tuple[float, ...]
+    cpu_token_s: tuple[float, ...]
+    cpu_task_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.upload_s)
+        for name in ("gpu_expert_s", "gpu_token_s", "upload_s", "cpu_expert_s", "cpu_token_s"):
+            v = tuple(float(x) for x in getattr(self, name))
+            object.__setattr__(self, name, v)
+            if len(v) != n:
+                raise ValueError(f"CostModel.{name}: {len(v)} entries, expected {n} (one per layer)")
+            if any(x < 0 or x != x for x in v):
+                raise ValueError(f"CostModel.{name}: every entry must be a number >= 0")
+        if self.cpu_task_s < 0:
+            raise ValueError("CostModel.cpu_task_s: expected >= 0")
+
+    def gpu_s(self, layer: int, tokens: int) -> float:
+        return self.gpu_expert_s[layer] + tokens * self.gpu_token_s[layer]
+
+    def cpu_s(self, layer: int, tokens: int) -> float:
+        return self.cpu_expert_s[layer] + tokens * self.cpu_token_s[layer]
+
+
+@dataclass
+class LayerLoad:
+    """Running totals of one layer's work while a policy assigns its experts."""
+
+    gpu_s: float = 0.0
+    pcie_s: float = 0.0
+    cpu_s: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return max(self.gpu_s, self.pcie_s, self.cpu_s)
