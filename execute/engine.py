@@ -87,13 +87,18 @@ class ExpertEngine:
     """Runs MoE layers as the scheduler decides: GPU kernels + copies, and the CPU pool."""
 
     def __init__(self, layers: Sequence[LayerExperts | None], capacity: Capacity, threads: int, use_gpu: bool,
-                 timeout_s: float = 30.0, scratch_slots: int = 16, pinned: bool = True):
+                 timeout_s: float = 30.0, scratch_slots: int = 16, pinned: bool = True, gpu=None):
         self.layers = list(layers)
         self.use_gpu = bool(use_gpu)
         self.timeout_s = float(timeout_s)
         self.pool = CpuExpertPool(threads, timeout_s)
         self.gpu = None
-        if self.use_gpu:
+        self._own_gpu = gpu is None
+        if self.use_gpu and gpu is not None:  # reuse pinned host weights and streams (benchmarks)
+            gpu.wait(gpu.all_done_event(), "GPU work")
+            gpu.set_capacity(capacity)
+            self.gpu = gpu
+        elif self.use_gpu:
             from .gpu_experts import GpuExperts
 
             self.gpu = GpuExperts(self.layers, capacity, scratch_slots, pinned, timeout_s)
@@ -255,6 +260,6 @@ class ExpertEngine:
 
     def close(self) -> None:
         self.pool.close()
-        if self.gpu is not None:
+        if self.gpu is not None and self._own_gpu:
             self.gpu.close()
 

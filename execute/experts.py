@@ -90,7 +90,7 @@ def random_layer(rng: np.random.Generator, layer: int, num_experts: int, hidden:
             w = rng.standard_normal((num_experts * rows, cols), dtype=np.float32) / np.float32(np.sqrt(cols))
             data = Q.quantize(w, qt).reshape(num_experts, rows * rb)
         else:
-            data = np.frombuffer(bytearray(rng.bytes(num_experts * rows * rb)), np.uint8).reshape(num_experts, -1)
+            data = rng.integers(0, 256, (num_experts, rows * rb), dtype=np.uint8)
             blocks = data.reshape(-1, q.block_bytes)
             scale = np.float16(2.0 / (q.block_weights * np.sqrt(cols))).view(np.uint16)
             for off in _SCALE_FIELDS[qt]:

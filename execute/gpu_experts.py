@@ -87,22 +87,13 @@ class GpuExperts:
             raise ValueError(f"GpuExperts scratch_slots: {scratch_slots}, expected >= 1")
         self.layers = list(layers)
         self.timeout_s = float(timeout_s)
-        self.pool_of = capacity.pool_of_layer(len(self.layers))
         moe = [l for l in self.layers if l is not None]
         if not moe:
             raise ValueError("GpuExperts: no MoE layer")
         for l in moe:
             for t in (l.gate, l.up, l.down):
                 Q.row_bytes(t.qtype, t.cols, t.name or f"layer {l.layer}")
-        self.slot_bytes: list[int] = []
-        self.arenas: list[cp.ndarray] = []
-        for i, (pool_layers, n) in enumerate(capacity.pools):
-            sizes = {self.layers[l].expert_bytes for l in pool_layers if self.layers[l] is not None}
-            if len(sizes) > 1:
-                raise ValueError(f"Capacity.pools[{i}]: layers {list(pool_layers)} have different expert sizes")
-            sb = pad_slot_bytes(sizes.pop()) if sizes else 0
-            self.slot_bytes.append(sb)
-            self.arenas.append(cp.empty(n * sb, cp.uint8))
+        self.set_capacity(capacity)
         self.scratch_bytes = max(pad_slot_bytes(l.expert_bytes) for l in moe)
         self.scratch = cp.empty(scratch_slots * self.scratch_bytes, cp.uint8)
         self.scratch_slots = scratch_slots
@@ -118,6 +109,19 @@ class GpuExperts:
             self._pin(moe)
         self._meta = _PinnedRing(8, 1 << 20)
         self.bytes_uploaded = 0
+
+    def set_capacity(self, capacity: Capacity) -> None:
+        """(Re)allocate one arena per pool: slots x the pool's padded expert size. Contents are lost."""
+        self.pool_of = capacity.pool_of_layer(len(self.layers))
+        self.slot_bytes: list[int] = []
+        self.arenas: list[cp.ndarray] = []
+        for i, (pool_layers, n) in enumerate(capacity.pools):
+            sizes = {self.layers[l].expert_bytes for l in pool_layers if self.layers[l] is not None}
+            if len(sizes) > 1:
+                raise ValueError(f"Capacity.pools[{i}]: layers {list(pool_layers)} have different expert sizes")
+            sb = pad_slot_bytes(sizes.pop()) if sizes else 0
+            self.slot_bytes.append(sb)
+            self.arenas.append(cp.empty(n * sb, cp.uint8))
 
     # host memory -----------------------------------------------------------------------------
     def _pin(self, moe: list[LayerExperts]) -> None:
