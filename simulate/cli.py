@@ -55,7 +55,8 @@ def simulate_main(argv: list[str]) -> int:
                     help=f"model preset ({', '.join(MODEL_PRESETS)}) or a .gguf file")
     ap.add_argument("--hardware", default=DEFAULTS.hardware,
                     help=f"hardware preset ({', '.join(hardware_presets())}) or a JSON file")
-    ap.add_argument("--policy", default=DEFAULTS.policy, help="cpu, gpu, lru, freq-lru, static, hybrid, belady")
+    ap.add_argument("--policy", default=DEFAULTS.policy, help="cpu, gpu, lru, freq-lru, static (oracle profile of the replayed rows), hybrid, hybrid-cost "
+                                                           "(split from the simulator's costs), belady")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--cache-slots", type=int, default=None, help="expert cache slots per MoE layer")
     size.add_argument("--cache-mib", type=_cache_mib, default=None,

@@ -77,6 +77,18 @@ class Costs:
         self.token_s = (model.head_bytes() / gbw + cfg.dense_kernels * hw.launch_s  # output head, norm, sampling
                         + hw.copy_latency_s)  # sampled id read back
 
+    def cost_model(self):
+        """These costs as a ``scheduler.CostModel`` (for ``hybrid-cost``): exact for one token,
+        linear in the token count beyond (the roofline's compute slope)."""
+        from scheduler import CostModel
+
+        gpu_tok = [self.gpu_expert_flop_s] * len(self.expert_bytes)
+        return CostModel(
+            gpu_expert_s=[max(0.0, e - f) for e, f in zip(self.gpu_expert_s, gpu_tok)], gpu_token_s=gpu_tok,
+            upload_s=self.upload_s,
+            cpu_expert_s=[max(0.0, e - t) for e, t in zip(self.cpu_expert_s, self.cpu_token_s)],
+            cpu_token_s=self.cpu_token_s, cpu_task_s=self.cpu_task_s)
+
     # multi-token steps (counts given) ---------------------------------------------------------
     def dense(self, layer: int, ctx: int, num_tokens: int = 1) -> float:
         """GPU time of a layer's dense part for ``num_tokens`` tokens ending at context ``ctx``."""

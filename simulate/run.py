@@ -156,11 +156,13 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     if cfg.policy == "static":
         profile = Profile.from_counts(_counts(tokens, geometry))  # oracle: the replayed tokens' own counts
     future = [s for t in tokens for s in t.steps] if cfg.policy == "belady" else None
+    costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned))
+    if cfg.policy == "hybrid-cost":
+        options["cost_model"] = costs.cost_model()
     try:
         policy = make_policy(cfg.policy, geometry, capacity, profile=profile, future=future, **options)
     except ValueError as e:
         raise SimError(f"policy {cfg.policy}: {e}") from None
-    costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned))
     audit = Audit(geometry, keep_records=False)
     result = Simulator(costs, record=record).run(drive(policy, tokens, cfg.lag_tokens), audit)
     slots = capacity.min_slots_per_layer(geometry) if cfg.policy != "gpu" else geometry.max_experts

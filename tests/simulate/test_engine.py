@@ -111,3 +111,19 @@ def test_multi_token_step_scales_compute(model, hw, exec_cfg):
     assert c.gpu_experts(0, [4]) == pytest.approx(4 * 3e-3)
     assert c.cpu_experts(0, [1]) == pytest.approx(150 * US)
     assert c.cpu_experts(0, [3]) == pytest.approx(3 * 150 * US)  # compute-bound: 20 GB/s per token
+
+
+def test_cost_model_for_the_scheduler_is_exact_for_one_token(model, hw, exec_cfg):
+    c = Costs(model, hw, exec_cfg)
+    cm = c.cost_model()
+    assert cm.gpu_expert_s[0] + cm.gpu_token_s[0] == pytest.approx(c.gpu_experts(0, [1]))
+    assert cm.cpu_expert_s[0] + cm.cpu_token_s[0] == pytest.approx(c.cpu_experts(0, [1]))
+    assert cm.upload_s[0] == pytest.approx(310 * US) and cm.cpu_task_s == pytest.approx(20 * US)
+
+
+def test_hybrid_cost_policy_runs_with_the_simulators_costs():
+    from simulate import SimConfig, run
+
+    result, _ = run(SimConfig(policy="hybrid-cost", tokens=20))
+    s = result.summary()
+    assert s["tokens"] == 20 and s["hits"] + s["uploads"] + s["streams"] + s["cpu_experts"] == 20 * 24 * 8

@@ -11,7 +11,7 @@ from simulate import Costs, ExecConfig, Simulator
 
 from .conftest import decode_tokens, round_hardware, tiny_model
 
-POLICIES = ["hybrid", "lru", "freq-lru", "cpu", "static", "belady"]
+POLICIES = ["hybrid", "hybrid-cost", "lru", "freq-lru", "cpu", "static", "belady"]
 
 
 @st.composite
@@ -43,6 +43,8 @@ def build(L, E, k, routes, policy, slots, frac):
                 counts[s.layer, list(s.experts)] += 1
         profile = Profile.from_counts(counts)
     opts = {"miss_frac_256": frac} if policy == "hybrid" else {}
+    if policy == "hybrid-cost":
+        opts = {"cost_model": Costs(model, round_hardware(), ExecConfig()).cost_model()}
     future = [s for t in toks for s in t.steps] if policy == "belady" else None
     return model, g, toks, lambda: make_policy(policy, g, Capacity.per_layer(g, slots), profile, future, **opts)
 
