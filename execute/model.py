@@ -13,7 +13,7 @@ the policy plans each step as it is routed, the executor (``execute.run``) runs 
 decided and delivers the output, and the generator continues with the next block. So routing is
 computed lazily, and decisions are exactly the scheduler's.
 
-Router: softmax over the block's experts (float32), top-k by probability (ties: lower id first),
+Router: softmax over the block's experts (on the host, float64, from float32 logits), top-k by probability (ties: lower id first),
 weights renormalised to sum 1 when ``info.norm_topk`` (qwen3moe: yes). With a route override (trace
 replay) the trace's ids replace the top-k; the trace's weights are used when it has them, else the
 router's own probabilities of those ids, renormalised the same way.
@@ -83,30 +83,44 @@ class Qwen3Moe:
         self.weights = weights
         self.token_embd = weights.token_embd  # stays on the host: one row per token is copied
         dev = lambda a: None if a is None else xp.asarray(a, dtype=xp.float32)  # noqa: E731
-        self.layers = [{k: dev(getattr(l, k)) for k in ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
-                                                       "ffn_norm", "router")} for l in weights.layers]
+        self.layers = [self._dense_layer(l, dev) for l in weights.layers]
         self.shared = [None if l.shared is None else {k: dev(v) for k, v in l.shared.items()} for l in weights.layers]
         self.output_norm = dev(weights.output_norm)
         self.output = dev(weights.output)
         hd = info.head_dim
-        self.inv_freq = xp.asarray(info.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd), dtype=xp.float32)
+        self.inv_freq = info.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)  # (hd/2,)
         self._alloc(max(int(max_tokens), 1))
         self.pos = 0
         self.logits = None
         self._out = None
 
+    def _dense_layer(self, l, dev) -> dict:
+        """Device weights of one block; q, k, v stacked into one matrix, q/k norms into one
+        ``(heads + kv_heads, head_dim)`` weight so that both are normed and rotated in one go."""
+        info = self.info
+        w = {k: dev(getattr(l, k)) for k in ("attn_norm", "wo", "ffn_norm", "router")}
+        w["wqkv"] = dev(np.concatenate([l.wq, l.wk, l.wv]))  # (q + 2 kv, hidden)
+        w["qk_norm"] = None if l.q_norm is None else dev(np.concatenate(
+            [np.tile(l.q_norm, (info.num_heads, 1)), np.tile(l.k_norm, (info.num_kv_heads, 1))]))
+        return w
+
     # state -------------------------------------------------------------------------------------
     def _alloc(self, n: int) -> None:
-        shape = (n, self.info.num_kv_heads, self.info.head_dim)
-        self.k_cache = [self.xp.zeros(shape, self.xp.float32) for _ in range(self.info.num_layers)]
-        self.v_cache = [self.xp.zeros(shape, self.xp.float32) for _ in range(self.info.num_layers)]
+        """KV cache for ``n`` positions, ``(kv_heads, n, head_dim)`` per block, and RoPE tables."""
+        xp, info = self.xp, self.info
+        shape = (info.num_kv_heads, n, info.head_dim)
+        self.k_cache = [xp.zeros(shape, xp.float32) for _ in range(info.num_layers)]
+        self.v_cache = [xp.zeros(shape, xp.float32) for _ in range(info.num_layers)]
+        ang = np.arange(n)[:, None] * self.inv_freq[None, :]  # (n, hd/2)
+        self.rope_cos = xp.asarray(np.concatenate([np.cos(ang), np.cos(ang)], axis=1), dtype=xp.float32)  # (n, hd)
+        self.rope_sin = xp.asarray(np.concatenate([-np.sin(ang), np.sin(ang)], axis=1), dtype=xp.float32)
 
     def _grow(self) -> None:
-        old_k, old_v, n = self.k_cache, self.v_cache, self.k_cache[0].shape[0]
+        old_k, old_v, n = self.k_cache, self.v_cache, self.k_cache[0].shape[1]
         self._alloc(2 * n)
         for l in range(self.info.num_layers):
-            self.k_cache[l][:n] = old_k[l]
-            self.v_cache[l][:n] = old_v[l]
+            self.k_cache[l][:, :n] = old_k[l]
+            self.v_cache[l][:, :n] = old_v[l]
 
     def reset(self) -> None:
         """Start a new sequence (the KV cache is reused, its contents ignored)."""
@@ -124,36 +138,31 @@ class Qwen3Moe:
 
     def _rope(self, x, pos: int):
         """NeoX RoPE: dims i and i + d/2 form a pair rotated by pos * theta^(-2i/d)."""
-        xp = self.xp
-        ang = self.inv_freq * np.float32(pos)
-        c, s = xp.cos(ang), xp.sin(ang)
         h = x.shape[-1] // 2
-        x1, x2 = x[..., :h], x[..., h:]
-        return xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+        swapped = self.xp.concatenate([x[..., h:], x[..., :h]], axis=-1)  # (x2, x1)
+        return x * self.rope_cos[pos] + swapped * self.rope_sin[pos]  # (x1 c - x2 s, x2 c + x1 s)
 
     def _attention(self, l: int, x):
         xp, info, w = self.xp, self.info, self.layers[l]
         nh, nkv, hd, pos = info.num_heads, info.num_kv_heads, info.head_dim, self.pos
-        q = (w["wq"] @ x).reshape(nh, hd)  # (heads, hd)
-        k = (w["wk"] @ x).reshape(nkv, hd)  # (kv, hd)
-        v = (w["wv"] @ x).reshape(nkv, hd)
-        if w["q_norm"] is not None:
-            q, k = self._rms(q, w["q_norm"]), self._rms(k, w["k_norm"])
-        self.k_cache[l][pos] = self._rope(k, pos)
-        self.v_cache[l][pos] = v
-        q = self._rope(q, pos).reshape(nkv, nh // nkv, hd)  # (kv, group, hd)
-        keys, vals = self.k_cache[l][: pos + 1], self.v_cache[l][: pos + 1]  # (t, kv, hd)
-        s = xp.einsum("kgd,tkd->kgt", q, keys) * np.float32(1.0 / np.sqrt(hd))  # (kv, group, t)
+        qkv = (w["wqkv"] @ x).reshape(nh + 2 * nkv, hd)  # rows: q heads, k heads, v heads
+        qk = qkv[: nh + nkv]
+        if w["qk_norm"] is not None:
+            qk = self._rms(qk, w["qk_norm"])
+        qk = self._rope(qk, pos)  # (heads + kv, hd)
+        self.k_cache[l][:, pos] = qk[nh:]
+        self.v_cache[l][:, pos] = qkv[nh + nkv:]
+        q = qk[:nh].reshape(nkv, nh // nkv, hd)  # (kv, group, hd)
+        keys, vals = self.k_cache[l][:, : pos + 1], self.v_cache[l][:, : pos + 1]  # (kv, t, hd)
+        s = (q @ keys.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(hd))  # (kv, group, t)
         s = xp.exp(s - s.max(axis=-1, keepdims=True))
-        p = s / s.sum(axis=-1, keepdims=True)
-        o = xp.einsum("kgt,tkd->kgd", p, vals).reshape(nh * hd)
+        o = ((s / s.sum(axis=-1, keepdims=True)) @ vals).reshape(nh * hd)  # (kv, group, hd) -> (q,)
         return w["wo"] @ o
 
     def _route(self, l: int, hn, forced: Route | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        xp = self.xp
-        logits = self.layers[l]["router"] @ hn
-        e = xp.exp(logits - logits.max())
-        probs = _host(e / e.sum()).astype(np.float64)
+        logits = _host(self.layers[l]["router"] @ hn).astype(np.float64)  # (experts,): the host needs the ids
+        e = np.exp(logits - logits.max())
+        probs = e / e.sum()
         if forced is None:
             ids, w = softmax_topk(probs, self.info.top_k, self.info.norm_topk)
         else:
@@ -185,7 +194,7 @@ class Qwen3Moe:
         xp, info = self.xp, self.info
         if not 0 <= token_id < info.vocab:
             raise ExecutorError(f"token id {token_id} out of range 0..{info.vocab - 1}")
-        if self.pos >= self.k_cache[0].shape[0]:
+        if self.pos >= self.k_cache[0].shape[1]:
             self._grow()
         x = xp.asarray(self.token_embd[token_id], dtype=xp.float32)  # (hidden,)
         for l in range(info.num_layers):
