@@ -353,14 +353,13 @@ class HybridPolicy(BasePolicy):
         layer = step.layer
         state = self.cache.state[layer]
         experts = step.experts
-        hits, misses = [], []
-        for e in experts:
-            (hits if state[e] == RESIDENT else misses).append(e)
+        misses = [e for e in experts if state[e] != RESIDENT]
         if not misses:
             return Decision(step, experts)
+        hits = tuple([e for e in experts if state[e] == RESIDENT])
         n_pcie = (len(misses) * self.miss_frac_256 + 128) >> 8
         if n_pcie == 0:
-            return Decision(step, tuple(hits), cpu=tuple(misses))
+            return Decision(step, hits, (), (), (), tuple(misses))
         eligible = [e for e in misses if state[e] != INFLIGHT]
         if len(eligible) > n_pcie:
             u = self._u[layer]
@@ -369,12 +368,16 @@ class HybridPolicy(BasePolicy):
             else:
                 cnt = dict(zip(experts, step.counts))
                 eligible.sort(key=lambda e: (-cnt[e], -u[e]))
-        pcie = eligible[:n_pcie]
-        cpu = tuple(e for e in misses if e not in pcie)
+            pcie = eligible[:n_pcie]
+            cpu = tuple([e for e in misses if e not in pcie])
+        else:
+            pcie = eligible
+            cpu = tuple([e for e in misses if state[e] == INFLIGHT])
         slots = self.cache.free_slots(layer, len(pcie))
         n_up = len(slots)
-        return Decision(step, tuple(hits), uploads=tuple(pcie[:n_up]), slots=tuple(slots),
-                        streams=tuple(pcie[n_up:]), cpu=cpu)
+        if n_up == 0:
+            return Decision(step, hits, (), (), tuple(pcie), cpu)
+        return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu)
 
     def commit(self, d: Decision) -> None:
         layer = d.layer
@@ -434,41 +437,49 @@ class HybridPolicy(BasePolicy):
         """
         cache = self.cache
         U = self._np
+        num_layers, width = U.shape
         cand = self._valid & ~cache.occupied_mask & (U >= self.gate)
         for l, e in taken:
             cand[l, e] = False
-        resident = self._valid & cache.resident_mask
-        ncand, nvict = cand.sum(1), resident.sum(1)
-        cu = np.where(cand, U, -np.inf)
-        corder = np.argsort(-cu, axis=1, kind="stable")
-        cs = np.take_along_axis(cu, corder, 1)
-        vu = np.where(resident, U, np.inf)
-        vorder = np.argsort(vu, axis=1, kind="stable")
-        vs = np.take_along_axis(vu, vorder, 1)
-        # fills into free slots: f[l] of layer l's best candidates
-        f = np.zeros(len(U), dtype=np.int64)
-        fills = []  # (gain, layer, expert, slot)
-        for p, (layers, _) in enumerate(self.capacity.pools):
+        layers = np.arange(num_layers)
+        # candidates: by layer, usage descending, expert; rank = position within the layer
+        ci = np.flatnonzero(cand)
+        cl, ce, cu = ci // width, ci % width, U.ravel()[ci]
+        o = np.lexsort((ce, -cu, cl))
+        cl, ce, cu = cl[o], ce[o], cu[o]
+        cstart = np.searchsorted(cl, layers)
+        crank = np.arange(len(cl)) - cstart[cl]
+        ncand = np.bincount(cl, minlength=num_layers)
+        # victims: residents by layer, usage ascending, expert
+        vi = np.flatnonzero(self._valid & cache.resident_mask)
+        vl, ve, vu = vi // width, vi % width, U.ravel()[vi]
+        o = np.lexsort((ve, vu, vl))
+        vl, ve, vu = vl[o], ve[o], vu[o]
+        vstart = np.searchsorted(vl, layers)
+        nvict = np.bincount(vl, minlength=num_layers)
+        # fills: a pool's free slots go to its best candidates (merged across its layers)
+        f = np.zeros(num_layers, dtype=np.int64)
+        fills = []  # (-gain, layer, expert, slot, None)
+        for p, (pool_layers, _) in enumerate(self.capacity.pools):
             n_free = free_left[p]
             if n_free == 0:
                 continue
-            pool = [(-float(cs[l, i]), l, int(corder[l, i])) for l in layers for i in range(min(n_free, int(ncand[l])))]
-            pool.sort()
+            best = sorted((-float(cu[cstart[l] + i]), l, int(ce[cstart[l] + i]))
+                          for l in pool_layers for i in range(min(n_free, int(ncand[l]))))
             free = cache.free[p]
-            for i, (g, l, e) in enumerate(pool[:n_free]):
+            for i, (g, l, e) in enumerate(best[:n_free]):
                 f[l] += 1
-                fills.append((-g, l, e, free[n_free - 1 - i]))
-        # swaps: candidate f[l] + j of layer l against victim j
-        j = np.arange(U.shape[1])
-        ci = f[:, None] + j
-        pair = (ci < ncand[:, None]) & (j < nvict[:, None])
-        gain = np.take_along_axis(cs, np.minimum(ci, U.shape[1] - 1), 1) - vs
-        ok = pair & (gain >= self.margin)
-        ls, js = np.nonzero(ok)
-        rows = [(float(gain[l, i]), int(l), int(corder[l, f[l] + i]), int(vorder[l, i])) for l, i in zip(ls, js)]
-        ranked = sorted([(-g, l, e, s, None) for g, l, e, s in fills] + [(-g, l, e, None, v) for g, l, e, v in rows])
+                fills.append((g, l, e, free[n_free - 1 - i], None))
+        # swaps: the layer's candidate f + j against its victim j, while the gain holds
+        vpos = crank - f[cl]
+        ok = (vpos >= 0) & (vpos < nvict[cl])
+        vidx = vstart[cl] + np.where(ok, vpos, 0)
+        gain = cu - vu[np.minimum(vidx, max(len(vu) - 1, 0))] if len(vu) else np.zeros(len(cu))
+        ok &= gain >= self.margin
+        sel = np.flatnonzero(ok)
+        swaps = [(-float(gain[i]), int(cl[i]), int(ce[i]), None, int(ve[vidx[i]])) for i in sel]
         moves = []
-        for g, l, e, s, v in ranked[: self.max_moves]:
+        for g, l, e, s, v in sorted(fills + swaps)[: self.max_moves]:
             if v is None:
                 moves.append(Move(l, e, s, None, -g))
             else:
