@@ -172,7 +172,7 @@ class ExpertEngine:
             job = self._cpu(lx, experts[n_gpu:], tok[n_gpu:], xh)
         with gx.compute:
             y = cp.empty((len(experts), lx.hidden), cp.float32)
-        for v in d.evictions + d.retired:
+        for v in d.evictions:
             self.slot_of.pop(v, None)
         self._gpu_rounds(d, x, experts[:n_gpu], tok[:n_gpu], y)
         if job is not None:
@@ -194,6 +194,8 @@ class ExpertEngine:
             except KeyError:
                 raise ExecutorError(f"layer {layer}: hit on expert {e}, which this engine never loaded") from None
         promo = dict(zip(d.promotions, d.promotion_slots))
+        for v in d.retired:  # residents that leave after this step; their slots take promotions
+            self.slot_of.pop(v, None)
         streams = list(d.streams)
         first = True
         while first or streams:

@@ -53,21 +53,29 @@ def scratch_source(k: int) -> int:
     return -1 - k
 
 
-def _kernels() -> cp.RawModule:
+_FUNCS: dict[str, object] = {}
+
+
+def _kernel(name: str):
+    """A kernel of gpu_kernels.cu (compiled once per process)."""
     global _MODULE
-    if _MODULE is None:
-        src = resources.files(__package__).joinpath("gpu_kernels.cu").read_text()
-        _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
-    return _MODULE
+    f = _FUNCS.get(name)
+    if f is None:
+        if _MODULE is None:
+            src = resources.files(__package__).joinpath("gpu_kernels.cu").read_text()
+            _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
+        f = _FUNCS[name] = _MODULE.get_function(name)
+    return f
 
 
 class _PinnedRing:
     """Reusable page-locked host buffers; a buffer is reused only after its copy's event."""
 
-    def __init__(self, n: int, nbytes: int):
+    def __init__(self, n: int, nbytes: int, device: bool = False):
         self.bufs = [cp.cuda.alloc_pinned_memory(nbytes) for _ in range(n)]
         self.arrays = [np.frombuffer(b, np.uint8, nbytes) for b in self.bufs]
         self.events: list[cp.cuda.Event | None] = [None] * n
+        self.device = [cp.empty(nbytes, cp.uint8) for _ in range(n)] if device else []
         self.next = 0
 
     def take(self) -> tuple[np.ndarray, int]:
@@ -107,7 +115,8 @@ class GpuExperts:
         self.staging: _PinnedRing | None = None
         if pinned:
             self._pin(moe)
-        self._meta = _PinnedRing(8, 1 << 20)
+        self._meta = _PinnedRing(16, 1 << 20, device=True)
+        self._meta_events = [cp.cuda.Event(disable_timing=True) for _ in range(16)]
         self.bytes_uploaded = 0
 
     def set_capacity(self, capacity: Capacity) -> None:
@@ -228,22 +237,24 @@ class GpuExperts:
             time.sleep(20e-6)
 
     # kernels ---------------------------------------------------------------------------------
-    def _upload_meta(self, *arrays: np.ndarray) -> list[cp.ndarray]:
-        """Copy small int arrays to the device in one pinned transfer on the compute stream."""
+    def _upload_meta(self, *arrays: np.ndarray) -> list[np.uint64]:
+        """Copy small arrays to the device in one pinned transfer on the compute stream; returns
+        their device addresses (the ring's device buffer is reused in stream order)."""
         buf, i = self._meta.take()
-        sizes = [a.nbytes for a in arrays]
-        offs = np.concatenate([[0], np.cumsum([-(-s // 16) * 16 for s in sizes])]).astype(int)
-        if offs[-1] > buf.nbytes:
-            raise ExecutorError(f"kernel metadata of {offs[-1]} bytes exceeds the {buf.nbytes}-byte buffer")
-        for a, o in zip(arrays, offs):
-            buf[o:o + a.nbytes] = a.view(np.uint8).reshape(-1)
-        dev = cp.empty(int(offs[-1]), cp.uint8)
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, buf.ctypes.data, int(offs[-1]),
-                                    cp.cuda.runtime.memcpyHostToDevice, self.compute.ptr)
-        ev = cp.cuda.Event(disable_timing=True)
+        offs, o = [], 0
+        for a in arrays:
+            offs.append(o)
+            o += -(-a.nbytes // 16) * 16
+        if o > buf.nbytes:
+            raise ExecutorError(f"kernel metadata of {o} bytes exceeds the {buf.nbytes}-byte buffer")
+        for a, off in zip(arrays, offs):
+            buf[off:off + a.nbytes] = a.view(np.uint8).reshape(-1)
+        dev = self._meta.device[i].data.ptr
+        cp.cuda.runtime.memcpyAsync(dev, buf.ctypes.data, o, cp.cuda.runtime.memcpyHostToDevice, self.compute.ptr)
+        ev = self._meta_events[i]
         ev.record(self.compute)
         self._meta.events[i] = ev
-        return [dev[o:o + a.nbytes].view(a.dtype) for a, o in zip(arrays, offs)]
+        return [np.uint64(dev + off) for off in offs]
 
     def run(self, layer: int, sources: Sequence[int], x: cp.ndarray, xrow: Sequence[int],
             wait: Sequence[cp.cuda.Event] = (), out: cp.ndarray | None = None) -> cp.ndarray:
@@ -263,12 +274,14 @@ class GpuExperts:
             raise ValueError(f"layer {layer}: out must be C-contiguous ({n}, {lx.hidden}), got {out.shape}")
         if n == 0:
             return out
-        src = np.asarray(sources, np.int64)
-        order = np.argsort(src, kind="stable").astype(np.int32)
-        ids, start = np.unique(src[order], return_index=True)
-        gstart = np.append(start, n).astype(np.int32)
-        base = np.array([self.source_ptr(layer, int(s)) for s in ids], np.uint64)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(sources):
+            groups.setdefault(int(s), []).append(i)
+        order = np.fromiter((i for g in groups.values() for i in g), np.int32, n)
+        gstart = np.cumsum([0] + [len(g) for g in groups.values()], dtype=np.int32)
+        base = np.array([self.source_ptr(layer, s) for s in groups], np.uint64)
         rows = np.asarray(xrow, np.int32)
+        ids = groups
         with self.compute:
             for ev in wait:
                 self.compute.wait_event(ev)
@@ -285,7 +298,7 @@ class GpuExperts:
         grid = (-(-lx.ffn // (_WARPS * rpw)), groups)
         rb_g = Q.row_bytes(lx.gate.qtype, lx.hidden)
         rb_u = Q.row_bytes(lx.up.qtype, lx.hidden)
-        _kernels().get_function("moe_gate_up")(
+        _kernel("moe_gate_up")(
             grid, (32 * _WARPS,),
             (d_base, d_gstart, d_order, d_rows, x, np.int64(x.shape[1]), h, np.int32(lx.ffn), np.int32(lx.hidden),
              np.int32(rpw), np.int32(lx.gate.qtype), np.int64(rb_g), np.int64(lx.gate.expert_bytes),
@@ -294,7 +307,7 @@ class GpuExperts:
     def _launch_down(self, lx, groups, d_base, d_gstart, d_order, h, y) -> None:
         rpw = 2
         grid = (-(-lx.hidden // (_WARPS * rpw)), groups)
-        _kernels().get_function("moe_down")(
+        _kernel("moe_down")(
             grid, (32 * _WARPS,),
             (d_base, d_gstart, d_order, h, y, np.int32(lx.ffn), np.int32(lx.hidden), np.int32(rpw),
              np.int64(lx.gate.expert_bytes + lx.up.expert_bytes), np.int32(lx.down.qtype),
@@ -307,6 +320,6 @@ class GpuExperts:
             out = cp.empty((t, y.shape[1]), cp.float32)
             d_pair, d_w = self._upload_meta(np.ascontiguousarray(pair_of, np.int32),
                                             np.ascontiguousarray(weights, np.float32))
-            _kernels().get_function("moe_combine")(
+            _kernel("moe_combine")(
                 (t,), (256,), (cp.ascontiguousarray(y, cp.float32), d_pair, d_w, out, np.int32(k), np.int32(y.shape[1])))
         return out

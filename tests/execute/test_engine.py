@@ -119,7 +119,7 @@ def test_every_policy_on_gpu_matches_reference(policy, rng, reference):
     cp = _gpu()
     layers, routing, tokens = scenario(rng, num_tokens=16)
     geo = Geometry((EXPERTS,) * LAYERS, TOP_K, tuple(l.expert_bytes for l in layers))
-    cap = Capacity.per_layer(geo, 3)
+    cap = Capacity.per_layer(geo, EXPERTS if policy == "gpu" else 3)
     profile = Profile.from_counts(np.array([[8, 6, 4, 2, 1, 1, 1, 1]] * LAYERS, float), slots=3) if policy == "static" else None
     options = {"miss_frac_256": 128, "swap_every": 2, "gate": 0.5, "margin": 0.1} if policy == "hybrid" else {}
     future = [s for t in tokens for s in t.steps] if policy == "belady" else None
