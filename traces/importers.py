@@ -13,8 +13,9 @@ Formats (``IMPORTERS``, name -> function ``(src, **options) -> Trace``):
   An encoder: every row is prefill.
 - ``vllm``: vLLM-profiler JSONL, one record per (token, layer): ``dataset``, ``problem_id``,
   ``layer``, ``token_idx``, ``experts``, ``gating_probs`` (optional ``phase``; default decode).
-  A sequence is a (dataset, problem_id) pair, in order of first appearance; rows are its token
-  indices in ascending order; a (token, layer) with no record is masked.
+  A sequence is a (dataset, problem_id) pair; sequences are numbered in sorted order (dataset,
+  then problem_id), rows are each sequence's token indices in ascending order, so the file's
+  record order does not matter; a (token, layer) with no record is masked.
 - ``strata``: Strata's binary ``--dump-routing`` (little-endian records: int32 layer, int32 k,
   k int32 ids, k float32 weights). Token rule: a token's records are consecutive with strictly
   increasing layers; a record whose layer is not greater than the previous record's starts a new
@@ -35,6 +36,16 @@ from .format import PHASES, Trace, TraceError
 
 __all__ = ["IMPORTERS", "import_trace", "import_granite", "import_switch", "import_vllm", "import_strata",
            "import_audit", "write_strata"]
+
+
+MAX_LAYERS = 4096  # sanity bounds on geometry read or inferred from a file
+MAX_EXPERTS = 65535
+
+
+def _check_geometry(src, where: str, L: int, E: int, k: int) -> None:
+    if not (1 <= L <= MAX_LAYERS and 1 <= E <= MAX_EXPERTS and 1 <= k <= E):
+        raise _fail(src, where, f"geometry {L} layers x {E} experts, top_k {k} is impossible "
+                                f"(limits {MAX_LAYERS} layers, {MAX_EXPERTS} experts, 1 <= k <= experts)")
 
 
 def _fail(src, where: str, problem: str) -> TraceError:
@@ -94,8 +105,7 @@ def import_granite(src) -> Trace:
     L = _int(d.get("num_layers"), src, "header", "num_layers")
     E = _int(d.get("num_experts"), src, "header", "num_experts")
     k = _int(d.get("top_k"), src, "header", "top_k")
-    if L < 1 or E < 1 or not 1 <= k <= E:
-        raise _fail(src, "header", f"geometry {L} layers x {E} experts, top_k {k} is impossible")
+    _check_geometry(src, "header", L, E, k)
     prompts = d.get("prompts")
     if not isinstance(prompts, dict) or not prompts:
         raise _fail(src, "field 'prompts'", "expected a non-empty object of prompts")
@@ -134,8 +144,7 @@ def import_switch(src, metadata=None) -> Trace:
     E = _int(d.get("expertsPerLayer"), src, "header", "expertsPerLayer")
     k = _int(d.get("topK"), src, "header", "topK")
     T = _int(d.get("tokens"), src, "header", "tokens")
-    if L < 1 or E < 1 or not 1 <= k <= E:
-        raise _fail(src, "header", f"geometry {L} layers x {E} experts, top_k {k} is impossible")
+    _check_geometry(src, "header", L, E, k)
     sel = d.get("selections")
     if not isinstance(sel, list):
         raise _fail(src, "field 'selections'", f"is {type(sel).__name__}, expected a list")
@@ -170,7 +179,9 @@ def import_switch(src, metadata=None) -> Trace:
         meta["prompts"] = [sp.get("id") for sp in spans]
         meta["sparse_encoder_block_indices"] = m.get("sparse_encoder_block_indices")
     ids = np.array(rows, dtype=np.int16).reshape(T, L, k)
-    model = (d.get("source") or {}).get("model", {}).get("id", "switch") if isinstance(d.get("source"), dict) else "switch"
+    origin = d.get("source")
+    model = origin.get("model") if isinstance(origin, dict) else None
+    model = str(model.get("id", "switch")) if isinstance(model, dict) else "switch"
     return Trace(model, (E,) * L, k, ids, seq, pos, np.zeros(T, dtype=np.int8), None, meta)
 
 
@@ -178,7 +189,7 @@ def import_switch(src, metadata=None) -> Trace:
 def _jsonl(src):
     """(line number, parsed object) for each non-blank line; a bad line is an error."""
     try:
-        f = open(src, encoding="utf-8")
+        f = open(src, "rb")
     except OSError as e:
         raise TraceError(f"{src}: cannot read ({e.strerror})") from None
     with f:
@@ -186,7 +197,9 @@ def _jsonl(src):
             if not line.strip():
                 continue
             try:
-                yield n, json.loads(line)
+                yield n, json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise _fail(src, f"line {n}", f"not UTF-8 text ({e.reason})") from None
             except json.JSONDecodeError as e:
                 raise _fail(src, f"line {n}", f"not valid JSON ({e.msg}; truncated?)") from None
 
@@ -227,8 +240,11 @@ def import_vllm(src, num_layers: int | None = None, num_experts: int | None = No
         raise TraceError(f"{src}: no records")
     L = num_layers or 1 + max(key[2] for key in recs)
     E = num_experts or 1 + max(max(v[0]) for v in recs.values())
-    if not 1 <= k <= E:
-        raise TraceError(f"{src}: top_k {k} but {E} experts")
+    _check_geometry(src, "records", L, E, k)
+    order = sorted(seq_ids, key=lambda key: (str(key[0]), isinstance(key[1], str), key[1]))
+    renumber = {seq_ids[key]: i for i, key in enumerate(order)}
+    recs = {(renumber[s], tok, layer): v for (s, tok, layer), v in recs.items()}
+    phases = {(renumber[s], tok): ph for (s, tok), ph in phases.items()}
     row_keys = sorted(phases)
     row_of = {key: i for i, key in enumerate(row_keys)}
     T = len(row_keys)
@@ -243,7 +259,7 @@ def import_vllm(src, num_layers: int | None = None, num_experts: int | None = No
                 raise TraceError(f"{src}: token {tok} layer {layer} has no gating_probs while others do")
             w_a[i, layer] = w
     meta = {"source": Path(src).name, "format": "vLLM-profiler JSONL",
-            "sequences": [list(key) for key in seq_ids], "masked_entries": int(T * L - len(recs))}
+            "sequences": [list(key) for key in order], "masked_entries": int(T * L - len(recs))}
     return Trace(model, (E,) * L, k, ids_a, [key[0] for key in row_keys], [key[1] for key in row_keys],
                  [phases[key] for key in row_keys], w_a, meta)
 
@@ -300,8 +316,7 @@ def import_strata(src, num_layers: int | None = None, num_experts: int | None = 
         raise TraceError(f"{src}: empty file, no records")
     L = num_layers or 1 + max(max(t) for t in tokens)
     E = num_experts or 1 + max(int(ids.max()) for t in tokens for ids, _ in t.values())
-    if k > E:
-        raise TraceError(f"{src}: k={k} but only {E} experts")
+    _check_geometry(src, "records", L, E, k)
     T = len(tokens)
     ids_a = np.full((T, L, k), -1, dtype=np.int16 if E <= 32767 else np.int32)
     w_a = np.full((T, L, k), np.nan, dtype=np.float32)
@@ -337,6 +352,9 @@ def import_audit(src) -> Trace:
     num_experts = [_int(x, src, "summary line", "geometry.num_experts") for x in g["num_experts"]]
     k = _int(g.get("top_k"), src, "summary line", "geometry.top_k")
     L = len(num_experts)
+    _check_geometry(src, "summary line", L, max(num_experts, default=0), k)
+    if min(num_experts) < 0 or any(0 < n < k for n in num_experts):
+        raise _fail(src, "summary line", f"geometry.num_experts {num_experts} does not fit top_k {k}")
     T = len(records)
     ids_a = np.full((T, L, k), -1, dtype=np.int16 if max(num_experts) <= 32767 else np.int32)
     w_a = np.full((T, L, k), np.nan, dtype=np.float32)

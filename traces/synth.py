@@ -294,7 +294,7 @@ def _from_unit(name: str, u: float) -> float:
 
 def fit(trace: Trace, phase: str | None = "decode", capacities: Sequence[int] | None = None,
         reset_per_sequence: bool = False, seed: int = 0, num_random: int = 40, passes: int = 8,
-        progress: bool = False) -> SynthParams:
+        start: SynthParams | None = None, progress: bool = False) -> SynthParams:
     """Parameters whose synthetic traces match ``trace``'s LRU curve, adjacent-token overlap and
     cross-layer correlation (on the same geometry and sequence lengths; ``phase`` None = all rows).
 
@@ -308,7 +308,7 @@ def fit(trace: Trace, phase: str | None = "decode", capacities: Sequence[int] | 
     seqs = part.sequences()
     tokens_per_seq = max(2, round(len(part) / max(1, len(seqs))))
     geometry = (len(trace.moe_layers), E, k)
-    return fit_to(target, geometry, len(seqs), tokens_per_seq, reset_per_sequence, seed=seed,
+    return fit_to(target, geometry, len(seqs), tokens_per_seq, reset_per_sequence, start=start, seed=seed,
                   num_random=num_random, passes=passes, progress=progress)
 
 
