@@ -278,7 +278,12 @@ class EngineExperts:
     def run_layer(self, item, x, weights: Sequence[float]):
         ids = np.asarray([item.step.experts], dtype=np.int64)  # (1, k)
         w = np.asarray([weights], dtype=np.float32)  # (1, k)
-        return self.engine.run_layer(item, x.reshape(1, -1), ids, w)[0]
+        y = self.engine.run_layer(item, x.reshape(1, -1), ids, w)[0]
+        if self.engine.gpu is not None:
+            # the next block's router reads back to the host and would wait for this anyway;
+            # waiting here charges the layer's GPU expert work to "experts", not to "dense"
+            self.engine.gpu.compute.synchronize()
+        return y
 
     def start_background(self, moves) -> None:
         self.engine.start_background(moves)
