@@ -18,6 +18,7 @@ COMMANDS = {
     "sweep": ("simulate.cli", "sweep_main", "simulate many configurations, resumable, to CSV and plots"),
     "model": ("execute.cli", "model_main", "synthesise or describe GGUF models"),
     "replay": ("execute.cli", "replay_main", "run a trace through real GPU/CPU expert kernels"),
+    "run": ("execute.cli", "run_main", "decode text with a GGUF model under a policy"),
 }
 
 
