@@ -235,9 +235,11 @@ def _workload_signature(params: SynthParams, geometry: tuple[int, int, int], num
 
 
 def _loss(target: dict, got: dict) -> float:
+    """Sum of squared errors (points) of the LRU curve and the adjacent-token overlap. The
+    cross-layer novelty correlation is reported, not fitted: weighting it pulled the LRU curve
+    4-5 points off on granite."""
     err = calibration_error(target, got)
-    weights = {"novelty_correlation": 0.1}
-    return sum(weights.get(key, 1.0) * e * e for key, e in err.items())
+    return sum(e * e for key, e in err.items() if key != "novelty_correlation")
 
 
 def fit_to(target: dict, geometry: tuple[int, int, int], num_seqs: int, tokens_per_seq: int,
@@ -295,8 +297,8 @@ def _from_unit(name: str, u: float) -> float:
 def fit(trace: Trace, phase: str | None = "decode", capacities: Sequence[int] | None = None,
         reset_per_sequence: bool = False, seed: int = 0, num_random: int = 40, passes: int = 8,
         start: SynthParams | None = None, progress: bool = False) -> SynthParams:
-    """Parameters whose synthetic traces match ``trace``'s LRU curve, adjacent-token overlap and
-    cross-layer correlation (on the same geometry and sequence lengths; ``phase`` None = all rows).
+    """Parameters whose synthetic traces match ``trace``'s reference-LRU curve and adjacent-token
+    overlap (on the same geometry and sequence lengths; ``phase`` None = all rows).
 
     Default capacities: k/2, k, 2k and 3k slots (those below the layer's expert count)."""
     if phase is not None and not len(trace.rows(phase)):
@@ -312,4 +314,15 @@ def fit(trace: Trace, phase: str | None = "decode", capacities: Sequence[int] | 
                   num_random=num_random, passes=passes, progress=progress)
 
 
-PRESETS: dict[str, Preset] = {}
+PRESETS: dict[str, Preset] = {
+    "granite": Preset(24, 32, 8, SynthParams(zipf_s=2.8325, topic_concentration=0.143, topic_shift_prob=0.975,
+                                             reuse_prob=0.35375, reuse_lag_tokens=4.83, cross_layer=1.0),
+                      num_seqs=3, tokens_per_seq=64, reset_per_sequence=False,
+                      note="fit() to the bundled granite decode rows (reference LRU at 4/8/16/24 slots and "
+                           "adjacent-token overlap), caches carried across the three prompts"),
+    "qwen3-30b-a3b": Preset(48, 128, 8, SynthParams(zipf_s=1.3211, topic_concentration=50.0, topic_shift_prob=0.4999,
+                                                   reuse_prob=0.40397, reuse_lag_tokens=5.5823, cross_layer=0.99510),
+                            num_seqs=25, tokens_per_seq=129, reset_per_sequence=True,
+                            note="fit_to() ANCHORS' 48x128 top-8 LRU 42.4/64.7/81.0/91.8% at 8/16/32/64 slots, "
+                                 "cache reset per prompt, 3,225 decode tokens (assumed 25 prompts x 129 tokens)"),
+}
