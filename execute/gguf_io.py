@@ -26,6 +26,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from .archs import ARCHS, GATING_FUNCS
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 
 __all__ = [
@@ -49,10 +50,7 @@ __all__ = [
 
 # Quant types the expert kernels read directly (issue 5); any other expert type is an error.
 EXPERT_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
-SUPPORTED_ARCHS = ("qwen3moe",)
-# Softmax top-k renormalisation per architecture when the file has no ``{arch}.expert_weights_norm``
-# key: llama.cpp builds qwen3moe's MoE with norm_w = true (HF ``norm_topk_prob: true``).
-_DEFAULT_NORM_TOPK = {"qwen3moe": True}
+SUPPORTED_ARCHS = tuple(ARCHS)
 
 
 class GGUFError(ExecutorError, ValueError):
@@ -126,6 +124,35 @@ class ModelInfo:
     expert_bias: bool
     expert_bytes: tuple[int, ...]
     tensors: tuple[TensorEntry, ...] = field(repr=False, default=())
+    gating: str = "softmax"  # see execute.archs
+    expert_weights_scale: float = 0.0  # 0: weights not scaled
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    rope_dims: int = 0  # rotated dims per head (0: head_dim); MLA: the rope part of a key
+    rope_scaling: str = "none"  # none, linear, yarn
+    rope_factor: float = 1.0
+    rope_orig_ctx: int = 0
+    yarn_log_mul: float = 0.0
+    attn_scale: float = 0.0  # 0: 1/sqrt(key head dim)
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
+    sliding_window: int = 0
+    v_head_dim: int = 0  # 0: head_dim
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    leading_dense: int = 0
+    num_shared: int = 0
+
+    @property
+    def spec(self):
+        """The :class:`~execute.archs.ArchSpec` of ``arch``."""
+        return ARCHS[self.arch]
+
+    def is_swa(self, layer: int) -> bool:
+        """True when block ``layer`` attends through the sliding window."""
+        n = self.spec.swa_pattern
+        return bool(self.sliding_window) and n > 0 and layer % n < n - 1
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "top_k", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim", "vocab"):
@@ -172,7 +199,10 @@ class ModelInfo:
             "vocab": self.vocab, "context_length": self.context_length, "rope_theta": self.rope_theta,
             "rms_eps": self.rms_eps, "norm_topk": self.norm_topk, "qk_norm": self.qk_norm,
             "tied_output": self.tied_output, "fused_gate_up": self.fused_gate_up,
-            "expert_bias": self.expert_bias, "expert_qtypes": exp_types, "tensor_qtypes": counts,
+            "expert_bias": self.expert_bias, "gating": self.gating, "expert_weights_scale": self.expert_weights_scale,
+            "expert_groups": [self.expert_groups, self.expert_groups_used], "rope_scaling": self.rope_scaling,
+            "sliding_window": self.sliding_window, "leading_dense": self.leading_dense,
+            "expert_qtypes": exp_types, "tensor_qtypes": counts,
             "expert_bytes": list(self.expert_bytes), "total_expert_bytes": self.total_expert_bytes,
             "num_tensors": len(self.tensors),
         }
@@ -226,6 +256,7 @@ def _info_from_reader(reader: gguf.GGUFReader, path: str) -> ModelInfo:
     arch = meta.get("general.architecture", required=True)
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"{path}: general.architecture = {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    spec = ARCHS[arch]
     tensors = _tensor_table(reader)
     by_name = {t.name: t for t in tensors}
     num_layers = meta.int(f"{arch}.block_count", required=True)
@@ -234,29 +265,57 @@ def _info_from_reader(reader: gguf.GGUFReader, path: str) -> ModelInfo:
     num_kv = meta.int(f"{arch}.attention.head_count_kv", num_heads)
     head_dim = meta.int(f"{arch}.attention.key_length", hidden // num_heads)
     vdim = meta.int(f"{arch}.attention.value_length", head_dim)
-    if vdim != head_dim:
+    if vdim != head_dim and spec.attn != "mla":
         raise GGUFError(f"{path}: attention.value_length {vdim} != key_length {head_dim}, not supported")
     emb = by_name.get("token_embd.weight")
     if emb is None:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' missing")
     num_experts, expert_bytes, ffn, fused, bias = _expert_table(path, by_name, num_layers)
+    if not any(num_experts):
+        raise GGUFError(f"{path}: no block has routed-expert tensors (blk.N.ffn_gate_exps.weight ...): "
+                        "not a MoE model, or experts stored per expert (old Mixtral layout), not supported")
     top_k = meta.int(f"{arch}.expert_used_count", required=True)
     counts = set(n for n in num_experts if n)
     declared = meta.int(f"{arch}.expert_count", required=True)
     if counts and counts != {declared}:
         raise GGUFError(f"{path}: {arch}.expert_count = {declared} but expert tensors have {sorted(counts)} experts")
-    shexp = by_name.get("blk.0.ffn_gate_shexp.weight") or by_name.get(f"blk.{num_layers - 1}.ffn_gate_shexp.weight")
+    shexp = next((by_name[f"blk.{l}.ffn_gate_shexp.weight"] for l in range(num_layers)
+                  if f"blk.{l}.ffn_gate_shexp.weight" in by_name), None)
+    gating = spec.gating
+    if meta.get(f"{arch}.expert_gating_func") is not None:
+        code = meta.int(f"{arch}.expert_gating_func")
+        if code not in GATING_FUNCS:
+            raise GGUFError(f"{path}: {arch}.expert_gating_func = {code}; supported: {GATING_FUNCS}")
+        gating = GATING_FUNCS[code]
+    groups = meta.int(f"{arch}.expert_group_count", 1) or 1
+    if groups > 1 and (declared % groups or not 1 <= meta.int(f"{arch}.expert_group_used_count", 1) <= groups):
+        raise GGUFError(f"{path}: {arch}.expert_group_count = {groups} (used "
+                        f"{meta.int(f'{arch}.expert_group_used_count', 1)}) does not fit {declared} experts")
+    scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
+    if scaling not in ("none", "linear", "yarn"):
+        raise GGUFError(f"{path}: {arch}.rope.scaling.type = {scaling!r}; supported: none, linear, yarn")
+    f = lambda key, default: float(meta.get(key, default))  # noqa: E731
     return ModelInfo(
         path=str(path), arch=arch, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
         hidden=hidden, ffn=ffn or meta.int(f"{arch}.expert_feed_forward_length", 0),
         dense_ffn=meta.int(f"{arch}.feed_forward_length", 0), shared_ffn=shexp.shape[0] if shexp else 0,
         num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim, vocab=emb.shape[0],
         context_length=meta.int(f"{arch}.context_length", 0),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=f(f"{arch}.rope.freq_base", 10000.0),
         rms_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", required=True)),
-        norm_topk=bool(meta.get(f"{arch}.expert_weights_norm", _DEFAULT_NORM_TOPK.get(arch, True))),
+        norm_topk=bool(meta.get(f"{arch}.expert_weights_norm", spec.norm_topk)),
         qk_norm="blk.0.attn_q_norm.weight" in by_name, tied_output="output.weight" not in by_name,
         fused_gate_up=fused, expert_bias=bias, expert_bytes=expert_bytes, tensors=tensors,
+        gating=gating, expert_weights_scale=f(f"{arch}.expert_weights_scale", 0.0),
+        expert_groups=groups, expert_groups_used=meta.int(f"{arch}.expert_group_used_count", 1) if groups > 1 else 1,
+        rope_dims=meta.int(f"{arch}.rope.dimension_count", 0), rope_scaling=scaling,
+        rope_factor=f(f"{arch}.rope.scaling.factor", 1.0), rope_orig_ctx=meta.int(f"{arch}.rope.scaling.original_context_length", 0),
+        yarn_log_mul=f(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0),
+        attn_scale=f(f"{arch}.attention.scale", 0.0), embedding_scale=f(f"{arch}.embedding_scale", 0.0) or 1.0,
+        residual_scale=f(f"{arch}.residual_scale", 0.0) or 1.0, logit_scale=f(f"{arch}.logit_scale", 0.0) or 1.0,
+        sliding_window=meta.int(f"{arch}.attention.sliding_window", 0), v_head_dim=vdim,
+        q_lora_rank=meta.int(f"{arch}.attention.q_lora_rank", 0), kv_lora_rank=meta.int(f"{arch}.attention.kv_lora_rank", 0),
+        leading_dense=meta.int(f"{arch}.leading_dense_block_count", 0), num_shared=meta.int(f"{arch}.expert_shared_count", 0),
     )
 
 
@@ -319,17 +378,22 @@ class DenseLayer:
     """One block's non-expert weights, float32, numpy order (``W`` is ``(out, in)``)."""
 
     attn_norm: np.ndarray  # (hidden,)
-    wq: np.ndarray  # (heads*head_dim, hidden)
-    wk: np.ndarray  # (kv_heads*head_dim, hidden)
-    wv: np.ndarray  # (kv_heads*head_dim, hidden)
+    wq: np.ndarray | None  # (heads*head_dim, hidden); None with MLA
+    wk: np.ndarray | None  # (kv_heads*head_dim, hidden)
+    wv: np.ndarray | None  # (kv_heads*head_dim, hidden)
     wo: np.ndarray  # (hidden, heads*head_dim)
-    q_norm: np.ndarray | None  # (head_dim,)
-    k_norm: np.ndarray | None  # (head_dim,)
+    q_norm: np.ndarray | None  # (head_dim,), or (heads*head_dim,) for a full-width norm (olmoe)
+    k_norm: np.ndarray | None  # (head_dim,), or (kv_heads*head_dim,)
     ffn_norm: np.ndarray  # (hidden,)
     router: np.ndarray | None  # (experts, hidden); None on a dense block
     shared: dict | None = None  # gate (sf, hidden), up (sf, hidden), down (hidden, sf), gate_inp (hidden,) or None
     expert_bias: dict | None = None  # gate/up (experts, ffn), down (experts, hidden) when present
     dense_ffn: dict | None = None  # gate/up/down of a dense block
+    attn_bias: dict | None = None  # q (heads*head_dim,), k, v (kv*head_dim,), o (hidden,): those present
+    sinks: np.ndarray | None = None  # (heads,) attention-sink logits (gpt-oss)
+    router_bias: np.ndarray | None = None  # (experts,) added to the router logits (gpt-oss)
+    exp_probs_b: np.ndarray | None = None  # (experts,) selection-only bias (deepseek V3)
+    mla: dict | None = None  # deepseek2: q or q_a/q_a_norm/q_b, kv_a, kv_a_norm, kv_b (heads*(nope+v), kv_lora)
 
 
 @dataclass(frozen=True)
@@ -371,14 +435,17 @@ def _dense(t) -> np.ndarray:
 
 
 def load_model(path: str | os.PathLike) -> ModelWeights:
-    """Memory-map a GGUF model: dense weights as float32, routed experts as raw blocks (no copy)."""
+    """Memory-map a GGUF model: dense weights as float32, routed experts as raw blocks (no copy).
+
+    Raises :class:`GGUFError` naming the file and the first tensor the architecture needs and the
+    file lacks."""
     reader = _open(path)
     info = _info_from_reader(reader, str(path))
     tens = {t.name: t for t in reader.tensors}
 
     def need(name: str):
         if name not in tens:
-            raise GGUFError(f"{path}: tensor {name!r} missing")
+            raise GGUFError(f"{path}: tensor {name!r} missing ({info.arch} needs it)")
         return _dense(tens[name])
 
     def opt(name: str):
@@ -386,20 +453,8 @@ def load_model(path: str | os.PathLike) -> ModelWeights:
 
     layers, experts = [], []
     for l in range(info.num_layers):
-        p = f"blk.{l}."
         names = _expert_names(tens, l)
-        shared = None
-        if p + "ffn_gate_shexp.weight" in tens:
-            shared = {k: need(f"{p}ffn_{k}_shexp.weight") for k in ("gate", "up", "down")}
-            shared["gate_inp"] = opt(p + "ffn_gate_inp_shexp.weight")
-        bias = {k: _dense(tens[f"{p}ffn_{k}_exps.bias"]) for k in ("gate", "up", "down") if f"{p}ffn_{k}_exps.bias" in tens}
-        dense_ffn = None if names else {k: need(f"{p}ffn_{k}.weight") for k in ("gate", "up", "down")}
-        layers.append(DenseLayer(
-            attn_norm=need(p + "attn_norm.weight"), wq=need(p + "attn_q.weight"), wk=need(p + "attn_k.weight"),
-            wv=need(p + "attn_v.weight"), wo=need(p + "attn_output.weight"), q_norm=opt(p + "attn_q_norm.weight"),
-            k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=need(p + "ffn_norm.weight"),
-            router=need(p + "ffn_gate_inp.weight") if names else None, shared=shared,
-            expert_bias=bias or None, dense_ffn=dense_ffn))
+        layers.append(_dense_layer(info, l, names is not None, need, opt))
         if names:
             experts.append(LayerExperts(l, *(_expert_tensor(tens[names[k]], k, info.ffn, names[k]) for k in ("gate", "up", "down"))))
         else:
@@ -408,6 +463,50 @@ def load_model(path: str | os.PathLike) -> ModelWeights:
     out = opt("output.weight")
     return ModelWeights(info, emb, need("output_norm.weight"), emb if out is None else out,
                         tuple(layers), tuple(experts), reader)
+
+
+def _mla(info: ModelInfo, p: str, need, opt) -> dict:
+    """deepseek2 attention weights; ``kv_b`` rebuilt from ``attn_k_b``/``attn_v_b`` when split."""
+    m = {"kv_a": need(p + "attn_kv_a_mqa.weight"), "kv_a_norm": need(p + "attn_kv_a_norm.weight")}
+    if info.q_lora_rank:
+        m.update(q_a=need(p + "attn_q_a.weight"), q_a_norm=need(p + "attn_q_a_norm.weight"), q_b=need(p + "attn_q_b.weight"))
+    else:
+        m["q"] = need(p + "attn_q.weight")
+    kv_b = opt(p + "attn_kv_b.weight")
+    if kv_b is None:  # newer files: k_b (heads, kv_lora, nope) and v_b (heads, v, kv_lora)
+        k_b, v_b = need(p + "attn_k_b.weight"), need(p + "attn_v_b.weight")
+        h = info.num_heads
+        k_b = k_b.reshape(h, info.kv_lora_rank, -1).transpose(0, 2, 1)  # (heads, nope, kv_lora)
+        kv_b = np.concatenate([k_b, v_b.reshape(h, -1, info.kv_lora_rank)], axis=1).reshape(-1, info.kv_lora_rank)
+    m["kv_b"] = kv_b  # (heads*(nope+v), kv_lora): per head, nope rows then v rows
+    return m
+
+
+def _dense_layer(info: ModelInfo, l: int, moe: bool, need, opt) -> DenseLayer:
+    spec, p = info.spec, f"blk.{l}."
+    shared = None
+    if spec.shared != "none" and moe:
+        shared = {k: need(f"{p}ffn_{k}_shexp.weight") for k in ("gate", "up", "down")}
+        shared["gate_inp"] = need(p + "ffn_gate_inp_shexp.weight").reshape(-1) if spec.shared == "gated" else None
+    bias = {k: opt(f"{p}ffn_{k}_exps.bias") for k in ("gate", "up", "down")}
+    bias = {k: v for k, v in bias.items() if v is not None}
+    if spec.activation == "swiglu_oai" and moe and len(bias) != 3:
+        need(p + "ffn_gate_exps.bias"), need(p + "ffn_up_exps.bias"), need(p + "ffn_down_exps.bias")
+    attn_bias = {k: opt(f"{p}attn_{n}.bias") for k, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}
+    mla = _mla(info, p, need, opt) if spec.attn == "mla" else None
+    gqa = mla is None
+    qk = spec.qk_norm != "none"
+    return DenseLayer(
+        attn_norm=need(p + "attn_norm.weight"), wq=need(p + "attn_q.weight") if gqa else None,
+        wk=need(p + "attn_k.weight") if gqa else None, wv=need(p + "attn_v.weight") if gqa else None,
+        wo=need(p + "attn_output.weight"), q_norm=need(p + "attn_q_norm.weight") if qk else None,
+        k_norm=need(p + "attn_k_norm.weight") if qk else None, ffn_norm=need(f"{p}{spec.ffn_norm}.weight"),
+        router=need(p + "ffn_gate_inp.weight") if moe else None, shared=shared, expert_bias=bias or None,
+        dense_ffn=None if moe else {k: need(f"{p}ffn_{k}.weight") for k in ("gate", "up", "down")},
+        attn_bias={k: v for k, v in attn_bias.items() if v is not None} or None,
+        sinks=need(p + "attn_sinks.weight") if spec.sinks else None,
+        router_bias=opt(p + "ffn_gate_inp.bias") if moe else None,
+        exp_probs_b=opt(p + "exp_probs_b.bias") if moe else None, mla=mla)
 
 
 # quant wrappers ----------------------------------------------------------------------------------

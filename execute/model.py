@@ -1,22 +1,28 @@
-"""The qwen3moe forward pass, written once against the array API (``xp`` = numpy or cupy).
+"""The MoE forward pass of every supported architecture, written once against the array API
+(``xp`` = numpy or cupy).
 
-One decode step per token: a token runs embeddings, then per block RMSNorm -> attention (GQA,
-per-head q/k RMSNorm, NeoX RoPE, KV cache) -> residual -> RMSNorm -> router -> routed experts ->
-residual, then the output norm and head. Prefill runs the same way, one token at a time (a chunk of
-one; multi-token steps are a later issue).
+One decode step per token: embeddings, then per block RMSNorm -> attention (GQA with optional
+biases, q/k norms, sinks and a sliding window; or deepseek2's MLA) -> residual -> RMSNorm ->
+router -> routed experts (+ shared expert) -> residual, then the output norm and head. A dense
+block (deepseek2's leading blocks) runs its SwiGLU FFN instead of the router. Prefill runs the same
+way, one token at a time (a chunk of one; multi-token steps are a later issue). What differs between
+architectures is read from ``info.spec`` (``execute.archs``) and the file's metadata.
 
-The experts are not computed here. :meth:`Qwen3Moe.token_steps` is a generator that yields one
+The experts are not computed here. :meth:`MoeModel.token_steps` is a generator that yields one
 scheduler :class:`~scheduler.core.Step` per MoE block (the router's top-k, or a trace's ids) and,
-before resuming, expects the combined expert output of that block through :meth:`Qwen3Moe.deliver`.
+before resuming, expects the combined expert output of that block through :meth:`MoeModel.deliver`.
 A :class:`scheduler.core.Token` whose ``steps`` is this generator is driven by ``scheduler.drive``:
 the policy plans each step as it is routed, the executor (``execute.run``) runs the layer as
 decided and delivers the output, and the generator continues with the next block. So routing is
 computed lazily, and decisions are exactly the scheduler's.
 
-Router: softmax over the block's experts (on the host, float64, from float32 logits), top-k by probability (ties: lower id first),
-weights renormalised to sum 1 when ``info.norm_topk`` (qwen3moe: yes). With a route override (trace
-replay) the trace's ids replace the top-k; the trace's weights are used when it has them, else the
-router's own probabilities of those ids, renormalised the same way.
+Router: on the host in float64 from float32 logits, as ``execute.archs`` describes (ties: lower id
+first). With a route override (trace replay) the trace's ids replace the top-k; the trace's weights
+are used when it has them, else the router's own weights of those ids, computed the same way.
+
+RoPE of type ``norm`` (pairs (2i, 2i+1)) is run as ``neox`` (pairs (i, i + d/2)) on q and k rows
+permuted the same way inside each head at load time: attention scores are dot products of q and k,
+so the shared permutation leaves them unchanged (the reference rotates the pairs directly).
 """
 from __future__ import annotations
 
@@ -28,10 +34,13 @@ import numpy as np
 
 from scheduler import Step
 
+from .archs import rope_angles, yarn_mscale
 from .experts import ExecutorError
 from .gguf_io import ModelWeights
 
-__all__ = ["Qwen3Moe", "Route", "TokenInput", "RunResult", "NumpyExperts", "EngineExperts", "run", "check_trace", "fold_trace", "trace_inputs", "array_module", "softmax_topk"]
+__all__ = ["MoeModel", "Qwen3Moe", "Route", "TokenInput", "RunResult", "NumpyExperts", "EngineExperts", "run",
+           "check_trace", "fold_trace", "trace_inputs", "array_module", "softmax_topk", "route_weights",
+           "expert_ffn"]
 
 
 def array_module(use_gpu: bool):
@@ -56,6 +65,59 @@ def softmax_topk(probs: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.
     return ids, (w / w.sum() if norm else w)
 
 
+def _softmax(v: np.ndarray) -> np.ndarray:
+    e = np.exp(v - v.max())
+    return e / e.sum()
+
+
+def _group_mask(scores: np.ndarray, groups: int, used: int) -> np.ndarray:
+    """``scores`` with the experts outside the ``used`` best groups set to -inf; a group's score
+    is the sum of its two best expert scores (llama.cpp / DeepSeek V3)."""
+    g = scores.reshape(groups, -1)
+    best = -np.sort(-g, axis=1)[:, : min(2, g.shape[1])].sum(axis=1)  # (groups,)
+    keep = np.argsort(-best, kind="stable")[:used]
+    out = np.full_like(g, -np.inf)
+    out[keep] = g[keep]
+    return out.reshape(-1)
+
+
+def route_weights(info, logits: np.ndarray, exp_probs_b=None, forced: "Route | None" = None):
+    """Expert ids (rank order) and weights of one token at one block from its router logits
+    (float64, bias already added), by ``info.gating`` (see ``execute.archs``)."""
+    if info.gating == "softmax":
+        probs = _softmax(logits)
+    elif info.gating == "sigmoid":
+        probs = 1.0 / (1.0 + np.exp(-logits))
+    else:  # softmax_topk: select on the logits, softmax over the selected ones
+        probs = logits
+    if forced is not None:
+        ids = np.asarray(forced.experts, dtype=np.int64)
+        if forced.weights is not None:
+            return ids, np.asarray(forced.weights, dtype=np.float64)
+    else:
+        sel = probs if exp_probs_b is None else probs + exp_probs_b
+        if info.expert_groups > 1:
+            sel = _group_mask(sel, info.expert_groups, info.expert_groups_used)
+        ids = np.argsort(-sel, kind="stable")[: info.top_k]
+    w = probs[ids]
+    if info.gating == "softmax_topk":
+        w = _softmax(w)
+    if info.norm_topk:
+        w = w / max(w.sum(), 6.103515625e-5)
+    if info.expert_weights_scale:
+        w = w * info.expert_weights_scale
+    return ids, w
+
+
+def expert_ffn(xp, activation: str, g, u):
+    """The expert nonlinearity on gate and up projections (biases already added)."""
+    if activation == "swiglu_oai":
+        g = xp.minimum(g, 7.0)
+        u = xp.clip(u, -7.0, 7.0)
+        return g / (1.0 + xp.exp(-1.702 * g)) * (u + 1.0)
+    return g / (1.0 + xp.exp(-g)) * u
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """A forced routing for one block: expert ids in rank order, and weights when known."""
@@ -64,8 +126,15 @@ class Route:
     weights: tuple[float, ...] | None = None
 
 
-class Qwen3Moe:
-    """Dense path and KV cache of a qwen3moe model on ``xp``; experts come back through ``deliver``.
+def _rope_perm(n_heads: int, hd: int, lo: int, rd: int) -> np.ndarray:
+    """Row order that turns pairs (2i, 2i+1) of dims lo..lo+rd of each head into (i, i + rd/2)."""
+    head = np.arange(hd)
+    head[lo:lo + rd] = lo + np.concatenate([np.arange(0, rd, 2), np.arange(1, rd, 2)])
+    return (np.arange(n_heads)[:, None] * hd + head[None, :]).reshape(-1)
+
+
+class MoeModel:
+    """Dense path and KV cache of a MoE model on ``xp``; experts come back through ``deliver``.
 
     State: the KV cache of the current sequence (``reset`` starts a new one) and ``pos``, the
     number of tokens in it. After a token's generator is exhausted, ``logits`` holds its
@@ -74,46 +143,92 @@ class Qwen3Moe:
 
     def __init__(self, weights: ModelWeights, use_gpu: bool = False, max_tokens: int = 256):
         info = weights.info
-        if info.arch != "qwen3moe":
-            raise ExecutorError(f"{info.path}: architecture {info.arch!r}, this forward pass is qwen3moe's")
-        if info.expert_bias:
-            raise ExecutorError(f"{info.path}: routed-expert biases are not supported by the expert kernels yet")
+        self.spec = spec = info.spec
         self.xp = xp = array_module(use_gpu)
         self.info = info
         self.weights = weights
+        self.mla = spec.attn == "mla"
+        self.rd = info.rope_dims or info.head_dim
+        if not self.mla and self.rd != info.head_dim:
+            raise ExecutorError(f"{info.path}: rope.dimension_count {self.rd} != head_dim {info.head_dim} "
+                                "(partial rotary embeddings are not supported)")
         self.token_embd = weights.token_embd  # stays on the host: one row per token is copied
-        dev = lambda a: None if a is None else xp.asarray(a, dtype=xp.float32)  # noqa: E731
-        self.layers = [self._dense_layer(l, dev) for l in weights.layers]
-        self.shared = [None if l.shared is None else {k: dev(v) for k, v in l.shared.items()} for l in weights.layers]
-        self.output_norm = dev(weights.output_norm)
-        self.output = dev(weights.output)
-        hd = info.head_dim
-        self.inv_freq = info.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)  # (hd/2,)
+        self._dev = lambda a: None if a is None else xp.asarray(a, dtype=xp.float32)  # noqa: E731
+        self.layers = [self._dense_layer(l) for l in weights.layers]
+        self.output_norm = self._dev(weights.output_norm)
+        self.output = self._dev(weights.output)
+        factor = info.rope_factor if info.rope_scaling == "yarn" else 1.0
+        self.kq_scale = info.attn_scale or 1.0 / np.sqrt(info.head_dim)
+        if self.mla:  # llama.cpp: rope magnitude 1, kq scaled by mscale^2 (DeepSeek's YaRN)
+            self.rope_mag = 1.0
+            self.kq_scale = yarn_mscale(factor, info.yarn_log_mul or 1.0) ** 2 / np.sqrt(info.head_dim)
+        else:
+            self.rope_mag = yarn_mscale(factor)
         self._alloc(max(int(max_tokens), 1))
         self.pos = 0
         self.logits = None
         self._out = None
 
-    def _dense_layer(self, l, dev) -> dict:
-        """Device weights of one block; q, k, v stacked into one matrix, q/k norms into one
-        ``(heads + kv_heads, head_dim)`` weight so that both are normed and rotated in one go."""
-        info = self.info
-        w = {k: dev(getattr(l, k)) for k in ("attn_norm", "wo", "ffn_norm", "router")}
-        w["wqkv"] = dev(np.concatenate([l.wq, l.wk, l.wv]))  # (q + 2 kv, hidden)
-        w["qk_norm"] = None if l.q_norm is None else dev(np.concatenate(
-            [np.tile(l.q_norm, (info.num_heads, 1)), np.tile(l.k_norm, (info.num_kv_heads, 1))]))
+    # weights -----------------------------------------------------------------------------------
+    def _dense_layer(self, lw) -> dict:
+        """Device weights of one block. GQA: q, k, v stacked into one matrix (biases likewise);
+        per-head q/k norms tiled into one ``(heads + kv_heads, head_dim)`` weight."""
+        info, dev, norm_rope = self.info, self._dev, self.spec.rope == "norm"
+        w = {k: dev(getattr(lw, k)) for k in ("attn_norm", "wo", "ffn_norm", "router", "sinks")}
+        w["bo"] = dev((lw.attn_bias or {}).get("o"))
+        w["router_bias"] = None if lw.router_bias is None else np.asarray(lw.router_bias, np.float64)
+        w["exp_probs_b"] = None if lw.exp_probs_b is None else np.asarray(lw.exp_probs_b, np.float64)
+        w["shared"] = None if lw.shared is None else {k: dev(v) for k, v in lw.shared.items()}
+        w["dense_ffn"] = None if lw.dense_ffn is None else {k: dev(v) for k, v in lw.dense_ffn.items()}
+        if self.mla:
+            w["mla"] = self._mla_weights(lw.mla, norm_rope)
+            return w
+        nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
+        pq = _rope_perm(nh, hd, 0, hd) if norm_rope else np.arange(nh * hd)
+        pk = _rope_perm(nkv, hd, 0, hd) if norm_rope else np.arange(nkv * hd)
+        w["wqkv"] = dev(np.concatenate([lw.wq[pq], lw.wk[pk], lw.wv]))  # (q + 2 kv, hidden)
+        b = lw.attn_bias or {}
+        if any(k in b for k in ("q", "k", "v")):
+            z = lambda k, n: np.asarray(b[k]) if k in b else np.zeros(n, np.float32)  # noqa: E731
+            w["bqkv"] = dev(np.concatenate([z("q", nh * hd)[pq], z("k", nkv * hd)[pk], z("v", nkv * hd)]))
+        else:
+            w["bqkv"] = None
+        w["q_norm_full"] = w["k_norm_full"] = w["qk_norm"] = None
+        if self.spec.qk_norm == "full":
+            w["q_norm_full"], w["k_norm_full"] = dev(lw.q_norm[pq]), dev(lw.k_norm[pk])
+        elif self.spec.qk_norm == "head":
+            ph = _rope_perm(1, hd, 0, hd) if norm_rope else np.arange(hd)
+            w["qk_norm"] = dev(np.concatenate([np.tile(lw.q_norm[ph], (nh, 1)), np.tile(lw.k_norm[ph], (nkv, 1))]))
         return w
+
+    def _mla_weights(self, m: dict, norm_rope: bool) -> dict:
+        info, dev = self.info, self._dev
+        nh, hk, rd, kvr = info.num_heads, info.head_dim, self.rd, info.kv_lora_rank
+        pq = _rope_perm(nh, hk, hk - rd, rd) if norm_rope else np.arange(nh * hk)
+        pkv = _rope_perm(1, kvr + rd, kvr, rd) if norm_rope else np.arange(kvr + rd)
+        out = {"kv_a": dev(m["kv_a"][pkv]), "kv_a_norm": dev(m["kv_a_norm"]), "kv_b": dev(m["kv_b"])}
+        if "q" in m:
+            out["q"] = dev(m["q"][pq])
+        else:
+            out.update(q_a=dev(m["q_a"]), q_a_norm=dev(m["q_a_norm"]), q_b=dev(m["q_b"][pq]))
+        return out
 
     # state -------------------------------------------------------------------------------------
     def _alloc(self, n: int) -> None:
-        """KV cache for ``n`` positions, ``(kv_heads, n, head_dim)`` per block, and RoPE tables."""
+        """KV cache for ``n`` positions per block, ``(kv_heads, n, head_dim)`` (MLA: per head, keys
+        ``(heads, n, nope + rope)``, values ``(heads, n, v_head_dim)``), and RoPE tables."""
         xp, info = self.xp, self.info
-        shape = (info.num_kv_heads, n, info.head_dim)
-        self.k_cache = [xp.zeros(shape, xp.float32) for _ in range(info.num_layers)]
-        self.v_cache = [xp.zeros(shape, xp.float32) for _ in range(info.num_layers)]
-        ang = np.arange(n)[:, None] * self.inv_freq[None, :]  # (n, hd/2)
-        self.rope_cos = xp.asarray(np.concatenate([np.cos(ang), np.cos(ang)], axis=1), dtype=xp.float32)  # (n, hd)
-        self.rope_sin = xp.asarray(np.concatenate([-np.sin(ang), np.sin(ang)], axis=1), dtype=xp.float32)
+        if self.mla:
+            kshape, vshape = (info.num_heads, n, info.head_dim), (info.num_heads, n, info.v_head_dim)
+        else:
+            kshape = vshape = (info.num_kv_heads, n, info.head_dim)
+        self.k_cache = [xp.zeros(kshape, xp.float32) for _ in range(info.num_layers)]
+        self.v_cache = [xp.zeros(vshape, xp.float32) for _ in range(info.num_layers)]
+        ang = rope_angles(np.arange(n), self.rd, info.rope_theta, info.rope_scaling, info.rope_factor,
+                          info.rope_orig_ctx)  # (n, rd/2)
+        m = self.rope_mag
+        self.rope_cos = xp.asarray(m * np.concatenate([np.cos(ang), np.cos(ang)], axis=1), dtype=xp.float32)  # (n, rd)
+        self.rope_sin = xp.asarray(m * np.concatenate([-np.sin(ang), np.sin(ang)], axis=1), dtype=xp.float32)
 
     def _grow(self) -> None:
         old_k, old_v, n = self.k_cache, self.v_cache, self.k_cache[0].shape[1]
@@ -137,52 +252,82 @@ class Qwen3Moe:
         return x * (1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + self.info.rms_eps)) * w
 
     def _rope(self, x, pos: int):
-        """NeoX RoPE: dims i and i + d/2 form a pair rotated by pos * theta^(-2i/d)."""
+        """NeoX RoPE on the last axis: dims i and i + d/2 form a pair."""
         h = x.shape[-1] // 2
         swapped = self.xp.concatenate([x[..., h:], x[..., :h]], axis=-1)  # (x2, x1)
         return x * self.rope_cos[pos] + swapped * self.rope_sin[pos]  # (x1 c - x2 s, x2 c + x1 s)
 
+    def _softmax_attend(self, l: int, q, keys, vals):
+        """q (kv, group, d) against keys (kv, t, d): softmax (with sinks) -> (kv, group, dv)."""
+        xp, w = self.xp, self.layers[l]
+        s = (q @ keys.transpose(0, 2, 1)) * np.float32(self.kq_scale)  # (kv, group, t)
+        m = s.max(axis=-1, keepdims=True)
+        if w["sinks"] is not None:
+            sink = w["sinks"].reshape(q.shape[0], q.shape[1], 1)
+            m = xp.maximum(m, sink)
+            e = xp.exp(s - m)
+            return (e @ vals) / (e.sum(axis=-1, keepdims=True) + xp.exp(sink - m))
+        e = xp.exp(s - m)
+        return (e @ vals) / e.sum(axis=-1, keepdims=True)
+
     def _attention(self, l: int, x):
-        xp, info, w = self.xp, self.info, self.layers[l]
-        nh, nkv, hd, pos = info.num_heads, info.num_kv_heads, info.head_dim, self.pos
-        qkv = (w["wqkv"] @ x).reshape(nh + 2 * nkv, hd)  # rows: q heads, k heads, v heads
-        qk = qkv[: nh + nkv]
+        info, w, pos = self.info, self.layers[l], self.pos
+        nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
+        qkv = w["wqkv"] @ x  # (q + 2 kv,)
+        if w["bqkv"] is not None:
+            qkv = qkv + w["bqkv"]
+        if w["q_norm_full"] is not None:
+            qk = self.xp.concatenate([self._rms(qkv[: nh * hd], w["q_norm_full"]),
+                                      self._rms(qkv[nh * hd:(nh + nkv) * hd], w["k_norm_full"])])
+            qk = qk.reshape(nh + nkv, hd)
+        else:
+            qk = qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd)
         if w["qk_norm"] is not None:
             qk = self._rms(qk, w["qk_norm"])
         qk = self._rope(qk, pos)  # (heads + kv, hd)
         self.k_cache[l][:, pos] = qk[nh:]
-        self.v_cache[l][:, pos] = qkv[nh + nkv:]
+        self.v_cache[l][:, pos] = qkv[(nh + nkv) * hd:].reshape(nkv, hd)
+        lo = max(0, pos + 1 - info.sliding_window) if info.is_swa(l) else 0
         q = qk[:nh].reshape(nkv, nh // nkv, hd)  # (kv, group, hd)
-        keys, vals = self.k_cache[l][:, : pos + 1], self.v_cache[l][:, : pos + 1]  # (kv, t, hd)
-        s = (q @ keys.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(hd))  # (kv, group, t)
-        s = xp.exp(s - s.max(axis=-1, keepdims=True))
-        o = ((s / s.sum(axis=-1, keepdims=True)) @ vals).reshape(nh * hd)  # (kv, group, hd) -> (q,)
-        return w["wo"] @ o
+        o = self._softmax_attend(l, q, self.k_cache[l][:, lo: pos + 1], self.v_cache[l][:, lo: pos + 1])
+        y = w["wo"] @ o.reshape(nh * hd)
+        return y if w["bo"] is None else y + w["bo"]
+
+    def _attention_mla(self, l: int, x):
+        """deepseek2 attention, keys and values decompressed per head (no absorption)."""
+        xp, info, m, pos = self.xp, self.info, self.layers[l]["mla"], self.pos
+        nh, hk, rd, kvr, vd = info.num_heads, info.head_dim, self.rd, info.kv_lora_rank, info.v_head_dim
+        nope = hk - rd
+        q = m["q"] @ x if "q" in m else m["q_b"] @ self._rms(m["q_a"] @ x, m["q_a_norm"])
+        q = q.reshape(nh, hk)
+        kva = m["kv_a"] @ x  # (kv_lora + rd,)
+        kv = (m["kv_b"] @ self._rms(kva[:kvr], m["kv_a_norm"])).reshape(nh, nope + vd)
+        k_pe = self._rope(kva[kvr:].reshape(1, rd), pos)  # (1, rd)
+        q = xp.concatenate([q[:, :nope], self._rope(q[:, nope:], pos)], axis=1)  # (nh, hk)
+        self.k_cache[l][:, pos] = xp.concatenate([kv[:, :nope], xp.broadcast_to(k_pe, (nh, rd))], axis=1)
+        self.v_cache[l][:, pos] = kv[:, nope:]
+        o = self._softmax_attend(l, q.reshape(nh, 1, hk), self.k_cache[l][:, : pos + 1], self.v_cache[l][:, : pos + 1])
+        return self.layers[l]["wo"] @ o.reshape(nh * vd)
 
     def _route(self, l: int, hn, forced: Route | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        logits = _host(self.layers[l]["router"] @ hn).astype(np.float64)  # (experts,): the host needs the ids
-        e = np.exp(logits - logits.max())
-        probs = e / e.sum()
-        if forced is None:
-            ids, w = softmax_topk(probs, self.info.top_k, self.info.norm_topk)
-        else:
-            ids = np.asarray(forced.experts, dtype=np.int64)
-            if forced.weights is not None:
-                w = np.asarray(forced.weights, dtype=np.float64)
-            else:
-                w = probs[ids]
-                w = w / w.sum() if self.info.norm_topk else w
-        return tuple(int(i) for i in ids), tuple(float(v) for v in w)
+        w = self.layers[l]
+        logits = _host(w["router"] @ hn).astype(np.float64)  # (experts,): the host needs the ids
+        if w["router_bias"] is not None:
+            logits = logits + w["router_bias"]
+        ids, wts = route_weights(self.info, logits, w["exp_probs_b"], forced)
+        return tuple(int(i) for i in ids), tuple(float(v) for v in wts)
+
+    def _ffn(self, f: dict, hn):
+        g = f["gate"] @ hn
+        return f["down"] @ (g / (1.0 + self.xp.exp(-g)) * (f["up"] @ hn))
 
     def _shared(self, l: int, hn):
-        sh = self.shared[l]
+        sh = self.layers[l]["shared"]
         if sh is None:
             return 0.0
-        xp = self.xp
-        g = sh["gate"] @ hn
-        y = sh["down"] @ (g / (1.0 + xp.exp(-g)) * (sh["up"] @ hn))
+        y = self._ffn(sh, hn)
         if sh.get("gate_inp") is not None:
-            y = y / (1.0 + xp.exp(-(sh["gate_inp"] @ hn)))
+            y = y / (1.0 + self.xp.exp(-(sh["gate_inp"] @ hn)))
         return y
 
     # the token ---------------------------------------------------------------------------------
@@ -196,22 +341,28 @@ class Qwen3Moe:
             raise ExecutorError(f"token id {token_id} out of range 0..{info.vocab - 1}")
         if self.pos >= self.k_cache[0].shape[1]:
             self._grow()
-        x = xp.asarray(self.token_embd[token_id], dtype=xp.float32)  # (hidden,)
+        rs = np.float32(info.residual_scale)
+        x = xp.asarray(self.token_embd[token_id], dtype=xp.float32) * np.float32(info.embedding_scale)  # (hidden,)
         for l in range(info.num_layers):
             w = self.layers[l]
-            x = x + self._attention(l, self._rms(x, w["attn_norm"]))
+            h = self._rms(x, w["attn_norm"])
+            x = x + rs * (self._attention_mla(l, h) if self.mla else self._attention(l, h))
             hn = self._rms(x, w["ffn_norm"])
             if w["router"] is None:
-                raise ExecutorError(f"block {l} is dense; dense FFN blocks are not supported by qwen3moe")
+                x = x + rs * self._ffn(w["dense_ffn"], hn)
+                continue
             ids, weights = self._route(l, hn, None if routes is None else routes[l])
             self.last_input = hn
             self._out = None
             yield Step(l, ids, None, weights)
             if self._out is None:
                 raise ExecutorError(f"block {l}: no expert output was delivered for the step")
-            x = x + self._out + self._shared(l, hn)
-        self.logits = self.output @ self._rms(x, self.output_norm)  # (vocab,)
+            x = x + rs * (self._out + self._shared(l, hn))
+        self.logits = (self.output @ self._rms(x, self.output_norm)) / np.float32(info.logit_scale)  # (vocab,)
         self.pos += 1
+
+
+Qwen3Moe = MoeModel  # the first architecture's name, kept for existing callers
 
 
 # expert backends without a GPU -------------------------------------------------------------------
@@ -224,10 +375,13 @@ def _cpu_only(item) -> None:
 
 class NumpyExperts:
     """Reference expert backend: dequantizes each expert (``gguf_io.dequantize``) and runs it in
-    float32 numpy. CPU-only: a decision that puts experts on the GPU is an error."""
+    float32 numpy, with the architecture's activation and expert biases. CPU-only: a decision that
+    puts experts on the GPU is an error."""
 
     def __init__(self, weights: ModelWeights):
         self.experts = weights.experts
+        self.bias = [l.expert_bias or {} for l in weights.layers]
+        self.activation = weights.info.spec.activation
 
     def _expert(self, t, e: int) -> np.ndarray:
         from .gguf_io import dequantize
@@ -237,12 +391,16 @@ class NumpyExperts:
     def run_layer(self, item, x, weights: Sequence[float]):
         """Combined output ``sum_i w_i * expert_i(x)`` of the step's experts, ``(hidden,)``."""
         _cpu_only(item)
-        layer = self.experts[item.step.layer]
+        l = item.step.layer
+        layer, b = self.experts[l], self.bias[l]
         xh = _host(x).astype(np.float32)
         y = np.zeros(layer.hidden, np.float32)
         for e, w in zip(item.step.experts, weights):
             g, u = self._expert(layer.gate, e) @ xh, self._expert(layer.up, e) @ xh
-            y += np.float32(w) * (self._expert(layer.down, e) @ (g / (1.0 + np.exp(-g)) * u))
+            if b:
+                g, u = g + b["gate"][e], u + b["up"][e]
+            d = self._expert(layer.down, e) @ expert_ffn(np, self.activation, g, u)
+            y += np.float32(w) * (d + b["down"][e] if b else d)
         return y
 
     def start_background(self, moves) -> None:
@@ -261,6 +419,12 @@ class EngineExperts:
     a ``run`` backend; one token per step (decode, and prefill in chunks of one)."""
 
     def __init__(self, weights: ModelWeights, capacity, threads: int, use_gpu: bool, timeout_s: float = 60.0):
+        info = weights.info
+        if info.spec.activation != "silu" or info.expert_bias:
+            raise ExecutorError(
+                f"{info.path}: {info.arch} experts use {info.spec.activation} with expert biases; the expert kernels "
+                "(CPU pool and GPU) compute silu(gate x) * (up x) without biases, so this architecture runs only "
+                "with the numpy expert backend (--backend numpy, policy cpu)")
         if use_gpu:
             array_module(True)  # a clear error when cupy is missing
         from .engine import ExpertEngine
@@ -334,7 +498,7 @@ class RunResult:
                                            for l, (d, e) in enumerate(zip(self.dense_s, self.experts_s))]}
 
 
-def _tokens(model: Qwen3Moe, inputs) -> Iterator:
+def _tokens(model: MoeModel, inputs) -> Iterator:
     """scheduler Tokens whose steps run the model lazily; a new sequence resets the KV cache."""
     from scheduler import Token
 
@@ -346,7 +510,7 @@ def _tokens(model: Qwen3Moe, inputs) -> Iterator:
         yield Token(t.index, t.seq, t.pos, t.phase, model.token_steps(t.token_id, t.routes))
 
 
-def run(model: Qwen3Moe, backend, policy, inputs, lag_tokens: int = 1, audit=None,
+def run(model: MoeModel, backend, policy, inputs, lag_tokens: int = 1, audit=None,
         keep_logits: bool = False, progress=None) -> RunResult:
     """Drive ``policy`` over ``inputs`` (TokenInputs) with real compute: the model's dense path and
     ``backend`` for the experts (``run_layer(item, x, weights) -> y``, ``start_background``,
