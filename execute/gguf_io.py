@@ -265,6 +265,9 @@ def _info_from_reader(reader: gguf.GGUFReader, path: str) -> ModelInfo:
     num_kv = meta.int(f"{arch}.attention.head_count_kv", num_heads)
     head_dim = meta.int(f"{arch}.attention.key_length", hidden // num_heads)
     vdim = meta.int(f"{arch}.attention.value_length", head_dim)
+    if spec.attn == "mla":  # newer deepseek2 files give the per-head sizes separately
+        head_dim = meta.int(f"{arch}.attention.key_length_mla", head_dim)
+        vdim = meta.int(f"{arch}.attention.value_length_mla", vdim)
     if vdim != head_dim and spec.attn != "mla":
         raise GGUFError(f"{path}: attention.value_length {vdim} != key_length {head_dim}, not supported")
     emb = by_name.get("token_embd.weight")

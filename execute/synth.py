@@ -1,8 +1,20 @@
-"""Synthetic qwen3moe GGUF models with random weights, of any geometry and expert quant type.
+"""Synthetic GGUF MoE models with random weights, of any supported architecture, geometry and
+expert quant type.
 
-The file is a complete model in llama.cpp's layout: ``general.*`` and ``qwen3moe.*`` metadata, a
-byte-level BPE vocabulary (``tokenizer.ggml.model = "gpt2"``: the 256 byte tokens, merges, and the
-Qwen control tokens), and every tensor llama.cpp's qwen3moe loader asks for, with its shapes.
+The file is a complete model in llama.cpp's layout: ``general.*`` and ``{arch}.*`` metadata, a
+vocabulary, a chat template, and every tensor llama.cpp's loader of that architecture asks for,
+with its shapes (:data:`execute.archs.ARCHS`). Vocabularies: byte-level BPE
+(``tokenizer.ggml.model = "gpt2"``: the 256 byte tokens, merges, control tokens) for every
+architecture but ``llama``, which gets a SentencePiece vocabulary (``"llama"``: ``<unk>``, ``<s>``,
+``</s>``, 256 byte-fallback tokens, single characters and scored merged pieces). The chat template
+is ChatML, Mistral's ``[INST]`` form (llama) or gpt-oss's harmony form, each the short common shape
+``execute.tokenizer`` recognises, not a vendor's full template.
+
+Architecture traits of the tiny models: qwen2moe has q/k/v biases and a gated shared expert;
+olmoe full-width q/k norms (so kv heads = heads); granitemoe its four multipliers and a tied
+output; gpt-oss attention biases, sinks, a sliding window on even blocks, YaRN RoPE, a router bias
+and expert biases; deepseek2 MLA (q_lora and kv_lora ranks of hidden/2, rope half of a key head), a
+leading dense block, one shared expert and grouped sigmoid routing with a selection bias.
 
 Weights are random, deterministic given the seed: each tensor draws from its own generator,
 ``np.random.default_rng([seed, tensor_index])``, so a tensor does not depend on the order others
@@ -26,8 +38,19 @@ from .gguf_io import TensorSpec, qtype_value
 
 __all__ = ["SynthConfig", "synth_model", "random_blocks", "tensor_specs", "metadata", "vocabulary", "config_from_preset", "PRESETS"]
 
+from .archs import ARCHS
+
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_NORMAL, _CONTROL = 1, 3  # llama.cpp token types
+HARMONY_TOKENS = ("<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>")
+_NORMAL, _UNKNOWN, _CONTROL, _BYTE = 1, 2, 3, 6  # llama.cpp token types
+CHAT_TEMPLATES = {
+    "chatml": ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+               "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+    "mistral": ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + "
+                "message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"),
+    "harmony": ("{% for message in messages %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + "
+                "'<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"),
+}
 _FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32}
 
 # Geometry presets (``moelab model synth --preset NAME``); fields not given keep SynthConfig's defaults.
@@ -61,7 +84,7 @@ class SynthConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.arch not in gguf_io.SUPPORTED_ARCHS:
+        if self.arch not in ARCHS:
             raise ValueError(f"SynthConfig.arch: {self.arch!r}, supported: {', '.join(gguf_io.SUPPORTED_ARCHS)}")
         for name in ("num_layers", "num_experts", "top_k", "hidden", "ffn", "num_heads", "num_kv_heads", "context_length"):
             if getattr(self, name) < 1:
@@ -76,9 +99,12 @@ class SynthConfig:
             object.__setattr__(self, "head_dim", self.hidden // self.num_heads)
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"SynthConfig.head_dim: {self.head_dim}, expected an even number >= 2 (RoPE pairs)")
-        if self.vocab < 256 + len(CONTROL_TOKENS) + 1:
-            raise ValueError(f"SynthConfig.vocab: {self.vocab}, expected >= {256 + len(CONTROL_TOKENS) + 1} "
-                             "(256 byte tokens, one merge, the control tokens)")
+        if self.vocab < min_vocab(self.arch):
+            raise ValueError(f"SynthConfig.vocab: {self.vocab}, expected >= {min_vocab(self.arch)} for {self.arch} "
+                             "(byte tokens, single characters, one merge, the control tokens)")
+        if self.arch == "olmoe" and self.num_kv_heads != self.num_heads:
+            raise ValueError(f"SynthConfig.num_kv_heads: {self.num_kv_heads}; olmoe's full-width k norm needs "
+                             f"num_kv_heads = num_heads ({self.num_heads})")
         if self.quant.upper() not in gguf_io.EXPERT_QTYPES:
             raise ValueError(f"SynthConfig.quant: {self.quant!r}, expected one of {', '.join(gguf_io.EXPERT_QTYPES)}")
         if self.dense_quant.upper() not in ("F32", "F16", "BF16", "Q8_0"):
@@ -164,6 +190,13 @@ def _norm(seed: int, index: int, n: int):
     return make
 
 
+def _bias(seed: int, index: int, shape: tuple[int, ...]):
+    def make():
+        rng = np.random.default_rng([seed, index])
+        return (0.2 * rng.standard_normal(shape)).astype(np.float32)
+    return make
+
+
 def _embedding(seed: int, index: int, qtype: str, shape: tuple[int, int]):
     def make():
         rng = np.random.default_rng([seed, index])
@@ -171,37 +204,111 @@ def _embedding(seed: int, index: int, qtype: str, shape: tuple[int, int]):
     return make
 
 
-def tensor_specs(cfg: SynthConfig) -> list[TensorSpec]:
-    """Every tensor of the model, named and shaped (numpy order) as llama.cpp's qwen3moe loader asks."""
-    h, hd, e, f = cfg.hidden, cfg.head_dim, cfg.num_experts, cfg.ffn
+def _mla_dims(cfg: SynthConfig) -> dict:
+    """deepseek2's attention sizes in a tiny model: ranks hidden/2, rope half of a key head."""
+    rd = cfg.head_dim // 2
+    return {"q_lora": cfg.hidden // 2, "kv_lora": cfg.hidden // 2, "rope": rd, "nope": cfg.head_dim - rd,
+            "v": cfg.head_dim}
+
+
+def _attention_specs(cfg: SynthConfig, p: str, add) -> None:
+    spec, h, hd, dq, f32 = ARCHS[cfg.arch], cfg.hidden, cfg.head_dim, qtype_value(cfg.dense_quant), qtype_value("F32")
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    add(p + "attn_norm.weight", (h,), f32, "norm")
+    if spec.attn == "mla":
+        m = _mla_dims(cfg)
+        add(p + "attn_q_a.weight", (m["q_lora"], h), dq, "mat")
+        add(p + "attn_q_a_norm.weight", (m["q_lora"],), f32, "norm")
+        add(p + "attn_q_b.weight", (cfg.num_heads * hd, m["q_lora"]), dq, "mat")
+        add(p + "attn_kv_a_mqa.weight", (m["kv_lora"] + m["rope"], h), dq, "mat")
+        add(p + "attn_kv_a_norm.weight", (m["kv_lora"],), f32, "norm")
+        add(p + "attn_kv_b.weight", (cfg.num_heads * (m["nope"] + m["v"]), m["kv_lora"]), dq, "mat")
+        add(p + "attn_output.weight", (h, cfg.num_heads * m["v"]), dq, "mat")
+        return
+    add(p + "attn_q.weight", (q, h), dq, "mat")
+    add(p + "attn_k.weight", (kv, h), dq, "mat")
+    add(p + "attn_v.weight", (kv, h), dq, "mat")
+    add(p + "attn_output.weight", (h, q), dq, "mat")
+    if spec.attn_bias:
+        for n, size in (("q", q), ("k", kv), ("v", kv)):
+            add(f"{p}attn_{n}.bias", (size,), f32, "bias")
+        if cfg.arch == "gpt-oss":
+            add(p + "attn_output.bias", (h,), f32, "bias")
+    if spec.sinks:
+        add(p + "attn_sinks.weight", (cfg.num_heads,), f32, "bias")
+    if spec.qk_norm == "head":
+        add(p + "attn_q_norm.weight", (hd,), f32, "norm")
+        add(p + "attn_k_norm.weight", (hd,), f32, "norm")
+    elif spec.qk_norm == "full":
+        add(p + "attn_q_norm.weight", (q,), f32, "norm")
+        add(p + "attn_k_norm.weight", (kv,), f32, "norm")
+
+
+def _ffn_specs(cfg: SynthConfig, l: int, p: str, add) -> None:
+    spec, h, e, f = ARCHS[cfg.arch], cfg.hidden, cfg.num_experts, cfg.ffn
     dq, xq, f32 = qtype_value(cfg.dense_quant), qtype_value(cfg.quant), qtype_value("F32")
+    add(f"{p}{spec.ffn_norm}.weight", (h,), f32, "norm")
+    if l < leading_dense(cfg):
+        df = dense_ffn(cfg)
+        add(p + "ffn_gate.weight", (df, h), dq, "mat")
+        add(p + "ffn_up.weight", (df, h), dq, "mat")
+        add(p + "ffn_down.weight", (h, df), dq, "mat")
+        return
+    add(p + "ffn_gate_inp.weight", (e, h), f32, "mat")
+    if spec.activation == "swiglu_oai":
+        add(p + "ffn_gate_inp.bias", (e,), f32, "bias")
+    if spec.gating == "sigmoid" or cfg.arch == "deepseek2":
+        add(p + "exp_probs_b.bias", (e,), f32, "bias")
+    add(p + "ffn_gate_exps.weight", (e, f, h), xq, "mat")
+    add(p + "ffn_up_exps.weight", (e, f, h), xq, "mat")
+    add(p + "ffn_down_exps.weight", (e, h, f), xq, "mat")
+    if spec.activation == "swiglu_oai":
+        add(p + "ffn_gate_exps.bias", (e, f), f32, "bias")
+        add(p + "ffn_up_exps.bias", (e, f), f32, "bias")
+        add(p + "ffn_down_exps.bias", (e, h), f32, "bias")
+    if spec.shared != "none":
+        sf = shared_ffn(cfg)
+        if spec.shared == "gated":
+            add(p + "ffn_gate_inp_shexp.weight", (h,), f32, "mat")
+        add(p + "ffn_gate_shexp.weight", (sf, h), dq, "mat")
+        add(p + "ffn_up_shexp.weight", (sf, h), dq, "mat")
+        add(p + "ffn_down_shexp.weight", (h, sf), dq, "mat")
+
+
+def leading_dense(cfg: SynthConfig) -> int:
+    """Dense blocks before the MoE blocks (deepseek2: 1 when there are >= 2 blocks)."""
+    return 1 if cfg.arch == "deepseek2" and cfg.num_layers > 1 else 0
+
+
+def dense_ffn(cfg: SynthConfig) -> int:
+    return cfg.dense_ffn or cfg.ffn * cfg.top_k
+
+
+def shared_ffn(cfg: SynthConfig) -> int:
+    """Width of the shared expert: qwen2moe 2 x ffn, deepseek2 one expert's ffn."""
+    return 2 * cfg.ffn if cfg.arch == "qwen2moe" else cfg.ffn
+
+
+def tensor_specs(cfg: SynthConfig) -> list[TensorSpec]:
+    """Every tensor of the model, named and shaped (numpy order) as llama.cpp's loader of
+    ``cfg.arch`` asks."""
+    h, dq, f32 = cfg.hidden, qtype_value(cfg.dense_quant), qtype_value("F32")
     specs: list[TensorSpec] = []
 
     def add(name, shape, qtype, kind):
         i = len(specs)
         qn = gguf_io.qtype_name(qtype)
         make = {"norm": lambda: _norm(cfg.seed, i, shape[0]), "mat": lambda: _matrix(cfg.seed, i, qn, shape),
-                "emb": lambda: _embedding(cfg.seed, i, qn, shape)}[kind]()
+                "emb": lambda: _embedding(cfg.seed, i, qn, shape), "bias": lambda: _bias(cfg.seed, i, shape)}[kind]()
         specs.append(TensorSpec(name, shape, qtype, make))
 
     add("token_embd.weight", (cfg.vocab, h), dq, "emb")
     add("output_norm.weight", (h,), f32, "norm")
-    add("output.weight", (cfg.vocab, h), dq, "mat")
+    if cfg.arch != "granitemoe":  # granite ties its output to the embedding
+        add("output.weight", (cfg.vocab, h), dq, "mat")
     for l in range(cfg.num_layers):
-        p = f"blk.{l}."
-        add(p + "attn_norm.weight", (h,), f32, "norm")
-        add(p + "attn_q.weight", (q, h), dq, "mat")
-        add(p + "attn_k.weight", (kv, h), dq, "mat")
-        add(p + "attn_v.weight", (kv, h), dq, "mat")
-        add(p + "attn_output.weight", (h, q), dq, "mat")
-        add(p + "attn_q_norm.weight", (hd,), f32, "norm")
-        add(p + "attn_k_norm.weight", (hd,), f32, "norm")
-        add(p + "ffn_norm.weight", (h,), f32, "norm")
-        add(p + "ffn_gate_inp.weight", (e, h), f32, "mat")
-        add(p + "ffn_gate_exps.weight", (e, f, h), xq, "mat")
-        add(p + "ffn_up_exps.weight", (e, f, h), xq, "mat")
-        add(p + "ffn_down_exps.weight", (e, h, f), xq, "mat")
+        _attention_specs(cfg, f"blk.{l}.", add)
+        _ffn_specs(cfg, l, f"blk.{l}.", add)
     return specs
 
 
@@ -219,25 +326,99 @@ def _byte_chars() -> list[str]:
     return chars
 
 
-def vocabulary(vocab: int) -> tuple[list[str], list[int], list[str]]:
-    """``(tokens, token_types, merges)``: the 256 byte tokens, ``vocab - 259`` merged tokens (merge i
-    joins token ``i // 256`` with byte token ``i % 256``; all distinct), then the control tokens."""
+def vocabulary(vocab: int, controls: tuple[str, ...] = CONTROL_TOKENS) -> tuple[list[str], list[int], list[str]]:
+    """``(tokens, token_types, merges)`` of a byte-level BPE vocabulary: the 256 byte tokens,
+    ``vocab - 256 - len(controls)`` merged tokens (merge i joins token ``i // 256`` with byte token
+    ``i % 256``; all distinct), then the control tokens."""
     tokens = _byte_chars()
     merges = []
-    for i in range(vocab - 256 - len(CONTROL_TOKENS)):
+    for i in range(vocab - 256 - len(controls)):
         left, right = tokens[i // 256], tokens[i % 256]
         merges.append(f"{left} {right}")
         tokens.append(left + right)
-    types = [_NORMAL] * len(tokens) + [_CONTROL] * len(CONTROL_TOKENS)
-    return tokens + list(CONTROL_TOKENS), types, merges
+    types = [_NORMAL] * len(tokens) + [_CONTROL] * len(controls)
+    return tokens + list(controls), types, merges
+
+
+SPM_SPACE = "\u2581"  # SentencePiece's visible space
+_SPM_CHARS = [SPM_SPACE] + [chr(c) for c in range(0x21, 0x7F)]
+_SPM_COMMON = SPM_SPACE + "etaoinshrdlucmfwypvbgk"
+
+
+def spm_vocabulary(vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """``(tokens, scores, token_types)`` of a SentencePiece vocabulary: ``<unk>``, ``<s>``, ``</s>``,
+    the 256 byte-fallback tokens ``<0xXX>``, the single characters (space as U+2581 and printable
+    ASCII), then pairs of common characters as merged pieces, higher score first."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [_UNKNOWN, _CONTROL, _CONTROL] + [_BYTE] * 256
+    scores = [0.0] * len(tokens)
+    for i, c in enumerate(_SPM_CHARS):
+        tokens.append(c)
+        types.append(_NORMAL)
+        scores.append(-1000.0 - i)
+    pairs = [a + b for a in _SPM_COMMON for b in _SPM_COMMON if b != SPM_SPACE]
+    for i in range(vocab - len(tokens)):
+        tokens.append(pairs[i % len(pairs)] + (_SPM_COMMON[1 + i // len(pairs)] if i >= len(pairs) else ""))
+        types.append(_NORMAL)
+        scores.append(-1.0 - i)
+    return tokens, scores, types
+
+
+def min_vocab(arch: str) -> int:
+    """Smallest vocabulary a synthetic model of ``arch`` can have."""
+    if ARCHS[arch].tokenizer == "llama":
+        return 3 + 256 + len(_SPM_CHARS) + 1
+    return 256 + len(HARMONY_TOKENS if ARCHS[arch].chat == "harmony" else CONTROL_TOKENS) + 1
+
+
+def _tokenizer_metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
+    spec = ARCHS[cfg.arch]
+    chat = [("tokenizer.chat_template", CHAT_TEMPLATES[spec.chat], "str")]
+    if spec.tokenizer == "llama":
+        tokens, scores, types = spm_vocabulary(cfg.vocab)
+        return [("tokenizer.ggml.model", "llama", "str"), ("tokenizer.ggml.tokens", tokens, "[str]"),
+                ("tokenizer.ggml.scores", scores, "[f32]"), ("tokenizer.ggml.token_type", types, "[i32]"),
+                ("tokenizer.ggml.unknown_token_id", 0, "u32"), ("tokenizer.ggml.bos_token_id", 1, "u32"),
+                ("tokenizer.ggml.eos_token_id", 2, "u32"), ("tokenizer.ggml.add_bos_token", True, "bool"),
+                ("tokenizer.ggml.add_space_prefix", True, "bool")] + chat
+    controls = HARMONY_TOKENS if spec.chat == "harmony" else CONTROL_TOKENS
+    tokens, types, merges = vocabulary(cfg.vocab, controls)
+    eos = tokens.index("<|im_end|>" if spec.chat == "chatml" else "<|return|>")
+    pad = tokens.index("<|endoftext|>")
+    return [("tokenizer.ggml.model", "gpt2", "str"), ("tokenizer.ggml.pre", "qwen2", "str"),
+            ("tokenizer.ggml.tokens", tokens, "[str]"), ("tokenizer.ggml.token_type", types, "[i32]"),
+            ("tokenizer.ggml.merges", merges, "[str]"), ("tokenizer.ggml.eos_token_id", eos, "u32"),
+            ("tokenizer.ggml.padding_token_id", pad, "u32"), ("tokenizer.ggml.bos_token_id", pad, "u32"),
+            ("tokenizer.ggml.add_bos_token", False, "bool")] + chat
+
+
+def _arch_metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
+    """Keys beyond the common geometry that the architecture's loader reads."""
+    a = cfg.arch
+    if a == "granitemoe":
+        return [(f"{a}.embedding_scale", 12.0, "f32"), (f"{a}.residual_scale", 0.22, "f32"),
+                (f"{a}.attention.scale", 0.0078125 * 16 / cfg.head_dim, "f32"), (f"{a}.logit_scale", 6.0, "f32")]
+    if a == "gpt-oss":
+        return [(f"{a}.attention.sliding_window", 4, "u32"), (f"{a}.rope.scaling.type", "yarn", "str"),
+                (f"{a}.rope.scaling.factor", 4.0, "f32"), (f"{a}.rope.scaling.original_context_length", 64, "u32")]
+    if a == "qwen2moe":
+        return [(f"{a}.expert_shared_feed_forward_length", shared_ffn(cfg), "u32")]
+    if a == "deepseek2":
+        m = _mla_dims(cfg)
+        groups = 4 if cfg.num_experts % 4 == 0 and cfg.num_experts >= 8 else 1
+        return [(f"{a}.leading_dense_block_count", leading_dense(cfg), "u32"), (f"{a}.expert_shared_count", 1, "u32"),
+                (f"{a}.expert_weights_scale", 2.5, "f32"), (f"{a}.expert_weights_norm", True, "bool"),
+                (f"{a}.expert_gating_func", 2, "u32"), (f"{a}.expert_group_count", groups, "u32"),
+                (f"{a}.expert_group_used_count", max(groups // 2, 1), "u32"),
+                (f"{a}.attention.q_lora_rank", m["q_lora"], "u32"), (f"{a}.attention.kv_lora_rank", m["kv_lora"], "u32"),
+                (f"{a}.rope.dimension_count", m["rope"], "u32")]
+    return []
 
 
 def metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
     """The ``(key, value, kind)`` metadata of the model (``general.architecture`` added by the writer)."""
     a = cfg.arch
-    tokens, types, merges = vocabulary(cfg.vocab)
-    eos = cfg.vocab - 1  # <|im_end|>
-    pad = cfg.vocab - len(CONTROL_TOKENS)  # <|endoftext|>
+    vdim = _mla_dims(cfg)["v"] if a == "deepseek2" else cfg.head_dim
     return [
         ("general.name", f"moelab synthetic {a} L{cfg.num_layers} E{cfg.num_experts} k{cfg.top_k} {cfg.quant} seed {cfg.seed}", "str"),
         ("general.file_type", _FILE_TYPES[cfg.quant], "u32"),
@@ -245,26 +426,17 @@ def metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
         (f"{a}.block_count", cfg.num_layers, "u32"),
         (f"{a}.context_length", cfg.context_length, "u32"),
         (f"{a}.embedding_length", cfg.hidden, "u32"),
-        (f"{a}.feed_forward_length", cfg.dense_ffn or cfg.ffn * cfg.top_k, "u32"),
+        (f"{a}.feed_forward_length", dense_ffn(cfg), "u32"),
         (f"{a}.expert_feed_forward_length", cfg.ffn, "u32"),
         (f"{a}.attention.head_count", cfg.num_heads, "u32"),
         (f"{a}.attention.head_count_kv", cfg.num_kv_heads, "u32"),
         (f"{a}.attention.key_length", cfg.head_dim, "u32"),
-        (f"{a}.attention.value_length", cfg.head_dim, "u32"),
+        (f"{a}.attention.value_length", vdim, "u32"),
         (f"{a}.rope.freq_base", float(cfg.rope_theta), "f32"),
         (f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_eps), "f32"),
         (f"{a}.expert_count", cfg.num_experts, "u32"),
         (f"{a}.expert_used_count", cfg.top_k, "u32"),
-        ("tokenizer.ggml.model", "gpt2", "str"),
-        ("tokenizer.ggml.pre", "qwen2", "str"),
-        ("tokenizer.ggml.tokens", tokens, "[str]"),
-        ("tokenizer.ggml.token_type", types, "[i32]"),
-        ("tokenizer.ggml.merges", merges, "[str]"),
-        ("tokenizer.ggml.eos_token_id", eos, "u32"),
-        ("tokenizer.ggml.padding_token_id", pad, "u32"),
-        ("tokenizer.ggml.bos_token_id", pad, "u32"),
-        ("tokenizer.ggml.add_bos_token", False, "bool"),
-    ]
+    ] + _arch_metadata(cfg) + _tokenizer_metadata(cfg)
 
 
 class _Progress:
@@ -296,4 +468,11 @@ def config_from_preset(name: str, **overrides) -> SynthConfig:
     """A :class:`SynthConfig` from ``PRESETS[name]`` with ``overrides`` (None values ignored)."""
     if name not in PRESETS:
         raise ValueError(f"preset {name!r}: expected one of {', '.join(PRESETS)}")
-    return SynthConfig(**{**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    base = dict(PRESETS[name])
+    arch = given.get("arch", "qwen3moe")
+    if arch in ARCHS and name == "tiny":  # the tiny preset adapts to what the architecture needs
+        base["vocab"] = max(base["vocab"], min_vocab(arch))
+        if arch == "olmoe":
+            base["num_kv_heads"] = given.get("num_heads", base["num_heads"])
+    return SynthConfig(**{**base, **given})
