@@ -46,6 +46,7 @@ __all__ = [
     "quantize",
     "TensorSpec",
     "write_gguf",
+    "read_tokenizer",
 ]
 
 # Quant types the expert kernels read directly (issue 5); any other expert type is an error.
@@ -608,3 +609,24 @@ def write_gguf(path: str | os.PathLike, arch: str, metadata: list[tuple[str, obj
         if tmp.exists():
             tmp.unlink()
         raise
+
+
+# tokenizer metadata -------------------------------------------------------------------------------
+_TOKENIZER_KEYS = {
+    "model": "tokenizer.ggml.model", "pre": "tokenizer.ggml.pre", "tokens": "tokenizer.ggml.tokens",
+    "token_type": "tokenizer.ggml.token_type", "scores": "tokenizer.ggml.scores", "merges": "tokenizer.ggml.merges",
+    "bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id", "eot": "tokenizer.ggml.eot_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id", "add_bos": "tokenizer.ggml.add_bos_token",
+    "add_space_prefix": "tokenizer.ggml.add_space_prefix", "chat_template": "tokenizer.chat_template",
+}
+
+
+def read_tokenizer(path: str | os.PathLike) -> dict:
+    """The ``tokenizer.*`` metadata of a GGUF file as plain Python values, keyed by short names
+    (model, pre, tokens, token_type, scores, merges, bos, eos, eot, unk, add_bos, add_space_prefix,
+    chat_template); absent keys are None. GGUFError when the file has no vocabulary."""
+    meta = _Meta(_open(path), str(path))
+    out = {k: meta.get(key) for k, key in _TOKENIZER_KEYS.items()}
+    if out["model"] is None or not out["tokens"]:
+        raise GGUFError(f"{path}: no vocabulary (metadata keys 'tokenizer.ggml.model' and 'tokenizer.ggml.tokens' needed)")
+    return out

@@ -472,7 +472,7 @@ def config_from_preset(name: str, **overrides) -> SynthConfig:
     base = dict(PRESETS[name])
     arch = given.get("arch", "qwen3moe")
     if arch in ARCHS and name == "tiny":  # the tiny preset adapts to what the architecture needs
-        base["vocab"] = max(base["vocab"], min_vocab(arch))
+        base["vocab"] = max(base["vocab"], 512 if ARCHS[arch].tokenizer == "llama" else min_vocab(arch))
         if arch == "olmoe":
             base["num_kv_heads"] = given.get("num_heads", base["num_heads"])
     return SynthConfig(**{**base, **given})
