@@ -7,8 +7,9 @@ after each token plan_background -> commit_background -> ... -> complete.
 Choice of which misses go over PCIe in ``hybrid`` (documented contract): a step's distinct misses
 are ranked by token count (more first), then decayed usage (higher first), then router rank;
 the first ``round(n_miss * frac / 256)`` (half rounds up) that are not in flight go over PCIe,
-the rest to the CPU. A PCIe miss is admitted into a free slot when its pool has one, otherwise it
-is streamed through a scratch buffer. Misses in flight (a background copy not yet complete) always
+the rest to the CPU. A PCIe miss is admitted into a free slot when its pool has one; else (with
+``admit_uploads``, the default) into the slot of the layer's coldest resident that the step does not
+use, when the miss is at least as used; otherwise it is streamed through a scratch buffer. Misses in flight (a background copy not yet complete) always
 go to the CPU: nothing is uploaded twice.
 """
 from __future__ import annotations
@@ -308,6 +309,10 @@ class HybridPolicy(BasePolicy):
     (non-resident, usage >= ``gate``) by usage descending first take free slots, then pair with
     residents by usage ascending, swapping only if candidate >= victim + ``margin``; all moves
     ranked by gain and cut to ``max_moves``; then usage *= ``decay``.
+
+    With ``admit_uploads`` a miss that goes over PCIe when its pool is full takes the slot of
+    the coldest resident the step does not use, if the miss's usage is at least the resident's:
+    its bytes cross the link anyway, so keeping it costs nothing more.
     """
 
     name = "hybrid"
@@ -315,7 +320,8 @@ class HybridPolicy(BasePolicy):
     def __init__(self, geometry, capacity, profile=None, *, miss_frac_256: int = 44,
                  adaptive: bool = True, swap_every: int = 4, max_moves: int = 96,
                  gate: float = 2.0, margin: float = 1.5, decay: float = 0.7,
-                 max_fills: int = MAX_FILLS_PER_TOKEN):
+                 max_fills: int = MAX_FILLS_PER_TOKEN, admit_uploads: bool = True):
+        self.admit_uploads = admit_uploads
         if not 0 <= miss_frac_256 <= 256:
             raise ValueError(f"hybrid miss_frac_256: {miss_frac_256}, expected 0..256")
         if swap_every < 0 or max_moves < 0 or not 0 <= max_fills <= MAX_FILLS_PER_TOKEN:
@@ -375,15 +381,45 @@ class HybridPolicy(BasePolicy):
             cpu = tuple([e for e in misses if state[e] == INFLIGHT])
         slots = self.cache.free_slots(layer, len(pcie))
         n_up = len(slots)
+        if n_up < len(pcie) and self.admit_uploads:
+            return self._admit(step, hits, pcie, slots, cpu)
         if n_up == 0:
             return Decision(step, hits, (), (), tuple(pcie), cpu)
         return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu)
 
+    def _admit(self, step: Step, hits, pcie: list[int], slots: list[int], cpu) -> Decision:
+        """Uploads beyond the free slots replace the coldest residents of the layer that the
+        step does not use, while the miss is at least as used as the resident (ties: lower id)."""
+        layer = step.layer
+        cache = self.cache
+        u = self._u[layer]
+        used = set(step.experts)
+        pool = cache.owner[cache.pool_of[layer]]
+        victims = sorted((u[k[1]], k[1]) for k in pool
+                         if k is not None and k[0] == layer and k[1] not in used and cache.state[layer][k[1]] == RESIDENT)
+        uploads, streams, evictions = list(pcie[: len(slots)]), [], []
+        slots = list(slots)
+        j = 0
+        for e in pcie[len(slots):]:
+            if j < len(victims) and u[e] >= victims[j][0]:
+                v = (layer, victims[j][1])
+                j += 1
+                uploads.append(e)
+                slots.append(cache.slot[v])
+                evictions.append(v)
+            else:
+                streams.append(e)
+        return Decision(step, hits, tuple(uploads), tuple(slots), tuple(streams), cpu, tuple(evictions))
+
     def commit(self, d: Decision) -> None:
         layer = d.layer
         cache = self.cache
-        for e, s in zip(d.uploads, d.slots):
-            cache.reserve((layer, e), s)
+        n_free = len(d.uploads) - len(d.evictions)
+        for i, e in enumerate(d.uploads):
+            if i < n_free:
+                cache.reserve((layer, e), d.slots[i])
+            else:
+                cache.replace(d.evictions[i - n_free], (layer, e))
         u = self._u[layer]
         if d.step.counts is None:
             for e in d.step.experts:

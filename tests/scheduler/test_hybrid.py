@@ -119,3 +119,21 @@ def test_cost_model_needs_its_model():
     with pytest.raises(ValueError, match="CostModel.gpu_expert_s: 1 entries, expected 2"):
         from scheduler import CostModel
         CostModel((1.0,), (1.0,), (1.0, 2.0), (1.0,), (1.0,))
+
+
+def test_full_pool_admits_an_upload_over_a_colder_resident():
+    g = Geometry.uniform(1, 8, 2, 10)
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 2), Profile(1, 8, ((0, 0), (0, 1)), 2),
+                         miss_frac_256=256, adaptive=False, swap_every=0)
+    replay(policy, [tok(0, [0, 1])])  # usage 0 -> 1, 1 -> 1
+    d = policy.plan(Step(0, (0, 5)))  # 5 (usage 0) is colder than resident 1: streamed
+    assert d.hits == (0,) and d.streams == (5,) and not d.evictions
+    policy.commit(d)  # usage 5 -> 1
+    d = policy.plan(Step(0, (0, 5)))  # now as used as 1, which the step does not use: replaces it
+    assert d.uploads == (5,) and d.evictions == ((0, 1),) and d.slots == (policy.cache.slot[(0, 1)],)
+    policy.commit(d)
+    policy.complete(0, 5)
+    assert policy.residents() == [(0, 0), (0, 5)]
+    off = make_policy("hybrid", g, Capacity.per_layer(g, 2), Profile(1, 8, ((0, 0), (0, 1)), 2),
+                      miss_frac_256=256, adaptive=False, swap_every=0, admit_uploads=False)
+    assert off.plan(Step(0, (0, 5))).streams == (5,)
