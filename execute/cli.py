@@ -1,4 +1,4 @@
-"""``moelab model`` (synth, info) and ``moelab replay``: the executor's commands.
+"""``moelab model`` (synth, info), ``moelab replay`` and ``moelab run``: the executor's commands.
 
 Errors in the input (a bad GGUF file, a trace of another geometry, a policy that needs a GPU on a
 machine without one) print one line naming what was wrong and exit with status 2.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .experts import ExecutorError
 
-__all__ = ["model_main", "replay_main"]
+__all__ = ["model_main", "replay_main", "run_main"]
 
 
 class _Fail(Exception):
@@ -22,9 +22,11 @@ class _Fail(Exception):
 def _parser_model() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moelab model", description="Synthesise or describe GGUF MoE models.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("synth", help="write a qwen3moe GGUF with random weights")
+    from .archs import ARCHS
+
+    s = sub.add_parser("synth", help="write a GGUF MoE model with random weights")
     s.add_argument("out", help="output .gguf path (written atomically)")
-    s.add_argument("--arch", default="qwen3moe", help="architecture (qwen3moe)")
+    s.add_argument("--arch", default="qwen3moe", choices=tuple(ARCHS), help="architecture (default qwen3moe)")
     s.add_argument("--preset", default="tiny", help="geometry preset the options below override: tiny, qwen3-30b-a3b")
     for flag, field, help_ in (("--layers", "num_layers", "blocks"), ("--experts", "num_experts", "experts per block"),
                                ("--top-k", "top_k", "experts per token"), ("--hidden", "hidden", "embedding width"),
@@ -93,7 +95,7 @@ def _info(args) -> int:
     return 0
 
 
-def _run(fn, args) -> int:
+def _guard(fn, args) -> int:
     from .gguf_io import GGUFError
 
     try:
@@ -109,7 +111,7 @@ def _run(fn, args) -> int:
 def model_main(argv: list[str]) -> int:
     """``moelab model synth|info``."""
     args = _parser_model().parse_args(argv)
-    return _run(_synth if args.cmd == "synth" else _info, args)
+    return _guard(_synth if args.cmd == "synth" else _info, args)
 
 
 # replay ---------------------------------------------------------------------------------------------
@@ -136,18 +138,22 @@ def _parser_replay() -> argparse.ArgumentParser:
     return p
 
 
-def _capacity(args, geometry):
+def _capacity(args, geometry, prog: str = "moelab replay"):
     from scheduler import Capacity
+    from scheduler.core import CapacityError
 
     if args.cache_slots is not None and args.cache_mib is not None:
-        raise _Fail("moelab replay: give --cache-mib or --cache-slots, not both")
-    if args.cache_slots is not None:
-        return Capacity.per_layer(geometry, args.cache_slots)
-    if args.cache_mib is None:
-        if args.policy == "cpu":
-            return Capacity.per_layer(geometry, 0)
-        raise _Fail(f"moelab replay: policy {args.policy!r} needs --cache-mib or --cache-slots")
-    return Capacity.from_mib(geometry, args.cache_mib)
+        raise _Fail(f"{prog}: give --cache-mib or --cache-slots, not both")
+    try:
+        if args.cache_slots is not None:
+            return Capacity.per_layer(geometry, args.cache_slots)
+        if args.cache_mib is None:
+            if args.policy == "cpu":
+                return Capacity.per_layer(geometry, 0)
+            raise _Fail(f"{prog}: policy {args.policy!r} needs --cache-mib or --cache-slots")
+        return Capacity.from_mib(geometry, args.cache_mib)
+    except (ValueError, CapacityError) as exc:
+        raise _Fail(f"{prog}: {exc}") from None
 
 
 def _load_trace(args, info):
@@ -245,4 +251,208 @@ def _replay(args) -> int:
 def replay_main(argv: list[str]) -> int:
     """``moelab replay MODEL.gguf --trace PATH --policy P --cache-mib N ...``."""
     args = _parser_replay().parse_args(argv)
-    return _run(_replay, args)
+    return _guard(_replay, args)
+
+
+# run ------------------------------------------------------------------------------------------------
+def _parser_run() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moelab run", description=(
+        "Decode text with a GGUF MoE model, experts placed by a policy; streams the text, then prints "
+        "prompt and decode speed, hit rate and bytes uploaded."))
+    p.add_argument("model", help="GGUF model")
+    p.add_argument("-p", "--prompt", required=True, help="prompt text")
+    p.add_argument("-n", "--tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--policy", default="cpu", help="cpu (default), gpu, lru, freq-lru, static, hybrid")
+    p.add_argument("--cache-mib", type=float, default=None, help="GPU expert cache budget, MiB")
+    p.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer (instead of MiB)")
+    p.add_argument("--profile", default=None, help="STRP profile (static, hybrid pre-population)")
+    p.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy, the default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0: all)")
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the file's chat template")
+    p.add_argument("--lag-tokens", type=int, default=1, help="background copies complete this many tokens later")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="an expert step that takes longer is an error")
+    p.add_argument("--backend", choices=("auto", "engine", "numpy"), default="auto",
+                   help="experts on the expert engine, or the numpy reference (cpu only); auto: the engine "
+                        "where its kernels support the architecture")
+    p.add_argument("--audit", default=None, help="write the per-token audit JSONL (with routes) here")
+    p.add_argument("--record-trace", default=None, help="write the routing as a trace directory (traces/ format)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON after the text")
+    return p
+
+
+def _run_backend(args, weights, use_gpu: bool, capacity):
+    import os
+
+    from . import model as M
+
+    info = weights.info
+    kernels_ok = info.spec.activation == "silu" and not info.expert_bias
+    backend = args.backend if args.backend != "auto" else ("engine" if kernels_ok else "numpy")
+    if backend == "numpy":
+        if use_gpu:
+            why = "" if kernels_ok else f" ({info.arch} experts need it: the expert kernels compute silu without biases)"
+            raise _Fail(f"moelab run: the numpy expert backend runs only policy 'cpu'{why}")
+        return M.NumpyExperts(weights)
+    return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s)
+
+
+def _run_policy(args, geometry, capacity):
+    from scheduler import make_policy
+    from scheduler.core import CapacityError
+
+    if args.policy == "belady":
+        raise _Fail("moelab run: policy 'belady' needs the future routing, which a live run does not know; "
+                    "record a trace (--record-trace) and use moelab replay or simulate")
+    profile = None
+    if args.profile:
+        from scheduler.profile import read_strp
+
+        try:
+            profile = read_strp(args.profile)
+            profile.check_geometry(geometry)
+        except (ValueError, OSError) as exc:
+            raise _Fail(f"moelab run: {exc}") from None
+    try:
+        return make_policy(args.policy, geometry, capacity, profile=profile)
+    except (ValueError, CapacityError) as exc:
+        raise _Fail(f"moelab run: {exc}") from None
+
+
+def _prompt_ids(args, tok) -> list[int]:
+    text = None if args.raw else tok.chat_prompt(args.prompt)
+    if text is None and not args.raw and tok.chat_template:
+        print("moelab run: the file's chat template has no shape moelab knows; prompt used as is", file=sys.stderr)
+    ids = tok.encode(args.prompt) if text is None else tok.encode(text, special=True)
+    if not ids:
+        raise _Fail("moelab run: the prompt encodes to no tokens")
+    return ids
+
+
+class _Generation:
+    """TokenInputs of the prompt (prefill), then of each sampled token (decode), chosen from the
+    model's logits when the previous token ends; streams the text to ``out``."""
+
+    def __init__(self, model, tok, sampler, prompt: list[int], n: int, out):
+        self.model, self.tok, self.sampler, self.prompt, self.n, self.out = model, tok, sampler, prompt, n, out
+        self.generated: list[int] = []
+        self.stream = tok.stream()
+        self.stopped = False
+
+    def _emit(self, t: int) -> None:
+        self.generated.append(t)
+        text = self.stream.add(t)
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+    def __iter__(self):
+        from .model import TokenInput
+
+        for i, t in enumerate(self.prompt):
+            yield TokenInput(i, 0, i, "prefill", int(t))
+        while self.n > 0:
+            t = self.sampler(self.model.logits.get() if hasattr(self.model.logits, "get") else self.model.logits)
+            self._emit(t)
+            if t in self.tok.stop_ids:
+                self.stopped = True
+                return
+            if len(self.generated) >= self.n:
+                return
+            i = len(self.prompt) + len(self.generated) - 1
+            yield TokenInput(i, 0, i, "decode", t)
+
+
+def _record_trace(path: str, audit, info, n_prompt: int, name: str) -> None:
+    import numpy as np
+
+    from traces import Trace
+
+    T, L, k = len(audit.records), info.num_layers, info.top_k
+    ids = np.full((T, L, k), -1, np.int32)
+    w = np.full((T, L, k), np.nan, np.float32)
+    for t, rec in enumerate(audit.records):
+        for layer, experts, weights in rec["routes"]:
+            ids[t, layer, : len(experts)] = experts
+            if weights is not None:
+                w[t, layer, : len(weights)] = weights
+    phase = (np.arange(T) >= n_prompt).astype(np.int8)
+    Trace(name, info.num_experts, k, ids, np.zeros(T, np.int32), np.arange(T, dtype=np.int32), phase, w,
+          {"source": "moelab run", "prompt_tokens": n_prompt}).save(path)
+
+
+def _run(args) -> int:
+    import time
+
+    from scheduler.audit import Audit
+
+    from . import model as M
+    from .gguf_io import load_model
+    from .sampling import Sampler
+    from .tokenizer import Tokenizer, TokenizerError
+
+    if args.tokens < 0:
+        raise _Fail(f"moelab run: -n {args.tokens}, expected >= 0")
+    weights = load_model(args.model)
+    info = weights.info
+    try:
+        tok = Tokenizer.from_gguf(args.model)
+        sampler = Sampler(args.temp, args.seed, args.top_k)
+    except (TokenizerError, ValueError) as exc:
+        raise _Fail(f"moelab run: {exc}") from None
+    prompt = _prompt_ids(args, tok)
+    geometry = info.geometry()
+    capacity = _capacity(args, geometry, "moelab run")
+    policy = _run_policy(args, geometry, capacity)
+    use_gpu = args.policy != "cpu"
+    backend = _run_backend(args, weights, use_gpu, capacity)
+    model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens)
+    audit = Audit(geometry, profile_residents=policy.cache.slot.keys(), keep_log=True, record_routes=True)
+    gen = _Generation(model, tok, sampler, prompt, args.tokens, sys.stdout)
+    marks = {}
+    progress = lambda i: marks.setdefault("prefill", time.perf_counter()) if i == len(prompt) else None  # noqa: E731
+    try:
+        res = M.run(model, backend, policy, gen, args.lag_tokens, audit, progress=progress)
+    finally:
+        backend.close()
+    end = time.perf_counter()
+    t0 = end - res.wall_s  # the run's clock starts after the backend's preparation (kernel compile, uploads)
+    gen.out.write(gen.stream.flush() + "\n")
+    prefill_s = marks.get("prefill", end) - t0
+    decode_tokens = res.tokens - len(prompt)
+    out = {"model": str(args.model), "arch": info.arch, "policy": args.policy, "prompt_tokens": len(prompt),
+           "prompt_s": prefill_s, "prompt_tokens_per_s": len(prompt) / prefill_s if prefill_s > 0 else 0.0,
+           "generated": len(gen.generated), "decode_tokens": decode_tokens, "decode_s": end - t0 - prefill_s,
+           "stopped_at_eos": gen.stopped, "cache_mib": capacity.slot_bytes(geometry) / 2**20,
+           "digest": audit.digest(), **audit.summary()}
+    out["decode_tokens_per_s"] = decode_tokens / out["decode_s"] if decode_tokens and out["decode_s"] > 0 else 0.0
+    if args.audit:
+        audit.write_jsonl(args.audit, run={k: out[k] for k in ("model", "policy", "cache_mib", "digest")})
+    if args.record_trace:
+        from traces import TraceError
+
+        try:
+            _record_trace(args.record_trace, audit, info, len(prompt), Path(args.model).name)
+        except (TraceError, OSError) as exc:
+            raise _Fail(f"moelab run: --record-trace: {exc}") from None
+    _print_run(out, args.json)
+    return 0
+
+
+def _print_run(out: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"prompt: {out['prompt_tokens']} tokens in {out['prompt_s']:.3f} s = {out['prompt_tokens_per_s']:.1f} tokens/s")
+    print(f"decode: {out['decode_tokens']} tokens in {out['decode_s']:.3f} s = {out['decode_tokens_per_s']:.1f} tokens/s "
+          f"({out['generated']} generated{', stopped at end-of-text' if out['stopped_at_eos'] else ''})")
+    print(f"{out['policy']}: hit rate {out['hit_rate']:.3f} ({out['hits']} hits, {out['uploads']} uploads, "
+          f"{out['streams']} streams, {out['cpu']} on CPU); uploaded {out['upload_mib']:.2f} MiB; "
+          f"cache {out['cache_mib']:.2f} MiB; decision digest {out['digest'][:16]}")
+
+
+def run_main(argv: list[str]) -> int:
+    """``moelab run MODEL.gguf -p TEXT [-n N] [--policy P] ...``."""
+    args = _parser_run().parse_args(argv)
+    return _guard(_run, args)
