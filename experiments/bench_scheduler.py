@@ -12,34 +12,16 @@ import time
 
 import numpy as np
 
-from scheduler import Audit, Capacity, Geometry, Step, Token, make_policy, replay
+from scheduler import Audit, Capacity, Geometry, Token, make_policy, replay
 
 
 def synthetic_tokens(num_tokens: int, seed: int) -> list[Token]:
-    """The qwen3-30b-a3b synthetic preset when traces.synth provides it, else Zipf + reuse."""
-    try:
-        from traces import synth
+    """The traces.synth qwen3-30b-a3b preset (calibrated to ANCHORS.md's 48x128 LRU figures)."""
+    from traces import synth
 
-        geometry, params = synth.PRESETS["qwen3-30b-a3b"][:2]
-        trace = synth.generate(48, 128, 8, num_tokens, params, np.random.default_rng(seed))
-        return list(trace.tokens())
-    except (ImportError, KeyError, AttributeError, TypeError):
-        pass
-    rng = np.random.default_rng(seed)
-    pop = rng.dirichlet(np.full(128, 0.3), size=48)
-    toks, prev = [], None
-    for t in range(num_tokens):
-        steps = []
-        for l in range(48):
-            if prev is not None and rng.random() < 0.5:
-                keep = list(prev[l][: rng.integers(2, 7)])
-            else:
-                keep = []
-            rest = [int(e) for e in rng.choice(128, 16, replace=False, p=pop[l]) if e not in keep]
-            steps.append(Step(l, tuple(keep + rest)[:8]))
-        prev = [s.experts for s in steps]
-        toks.append(Token(t, 0, t, "decode", tuple(steps)))
-    return toks
+    preset = synth.PRESETS["qwen3-30b-a3b"]
+    trace = synth.generate(48, 128, 8, num_tokens, preset.params, np.random.default_rng(seed))
+    return list(trace.tokens())
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ go to the CPU: nothing is uploaded twice.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -393,10 +394,12 @@ class HybridPolicy(BasePolicy):
         layer = step.layer
         cache = self.cache
         u = self._u[layer]
-        used = set(step.experts)
-        pool = cache.owner[cache.pool_of[layer]]
-        victims = sorted((u[k[1]], k[1]) for k in pool
-                         if k is not None and k[0] == layer and k[1] not in used and cache.state[layer][k[1]] == RESIDENT)
+        state = cache.state[layer]
+        used = step.experts
+        need = len(pcie) - len(slots)
+        cold = [(u[k[1]], k[1]) for k in cache.owner[cache.pool_of[layer]]
+                if k is not None and k[0] == layer and state[k[1]] == RESIDENT and k[1] not in used]
+        victims = heapq.nsmallest(need, cold) if need < len(cold) else sorted(cold)
         uploads, streams, evictions = list(pcie[: len(slots)]), [], []
         slots = list(slots)
         j = 0
