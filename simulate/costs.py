@@ -12,15 +12,20 @@ Everything the simulator charges is here, so the timing model reads in one place
   with the hidden state copied to the host and the result back (latency + bytes each).
 - A promotion: a device-to-device copy (read + write at GPU bandwidth).
 - Per token: the output head (bytes / GPU bandwidth) and the sampled token's readback latency.
+
+When the hardware file has ``executor`` costs (measured by ``moelab calibrate``), ``Costs.host``
+holds the host lane's costs (:class:`HostCosts`) and the GPU's fixed costs come from the same
+measurements instead of ``launch_s`` counts; the engine then charges the host thread too.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from .hardware import Hardware
 from .models import ModelSpec
 
-__all__ = ["ExecConfig", "Costs"]
+__all__ = ["ExecConfig", "Costs", "HostCosts"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,35 @@ class ExecConfig:
     pinned: bool = True
     route_sync: bool = True
     act_bytes: int = 4  # bytes per hidden-state element copied to and from the CPU pool
+    policy: str = ""  # the scheduler policy, for its planning time on the host lane
 
     def __post_init__(self) -> None:
         for f in ("dense_kernels", "expert_kernels", "act_bytes"):
             if getattr(self, f) < 0:
                 raise ValueError(f"ExecConfig.{f}: {getattr(self, f)}, expected >= 0")
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """The executor's host-thread costs (seconds), from ``Hardware.executor`` (see its keys)."""
+
+    plan_s: float
+    dense_s: float
+    readback_s: float
+    gpu_layer_s: float
+    gpu_expert_s: float
+    copy_s: float
+    cpu_s: float
+    wait_poll_s: float
+
+    @classmethod
+    def from_hardware(cls, hw: Hardware, policy: str) -> "HostCosts":
+        ex = hw.executor
+        plan = ex.get("plan_s", {})
+        plan_s = plan.get(policy, statistics.median(plan.values()) if plan else 0.0)
+        g = lambda k: ex.get(k, 0.0)
+        return cls(plan_s, g("host_dense_s"), g("readback_s"), g("host_gpu_layer_s"), g("host_gpu_expert_s"),
+                   g("host_copy_s"), g("host_cpu_s"), g("wait_poll_s"))
 
 
 class Costs:
@@ -76,6 +105,15 @@ class Costs:
         self.route_s = hw.copy_latency_s if cfg.route_sync else 0.0
         self.token_s = (model.head_bytes() / gbw + cfg.dense_kernels * hw.launch_s  # output head, norm, sampling
                         + hw.copy_latency_s)  # sampled id read back
+        self.host: HostCosts | None = None
+        if hw.executor:  # measured executor costs replace the launch counts (docs/FIDELITY.md)
+            ex = hw.executor
+            self.host = HostCosts.from_hardware(hw, cfg.policy)
+            fixed = ex.get("dense_fixed_s", 0.0)
+            self.dense_s = [fixed + model.dense_bytes(l) / gbw for l in range(L)]
+            self.expert_launch_s = ex.get("gpu_batch_s", 0.0)
+            self.combine_s = ex.get("combine_s", 0.0)
+            self.head_s = fixed + model.head_bytes() / gbw  # GPU part; read-back on the host lane
 
     def cost_model(self):
         """These costs as a ``scheduler.CostModel`` (for ``hybrid-cost``): exact for one token,

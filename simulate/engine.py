@@ -19,7 +19,9 @@ A layer (all times from ``costs``):
    result copied back; the GPU adds it in.
 5. Promotions: device copies from scratch into their slots, on the GPU stream.
 
-The layer ends when all parts have. Analytic bound of a layer: max(GPU work, copy work, CPU
+The layer ends when all parts have. With measured executor costs (``Costs.host``) the layer
+follows the executor's own order on a host lane instead (``_process_host``, docs/FIDELITY.md).
+Analytic bound of a layer: max(GPU work, copy work, CPU
 work) with perfect overlap and no latency between them; of a token: the sum over its layers plus
 the per-token GPU work (output head).
 """
@@ -91,7 +93,8 @@ class Simulator:
         if audit is None:
             audit = Audit(self._geometry(), keep_records=False)
         out: dict = {}
-        env.process(self._process(env, items, audit, out))
+        proc = self._process if self.costs.host is None else self._process_host
+        env.process(proc(env, items, audit, out))
         env.run()
         return SimResult(audit=audit, **out)
 
@@ -220,6 +223,120 @@ class Simulator:
                    events=events or [])
         if t > env.now:
             yield env.timeout(t - env.now)
+
+    def _process_host(self, env, items, audit, out):
+        """The executor's order on four lanes: host thread ``h`` (issues everything, waits at read-backs),
+        GPU compute stream ``g``, copy engine ``cf``, CPU pool ``p``. Per layer: scheduler plan; dense
+        issued (GPU runs it from when the host starts issuing); router logits read back (the host
+        waits for the GPU); CPU experts handed to the pool; uploads queued (the copy engine starts
+        as the first is queued); one GPU expert batch after the copies; wait for the CPU result;
+        combine. The token ends when the head's sampled id is read back."""
+        c, hc = self.costs, self.costs.host
+        dense_s, kv_s, gexp, up_s, cpu_e, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
+                                                     c.cpu_expert_s, c.promote_s)
+        batch, combine, task = c.expert_launch_s, c.combine_s, c.cpu_task_s
+        observe = audit.observe
+        events = [] if self.record else None
+        pending: deque = deque()
+        tok_times, bounds, decode = [], [], []
+        h = g = cf = p = 0.0
+        gpu_busy = copy_busy = cpu_busy = 0.0
+        tok_start = tok_bound = 0.0
+        half_cpu = hc.cpu_s / 2
+        for item in items:
+            observe(item)
+            kind = type(item)
+            if kind is RunLayer:
+                d = item.decision
+                tok = item.token
+                l = d.step.layer
+                h += hc.plan_s
+                h_lane = hc.plan_s + hc.dense_s + hc.readback_s
+                if d.step.counts is None and tok.num_tokens == 1:
+                    gd = dense_s[l] + (tok.pos + 1) * kv_s[l]
+                    n_gpu = len(d.hits) + len(d.uploads) + len(d.streams)
+                    gx = batch + n_gpu * gexp[l] if n_gpu else 0.0
+                    nc = len(d.cpu)
+                    cpu_s = task + nc * cpu_e[l] if nc else 0.0
+                    nu = len(d.uploads) + len(d.streams)
+                else:
+                    gd, hit_s, upc_s, cpu_s, nu, nc = self._multi(d, tok)
+                    n_gpu = len(d.hits) + nu
+                    gx = hit_s + upc_s - (batch if d.hits and nu else 0.0)
+                h0 = h
+                g = max(g, h0) + gd
+                if events is not None:
+                    events.append(("gpu", f"L{l} dense", g - gd, gd))
+                h = max(h0 + hc.dense_s, g) + hc.readback_s
+                if nc:
+                    h += half_cpu
+                    c0 = max(p, h)
+                    p = c0 + cpu_s
+                    cpu_busy += cpu_s
+                    if events is not None:
+                        events.append(("cpu", f"L{l} cpu x{nc}", c0, cpu_s))
+                pcopy = 0.0
+                if nu:
+                    cs = max(cf, h)
+                    h += nu * hc.copy_s
+                    pcopy = nu * up_s[l]
+                    cf = cs + pcopy
+                    copy_busy += pcopy
+                    if events is not None:
+                        events.append(("copy", f"L{l} x{nu}", cs, pcopy))
+                if n_gpu:
+                    h += hc.gpu_layer_s + (n_gpu - 1) * hc.gpu_expert_s
+                    g0 = max(g, h, cf if nu else 0.0)
+                    g = g0 + gx
+                    if events is not None:
+                        events.append(("gpu", f"L{l} experts x{n_gpu}", g0, gx))
+                if nc:
+                    h = max(h, p) + half_cpu
+                    g = max(g, h)
+                pro_s = len(d.promotions) * promo_s[l]
+                g += combine + pro_s
+                gwork = gd + gx + combine + pro_s
+                gpu_busy += gwork
+                h_lane += nu * hc.copy_s + (hc.gpu_layer_s + (n_gpu - 1) * hc.gpu_expert_s if n_gpu else 0.0)
+                h_lane += hc.cpu_s if nc else 0.0
+                tok_bound += max(gwork, pcopy, cpu_s, h_lane)
+            elif kind is EndToken:
+                tok = item.token
+                h0 = h
+                g = max(g, h0) + c.head_s
+                gpu_busy += c.head_s
+                h = max(h0 + hc.dense_s, g) + hc.readback_s
+                tok_times.append(h - tok_start)
+                bounds.append(tok_bound + max(c.head_s, hc.dense_s) + hc.readback_s)
+                decode.append(tok.phase == "decode")
+                if events is not None:
+                    events.append(("gpu", "head", g - c.head_s, c.head_s))
+                    events.append(("token", f"token {tok.index}", tok_start, h - tok_start))
+                tok_start, tok_bound = h, 0.0
+                yield env.timeout(h - env.now)
+            elif kind is StartBackground:
+                cs = max(cf, h)
+                n = len(item.moves)
+                h += n * hc.copy_s
+                p_bg = sum(up_s[m.layer] for m in item.moves)
+                cf = cs + p_bg
+                copy_busy += p_bg
+                if events is not None and n:
+                    events.append(("copy", f"background x{n}", cs, p_bg))
+                pending.append(cf)
+            elif kind is AwaitBackground:
+                done = pending.popleft()
+                if done > h:
+                    if events is not None:
+                        events.append(("token", "await background", h, done - h))
+                    h = done + hc.wait_poll_s / 2
+            else:
+                raise TypeError(f"simulator cannot run {kind.__name__}")
+        out.update(token_s=np.array(tok_times), bound_s=np.array(bounds), decode=np.array(decode, dtype=bool),
+                   total_s=h, gpu_busy_s=gpu_busy, copy_busy_s=copy_busy, cpu_busy_s=cpu_busy,
+                   events=events or [])
+        if h > env.now:
+            yield env.timeout(h - env.now)
 
     def _multi(self, d, tok):
         """Times of a step with token counts (prefill or verification batches)."""

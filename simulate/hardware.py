@@ -3,7 +3,8 @@
 A hardware file is one JSON object with the fields of :class:`Hardware` and, optionally,
 ``"sources": {field: "where the number comes from"}``. Presets live in
 ``simulate/presets/hardware/<name>.json``; ``load_hardware`` takes a preset name or a path.
-Bandwidths are in GB/s (1e9 bytes per second), times in seconds.
+Bandwidths are in GB/s (1e9 bytes per second), times in seconds. A file written by ``moelab
+calibrate`` also carries ``"_calibration"`` (the raw measurements, medians and spread), ignored here.
 """
 from __future__ import annotations
 
@@ -12,9 +13,27 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-__all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_presets", "HARDWARE_DIR"]
+__all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_presets", "HARDWARE_DIR", "EXECUTOR_KEYS"]
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "presets" / "hardware"
+
+
+# Costs of moelab's own executor (``execute/``) on this machine, in seconds, measured by ``moelab
+# calibrate``. When a hardware file has them the simulator adds a host lane (the Python thread that
+# issues all work); see docs/FIDELITY.md. ``plan_s`` is per scheduler policy name.
+EXECUTOR_KEYS = {
+    "host_dense_s": "host time to issue one layer's dense part (and the output head)",
+    "dense_fixed_s": "GPU time of one layer's dense part beyond its bytes (kernel floors)",
+    "readback_s": "router-logits / sampled-token read-back once the GPU is done (copy + sync)",
+    "host_gpu_layer_s": "engine host time of a layer whose experts all run on the GPU (one expert)",
+    "host_gpu_expert_s": "engine host time per further GPU expert of a layer",
+    "host_copy_s": "host time to queue one expert upload",
+    "host_cpu_s": "engine host time and thread hand-offs of a layer with CPU experts (half before, half after)",
+    "gpu_batch_s": "GPU time of one expert batch beyond its bytes (metadata copy, two kernels)",
+    "combine_s": "GPU time of the combine of a layer's expert outputs",
+    "wait_poll_s": "host polling interval while it waits for a background copy (half is charged)",
+    "plan_s": "scheduler time per layer step, per policy name (object)",
+}
 
 
 class HardwareError(ValueError):
@@ -47,6 +66,7 @@ class Hardware:
     cpu_task_s: float
     cpu_quant_efficiency: dict = field(default_factory=dict, hash=False)
     gpu_quant_efficiency: dict = field(default_factory=dict, hash=False)
+    executor: dict = field(default_factory=dict, hash=False)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +90,7 @@ class Hardware:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 4:
                     raise ValueError(f"{f}.{q}: {v!r}, expected a factor in (0, 4]")
             object.__setattr__(self, f, {str(q).upper(): float(v) for q, v in table.items()})
+        object.__setattr__(self, "executor", _check_executor(self.executor))
 
     def cpu_gbps(self, quant: str, threads: int | None = None) -> float:
         """Rate (GB/s of weights) at which the pool computes one token's experts of ``quant``."""
@@ -82,6 +103,29 @@ class Hardware:
 
     def h2d_gbps(self, pinned: bool = True) -> float:
         return self.pcie_h2d_gbps if pinned else self.pageable_gbps
+
+
+def _seconds(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1:
+        raise ValueError(f"{name}: {v!r}, expected seconds in [0, 1)")
+    return float(v)
+
+
+def _check_executor(table) -> dict:
+    if not isinstance(table, dict):
+        raise ValueError("executor: expected an object of executor costs")
+    unknown = sorted(set(table) - set(EXECUTOR_KEYS))
+    if unknown:
+        raise ValueError(f"executor: unknown key(s) {unknown}; expected {sorted(EXECUTOR_KEYS)}")
+    out = {}
+    for k, v in table.items():
+        if k == "plan_s":
+            if not isinstance(v, dict) or not v:
+                raise ValueError("executor.plan_s: expected an object of policy name -> seconds")
+            out[k] = {str(p): _seconds(f"executor.plan_s.{p}", x) for p, x in v.items()}
+        else:
+            out[k] = _seconds(f"executor.{k}", v)
+    return out
 
 
 _NAMES = {f.name for f in fields(Hardware)}
@@ -109,13 +153,14 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
         raise HardwareError(f"{p}: not a readable JSON hardware file ({e})") from None
     if not isinstance(data, dict):
         raise HardwareError(f"{p}: expected a JSON object of hardware fields, got {type(data).__name__}")
-    unknown = sorted(set(data) - _NAMES - {"_about"})
+    unknown = sorted(set(data) - _NAMES - {"_about", "_calibration"})
     if unknown:
         raise HardwareError(f"{p}: unknown field(s) {unknown}; expected fields of Hardware: {sorted(_NAMES)}")
     missing = sorted(_REQUIRED - set(data))
     if missing:
         raise HardwareError(f"{p}: missing field(s) {missing}")
     data.pop("_about", None)
+    data.pop("_calibration", None)
     try:
         return Hardware(**data)
     except (TypeError, ValueError) as e:

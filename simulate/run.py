@@ -156,7 +156,7 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     if cfg.policy == "static":
         profile = Profile.from_counts(_counts(tokens, geometry))  # oracle: the replayed tokens' own counts
     future = [s for t in tokens for s in t.steps] if cfg.policy == "belady" else None
-    costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned))
+    costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=cfg.policy))
     if cfg.policy == "hybrid-cost":
         options["cost_model"] = costs.cost_model()
     try:

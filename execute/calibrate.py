@@ -1,0 +1,745 @@
+"""``moelab calibrate``: measure this machine as moelab's executor uses it; write a hardware file.
+
+The file is in the simulator's format (``simulate/hardware.py``: ``moelab simulate --hardware
+FILE``). Every number is measured here, from the executor's own code paths, repeated: the JSON keeps
+the median as the field and every sample's median, 10th and 90th percentile and count under
+``"_calibration"`` (which the simulator ignores), with a ``sources`` line per field.
+
+What is measured (GPU timings use CUDA events with the stream held by a spin kernel while the work
+is queued, so they are GPU time alone; host timings are the Python thread's wall time meanwhile):
+
+- link: pinned host->device copies by size (fit: latency + bytes / GB/s), pageable by size, and
+  expert uploads through ``GpuExperts.upload`` (three copies each), back to back;
+- GPU: device copy GB/s, fp16 matmul TFLOP/s, one expert batch (``GpuExperts.run``) of 1..16
+  experts (fit: fixed + experts x bytes / GB/s), the combine, the dense stand-in (``StandIn``:
+  the layer's attention projections and router in F16, like ``experiments/sim_vs_real.py`` runs)
+  at four widths (fit: fixed + bytes / GB/s), the router read-back;
+- host: a kernel launch, issuing the dense stand-in, ``ExpertEngine.run_layer`` for hits-only and
+  upload layers (fit per expert), queueing one upload, the CPU hand-off overhead of a layer with CPU
+  experts (its wall time minus the pool's compute time), the scheduler's planning per layer step
+  for each policy, the engine's polling interval;
+- CPU pool (``CpuExpertPool`` via the engine, cold experts): time per call of 1..8 experts (fit:
+  task + experts x bytes / GB/s), other quant types and thread counts (not with ``--quick``), and
+  the host memory read bandwidth.
+
+``--cpu-only`` (no GPU needed): measures the CPU pool, memory bandwidth, planning and polling, and
+writes them over the GPU and link fields of ``--base FILE`` (a hardware JSON), without executor
+host-lane costs. Whatever kernels ``execute/cpu_experts.py`` has at run time are what is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from scheduler.core import Capacity, Decision, Geometry, Step, Token
+from scheduler.drive import RunLayer, drive
+from scheduler.policies import make_policy
+from scheduler.profile import Profile
+
+from . import quant as Q
+from .experts import LayerExperts, random_layer
+
+__all__ = ["main", "stats", "fit_line", "hardware_json", "write_json", "build_layers", "StandIn",
+           "measure_plan_s", "measure_poll_s", "measure_cpu_mem_gbps", "measure_cpu_pool", "synth_tokens"]
+
+PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid")
+SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
+
+
+def log(msg: str) -> None:
+    print(f"[calibrate {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# statistics ------------------------------------------------------------------------------------
+def stats(samples) -> dict:
+    """Median, 10th/90th percentiles and count of ``samples`` (ValueError when empty)."""
+    a = np.asarray(list(samples), np.float64)
+    if a.size == 0:
+        raise ValueError("stats: no samples")
+    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
+            "p90": float(np.percentile(a, 90)), "n": int(a.size)}
+
+
+def fit_line(x, y) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; returns (a, b). Needs two distinct x."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if x.shape != y.shape or len(np.unique(x)) < 2:
+        raise ValueError(f"fit_line: need matching x, y with two distinct x (got {x.tolist()})")
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)
+
+
+def fit_table(table: dict) -> tuple[float, float]:
+    """Fit ``median = a + b x`` over a {x: stats} table."""
+    xs = sorted(table, key=float)
+    return fit_line([float(x) for x in xs], [table[x]["median"] for x in xs])
+
+
+# CPU-side measurements (no GPU) ----------------------------------------------------------------
+def build_layers(rng: np.random.Generator, num_layers: int, num_experts: int, hidden: int, ffn: int,
+                 qtype: int = Q.Q8_0, distinct: int = 4) -> list[LayerExperts]:
+    """Random experts in host RAM: ``distinct`` random layers, the rest copies in their own memory."""
+    layers = []
+    for l in range(num_layers):
+        if l < distinct:
+            layers.append(random_layer(rng, l, num_experts, hidden, ffn, qtype, exact=False))
+        else:
+            src = layers[l % distinct]
+            layers.append(LayerExperts(l, *(replace(t, data=t.data.copy(), name=t.name.replace(
+                f"blk.{l % distinct}.", f"blk.{l}.")) for t in (src.gate, src.up, src.down))))
+    return layers
+
+
+def synth_tokens(num_layers: int, num_experts: int, top_k: int, num_tokens: int, seed: int):
+    """Scheduler tokens of a synthetic trace (the qwen3-30b-a3b preset's parameters) and the trace."""
+    from traces import synth
+
+    preset = synth.PRESETS.get("qwen3-30b-a3b")
+    params = preset.params if preset is not None else synth.SynthParams()
+    trace = synth.generate(num_layers, num_experts, top_k, num_tokens, params, np.random.default_rng(seed))
+    return tuple(trace.tokens()), trace
+
+
+def measure_plan_s(geometry: Geometry, slots: int, tokens, policies=PLAN_POLICIES, reps: int = 3) -> dict:
+    """Scheduler time per layer step (``drive`` alone, no backend) for each policy: {name: stats}."""
+    counts = np.zeros((geometry.num_layers, geometry.max_experts))
+    for t in tokens:
+        for s in t.steps:
+            counts[s.layer, list(s.experts)] += 1
+    profile = Profile.from_counts(counts)
+    out = {}
+    for name in policies:
+        samples = []
+        for _ in range(reps):
+            cap = Capacity.per_layer(geometry, geometry.max_experts if name == "gpu" else slots)
+            pol = make_policy(name, geometry, cap, profile=profile if name == "static" else None)
+            steps = 0
+            t0 = time.perf_counter()
+            for item in drive(pol, tokens):
+                if type(item) is RunLayer:
+                    steps += 1
+            samples.append((time.perf_counter() - t0) / max(steps, 1))
+        out[name] = stats(samples)
+    return out
+
+
+def measure_poll_s(reps: int = 200) -> dict:
+    """Actual duration of the engine's polling sleep (``time.sleep(20e-6)`` in ``GpuExperts.wait``)."""
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        time.sleep(20e-6)
+        samples.append(time.perf_counter() - t0)
+    return stats(samples)
+
+
+def measure_cpu_mem_gbps(threads: int, nbytes: int = 1 << 30, reps: int = 5) -> dict:
+    """Host memory read GB/s with a Numba parallel sum over ``nbytes`` of float32 (``threads`` threads)."""
+    import numba
+
+    parallel_sum = _parallel_sum()
+    a = np.ones(nbytes // 4, np.float32)
+    old = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        parallel_sum(a[:1024])
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            parallel_sum(a)
+            samples.append(a.nbytes / (time.perf_counter() - t0) / 1e9)
+    finally:
+        numba.set_num_threads(old)
+    return stats(samples)
+
+
+_SUM = []
+
+
+def _parallel_sum():
+    """A Numba ``prange`` sum of a float32 array (compiled on first use)."""
+    if not _SUM:
+        from numba import njit, prange
+
+        @njit(parallel=True, fastmath=True)
+        def parallel_sum(a):  # a: (n,) float32
+            s = np.float32(0.0)
+            for i in prange(a.size):
+                s += a[i]
+            return s
+
+        _SUM.append(parallel_sum)
+    return _SUM[0]
+
+
+def measure_cpu_pool(layers: list[LayerExperts], threads: int, counts=(1, 2, 3, 4, 6, 8), reps: int = 5,
+                     seed: int = 0) -> dict:
+    """``CpuExpertPool`` compute time per call of n cold experts (one token each): {n: stats}, and
+    the wall time of submit -> result beyond the compute (the two thread hand-offs)."""
+    from .cpu_experts import CpuExpertPool
+
+    rng = np.random.default_rng(seed)
+    hidden = layers[0].hidden
+    out, handoff = {}, []
+    with CpuExpertPool(threads, timeout_s=120) as pool:
+        pool.warmup(layers[0])
+        for n in counts:
+            samples = []
+            for r in range(reps + 1):
+                lx = layers[int(rng.integers(len(layers)))]
+                experts = rng.choice(lx.num_experts, n, replace=False)
+                x = rng.standard_normal((n, hidden)).astype(np.float32)
+                t0 = time.perf_counter()
+                job = pool.submit(lx, experts, x)
+                job.result()
+                wall = time.perf_counter() - t0
+                if r:  # the first of each size is a warm-up
+                    samples.append(job.compute_s)
+                    handoff.append(wall - job.compute_s)
+            out[n] = stats(samples)
+    return {"compute_s": out, "handoff_s": stats(handoff)}
+
+
+# the dense stand-in (GPU) ----------------------------------------------------------------------
+class StandIn:
+    """Per-layer GPU work standing in for attention and the router, in F16: RMSNorm, a fused q/k/v
+    projection ``(hidden, q + 2 kv)``, the output projection ``(q, hidden)`` and residual,
+    RMSNorm, router logits ``(hidden, experts)``; the head is RMSNorm, ``(hidden, vocab)`` and an
+    argmax. Its weight bytes per layer equal the simulator's ``ModelSpec.dense_bytes`` in F16 (no
+    KV cache is read). No attention over past tokens: routing comes from the trace."""
+
+    def __init__(self, cp, num_layers: int, hidden: int, q_dim: int, kv_dim: int, num_experts: int, vocab: int,
+                 seed: int):
+        self.cp = cp
+        g = cp.random.default_rng(seed)
+        mk = lambda r, c: (g.standard_normal((r, c), dtype=cp.float32) / np.float32(np.sqrt(r))).astype(cp.float16)
+        self.q_dim = q_dim
+        self.wqkv = [mk(hidden, q_dim + 2 * kv_dim) for _ in range(num_layers)]
+        self.wo = [mk(q_dim, hidden) for _ in range(num_layers)]
+        self.wr = [mk(hidden, num_experts) for _ in range(num_layers)]
+        self.whead = mk(hidden, vocab) if vocab else None
+        self.layer_bytes = 2 * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + hidden * num_experts)
+        self.head_bytes = 2 * hidden * vocab
+
+    def _norm(self, x):
+        cp = self.cp
+        return (x * cp.reciprocal(cp.sqrt(cp.mean(x * x, axis=1, keepdims=True) + 1e-6))).astype(cp.float16)
+
+    def layer(self, x, l: int):
+        """(x + attention stand-in, router logits): both cupy, on the current stream."""
+        cp = self.cp
+        a = cp.matmul(self._norm(x), self.wqkv[l])[:, :self.q_dim]
+        x = x + cp.matmul(a, self.wo[l]).astype(cp.float32)
+        return x, cp.matmul(self._norm(x), self.wr[l])
+
+    def head(self, x):
+        """The sampled token id (greedy), a cupy array on the current stream."""
+        return self.cp.argmax(self.cp.matmul(self._norm(x), self.whead), axis=1)
+
+
+# GPU measurements ------------------------------------------------------------------------------
+_SPIN_SRC = r"""
+extern "C" __global__ void moelab_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+
+class GpuTimer:
+    """GPU time of queued work (events, stream held by a spin kernel) and host time of queueing it."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.spin_kernel = cp.RawKernel(_SPIN_SRC, "moelab_spin")
+
+    def spin(self, stream, seconds: float = SPIN_S) -> None:
+        with stream:
+            self.spin_kernel((1,), (1,), (np.uint64(int(seconds * 1e9)),))
+
+    def gpu(self, stream, fn, reps: int, hold=None) -> dict:
+        """GPU seconds of ``fn()`` on ``stream`` (``hold``: the stream to spin, default ``stream``)."""
+        cp = self.cp
+        samples = []
+        for r in range(reps + 1):
+            self.spin(hold or stream)
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            if hold is not None and hold is not stream:
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(hold)
+                stream.wait_event(ev)
+            a.record(stream)
+            fn()
+            b.record(stream)
+            b.synchronize()
+            if r:
+                samples.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        return stats(samples)
+
+    def host(self, stream, fn, reps: int) -> dict:
+        """Host seconds of ``fn()`` (async work, queued behind a spin so that nothing blocks)."""
+        samples = []
+        for r in range(reps + 1):
+            self.spin(stream)
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            stream.synchronize()
+            if r:
+                samples.append(dt)
+        return stats(samples)
+
+
+def _gpu_basics(cp, timer: GpuTimer, reps: int) -> dict:
+    s = cp.cuda.Stream(non_blocking=True)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    free, total = cp.cuda.runtime.memGetInfo()
+    n = 1 << 30
+    src, dst = cp.empty(n, cp.uint8), cp.empty(n, cp.uint8)
+    d2d = timer.gpu(s, lambda: dst.data.copy_from_device_async(src.data, n, s), reps)
+    del src, dst
+    a = cp.ones((8192, 8192), cp.float16)
+    with s:
+        mm = timer.gpu(s, lambda: cp.matmul(a, a), reps)
+    del a
+    tiny = cp.ones(1, cp.float32)
+    with s:
+        launch = timer.host(s, lambda: [tiny * 2 for _ in range(50)], reps)
+    launch = {k: (v / 50 if k != "n" else v) for k, v in launch.items()}
+    return {"gpu_name": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+            "gpu_mem_bytes": int(total), "d2d_gbps": 2 * n / d2d["median"] / 1e9, "d2d_s": d2d,
+            "matmul_tflops": 2 * 8192 ** 3 / mm["median"] / 1e12, "matmul_s": mm, "launch_s": launch}
+
+
+def _link(cp, timer: GpuTimer, reps: int) -> dict:
+    sizes = [1 << 16, 1 << 20, 5 << 20, 16 << 20, 64 << 20]
+    s = cp.cuda.Stream(non_blocking=True)
+    hold = cp.cuda.Stream(non_blocking=True)
+    dev = cp.empty(max(sizes) * 4, cp.uint8)
+    out = {"pinned": {}, "pageable": {}}
+    for kind in ("pinned", "pageable"):
+        host = np.ones(max(sizes) * 4, np.uint8)
+        if kind == "pinned":
+            cp.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, 0)
+        try:
+            for size in sizes:
+                if kind == "pageable" and size < (1 << 20):
+                    continue
+
+                def copies(size=size):
+                    for i in range(4):
+                        cp.cuda.runtime.memcpyAsync(dev.data.ptr + i * size, host.ctypes.data + i * size, size,
+                                                    cp.cuda.runtime.memcpyHostToDevice, s.ptr)
+                st = timer.gpu(s, copies, reps, hold=hold) if kind == "pinned" else _wall(s, copies, reps)
+                out[kind][size] = {k: (v / 4 if k != "n" else v) for k, v in st.items()}
+        finally:
+            if kind == "pinned":
+                cp.cuda.runtime.hostUnregister(host.ctypes.data)
+    a, b = fit_table({k: v for k, v in out["pinned"].items() if k >= (1 << 20)})
+    out["pinned_fit"] = {"latency_s": max(a, 0.0), "gbps": 1 / b / 1e9}
+    big = max(out["pageable"])
+    out["pageable_gbps"] = big / out["pageable"][big]["median"] / 1e9
+    return out
+
+
+def _wall(stream, fn, reps: int) -> dict:
+    """Wall seconds of ``fn()`` until ``stream`` is done (pageable copies block the host anyway)."""
+    samples = []
+    for r in range(reps + 1):
+        stream.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        stream.synchronize()
+        if r:
+            samples.append(time.perf_counter() - t0)
+    return stats(samples)
+
+
+def _experts_gpu(cp, timer: GpuTimer, gx, layers, reps: int) -> dict:
+    """Expert uploads, GPU expert batches and the combine, through ``GpuExperts``."""
+    hidden = layers[0].hidden
+    x1 = cp.asarray(np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32))
+    out = {"upload": {}, "upload_host": {}, "batch": {}}
+    L = len(layers)
+    for n in (1, 2, 4, 8):
+        def up(n=n):
+            gx.begin_copies()
+            for i in range(n):
+                gx.upload(i % L, 16 + i, 16 + i)
+        # the copy stream waits for last_read, recorded after a spin on the compute stream
+        def held():
+            timer.spin(gx.compute)
+            gx.last_read.record(gx.compute)
+        samples = []
+        for r in range(reps + 1):
+            held()
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            gx.begin_copies()
+            a.record(gx.copy)
+            up()
+            b.record(gx.copy)
+            b.synchronize()
+            if r:
+                samples.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        out["upload"][n] = stats(samples)
+        out["upload_host"][n] = timer.host(gx.compute, up, reps)
+    for n in (1, 2, 4, 8, 12, 16):
+        y = cp.empty((n, hidden), cp.float32)
+        out["batch"][n] = timer.gpu(gx.compute, lambda n=n, y=y: gx.run(0, list(range(n)), x1, [0] * n, out=y), reps)
+    y8 = cp.ones((8, hidden), cp.float32)
+    pair_of = np.arange(8, dtype=np.int64)[None, :]
+    w = np.full((1, 8), 0.125, np.float32)
+    out["combine"] = timer.gpu(gx.compute, lambda: gx.combine(y8, pair_of, w), reps)
+    return out
+
+
+def _dense(cp, timer: GpuTimer, gx, args, reps: int) -> dict:
+    """The stand-in at four widths (GPU time), its host issue time, and the read-back."""
+    out = {"gpu": {}, "bytes": {}}
+    x = cp.ones((1, args.hidden), cp.float32)
+    q, kv = args.heads * args.head_dim, args.kv_heads * args.head_dim
+    for f in (0.25, 0.5, 1.0, 2.0):
+        sd = StandIn(cp, 1, args.hidden, max(32, int(q * f)), max(32, int(kv * f)), args.experts, 0, args.seed)
+        with gx.compute:
+            out["gpu"][f] = timer.gpu(gx.compute, lambda: sd.layer(x, 0), reps)
+        out["bytes"][f] = sd.layer_bytes
+    sd = StandIn(cp, 1, args.hidden, q, kv, args.experts, args.vocab, args.seed)
+    with gx.compute:
+        out["host"] = timer.host(gx.compute, lambda: sd.layer(x, 0), reps)
+        out["head_gpu"] = timer.gpu(gx.compute, lambda: sd.head(x), reps)
+        _, logits = sd.layer(x, 0)
+    out["head_bytes"] = sd.head_bytes
+    samples = []
+    for r in range(reps * 4 + 1):
+        gx.compute.synchronize()
+        t0 = time.perf_counter()
+        logits.get(stream=gx.compute)
+        if r:
+            samples.append(time.perf_counter() - t0)
+    out["readback"] = stats(samples)
+    a, b = fit_line([out["bytes"][f] for f in out["gpu"]], [v["median"] for v in out["gpu"].values()])
+    out["fit"] = {"fixed_s": max(a, 0.0), "gbps": 1 / b / 1e9}
+    return out
+
+
+def _engine(cp, timer: GpuTimer, engine, layers, reps: int, seed: int) -> dict:
+    """Host time of ``ExpertEngine.run_layer``: hits-only and upload layers, and CPU-expert layers
+    (wall minus the pool's compute: hand-offs and the engine's own work), with the compute times."""
+    rng = np.random.default_rng(seed)
+    hidden, L = layers[0].hidden, len(layers)
+    x = cp.asarray(rng.standard_normal((1, hidden)).astype(np.float32))
+    engine.load_residents({(l, e): e for l in range(L) for e in range(16)})
+    tok = Token(0, 0, 0, "decode", ())
+
+    def item(l, hits=(), uploads=(), cpu=()):
+        experts = tuple(hits) + tuple(uploads) + tuple(cpu)
+        step = Step(l, experts)
+        d = Decision(step, tuple(hits), tuple(uploads), tuple(16 + i for i in range(len(uploads))), (), tuple(cpu))
+        ids = np.asarray(experts, np.int64)[None, :]
+        return RunLayer(tok, step, d), ids, np.full(ids.shape, 1.0 / len(experts), np.float32)
+
+    def host_of(make) -> dict:
+        samples = []
+        for r in range(reps + 1):
+            it, ids, w = make(r)
+            timer.spin(engine.gpu.compute)
+            engine.gpu.last_read.record(engine.gpu.compute)
+            t0 = time.perf_counter()
+            engine.run_layer(it, x, ids, w)
+            dt = time.perf_counter() - t0
+            engine.synchronize()
+            if r:
+                samples.append(dt)
+        return stats(samples)
+
+    out = {"hits": {}, "uploads": {}, "cpu_overhead": {}, "cpu_compute": {}}
+    for n in (1, 2, 4, 8):
+        out["hits"][n] = host_of(lambda r, n=n: item(r % L, hits=range(n)))
+        out["uploads"][n] = host_of(lambda r, n=n: item(r % L, uploads=range(16, 16 + n)))
+    st = engine.stats
+    engine.pool.warmup(layers[0])
+    for n in (1, 2, 4, 8):
+        over, comp = [], []
+        for r in range(reps + 1):
+            l = int(rng.integers(L))
+            cpu = tuple(int(e) for e in rng.choice(np.arange(16, layers[l].num_experts), n, replace=False))
+            it, ids, w = item(l, hits=(0,), cpu=cpu)
+            engine.synchronize()
+            c0 = st.cpu_compute_s
+            t0 = time.perf_counter()
+            engine.run_layer(it, x, ids, w)
+            wall = time.perf_counter() - t0
+            engine.synchronize()
+            if r:
+                comp.append(st.cpu_compute_s - c0)
+                over.append(wall - comp[-1])
+        out["cpu_overhead"][n] = stats(over)
+        out["cpu_compute"][n] = stats(comp)
+    return out
+
+
+# the hardware file -----------------------------------------------------------------------------
+def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
+    """The hardware file (simulator format) from a measurement dict ``m`` (see ``measure_all``).
+
+    ``m`` keys used: ``threads``, ``expert_bytes``, ``cpu_mem``, ``cpu_pool`` (compute_s table),
+    ``plan_s``, ``poll_s``, ``cpu_quant`` (optional {type: GB/s}); with a GPU also ``gpu``,
+    ``link``, ``experts``, ``dense``, ``engine``. Without ``gpu`` the GPU and link fields come from
+    ``base`` and no executor costs are written."""
+    eb = m["expert_bytes"]
+    T = int(m["threads"])
+    med = lambda st: st["median"]
+    task, per = fit_table(m["cpu_pool"]["compute_s"])
+    cpu_rate = eb / per / 1e9
+    mem = max(med(m["cpu_mem"]), cpu_rate)
+    eff = {"Q8_0": 1.0}
+    b_eff = (base or {}).get("cpu_quant_efficiency", {})
+    for q, v in b_eff.items():  # types not measured here keep the base file's ratios to Q8_0
+        if b_eff.get("Q8_0"):
+            eff[q] = min(4.0, max(1e-3, v / b_eff["Q8_0"]))
+    for q, gbps in (m.get("cpu_quant") or {}).items():
+        eff[q] = min(4.0, max(1e-3, gbps / cpu_rate))
+    src = {
+        "cpu_threads": f"the engine's CPU pool threads (--threads {T})",
+        "cpu_mem_gbps": "measured: Numba parallel read of 1 GiB (median; at least the pool's Q8_0 rate)",
+        "cpu_thread_gbps": "measured: CpuExpertPool Q8_0 time per expert, slope over 1..8 cold experts per call, / threads",
+        "cpu_task_s": "measured: CpuExpertPool intercept of the same fit",
+        "cpu_quant_efficiency": "measured: pool GB/s of each type / Q8_0's (8 experts per call)",
+    }
+    hw = dict(base or {})
+    hw.pop("_about", None)
+    hw.pop("_calibration", None)
+    hw.pop("executor", None)
+    hw.update(name=name, cpu_name=m.get("cpu_name", platform.processor() or platform.machine()), cpu_threads=T,
+              cpu_mem_gbps=mem, cpu_thread_gbps=cpu_rate / T, cpu_task_s=min(max(task, 0.0), 0.5),
+              cpu_quant_efficiency=eff)
+    if "gpu" in m:
+        hw.update(_gpu_fields(m, eb, src))
+    elif not base:
+        raise ValueError("hardware_json: no GPU measurements and no base hardware file for the GPU fields")
+    hw["sources"] = {**(base or {}).get("sources", {}), **src}
+    hw["_about"] = (f"measured by moelab calibrate on {m.get('host', socket.gethostname())} at {m.get('date', '')}"
+                    + (" (CPU side only; GPU and link fields from the base file)" if "gpu" not in m else ""))
+    hw["_calibration"] = m
+    return hw
+
+
+def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
+    med = lambda st: st["median"]
+    g, link, ex, dn, en = m["gpu"], m["link"], m["experts"], m["dense"], m["engine"]
+    gbps = g["d2d_gbps"]  # read + write traffic of a device copy: what a GEMV's weight reads can reach
+    up_a, up_b = fit_table(ex["upload"])  # per expert, back to back
+    pcie = link["pinned_fit"]["gbps"]
+    lat = max(up_b - eb / (pcie * 1e9), 0.0)
+    batch_a, batch_b = fit_table(ex["batch"])
+    hits_a, hits_b = fit_table(en["hits"])
+    upl_a, upl_b = fit_table(en["uploads"])
+    cpu_over = float(np.median([med(v) for v in en["cpu_overhead"].values()]))
+    plan = {p: med(v) for p, v in m["plan_s"].items()}
+    executor = {
+        "host_dense_s": med(dn["host"]), "dense_fixed_s": dn["fit"]["fixed_s"], "readback_s": med(dn["readback"]),
+        "host_gpu_layer_s": max(hits_a + hits_b, 0.0), "host_gpu_expert_s": max(hits_b, 0.0),
+        "host_copy_s": max(upl_b - hits_b, 0.0), "host_cpu_s": max(cpu_over, 0.0),
+        "gpu_batch_s": max(batch_a, 0.0), "combine_s": med(ex["combine"]), "wait_poll_s": med(m["poll_s"]),
+        "plan_s": plan,
+    }
+    src.update({
+        "gpu_mem_bytes": "measured: cudaMemGetInfo total", "gpu_mem_gbps": "measured: 1 GiB device-to-device copy, (read + write) bytes / s",
+        "gpu_tflops": "measured: fp16 8192^3 cupy.matmul", "launch_s": "measured: host time of a one-element cupy kernel",
+        "pcie_h2d_gbps": "measured: pinned copies of 1-64 MiB, slope of the fit over size",
+        "pageable_gbps": "measured: pageable 64 MiB copies", "copy_latency_s": "measured: GpuExperts.upload per expert "
+        "(three copies) back to back, slope minus bytes / pcie_h2d_gbps",
+        "gpu_quant_efficiency": "measured: Q8_0 = GpuExperts.run slope per expert over 1..16 experts; F16 = the dense "
+        "stand-in's slope over four widths; both / gpu_mem_gbps",
+        "executor": "measured: see _calibration (engine run_layer host times, dense stand-in, spin-held CUDA events)",
+    })
+    return {
+        "gpu_name": g["gpu_name"], "gpu_mem_bytes": g["gpu_mem_bytes"], "gpu_mem_gbps": gbps,
+        "gpu_tflops": g["matmul_tflops"], "launch_s": med(g["launch_s"]), "pcie_h2d_gbps": pcie,
+        "pageable_gbps": link["pageable_gbps"], "copy_latency_s": lat,
+        "gpu_quant_efficiency": {"Q8_0": min(4.0, eb / batch_b / 1e9 / gbps),
+                                 "F16": min(4.0, dn["fit"]["gbps"] / gbps)},
+        "executor": executor,
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` as JSON atomically (temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=_jsonable))
+    os.replace(tmp, path)
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# the whole run ---------------------------------------------------------------------------------
+def measure_all(args, layers=None, gx=None) -> dict:
+    """Every measurement (see the module docstring); reuses ``layers``/``gx`` when given."""
+    reps = 5 if args.quick else 11
+    rng = np.random.default_rng(args.seed)
+    if layers is None:
+        log(f"building {args.layers} x {args.experts} Q8_0 experts (hidden {args.hidden}, ffn {args.ffn})")
+        layers = build_layers(rng, args.layers, args.experts, args.hidden, args.ffn)
+    eb = layers[0].expert_bytes
+    geo = Geometry((args.experts,) * len(layers), args.top_k, (eb,) * len(layers))
+    m = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(), "threads": args.threads,
+         "expert_bytes": eb, "quick": bool(args.quick),
+         "shape": {k: getattr(args, k) for k in ("layers", "experts", "hidden", "ffn", "top_k", "heads", "kv_heads",
+                                                  "head_dim", "vocab")}}
+    log("scheduler planning per policy")
+    tokens, _ = synth_tokens(len(layers), args.experts, args.top_k, 48, args.seed + 11)
+    m["plan_s"] = measure_plan_s(geo, max(args.top_k, args.experts // 4), tokens)
+    m["poll_s"] = measure_poll_s()
+    log("host memory bandwidth")
+    m["cpu_mem"] = measure_cpu_mem_gbps(args.threads, 1 << 30 if not args.small else 1 << 24)
+    log("CPU pool")
+    m["cpu_pool"] = measure_cpu_pool(layers, args.threads, reps=reps, seed=args.seed)
+    if not args.quick:
+        m["cpu_quant"], m["cpu_threads_q8"] = _cpu_types(args, layers, rng)
+    if args.cpu_only:
+        return m
+    import cupy as cp
+
+    from .engine import ExpertEngine
+    from .gpu_experts import GpuExperts
+
+    timer = GpuTimer(cp)
+    log("GPU basics")
+    m["gpu"] = _gpu_basics(cp, timer, reps)
+    log("link")
+    m["link"] = _link(cp, timer, reps)
+    cap = Capacity.per_layer(geo, 32)
+    own = gx is None
+    if own:
+        gx = GpuExperts(layers, cap, scratch_slots=16, pinned=True, timeout_s=60)
+    engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
+    try:
+        log("expert uploads and batches")
+        gx.begin_copies()
+        for e in range(16):
+            gx.upload(0, e, e)
+        gx.wait(gx.copies_event())
+        m["experts"] = _experts_gpu(cp, timer, gx, layers, reps)
+        log("dense stand-in")
+        m["dense"] = _dense(cp, timer, gx, args, reps)
+        log("engine host costs")
+        m["engine"] = _engine(cp, timer, engine, layers, reps, args.seed)
+    finally:
+        engine.synchronize()
+        engine.pool.close()
+        if own:
+            gx.close()
+    return m
+
+
+def _cpu_types(args, layers, rng) -> tuple[dict, dict]:
+    from .cpu_experts import CpuExpertPool
+
+    def rate(lx_list, threads):
+        with CpuExpertPool(threads, timeout_s=120) as pool:
+            pool.warmup(lx_list[0])
+            ts = []
+            for r in range(6):
+                lx = lx_list[r % len(lx_list)]
+                experts = rng.choice(lx.num_experts, 8, replace=False)
+                job = pool.submit(lx, experts, rng.standard_normal((8, lx.hidden)).astype(np.float32))
+                job.result()
+                ts.append(job.compute_s)
+        return 8 * lx_list[0].expert_bytes / float(np.median(ts[1:])) / 1e9
+
+    quant = {}
+    for qt in (Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.F16):
+        name = Q.QTYPES[qt].name
+        lx = random_layer(rng, 0, 64, args.hidden, args.ffn, qt, exact=False)
+        quant[name] = rate([lx], args.threads)
+        del lx
+    threads = {t: rate(layers, t) for t in sorted({4, 8, 12, args.threads}) if t <= args.threads}
+    return quant, threads
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moelab calibrate", description="Measure this machine as moelab's executor "
+                                 "uses it and write a hardware file for moelab simulate --hardware.")
+    ap.add_argument("--out", default="calibrated.json", help="hardware JSON to write (default calibrated.json)")
+    ap.add_argument("--name", default=None, help="the hardware's name (default calibrated-<host>)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions; Q8_0 and the pool's thread count only")
+    ap.add_argument("--cpu-only", action="store_true", help="no GPU: CPU pool, memory and planning over --base's fields")
+    ap.add_argument("--base", default=None, help="hardware JSON whose GPU and link fields --cpu-only keeps")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="CPU pool threads")
+    ap.add_argument("--layers", type=int, default=4, help="MoE layers of random experts (cold-cache rotation)")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tests: a 16 MiB memory read
+    return ap
+
+
+def main(argv=None) -> int:
+    """``moelab calibrate``: measure, then write the hardware JSON (exit 2 on bad arguments)."""
+    args = _parser().parse_args(argv)
+    if args.cpu_only and not args.base:
+        print("moelab calibrate: --cpu-only needs --base FILE (a hardware JSON for the GPU and link fields)",
+              file=sys.stderr)
+        return 2
+    base = None
+    if args.base:
+        try:
+            base = json.loads(Path(args.base).read_text())
+            if not isinstance(base, dict):
+                raise ValueError("expected a JSON object")
+        except (OSError, ValueError) as e:
+            print(f"moelab calibrate: {args.base}: not a readable hardware JSON ({e})", file=sys.stderr)
+            return 2
+    import numba
+
+    if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
+        print(f"moelab calibrate: --threads {args.threads}, expected 1..{numba.config.NUMBA_NUM_THREADS}",
+              file=sys.stderr)
+        return 2
+    m = measure_all(args)
+    hw = hardware_json(m, args.name or f"calibrated-{socket.gethostname()}", base if args.cpu_only else None)
+    write_json(Path(args.out), hw)
+    log(f"wrote {args.out}")
+    _print_summary(hw)
+    return 0
+
+
+def _print_summary(hw: dict) -> None:
+    keys = ("gpu_mem_gbps", "pcie_h2d_gbps", "copy_latency_s", "launch_s", "cpu_threads", "cpu_thread_gbps",
+            "cpu_task_s", "cpu_mem_gbps")
+    for k in keys:
+        if k in hw:
+            print(f"{k:<18} {hw[k]:.4g}")
+    for k, v in hw.get("executor", {}).items():
+        if k == "plan_s":
+            print("plan_s             " + ", ".join(f"{p} {s * 1e6:.1f} us" for p, s in v.items()))
+        else:
+            print(f"{k:<18} {v * 1e6:.1f} us")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
