@@ -539,10 +539,12 @@ class HybridCostPolicy(HybridPolicy):
     """``hybrid`` whose miss split comes from a cost model instead of a fixed fraction.
 
     Per step: the hits' GPU time is counted first; the misses that are not in flight, by token
-    count (more first), decayed usage, then router rank, each go where the layer's time
+    count (more first), decayed usage (less first), then router rank, each go where the layer's time
     ``max(gpu, pcie, cpu)`` grows least: over PCIe to the GPU (upload + GPU compute) or to the
     CPU pool (its per-layer task cost paid once); ties go to the CPU, which moves no bytes.
-    In-flight misses always go to the CPU. An expert with many tokens is worth uploading; one
+    In-flight misses always go to the CPU. The PCIe load starts at the last token's background
+    copies (fills and swaps) spread evenly over the MoE layers, since they share the link.
+    An expert with many tokens is worth uploading; one
     with a single token is often cheaper on the CPU (HybriMoE, Fiddler). Fills and swap rounds
     are ``hybrid``'s.
     """
@@ -555,7 +557,14 @@ class HybridCostPolicy(HybridPolicy):
         if len(cost_model.upload_s) != geometry.num_layers:
             raise ValueError(f"cost_model has {len(cost_model.upload_s)} layers, the model {geometry.num_layers}")
         self.costs = cost_model
+        self._bg_pcie_s = 0.0  # last token's background copies, spread over its MoE layers
         super().__init__(geometry, capacity, profile, **options)
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        super().commit_background(moves)
+        up = self.costs.upload_s
+        moe = self.geometry.moe_layers
+        self._bg_pcie_s = sum(up[m.layer] for m in moves) / len(moe) if moe else 0.0
 
     def plan(self, step: Step) -> Decision:
         layer = step.layer
@@ -563,7 +572,8 @@ class HybridCostPolicy(HybridPolicy):
         experts = step.experts
         cnt = dict(zip(experts, step.counts)) if step.counts is not None else None
         cm = self.costs
-        gpu = pcie = cpu_t = 0.0
+        gpu = cpu_t = 0.0
+        pcie = self._bg_pcie_s  # the copy engine still carries the last token's fills and swaps
         hits, eligible, cpu = [], [], []
         for e in experts:
             s = state[e]
@@ -578,7 +588,9 @@ class HybridCostPolicy(HybridPolicy):
             cpu_t = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in cpu)
         eligible = [e for e in experts if state[e] != RESIDENT and state[e] != INFLIGHT]
         u = self._u[layer]
-        eligible.sort(key=(lambda e: (-cnt[e], -u[e])) if cnt else (lambda e: -u[e]))
+        # larger batches first (costliest on the CPU); within a count, colder first, so that when
+        # the CPU fills up, the hottest misses are the ones sent over PCIe (and admitted)
+        eligible.sort(key=(lambda e: (-cnt[e], u[e])) if cnt else (lambda e: u[e]))
         up_s = cm.upload_s[layer]
         pcie_list = []
         for e in eligible:
@@ -595,6 +607,8 @@ class HybridCostPolicy(HybridPolicy):
         cpu.sort(key=order.__getitem__)
         slots = self.cache.free_slots(layer, len(pcie_list))
         n_up = len(slots)
+        if n_up < len(pcie_list) and self.admit_uploads:
+            return self._admit(step, tuple(hits), pcie_list, slots, tuple(cpu))
         return Decision(step, tuple(hits), uploads=tuple(pcie_list[:n_up]), slots=tuple(slots),
                         streams=tuple(pcie_list[n_up:]), cpu=tuple(cpu))
 
