@@ -591,8 +591,20 @@ def _jsonable(o):
 
 
 # the whole run ---------------------------------------------------------------------------------
-def measure_all(args, layers=None, gx=None) -> dict:
-    """Every measurement (see the module docstring); reuses ``layers``/``gx`` when given."""
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical CPUs"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict:
+    """Every measurement (see the module docstring); reuses ``layers``/``gx`` when given. Results
+    go into ``partial`` (a dict, also returned) as they come."""
     reps = 5 if args.quick else 11
     rng = np.random.default_rng(args.seed)
     if layers is None:
@@ -600,10 +612,11 @@ def measure_all(args, layers=None, gx=None) -> dict:
         layers = build_layers(rng, args.layers, args.experts, args.hidden, args.ffn)
     eb = layers[0].expert_bytes
     geo = Geometry((args.experts,) * len(layers), args.top_k, (eb,) * len(layers))
-    m = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(), "threads": args.threads,
-         "expert_bytes": eb, "quick": bool(args.quick),
+    m = partial if partial is not None else {}
+    m.update({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(), "threads": args.threads,
+         "expert_bytes": eb, "quick": bool(args.quick), "cpu_name": cpu_model(),
          "shape": {k: getattr(args, k) for k in ("layers", "experts", "hidden", "ffn", "top_k", "heads", "kv_heads",
-                                                  "head_dim", "vocab")}}
+                                                  "head_dim", "vocab")}})
     log("scheduler planning per policy")
     tokens, _ = synth_tokens(len(layers), args.experts, args.top_k, 48, args.seed + 11)
     m["plan_s"] = measure_plan_s(geo, max(args.top_k, args.experts // 4), tokens)
@@ -720,7 +733,13 @@ def main(argv=None) -> int:
         print(f"moelab calibrate: --threads {args.threads}, expected 1..{numba.config.NUMBA_NUM_THREADS}",
               file=sys.stderr)
         return 2
-    m = measure_all(args)
+    m = {}
+    try:
+        m = measure_all(args, partial=m)
+    except BaseException:
+        if m:  # what was measured before the failure, for the record (not a hardware file)
+            write_json(Path(str(args.out) + ".partial.json"), m)
+        raise
     hw = hardware_json(m, args.name or f"calibrated-{socket.gethostname()}", base if args.cpu_only else None)
     write_json(Path(args.out), hw)
     log(f"wrote {args.out}")

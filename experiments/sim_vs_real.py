@@ -1,0 +1,421 @@
+"""Does the simulator predict the executor? Same trace, same model geometry, config by config.
+
+For each configuration (``cpu``; ``lru``, ``static``, ``hybrid`` at about 10, 25 and 50% of each
+layer's experts cached; ``hybrid`` at miss fractions 0, 44, 128 and 256 / 256 at 25%), this runs
+
+- the executor in trace replay: a Qwen3-30B-A3B-shaped model cut to ``--layers`` layers (128 Q8_0
+  experts of 5.0 MB per layer, random weights in host RAM, pinned), the dense part by the
+  ``execute.calibrate.StandIn`` (attention projections and router in F16, router logits read back
+  every layer, as the model path does; an F16 output head and the sampled id read back per token),
+  ``ExpertEngine`` for the experts (GPU arena capped at the cache size, CPU pool, copies), routing
+  from a synthetic trace (``traces.synth`` preset ``qwen3-30b-a3b``);
+- the simulator (``simulate.run``) on the same tokens, policy and cache, with the hardware file
+  written by ``moelab calibrate`` and the model preset cut to the same layers with F16 dense weights.
+
+It prints per config measured vs predicted tokens/s, p50/p99 token latency, bytes uploaded and hit
+rate, then the median and maximum relative error per metric, the Spearman rank correlation of
+tokens/s and whether the simulator's best hybrid miss fraction is the executor's. Writes
+``OUT/sim_vs_real.csv``, ``OUT/sim_vs_real.json`` (every token's measured time too) and
+``OUT/sim_vs_real.png``.
+
+``--from DIR`` redoes the simulation and analysis from a previous run's ``DIR/raw.json`` (the
+executor's recording, written after every config; no GPU needed), e.g.
+with another hardware file or a changed model.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+TARGETS = {"tokens_per_s_median": 0.03, "tokens_per_s_max": 0.08, "p99_median": 0.10, "spearman": 0.95}
+METRICS = ("tokens_per_s", "p50_token_s", "p99_token_s")
+
+
+def log(msg: str) -> None:
+    print(f"[sim_vs_real {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# configurations ----------------------------------------------------------------------------------
+def configs(num_experts: int) -> list[dict]:
+    """The runs: label, policy, slots per layer, hybrid miss fraction (x/256) or None."""
+    sizes = {f"{int(p * 100)}%": max(8, round(p * num_experts)) for p in (0.10, 0.25, 0.50)}
+    out = [{"label": "cpu", "policy": "cpu", "slots": sizes["25%"], "miss_frac_256": None}]
+    for pol in ("lru", "static", "hybrid"):
+        for name, s in sizes.items():
+            out.append({"label": f"{pol} {name}", "policy": pol, "slots": s,
+                        "miss_frac_256": 44 if pol == "hybrid" else None})
+    for f in (0, 128, 256):
+        out.append({"label": f"hybrid 25% f={f}", "policy": "hybrid", "slots": sizes["25%"], "miss_frac_256": f})
+    return out
+
+
+# analysis (pure) -------------------------------------------------------------------------------
+def rel_error(measured: float, predicted: float) -> float:
+    """|predicted - measured| / measured."""
+    if measured <= 0:
+        raise ValueError(f"rel_error: measured {measured}, expected > 0")
+    return abs(predicted - measured) / measured
+
+
+def rank(a) -> np.ndarray:
+    """Ranks 1..n, ties get their average rank."""
+    a = np.asarray(a, np.float64)
+    order = np.argsort(a, kind="stable")
+    r = np.empty(len(a))
+    r[order] = np.arange(1, len(a) + 1)
+    for v in np.unique(a):
+        sel = a == v
+        r[sel] = r[sel].mean()
+    return r
+
+
+def spearman(a, b) -> float:
+    """Spearman rank correlation (Pearson on average ranks); nan when either side is constant."""
+    ra, rb = rank(a), rank(b)
+    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def error_stats(rows: list[dict]) -> dict:
+    """Median and maximum relative error of each metric over ``rows`` (keys measured_/predicted_)."""
+    out = {}
+    for m in METRICS:
+        e = [rel_error(r[f"measured_{m}"], r[f"predicted_{m}"]) for r in rows]
+        out[m] = {"median": float(np.median(e)), "max": float(np.max(e)), "worst": rows[int(np.argmax(e))]["label"]}
+    return out
+
+
+def best_fraction(rows: list[dict]) -> dict:
+    """The hybrid miss fraction with the most tokens/s, measured and predicted, over the rows that
+    differ only in it (hybrid at the sweep's cache size)."""
+    sweep = [r for r in rows if r["policy"] == "hybrid" and r["miss_frac_256"] is not None]
+    slots = {r["slots"] for r in sweep if r["label"].startswith("hybrid 25%")}
+    sweep = [r for r in sweep if r["slots"] in slots]
+    if not sweep:
+        return {"fractions": [], "measured": None, "predicted": None, "agree": False}
+    meas = max(sweep, key=lambda r: r["measured_tokens_per_s"])["miss_frac_256"]
+    pred = max(sweep, key=lambda r: r["predicted_tokens_per_s"])["miss_frac_256"]
+    return {"fractions": sorted(r["miss_frac_256"] for r in sweep), "measured": meas, "predicted": pred,
+            "agree": meas == pred}
+
+
+def analyse(rows: list[dict]) -> dict:
+    """Error statistics, rank correlation, best-fraction agreement, identical decisions, targets."""
+    es = error_stats(rows)
+    rho = spearman([r["measured_tokens_per_s"] for r in rows], [r["predicted_tokens_per_s"] for r in rows])
+    best = best_fraction(rows)
+    same = all(r["measured_upload_bytes"] == r["predicted_upload_bytes"]
+               and r["measured_hit_rate"] == r["predicted_hit_rate"] and r["same_decisions"] for r in rows)
+    met = {
+        "tokens_per_s_median": es["tokens_per_s"]["median"] <= TARGETS["tokens_per_s_median"],
+        "tokens_per_s_max": es["tokens_per_s"]["max"] <= TARGETS["tokens_per_s_max"],
+        "p99_median": es["p99_token_s"]["median"] <= TARGETS["p99_median"],
+        "spearman": rho >= TARGETS["spearman"],
+        "bytes_and_hits_identical": same,
+        "best_fraction_agrees": best["agree"],
+    }
+    return {"errors": es, "spearman_tokens_per_s": rho, "best_fraction": best, "identical_decisions": same,
+            "targets": TARGETS, "met": met}
+
+
+def token_stats(token_s) -> dict:
+    t = np.asarray(token_s, np.float64)
+    return {"tokens_per_s": len(t) / t.sum(), "p50_token_s": float(np.percentile(t, 50)),
+            "p99_token_s": float(np.percentile(t, 99))}
+
+
+# the simulator side ----------------------------------------------------------------------------
+def sim_model(layers: int, vocab: int):
+    """The model preset cut to ``layers`` with F16 dense weights (the stand-in's)."""
+    from simulate import load_model
+
+    m = load_model("qwen3-30b-a3b")
+    return replace(m, num_layers=layers, vocab=vocab, dense_quant="F16", name=f"qwen3-30b-a3b/{layers}L")
+
+
+def simulate_config(c: dict, hw, model, tokens) -> tuple[dict, str]:
+    """(summary, decision digest) of the simulator on one config."""
+    from scheduler import Audit, Capacity, drive, make_policy
+    from simulate import SimConfig, run
+
+    cfg = SimConfig(model=model.name, hardware=hw.name, policy=c["policy"], cache_slots=c["slots"],
+                    miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256)
+    result, _ = run(cfg, hardware=hw, model=model, tokens=tokens)
+    ref = Audit(model.geometry(), keep_log=True, keep_records=False)
+    pol = make_policy(c["policy"], model.geometry(), Capacity.per_layer(model.geometry(), c["slots"]),
+                      profile=_profile(c, tokens, model.geometry()), **_options(c))
+    for item in drive(pol, tokens):
+        ref.observe(item)
+    return result.summary(), ref.digest()
+
+
+def _profile(c, tokens, geometry):
+    from scheduler import Profile
+
+    if c["policy"] != "static":
+        return None
+    counts = np.zeros((geometry.num_layers, geometry.max_experts), np.int64)
+    for t in tokens:
+        for s in t.steps:
+            counts[s.layer, list(s.experts)] += 1
+    return Profile.from_counts(counts)  # as simulate.run: the replayed tokens' own counts
+
+
+def _options(c) -> dict:
+    if c["policy"] != "hybrid":
+        return {}
+    return {"adaptive": True, "miss_frac_256": c["miss_frac_256"]}
+
+
+# the executor side (GPU) -----------------------------------------------------------------------
+def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: int) -> dict:
+    """Run the tokens through the engine under config ``c``; per-token wall times and what moved."""
+    from scheduler import Audit, AwaitBackground, Capacity, EndToken, RunLayer, StartBackground, drive, make_policy
+
+    from execute.engine import ExpertEngine
+
+    cap = Capacity.per_layer(geometry, c["slots"])
+    pol = make_policy(c["policy"], geometry, cap, profile=_profile(c, tokens, geometry), **_options(c))
+    engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=120, gpu=gx)
+    engine.load_residents(pol.cache.slot)
+    k = geometry.top_k
+    w = np.full((1, k), 1.0 / k, np.float32)
+    x0 = cp.asarray(np.random.default_rng(5).standard_normal((1, layers[0].hidden)).astype(np.float32))
+    items, times = [], []
+    engine.synchronize()
+    up0 = gx.bytes_uploaded
+    x = x0
+    with gx.compute:
+        t_prev = time.perf_counter()
+        for item in drive(pol, tokens):
+            items.append(item)
+            kind = type(item)
+            if kind is RunLayer:
+                x, logits = dense.layer(x, item.step.layer)
+                logits.get(stream=gx.compute)  # the router's read-back
+                ids = np.asarray(item.step.experts, np.int64)[None, :]
+                x = engine.run_layer(item, x, ids, w[:, :ids.shape[1]])
+            elif kind is StartBackground:
+                engine.start_background(item.moves)
+            elif kind is AwaitBackground:
+                engine.await_background(item.moves)
+            elif kind is EndToken:
+                dense.head(x).get(stream=gx.compute)  # the sampled id's read-back
+                t = time.perf_counter()
+                times.append(t - t_prev)
+                t_prev = t
+                x = x0
+    engine.synchronize()
+    uploaded = gx.bytes_uploaded - up0
+    engine.close()
+    audit = Audit(geometry, keep_log=True, keep_records=False)
+    for item in items:
+        audit.observe(item)
+    s = audit.summary()
+    return {"token_s": times, "upload_bytes": int(uploaded), "audit_upload_bytes": int(s["upload_bytes"]),
+            "hit_rate": float(s["hit_rate"]), "digest": audit.digest(), "cpu_pairs": engine.stats.cpu_pairs,
+            "cpu_compute_s": engine.stats.cpu_compute_s, "background_wait_s": engine.stats.background_wait_s}
+
+
+def run_device(args) -> dict:
+    """Build the model on this machine's GPU and replay every config; returns the raw results."""
+    import cupy as cp
+
+    from execute.calibrate import StandIn, build_layers, synth_tokens
+    from execute.gpu_experts import GpuExperts
+    from scheduler import Capacity, Geometry
+
+    rng = np.random.default_rng(args.seed)
+    log(f"building {args.layers} x {args.experts} Q8_0 experts")
+    layers = build_layers(rng, args.layers, args.experts, args.hidden, args.ffn)
+    eb = layers[0].expert_bytes
+    geo = Geometry((args.experts,) * args.layers, args.top_k, (eb,) * args.layers)
+    tokens, _ = synth_tokens(args.layers, args.experts, args.top_k, args.tokens, args.seed + 1)
+    warm, _ = synth_tokens(args.layers, args.experts, args.top_k, 12, args.seed + 2)
+    t0 = time.perf_counter()
+    gx = GpuExperts(layers, Capacity.per_layer(geo, args.experts // 2), scratch_slots=16, pinned=True, timeout_s=120)
+    log(f"pinned host weights in {time.perf_counter() - t0:.1f} s")
+    dense = StandIn(cp, args.layers, args.hidden, args.heads * args.head_dim, args.kv_heads * args.head_dim,
+                    args.experts, args.vocab, args.seed)
+    runs = configs(args.experts)
+    for c in (runs[0], runs[-1]):  # warm-up: kernels compiled, pools started (not recorded)
+        replay_executor(cp, c, layers, gx, dense, warm, geo, args.threads)
+    from execute.calibrate import write_json
+
+    raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": [], "failed": []}
+    again = next(c for c in runs if c["label"] == "lru 25%")
+    for c in runs + [dict(again, label=again["label"] + " (repeat)")]:
+        try:
+            r = replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads)
+        except Exception as e:  # noqa: BLE001 -- recorded and reported; the other configs still run
+            log(f"{c['label']}: FAILED {e!r}")
+            raw["failed"].append({**c, "error": repr(e)})
+            continue
+        st = token_stats(r["token_s"])
+        log(f"{c['label']:<18} {st['tokens_per_s']:7.1f} tok/s  p99 {st['p99_token_s'] * 1e3:6.2f} ms  "
+            f"hits {r['hit_rate']:.3f}  up {r['upload_bytes'] / 1e9:.2f} GB")
+        raw["runs"].append({**c, **r})
+        write_json(Path(args.out) / "raw.json", raw)  # kept if a later config or the analysis fails
+    gx.close()
+    return raw
+
+
+# compare, print, write ------------------------------------------------------------------------
+def compare(raw: dict, hw) -> list[dict]:
+    """Simulate every recorded run and pair measured with predicted."""
+    from execute.calibrate import synth_tokens
+
+    a = raw["args"]
+    tokens, _ = synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)
+    model = sim_model(a["layers"], a["vocab"])
+    rows = []
+    for r in raw["runs"]:
+        if r["label"].endswith("(repeat)"):
+            continue
+        s, digest = simulate_config(r, hw, model, tokens)
+        m = token_stats(r["token_s"])
+        rows.append({"label": r["label"], "policy": r["policy"], "slots": r["slots"], "miss_frac_256": r["miss_frac_256"],
+                     **{f"measured_{k}": v for k, v in m.items()},
+                     **{f"predicted_{k}": s[k] for k in METRICS},
+                     "measured_upload_bytes": r["upload_bytes"], "predicted_upload_bytes": s["upload_bytes"],
+                     "measured_hit_rate": r["hit_rate"], "predicted_hit_rate": s["hit_rate"],
+                     "same_decisions": r["digest"] == digest,
+                     "predicted_gpu_busy": s["gpu_busy"], "predicted_pcie_busy": s["pcie_busy"],
+                     "predicted_cpu_busy": s["cpu_busy"]})
+    return rows
+
+
+def noise(raw: dict) -> dict | None:
+    """Run-to-run difference of the repeated config (the measurement's own noise)."""
+    rep = [r for r in raw["runs"] if r["label"].endswith("(repeat)")]
+    if not rep:
+        return None
+    first = next(r for r in raw["runs"] if r["label"] == rep[0]["label"].replace(" (repeat)", ""))
+    a, b = token_stats(first["token_s"]), token_stats(rep[0]["token_s"])
+    return {"label": first["label"], **{k: rel_error(a[k], b[k]) for k in METRICS}}
+
+
+def print_table(rows: list[dict], an: dict, nz: dict | None) -> None:
+    print(f"\n{'config':<18}{'tok/s meas':>11}{'pred':>8}{'err':>7}{'p50 ms m':>10}{'pred':>7}{'p99 ms m':>10}"
+          f"{'pred':>7}{'err':>7}{'GB up':>7}{'hits':>7}{'same':>6}")
+    for r in rows:
+        e = rel_error(r["measured_tokens_per_s"], r["predicted_tokens_per_s"])
+        e99 = rel_error(r["measured_p99_token_s"], r["predicted_p99_token_s"])
+        print(f"{r['label']:<18}{r['measured_tokens_per_s']:11.1f}{r['predicted_tokens_per_s']:8.1f}{100 * e:6.1f}%"
+              f"{r['measured_p50_token_s'] * 1e3:10.2f}{r['predicted_p50_token_s'] * 1e3:7.2f}"
+              f"{r['measured_p99_token_s'] * 1e3:10.2f}{r['predicted_p99_token_s'] * 1e3:7.2f}{100 * e99:6.1f}%"
+              f"{r['measured_upload_bytes'] / 1e9:7.2f}{r['measured_hit_rate']:7.3f}"
+              f"{'yes' if r['same_decisions'] and r['measured_upload_bytes'] == r['predicted_upload_bytes'] else 'NO':>6}")
+    es = an["errors"]
+    print()
+    for m in METRICS:
+        print(f"{m:<14} relative error: median {100 * es[m]['median']:.1f}%, max {100 * es[m]['max']:.1f}% ({es[m]['worst']})")
+    b = an["best_fraction"]
+    print(f"Spearman rank correlation of tokens/s: {an['spearman_tokens_per_s']:.3f}")
+    print(f"best hybrid miss fraction (x/256 of {b['fractions']}): executor {b['measured']}, simulator {b['predicted']}"
+          f" -> {'agree' if b['agree'] else 'DISAGREE'}")
+    print(f"bytes uploaded and hit rates identical in every config: {an['identical_decisions']}")
+    if nz:
+        print(f"measurement noise ({nz['label']} run twice): tokens/s {100 * nz['tokens_per_s']:.1f}%, "
+              f"p50 {100 * nz['p50_token_s']:.1f}%, p99 {100 * nz['p99_token_s']:.1f}%")
+    print("targets met: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in an["met"].items()))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, m, unit, scale in ((axes[0], "tokens_per_s", "tokens/s", 1.0), (axes[1], "p99_token_s", "p99 token ms", 1e3)):
+        x = np.array([r[f"measured_{m}"] for r in rows]) * scale
+        y = np.array([r[f"predicted_{m}"] for r in rows]) * scale
+        for pol, mk in (("cpu", "s"), ("lru", "o"), ("static", "^"), ("hybrid", "D")):
+            sel = [i for i, r in enumerate(rows) if r["policy"] == pol]
+            ax.scatter(x[sel], y[sel], marker=mk, label=pol)
+        for i, r in enumerate(rows):
+            ax.annotate(r["label"], (x[i], y[i]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        lo, hi = min(x.min(), y.min()) * 0.8, max(x.max(), y.max()) * 1.25
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
+        ax.fill_between([lo, hi], [lo * 0.92, hi * 0.92], [lo * 1.08, hi * 1.08], color="0.9", label="±8%")
+        ax.set_xscale("log"), ax.set_yscale("log")
+        ax.set_xlabel(f"measured {unit} (executor)"), ax.set_ylabel(f"predicted {unit} (simulator)")
+        ax.legend(fontsize=7)
+    fig.suptitle("simulator vs executor, same trace and decisions")
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_results(out: Path, raw: dict, rows: list[dict], an: dict, nz, hw_path: str) -> None:
+    from execute.calibrate import write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "sim_vs_real.json", {"hardware": hw_path, "analysis": an, "noise": nz, "rows": rows, "raw": raw})
+    tmp = out / "sim_vs_real.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    os.replace(tmp, out / "sim_vs_real.csv")
+    plot(rows, out / "sim_vs_real.png")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hardware", required=True, help="hardware JSON from moelab calibrate")
+    ap.add_argument("--from", dest="from_dir", default=None, help="reuse DIR/raw.json's measurements (no GPU)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "sim_vs_real"))
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from simulate import HardwareError, load_hardware
+
+    try:
+        hw = load_hardware(args.hardware)
+    except HardwareError as e:
+        print(f"sim_vs_real: {e}", file=sys.stderr)
+        return 2
+    if args.from_dir:
+        src = Path(args.from_dir) / "raw.json"
+        try:
+            raw = json.loads(src.read_text())
+        except (OSError, ValueError, KeyError) as e:
+            print(f"sim_vs_real: {src}: not a sim_vs_real result ({e})", file=sys.stderr)
+            return 2
+    else:
+        raw = run_device(args)
+    rows = compare(raw, hw)
+    an = analyse(rows)
+    nz = noise(raw)
+    print_table(rows, an, nz)
+    write_results(Path(args.out), raw, rows, an, nz, args.hardware)
+    log(f"wrote {args.out}/sim_vs_real.csv, .json, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""moelab calibrate without a GPU: the hardware file it writes loads in the simulator and
+turns on the host lane; fits and statistics; the CPU-only command end to end."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from execute import calibrate as C
+
+
+def st(v: float) -> dict:
+    return {"median": v, "p10": v * 0.95, "p90": v * 1.05, "n": 5}
+
+
+def fake_measurements(eb: int = 5_013_504) -> dict:
+    """A measurement dict shaped like measure_all's, with known linear costs."""
+    per_cpu, per_gpu, per_up = 0.5e-3, 2.5e-6, 100e-6
+    return {
+        "threads": 15, "expert_bytes": eb, "date": "d", "host": "h",
+        "cpu_mem": st(60.0),
+        "cpu_pool": {"compute_s": {n: st(30e-6 + n * per_cpu) for n in (1, 2, 4, 8)}, "handoff_s": st(40e-6)},
+        "plan_s": {"lru": st(20e-6), "hybrid": st(30e-6)}, "poll_s": st(70e-6),
+        "gpu": {"gpu_name": "G", "gpu_mem_bytes": 2**37, "d2d_gbps": 4000.0, "matmul_tflops": 700.0,
+                "launch_s": st(6e-6)},
+        "link": {"pinned_fit": {"latency_s": 5e-6, "gbps": 55.0}, "pageable_gbps": 7.0},
+        "experts": {"upload": {n: st(n * per_up) for n in (1, 2, 4, 8)},
+                    "batch": {n: st(20e-6 + n * per_gpu) for n in (1, 2, 4, 8, 16)}, "combine": st(4e-6)},
+        "dense": {"host": st(90e-6), "fit": {"fixed_s": 25e-6, "gbps": 2500.0}, "readback": st(15e-6)},
+        "engine": {"hits": {n: st(150e-6 + n * 2e-6) for n in (1, 2, 4, 8)},
+                   "uploads": {n: st(150e-6 + n * 12e-6) for n in (1, 2, 4, 8)},
+                   "cpu_overhead": {n: st(120e-6) for n in (1, 2, 4, 8)}},
+    }
+
+
+def test_fit_line_and_stats():
+    a, b = C.fit_line([1, 2, 4], [3, 5, 9])
+    assert a == pytest.approx(1) and b == pytest.approx(2)
+    with pytest.raises(ValueError):
+        C.fit_line([1, 1], [2, 3])
+    s = C.stats([3, 1, 2])
+    assert s["median"] == 2 and s["n"] == 3 and s["p10"] <= s["median"] <= s["p90"]
+    with pytest.raises(ValueError):
+        C.stats([])
+
+
+def test_hardware_json_loads_in_the_simulator_and_recovers_the_rates(tmp_path):
+    from simulate import Costs, ExecConfig, load_hardware, load_model
+
+    m = fake_measurements()
+    path = tmp_path / "hw.json"
+    C.write_json(path, C.hardware_json(m, "test-box"))
+    hw = load_hardware(path)
+    eb = m["expert_bytes"]
+    assert hw.name == "test-box" and hw.cpu_threads == 15
+    assert hw.cpu_task_s == pytest.approx(30e-6)
+    assert eb / (hw.cpu_gbps("Q8_0") * 1e9) == pytest.approx(0.5e-3)  # the pool's per-expert slope
+    assert hw.executor["host_copy_s"] == pytest.approx(10e-6)
+    assert hw.executor["host_gpu_layer_s"] == pytest.approx(152e-6)
+    assert hw.executor["plan_s"] == {"lru": 20e-6, "hybrid": 30e-6}
+    model = load_model("qwen3-30b-a3b")
+    c = Costs(model, hw, ExecConfig(policy="lru"))
+    assert c.host is not None and c.host.plan_s == pytest.approx(20e-6)
+    assert c.upload_s[0] == pytest.approx(100e-6)  # latency + bytes / link = the measured slope
+    assert c.gpu_expert_s[0] == pytest.approx(2.5e-6)
+    assert c.expert_launch_s == pytest.approx(20e-6)
+    raw = json.loads(path.read_text())
+    assert "_calibration" in raw and "gpu_mem_gbps" in raw["sources"]
+
+
+def test_a_bad_executor_field_is_refused(tmp_path):
+    from simulate import HardwareError, load_hardware
+
+    hw = C.hardware_json(fake_measurements(), "x")
+    hw["executor"]["host_copy_s"] = -1.0
+    p = tmp_path / "bad.json"
+    C.write_json(p, hw)
+    with pytest.raises(HardwareError, match="executor.host_copy_s"):
+        load_hardware(p)
+    hw["executor"] = {"nonsense_s": 1e-6}
+    C.write_json(p, hw)
+    with pytest.raises(HardwareError, match="nonsense_s"):
+        load_hardware(p)
+
+
+def test_plan_and_poll_measurements_run_without_a_gpu():
+    from scheduler.core import Geometry
+
+    tokens, _ = C.synth_tokens(2, 16, 4, 12, seed=0)
+    plan = C.measure_plan_s(Geometry((16, 16), 4, (1000, 1000)), 8, tokens, policies=("lru", "hybrid"), reps=1)
+    assert set(plan) == {"lru", "hybrid"} and all(v["median"] > 0 for v in plan.values())
+    assert C.measure_poll_s(reps=5)["median"] >= 20e-6
+
+
+def test_cpu_only_command_writes_a_loadable_file(tmp_path):
+    from scheduler.cli import main as moelab
+    from simulate import hardware as H
+    from simulate import load_hardware
+
+    out = tmp_path / "cpu.json"
+    base = H.HARDWARE_DIR / "h200-xeon16.json"
+    rc = moelab(["calibrate", "--cpu-only", "--base", str(base), "--quick", "--small", "--layers", "2",
+                 "--experts", "16", "--hidden", "256", "--ffn", "128", "--threads", "2", "--out", str(out)])
+    assert rc == 0
+    hw = load_hardware(out)
+    assert hw.cpu_threads == 2 and hw.executor == {} and hw.pcie_h2d_gbps == 53.0
+    cal = json.loads(out.read_text())["_calibration"]
+    assert set(cal["cpu_pool"]["compute_s"]) == {"1", "2", "3", "4", "6", "8"}
+
+
+def test_cpu_only_without_base_is_an_error(capsys):
+    assert C.main(["--cpu-only"]) == 2
+    assert "--base" in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""experiments/sim_vs_real.py's analysis on synthetic inputs (no GPU): error statistics, Spearman,
+best-fraction agreement, and the --from path (simulate + compare + write) on a fake recording."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("sim_vs_real", ROOT / "experiments" / "sim_vs_real.py")
+svr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(svr)
+
+
+def row(label, policy, f, meas, pred, slots=32):
+    return {"label": label, "policy": policy, "slots": slots, "miss_frac_256": f,
+            "measured_tokens_per_s": meas, "predicted_tokens_per_s": pred,
+            "measured_p50_token_s": 1 / meas, "predicted_p50_token_s": 1 / pred,
+            "measured_p99_token_s": 1.2 / meas, "predicted_p99_token_s": 1.2 / pred,
+            "measured_upload_bytes": 10, "predicted_upload_bytes": 10, "measured_hit_rate": 0.5,
+            "predicted_hit_rate": 0.5, "same_decisions": True}
+
+
+def test_spearman_and_ranks():
+    assert svr.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert svr.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert list(svr.rank([5, 1, 5])) == [2.5, 1.0, 2.5]
+    assert np.isnan(svr.spearman([1, 1], [1, 2]))
+    a = np.random.default_rng(0).random(20)
+    assert svr.spearman(a, a ** 3) == pytest.approx(1.0)
+
+
+def test_error_stats_best_fraction_and_targets():
+    rows = [row("cpu", "cpu", None, 10, 10.2), row("lru 25%", "lru", None, 50, 45),
+            row("hybrid 25%", "hybrid", 44, 60, 61), row("hybrid 25% f=0", "hybrid", 0, 30, 31),
+            row("hybrid 25% f=128", "hybrid", 128, 55, 63)]
+    an = svr.analyse(rows)
+    tps = an["errors"]["tokens_per_s"]
+    assert tps["max"] == pytest.approx(8 / 55) and tps["worst"] == "hybrid 25% f=128"
+    assert tps["median"] == pytest.approx(sorted([0.02, 0.1, 1 / 60, 1 / 30, 8 / 55])[2])
+    assert an["best_fraction"] == {"fractions": [0, 44, 128], "measured": 44, "predicted": 128, "agree": False}
+    assert not an["met"]["tokens_per_s_max"] and not an["met"]["best_fraction_agrees"]
+    rows[-1]["measured_upload_bytes"] = 11
+    assert not svr.analyse(rows)["identical_decisions"]
+    with pytest.raises(ValueError):
+        svr.rel_error(0.0, 1.0)
+
+
+def test_configs_cover_the_issue():
+    cs = svr.configs(128)
+    assert len(cs) >= 12 and len({c["label"] for c in cs}) == len(cs)
+    assert {c["slots"] for c in cs if c["policy"] == "lru"} == {13, 32, 64}
+    assert sorted(c["miss_frac_256"] for c in cs if c["label"].startswith("hybrid 25%")) == [0, 44, 128, 256]
+
+
+def test_from_recording_simulates_compares_and_writes(tmp_path):
+    """A fake recording whose 'measured' times are the simulator's own: zero error, same decisions."""
+    from simulate import load_hardware
+
+    from tests.execute.test_calibrate import fake_measurements
+    from execute import calibrate as C
+
+    hwp = tmp_path / "hw.json"
+    C.write_json(hwp, C.hardware_json(fake_measurements(), "fake"))
+    hw = load_hardware(hwp)
+    args = {"layers": 2, "experts": 32, "top_k": 4, "tokens": 12, "seed": 0, "vocab": 1000}
+    tokens, _ = C.synth_tokens(2, 32, 4, 12, 1)
+    model = svr.sim_model(2, 1000)
+    model = model.__class__(**{**model.__dict__, "num_experts": 32, "top_k": 4})
+    runs = []
+    for c in svr.configs(32)[:5]:
+        from simulate import SimConfig, run
+
+        res, _ = run(SimConfig(policy=c["policy"], cache_slots=c["slots"],
+                               miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256),
+                     hardware=hw, model=model, tokens=tokens)
+        s, digest = svr.simulate_config(c, hw, model, tokens)
+        runs.append({**c, "token_s": list(res.token_s), "upload_bytes": s["upload_bytes"], "hit_rate": s["hit_rate"],
+                     "digest": digest})
+    raw = {"args": args, "runs": runs}
+    orig = svr.sim_model
+    svr.sim_model = lambda layers, vocab: model
+    try:
+        rows = svr.compare(raw, hw)
+    finally:
+        svr.sim_model = orig
+    an = svr.analyse(rows)
+    assert an["errors"]["tokens_per_s"]["max"] == pytest.approx(0.0, abs=1e-12)
+    assert an["identical_decisions"]
+    svr.write_results(tmp_path / "out", raw, rows, an, None, str(hwp))
+    for f in ("sim_vs_real.csv", "sim_vs_real.json", "sim_vs_real.png"):
+        assert (tmp_path / "out" / f).stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "sim_vs_real.json").read_text())["analysis"]["identical_decisions"]
