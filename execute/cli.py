@@ -88,6 +88,9 @@ def _info(args) -> int:
           f"dim {info.head_dim}), vocab {info.vocab}, context {info.context_length}")
     print(f"  rope theta {info.rope_theta:g}, rms eps {info.rms_eps:g}, qk-norm {info.qk_norm}, "
           f"tied output {info.tied_output}, shared expert ffn {info.shared_ffn}")
+    print(f"  routing {info.gating}, weights scale {info.expert_weights_scale:g}, groups {info.expert_groups_used}/"
+          f"{info.expert_groups}; attention {info.spec.attn}, rope {info.spec.rope} ({info.rope_scaling}), "
+          f"sliding window {info.sliding_window}; leading dense blocks {info.leading_dense}")
     print(f"  expert quant types: {', '.join(d['expert_qtypes'])}; all tensors: "
           + ", ".join(f"{k} x{v}" for k, v in sorted(d["tensor_qtypes"].items())))
     print(f"  bytes per expert: {', '.join(_fmt_bytes(b) for b in eb)} ({eb[0] if len(eb) == 1 else eb} B)")
