@@ -52,19 +52,37 @@ class LayerStats:
     cpu_compute_s: float = 0.0  # time the CPU pool spent computing
     cpu_wait_s: float = 0.0  # time the caller blocked on the CPU pool
     background_wait_s: float = 0.0
+    host_plan_s: float = 0.0  # GPU path, host time: pairs, sources, metadata
+    host_queue_s: float = 0.0  # GPU path, host time: copies, kernels, promotions queued
+    input_wait_s: float = 0.0  # GPU path: waiting for the layer input the CPU pool needs
+    host_combine_s: float = 0.0  # GPU path, host time: CPU result upload and combine queued
     per_layer_cpu_s: dict = field(default_factory=dict)
 
 
-def gather_pairs(decision: Decision, topk_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
-    """Pairs in destination order: (pair_expert, pair_token, pair_of (T, k), n_gpu, gpu_experts).
+_SMALL_PAIRS = 512  # gather_pairs works on Python lists up to this many pairs, else numpy
 
-    GPU experts (hits, uploads, streams) come first, then cpu; within an expert, tokens ascend.
-    ``pair_of[t, j]`` is the pair of ``topk_ids[t, j]``. ExecutorError when a routed expert is
-    missing from the decision.
-    """
-    ids = np.asarray(topk_ids)
-    if ids.ndim != 2:
-        raise ValueError(f"topk_ids: expected (tokens, k), got shape {ids.shape}")
+
+def _pair_lists(decision: Decision, ids: np.ndarray) -> tuple[list, list, list, int, tuple]:
+    """gather_pairs on Python lists (small steps): (experts, tokens, pair_of flat, n_gpu, gpu)."""
+    t, k = ids.shape
+    gpu = decision.hits + decision.uploads + decision.streams
+    rank = {e: i for i, e in enumerate(gpu + decision.cpu)}
+    flat = ids.ravel().tolist()
+    try:
+        keys = [rank[e] for e in flat]
+    except KeyError:
+        missing = sorted({e for e in flat if e not in rank})
+        raise ExecutorError(f"layer {decision.layer}: routed experts {missing} are not in the decision") from None
+    order = sorted(range(t * k), key=keys.__getitem__)  # stable: tokens ascend within an expert
+    pair_of = [0] * (t * k)
+    for i, p in enumerate(order):
+        pair_of[p] = i
+    n = len(gpu)
+    return [flat[p] for p in order], [p // k for p in order], pair_of, sum(r < n for r in keys), gpu
+
+
+def _pair_arrays(decision: Decision, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
+    """gather_pairs with numpy (large steps)."""
     t, k = ids.shape
     gpu = np.asarray(decision.hits + decision.uploads + decision.streams, np.int64)
     dest = np.concatenate([gpu, np.asarray(decision.cpu, np.int64)])
@@ -81,6 +99,23 @@ def gather_pairs(decision: Decision, topk_ids: np.ndarray) -> tuple[np.ndarray, 
     pair_of[order] = np.arange(t * k)
     n_gpu = int((r < len(gpu)).sum())
     return flat[order], tok[order], pair_of.reshape(t, k), n_gpu, gpu
+
+
+def gather_pairs(decision: Decision, topk_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
+    """Pairs in destination order: (pair_expert, pair_token, pair_of (T, k), n_gpu, gpu_experts).
+
+    GPU experts (hits, uploads, streams) come first, then cpu; within an expert, tokens ascend.
+    ``pair_of[t, j]`` is the pair of ``topk_ids[t, j]``. ExecutorError when a routed expert is
+    missing from the decision.
+    """
+    ids = np.asarray(topk_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"topk_ids: expected (tokens, k), got shape {ids.shape}")
+    if ids.size > _SMALL_PAIRS:
+        return _pair_arrays(decision, ids)
+    experts, tok, pair_of, n_gpu, gpu = _pair_lists(decision, ids)
+    return (np.array(experts, np.int64), np.array(tok, np.int64), np.array(pair_of, np.int64).reshape(ids.shape),
+            n_gpu, np.array(gpu, np.int64))
 
 
 class ExpertEngine:
@@ -126,30 +161,44 @@ class ExpertEngine:
     # one layer ---------------------------------------------------------------------------------
     def run_layer(self, item: RunLayer, x, topk_ids: np.ndarray, topk_weights: np.ndarray):
         """Run one MoE layer as ``item.decision`` says; see the module docstring for shapes."""
+        t0 = time.perf_counter()
         d = item.decision
         layer = d.layer
         lx = self.layers[layer]
         if lx is None:
             raise ExecutorError(f"layer {layer} has no experts")
         weights = np.asarray(topk_weights, np.float32)
-        if weights.shape != np.shape(topk_ids) or x.shape != (weights.shape[0], lx.hidden):
-            raise ValueError(f"layer {layer}: x {x.shape}, topk_ids {np.shape(topk_ids)}, topk_weights "
+        ids = np.asarray(topk_ids)
+        if weights.shape != ids.shape or ids.ndim != 2 or x.shape != (weights.shape[0], lx.hidden):
+            raise ValueError(f"layer {layer}: x {x.shape}, topk_ids {ids.shape}, topk_weights "
                              f"{weights.shape}: expected (T, {lx.hidden}), (T, k), (T, k)")
-        experts, tok, pair_of, n_gpu, gpu_experts = gather_pairs(d, topk_ids)
         st = self.stats
         st.steps += 1
-        st.gpu_pairs += n_gpu
-        st.cpu_pairs += len(experts) - n_gpu
         if self.gpu is None:
+            experts, tok, pair_of, n_gpu, gpu_experts = gather_pairs(d, ids)
+            st.gpu_pairs += n_gpu
+            st.cpu_pairs += len(experts) - n_gpu
             if len(gpu_experts) or d.promotions:
                 self._need_gpu(f"layer {layer}: decisions with GPU work ({len(gpu_experts)} experts)")
             job = self._cpu(lx, experts, tok, np.asarray(x))
             y = self._cpu_result(job, layer)
             return np.einsum("tk,tkh->th", weights, y[pair_of], dtype=np.float32)
-        return self._run_gpu(d, lx, x, experts, tok, pair_of, n_gpu, weights)
+        if ids.size > _SMALL_PAIRS:
+            experts, tok, pair_of, n_gpu, _ = (a.tolist() if isinstance(a, np.ndarray) else a
+                                               for a in _pair_arrays(d, ids))
+            pair_of = [p for row in pair_of for p in row]
+        else:
+            experts, tok, pair_of, n_gpu, _ = _pair_lists(d, ids)
+        st.gpu_pairs += n_gpu
+        st.cpu_pairs += len(experts) - n_gpu
+        return self._run_gpu(d, lx, x, experts, tok, pair_of, n_gpu, weights, t0)
 
-    def _cpu(self, lx: LayerExperts, experts: np.ndarray, tok: np.ndarray, xh: np.ndarray):
-        return self.pool.submit(lx, experts, np.ascontiguousarray(xh[tok], np.float32))
+    def _cpu(self, lx: LayerExperts, experts, tok, xh: np.ndarray, buffers: tuple | None = None):
+        """Submit the CPU pairs; ``buffers`` = (inputs, outputs) staging of the right shape."""
+        if buffers is None:
+            return self.pool.submit(lx, experts, np.ascontiguousarray(xh[tok], np.float32))
+        np.take(xh, tok, axis=0, out=buffers[0])
+        return self.pool.submit(lx, experts, buffers[0], out=buffers[1])
 
     def _cpu_result(self, job, layer: int) -> np.ndarray:
         t0 = time.perf_counter()
@@ -160,70 +209,109 @@ class ExpertEngine:
         st.per_layer_cpu_s[layer] = st.per_layer_cpu_s.get(layer, 0.0) + job.compute_s
         return out
 
-    def _run_gpu(self, d: Decision, lx: LayerExperts, x, experts, tok, pair_of, n_gpu, weights):
-        import cupy as cp
-
+    def _run_gpu(self, d: Decision, lx: LayerExperts, x, experts: list, tok: list, pair_of: list, n_gpu: int,
+                 weights: np.ndarray, t0: float):
+        """GPU pairs on the GPU, the rest on the CPU pool (input fetched to pinned memory first,
+        the job submitted once the GPU work is queued), then the combine; no host sync but the
+        wait for the CPU pool's input."""
         gx = self.gpu
         layer = d.layer
-        job = None
-        if n_gpu < len(experts):
-            xh = cp.asnumpy(x, stream=gx.compute)
-            gx.compute.synchronize()
-            job = self._cpu(lx, experts[n_gpu:], tok[n_gpu:], xh)
-        with gx.compute:
-            y = cp.empty((len(experts), lx.hidden), cp.float32)
+        st = self.stats
+        n_pairs = len(experts)
+        x = gx.as_input(x)
+        fetched = gx.fetch_input(x) if n_gpu < n_pairs else None
         for v in d.evictions:
             self.slot_of.pop(v, None)
-        self._gpu_rounds(d, x, experts[:n_gpu], tok[:n_gpu], y)
-        if job is not None:
-            y[n_gpu:].set(self._cpu_result(job, layer), stream=gx.compute)
-        return gx.combine(y, pair_of, weights)
+        bases, gstart, round_end, scratch = self._groups(d, experts, n_gpu)
+        meta = gx.layer_meta(bases, gstart, tok[:n_gpu], pair_of, weights.ravel().tolist(), weights.shape[1])
+        y = gx.pair_outputs(layer, n_pairs)
+        t1 = time.perf_counter()
+        st.host_plan_s += t1 - t0
+        self._gpu_rounds(d, meta, round_end, scratch, x, n_pairs)
+        t2 = time.perf_counter()
+        st.host_queue_s += t2 - t1
+        if fetched is not None:
+            xh, ev = fetched
+            gx.wait(ev, "copy of the layer input for the CPU pool")
+            t3 = time.perf_counter()
+            st.input_wait_s += t3 - t2
+            buffers = gx.cpu_buffers(n_pairs - n_gpu, lx.hidden)
+            job = self._cpu(lx, experts[n_gpu:], tok[n_gpu:], xh, buffers)
+            res = self._cpu_result(job, layer)
+            t2 = time.perf_counter()
+            gx.put_rows(y, n_gpu, res)
+        out = gx.combine_meta(meta, y)
+        st.host_combine_s += time.perf_counter() - t2
+        return out
 
-    def _gpu_rounds(self, d: Decision, x, experts: np.ndarray, tok: np.ndarray, y) -> None:
-        """Uploads, streams (in rounds of at most scratch_slots), kernels, then promotions."""
-        from .gpu_experts import scratch_source
-
+    def _groups(self, d: Decision, experts: list, n_gpu: int) -> tuple[list, list, list, list]:
+        """Expert addresses and first pairs of the GPU groups (pairs of one expert are contiguous),
+        where each round's groups end, and the scratch buffer of each stream (reserved here; the
+        copies are queued round by round in ``_gpu_rounds``). Round 0: hits, uploads and the
+        first ``scratch_slots`` streams; each later round the next ``scratch_slots`` streams."""
         gx = self.gpu
         layer = d.layer
-        self.stats.uploads += len(d.uploads)
-        self.stats.streams += len(d.streams)
         src_of: dict[int, int] = {}
         for e in d.hits:
             try:
                 src_of[e] = self.slot_of[(layer, e)]
             except KeyError:
                 raise ExecutorError(f"layer {layer}: hit on expert {e}, which this engine never loaded") from None
+        for e, s in zip(d.uploads, d.slots):
+            src_of[e] = s
+        round_of, scratch = {}, []
+        for i, e in enumerate(d.streams):
+            scratch.append(gx.reserve_scratch())
+            src_of[e] = -1 - scratch[-1]  # gpu_experts.scratch_source
+            round_of[e] = i // gx.scratch_slots
+        bases, gstart, round_end = [], [], []
+        prev = None
+        for p in range(n_gpu):
+            e = experts[p]
+            if e == prev:
+                continue
+            prev = e
+            r = round_of.get(e, 0)
+            while len(round_end) < r:
+                round_end.append(len(bases))
+            bases.append(gx.source_ptr(layer, src_of[e]))
+            gstart.append(p)
+        gstart.append(n_gpu)
+        rounds = -(-len(d.streams) // gx.scratch_slots) if d.streams else 1
+        while len(round_end) < rounds:
+            round_end.append(len(bases))
+        return bases, gstart, round_end, scratch
+
+    def _gpu_rounds(self, d: Decision, meta, round_end: list, scratch: list, x, n_pairs: int) -> None:
+        """Per round: its copies (uploads in round 0, that round's streams), kernels over its
+        groups, then promotions of its streamed experts; ``last_read`` after each round."""
+        gx = self.gpu
+        layer = d.layer
+        st = self.stats
+        st.uploads += len(d.uploads)
+        st.streams += len(d.streams)
         promo = dict(zip(d.promotions, d.promotion_slots))
         for v in d.retired:  # residents that leave after this step; their slots take promotions
             self.slot_of.pop(v, None)
-        streams = list(d.streams)
-        first = True
-        while first or streams:
-            chunk, streams = streams[: gx.scratch_slots], streams[gx.scratch_slots:]
-            wait = []
-            if (first and d.uploads) or chunk:
+        n = gx.scratch_slots
+        g0 = 0
+        for r, g1 in enumerate(round_end):
+            chunk = d.streams[r * n:(r + 1) * n]
+            if (r == 0 and d.uploads) or chunk:
                 gx.begin_copies()
-                if first:
+                if r == 0:
                     for e, s in zip(d.uploads, d.slots):
                         gx.upload(layer, e, s)
-                        src_of[e] = s
-                for e in chunk:
-                    src_of[e] = scratch_source(gx.stream(layer, e))
-                wait.append(gx.copies_event())
-            round_experts = set(d.hits + d.uploads) if first else set()
-            round_experts.update(chunk)
-            sel = np.flatnonzero(np.isin(experts, list(round_experts)))
-            if len(sel):
-                # pairs of one expert are contiguous (gather_pairs), and so are a round's experts' pairs
-                lo, hi = int(sel[0]), int(sel[-1]) + 1
-                gx.run(layer, [src_of[int(e)] for e in experts[lo:hi]], x, tok[lo:hi], wait, out=y[lo:hi])
-            for e in chunk:
+                for i, e in enumerate(chunk):
+                    gx.stream_to(layer, e, scratch[r * n + i])
+                gx.compute_after_copies()
+            gx.run_groups(layer, meta, g0, g1, x, n_pairs)
+            for i, e in enumerate(chunk):
                 if e in promo:
-                    gx.promote(layer, -1 - src_of[e], promo[e])
+                    gx.promote(layer, scratch[r * n + i], promo[e])
                     self.slot_of[(layer, e)] = promo[e]
-            if any(e in promo for e in chunk):
-                gx.last_read.record(gx.compute)
-            first = False
+            gx.mark_read()
+            g0 = g1
         for e, s in zip(d.uploads, d.slots):
             self.slot_of[(layer, e)] = s
 

@@ -19,12 +19,19 @@ Host weights are page-locked in place (``cudaHostRegister``) when ``pinned``; wh
 Kernels (``gpu_kernels.cu``) read the quantized weights directly: ``moe_gate_up`` and
 ``moe_down`` cover all of a layer's GPU (expert, token) pairs in one launch each; ``moe_combine``
 sums the router-weighted pair outputs per token in a fixed order.
+
+Host cost per layer is kept to a few calls into the driver: kernels are launched with
+``cuLaunchKernel`` through a reusable argument block (:class:`Launch`), a layer's kernel metadata
+(expert addresses, group starts, token rows, ``pair_of`` and router weights) is packed into one
+pinned buffer and sent in one copy (:meth:`GpuExperts.layer_meta`), and the intermediate and
+per-pair buffers (``h``, ``y``, CPU staging) are allocated once and grown when a layer needs more.
 """
 from __future__ import annotations
 
+import struct
 import time
 from importlib import resources
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import cupy as cp
 import numpy as np
@@ -34,10 +41,16 @@ from scheduler.core import Capacity, pad_slot_bytes
 from . import quant as Q
 from .experts import ExecutorError, LayerExperts
 
-__all__ = ["GpuExperts", "gpu_available", "scratch_source"]
+__all__ = ["GpuExperts", "Launch", "LayerMeta", "gpu_available", "scratch_source"]
 
 _WARPS = 4
+_RPW = 2  # output rows per warp in moe_gate_up / moe_down
+_NOT_READY = 600  # cudaErrorNotReady
+_SPIN_S = 2e-3  # wait() polls without sleeping this long before it sleeps between polls
 _MODULE: cp.RawModule | None = None
+_FUNCS: dict[str, object] = {}
+_rt = cp.cuda.runtime
+_H2D, _D2H, _D2D = _rt.memcpyHostToDevice, _rt.memcpyDeviceToHost, _rt.memcpyDeviceToDevice
 
 
 def gpu_available() -> bool:
@@ -53,9 +66,6 @@ def scratch_source(k: int) -> int:
     return -1 - k
 
 
-_FUNCS: dict[str, object] = {}
-
-
 def _kernel(name: str):
     """A kernel of gpu_kernels.cu (compiled once per process)."""
     global _MODULE
@@ -68,12 +78,54 @@ def _kernel(name: str):
     return f
 
 
+class Launch:
+    """A compiled kernel launched through ``cuLaunchKernel`` with a reusable argument block.
+
+    ``launch(grid, block, stream_ptr, *args)``: every argument is a Python int written to its own
+    64-bit slot (device pointers as addresses; an ``int`` parameter reads the slot's low 32 bits,
+    so int arguments must be >= 0; ``f32(x)`` gives a ``float`` parameter's bits). The driver
+    copies the values at launch, so the block is reused at once. ``nargs`` must match the kernel.
+    """
+
+    def __init__(self, kernel: cp.RawKernel, nargs: int):
+        self.func = kernel.kernel.ptr
+        self.nargs = nargs
+        self._vals = np.zeros(nargs, np.uint64)
+        self._params = np.array([self._vals.ctypes.data + 8 * i for i in range(nargs)], np.uint64)
+        self._params_ptr = int(self._params.ctypes.data)
+
+    @staticmethod
+    def f32(x: float) -> int:
+        """The bits of ``x`` as a float32, for a ``float`` kernel parameter."""
+        return int(np.float32(x).view(np.uint32))
+
+    def __call__(self, grid: tuple[int, int], block: int, stream_ptr: int, *args: int) -> None:
+        if len(args) != self.nargs:
+            raise ValueError(f"kernel launch: {len(args)} arguments, expected {self.nargs}")
+        self._vals[:] = args
+        cp.cuda.driver.launchKernel(self.func, grid[0], grid[1], 1, block, 1, 1, 0, stream_ptr, self._params_ptr, 0)
+
+
+class LayerMeta(NamedTuple):
+    """Device addresses of one layer's kernel metadata (see :meth:`GpuExperts.layer_meta`)."""
+
+    base: int  # (G,) uint64 expert base addresses
+    gstart: int  # (G + 1,) int32 first pair of each group (absolute pair ids)
+    xrow: int  # (P_gpu,) int32 row of x per pair
+    pair_of: int  # (T, k) int32 pair of each (token, rank); -1 skipped
+    weights: int  # (T, k) float32 router weights
+    groups: int
+    tokens: int
+    k: int
+
+
 class _PinnedRing:
     """Reusable page-locked host buffers; a buffer is reused only after its copy's event."""
 
     def __init__(self, n: int, nbytes: int, device: bool = False):
         self.bufs = [cp.cuda.alloc_pinned_memory(nbytes) for _ in range(n)]
         self.arrays = [np.frombuffer(b, np.uint8, nbytes) for b in self.bufs]
+        self.ptrs = [b.ptr for b in self.bufs]
         self.events: list[cp.cuda.Event | None] = [None] * n
         self.device = [cp.empty(nbytes, cp.uint8) for _ in range(n)] if device else []
         self.next = 0
@@ -84,6 +136,31 @@ class _PinnedRing:
         if self.events[i] is not None:
             self.events[i].synchronize()
         return self.arrays[i], i
+
+
+class _Staging:
+    """Grow-only pinned host buffer + float32 view, with an event guarding its last async copy."""
+
+    def __init__(self):
+        self.mem = None
+        self.f32 = np.empty(0, np.float32)
+        self.event = cp.cuda.Event(disable_timing=True)
+        self.pending = False
+
+    def view(self, rows: int, cols: int) -> np.ndarray:
+        """(rows, cols) float32 over the buffer, after its last async copy has finished."""
+        if self.pending:
+            self.event.synchronize()
+            self.pending = False
+        n = rows * cols
+        if n > self.f32.size:
+            self.mem = cp.cuda.alloc_pinned_memory(4 * max(n, 2 * self.f32.size))
+            self.f32 = np.frombuffer(self.mem, np.float32, self.mem.size() // 4)
+        return self.f32[:n].reshape(rows, cols)
+
+    def copied(self, stream_ptr: int) -> None:
+        _rt.eventRecord(self.event.ptr, stream_ptr)
+        self.pending = True
 
 
 class GpuExperts:
@@ -117,7 +194,26 @@ class GpuExperts:
             self._pin(moe)
         self._meta = _PinnedRing(16, 1 << 20, device=True)
         self._meta_events = [cp.cuda.Event(disable_timing=True) for _ in range(16)]
+        self._marks = [cp.cuda.Event(disable_timing=True) for _ in range(64)]  # consumed at once by a wait
+        self._next_mark = 0
+        self._k_gate_up = Launch(_kernel("moe_gate_up"), 15)
+        self._k_down = Launch(_kernel("moe_down"), 11)
+        self._k_combine = Launch(_kernel("moe_combine"), 6)
+        self._consts = {l.layer: self._layer_consts(l) for l in moe}
+        self._structs: dict[tuple[int, int, int], struct.Struct] = {}
+        self._h = self._y = self._iota = None  # device work buffers, grown on demand
+        self._x_host = _Staging()  # D2H of a layer's input for the CPU pool
+        self._cpu_in = _Staging()
+        self._cpu_out = [_Staging(), _Staging()]  # CPU results, H2D on compute (alternating)
+        self._next_out = 0
         self.bytes_uploaded = 0
+
+    @staticmethod
+    def _layer_consts(l: LayerExperts) -> tuple[int, ...]:
+        """(hidden, ffn, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d) of a layer's kernels."""
+        return (l.hidden, l.ffn, l.gate.qtype, Q.row_bytes(l.gate.qtype, l.hidden), l.gate.expert_bytes,
+                l.up.qtype, Q.row_bytes(l.up.qtype, l.hidden), l.gate.expert_bytes + l.up.expert_bytes,
+                l.down.qtype, Q.row_bytes(l.down.qtype, l.ffn))
 
     def set_capacity(self, capacity: Capacity) -> None:
         """(Re)allocate one arena per pool: slots x the pool's padded expert size. Contents are lost."""
@@ -131,6 +227,8 @@ class GpuExperts:
             sb = pad_slot_bytes(sizes.pop()) if sizes else 0
             self.slot_bytes.append(sb)
             self.arenas.append(cp.empty(n * sb, cp.uint8))
+        self._slots = [a.size // max(sb, 1) for a, sb in zip(self.arenas, self.slot_bytes)]
+        self._arena_ptr = [a.data.ptr for a in self.arenas]
 
     # host memory -----------------------------------------------------------------------------
     def _pin(self, moe: list[LayerExperts]) -> None:
@@ -155,15 +253,16 @@ class GpuExperts:
             cp.cuda.runtime.hostUnregister(ptr)
         self.registered = []
         self.arenas, self.scratch = [], None
+        self._h = self._y = self._iota = None
 
     # addresses -------------------------------------------------------------------------------
     def _slot_ptr(self, layer: int, slot: int) -> int:
         p = self.pool_of[layer]
         if p < 0:
             raise ExecutorError(f"layer {layer} has no cache pool; slot {slot} does not exist")
-        if not 0 <= slot < self.arenas[p].size // max(self.slot_bytes[p], 1):
+        if not 0 <= slot < self._slots[p]:
             raise ExecutorError(f"layer {layer}: slot {slot} out of range for pool {p}")
-        return self.arenas[p].data.ptr + slot * self.slot_bytes[p]
+        return self._arena_ptr[p] + slot * self.slot_bytes[p]
 
     def source_ptr(self, layer: int, source: int) -> int:
         """Device address of an expert: ``source`` >= 0 is a slot, else ``scratch_source(k)``."""
@@ -187,7 +286,7 @@ class GpuExperts:
                 buf, i = self.staging.take()
                 buf[:n] = row
                 src = buf.ctypes.data
-            cp.cuda.runtime.memcpyAsync(dst + off, src, n, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            _rt.memcpyAsync(dst + off, src, n, _H2D, stream.ptr)
             if self.staging is not None:
                 ev = cp.cuda.Event(disable_timing=True)
                 ev.record(stream)
@@ -197,17 +296,26 @@ class GpuExperts:
 
     def begin_copies(self, stream: cp.cuda.Stream | None = None) -> None:
         """Order the next copies on ``stream`` (default: copy) after every queued expert kernel."""
-        (stream or self.copy).wait_event(self.last_read)
+        _rt.streamWaitEvent((stream or self.copy).ptr, self.last_read.ptr)
 
     def upload(self, layer: int, expert: int, slot: int, stream: cp.cuda.Stream | None = None) -> None:
         """Queue host -> slot ``slot`` of the layer's pool (call ``begin_copies`` first)."""
         self._copy_expert(layer, expert, self._slot_ptr(layer, slot), stream or self.copy)
 
-    def stream(self, layer: int, expert: int) -> int:
-        """Queue host -> the next scratch buffer; returns its index (round-robin)."""
+    def reserve_scratch(self) -> int:
+        """The next scratch buffer (round-robin), without copying anything into it."""
         k = self._next_scratch
         self._next_scratch = (k + 1) % self.scratch_slots
+        return k
+
+    def stream_to(self, layer: int, expert: int, k: int) -> None:
+        """Queue host -> scratch buffer ``k`` on the copy stream (call ``begin_copies`` first)."""
         self._copy_expert(layer, expert, self.source_ptr(layer, scratch_source(k)), self.copy)
+
+    def stream(self, layer: int, expert: int) -> int:
+        """Queue host -> the next scratch buffer; returns its index (round-robin)."""
+        k = self.reserve_scratch()
+        self.stream_to(layer, expert, k)
         return k
 
     def copies_event(self, stream: cp.cuda.Stream | None = None) -> cp.cuda.Event:
@@ -215,6 +323,17 @@ class GpuExperts:
         ev = cp.cuda.Event(disable_timing=True)
         ev.record(stream or self.copy)
         return ev
+
+    def compute_after_copies(self) -> None:
+        """Make the compute stream wait for everything queued on the copy stream so far."""
+        ev = self._marks[self._next_mark]
+        self._next_mark = (self._next_mark + 1) % len(self._marks)
+        _rt.eventRecord(ev.ptr, self.copy.ptr)
+        _rt.streamWaitEvent(self.compute.ptr, ev.ptr)
+
+    def mark_read(self) -> None:
+        """Record ``last_read`` after the work queued on the compute stream so far."""
+        _rt.eventRecord(self.last_read.ptr, self.compute.ptr)
 
     def all_done_event(self) -> cp.cuda.Event:
         """An event on the compute stream after everything queued on all three streams."""
@@ -225,37 +344,88 @@ class GpuExperts:
     def promote(self, layer: int, scratch_idx: int, slot: int) -> None:
         """Device-to-device copy of scratch buffer ``scratch_idx`` into ``slot`` (compute stream)."""
         n = self.layers[layer].expert_bytes
-        cp.cuda.runtime.memcpyAsync(self._slot_ptr(layer, slot), self.source_ptr(layer, scratch_source(scratch_idx)),
-                                    n, cp.cuda.runtime.memcpyDeviceToDevice, self.compute.ptr)
+        _rt.memcpyAsync(self._slot_ptr(layer, slot), self.source_ptr(layer, scratch_source(scratch_idx)),
+                        n, _D2D, self.compute.ptr)
 
     def wait(self, event: cp.cuda.Event, what: str = "copy") -> None:
-        """Block the host until ``event`` (at most ``timeout_s``); ExecutorError on a stall."""
-        deadline = time.perf_counter() + self.timeout_s
-        while not event.done:
-            if time.perf_counter() > deadline:
+        """Block the host until ``event`` (at most ``timeout_s``); ExecutorError on a stall or a
+        CUDA error. Polls without sleeping for the first 2 ms (a short wait costs no sleep)."""
+        status = _rt.eventQuery(event.ptr)
+        if status == 0:
+            return
+        t0 = time.perf_counter()
+        while status == _NOT_READY:
+            now = time.perf_counter()
+            if now - t0 > self.timeout_s:
                 raise ExecutorError(f"GPU {what} did not finish within {self.timeout_s} s")
-            time.sleep(20e-6)
+            if now - t0 > _SPIN_S:
+                time.sleep(50e-6)
+            status = _rt.eventQuery(event.ptr)
+        if status != 0:
+            raise ExecutorError(f"GPU {what} failed: CUDA error {status}")
 
-    # kernels ---------------------------------------------------------------------------------
-    def _upload_meta(self, *arrays: np.ndarray) -> list[np.uint64]:
+    # buffers ---------------------------------------------------------------------------------
+    def _work(self, pairs: int, ffn: int, hidden: int) -> tuple[int, int, int]:
+        """Device (h, y, iota) addresses holding at least ``pairs`` rows (grown on the compute stream)."""
+        if self._h is None or self._h.size < pairs * ffn or self._y.size < pairs * hidden or self._iota.size < pairs:
+            n = max(pairs, 2 * (0 if self._iota is None else self._iota.size), 64)
+            wf = max(l.ffn for l in self.layers if l is not None)
+            wh = max(l.hidden for l in self.layers if l is not None)
+            with self.compute:
+                self._h = cp.empty(n * max(wf, ffn), cp.float32)
+                self._y = cp.empty(n * max(wh, hidden), cp.float32)
+                self._iota = cp.arange(n, dtype=cp.int32)
+        return self._h.data.ptr, self._y.data.ptr, self._iota.data.ptr
+
+    # metadata --------------------------------------------------------------------------------
+    def _meta_slot(self, nbytes: int) -> tuple[int, int, int]:
+        """(ring index, host address, device address) of a metadata buffer of ``nbytes``."""
+        _, i = self._meta.take()
+        if nbytes > self._meta.arrays[i].nbytes:
+            raise ExecutorError(f"kernel metadata of {nbytes} bytes exceeds the {self._meta.arrays[i].nbytes}-byte buffer")
+        return i, self._meta.ptrs[i], self._meta.device[i].data.ptr
+
+    def _send_meta(self, i: int, host: int, dev: int, nbytes: int) -> None:
+        _rt.memcpyAsync(dev, host, nbytes, _H2D, self.compute.ptr)
+        ev = self._meta_events[i]
+        _rt.eventRecord(ev.ptr, self.compute.ptr)
+        self._meta.events[i] = ev
+
+    def _upload_meta(self, *arrays: np.ndarray) -> list[int]:
         """Copy small arrays to the device in one pinned transfer on the compute stream; returns
         their device addresses (the ring's device buffer is reused in stream order)."""
-        buf, i = self._meta.take()
         offs, o = [], 0
         for a in arrays:
             offs.append(o)
             o += -(-a.nbytes // 16) * 16
-        if o > buf.nbytes:
-            raise ExecutorError(f"kernel metadata of {o} bytes exceeds the {buf.nbytes}-byte buffer")
+        i, host, dev = self._meta_slot(o)
+        buf = self._meta.arrays[i]
         for a, off in zip(arrays, offs):
             buf[off:off + a.nbytes] = a.view(np.uint8).reshape(-1)
-        dev = self._meta.device[i].data.ptr
-        cp.cuda.runtime.memcpyAsync(dev, buf.ctypes.data, o, cp.cuda.runtime.memcpyHostToDevice, self.compute.ptr)
-        ev = self._meta_events[i]
-        ev.record(self.compute)
-        self._meta.events[i] = ev
-        return [np.uint64(dev + off) for off in offs]
+        self._send_meta(i, host, dev, o)
+        return [dev + off for off in offs]
 
+    def layer_meta(self, bases: Sequence[int], gstart: Sequence[int], xrow: Sequence[int],
+                   pair_of: Sequence[int], weights: Sequence[float], k: int) -> LayerMeta:
+        """Send one layer's kernel metadata in one copy on the compute stream.
+
+        ``bases``: (G,) expert addresses, ``gstart``: (G + 1,) absolute first pair of each group
+        (pairs of a group are contiguous; pair ids index ``h`` and ``y``), ``xrow``: row of x of
+        each GPU pair, ``pair_of`` / ``weights``: (T * k,) flat, for the combine.
+        """
+        g, p, tk = len(bases), len(xrow), len(pair_of)
+        fmt = self._structs.get((g, p, tk))
+        if fmt is None:
+            fmt = self._structs[(g, p, tk)] = struct.Struct(f"<{g}Q{g + 1}i{p}i{tk}i{tk}f")
+        i, host, dev = self._meta_slot(fmt.size)
+        fmt.pack_into(self._meta.arrays[i], 0, *bases, *gstart, *xrow, *pair_of, *weights)
+        self._send_meta(i, host, dev, fmt.size)
+        o_g = dev + 8 * g
+        o_x = o_g + 4 * (g + 1)
+        o_p = o_x + 4 * p
+        return LayerMeta(dev, o_g, o_x, o_p, o_p + 4 * tk, g, tk // k if k else 0, k)
+
+    # kernels ---------------------------------------------------------------------------------
     def run(self, layer: int, sources: Sequence[int], x: cp.ndarray, xrow: Sequence[int],
             wait: Sequence[cp.cuda.Event] = (), out: cp.ndarray | None = None) -> cp.ndarray:
         """Expert outputs for pairs i: ``y[i] = expert(sources[i]) applied to x[xrow[i]]``.
@@ -270,8 +440,8 @@ class GpuExperts:
         if out is None:
             with self.compute:
                 out = cp.empty((n, lx.hidden), cp.float32)
-        if out.shape != (n, lx.hidden) or not out.flags.c_contiguous:
-            raise ValueError(f"layer {layer}: out must be C-contiguous ({n}, {lx.hidden}), got {out.shape}")
+        if out.shape != (n, lx.hidden) or not out.flags.c_contiguous or out.dtype != cp.float32:
+            raise ValueError(f"layer {layer}: out must be C-contiguous float32 ({n}, {lx.hidden}), got {out.shape}")
         if n == 0:
             return out
         groups: dict[int, list[int]] = {}
@@ -281,45 +451,92 @@ class GpuExperts:
         gstart = np.cumsum([0] + [len(g) for g in groups.values()], dtype=np.int32)
         base = np.array([self.source_ptr(layer, s) for s in groups], np.uint64)
         rows = np.asarray(xrow, np.int32)
-        ids = groups
-        with self.compute:
-            for ev in wait:
-                self.compute.wait_event(ev)
-            d_base, d_gstart, d_order, d_rows = self._upload_meta(base, gstart, order, rows)
-            x = cp.ascontiguousarray(x, cp.float32)
-            h = cp.empty((n, lx.ffn), cp.float32)
-            self._launch_gate_up(lx, len(ids), d_base, d_gstart, d_order, d_rows, x, h)
-            self._launch_down(lx, len(ids), d_base, d_gstart, d_order, h, out)
-            self.last_read.record(self.compute)
+        for ev in wait:
+            _rt.streamWaitEvent(self.compute.ptr, ev.ptr)
+        d_base, d_gstart, d_order, d_rows = self._upload_meta(base, gstart, order, rows)
+        x = self.as_input(x)
+        h, _, _ = self._work(n, lx.ffn, lx.hidden)
+        self._launch(layer, len(groups), d_base, d_gstart, d_order, d_rows, x, h, out.data.ptr)
+        self.mark_read()
         return out
 
-    def _launch_gate_up(self, lx, groups, d_base, d_gstart, d_order, d_rows, x, h) -> None:
-        rpw = 2
-        grid = (-(-lx.ffn // (_WARPS * rpw)), groups)
-        rb_g = Q.row_bytes(lx.gate.qtype, lx.hidden)
-        rb_u = Q.row_bytes(lx.up.qtype, lx.hidden)
-        _kernel("moe_gate_up")(
-            grid, (32 * _WARPS,),
-            (d_base, d_gstart, d_order, d_rows, x, np.int64(x.shape[1]), h, np.int32(lx.ffn), np.int32(lx.hidden),
-             np.int32(rpw), np.int32(lx.gate.qtype), np.int64(rb_g), np.int64(lx.gate.expert_bytes),
-             np.int32(lx.up.qtype), np.int64(rb_u)))
+    def as_input(self, x: cp.ndarray) -> cp.ndarray:
+        """``x`` as a C-contiguous float32 device array (no copy when it is one already)."""
+        if isinstance(x, cp.ndarray) and x.dtype == cp.float32 and x.flags.c_contiguous:
+            return x
+        with self.compute:
+            return cp.ascontiguousarray(cp.asarray(x), cp.float32)
 
-    def _launch_down(self, lx, groups, d_base, d_gstart, d_order, h, y) -> None:
-        rpw = 2
-        grid = (-(-lx.hidden // (_WARPS * rpw)), groups)
-        _kernel("moe_down")(
-            grid, (32 * _WARPS,),
-            (d_base, d_gstart, d_order, h, y, np.int32(lx.ffn), np.int32(lx.hidden), np.int32(rpw),
-             np.int64(lx.gate.expert_bytes + lx.up.expert_bytes), np.int32(lx.down.qtype),
-             np.int64(Q.row_bytes(lx.down.qtype, lx.ffn))))
+    def _launch(self, layer: int, groups: int, d_base: int, d_gstart: int, d_order: int, d_rows: int,
+                x: cp.ndarray, h: int, y: int) -> None:
+        """moe_gate_up then moe_down over ``groups`` groups (h, y: device addresses)."""
+        hidden, ffn, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d = self._consts[layer]
+        s = self.compute.ptr
+        self._k_gate_up((-(-ffn // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
+                        d_base, d_gstart, d_order, d_rows, x.data.ptr, x.shape[1], h, ffn, hidden, _RPW,
+                        qt_g, rb_g, off_u, qt_u, rb_u)
+        self._k_down((-(-hidden // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
+                     d_base, d_gstart, d_order, h, y, ffn, hidden, _RPW, off_d, qt_d, rb_d)
+
+    def run_groups(self, layer: int, meta: LayerMeta, g0: int, g1: int, x: cp.ndarray, pairs: int) -> None:
+        """Expert kernels for groups ``g0 .. g1 - 1`` of ``meta`` into the work buffer ``y``
+        (rows = pair ids; ``pairs``: rows the layer uses). ``x`` must come from ``as_input``."""
+        if g1 <= g0:
+            return
+        lx = self.layers[layer]
+        h, y, iota = self._work(pairs, lx.ffn, lx.hidden)
+        self._launch(layer, g1 - g0, meta.base + 8 * g0, meta.gstart + 4 * g0, iota, meta.xrow, x, h, y)
+
+    def pair_outputs(self, layer: int, pairs: int) -> cp.ndarray:
+        """The work buffer ``y`` as (pairs, hidden) float32 for a layer of ``pairs`` pairs (valid in
+        compute-stream order; call before ``run_groups``, which then needs no larger buffers)."""
+        lx = self.layers[layer]
+        self._work(pairs, lx.ffn, lx.hidden)
+        return self._y[:pairs * lx.hidden].reshape(pairs, lx.hidden)
+
+    def fetch_input(self, x: cp.ndarray) -> tuple[np.ndarray, cp.cuda.Event]:
+        """Queue a copy of ``x`` (T, hidden) to pinned host memory on the compute stream; returns the
+        host array (valid once the event is done; overwritten by the next call) and the event."""
+        host = self._x_host.view(*x.shape)
+        _rt.memcpyAsync(host.ctypes.data, x.data.ptr, x.nbytes, _D2H, self.compute.ptr)
+        self._x_host.copied(self.compute.ptr)
+        return host, self._x_host.event
+
+    def cpu_buffers(self, rows: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pinned (rows, hidden) float32 input and output buffers for a CPU job (the output is
+        free: its previous upload has finished)."""
+        out = self._cpu_out[self._next_out]
+        return self._cpu_in.view(rows, hidden), out.view(rows, hidden)
+
+    def put_rows(self, y: cp.ndarray, row0: int, rows: np.ndarray) -> None:
+        """Queue ``y[row0:row0 + len(rows)] = rows`` on the compute stream (asynchronous when
+        ``rows`` is the current ``cpu_buffers`` output, else through it)."""
+        out = self._cpu_out[self._next_out]
+        self._next_out ^= 1
+        buf = out.f32
+        if rows.ctypes.data != buf.ctypes.data:
+            buf = out.view(*rows.shape)
+            np.copyto(buf, rows)
+        dst = y.data.ptr + row0 * y.shape[1] * 4
+        _rt.memcpyAsync(dst, buf.ctypes.data, rows.size * 4, _H2D, self.compute.ptr)
+        out.copied(self.compute.ptr)
+
+    def combine_meta(self, meta: LayerMeta, y: cp.ndarray) -> cp.ndarray:
+        """out[t] = sum_j weights[t, j] * y[pair_of[t, j]] from ``meta`` (new (T, hidden) array)."""
+        with self.compute:
+            out = cp.empty((meta.tokens, y.shape[1]), cp.float32)
+        self._k_combine((meta.tokens, 1), 256, self.compute.ptr, y.data.ptr, meta.pair_of, meta.weights,
+                        out.data.ptr, meta.k, y.shape[1])
+        return out
 
     def combine(self, y: cp.ndarray, pair_of: np.ndarray, weights: np.ndarray) -> cp.ndarray:
         """out[t] = sum_j weights[t, j] * y[pair_of[t, j]] (j in order; -1 skipped), on compute."""
         t, k = pair_of.shape
         with self.compute:
             out = cp.empty((t, y.shape[1]), cp.float32)
-            d_pair, d_w = self._upload_meta(np.ascontiguousarray(pair_of, np.int32),
-                                            np.ascontiguousarray(weights, np.float32))
-            _kernel("moe_combine")(
-                (t,), (256,), (cp.ascontiguousarray(y, cp.float32), d_pair, d_w, out, np.int32(k), np.int32(y.shape[1])))
+            y = cp.ascontiguousarray(y, cp.float32)
+        if t == 0:
+            return out
+        d_pair, d_w = self._upload_meta(np.ascontiguousarray(pair_of, np.int32), np.ascontiguousarray(weights, np.float32))
+        self._k_combine((t, 1), 256, self.compute.ptr, y.data.ptr, d_pair, d_w, out.data.ptr, k, y.shape[1])
         return out
