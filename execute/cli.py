@@ -220,7 +220,7 @@ def _replay(args) -> int:
     policy = _policy(args, trace, geometry, capacity)
     use_gpu = args.policy != "cpu"
     backend = _backend(args, weights, use_gpu, capacity)
-    model = M.Qwen3Moe(weights, use_gpu=use_gpu)
+    model = M.MoeModel(weights, use_gpu=use_gpu)
     audit = Audit(geometry, keep_log=True, record_routes=args.audit is not None)
     n = len(trace.rows(args.phase)) if args.tokens is None else min(args.tokens, len(trace.rows(args.phase)))
     progress = (lambda i: print(f"replay: {i}/{n} tokens", file=sys.stderr, flush=True)
