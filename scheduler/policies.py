@@ -99,6 +99,20 @@ class BasePolicy:
             placed.append(key)
         return placed
 
+    def _take_slots(self, d: Decision) -> None:
+        """Commit a decision's uploads: the first go into free slots, each of the rest into the
+        slot of the eviction paired with it (``d.slots`` lists them in that order)."""
+        cache = self.cache
+        layer = d.layer
+        n_free = len(d.uploads) - len(d.evictions)
+        for i, e in enumerate(d.uploads):
+            if i < n_free:
+                cache.reserve((layer, e), d.slots[i])
+            else:
+                v = d.evictions[i - n_free]
+                cache.replace(v, (layer, e))
+                self._evicted(v)
+
     # hooks for eviction order ------------------------------------------------------------------
     def _admitted(self, key: tuple[int, int]) -> None:
         pass
@@ -180,17 +194,8 @@ class _UploadEveryMiss(BasePolicy):
         )
 
     def commit(self, d: Decision) -> None:
-        cache = self.cache
-        layer = d.layer
-        n_free = len(d.uploads) - len(d.evictions)
-        for i, e in enumerate(d.uploads):
-            if i < n_free:
-                cache.reserve((layer, e), d.slots[i])
-            else:
-                v = d.evictions[i - n_free]
-                cache.replace(v, (layer, e))
-                self._evicted(v)
-        self._touch(layer, d)
+        self._take_slots(d)
+        self._touch(d.layer, d)
 
     def _victims(self, layer: int, need: int, used: set[int]) -> list[tuple[int, int]]:
         raise NotImplementedError  # each subclass defines its eviction order
@@ -416,13 +421,7 @@ class HybridPolicy(BasePolicy):
 
     def commit(self, d: Decision) -> None:
         layer = d.layer
-        cache = self.cache
-        n_free = len(d.uploads) - len(d.evictions)
-        for i, e in enumerate(d.uploads):
-            if i < n_free:
-                cache.reserve((layer, e), d.slots[i])
-            else:
-                cache.replace(d.evictions[i - n_free], (layer, e))
+        self._take_slots(d)
         u = self._u[layer]
         if d.step.counts is None:
             for e in d.step.experts:
