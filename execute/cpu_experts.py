@@ -4,8 +4,15 @@ A call computes ``y[i] = down_e(silu(gate_e x[i]) * up_e x[i])`` for each row ``
 with ``e = experts[i]`` (one row per (expert, token) pair), unweighted: the caller combines the
 outputs with the router weights. Pairs are grouped by expert so that each weight row is read once
 per call however many tokens use it. Each call runs two parallel regions (gate+up, then down)
-over (expert group, block of rows) tasks; the inner loop dequantizes one weight row into a small
-float buffer (contiguous, vectorizable) and dots it with each of the group's inputs.
+over (expert group, block of rows) tasks. A weight row is dotted with each input in place, block by
+block, with float32 activations (results within float32 rounding of the exact dot): per block, a
+vectorized loop converts the packed weights (int8, nibbles, 6-bit, f16, bf16) to float32 and
+multiplies-adds them with the input, then one multiply applies the block's scale. Offsets and
+mins (Q4_0's -8, Q4_K's dmin*m) are applied through the input's 32-column sums, computed once per
+call. What keeps LLVM's loops vectorized (checked in the assembly: vpmovsxbd/vpmovzxbd, vcvtdq2ps,
+vfmadd on ymm): 2-D block views indexed by loop counters (no per-element index wrap-around),
+inner trip counts passed at run time (see ``_LANES``), int32 casts of nibble arithmetic, f16 and
+bf16 converted by LLVM intrinsics (``_half``, ``_bits_f32``) rather than a table or a store.
 
 ``CpuExpertPool`` owns one persistent worker thread that calls the kernels (compiled ``nogil``,
 so the GPU driver thread runs meanwhile) with the configured Numba thread count. ``submit``

@@ -32,6 +32,21 @@ def test_kernels_match_reference(qtype, rng, reference):
     assert rel_err(y, reference(layer, experts, x)) < REL_ERR
 
 
+# odd block counts (the kernels reshape rows into blocks and read x's 32-column sums), and float
+# rows that are not a whole number of 32-column blocks
+ODD_SHAPES = {Q.Q4_K: (768, 256), Q.Q6_K: (256, 768), Q.Q8_0: (96, 160), Q.Q4_0: (160, 96),
+              Q.F32: (40, 24), Q.F16: (24, 40), Q.BF16: (40, 8)}
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=[Q.QTYPES[t].name for t in ALL])
+def test_odd_shapes_and_single_token_groups(qtype, rng, reference):
+    hidden, ffn = ODD_SHAPES[qtype]
+    layer = random_layer(rng, 4, num_experts=3, hidden=hidden, ffn=ffn, qtype=qtype)
+    experts = [2, 0, 1]
+    x = (rng.standard_normal((3, hidden)) * [[1.0], [1e-3], [30.0]]).astype(np.float32)  # scales differ per row
+    assert rel_err(run_experts(layer, experts, x, threads=1), reference(layer, experts, x)) < REL_ERR
+
+
 def test_mixed_types_and_fast_random_blocks(rng, reference):
     layer = random_layer(rng, 0, num_experts=4, hidden=256, ffn=512, qtype=Q.Q4_K, down_qtype=Q.Q6_K, exact=False)
     x = rng.standard_normal((3, 256)).astype(np.float32)
