@@ -2,38 +2,50 @@
 
 A Qwen3-30B-A3B-shaped Q8_0 MoE (default 48 layers x 128 experts, hidden 2048, ffn 768, top-8:
 5.0 MB per expert, ~31 GB) is built in host RAM from random Q8_0 blocks (random int8 weights,
-valid f16 scales; 4 distinct layers, the others copies of them in their own memory; no GGUF file: loading files is ``moelab replay``'s job). The GPU expert cache
-is capped at ``--cache-mib`` MiB and at ``--cache-frac`` of each layer's experts (the smaller).
+valid f16 scales; ``--distinct-layers`` distinct layers, the others copies of them in their own
+memory; no GGUF file: loading files is ``moelab replay``'s job). The GPU expert cache is capped at
+``--cache-mib`` MiB and at ``--cache-frac`` of each layer's experts (the smaller).
 
 Routing: ``traces.synth`` (the preset ``qwen3-30b-a3b`` when it exists, else parameters fitted
 here to ANCHORS' 48x128 LRU figures: 41/64/82/92% hits at 8/16/32/64 slots, per-sequence reset).
-``static`` (and ``hybrid``) start from a profile counted on a separate trace of the same model.
+``static`` is pre-placed from a profile counted on the warm-up part of the same trace (a profile
+from another trace of the model places the wrong experts); ``hybrid`` is the scheduler's default
+(``admit_uploads``) without a profile, or with the warm-up profile (``--hybrid-profile warmup``),
+once per ``--miss-fracs`` value.
 
-Dense part (attention etc.): a fixed GPU stand-in per layer (RMSNorm + an fp16 [2048 x 5120] and
-a [4096 x 2048] matmul, weights per layer), measured alone and included in the bound. No router
-compute: the trace gives the routing.
+Dense part (attention etc.): a fixed GPU stand-in per layer, the cost of a fused decode block at
+short context: RMSNorm fused into an fp16 [5120 x hidden] GEMV, then an fp16 [hidden x 4096] GEMV
+of its first 4096 outputs plus the residual, then the MoE's RMSNorm (three kernels, fp32
+accumulation, weights per layer: ~38 MB read per layer). The experts' output is the next layer's
+input (no second residual: with random experts it would grow without bound). The earlier CuPy-operator version of the same computation (norm, casts,
+``cupy.matmul``) is timed beside it and used as its numerical check. No router compute: the
+trace gives the routing.
 
 The bound, per policy, from rates measured in this run: sum over layers of
 ``dense + max(GPU bytes / GPU rate, PCIe bytes / upload rate, CPU bytes / CPU rate)`` for the
 decisions the policy made (background copies not counted), and the ``ideal split`` bound: the
-same hits with every layer's misses split between PCIe and CPU in the best proportion.
+same hits with every layer's misses split between PCIe and CPU in the best proportion. GPU rates
+are device time (kernels queued behind a spin kernel, so no launch gap is timed).
 
-Writes ``OUT/bench_executor.json`` (config + results) and prints a table.
+Prints the results, hybrid / best non-hybrid, and a per-layer host-time breakdown (host clock
+around each call, beside device-event times of the same kernels); writes ``bench_executor.json``,
+``bench_executor.csv`` and ``bench_executor.png`` into ``--out``.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from execute import quant as Q
-from dataclasses import replace
-
 from execute.experts import LayerExperts, random_layer
 from scheduler.core import Capacity, Geometry
 from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
@@ -42,6 +54,89 @@ from scheduler.profile import Profile
 
 # fitted with traces.synth.signature to ANCHORS' 48x128 top-8 LRU hit rates (see module docstring)
 FALLBACK_PARAMS = dict(zipf_s=0.6, topic_concentration=0.3, reuse_prob=0.3, reuse_lag_tokens=2.0)
+QKV, ATTN = 5120, 4096  # dense stand-in widths
+
+DENSE_SRC = r"""
+#define DW 4  // warps per block
+#define DR 2  // rows per warp
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float wsum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// 8 fp16 weights (q) . 8 floats (a, b)
+__device__ __forceinline__ float dot8(uint4 q, float4 a, float4 b) {
+    return h2f(q.x & 0xffff) * a.x + h2f(q.x >> 16) * a.y + h2f(q.y & 0xffff) * a.z + h2f(q.y >> 16) * a.w
+         + h2f(q.z & 0xffff) * b.x + h2f(q.z >> 16) * b.y + h2f(q.w & 0xffff) * b.z + h2f(q.w >> 16) * b.w;
+}
+
+// y[t, r] = s_t * (w[r] . x[t, :k]) (+ res[t, r]); s_t = rsqrt(mean(x[t, :k]^2) + eps) when norm, else 1.
+// w (n_rows, k) fp16 row-major, k % 8 == 0; x rows ldx floats apart (ldx % 4 == 0); y, res (T, n_rows).
+// grid (ceil(n_rows / (DW * DR)), T), block 32 * DW.
+extern "C" __global__ void gemv_f16(const unsigned short* __restrict__ w, const float* __restrict__ x, long long ldx,
+                                    const float* __restrict__ res, float* __restrict__ y, int n_rows, int k,
+                                    int norm, float eps) {
+    __shared__ float part[DW];
+    int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* xt = x + t * ldx;
+    float s = 1.f;
+    if (norm) {
+        float q = 0.f;
+        for (int c = threadIdx.x; c < k; c += 32 * DW) q += xt[c] * xt[c];
+        q = wsum(q);
+        if (lane == 0) part[warp] = q;
+        __syncthreads();
+        q = 0.f;
+        for (int i = 0; i < DW; i++) q += part[i];
+        s = rsqrtf(q / k + eps);
+    }
+    const float4* x4 = reinterpret_cast<const float4*>(xt);
+    int r0 = (blockIdx.x * DW + warp) * DR;
+    for (int r = r0; r < min(r0 + DR, n_rows); r++) {
+        const uint4* w8 = reinterpret_cast<const uint4*>(w + (long long)r * k);
+        float acc = 0.f;
+        #pragma unroll 4
+        for (int c = lane; c < k / 8; c += 32) acc += dot8(w8[c], x4[2 * c], x4[2 * c + 1]);
+        acc = wsum(acc);
+        if (lane == 0) y[(long long)t * n_rows + r] = acc * s + (res ? res[(long long)t * n_rows + r] : 0.f);
+    }
+}
+
+// y[t] = x[t] * rsqrt(mean(x[t]^2) + eps), rows of n floats. grid T, block 32 * DW.
+extern "C" __global__ void rmsnorm(const float* __restrict__ x, float* __restrict__ y, int n, float eps) {
+    __shared__ float part[DW];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* xt = x + (long long)blockIdx.x * n;
+    float* yt = y + (long long)blockIdx.x * n;
+    float q = 0.f;
+    for (int c = threadIdx.x; c < n; c += 32 * DW) q += xt[c] * xt[c];
+    q = wsum(q);
+    if (lane == 0) part[warp] = q;
+    __syncthreads();
+    q = 0.f;
+    for (int i = 0; i < DW; i++) q += part[i];
+    float s = rsqrtf(q / n + eps);
+    for (int c = threadIdx.x; c < n; c += 32 * DW) yt[c] = xt[c] * s;
+}
+
+// one thread sleeps ns nanoseconds: queued work behind it starts without launch gaps (timing only)
+extern "C" __global__ void spin_ns(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < (unsigned long long)ns);
+}
+"""
 
 
 def log(msg: str) -> None:
@@ -57,29 +152,105 @@ def make_trace(args, seed: int, num_tokens: int):
         ("preset qwen3-30b-a3b" if preset is not None else f"fitted here {FALLBACK_PARAMS}")
 
 
-class Dense:
-    """The per-layer GPU stand-in for attention (see the module docstring)."""
+def warmup_profile(trace, rows: int, slots: int) -> Profile:
+    """Profile counted on the trace's first ``rows`` rows (the warm-up part)."""
+    ids = np.asarray(trace.expert_ids[:rows]).astype(np.int64)  # (rows, L, k)
+    n_l, n_e = trace.num_layers, max(trace.num_experts)
+    flat = ids + (np.arange(n_l) * n_e)[None, :, None]
+    counts = np.bincount(flat[ids >= 0], minlength=n_l * n_e).reshape(n_l, n_e)
+    return Profile.from_counts(counts, slots=slots)
 
-    def __init__(self, cp, layers: int, hidden: int, rng: np.random.Generator):
-        self.cp = cp
+
+class Dense:
+    """The per-layer GPU stand-in for attention (see the module docstring); outputs alternate
+    between two preallocated buffers, all work on ``stream``."""
+
+    def __init__(self, cp, layers: int, hidden: int, rng: np.random.Generator, stream):
+        from execute.gpu_experts import Launch
+
+        self.cp, self.stream, self.hidden = cp, stream, hidden
+        self.mod = cp.RawModule(code=DENSE_SRC, options=("-std=c++14",))
+        self.gemv = Launch(self.mod.get_function("gemv_f16"), 9)
+        self.spin = Launch(self.mod.get_function("spin_ns"), 1)
+        self.norm = Launch(self.mod.get_function("rmsnorm"), 4)
+        self.eps = Launch.f32(1e-6)
         g = cp.random.default_rng(int(rng.integers(2**31)))
-        self.qkv = [(g.standard_normal((hidden, 5120), dtype=cp.float32) / np.sqrt(hidden)).astype(cp.float16)
-                    for _ in range(layers)]
-        self.o = [(g.standard_normal((4096, hidden), dtype=cp.float32) / 64).astype(cp.float16) for _ in range(layers)]
+        with stream:
+            self.w1 = [(g.standard_normal((QKV, hidden), dtype=cp.float32) / np.sqrt(hidden)).astype(cp.float16)
+                       for _ in range(layers)]  # (5120, hidden)
+            self.w2 = [(g.standard_normal((hidden, ATTN), dtype=cp.float32) / 64).astype(cp.float16)
+                       for _ in range(layers)]  # (hidden, 4096)
+        self._bufs: dict[int, tuple] = {}
+        self._next = 0
 
     def __call__(self, x, layer: int):
+        """x: (T, hidden) float32 C-contiguous device array -> (T, hidden) float32 (a ring buffer)."""
+        t = x.shape[0]
+        bufs = self._bufs.get(t)
+        if bufs is None:
+            with self.stream:
+                bufs = self._bufs[t] = (self.cp.empty((t, QKV), self.cp.float32),
+                                        self.cp.empty((t, self.hidden), self.cp.float32),
+                                        [self.cp.empty((t, self.hidden), self.cp.float32) for _ in range(2)])
+        a, res, outs = bufs
+        out = outs[self._next]
+        self._next ^= 1
+        s, h = self.stream.ptr, self.hidden
+        self.gemv((-(-QKV // 8), t), 128, s, self.w1[layer].data.ptr, x.data.ptr, h, 0, a.data.ptr, QKV, h, 1, self.eps)
+        self.gemv((-(-h // 8), t), 128, s, self.w2[layer].data.ptr, a.data.ptr, QKV, x.data.ptr, res.data.ptr, h,
+                  ATTN, 0, self.eps)
+        self.norm((t, 1), 128, s, res.data.ptr, out.data.ptr, h, self.eps)
+        return out
+
+    def cupy_ops(self, x, layer: int):
+        """The same computation with CuPy operators (the earlier stand-in; fp16 activations)."""
         cp = self.cp
-        h = (x * cp.reciprocal(cp.sqrt(cp.mean(x * x, axis=1, keepdims=True) + 1e-6))).astype(cp.float16)
-        a = cp.matmul(h, self.qkv[layer])[:, :4096]
-        return x + cp.matmul(a, self.o[layer]).astype(cp.float32)
+        with self.stream:
+            h = (x * cp.reciprocal(cp.sqrt(cp.mean(x * x, axis=1, keepdims=True) + 1e-6))).astype(cp.float16)
+            a = cp.matmul(h, self.w1[layer].T)[:, :ATTN]
+            r = x + cp.matmul(a, self.w2[layer].T).astype(cp.float32)
+            return r * cp.reciprocal(cp.sqrt(cp.mean(r * r, axis=1, keepdims=True) + 1e-6))
+
+    def reference(self, x: np.ndarray, layer: int) -> np.ndarray:
+        """float64 host reference."""
+        w1, w2 = self.w1[layer].get().astype(np.float64), self.w2[layer].get().astype(np.float64)
+        x = x.astype(np.float64)
+        h = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6)
+        r = x + (h @ w1.T)[:, :ATTN] @ w2.T
+        return r / np.sqrt((r * r).mean(axis=1, keepdims=True) + 1e-6)
 
 
-def measure_rates(cp, layers, gx, pool, dense, reps: int = 6) -> dict:
-    """Upload, CPU-pool and GPU-kernel rates (GB/s) and the dense stand-in's time per layer."""
+def gpu_us(cp, dense: Dense, fn, reps: int = 20) -> float:
+    """Device time per call of ``fn`` (work on the dense stream only), queued behind a 10 ms spin."""
+    s = dense.stream
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    dense.spin((1, 1), 1, s.ptr, 10_000_000)
+    a.record(s)
+    for _ in range(reps):
+        fn()
+    b.record(s)
+    b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) * 1e3 / reps
+
+
+def host_us(fn, reps: int = 50) -> float:
+    """Host time per call of ``fn`` (median of ``reps``, no synchronisation)."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
+
+
+def measure_rates(cp, layers, gx, pool, dense: Dense, reps: int = 6) -> dict:
+    """Upload, CPU-pool and GPU-kernel rates (GB/s), the dense stand-in's time per layer (device
+    time, used by the bound) and host/device times of the per-layer calls (the breakdown)."""
     eb = layers[0].expert_bytes
     n_slots = gx.arenas[0].size // gx.slot_bytes[0]
     k = min(8, n_slots)
-    x1 = cp.asarray(np.random.default_rng(0).standard_normal((1, layers[0].hidden)).astype(np.float32))
+    with gx.compute:  # the compute stream does not wait for the legacy default stream
+        x1 = cp.asarray(np.random.default_rng(0).standard_normal((1, layers[0].hidden)).astype(np.float32))
     # uploads: k experts per layer into its slots, rotating layers
     gx.wait(gx.all_done_event())
     t0 = time.perf_counter()
@@ -92,17 +263,22 @@ def measure_rates(cp, layers, gx, pool, dense, reps: int = 6) -> dict:
             n += 1
         gx.wait(gx.copies_event())
     upload_gbps = n * eb / (time.perf_counter() - t0) / 1e9
-    # GPU kernels: k resident experts, one token each
-    times = []
-    for i in range(reps * 4):
-        lx = layers[i % len(layers)]
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(gx.compute)
-        gx.run(lx.layer, list(range(k)), x1, [0] * k)
-        stop.record(gx.compute)
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
-    gpu_gbps = k * eb / float(np.median(times[2:])) / 1e9
+    gx.wait(gx.all_done_event())
+    # expert kernels as the engine runs them: k resident experts of layer 0, one token each
+    meta = gx.layer_meta([gx.source_ptr(0, s) for s in range(k)], list(range(k + 1)), [0] * k, list(range(k)),
+                         [1.0 / k] * k, k)
+    y = gx.pair_outputs(0, k)
+    gx.wait(gx.all_done_event())
+    times = {"experts": lambda: gx.run_groups(0, meta, 0, k, x1, k), "combine": lambda: gx.combine_meta(meta, y),
+             "dense": lambda: dense(x1, 0), "dense_cupy_ops": lambda: dense.cupy_ops(x1, 0)}
+    assert dense.stream is gx.compute
+    out = {"gpu_us": {name: gpu_us(cp, dense, fn) for name, fn in times.items()}}
+    out["host_us"] = {name: host_us(fn) for name, fn in times.items()}
+    out["host_us"]["layer_meta"] = host_us(lambda: gx.layer_meta([gx.source_ptr(0, s) for s in range(k)],
+                                                                  list(range(k + 1)), [0] * k, list(range(k)),
+                                                                  [1.0 / k] * k, k))
+    gx.wait(gx.all_done_event())
+    gpu_gbps = k * eb / (out["gpu_us"]["experts"] * 1e-6) / 1e9
     # CPU pool: k experts per call, rotating layers so L3 does not serve them
     xh = np.random.default_rng(1).standard_normal((k, layers[0].hidden)).astype(np.float32)
     pool.warmup(layers[0])
@@ -113,21 +289,14 @@ def measure_rates(cp, layers, gx, pool, dense, reps: int = 6) -> dict:
         job.result()
         cpu_t.append(job.compute_s)
     cpu_gbps = k * eb / float(np.median(cpu_t[1:])) / 1e9
-    # dense stand-in
-    with gx.compute:
-        x = x1.copy()
-        for layer in range(len(layers)):
-            x = dense(x, layer)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        gx.compute.synchronize()
-        t0 = time.perf_counter()
-        for r in range(reps):
-            for layer in range(len(layers)):
-                x = dense(x, layer)
-        gx.compute.synchronize()
-    dense_s = (time.perf_counter() - t0) / (reps * len(layers))
-    return {"upload_gbps": upload_gbps, "gpu_gbps": gpu_gbps, "cpu_gbps": cpu_gbps, "dense_s_per_layer": dense_s,
-            "experts_per_measure": k}
+    # dense stand-in: numerics against float64 and the CuPy-operator version
+    ref = dense.reference(x1.get(), 1)
+    fused, ops = dense(x1, 1).get(), dense.cupy_ops(x1, 1).get()
+    err = {"fused_vs_f64": float(np.linalg.norm(fused - ref) / np.linalg.norm(ref)),
+           "cupy_ops_vs_f64": float(np.linalg.norm(ops - ref) / np.linalg.norm(ref))}
+    out.update(upload_gbps=upload_gbps, gpu_gbps=gpu_gbps, cpu_gbps=cpu_gbps,
+               dense_s_per_layer=out["gpu_us"]["dense"] * 1e-6, experts_per_measure=k, dense_rel_err=err)
+    return out
 
 
 def bound_s(decisions, eb: int, rates: dict) -> tuple[float, float]:
@@ -143,63 +312,180 @@ def bound_s(decisions, eb: int, rates: dict) -> tuple[float, float]:
     return own, ideal
 
 
+HOST_PHASES = ("dense", "run_layer", "background")
+ENGINE_PHASES = ("host_plan_s", "host_queue_s", "input_wait_s", "cpu_wait_s", "host_combine_s", "background_wait_s")
+
+
 def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense, gx, rates, options) -> dict:
     from execute.engine import ExpertEngine
 
-    pol = make_policy(name, geo, cap, profile=profile if name in ("static", "hybrid") else None, **options)
+    pol = make_policy(name, geo, cap, profile=profile, **options)
     engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
     engine.load_residents(pol.cache.slot)
     rng = np.random.default_rng(args.seed + 7)
-    x0 = cp.asarray(rng.standard_normal((1, args.hidden)).astype(np.float32))
+    with gx.compute:
+        x0 = cp.asarray(rng.standard_normal((1, args.hidden)).astype(np.float32))
     eb = layers[0].expert_bytes
     timed, decisions = False, []
-    up0 = hits = routed = 0
-    t0 = None
+    hits = routed = bg_bytes = 0
+    host = dict.fromkeys(HOST_PHASES, 0.0)
+    t0 = up0 = stats0 = None
     x = x0
-    bg_bytes = 0
+    pc = time.perf_counter
     for item in drive(pol, tokens):
         if isinstance(item, RunLayer):
             layer = item.step.layer
-            with gx.compute:
-                x = dense(x, layer)
             ids, w = routing[item.token.index][layer]
+            a = pc()
+            x = dense(x, layer)
+            b = pc()
             x = engine.run_layer(item, x, ids[None, :], w[None, :])
             if timed:
+                host["dense"] += b - a
+                host["run_layer"] += pc() - b
                 decisions.append(item.decision)
                 hits += len(item.decision.hits)
                 routed += len(item.step.experts)
         elif isinstance(item, StartBackground):
+            a = pc()
             engine.start_background(item.moves)
             if timed:
+                host["background"] += pc() - a
                 bg_bytes += len(item.moves) * eb
         elif isinstance(item, AwaitBackground):
+            a = pc()
             engine.await_background(item.moves)
+            if timed:
+                host["background"] += pc() - a
         elif isinstance(item, EndToken) and item.token.index == args.warmup - 1:
             engine.synchronize()
-            timed, t0, up0 = True, time.perf_counter(), gx.bytes_uploaded
-            stats0 = dict(vars(engine.stats))
-            stats0.pop("per_layer_cpu_s")
+            timed, t0, up0 = True, pc(), gx.bytes_uploaded
+            stats0 = {k: v for k, v in vars(engine.stats).items() if k != "per_layer_cpu_s"}
             x = x0
     engine.synchronize()
-    wall = time.perf_counter() - t0
+    wall = pc() - t0
     n = args.tokens
     own, ideal = bound_s(decisions, eb, rates)
-    st = engine.stats
+    st = {k: v - stats0[k] for k, v in vars(engine.stats).items() if k != "per_layer_cpu_s"}
     engine.close()
+    per_layer = 1e6 / max(len(decisions), 1)
+    breakdown = {f"{k}_us": v * per_layer for k, v in host.items()}
+    breakdown.update({f"{k[:-2]}_us": st[k] * per_layer for k in ENGINE_PHASES})
+    breakdown["wall_us"] = wall * per_layer
     return {
-        "policy": name, "options": options, "tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
-        "hit_rate": hits / max(routed, 1), "uploaded_gb": (gx.bytes_uploaded - up0) / 1e9,
-        "background_gb": bg_bytes / 1e9,
-        "cpu_pairs": st.cpu_pairs - stats0["cpu_pairs"], "gpu_pairs": st.gpu_pairs - stats0["gpu_pairs"],
-        "cpu_compute_s": st.cpu_compute_s - stats0["cpu_compute_s"], "cpu_wait_s": st.cpu_wait_s - stats0["cpu_wait_s"],
-        "background_wait_s": st.background_wait_s - stats0["background_wait_s"],
-        "bound_tokens_per_s": n / own, "ideal_split_bound_tokens_per_s": n / ideal,
+        "policy": name, "options": options, "profile": profile is not None, "tokens": n, "wall_s": wall,
+        "tokens_per_s": n / wall, "hit_rate": hits / max(routed, 1), "uploaded_gb": (gx.bytes_uploaded - up0) / 1e9,
+        "background_gb": bg_bytes / 1e9, "cpu_pairs": st["cpu_pairs"], "gpu_pairs": st["gpu_pairs"],
+        "cpu_compute_s": st["cpu_compute_s"], "cpu_wait_s": st["cpu_wait_s"],
+        "background_wait_s": st["background_wait_s"], "bound_tokens_per_s": n / own,
+        "ideal_split_bound_tokens_per_s": n / ideal, "per_layer_us": breakdown,
     }
 
 
-def main(argv=None) -> int:
+def label(r: dict) -> str:
+    s = r["policy"]
+    if "miss_frac_256" in r["options"]:
+        s += f" f={r['options']['miss_frac_256']}"
+    if r["policy"] == "hybrid" and r["profile"]:
+        s += " +prof"
+    return s
+
+
+def report(results: list[dict], rates: dict) -> tuple[str, dict | None]:
+    """The printed tables, and {'ratio', 'hybrid', 'best'} (None without both kinds of runs)."""
+    out = io.StringIO()
+    w = out.write
+    w(f"\n{'policy':<22}{'tok/s':>8}{'hits':>7}{'up GB':>8}{'cpu pairs':>10}{'bound':>8}{'%bound':>8}{'ideal':>8}\n")
+    for r in results:
+        w(f"{label(r):<22}{r['tokens_per_s']:8.1f}{r['hit_rate']:7.3f}{r['uploaded_gb']:8.2f}{r['cpu_pairs']:10d}"
+          f"{r['bound_tokens_per_s']:8.1f}{100 * r['tokens_per_s'] / r['bound_tokens_per_s']:7.0f}%"
+          f"{r['ideal_split_bound_tokens_per_s']:8.1f}\n")
+    best = max((r for r in results if r["policy"] != "hybrid"), key=lambda r: r["tokens_per_s"], default=None)
+    hyb = max((r for r in results if r["policy"] == "hybrid"), key=lambda r: r["tokens_per_s"], default=None)
+    summary = None
+    if best and hyb:
+        summary = {"ratio": hyb["tokens_per_s"] / best["tokens_per_s"], "hybrid": label(hyb), "best": label(best)}
+        w(f"hybrid / best non-hybrid: {summary['ratio']:.2f}x ({label(hyb)} {hyb['tokens_per_s']:.1f} vs "
+          f"{label(best)} {best['tokens_per_s']:.1f} tok/s); hybrid at "
+          f"{100 * hyb['tokens_per_s'] / hyb['ideal_split_bound_tokens_per_s']:.0f}% of the ideal-split bound\n")
+    cols = [r for r in results if r is best or r is hyb or r["policy"] in ("lru", "cpu")]
+    cols = list({id(r): r for r in cols}.values())
+    w(f"\nper layer, us (host clock around each call; engine phases inside run_layer)\n{'phase':<18}")
+    w("".join(f"{label(r):>14}" for r in cols) + "\n")
+    for key in cols[0]["per_layer_us"] if cols else ():
+        w(f"{key[:-3]:<18}" + "".join(f"{r['per_layer_us'][key]:14.1f}" for r in cols) + "\n")
+    w(f"\none call, us{'':<14}{'host':>10}{'device':>10}\n")
+    for name in rates["gpu_us"]:
+        w(f"{name:<26}{rates['host_us'][name]:10.1f}{rates['gpu_us'][name]:10.1f}\n")
+    w(f"{'layer_meta':<26}{rates['host_us']['layer_meta']:10.1f}{'':>10}\n")
+    e = rates["dense_rel_err"]
+    w(f"dense stand-in rel. error vs float64: fused {e['fused_vs_f64']:.1e}, cupy ops {e['cupy_ops_vs_f64']:.1e}\n")
+    return out.getvalue(), summary
+
+
+def write_outputs(out: Path, config: dict, rates: dict, results: list[dict], summary) -> None:
+    """JSON (everything), CSV (one row per run) and a PNG bar chart, each via a temp file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+
+    def put(name: str, write) -> None:
+        tmp = out / (name + ".tmp")
+        write(tmp)
+        os.replace(tmp, out / name)
+
+    put("bench_executor.json", lambda p: p.write_text(
+        json.dumps({"config": config, "rates": rates, "results": results, "summary": summary}, indent=1)))
+    fields = ["label", "tokens_per_s", "hit_rate", "uploaded_gb", "cpu_pairs", "gpu_pairs", "bound_tokens_per_s",
+              "ideal_split_bound_tokens_per_s", "wall_s"]
+    keys = list(results[0]["per_layer_us"]) if results else []
+
+    def write_csv(p: Path) -> None:
+        with open(p, "w", newline="") as f:
+            wr = csv.writer(f)
+            wr.writerow(fields + [f"per_layer_{k}" for k in keys])
+            for r in results:
+                wr.writerow([label(r)] + [r[k] for k in fields[1:]] + [round(r["per_layer_us"][k], 2) for k in keys])
+
+    put("bench_executor.csv", write_csv)
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(results)), 4))
+    xs = np.arange(len(results))
+    ax.bar(xs, [r["tokens_per_s"] for r in results], color=["C1" if r["policy"] == "hybrid" else "C0" for r in results])
+    ax.scatter(xs, [r["bound_tokens_per_s"] for r in results], marker="_", s=400, color="k", label="bound")
+    ax.scatter(xs, [r["ideal_split_bound_tokens_per_s"] for r in results], marker="_", s=400, color="C3",
+               label="ideal-split bound")
+    ax.set_xticks(xs, [label(r) for r in results], rotation=30, ha="right")
+    ax.set_ylabel("decode tokens/s")
+    title = f"{config['layers']} layers x {config['experts']} experts, {config['slots_per_layer']} slots/layer, {config['gpu']}"
+    if summary:
+        title += f"\nhybrid / best non-hybrid = {summary['ratio']:.2f}x"
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    put("bench_executor.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    plt.close(fig)
+
+
+def build_layers(args, rng: np.random.Generator) -> list[LayerExperts]:
+    layers = []
+    for l in range(args.layers):  # distinct random layers, copied into fresh memory for the rest
+        if l < args.distinct_layers:
+            layers.append(random_layer(rng, l, args.experts, args.hidden, args.ffn, Q.Q8_0, exact=False))
+        else:
+            src = layers[l % args.distinct_layers]
+            tag = f"blk.{l % args.distinct_layers}."
+            layers.append(LayerExperts(l, *(replace(t, data=t.data.copy(), name=t.name.replace(tag, f"blk.{l}."))
+                                            for t in (src.gate, src.up, src.down))))
+    return layers
+
+
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--distinct-layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=768)
@@ -210,10 +496,27 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--policies", default="cpu,lru,static,hybrid")
-    ap.add_argument("--miss-fracs", default="44", help="hybrid miss_frac_256 values to run (comma list)")
+    ap.add_argument("--miss-fracs", default="16,44,96,160", help="hybrid miss_frac_256 values to run (comma list)")
+    ap.add_argument("--hybrid-profile", choices=("none", "warmup"), default="none",
+                    help="hybrid's profile: none, or counted on the trace's warm-up tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_executor"))
     args = ap.parse_args(argv)
+    try:
+        fracs = [int(f) for f in args.miss_fracs.split(",")]
+    except ValueError:
+        ap.error(f"--miss-fracs: expected integers 0..256 separated by commas, got {args.miss_fracs!r}")
+    if not all(0 <= f <= 256 for f in fracs):
+        ap.error(f"--miss-fracs: expected integers 0..256, got {args.miss_fracs!r}")
+    if not 1 <= args.distinct_layers <= args.layers:
+        ap.error(f"--distinct-layers: expected 1..{args.layers}, got {args.distinct_layers}")
+    if args.hidden % 8 or args.warmup < 1 or args.tokens < 1:
+        ap.error("--hidden must be a multiple of 8; --warmup and --tokens at least 1")
+    return args, fracs
+
+
+def main(argv=None) -> int:
+    args, fracs = parse(argv)
     import cupy as cp
 
     from execute.cpu_experts import CpuExpertPool
@@ -221,14 +524,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(args.seed)
     log(f"building {args.layers} x {args.experts} Q8_0 experts in host RAM")
-    layers = []
-    for l in range(args.layers):  # 4 distinct random layers, copied into fresh memory for the rest
-        if l < 4:
-            layers.append(random_layer(rng, l, args.experts, args.hidden, args.ffn, Q.Q8_0, exact=False))
-        else:
-            src = layers[l % 4]
-            layers.append(LayerExperts(l, *(replace(t, data=t.data.copy(), name=t.name.replace(f"blk.{l % 4}.", f"blk.{l}."))
-                                            for t in (src.gate, src.up, src.down))))
+    layers = build_layers(args, rng)
     eb = layers[0].expert_bytes
     geo = Geometry((args.experts,) * args.layers, args.top_k, (eb,) * args.layers)
     slots = min(Capacity.from_mib(geo, args.cache_mib).pools[0][1], int(args.cache_frac * args.experts))
@@ -237,8 +533,7 @@ def main(argv=None) -> int:
         f"{cap.slot_bytes(geo) / 2**20:.0f} MiB")
     total = args.warmup + args.tokens
     trace, trace_src = make_trace(args, args.seed + 1, total)
-    prof_trace, _ = make_trace(args, args.seed + 2, 512)
-    profile = Profile.from_counts(prof_trace.routing_counts(), slots=slots * args.layers)
+    profile = warmup_profile(trace, args.warmup, slots * args.layers)
     tokens = list(trace.tokens())
     wrng = np.random.default_rng(args.seed + 3)
     routing = [[(trace.expert_ids[t, l].astype(np.int64), wrng.dirichlet(np.ones(args.top_k)).astype(np.float32))
@@ -247,41 +542,29 @@ def main(argv=None) -> int:
     gx = GpuExperts(layers, cap, scratch_slots=16, pinned=True, timeout_s=60)
     pin_s = time.perf_counter() - t0
     log(f"pinned {len(gx.registered)} host buffers in {pin_s:.1f} s (staging: {gx.staging is not None})")
-    dense = Dense(cp, args.layers, args.hidden, rng)
+    dense = Dense(cp, args.layers, args.hidden, rng, gx.compute)
     with CpuExpertPool(args.threads, timeout_s=120) as pool:
         rates = measure_rates(cp, layers, gx, pool, dense)
-    log("rates: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items()))
-    results = []
-    runs = [(p, {}) for p in args.policies.split(",") if p != "hybrid"]
+    log("rates: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items() if isinstance(v, float)))
+    runs = [(p, {}, profile if p == "static" else None) for p in args.policies.split(",") if p != "hybrid"]
     if "hybrid" in args.policies.split(","):
-        runs += [("hybrid", {"miss_frac_256": int(f)}) for f in args.miss_fracs.split(",")]
-    for name, options in runs:
-        r = run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense, gx, rates, options)
+        hp = profile if args.hybrid_profile == "warmup" else None
+        runs += [("hybrid", {"miss_frac_256": f}, hp) for f in fracs]
+    results = []
+    for name, options, prof in runs:
+        r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options)
         results.append(r)
-        log(f"{name} {options}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound {r['bound_tokens_per_s']:.1f}")
+        log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound {r['bound_tokens_per_s']:.1f}")
     gx.close()
-    config = {k: v for k, v in vars(args).items()}
+    config = dict(vars(args))
     config.update(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), trace=trace_src, slots_per_layer=slots,
                   expert_bytes=eb, total_expert_gb=geo.total_expert_bytes / 1e9, pin_s=pin_s,
-                  gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), threads=args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "bench_executor.json.tmp"
-    tmp.write_text(json.dumps({"config": config, "rates": rates, "results": results}, indent=1))
-    os.replace(tmp, out / "bench_executor.json")
-    best = max((r for r in results if r["policy"] != "hybrid"), key=lambda r: r["tokens_per_s"], default=None)
-    print(f"\n{'policy':<22}{'tok/s':>8}{'hits':>7}{'up GB':>8}{'cpu pairs':>10}{'bound':>8}{'%bound':>8}{'ideal':>8}")
-    for r in results:
-        label = r["policy"] + ("" if not r["options"] else f" f={r['options']['miss_frac_256']}")
-        print(f"{label:<22}{r['tokens_per_s']:8.1f}{r['hit_rate']:7.3f}{r['uploaded_gb']:8.2f}{r['cpu_pairs']:10d}"
-              f"{r['bound_tokens_per_s']:8.1f}{100 * r['tokens_per_s'] / r['bound_tokens_per_s']:7.0f}%"
-              f"{r['ideal_split_bound_tokens_per_s']:8.1f}")
-    hyb = [r for r in results if r["policy"] == "hybrid"]
-    if best and hyb:
-        h = max(hyb, key=lambda r: r["tokens_per_s"])
-        print(f"best hybrid f={h['options']['miss_frac_256']}: {h['tokens_per_s'] / best['tokens_per_s']:.2f}x the best "
-              f"non-hybrid ({best['policy']}), {100 * h['tokens_per_s'] / h['bound_tokens_per_s']:.0f}% of its bound, "
-              f"{100 * h['tokens_per_s'] / h['ideal_split_bound_tokens_per_s']:.0f}% of the ideal-split bound")
+                  gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), static_profile="warm-up tokens",
+                  hybrid_profile=args.hybrid_profile)
+    text, summary = report(results, rates)
+    write_outputs(Path(args.out), config, rates, results, summary)
+    print(text)
+    log(f"wrote {args.out}/bench_executor.{{json,csv,png}}")
     return 0
 
 
