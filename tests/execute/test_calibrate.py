@@ -112,3 +112,29 @@ def test_cpu_only_command_writes_a_loadable_file(tmp_path):
 def test_cpu_only_without_base_is_an_error(capsys):
     assert C.main(["--cpu-only"]) == 2
     assert "--base" in capsys.readouterr().err
+
+
+def test_host_lane_hand_computed():
+    """One token, one layer, one hit + one CPU expert, on the executor's lanes (microseconds)."""
+    from scheduler import Decision, EndToken, RunLayer, Step, Token
+    from simulate import Costs, ExecConfig, Hardware, ModelSpec, Simulator
+
+    ex = {"host_dense_s": 100e-6, "dense_fixed_s": 0.0, "readback_s": 10e-6, "host_gpu_layer_s": 50e-6,
+          "host_gpu_expert_s": 0.0, "host_copy_s": 5e-6, "host_cpu_s": 40e-6, "gpu_batch_s": 0.0,
+          "combine_s": 0.0, "wait_poll_s": 0.0, "plan_s": {"x": 1e-6}}
+    hw = Hardware(name="r", gpu_name="g", gpu_mem_bytes=2**30, gpu_mem_gbps=100.0, gpu_tflops=100.0, launch_s=1e-6,
+                  pcie_h2d_gbps=10.0, pageable_gbps=5.0, copy_latency_s=0.0, cpu_name="c", cpu_threads=1,
+                  cpu_mem_gbps=100.0, cpu_thread_gbps=20.0, cpu_task_s=0.0, executor=ex)
+    model = ModelSpec(name="t", num_layers=1, num_experts=4, top_k=2, hidden=1000, expert_ffn=500, num_heads=4,
+                      num_kv_heads=2, head_dim=8, vocab=1000, expert_quant="F16", dense_quant="F16",
+                      kv_elem_bytes=1, kv_elems_per_token=1)
+    c = Costs(model, hw, ExecConfig(policy="x"))
+    step = Step(0, (0, 1))
+    t = Token(0, 0, 0, "decode", (step,))
+    r = Simulator(c).run([RunLayer(t, step, Decision(step, (0,), cpu=(1,))), EndToken(t)])
+    dense_gpu = model.dense_bytes(0) / 100e9 + 1 / 100e9  # 1 KV byte at position 1
+    assert dense_gpu < 100e-6  # the host's issue dominates the dense part
+    cpu = 3e6 / 20e9  # 150 us
+    layer = 1e-6 + 100e-6 + 10e-6 + 20e-6 + cpu + 20e-6  # plan, dense, read-back, half hand-off, CPU, half
+    head = max(100e-6, model.head_bytes() / 100e9) + 10e-6
+    assert r.token_s[0] == pytest.approx(layer + head)
