@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from execute import quant as Q
-from execute.engine import ExpertEngine, gather_pairs
+from execute.engine import ExpertEngine, _pair_arrays, _pair_lists, gather_pairs
 from execute.experts import ExecutorError, random_layer
 from scheduler.core import Capacity, Decision, Geometry, Step, Token
 from scheduler.drive import AwaitBackground, RunLayer, StartBackground, drive
@@ -76,6 +78,41 @@ def test_gather_pairs_orders_by_destination():
     assert (experts[pair_of] == ids).all() and (tok[pair_of] == np.arange(3)[:, None]).all()
     with pytest.raises(ExecutorError, match=r"layer 0: routed experts \[9\] are not in the decision"):
         gather_pairs(d, np.array([[9, 3]]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_pair_lists_match_numpy_path(data):
+    """The list path (small steps, the GPU hot path) and the numpy path order pairs identically."""
+    n_exp = data.draw(st.integers(2, 40))
+    k = data.draw(st.integers(1, min(8, n_exp)))
+    t = data.draw(st.integers(1, 6))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)])
+    used = list(dict.fromkeys(ids.reshape(-1).tolist()))
+    dest = rng.integers(0, 4, len(used))  # hits, uploads, streams, cpu
+    part = [tuple(e for e, d in zip(used, dest) if d == i) for i in range(4)]
+    d = Decision(Step(0, tuple(used)), hits=part[0], uploads=part[1], slots=tuple(range(len(part[1]))),
+                 streams=part[2], cpu=part[3])
+    experts, tok, pair_of, n_gpu, gpu = _pair_lists(d, ids)
+    ref = _pair_arrays(d, ids)
+    assert experts == ref[0].tolist() and tok == ref[1].tolist() and pair_of == ref[2].reshape(-1).tolist()
+    assert n_gpu == ref[3] and list(gpu) == ref[4].tolist()
+    got = gather_pairs(d, ids)
+    assert all(np.array_equal(a, b) for a, b in zip(got[:3] + got[4:], ref[:3] + ref[4:])) and got[3] == ref[3]
+
+
+def test_gather_pairs_large_step_uses_numpy_path_consistently():
+    rng = np.random.default_rng(3)
+    ids = np.stack([rng.choice(64, 8, replace=False) for _ in range(100)])  # 800 pairs > the list-path limit
+    used = list(dict.fromkeys(ids.reshape(-1).tolist()))
+    d = Decision(Step(0, tuple(used)), hits=tuple(used[::2]), cpu=tuple(used[1::2]))
+    experts, tok, pair_of, n_gpu, _ = gather_pairs(d, ids)
+    assert (experts[pair_of] == ids).all() and (tok[pair_of] == np.arange(100)[:, None]).all()
+    assert n_gpu == int(np.isin(ids, used[::2]).sum()) and set(experts[:n_gpu].tolist()) == set(used[::2])
+    with pytest.raises(ExecutorError, match=r"routed experts \[99\] are not in the decision"):
+        gather_pairs(d, np.concatenate([ids, [[99] + list(ids[0, 1:])]]))
 
 
 def test_cpu_policy_without_gpu(rng, reference):

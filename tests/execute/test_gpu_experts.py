@@ -97,3 +97,50 @@ def test_arena_is_the_capacity_budget(cp, rng):
         assert len(gx.registered) == 6 and gx.staging is None
     finally:
         gx.close()
+
+
+def test_layer_meta_groups_rounds_and_cpu_rows(cp, rng, reference):
+    """The engine's per-layer path: one metadata copy, kernels over groups in two launches (as in
+    two rounds), CPU rows put through the pinned staging, then the combine."""
+    from execute.gpu_experts import scratch_source
+
+    layer = random_layer(rng, 0, num_experts=6, hidden=256, ffn=512, qtype=Q.Q4_0, down_qtype=Q.Q8_0)
+    gx = make([layer], slots=3)
+    try:
+        gx.begin_copies()
+        for e, s in [(2, 0), (0, 1)]:
+            gx.upload(0, e, s)
+        k = gx.stream(0, 5)
+        gx.compute_after_copies()
+        # tokens 0, 1, 2 with top-2: pairs grouped by expert (2: t0 t2 | 0: t1 | 5: t0 t1 | cpu 3: t2)
+        experts, xrow = [2, 2, 0, 5, 5, 3], [0, 2, 1, 0, 1, 2]
+        ids = np.array([[2, 5], [0, 5], [3, 2]])
+        pair_of = np.array([[0, 3], [2, 4], [5, 1]])
+        w = rng.dirichlet(np.ones(2), size=3).astype(np.float32)
+        bases = [gx.source_ptr(0, s) for s in (0, 1, scratch_source(k))]
+        meta = gx.layer_meta(bases, [0, 2, 3, 5], xrow[:5], pair_of.reshape(-1).tolist(), w.reshape(-1).tolist(), 2)
+        y = gx.pair_outputs(0, 6)
+        x = rng.standard_normal((3, 256)).astype(np.float32)
+        with gx.compute:  # the compute stream does not wait for the legacy default stream
+            y[...] = cp.nan  # poisoned: every row must be written
+            dx = gx.as_input(cp.asarray(x))
+        gx.run_groups(0, meta, 0, 2, dx, 6)
+        gx.run_groups(0, meta, 2, 3, dx, 6)
+        xin, cpu_out = gx.cpu_buffers(1, 256)
+        cpu_out[:] = reference(layer, [3], x[[2]])
+        gx.put_rows(y, 5, cpu_out)
+        out = gx.combine_meta(meta, y).get()
+        ref_pairs = reference(layer, experts, x[xrow])
+        assert rel_err(y.get(), ref_pairs) < REL_ERR
+        want = np.einsum("tk,tkh->th", w.astype(np.float64), ref_pairs[pair_of])
+        assert rel_err(out, want) < REL_ERR
+        assert (np.array(experts)[pair_of] == ids).all()
+    finally:
+        gx.close()
+
+
+def test_launch_checks_argument_count(cp, rng):
+    from execute.gpu_experts import Launch, _kernel
+
+    with pytest.raises(ValueError, match="3 arguments, expected 6"):
+        Launch(_kernel("moe_combine"), 6)((1, 1), 32, 0, 1, 2, 3)
