@@ -427,10 +427,16 @@ class EngineExperts:
                 "with the numpy expert backend (--backend numpy, policy cpu)")
         if use_gpu:
             array_module(True)  # a clear error when cupy is missing
+        from threadpoolctl import threadpool_limits
+
         from .engine import ExpertEngine
 
         self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s)
         self._first = next((l for l in weights.experts if l is not None), None)
+        # numpy's BLAS threads spin-wait after each dense product and starve the Numba pool's
+        # thread team (a 2-core layer call went from 0.5 ms to 19 ms); one-token products gain
+        # nothing from BLAS threads, so they are limited to one while this backend lives.
+        self._blas = threadpool_limits(limits=1, user_api="blas")
 
     def prepare(self, policy) -> None:
         """Compile the CPU kernels (first use) and upload the experts the policy placed at
@@ -457,6 +463,7 @@ class EngineExperts:
 
     def close(self) -> None:
         self.engine.close()
+        self._blas.restore_original_limits()
 
 
 # the driver loop ---------------------------------------------------------------------------------
