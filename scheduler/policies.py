@@ -421,7 +421,8 @@ class HybridPolicy(BasePolicy):
 
     def commit(self, d: Decision) -> None:
         layer = d.layer
-        self._take_slots(d)
+        if d.uploads:
+            self._take_slots(d)
         u = self._u[layer]
         if d.step.counts is None:
             for e in d.step.experts:
