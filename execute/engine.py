@@ -14,11 +14,13 @@ Before the first item, ``engine.load_residents(policy.cache.slot)`` uploads the 
 policy placed at construction (profile pre-population; all experts for ``gpu``).
 
 Per layer, the engine gathers the (expert, token) pairs by destination, in decision order:
-GPU pairs (hits, uploads, streams) first, then CPU pairs. The CPU pairs go to the CPU pool at
-once (their inputs copied to the host); meanwhile the uploads and streams are queued on the copy
-stream, the kernels for all GPU pairs wait only for those copies, and promotions follow on the
-compute stream. The CPU outputs are then copied up and every token's pairs are combined with the
-router weights in one kernel. Without a GPU only decisions with CPU work alone are accepted.
+GPU pairs (hits, uploads, streams) first, then CPU pairs. When there are CPU pairs the layer input
+is copied to pinned host memory (an event, no stream sync); the layer's kernel metadata goes up in
+one copy; the uploads and streams are queued on the copy stream, the kernels for the GPU pairs
+wait only for those copies, and promotions follow on the compute stream. Then the CPU pairs are
+submitted (inputs from the fetched copy) and awaited, their outputs copied up, and every token's
+pairs combined with the router weights in one kernel. Without a GPU only decisions with CPU work
+alone are accepted.
 
 The engine follows residency only to know which slot holds an expert (from the decisions and
 moves it executes); all choices are the policy's.
