@@ -214,7 +214,7 @@ class ExpertEngine:
     def _run_gpu(self, d: Decision, lx: LayerExperts, x, experts: list, tok: list, pair_of: list, n_gpu: int,
                  weights: np.ndarray, t0: float):
         """GPU pairs on the GPU, the rest on the CPU pool (input fetched to pinned memory first,
-        the job submitted once the GPU work is queued), then the combine; no host sync but the
+        the job submitted before the GPU work is queued), then the combine; no host sync but the
         wait for the CPU pool's input."""
         gx = self.gpu
         layer = d.layer
@@ -229,16 +229,23 @@ class ExpertEngine:
         y = gx.pair_outputs(layer, n_pairs)
         t1 = time.perf_counter()
         st.host_plan_s += t1 - t0
+        job = None
+        if fetched is not None:
+            # the CPU pool is the layer's longest path: start it before queueing the GPU work,
+            # and hand the GIL to its worker at once (sleep(0) releases it) rather than after
+            # the interpreter's switch interval
+            xh, ev = fetched
+            gx.wait(ev, "copy of the layer input for the CPU pool")
+            buffers = gx.cpu_buffers(n_pairs - n_gpu, lx.hidden)
+            job = self._cpu(lx, experts[n_gpu:], tok[n_gpu:], xh, buffers)
+            time.sleep(0)
+            t3 = time.perf_counter()
+            st.input_wait_s += t3 - t1
+            t1 = t3
         self._gpu_rounds(d, meta, round_end, scratch, x, n_pairs)
         t2 = time.perf_counter()
         st.host_queue_s += t2 - t1
-        if fetched is not None:
-            xh, ev = fetched
-            gx.wait(ev, "copy of the layer input for the CPU pool")
-            t3 = time.perf_counter()
-            st.input_wait_s += t3 - t2
-            buffers = gx.cpu_buffers(n_pairs - n_gpu, lx.hidden)
-            job = self._cpu(lx, experts[n_gpu:], tok[n_gpu:], xh, buffers)
+        if job is not None:
             res = self._cpu_result(job, layer)
             t2 = time.perf_counter()
             gx.put_rows(y, n_gpu, res)
