@@ -38,7 +38,7 @@ from .archs import rope_angles, yarn_mscale
 from .experts import ExecutorError
 from .gguf_io import ModelWeights
 
-__all__ = ["MoeModel", "Qwen3Moe", "Route", "TokenInput", "RunResult", "NumpyExperts", "EngineExperts", "run",
+__all__ = ["MoeModel", "Qwen3Moe", "Route", "TokenInput", "ChunkInput", "RunResult", "merge_step", "trace_tokens", "NumpyExperts", "EngineExperts", "run",
            "check_trace", "fold_trace", "trace_inputs", "array_module", "softmax_topk", "route_weights",
            "expert_ffn"]
 
@@ -166,8 +166,9 @@ class MoeModel:
             self.rope_mag = yarn_mscale(factor)
         self._alloc(max(int(max_tokens), 1))
         self.pos = 0
-        self.logits = None
+        self.logits = self.chunk_logits = None
         self._out = None
+        self.route_log: list | None = None  # set to a list to collect (pos, [(layer, ids, weights)]) per token
 
     # weights -----------------------------------------------------------------------------------
     def _dense_layer(self, lw) -> dict:
@@ -240,86 +241,139 @@ class MoeModel:
     def reset(self) -> None:
         """Start a new sequence (the KV cache is reused, its contents ignored)."""
         self.pos = 0
-        self.logits = None
+        self.logits = self.chunk_logits = None
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` positions of the sequence (rejected drafts); their KV entries are
+        overwritten by the next tokens run."""
+        if not 0 <= n <= self.pos:
+            raise ExecutorError(f"rollback of {n} positions, the sequence has {self.pos}")
+        self.pos -= n
 
     def deliver(self, y) -> None:
-        """The combined expert output ``(hidden,)`` of the block the generator last yielded."""
+        """The combined expert output ``(T, hidden)`` of the block the generator last yielded."""
         self._out = y
 
     # pieces ------------------------------------------------------------------------------------
+    @staticmethod
+    def _mv(x, w):
+        """``x (T, in)`` times ``w (out, in)`` transposed -> ``(T, out)``; one token as a matrix-vector
+        product (the decode path's numerics)."""
+        return (w @ x[0])[None] if x.shape[0] == 1 else x @ w.T
+
     def _rms(self, x, w):
         xp = self.xp
         return x * (1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + self.info.rms_eps)) * w
 
     def _rope(self, x, pos: int):
-        """NeoX RoPE on the last axis: dims i and i + d/2 form a pair."""
-        h = x.shape[-1] // 2
+        """NeoX RoPE of ``x (T, heads, d)`` at positions ``pos .. pos + T - 1``: dims i and i + d/2
+        form a pair."""
+        t, h = x.shape[0], x.shape[-1] // 2
+        cos, sin = self.rope_cos[pos:pos + t, None, :], self.rope_sin[pos:pos + t, None, :]  # (T, 1, d)
         swapped = self.xp.concatenate([x[..., h:], x[..., :h]], axis=-1)  # (x2, x1)
-        return x * self.rope_cos[pos] + swapped * self.rope_sin[pos]  # (x1 c - x2 s, x2 c + x1 s)
+        return x * cos + swapped * sin  # (x1 c - x2 s, x2 c + x1 s)
 
-    def _softmax_attend(self, l: int, q, keys, vals):
-        """q (kv, group, d) against keys (kv, t, d): softmax (with sinks) -> (kv, group, dv)."""
+    def _window(self, l: int, t: int) -> tuple[int, object]:
+        """First key position of block ``l`` for a chunk of ``t`` tokens at ``pos``, and the
+        ``(t, keys)`` mask of the keys each query may see (causal, sliding window); None for one
+        token, which sees every key from the first."""
+        info, pos = self.info, self.pos
+        swa = info.is_swa(l)
+        lo = max(0, pos + 1 - info.sliding_window) if swa else 0
+        if t == 1:
+            return lo, None
+        qpos = pos + np.arange(t)[:, None]
+        kpos = np.arange(lo, pos + t)[None, :]
+        mask = kpos <= qpos
+        if swa:
+            mask &= kpos > qpos - info.sliding_window
+        return lo, self.xp.asarray(mask)
+
+    def _softmax_attend(self, l: int, q, keys, vals, mask):
+        """q (kv, T, group, d) against keys (kv, t, d), ``mask`` (T, t) or None: softmax (with
+        sinks) -> (kv, T, group, dv)."""
         xp, w = self.xp, self.layers[l]
-        s = (q @ keys.transpose(0, 2, 1)) * np.float32(self.kq_scale)  # (kv, group, t)
+        nkv, t, g, d = q.shape
+        s = (q.reshape(nkv, t * g, d) @ keys.transpose(0, 2, 1)) * np.float32(self.kq_scale)  # (kv, T group, t)
+        if mask is not None:
+            s = xp.where(xp.repeat(mask, g, axis=0)[None], s, np.float32(-np.inf))
         m = s.max(axis=-1, keepdims=True)
         if w["sinks"] is not None:
-            sink = w["sinks"].reshape(q.shape[0], q.shape[1], 1)
+            sink = xp.broadcast_to(w["sinks"].reshape(nkv, 1, g), (nkv, t, g)).reshape(nkv, t * g, 1)
             m = xp.maximum(m, sink)
             e = xp.exp(s - m)
-            return (e @ vals) / (e.sum(axis=-1, keepdims=True) + xp.exp(sink - m))
-        e = xp.exp(s - m)
-        return (e @ vals) / e.sum(axis=-1, keepdims=True)
+            o = (e @ vals) / (e.sum(axis=-1, keepdims=True) + xp.exp(sink - m))
+        else:
+            e = xp.exp(s - m)
+            o = (e @ vals) / e.sum(axis=-1, keepdims=True)
+        return o.reshape(nkv, t, g, vals.shape[-1])
 
     def _attention(self, l: int, x):
-        info, w, pos = self.info, self.layers[l], self.pos
+        """GQA over the KV cache for ``x (T, hidden)`` at positions ``pos ..``; -> (T, hidden)."""
+        info, w, pos, xp = self.info, self.layers[l], self.pos, self.xp
         nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
-        qkv = w["wqkv"] @ x  # (q + 2 kv,)
+        t = x.shape[0]
+        qkv = self._mv(x, w["wqkv"])  # (T, q + 2 kv)
         if w["bqkv"] is not None:
             qkv = qkv + w["bqkv"]
         if w["q_norm_full"] is not None:
-            qk = self.xp.concatenate([self._rms(qkv[: nh * hd], w["q_norm_full"]),
-                                      self._rms(qkv[nh * hd:(nh + nkv) * hd], w["k_norm_full"])])
-            qk = qk.reshape(nh + nkv, hd)
+            qk = xp.concatenate([self._rms(qkv[:, : nh * hd], w["q_norm_full"]),
+                                 self._rms(qkv[:, nh * hd:(nh + nkv) * hd], w["k_norm_full"])], axis=-1)
+            qk = qk.reshape(t, nh + nkv, hd)
         else:
-            qk = qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd)
+            qk = qkv[:, : (nh + nkv) * hd].reshape(t, nh + nkv, hd)
         if w["qk_norm"] is not None:
             qk = self._rms(qk, w["qk_norm"])
-        qk = self._rope(qk, pos)  # (heads + kv, hd)
-        self.k_cache[l][:, pos] = qk[nh:]
-        self.v_cache[l][:, pos] = qkv[(nh + nkv) * hd:].reshape(nkv, hd)
-        lo = max(0, pos + 1 - info.sliding_window) if info.is_swa(l) else 0
-        q = qk[:nh].reshape(nkv, nh // nkv, hd)  # (kv, group, hd)
-        o = self._softmax_attend(l, q, self.k_cache[l][:, lo: pos + 1], self.v_cache[l][:, lo: pos + 1])
-        y = w["wo"] @ o.reshape(nh * hd)
+        qk = self._rope(qk, pos)  # (T, heads + kv, hd)
+        self.k_cache[l][:, pos:pos + t] = qk[:, nh:].transpose(1, 0, 2)
+        self.v_cache[l][:, pos:pos + t] = qkv[:, (nh + nkv) * hd:].reshape(t, nkv, hd).transpose(1, 0, 2)
+        lo, mask = self._window(l, t)
+        q = qk[:, :nh].reshape(t, nkv, nh // nkv, hd).transpose(1, 0, 2, 3)  # (kv, T, group, hd)
+        o = self._softmax_attend(l, q, self.k_cache[l][:, lo: pos + t], self.v_cache[l][:, lo: pos + t], mask)
+        y = self._mv(o.transpose(1, 0, 2, 3).reshape(t, nh * hd), w["wo"])
         return y if w["bo"] is None else y + w["bo"]
 
     def _attention_mla(self, l: int, x):
-        """deepseek2 attention, keys and values decompressed per head (no absorption)."""
+        """deepseek2 attention, keys and values decompressed per head (no absorption); x (T, hidden)."""
         xp, info, m, pos = self.xp, self.info, self.layers[l]["mla"], self.pos
         nh, hk, rd, kvr, vd = info.num_heads, info.head_dim, self.rd, info.kv_lora_rank, info.v_head_dim
-        nope = hk - rd
-        q = m["q"] @ x if "q" in m else m["q_b"] @ self._rms(m["q_a"] @ x, m["q_a_norm"])
-        q = q.reshape(nh, hk)
-        kva = m["kv_a"] @ x  # (kv_lora + rd,)
-        kv = (m["kv_b"] @ self._rms(kva[:kvr], m["kv_a_norm"])).reshape(nh, nope + vd)
-        k_pe = self._rope(kva[kvr:].reshape(1, rd), pos)  # (1, rd)
-        q = xp.concatenate([q[:, :nope], self._rope(q[:, nope:], pos)], axis=1)  # (nh, hk)
-        self.k_cache[l][:, pos] = xp.concatenate([kv[:, :nope], xp.broadcast_to(k_pe, (nh, rd))], axis=1)
-        self.v_cache[l][:, pos] = kv[:, nope:]
-        o = self._softmax_attend(l, q.reshape(nh, 1, hk), self.k_cache[l][:, : pos + 1], self.v_cache[l][:, : pos + 1])
-        return self.layers[l]["wo"] @ o.reshape(nh * vd)
+        nope, t = hk - rd, x.shape[0]
+        q = self._mv(x, m["q"]) if "q" in m else self._mv(self._rms(self._mv(x, m["q_a"]), m["q_a_norm"]), m["q_b"])
+        q = q.reshape(t, nh, hk)
+        kva = self._mv(x, m["kv_a"])  # (T, kv_lora + rd)
+        kv = self._mv(self._rms(kva[:, :kvr], m["kv_a_norm"]), m["kv_b"]).reshape(t, nh, nope + vd)
+        k_pe = self._rope(kva[:, kvr:].reshape(t, 1, rd), pos)  # (T, 1, rd)
+        q = xp.concatenate([q[..., :nope], self._rope(q[..., nope:], pos)], axis=-1)  # (T, nh, hk)
+        keys = xp.concatenate([kv[..., :nope], xp.broadcast_to(k_pe, (t, nh, rd))], axis=-1)  # (T, nh, hk)
+        self.k_cache[l][:, pos:pos + t] = keys.transpose(1, 0, 2)
+        self.v_cache[l][:, pos:pos + t] = kv[..., nope:].transpose(1, 0, 2)
+        lo, mask = self._window(l, t)
+        o = self._softmax_attend(l, q.transpose(1, 0, 2)[:, :, None, :], self.k_cache[l][:, lo: pos + t],
+                                 self.v_cache[l][:, lo: pos + t], mask)  # (nh, T, 1, vd)
+        return self._mv(o[:, :, 0].transpose(1, 0, 2).reshape(t, nh * vd), self.layers[l]["wo"])
 
-    def _route(self, l: int, hn, forced: Route | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    def _route(self, l: int, hn, forced) -> tuple[np.ndarray, np.ndarray]:
+        """Ids ``(T, k)`` int64 and weights ``(T, k)`` float64 of each token's experts (rank order).
+        ``forced[t]`` (a Route or None) replaces token t's routing; a forced route with fewer than
+        k experts is padded with its first expert at weight 0 (no contribution)."""
         w = self.layers[l]
-        logits = _host(w["router"] @ hn).astype(np.float64)  # (experts,): the host needs the ids
+        logits = _host(self._mv(hn, w["router"])).astype(np.float64)  # (T, experts): the host needs the ids
         if w["router_bias"] is not None:
             logits = logits + w["router_bias"]
-        ids, wts = route_weights(self.info, logits, w["exp_probs_b"], forced)
-        return tuple(int(i) for i in ids), tuple(float(v) for v in wts)
+        rows = [route_weights(self.info, logits[i], w["exp_probs_b"], None if forced is None else forced[i])
+                for i in range(len(logits))]
+        k = max(len(ids) for ids, _ in rows)
+        ids = np.empty((len(rows), k), np.int64)
+        wts = np.zeros((len(rows), k), np.float64)
+        for i, (r_ids, r_w) in enumerate(rows):
+            ids[i, : len(r_ids)], wts[i, : len(r_ids)] = r_ids, r_w
+            ids[i, len(r_ids):] = r_ids[0]
+        self._route_len = [len(r_ids) for r_ids, _ in rows]
+        return ids, wts
 
     def _ffn(self, f: dict, hn):
-        g = f["gate"] @ hn
-        return f["down"] @ (g / (1.0 + self.xp.exp(-g)) * (f["up"] @ hn))
+        g = self._mv(hn, f["gate"])
+        return self._mv(g / (1.0 + self.xp.exp(-g)) * self._mv(hn, f["up"]), f["down"])
 
     def _shared(self, l: int, hn):
         sh = self.layers[l]["shared"]
@@ -327,22 +381,42 @@ class MoeModel:
             return 0.0
         y = self._ffn(sh, hn)
         if sh.get("gate_inp") is not None:
-            y = y / (1.0 + self.xp.exp(-(sh["gate_inp"] @ hn)))
+            y = y / (1.0 + self.xp.exp(-(hn @ sh["gate_inp"].reshape(-1, 1))))  # (T, 1)
         return y
 
-    # the token ---------------------------------------------------------------------------------
+    # the tokens --------------------------------------------------------------------------------
     def token_steps(self, token_id: int, routes: Sequence[Route | None] | None = None) -> Iterator[Step]:
-        """Run token ``token_id`` at position ``pos``; yield each MoE block's Step (see the module
-        docstring); ``self.last_input`` holds the block's normed input ``(hidden,)`` meanwhile.
+        """One token: :meth:`chunk_steps` of ``[token_id]``; ``routes[l]`` forces block l."""
+        return self.chunk_steps((token_id,), None if routes is None else (routes,))
 
-        ``routes[l]`` forces block l's routing (None: the router's own)."""
+    def chunk_steps(self, token_ids: Sequence[int], routes: Sequence | None = None, all_logits: bool = False,
+                    rollback: int = 0) -> Iterator[Step]:
+        """Run ``T = len(token_ids)`` tokens at positions ``pos .. pos + T - 1`` as one batch (after
+        forgetting the last ``rollback`` positions); yield each MoE block's Step (see the module
+        docstring). Meanwhile ``last_input`` ``(T, hidden)``, ``last_ids`` ``(T, k)`` and
+        ``last_weights`` ``(T, k)`` float32 hold the block's normed input and each token's routing.
+
+        Attention is causal inside the chunk. The Step has the chunk's distinct experts in order
+        of first appearance (token by token, rank order within a token), ``counts`` = tokens per
+        expert and summed weights (one token: ``counts`` None, its own weights). ``routes[t][l]``
+        forces token t's routing at block l (None: the router's own). After the last block,
+        ``logits`` is the last token's ``(vocab,)`` output and ``chunk_logits`` the ``(T, vocab)``
+        outputs when ``all_logits`` (else ``(1, vocab)``, the last)."""
         xp, info = self.xp, self.info
-        if not 0 <= token_id < info.vocab:
-            raise ExecutorError(f"token id {token_id} out of range 0..{info.vocab - 1}")
-        if self.pos >= self.k_cache[0].shape[1]:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ExecutorError("a chunk needs at least one token")
+        bad = [t for t in ids if not 0 <= t < info.vocab]
+        if bad:
+            raise ExecutorError(f"token id {bad[0]} out of range 0..{info.vocab - 1}")
+        if rollback:
+            self.rollback(rollback)
+        t = len(ids)
+        while self.pos + t > self.k_cache[0].shape[1]:
             self._grow()
         rs = np.float32(info.residual_scale)
-        x = xp.asarray(self.token_embd[token_id], dtype=xp.float32) * np.float32(info.embedding_scale)  # (hidden,)
+        x = xp.asarray(self.token_embd[ids], dtype=xp.float32) * np.float32(info.embedding_scale)  # (T, hidden)
+        rows = [[] for _ in ids] if self.route_log is not None else None
         for l in range(info.num_layers):
             w = self.layers[l]
             h = self._rms(x, w["attn_norm"])
@@ -351,15 +425,53 @@ class MoeModel:
             if w["router"] is None:
                 x = x + rs * self._ffn(w["dense_ffn"], hn)
                 continue
-            ids, weights = self._route(l, hn, None if routes is None else routes[l])
-            self.last_input = hn
+            forced = None if routes is None else [None if r is None else r[l] for r in routes]
+            tids, twts = self._route(l, hn, forced)
+            self.last_input, self.last_ids, self.last_weights = hn, tids, twts.astype(np.float32)
             self._out = None
-            yield Step(l, ids, None, weights)
+            step = merge_step(l, tids, twts, self._route_len)
+            if rows is not None:
+                for i, n in enumerate(self._route_len):
+                    rows[i].append((l, tids[i, :n].tolist(), twts[i, :n].tolist()))
+            yield step
             if self._out is None:
                 raise ExecutorError(f"block {l}: no expert output was delivered for the step")
             x = x + rs * (self._out + self._shared(l, hn))
-        self.logits = (self.output @ self._rms(x, self.output_norm)) / np.float32(info.logit_scale)  # (vocab,)
-        self.pos += 1
+        xs = x if all_logits else x[-1:]
+        self.chunk_logits = self._mv(self._rms(xs, self.output_norm), self.output) / np.float32(info.logit_scale)
+        self.logits = self.chunk_logits[-1]  # (vocab,)
+        if rows is not None:
+            self.route_log.extend((self.pos + i, r) for i, r in enumerate(rows))
+        self.pos += t
+
+
+def merge_step(layer: int, ids: np.ndarray, weights: np.ndarray | None, lengths: Sequence[int] | None = None) -> Step:
+    """The Step of a batch at one block from each token's ids and weights ``(T, k)`` (row t's first
+    ``lengths[t]`` entries): distinct experts in order of first appearance, ``counts`` = tokens per
+    expert, weights summed in token order. One token: ``counts`` None and its own weights."""
+    lengths = [ids.shape[1]] * len(ids) if lengths is None else lengths
+    w = [None] * len(ids) if weights is None else np.asarray(weights).tolist()
+    return _merge(layer, [(r[:n], None if v is None else v[:n]) for r, v, n in zip(np.asarray(ids).tolist(), w, lengths)])
+
+
+def _merge(layer: int, parts: Sequence[tuple[Sequence[int], Sequence[float] | None]]) -> Step:
+    """``merge_step`` on per-token (experts, weights or None) in rank order."""
+    if len(parts) == 1:
+        e, w = parts[0]
+        return Step(layer, tuple(int(x) for x in e), None, None if w is None else tuple(float(v) for v in w))
+    acc: dict[int, list] = {}
+    known = all(w is not None for _, w in parts)
+    for experts, ws in parts:
+        for i, e in enumerate(experts):
+            a = acc.get(e)
+            v = ws[i] if known else 0.0
+            if a is None:
+                acc[e] = [1, v]
+            else:
+                a[0] += 1
+                a[1] += v
+    return Step(layer, tuple(int(e) for e in acc), tuple(a[0] for a in acc.values()),
+                tuple(float(a[1]) for a in acc.values()) if known else None)
 
 
 Qwen3Moe = MoeModel  # the first architecture's name, kept for existing callers
@@ -388,19 +500,30 @@ class NumpyExperts:
 
         return dequantize(t.data[e], t.qtype).reshape(t.rows, t.cols)
 
-    def run_layer(self, item, x, weights: Sequence[float]):
-        """Combined output ``sum_i w_i * expert_i(x)`` of the step's experts, ``(hidden,)``."""
+    def run_layer(self, item, x, ids: np.ndarray, weights: np.ndarray):
+        """``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` (summed in j order) for the
+        step's tokens: x ``(T, hidden)``, ids and weights ``(T, k)``; -> ``(T, hidden)``."""
         _cpu_only(item)
         l = item.step.layer
         layer, b = self.experts[l], self.bias[l]
         xh = _host(x).astype(np.float32)
-        y = np.zeros(layer.hidden, np.float32)
-        for e, w in zip(item.step.experts, weights):
-            g, u = self._expert(layer.gate, e) @ xh, self._expert(layer.up, e) @ xh
+        ids = np.asarray(ids)
+        missing = set(np.unique(ids).tolist()) - set(item.step.experts)
+        if missing:
+            raise ExecutorError(f"layer {l}: routed experts {sorted(missing)} are not in the step")
+        pairs = np.zeros((*ids.shape, layer.hidden), np.float32)  # (T, k, hidden)
+        for e in item.step.experts:
+            rows, cols = np.nonzero(ids == e)
+            xe = xh[rows]  # (n, hidden)
+            g, u = xe @ self._expert(layer.gate, e).T, xe @ self._expert(layer.up, e).T
             if b:
                 g, u = g + b["gate"][e], u + b["up"][e]
-            d = self._expert(layer.down, e) @ expert_ffn(np, self.activation, g, u)
-            y += np.float32(w) * (d + b["down"][e] if b else d)
+            d = expert_ffn(np, self.activation, g, u) @ self._expert(layer.down, e).T
+            pairs[rows, cols] = d + b["down"][e] if b else d
+        w = np.asarray(weights, np.float32)
+        y = np.zeros((len(ids), layer.hidden), np.float32)
+        for j in range(ids.shape[1]):
+            y += w[:, j:j + 1] * pairs[:, j]
         return y
 
     def start_background(self, moves) -> None:
@@ -416,7 +539,7 @@ class NumpyExperts:
 
 class EngineExperts:
     """The expert engine (``execute.engine.ExpertEngine``: GPU arena and kernels, Numba CPU pool) as
-    a ``run`` backend; one token per step (decode, and prefill in chunks of one)."""
+    a ``run`` backend; a step of T tokens is run as its (expert, token) pairs."""
 
     def __init__(self, weights: ModelWeights, capacity, threads: int, use_gpu: bool, timeout_s: float = 60.0):
         info = weights.info
@@ -435,7 +558,8 @@ class EngineExperts:
         self._first = next((l for l in weights.experts if l is not None), None)
         # numpy's BLAS threads spin-wait after each dense product and starve the Numba pool's
         # thread team (a 2-core layer call went from 0.5 ms to 19 ms); one-token products gain
-        # nothing from BLAS threads, so they are limited to one while this backend lives.
+        # nothing from BLAS threads, so they are limited to one while this backend lives (chunks
+        # of prefill lose some dense speed on the host by this; on a GPU the dense path is cupy).
         self._blas = threadpool_limits(limits=1, user_api="blas")
 
     def prepare(self, policy) -> None:
@@ -445,10 +569,10 @@ class EngineExperts:
             self.engine.pool.warmup(self._first)
         self.engine.load_residents(dict(policy.cache.slot))
 
-    def run_layer(self, item, x, weights: Sequence[float]):
-        ids = np.asarray([item.step.experts], dtype=np.int64)  # (1, k)
-        w = np.asarray([weights], dtype=np.float32)  # (1, k)
-        y = self.engine.run_layer(item, x.reshape(1, -1), ids, w)[0]
+    def run_layer(self, item, x, ids: np.ndarray, weights: np.ndarray):
+        """The step's (expert, token) pairs on the engine: x ``(T, hidden)``, ids and weights
+        ``(T, k)``; -> ``(T, hidden)`` on x's side."""
+        y = self.engine.run_layer(item, x, ids, weights)
         if self.engine.gpu is not None:
             # the next block's router reads back to the host and would wait for this anyway;
             # waiting here charges the layer's GPU expert work to "experts", not to "dense"
@@ -479,9 +603,32 @@ class TokenInput:
     routes: tuple | None = None  # per block: Route or None
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkInput:
+    """T tokens run as one batch (one scheduler Token of ``num_tokens`` T) at positions ``pos ..
+    pos + T - 1``: a prefill chunk or a speculative verification batch. A ``pos`` before the end
+    of what the sequence has run rolls the KV cache back to it first (rejected drafts)."""
+
+    index: int
+    seq: int
+    pos: int
+    phase: str
+    token_ids: tuple[int, ...]
+    routes: tuple | None = None  # per token: per block Route or None (or None: the router's)
+    all_logits: bool = False  # keep every token's logits (verification), else the last one's
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("ChunkInput.token_ids: expected at least one token")
+        if self.routes is not None and len(self.routes) != len(self.token_ids):
+            raise ValueError(f"ChunkInput.routes: {len(self.routes)} entries, expected one per token "
+                             f"({len(self.token_ids)})")
+
+
 @dataclass
 class RunResult:
-    """What a run measured. Times are host wall-clock seconds, summed over tokens."""
+    """What a run measured. Times are host wall-clock seconds, summed over tokens. ``tokens``
+    counts positions run (a batch of T counts T), ``steps`` the batches (scheduler Tokens)."""
 
     audit: object
     tokens: int
@@ -489,7 +636,8 @@ class RunResult:
     dense_s: np.ndarray  # (layers,) attention + router, per block
     experts_s: np.ndarray  # (layers,) the backend's run_layer, per block
     other_s: float  # head, background starts and waits, bookkeeping
-    logits: list  # host (vocab,) arrays when kept
+    logits: list  # host (vocab,) arrays when kept: one per token (per kept row of a batch)
+    steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -497,7 +645,7 @@ class RunResult:
 
     def summary(self) -> dict:
         per = max(self.tokens, 1)
-        return {"tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
+        return {"tokens": self.tokens, "steps": self.steps, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
                 "dense_ms_per_token": 1e3 * float(self.dense_s.sum()) / per,
                 "experts_ms_per_token": 1e3 * float(self.experts_s.sum()) / per,
                 "other_ms_per_token": 1e3 * self.other_s / per,
@@ -506,22 +654,33 @@ class RunResult:
 
 
 def _tokens(model: MoeModel, inputs) -> Iterator:
-    """scheduler Tokens whose steps run the model lazily; a new sequence resets the KV cache."""
+    """scheduler Tokens whose steps run the model lazily; a new sequence (or position 0) resets the
+    KV cache, a position before the end of what the sequence has run rolls it back."""
     from scheduler import Token
 
-    seq = None
+    seq, end = None, 0
     for t in inputs:
+        if isinstance(t, ChunkInput):
+            ids, routes, all_logits = t.token_ids, t.routes, t.all_logits
+        else:
+            ids, routes, all_logits = (t.token_id,), None if t.routes is None else (t.routes,), False
+        back = 0
         if t.seq != seq or t.pos == 0:
             model.reset()
-            seq = t.seq
-        yield Token(t.index, t.seq, t.pos, t.phase, model.token_steps(t.token_id, t.routes))
+            seq, end = t.seq, t.pos
+        elif t.pos < end:
+            back, end = end - t.pos, t.pos
+        end += len(ids)
+        yield Token(t.index, t.seq, t.pos, t.phase, model.chunk_steps(ids, routes, all_logits, back), len(ids))
 
 
 def run(model: MoeModel, backend, policy, inputs, lag_tokens: int = 1, audit=None,
         keep_logits: bool = False, progress=None) -> RunResult:
-    """Drive ``policy`` over ``inputs`` (TokenInputs) with real compute: the model's dense path and
-    ``backend`` for the experts (``run_layer(item, x, weights) -> y``, ``start_background``,
-    ``await_background``, optionally ``prepare(policy)`` before the first item). Every driver item is also given to ``audit`` (an ``Audit``) if any."""
+    """Drive ``policy`` over ``inputs`` (TokenInputs and ChunkInputs) with real compute: the model's
+    dense path and ``backend`` for the experts (``run_layer(item, x (T, hidden), ids (T, k),
+    weights (T, k)) -> y (T, hidden)``, ``start_background``, ``await_background``, optionally
+    ``prepare(policy)`` before the first item). Every driver item is also given to ``audit`` (an
+    ``Audit``) if any; ``progress(tokens)`` is called after each batch with the positions run."""
     import time
 
     from scheduler import drive
@@ -529,7 +688,7 @@ def run(model: MoeModel, backend, policy, inputs, lag_tokens: int = 1, audit=Non
 
     n_layers = model.info.num_layers
     dense, experts = np.zeros(n_layers), np.zeros(n_layers)
-    logits, tokens = [], 0
+    logits, tokens, steps = [], 0, 0
     prepare = getattr(backend, "prepare", None)
     if prepare is not None:
         prepare(policy)
@@ -541,7 +700,7 @@ def run(model: MoeModel, backend, policy, inputs, lag_tokens: int = 1, audit=Non
         if kind is RunLayer:
             l = item.step.layer
             dense[l] += now - mark
-            y = backend.run_layer(item, model.last_input, item.step.weights)
+            y = backend.run_layer(item, model.last_input, model.last_ids, model.last_weights)
             model.deliver(y)
             mark = time.perf_counter()
             experts[l] += mark - now
@@ -552,16 +711,17 @@ def run(model: MoeModel, backend, policy, inputs, lag_tokens: int = 1, audit=Non
             elif kind is AwaitBackground:
                 backend.await_background(item.moves)
             elif kind is EndToken:
-                tokens += 1
+                tokens += item.token.num_tokens
+                steps += 1
                 if keep_logits:
-                    logits.append(_host(model.logits).copy())
+                    logits.extend(_host(model.chunk_logits).copy())
                 if progress is not None:
                     progress(tokens)
             mark = time.perf_counter()
             other += mark - now
         if audit is not None:
             audit.observe(item)
-    return RunResult(audit, tokens, time.perf_counter() - t0, dense, experts, other, logits)
+    return RunResult(audit, tokens, time.perf_counter() - t0, dense, experts, other, logits, steps)
 
 
 # traces --------------------------------------------------------------------------------------------
@@ -612,15 +772,74 @@ def fold_trace(trace, info):
                  trace.pos, trace.phase, weights, meta)
 
 
-def trace_inputs(trace, info, phase: str | None = None, start: int = 0, limit: int | None = None,
-                 seed: int = 0) -> Iterator[TokenInput]:
-    """TokenInputs replaying ``trace`` rows: routes forced to the trace's steps (a block the row
-    does not route uses the model's router), input token ids drawn uniformly from the vocabulary
-    by ``np.random.default_rng(seed)`` (a trace holds routing, not text)."""
-    rng = np.random.default_rng(seed)
-    for tok in trace.tokens(phase, start, limit):
-        routes = [None] * info.num_layers
-        for s in tok.steps:
-            routes[s.layer] = Route(s.experts, s.weights)
-        yield TokenInput(tok.index, tok.seq, tok.pos, tok.phase, int(rng.integers(info.vocab)), tuple(routes))
+def trace_batches(trace) -> np.ndarray | None:
+    """Batch number of each row of a trace recorded with multi-token steps (``meta["batches"]``:
+    the row count of each batch, in order), or None when the trace has no batches (one row each)."""
+    b = trace.meta.get("batches")
+    if b is None:
+        return None
+    if (not isinstance(b, list) or not all(isinstance(n, int) and n >= 1 for n in b) or sum(b) != len(trace)):
+        raise ExecutorError(f"trace {trace.model!r}: meta field 'batches' must be a list of row counts >= 1 "
+                            f"summing to the trace's {len(trace)} rows")
+    return np.repeat(np.arange(len(b)), b)
 
+
+def _row_groups(trace, phase, start, limit) -> Iterator[list]:
+    """The selected rows' scheduler Tokens, grouped into the recorded batches (cut where the
+    selection or the sequence is)."""
+    rows = trace.rows(phase)[start:]
+    if limit is not None:
+        rows = rows[:limit]
+    batch = trace_batches(trace)
+    group, last = [], None
+    for r, tok in zip(rows.tolist(), trace.tokens(phase, start, limit)):
+        key = (tok.seq, r if batch is None else int(batch[r]))
+        if group and key != last:
+            yield group
+            group = []
+        group.append(tok)
+        last = key
+    if group:
+        yield group
+
+
+def trace_tokens(trace, phase: str | None = None, start: int = 0, limit: int | None = None) -> Iterator:
+    """scheduler Tokens of ``trace``'s rows with the recorded batches merged (``merge_step`` per
+    block): what the run that recorded it planned, for ``scheduler.replay``. A trace without
+    batches gives its rows as they are."""
+    from scheduler import Token
+
+    for i, group in enumerate(_row_groups(trace, phase, start, limit)):
+        first = group[0]
+        if len(group) == 1:
+            yield Token(i, first.seq, first.pos, first.phase, first.steps)
+            continue
+        per_layer: dict[int, list] = {}
+        for tok in group:
+            for st in tok.steps:
+                per_layer.setdefault(st.layer, []).append((st.experts, st.weights))
+        yield Token(i, first.seq, first.pos, first.phase,
+                    tuple(_merge(l, per_layer[l]) for l in sorted(per_layer)), len(group))
+
+
+def trace_inputs(trace, info, phase: str | None = None, start: int = 0, limit: int | None = None,
+                 seed: int = 0) -> Iterator[TokenInput | ChunkInput]:
+    """Inputs replaying ``trace`` rows: routes forced to the trace's steps (a block the row does not
+    route uses the model's router), input token ids drawn uniformly from the vocabulary by
+    ``np.random.default_rng(seed)`` (a trace holds routing, not text). Rows of one recorded batch
+    (``trace_batches``) run as one ChunkInput, with the recorded positions (so rejected drafts
+    roll the KV cache back as they did)."""
+    rng = np.random.default_rng(seed)
+    for i, group in enumerate(_row_groups(trace, phase, start, limit)):
+        all_routes, ids = [], []
+        for tok in group:
+            routes = [None] * info.num_layers
+            for s in tok.steps:
+                routes[s.layer] = Route(s.experts, s.weights)
+            all_routes.append(tuple(routes))
+            ids.append(int(rng.integers(info.vocab)))
+        first = group[0]
+        if len(group) == 1:
+            yield TokenInput(i, first.seq, first.pos, first.phase, ids[0], all_routes[0])
+        else:
+            yield ChunkInput(i, first.seq, first.pos, first.phase, tuple(ids), tuple(all_routes))
