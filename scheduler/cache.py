@@ -43,6 +43,10 @@ class Cache:
         """(layers, max_experts) bool: resident and not in flight (a fresh array)."""
         return self._view == RESIDENT
 
+    def resident_row(self, layer: int) -> np.ndarray:
+        """(max_experts,) bool for one layer: resident and not in flight (a fresh array)."""
+        return self._view[layer] == RESIDENT
+
     @property
     def inflight_mask(self) -> np.ndarray:
         return self._view == INFLIGHT

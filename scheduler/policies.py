@@ -14,7 +14,6 @@ go to the CPU: nothing is uploaded twice.
 """
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -399,12 +398,18 @@ class HybridPolicy(BasePolicy):
         layer = step.layer
         cache = self.cache
         u = self._u[layer]
-        state = cache.state[layer]
         used = step.experts
         need = len(pcie) - len(slots)
-        cold = [(u[k[1]], k[1]) for k in cache.owner[cache.pool_of[layer]]
-                if k is not None and k[0] == layer and state[k[1]] == RESIDENT and k[1] not in used]
-        victims = heapq.nsmallest(need, cold) if need < len(cold) else sorted(cold)
+        # usage of the layer's residents the step does not use; inf elsewhere (vectorised: a
+        # Python scan of the pool costs more than these few array operations)
+        vals = np.where(cache.resident_row(layer), self._np[layer], np.inf)
+        vals[list(used)] = np.inf
+        if need == 1:
+            j = int(vals.argmin())
+            victims = [(vals[j], j)]
+        else:
+            victims = [(vals[j], int(j)) for j in np.argsort(vals, kind="stable")[:need]]
+        victims = [v for v in victims if v[0] != np.inf]
         uploads, streams, evictions = list(pcie[: len(slots)]), [], []
         slots = list(slots)
         j = 0
