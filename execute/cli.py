@@ -123,7 +123,9 @@ def _parser_replay() -> argparse.ArgumentParser:
         "Run a routing trace through the model's real forward pass, experts placed by a policy."))
     p.add_argument("model", help="GGUF model")
     p.add_argument("--trace", default=None, help="trace directory (default: the bundled granite trace)")
-    p.add_argument("--policy", required=True, help="cpu, gpu, lru, freq-lru, static, hybrid, belady")
+    p.add_argument("--policy", required=True, help="cpu, gpu, lru, freq-lru, static, hybrid, hybrid-cost, belady")
+    p.add_argument("--hardware", default=None,
+                   help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
     p.add_argument("--cache-mib", type=float, default=None, help="GPU expert cache budget, MiB")
     p.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer (instead of MiB)")
     p.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
@@ -174,6 +176,25 @@ def _load_trace(args, info):
     return trace
 
 
+def _cost_options(args, prog: str) -> dict:
+    """``cost_model=`` for ``hybrid-cost``, from ``--hardware`` and the model file's geometry."""
+    if args.policy != "hybrid-cost":
+        if args.hardware:
+            raise _Fail(f"{prog}: --hardware is used only by --policy hybrid-cost")
+        return {}
+    from simulate.costs import Costs
+    from simulate.hardware import hardware_presets, load_hardware
+    from simulate.models import ModelSpec
+
+    if not args.hardware:
+        raise _Fail(f"{prog}: policy 'hybrid-cost' needs --hardware NAME|FILE for its cost model (a preset: "
+                    f"{', '.join(hardware_presets())}; or a hardware JSON, e.g. from moelab calibrate)")
+    try:
+        return {"cost_model": Costs(ModelSpec.from_gguf(args.model), load_hardware(args.hardware)).cost_model()}
+    except ValueError as exc:
+        raise _Fail(f"{prog}: --hardware {args.hardware}: {exc}") from None
+
+
 def _policy(args, trace, geometry, capacity):
     from scheduler import make_policy
     from scheduler.core import CapacityError
@@ -186,8 +207,9 @@ def _policy(args, trace, geometry, capacity):
     future = None
     if args.policy == "belady":
         future = [s for tok in trace.tokens(args.phase, 0, args.tokens) for s in tok.steps]
+    options = _cost_options(args, "moelab replay")
     try:
-        return make_policy(args.policy, geometry, capacity, profile=profile, future=future)
+        return make_policy(args.policy, geometry, capacity, profile=profile, future=future, **options)
     except (ValueError, CapacityError) as exc:
         raise _Fail(f"moelab replay: {exc}") from None
 
@@ -265,7 +287,7 @@ def _parser_run() -> argparse.ArgumentParser:
     p.add_argument("model", help="GGUF model")
     p.add_argument("-p", "--prompt", required=True, help="prompt text")
     p.add_argument("-n", "--tokens", type=int, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--policy", default="cpu", help="cpu (default), gpu, lru, freq-lru, static, hybrid")
+    p.add_argument("--policy", default="cpu", help="cpu (default), gpu, lru, freq-lru, static, hybrid, hybrid-cost")
     p.add_argument("--cache-mib", type=float, default=None, help="GPU expert cache budget, MiB")
     p.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer (instead of MiB)")
     p.add_argument("--profile", default=None, help="STRP profile (static, hybrid pre-population)")
@@ -279,7 +301,15 @@ def _parser_run() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "engine", "numpy"), default="auto",
                    help="experts on the expert engine, or the numpy reference (cpu only); auto: the engine "
                         "where its kernels support the architecture")
-    p.add_argument("--audit", default=None, help="write the per-token audit JSONL (with routes) here")
+    p.add_argument("--prefill-chunk", type=int, default=32,
+                   help="prompt tokens run as one batch (default 32; 1: token by token)")
+    p.add_argument("--speculative", type=int, default=0, metavar="N",
+                   help="prompt-lookup speculative decoding with drafts of up to N tokens (1-4; 0: off, the default)")
+    p.add_argument("--compare", action="store_true",
+                   help="with --speculative: also decode plainly (same policy, fresh state) and print both speeds")
+    p.add_argument("--hardware", default=None,
+                   help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
+    p.add_argument("--audit", default=None, help="write the per-batch audit JSONL (with routes) here")
     p.add_argument("--record-trace", default=None, help="write the routing as a trace directory (traces/ format)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the text")
     return p
@@ -317,8 +347,9 @@ def _run_policy(args, geometry, capacity):
             profile.check_geometry(geometry)
         except (ValueError, OSError) as exc:
             raise _Fail(f"moelab run: {exc}") from None
+    options = _cost_options(args, "moelab run")
     try:
-        return make_policy(args.policy, geometry, capacity, profile=profile)
+        return make_policy(args.policy, geometry, capacity, profile=profile, **options)
     except (ValueError, CapacityError) as exc:
         raise _Fail(f"moelab run: {exc}") from None
 
@@ -334,85 +365,116 @@ def _prompt_ids(args, tok) -> list[int]:
 
 
 class _Generation:
-    """TokenInputs of the prompt (prefill), then of each sampled token (decode), chosen from the
-    model's logits when the previous token ends; streams the text to ``out``."""
+    """Inputs of the prompt (prefill, in chunks of ``chunk`` tokens), then of the decode steps,
+    chosen from the model's logits when the previous batch ends; streams the text to ``out``.
 
-    def __init__(self, model, tok, sampler, prompt: list[int], n: int, out):
+    Decode: plain (one token per step), or with ``draft_len`` > 0 prompt-lookup drafts verified in
+    one batch (``execute.speculative``; a step without a draft runs one token). ``batches`` holds
+    each input's (tokens, phase), for the recorded trace."""
+
+    def __init__(self, model, tok, sampler, prompt: list[int], n: int, out, chunk: int = 1, draft_len: int = 0):
         self.model, self.tok, self.sampler, self.prompt, self.n, self.out = model, tok, sampler, prompt, n, out
+        self.chunk, self.draft_len = chunk, draft_len
         self.generated: list[int] = []
         self.stream = tok.stream()
         self.stopped = False
+        self.batches: list[tuple[int, str]] = []
+        self.decode_steps = self.drafted = self.accepted = 0
 
-    def _emit(self, t: int) -> None:
+    def _emit(self, t: int) -> bool:
+        """Stream ``t``; True when generation is over (an end token, or ``n`` reached)."""
         self.generated.append(t)
         text = self.stream.add(t)
         if text:
             self.out.write(text)
             self.out.flush()
+        if t in self.tok.stop_ids:
+            self.stopped = True
+        return self.stopped or len(self.generated) >= self.n
+
+    def _input(self, index: int, pos: int, phase: str, ids: list[int], all_logits: bool = False):
+        from .model import ChunkInput, TokenInput
+
+        self.batches.append((len(ids), phase))
+        if len(ids) == 1:
+            return TokenInput(index, 0, pos, phase, int(ids[0]))
+        return ChunkInput(index, 0, pos, phase, tuple(int(t) for t in ids), None, all_logits)
+
+    def _logits(self, rows: bool = False):
+        a = self.model.chunk_logits if rows else self.model.logits
+        return a.get() if hasattr(a, "get") else a
 
     def __iter__(self):
-        from .model import TokenInput
+        from .speculative import lookup_draft, verify
 
-        for i, t in enumerate(self.prompt):
-            yield TokenInput(i, 0, i, "prefill", int(t))
-        while self.n > 0:
-            t = self.sampler(self.model.logits.get() if hasattr(self.model.logits, "get") else self.model.logits)
-            self._emit(t)
-            if t in self.tok.stop_ids:
-                self.stopped = True
-                return
-            if len(self.generated) >= self.n:
-                return
-            i = len(self.prompt) + len(self.generated) - 1
-            yield TokenInput(i, 0, i, "decode", t)
+        index = 0
+        for i in range(0, len(self.prompt), self.chunk):
+            yield self._input(index, i, "prefill", self.prompt[i:i + self.chunk])
+            index += 1
+        if self.n <= 0 or self._emit(self.sampler(self._logits())):
+            return
+        pos = len(self.prompt)
+        while True:
+            budget = min(self.draft_len, self.n - len(self.generated) - 1)
+            draft = lookup_draft(self.prompt + self.generated, budget) if budget > 0 else []
+            yield self._input(index, pos, "decode", [self.generated[-1], *draft], all_logits=bool(draft))
+            index += 1
+            self.decode_steps += 1
+            if draft:
+                produced = verify(self.sampler, draft, self._logits(rows=True))
+                self.drafted += len(draft)
+                self.accepted += len(produced) - 1
+            else:
+                produced = [self.sampler(self._logits())]
+            pos += len(produced)  # a rejected draft's positions are rolled back by the next input
+            for t in produced:
+                if self._emit(t):
+                    return
 
 
-def _record_trace(path: str, audit, info, n_prompt: int, name: str) -> None:
+def _record_trace(path: str, model, gen: _Generation, info, name: str) -> None:
+    """The routing of every position run (rejected drafts too), one row each, with the batches
+    in ``meta["batches"]`` (``execute.model.trace_batches``)."""
     import numpy as np
 
     from traces import Trace
 
-    T, L, k = len(audit.records), info.num_layers, info.top_k
+    rows = model.route_log
+    T, L, k = len(rows), info.num_layers, info.top_k
     ids = np.full((T, L, k), -1, np.int32)
     w = np.full((T, L, k), np.nan, np.float32)
-    for t, rec in enumerate(audit.records):
-        for layer, experts, weights in rec["routes"]:
+    for t, (_, routes) in enumerate(rows):
+        for layer, experts, weights in routes:
             ids[t, layer, : len(experts)] = experts
-            if weights is not None:
-                w[t, layer, : len(weights)] = weights
-    phase = (np.arange(T) >= n_prompt).astype(np.int8)
-    Trace(name, info.num_experts, k, ids, np.zeros(T, np.int32), np.arange(T, dtype=np.int32), phase, w,
-          {"source": "moelab run", "prompt_tokens": n_prompt}).save(path)
+            w[t, layer, : len(weights)] = weights
+    phase = np.array([int(ph == "decode") for n, ph in gen.batches for _ in range(n)], np.int8)
+    pos = np.array([p for p, _ in rows], np.int32)
+    meta = {"source": "moelab run", "prompt_tokens": len(gen.prompt), "prefill_chunk": gen.chunk,
+            "speculative": gen.draft_len, "batches": [n for n, _ in gen.batches]}
+    Trace(name, info.num_experts, k, ids, np.zeros(T, np.int32), pos, phase, w, meta).save(path)
 
 
-def _run(args) -> int:
+def _generate(args, weights, tok, prompt: list[int], draft_len: int, stream, record: bool = False):
+    """One generation under a fresh policy, backend and model; -> (figures, generation, model, audit)."""
     import time
 
     from scheduler.audit import Audit
 
     from . import model as M
-    from .gguf_io import load_model
     from .sampling import Sampler
-    from .tokenizer import Tokenizer, TokenizerError
 
-    if args.tokens < 0:
-        raise _Fail(f"moelab run: -n {args.tokens}, expected >= 0")
-    weights = load_model(args.model)
     info = weights.info
-    try:
-        tok = Tokenizer.from_gguf(args.model)
-        sampler = Sampler(args.temp, args.seed, args.top_k)
-    except (TokenizerError, ValueError) as exc:
-        raise _Fail(f"moelab run: {exc}") from None
-    prompt = _prompt_ids(args, tok)
     geometry = info.geometry()
     capacity = _capacity(args, geometry, "moelab run")
     policy = _run_policy(args, geometry, capacity)
     use_gpu = args.policy != "cpu"
     backend = _run_backend(args, weights, use_gpu, capacity)
-    model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens)
+    model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
+    if record:
+        model.route_log = []
     audit = Audit(geometry, profile_residents=policy.cache.slot.keys(), keep_log=True, record_routes=True)
-    gen = _Generation(model, tok, sampler, prompt, args.tokens, sys.stdout)
+    gen = _Generation(model, tok, Sampler(args.temp, args.seed, args.top_k), prompt, args.tokens, stream,
+                      args.prefill_chunk, draft_len)
     marks = {}
     progress = lambda i: marks.setdefault("prefill", time.perf_counter()) if i == len(prompt) else None  # noqa: E731
     try:
@@ -423,20 +485,66 @@ def _run(args) -> int:
     t0 = end - res.wall_s  # the run's clock starts after the backend's preparation (kernel compile, uploads)
     gen.out.write(gen.stream.flush() + "\n")
     prefill_s = marks.get("prefill", end) - t0
-    decode_tokens = res.tokens - len(prompt)
+    decode_tokens = max(len(gen.generated) - 1, 0)  # the first generated token comes from the prefill
     out = {"model": str(args.model), "arch": info.arch, "policy": args.policy, "prompt_tokens": len(prompt),
-           "prompt_s": prefill_s, "prompt_tokens_per_s": len(prompt) / prefill_s if prefill_s > 0 else 0.0,
+           "prefill_chunk": args.prefill_chunk, "prompt_s": prefill_s,
+           "prompt_tokens_per_s": len(prompt) / prefill_s if prefill_s > 0 else 0.0,
            "generated": len(gen.generated), "decode_tokens": decode_tokens, "decode_s": end - t0 - prefill_s,
+           "decode_steps": gen.decode_steps, "decode_positions": res.tokens - len(prompt),
            "stopped_at_eos": gen.stopped, "cache_mib": capacity.slot_bytes(geometry) / 2**20,
            "digest": audit.digest(), **audit.summary()}
     out["decode_tokens_per_s"] = decode_tokens / out["decode_s"] if decode_tokens and out["decode_s"] > 0 else 0.0
+    out["speculative"] = draft_len
+    if draft_len:
+        out.update(drafted=gen.drafted, accepted=gen.accepted,
+                   acceptance_rate=gen.accepted / gen.drafted if gen.drafted else 0.0,
+                   tokens_per_step=decode_tokens / gen.decode_steps if gen.decode_steps else 0.0)
+    return out, gen, model, audit
+
+
+def _check_run_args(args) -> None:
+    if args.tokens < 0:
+        raise _Fail(f"moelab run: -n {args.tokens}, expected >= 0")
+    if args.prefill_chunk < 1:
+        raise _Fail(f"moelab run: --prefill-chunk {args.prefill_chunk}, expected >= 1")
+    from .speculative import MAX_DRAFT
+
+    if not 0 <= args.speculative <= MAX_DRAFT:
+        raise _Fail(f"moelab run: --speculative {args.speculative}, expected a draft length 0..{MAX_DRAFT}")
+    if args.compare and not args.speculative:
+        raise _Fail("moelab run: --compare compares speculative with plain decoding; give --speculative N")
+
+
+def _run(args) -> int:
+    import io
+
+    from .gguf_io import load_model
+    from .sampling import Sampler
+    from .tokenizer import Tokenizer, TokenizerError
+
+    _check_run_args(args)
+    weights = load_model(args.model)
+    try:
+        tok = Tokenizer.from_gguf(args.model)
+        Sampler(args.temp, args.seed, args.top_k)
+    except (TokenizerError, ValueError) as exc:
+        raise _Fail(f"moelab run: {exc}") from None
+    prompt = _prompt_ids(args, tok)
+    out, gen, model, audit = _generate(args, weights, tok, prompt, args.speculative, sys.stdout,
+                                       record=bool(args.record_trace))
+    if args.compare:
+        plain, pgen, _, _ = _generate(args, weights, tok, prompt, 0, io.StringIO())
+        out["plain"] = {k: plain[k] for k in ("prompt_tokens_per_s", "decode_tokens", "decode_s",
+                                              "decode_tokens_per_s", "generated", "digest")}
+        out["speedup"] = out["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain["decode_tokens_per_s"] else 0.0
+        out["same_tokens"] = gen.generated == pgen.generated
     if args.audit:
         audit.write_jsonl(args.audit, run={k: out[k] for k in ("model", "policy", "cache_mib", "digest")})
     if args.record_trace:
         from traces import TraceError
 
         try:
-            _record_trace(args.record_trace, audit, info, len(prompt), Path(args.model).name)
+            _record_trace(args.record_trace, model, gen, weights.info, Path(args.model).name)
         except (TraceError, OSError) as exc:
             raise _Fail(f"moelab run: --record-trace: {exc}") from None
     _print_run(out, args.json)
@@ -453,6 +561,15 @@ def _print_run(out: dict, as_json: bool) -> None:
     print(f"{out['policy']}: hit rate {out['hit_rate']:.3f} ({out['hits']} hits, {out['uploads']} uploads, "
           f"{out['streams']} streams, {out['cpu']} on CPU); uploaded {out['upload_mib']:.2f} MiB; "
           f"cache {out['cache_mib']:.2f} MiB; decision digest {out['digest'][:16]}")
+    if out["speculative"]:
+        print(f"speculative (draft {out['speculative']}): {out['decode_steps']} decode steps, "
+              f"{out['tokens_per_step']:.2f} tokens/step; acceptance {out['acceptance_rate']:.3f} "
+              f"({out['accepted']} of {out['drafted']} drafted)")
+    if "plain" in out:
+        p = out["plain"]
+        print(f"plain decode: {p['decode_tokens']} tokens in {p['decode_s']:.3f} s = {p['decode_tokens_per_s']:.1f} "
+              f"tokens/s; speculative / plain = {out['speedup']:.2f}x; same tokens: "
+              f"{'yes' if out['same_tokens'] else 'NO'}")
 
 
 def run_main(argv: list[str]) -> int:

@@ -45,14 +45,17 @@ def test_every_architecture_runs_on_the_cpu_path(arch, models, capsys):
 
 
 def test_figures_and_greedy_determinism(models, capsys):
-    text1, fig = run_json(capsys, models(), "-p", "The cat", "-n", "6")
-    text2, fig2 = run_json(capsys, models(), "-p", "The cat", "-n", "6")
+    text1, fig = run_json(capsys, models(), "-p", "The cat", "-n", "6", "--prefill-chunk", "1")
+    text2, fig2 = run_json(capsys, models(), "-p", "The cat", "-n", "6", "--prefill-chunk", "1")
     assert text1 == text2 and fig["digest"] == fig2["digest"]
     n_moe = 2 * 2  # blocks x top-k
     assert fig["generated"] == 6 or fig["stopped_at_eos"]
     assert fig["decode_tokens"] == fig["generated"] - 1  # the last sampled token is not run
     assert fig["cpu"] == (fig["prompt_tokens"] + fig["decode_tokens"]) * n_moe and fig["hit_rate"] == 0.0
     assert fig["prompt_tokens_per_s"] > 0 and fig["decode_tokens_per_s"] > 0
+    text3, chunked = run_json(capsys, models(), "-p", "The cat", "-n", "6")  # default: prefill in chunks of 32
+    assert text3 == text1 and chunked["tokens"] == 1 + fig["decode_tokens"]  # one prefill batch, then decode
+    assert chunked["cpu"] == fig["decode_tokens"] * n_moe + 2 * 8  # each block's batch used all 8 experts once
 
 
 def test_seeded_sampling(models, capsys):
@@ -71,7 +74,7 @@ def test_recorded_trace_replays_to_the_same_decisions(models, tmp_path, capsys):
     assert (tr.phase == 0).sum() == fig["prompt_tokens"] and (tr.expert_ids[:, 0] == -1).all()
     g = w.info.geometry()
     cap = Capacity.per_layer(g, 0)
-    assert replay(make_policy("cpu", g, cap), tr.tokens(), audit=Audit(g, keep_log=True)).digest() == fig["digest"]
+    assert replay(make_policy("cpu", g, cap), M.trace_tokens(tr), audit=Audit(g, keep_log=True)).digest() == fig["digest"]
     audit = Audit(g, keep_log=True, record_routes=True)  # the executor forced to the trace: same routes, same log
     M.run(M.MoeModel(w), M.NumpyExperts(w), make_policy("cpu", g, cap), M.trace_inputs(tr, w.info), audit=audit)
     assert audit.digest() == fig["digest"]
