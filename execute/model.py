@@ -504,15 +504,19 @@ class NumpyExperts:
         """``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` (summed in j order) for the
         step's tokens: x ``(T, hidden)``, ids and weights ``(T, k)``; -> ``(T, hidden)``."""
         _cpu_only(item)
-        l = item.step.layer
+        return self.compute(item.step, x, ids, weights)
+
+    def compute(self, step: Step, x, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """``run_layer``'s result without looking at the decision."""
+        l = step.layer
         layer, b = self.experts[l], self.bias[l]
         xh = _host(x).astype(np.float32)
         ids = np.asarray(ids)
-        missing = set(np.unique(ids).tolist()) - set(item.step.experts)
+        missing = set(np.unique(ids).tolist()) - set(step.experts)
         if missing:
             raise ExecutorError(f"layer {l}: routed experts {sorted(missing)} are not in the step")
         pairs = np.zeros((*ids.shape, layer.hidden), np.float32)  # (T, k, hidden)
-        for e in item.step.experts:
+        for e in step.experts:
             rows, cols = np.nonzero(ids == e)
             xe = xh[rows]  # (n, hidden)
             g, u = xe @ self._expert(layer.gate, e).T, xe @ self._expert(layer.up, e).T
