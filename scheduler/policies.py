@@ -169,34 +169,28 @@ class _UploadEveryMiss(BasePolicy):
         layer = step.layer
         cache = self.cache
         state = cache.state[layer]
-        hits, misses = [], []
-        for e in step.experts:
-            (hits if state[e] == RESIDENT else misses).append(e)
+        experts = step.experts
+        misses = [e for e in experts if state[e] != RESIDENT]
         if not misses:
-            return Decision(step, step.experts)
-        slot_of = cache.slot
+            return Decision(step, experts)
+        hits = tuple([e for e in experts if state[e] == RESIDENT])
         slots = cache.free_slots(layer, len(misses))
-        evictions: list[tuple[int, int]] = []
         need = len(misses) - len(slots)
-        if need > 0:
-            used = set(step.experts)
-            evictions = self._victims(layer, need, used)
-            slots = slots + [slot_of[v] for v in evictions]
+        if need <= 0:
+            return Decision(step, hits, tuple(misses), tuple(slots))
+        evictions = self._victims(layer, need, experts)
+        slot_of = cache.slot
+        slots += [slot_of[v] for v in evictions]
         n_up = len(slots)
-        return Decision(
-            step,
-            tuple(hits),
-            uploads=tuple(misses[:n_up]),
-            slots=tuple(slots),
-            streams=tuple(misses[n_up:]),
-            evictions=tuple(evictions),
-        )
+        return Decision(step, hits, tuple(misses[:n_up]), tuple(slots), tuple(misses[n_up:]), (), tuple(evictions))
 
     def commit(self, d: Decision) -> None:
         self._take_slots(d)
         self._touch(d.layer, d)
 
-    def _victims(self, layer: int, need: int, used: set[int]) -> list[tuple[int, int]]:
+    def _victims(self, layer: int, need: int, used) -> list[tuple[int, int]]:
+        """``need`` residents of the layer's pool to evict, none of them in ``used`` (this
+        step's experts of ``layer``)."""
         raise NotImplementedError  # each subclass defines its eviction order
 
     def _touch(self, layer: int, d: Decision) -> None:
