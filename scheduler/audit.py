@@ -41,11 +41,10 @@ class Audit:
         self.log: list[tuple] = []
         self.totals = dict.fromkeys(COUNTERS, 0)
         self.tokens = 0
-        self.per_layer = [[0, 0, 0, 0] for _ in range(geometry.num_layers)]  # hits, uploads, streams, cpu
         self._reset_token()
 
     def _reset_token(self) -> None:
-        self.cur = dict.fromkeys(COUNTERS, 0)
+        self.cur = [0] * len(COUNTERS)  # this token's counters, in COUNTERS order
         self.added: list[tuple[int, int]] = []
         self.removed: list[tuple[int, int]] = []
         self.routes: list[list] = []
@@ -55,22 +54,17 @@ class Audit:
         if t is RunLayer:
             d = item.decision
             c = self.cur
-            layer = d.layer
+            layer = d.step.layer
             nh, nu, ns, nc = len(d.hits), len(d.uploads), len(d.streams), len(d.cpu)
-            c["hits"] += nh
-            c["uploads"] += nu
-            c["streams"] += ns
-            c["cpu"] += nc
+            c[0] += nh
+            c[3] += nc
             if nu or ns:
-                c["upload_bytes"] += (nu + ns) * self.expert_bytes[layer]
-            pl = self.per_layer[layer]
-            pl[0] += nh
-            pl[1] += nu
-            pl[2] += ns
-            pl[3] += nc
+                c[1] += nu
+                c[2] += ns
+                c[6] += (nu + ns) * self.expert_bytes[layer]
             if self.profile:
                 prof = self.profile
-                c["profile_hits"] += sum(1 for e in d.hits if (layer, e) in prof)
+                c[7] += sum(1 for e in d.hits if (layer, e) in prof)
                 for v in d.evictions:
                     prof.discard(v)
             if d.evictions:
@@ -91,11 +85,11 @@ class Audit:
         elif t is StartBackground:
             c = self.cur
             for m in item.moves:
-                c["upload_bytes"] += self.expert_bytes[m.layer]
+                c[6] += self.expert_bytes[m.layer]
                 if m.victim is None:
-                    c["fills"] += 1
+                    c[4] += 1
                 else:
-                    c["swaps"] += 1
+                    c[5] += 1
                     self.removed.append(m.victim)
                     self.profile.discard(m.victim)
                 self.added.append((m.layer, m.expert))
@@ -103,11 +97,12 @@ class Audit:
                 self.log.append((item.token.index, "moves", tuple((m.layer, m.expert, m.slot, m.victim) for m in item.moves)))
         elif t is EndToken:
             tok = item.token
-            for k, v in self.cur.items():
-                self.totals[k] += v
+            totals = self.totals
+            for k, v in zip(COUNTERS, self.cur):
+                totals[k] += v
             if self.keep_records:
                 rec = {"token": tok.index, "seq": tok.seq, "pos": tok.pos, "phase": tok.phase}
-                rec.update(self.cur)
+                rec.update(zip(COUNTERS, self.cur))
                 rec["added"] = self.added
                 rec["removed"] = self.removed
                 if self.record_routes:

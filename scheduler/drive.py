@@ -69,9 +69,9 @@ def drive(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1) -> Itera
             policy.commit(d)
             yield RunLayer(tok, step, d)
             for e in d.uploads:
-                complete(d.layer, e)
+                complete(step.layer, e)
             for e in d.promotions:
-                complete(d.layer, e)
+                complete(step.layer, e)
         moves = policy.plan_background()
         policy.commit_background(moves)
         if moves:

@@ -102,7 +102,7 @@ class BasePolicy:
         """Commit a decision's uploads: the first go into free slots, each of the rest into the
         slot of the eviction paired with it (``d.slots`` lists them in that order)."""
         cache = self.cache
-        layer = d.layer
+        layer = d.step.layer
         n_free = len(d.uploads) - len(d.evictions)
         for i, e in enumerate(d.uploads):
             if i < n_free:
@@ -186,7 +186,7 @@ class _UploadEveryMiss(BasePolicy):
 
     def commit(self, d: Decision) -> None:
         self._take_slots(d)
-        self._touch(d.layer, d)
+        self._touch(d.step.layer, d)
 
     def _victims(self, layer: int, need: int, used) -> list[tuple[int, int]]:
         """``need`` residents of the layer's pool to evict, none of them in ``used`` (this
@@ -419,7 +419,7 @@ class HybridPolicy(BasePolicy):
         return Decision(step, hits, tuple(uploads), tuple(slots), tuple(streams), cpu, tuple(evictions))
 
     def commit(self, d: Decision) -> None:
-        layer = d.layer
+        layer = d.step.layer
         if d.uploads:
             self._take_slots(d)
         u = self._u[layer]
@@ -683,7 +683,7 @@ class BeladyPolicy(BasePolicy):
     def commit(self, d: Decision) -> None:
         nxt = dict(zip(d.step.experts, self.next_use[self.pos]))
         cache = self.cache
-        layer = d.layer
+        layer = d.step.layer
         for v in d.evictions + d.retired:
             cache.evict(v)
             self.nu.pop(v, None)
