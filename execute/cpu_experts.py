@@ -318,6 +318,11 @@ class CpuJob:
         self._error: BaseException | None = None
         self.submitted_s = time.perf_counter()
         self.compute_s = 0.0
+        # perf_counter stamps (0.0 until set): the worker starts and ends the Numba call; the
+        # caller's first successful result() returns (moelab calibrate splits the hand-offs by them)
+        self.started_s = 0.0
+        self.finished_s = 0.0
+        self.collected_s = 0.0
 
     def _finish(self, out: np.ndarray | None, error: BaseException | None) -> None:
         self._out, self._error = out, error
@@ -334,6 +339,8 @@ class CpuJob:
             raise ExecutorError(self._pool._broken)
         if self._error is not None:
             raise ExecutorError(f"layer {self.layer}: CPU experts failed: {self._error!r}") from self._error
+        if not self.collected_s:
+            self.collected_s = time.perf_counter()
         return self._out
 
 
@@ -367,13 +374,14 @@ class CpuExpertPool:
             if item is None:
                 return
             job, layer, experts, x, views, out = item
-            t0 = time.perf_counter()
+            t0 = job.started_s = time.perf_counter()
             try:
                 out = run_experts(layer, experts, x, self.threads, views, out)
             except BaseException as exc:  # reported to the caller by result()
                 job._finish(None, exc)
             else:
-                job.compute_s = time.perf_counter() - t0
+                job.finished_s = time.perf_counter()
+                job.compute_s = job.finished_s - t0
                 job._finish(out, None)
 
     def submit(self, layer: LayerExperts, experts: Sequence[int], x: np.ndarray,

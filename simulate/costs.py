@@ -52,7 +52,15 @@ class ExecConfig:
 
 @dataclass(frozen=True)
 class HostCosts:
-    """The executor's host-thread costs (seconds), from ``Hardware.executor`` (see its keys)."""
+    """The executor's host-thread costs (seconds), from ``Hardware.executor`` (see its keys).
+
+    A layer on the host lane (``simulate.engine``): ``plan_s``; dense issued (``dense_s``), router
+    read back (``readback_s``); the engine plans (``layer_plan_s``); with CPU experts the input is
+    fetched and the job submitted (``cpu_submit_s``; the pool starts ``cpu_start_s`` later) and the
+    GIL handed over (``cpu_handoff_s``); uploads queued (``copy_s`` each); the GPU part queued
+    (``gpu_queue_s``, or ``cpu_queue_s`` while the pool computes, + ``gpu_expert_s`` per further
+    expert); with CPU experts the caller resumes ``cpu_return_s`` after the pool ends and queues the
+    rows and the combine (``cpu_combine_s``), else the combine (``layer_combine_s``)."""
 
     plan_s: float
     dense_s: float
@@ -62,15 +70,38 @@ class HostCosts:
     copy_s: float
     cpu_s: float
     wait_poll_s: float
+    layer_plan_s: float = 0.0
+    layer_combine_s: float = 0.0
+    gpu_queue_s: float = 0.0
+    cpu_submit_s: float = 0.0
+    cpu_handoff_s: float = 0.0
+    cpu_queue_s: float = 0.0
+    cpu_combine_s: float = 0.0
+    cpu_start_s: float = 0.0
+    cpu_return_s: float = 0.0
+    head_s: float = 0.0
 
     @classmethod
     def from_hardware(cls, hw: Hardware, policy: str) -> "HostCosts":
+        """Costs for ``policy``; a file without the split CPU keys (written before them) charges
+        ``host_cpu_s`` half before the pool starts and half after it ends, and one without
+        ``host_layer_plan_s``/``host_layer_combine_s`` charges all of ``host_gpu_layer_s`` as queueing."""
         ex = hw.executor
         plan = ex.get("plan_s", {})
         plan_s = plan.get(policy, statistics.median(plan.values()) if plan else 0.0)
         g = lambda k: ex.get(k, 0.0)
+        layer_plan, layer_combine = g("host_layer_plan_s"), g("host_layer_combine_s")
+        queue = max(g("host_gpu_layer_s") - layer_plan - layer_combine, 0.0)
+        split = any(k in ex for k in ("host_cpu_submit_s", "host_cpu_handoff_s", "host_cpu_combine_s",
+                                      "cpu_start_s", "cpu_return_s"))
+        half = 0.0 if split else g("host_cpu_s") / 2
         return cls(plan_s, g("host_dense_s"), g("readback_s"), g("host_gpu_layer_s"), g("host_gpu_expert_s"),
-                   g("host_copy_s"), g("host_cpu_s"), g("wait_poll_s"))
+                   g("host_copy_s"), g("host_cpu_s"), g("wait_poll_s"),
+                   layer_plan_s=layer_plan, layer_combine_s=layer_combine, gpu_queue_s=queue,
+                   cpu_submit_s=g("host_cpu_submit_s") + half, cpu_handoff_s=g("host_cpu_handoff_s"),
+                   cpu_queue_s=ex.get("host_cpu_queue_s", queue), cpu_combine_s=g("host_cpu_combine_s") + half,
+                   cpu_start_s=g("cpu_start_s"), cpu_return_s=g("cpu_return_s"),
+                   head_s=ex.get("host_head_s", g("host_dense_s")))
 
 
 class Costs:

@@ -225,12 +225,15 @@ class Simulator:
             yield env.timeout(t - env.now)
 
     def _process_host(self, env, items, audit, out):
-        """The executor's order on four lanes: host thread ``h`` (issues everything, waits at read-backs),
-        GPU compute stream ``g``, copy engine ``cf``, CPU pool ``p``. Per layer: scheduler plan; dense
-        issued (GPU runs it from when the host starts issuing); router logits read back (the host
-        waits for the GPU); CPU experts handed to the pool; uploads queued (the copy engine starts
-        as the first is queued); one GPU expert batch after the copies; wait for the CPU result;
-        combine. The token ends when the head's sampled id is read back."""
+        """The executor's order (``execute.engine.ExpertEngine._run_gpu``) on four lanes: host thread
+        ``h`` (issues everything, waits at read-backs), GPU compute stream ``g``, copy engine ``cf``,
+        CPU pool ``p``. Per layer: scheduler plan; dense issued (the GPU runs it from when the host
+        starts issuing); router logits read back (the host waits for the GPU); the engine plans;
+        with CPU experts, the input is fetched and the job submitted (the pool starts
+        ``cpu_start_s`` after the submit) and the GIL handed over; uploads queued (the copy engine
+        starts as the first is queued); the GPU experts queued (they run after the copies); with
+        CPU experts the host waits for the pool (plus ``cpu_return_s``) and queues the rows'
+        upload; the combine. The token ends when the head's sampled id is read back."""
         c, hc = self.costs, self.costs.host
         dense_s, kv_s, gexp, up_s, cpu_e, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
                                                      c.cpu_expert_s, c.promote_s)
@@ -242,7 +245,6 @@ class Simulator:
         h = g = cf = p = 0.0
         gpu_busy = copy_busy = cpu_busy = 0.0
         tok_start = tok_bound = 0.0
-        half_cpu = hc.cpu_s / 2
         for item in items:
             observe(item)
             kind = type(item)
@@ -251,7 +253,6 @@ class Simulator:
                 tok = item.token
                 l = d.step.layer
                 h += hc.plan_s
-                h_lane = hc.plan_s + hc.dense_s + hc.readback_s
                 if d.step.counts is None and tok.num_tokens == 1:
                     gd = dense_s[l] + (tok.pos + 1) * kv_s[l]
                     n_gpu = len(d.hits) + len(d.uploads) + len(d.streams)
@@ -267,12 +268,15 @@ class Simulator:
                 g = max(g, h0) + gd
                 if events is not None:
                     events.append(("gpu", f"L{l} dense", g - gd, gd))
-                h = max(h0 + hc.dense_s, g) + hc.readback_s
+                h = max(h0 + hc.dense_s, g) + hc.readback_s + hc.layer_plan_s
+                h_lane = hc.plan_s + hc.dense_s + hc.readback_s + hc.layer_plan_s
                 if nc:
-                    h += half_cpu
-                    c0 = max(p, h)
+                    h += hc.cpu_submit_s
+                    c0 = max(p, h + hc.cpu_start_s)
                     p = c0 + cpu_s
                     cpu_busy += cpu_s
+                    h += hc.cpu_handoff_s
+                    h_lane += hc.cpu_submit_s + hc.cpu_handoff_s + hc.cpu_combine_s
                     if events is not None:
                         events.append(("cpu", f"L{l} cpu x{nc}", c0, cpu_s))
                 pcopy = 0.0
@@ -282,32 +286,36 @@ class Simulator:
                     pcopy = nu * up_s[l]
                     cf = cs + pcopy
                     copy_busy += pcopy
+                    h_lane += nu * hc.copy_s
                     if events is not None:
                         events.append(("copy", f"L{l} x{nu}", cs, pcopy))
                 if n_gpu:
-                    h += hc.gpu_layer_s + (n_gpu - 1) * hc.gpu_expert_s
+                    q = (hc.cpu_queue_s if nc else hc.gpu_queue_s) + (n_gpu - 1) * hc.gpu_expert_s
+                    h += q
+                    h_lane += q
                     g0 = max(g, h, cf if nu else 0.0)
                     g = g0 + gx
                     if events is not None:
                         events.append(("gpu", f"L{l} experts x{n_gpu}", g0, gx))
                 if nc:
-                    h = max(h, p) + half_cpu
+                    h = max(h, p + hc.cpu_return_s) + hc.cpu_combine_s
                     g = max(g, h)
+                else:
+                    h += hc.layer_combine_s
+                    h_lane += hc.layer_combine_s
                 pro_s = len(d.promotions) * promo_s[l]
                 g += combine + pro_s
                 gwork = gd + gx + combine + pro_s
                 gpu_busy += gwork
-                h_lane += nu * hc.copy_s + (hc.gpu_layer_s + (n_gpu - 1) * hc.gpu_expert_s if n_gpu else 0.0)
-                h_lane += hc.cpu_s if nc else 0.0
                 tok_bound += max(gwork, pcopy, cpu_s, h_lane)
             elif kind is EndToken:
                 tok = item.token
                 h0 = h
                 g = max(g, h0) + c.head_s
                 gpu_busy += c.head_s
-                h = max(h0 + hc.dense_s, g) + hc.readback_s
+                h = max(h0 + hc.head_s, g) + hc.readback_s
                 tok_times.append(h - tok_start)
-                bounds.append(tok_bound + max(c.head_s, hc.dense_s) + hc.readback_s)
+                bounds.append(tok_bound + max(c.head_s, hc.head_s) + hc.readback_s)
                 decode.append(tok.phase == "decode")
                 if events is not None:
                     events.append(("gpu", "head", g - c.head_s, c.head_s))
