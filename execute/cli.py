@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .experts import ExecutorError
 
-__all__ = ["model_main", "replay_main", "run_main"]
+__all__ = ["model_main", "replay_main", "run_main", "run_figures"]
 
 
 class _Fail(Exception):
@@ -309,6 +309,8 @@ def _parser_run() -> argparse.ArgumentParser:
                    help="with --speculative: also decode plainly (same policy, fresh state) and print both speeds")
     p.add_argument("--hardware", default=None,
                    help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
+    p.add_argument("--miss-fraction", type=float, default=None,
+                   help="--policy hybrid: share of distinct misses sent over PCIe (default 44/256)")
     p.add_argument("--audit", default=None, help="write the per-batch audit JSONL (with routes) here")
     p.add_argument("--record-trace", default=None, help="write the routing as a trace directory (traces/ format)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the text")
@@ -348,6 +350,10 @@ def _run_policy(args, geometry, capacity):
         except (ValueError, OSError) as exc:
             raise _Fail(f"moelab run: {exc}") from None
     options = _cost_options(args, "moelab run")
+    if args.miss_fraction is not None:
+        if args.policy != "hybrid" or not 0.0 <= args.miss_fraction <= 1.0:
+            raise _Fail(f"moelab run: --miss-fraction {args.miss_fraction}: expected 0..1, with --policy hybrid")
+        options["miss_frac_256"] = int(round(args.miss_fraction * 256))
     try:
         return make_policy(args.policy, geometry, capacity, profile=profile, **options)
     except (ValueError, CapacityError) as exc:
@@ -513,6 +519,25 @@ def _check_run_args(args) -> None:
         raise _Fail(f"moelab run: --speculative {args.speculative}, expected a draft length 0..{MAX_DRAFT}")
     if args.compare and not args.speculative:
         raise _Fail("moelab run: --compare compares speculative with plain decoding; give --speculative N")
+
+
+def run_figures(argv: list[str]) -> tuple[dict, list[int]]:
+    """``moelab run ARGV``'s figures (as ``--json`` prints them, ``--compare`` aside) and generated
+    token ids, without printing the text; for experiments. A user error raises ``ExecutorError``."""
+    import io
+
+    from .gguf_io import load_model
+    from .tokenizer import Tokenizer
+
+    args = _parser_run().parse_args(argv)
+    try:
+        _check_run_args(args)
+        tok = Tokenizer.from_gguf(args.model)
+        out, gen, _, _ = _generate(args, load_model(args.model), tok, _prompt_ids(args, tok), args.speculative,
+                                   io.StringIO())
+    except _Fail as exc:
+        raise ExecutorError(str(exc)) from None
+    return out, gen.generated
 
 
 def _run(args) -> int:

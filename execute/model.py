@@ -1,16 +1,19 @@
 """The MoE forward pass of every supported architecture, written once against the array API
 (``xp`` = numpy or cupy).
 
-One decode step per token: embeddings, then per block RMSNorm -> attention (GQA with optional
-biases, q/k norms, sinks and a sliding window; or deepseek2's MLA) -> residual -> RMSNorm ->
-router -> routed experts (+ shared expert) -> residual, then the output norm and head. A dense
-block (deepseek2's leading blocks) runs its SwiGLU FFN instead of the router. Prefill runs the same
-way, one token at a time (a chunk of one; multi-token steps are a later issue). What differs between
-architectures is read from ``info.spec`` (``execute.archs``) and the file's metadata.
+One step runs a chunk of T tokens (T = 1 in plain decode; a prefill chunk or a speculative
+verification batch otherwise): embeddings, then per block RMSNorm -> attention (GQA with optional
+biases, q/k norms, sinks and a sliding window; or deepseek2's MLA; causal inside the chunk) ->
+residual -> RMSNorm -> router -> routed experts (+ shared expert) -> residual, then the output norm
+and head. A dense block (deepseek2's leading blocks) runs its SwiGLU FFN instead of the router.
+What differs between architectures is read from ``info.spec`` (``execute.archs``) and the file's
+metadata. One token is computed with matrix-vector products (the decode path's numerics); a chunk
+with matrix products, which agree with token-by-token to float32 rounding.
 
-The experts are not computed here. :meth:`MoeModel.token_steps` is a generator that yields one
-scheduler :class:`~scheduler.core.Step` per MoE block (the router's top-k, or a trace's ids) and,
-before resuming, expects the combined expert output of that block through :meth:`MoeModel.deliver`.
+The experts are not computed here. :meth:`MoeModel.chunk_steps` is a generator that yields one
+scheduler :class:`~scheduler.core.Step` per MoE block (the chunk's distinct experts with token
+counts, from the router's top-k or a trace's ids) and, before resuming, expects the combined expert
+output ``(T, hidden)`` of that block through :meth:`MoeModel.deliver`.
 A :class:`scheduler.core.Token` whose ``steps`` is this generator is driven by ``scheduler.drive``:
 the policy plans each step as it is routed, the executor (``execute.run``) runs the layer as
 decided and delivers the output, and the generator continues with the next block. So routing is

@@ -12,6 +12,16 @@ printed PASS/FAIL:
 
     python experiments/speculative.py [--hardware rtx4070super-5950x] [--cache-mib 5632] [--out DIR]
 
+On the executor (``--executor MODEL.gguf``): ``moelab run``'s greedy generation of one prompt, side
+by side in one process, plain (draft 0) and with prompt-lookup drafts of 1..``--max-draft``, per
+policy (default on a GPU: lru, hybrid at each fixed fraction, hybrid-cost with ``--hardware``;
+without one: cpu), and prefill in chunks of ``--prefill-chunk`` vs token by token. Every speculative
+run must give the plain run's tokens (checked); with lru and hybrid present, the checks above are
+applied to the measured figures. Median of ``--repeats`` runs.
+
+    python experiments/speculative.py --executor m.gguf [--policies lru,hybrid,hybrid-cost]
+        [--cache-slots N | --cache-mib M] [--hardware FILE] [--threads T] [--out DIR]
+
 Writes results.csv, results.json, config.json and speculative.png into --out.
 """
 from __future__ import annotations
@@ -50,14 +60,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--hardware", default="rtx4070super-5950x")
-    ap.add_argument("--cache-mib", type=float, default=5632.0, help="5.5 GiB, as the seed's MTP report")
+    ap.add_argument("--cache-mib", type=float, default=None,
+                    help="expert cache (default in simulation 5632, 5.5 GiB, as the seed's MTP report)")
     ap.add_argument("--tokens", type=int, default=256, help="decode rows replayed")
     ap.add_argument("--acceptance", type=float, default=0.7)
     ap.add_argument("--max-draft", type=int, default=4)
     ap.add_argument("--prefill-chunk", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="experiments/out/speculative")
+    ap.add_argument("--out", default=None, help="default experiments/out/speculative[-executor]")
+    ex = ap.add_argument_group("executor mode")
+    ex.add_argument("--executor", metavar="MODEL.gguf", default=None, help="measure moelab run on this model")
+    ex.add_argument("--policies", default=None, help="comma-separated (default: lru,hybrid,hybrid-cost on a GPU, else cpu)")
+    ex.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer")
+    ex.add_argument("--prompt", default=None, help="prompt text (default: a repetitive paragraph)")
+    ex.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run")
+    ex.add_argument("--threads", type=int, default=None, help="CPU expert threads")
+    ex.add_argument("--backend", default="auto", choices=("auto", "engine", "numpy"))
+    ex.add_argument("--repeats", type=int, default=3, help="runs per configuration (median reported)")
     args = ap.parse_args()
+    if args.executor:
+        return executor_main(args)
+    args.cache_mib = 5632.0 if args.cache_mib is None else args.cache_mib
+    args.out = args.out or "experiments/out/speculative"
 
     from traces import synth
 
@@ -89,6 +113,105 @@ def main() -> int:
     _write(out / "config.json", lambda f: json.dump(vars(args), f, indent=1))
     plot(results, args, out / "speculative.png")
     print_table(results, args.max_draft)
+    for name, ok, detail in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    return 0
+
+
+# the executor ----------------------------------------------------------------------------------------
+EXEC_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+               "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n")
+
+
+def _gpu_present() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver, no device: the CPU path only
+        return False
+
+
+def executor_configs(args):
+    """(policy, miss fraction or None, extra moelab run arguments) of the executor sweep."""
+    names = args.policies.split(",") if args.policies else (["lru", "hybrid", "hybrid-cost"] if _gpu_present() else ["cpu"])
+    cache = ([] if args.cache_slots is None and args.cache_mib is None else
+             ["--cache-slots", str(args.cache_slots)] if args.cache_slots is not None else ["--cache-mib", str(args.cache_mib)])
+    for name in names:
+        if name == "hybrid":
+            for f in FRACTIONS:
+                yield name, f, cache + ["--miss-fraction", str(f)]
+        elif name == "hybrid-cost":
+            yield name, None, cache + ["--hardware", args.hardware]
+        else:
+            yield name, None, ([] if name == "cpu" else cache)
+
+
+def _measure(args, extra, key):
+    """Median figure ``key`` of ``--repeats`` runs of ``moelab run`` with ``extra``; and the tokens."""
+    from execute.cli import run_figures
+
+    base = [args.executor, "-p", args.prompt or EXEC_PROMPT, "-n", str(args.gen_tokens), "--raw",
+            "--backend", args.backend, "--seed", str(args.seed)]
+    if args.threads:
+        base += ["--threads", str(args.threads)]
+    figs, tokens = [], None
+    for _ in range(args.repeats):
+        fig, toks = run_figures(base + extra)
+        if tokens is not None and toks != tokens:
+            raise RuntimeError(f"greedy runs of {extra} disagree with each other")
+        figs.append(fig)
+        tokens = toks
+    return float(np.median([f[key] for f in figs])), figs[0], tokens
+
+
+def executor_main(args) -> int:
+    from execute.experts import ExecutorError
+
+    args.out = args.out or "experiments/out/speculative-executor"
+    results = []
+    try:
+        for policy, frac, extra in executor_configs(args):
+            plain = None
+            for draft in range(args.max_draft + 1):
+                tps, fig, toks = _measure(args, extra + ["--speculative", str(draft)], "decode_tokens_per_s")
+                plain = toks if draft == 0 else plain
+                results.append({"mode": "decode", "draft_len": draft, "policy": policy,
+                                "miss_fraction": "" if frac is None else round(frac, 4), "tokens_per_s": tps,
+                                "acceptance": fig.get("acceptance_rate", ""), "tokens_per_step": fig.get("tokens_per_step", 1.0),
+                                "hit_rate": fig["hit_rate"], "same_tokens": toks == plain})
+                print(f"draft {draft}  {policy:<11} {'' if frac is None else f'{frac:.3f}':>6}  {tps:8.2f} tok/s  "
+                      f"acceptance {fig.get('acceptance_rate', 0.0):.2f}", file=sys.stderr)
+            for mode, chunk in (("prefill", args.prefill_chunk), ("prefill-1", 1)):
+                tps, _, _ = _measure(args, extra + ["--prefill-chunk", str(chunk)], "prompt_tokens_per_s")
+                results.append({"mode": mode, "draft_len": "", "policy": policy,
+                                "miss_fraction": "" if frac is None else round(frac, 4), "tokens_per_s": tps,
+                                "acceptance": "", "tokens_per_step": "", "hit_rate": "", "same_tokens": ""})
+    except ExecutorError as exc:
+        print(f"speculative: {exc}", file=sys.stderr)
+        return 2
+    checks = [("speculative greedy gives plain greedy's tokens", all(r["same_tokens"] for r in results if r["mode"] == "decode"),
+               f"{sum(1 for r in results if r['mode'] == 'decode')} runs")]
+    policies_run = {r["policy"] for r in results}
+    if {"lru", "hybrid", "hybrid-cost"} <= policies_run:
+        checks += evaluate(results, args.max_draft)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "results.csv", lambda f: _csv(f, results))
+    _write(out / "results.json", lambda f: json.dump({"results": results, "checks": checks}, f, indent=1))
+    _write(out / "config.json", lambda f: json.dump(vars(args), f, indent=1))
+    plot(results, args, out / "speculative.png", f"{Path(args.executor).name}, moelab run (measured)",
+         sorted(policies_run))
+    for policy in sorted(policies_run):
+        rows = [r for r in results if r["policy"] == policy]
+        for r in rows:
+            if r["mode"] == "decode":
+                print(f"{policy:<11} {str(r['miss_fraction']):>6} draft {r['draft_len']}: {r['tokens_per_s']:8.1f} tok/s, "
+                      f"acceptance {'-' if r['acceptance'] == '' else format(r['acceptance'], '.2f')}, "
+                      f"{r['tokens_per_step']:.2f} tokens/step")
+        for mode in ("prefill", "prefill-1"):
+            vals = [r["tokens_per_s"] for r in rows if r["mode"] == mode]
+            print(f"{policy:<11} {mode:<9}: {max(vals):8.1f} prompt tok/s")
     for name, ok, detail in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
     return 0
@@ -134,15 +257,19 @@ def print_table(results, max_draft):
         print(f"{mode:<8} {str(d):>5} " + " ".join(vals))
 
 
-def plot(results, args, path):
+def plot(results, args, path, title=None, policies=None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, pol, frac in [("lru", "lru", None), ("hybrid 44/256", "hybrid", round(44 / 256, 4)),
-                             ("hybrid best fixed", "hybrid", "best"), ("hybrid-cost", "hybrid-cost", None)]:
+    lines = [("lru", "lru", None), ("hybrid 44/256", "hybrid", round(44 / 256, 4)),
+             ("hybrid best fixed", "hybrid", "best"), ("hybrid-cost", "hybrid-cost", None)]
+    if policies is not None:
+        lines = [x for x in lines if x[1] in policies] + [(p, p, None) for p in policies
+                                                           if p not in ("lru", "hybrid", "hybrid-cost")]
+    for label, pol, frac in lines:
         xs, ys = [], []
         for d in range(args.max_draft + 1):
             rs = [r for r in results if r["mode"] == "decode" and r["draft_len"] == d and r["policy"] == pol
@@ -151,8 +278,8 @@ def plot(results, args, path):
             ys.append(max(r["tokens_per_s"] for r in rs))
         ax.plot(xs, ys, marker="o", label=label)
     ax.set_xlabel("draft length (tokens verified per step - 1)")
-    ax.set_ylabel("decode tokens/s (simulated)")
-    ax.set_title(f"{args.model} on {args.hardware}, {args.cache_mib:.0f} MiB cache, acceptance {args.acceptance}")
+    ax.set_ylabel("decode tokens/s" + ("" if title else " (simulated)"))
+    ax.set_title(title or f"{args.model} on {args.hardware}, {args.cache_mib:.0f} MiB cache, acceptance {args.acceptance}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

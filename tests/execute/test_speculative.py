@@ -87,13 +87,13 @@ def test_greedy_verification_accepts_the_matching_prefix():
 
 def test_speculative_sampling_keeps_the_samplers_distribution():
     """First token out of a verification batch, drafted 2: its frequencies follow the sampler's p,
-    whether or not 2 is likely (seeded; 40000 draws, each frequency within 0.012 of p)."""
+    whether or not 2 is likely (seeded; 20000 draws, each frequency within 0.015 of p, ~4 sigma)."""
     logits = np.array([[1.0, 0.2, 2.0, -1.0, 0.5, 0.0], [0.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
     for temp, top_k in ((1.0, 0), (0.7, 3), (3.0, 0)):
         s = Sampler(temp, seed=3, top_k=top_k)
         p = s.probs(logits[0])
-        first = np.bincount([verify(s, [2], logits)[0] for _ in range(40000)], minlength=6) / 40000
-        assert np.abs(first - p).max() < 0.012, (temp, top_k, first, p)
+        first = np.bincount([verify(s, [2], logits)[0] for _ in range(20000)], minlength=6) / 20000
+        assert np.abs(first - p).max() < 0.015, (temp, top_k, first, p)
     s = Sampler(1.0, seed=4)
     accepted_first = [out for out in (verify(s, [2], logits) for _ in range(20000)) if out[0] == 2]
     second = np.bincount([out[1] for out in accepted_first], minlength=6) / len(accepted_first)
@@ -141,3 +141,24 @@ def test_speculative_errors_exit_2(models, capsys):
                        (["--compare"], "--compare")):
         assert run_main([str(models()), "-p", "x", *argv]) == 2, argv
         assert word in capsys.readouterr().err, argv
+
+
+def test_experiment_executor_mode_writes_results(models, tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "speculative.py"
+    spec = importlib.util.spec_from_file_location("speculative_experiment", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["speculative.py", "--executor", str(models()), "--max-draft", "2", "--repeats", "1",
+                                      "--gen-tokens", "24", "--threads", "1", "--backend", "numpy", "--prefill-chunk", "8",
+                                      "--policies", "cpu", "--out", str(tmp_path)])
+    assert mod.main() == 0
+    out = capsys.readouterr().out
+    assert "PASS  speculative greedy gives plain greedy's tokens" in out and "FAIL" not in out
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [r["draft_len"] for r in res if r["mode"] == "decode"] == [0, 1, 2]
+    assert {r["mode"] for r in res} == {"decode", "prefill", "prefill-1"}
+    assert (tmp_path / "speculative.png").stat().st_size > 0 and (tmp_path / "results.csv").exists()
