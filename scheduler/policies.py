@@ -339,6 +339,7 @@ class HybridPolicy(BasePolicy):
         self._u = [memoryview(self._buf)[8 * width * l: 8 * width * (l + 1)].cast("d") for l in range(geometry.num_layers)]
         self._np = np.frombuffer(self._buf, dtype=np.float64).reshape(geometry.num_layers, width)
         self.missed: dict[tuple[int, int], None] = {}  # this token's misses, in order
+        self._room = True  # some pool had a free slot when this token started
         self.tokens = 0
         self.background: set[tuple[int, int]] = set()  # background copies in flight
         super().__init__(geometry, capacity, profile)
@@ -429,11 +430,12 @@ class HybridPolicy(BasePolicy):
         else:
             for e, c in zip(d.step.experts, d.step.counts):
                 u[e] += c
-        missed = self.missed
-        for e in d.streams:
-            missed[(layer, e)] = None
-        for e in d.cpu:
-            missed[(layer, e)] = None
+        if self._room:  # the misses are fill candidates only while some pool has a free slot
+            missed = self.missed
+            for e in d.streams:
+                missed[(layer, e)] = None
+            for e in d.cpu:
+                missed[(layer, e)] = None
 
     def complete(self, layer: int, expert: int) -> None:
         super().complete(layer, expert)
@@ -531,6 +533,7 @@ class HybridPolicy(BasePolicy):
         if swap_round:
             self._np *= self.decay
         self.missed.clear()
+        self._room = any(self.cache.free)  # hybrid frees no slot during a token
         self.tokens += 1
 
 
