@@ -367,7 +367,11 @@ class HybridPolicy(BasePolicy):
         if n_pcie == 0:
             return Decision(step, hits, (), (), (), tuple(misses))
         eligible = [e for e in misses if state[e] != INFLIGHT]
-        if len(eligible) > n_pcie:
+        if n_pcie == 1 and len(eligible) > 1 and step.counts is None:
+            best = max(eligible, key=self._u[layer].__getitem__)  # first of the most used: rank order
+            pcie = [best]
+            cpu = tuple([e for e in misses if e != best])
+        elif len(eligible) > n_pcie:
             u = self._u[layer]
             if step.counts is None:
                 eligible.sort(key=lambda e: -u[e])  # stable: router rank breaks ties
