@@ -10,14 +10,18 @@ is queued, so they are GPU time alone; host timings are the Python thread's wall
 
 - link: pinned host->device copies by size (fit: latency + bytes / GB/s), pageable by size, and
   expert uploads through ``GpuExperts.upload`` (three copies each), back to back;
-- GPU: device copy GB/s, fp16 matmul TFLOP/s, one expert batch (``GpuExperts.run``) of 1..16
-  experts (fit: fixed + experts x bytes / GB/s), the combine, the dense stand-in (``StandIn``:
-  the layer's attention projections and router in F16, like ``experiments/sim_vs_real.py`` runs)
-  at four widths (fit: fixed + bytes / GB/s), the router read-back;
-- host: a kernel launch, issuing the dense stand-in, ``ExpertEngine.run_layer`` for hits-only and
-  upload layers (fit per expert), queueing one upload, the CPU hand-off overhead of a layer with CPU
-  experts (its wall time minus the pool's compute time), the scheduler's planning per layer step
-  for each policy, the engine's polling interval;
+- GPU: device copy GB/s, fp16 matmul TFLOP/s, one expert batch as the engine queues it (packed
+  metadata copy + ``GpuExperts.run_groups``) of 1..16 experts (fit: fixed + experts x bytes /
+  GB/s), the combine, the dense stand-in (``StandIn``: fused F16 GEMVs for the attention
+  projections and the router, launched raw, like ``experiments/sim_vs_real.py`` runs it) at four
+  widths (fit: fixed + bytes / GB/s), the router read-back;
+- host: a kernel launch, issuing the dense stand-in and the head, one call each of the engine's
+  per-layer primitives (``layer_meta``, ``run_groups``, ``combine_meta``), ``ExpertEngine.run_layer``
+  for hits-only and upload layers (whole and by phase: plan, queue, combine; fit per expert),
+  queueing one upload, and layers with one hit and 1..8 CPU experts split by ``cpu_layer_parts``
+  (the engine's phase counters and the ``CpuJob`` stamps: submit, hand-off, queue while the pool
+  runs, pool start, pool end -> caller, combine), the scheduler's planning per layer step for
+  each policy, the engine's polling interval;
 - CPU pool (``CpuExpertPool`` via the engine, cold experts): time per call of 1..8 experts (fit:
   task + experts x bytes / GB/s), other quant types and thread counts (not with ``--quick``), and
   the host memory read bandwidth.
@@ -183,13 +187,14 @@ def _parallel_sum():
 
 def measure_cpu_pool(layers: list[LayerExperts], threads: int, counts=(1, 2, 3, 4, 6, 8), reps: int = 5,
                      seed: int = 0) -> dict:
-    """``CpuExpertPool`` compute time per call of n cold experts (one token each): {n: stats}, and
-    the wall time of submit -> result beyond the compute (the two thread hand-offs)."""
+    """``CpuExpertPool`` compute time per call of n cold experts (one token each): {n: stats}, the
+    wall time of submit -> result beyond the compute (the two thread hand-offs), and its parts:
+    submit -> worker start and worker end -> caller resumes (``CpuJob`` stamps)."""
     from .cpu_experts import CpuExpertPool
 
     rng = np.random.default_rng(seed)
     hidden = layers[0].hidden
-    out, handoff = {}, []
+    out, handoff, start, ret = {}, [], [], []
     with CpuExpertPool(threads, timeout_s=120) as pool:
         pool.warmup(layers[0])
         for n in counts:
@@ -205,45 +210,139 @@ def measure_cpu_pool(layers: list[LayerExperts], threads: int, counts=(1, 2, 3, 
                 if r:  # the first of each size is a warm-up
                     samples.append(job.compute_s)
                     handoff.append(wall - job.compute_s)
+                    start.append(job.started_s - job.submitted_s)
+                    ret.append(job.collected_s - job.finished_s)
             out[n] = stats(samples)
-    return {"compute_s": out, "handoff_s": stats(handoff)}
+    return {"compute_s": out, "handoff_s": stats(handoff), "start_s": stats(start), "return_s": stats(ret)}
 
 
 # the dense stand-in (GPU) ----------------------------------------------------------------------
+# The GEMV of experiments/bench_executor.py's fused stand-in: fp16 weight rows read as uint4
+# (8 weights), float32 inputs as float4, fp32 accumulation, one warp per row, RMSNorm of the input
+# folded in as a per-token scale.
+_DENSE_SRC = r"""
+#define DW 4  // warps per block
+#define DR 2  // rows per warp
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float wsum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float dot8(uint4 q, float4 a, float4 b) {
+    return h2f(q.x & 0xffff) * a.x + h2f(q.x >> 16) * a.y + h2f(q.y & 0xffff) * a.z + h2f(q.y >> 16) * a.w
+         + h2f(q.z & 0xffff) * b.x + h2f(q.z >> 16) * b.y + h2f(q.w & 0xffff) * b.z + h2f(q.w >> 16) * b.w;
+}
+
+// y[t, r] = s_t * (w[r] . x[t, :k]) (+ res[t, r]); s_t = rsqrt(mean(x[t, :k]^2) + eps) when norm, else 1.
+// w (n_rows, k) fp16 row-major, k % 8 == 0; x rows ldx floats apart (ldx % 4 == 0); y, res (T, n_rows).
+// grid (ceil(n_rows / (DW * DR)), T), block 32 * DW.
+extern "C" __global__ void standin_gemv(const unsigned short* __restrict__ w, const float* __restrict__ x,
+                                        long long ldx, const float* __restrict__ res, float* __restrict__ y,
+                                        int n_rows, int k, int norm, float eps) {
+    __shared__ float part[DW];
+    int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* xt = x + t * ldx;
+    float s = 1.f;
+    if (norm) {
+        float q = 0.f;
+        for (int c = threadIdx.x; c < k; c += 32 * DW) q += xt[c] * xt[c];
+        q = wsum(q);
+        if (lane == 0) part[warp] = q;
+        __syncthreads();
+        q = 0.f;
+        for (int i = 0; i < DW; i++) q += part[i];
+        s = rsqrtf(q / k + eps);
+    }
+    const float4* x4 = reinterpret_cast<const float4*>(xt);
+    int r0 = (blockIdx.x * DW + warp) * DR;
+    for (int r = r0; r < min(r0 + DR, n_rows); r++) {
+        const uint4* w8 = reinterpret_cast<const uint4*>(w + (long long)r * k);
+        float acc = 0.f;
+        #pragma unroll 4
+        for (int c = lane; c < k / 8; c += 32) acc += dot8(w8[c], x4[2 * c], x4[2 * c + 1]);
+        acc = wsum(acc);
+        if (lane == 0) y[(long long)t * n_rows + r] = acc * s + (res ? res[(long long)t * n_rows + r] : 0.f);
+    }
+}
+"""
+_ROWS_PER_BLOCK = 8  # DW * DR
+
+
 class StandIn:
-    """Per-layer GPU work standing in for attention and the router, in F16: RMSNorm, a fused q/k/v
-    projection ``(hidden, q + 2 kv)``, the output projection ``(q, hidden)`` and residual,
-    RMSNorm, router logits ``(hidden, experts)``; the head is RMSNorm, ``(hidden, vocab)`` and an
-    argmax. Its weight bytes per layer equal the simulator's ``ModelSpec.dense_bytes`` in F16 (no
-    KV cache is read). No attention over past tokens: routing comes from the trace."""
+    """Per-layer GPU work standing in for attention and the router, in F16, as fused GEMVs launched
+    raw (``gpu_experts.Launch``, three kernels per layer): RMSNorm folded into a q/k/v projection
+    ``(q + 2 kv, hidden)``, the output projection ``(hidden, q)`` of its first ``q`` outputs plus
+    the residual, RMSNorm folded into the router logits ``(experts, hidden)``; the head is RMSNorm
+    folded into ``(vocab, hidden)`` and an argmax. Weight bytes per layer equal the simulator's
+    ``ModelSpec.dense_bytes`` in F16 (no KV cache is read). No attention over past tokens: routing
+    comes from the trace. Work goes on the current CuPy stream; outputs alternate between two
+    buffers per shape (valid in stream order)."""
 
     def __init__(self, cp, num_layers: int, hidden: int, q_dim: int, kv_dim: int, num_experts: int, vocab: int,
                  seed: int):
-        self.cp = cp
-        g = cp.random.default_rng(seed)
-        mk = lambda r, c: (g.standard_normal((r, c), dtype=cp.float32) / np.float32(np.sqrt(r))).astype(cp.float16)
-        self.q_dim = q_dim
-        self.wqkv = [mk(hidden, q_dim + 2 * kv_dim) for _ in range(num_layers)]
-        self.wo = [mk(q_dim, hidden) for _ in range(num_layers)]
-        self.wr = [mk(hidden, num_experts) for _ in range(num_layers)]
-        self.whead = mk(hidden, vocab) if vocab else None
-        self.layer_bytes = 2 * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + hidden * num_experts)
-        self.head_bytes = 2 * hidden * vocab
+        from .gpu_experts import Launch
 
-    def _norm(self, x):
-        cp = self.cp
-        return (x * cp.reciprocal(cp.sqrt(cp.mean(x * x, axis=1, keepdims=True) + 1e-6))).astype(cp.float16)
+        for name, v in (("hidden", hidden), ("q_dim", q_dim), ("q_dim + 2 kv_dim", q_dim + 2 * kv_dim)):
+            if v % 8:
+                raise ValueError(f"StandIn {name}: {v}, expected a multiple of 8")
+        self.cp = cp
+        self.hidden, self.q_dim, self.qkv = hidden, q_dim, q_dim + 2 * kv_dim
+        g = cp.random.default_rng(seed)
+        mk = lambda r, c: (g.standard_normal((r, c), dtype=cp.float32) / np.float32(np.sqrt(c))).astype(cp.float16)
+        self.wqkv = [mk(self.qkv, hidden) for _ in range(num_layers)]  # (q + 2 kv, hidden)
+        self.wo = [mk(hidden, q_dim) for _ in range(num_layers)]  # (hidden, q)
+        self.wr = [mk(num_experts, hidden) for _ in range(num_layers)]  # (experts, hidden)
+        self.whead = mk(vocab, hidden) if vocab else None  # (vocab, hidden)
+        self.layer_bytes = 2 * (hidden * self.qkv + q_dim * hidden + hidden * num_experts)
+        self.head_bytes = 2 * hidden * vocab
+        mod = cp.RawModule(code=_DENSE_SRC, options=("-std=c++14",))
+        self._gemv = Launch(mod.get_function("standin_gemv"), 9)
+        self._eps = Launch.f32(1e-6)
+        self._bufs: dict[tuple[int, int], list] = {}
+
+    def _out(self, t: int, n: int):
+        """The next (t, n) float32 output buffer (two per shape, alternating)."""
+        ring = self._bufs.get((t, n))
+        if ring is None:
+            ring = self._bufs[(t, n)] = [0, self.cp.empty((t, n), self.cp.float32), self.cp.empty((t, n), self.cp.float32)]
+        ring[0] ^= 1
+        return ring[1 + ring[0]]
+
+    def _mv(self, w, x, ldx: int, k: int, norm: bool, res=None):
+        """y (T, rows of w) = s_t * w @ x[t, :k] (+ res); x (T, ldx) float32 C-contiguous on the device."""
+        t, n = x.shape[0], w.shape[0]
+        y = self._out(t, n)
+        self._gemv((-(-n // _ROWS_PER_BLOCK), t), 128, self.cp.cuda.get_current_stream().ptr, w.data.ptr, x.data.ptr,
+                   ldx, 0 if res is None else res.data.ptr, y.data.ptr, n, k, int(norm), self._eps)
+        return y
 
     def layer(self, x, l: int):
-        """(x + attention stand-in, router logits): both cupy, on the current stream."""
-        cp = self.cp
-        a = cp.matmul(self._norm(x), self.wqkv[l])[:, :self.q_dim]
-        x = x + cp.matmul(a, self.wo[l]).astype(cp.float32)
-        return x, cp.matmul(self._norm(x), self.wr[l])
+        """(x + attention stand-in, router logits): (T, hidden), (T, experts) float32 cupy."""
+        h = self.hidden
+        a = self._mv(self.wqkv[l], x, h, h, True)  # (T, q + 2 kv)
+        x = self._mv(self.wo[l], a, self.qkv, self.q_dim, False, res=x)  # (T, hidden)
+        return x, self._mv(self.wr[l], x, h, h, True)
 
     def head(self, x):
         """The sampled token id (greedy), a cupy array on the current stream."""
-        return self.cp.argmax(self.cp.matmul(self._norm(x), self.whead), axis=1)
+        return self.cp.argmax(self._mv(self.whead, x, self.hidden, self.hidden, True), axis=1)
+
+    def reference(self, x: np.ndarray, l: int) -> tuple[np.ndarray, np.ndarray]:
+        """``layer`` in float64 on the host (the numerical check)."""
+        f = lambda w: w.get().astype(np.float64)
+        x = np.asarray(x, np.float64)
+        norm = lambda v: v / np.sqrt((v * v).mean(axis=1, keepdims=True) + 1e-6)
+        a = norm(x) @ f(self.wqkv[l]).T
+        x = x + a[:, :self.q_dim] @ f(self.wo[l]).T
+        return x, norm(x) @ f(self.wr[l]).T
 
 
 # GPU measurements ------------------------------------------------------------------------------
@@ -365,24 +464,31 @@ def _wall(stream, fn, reps: int) -> dict:
     return stats(samples)
 
 
+def _meta(gx, n: int):
+    """Kernel metadata of ``n`` resident experts of layer 0 (slots 0..n-1), one token each, as the
+    engine sends it."""
+    return gx.layer_meta([gx.source_ptr(0, s) for s in range(n)], list(range(n + 1)), [0] * n, list(range(n)),
+                         [1.0 / n] * n, n)
+
+
 def _experts_gpu(cp, timer: GpuTimer, gx, layers, reps: int) -> dict:
-    """Expert uploads, GPU expert batches and the combine, through ``GpuExperts``."""
+    """Expert uploads, GPU expert batches (metadata copy + kernels, as the engine queues them) and
+    the combine, through ``GpuExperts``; host time of each per-layer call."""
     hidden = layers[0].hidden
-    x1 = cp.asarray(np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32))
-    out = {"upload": {}, "upload_host": {}, "batch": {}}
+    with gx.compute:
+        x1 = gx.as_input(cp.asarray(np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)))
+    out = {"upload": {}, "upload_host": {}, "batch": {}, "calls_host": {}}
     L = len(layers)
     for n in (1, 2, 4, 8):
         def up(n=n):
             gx.begin_copies()
             for i in range(n):
                 gx.upload(i % L, 16 + i, 16 + i)
-        # the copy stream waits for last_read, recorded after a spin on the compute stream
-        def held():
-            timer.spin(gx.compute)
-            gx.last_read.record(gx.compute)
         samples = []
         for r in range(reps + 1):
-            held()
+            # the copy stream waits for last_read, recorded after a spin on the compute stream
+            timer.spin(gx.compute)
+            gx.last_read.record(gx.compute)
             a, b = cp.cuda.Event(), cp.cuda.Event()
             gx.begin_copies()
             a.record(gx.copy)
@@ -393,20 +499,26 @@ def _experts_gpu(cp, timer: GpuTimer, gx, layers, reps: int) -> dict:
                 samples.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
         out["upload"][n] = stats(samples)
         out["upload_host"][n] = timer.host(gx.compute, up, reps)
+    gx.pair_outputs(0, 16)  # work buffers for up to 16 pairs
     for n in (1, 2, 4, 8, 12, 16):
-        y = cp.empty((n, hidden), cp.float32)
-        out["batch"][n] = timer.gpu(gx.compute, lambda n=n, y=y: gx.run(0, list(range(n)), x1, [0] * n, out=y), reps)
-    y8 = cp.ones((8, hidden), cp.float32)
-    pair_of = np.arange(8, dtype=np.int64)[None, :]
-    w = np.full((1, 8), 0.125, np.float32)
-    out["combine"] = timer.gpu(gx.compute, lambda: gx.combine(y8, pair_of, w), reps)
+        out["batch"][n] = timer.gpu(gx.compute, lambda n=n: gx.run_groups(0, _meta(gx, n), 0, n, x1, n), reps)
+    meta8 = _meta(gx, 8)
+    y8 = gx.pair_outputs(0, 8)
+    out["combine"] = timer.gpu(gx.compute, lambda: gx.combine_meta(meta8, y8), reps)
+    calls = {"layer_meta": lambda: _meta(gx, 8), "expert_call": lambda: gx.run_groups(0, meta8, 0, 8, x1, 8),
+             "combine": lambda: gx.combine_meta(meta8, y8)}
+    for name, fn in calls.items():
+        out["calls_host"][name] = timer.host(gx.compute, fn, reps)
+    gx.wait(gx.all_done_event(), "calibration kernels")
     return out
 
 
 def _dense(cp, timer: GpuTimer, gx, args, reps: int) -> dict:
-    """The stand-in at four widths (GPU time), its host issue time, and the read-back."""
+    """The stand-in at four widths (GPU time), its host issue time (layer and head), the read-back
+    and its error against a float64 reference."""
     out = {"gpu": {}, "bytes": {}}
-    x = cp.ones((1, args.hidden), cp.float32)
+    with gx.compute:
+        x = cp.ones((1, args.hidden), cp.float32)
     q, kv = args.heads * args.head_dim, args.kv_heads * args.head_dim
     for f in (0.25, 0.5, 1.0, 2.0):
         sd = StandIn(cp, 1, args.hidden, max(32, int(q * f)), max(32, int(kv * f)), args.experts, 0, args.seed)
@@ -416,8 +528,13 @@ def _dense(cp, timer: GpuTimer, gx, args, reps: int) -> dict:
     sd = StandIn(cp, 1, args.hidden, q, kv, args.experts, args.vocab, args.seed)
     with gx.compute:
         out["host"] = timer.host(gx.compute, lambda: sd.layer(x, 0), reps)
+        out["head_host"] = timer.host(gx.compute, lambda: sd.head(x), reps)
         out["head_gpu"] = timer.gpu(gx.compute, lambda: sd.head(x), reps)
-        _, logits = sd.layer(x, 0)
+        xr = cp.asarray(np.random.default_rng(1).standard_normal((1, args.hidden)).astype(np.float32))
+        y, logits = sd.layer(xr, 0)
+        ry, rl = sd.reference(xr.get(), 0)
+        out["rel_err"] = max(float(np.linalg.norm(y.get() - ry) / np.linalg.norm(ry)),
+                             float(np.linalg.norm(logits.get() - rl) / np.linalg.norm(rl)))
     out["head_bytes"] = sd.head_bytes
     samples = []
     for r in range(reps * 4 + 1):
@@ -432,14 +549,34 @@ def _dense(cp, timer: GpuTimer, gx, args, reps: int) -> dict:
     return out
 
 
+_PHASES = ("host_plan_s", "input_wait_s", "host_queue_s", "host_combine_s", "cpu_compute_s")
+
+
+def cpu_layer_parts(t_call: float, t_ret: float, d: dict, job) -> dict:
+    """One layer with CPU experts split into the engine's phases (seconds), from the host clock
+    around ``run_layer`` (``t_call``, ``t_ret``), its ``LayerStats`` deltas ``d`` and the CPU job's
+    stamps: plan (before anything is queued), submit (input fetch and row gather up to the submit),
+    handoff (the submit's rest and the GIL hand-off), queue (GPU work queued while the pool runs),
+    start (submit -> the pool starts), compute, ret (pool done -> caller resumes), combine (rows'
+    upload and combine queued)."""
+    t1 = t_call + d["host_plan_s"]
+    return {"plan": d["host_plan_s"], "submit": job.submitted_s - t1,
+            "handoff": t1 + d["input_wait_s"] - job.submitted_s, "queue": d["host_queue_s"],
+            "start": job.started_s - job.submitted_s, "compute": job.finished_s - job.started_s,
+            "ret": job.collected_s - job.finished_s, "combine": t_ret - job.collected_s}
+
+
 def _engine(cp, timer: GpuTimer, engine, layers, reps: int, seed: int) -> dict:
-    """Host time of ``ExpertEngine.run_layer``: hits-only and upload layers, and CPU-expert layers
-    (wall minus the pool's compute: hand-offs and the engine's own work), with the compute times."""
+    """Host time of ``ExpertEngine.run_layer`` by phase: hits-only and upload layers (whole, plan,
+    queue, combine), and layers with one hit and 1..8 CPU experts (``cpu_layer_parts``)."""
     rng = np.random.default_rng(seed)
     hidden, L = layers[0].hidden, len(layers)
-    x = cp.asarray(rng.standard_normal((1, hidden)).astype(np.float32))
+    with engine.gpu.compute:
+        x = cp.asarray(rng.standard_normal((1, hidden)).astype(np.float32))
     engine.load_residents({(l, e): e for l in range(L) for e in range(16)})
     tok = Token(0, 0, 0, "decode", ())
+    st = engine.stats
+    snap = lambda: {k: getattr(st, k) for k in _PHASES}
 
     def item(l, hits=(), uploads=(), cpu=()):
         experts = tuple(hits) + tuple(uploads) + tuple(cpu)
@@ -448,43 +585,58 @@ def _engine(cp, timer: GpuTimer, engine, layers, reps: int, seed: int) -> dict:
         ids = np.asarray(experts, np.int64)[None, :]
         return RunLayer(tok, step, d), ids, np.full(ids.shape, 1.0 / len(experts), np.float32)
 
-    def host_of(make) -> dict:
-        samples = []
+    def gpu_only(make) -> dict:
+        parts = {"whole": [], "plan": [], "queue": [], "combine": []}
         for r in range(reps + 1):
             it, ids, w = make(r)
             timer.spin(engine.gpu.compute)
             engine.gpu.last_read.record(engine.gpu.compute)
+            s0 = snap()
             t0 = time.perf_counter()
             engine.run_layer(it, x, ids, w)
             dt = time.perf_counter() - t0
+            s1 = snap()
             engine.synchronize()
             if r:
-                samples.append(dt)
-        return stats(samples)
+                for k, ph in (("whole", None), ("plan", "host_plan_s"), ("queue", "host_queue_s"),
+                              ("combine", "host_combine_s")):
+                    parts[k].append(dt if ph is None else s1[ph] - s0[ph])
+        return {k: stats(v) for k, v in parts.items()}
 
-    out = {"hits": {}, "uploads": {}, "cpu_overhead": {}, "cpu_compute": {}}
+    out = {"hits": {}, "uploads": {}, "cpu_layer": {}}
     for n in (1, 2, 4, 8):
-        out["hits"][n] = host_of(lambda r, n=n: item(r % L, hits=range(n)))
-        out["uploads"][n] = host_of(lambda r, n=n: item(r % L, uploads=range(16, 16 + n)))
-    st = engine.stats
+        out["hits"][n] = gpu_only(lambda r, n=n: item(r % L, hits=range(n)))
+        out["uploads"][n] = gpu_only(lambda r, n=n: item(r % L, uploads=range(16, 16 + n)))
     engine.pool.warmup(layers[0])
-    for n in (1, 2, 4, 8):
-        over, comp = [], []
-        for r in range(reps + 1):
-            l = int(rng.integers(L))
-            cpu = tuple(int(e) for e in rng.choice(np.arange(16, layers[l].num_experts), n, replace=False))
-            it, ids, w = item(l, hits=(0,), cpu=cpu)
-            engine.synchronize()
-            c0 = st.cpu_compute_s
-            t0 = time.perf_counter()
-            engine.run_layer(it, x, ids, w)
-            wall = time.perf_counter() - t0
-            engine.synchronize()
-            if r:
-                comp.append(st.cpu_compute_s - c0)
-                over.append(wall - comp[-1])
-        out["cpu_overhead"][n] = stats(over)
-        out["cpu_compute"][n] = stats(comp)
+    jobs = []
+    submit = engine.pool.submit
+
+    def capture(*a, **k):
+        jobs.append(submit(*a, **k))
+        return jobs[-1]
+
+    engine.pool.submit = capture  # the engine's CPU jobs, for their stamps
+    try:
+        for n in (1, 2, 4, 8):
+            parts: dict[str, list] = {}
+            for r in range(reps + 1):
+                l = int(rng.integers(L))
+                cpu = tuple(int(e) for e in rng.choice(np.arange(16, layers[l].num_experts), n, replace=False))
+                it, ids, w = item(l, hits=(0,), cpu=cpu)
+                engine.synchronize()
+                s0 = snap()
+                t0 = time.perf_counter()
+                engine.run_layer(it, x, ids, w)
+                t1 = time.perf_counter()
+                s1 = snap()
+                engine.synchronize()
+                if r:
+                    d = {k: s1[k] - s0[k] for k in _PHASES}
+                    for k, v in cpu_layer_parts(t0, t1, d, jobs[-1]).items():
+                        parts.setdefault(k, []).append(v)
+            out["cpu_layer"][n] = {k: stats(v) for k, v in parts.items()}
+    finally:
+        del engine.pool.submit
     return out
 
 
@@ -542,14 +694,21 @@ def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
     pcie = link["pinned_fit"]["gbps"]
     lat = max(up_b - eb / (pcie * 1e9), 0.0)
     batch_a, batch_b = fit_table(ex["batch"])
-    hits_a, hits_b = fit_table(en["hits"])
-    upl_a, upl_b = fit_table(en["uploads"])
-    cpu_over = float(np.median([med(v) for v in en["cpu_overhead"].values()]))
+    whole = {n: v["whole"] for n, v in en["hits"].items()}
+    hits_a, hits_b = fit_table(whole)
+    upl_a, upl_b = fit_table({n: v["whole"] for n, v in en["uploads"].items()})
+    cpu = lambda part: float(np.median([med(v[part]) for v in en["cpu_layer"].values()]))
     plan = {p: med(v) for p, v in m["plan_s"].items()}
+    one = en["hits"][min(en["hits"], key=float)]
     executor = {
         "host_dense_s": med(dn["host"]), "dense_fixed_s": dn["fit"]["fixed_s"], "readback_s": med(dn["readback"]),
+        "host_head_s": med(dn["head_host"]),
         "host_gpu_layer_s": max(hits_a + hits_b, 0.0), "host_gpu_expert_s": max(hits_b, 0.0),
-        "host_copy_s": max(upl_b - hits_b, 0.0), "host_cpu_s": max(cpu_over, 0.0),
+        "host_layer_plan_s": med(one["plan"]), "host_layer_combine_s": med(one["combine"]),
+        "host_copy_s": max(upl_b - hits_b, 0.0),
+        "host_cpu_submit_s": max(cpu("submit"), 0.0), "host_cpu_handoff_s": max(cpu("handoff"), 0.0),
+        "host_cpu_queue_s": max(cpu("queue"), 0.0), "host_cpu_combine_s": max(cpu("combine"), 0.0),
+        "cpu_start_s": max(cpu("start"), 0.0), "cpu_return_s": max(cpu("ret"), 0.0),
         "gpu_batch_s": max(batch_a, 0.0), "combine_s": med(ex["combine"]), "wait_poll_s": med(m["poll_s"]),
         "plan_s": plan,
     }
@@ -561,7 +720,8 @@ def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
         "(three copies) back to back, slope minus bytes / pcie_h2d_gbps",
         "gpu_quant_efficiency": "measured: Q8_0 = GpuExperts.run slope per expert over 1..16 experts; F16 = the dense "
         "stand-in's slope over four widths; both / gpu_mem_gbps",
-        "executor": "measured: see _calibration (engine run_layer host times, dense stand-in, spin-held CUDA events)",
+        "executor": "measured: see _calibration (engine run_layer host times by phase, CPU job stamps, fused dense "
+                    "stand-in, spin-held CUDA events)",
     })
     return {
         "gpu_name": g["gpu_name"], "gpu_mem_bytes": g["gpu_mem_bytes"], "gpu_mem_gbps": gbps,

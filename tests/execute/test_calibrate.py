@@ -27,11 +27,19 @@ def fake_measurements(eb: int = 5_013_504) -> dict:
         "link": {"pinned_fit": {"latency_s": 5e-6, "gbps": 55.0}, "pageable_gbps": 7.0},
         "experts": {"upload": {n: st(n * per_up) for n in (1, 2, 4, 8)},
                     "batch": {n: st(20e-6 + n * per_gpu) for n in (1, 2, 4, 8, 16)}, "combine": st(4e-6)},
-        "dense": {"host": st(90e-6), "fit": {"fixed_s": 25e-6, "gbps": 2500.0}, "readback": st(15e-6)},
-        "engine": {"hits": {n: st(150e-6 + n * 2e-6) for n in (1, 2, 4, 8)},
-                   "uploads": {n: st(150e-6 + n * 12e-6) for n in (1, 2, 4, 8)},
-                   "cpu_overhead": {n: st(120e-6) for n in (1, 2, 4, 8)}},
+        "dense": {"host": st(90e-6), "head_host": st(30e-6), "fit": {"fixed_s": 25e-6, "gbps": 2500.0},
+                  "readback": st(15e-6)},
+        "engine": {"hits": {n: gpu_layer(150e-6 + n * 2e-6) for n in (1, 2, 4, 8)},
+                   "uploads": {n: gpu_layer(150e-6 + n * 12e-6) for n in (1, 2, 4, 8)},
+                   "cpu_layer": {n: {"plan": st(40e-6), "submit": st(30e-6 + n * 1e-6), "handoff": st(8e-6),
+                                     "queue": st(60e-6), "start": st(12e-6), "compute": st(n * per_cpu),
+                                     "ret": st(9e-6), "combine": st(35e-6)} for n in (1, 2, 4, 8)}},
     }
+
+
+def gpu_layer(whole: float) -> dict:
+    """A GPU-only layer's host phases: plan 40 us, combine 20 us, the rest queueing."""
+    return {"whole": st(whole), "plan": st(40e-6), "queue": st(whole - 60e-6), "combine": st(20e-6)}
 
 
 def test_fit_line_and_stats():
@@ -59,6 +67,12 @@ def test_hardware_json_loads_in_the_simulator_and_recovers_the_rates(tmp_path):
     assert hw.executor["host_copy_s"] == pytest.approx(10e-6)
     assert hw.executor["host_gpu_layer_s"] == pytest.approx(152e-6)
     assert hw.executor["plan_s"] == {"lru": 20e-6, "hybrid": 30e-6}
+    ex = hw.executor
+    assert (ex["host_layer_plan_s"], ex["host_layer_combine_s"], ex["host_head_s"]) == (40e-6, 20e-6, 30e-6)
+    assert ex["host_cpu_submit_s"] == pytest.approx(33e-6)  # median over 1, 2, 4, 8 experts
+    assert (ex["host_cpu_handoff_s"], ex["host_cpu_queue_s"], ex["host_cpu_combine_s"]) == (8e-6, 60e-6, 35e-6)
+    assert (ex["cpu_start_s"], ex["cpu_return_s"]) == (12e-6, 9e-6)
+    assert "host_cpu_s" not in ex  # the split keys replace the single hand-off figure
     model = load_model("qwen3-30b-a3b")
     c = Costs(model, hw, ExecConfig(policy="lru"))
     assert c.host is not None and c.host.plan_s == pytest.approx(20e-6)
@@ -107,6 +121,9 @@ def test_cpu_only_command_writes_a_loadable_file(tmp_path):
     assert hw.cpu_threads == 2 and hw.executor == {} and hw.pcie_h2d_gbps == 53.0
     cal = json.loads(out.read_text())["_calibration"]
     assert set(cal["cpu_pool"]["compute_s"]) == {"1", "2", "3", "4", "6", "8"}
+    pool = cal["cpu_pool"]
+    assert pool["start_s"]["median"] > 0 and pool["return_s"]["median"] > 0
+    assert pool["start_s"]["median"] + pool["return_s"]["median"] <= pool["handoff_s"]["p90"] * 1.5
 
 
 def test_cpu_only_without_base_is_an_error(capsys):
@@ -138,3 +155,79 @@ def test_host_lane_hand_computed():
     layer = 1e-6 + 100e-6 + 10e-6 + 20e-6 + cpu + 20e-6  # plan, dense, read-back, half hand-off, CPU, half
     head = max(100e-6, model.head_bytes() / 100e9) + 10e-6
     assert r.token_s[0] == pytest.approx(layer + head)
+
+
+SPLIT = {"host_dense_s": 100e-6, "dense_fixed_s": 0.0, "readback_s": 10e-6, "host_gpu_layer_s": 50e-6,
+         "host_gpu_expert_s": 0.0, "host_copy_s": 5e-6, "gpu_batch_s": 0.0, "combine_s": 0.0, "wait_poll_s": 0.0,
+         "plan_s": {"x": 1e-6}, "host_layer_plan_s": 15e-6, "host_layer_combine_s": 5e-6,
+         "host_cpu_submit_s": 20e-6, "host_cpu_handoff_s": 7e-6, "host_cpu_queue_s": 40e-6,
+         "host_cpu_combine_s": 25e-6, "cpu_start_s": 12e-6, "cpu_return_s": 9e-6, "host_head_s": 30e-6}
+
+
+def one_layer_run(executor: dict, decision_of):
+    """Token time (s) of one token of one layer (decision from ``decision_of(step)``) and the model."""
+    from scheduler import EndToken, RunLayer, Step, Token
+    from simulate import Costs, ExecConfig, Hardware, ModelSpec, Simulator
+
+    hw = Hardware(name="r", gpu_name="g", gpu_mem_bytes=2**30, gpu_mem_gbps=100.0, gpu_tflops=100.0, launch_s=1e-6,
+                  pcie_h2d_gbps=10.0, pageable_gbps=5.0, copy_latency_s=0.0, cpu_name="c", cpu_threads=1,
+                  cpu_mem_gbps=100.0, cpu_thread_gbps=20.0, cpu_task_s=0.0, executor=executor)
+    model = ModelSpec(name="t", num_layers=1, num_experts=4, top_k=3, hidden=1000, expert_ffn=500, num_heads=4,
+                      num_kv_heads=2, head_dim=8, vocab=1000, expert_quant="F16", dense_quant="F16",
+                      kv_elem_bytes=1, kv_elems_per_token=1)
+    step = Step(0, (0, 1, 2))
+    t = Token(0, 0, 0, "decode", (step,))
+    r = Simulator(Costs(model, hw, ExecConfig(policy="x"))).run([RunLayer(t, step, decision_of(step)), EndToken(t)])
+    assert model.dense_bytes(0) / 100e9 + 1 / 100e9 < 100e-6  # the host's issue dominates the dense part
+    assert model.head_bytes() / 100e9 < 30e-6
+    return r.token_s[0]
+
+
+def test_host_lane_follows_the_engine_order_with_split_hand_offs():
+    """hit + upload + CPU expert (us): plan 1, dense 100, read-back 10, engine plan 15, CPU submit 20
+    (pool starts 12 later: 158, computes 3 MB / 20 GB/s = 150 until 308), hand-off 7, upload
+    queued 5 (copy 153..453), GPU part queued 40 (host 198); the GPU runs both experts from 453
+    (2 x 30 us: 513); the host resumes at 308 + 9 and queues the combine (25: 342); the head's
+    GPU starts after the experts (513 + 20) and the host reads its id back (543)."""
+    from scheduler import Decision
+
+    t = one_layer_run(SPLIT, lambda s: Decision(s, (0,), uploads=(2,), slots=(1,), cpu=(1,)))
+    assert t == pytest.approx(543e-6)
+    # the CPU path is the longest when the upload is absent: 342 + head 30 + read-back 10
+    t = one_layer_run(SPLIT, lambda s: Decision(s, (0, 2), cpu=(1,)))
+    assert t == pytest.approx(382e-6)
+    # GPU only: the experts are queued at plan 1 + dense 100 + read-back 10 + engine plan 15 + queue
+    # (50 - 15 - 5) = 156 and run 3 x 30 us (246); the host queues the combine (5: 161) and the
+    # head, whose GPU part follows the experts (266); then the read-back (276)
+    assert one_layer_run(SPLIT, lambda s: Decision(s, (0, 1, 2))) == pytest.approx(276e-6)
+    # without the engine's phase keys the whole run_layer (50 us) is queueing, as before them: the
+    # experts start at 161 (251), the head at 271, its id is back at 281
+    old = {k: v for k, v in SPLIT.items() if k not in ("host_layer_plan_s", "host_layer_combine_s")}
+    assert one_layer_run(old, lambda s: Decision(s, (0, 1, 2))) == pytest.approx(281e-6)
+
+
+def test_cpu_layer_parts_from_stamps():
+    from types import SimpleNamespace
+
+    job = SimpleNamespace(submitted_s=10.000050, started_s=10.000070, finished_s=10.000500, collected_s=10.000510)
+    d = {"host_plan_s": 30e-6, "input_wait_s": 35e-6, "host_queue_s": 40e-6, "host_combine_s": 1.0,
+         "cpu_compute_s": 430e-6}
+    p = C.cpu_layer_parts(10.0, 10.000540, d, job)
+    want = {"plan": 30e-6, "submit": 20e-6, "handoff": 15e-6, "queue": 40e-6, "start": 20e-6, "compute": 430e-6,
+            "ret": 10e-6, "combine": 30e-6}
+    assert p == pytest.approx(want)
+
+
+def test_cpu_job_stamps_are_ordered():
+    from execute.cpu_experts import CpuExpertPool
+    from execute.experts import random_layer
+    from execute import quant as Q
+
+    rng = np.random.default_rng(0)
+    lx = random_layer(rng, 0, 4, 64, 32, Q.Q8_0, exact=False)
+    with CpuExpertPool(1, timeout_s=60) as pool:
+        job = pool.submit(lx, [1, 2], rng.standard_normal((2, 64)).astype(np.float32))
+        assert job.collected_s == 0.0
+        job.result()
+    assert job.submitted_s <= job.started_s < job.finished_s <= job.collected_s
+    assert job.compute_s == pytest.approx(job.finished_s - job.started_s)
