@@ -503,6 +503,14 @@ class NumpyExperts:
 
         return dequantize(t.data[e], t.qtype).reshape(t.rows, t.cols)
 
+    def _pair(self, layer, b: dict, e: int, x: np.ndarray) -> np.ndarray:
+        """Expert ``e`` on ``x`` (hidden,) or (n, hidden), with its biases when the model has them."""
+        g, u = x @ self._expert(layer.gate, e).T, x @ self._expert(layer.up, e).T
+        if b:
+            g, u = g + b["gate"][e], u + b["up"][e]
+        d = expert_ffn(np, self.activation, g, u) @ self._expert(layer.down, e).T
+        return d + b["down"][e] if b else d
+
     def run_layer(self, item, x, ids: np.ndarray, weights: np.ndarray):
         """``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` (summed in j order) for the
         step's tokens: x ``(T, hidden)``, ids and weights ``(T, k)``; -> ``(T, hidden)``."""
@@ -518,16 +526,16 @@ class NumpyExperts:
         missing = set(np.unique(ids).tolist()) - set(step.experts)
         if missing:
             raise ExecutorError(f"layer {l}: routed experts {sorted(missing)} are not in the step")
+        w = np.asarray(weights, np.float32)
+        if len(ids) == 1:  # decode: one vector per expert
+            y = np.zeros(layer.hidden, np.float32)
+            for e, v in zip(ids[0].tolist(), w[0]):
+                y += v * self._pair(layer, b, e, xh[0])
+            return y[None]
         pairs = np.zeros((*ids.shape, layer.hidden), np.float32)  # (T, k, hidden)
         for e in step.experts:
             rows, cols = np.nonzero(ids == e)
-            xe = xh[rows]  # (n, hidden)
-            g, u = xe @ self._expert(layer.gate, e).T, xe @ self._expert(layer.up, e).T
-            if b:
-                g, u = g + b["gate"][e], u + b["up"][e]
-            d = expert_ffn(np, self.activation, g, u) @ self._expert(layer.down, e).T
-            pairs[rows, cols] = d + b["down"][e] if b else d
-        w = np.asarray(weights, np.float32)
+            pairs[rows, cols] = self._pair(layer, b, e, xh[rows])
         y = np.zeros((len(ids), layer.hidden), np.float32)
         for j in range(ids.shape[1]):
             y += w[:, j:j + 1] * pairs[:, j]
