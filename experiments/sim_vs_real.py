@@ -5,22 +5,27 @@ layer's experts cached; ``hybrid`` at miss fractions 0, 44, 128 and 256 / 256 at
 
 - the executor in trace replay: a Qwen3-30B-A3B-shaped model cut to ``--layers`` layers (128 Q8_0
   experts of 5.0 MB per layer, random weights in host RAM, pinned), the dense part by the
-  ``execute.calibrate.StandIn`` (attention projections and router in F16, router logits read back
-  every layer, as the model path does; an F16 output head and the sampled id read back per token),
-  ``ExpertEngine`` for the experts (GPU arena capped at the cache size, CPU pool, copies), routing
-  from a synthetic trace (``traces.synth`` preset ``qwen3-30b-a3b``);
+  ``execute.calibrate.StandIn`` (fused F16 GEMVs launched raw for the attention projections and
+  the router, router logits read back every layer, as the model path does; an F16 output head and
+  the sampled id read back per token; checked against float64 once), ``ExpertEngine`` for the
+  experts (GPU arena capped at the cache size, CPU pool, copies), routing from a synthetic trace
+  (``traces.synth`` preset ``qwen3-30b-a3b``);
 - the simulator (``simulate.run``) on the same tokens, policy and cache, with the hardware file
   written by ``moelab calibrate`` and the model preset cut to the same layers with F16 dense weights.
 
-It prints per config measured vs predicted tokens/s, p50/p99 token latency, bytes uploaded and hit
-rate, then the median and maximum relative error per metric, the Spearman rank correlation of
-tokens/s and whether the simulator's best hybrid miss fraction is the executor's. Writes
-``OUT/sim_vs_real.csv``, ``OUT/sim_vs_real.json`` (every token's measured time too) and
-``OUT/sim_vs_real.png``.
+Every config runs ``--repeats`` times, interleaved (round r runs all configs, every other round in
+reverse order), so slow drift of the machine spreads over the configs instead of landing on some.
+The measured value of a config is the median over its repeats, compared with the prediction; the
+spread ((max - min) / median) says how far the executor itself moves between runs. It prints per
+config measured (with its spread) vs predicted tokens/s, p50/p99 token latency, bytes uploaded and
+hit rate, then the median and maximum relative error per metric, how many configs' predictions
+fall inside their own measured range, the Spearman rank correlation of tokens/s and whether the
+simulator's best hybrid miss fraction is the executor's. Writes ``OUT/sim_vs_real.csv``,
+``OUT/sim_vs_real.json`` (every token's measured time too) and ``OUT/sim_vs_real.png``.
 
 ``--from DIR`` redoes the simulation and analysis from a previous run's ``DIR/raw.json`` (the
-executor's recording, written after every config; no GPU needed), e.g.
-with another hardware file or a changed model.
+executor's recording, written after every run; no GPU needed), e.g. with another hardware file or
+a changed model; recordings from before the repeats (one ``(repeat)`` run) still load.
 """
 from __future__ import annotations
 
@@ -187,6 +192,14 @@ def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: i
     pol = make_policy(c["policy"], geometry, cap, profile=_profile(c, tokens, geometry), **_options(c))
     engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=120, gpu=gx)
     engine.load_residents(pol.cache.slot)
+    jobs = []
+    submit = engine.pool.submit
+
+    def capture(*a, **kw):  # the engine's CPU jobs, for their hand-off stamps
+        jobs.append(submit(*a, **kw))
+        return jobs[-1]
+
+    engine.pool.submit = capture
     k = geometry.top_k
     w = np.full((1, k), 1.0 / k, np.float32)
     x0 = cp.asarray(np.random.default_rng(5).standard_normal((1, layers[0].hidden)).astype(np.float32))
@@ -221,9 +234,16 @@ def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: i
     for item in items:
         audit.observe(item)
     s = audit.summary()
+    done = [j for j in jobs if j.collected_s]
+    med = lambda v: float(np.median(v)) if v else None
+    st = engine.stats
     return {"token_s": times, "upload_bytes": int(uploaded), "audit_upload_bytes": int(s["upload_bytes"]),
-            "hit_rate": float(s["hit_rate"]), "digest": audit.digest(), "cpu_pairs": engine.stats.cpu_pairs,
-            "cpu_compute_s": engine.stats.cpu_compute_s, "background_wait_s": engine.stats.background_wait_s}
+            "hit_rate": float(s["hit_rate"]), "digest": audit.digest(), "cpu_pairs": st.cpu_pairs,
+            "cpu_compute_s": st.cpu_compute_s, "background_wait_s": st.background_wait_s,
+            "cpu_start_s": med([j.started_s - j.submitted_s for j in done]),
+            "cpu_return_s": med([j.collected_s - j.finished_s for j in done]),
+            "host_s": {k: getattr(st, k) for k in ("host_plan_s", "host_queue_s", "input_wait_s", "cpu_wait_s",
+                                                   "host_combine_s")}, "steps": st.steps}
 
 
 def run_device(args) -> dict:
@@ -246,76 +266,124 @@ def run_device(args) -> dict:
     log(f"pinned host weights in {time.perf_counter() - t0:.1f} s")
     dense = StandIn(cp, args.layers, args.hidden, args.heads * args.head_dim, args.kv_heads * args.head_dim,
                     args.experts, args.vocab, args.seed)
+    with gx.compute:  # the stand-in against float64 on layer 0
+        xr = cp.asarray(rng.standard_normal((1, args.hidden)).astype(np.float32))
+        y, logits = dense.layer(xr, 0)
+        ry, rl = dense.reference(xr.get(), 0)
+        dense_err = max(float(np.linalg.norm(y.get() - ry) / np.linalg.norm(ry)),
+                        float(np.linalg.norm(logits.get() - rl) / np.linalg.norm(rl)))
+    log(f"dense stand-in relative error vs float64: {dense_err:.1e}")
     runs = configs(args.experts)
     for c in (runs[0], runs[-1]):  # warm-up: kernels compiled, pools started (not recorded)
         replay_executor(cp, c, layers, gx, dense, warm, geo, args.threads)
     from execute.calibrate import write_json
 
     raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": [], "failed": []}
-    again = next(c for c in runs if c["label"] == "lru 25%")
-    for c in runs + [dict(again, label=again["label"] + " (repeat)")]:
-        try:
-            r = replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads)
-        except Exception as e:  # noqa: BLE001 -- recorded and reported; the other configs still run
-            log(f"{c['label']}: FAILED {e!r}")
-            raw["failed"].append({**c, "error": repr(e)})
-            continue
-        st = token_stats(r["token_s"])
-        log(f"{c['label']:<18} {st['tokens_per_s']:7.1f} tok/s  p99 {st['p99_token_s'] * 1e3:6.2f} ms  "
-            f"hits {r['hit_rate']:.3f}  up {r['upload_bytes'] / 1e9:.2f} GB")
-        raw["runs"].append({**c, **r})
-        write_json(Path(args.out) / "raw.json", raw)  # kept if a later config or the analysis fails
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dense_rel_err": dense_err, "runs": [], "failed": []}
+    for rep in range(args.repeats):  # interleaved, every other round in reverse: drift spreads over configs
+        for c in (runs if rep % 2 == 0 else runs[::-1]):
+            try:
+                r = replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads)
+            except Exception as e:  # noqa: BLE001 -- recorded and reported; the other configs still run
+                log(f"{c['label']} (repeat {rep}): FAILED {e!r}")
+                raw["failed"].append({**c, "repeat": rep, "error": repr(e)})
+                continue
+            st = token_stats(r["token_s"])
+            log(f"[{rep}] {c['label']:<18} {st['tokens_per_s']:7.1f} tok/s  p99 {st['p99_token_s'] * 1e3:6.2f} ms  "
+                f"hits {r['hit_rate']:.3f}  up {r['upload_bytes'] / 1e9:.2f} GB")
+            raw["runs"].append({**c, **r, "repeat": rep})
+            write_json(Path(args.out) / "raw.json", raw)  # kept if a later run or the analysis fails
     gx.close()
     return raw
 
 
 # compare, print, write ------------------------------------------------------------------------
+def base_label(label: str) -> str:
+    """A run's config label (older recordings marked their one repeat with ' (repeat)')."""
+    return label[:-len(" (repeat)")] if label.endswith(" (repeat)") else label
+
+
+def group_runs(runs: list[dict]) -> dict[str, list[dict]]:
+    """The recorded runs of each config label, in recording order (labels in first-seen order)."""
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        out.setdefault(base_label(r["label"]), []).append(r)
+    return out
+
+
+def measured(reps: list[dict]) -> dict:
+    """Per metric over a config's repeats: the median (the measured value), min, max and spread
+    ((max - min) / median)."""
+    per = [token_stats(r["token_s"]) for r in reps]
+    out = {}
+    for m in METRICS:
+        v = np.array([p[m] for p in per])
+        med = float(np.median(v))
+        out[m] = {"median": med, "min": float(v.min()), "max": float(v.max()), "spread": float((v.max() - v.min()) / med)}
+    return out
+
+
 def compare(raw: dict, hw) -> list[dict]:
-    """Simulate every recorded run and pair measured with predicted."""
+    """Simulate every recorded config once and pair the median of its measured repeats with the
+    prediction; a config's decisions count as the same when every repeat's digest and uploaded
+    bytes equal the simulator's."""
     from execute.calibrate import synth_tokens
 
     a = raw["args"]
     tokens, _ = synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)
     model = sim_model(a["layers"], a["vocab"])
     rows = []
-    for r in raw["runs"]:
-        if r["label"].endswith("(repeat)"):
-            continue
-        s, digest = simulate_config(r, hw, model, tokens)
-        m = token_stats(r["token_s"])
-        rows.append({"label": r["label"], "policy": r["policy"], "slots": r["slots"], "miss_frac_256": r["miss_frac_256"],
-                     **{f"measured_{k}": v for k, v in m.items()},
-                     **{f"predicted_{k}": s[k] for k in METRICS},
-                     "measured_upload_bytes": r["upload_bytes"], "predicted_upload_bytes": s["upload_bytes"],
-                     "measured_hit_rate": r["hit_rate"], "predicted_hit_rate": s["hit_rate"],
-                     "same_decisions": r["digest"] == digest,
-                     "predicted_gpu_busy": s["gpu_busy"], "predicted_pcie_busy": s["pcie_busy"],
-                     "predicted_cpu_busy": s["cpu_busy"]})
+    for label, reps in group_runs(raw["runs"]).items():
+        c = reps[0]
+        s, digest = simulate_config(c, hw, model, tokens)
+        ms = measured(reps)
+        row = {"label": label, "policy": c["policy"], "slots": c["slots"], "miss_frac_256": c["miss_frac_256"],
+               "repeats": len(reps)}
+        for m in METRICS:
+            row[f"measured_{m}"] = ms[m]["median"]
+            row[f"predicted_{m}"] = s[m]
+        for m in METRICS:
+            row[f"measured_{m}_min"], row[f"measured_{m}_max"] = ms[m]["min"], ms[m]["max"]
+            row[f"spread_{m}"] = ms[m]["spread"]
+            row[f"inside_{m}"] = len(reps) > 1 and ms[m]["min"] <= s[m] <= ms[m]["max"]
+        row.update({"measured_upload_bytes": c["upload_bytes"], "predicted_upload_bytes": s["upload_bytes"],
+                    "measured_hit_rate": c["hit_rate"], "predicted_hit_rate": s["hit_rate"],
+                    "same_decisions": all(r["digest"] == digest and r["upload_bytes"] == s["upload_bytes"]
+                                          for r in reps),
+                    "predicted_gpu_busy": s["gpu_busy"], "predicted_pcie_busy": s["pcie_busy"],
+                    "predicted_cpu_busy": s["cpu_busy"]})
+        rows.append(row)
     return rows
 
 
-def noise(raw: dict) -> dict | None:
-    """Run-to-run difference of the repeated config (the measurement's own noise)."""
-    rep = [r for r in raw["runs"] if r["label"].endswith("(repeat)")]
+def spread_summary(rows: list[dict]) -> dict | None:
+    """The measurement's own noise: median and max over configs of each metric's spread across
+    repeats, and how many configs' predictions fall inside their own measured range."""
+    rep = [r for r in rows if r.get("repeats", 1) > 1]
     if not rep:
         return None
-    first = next(r for r in raw["runs"] if r["label"] == rep[0]["label"].replace(" (repeat)", ""))
-    a, b = token_stats(first["token_s"]), token_stats(rep[0]["token_s"])
-    return {"label": first["label"], **{k: rel_error(a[k], b[k]) for k in METRICS}}
+    out = {"configs": len(rep), "repeats": sorted({r["repeats"] for r in rep})}
+    for m in METRICS:
+        sp = [r[f"spread_{m}"] for r in rep]
+        out[m] = {"median": float(np.median(sp)), "max": float(np.max(sp)),
+                  "inside": int(sum(bool(r[f"inside_{m}"]) for r in rep))}
+    return out
 
 
 def print_table(rows: list[dict], an: dict, nz: dict | None) -> None:
-    print(f"\n{'config':<18}{'tok/s meas':>11}{'pred':>8}{'err':>7}{'p50 ms m':>10}{'pred':>7}{'p99 ms m':>10}"
-          f"{'pred':>7}{'err':>7}{'GB up':>7}{'hits':>7}{'same':>6}")
+    print(f"\n{'config':<18}{'n':>2}{'tok/s meas':>11}{'spread':>7}{'pred':>8}{'err':>7}{'p50 ms m':>10}{'pred':>7}"
+          f"{'p99 ms m':>10}{'pred':>7}{'err':>7}{'GB up':>7}{'hits':>7}{'same':>6}")
     for r in rows:
         e = rel_error(r["measured_tokens_per_s"], r["predicted_tokens_per_s"])
         e99 = rel_error(r["measured_p99_token_s"], r["predicted_p99_token_s"])
-        print(f"{r['label']:<18}{r['measured_tokens_per_s']:11.1f}{r['predicted_tokens_per_s']:8.1f}{100 * e:6.1f}%"
-              f"{r['measured_p50_token_s'] * 1e3:10.2f}{r['predicted_p50_token_s'] * 1e3:7.2f}"
+        inside = "*" if r.get("inside_tokens_per_s") else " "
+        print(f"{r['label']:<18}{r.get('repeats', 1):>2}{r['measured_tokens_per_s']:11.1f}"
+              f"{100 * r.get('spread_tokens_per_s', 0.0):6.1f}%{r['predicted_tokens_per_s']:8.1f}{100 * e:6.1f}%{inside}"
+              f"{r['measured_p50_token_s'] * 1e3:9.2f}{r['predicted_p50_token_s'] * 1e3:7.2f}"
               f"{r['measured_p99_token_s'] * 1e3:10.2f}{r['predicted_p99_token_s'] * 1e3:7.2f}{100 * e99:6.1f}%"
               f"{r['measured_upload_bytes'] / 1e9:7.2f}{r['measured_hit_rate']:7.3f}"
               f"{'yes' if r['same_decisions'] and r['measured_upload_bytes'] == r['predicted_upload_bytes'] else 'NO':>6}")
+    print("(measured = median of the repeats; spread = (max - min) / median; * = prediction inside the measured range)")
     es = an["errors"]
     print()
     for m in METRICS:
@@ -326,8 +394,9 @@ def print_table(rows: list[dict], an: dict, nz: dict | None) -> None:
           f" -> {'agree' if b['agree'] else 'DISAGREE'}")
     print(f"bytes uploaded and hit rates identical in every config: {an['identical_decisions']}")
     if nz:
-        print(f"measurement noise ({nz['label']} run twice): tokens/s {100 * nz['tokens_per_s']:.1f}%, "
-              f"p50 {100 * nz['p50_token_s']:.1f}%, p99 {100 * nz['p99_token_s']:.1f}%")
+        for m in METRICS:
+            print(f"measured spread of {m} over {nz['repeats']} repeats: median {100 * nz[m]['median']:.1f}%, "
+                  f"max {100 * nz[m]['max']:.1f}%; prediction inside it in {nz[m]['inside']} of {nz['configs']} configs")
     print("targets met: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in an["met"].items()))
 
 
@@ -341,16 +410,19 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, m, unit, scale in ((axes[0], "tokens_per_s", "tokens/s", 1.0), (axes[1], "p99_token_s", "p99 token ms", 1e3)):
         x = np.array([r[f"measured_{m}"] for r in rows]) * scale
         y = np.array([r[f"predicted_{m}"] for r in rows]) * scale
+        lo_x = np.array([r.get(f"measured_{m}_min", r[f"measured_{m}"]) for r in rows]) * scale
+        hi_x = np.array([r.get(f"measured_{m}_max", r[f"measured_{m}"]) for r in rows]) * scale
         for pol, mk in (("cpu", "s"), ("lru", "o"), ("static", "^"), ("hybrid", "D")):
             sel = [i for i, r in enumerate(rows) if r["policy"] == pol]
-            ax.scatter(x[sel], y[sel], marker=mk, label=pol)
+            ax.errorbar(x[sel], y[sel], xerr=[x[sel] - lo_x[sel], hi_x[sel] - x[sel]], fmt=mk, ms=5, capsize=2,
+                        label=f"{pol} (bar: measured min..max)" if pol == "cpu" else pol)
         for i, r in enumerate(rows):
             ax.annotate(r["label"], (x[i], y[i]), fontsize=6, xytext=(3, 3), textcoords="offset points")
         lo, hi = min(x.min(), y.min()) * 0.8, max(x.max(), y.max()) * 1.25
         ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
         ax.fill_between([lo, hi], [lo * 0.92, hi * 0.92], [lo * 1.08, hi * 1.08], color="0.9", label="±8%")
         ax.set_xscale("log"), ax.set_yscale("log")
-        ax.set_xlabel(f"measured {unit} (executor)"), ax.set_ylabel(f"predicted {unit} (simulator)")
+        ax.set_xlabel(f"measured {unit} (executor, median of repeats)"), ax.set_ylabel(f"predicted {unit} (simulator)")
         ax.legend(fontsize=7)
     fig.suptitle("simulator vs executor, same trace and decisions")
     fig.tight_layout()
@@ -390,8 +462,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--repeats", type=int, default=3, help="runs of every config, interleaved across configs")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: expected >= 1")
     from simulate import HardwareError, load_hardware
 
     try:
@@ -408,9 +483,12 @@ def main(argv=None) -> int:
             return 2
     else:
         raw = run_device(args)
+    if not raw.get("runs"):
+        print("sim_vs_real: no recorded runs to compare", file=sys.stderr)
+        return 1
     rows = compare(raw, hw)
     an = analyse(rows)
-    nz = noise(raw)
+    nz = spread_summary(rows)
     print_table(rows, an, nz)
     write_results(Path(args.out), raw, rows, an, nz, args.hardware)
     log(f"wrote {args.out}/sim_vs_real.csv, .json, .png")

@@ -56,9 +56,10 @@ def test_configs_cover_the_issue():
     assert sorted(c["miss_frac_256"] for c in cs if c["label"].startswith("hybrid 25%")) == [0, 44, 128, 256]
 
 
-def test_from_recording_simulates_compares_and_writes(tmp_path):
-    """A fake recording whose 'measured' times are the simulator's own: zero error, same decisions."""
-    from simulate import load_hardware
+def fake_recording(tmp_path, scales=(1.0,), configs=5):
+    """(raw, hardware, model): the simulator's own token times as the 'measurements', each config
+    recorded once per entry of ``scales`` (token times multiplied by it), interleaved like run_device."""
+    from simulate import SimConfig, load_hardware, run
 
     from tests.execute.test_calibrate import fake_measurements
     from execute import calibrate as C
@@ -71,26 +72,63 @@ def test_from_recording_simulates_compares_and_writes(tmp_path):
     model = svr.sim_model(2, 1000)
     model = model.__class__(**{**model.__dict__, "num_experts": 32, "top_k": 4})
     runs = []
-    for c in svr.configs(32)[:5]:
-        from simulate import SimConfig, run
+    for rep, k in enumerate(scales):
+        for c in svr.configs(32)[:configs]:
+            res, _ = run(SimConfig(policy=c["policy"], cache_slots=c["slots"],
+                                   miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256),
+                         hardware=hw, model=model, tokens=tokens)
+            s, digest = svr.simulate_config(c, hw, model, tokens)
+            runs.append({**c, "token_s": [k * t for t in res.token_s], "upload_bytes": s["upload_bytes"],
+                         "hit_rate": s["hit_rate"], "digest": digest, "repeat": rep})
+    return {"args": args, "runs": runs}, hw, model, str(hwp)
 
-        res, _ = run(SimConfig(policy=c["policy"], cache_slots=c["slots"],
-                               miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256),
-                     hardware=hw, model=model, tokens=tokens)
-        s, digest = svr.simulate_config(c, hw, model, tokens)
-        runs.append({**c, "token_s": list(res.token_s), "upload_bytes": s["upload_bytes"], "hit_rate": s["hit_rate"],
-                     "digest": digest})
-    raw = {"args": args, "runs": runs}
+
+def compare_with(raw, hw, model):
     orig = svr.sim_model
     svr.sim_model = lambda layers, vocab: model
     try:
-        rows = svr.compare(raw, hw)
+        return svr.compare(raw, hw)
     finally:
         svr.sim_model = orig
+
+
+def test_from_recording_simulates_compares_and_writes(tmp_path):
+    """A fake recording whose 'measured' times are the simulator's own: zero error, same decisions."""
+    raw, hw, model, hwp = fake_recording(tmp_path)
+    rows = compare_with(raw, hw, model)
     an = svr.analyse(rows)
     assert an["errors"]["tokens_per_s"]["max"] == pytest.approx(0.0, abs=1e-12)
     assert an["identical_decisions"]
-    svr.write_results(tmp_path / "out", raw, rows, an, None, str(hwp))
+    assert svr.spread_summary(rows) is None  # one run per config: no spread
+    svr.write_results(tmp_path / "out", raw, rows, an, None, hwp)
     for f in ("sim_vs_real.csv", "sim_vs_real.json", "sim_vs_real.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0
     assert json.loads((tmp_path / "out" / "sim_vs_real.json").read_text())["analysis"]["identical_decisions"]
+
+
+def test_repeats_give_the_median_the_spread_and_whether_the_prediction_is_inside(tmp_path):
+    raw, hw, model, _ = fake_recording(tmp_path, scales=(0.9, 1.2, 1.0), configs=3)
+    # the third config's repeats are all slower than predicted: the prediction is outside its range
+    for r in raw["runs"]:
+        if r["label"] == svr.configs(32)[2]["label"]:
+            r["token_s"] = [t * 1.5 for t in r["token_s"]]
+    rows = compare_with(raw, hw, model)
+    assert [r["repeats"] for r in rows] == [3, 3, 3]
+    first = rows[0]
+    assert first["measured_tokens_per_s"] == pytest.approx(first["predicted_tokens_per_s"])  # median: scale 1.0
+    assert first["spread_tokens_per_s"] == pytest.approx(1 / 0.9 - 1 / 1.2)
+    assert first["inside_tokens_per_s"] and first["inside_p99_token_s"]
+    assert not rows[2]["inside_tokens_per_s"]
+    assert rows[2]["measured_tokens_per_s"] == pytest.approx(rows[2]["predicted_tokens_per_s"] / 1.5)
+    nz = svr.spread_summary(rows)
+    assert nz["configs"] == 3 and nz["repeats"] == [3]
+    assert nz["tokens_per_s"]["inside"] == 2
+    # a repeat whose decisions differ (other bytes) makes the config's decisions differ
+    raw["runs"][-1]["upload_bytes"] += 1
+    assert not all(r["same_decisions"] for r in compare_with(raw, hw, model))
+
+
+def test_older_recordings_with_one_marked_repeat_still_group():
+    runs = [{"label": "lru 25%"}, {"label": "cpu"}, {"label": "lru 25% (repeat)"}]
+    g = svr.group_runs(runs)
+    assert list(g) == ["lru 25%", "cpu"] and len(g["lru 25%"]) == 2
