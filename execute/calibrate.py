@@ -307,6 +307,7 @@ class StandIn:
         self._gemv = Launch(mod.get_function("standin_gemv"), 9)
         self._eps = Launch.f32(1e-6)
         self._bufs: dict[tuple[int, int], list] = {}
+        cp.cuda.runtime.deviceSynchronize()  # the weights exist before any stream reads them
 
     def _out(self, t: int, n: int):
         """The next (t, n) float32 output buffer (two per shape, alternating)."""

@@ -256,7 +256,7 @@ def run_device(args) -> dict:
 
     rng = np.random.default_rng(args.seed)
     log(f"building {args.layers} x {args.experts} Q8_0 experts")
-    layers = build_layers(rng, args.layers, args.experts, args.hidden, args.ffn)
+    layers = build_layers(rng, args.layers, args.experts, args.hidden, args.ffn, distinct=2)  # copies: own memory
     eb = layers[0].expert_bytes
     geo = Geometry((args.experts,) * args.layers, args.top_k, (eb,) * args.layers)
     tokens, _ = synth_tokens(args.layers, args.experts, args.top_k, args.tokens, args.seed + 1)

@@ -231,3 +231,24 @@ def test_cpu_job_stamps_are_ordered():
         job.result()
     assert job.submitted_s <= job.started_s < job.finished_s <= job.collected_s
     assert job.compute_s == pytest.approx(job.finished_s - job.started_s)
+
+
+@pytest.mark.gpu
+def test_dense_stand_in_matches_float64():
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cp.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    sd = C.StandIn(cp, 2, 256, 128, 32, 16, 1000, seed=3)
+    x = cp.asarray(np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32))
+    for l in range(2):
+        y, logits = sd.layer(x, l)
+        ry, rl = sd.reference(x.get(), l)
+        assert y.shape == (3, 256) and logits.shape == (3, 16)
+        assert np.linalg.norm(y.get() - ry) / np.linalg.norm(ry) < 1e-5
+        assert np.linalg.norm(logits.get() - rl) / np.linalg.norm(rl) < 1e-5
+    h = sd.head(x).get()
+    ref = (x.get() / np.sqrt((x.get() ** 2).mean(axis=1, keepdims=True) + 1e-6)) @ sd.whead.get().astype(np.float64).T
+    assert h.shape == (3,) and (ref[np.arange(3), h] >= ref.max(axis=1) - 1e-4 * np.abs(ref).max()).all()
