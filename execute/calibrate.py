@@ -6,7 +6,9 @@ the median as the field and every sample's median, 10th and 90th percentile and 
 ``"_calibration"`` (which the simulator ignores), with a ``sources`` line per field.
 
 What is measured (GPU timings use CUDA events with the stream held by a spin kernel while the work
-is queued, so they are GPU time alone; host timings are the Python thread's wall time meanwhile):
+is queued, so they are GPU time alone; host timings are the Python thread's wall time of calls
+made back to back, warm, as in a replay; layers with CPU experts are timed one at a time, since in
+a replay too the thread waits for the pool before each):
 
 - link: pinned host->device copies by size (fit: latency + bytes / GB/s), pageable by size, and
   expert uploads through ``GpuExperts.upload`` (three copies each), back to back;
@@ -387,16 +389,19 @@ class GpuTimer:
         return stats(samples)
 
     def host(self, stream, fn, reps: int) -> dict:
-        """Host seconds of ``fn()`` (async work, queued behind a spin so that nothing blocks)."""
+        """Host seconds per call of ``fn()`` (async work), ``reps + 1`` calls back to back behind one
+        spin (nothing blocks), the first a warm-up: the thread stays busy, as in a replay. (Timing
+        each call after a synchronisation instead measured it cold: about twice as long on the H200
+        box, 2026-11-29, docs/FIDELITY.md.)"""
         samples = []
+        self.spin(stream)
         for r in range(reps + 1):
-            self.spin(stream)
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
-            stream.synchronize()
             if r:
                 samples.append(dt)
+        stream.synchronize()
         return stats(samples)
 
 
@@ -587,21 +592,23 @@ def _engine(cp, timer: GpuTimer, engine, layers, reps: int, seed: int) -> dict:
         return RunLayer(tok, step, d), ids, np.full(ids.shape, 1.0 / len(experts), np.float32)
 
     def gpu_only(make) -> dict:
+        """Layers back to back without waiting for the GPU (fewer than the 16 metadata buffers, so
+        the host never waits for one): warm, as in a replay, where only the short router
+        read-back separates them."""
         parts = {"whole": [], "plan": [], "queue": [], "combine": []}
+        engine.synchronize()
         for r in range(reps + 1):
             it, ids, w = make(r)
-            timer.spin(engine.gpu.compute)
-            engine.gpu.last_read.record(engine.gpu.compute)
             s0 = snap()
             t0 = time.perf_counter()
             engine.run_layer(it, x, ids, w)
             dt = time.perf_counter() - t0
             s1 = snap()
-            engine.synchronize()
             if r:
                 for k, ph in (("whole", None), ("plan", "host_plan_s"), ("queue", "host_queue_s"),
                               ("combine", "host_combine_s")):
                     parts[k].append(dt if ph is None else s1[ph] - s0[ph])
+        engine.synchronize()
         return {k: stats(v) for k, v in parts.items()}
 
     out = {"hits": {}, "uploads": {}, "cpu_layer": {}}
