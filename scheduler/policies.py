@@ -340,6 +340,7 @@ class HybridPolicy(BasePolicy):
         self._np = np.frombuffer(self._buf, dtype=np.float64).reshape(geometry.num_layers, width)
         self.missed: dict[tuple[int, int], None] = {}  # this token's misses, in order
         self._room = True  # some pool had a free slot when this token started
+        self._cold: list[list[int]] = [[] for _ in range(geometry.num_layers)]  # admission ranking
         self.tokens = 0
         self.background: set[tuple[int, int]] = set()  # background copies in flight
         super().__init__(geometry, capacity, profile)
@@ -393,22 +394,25 @@ class HybridPolicy(BasePolicy):
 
     def _admit(self, step: Step, hits, pcie: list[int], slots: list[int], cpu) -> Decision:
         """Uploads beyond the free slots replace the coldest residents of the layer that the
-        step does not use, while the miss is at least as used as the resident (ties: lower id)."""
+        step does not use, while the miss is at least as used as the resident now. "Coldest"
+        follows the residents' usage ranking taken every ``swap_every`` tokens (4 without swap
+        rounds), after that token's background moves (ascending, ties by id); when that ranking
+        has too few such residents left, the layer is ranked afresh for this step."""
         layer = step.layer
         cache = self.cache
         u = self._u[layer]
         used = step.experts
         need = len(pcie) - len(slots)
-        # usage of the layer's residents the step does not use; inf elsewhere (vectorised: a
-        # Python scan of the pool costs more than these few array operations)
-        vals = np.where(cache.resident_row(layer), self._np[layer], np.inf)
-        vals[list(used)] = np.inf
-        if need == 1:
-            j = int(vals.argmin())
-            victims = [(vals[j], j)]
+        state = cache.state[layer]
+        victims = []
+        for v in self._cold[layer]:
+            if state[v] == RESIDENT and v not in used:
+                victims.append(v)
+                if len(victims) == need:
+                    break
         else:
-            victims = [(vals[j], int(j)) for j in np.argsort(vals, kind="stable")[:need]]
-        victims = [v for v in victims if v[0] != np.inf]
+            victims = [v for v in self._rank_residents(layer) if v not in used][:need]
+        victims = [(u[v], v) for v in victims]
         uploads, streams, evictions = list(pcie[: len(slots)]), [], []
         slots = list(slots)
         j = 0
@@ -444,6 +448,21 @@ class HybridPolicy(BasePolicy):
     def complete(self, layer: int, expert: int) -> None:
         super().complete(layer, expert)
         self.background.discard((layer, expert))
+
+    def _rank_residents(self, layer: int) -> list[int]:
+        """The layer's residents by usage ascending, ties by id."""
+        row = np.flatnonzero(self.cache.resident_row(layer) & self._valid[layer])
+        return row[np.argsort(self._np[layer][row], kind="stable")].tolist()
+
+    def _rank_all_residents(self) -> None:
+        """Refresh every layer's admission ranking (after a swap round)."""
+        width = self._np.shape[1]
+        vi = np.flatnonzero(self._valid & self.cache.resident_mask)
+        vl, ve = vi // width, vi % width
+        o = np.lexsort((ve, self._np.ravel()[vi], vl))
+        vl, ve = vl[o], ve[o]
+        bounds = np.searchsorted(vl, np.arange(len(self._cold) + 1))
+        self._cold = [ve[bounds[l]:bounds[l + 1]].tolist() for l in range(len(self._cold))]
 
     # background ------------------------------------------------------------------------------
     def _swap_due(self) -> bool:
@@ -536,6 +555,8 @@ class HybridPolicy(BasePolicy):
         self.background.update((m.layer, m.expert) for m in moves)
         if swap_round:
             self._np *= self.decay
+        if self.admit_uploads and (self.tokens + 1) % (self.swap_every or 4) == 0:
+            self._rank_all_residents()
         self.missed.clear()
         self._room = any(self.cache.free)  # hybrid frees no slot during a token
         self.tokens += 1
