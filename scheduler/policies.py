@@ -459,7 +459,7 @@ class HybridPolicy(BasePolicy):
         width = self._np.shape[1]
         vi = np.flatnonzero(self._valid & self.cache.resident_mask)
         vl, ve = vi // width, vi % width
-        o = np.lexsort((ve, self._np.ravel()[vi], vl))
+        o = _by_layer_then(vl, self._np.ravel()[vi])
         vl, ve = vl[o], ve[o]
         bounds = np.searchsorted(vl, np.arange(len(self._cold) + 1))
         self._cold = [ve[bounds[l]:bounds[l + 1]].tolist() for l in range(len(self._cold))]
@@ -508,7 +508,7 @@ class HybridPolicy(BasePolicy):
         # candidates: by layer, usage descending, expert; rank = position within the layer
         ci = np.flatnonzero(cand)
         cl, ce, cu = ci // width, ci % width, U.ravel()[ci]
-        o = np.lexsort((ce, -cu, cl))
+        o = _by_layer_then(cl, -cu)
         cl, ce, cu = cl[o], ce[o], cu[o]
         cstart = np.searchsorted(cl, layers)
         crank = np.arange(len(cl)) - cstart[cl]
@@ -516,7 +516,7 @@ class HybridPolicy(BasePolicy):
         # victims: residents by layer, usage ascending, expert
         vi = np.flatnonzero(self._valid & cache.resident_mask)
         vl, ve, vu = vi // width, vi % width, U.ravel()[vi]
-        o = np.lexsort((ve, vu, vl))
+        o = _by_layer_then(vl, vu)
         vl, ve, vu = vl[o], ve[o], vu[o]
         vstart = np.searchsorted(vl, layers)
         nvict = np.bincount(vl, minlength=num_layers)
@@ -721,6 +721,14 @@ class BeladyPolicy(BasePolicy):
             if (layer, e) in cache.slot:
                 self.nu[(layer, e)] = nxt[e]
         self.pos += 1
+
+
+def _by_layer_then(layers: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Order of entries given in (layer, expert) order, sorted by layer, then key, then expert:
+    two stable sorts (the same order as ``np.lexsort((experts, keys, layers))``, several times
+    faster)."""
+    o = np.argsort(keys, kind="stable")
+    return o[np.argsort(layers[o], kind="stable")]
 
 
 POLICIES = {

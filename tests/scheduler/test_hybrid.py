@@ -137,3 +137,23 @@ def test_full_pool_admits_an_upload_over_a_colder_resident():
     off = make_policy("hybrid", g, Capacity.per_layer(g, 2), Profile(1, 8, ((0, 0), (0, 1)), 2),
                       miss_frac_256=256, adaptive=False, swap_every=0, admit_uploads=False)
     assert off.plan(Step(0, (0, 5))).streams == (5,)
+
+
+def test_layer_then_key_order_is_lexsort():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from scheduler.policies import _by_layer_then
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.integers(1, 5), st.integers(1, 30), st.data())
+    def check(num_layers, num_experts, data):
+        flat = sorted(data.draw(st.sets(st.integers(0, num_layers * num_experts - 1))))
+        idx = np.array(flat, dtype=np.int64)
+        layers, experts = idx // num_experts, idx % num_experts
+        keys = np.array(data.draw(st.lists(st.sampled_from([0.0, 0.7, 1.0, 1.4, 2.0]), min_size=len(idx),
+                                           max_size=len(idx))))
+        for k in (keys, -keys):
+            assert (_by_layer_then(layers, k) == np.lexsort((experts, k, layers))).all()
+
+    check()
