@@ -34,6 +34,7 @@ around each call, beside device-event times of the same kernels); writes ``bench
 from __future__ import annotations
 
 import argparse
+from importlib import resources
 import csv
 import io
 import json
@@ -56,59 +57,7 @@ from scheduler.profile import Profile
 FALLBACK_PARAMS = dict(zipf_s=0.6, topic_concentration=0.3, reuse_prob=0.3, reuse_lag_tokens=2.0)
 QKV, ATTN = 5120, 4096  # dense stand-in widths
 
-DENSE_SRC = r"""
-#define DW 4  // warps per block
-#define DR 2  // rows per warp
-
-__device__ __forceinline__ float h2f(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ float wsum(float v) {
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// 8 fp16 weights (q) . 8 floats (a, b)
-__device__ __forceinline__ float dot8(uint4 q, float4 a, float4 b) {
-    return h2f(q.x & 0xffff) * a.x + h2f(q.x >> 16) * a.y + h2f(q.y & 0xffff) * a.z + h2f(q.y >> 16) * a.w
-         + h2f(q.z & 0xffff) * b.x + h2f(q.z >> 16) * b.y + h2f(q.w & 0xffff) * b.z + h2f(q.w >> 16) * b.w;
-}
-
-// y[t, r] = s_t * (w[r] . x[t, :k]) (+ res[t, r]); s_t = rsqrt(mean(x[t, :k]^2) + eps) when norm, else 1.
-// w (n_rows, k) fp16 row-major, k % 8 == 0; x rows ldx floats apart (ldx % 4 == 0); y, res (T, n_rows).
-// grid (ceil(n_rows / (DW * DR)), T), block 32 * DW.
-extern "C" __global__ void gemv_f16(const unsigned short* __restrict__ w, const float* __restrict__ x, long long ldx,
-                                    const float* __restrict__ res, float* __restrict__ y, int n_rows, int k,
-                                    int norm, float eps) {
-    __shared__ float part[DW];
-    int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float* xt = x + t * ldx;
-    float s = 1.f;
-    if (norm) {
-        float q = 0.f;
-        for (int c = threadIdx.x; c < k; c += 32 * DW) q += xt[c] * xt[c];
-        q = wsum(q);
-        if (lane == 0) part[warp] = q;
-        __syncthreads();
-        q = 0.f;
-        for (int i = 0; i < DW; i++) q += part[i];
-        s = rsqrtf(q / k + eps);
-    }
-    const float4* x4 = reinterpret_cast<const float4*>(xt);
-    int r0 = (blockIdx.x * DW + warp) * DR;
-    for (int r = r0; r < min(r0 + DR, n_rows); r++) {
-        const uint4* w8 = reinterpret_cast<const uint4*>(w + (long long)r * k);
-        float acc = 0.f;
-        #pragma unroll 4
-        for (int c = lane; c < k / 8; c += 32) acc += dot8(w8[c], x4[2 * c], x4[2 * c + 1]);
-        acc = wsum(acc);
-        if (lane == 0) y[(long long)t * n_rows + r] = acc * s + (res ? res[(long long)t * n_rows + r] : 0.f);
-    }
-}
+DENSE_SRC = resources.files("execute").joinpath("gemv_f16.cu").read_text() + r"""
 
 // y[t] = x[t] * rsqrt(mean(x[t]^2) + eps), rows of n floats. grid T, block 32 * DW.
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, float* __restrict__ y, int n, float eps) {
