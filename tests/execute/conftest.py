@@ -86,3 +86,14 @@ def tiny_weights(synth_path):
         return cache[quant]
 
     return get
+
+
+def cupy_or_skip():
+    """cupy with a CUDA device, or skip the test (the only reason a test here may skip)."""
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cp.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    return cp

@@ -17,6 +17,8 @@ from execute.synth import config_from_preset, metadata, synth_model, tensor_spec
 from scheduler import Capacity, make_policy
 from scheduler.audit import Audit
 
+from .conftest import cupy_or_skip
+
 ALL = tuple(ARCHS)
 SILU = tuple(a for a in ALL if ARCHS[a].activation == "silu")
 QUANT = {"qwen3moe": "Q8_0", "qwen2moe": "Q4_0", "olmoe": "Q8_0", "llama": "Q4_0", "granitemoe": "Q8_0",
@@ -140,19 +142,10 @@ def test_engine_refuses_experts_its_kernels_cannot_compute(arch_weights):
 
 
 # GPU: hybrid vs all-CPU vs all-GPU --------------------------------------------------------------
-def _gpu_or_skip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", SILU)
 def test_hybrid_cpu_gpu_agree(arch, arch_weights):
-    _gpu_or_skip()
+    cupy_or_skip()
     w = arch_weights(arch)
     g = w.info.geometry()
     out = {}

@@ -21,6 +21,8 @@ from scheduler import Capacity, Step, Token, make_policy, replay
 from scheduler.audit import Audit
 from simulate.speculative import merge_rows
 
+from .conftest import cupy_or_skip
+
 TOKENS = [5, 300, 17, 17, 42, 256, 1, 9, 100, 33, 33, 7, 8, 200]  # longer than gpt-oss's window of 4
 QUANT = {"qwen2moe": "Q4_0", "llama": "Q4_0", "deepseek2": "Q4_0"}  # else Q8_0
 
@@ -241,19 +243,10 @@ def test_hybrid_cost_options_from_hardware(arch_model):
 
 
 # GPU: the hybrid path on chunks --------------------------------------------------------------------
-def _gpu_or_skip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ("qwen3moe", "qwen2moe", "deepseek2"))
 def test_gpu_policies_on_chunks_match_token_by_token_cpu(arch, arch_model):
-    _gpu_or_skip()
+    cupy_or_skip()
     from simulate.costs import Costs
     from simulate.hardware import load_hardware
     from simulate.models import ModelSpec
@@ -283,7 +276,7 @@ def test_gpu_policies_on_chunks_match_token_by_token_cpu(arch, arch_model):
 
 @pytest.mark.gpu
 def test_gpu_hybrid_cost_speculative_run_replays_to_its_decisions(arch_model, tmp_path, capsys):
-    _gpu_or_skip()
+    cupy_or_skip()
     path, _ = arch_model("qwen3moe")
     text, fig = run_json(capsys, path, "-p", PROMPT, "-n", "40", "--policy", "hybrid-cost", "--cache-slots", "3",
                          "--hardware", "h200-xeon16", "--speculative", "3", "--prefill-chunk", "8",

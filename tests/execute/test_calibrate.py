@@ -9,6 +9,8 @@ import pytest
 
 from execute import calibrate as C
 
+from .conftest import cupy_or_skip
+
 
 def st(v: float) -> dict:
     return {"median": v, "p10": v * 0.95, "p90": v * 1.05, "n": 5}
@@ -235,12 +237,7 @@ def test_cpu_job_stamps_are_ordered():
 
 @pytest.mark.gpu
 def test_dense_stand_in_matches_float64():
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cp.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
+    cp = cupy_or_skip()
     sd = C.StandIn(cp, 2, 256, 128, 32, 16, 1000, seed=3)
     x = cp.asarray(np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32))
     for l in range(2):

@@ -14,6 +14,8 @@ from scheduler.drive import AwaitBackground, RunLayer, StartBackground, drive
 from scheduler.policies import make_policy
 from scheduler.profile import Profile
 
+from .conftest import cupy_or_skip
+
 HIDDEN, FFN, EXPERTS, TOP_K, LAYERS = 256, 256, 8, 2, 3
 
 
@@ -140,20 +142,10 @@ def test_gpu_work_without_gpu_is_a_clear_error(rng):
     engine.close()
 
 
-def _gpu():
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cp.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
-    return cp
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["gpu", "lru", "freq-lru", "static", "hybrid", "belady", "cpu"])
 def test_every_policy_on_gpu_matches_reference(policy, rng, reference):
-    cp = _gpu()
+    cp = cupy_or_skip()
     layers, routing, tokens = scenario(rng, num_tokens=16)
     geo = Geometry((EXPERTS,) * LAYERS, TOP_K, tuple(l.expert_bytes for l in layers))
     cap = Capacity.per_layer(geo, EXPERTS if policy == "gpu" else 3)

@@ -8,6 +8,8 @@ from execute import quant as Q
 from execute.experts import random_layer
 from scheduler.core import Capacity, Geometry
 
+from .conftest import cupy_or_skip
+
 pytestmark = pytest.mark.gpu
 
 ALL = sorted(Q.QTYPES)
@@ -16,12 +18,7 @@ REL_ERR = 1e-5  # exact dequantization, float32 accumulation (same bound as the 
 
 @pytest.fixture
 def cp():
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cp.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
+    cp = cupy_or_skip()
     return cp
 
 

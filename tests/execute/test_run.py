@@ -16,6 +16,8 @@ from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, make_policy, replay
 from scheduler.audit import Audit
 
+from .conftest import cupy_or_skip
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -115,9 +117,7 @@ def test_errors_exit_2(models, tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_run_with_a_profile_from_a_recorded_trace(models, tmp_path, capsys):
-    cupy = pytest.importorskip("cupy")
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        pytest.skip("no CUDA device")
+    cupy = cupy_or_skip()
     from scheduler.profile_cli import main as profile_main
 
     cpu_text, _ = run_json(capsys, models(), "-p", "Hello", "-n", "6", "--record-trace", tmp_path / "tr")
