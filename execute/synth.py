@@ -28,7 +28,7 @@ memory. Norm weights are ``1 + 0.1 * N(0, 1)`` in F32, the router F32, other den
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

@@ -14,7 +14,7 @@ Time never appears here: backends pass completions back, the scheduler never rea
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Protocol, Sequence
 
 __all__ = [

@@ -115,7 +115,6 @@ class Simulator:
         gpu_busy = copy_busy = cpu_busy = 0.0
         tok_start = 0.0
         tok_bound = 0.0
-        ctx = 0
         for item in items:
             observe(item)
             kind = type(item)

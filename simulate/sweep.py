@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from .run import SimConfig, SimError, run
 

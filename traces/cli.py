@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .format import Trace, TraceError, load
+from .format import TraceError, load
 from .importers import IMPORTERS, import_trace
 
 __all__ = ["main"]

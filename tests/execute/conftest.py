@@ -97,3 +97,31 @@ def cupy_or_skip():
     except cp.cuda.runtime.CUDARuntimeError:
         pytest.skip("no CUDA device")
     return cp
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """``models(arch)``: a tiny complete GGUF of that architecture (Q8_0 experts), made once."""
+    from execute.synth import config_from_preset, synth_model
+
+    root = tmp_path_factory.mktemp("models")
+    made = {}
+
+    def get(arch: str = "qwen3moe"):
+        if arch not in made:
+            made[arch] = synth_model(root / f"{arch}.gguf", config_from_preset("tiny", arch=arch, quant="Q8_0", seed=5))
+        return made[arch]
+
+    return get
+
+
+def run_json(capsys, *argv) -> tuple[str, dict]:
+    """``moelab run ... --json`` on one thread: (the streamed text, the figures)."""
+    import json
+
+    from execute.cli import run_main
+
+    assert run_main([*map(str, argv), "--json", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    text, _, figures = out.partition("\n{")
+    return text, json.loads("{" + figures)

@@ -12,31 +12,12 @@ from execute import model as M
 from execute.archs import ARCHS
 from execute.cli import replay_main, run_main
 from execute.gguf_io import load_model, write_gguf
-from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, make_policy, replay
 from scheduler.audit import Audit
 
-from .conftest import cupy_or_skip
+from .conftest import cupy_or_skip, run_json
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("run")
-    made = {}
-
-    def get(arch: str = "qwen3moe"):
-        if arch not in made:
-            made[arch] = synth_model(root / f"{arch}.gguf", config_from_preset("tiny", arch=arch, quant="Q8_0", seed=5))
-        return made[arch]
-
-    return get
-
-
-def run_json(capsys, *argv) -> tuple[str, dict]:
-    assert run_main([*map(str, argv), "--json", "--threads", "1"]) == 0
-    out = capsys.readouterr().out
-    text, _, figures = out.partition("\n{")
-    return text, json.loads("{" + figures)
 
 
 @pytest.mark.parametrize("arch", tuple(ARCHS))
@@ -117,7 +98,7 @@ def test_errors_exit_2(models, tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_run_with_a_profile_from_a_recorded_trace(models, tmp_path, capsys):
-    cupy = cupy_or_skip()
+    cupy_or_skip()
     from scheduler.profile_cli import main as profile_main
 
     cpu_text, _ = run_json(capsys, models(), "-p", "Hello", "-n", "6", "--record-trace", tmp_path / "tr")

@@ -13,29 +13,12 @@ from execute.archs import ARCHS
 from execute.cli import run_main
 from execute.sampling import Sampler
 from execute.speculative import lookup_draft, verify
-from execute.synth import config_from_preset, synth_model
+
+from .conftest import run_json
 
 PROMPT = "the cat sat on the mat the cat sat on the"  # with --raw, drafts get accepted on every tiny model
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    made = {}
-
-    def get(arch: str = "qwen3moe"):
-        if arch not in made:
-            made[arch] = synth_model(root / f"{arch}.gguf", config_from_preset("tiny", arch=arch, quant="Q8_0", seed=5))
-        return made[arch]
-
-    return get
-
-
-def run_json(capsys, *argv) -> tuple[str, dict]:
-    assert run_main([*map(str, argv), "--json", "--threads", "1"]) == 0
-    out = capsys.readouterr().out
-    text, _, figures = out.partition("\n{")
-    return text, json.loads("{" + figures)
 
 
 # drafting -----------------------------------------------------------------------------------------

@@ -1,10 +1,9 @@
 """hybrid: the miss split, adaptive fill, swap rounds, and asynchronous completion."""
+import numpy as np
 import pytest
 
 from scheduler import Capacity, Geometry, Profile, Step, Token, drive, make_policy, replay
-from scheduler.drive import AwaitBackground, RunLayer, StartBackground
-
-import numpy as np
+from scheduler.drive import RunLayer, StartBackground
 
 
 def tok(i, *layers):

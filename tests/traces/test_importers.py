@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
