@@ -16,10 +16,13 @@ __all__ = ["CostModel", "LayerLoad"]
 class CostModel:
     """Seconds per unit of work, per layer (one entry per layer; dense layers are ignored).
 
-    gpu: ``gpu_expert_s + tokens * gpu_token_s`` per expert run on the GPU;
+    gpu: ``gpu_expert_s + work`` per expert run on the GPU, where ``work`` is
+    ``tokens * gpu_token_s``, or with ``gpu_read_s`` given the roofline
+    ``max(gpu_read_s, tokens * gpu_token_s)`` (weights read once, compute per token);
     pcie: ``upload_s`` per expert copied host -> device;
-    cpu: ``cpu_expert_s + tokens * cpu_token_s`` per expert run on the CPU pool, whose
-    ``cpu_task_s`` is paid once per layer that uses it.
+    cpu: likewise ``cpu_expert_s`` + ``tokens * cpu_token_s`` or ``max(cpu_read_s, tokens *
+    cpu_token_s)`` per expert run on the CPU pool, whose ``cpu_task_s`` is paid once per layer
+    that uses it.
     """
 
     gpu_expert_s: tuple[float, ...]
@@ -28,10 +31,14 @@ class CostModel:
     cpu_expert_s: tuple[float, ...]
     cpu_token_s: tuple[float, ...]
     cpu_task_s: float = 0.0
+    gpu_read_s: tuple[float, ...] | None = None
+    cpu_read_s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.upload_s)
-        for name in ("gpu_expert_s", "gpu_token_s", "upload_s", "cpu_expert_s", "cpu_token_s"):
+        names = ["gpu_expert_s", "gpu_token_s", "upload_s", "cpu_expert_s", "cpu_token_s"]
+        names += [k for k in ("gpu_read_s", "cpu_read_s") if getattr(self, k) is not None]
+        for name in names:
             v = tuple(float(x) for x in getattr(self, name))
             object.__setattr__(self, name, v)
             if len(v) != n:
@@ -42,10 +49,16 @@ class CostModel:
             raise ValueError("CostModel.cpu_task_s: expected >= 0")
 
     def gpu_s(self, layer: int, tokens: int) -> float:
-        return self.gpu_expert_s[layer] + tokens * self.gpu_token_s[layer]
+        work = tokens * self.gpu_token_s[layer]
+        if self.gpu_read_s is not None:
+            work = max(self.gpu_read_s[layer], work)
+        return self.gpu_expert_s[layer] + work
 
     def cpu_s(self, layer: int, tokens: int) -> float:
-        return self.cpu_expert_s[layer] + tokens * self.cpu_token_s[layer]
+        work = tokens * self.cpu_token_s[layer]
+        if self.cpu_read_s is not None:
+            work = max(self.cpu_read_s[layer], work)
+        return self.cpu_expert_s[layer] + work
 
 
 @dataclass

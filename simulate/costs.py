@@ -147,16 +147,17 @@ class Costs:
             self.head_s = fixed + model.head_bytes() / gbw  # GPU part; read-back on the host lane
 
     def cost_model(self):
-        """These costs as a ``scheduler.CostModel`` (for ``hybrid-cost``): exact for one token,
-        linear in the token count beyond (the roofline's compute slope)."""
+        """These costs as a ``scheduler.CostModel`` (for ``hybrid-cost``), in the roofline form
+        the simulator charges: per expert, weights read once or compute per token, whichever is
+        longer (``gpu_experts``/``cpu_experts``; one token gives the decode costs)."""
         from scheduler import CostModel
 
-        gpu_tok = [self.gpu_expert_flop_s] * len(self.expert_bytes)
+        n = len(self.expert_bytes)
         return CostModel(
-            gpu_expert_s=[max(0.0, e - f) for e, f in zip(self.gpu_expert_s, gpu_tok)], gpu_token_s=gpu_tok,
+            gpu_expert_s=[0.0] * n, gpu_token_s=[self.gpu_expert_flop_s] * n, gpu_read_s=self.gpu_expert_s,
             upload_s=self.upload_s,
-            cpu_expert_s=[max(0.0, e - t) for e, t in zip(self.cpu_expert_s, self.cpu_token_s)],
-            cpu_token_s=self.cpu_token_s, cpu_task_s=self.cpu_task_s)
+            cpu_expert_s=[0.0] * n, cpu_token_s=self.cpu_token_s, cpu_read_s=self.cpu_read_s,
+            cpu_task_s=self.cpu_task_s)
 
     # multi-token steps (counts given) ---------------------------------------------------------
     def dense(self, layer: int, ctx: int, num_tokens: int = 1) -> float:

@@ -156,3 +156,13 @@ def test_layer_then_key_order_is_lexsort():
             assert (_by_layer_then(layers, k) == np.lexsort((experts, k, layers))).all()
 
     check()
+
+
+def test_cost_model_roofline():
+    from scheduler import CostModel
+
+    linear = CostModel((1.0,), (0.5,), (2.0,), (0.1,), (0.3,))
+    roof = CostModel((1.0,), (0.5,), (2.0,), (0.1,), (0.3,), gpu_read_s=(4.0,), cpu_read_s=(0.9,))
+    assert (linear.gpu_s(0, 4), linear.cpu_s(0, 4)) == (3.0, 0.1 + 1.2)
+    assert (roof.gpu_s(0, 4), roof.gpu_s(0, 10)) == (5.0, 6.0)  # read-bound, then compute-bound
+    assert (roof.cpu_s(0, 1), roof.cpu_s(0, 4)) == (0.1 + 0.9, 0.1 + 1.2)
