@@ -805,6 +805,18 @@ def _cpu_types(args, layers, rng) -> tuple[dict, dict]:
     return quant, threads
 
 
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The model-shape flags shared with experiments/sim_vs_real.py (Qwen3-30B-A3B's by default)."""
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=151936)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moelab calibrate", description="Measure this machine as moelab's executor "
                                  "uses it and write a hardware file for moelab simulate --hardware.")
@@ -815,14 +827,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--base", default=None, help="hardware JSON whose GPU and link fields --cpu-only keeps")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="CPU pool threads")
     ap.add_argument("--layers", type=int, default=4, help="MoE layers of random experts (cold-cache rotation)")
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--ffn", type=int, default=768)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=151936)
+    add_shape_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tests: a 16 MiB memory read
     return ap

@@ -447,19 +447,14 @@ def write_results(out: Path, raw: dict, rows: list[dict], an: dict, nz, hw_path:
 
 
 def main(argv=None) -> int:
+    from execute.calibrate import add_shape_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hardware", required=True, help="hardware JSON from moelab calibrate")
     ap.add_argument("--from", dest="from_dir", default=None, help="reuse DIR/raw.json's measurements (no GPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", "sim_vs_real"))
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--ffn", type=int, default=768)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=151936)
+    add_shape_args(ap)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--repeats", type=int, default=3, help="runs of every config, interleaved across configs")
