@@ -8,9 +8,10 @@ Choice of which misses go over PCIe in ``hybrid`` (documented contract): a step'
 are ranked by token count (more first), then decayed usage (higher first), then router rank;
 the first ``round(n_miss * frac / 256)`` (half rounds up) that are not in flight go over PCIe,
 the rest to the CPU. A PCIe miss is admitted into a free slot when its pool has one; else (with
-``admit_uploads``, the default) into the slot of the layer's coldest resident that the step does not
-use, when the miss is at least as used; otherwise it is streamed through a scratch buffer. Misses in flight (a background copy not yet complete) always
-go to the CPU: nothing is uploaded twice.
+``admit_uploads``, the default) into the slot of the layer's coldest resident that the step does
+not use (by a usage ranking refreshed every ``swap_every`` tokens), when the miss is at least as
+used; otherwise it is streamed through a scratch buffer. Misses in flight (a background copy not
+yet complete) always go to the CPU: nothing is uploaded twice.
 """
 from __future__ import annotations
 
