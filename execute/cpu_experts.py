@@ -1,7 +1,8 @@
 """The CPU expert pool: Numba kernels computing a layer's CPU experts from quantized host weights.
 
-A call computes ``y[i] = down_e(silu(gate_e x[i]) * up_e x[i])`` for each row ``i`` of ``x``
-with ``e = experts[i]`` (one row per (expert, token) pair), unweighted: the caller combines the
+A call computes ``y[i] = down_e(act(gate_e x[i] + bg_e, up_e x[i] + bu_e)) + bd_e`` for each row
+``i`` of ``x`` with ``e = experts[i]`` (one row per (expert, token) pair; act and the optional
+biases are the layer's, see ``LayerExperts``), unweighted: the caller combines the
 outputs with the router weights. Pairs are grouped by expert so that each weight row is read once
 per call however many tokens use it. Each call runs two parallel regions (gate+up, then down)
 over (expert group, block of rows) tasks. A weight row is dotted with each input in place, block by
@@ -206,10 +207,20 @@ def _blocks(v, cols):
     return qt, u8.reshape((n, bb)), i8.reshape((n, bb)), u16.reshape((n, bb // 2)), f2
 
 
+@njit(inline="always", fastmath=True)
+def _swiglu_oai(a, b, limit, alpha):
+    """gpt-oss's clamped SwiGLU on gate ``a`` and up ``b`` (biases added)."""
+    a = min(a, limit)
+    b = min(max(b, -limit), limit)
+    return a / (np.float32(1.0) + np.exp(-alpha * a)) * (b + np.float32(1.0))
+
+
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _gate_up(g, u, group_expert, group_start, order, x, xs, h, rows_per_task, lanes):
-    """h[i] = silu(gate_e x[i]) * (up_e x[i]) for every pair i. x: (n, hidden); xs: (n, hidden/32)
-    block sums of x; h: (n, ffn)."""
+def _gate_up(g, u, bg, bu, oai, group_expert, group_start, order, x, xs, h, rows_per_task, lanes):
+    """h[i] = act(gate_e x[i] + bg[e], up_e x[i] + bu[e]) for every pair i: act is silu(a) * b when
+    ``oai`` is None, else ``_swiglu_oai`` with ``oai`` = (limit, alpha). x: (n, hidden); xs: (n,
+    hidden/32) block sums of x; h: (n, ffn); bg, bu: (experts, ffn) or None. None arguments are
+    typed as such, so their branches are compiled out (the plain silu path has none)."""
     ffn = h.shape[1]
     hidden = x.shape[1]
     gv = _blocks(g, hidden)
@@ -226,12 +237,20 @@ def _gate_up(g, u, group_expert, group_start, order, x, xs, h, rows_per_task, la
                 i = order[p]
                 a = _dot_row(gv, e * ffn + r, x[i], xs[i], lanes)
                 b = _dot_row(uv, e * ffn + r, x[i], xs[i], lanes)
-                h[i, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+                if bg is not None:
+                    a += bg[e, r]
+                if bu is not None:
+                    b += bu[e, r]
+                if oai is None:
+                    h[i, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+                else:
+                    h[i, r] = _swiglu_oai(a, b, oai[0], oai[1])
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _down(dn, group_expert, group_start, order, h, hs, y, rows_per_task, lanes):
-    """y[i] = down_e h[i] for every pair i. h: (n, ffn); hs: (n, ffn/32) block sums; y: (n, hidden)."""
+def _down(dn, bd, group_expert, group_start, order, h, hs, y, rows_per_task, lanes):
+    """y[i] = down_e h[i] + bd[e] for every pair i. h: (n, ffn); hs: (n, ffn/32) block sums;
+    y: (n, hidden); bd: (experts, hidden) or None (compiled out)."""
     hidden = y.shape[1]
     ffn = h.shape[1]
     dv = _blocks(dn, ffn)
@@ -246,9 +265,12 @@ def _down(dn, group_expert, group_start, order, h, hs, y, rows_per_task, lanes):
             for p in range(group_start[k], group_start[k + 1]):
                 i = order[p]
                 y[i, r] = _dot_row(dv, e * hidden + r, h[i], hs[i], lanes)
+                if bd is not None:
+                    y[i, r] += bd[e, r]
 
 
 _EMPTY_F32 = np.zeros(1, np.float32)
+_OAI = {"silu": None, "swiglu_oai": (np.float32(7.0), np.float32(1.702))}  # activation -> _gate_up's oai
 
 
 def tensor_views(t: ExpertTensor) -> tuple:
@@ -301,8 +323,10 @@ def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, thre
     ids, start, order = _groups(e)
     th = threads or numba.get_num_threads()
     h = np.empty((len(e), layer.ffn), np.float32)
-    _gate_up(g, u, ids, start, order, x, _block_sums(x), h, _rows_per_task(layer.ffn, len(ids), th), _LANES)
-    _down(d, ids, start, order, h, _block_sums(h), y, _rows_per_task(layer.hidden, len(ids), th), _LANES)
+    _gate_up(g, u, layer.gate_bias, layer.up_bias, _OAI[layer.activation], ids, start, order, x, _block_sums(x), h,
+             _rows_per_task(layer.ffn, len(ids), th), _LANES)
+    _down(d, layer.down_bias, ids, start, order, h, _block_sums(h), y, _rows_per_task(layer.hidden, len(ids), th),
+          _LANES)
     return y
 
 

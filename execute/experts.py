@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ExecutorError", "ExpertTensor", "LayerExperts", "random_layer"]
+__all__ = ["ACTIVATIONS", "ExecutorError", "ExpertTensor", "LayerExperts", "random_layer"]
+
+ACTIVATIONS = ("silu", "swiglu_oai")  # index = the CPU kernels' activation code
 
 
 class ExecutorError(RuntimeError):
@@ -41,15 +43,40 @@ class ExpertTensor:
 
 @dataclass(frozen=True)
 class LayerExperts:
-    """A MoE layer's routed experts: ``down(silu(gate x) * up x)``.
+    """A MoE layer's routed experts: ``down(act(gate x + gate_bias, up x + up_bias)) + down_bias``.
 
-    gate, up: (ffn, hidden); down: (hidden, ffn).
+    gate, up: (ffn, hidden); down: (hidden, ffn). Biases are float32, one row per expert:
+    gate_bias, up_bias (experts, ffn), down_bias (experts, hidden); all three or none (none: zero).
+    ``activation`` (see ``ACTIVATIONS``): "silu" is ``silu(g) * u``; "swiglu_oai" (gpt-oss) is
+    ``g = min(g, 7)``, ``u = clip(u, -7, 7)``, ``g * sigmoid(1.702 g) * (u + 1)``.
     """
 
     layer: int
     gate: ExpertTensor
     up: ExpertTensor
     down: ExpertTensor
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
+    activation: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"LayerExperts {self.layer}: activation {self.activation!r}, expected one of {ACTIVATIONS}")
+        biases = (self.gate_bias, self.up_bias, self.down_bias)
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError(f"LayerExperts {self.layer}: gate_bias, up_bias, down_bias must be all given or all None")
+        shapes = {"gate_bias": (self.num_experts, self.ffn), "up_bias": (self.num_experts, self.ffn),
+                  "down_bias": (self.num_experts, self.hidden)}
+        for name, shape in shapes.items():
+            b = getattr(self, name)
+            if b is not None and (b.dtype != np.float32 or b.shape != shape or not b.flags.c_contiguous):
+                raise ValueError(f"LayerExperts {self.layer}: {name} must be C-contiguous float32 {shape}, "
+                                 f"got {b.dtype} {b.shape}")
+
+    @property
+    def has_bias(self) -> bool:
+        return self.gate_bias is not None
 
     @property
     def num_experts(self) -> int:

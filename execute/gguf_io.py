@@ -438,6 +438,16 @@ def _dense(t) -> np.ndarray:
     return dequantize(np.asarray(t.data), int(t.tensor_type)).reshape(shape)
 
 
+def _layer_experts(info: ModelInfo, l: int, tens: dict, names: dict, bias: dict | None) -> LayerExperts:
+    """Block ``l``'s routed experts: raw projections, float32 biases (when the file has all three:
+    the expert kernels take all or none) and the architecture's activation."""
+    parts = (_expert_tensor(tens[names[k]], k, info.ffn, names[k]) for k in ("gate", "up", "down"))
+    b = {}
+    if bias and all(k in bias for k in ("gate", "up", "down")):
+        b = {f"{k}_bias": np.ascontiguousarray(bias[k], np.float32) for k in ("gate", "up", "down")}
+    return LayerExperts(l, *parts, **b, activation=info.spec.activation)
+
+
 def load_model(path: str | os.PathLike) -> ModelWeights:
     """Memory-map a GGUF model: dense weights as float32, routed experts as raw blocks (no copy).
 
@@ -460,7 +470,7 @@ def load_model(path: str | os.PathLike) -> ModelWeights:
         names = _expert_names(tens, l)
         layers.append(_dense_layer(info, l, names is not None, need, opt))
         if names:
-            experts.append(LayerExperts(l, *(_expert_tensor(tens[names[k]], k, info.ffn, names[k]) for k in ("gate", "up", "down"))))
+            experts.append(_layer_experts(info, l, tens, names, layers[-1].expert_bias))
         else:
             experts.append(None)
     emb = need("token_embd.weight")

@@ -93,7 +93,7 @@ def test_reference_check_sees_each_feature(arch, change, arch_weights):
     assert nmse(got, ref) > 1e-5
 
 
-@pytest.mark.parametrize("arch", ("qwen2moe", "llama", "deepseek2"))
+@pytest.mark.parametrize("arch", ("qwen2moe", "llama", "deepseek2", "gpt-oss"))
 def test_engine_cpu_path_matches_reference(arch, arch_weights):
     w = arch_weights(arch)
     backend = M.EngineExperts(w, Capacity.per_layer(w.info.geometry(), 0), threads=2, use_gpu=False, timeout_s=120)
@@ -135,10 +135,25 @@ def test_missing_tensor_is_named(tmp_path):
         load_model(path)
 
 
-def test_engine_refuses_experts_its_kernels_cannot_compute(arch_weights):
+def test_engine_cpu_path_runs_gpt_oss_experts_like_numpy(arch_weights):
+    """gpt-oss's biased, clamped experts on the CPU pool agree with the numpy backend; the layers
+    carry the biases and activation the pool computes with."""
     w = arch_weights("gpt-oss")
-    with pytest.raises(ExecutorError, match="swiglu_oai.*numpy"):
-        M.EngineExperts(w, Capacity.per_layer(w.info.geometry(), 0), threads=1, use_gpu=False)
+    lx = next(l for l in w.experts if l is not None)
+    assert lx.activation == "swiglu_oai" and lx.has_bias and lx.down_bias.shape == (lx.num_experts, lx.hidden)
+    backend = M.EngineExperts(w, Capacity.per_layer(w.info.geometry(), 0), threads=2, use_gpu=False, timeout_s=120)
+    try:
+        got, audit = run_tokens(w, backend)
+    finally:
+        backend.close()
+    ref, ref_audit = run_tokens(w)
+    assert nmse(got, ref) <= 1e-6 and audit.digest() == ref_audit.digest()
+
+
+def test_engine_refuses_experts_its_gpu_kernels_cannot_compute(arch_weights):
+    w = arch_weights("gpt-oss")
+    with pytest.raises(ExecutorError, match="swiglu_oai.*GPU expert kernels.*policy cpu"):
+        M.EngineExperts(w, Capacity.per_layer(w.info.geometry(), 0), threads=1, use_gpu=True)
 
 
 # GPU: hybrid vs all-CPU vs all-GPU --------------------------------------------------------------

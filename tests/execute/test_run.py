@@ -27,6 +27,14 @@ def test_every_architecture_runs_on_the_cpu_path(arch, models, capsys):
     assert "prompt:" in out and "decode:" in out and "hit rate 0.000" in out and "uploaded 0.00 MiB" in out
 
 
+def test_gpt_oss_runs_on_the_engine_cpu_pool(models, capsys):
+    """gpt-oss's experts (biases, clamped swiglu) on the Numba pool: the numpy backend's text."""
+    path = models("gpt-oss")
+    engine, fig = run_json(capsys, path, "-p", "Hello there", "-n", "6", "--backend", "engine", "--policy", "cpu")
+    numpy, fig_np = run_json(capsys, path, "-p", "Hello there", "-n", "6", "--backend", "numpy")
+    assert engine == numpy and fig["digest"] == fig_np["digest"] and fig["cpu"] > 0
+
+
 def test_figures_and_greedy_determinism(models, capsys):
     text1, fig = run_json(capsys, models(), "-p", "The cat", "-n", "6", "--prefill-chunk", "1")
     text2, fig2 = run_json(capsys, models(), "-p", "The cat", "-n", "6", "--prefill-chunk", "1")
@@ -85,7 +93,8 @@ def test_errors_exit_2(models, tmp_path, capsys):
     write_gguf(bad, "mamba", [("mamba.block_count", 1, "u32")], [])
     cases = [([str(bad), "-p", "x"], "mamba"), ([str(models()), "-p", "x", "--policy", "belady"], "belady"),
              ([str(models()), "-p", "x", "--policy", "lru"], "cache-mib"),
-             ([str(models("gpt-oss")), "-p", "x", "--backend", "engine"], "swiglu_oai"),
+             ([str(models("gpt-oss")), "-p", "x", "--backend", "engine", "--policy", "lru", "--cache-slots", "2"],
+              "swiglu_oai"),
              ([str(models()), "-p", "x", "--temp", "-1"], "temp")]
     try:
         import cupy  # noqa: F401
