@@ -323,11 +323,14 @@ def _run_backend(args, weights, use_gpu: bool, capacity):
     from . import model as M
 
     info = weights.info
-    kernels_ok = info.spec.activation == "silu" and not info.expert_bias
-    backend = args.backend if args.backend != "auto" else ("engine" if kernels_ok else "numpy")
+    gpu_kernels_ok = info.spec.activation == "silu" and not info.expert_bias
+    # the CPU pool runs every supported expert; the GPU kernels only silu experts without biases
+    auto = "engine" if gpu_kernels_ok or not use_gpu else "numpy"
+    backend = args.backend if args.backend != "auto" else auto
     if backend == "numpy":
         if use_gpu:
-            why = "" if kernels_ok else f" ({info.arch} experts need it: the expert kernels compute silu without biases)"
+            why = "" if gpu_kernels_ok else (f" ({info.arch} experts need it: the GPU expert kernels compute silu "
+                                             "without biases)")
             raise _Fail(f"moelab run: the numpy expert backend runs only policy 'cpu'{why}")
         return M.NumpyExperts(weights)
     return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s)
