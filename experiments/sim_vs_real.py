@@ -30,6 +30,7 @@ a changed model; recordings from before the repeats (one ``(repeat)`` run) still
 from __future__ import annotations
 
 import argparse
+import gc
 import csv
 import json
 import os
@@ -207,26 +208,31 @@ def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: i
     engine.synchronize()
     up0 = gx.bytes_uploaded
     x = x0
-    with gx.compute:
-        t_prev = time.perf_counter()
-        for item in drive(pol, tokens):
-            items.append(item)
-            kind = type(item)
-            if kind is RunLayer:
-                x, logits = dense.layer(x, item.step.layer)
-                logits.get(stream=gx.compute)  # the router's read-back
-                ids = np.asarray(item.step.experts, np.int64)[None, :]
-                x = engine.run_layer(item, x, ids, w[:, :ids.shape[1]])
-            elif kind is StartBackground:
-                engine.start_background(item.moves)
-            elif kind is AwaitBackground:
-                engine.await_background(item.moves)
-            elif kind is EndToken:
-                dense.head(x).get(stream=gx.compute)  # the sampled id's read-back
-                t = time.perf_counter()
-                times.append(t - t_prev)
-                t_prev = t
-                x = x0
+    gc.collect()
+    gc.disable()  # a collection inside a timed token is noise the model does not describe
+    try:
+        with gx.compute:
+            t_prev = time.perf_counter()
+            for item in drive(pol, tokens):
+                items.append(item)
+                kind = type(item)
+                if kind is RunLayer:
+                    x, logits = dense.layer(x, item.step.layer)
+                    logits.get(stream=gx.compute)  # the router's read-back
+                    ids = np.asarray(item.step.experts, np.int64)[None, :]
+                    x = engine.run_layer(item, x, ids, w[:, :ids.shape[1]])
+                elif kind is StartBackground:
+                    engine.start_background(item.moves)
+                elif kind is AwaitBackground:
+                    engine.await_background(item.moves)
+                elif kind is EndToken:
+                    dense.head(x).get(stream=gx.compute)  # the sampled id's read-back
+                    t = time.perf_counter()
+                    times.append(t - t_prev)
+                    t_prev = t
+                    x = x0
+    finally:
+        gc.enable()
     engine.synchronize()
     uploaded = gx.bytes_uploaded - up0
     engine.close()
