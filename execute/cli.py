@@ -214,14 +214,14 @@ def _policy(args, trace, geometry, capacity):
         raise _Fail(f"moelab replay: {exc}") from None
 
 
-def _backend(args, weights, use_gpu: bool, capacity):
+def _backend(args, weights, use_gpu: bool, capacity, prog: str = "moelab replay"):
     import os
 
     from . import model as M
 
     if args.backend == "numpy":
         if use_gpu:
-            raise _Fail("moelab replay: --backend numpy runs only policy 'cpu'")
+            raise _Fail(f"{prog}: --backend numpy runs only policy 'cpu'")
         return M.NumpyExperts(weights)
     return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s)
 
@@ -298,9 +298,8 @@ def _parser_run() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the file's chat template")
     p.add_argument("--lag-tokens", type=int, default=1, help="background copies complete this many tokens later")
     p.add_argument("--timeout-s", type=float, default=60.0, help="an expert step that takes longer is an error")
-    p.add_argument("--backend", choices=("auto", "engine", "numpy"), default="auto",
-                   help="experts on the expert engine, or the numpy reference (cpu only); auto: the engine "
-                        "where its kernels support the architecture")
+    p.add_argument("--backend", choices=("engine", "numpy"), default="engine",
+                   help="experts on the expert engine (GPU kernels and CPU pool), or the numpy reference (cpu only)")
     p.add_argument("--prefill-chunk", type=int, default=32,
                    help="prompt tokens run as one batch (default 32; 1: token by token)")
     p.add_argument("--speculative", type=int, default=0, metavar="N",
@@ -315,25 +314,6 @@ def _parser_run() -> argparse.ArgumentParser:
     p.add_argument("--record-trace", default=None, help="write the routing as a trace directory (traces/ format)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the text")
     return p
-
-
-def _run_backend(args, weights, use_gpu: bool, capacity):
-    import os
-
-    from . import model as M
-
-    info = weights.info
-    gpu_kernels_ok = info.spec.activation == "silu" and not info.expert_bias
-    # the CPU pool runs every supported expert; the GPU kernels only silu experts without biases
-    auto = "engine" if gpu_kernels_ok or not use_gpu else "numpy"
-    backend = args.backend if args.backend != "auto" else auto
-    if backend == "numpy":
-        if use_gpu:
-            why = "" if gpu_kernels_ok else (f" ({info.arch} experts need it: the GPU expert kernels compute silu "
-                                             "without biases)")
-            raise _Fail(f"moelab run: the numpy expert backend runs only policy 'cpu'{why}")
-        return M.NumpyExperts(weights)
-    return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s)
 
 
 def _run_policy(args, geometry, capacity):
@@ -477,7 +457,7 @@ def _generate(args, weights, tok, prompt: list[int], draft_len: int, stream, rec
     capacity = _capacity(args, geometry, "moelab run")
     policy = _run_policy(args, geometry, capacity)
     use_gpu = args.policy != "cpu"
-    backend = _run_backend(args, weights, use_gpu, capacity)
+    backend = _backend(args, weights, use_gpu, capacity, "moelab run")
     model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
     if record:
         model.route_log = []

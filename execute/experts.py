@@ -91,9 +91,14 @@ class LayerExperts:
         return self.gate.rows
 
     @property
+    def bias_bytes(self) -> int:
+        """Bytes of one expert's float32 biases (gate, up, down); 0 without biases."""
+        return 4 * (2 * self.ffn + self.hidden) if self.has_bias else 0
+
+    @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert (gate + up + down), what an upload moves."""
-        return self.gate.expert_bytes + self.up.expert_bytes + self.down.expert_bytes
+        """Bytes of one expert (biases + gate + up + down), what an upload moves."""
+        return self.bias_bytes + self.gate.expert_bytes + self.up.expert_bytes + self.down.expert_bytes
 
 
 # byte offsets of each block type's f16 scale fields, for random_layer(exact=False)

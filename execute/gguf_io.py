@@ -98,8 +98,8 @@ class ModelInfo:
     """Geometry of a GGUF MoE model, from its metadata and tensor table.
 
     Per-layer tuples have one entry per block; a dense block has 0 experts and 0 expert bytes.
-    ``expert_bytes[l]`` is one expert's gate + up + down bytes in its GGUF type (what an upload
-    moves). ``ffn`` is the routed experts' hidden width; ``shared_ffn`` the shared expert's (0: none).
+    ``expert_bytes[l]`` is one expert's gate + up + down bytes in its GGUF type, plus its float32
+    gate, up and down biases where the block has all three (what an upload moves). ``ffn`` is the routed experts' hidden width; ``shared_ffn`` the shared expert's (0: none).
     """
 
     path: str
@@ -362,6 +362,8 @@ def _expert_table(path, by_name: dict, num_layers: int):
             raise GGUFError(f"{path}: layer {l}: expert tensors disagree on the expert count "
                             f"{[t.shape[0] for t in ents.values()]}")
         per = ents["down"].nbytes // e + (ents["gate"].nbytes // e if fused else (ents["gate"].nbytes + ents["up"].nbytes) // e)
+        if all(f"blk.{l}.ffn_{k}_exps.bias" in by_name for k in ("gate", "up", "down")):
+            per += 4 * (2 * ffn + ents["down"].shape[1])  # float32 biases travel with the expert
         num_experts.append(e)
         expert_bytes.append(per)
     if len(ffns) > 1:

@@ -3,7 +3,9 @@
 Device memory: one arena per scheduler pool, ``slots x slot_bytes`` (``slot_bytes`` is the
 scheduler's 256-byte padded expert size, so the arena is exactly the capacity's budget and an
 H200 can stand in for a small card), plus ``scratch_slots`` scratch buffers for streamed experts.
-An expert in a slot or scratch buffer is laid out as gate | up | down, each in its GGUF type.
+An expert in a slot or scratch buffer is laid out as [biases] | gate | up | down, the projections
+in their GGUF types; a layer with expert biases (gpt-oss) puts one expert's float32 gate, up and
+down biases first (``LayerExperts.bias_bytes``, counted in its expert size).
 
 Streams and ordering (all GPU-side, via events):
 - ``copy``: on-demand uploads (a step's uploads and streams). Before a batch of copies the copy
@@ -39,7 +41,7 @@ import numpy as np
 from scheduler.core import Capacity, pad_slot_bytes
 
 from . import quant as Q
-from .experts import ExecutorError, LayerExperts
+from .experts import ACTIVATIONS, ExecutorError, LayerExperts
 
 __all__ = ["GpuExperts", "Launch", "LayerMeta", "gpu_available", "scratch_source"]
 
@@ -190,14 +192,17 @@ class GpuExperts:
         self.last_read.record(self.compute)
         self.registered: list[int] = []
         self.staging: _PinnedRing | None = None
+        # per layer with biases: (experts, 2 * ffn + hidden) float32, one expert's biases per row
+        self._bias = {l.layer: np.ascontiguousarray(np.concatenate([l.gate_bias, l.up_bias, l.down_bias], axis=1))
+                      for l in moe if l.has_bias}
         if pinned:
             self._pin(moe)
         self._meta = _PinnedRing(16, 1 << 20, device=True)
         self._meta_events = [cp.cuda.Event(disable_timing=True) for _ in range(16)]
         self._marks = [cp.cuda.Event(disable_timing=True) for _ in range(64)]  # consumed at once by a wait
         self._next_mark = 0
-        self._k_gate_up = Launch(_kernel("moe_gate_up"), 15)
-        self._k_down = Launch(_kernel("moe_down"), 11)
+        self._k_gate_up = Launch(_kernel("moe_gate_up"), 18)
+        self._k_down = Launch(_kernel("moe_down"), 12)
         self._k_combine = Launch(_kernel("moe_combine"), 6)
         self._consts = {l.layer: self._layer_consts(l) for l in moe}
         self._structs: dict[tuple[int, int, int], struct.Struct] = {}
@@ -210,10 +215,13 @@ class GpuExperts:
 
     @staticmethod
     def _layer_consts(l: LayerExperts) -> tuple[int, ...]:
-        """(hidden, ffn, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d) of a layer's kernels."""
-        return (l.hidden, l.ffn, l.gate.qtype, Q.row_bytes(l.gate.qtype, l.hidden), l.gate.expert_bytes,
-                l.up.qtype, Q.row_bytes(l.up.qtype, l.hidden), l.gate.expert_bytes + l.up.expert_bytes,
-                l.down.qtype, Q.row_bytes(l.down.qtype, l.ffn))
+        """(hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias) of a
+        layer's kernels (offsets from an expert's base, see the module docstring)."""
+        off_g = l.bias_bytes
+        off_u = off_g + l.gate.expert_bytes
+        return (l.hidden, l.ffn, off_g, l.gate.qtype, Q.row_bytes(l.gate.qtype, l.hidden), off_u,
+                l.up.qtype, Q.row_bytes(l.up.qtype, l.hidden), off_u + l.up.expert_bytes,
+                l.down.qtype, Q.row_bytes(l.down.qtype, l.ffn), ACTIVATIONS.index(l.activation), int(l.has_bias))
 
     def set_capacity(self, capacity: Capacity) -> None:
         """(Re)allocate one arena per pool: slots x the pool's padded expert size. Contents are lost."""
@@ -231,18 +239,23 @@ class GpuExperts:
         self._arena_ptr = [a.data.ptr for a in self.arenas]
 
     # host memory -----------------------------------------------------------------------------
+    def _host_parts(self, l: LayerExperts) -> list[np.ndarray]:
+        """The host arrays one expert of ``l`` is copied from, in device order (one row each)."""
+        parts = [l.gate.data, l.up.data, l.down.data]
+        return [self._bias[l.layer]] + parts if l.layer in self._bias else parts
+
     def _pin(self, moe: list[LayerExperts]) -> None:
-        for l in moe:
-            for t in (l.gate, l.up, l.down):
-                ptr, size = t.data.ctypes.data, t.data.nbytes
-                for flags in (0, 8):  # default, then cudaHostRegisterReadOnly
-                    try:
-                        cp.cuda.runtime.hostRegister(ptr, size, flags)
-                    except cp.cuda.runtime.CUDARuntimeError:
-                        continue
-                    self.registered.append(ptr)
-                    break
-        if len(self.registered) < 3 * len(moe):
+        arrays = [a for l in moe for a in self._host_parts(l)]
+        for a in arrays:
+            ptr, size = a.ctypes.data, a.nbytes
+            for flags in (0, 8):  # default, then cudaHostRegisterReadOnly
+                try:
+                    cp.cuda.runtime.hostRegister(ptr, size, flags)
+                except cp.cuda.runtime.CUDARuntimeError:
+                    continue
+                self.registered.append(ptr)
+                break
+        if len(self.registered) < len(arrays):
             self.staging = _PinnedRing(4, max(l.expert_bytes for l in moe))
 
     def close(self) -> None:
@@ -275,10 +288,9 @@ class GpuExperts:
 
     # copies ----------------------------------------------------------------------------------
     def _copy_expert(self, layer: int, expert: int, dst: int, stream: cp.cuda.Stream) -> None:
-        lx = self.layers[layer]
         off = 0
-        for t in (lx.gate, lx.up, lx.down):
-            row = t.data[expert]
+        for part in self._host_parts(self.layers[layer]):
+            row = part[expert]
             n = row.nbytes
             if self.staging is None:
                 src = row.ctypes.data
@@ -470,13 +482,13 @@ class GpuExperts:
     def _launch(self, layer: int, groups: int, d_base: int, d_gstart: int, d_order: int, d_rows: int,
                 x: cp.ndarray, h: int, y: int) -> None:
         """moe_gate_up then moe_down over ``groups`` groups (h, y: device addresses)."""
-        hidden, ffn, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d = self._consts[layer]
+        hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
         s = self.compute.ptr
         self._k_gate_up((-(-ffn // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
                         d_base, d_gstart, d_order, d_rows, x.data.ptr, x.shape[1], h, ffn, hidden, _RPW,
-                        qt_g, rb_g, off_u, qt_u, rb_u)
+                        off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
         self._k_down((-(-hidden // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
-                     d_base, d_gstart, d_order, h, y, ffn, hidden, _RPW, off_d, qt_d, rb_d)
+                     d_base, d_gstart, d_order, h, y, ffn, hidden, _RPW, off_d, qt_d, rb_d, bias)
 
     def run_groups(self, layer: int, meta: LayerMeta, g0: int, g1: int, x: cp.ndarray, pairs: int) -> None:
         """Expert kernels for groups ``g0 .. g1 - 1`` of ``meta`` into the work buffer ``y``

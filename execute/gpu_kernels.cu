@@ -5,6 +5,9 @@
 // iteration, each lane dequantizing 4 consecutive weights (lane / 8 = unit, lane % 8 = quad).
 // A warp computes one output row for every token of one expert group (tokens in chunks of TB,
 // so each weight is read once per chunk); blocks are 4 warps over consecutive rows of a group.
+//
+// An expert in memory: [float32 biases: gate (ffn) | up (ffn) | down (hidden)] when the layer has
+// them (`bias` != 0), then gate | up | down at byte offsets off_g, off_u, off_d from its base.
 
 #define TB 4
 #define WARPS 4
@@ -87,6 +90,19 @@ __device__ __forceinline__ void dequant4(int qt, const unsigned char* row, int u
     }
 }
 
+// the expert nonlinearity on gate a and up b (biases added): ACT_SILU silu(a) * b; ACT_OAI
+// gpt-oss's clamped SwiGLU: a = min(a, 7), b = clip(b, -7, 7), a * sigmoid(1.702 a) * (b + 1)
+enum { ACT_SILU = 0, ACT_OAI = 1 };
+
+__device__ __forceinline__ float expert_act(int act, float a, float b) {
+    if (act == ACT_OAI) {
+        a = fminf(a, 7.f);
+        b = fminf(fmaxf(b, -7.f), 7.f);
+        return a / (1.f + __expf(-1.702f * a)) * (b + 1.f);
+    }
+    return a / (1.f + __expf(-a)) * b;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -111,7 +127,7 @@ __device__ __forceinline__ void row_dot(int qt, const unsigned char* row, int co
     }
 }
 
-// h[pair, r] = silu(gate_e x[xrow[pair]]) * (up_e x[xrow[pair]]) for every pair of every group.
+// h[pair, r] = act(gate_e x[xrow[pair]] + bg_e, up_e x[xrow[pair]] + bu_e) for every pair of every group.
 // grid (ceil(ffn / (WARPS * rows_per_warp)), groups), block 32 * WARPS.
 extern "C" __global__ void moe_gate_up(const unsigned long long* __restrict__ base,  // (G,) expert base
                                        const int* __restrict__ gstart,  // (G + 1,)
@@ -119,40 +135,45 @@ extern "C" __global__ void moe_gate_up(const unsigned long long* __restrict__ ba
                                        const int* __restrict__ xrow,    // (P,) row of x per pair
                                        const float* __restrict__ x, long long ldx,  // (T, hidden)
                                        float* __restrict__ h,           // (P, ffn)
-                                       int ffn, int hidden, int rows_per_warp,
-                                       int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u) {
+                                       int ffn, int hidden, int rows_per_warp, long long off_g,
+                                       int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u,
+                                       int act, int bias) {
     int g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const unsigned char* e = reinterpret_cast<const unsigned char*>(base[g]);
     int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp;
     for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
+        float bg = bias ? reinterpret_cast<const float*>(e)[r] : 0.f;
+        float bu = bias ? reinterpret_cast<const float*>(e)[ffn + r] : 0.f;
         for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += TB) {
             int nt = min(TB, gstart[g + 1] - p0), tok[TB];
             #pragma unroll
             for (int t = 0; t < TB; t++) tok[t] = t < nt ? xrow[order[p0 + t]] : 0;
             float ag[TB] = {0.f, 0.f, 0.f, 0.f}, au[TB] = {0.f, 0.f, 0.f, 0.f};
-            row_dot(qt_g, e + r * rb_g, hidden, x, ldx, tok, nt, ag);
+            row_dot(qt_g, e + off_g + r * rb_g, hidden, x, ldx, tok, nt, ag);
             row_dot(qt_u, e + off_u + r * rb_u, hidden, x, ldx, tok, nt, au);
             #pragma unroll
             for (int t = 0; t < TB; t++) {
-                float a = warp_sum(ag[t]), b = warp_sum(au[t]);
-                if (lane == 0 && t < nt) h[(long long)order[p0 + t] * ffn + r] = a / (1.f + __expf(-a)) * b;
+                float a = warp_sum(ag[t]) + bg, b = warp_sum(au[t]) + bu;
+                if (lane == 0 && t < nt) h[(long long)order[p0 + t] * ffn + r] = expert_act(act, a, b);
             }
         }
     }
 }
 
-// y[pair, r] = down_e h[pair] for every pair of every group. grid (ceil(hidden / (WARPS * rows_per_warp)), G).
+// y[pair, r] = down_e h[pair] + bd_e for every pair of every group. grid (ceil(hidden / (WARPS * rows_per_warp)), G).
 extern "C" __global__ void moe_down(const unsigned long long* __restrict__ base,
                                     const int* __restrict__ gstart,
                                     const int* __restrict__ order,
                                     const float* __restrict__ h,  // (P, ffn)
                                     float* __restrict__ y,        // (P, hidden)
                                     int ffn, int hidden, int rows_per_warp,
-                                    long long off_d, int qt_d, long long rb_d) {
+                                    long long off_d, int qt_d, long long rb_d, int bias) {
     int g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* bd = reinterpret_cast<const float*>(base[g]) + 2 * ffn;
     const unsigned char* e = reinterpret_cast<const unsigned char*>(base[g]) + off_d;
     int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp;
     for (int r = r0; r < min(r0 + rows_per_warp, hidden); r++) {
+        float b = bias ? bd[r] : 0.f;
         for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += TB) {
             int nt = min(TB, gstart[g + 1] - p0), tok[TB];
             #pragma unroll
@@ -161,7 +182,7 @@ extern "C" __global__ void moe_down(const unsigned long long* __restrict__ base,
             row_dot(qt_d, e + r * rb_d, ffn, h, ffn, tok, nt, a);
             #pragma unroll
             for (int t = 0; t < TB; t++) {
-                float s = warp_sum(a[t]);
+                float s = warp_sum(a[t]) + b;
                 if (lane == 0 && t < nt) y[(long long)tok[t] * hidden + r] = s;
             }
         }

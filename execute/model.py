@@ -558,16 +558,10 @@ class EngineExperts:
 
     def __init__(self, weights: ModelWeights, capacity, threads: int, use_gpu: bool, timeout_s: float = 60.0):
         info = weights.info
-        special = info.spec.activation != "silu" or info.expert_bias
-        if special and use_gpu:
-            raise ExecutorError(
-                f"{info.path}: {info.arch} experts use {info.spec.activation} with expert biases; the GPU expert "
-                "kernels compute silu(gate x) * (up x) without biases, so this architecture runs only on the CPU "
-                "(--backend engine with policy cpu and no GPU, or --backend numpy)")
         partial = [l.layer for l in weights.experts if l is not None and info.expert_bias and not l.has_bias]
         if partial:
             raise ExecutorError(f"{info.path}: blocks {partial} lack some of the gate/up/down expert biases; the "
-                                "CPU expert kernels need all three (the numpy backend likewise)")
+                                "expert kernels (CPU and GPU) need all three (the numpy backend likewise)")
         if use_gpu:
             array_module(True)  # a clear error when cupy is missing
         from threadpoolctl import threadpool_limits

@@ -1,6 +1,8 @@
 """Shared fixtures for the executor tests: random quantized layers and a float64 reference."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,33 @@ def experts_reference(layer: LayerExperts, experts, x: np.ndarray) -> np.ndarray
         a = g @ xi
         out[i] = d @ (a / (1 + np.exp(-a)) * (u @ xi))
     return out
+
+
+def biased(layer, rng, activation):
+    """``layer`` with N(0, 1) float32 biases and ``activation``."""
+    def b(rows):
+        return rng.standard_normal((layer.num_experts, rows)).astype(np.float32)
+
+    return dataclasses.replace(layer, gate_bias=b(layer.ffn), up_bias=b(layer.ffn), down_bias=b(layer.hidden),
+                               activation=activation)
+
+
+def biased_reference(layer, experts, x):
+    """float64 ``down(act(gate x + bg, up x + bu)) + bd`` per pair, from gguf's dequantized weights;
+    also the fraction of pre-activation gate/up values the swiglu_oai clamps cut."""
+    out, cut = np.empty((len(experts), layer.hidden)), []
+    for i, (e, xi) in enumerate(zip(experts, np.asarray(x, np.float64))):
+        g = gguf_dequant(layer.gate.data[e], layer.gate.qtype, layer.hidden) @ xi + layer.gate_bias[e]
+        u = gguf_dequant(layer.up.data[e], layer.up.qtype, layer.hidden) @ xi + layer.up_bias[e]
+        d = gguf_dequant(layer.down.data[e], layer.down.qtype, layer.ffn)
+        if layer.activation == "swiglu_oai":
+            cut.append(np.mean(g > 7) + np.mean(np.abs(u) > 7))
+            g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+            h = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+        else:
+            h = g / (1 + np.exp(-g)) * u
+        out[i] = d @ h + layer.down_bias[e]
+    return out, float(np.mean(cut)) if cut else 0.0
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import pytest
 
 from execute import model as M
 from execute.archs import ARCHS
-from execute.experts import ExecutorError
 from execute.gguf_io import GGUFError, load_model, read_model_info, write_gguf
 from execute.reference import reference_forward
 from execute.synth import config_from_preset, metadata, synth_model, tensor_specs
@@ -20,7 +19,6 @@ from scheduler.audit import Audit
 from .conftest import cupy_or_skip
 
 ALL = tuple(ARCHS)
-SILU = tuple(a for a in ALL if ARCHS[a].activation == "silu")
 QUANT = {"qwen3moe": "Q8_0", "qwen2moe": "Q4_0", "olmoe": "Q8_0", "llama": "Q4_0", "granitemoe": "Q8_0",
          "gpt-oss": "Q8_0", "deepseek2": "Q4_0"}  # quantized experts; K-quants are covered by test_model
 TOKENS = [5, 300, 17, 17, 42, 256, 1, 9, 100]  # longer than gpt-oss's window of 4
@@ -150,15 +148,19 @@ def test_engine_cpu_path_runs_gpt_oss_experts_like_numpy(arch_weights):
     assert nmse(got, ref) <= 1e-6 and audit.digest() == ref_audit.digest()
 
 
-def test_engine_refuses_experts_its_gpu_kernels_cannot_compute(arch_weights):
-    w = arch_weights("gpt-oss")
-    with pytest.raises(ExecutorError, match="swiglu_oai.*GPU expert kernels.*policy cpu"):
-        M.EngineExperts(w, Capacity.per_layer(w.info.geometry(), 0), threads=1, use_gpu=True)
+def test_expert_size_counts_the_biases(arch_weights):
+    """An upload moves a gpt-oss expert's biases too: the file's expert size (the scheduler's and
+    the simulator's) is the loaded layer's."""
+    for arch in ("gpt-oss", "qwen3moe"):
+        w = arch_weights(arch)
+        moe = [l for l in w.experts if l is not None]
+        assert [l.expert_bytes for l in moe] == [b for b in w.info.expert_bytes if b]
+        assert all((l.bias_bytes > 0) == (arch == "gpt-oss") for l in moe)
 
 
 # GPU: hybrid vs all-CPU vs all-GPU --------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", SILU)
+@pytest.mark.parametrize("arch", ALL)
 def test_hybrid_cpu_gpu_agree(arch, arch_weights):
     cupy_or_skip()
     w = arch_weights(arch)

@@ -12,7 +12,7 @@ from execute import quant as Q
 from execute.cpu_experts import CpuExpertPool, run_experts
 from execute.experts import ACTIVATIONS, ExecutorError, random_layer
 
-from .conftest import gguf_dequant
+from .conftest import biased, biased_reference
 
 ALL = sorted(Q.QTYPES)
 # float32 accumulation over <= 512 terms, exact dequantization: far below 1e-5 in practice
@@ -56,40 +56,13 @@ def test_mixed_types_and_fast_random_blocks(rng, reference):
     assert rel_err(run_experts(layer, [3, 0, 2], x), reference(layer, [3, 0, 2], x)) < REL_ERR
 
 
-def _biased(layer, rng, activation):
-    """``layer`` with N(0, 1) float32 biases and ``activation``."""
-    def b(rows):
-        return rng.standard_normal((layer.num_experts, rows)).astype(np.float32)
-
-    return dataclasses.replace(layer, gate_bias=b(layer.ffn), up_bias=b(layer.ffn), down_bias=b(layer.hidden),
-                               activation=activation)
-
-
-def _biased_reference(layer, experts, x):
-    """float64 ``down(act(gate x + bg, up x + bu)) + bd`` per pair, from gguf's dequantized weights;
-    also the fraction of pre-activation gate/up values the swiglu_oai clamps cut."""
-    out, cut = np.empty((len(experts), layer.hidden)), []
-    for i, (e, xi) in enumerate(zip(experts, np.asarray(x, np.float64))):
-        g = gguf_dequant(layer.gate.data[e], layer.gate.qtype, layer.hidden) @ xi + layer.gate_bias[e]
-        u = gguf_dequant(layer.up.data[e], layer.up.qtype, layer.hidden) @ xi + layer.up_bias[e]
-        d = gguf_dequant(layer.down.data[e], layer.down.qtype, layer.ffn)
-        if layer.activation == "swiglu_oai":
-            cut.append(np.mean(g > 7) + np.mean(np.abs(u) > 7))
-            g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
-            h = g / (1 + np.exp(-1.702 * g)) * (u + 1)
-        else:
-            h = g / (1 + np.exp(-g)) * u
-        out[i] = d @ h + layer.down_bias[e]
-    return out, float(np.mean(cut)) if cut else 0.0
-
-
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K), ids=("Q8_0", "Q4_K"))
 def test_biases_and_activations_match_float64(activation, qtype, rng):
-    layer = _biased(random_layer(rng, 2, num_experts=5, hidden=256, ffn=256, qtype=qtype), rng, activation)
+    layer = biased(random_layer(rng, 2, num_experts=5, hidden=256, ffn=256, qtype=qtype), rng, activation)
     experts = [3, 0, 3, 4, 1, 3]
     x = (rng.standard_normal((len(experts), 256)) * 6.0).astype(np.float32)  # gate/up often beyond +-7
-    ref, cut = _biased_reference(layer, experts, x)
+    ref, cut = biased_reference(layer, experts, x)
     assert activation == "silu" or cut > 0.05  # the clamps are exercised
     y = run_experts(layer, experts, x, threads=2)
     assert rel_err(y, ref) < REL_ERR

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from execute import quant as Q
-from execute.experts import random_layer
+from execute.experts import ACTIVATIONS, random_layer
 from scheduler.core import Capacity, Geometry
 
-from .conftest import cupy_or_skip
+from .conftest import biased, biased_reference, cupy_or_skip
 
 pytestmark = pytest.mark.gpu
 
@@ -56,6 +56,35 @@ def test_kernels_match_reference(qtype, cp, rng, reference):
         y = gx.run(0, sources, cp.asarray(x), xrow, wait=[ev], out=out)
         ref = reference(layer, experts, x[xrow])
         assert rel_err(y.get(), ref) < REL_ERR
+    finally:
+        gx.close()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("pinned", (True, False), ids=("pinned", "staged"))
+def test_biased_experts_match_float64(activation, pinned, cp, rng):
+    """gpt-oss experts: each expert's float32 biases travel with it (slot, scratch, promotion) and
+    the kernels add them and apply the activation, clamps included."""
+    from execute.gpu_experts import scratch_source
+
+    layer = biased(random_layer(rng, 0, num_experts=5, hidden=256, ffn=512, qtype=Q.Q8_0), rng, activation)
+    assert layer.expert_bytes == layer.bias_bytes + 3 * 256 * 512 // 32 * 34
+    gx = make([layer], slots=2, pinned=pinned)
+    try:
+        gx.begin_copies()
+        gx.upload(0, 3, 1)
+        k = gx.stream(0, 0)
+        ev = gx.copies_event()
+        experts = [3, 0, 3, 3, 0]
+        x = (rng.standard_normal((len(experts), 256)) * 6.0).astype(np.float32)  # gate/up often beyond +-7
+        ref, cut = biased_reference(layer, experts, x)
+        assert activation == "silu" or cut > 0.05  # the clamps are exercised
+        src = {3: 1, 0: scratch_source(k)}
+        y = gx.run(0, [src[e] for e in experts], cp.asarray(x), list(range(len(experts))), wait=[ev])
+        assert rel_err(y.get(), ref) < REL_ERR
+        gx.promote(0, k, 0)
+        y2 = gx.run(0, [0, 1], cp.asarray(x[:2]), [1, 0])
+        assert rel_err(y2.get(), ref[[1, 0]]) < REL_ERR
     finally:
         gx.close()
 
