@@ -63,6 +63,18 @@ def configs(num_experts: int) -> list[dict]:
     return out
 
 
+def select(runs: list[dict], labels: str | None) -> list[dict]:
+    """The runs named in ``labels`` (comma-separated, in the table's order); all when None."""
+    if not labels:
+        return runs
+    want = [w.strip() for w in labels.split(",") if w.strip()]
+    known = {c["label"] for c in runs}
+    bad = [w for w in want if w not in known]
+    if bad or not want:
+        raise ValueError(f"--configs: unknown {bad or labels!r}; expected labels among {[c['label'] for c in runs]}")
+    return [c for c in runs if c["label"] in want]
+
+
 # analysis (pure) -------------------------------------------------------------------------------
 def rel_error(measured: float, predicted: float) -> float:
     """|predicted - measured| / measured."""
@@ -279,9 +291,13 @@ def run_device(args) -> dict:
         dense_err = max(float(np.linalg.norm(y.get() - ry) / np.linalg.norm(ry)),
                         float(np.linalg.norm(logits.get() - rl) / np.linalg.norm(rl)))
     log(f"dense stand-in relative error vs float64: {dense_err:.1e}")
-    runs = configs(args.experts)
+    runs = select(configs(args.experts), args.configs)
     for c in (runs[0], runs[-1]):  # warm-up: kernels compiled, pools started (not recorded)
         replay_executor(cp, c, layers, gx, dense, warm, geo, args.threads)
+    for _ in range(args.warmup_rounds):  # the machine settles (clocks, caches, page tables): not recorded
+        for c in runs:
+            replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads)
+    log(f"{args.warmup_rounds} warm-up round(s) done")
     from execute.calibrate import write_json
 
     raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
@@ -464,10 +480,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--repeats", type=int, default=3, help="runs of every config, interleaved across configs")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="unrecorded rounds of every config before the measured ones (default 1)")
+    ap.add_argument("--configs", default=None, help="comma-separated labels to run (default: all 13)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: expected >= 1")
+    if args.warmup_rounds < 0:
+        ap.error(f"--warmup-rounds {args.warmup_rounds}: expected >= 0")
+    try:
+        select(configs(args.experts), args.configs)
+    except ValueError as e:
+        ap.error(str(e))
     from simulate import HardwareError, load_hardware
 
     try:
