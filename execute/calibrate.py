@@ -24,6 +24,12 @@ a replay too the thread waits for the pool before each):
   (the engine's phase counters and the ``CpuJob`` stamps: submit, hand-off, queue while the pool
   runs, pool start, pool end -> caller, combine), the scheduler's planning per layer step for
   each policy, the engine's polling interval;
+- host, in a replay (``engine_replay``; these host-lane fields replace the one-call figures above):
+  a 64-token synthetic trace of its own seed (not the one ``experiments/sim_vs_real.py`` checks
+  against) decoded through ``replay_engine`` under lru and hybrid (96/256) with 20% of the experts
+  cached, every layer's ``run_layer`` phases, decision sizes and CPU job stamps logged and reduced
+  by ``replay_host_fields``: the host thread is as fast as it is in a replay, between layers that
+  share the machine with the CPU pool, not as in an isolated call;
 - CPU pool (``CpuExpertPool`` via the engine, cold experts): time per call of 1..8 experts (fit:
   task + experts x bytes / GB/s), other quant types and thread counts (not with ``--quick``), and
   the host memory read bandwidth.
@@ -35,6 +41,7 @@ host-lane costs. Whatever kernels ``execute/cpu_experts.py`` has at run time are
 from __future__ import annotations
 
 import argparse
+import gc
 from importlib import resources
 import json
 import os
@@ -48,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from scheduler.core import Capacity, Decision, Geometry, Step, Token
-from scheduler.drive import RunLayer, drive
+from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
 from scheduler.policies import make_policy
 from scheduler.profile import Profile
 
@@ -56,7 +63,8 @@ from . import quant as Q
 from .experts import LayerExperts, random_layer
 
 __all__ = ["main", "stats", "fit_line", "hardware_json", "write_json", "build_layers", "StandIn",
-           "measure_plan_s", "measure_poll_s", "measure_cpu_mem_gbps", "measure_cpu_pool", "synth_tokens"]
+           "measure_plan_s", "measure_poll_s", "measure_cpu_mem_gbps", "measure_cpu_pool", "synth_tokens",
+           "replay_engine", "replay_host_fields"]
 
 PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid")
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
@@ -597,6 +605,136 @@ def _engine(cp, timer: GpuTimer, engine, layers, reps: int, seed: int) -> dict:
     return out
 
 
+def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None = None) -> tuple[list, list, list]:
+    """Decode ``tokens`` through ``engine`` under ``policy`` as a replay does: per layer the dense
+    stand-in, the router logits read back, ``run_layer`` (equal router weights); per token the
+    head and its sampled id read back. No garbage collection inside (collected before).
+
+    Returns (scheduler items, wall seconds per token, the CPU jobs). With ``layer_log`` (a list), appends per
+    layer the decision's sizes (``n_gpu``, ``n_up``: uploads + streams, ``n_cpu``), the host time
+    of the dense issue (``dense_s``), the engine's phase deltas (``_PHASES``) and, for a layer with
+    CPU experts, its ``cpu_layer_parts`` (``parts``)."""
+    gx = engine.gpu
+    k = policy.geometry.top_k
+    w = np.full((1, k), 1.0 / k, np.float32)
+    st = engine.stats
+    snap = lambda: {p: getattr(st, p) for p in _PHASES}
+    jobs = []
+    submit = engine.pool.submit
+
+    def capture(*a, **kw):  # the engine's CPU jobs, for their stamps
+        jobs.append(submit(*a, **kw))
+        return jobs[-1]
+
+    engine.pool.submit = capture
+    items, times = [], []
+    x = x0
+    gc.collect()
+    gc.disable()  # a collection inside a timed token is noise no model describes
+    try:
+        with gx.compute:
+            t_prev = time.perf_counter()
+            for item in drive(policy, tokens):
+                items.append(item)
+                kind = type(item)
+                if kind is RunLayer:
+                    t_d = time.perf_counter()
+                    x, logits = dense.layer(x, item.step.layer)
+                    t_d = time.perf_counter() - t_d
+                    logits.get(stream=gx.compute)  # the router's read-back
+                    ids = np.asarray(item.step.experts, np.int64)[None, :]
+                    if layer_log is None:
+                        x = engine.run_layer(item, x, ids, w[:, :ids.shape[1]])
+                        continue
+                    n_jobs, s0, t0 = len(jobs), snap(), time.perf_counter()
+                    x = engine.run_layer(item, x, ids, w[:, :ids.shape[1]])
+                    t1, s1, d = time.perf_counter(), snap(), item.decision
+                    rec = {"dense_s": t_d, "n_gpu": len(d.hits) + len(d.uploads) + len(d.streams),
+                           "n_up": len(d.uploads) + len(d.streams), "n_cpu": len(d.cpu),
+                           **{p: s1[p] - s0[p] for p in _PHASES}}
+                    if len(jobs) > n_jobs:
+                        rec["parts"] = cpu_layer_parts(t0, t1, rec, jobs[-1])
+                    layer_log.append(rec)
+                elif kind is StartBackground:
+                    engine.start_background(item.moves)
+                elif kind is AwaitBackground:
+                    engine.await_background(item.moves)
+                elif kind is EndToken:
+                    dense.head(x).get(stream=gx.compute)  # the sampled id's read-back
+                    t = time.perf_counter()
+                    times.append(t - t_prev)
+                    t_prev = t
+                    x = x0
+    finally:
+        gc.enable()
+        del engine.pool.submit
+    return items, times, jobs
+
+
+def replay_host_fields(records: list[dict]) -> dict:
+    """The executor's host-lane fields (``simulate.hardware.EXECUTOR_KEYS``) from a replay's
+    per-layer records (``replay_engine``'s ``layer_log``).
+
+    GPU-only layers: plan and combine medians; queue = fixed + per further GPU expert + per copy
+    (least squares). Layers with CPU experts (``parts``): their plan beyond a GPU-only layer's and
+    the submit count as ``host_cpu_submit_s``; hand-off, pool start, pool end -> caller and
+    combine medians; the queue less the per-expert and per-copy terms. Raises ValueError when the
+    records lack either kind of layer."""
+    gpu = [r for r in records if r["n_cpu"] == 0 and r["n_gpu"] > 0]
+    cpu = [r for r in records if "parts" in r]
+    if len(gpu) < 8 or len(cpu) < 8:
+        raise ValueError(f"replay_host_fields: {len(gpu)} GPU-only and {len(cpu)} CPU layers, expected >= 8 of each")
+    med = lambda v: float(np.median(v))
+    a = np.array([[1.0, r["n_gpu"] - 1, r["n_up"]] for r in gpu])
+    q_fixed, q_expert, q_copy = (max(float(c), 0.0) for c in
+                                 np.linalg.lstsq(a, np.array([r["host_queue_s"] for r in gpu]), rcond=None)[0])
+    plan, combine = med([r["host_plan_s"] for r in gpu]), med([r["host_combine_s"] for r in gpu])
+    part = lambda k: med([r["parts"][k] for r in cpu])
+    mixed = [r for r in cpu if r["n_gpu"]]
+    cpu_queue = med([r["parts"]["queue"] - q_expert * (r["n_gpu"] - 1) - q_copy * r["n_up"] for r in mixed]) \
+        if mixed else q_fixed
+    return {"host_dense_s": med([r["dense_s"] for r in records]),
+            "host_layer_plan_s": plan, "host_layer_combine_s": combine,
+            "host_gpu_layer_s": plan + q_fixed + combine, "host_gpu_expert_s": q_expert, "host_copy_s": q_copy,
+            "host_cpu_submit_s": max(part("plan") - plan + part("submit"), 0.0),
+            "host_cpu_handoff_s": max(part("handoff"), 0.0), "host_cpu_queue_s": max(cpu_queue, 0.0),
+            "host_cpu_combine_s": max(part("combine"), 0.0), "cpu_start_s": max(part("start"), 0.0),
+            "cpu_return_s": max(part("ret"), 0.0)}
+
+
+REPLAY_CONFIGS = (("lru", {}), ("hybrid", {"adaptive": True, "miss_frac_256": 96}))
+
+
+def _engine_replay(cp, gx, layers, args) -> dict:
+    """The engine's host costs as a decode replay sees them: a synthetic trace of its own seed
+    replayed under lru and hybrid (miss fraction 96/256) with a cache of 20% of the experts,
+    every layer logged (``replay_engine``); the fields of ``replay_host_fields``."""
+    from .engine import ExpertEngine
+
+    L, E = len(layers), layers[0].num_experts
+    geo = Geometry((E,) * L, args.top_k, (layers[0].expert_bytes,) * L)
+    tokens, _ = synth_tokens(L, E, args.top_k, 64, args.seed + 31)
+    dense = StandIn(cp, L, args.hidden, args.heads * args.head_dim, args.kv_heads * args.head_dim, E, args.vocab,
+                    args.seed)
+    with gx.compute:
+        x0 = cp.asarray(np.random.default_rng(args.seed + 5).standard_normal((1, args.hidden)).astype(np.float32))
+    records: list[dict] = []
+    for name, opts in REPLAY_CONFIGS:
+        cap = Capacity.per_layer(geo, max(args.top_k, E // 5))
+        pol = make_policy(name, geo, cap, **opts)
+        engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
+        try:
+            engine.load_residents(pol.cache.slot)
+            replay_engine(cp, engine, pol, tokens[:16], dense, x0)  # warm: the policy's cache fills
+            replay_engine(cp, engine, pol, tokens[16:], dense, x0, records)
+            engine.synchronize()
+        finally:
+            engine.close()
+    fields = replay_host_fields(records)
+    return {"configs": [n for n, _ in REPLAY_CONFIGS], "layers": len(records),
+            "cpu_layers": sum("parts" in r for r in records), "fields": fields}
+
+
 # the hardware file -----------------------------------------------------------------------------
 def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
     """The hardware file (simulator format) from a measurement dict ``m`` (see ``measure_all``).
@@ -669,6 +807,8 @@ def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
         "gpu_batch_s": max(batch_a, 0.0), "combine_s": med(ex["combine"]), "wait_poll_s": med(m["poll_s"]),
         "plan_s": plan,
     }
+    if "engine_replay" in m:  # the host lane as a replay runs it (see _engine_replay), over the one-call figures
+        executor.update(m["engine_replay"]["fields"])
     src.update({
         "gpu_mem_bytes": "measured: cudaMemGetInfo total", "gpu_mem_gbps": "measured: 1 GiB device-to-device copy, (read + write) bytes / s",
         "gpu_tflops": "measured: fp16 8192^3 cupy.matmul", "launch_s": "measured: host time of a one-element cupy kernel",
@@ -677,8 +817,9 @@ def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
         "(three copies) back to back, slope minus bytes / pcie_h2d_gbps",
         "gpu_quant_efficiency": "measured: Q8_0 = GpuExperts.run slope per expert over 1..16 experts; F16 = the dense "
         "stand-in's slope over four widths; both / gpu_mem_gbps",
-        "executor": "measured: see _calibration (engine run_layer host times by phase, CPU job stamps, fused dense "
-                    "stand-in, spin-held CUDA events)",
+        "executor": "measured: see _calibration; host-lane fields from a replay of a synthetic trace of its own seed "
+                    "under lru and hybrid (engine_replay: run_layer phases per layer, CPU job stamps, the stand-in's "
+                    "issue), the rest from one-call figures (engine), the fused dense stand-in and spin-held CUDA events",
     })
     return {
         "gpu_name": g["gpu_name"], "gpu_mem_bytes": g["gpu_mem_bytes"], "gpu_mem_gbps": gbps,
@@ -772,6 +913,10 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
         m["dense"] = _dense(cp, timer, gx, args, reps)
         log("engine host costs")
         m["engine"] = _engine(cp, timer, engine, layers, reps, args.seed)
+        engine.synchronize()
+        engine.pool.close()
+        log("engine host costs in a replay")
+        m["engine_replay"] = _engine_replay(cp, gx, layers, args)
     finally:
         engine.synchronize()
         engine.pool.close()

@@ -30,7 +30,6 @@ a changed model; recordings from before the repeats (one ``(repeat)`` run) still
 from __future__ import annotations
 
 import argparse
-import gc
 import csv
 import json
 import os
@@ -196,55 +195,21 @@ def _options(c) -> dict:
 
 # the executor side (GPU) -----------------------------------------------------------------------
 def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: int) -> dict:
-    """Run the tokens through the engine under config ``c``; per-token wall times and what moved."""
-    from scheduler import Audit, AwaitBackground, Capacity, EndToken, RunLayer, StartBackground, drive, make_policy
+    """Run the tokens through the engine under config ``c`` (``execute.calibrate.replay_engine``);
+    per-token wall times and what moved."""
+    from scheduler import Audit, Capacity, make_policy
 
+    from execute.calibrate import replay_engine
     from execute.engine import ExpertEngine
 
     cap = Capacity.per_layer(geometry, c["slots"])
     pol = make_policy(c["policy"], geometry, cap, profile=_profile(c, tokens, geometry), **_options(c))
     engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=120, gpu=gx)
     engine.load_residents(pol.cache.slot)
-    jobs = []
-    submit = engine.pool.submit
-
-    def capture(*a, **kw):  # the engine's CPU jobs, for their hand-off stamps
-        jobs.append(submit(*a, **kw))
-        return jobs[-1]
-
-    engine.pool.submit = capture
-    k = geometry.top_k
-    w = np.full((1, k), 1.0 / k, np.float32)
     x0 = cp.asarray(np.random.default_rng(5).standard_normal((1, layers[0].hidden)).astype(np.float32))
-    items, times = [], []
     engine.synchronize()
     up0 = gx.bytes_uploaded
-    x = x0
-    gc.collect()
-    gc.disable()  # a collection inside a timed token is noise the model does not describe
-    try:
-        with gx.compute:
-            t_prev = time.perf_counter()
-            for item in drive(pol, tokens):
-                items.append(item)
-                kind = type(item)
-                if kind is RunLayer:
-                    x, logits = dense.layer(x, item.step.layer)
-                    logits.get(stream=gx.compute)  # the router's read-back
-                    ids = np.asarray(item.step.experts, np.int64)[None, :]
-                    x = engine.run_layer(item, x, ids, w[:, :ids.shape[1]])
-                elif kind is StartBackground:
-                    engine.start_background(item.moves)
-                elif kind is AwaitBackground:
-                    engine.await_background(item.moves)
-                elif kind is EndToken:
-                    dense.head(x).get(stream=gx.compute)  # the sampled id's read-back
-                    t = time.perf_counter()
-                    times.append(t - t_prev)
-                    t_prev = t
-                    x = x0
-    finally:
-        gc.enable()
+    items, times, jobs = replay_engine(cp, engine, pol, tokens, dense, x0)
     engine.synchronize()
     uploaded = gx.bytes_uploaded - up0
     engine.close()

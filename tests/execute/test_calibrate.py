@@ -220,6 +220,47 @@ def test_cpu_layer_parts_from_stamps():
     assert p == pytest.approx(want)
 
 
+def replay_records(rng, n: int = 40) -> list[dict]:
+    """Per-layer replay records with known costs: GPU-only layers queue 50 us + 6 us per further
+    expert + 20 us per copy (+-1 us noise); CPU layers' parts as in the fields below."""
+    out = []
+    for i in range(n):
+        n_gpu, n_up = int(rng.integers(1, 9)), int(rng.integers(0, 4))
+        out.append({"dense_s": 30e-6, "n_gpu": n_gpu, "n_up": n_up, "n_cpu": 0, "host_plan_s": 70e-6,
+                    "host_queue_s": 50e-6 + 6e-6 * (n_gpu - 1) + 20e-6 * n_up + rng.uniform(-1e-6, 1e-6),
+                    "input_wait_s": 0.0, "host_combine_s": 25e-6, "cpu_compute_s": 0.0})
+        n_gpu, n_up = int(rng.integers(1, 4)), int(rng.integers(0, 2))
+        parts = {"plan": 110e-6, "submit": 15e-6, "handoff": 180e-6, "start": 35e-6, "ret": 40e-6,
+                 "combine": 90e-6, "queue": 60e-6 + 6e-6 * (n_gpu - 1) + 20e-6 * n_up, "compute": 1e-3}
+        out.append({"dense_s": 34e-6, "n_gpu": n_gpu, "n_up": n_up, "n_cpu": 2, "parts": parts})
+    return out
+
+
+def test_replay_host_fields_recover_the_costs():
+    f = C.replay_host_fields(replay_records(np.random.default_rng(3)))
+    want = {"host_layer_plan_s": 70e-6, "host_layer_combine_s": 25e-6, "host_gpu_layer_s": 145e-6,
+            "host_gpu_expert_s": 6e-6, "host_copy_s": 20e-6, "host_cpu_submit_s": 55e-6,
+            "host_cpu_handoff_s": 180e-6, "host_cpu_queue_s": 60e-6, "host_cpu_combine_s": 90e-6,
+            "cpu_start_s": 35e-6, "cpu_return_s": 40e-6, "host_dense_s": 32e-6}
+    assert f == pytest.approx(want, abs=0.5e-6)
+    from simulate.hardware import EXECUTOR_KEYS
+
+    assert set(f) <= set(EXECUTOR_KEYS)
+
+
+def test_replay_host_fields_need_both_kinds_of_layer():
+    recs = replay_records(np.random.default_rng(3))
+    with pytest.raises(ValueError, match="0 CPU layers"):
+        C.replay_host_fields([r for r in recs if "parts" not in r])
+
+
+def test_replay_fields_override_the_one_call_figures(tmp_path):
+    m = fake_measurements()
+    m["engine_replay"] = {"fields": C.replay_host_fields(replay_records(np.random.default_rng(3)))}
+    ex = C.hardware_json(m, "h")["executor"]
+    assert ex["host_cpu_handoff_s"] == pytest.approx(180e-6) and ex["host_copy_s"] == pytest.approx(20e-6, abs=0.5e-6)
+
+
 def test_cpu_job_stamps_are_ordered():
     from execute.cpu_experts import CpuExpertPool
     from execute.experts import random_layer
