@@ -64,7 +64,7 @@ from .experts import LayerExperts, random_layer
 
 __all__ = ["main", "stats", "fit_line", "hardware_json", "write_json", "build_layers", "StandIn",
            "measure_plan_s", "measure_poll_s", "measure_cpu_mem_gbps", "measure_cpu_pool", "synth_tokens",
-           "replay_engine", "replay_host_fields"]
+           "replay_engine", "replay_host_fields", "replay_pool_fit"]
 
 PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid")
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
@@ -702,6 +702,20 @@ def replay_host_fields(records: list[dict]) -> dict:
             "cpu_return_s": max(part("ret"), 0.0)}
 
 
+def replay_pool_fit(records: list[dict]) -> dict:
+    """The CPU pool's cost per call as a replay sees it (between layers, after idling while the
+    GPU-only layers run): least squares of each CPU layer's compute time (job start -> end) on
+    its expert count -> {"task_s", "expert_s", "by_count": {n: stats}}."""
+    cpu = [r for r in records if "parts" in r]
+    counts = sorted({r["n_cpu"] for r in cpu})
+    if len(counts) < 2:
+        raise ValueError(f"replay_pool_fit: CPU layers with expert counts {counts}, expected two or more counts")
+    a = np.array([[1.0, r["n_cpu"]] for r in cpu])
+    task, per = np.linalg.lstsq(a, np.array([r["parts"]["compute"] for r in cpu]), rcond=None)[0]
+    by = {n: stats([r["parts"]["compute"] for r in cpu if r["n_cpu"] == n]) for n in counts}
+    return {"task_s": max(float(task), 0.0), "expert_s": float(per), "by_count": by}
+
+
 REPLAY_CONFIGS = (("lru", {}), ("hybrid", {"adaptive": True, "miss_frac_256": 96}))
 
 
@@ -730,9 +744,9 @@ def _engine_replay(cp, gx, layers, args) -> dict:
             engine.synchronize()
         finally:
             engine.close()
-    fields = replay_host_fields(records)
     return {"configs": [n for n, _ in REPLAY_CONFIGS], "layers": len(records),
-            "cpu_layers": sum("parts" in r for r in records), "fields": fields}
+            "cpu_layers": sum("parts" in r for r in records), "fields": replay_host_fields(records),
+            "pool": replay_pool_fit(records)}
 
 
 # the hardware file -----------------------------------------------------------------------------
@@ -772,6 +786,12 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
               cpu_quant_efficiency=eff)
     if "gpu" in m:
         hw.update(_gpu_fields(m, eb, src))
+        pool = m.get("engine_replay", {}).get("pool")
+        if pool and pool["expert_s"] > 0:  # the pool as a replay sees it, over the back-to-back calls
+            hw.update(cpu_task_s=min(pool["task_s"], 0.5), cpu_thread_gbps=eb / pool["expert_s"] / 1e9 / T)
+            src["cpu_thread_gbps"] = ("measured: CPU pool time per expert in the calibration replay (engine_replay: "
+                                      "compute time of each CPU layer's job, fit over its expert count), / threads")
+            src["cpu_task_s"] = "measured: intercept of the same fit"
     elif not base:
         raise ValueError("hardware_json: no GPU measurements and no base hardware file for the GPU fields")
     hw["sources"] = {**(base or {}).get("sources", {}), **src}

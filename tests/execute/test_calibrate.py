@@ -229,10 +229,11 @@ def replay_records(rng, n: int = 40) -> list[dict]:
         out.append({"dense_s": 30e-6, "n_gpu": n_gpu, "n_up": n_up, "n_cpu": 0, "host_plan_s": 70e-6,
                     "host_queue_s": 50e-6 + 6e-6 * (n_gpu - 1) + 20e-6 * n_up + rng.uniform(-1e-6, 1e-6),
                     "input_wait_s": 0.0, "host_combine_s": 25e-6, "cpu_compute_s": 0.0})
-        n_gpu, n_up = int(rng.integers(1, 4)), int(rng.integers(0, 2))
+        n_gpu, n_up, n_cpu = int(rng.integers(1, 4)), int(rng.integers(0, 2)), int(rng.integers(1, 7))
         parts = {"plan": 110e-6, "submit": 15e-6, "handoff": 180e-6, "start": 35e-6, "ret": 40e-6,
-                 "combine": 90e-6, "queue": 60e-6 + 6e-6 * (n_gpu - 1) + 20e-6 * n_up, "compute": 1e-3}
-        out.append({"dense_s": 34e-6, "n_gpu": n_gpu, "n_up": n_up, "n_cpu": 2, "parts": parts})
+                 "combine": 90e-6, "queue": 60e-6 + 6e-6 * (n_gpu - 1) + 20e-6 * n_up,
+                 "compute": 150e-6 + 200e-6 * n_cpu}
+        out.append({"dense_s": 34e-6, "n_gpu": n_gpu, "n_up": n_up, "n_cpu": n_cpu, "parts": parts})
     return out
 
 
@@ -256,9 +257,18 @@ def test_replay_host_fields_need_both_kinds_of_layer():
 
 def test_replay_fields_override_the_one_call_figures(tmp_path):
     m = fake_measurements()
-    m["engine_replay"] = {"fields": C.replay_host_fields(replay_records(np.random.default_rng(3)))}
-    ex = C.hardware_json(m, "h")["executor"]
+    recs = replay_records(np.random.default_rng(3))
+    pool = C.replay_pool_fit(recs)
+    assert pool["task_s"] == pytest.approx(150e-6) and pool["expert_s"] == pytest.approx(200e-6)
+    assert set(pool["by_count"]) == {1, 2, 3, 4, 5, 6}
+    m["engine_replay"] = {"fields": C.replay_host_fields(recs), "pool": pool}
+    hw = C.hardware_json(m, "h")
+    ex = hw["executor"]
     assert ex["host_cpu_handoff_s"] == pytest.approx(180e-6) and ex["host_copy_s"] == pytest.approx(20e-6, abs=0.5e-6)
+    assert hw["cpu_task_s"] == pytest.approx(150e-6)
+    assert hw["cpu_thread_gbps"] * 15 == pytest.approx(m["expert_bytes"] / 200e-6 / 1e9)
+    with pytest.raises(ValueError, match="two or more counts"):
+        C.replay_pool_fit([dict(r, n_cpu=2) for r in recs])
 
 
 def test_cpu_job_stamps_are_ordered():
