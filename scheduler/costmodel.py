@@ -22,7 +22,9 @@ class CostModel:
     pcie: ``upload_s`` per expert copied host -> device;
     cpu: likewise ``cpu_expert_s`` + ``tokens * cpu_token_s`` or ``max(cpu_read_s, tokens *
     cpu_token_s)`` per expert run on the CPU pool, whose ``cpu_task_s`` is paid once per layer
-    that uses it.
+    that uses it;
+    layer: ``layer_s`` of GPU work before the layer's experts (dense part, router read-back), during
+    which earlier copies queued on the link keep moving (None: 0).
     """
 
     gpu_expert_s: tuple[float, ...]
@@ -33,11 +35,12 @@ class CostModel:
     cpu_task_s: float = 0.0
     gpu_read_s: tuple[float, ...] | None = None
     cpu_read_s: tuple[float, ...] | None = None
+    layer_s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.upload_s)
         names = ["gpu_expert_s", "gpu_token_s", "upload_s", "cpu_expert_s", "cpu_token_s"]
-        names += [k for k in ("gpu_read_s", "cpu_read_s") if getattr(self, k) is not None]
+        names += [k for k in ("gpu_read_s", "cpu_read_s", "layer_s") if getattr(self, k) is not None]
         for name in names:
             v = tuple(float(x) for x in getattr(self, name))
             object.__setattr__(self, name, v)

@@ -15,7 +15,7 @@ yet complete) always go to the CPU: nothing is uploaded twice.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -566,33 +566,60 @@ class HybridPolicy(BasePolicy):
 class HybridCostPolicy(HybridPolicy):
     """``hybrid`` whose miss split comes from a cost model instead of a fixed fraction.
 
-    Per step: the hits' GPU time is counted first; the misses that are not in flight, by token
-    count (more first), decayed usage (less first), then router rank, each go where the layer's time
-    ``max(gpu, pcie, cpu)`` grows least: over PCIe to the GPU (upload + GPU compute) or to the
-    CPU pool (its per-layer task cost paid once); ties go to the CPU, which moves no bytes.
-    In-flight misses always go to the CPU. The PCIe load starts at the last token's background
-    copies (fills and swaps) spread evenly over the MoE layers, since they share the link.
-    An expert with many tokens is worth uploading; one
-    with a single token is often cheaper on the CPU (HybriMoE, Fiddler). Fills and swap rounds
-    are ``hybrid``'s.
+    Per step: the hits' GPU time is counted first; in-flight misses go to the CPU. Of the other
+    misses, ranked by token count (more first), then decayed usage (higher first), then router
+    rank, the first ``round(n * floor_256 / 256)`` (half up) go over PCIe (the *floor*); each of
+    the rest goes where the layer's time ``max(gpu, pcie, cpu)`` grows least: over PCIe to the GPU
+    (upload + GPU compute) or to the CPU pool (its per-layer task cost paid once); ties go to the
+    CPU, which moves no bytes. Misses of equal token count cost the same, so the greedy fixes how
+    many of each count go over PCIe and the most used of them are the ones sent (and admitted).
+
+    The link is modelled as a queue: background copies (fills and swaps) committed after a token
+    are queued on it, and drain while layers run (``CostModel.layer_s`` of each layer's other
+    work, then the layer's predicted time); a step's uploads start behind what is left. A step
+    with no upload does not wait for the link.
+
+    The floor is chosen online from ``floors_256``: one shadow copy of the policy per candidate
+    floor (its own cache, usage and background work, completions at the live lag) is replayed on
+    every committed step and sums its predicted layer times. A window closes after ``tune_every``
+    tokens' worth of routes (``top_k`` per token and MoE layer; an n-token step counts its token
+    counts), at a step: the live floor moves to the shadow predicted fastest, if it beats the
+    current floor's shadow by more than ``hysteresis`` (a fraction); then every sum is halved, so
+    earlier windows weigh less. A single candidate fixes the floor. Fills and
+    swap rounds are ``hybrid``'s. An expert with many tokens is worth uploading; one with a single
+    token is often cheaper on the CPU (HybriMoE, Fiddler); a share of uploads beyond that buys
+    future hits, which the shadows price.
     """
 
     name = "hybrid-cost"
 
-    def __init__(self, geometry, capacity, profile=None, *, cost_model: CostModel | None = None, **options):
+    def __init__(self, geometry, capacity, profile=None, *, cost_model: CostModel | None = None,
+                 floors_256: Sequence[int] = (0, 32, 64, 96, 128), tune_every: int = 8,
+                 hysteresis: float = 0.01, **options):
         if cost_model is None:
             raise ValueError("policy 'hybrid-cost' needs cost_model= (scheduler.CostModel)")
         if len(cost_model.upload_s) != geometry.num_layers:
             raise ValueError(f"cost_model has {len(cost_model.upload_s)} layers, the model {geometry.num_layers}")
+        floors = tuple(int(f) for f in floors_256)
+        if not floors or any(not 0 <= f <= 256 for f in floors) or len(set(floors)) != len(floors):
+            raise ValueError(f"hybrid-cost floors_256: {floors_256}, expected distinct values in 0..256")
+        if tune_every < 1:
+            raise ValueError(f"hybrid-cost tune_every: {tune_every}, expected >= 1")
+        if not 0.0 <= hysteresis < 1.0:
+            raise ValueError(f"hybrid-cost hysteresis: {hysteresis}, expected in [0, 1)")
         self.costs = cost_model
-        self._bg_pcie_s = 0.0  # last token's background copies, spread over its MoE layers
+        self.floor_256 = floors[0]
+        self._layer_s = cost_model.layer_s or (0.0,) * geometry.num_layers
+        self._queue_s = 0.0  # link work still queued when the last committed layer ended
+        self.lag_tokens = 1  # background completion lag, learnt from the live completions
+        self._bg_token: dict[tuple[int, int], int] = {}  # background copy -> token it followed
         super().__init__(geometry, capacity, profile, **options)
-
-    def commit_background(self, moves: tuple[Move, ...]) -> None:
-        super().commit_background(moves)
-        up = self.costs.upload_s
-        moe = self.geometry.moe_layers
-        self._bg_pcie_s = sum(up[m.layer] for m in moves) / len(moe) if moe else 0.0
+        self.tuner = None
+        if len(floors) > 1:
+            make = lambda f: HybridCostPolicy(geometry, capacity, profile, cost_model=cost_model,
+                                              floors_256=(f,), **options)
+            routes = tune_every * geometry.top_k * len(geometry.moe_layers)
+            self.tuner = _FloorTuner(make, floors, routes, hysteresis)
 
     def plan(self, step: Step) -> Decision:
         layer = step.layer
@@ -600,8 +627,7 @@ class HybridCostPolicy(HybridPolicy):
         experts = step.experts
         cnt = dict(zip(experts, step.counts)) if step.counts is not None else None
         cm = self.costs
-        gpu = cpu_t = 0.0
-        pcie = self._bg_pcie_s  # the copy engine still carries the last token's fills and swaps
+        gpu = 0.0
         hits, eligible, cpu = [], [], []
         for e in experts:
             s = state[e]
@@ -610,35 +636,134 @@ class HybridCostPolicy(HybridPolicy):
                 gpu += cm.gpu_s(layer, cnt[e] if cnt else 1)
             elif s == INFLIGHT:
                 cpu.append(e)
-        if len(hits) == len(experts):
+            else:
+                eligible.append(e)
+        if not eligible and not cpu:
             return Decision(step, experts)
-        if cpu:
-            cpu_t = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in cpu)
-        eligible = [e for e in experts if state[e] != RESIDENT and state[e] != INFLIGHT]
+        cpu_t = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in cpu) if cpu else 0.0
         u = self._u[layer]
-        # larger batches first (costliest on the CPU); within a count, colder first, so that when
-        # the CPU fills up, the hottest misses are the ones sent over PCIe (and admitted)
-        eligible.sort(key=(lambda e: (-cnt[e], u[e])) if cnt else (lambda e: u[e]))
+        eligible.sort(key=(lambda e: (-cnt[e], -u[e])) if cnt else (lambda e: -u[e]))  # stable: rank
+        n_floor = (len(eligible) * self.floor_256 + 128) >> 8
         up_s = cm.upload_s[layer]
-        pcie_list = []
-        for e in eligible:
+        link = max(self._queue_s - self._layer_s[layer], 0.0) + n_floor * up_s
+        for e in eligible[:n_floor]:
+            gpu += cm.gpu_s(layer, cnt[e] if cnt else 1)
+        n_up = n_floor
+        sent: dict[int, int] = {}  # token count -> how many of the greedy's misses go over PCIe
+        for e in eligible[n_floor:]:
             c = cnt[e] if cnt else 1
-            g_gpu, g_pcie = gpu + cm.gpu_s(layer, c), pcie + up_s
-            c_cpu = cpu_t + cm.cpu_s(layer, c) + (0.0 if cpu else cm.cpu_task_s)
-            if max(g_gpu, g_pcie, cpu_t) < max(gpu, pcie, c_cpu):
+            g_gpu, g_link = gpu + cm.gpu_s(layer, c), link + up_s
+            c_cpu = cpu_t + cm.cpu_s(layer, c) + (0.0 if cpu_t else cm.cpu_task_s)
+            if max(g_gpu, g_link, cpu_t) < max(gpu, link if n_up else 0.0, c_cpu):
+                sent[c] = sent.get(c, 0) + 1
+                gpu, link, n_up = g_gpu, g_link, n_up + 1
+            else:
+                cpu_t = c_cpu
+        pcie_list = eligible[:n_floor]
+        for e in eligible[n_floor:]:  # of each count, the most used go over PCIe
+            c = cnt[e] if cnt else 1
+            if sent.get(c):
+                sent[c] -= 1
                 pcie_list.append(e)
-                gpu, pcie = g_gpu, g_pcie
             else:
                 cpu.append(e)
-                cpu_t = c_cpu
         order = {e: i for i, e in enumerate(experts)}
         cpu.sort(key=order.__getitem__)
         slots = self.cache.free_slots(layer, len(pcie_list))
-        n_up = len(slots)
-        if n_up < len(pcie_list) and self.admit_uploads:
+        n_slot = len(slots)
+        if n_slot < len(pcie_list) and self.admit_uploads:
             return self._admit(step, tuple(hits), pcie_list, slots, tuple(cpu))
-        return Decision(step, tuple(hits), uploads=tuple(pcie_list[:n_up]), slots=tuple(slots),
-                        streams=tuple(pcie_list[n_up:]), cpu=tuple(cpu))
+        return Decision(step, tuple(hits), uploads=tuple(pcie_list[:n_slot]), slots=tuple(slots),
+                        streams=tuple(pcie_list[n_slot:]), cpu=tuple(cpu))
+
+    def layer_time_s(self, d: Decision) -> tuple[float, float]:
+        """Predicted expert time of decision ``d`` by the cost model (waiting for the link's queue
+        when it uploads), and the link work still queued when the layer ends."""
+        cm = self.costs
+        layer = d.step.layer
+        cnt = dict(zip(d.step.experts, d.step.counts)) if d.step.counts is not None else None
+        queued = max(self._queue_s - self._layer_s[layer], 0.0)
+        gpu = sum(cm.gpu_s(layer, cnt[e] if cnt else 1) for e in d.hits + d.uploads + d.streams)
+        cpu = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in d.cpu) if d.cpu else 0.0
+        n_up = len(d.uploads) + len(d.streams)
+        if n_up:
+            return max(gpu, cpu, queued + n_up * cm.upload_s[layer]), 0.0
+        t = max(gpu, cpu)
+        return t, max(queued - t, 0.0)
+
+    def commit(self, d: Decision) -> float:
+        """Commit ``d`` (see ``hybrid``); returns its predicted time (``layer_time_s``)."""
+        t, self._queue_s = self.layer_time_s(d)
+        super().commit(d)
+        if self.tuner is not None:
+            self.floor_256 = self.tuner.observe(d.step, self.floor_256)
+        return t
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        token = self.tokens
+        super().commit_background(moves)
+        up = self.costs.upload_s
+        self._queue_s += sum(up[m.layer] for m in moves)
+        for m in moves:
+            self._bg_token[(m.layer, m.expert)] = token
+        if self.tuner is not None:
+            self.tuner.end_token(token, self.lag_tokens)
+
+    def complete(self, layer: int, expert: int) -> None:
+        token = self._bg_token.pop((layer, expert), None)
+        if token is not None:  # a background copy: the driver's lag is now known
+            self.lag_tokens = max(self.tokens - token - 1, 0)
+        super().complete(layer, expert)
+
+
+class _FloorTuner:
+    """Shadow ``hybrid-cost`` policies, one per candidate floor, replayed on the live steps
+    (see ``HybridCostPolicy``): each sums its own predicted time per window of tokens."""
+
+    def __init__(self, make, floors: tuple[int, ...], window_routes: int, hysteresis: float):
+        self.floors = floors
+        self.shadows = [make(f) for f in floors]
+        self.window_routes, self.hysteresis = window_routes, hysteresis
+        self.routes = 0  # (token, expert) routes seen in this window
+        self.window_s = [0.0] * len(floors)
+        self.pending: deque[tuple[int, HybridCostPolicy, tuple[Move, ...]]] = deque()
+        self.history: list[int] = []  # the floor chosen at each window's end
+
+    def observe(self, step: Step, floor: int) -> int:
+        """Replay one committed live step on every shadow; returns the live floor from now on
+        (changed when this step closes a window)."""
+        layer = step.layer
+        for i, sh in enumerate(self.shadows):
+            d = sh.plan(step)
+            self.window_s[i] += sh.commit(d)
+            for e in d.uploads:
+                sh.complete(layer, e)
+            for e in d.promotions:
+                sh.complete(layer, e)
+        self.routes += len(step.experts) if step.counts is None else sum(step.counts)
+        if self.routes < self.window_routes:
+            return floor
+        cur = self.floors.index(floor)
+        best = min(range(len(self.floors)), key=lambda i: (self.window_s[i], i))
+        if self.window_s[best] < self.window_s[cur] * (1.0 - self.hysteresis):
+            floor = self.floors[best]
+        self.window_s = [t * 0.5 for t in self.window_s]  # earlier windows weigh half as much
+        self.routes = 0
+        self.history.append(floor)
+        return floor
+
+    def end_token(self, token: int, lag_tokens: int) -> None:
+        """Background work of every shadow after live token ``token``; completes the copies due
+        before the next token starts."""
+        for sh in self.shadows:
+            moves = sh.plan_background()
+            sh.commit_background(moves)
+            if moves:
+                self.pending.append((token + 1 + lag_tokens, sh, moves))
+        while self.pending and self.pending[0][0] <= token + 1:
+            _, sh, moves = self.pending.popleft()
+            for m in moves:
+                sh.complete(m.layer, m.expert)
 
 
 class BeladyPolicy(BasePolicy):

@@ -149,7 +149,8 @@ class Costs:
     def cost_model(self):
         """These costs as a ``scheduler.CostModel`` (for ``hybrid-cost``), in the roofline form
         the simulator charges: per expert, weights read once or compute per token, whichever is
-        longer (``gpu_experts``/``cpu_experts``; one token gives the decode costs)."""
+        longer (``gpu_experts``/``cpu_experts``; one token gives the decode costs); ``layer_s`` is
+        a decode layer's dense part at empty context and its router read-back."""
         from scheduler import CostModel
 
         n = len(self.expert_bytes)
@@ -157,7 +158,7 @@ class Costs:
             gpu_expert_s=[0.0] * n, gpu_token_s=[self.gpu_expert_flop_s] * n, gpu_read_s=self.gpu_expert_s,
             upload_s=self.upload_s,
             cpu_expert_s=[0.0] * n, cpu_token_s=self.cpu_token_s, cpu_read_s=self.cpu_read_s,
-            cpu_task_s=self.cpu_task_s)
+            cpu_task_s=self.cpu_task_s, layer_s=[d + self.route_s for d in self.dense_s])
 
     # multi-token steps (counts given) ---------------------------------------------------------
     def dense(self, layer: int, ctx: int, num_tokens: int = 1) -> float:
