@@ -166,3 +166,95 @@ def test_cost_model_roofline():
     assert (linear.gpu_s(0, 4), linear.cpu_s(0, 4)) == (3.0, 0.1 + 1.2)
     assert (roof.gpu_s(0, 4), roof.gpu_s(0, 10)) == (5.0, 6.0)  # read-bound, then compute-bound
     assert (roof.cpu_s(0, 1), roof.cpu_s(0, 4)) == (0.1 + 0.9, 0.1 + 1.2)
+
+
+def predicted_s(policy, tokens):
+    """Sum of the cost model's layer times over ``tokens`` (no background work in these tests)."""
+    total = 0.0
+    for t in tokens:
+        for step in t.steps:
+            d = policy.plan(step)
+            total += policy.commit(d)
+            for e in d.uploads:
+                policy.complete(step.layer, e)
+        policy.commit_background(policy.plan_background())
+    return total
+
+
+def test_cost_model_sends_the_most_used_misses_of_a_count_over_pcie():
+    g = Geometry.uniform(1, 8, 3, 10)
+    cm = costs(cpu=1.0, cpu_tok=0.0)  # upload 1.0, CPU 1.0: of 3 misses, 1 goes over PCIe
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 0), cost_model=cm, floors_256=(0,),
+                         adaptive=False, swap_every=0)
+    replay(policy, [tok(0, [4, 5, 6]), tok(1, [5, 6, 7]), tok(2, [6, 1, 2])])  # usage: 6 -> 3, 5 -> 2
+    d = policy.plan(Step(0, (4, 5, 6)))
+    assert d.streams == (6,) and d.cpu == (4, 5)
+    d = policy.plan(Step(0, (4, 5, 6), (2, 1, 1)))  # equal costs: the count does not matter
+    assert d.streams == (6,) and d.cpu == (4, 5)
+    cm = costs(cpu=0.5, cpu_tok=0.5)  # 1 token: CPU 1.0; 2 tokens: CPU 1.5 > upload 1.0
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 0), cost_model=cm, floors_256=(0,))
+    replay(policy, [tok(0, [4, 5, 6]), tok(1, [5, 6, 7]), tok(2, [6, 1, 2])])
+    d = policy.plan(Step(0, (4, 5, 6), (2, 1, 1)))
+    assert d.streams == (4,) and d.cpu == (5, 6)
+
+
+def test_background_copies_queued_on_the_link_delay_uploads_until_layers_drain_them():
+    from scheduler import CostModel
+
+    g = Geometry.uniform(1, 8, 2, 10)
+    for layer_s, want_streams in ((None, 0), ((5.0,), 1)):
+        cm = CostModel((0.1,), (0.0,), (1.0,), (1.0,), (0.0,), layer_s=layer_s)
+        policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 1), cost_model=cm, floors_256=(0,),
+                             swap_every=0)
+        replay(policy, [tok(0, [0])], lag_tokens=1)  # expert 0 on the CPU, then filled: 1.0 s queued
+        d = policy.plan(Step(0, (2, 3)))
+        # queued copy ahead: an upload would end at 2.0 s, as late as both on the CPU (a tie: CPU)
+        assert len(d.uploads) + len(d.streams) == want_streams and len(d.cpu) == 2 - want_streams
+
+
+def test_floor_tuner_moves_to_the_floor_the_cost_model_favours():
+    g = Geometry.uniform(1, 16, 2, 10)
+    cm = costs(upload=1.5, cpu=1.0, cpu_tok=0.0)
+    fixed = lambda f, slots: make_policy("hybrid-cost", g, Capacity.per_layer(g, slots), cost_model=cm,
+                                         floors_256=(f,), adaptive=False, swap_every=0)
+    # the same two experts every token: floor 0 uploads one (2 misses: CPU 2.0 > PCIe 1.5) and
+    # keeps the other on the CPU (1.0 < 1.5); floor 128 uploads the last miss too, then all hit
+    reuse = [tok(i, [3, 9]) for i in range(24)]
+    # one new expert every token and no cache: an upload (1.5) never pays back the CPU's 1.0
+    fresh = [tok(i, [i % 16]) for i in range(24)]
+    for tokens, slots, start, want in ((reuse, 2, 0, 128), (fresh, 0, 128, 0)):
+        assert predicted_s(fixed(want, slots), tokens) < predicted_s(fixed(start, slots), tokens)
+        policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, slots), cost_model=cm,
+                             floors_256=(start, want), tune_every=4, adaptive=False, swap_every=0)
+        replay(policy, tokens)
+        assert policy.floor_256 == want and policy.tuner.history[-1] == want
+        routes = sum(len(s.experts) for t in tokens for s in t.steps)
+        assert len(policy.tuner.history) == routes // (4 * 2)  # a window: 4 tokens of top-2 routes
+        policy.cache.check()
+        for sh in policy.tuner.shadows:
+            sh.cache.check()
+
+
+def test_floor_tuner_shadows_complete_background_copies_at_the_live_lag():
+    g = Geometry.uniform(2, 8, 2, 10)
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 3), cost_model=costs(layers=2),
+                         floors_256=(0, 64), tune_every=2)
+    tokens = [tok(i, [i % 8, (i + 3) % 8], [(i + 1) % 8, (5 * i) % 8]) for i in range(12)]
+    replay(policy, tokens, lag_tokens=2)
+    assert policy.lag_tokens == 2
+    for sh in policy.tuner.shadows:
+        sh.cache.check()
+        assert len(sh.background) <= 2 * 3  # copies of at most the last lag + 1 tokens in flight
+    again = make_policy("hybrid-cost", g, Capacity.per_layer(g, 3), cost_model=costs(layers=2),
+                        floors_256=(0, 64), tune_every=2)
+    replay(again, tokens, lag_tokens=2)
+    assert again.tuner.history == policy.tuner.history  # deterministic
+
+
+@pytest.mark.parametrize("options, field", [(dict(floors_256=()), "floors_256"), (dict(floors_256=(0, 300)), "floors_256"),
+                                            (dict(floors_256=(64, 64)), "floors_256"), (dict(tune_every=0), "tune_every"),
+                                            (dict(hysteresis=1.0), "hysteresis")])
+def test_hybrid_cost_options_are_checked(options, field):
+    g = Geometry.uniform(1, 8, 2, 10)
+    with pytest.raises(ValueError, match=field):
+        make_policy("hybrid-cost", g, Capacity.per_layer(g, 2), cost_model=costs(), **options)
