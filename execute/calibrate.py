@@ -64,7 +64,8 @@ from .experts import LayerExperts, random_layer
 
 __all__ = ["main", "stats", "fit_line", "hardware_json", "write_json", "build_layers", "StandIn",
            "measure_plan_s", "measure_poll_s", "measure_cpu_mem_gbps", "measure_cpu_pool", "synth_tokens",
-           "replay_engine", "replay_host_fields", "replay_pool_fit"]
+           "replay_engine", "replay_host_fields", "replay_pool_fit", "calibration_replay", "replay_summary",
+           "apply_replay"]
 
 PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid")
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
@@ -719,17 +720,18 @@ def replay_pool_fit(records: list[dict]) -> dict:
 REPLAY_CONFIGS = (("lru", {}), ("hybrid", {"adaptive": True, "miss_frac_256": 96}))
 
 
-def _engine_replay(cp, gx, layers, args) -> dict:
-    """The engine's host costs as a decode replay sees them: a synthetic trace of its own seed
-    replayed under lru and hybrid (miss fraction 96/256) with a cache of 20% of the experts,
-    every layer logged (``replay_engine``); the fields of ``replay_host_fields``."""
+def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
+    """Per-layer records (``replay_engine``'s ``layer_log``) of the calibration workload: a
+    64-token synthetic trace of its own seed (``args.seed + 31``) replayed under lru and hybrid
+    (miss fraction 96/256) with a cache of 20% of the experts, after 16 unlogged tokens each."""
     from .engine import ExpertEngine
 
     L, E = len(layers), layers[0].num_experts
     geo = Geometry((E,) * L, args.top_k, (layers[0].expert_bytes,) * L)
     tokens, _ = synth_tokens(L, E, args.top_k, 64, args.seed + 31)
-    dense = StandIn(cp, L, args.hidden, args.heads * args.head_dim, args.kv_heads * args.head_dim, E, args.vocab,
-                    args.seed)
+    if dense is None:
+        dense = StandIn(cp, L, args.hidden, args.heads * args.head_dim, args.kv_heads * args.head_dim, E,
+                        args.vocab, args.seed)
     with gx.compute:
         x0 = cp.asarray(np.random.default_rng(args.seed + 5).standard_normal((1, args.hidden)).astype(np.float32))
     records: list[dict] = []
@@ -744,9 +746,29 @@ def _engine_replay(cp, gx, layers, args) -> dict:
             engine.synchronize()
         finally:
             engine.close()
+    return records
+
+
+def replay_summary(records: list[dict]) -> dict:
+    """``engine_replay`` of the measurements: host-lane fields and the pool's fit from records."""
     return {"configs": [n for n, _ in REPLAY_CONFIGS], "layers": len(records),
             "cpu_layers": sum("parts" in r for r in records), "fields": replay_host_fields(records),
             "pool": replay_pool_fit(records)}
+
+
+def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: dict | None = None) -> dict:
+    """``hw`` (a hardware file's dict) with the host-lane fields and the CPU pool's cost taken from
+    a calibration replay's ``replay_summary`` (``src``: its sources lines, updated)."""
+    hw = dict(hw)
+    hw["executor"] = {**hw.get("executor", {}), **summary["fields"]}
+    pool = summary["pool"]
+    if pool["expert_s"] > 0:  # the pool as a replay sees it, over the back-to-back calls
+        hw.update(cpu_task_s=min(pool["task_s"], 0.5), cpu_thread_gbps=expert_bytes / pool["expert_s"] / 1e9 / threads)
+        if src is not None:
+            src["cpu_thread_gbps"] = ("measured: CPU pool time per expert in the calibration replay (engine_replay: "
+                                      "compute time of each CPU layer's job, fit over its expert count), / threads")
+            src["cpu_task_s"] = "measured: intercept of the same fit"
+    return hw
 
 
 # the hardware file -----------------------------------------------------------------------------
@@ -786,12 +808,8 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
               cpu_quant_efficiency=eff)
     if "gpu" in m:
         hw.update(_gpu_fields(m, eb, src))
-        pool = m.get("engine_replay", {}).get("pool")
-        if pool and pool["expert_s"] > 0:  # the pool as a replay sees it, over the back-to-back calls
-            hw.update(cpu_task_s=min(pool["task_s"], 0.5), cpu_thread_gbps=eb / pool["expert_s"] / 1e9 / T)
-            src["cpu_thread_gbps"] = ("measured: CPU pool time per expert in the calibration replay (engine_replay: "
-                                      "compute time of each CPU layer's job, fit over its expert count), / threads")
-            src["cpu_task_s"] = "measured: intercept of the same fit"
+        if "engine_replay" in m:  # host lane and pool as a replay runs them, over the one-call figures
+            hw = apply_replay(hw, m["engine_replay"], eb, T, src)
     elif not base:
         raise ValueError("hardware_json: no GPU measurements and no base hardware file for the GPU fields")
     hw["sources"] = {**(base or {}).get("sources", {}), **src}
@@ -827,8 +845,6 @@ def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
         "gpu_batch_s": max(batch_a, 0.0), "combine_s": med(ex["combine"]), "wait_poll_s": med(m["poll_s"]),
         "plan_s": plan,
     }
-    if "engine_replay" in m:  # the host lane as a replay runs it (see _engine_replay), over the one-call figures
-        executor.update(m["engine_replay"]["fields"])
     src.update({
         "gpu_mem_bytes": "measured: cudaMemGetInfo total", "gpu_mem_gbps": "measured: 1 GiB device-to-device copy, (read + write) bytes / s",
         "gpu_tflops": "measured: fp16 8192^3 cupy.matmul", "launch_s": "measured: host time of a one-element cupy kernel",
@@ -936,7 +952,7 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
         engine.synchronize()
         engine.pool.close()
         log("engine host costs in a replay")
-        m["engine_replay"] = _engine_replay(cp, gx, layers, args)
+        m["engine_replay"] = replay_summary(calibration_replay(cp, gx, layers, args))
     finally:
         engine.synchronize()
         engine.pool.close()

@@ -263,11 +263,14 @@ def run_device(args) -> dict:
         for c in runs:
             replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads)
     log(f"{args.warmup_rounds} warm-up round(s) done")
-    from execute.calibrate import write_json
+    from execute.calibrate import calibration_replay, write_json
 
     raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dense_rel_err": dense_err, "runs": [], "failed": []}
+    raw["calibration_records"] = []
     for rep in range(args.repeats):  # interleaved, every other round in reverse: drift spreads over configs
+        if args.host_calibration == "session":  # the calibration workload, in this process, this round
+            raw["calibration_records"].extend(calibration_replay(cp, gx, layers, args, dense))
         for c in (runs if rep % 2 == 0 else runs[::-1]):
             try:
                 r = replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads)
@@ -419,6 +422,23 @@ def plot(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:
+    """``hw_file`` with its host-lane fields and CPU pool cost from the calibration replays recorded
+    in this session (``raw["calibration_records"]``: the calibration workload of ``moelab
+    calibrate``, its own trace, run in the same process before each round); written to
+    ``out/hardware-session.json``."""
+    from execute.calibrate import apply_replay, replay_summary, write_json
+
+    hw = json.loads(Path(hw_file).read_text())
+    summary = replay_summary(raw["calibration_records"])
+    hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], hw.setdefault("sources", {}))
+    hw["_about"] = f"{hw.get('_about', '')}; host lane and CPU pool from sim_vs_real's session calibration replays"
+    hw.setdefault("_calibration", {})["session_replay"] = summary
+    path = out / "hardware-session.json"
+    write_json(path, hw)
+    return path
+
+
 def write_results(out: Path, raw: dict, rows: list[dict], an: dict, nz, hw_path: str) -> None:
     from execute.calibrate import write_json
 
@@ -447,6 +467,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs of every config, interleaved across configs")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="unrecorded rounds of every config before the measured ones (default 1)")
+    ap.add_argument("--host-calibration", choices=("session", "file"), default="session",
+                    help="session (default): host-lane and CPU pool costs from moelab calibrate's replay workload "
+                         "run in this process before each round; file: as --hardware has them")
     ap.add_argument("--configs", default=None, help="comma-separated labels to run (default: all 13)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -477,11 +500,16 @@ def main(argv=None) -> int:
     if not raw.get("runs"):
         print("sim_vs_real: no recorded runs to compare", file=sys.stderr)
         return 1
+    hw_path = args.hardware
+    if args.host_calibration == "session" and raw.get("calibration_records"):
+        hw_path = session_hardware(args.hardware, raw, Path(args.out))
+        hw = load_hardware(hw_path)
+        log(f"host lane and CPU pool from this session's calibration replays: {hw_path}")
     rows = compare(raw, hw)
     an = analyse(rows)
     nz = spread_summary(rows)
     print_table(rows, an, nz)
-    write_results(Path(args.out), raw, rows, an, nz, args.hardware)
+    write_results(Path(args.out), raw, rows, an, nz, str(hw_path))
     log(f"wrote {args.out}/sim_vs_real.csv, .json, .png")
     return 0
 

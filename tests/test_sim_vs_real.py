@@ -132,3 +132,28 @@ def test_older_recordings_with_one_marked_repeat_still_group():
     runs = [{"label": "lru 25%"}, {"label": "cpu"}, {"label": "lru 25% (repeat)"}]
     g = svr.group_runs(runs)
     assert list(g) == ["lru 25%", "cpu"] and len(g["lru 25%"]) == 2
+
+
+def test_session_hardware_takes_the_host_lane_and_pool_from_the_recorded_replays(tmp_path):
+    from simulate import load_hardware
+
+    from tests.execute.test_calibrate import replay_records
+
+    raw, hw, model, hwp = fake_recording(tmp_path)
+    raw["calibration_records"] = replay_records(np.random.default_rng(3))
+    raw["expert_bytes"], raw["args"]["threads"] = 5_013_504, 15
+    path = svr.session_hardware(hwp, raw, tmp_path / "out")
+    got = load_hardware(path)
+    assert got.executor["host_cpu_handoff_s"] == pytest.approx(180e-6)
+    assert got.executor["host_copy_s"] == pytest.approx(20e-6, abs=0.5e-6)
+    assert got.cpu_task_s == pytest.approx(150e-6) and got.cpu_thread_gbps * 15 == pytest.approx(5_013_504 / 200e-6 / 1e9)
+    assert got.executor["readback_s"] == hw.executor["readback_s"]  # fields the replay does not measure are kept
+    assert "session_replay" in json.loads(path.read_text())["_calibration"]
+
+
+def test_select_picks_labels_in_table_order_and_names_unknown_ones():
+    runs = svr.configs(128)
+    assert [c["label"] for c in svr.select(runs, "lru 50%, cpu")] == ["cpu", "lru 50%"]
+    assert svr.select(runs, None) == runs
+    with pytest.raises(ValueError, match="unknown \\['nope'\\]"):
+        svr.select(runs, "cpu,nope")
