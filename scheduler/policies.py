@@ -613,6 +613,9 @@ class HybridCostPolicy(HybridPolicy):
         self._queue_s = 0.0  # link work still queued when the last committed layer ended
         self.lag_tokens = 1  # background completion lag, learnt from the live completions
         self._bg_token: dict[tuple[int, int], int] = {}  # background copy -> token it followed
+        self._gpu_s = [cost_model.gpu_s(l, 1) for l in range(geometry.num_layers)]
+        self._cpu_s = [cost_model.cpu_s(l, 1) for l in range(geometry.num_layers)]
+        self._planned = None  # (the last decision planned, its layer_time_s), read by commit
         super().__init__(geometry, capacity, profile, **options)
         self.tuner = None
         if len(floors) > 1:
@@ -626,59 +629,82 @@ class HybridCostPolicy(HybridPolicy):
         state = self.cache.state[layer]
         experts = step.experts
         cnt = dict(zip(experts, step.counts)) if step.counts is not None else None
-        cm = self.costs
-        gpu = 0.0
+        gpu_s, cpu_s = self._gpu_s[layer], self._cpu_s[layer]  # decode costs, or the roofline by count
         hits, eligible, cpu = [], [], []
         for e in experts:
             s = state[e]
             if s == RESIDENT:
                 hits.append(e)
-                gpu += cm.gpu_s(layer, cnt[e] if cnt else 1)
             elif s == INFLIGHT:
                 cpu.append(e)
             else:
                 eligible.append(e)
-        if not eligible and not cpu:
-            return Decision(step, experts)
-        cpu_t = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in cpu) if cpu else 0.0
+        cm = self.costs
+        if cnt is None:
+            gpu = len(hits) * gpu_s
+            cpu_t = cm.cpu_task_s + len(cpu) * cpu_s if cpu else 0.0
+        else:
+            gpu = sum([cm.gpu_s(layer, cnt[e]) for e in hits])
+            cpu_t = cm.cpu_task_s + sum([cm.cpu_s(layer, cnt[e]) for e in cpu]) if cpu else 0.0
+        queued = self._queue_s - self._layer_s[layer]
+        queued = queued if queued > 0.0 else 0.0
+        if not eligible:
+            t = gpu if gpu > cpu_t else cpu_t
+            d = Decision(step, experts) if not cpu else Decision(step, tuple(hits), cpu=tuple(cpu))
+            self._planned = (d, t, queued - t if queued > t else 0.0)
+            return d
         u = self._u[layer]
         eligible.sort(key=(lambda e: (-cnt[e], -u[e])) if cnt else (lambda e: -u[e]))  # stable: rank
         n_floor = (len(eligible) * self.floor_256 + 128) >> 8
         up_s = cm.upload_s[layer]
-        link = max(self._queue_s - self._layer_s[layer], 0.0) + n_floor * up_s
-        for e in eligible[:n_floor]:
-            gpu += cm.gpu_s(layer, cnt[e] if cnt else 1)
+        link = queued + n_floor * up_s
+        gpu += n_floor * gpu_s if cnt is None else sum([cm.gpu_s(layer, cnt[e]) for e in eligible[:n_floor]])
         n_up = n_floor
+        task = cm.cpu_task_s
         sent: dict[int, int] = {}  # token count -> how many of the greedy's misses go over PCIe
         for e in eligible[n_floor:]:
             c = cnt[e] if cnt else 1
-            g_gpu, g_link = gpu + cm.gpu_s(layer, c), link + up_s
-            c_cpu = cpu_t + cm.cpu_s(layer, c) + (0.0 if cpu_t else cm.cpu_task_s)
+            g_gpu = gpu + (gpu_s if cnt is None else cm.gpu_s(layer, c))
+            g_link = link + up_s
+            c_cpu = cpu_t + (cpu_s if cnt is None else cm.cpu_s(layer, c)) + (0.0 if cpu_t else task)
             if max(g_gpu, g_link, cpu_t) < max(gpu, link if n_up else 0.0, c_cpu):
                 sent[c] = sent.get(c, 0) + 1
                 gpu, link, n_up = g_gpu, g_link, n_up + 1
             else:
                 cpu_t = c_cpu
         pcie_list = eligible[:n_floor]
-        for e in eligible[n_floor:]:  # of each count, the most used go over PCIe
-            c = cnt[e] if cnt else 1
-            if sent.get(c):
-                sent[c] -= 1
-                pcie_list.append(e)
-            else:
-                cpu.append(e)
+        if sent:
+            for e in eligible[n_floor:]:  # of each count, the most used go over PCIe
+                c = cnt[e] if cnt else 1
+                if sent.get(c):
+                    sent[c] -= 1
+                    pcie_list.append(e)
+                else:
+                    cpu.append(e)
+        else:
+            cpu += eligible[n_floor:]
+        if n_up:
+            self._planned = (None, max(gpu, cpu_t, link), 0.0)
+        else:
+            t = gpu if gpu > cpu_t else cpu_t
+            self._planned = (None, t, queued - t if queued > t else 0.0)
         order = {e: i for i, e in enumerate(experts)}
         cpu.sort(key=order.__getitem__)
         slots = self.cache.free_slots(layer, len(pcie_list))
         n_slot = len(slots)
         if n_slot < len(pcie_list) and self.admit_uploads:
-            return self._admit(step, tuple(hits), pcie_list, slots, tuple(cpu))
-        return Decision(step, tuple(hits), uploads=tuple(pcie_list[:n_slot]), slots=tuple(slots),
-                        streams=tuple(pcie_list[n_slot:]), cpu=tuple(cpu))
+            d = self._admit(step, tuple(hits), pcie_list, slots, tuple(cpu))
+        else:
+            d = Decision(step, tuple(hits), uploads=tuple(pcie_list[:n_slot]), slots=tuple(slots),
+                         streams=tuple(pcie_list[n_slot:]), cpu=tuple(cpu))
+        self._planned = (d,) + self._planned[1:]
+        return d
 
     def layer_time_s(self, d: Decision) -> tuple[float, float]:
         """Predicted expert time of decision ``d`` by the cost model (waiting for the link's queue
         when it uploads), and the link work still queued when the layer ends."""
+        if self._planned is not None and self._planned[0] is d:
+            return self._planned[1], self._planned[2]
         cm = self.costs
         layer = d.step.layer
         cnt = dict(zip(d.step.experts, d.step.counts)) if d.step.counts is not None else None
