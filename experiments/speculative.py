@@ -75,7 +75,7 @@ def main() -> int:
     ex.add_argument("--prompt", default=None, help="prompt text (default: a repetitive paragraph)")
     ex.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run")
     ex.add_argument("--threads", type=int, default=None, help="CPU expert threads")
-    ex.add_argument("--backend", default="auto", choices=("auto", "engine", "numpy"))
+    ex.add_argument("--backend", default="engine", choices=("engine", "numpy"))
     ex.add_argument("--repeats", type=int, default=3, help="runs per configuration (median reported)")
     args = ap.parse_args()
     if args.executor:
