@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 # Quant types the expert kernels read directly (issue 5); any other expert type is an error.
-EXPERT_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+EXPERT_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
 SUPPORTED_ARCHS = tuple(ARCHS)
 
 

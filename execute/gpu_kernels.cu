@@ -12,7 +12,7 @@
 #define TB 4
 #define WARPS 4
 
-enum { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30, MXFP4 = 39 };
 
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;
@@ -74,6 +74,18 @@ __device__ __forceinline__ void dequant4(int qt, const unsigned char* row, int u
         for (int i = 0; i < 4; i++) {
             int v = ((lo >> (8 * i + lsh)) & 15) | (((hi >> (8 * i + hsh)) & 3) << 4);
             w[i] = d * (float)(v - 32);
+        }
+    } else if (qt == MXFP4) {  // block 17: u8 e (E8M0), u8 qs[16]; weights 0..15 low nibbles, 16..31 high
+        const unsigned char* b = row + unit * 17;  // odd blocks: byte loads only
+        unsigned int e = b[0];
+        float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);  // 2^(e - 128), exact
+        const unsigned char* q = b + 1 + 4 * (quad & 3);
+        int sh = quad < 4 ? 0 : 4;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int n = (q[i] >> sh) & 15;  // E2M1 code: bit 3 sign, magnitude (doubled) 0 1 2 3 4 6 8 12
+            float v = (float)(__byte_perm(0x03020100u, 0x0C080604u, n & 7) & 0xff);
+            w[i] = d * (n & 8 ? -v : v);
         }
     } else if (qt == F32) {
         const float* p = reinterpret_cast<const float*>(row) + unit * 32 + 4 * quad;

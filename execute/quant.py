@@ -16,6 +16,9 @@ Q6_K      14   210     256    u8 ql[128], u8 qh[64], i8 scales[16], f16 d;
                               w = d*scales[w_index // 16]*(q - 32), q 6-bit (4 low bits in ql,
                               2 high bits in qh, interleaved per 128-weight half)
 BF16      30   2       1      bfloat16 (upper half of a float32)
+MXFP4     39   17      32     u8 e (E8M0 exponent); u8 qs[16]: w[j] = K[qs[j]&15]*2^(e-128),
+                              w[j+16] = K[qs[j]>>4]*2^(e-128), K = MXFP4_VALUES (E2M1 doubled);
+                              17-byte blocks, so rows may start at odd addresses
 ========  ===  ======  =====  ==============================================================
 
 ``dequantize`` is the numpy reference used by tests and fallbacks; ``quantize`` produces valid
@@ -32,7 +35,8 @@ __all__ = [
     "QuantType",
     "QTYPES",
     "QTYPE_BY_NAME",
-    "F32", "F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "BF16",
+    "F32", "F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "MXFP4",
+    "MXFP4_VALUES",
     "quant_type",
     "row_bytes",
     "dequantize",
@@ -40,7 +44,9 @@ __all__ = [
     "F16_TO_F32",
 ]
 
-F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 14, 30
+F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, BF16, MXFP4 = 0, 1, 2, 8, 12, 14, 30, 39
+# MXFP4's 4-bit codes: E2M1 values doubled (so they are integers), sign in bit 3
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ QTYPES: dict[int, QuantType] = {
     Q4_K: QuantType("Q4_K", Q4_K, 256, 144),
     Q6_K: QuantType("Q6_K", Q6_K, 256, 210),
     BF16: QuantType("BF16", BF16, 1, 2),
+    MXFP4: QuantType("MXFP4", MXFP4, 32, 17),
 }
 QTYPE_BY_NAME: dict[str, int] = {q.name: q.qtype for q in QTYPES.values()}
 
@@ -110,6 +117,11 @@ def _q4k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale, mins
 
 
+def e8m0_scale(e: np.ndarray) -> np.ndarray:
+    """MXFP4 block exponents (uint8) -> float32 2^(e - 128), exact (denormal for e < 2)."""
+    return np.ldexp(np.float32(1.0), np.asarray(e, np.int32) - 128).astype(np.float32)
+
+
 def dequantize(data: np.ndarray, qtype: int, cols: int) -> np.ndarray:
     """Raw blocks (any shape, ``rows * row_bytes`` bytes in all) -> float32 (rows, cols)."""
     q = quant_type(qtype)
@@ -140,6 +152,9 @@ def dequantize(data: np.ndarray, qtype: int, cols: int) -> np.ndarray:
         hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
         qv = (lo | (hi << 4)).astype(np.float32).reshape(-1, 16, 16) - 32
         w = (d * sc)[:, :, None] * qv
+    elif qtype == MXFP4:
+        qs = b[:, 1:]
+        w = e8m0_scale(b[:, :1]) * MXFP4_VALUES[np.concatenate([qs & 15, qs >> 4], axis=1)]
     else:  # pragma: no cover - QTYPES and this chain list the same types
         raise AssertionError(qtype)
     return np.ascontiguousarray(w, dtype=np.float32).reshape(-1, cols)
@@ -183,6 +198,8 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
         out[:, 2:] = v[:, :16] | (v[:, 16:] << 4)
     elif qtype == Q4_K:
         _quantize_q4k(blk, out)
+    elif qtype == MXFP4:
+        _quantize_mxfp4(blk, out)
     else:
         _quantize_q6k(blk, out)
     return out.reshape(rows, rb)
@@ -224,3 +241,18 @@ def _quantize_q6k(blk: np.ndarray, out: np.ndarray) -> None:
     out[:, 128:192] = qh.reshape(-1, 64)
     out[:, 192:208] = sc.view(np.uint8)
     out[:, 208:210] = d.reshape(-1, 1).view(np.uint8)
+
+
+def _quantize_mxfp4(blk: np.ndarray, out: np.ndarray, chunk: int = 4096) -> None:
+    """gguf-py's scheme: e = floor(log2(max |w|)) + 125 (0 for an all-zero block, clipped to 0..254),
+    then each weight's nearest code (the first in code order on a tie), ``chunk`` blocks at a time."""
+    amax = np.abs(blk).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) + 125, 0)
+    e = np.clip(e, 0, 254).astype(np.uint8)
+    d = e8m0_scale(e)
+    out[:, 0] = e
+    for a in range(0, len(blk), chunk):
+        err = np.abs(d[a:a + chunk, None, None] * MXFP4_VALUES - blk[a:a + chunk, :, None])  # (blocks, 32, 16)
+        code = np.argmin(err, axis=2).astype(np.uint8)
+        out[a:a + chunk, 1:] = code[:, :16] | (code[:, 16:] << 4)

@@ -51,7 +51,7 @@ CHAT_TEMPLATES = {
     "harmony": ("{% for message in messages %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + "
                 "'<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"),
 }
-_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32}
+_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32, "MXFP4": 38}
 
 # Geometry presets (``moelab model synth --preset NAME``); fields not given keep SynthConfig's defaults.
 PRESETS = {
@@ -170,6 +170,10 @@ def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, st
         out[:, :192] = rng.integers(0, 256, (n, 192), dtype=np.uint8)
         out[:, 192:208] = rng.integers(8, 17, (n, 16), dtype=np.int8).view(np.uint8)
         out[:, 208:210] = _f16_bytes(jitter * std / (12.0 * 18.5))  # std of uniform -32..31
+    elif qtype == "MXFP4":  # e u8 (E8M0) | qs u8[16] (two 4-bit E2M1 codes); w = code value * 2^(e - 128)
+        e = np.rint(np.log2(jitter * std / 5.85)) + 128  # codes' values have std 5.85
+        out[:, 0] = np.clip(e, 0, 254).astype(np.uint8)
+        out[:, 1:] = rng.integers(0, 256, (n, 16), dtype=np.uint8)
     else:
         raise ValueError(f"random_blocks: no generator for quant type {qtype}")
     return out.reshape(rows, -1)

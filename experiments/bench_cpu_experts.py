@@ -34,7 +34,8 @@ from execute import cpu_experts as new  # noqa: E402
 from execute import quant as Q  # noqa: E402
 from execute.experts import ExpertTensor, LayerExperts, random_layer  # noqa: E402
 
-TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16", "BF16", "F32")
+TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "F16", "BF16", "F32")
+NEW_ONLY = ("MXFP4",)  # types the old kernels never read: their old rate is reported as nan
 
 
 def log(msg: str) -> None:
@@ -42,8 +43,9 @@ def log(msg: str) -> None:
 
 
 def big_layer(qtype: int, experts: int, hidden: int, ffn: int, rng: np.random.Generator) -> LayerExperts:
-    """``experts`` experts in ``qtype``: copies of 4 random ones (valid blocks, normal floats)."""
-    base = random_layer(rng, 0, 4, hidden, ffn, qtype, exact=False)
+    """``experts`` experts in ``qtype``: copies of 4 random ones (valid blocks, normal floats; MXFP4
+    quantized from normal weights, as random_layer's fast path only sets f16 scales)."""
+    base = random_layer(rng, 0, 4, hidden, ffn, qtype, exact=Q.QTYPES[qtype].name in NEW_ONLY)
 
     def grow(t: ExpertTensor) -> ExpertTensor:
         return ExpertTensor(np.tile(t.data, (experts // 4 + 1, 1))[:experts].copy(), t.qtype, t.rows, t.cols, t.name)
@@ -52,14 +54,21 @@ def big_layer(qtype: int, experts: int, hidden: int, ffn: int, rng: np.random.Ge
 
 
 def rates(layer: LayerExperts, threads: int, reps: int, clock) -> tuple[float, float]:
-    """(old, new) GB/s: median over ``reps`` calls of 8 experts x 1 token each."""
+    """(old, new) GB/s: median over ``reps`` calls of 8 experts x 1 token each (old nan for NEW_ONLY)."""
     numba.set_num_threads(threads)
     x = np.random.default_rng(1).standard_normal((8, layer.hidden)).astype(np.float32)
-    mods = (old, new)
+    if Q.QTYPES[layer.gate.qtype].name in NEW_ONLY:
+        return float("nan"), rates_of((new,), layer, threads, reps, clock, x)[0]
+    o, n = rates_of((old, new), layer, threads, reps, clock, x)
+    return o, n
+
+
+def rates_of(mods: tuple, layer: LayerExperts, threads: int, reps: int, clock, x: np.ndarray) -> list[float]:
+    """GB/s of each kernel module in ``mods``, their calls alternating."""
     views = [(m.tensor_views(layer.gate), m.tensor_views(layer.up), m.tensor_views(layer.down)) for m in mods]
     for m, v in zip(mods, views):
         m.run_experts(layer, list(range(8)), x, threads, v)
-    ts: list[list[float]] = [[], []]
+    ts: list[list[float]] = [[] for _ in mods]
     sets = layer.num_experts // 8
     for r in range(reps):
         ids = list(range((r % sets) * 8, (r % sets) * 8 + 8))
@@ -68,7 +77,7 @@ def rates(layer: LayerExperts, threads: int, reps: int, clock) -> tuple[float, f
             m.run_experts(layer, ids, x, threads, v)
             ts[k].append(clock() - t0)
     nbytes = 8 * layer.expert_bytes
-    return nbytes / float(np.median(ts[0])) / 1e9, nbytes / float(np.median(ts[1])) / 1e9
+    return [nbytes / float(np.median(t)) / 1e9 for t in ts]
 
 
 def main(argv: list[str] | None = None) -> int:

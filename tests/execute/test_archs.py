@@ -16,11 +16,14 @@ from execute.synth import config_from_preset, metadata, synth_model, tensor_spec
 from scheduler import Capacity, make_policy
 from scheduler.audit import Audit
 
-from .conftest import cupy_or_skip
+from .conftest import cupy_or_skip, run_json
 
 ALL = tuple(ARCHS)
 QUANT = {"qwen3moe": "Q8_0", "qwen2moe": "Q4_0", "olmoe": "Q8_0", "llama": "Q4_0", "granitemoe": "Q8_0",
          "gpt-oss": "Q8_0", "deepseek2": "Q4_0"}  # quantized experts; K-quants are covered by test_model
+# gpt-oss as its real GGUF files store it: MXFP4 experts ("arch/QUANT" names a case with another quant)
+OSS_MXFP4 = "gpt-oss/MXFP4"
+CASES = ALL + (OSS_MXFP4,)
 TOKENS = [5, 300, 17, 17, 42, 256, 1, 9, 100]  # longer than gpt-oss's window of 4
 
 
@@ -34,10 +37,12 @@ def arch_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("archs")
     made = {}
 
-    def get(arch: str):
-        if arch not in made:
-            made[arch] = synth_model(root / f"{arch}.gguf", config_from_preset("tiny", arch=arch, quant=QUANT[arch], seed=11))
-        return made[arch]
+    def get(case: str):
+        if case not in made:
+            arch, _, quant = case.partition("/")
+            made[case] = synth_model(root / f"{arch}_{quant}.gguf",
+                                     config_from_preset("tiny", arch=arch, quant=quant or QUANT[arch], seed=11))
+        return made[case]
 
     return get
 
@@ -64,7 +69,7 @@ def run_tokens(weights, backend=None, policy="cpu", slots=0, use_gpu=False, toke
     return np.stack(res.logits), audit
 
 
-@pytest.mark.parametrize("arch", ALL)
+@pytest.mark.parametrize("arch", CASES)
 def test_logits_match_float64_reference(arch, arch_weights):
     w = arch_weights(arch)
     got, audit = run_tokens(w)
@@ -91,7 +96,7 @@ def test_reference_check_sees_each_feature(arch, change, arch_weights):
     assert nmse(got, ref) > 1e-5
 
 
-@pytest.mark.parametrize("arch", ("qwen2moe", "llama", "deepseek2", "gpt-oss"))
+@pytest.mark.parametrize("arch", ("qwen2moe", "llama", "deepseek2", "gpt-oss", OSS_MXFP4))
 def test_engine_cpu_path_matches_reference(arch, arch_weights):
     w = arch_weights(arch)
     backend = M.EngineExperts(w, Capacity.per_layer(w.info.geometry(), 0), threads=2, use_gpu=False, timeout_s=120)
@@ -148,19 +153,30 @@ def test_engine_cpu_path_runs_gpt_oss_experts_like_numpy(arch_weights):
     assert nmse(got, ref) <= 1e-6 and audit.digest() == ref_audit.digest()
 
 
+def test_moelab_run_mxfp4_gpt_oss_on_the_cpu_pool(arch_path, capsys):
+    """``moelab run --policy cpu`` computes gpt-oss's MXFP4 experts on the Numba pool: the numpy
+    backend's text and decisions; the experts really are MXFP4 with a 17-byte-block expert size."""
+    path = arch_path(OSS_MXFP4)
+    info = read_model_info(path)
+    assert {q for n, q in info.expert_qtypes().items() if n.endswith("_exps.weight")} == {"MXFP4"}
+    engine, fig = run_json(capsys, path, "-p", "Hello there", "-n", "6", "--backend", "engine", "--policy", "cpu")
+    numpy, fig_np = run_json(capsys, path, "-p", "Hello there", "-n", "6", "--backend", "numpy")
+    assert engine == numpy and fig["digest"] == fig_np["digest"] and fig["cpu"] > 0
+
+
 def test_expert_size_counts_the_biases(arch_weights):
     """An upload moves a gpt-oss expert's biases too: the file's expert size (the scheduler's and
     the simulator's) is the loaded layer's."""
-    for arch in ("gpt-oss", "qwen3moe"):
+    for arch in ("gpt-oss", "qwen3moe", OSS_MXFP4):
         w = arch_weights(arch)
         moe = [l for l in w.experts if l is not None]
         assert [l.expert_bytes for l in moe] == [b for b in w.info.expert_bytes if b]
-        assert all((l.bias_bytes > 0) == (arch == "gpt-oss") for l in moe)
+        assert all((l.bias_bytes > 0) == arch.startswith("gpt-oss") for l in moe)
 
 
 # GPU: hybrid vs all-CPU vs all-GPU --------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ALL)
+@pytest.mark.parametrize("arch", CASES)
 def test_hybrid_cpu_gpu_agree(arch, arch_weights):
     cupy_or_skip()
     w = arch_weights(arch)

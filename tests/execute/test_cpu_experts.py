@@ -38,7 +38,8 @@ def test_kernels_match_reference(qtype, rng, reference):
 # odd block counts (the kernels reshape rows into blocks and read x's 32-column sums), and float
 # rows that are not a whole number of 32-column blocks
 ODD_SHAPES = {Q.Q4_K: (768, 256), Q.Q6_K: (256, 768), Q.Q8_0: (96, 160), Q.Q4_0: (160, 96),
-              Q.F32: (40, 24), Q.F16: (24, 40), Q.BF16: (40, 8)}
+              Q.F32: (40, 24), Q.F16: (24, 40), Q.BF16: (40, 8),
+              Q.MXFP4: (96, 160)}  # MXFP4: 3-block rows of 51 bytes, so odd rows start at odd addresses
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=[Q.QTYPES[t].name for t in ALL])
@@ -57,7 +58,7 @@ def test_mixed_types_and_fast_random_blocks(rng, reference):
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K), ids=("Q8_0", "Q4_K"))
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.MXFP4), ids=("Q8_0", "Q4_K", "MXFP4"))
 def test_biases_and_activations_match_float64(activation, qtype, rng):
     layer = biased(random_layer(rng, 2, num_experts=5, hidden=256, ffn=256, qtype=qtype), rng, activation)
     experts = [3, 0, 3, 4, 1, 3]

@@ -29,7 +29,8 @@ def test_dequantize_matches_gguf(qtype, rng, gguf_dequant):
 
 
 # round-to-nearest error of the reference quantizer on normal data (bounded, not optimal)
-QUANT_ERR = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 5e-3, Q.Q8_0: 1e-2, Q.Q6_K: 4e-2, Q.Q4_0: 0.12, Q.Q4_K: 0.12}
+QUANT_ERR = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 5e-3, Q.Q8_0: 1e-2, Q.Q6_K: 4e-2, Q.Q4_0: 0.12, Q.Q4_K: 0.12,
+             Q.MXFP4: 0.15}
 
 
 @settings(max_examples=25, deadline=None)
@@ -50,6 +51,32 @@ def test_quantize_close_to_gguf(qtype, rng):
     theirs = quants.quantize(x, gguf.GGMLQuantizationType(qtype))
     mine = Q.quantize(x, qtype)
     assert (theirs == mine).mean() > 0.95  # same scheme; ties and f16 rounding may differ
+
+
+def test_mxfp4_quantize_is_gguf_bit_for_bit(rng):
+    """Same exponent and nearest code as gguf-py's quantizer, zero blocks and wide scales included."""
+    import gguf
+    from gguf import quants
+
+    x = rng.standard_normal((6, 512)).astype(np.float32) * np.logspace(-30, 30, 6, dtype=np.float32)[:, None]
+    x[0, :32] = 0.0
+    x[1, 32:64] = np.float32(3.0)  # exactly between codes 2 and 4 after scaling: ties
+    theirs = quants.quantize(x, gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(Q.quantize(x, Q.MXFP4), theirs)
+
+
+def test_mxfp4_dequantize_every_exponent_and_code(gguf_dequant):
+    """All 256 exponents (denormal scales for e < 2, 2^127 for e = 254) and all 16 codes in both
+    nibbles, at odd block offsets, bit for bit with gguf-py."""
+    blocks = np.zeros((256, 17), np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:] = (np.arange(16, dtype=np.uint8) | (np.arange(15, -1, -1, dtype=np.uint8) << 4))[None, :]
+    with np.errstate(over="ignore"):
+        mine = Q.dequantize(blocks.reshape(8, 32 * 17), Q.MXFP4, 1024).reshape(256, 32)
+        theirs = gguf_dequant(blocks, Q.MXFP4, 32).astype(np.float32)
+    np.testing.assert_array_equal(mine.view(np.uint32), theirs.view(np.uint32))
+    assert mine[128, :16].tolist() == Q.MXFP4_VALUES.tolist()  # e = 128: scale 1
+    assert mine[0, 1] == np.float32(2.0**-128) and mine[1, 1] == np.float32(2.0**-127)
 
 
 def test_row_bytes_and_errors():

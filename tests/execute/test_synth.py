@@ -19,6 +19,7 @@ from execute.synth import SynthConfig
 from .conftest import K_QUANTS, SMALL_QUANTS, tiny_config
 
 gguf = pytest.importorskip("gguf")
+QUANTS = SMALL_QUANTS + K_QUANTS + ("MXFP4",)
 
 
 def llama_cpp_tensors(cfg: SynthConfig) -> dict[str, tuple[int, ...]]:
@@ -49,7 +50,7 @@ REQUIRED_KEYS = ["general.architecture", "qwen3moe.block_count", "qwen3moe.conte
                  "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"]
 
 
-@pytest.mark.parametrize("quant", SMALL_QUANTS + K_QUANTS)
+@pytest.mark.parametrize("quant", QUANTS)
 def test_tensor_table_matches_llama_cpp(quant, synth_path):
     cfg = tiny_config(quant)
     reader = gguf.GGUFReader(synth_path(quant))
@@ -94,7 +95,7 @@ def test_vocabulary_is_consistent(synth_path):
     assert len(set(tokens[:256])) == 256 and all(" " not in t for t in tokens[:256])
 
 
-@pytest.mark.parametrize("quant", SMALL_QUANTS + K_QUANTS)
+@pytest.mark.parametrize("quant", QUANTS)
 def test_random_weights_are_sane(quant, tiny_weights):
     w = tiny_weights(quant)
     layer = w.experts[0]
@@ -148,6 +149,20 @@ def test_cli_synth_then_info(tmp_path, capsys):
     assert model_main(["info", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Q4_0" in text and f"({per} B)" in text
+
+
+def test_cli_synth_gpt_oss_mxfp4(tmp_path, capsys):
+    """gpt-oss with MXFP4 experts, as real gpt-oss files: llama.cpp's MOSTLY_MXFP4_MOE file type."""
+    out = tmp_path / "oss.gguf"
+    assert model_main(["synth", str(out), "--arch", "gpt-oss", "--quant", "mxfp4", "--quiet"]) == 0
+    reader = gguf.GGUFReader(out)
+    assert reader.get_field("general.file_type").contents() == gguf.LlamaFileType.MOSTLY_MXFP4_MOE == 38
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert {ty for n, ty in types.items() if n.endswith("_exps.weight")} == {"MXFP4"}
+    assert {ty for n, ty in types.items() if n.endswith("_exps.bias")} == {"F32"}
+    capsys.readouterr()
+    assert model_main(["info", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["expert_qtypes"] == ["F32", "MXFP4"]  # F32: the expert biases
 
 
 def test_cli_info_bad_file(tmp_path, capsys):
