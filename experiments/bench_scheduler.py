@@ -1,11 +1,13 @@
-"""Layer-steps decided per second by the scheduler, on one core, for hybrid and lru.
+"""Layer-steps decided per second by the scheduler, on one core, per policy.
 
 A 48-layer, 128-expert, top-8 synthetic trace (traces.synth's qwen3-30b-a3b preset) is driven
 through each policy with no timing, side by side in one process: the decision loop alone
 (scheduler.drive: plan, commit, completions, background work), and again with an Audit observing
-every item (what a backend adds to count hits and bytes).
+every item (what a backend adds to count hits and bytes). ``hybrid-cost`` prices its decisions
+with the cost model of the qwen3-30b-a3b preset on ``--hardware`` (simulate.costs), its floor
+tuned by shadow policies.
 
-Usage: python experiments/bench_scheduler.py [--tokens N] [--slots S] [--repeats R] [--json]
+Usage: python experiments/bench_scheduler.py [--tokens N] [--slots S] [--repeats R] [--hardware H] [--json]
 """
 from __future__ import annotations
 
@@ -33,8 +35,13 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32, help="cache slots per layer")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hardware", default="h200-xeon16", help="hardware preset or file for hybrid-cost's cost model")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    from simulate import load_hardware, load_model
+    from simulate.costs import Costs
+
+    cost_model = Costs(load_model("qwen3-30b-a3b"), load_hardware(args.hardware)).cost_model()
     tokens = synthetic_tokens(args.tokens, args.seed)
     geometry = Geometry.uniform(48, 128, 8, 5_000_000)
     capacity = Capacity.per_layer(geometry, args.slots)
@@ -45,16 +52,18 @@ def main() -> None:
             counts[s.layer, list(s.experts)] += 1
     profile = Profile.from_counts(counts)
 
+    def policy(name):
+        options = {"profile": profile} if name == "static" else {"cost_model": cost_model} if name == "hybrid-cost" else {}
+        return make_policy(name, geometry, capacity, **options)
+
     def decide(name):  # the decision loop alone: plan, commit, completions, background work
-        policy = make_policy(name, geometry, capacity, profile=profile if name == "static" else None)
-        for _ in drive(policy, tokens):
+        for _ in drive(policy(name), tokens):
             pass
 
     def audited(name):  # the same, with every item observed by an Audit (as backends do)
-        policy = make_policy(name, geometry, capacity, profile=profile if name == "static" else None)
-        return replay(policy, tokens, audit=Audit(geometry, keep_records=False))
+        return replay(policy(name), tokens, audit=Audit(geometry, keep_records=False))
 
-    names = ("hybrid", "lru", "static", "cpu")
+    names = ("hybrid", "lru", "static", "cpu", "hybrid-cost")
     times = {(n, k): float("inf") for n in names for k in ("decide", "audited")}
     hit = {}
     for _ in range(args.repeats):  # interleaved, so that other load hits every policy alike
@@ -75,9 +84,10 @@ def main() -> None:
     else:
         print(f"{steps} layer-steps ({args.tokens} tokens x 48 layers, top-8, {args.slots} slots/layer), "
               f"best of {args.repeats}, one core (process CPU time)")
-        print(f"  {'policy':<7} {'decided/s':>12} {'with audit/s':>13}   hit rate")
+        print(f"  {'policy':<11} {'decided/s':>12} {'with audit/s':>13}   hit rate")
         for name, r in results.items():
-            print(f"  {name:<7} {r['layer_steps_per_s']:>12,.0f} {r['with_audit_layer_steps_per_s']:>13,.0f}   {r['hit_rate']:.3f}")
+            print(f"  {name:<11} {r['layer_steps_per_s']:>12,.0f} {r['with_audit_layer_steps_per_s']:>13,.0f}   "
+                  f"{r['hit_rate']:.3f}")
         print(f"  hybrid/lru speed ratio {out['hybrid_over_lru']:.2f}")
 
 if __name__ == "__main__":
