@@ -977,7 +977,7 @@ def _cpu_types(args, layers, rng) -> tuple[dict, dict]:
         return 8 * lx_list[0].expert_bytes / float(np.median(ts[1:])) / 1e9
 
     quant = {}
-    for qt in (Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.F16):
+    for qt in (Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.MXFP4, Q.F16):
         name = Q.QTYPES[qt].name
         lx = random_layer(rng, 0, 64, args.hidden, args.ffn, qt, exact=False)
         quant[name] = rate([lx], args.threads)

@@ -35,7 +35,7 @@ def _parser_model() -> argparse.ArgumentParser:
                                ("--vocab", "vocab", "vocabulary size (>= 260)"),
                                ("--context", "context_length", "context length (metadata)")):
         s.add_argument(flag, dest=field, type=int, default=None, help=help_)
-    s.add_argument("--quant", required=True, help="expert quant type: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K")
+    s.add_argument("--quant", required=True, help="expert quant type: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K MXFP4")
     s.add_argument("--dense-quant", default=None, help="type of dense matrices: F16 (default), F32, BF16, Q8_0")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -101,7 +101,7 @@ class LayerExperts:
         return self.bias_bytes + self.gate.expert_bytes + self.up.expert_bytes + self.down.expert_bytes
 
 
-# byte offsets of each block type's f16 scale fields, for random_layer(exact=False)
+# byte offsets of each block type's f16 scale fields, for random_layer(exact=False) (MXFP4: its exponent byte)
 _SCALE_FIELDS = {2: (0,), 8: (0,), 12: (0, 2), 14: (208,)}
 
 
@@ -124,9 +124,11 @@ def random_layer(rng: np.random.Generator, layer: int, num_experts: int, hidden:
         else:
             data = rng.integers(0, 256, (num_experts, rows * rb), dtype=np.uint8)
             blocks = data.reshape(-1, q.block_bytes)
-            scale = np.float16(2.0 / (q.block_weights * np.sqrt(cols))).view(np.uint16)
-            for off in _SCALE_FIELDS[qt]:
-                blocks[:, off:off + 2].view(np.uint16)[:] = scale
+            scale = 2.0 / (q.block_weights * np.sqrt(cols))
+            if qt == Q.MXFP4:  # one E8M0 exponent byte: 2^(e - 128), codes up to 12
+                blocks[:, 0] = np.uint8(round(np.log2(scale)) + 128)
+            for off in _SCALE_FIELDS.get(qt, ()):
+                blocks[:, off:off + 2].view(np.uint16)[:] = np.float16(scale).view(np.uint16)
         return ExpertTensor(data, qt, rows, cols, f"blk.{layer}.{name}")
 
     dq = qtype if down_qtype is None else down_qtype

@@ -51,8 +51,9 @@ def test_odd_shapes_and_single_token_groups(qtype, rng, reference):
     assert rel_err(run_experts(layer, experts, x, threads=1), reference(layer, experts, x)) < REL_ERR
 
 
-def test_mixed_types_and_fast_random_blocks(rng, reference):
-    layer = random_layer(rng, 0, num_experts=4, hidden=256, ffn=512, qtype=Q.Q4_K, down_qtype=Q.Q6_K, exact=False)
+@pytest.mark.parametrize("qtype, down", [(Q.Q4_K, Q.Q6_K), (Q.MXFP4, Q.MXFP4)], ids=("Q4_K+Q6_K", "MXFP4"))
+def test_mixed_types_and_fast_random_blocks(qtype, down, rng, reference):
+    layer = random_layer(rng, 0, num_experts=4, hidden=256, ffn=512, qtype=qtype, down_qtype=down, exact=False)
     x = rng.standard_normal((3, 256)).astype(np.float32)
     assert rel_err(run_experts(layer, [3, 0, 2], x), reference(layer, [3, 0, 2], x)) < REL_ERR
 
