@@ -95,6 +95,22 @@ class LayerExperts:
         """Bytes of one expert's float32 biases (gate, up, down); 0 without biases."""
         return 4 * (2 * self.ffn + self.hidden) if self.has_bias else 0
 
+    def device_offsets(self) -> tuple[int, int, int]:
+        """Byte offsets of gate, up and down in an expert laid out [biases] | gate | up | down (GPU
+        slots); a ValueError where a projection would start misaligned for the GPU kernels' loads
+        (F32: 4 bytes; 16-bit fields: 2; MXFP4: 1), i.e. after an odd-sized projection."""
+        from . import quant as Q
+
+        off_g = self.bias_bytes
+        offs = (off_g, off_g + self.gate.expert_bytes, off_g + self.gate.expert_bytes + self.up.expert_bytes)
+        for t, off in zip((self.gate, self.up, self.down), offs):
+            need = 4 if t.qtype == Q.F32 else 1 if t.qtype == Q.MXFP4 else 2
+            if off % need:
+                raise ValueError(f"{t.name or f'layer {self.layer}'}: {Q.QTYPES[t.qtype].name} would start at byte "
+                                 f"{off} of an expert in GPU memory, not {need}-byte aligned (an odd-sized projection "
+                                 "before it); use one type for all three projections")
+        return offs
+
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert (biases + gate + up + down), what an upload moves."""

@@ -217,10 +217,9 @@ class GpuExperts:
     def _layer_consts(l: LayerExperts) -> tuple[int, ...]:
         """(hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias) of a
         layer's kernels (offsets from an expert's base, see the module docstring)."""
-        off_g = l.bias_bytes
-        off_u = off_g + l.gate.expert_bytes
+        off_g, off_u, off_d = l.device_offsets()
         return (l.hidden, l.ffn, off_g, l.gate.qtype, Q.row_bytes(l.gate.qtype, l.hidden), off_u,
-                l.up.qtype, Q.row_bytes(l.up.qtype, l.hidden), off_u + l.up.expert_bytes,
+                l.up.qtype, Q.row_bytes(l.up.qtype, l.hidden), off_d,
                 l.down.qtype, Q.row_bytes(l.down.qtype, l.ffn), ACTIVATIONS.index(l.activation), int(l.has_bias))
 
     def set_capacity(self, capacity: Capacity) -> None:

@@ -135,3 +135,16 @@ def test_pool_config_validated():
         CpuExpertPool(threads=0)
     with pytest.raises(ValueError, match="timeout_s"):
         CpuExpertPool(threads=1, timeout_s=0)
+
+
+def test_device_offsets_and_misaligned_layouts(rng):
+    """GPU slots hold [biases] | gate | up | down: offsets, and a clear error where a projection
+    after an odd-sized MXFP4 one would break the kernels' 16-bit loads."""
+    ok = random_layer(rng, 0, num_experts=2, hidden=32, ffn=33, qtype=Q.MXFP4, down_qtype=Q.F16)
+    g = ok.gate.expert_bytes  # 33 rows of one 17-byte block: odd
+    assert g == 561 and ok.device_offsets() == (0, g, 2 * g)
+    lb = biased(random_layer(rng, 0, num_experts=2, hidden=64, ffn=32, qtype=Q.Q8_0), rng, "swiglu_oai")
+    assert lb.device_offsets()[0] == lb.bias_bytes == 4 * (2 * 32 + 64)
+    bad = random_layer(rng, 0, num_experts=2, hidden=32, ffn=33, qtype=Q.MXFP4, down_qtype=Q.F32)
+    with pytest.raises(ValueError, match=r"F32 would start at byte 1122 .*not 4-byte aligned"):
+        bad.device_offsets()
