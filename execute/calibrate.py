@@ -67,7 +67,7 @@ __all__ = ["main", "stats", "fit_line", "hardware_json", "write_json", "build_la
            "replay_engine", "replay_host_fields", "replay_pool_fit", "calibration_replay", "replay_summary",
            "apply_replay"]
 
-PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid")
+PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid", "hybrid-cost")
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
 
 
@@ -125,8 +125,19 @@ def synth_tokens(num_layers: int, num_experts: int, top_k: int, num_tokens: int,
     return tuple(trace.tokens()), trace
 
 
-def measure_plan_s(geometry: Geometry, slots: int, tokens, policies=PLAN_POLICIES, reps: int = 3) -> dict:
-    """Scheduler time per layer step (``drive`` alone, no backend) for each policy: {name: stats}."""
+def measure_plan_s(geometry: Geometry, slots: int, tokens, policies=PLAN_POLICIES, reps: int = 3,
+                   cost_model=None) -> dict:
+    """Scheduler time per layer step (``drive`` alone, no backend) for each policy: {name: stats}.
+
+    ``hybrid-cost`` prices its decisions with ``cost_model`` (default: qwen3-30b-a3b's on the
+    h200-xeon16 preset, its layers repeated to ``geometry``'s count: the planning work is what is
+    timed here, not the quality of its split)."""
+    if "hybrid-cost" in policies and cost_model is None:
+        from simulate import load_hardware, load_model
+        from simulate.costs import Costs
+
+        full = Costs(load_model("qwen3-30b-a3b"), load_hardware("h200-xeon16")).cost_model()
+        cost_model = full.of_layers([l % len(full.upload_s) for l in range(geometry.num_layers)])
     counts = np.zeros((geometry.num_layers, geometry.max_experts))
     for t in tokens:
         for s in t.steps:
@@ -137,7 +148,8 @@ def measure_plan_s(geometry: Geometry, slots: int, tokens, policies=PLAN_POLICIE
         samples = []
         for _ in range(reps):
             cap = Capacity.per_layer(geometry, geometry.max_experts if name == "gpu" else slots)
-            pol = make_policy(name, geometry, cap, profile=profile if name == "static" else None)
+            pol = make_policy(name, geometry, cap, profile=profile if name == "static" else None,
+                              **({"cost_model": cost_model} if name == "hybrid-cost" else {}))
             steps = 0
             t0 = time.perf_counter()
             for item in drive(pol, tokens):

@@ -51,6 +51,13 @@ class CostModel:
         if self.cpu_task_s < 0:
             raise ValueError("CostModel.cpu_task_s: expected >= 0")
 
+    def of_layers(self, layers) -> "CostModel":
+        """The costs of ``layers`` only, in that order (layer ``layers[i]`` becomes layer ``i``)."""
+        pick = lambda v: None if v is None else tuple(v[l] for l in layers)
+        return CostModel(pick(self.gpu_expert_s), pick(self.gpu_token_s), pick(self.upload_s),
+                         pick(self.cpu_expert_s), pick(self.cpu_token_s), self.cpu_task_s,
+                         pick(self.gpu_read_s), pick(self.cpu_read_s), pick(self.layer_s))
+
     def gpu_s(self, layer: int, tokens: int) -> float:
         work = tokens * self.gpu_token_s[layer]
         if self.gpu_read_s is not None:

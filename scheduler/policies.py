@@ -581,7 +581,10 @@ class HybridCostPolicy(HybridPolicy):
 
     The floor is chosen online from ``floors_256``: one shadow copy of the policy per candidate
     floor (its own cache, usage and background work, completions at the live lag) is replayed on
-    every committed step and sums its predicted layer times. A window closes after ``tune_every``
+    the committed steps of ``shadow_layers`` MoE layers spread evenly over depth (with every layer
+    that shares a cache pool with one of them; each shadow's ``max_moves`` and ``max_fills`` are
+    cut in the same proportion) and sums its predicted layer times, so tuning costs about
+    ``len(floors_256) * shadow_layers / num_moe_layers`` of a policy. A window closes after ``tune_every``
     tokens' worth of routes (``top_k`` per token and MoE layer; an n-token step counts its token
     counts), at a step: the live floor moves to the shadow predicted fastest, if it beats the
     current floor's shadow by more than ``hysteresis`` (a fraction); then every sum is halved, so
@@ -595,7 +598,7 @@ class HybridCostPolicy(HybridPolicy):
 
     def __init__(self, geometry, capacity, profile=None, *, cost_model: CostModel | None = None,
                  floors_256: Sequence[int] = (0, 32, 64, 96, 128), tune_every: int = 8,
-                 hysteresis: float = 0.01, **options):
+                 hysteresis: float = 0.01, shadow_layers: int = 6, **options):
         if cost_model is None:
             raise ValueError("policy 'hybrid-cost' needs cost_model= (scheduler.CostModel)")
         if len(cost_model.upload_s) != geometry.num_layers:
@@ -607,98 +610,138 @@ class HybridCostPolicy(HybridPolicy):
             raise ValueError(f"hybrid-cost tune_every: {tune_every}, expected >= 1")
         if not 0.0 <= hysteresis < 1.0:
             raise ValueError(f"hybrid-cost hysteresis: {hysteresis}, expected in [0, 1)")
+        if shadow_layers < 1:
+            raise ValueError(f"hybrid-cost shadow_layers: {shadow_layers}, expected >= 1")
         self.costs = cost_model
         self.floor_256 = floors[0]
         self._layer_s = cost_model.layer_s or (0.0,) * geometry.num_layers
         self._queue_s = 0.0  # link work still queued when the last committed layer ended
         self.lag_tokens = 1  # background completion lag, learnt from the live completions
         self._bg_token: dict[tuple[int, int], int] = {}  # background copy -> token it followed
-        self._gpu_s = [cost_model.gpu_s(l, 1) for l in range(geometry.num_layers)]
-        self._cpu_s = [cost_model.cpu_s(l, 1) for l in range(geometry.num_layers)]
+        self._gpu1 = [cost_model.gpu_s(l, 1) for l in range(geometry.num_layers)]  # decode costs
+        self._cpu1 = [cost_model.cpu_s(l, 1) for l in range(geometry.num_layers)]
+        self._gpu_tab: list[list[float]] = [[] for _ in range(geometry.num_layers)]  # see _tables
+        self._cpu_tab: list[list[float]] = [[] for _ in range(geometry.num_layers)]
         self._planned = None  # (the last decision planned, its layer_time_s), read by commit
         super().__init__(geometry, capacity, profile, **options)
         self.tuner = None
         if len(floors) > 1:
-            make = lambda f: HybridCostPolicy(geometry, capacity, profile, cost_model=cost_model,
-                                              floors_256=(f,), **options)
-            routes = tune_every * geometry.top_k * len(geometry.moe_layers)
-            self.tuner = _FloorTuner(make, floors, routes, hysteresis)
+            layers = _sample_layers(geometry.moe_layers, self.cache.pool_of, shadow_layers)
+            parts = _sub_model(geometry, capacity, profile, cost_model, layers)
+            n, n_moe = len(layers), len(geometry.moe_layers)
+            cut = {"max_moves": -(-self.max_moves * n // n_moe), "max_fills": -(-self.max_fills * n // n_moe)}
+            make = lambda f: HybridCostPolicy(*parts[:3], cost_model=parts[3], floors_256=(f,),
+                                              **{**options, **cut})
+            routes = tune_every * geometry.top_k * n_moe
+            self.tuner = _FloorTuner(make, floors, routes, hysteresis, layers)
+
+    def _tables(self, layer: int, max_count: int) -> tuple[list[float], list[float]]:
+        """The layer's GPU and CPU seconds per expert by token count (index c: c tokens), grown
+        to cover ``max_count``."""
+        gt, ct = self._gpu_tab[layer], self._cpu_tab[layer]
+        cm = self.costs
+        for c in range(len(gt), max_count + 1):
+            gt.append(cm.gpu_s(layer, c))
+            ct.append(cm.cpu_s(layer, c))
+        return gt, ct
 
     def plan(self, step: Step) -> Decision:
         layer = step.layer
         state = self.cache.state[layer]
-        experts = step.experts
-        cnt = dict(zip(experts, step.counts)) if step.counts is not None else None
-        gpu_s, cpu_s = self._gpu_s[layer], self._cpu_s[layer]  # decode costs, or the roofline by count
-        hits, eligible, cpu = [], [], []
-        for e in experts:
-            s = state[e]
-            if s == RESIDENT:
-                hits.append(e)
-            elif s == INFLIGHT:
-                cpu.append(e)
-            else:
-                eligible.append(e)
-        cm = self.costs
-        if cnt is None:
-            gpu = len(hits) * gpu_s
-            cpu_t = cm.cpu_task_s + len(cpu) * cpu_s if cpu else 0.0
-        else:
-            gpu = sum([cm.gpu_s(layer, cnt[e]) for e in hits])
-            cpu_t = cm.cpu_task_s + sum([cm.cpu_s(layer, cnt[e]) for e in cpu]) if cpu else 0.0
+        experts, counts = step.experts, step.counts
+        misses = [e for e in experts if state[e] != RESIDENT]
         queued = self._queue_s - self._layer_s[layer]
         queued = queued if queued > 0.0 else 0.0
+        if counts is None:
+            gpu_s, cpu_s = self._gpu1[layer], self._cpu1[layer]
+        else:
+            gt, ct = self._tables(layer, max(counts))
+        if not misses:
+            t = len(experts) * gpu_s if counts is None else sum([gt[c] for c in counts])
+            d = Decision(step, experts)
+            self._planned = (d, t, queued - t if queued > t else 0.0)
+            return d
+        hits = tuple([e for e in experts if state[e] == RESIDENT])
+        eligible = [e for e in misses if state[e] != INFLIGHT]
+        task = self.costs.cpu_task_s
+        if counts is None:
+            gpu = len(hits) * gpu_s
+            n_busy = len(misses) - len(eligible)  # in flight: on the CPU
+            cpu_t = task + n_busy * cpu_s if n_busy else 0.0
+        else:
+            cnt = dict(zip(experts, counts))
+            gpu = sum([gt[cnt[e]] for e in hits])
+            busy = [ct[cnt[e]] for e in misses if state[e] == INFLIGHT]
+            cpu_t = task + sum(busy) if busy else 0.0
         if not eligible:
             t = gpu if gpu > cpu_t else cpu_t
-            d = Decision(step, experts) if not cpu else Decision(step, tuple(hits), cpu=tuple(cpu))
+            d = Decision(step, hits, cpu=tuple(misses))
             self._planned = (d, t, queued - t if queued > t else 0.0)
             return d
         u = self._u[layer]
-        eligible.sort(key=(lambda e: (-cnt[e], -u[e])) if cnt else (lambda e: -u[e]))  # stable: rank
+        if len(eligible) > 1:  # more used first; stable, so router rank breaks ties
+            eligible.sort(key=u.__getitem__ if counts is None else (lambda e: (cnt[e], u[e])), reverse=True)
         n_floor = (len(eligible) * self.floor_256 + 128) >> 8
-        up_s = cm.upload_s[layer]
+        up_s = self.costs.upload_s[layer]
         link = queued + n_floor * up_s
-        gpu += n_floor * gpu_s if cnt is None else sum([cm.gpu_s(layer, cnt[e]) for e in eligible[:n_floor]])
+        if counts is None:
+            gpu += n_floor * gpu_s
+            pcie, gpu, link, cpu_t = self._split_decode(eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s)
+        else:
+            gpu += sum([gt[cnt[e]] for e in eligible[:n_floor]])
+            pcie, gpu, link, cpu_t = self._split_counts(eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s)
+        if pcie:
+            t, left = max(gpu, cpu_t, link), 0.0
+            cpu = tuple([e for e in misses if e not in pcie])
+        else:
+            t = gpu if gpu > cpu_t else cpu_t
+            left = queued - t if queued > t else 0.0
+            cpu = tuple(misses)
+        slots = self.cache.free_slots(layer, len(pcie))
+        n_slot = len(slots)
+        if n_slot < len(pcie) and self.admit_uploads:
+            d = self._admit(step, hits, pcie, slots, cpu)
+        else:
+            d = Decision(step, hits, tuple(pcie[:n_slot]), tuple(slots), tuple(pcie[n_slot:]), cpu)
+        self._planned = (d, t, left)
+        return d
+
+    def _split_decode(self, eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s):
+        """The greedy past the floor when every miss has one token (all cost the same, so the
+        first ones sent are the most used); returns (PCIe misses, gpu, link, cpu times)."""
         n_up = n_floor
-        task = cm.cpu_task_s
+        task = self.costs.cpu_task_s
+        for _ in range(len(eligible) - n_floor):
+            g_gpu, g_link = gpu + gpu_s, link + up_s
+            c_cpu = cpu_t + cpu_s + (0.0 if cpu_t else task)
+            if max(g_gpu, g_link, cpu_t) < max(gpu, link if n_up else 0.0, c_cpu):
+                gpu, link, n_up = g_gpu, g_link, n_up + 1
+            else:
+                cpu_t = c_cpu
+        return eligible[:n_up], gpu, link, cpu_t
+
+    def _split_counts(self, eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s):
+        """The greedy past the floor with token counts: it fixes how many misses of each count
+        go over PCIe, and the most used of that count are sent; returns as ``_split_decode``."""
+        n_up = n_floor
+        task = self.costs.cpu_task_s
         sent: dict[int, int] = {}  # token count -> how many of the greedy's misses go over PCIe
         for e in eligible[n_floor:]:
-            c = cnt[e] if cnt else 1
-            g_gpu = gpu + (gpu_s if cnt is None else cm.gpu_s(layer, c))
-            g_link = link + up_s
-            c_cpu = cpu_t + (cpu_s if cnt is None else cm.cpu_s(layer, c)) + (0.0 if cpu_t else task)
+            c = cnt[e]
+            g_gpu, g_link = gpu + gt[c], link + up_s
+            c_cpu = cpu_t + ct[c] + (0.0 if cpu_t else task)
             if max(g_gpu, g_link, cpu_t) < max(gpu, link if n_up else 0.0, c_cpu):
                 sent[c] = sent.get(c, 0) + 1
                 gpu, link, n_up = g_gpu, g_link, n_up + 1
             else:
                 cpu_t = c_cpu
-        pcie_list = eligible[:n_floor]
-        if sent:
-            for e in eligible[n_floor:]:  # of each count, the most used go over PCIe
-                c = cnt[e] if cnt else 1
-                if sent.get(c):
-                    sent[c] -= 1
-                    pcie_list.append(e)
-                else:
-                    cpu.append(e)
-        else:
-            cpu += eligible[n_floor:]
-        if n_up:
-            self._planned = (None, max(gpu, cpu_t, link), 0.0)
-        else:
-            t = gpu if gpu > cpu_t else cpu_t
-            self._planned = (None, t, queued - t if queued > t else 0.0)
-        order = {e: i for i, e in enumerate(experts)}
-        cpu.sort(key=order.__getitem__)
-        slots = self.cache.free_slots(layer, len(pcie_list))
-        n_slot = len(slots)
-        if n_slot < len(pcie_list) and self.admit_uploads:
-            d = self._admit(step, tuple(hits), pcie_list, slots, tuple(cpu))
-        else:
-            d = Decision(step, tuple(hits), uploads=tuple(pcie_list[:n_slot]), slots=tuple(slots),
-                         streams=tuple(pcie_list[n_slot:]), cpu=tuple(cpu))
-        self._planned = (d,) + self._planned[1:]
-        return d
+        pcie = eligible[:n_floor]
+        for e in eligible[n_floor:]:
+            c = cnt[e]
+            if sent.get(c):
+                sent[c] -= 1
+                pcie.append(e)
+        return pcie, gpu, link, cpu_t
 
     def layer_time_s(self, d: Decision) -> tuple[float, float]:
         """Predicted expert time of decision ``d`` by the cost model (waiting for the link's queue
@@ -742,12 +785,41 @@ class HybridCostPolicy(HybridPolicy):
         super().complete(layer, expert)
 
 
-class _FloorTuner:
-    """Shadow ``hybrid-cost`` policies, one per candidate floor, replayed on the live steps
-    (see ``HybridCostPolicy``): each sums its own predicted time per window of tokens."""
+def _sample_layers(moe_layers: tuple[int, ...], pool_of: list[int], k: int) -> tuple[int, ...]:
+    """``k`` of ``moe_layers`` spread evenly (the middle of each of ``k`` equal runs), with every
+    layer sharing a cache pool with one of them; ascending."""
+    n = len(moe_layers)
+    if k >= n:
+        return moe_layers
+    picked = {moe_layers[(2 * i + 1) * n // (2 * k)] for i in range(k)}
+    pools = {pool_of[l] for l in picked if pool_of[l] >= 0}
+    return tuple(sorted(picked | {l for l in moe_layers if pool_of[l] in pools}))
 
-    def __init__(self, make, floors: tuple[int, ...], window_routes: int, hysteresis: float):
+
+def _sub_model(geometry: Geometry, capacity: Capacity, profile: Profile | None, cost_model: CostModel,
+               layers: tuple[int, ...]):
+    """Geometry, capacity, profile and cost model of ``layers`` alone (whole pools), renumbered
+    0.. in order, for the floor tuner's shadows."""
+    index = {l: i for i, l in enumerate(layers)}
+    sub = Geometry(tuple(geometry.num_experts[l] for l in layers), geometry.top_k,
+                   tuple(geometry.expert_bytes[l] for l in layers))
+    pools = tuple((tuple(index[l] for l in ls if l in index), n) for ls, n in capacity.pools
+                  if any(l in index for l in ls))
+    if profile is not None:
+        ranked = tuple((index[l], e) for l, e in profile.ranked if l in index)
+        freq = None if profile.frequency is None else profile.frequency[list(layers)]
+        profile = Profile(len(layers), sub.max_experts, ranked, min(profile.slots, len(ranked)), freq)
+    return sub, Capacity(pools), profile, cost_model.of_layers(layers)
+
+
+class _FloorTuner:
+    """Shadow ``hybrid-cost`` policies, one per candidate floor, replayed on the live steps of
+    ``layers`` (see ``HybridCostPolicy``): each sums its own predicted time per window of tokens."""
+
+    def __init__(self, make, floors: tuple[int, ...], window_routes: int, hysteresis: float,
+                 layers: tuple[int, ...]):
         self.floors = floors
+        self.index = {l: i for i, l in enumerate(layers)}  # live layer -> the shadows' layer
         self.shadows = [make(f) for f in floors]
         self.window_routes, self.hysteresis = window_routes, hysteresis
         self.routes = 0  # (token, expert) routes seen in this window
@@ -756,16 +828,18 @@ class _FloorTuner:
         self.history: list[int] = []  # the floor chosen at each window's end
 
     def observe(self, step: Step, floor: int) -> int:
-        """Replay one committed live step on every shadow; returns the live floor from now on
-        (changed when this step closes a window)."""
-        layer = step.layer
-        for i, sh in enumerate(self.shadows):
-            d = sh.plan(step)
-            self.window_s[i] += sh.commit(d)
-            for e in d.uploads:
-                sh.complete(layer, e)
-            for e in d.promotions:
-                sh.complete(layer, e)
+        """Replay one committed live step on every shadow (if its layer is sampled); returns the
+        live floor from now on (changed when this step closes a window)."""
+        layer = self.index.get(step.layer)
+        if layer is not None:
+            step = Step(layer, step.experts, step.counts, step.weights)
+            for i, sh in enumerate(self.shadows):
+                d = sh.plan(step)
+                self.window_s[i] += sh.commit(d)
+                for e in d.uploads:
+                    sh.complete(layer, e)
+                for e in d.promotions:
+                    sh.complete(layer, e)
         self.routes += len(step.experts) if step.counts is None else sum(step.counts)
         if self.routes < self.window_routes:
             return floor

@@ -109,6 +109,15 @@ def test_plan_and_poll_measurements_run_without_a_gpu():
     assert C.measure_poll_s(reps=5)["median"] >= 20e-6
 
 
+def test_plan_measurement_includes_hybrid_cost():
+    from scheduler.core import Geometry
+
+    tokens, _ = C.synth_tokens(3, 16, 4, 12, seed=0)
+    assert "hybrid-cost" in C.PLAN_POLICIES
+    plan = C.measure_plan_s(Geometry((16, 16, 16), 4, (1000,) * 3), 8, tokens, policies=("hybrid", "hybrid-cost"), reps=1)
+    assert set(plan) == {"hybrid", "hybrid-cost"} and plan["hybrid-cost"]["median"] > 0
+
+
 def test_cpu_only_command_writes_a_loadable_file(tmp_path):
     from scheduler.cli import main as moelab
     from simulate import hardware as H

@@ -253,8 +253,71 @@ def test_floor_tuner_shadows_complete_background_copies_at_the_live_lag():
 
 @pytest.mark.parametrize("options, field", [(dict(floors_256=()), "floors_256"), (dict(floors_256=(0, 300)), "floors_256"),
                                             (dict(floors_256=(64, 64)), "floors_256"), (dict(tune_every=0), "tune_every"),
-                                            (dict(hysteresis=1.0), "hysteresis")])
+                                            (dict(hysteresis=1.0), "hysteresis"), (dict(shadow_layers=0), "shadow_layers")])
 def test_hybrid_cost_options_are_checked(options, field):
     g = Geometry.uniform(1, 8, 2, 10)
     with pytest.raises(ValueError, match=field):
         make_policy("hybrid-cost", g, Capacity.per_layer(g, 2), cost_model=costs(), **options)
+
+
+def test_cost_model_of_layers_picks_and_renumbers():
+    from scheduler import CostModel
+
+    cm = CostModel((1.0, 2.0, 3.0), (0.1, 0.2, 0.3), (4.0, 5.0, 6.0), (7.0, 8.0, 9.0), (0.0, 0.5, 1.0), 0.25,
+                   layer_s=(0.01, 0.02, 0.03))
+    sub = cm.of_layers((2, 0))
+    assert sub.upload_s == (6.0, 4.0) and sub.layer_s == (0.03, 0.01) and sub.gpu_read_s is None
+    assert sub.cpu_task_s == 0.25 and sub.gpu_s(0, 2) == cm.gpu_s(2, 2) and sub.cpu_s(1, 3) == cm.cpu_s(0, 3)
+
+
+def test_floor_tuner_shadows_replay_a_spread_of_layers_only():
+    g = Geometry.uniform(8, 16, 2, 10)
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 4), cost_model=costs(layers=8),
+                         floors_256=(0, 128), tune_every=2, shadow_layers=2, max_moves=8, decay=1.0)
+    rng = np.random.default_rng(3)
+    tokens = [tok(i, *[rng.choice(16, 2, replace=False).tolist() for _ in range(8)]) for i in range(40)]
+    replay(policy, tokens)
+    tuner = policy.tuner
+    assert sorted(tuner.index) == [2, 6]  # the middle of layers 0-3 and of 4-7
+    assert len(tuner.history) == 40 * 8 * 2 // (2 * 2 * 8)  # windows count every layer's routes
+    for sh in tuner.shadows:
+        assert sh.geometry.num_layers == 2 and sh.max_moves == 2 and sh.costs.upload_s == (1.0, 1.0)
+        sh.cache.check()
+        routed = [sum(len(t.steps[l].experts) for t in tokens) for l in (2, 6)]
+        assert sh.usage.sum(axis=1).tolist() == routed  # the routes of layers 2 and 6, no others
+
+
+def test_floor_tuner_samples_whole_shared_pools():
+    g = Geometry.uniform(6, 8, 2, 10)
+    cap = Capacity.shared(g, [(0, 1), (2, 3), (4, 5)], [4, 4, 4])
+    policy = make_policy("hybrid-cost", g, cap, cost_model=costs(layers=6), floors_256=(0, 64), shadow_layers=1)
+    assert sorted(policy.tuner.index) == [2, 3]  # layer 3 picked; layer 2 shares its pool
+    assert policy.tuner.shadows[0].capacity.pools == (((0, 1), 4),)
+    tokens = [tok(i, *[[(i + l) % 8, (3 * i + l + 1) % 8] for l in range(6)]) for i in range(12)]
+    replay(policy, tokens)
+    for sh in policy.tuner.shadows:
+        sh.cache.check()
+
+
+def test_decode_and_one_token_counts_plan_alike():
+    """The decode path (no counts) and the token-count path agree when every count is 1 (costs
+    exact in binary, so the sums cannot differ by rounding)."""
+    g = Geometry.uniform(2, 16, 4, 10)
+    cm = costs(layers=2, upload=1.0, gpu=0.125, cpu=0.5, cpu_tok=0.25, task=0.0625)
+    rng = np.random.default_rng(7)
+    tokens = [tok(i, *[rng.choice(16, 4, replace=False).tolist() for _ in range(2)]) for i in range(30)]
+    for floor in (0, 64, 256):
+        policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 6), cost_model=cm, floors_256=(floor,))
+        for t in tokens:
+            for step in t.steps:
+                ones = Step(step.layer, step.experts, (1,) * len(step.experts))
+                d1 = policy.plan(ones)
+                t1 = policy.layer_time_s(d1)
+                d = policy.plan(step)
+                assert d[1:] == d1[1:] and policy.layer_time_s(d) == t1
+                policy.commit(d)
+                for e in d.uploads:
+                    policy.complete(step.layer, e)
+            policy.commit_background(policy.plan_background())
+            for m in policy.background.copy():
+                policy.complete(*m)
