@@ -5,7 +5,7 @@ through each policy with no timing, side by side in one process: the decision lo
 (scheduler.drive: plan, commit, completions, background work), and again with an Audit observing
 every item (what a backend adds to count hits and bytes). ``hybrid-cost`` prices its decisions
 with the cost model of the qwen3-30b-a3b preset on ``--hardware`` (simulate.costs), its floor
-tuned by shadow policies.
+tuned by shadow policies (on its default ``shadow_layers`` of the 48 layers).
 
 Usage: python experiments/bench_scheduler.py [--tokens N] [--slots S] [--repeats R] [--hardware H] [--json]
 """
@@ -78,7 +78,8 @@ def main() -> None:
     results = {n: {"layer_steps_per_s": steps / times[n, "decide"],
                    "with_audit_layer_steps_per_s": steps / times[n, "audited"], "hit_rate": hit[n]} for n in names}
     out = {"tokens": args.tokens, "layer_steps": steps, "slots_per_layer": args.slots, "policies": results,
-           "hybrid_over_lru": results["hybrid"]["layer_steps_per_s"] / results["lru"]["layer_steps_per_s"]}
+           "hybrid_over_lru": results["hybrid"]["layer_steps_per_s"] / results["lru"]["layer_steps_per_s"],
+           "hybrid_cost_time_over_hybrid": times["hybrid-cost", "decide"] / times["hybrid", "decide"]}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -88,7 +89,8 @@ def main() -> None:
         for name, r in results.items():
             print(f"  {name:<11} {r['layer_steps_per_s']:>12,.0f} {r['with_audit_layer_steps_per_s']:>13,.0f}   "
                   f"{r['hit_rate']:.3f}")
-        print(f"  hybrid/lru speed ratio {out['hybrid_over_lru']:.2f}")
+        print(f"  hybrid/lru speed ratio {out['hybrid_over_lru']:.2f}; "
+              f"hybrid-cost planning time {out['hybrid_cost_time_over_hybrid']:.2f}x hybrid's")
 
 if __name__ == "__main__":
     main()

@@ -598,7 +598,7 @@ class HybridCostPolicy(HybridPolicy):
 
     def __init__(self, geometry, capacity, profile=None, *, cost_model: CostModel | None = None,
                  floors_256: Sequence[int] = (0, 32, 64, 96, 128), tune_every: int = 8,
-                 hysteresis: float = 0.01, shadow_layers: int = 6, **options):
+                 hysteresis: float = 0.01, shadow_layers: int = 4, **options):
         if cost_model is None:
             raise ValueError("policy 'hybrid-cost' needs cost_model= (scheduler.CostModel)")
         if len(cost_model.upload_s) != geometry.num_layers:
