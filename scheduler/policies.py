@@ -583,8 +583,11 @@ class HybridCostPolicy(HybridPolicy):
     floor (its own cache, usage and background work, completions at the live lag) is replayed on
     the committed steps of ``shadow_layers`` MoE layers spread evenly over depth (with every layer
     that shares a cache pool with one of them; each shadow's ``max_moves`` and ``max_fills`` are
-    cut in the same proportion) and sums its predicted layer times, so tuning costs about
-    ``len(floors_256) * shadow_layers / num_moe_layers`` of a policy. A window closes after ``tune_every``
+    cut in the same proportion) and sums its predicted layer times. After the first
+    ``tune_warmup`` windows the shadows run only a ``tune_duty`` share of the time: a window, then a
+    rest; the window after a rest starts fresh shadows from the live cache, usage and in-flight
+    copies on those layers. Tuning thus costs about ``tune_duty * len(floors_256) * shadow_layers
+    / num_moe_layers`` of a policy's steps. A window closes after ``tune_every``
     tokens' worth of routes (``top_k`` per token and MoE layer; an n-token step counts its token
     counts), at a step: the live floor moves to the shadow predicted fastest, if it beats the
     current floor's shadow by more than ``hysteresis`` (a fraction); then every sum is halved, so
@@ -598,7 +601,8 @@ class HybridCostPolicy(HybridPolicy):
 
     def __init__(self, geometry, capacity, profile=None, *, cost_model: CostModel | None = None,
                  floors_256: Sequence[int] = (0, 32, 64, 96, 128), tune_every: int = 8,
-                 hysteresis: float = 0.01, shadow_layers: int = 4, **options):
+                 hysteresis: float = 0.01, shadow_layers: int = 4, tune_duty: float = 0.25,
+                 tune_warmup: int = 8, **options):
         if cost_model is None:
             raise ValueError("policy 'hybrid-cost' needs cost_model= (scheduler.CostModel)")
         if len(cost_model.upload_s) != geometry.num_layers:
@@ -612,6 +616,10 @@ class HybridCostPolicy(HybridPolicy):
             raise ValueError(f"hybrid-cost hysteresis: {hysteresis}, expected in [0, 1)")
         if shadow_layers < 1:
             raise ValueError(f"hybrid-cost shadow_layers: {shadow_layers}, expected >= 1")
+        if not 0.0 < tune_duty <= 1.0:
+            raise ValueError(f"hybrid-cost tune_duty: {tune_duty}, expected in (0, 1]")
+        if tune_warmup < 0:
+            raise ValueError(f"hybrid-cost tune_warmup: {tune_warmup}, expected >= 0")
         self.costs = cost_model
         self.floor_256 = floors[0]
         self._layer_s = cost_model.layer_s or (0.0,) * geometry.num_layers
@@ -630,10 +638,10 @@ class HybridCostPolicy(HybridPolicy):
             parts = _sub_model(geometry, capacity, profile, cost_model, layers)
             n, n_moe = len(layers), len(geometry.moe_layers)
             cut = {"max_moves": -(-self.max_moves * n // n_moe), "max_fills": -(-self.max_fills * n // n_moe)}
-            make = lambda f: HybridCostPolicy(*parts[:3], cost_model=parts[3], floors_256=(f,),
-                                              **{**options, **cut})
+            make = lambda f, prof: HybridCostPolicy(*parts[:2], prof, cost_model=parts[3], floors_256=(f,),
+                                                    **{**options, **cut})
             routes = tune_every * geometry.top_k * n_moe
-            self.tuner = _FloorTuner(make, floors, routes, hysteresis, layers)
+            self.tuner = _FloorTuner(make, floors, routes, hysteresis, layers, parts[2], tune_duty, tune_warmup)
 
     def _tables(self, layer: int, max_count: int) -> tuple[list[float], list[float]]:
         """The layer's GPU and CPU seconds per expert by token count (index c: c tokens), grown
@@ -776,7 +784,7 @@ class HybridCostPolicy(HybridPolicy):
         for m in moves:
             self._bg_token[(m.layer, m.expert)] = token
         if self.tuner is not None:
-            self.tuner.end_token(token, self.lag_tokens)
+            self.tuner.end_token(self, token)
 
     def complete(self, layer: int, expert: int) -> None:
         token = self._bg_token.pop((layer, expert), None)
@@ -814,22 +822,35 @@ def _sub_model(geometry: Geometry, capacity: Capacity, profile: Profile | None, 
 
 class _FloorTuner:
     """Shadow ``hybrid-cost`` policies, one per candidate floor, replayed on the live steps of
-    ``layers`` (see ``HybridCostPolicy``): each sums its own predicted time per window of tokens."""
+    ``layers`` (see ``HybridCostPolicy``): each sums its own predicted time per window of tokens.
+
+    With ``duty`` < 1, after the first ``warmup`` windows each window is followed by a rest of
+    ``1 / duty - 1`` windows' routes in which no shadow runs; at the token boundary after a rest,
+    fresh shadows start from the live policy's state on those layers (``_seed``)."""
 
     def __init__(self, make, floors: tuple[int, ...], window_routes: int, hysteresis: float,
-                 layers: tuple[int, ...]):
-        self.floors = floors
+                 layers: tuple[int, ...], profile: Profile | None, duty: float, warmup: int):
+        self.floors, self.make = floors, make
+        self.layers = layers
         self.index = {l: i for i, l in enumerate(layers)}  # live layer -> the shadows' layer
-        self.shadows = [make(f) for f in floors]
+        self.shadows = [make(f, profile) for f in floors]
         self.window_routes, self.hysteresis = window_routes, hysteresis
-        self.routes = 0  # (token, expert) routes seen in this window
+        self.rest_routes = round(window_routes * (1.0 / duty - 1.0))
+        self.routes = 0  # (token, expert) routes seen in this window or rest
         self.window_s = [0.0] * len(floors)
         self.pending: deque[tuple[int, HybridCostPolicy, tuple[Move, ...]]] = deque()
         self.history: list[int] = []  # the floor chosen at each window's end
+        self.resting = self.reseed = False
+        self.warmup = warmup
 
     def observe(self, step: Step, floor: int) -> int:
-        """Replay one committed live step on every shadow (if its layer is sampled); returns the
-        live floor from now on (changed when this step closes a window)."""
+        """Replay one committed live step on every shadow (if its layer is sampled and a window
+        is open); returns the live floor from now on (changed when this step closes a window)."""
+        self.routes += len(step.experts) if step.counts is None else sum(step.counts)
+        if self.resting:
+            if self.routes >= self.rest_routes:
+                self.reseed, self.routes = True, 0
+            return floor
         layer = self.index.get(step.layer)
         if layer is not None:
             step = Step(layer, step.experts, step.counts, step.weights)
@@ -840,7 +861,6 @@ class _FloorTuner:
                     sh.complete(layer, e)
                 for e in d.promotions:
                     sh.complete(layer, e)
-        self.routes += len(step.experts) if step.counts is None else sum(step.counts)
         if self.routes < self.window_routes:
             return floor
         cur = self.floors.index(floor)
@@ -850,20 +870,59 @@ class _FloorTuner:
         self.window_s = [t * 0.5 for t in self.window_s]  # earlier windows weigh half as much
         self.routes = 0
         self.history.append(floor)
+        if self.rest_routes and len(self.history) >= self.warmup:
+            self.resting, self.shadows = True, []
+            self.pending.clear()
         return floor
 
-    def end_token(self, token: int, lag_tokens: int) -> None:
-        """Background work of every shadow after live token ``token``; completes the copies due
-        before the next token starts."""
+    def end_token(self, live: HybridCostPolicy, token: int) -> None:
+        """Background work of every shadow after live token ``token`` (after ``live``'s own);
+        completes the copies due before the next token starts. Starts fresh shadows after a rest."""
+        lag = live.lag_tokens
+        if self.reseed:
+            self.shadows = [self.make(f, None) for f in self.floors]
+            for sh in self.shadows:
+                self._seed(sh, live, token, lag)
+            self.resting = self.reseed = False
+            return
         for sh in self.shadows:
             moves = sh.plan_background()
             sh.commit_background(moves)
             if moves:
-                self.pending.append((token + 1 + lag_tokens, sh, moves))
+                self.pending.append((token + 1 + lag, sh, moves))
         while self.pending and self.pending[0][0] <= token + 1:
             _, sh, moves = self.pending.popleft()
             for m in moves:
                 sh.complete(m.layer, m.expert)
+
+    def _seed(self, sh: HybridCostPolicy, live: HybridCostPolicy, token: int, lag: int) -> None:
+        """Give shadow ``sh`` the live policy's residents (same slots), usage and token count on
+        the sampled layers; live background copies still in flight are in flight in ``sh`` too,
+        completing when the live ones do, and queued on its link."""
+        cache, width = live.cache, sh._np.shape[1]
+        up = sh.costs.upload_s
+        due: dict[int, list[Move]] = {}
+        for j, l in enumerate(self.layers):
+            sh._np[j] = live._np[l, :width]
+            p = cache.pool_of[l]
+            if p < 0:
+                continue
+            for slot, key in enumerate(cache.owner[p]):
+                if key is None or key[0] != l:
+                    continue
+                if key in cache.inflight:
+                    sh.cache.reserve((j, key[1]), slot)
+                    sh.background.add((j, key[1]))
+                    sh._queue_s += up[j]
+                    t = live._bg_token.get(key, token) + 1 + lag
+                    due.setdefault(t, []).append(Move(j, key[1], slot))
+                else:
+                    sh.cache.place((j, key[1]), slot)
+        sh.tokens = live.tokens
+        sh._room = any(sh.cache.free)
+        sh._rank_all_residents()
+        for t in sorted(due):
+            self.pending.append((t, sh, tuple(due[t])))
 
 
 class BeladyPolicy(BasePolicy):

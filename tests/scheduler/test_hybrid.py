@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from scheduler import Capacity, Geometry, Profile, Step, Token, drive, make_policy, replay
-from scheduler.drive import RunLayer, StartBackground
+from scheduler.drive import EndToken, RunLayer, StartBackground
 
 
 def tok(i, *layers):
@@ -253,7 +253,8 @@ def test_floor_tuner_shadows_complete_background_copies_at_the_live_lag():
 
 @pytest.mark.parametrize("options, field", [(dict(floors_256=()), "floors_256"), (dict(floors_256=(0, 300)), "floors_256"),
                                             (dict(floors_256=(64, 64)), "floors_256"), (dict(tune_every=0), "tune_every"),
-                                            (dict(hysteresis=1.0), "hysteresis"), (dict(shadow_layers=0), "shadow_layers")])
+                                            (dict(hysteresis=1.0), "hysteresis"), (dict(shadow_layers=0), "shadow_layers"),
+                                            (dict(tune_duty=0.0), "tune_duty"), (dict(tune_warmup=-1), "tune_warmup")])
 def test_hybrid_cost_options_are_checked(options, field):
     g = Geometry.uniform(1, 8, 2, 10)
     with pytest.raises(ValueError, match=field):
@@ -273,7 +274,8 @@ def test_cost_model_of_layers_picks_and_renumbers():
 def test_floor_tuner_shadows_replay_a_spread_of_layers_only():
     g = Geometry.uniform(8, 16, 2, 10)
     policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 4), cost_model=costs(layers=8),
-                         floors_256=(0, 128), tune_every=2, shadow_layers=2, max_moves=8, decay=1.0)
+                         floors_256=(0, 128), tune_every=2, shadow_layers=2, max_moves=8, decay=1.0,
+                         tune_duty=1.0)
     rng = np.random.default_rng(3)
     tokens = [tok(i, *[rng.choice(16, 2, replace=False).tolist() for _ in range(8)]) for i in range(40)]
     replay(policy, tokens)
@@ -321,3 +323,49 @@ def test_decode_and_one_token_counts_plan_alike():
             policy.commit_background(policy.plan_background())
             for m in policy.background.copy():
                 policy.complete(*m)
+
+
+def test_floor_tuner_rests_between_windows_after_its_warmup():
+    g = Geometry.uniform(2, 16, 2, 10)
+    rng = np.random.default_rng(5)
+    tokens = [tok(i, *[rng.choice(16, 2, replace=False).tolist() for _ in range(2)]) for i in range(60)]
+    make = lambda: make_policy("hybrid-cost", g, Capacity.per_layer(g, 4), cost_model=costs(layers=2),
+                               floors_256=(0, 64, 128), tune_every=2, tune_duty=0.5, tune_warmup=2)
+    policy = make()
+    rests = []  # whether the shadows were resting at each token's end
+    for item in drive(policy, tokens):
+        if type(item) is EndToken:
+            rests.append(not policy.tuner.shadows)
+    # windows of 2 tokens (8 routes), closing at a token's last step; after the 2 windows of
+    # warm-up a rest of 8 routes follows each, and fresh shadows start when a token ends
+    assert rests[:3] == [False] * 3 and rests[3:11] == [True, True, False, False] * 2
+    assert len(policy.tuner.history) == 2 + (60 - 4) // 4
+    again = make()
+    replay(again, tokens)
+    assert again.tuner.history == policy.tuner.history  # deterministic
+
+
+def test_fresh_shadows_start_from_the_live_cache_usage_and_copies_in_flight():
+    g = Geometry.uniform(4, 16, 2, 10)
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 8), cost_model=costs(layers=4),
+                         floors_256=(0, 128), shadow_layers=2, tune_every=1, tune_duty=0.5, tune_warmup=0)
+    rng = np.random.default_rng(2)
+    tokens = [tok(i, *[rng.choice(16, 2, replace=False).tolist() for _ in range(4)]) for i in range(9)]
+    for item in drive(policy, tokens, lag_tokens=2):
+        if type(item) is EndToken and item.token.index == 3:
+            break
+    tuner, live = policy.tuner, policy
+    assert live.cache.inflight  # background copies of the last tokens still on their way
+    sh = tuner.make(0, None)
+    tuner._seed(sh, live, 3, live.lag_tokens)
+    sh.cache.check()
+    for j, l in enumerate(tuner.layers):
+        assert {e: s for (k, e), s in sh.cache.slot.items() if k == j} == \
+            {e: s for (k, e), s in live.cache.slot.items() if k == l}
+        assert {e for k, e in sh.cache.inflight if k == j} == {e for k, e in live.cache.inflight if k == l}
+        assert sh.usage[j].tolist() == live.usage[l].tolist()
+    assert sh.tokens == live.tokens
+    due = {(m.layer, m.expert): t for t, s, ms in tuner.pending if s is sh for m in ms}
+    assert set(due) == {(j, e) for j, l in enumerate(tuner.layers) for k, e in live.cache.inflight if k == l}
+    assert all(due[j, e] == live._bg_token[l, e] + 1 + 2 for j, l in enumerate(tuner.layers)
+               for k, e in live.cache.inflight if k == l)  # complete when the live copies do
