@@ -589,7 +589,8 @@ class HybridCostPolicy(HybridPolicy):
     copies on those layers. Tuning thus costs about ``tune_duty * len(floors_256) * shadow_layers
     / num_moe_layers`` of a policy's steps. A window closes after ``tune_every``
     tokens' worth of routes (``top_k`` per token and MoE layer; an n-token step counts its token
-    counts), at a step: the live floor moves to the shadow predicted fastest, if it beats the
+    counts), at a step (in the duty cycle, at the end of that step's token): the live floor
+    moves to the shadow predicted fastest, if it beats the
     current floor's shadow by more than ``hysteresis`` (a fraction); then every sum is halved, so
     earlier windows weigh less. A single candidate fixes the floor. Fills and
     swap rounds are ``hybrid``'s. An expert with many tokens is worth uploading; one with a single
@@ -602,7 +603,7 @@ class HybridCostPolicy(HybridPolicy):
     def __init__(self, geometry, capacity, profile=None, *, cost_model: CostModel | None = None,
                  floors_256: Sequence[int] = (0, 32, 64, 96, 128), tune_every: int = 8,
                  hysteresis: float = 0.01, shadow_layers: int = 4, tune_duty: float = 0.25,
-                 tune_warmup: int = 8, **options):
+                 tune_warmup: int = 16, **options):
         if cost_model is None:
             raise ValueError("policy 'hybrid-cost' needs cost_model= (scheduler.CostModel)")
         if len(cost_model.upload_s) != geometry.num_layers:
@@ -784,7 +785,7 @@ class HybridCostPolicy(HybridPolicy):
         for m in moves:
             self._bg_token[(m.layer, m.expert)] = token
         if self.tuner is not None:
-            self.tuner.end_token(self, token)
+            self.floor_256 = self.tuner.end_token(self, token)
 
     def complete(self, layer: int, expert: int) -> None:
         token = self._bg_token.pop((layer, expert), None)
@@ -824,9 +825,10 @@ class _FloorTuner:
     """Shadow ``hybrid-cost`` policies, one per candidate floor, replayed on the live steps of
     ``layers`` (see ``HybridCostPolicy``): each sums its own predicted time per window of tokens.
 
-    With ``duty`` < 1, after the first ``warmup`` windows each window is followed by a rest of
-    ``1 / duty - 1`` windows' routes in which no shadow runs; at the token boundary after a rest,
-    fresh shadows start from the live policy's state on those layers (``_seed``)."""
+    With ``duty`` < 1, after the first ``warmup`` windows each window runs to the end of the token
+    in which its routes are reached, then a rest of ``1 / duty - 1`` windows' routes follows in
+    which no shadow runs; at the token boundary after a rest, fresh shadows start from the live
+    policy's state on those layers (``_seed``)."""
 
     def __init__(self, make, floors: tuple[int, ...], window_routes: int, hysteresis: float,
                  layers: tuple[int, ...], profile: Profile | None, duty: float, warmup: int):
@@ -840,7 +842,7 @@ class _FloorTuner:
         self.window_s = [0.0] * len(floors)
         self.pending: deque[tuple[int, HybridCostPolicy, tuple[Move, ...]]] = deque()
         self.history: list[int] = []  # the floor chosen at each window's end
-        self.resting = self.reseed = False
+        self.resting = self.reseed = self.close_due = False
         self.warmup = warmup
 
     def observe(self, step: Step, floor: int) -> int:
@@ -861,8 +863,18 @@ class _FloorTuner:
                     sh.complete(layer, e)
                 for e in d.promotions:
                     sh.complete(layer, e)
-        if self.routes < self.window_routes:
+        if self.routes < self.window_routes or self.close_due:
             return floor
+        if self._duty_mode():  # a window before a rest spans whole tokens: it closes at the end
+            self.close_due = True
+            return floor
+        return self._close(floor)
+
+    def _duty_mode(self) -> bool:
+        return bool(self.rest_routes) and len(self.history) >= self.warmup
+
+    def _close(self, floor: int) -> int:
+        """End a window: the live floor from now on; a rest follows in duty mode."""
         cur = self.floors.index(floor)
         best = min(range(len(self.floors)), key=lambda i: (self.window_s[i], i))
         if self.window_s[best] < self.window_s[cur] * (1.0 - self.hysteresis):
@@ -870,21 +882,24 @@ class _FloorTuner:
         self.window_s = [t * 0.5 for t in self.window_s]  # earlier windows weigh half as much
         self.routes = 0
         self.history.append(floor)
-        if self.rest_routes and len(self.history) >= self.warmup:
-            self.resting, self.shadows = True, []
+        if self._duty_mode():
+            self.resting, self.shadows, self.close_due = True, [], False
             self.pending.clear()
         return floor
 
-    def end_token(self, live: HybridCostPolicy, token: int) -> None:
+    def end_token(self, live: HybridCostPolicy, token: int) -> int:
         """Background work of every shadow after live token ``token`` (after ``live``'s own);
-        completes the copies due before the next token starts. Starts fresh shadows after a rest."""
+        completes the copies due before the next token starts. Closes a window due to close, or
+        starts fresh shadows after a rest. Returns the live floor from now on."""
         lag = live.lag_tokens
+        if self.close_due:
+            return self._close(live.floor_256)
         if self.reseed:
             self.shadows = [self.make(f, None) for f in self.floors]
             for sh in self.shadows:
                 self._seed(sh, live, token, lag)
             self.resting = self.reseed = False
-            return
+            return live.floor_256
         for sh in self.shadows:
             moves = sh.plan_background()
             sh.commit_background(moves)
@@ -894,6 +909,7 @@ class _FloorTuner:
             _, sh, moves = self.pending.popleft()
             for m in moves:
                 sh.complete(m.layer, m.expert)
+        return live.floor_256
 
     def _seed(self, sh: HybridCostPolicy, live: HybridCostPolicy, token: int, lag: int) -> None:
         """Give shadow ``sh`` the live policy's residents (same slots), usage and token count on

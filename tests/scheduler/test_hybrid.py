@@ -369,3 +369,20 @@ def test_fresh_shadows_start_from_the_live_cache_usage_and_copies_in_flight():
     assert set(due) == {(j, e) for j, l in enumerate(tuner.layers) for k, e in live.cache.inflight if k == l}
     assert all(due[j, e] == live._bg_token[l, e] + 1 + 2 for j, l in enumerate(tuner.layers)
                for k, e in live.cache.inflight if k == l)  # complete when the live copies do
+
+
+def test_a_window_before_a_rest_spans_its_whole_batch():
+    """Batches of many tokens reach a window's routes at their first layer; before a rest the
+    window stays open through the batch's other layers and closes when the batch ends."""
+    g = Geometry.uniform(4, 16, 2, 10)
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 4), cost_model=costs(layers=4),
+                         floors_256=(0, 128), shadow_layers=2, tune_every=1, tune_duty=0.5, tune_warmup=0)
+    batch = lambda i: Token(i, 0, i, "prefill", tuple(Step(l, ((i + l) % 16, (i + l + 5) % 16), (4, 4))
+                                                       for l in range(4)))
+    seen = []  # (layer, windows closed) after each layer of the first batch
+    for item in drive(policy, [batch(0), batch(1)]):
+        if type(item) is RunLayer and item.token.index == 0:
+            seen.append((item.step.layer, len(policy.tuner.history)))
+        if type(item) is EndToken and item.token.index == 0:
+            assert len(policy.tuner.history) == 1 and not policy.tuner.shadows  # closed, resting
+    assert seen == [(0, 0), (1, 0), (2, 0), (3, 0)]
