@@ -187,13 +187,14 @@ def executor_configs(args):
     cache = ([] if args.cache_slots is None and args.cache_mib is None else
              ["--cache-slots", str(args.cache_slots)] if args.cache_slots is not None else ["--cache-mib", str(args.cache_mib)])
     for name in names:
+        pol = ["--policy", name]
         if name == "hybrid":
             for f in FRACTIONS:
-                yield name, f, cache + ["--miss-fraction", str(f)]
+                yield name, f, pol + cache + ["--miss-fraction", str(f)]
         elif name == "hybrid-cost":
-            yield name, None, cache + ["--hardware", args.hardware]
+            yield name, None, pol + cache + ["--hardware", args.hardware]
         else:
-            yield name, None, ([] if name == "cpu" else cache)
+            yield name, None, pol + ([] if name == "cpu" else cache)
 
 
 def _measure(args, extra, key):
