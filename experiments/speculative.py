@@ -19,7 +19,9 @@ by side in one process, plain (draft 0) and with prompt-lookup drafts of 1..``--
 policy (default on a GPU: lru, hybrid at each fixed fraction, hybrid-cost with ``--hardware``;
 without one: cpu), and prefill in chunks of ``--prefill-chunk`` vs token by token. Every speculative
 run must give the plain run's tokens (checked); with lru and hybrid present, the checks above are
-applied to the measured figures. Median of ``--repeats`` runs.
+applied to the measured figures. Median of ``--repeats`` runs, after one unrecorded warm-up run
+(the first run in a process pays one-time costs: on the H200, 2026-11-29, plain lru ran first at
+74 tok/s and its draft-1 run next at 109).
 
     python experiments/speculative.py --executor m.gguf [--policies lru,hybrid,hybrid-cost]
         [--cache-slots N | --cache-mib M] [--hardware FILE] [--threads T] [--out DIR]
@@ -221,6 +223,8 @@ def executor_main(args) -> int:
     args.out = args.out or "experiments/out/speculative-executor"
     results = []
     try:
+        first = next(iter(executor_configs(args)))[2]
+        _measure(argparse.Namespace(**{**vars(args), "repeats": 1}), first, "decode_tokens_per_s")  # warm-up, not kept
         for policy, frac, extra in executor_configs(args):
             plain = None
             for draft in range(args.max_draft + 1):
