@@ -20,8 +20,8 @@ policy (default on a GPU: lru, hybrid at each fixed fraction, hybrid-cost with `
 without one: cpu), and prefill in chunks of ``--prefill-chunk`` vs token by token. Every speculative
 run must give the plain run's tokens (checked); with lru and hybrid present, the checks above are
 applied to the measured figures. Median of ``--repeats`` runs, after one unrecorded warm-up run
-(the first run in a process pays one-time costs: on the H200, 2026-11-29, plain lru ran first at
-74 tok/s and its draft-1 run next at 109).
+(a first run may pay one-time costs, e.g. CuPy compiling kernels at first use; on the H200,
+2026-11-29, without it, plain lru ran first at 74 tok/s and its draft-1 run next at 109).
 
     python experiments/speculative.py --executor m.gguf [--policies lru,hybrid,hybrid-cost]
         [--cache-slots N | --cache-mib M] [--hardware FILE] [--threads T] [--out DIR]
