@@ -122,6 +122,15 @@ def test_cost_model_for_the_scheduler_is_the_simulators_charge(model, hw, exec_c
     assert cm.upload_s[0] == pytest.approx(310 * US) and cm.cpu_task_s == pytest.approx(20 * US)
 
 
+def test_cost_model_charges_a_cpu_layer_the_executors_host_work(model, hw, exec_cfg):
+    """With measured executor costs, using the pool at all also holds the host thread: submit,
+    pool start, hand-off, return and the combine beyond a GPU-only layer's, once per layer."""
+    ex = {"host_cpu_submit_s": 50 * US, "cpu_start_s": 30 * US, "host_cpu_handoff_s": 150 * US,
+          "cpu_return_s": 35 * US, "host_cpu_combine_s": 90 * US, "host_layer_combine_s": 25 * US}
+    c = Costs(model, hw.__class__(**{**hw.__dict__, "executor": ex}), exec_cfg)
+    assert c.cost_model().cpu_task_s == pytest.approx((20 + 50 + 30 + 150 + 35 + 65) * US)
+
+
 def test_hybrid_cost_policy_runs_with_the_simulators_costs():
     from simulate import SimConfig, run
 
