@@ -254,7 +254,8 @@ def test_floor_tuner_shadows_complete_background_copies_at_the_live_lag():
 @pytest.mark.parametrize("options, field", [(dict(floors_256=()), "floors_256"), (dict(floors_256=(0, 300)), "floors_256"),
                                             (dict(floors_256=(64, 64)), "floors_256"), (dict(tune_every=0), "tune_every"),
                                             (dict(hysteresis=1.0), "hysteresis"), (dict(shadow_layers=0), "shadow_layers"),
-                                            (dict(tune_duty=0.0), "tune_duty"), (dict(tune_warmup=-1), "tune_warmup")])
+                                            (dict(tune_duty=0.0), "tune_duty"), (dict(tune_warmup=-1), "tune_warmup"),
+                                            (dict(admit="lfu"), "admit")])
 def test_hybrid_cost_options_are_checked(options, field):
     g = Geometry.uniform(1, 8, 2, 10)
     with pytest.raises(ValueError, match=field):
@@ -364,6 +365,7 @@ def test_fresh_shadows_start_from_the_live_cache_usage_and_copies_in_flight():
             {e: s for (k, e), s in live.cache.slot.items() if k == l}
         assert {e for k, e in sh.cache.inflight if k == j} == {e for k, e in live.cache.inflight if k == l}
         assert sh.usage[j].tolist() == live.usage[l].tolist()
+        assert list(sh._lru[j]) == list(live._lru[l])
     assert sh.tokens == live.tokens
     due = {(m.layer, m.expert): t for t, s, ms in tuner.pending if s is sh for m in ms}
     assert set(due) == {(j, e) for j, l in enumerate(tuner.layers) for k, e in live.cache.inflight if k == l}
@@ -386,3 +388,26 @@ def test_a_window_before_a_rest_spans_its_whole_batch():
         if type(item) is EndToken and item.token.index == 0:
             assert len(policy.tuner.history) == 1 and not policy.tuner.shadows  # closed, resting
     assert seen == [(0, 0), (1, 0), (2, 0), (3, 0)]
+
+
+def test_hybrid_cost_admits_a_pcie_miss_over_the_least_recently_used_resident():
+    """admit="recency": a full pool's PCIe miss takes the slot of the resident used longest ago
+    (not the least used), never one the step uses; no swap rounds unless asked for."""
+    g = Geometry.uniform(1, 8, 2, 10)
+    cm = costs(cpu=100.0)  # the CPU is never worth it: every miss goes over PCIe
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 3), cost_model=cm, floors_256=(0,))
+    assert policy.swap_every == 0
+    # fills the 3 slots with 1, 2, 3; then 1 and 2 are used often and 3 once, long ago
+    replay(policy, [tok(0, [1, 2]), tok(1, [3, 1]), tok(2, [1, 2]), tok(3, [2, 1]), tok(4, [1, 2])], lag_tokens=0)
+    assert sorted(e for _, e in policy.residents()) == [1, 2, 3]
+    d = policy.plan(Step(0, (2, 5)))
+    assert d.hits == (2,) and d.uploads == (5,) and d.evictions == ((0, 3),)  # 3: last used at token 1
+    policy.commit(d)
+    replay(policy, [tok(5, [2, 5])], lag_tokens=0)
+    d = policy.plan(Step(0, (5, 6)))
+    assert d.evictions == ((0, 1),)  # 1, the most used, but last used at token 4
+    usage = make_policy("hybrid-cost", g, Capacity.per_layer(g, 3), cost_model=cm, floors_256=(0,), admit="usage")
+    assert usage.swap_every == 4
+    replay(usage, [tok(0, [1, 2]), tok(1, [3, 1]), tok(2, [1, 2]), tok(3, [2, 1]), tok(4, [1, 2])], lag_tokens=0)
+    d = usage.plan(Step(0, (2, 5)))
+    assert d.uploads == () and d.streams == (5,)  # usage-gated: 5 (never used) is not kept
