@@ -24,7 +24,9 @@ class CostModel:
     cpu_token_s)`` per expert run on the CPU pool, whose ``cpu_task_s`` is paid once per layer
     that uses it;
     layer: ``layer_s`` of GPU work before the layer's experts (dense part, router read-back), during
-    which earlier copies queued on the link keep moving (None: 0).
+    which earlier copies queued on the link keep moving (None: 0);
+    ``cpu_delay_s``: in a layer that uses the CPU pool, how much later its GPU work and uploads
+    are queued (an executor submits the CPU job first; 0: no delay).
     """
 
     gpu_expert_s: tuple[float, ...]
@@ -36,6 +38,7 @@ class CostModel:
     gpu_read_s: tuple[float, ...] | None = None
     cpu_read_s: tuple[float, ...] | None = None
     layer_s: tuple[float, ...] | None = None
+    cpu_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.upload_s)
@@ -50,13 +53,15 @@ class CostModel:
                 raise ValueError(f"CostModel.{name}: every entry must be a number >= 0")
         if self.cpu_task_s < 0:
             raise ValueError("CostModel.cpu_task_s: expected >= 0")
+        if not self.cpu_delay_s >= 0:
+            raise ValueError("CostModel.cpu_delay_s: expected >= 0")
 
     def of_layers(self, layers) -> "CostModel":
         """The costs of ``layers`` only, in that order (layer ``layers[i]`` becomes layer ``i``)."""
         pick = lambda v: None if v is None else tuple(v[l] for l in layers)
         return CostModel(pick(self.gpu_expert_s), pick(self.gpu_token_s), pick(self.upload_s),
                          pick(self.cpu_expert_s), pick(self.cpu_token_s), self.cpu_task_s,
-                         pick(self.gpu_read_s), pick(self.cpu_read_s), pick(self.layer_s))
+                         pick(self.gpu_read_s), pick(self.cpu_read_s), pick(self.layer_s), self.cpu_delay_s)
 
     def gpu_s(self, layer: int, tokens: int) -> float:
         work = tokens * self.gpu_token_s[layer]

@@ -696,8 +696,9 @@ class HybridCostPolicy(HybridPolicy):
             gpu = sum([gt[cnt[e]] for e in hits])
             busy = [ct[cnt[e]] for e in misses if state[e] == INFLIGHT]
             cpu_t = task + sum(busy) if busy else 0.0
+        delay = self.costs.cpu_delay_s  # with the pool in use, GPU work and copies are queued this late
         if not eligible:
-            t = gpu if gpu > cpu_t else cpu_t
+            t = max(gpu + delay, cpu_t)
             d = Decision(step, hits, cpu=tuple(misses))
             self._planned = (d, t, queued - t if queued > t else 0.0)
             return d
@@ -709,15 +710,18 @@ class HybridCostPolicy(HybridPolicy):
         link = queued + n_floor * up_s
         if counts is None:
             gpu += n_floor * gpu_s
-            pcie, gpu, link, cpu_t = self._split_decode(eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s)
+            pcie, gpu, link, cpu_t = self._split_decode(eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s,
+                                                        queued)
         else:
             gpu += sum([gt[cnt[e]] for e in eligible[:n_floor]])
-            pcie, gpu, link, cpu_t = self._split_counts(eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s)
+            pcie, gpu, link, cpu_t = self._split_counts(eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s,
+                                                        queued)
+        dl = delay if cpu_t else 0.0
         if pcie:
-            t, left = max(gpu, cpu_t, link), 0.0
+            t, left = max(gpu + dl, cpu_t, link + max(dl - queued, 0.0)), 0.0
             cpu = tuple([e for e in misses if e not in pcie])
         else:
-            t = gpu if gpu > cpu_t else cpu_t
+            t = max(gpu + dl, cpu_t)
             left = queued - t if queued > t else 0.0
             cpu = tuple(misses)
         slots = self.cache.free_slots(layer, len(pcie))
@@ -729,31 +733,37 @@ class HybridCostPolicy(HybridPolicy):
         self._planned = (d, t, left)
         return d
 
-    def _split_decode(self, eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s):
+    def _split_decode(self, eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s, queued):
         """The greedy past the floor when every miss has one token (all cost the same, so the
-        first ones sent are the most used); returns (PCIe misses, gpu, link, cpu times)."""
+        first ones sent are the most used); returns (PCIe misses, gpu, link, cpu times).
+        ``link``: the link's end (``queued`` background work, then the uploads); with the pool in
+        use, the GPU work and the uploads start ``cpu_delay_s`` late."""
         n_up = n_floor
-        task = self.costs.cpu_task_s
+        task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
+        lag = max(delay - queued, 0.0)  # the uploads' delay behind the queue when the pool is used
         for _ in range(len(eligible) - n_floor):
             g_gpu, g_link = gpu + gpu_s, link + up_s
             c_cpu = cpu_t + cpu_s + (0.0 if cpu_t else task)
-            if max(g_gpu, g_link, cpu_t) < max(gpu, link if n_up else 0.0, c_cpu):
+            dg, dk = (delay, lag) if cpu_t else (0.0, 0.0)
+            if max(g_gpu + dg, g_link + dk, cpu_t) < max(gpu + delay, link + lag if n_up else 0.0, c_cpu):
                 gpu, link, n_up = g_gpu, g_link, n_up + 1
             else:
                 cpu_t = c_cpu
         return eligible[:n_up], gpu, link, cpu_t
 
-    def _split_counts(self, eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s):
+    def _split_counts(self, eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s, queued):
         """The greedy past the floor with token counts: it fixes how many misses of each count
         go over PCIe, and the most used of that count are sent; returns as ``_split_decode``."""
         n_up = n_floor
-        task = self.costs.cpu_task_s
+        task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
+        lag = max(delay - queued, 0.0)
         sent: dict[int, int] = {}  # token count -> how many of the greedy's misses go over PCIe
         for e in eligible[n_floor:]:
             c = cnt[e]
             g_gpu, g_link = gpu + gt[c], link + up_s
             c_cpu = cpu_t + ct[c] + (0.0 if cpu_t else task)
-            if max(g_gpu, g_link, cpu_t) < max(gpu, link if n_up else 0.0, c_cpu):
+            dg, dk = (delay, lag) if cpu_t else (0.0, 0.0)
+            if max(g_gpu + dg, g_link + dk, cpu_t) < max(gpu + delay, link + lag if n_up else 0.0, c_cpu):
                 sent[c] = sent.get(c, 0) + 1
                 gpu, link, n_up = g_gpu, g_link, n_up + 1
             else:
@@ -778,9 +788,10 @@ class HybridCostPolicy(HybridPolicy):
         gpu = sum(cm.gpu_s(layer, cnt[e] if cnt else 1) for e in d.hits + d.uploads + d.streams)
         cpu = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in d.cpu) if d.cpu else 0.0
         n_up = len(d.uploads) + len(d.streams)
+        dl = cm.cpu_delay_s if d.cpu else 0.0
         if n_up:
-            return max(gpu, cpu, queued + n_up * cm.upload_s[layer]), 0.0
-        t = max(gpu, cpu)
+            return max(gpu + dl, cpu, max(queued, dl) + n_up * cm.upload_s[layer]), 0.0
+        t = max(gpu + dl, cpu)
         return t, max(queued - t, 0.0)
 
     def _admit(self, step: Step, hits, pcie: list[int], slots: list[int], cpu) -> Decision:

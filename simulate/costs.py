@@ -154,16 +154,17 @@ class Costs:
         from scheduler import CostModel
 
         n = len(self.expert_bytes)
-        task = self.cpu_task_s
+        task, delay = self.cpu_task_s, 0.0
         if self.host is not None:  # with an executor block, a layer that uses the pool also holds the host thread
             hc = self.host
             task += (hc.cpu_submit_s + hc.cpu_start_s + hc.cpu_handoff_s + hc.cpu_return_s
                      + max(hc.cpu_combine_s - hc.layer_combine_s, 0.0))
+            delay = hc.cpu_submit_s + hc.cpu_handoff_s  # the job is submitted before the GPU work is queued
         return CostModel(
             gpu_expert_s=[0.0] * n, gpu_token_s=[self.gpu_expert_flop_s] * n, gpu_read_s=self.gpu_expert_s,
             upload_s=self.upload_s,
             cpu_expert_s=[0.0] * n, cpu_token_s=self.cpu_token_s, cpu_read_s=self.cpu_read_s,
-            cpu_task_s=task, layer_s=[d + self.route_s for d in self.dense_s])
+            cpu_task_s=task, layer_s=[d + self.route_s for d in self.dense_s], cpu_delay_s=delay)
 
     # multi-token steps (counts given) ---------------------------------------------------------
     def dense(self, layer: int, ctx: int, num_tokens: int = 1) -> float:

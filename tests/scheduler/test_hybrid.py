@@ -411,3 +411,22 @@ def test_hybrid_cost_admits_a_pcie_miss_over_the_least_recently_used_resident():
     replay(usage, [tok(0, [1, 2]), tok(1, [3, 1]), tok(2, [1, 2]), tok(3, [2, 1]), tok(4, [1, 2])], lag_tokens=0)
     d = usage.plan(Step(0, (2, 5)))
     assert d.uploads == () and d.streams == (5,)  # usage-gated: 5 (never used) is not kept
+
+
+def test_cpu_delay_keeps_a_layer_off_the_pool_when_queueing_late_costs_more():
+    """With ``cpu_delay_s`` (an executor queues a layer's GPU work and copies after submitting its
+    CPU job) the greedy charges the GPU side the delay once the pool is used."""
+    from dataclasses import replace
+
+    g = Geometry.uniform(1, 16, 8, 10)
+    cm = costs(cpu=1.0, cpu_tok=0.0)  # upload 1.0 or CPU 1.0 per expert: 8 misses split 4 / 4
+    split = make_policy("hybrid-cost", g, Capacity.per_layer(g, 0), cost_model=cm, floors_256=(0,))
+    d = split.plan(Step(0, tuple(range(8))))
+    assert len(d.streams) == 4 and len(d.cpu) == 4
+    late = make_policy("hybrid-cost", g, Capacity.per_layer(g, 0), cost_model=replace(cm, cpu_delay_s=5.0),
+                       floors_256=(0,))
+    d = late.plan(Step(0, tuple(range(8))))
+    assert len(d.streams) == 8 and not d.cpu  # 8 uploads (8.0) beat 4 + 4 with the GPU side 5.0 late (9.0)
+    assert late.layer_time_s(d) == (8.0, 0.0)
+    with pytest.raises(ValueError, match="cpu_delay_s"):
+        replace(cm, cpu_delay_s=-1.0)

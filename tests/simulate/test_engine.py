@@ -128,7 +128,10 @@ def test_cost_model_charges_a_cpu_layer_the_executors_host_work(model, hw, exec_
     ex = {"host_cpu_submit_s": 50 * US, "cpu_start_s": 30 * US, "host_cpu_handoff_s": 150 * US,
           "cpu_return_s": 35 * US, "host_cpu_combine_s": 90 * US, "host_layer_combine_s": 25 * US}
     c = Costs(model, hw.__class__(**{**hw.__dict__, "executor": ex}), exec_cfg)
-    assert c.cost_model().cpu_task_s == pytest.approx((20 + 50 + 30 + 150 + 35 + 65) * US)
+    cm = c.cost_model()
+    assert cm.cpu_task_s == pytest.approx((20 + 50 + 30 + 150 + 35 + 65) * US)
+    assert cm.cpu_delay_s == pytest.approx((50 + 150) * US)  # submitted before the GPU work is queued
+    assert Costs(model, hw, exec_cfg).cost_model().cpu_delay_s == 0.0  # no executor block: no host lane
 
 
 def test_hybrid_cost_policy_runs_with_the_simulators_costs():
