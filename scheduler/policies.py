@@ -404,14 +404,8 @@ class HybridPolicy(BasePolicy):
         u = self._u[layer]
         used = step.experts
         need = len(pcie) - len(slots)
-        state = cache.state[layer]
-        victims = []
-        for v in self._cold[layer]:
-            if state[v] == RESIDENT and v not in used:
-                victims.append(v)
-                if len(victims) == need:
-                    break
-        else:
+        victims = _unused_residents(self._cold[layer], cache.state[layer], used, need)
+        if len(victims) < need:
             victims = [v for v in self._rank_residents(layer) if v not in used][:need]
         victims = [(u[v], v) for v in victims]
         uploads, streams, evictions = list(pcie[: len(slots)]), [], []
@@ -801,14 +795,7 @@ class HybridCostPolicy(HybridPolicy):
             return super()._admit(step, hits, pcie, slots, cpu)
         layer, cache = step.layer, self.cache
         need = len(pcie) - len(slots)
-        used = step.experts
-        state = cache.state[layer]
-        victims = []
-        for v in self._lru[layer]:
-            if state[v] == RESIDENT and v not in used:
-                victims.append(v)
-                if len(victims) == need:
-                    break
+        victims = _unused_residents(self._lru[layer], cache.state[layer], step.experts, need)
         n_up = len(slots) + len(victims)
         slots = list(slots) + [cache.slot[(layer, v)] for v in victims]
         return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu,
@@ -840,6 +827,17 @@ class HybridCostPolicy(HybridPolicy):
         if token is not None:  # a background copy: the driver's lag is now known
             self.lag_tokens = max(self.tokens - token - 1, 0)
         super().complete(layer, expert)
+
+
+def _unused_residents(order, state, used, need: int) -> list[int]:
+    """The first ``need`` experts of ``order`` that are resident and not in ``used``."""
+    out = []
+    for v in order:
+        if state[v] == RESIDENT and v not in used:
+            out.append(v)
+            if len(out) == need:
+                break
+    return out
 
 
 def _sample_layers(moe_layers: tuple[int, ...], pool_of: list[int], k: int) -> tuple[int, ...]:
