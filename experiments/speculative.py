@@ -19,9 +19,11 @@ by side in one process, plain (draft 0) and with prompt-lookup drafts of 1..``--
 policy (default on a GPU: lru, hybrid at each fixed fraction, hybrid-cost with ``--hardware``;
 without one: cpu), and prefill in chunks of ``--prefill-chunk`` vs token by token. Every speculative
 run must give the plain run's tokens (checked); with lru and hybrid present, the checks above are
-applied to the measured figures. Median of ``--repeats`` runs, after one unrecorded warm-up run
-(a first run may pay one-time costs, e.g. CuPy compiling kernels at first use; on the H200,
+applied to the measured figures. Median of ``--repeats`` interleaved rounds (each runs every
+configuration once, in alternating order), after one unrecorded warm-up run (on the H200,
 2026-11-29, without it, plain lru ran first at 74 tok/s and its draft-1 run next at 109).
+Chunked prefill is timed in the same runs (the prompt is processed alike at every draft length);
+token-by-token prefill (``prefill-1``) in one run per policy.
 
     python experiments/speculative.py --executor m.gguf [--policies lru,hybrid,hybrid-cost]
         [--cache-slots N | --cache-mib M] [--hardware FILE] [--threads T] [--out DIR]
@@ -199,48 +201,66 @@ def executor_configs(args):
             yield name, None, pol + ([] if name == "cpu" else cache)
 
 
-def _measure(args, extra, key):
-    """Median figure ``key`` of ``--repeats`` runs of ``moelab run`` with ``extra``; and the tokens."""
+def _run_once(args, extra):
+    """One ``moelab run`` of the sweep's prompt with ``extra``: (figures, generated token ids)."""
     from execute.cli import run_figures
 
     base = [args.executor, "-p", args.prompt or EXEC_PROMPT, "-n", str(args.gen_tokens), "--raw",
-            "--backend", args.backend, "--seed", str(args.seed)]
+            "--backend", args.backend, "--seed", str(args.seed), "--prefill-chunk", str(args.prefill_chunk)]
     if args.threads:
         base += ["--threads", str(args.threads)]
-    figs, tokens = [], None
-    for _ in range(args.repeats):
-        fig, toks = run_figures(base + extra)
-        if tokens is not None and toks != tokens:
-            raise RuntimeError(f"greedy runs of {extra} disagree with each other")
-        figs.append(fig)
-        tokens = toks
-    return float(np.median([f[key] for f in figs])), figs[0], tokens
+    return run_figures(base + extra)
+
+
+def measure_cells(args, cells, run=None) -> list[list[tuple[dict, list[int]]]]:
+    """Every cell's (figures, tokens) of ``--repeats`` rounds. One unrecorded warm-up run first (a
+    first run may pay one-time costs, e.g. CuPy compiling kernels at first use); then each round
+    runs every cell once, in the sweep's order in even rounds and reversed in odd ones, so that a
+    slow drift of the host weighs on every cell alike. Greedy runs of one cell must agree."""
+    run = run or (lambda extra: _run_once(args, extra))
+    run(cells[0])
+    got: list[list[tuple[dict, list[int]]]] = [[] for _ in cells]
+    for r in range(args.repeats):
+        order = range(len(cells)) if r % 2 == 0 else range(len(cells) - 1, -1, -1)
+        for i in order:
+            fig, toks = run(cells[i])
+            if got[i] and toks != got[i][0][1]:
+                raise RuntimeError(f"greedy runs of {cells[i]} disagree with each other")
+            got[i].append((fig, toks))
+        print(f"round {r + 1}/{args.repeats} done", file=sys.stderr)
+    return got
 
 
 def executor_main(args) -> int:
     from execute.experts import ExecutorError
 
     args.out = args.out or "experiments/out/speculative-executor"
+    configs = list(executor_configs(args))
+    drafts = range(args.max_draft + 1)
+    cells = [extra + ["--speculative", str(d)] for _, _, extra in configs for d in drafts]
     results = []
     try:
-        first = next(iter(executor_configs(args)))[2]
-        _measure(argparse.Namespace(**{**vars(args), "repeats": 1}), first, "decode_tokens_per_s")  # warm-up, not kept
-        for policy, frac, extra in executor_configs(args):
-            plain = None
-            for draft in range(args.max_draft + 1):
-                tps, fig, toks = _measure(args, extra + ["--speculative", str(draft)], "decode_tokens_per_s")
-                plain = toks if draft == 0 else plain
-                results.append({"mode": "decode", "draft_len": draft, "policy": policy,
-                                "miss_fraction": "" if frac is None else round(frac, 4), "tokens_per_s": tps,
-                                "acceptance": fig.get("acceptance_rate", ""), "tokens_per_step": fig.get("tokens_per_step", 1.0),
-                                "hit_rate": fig["hit_rate"], "same_tokens": toks == plain})
-                print(f"draft {draft}  {policy:<11} {'' if frac is None else f'{frac:.3f}':>6}  {tps:8.2f} tok/s  "
-                      f"acceptance {fig.get('acceptance_rate', 0.0):.2f}", file=sys.stderr)
-            for mode, chunk in (("prefill", args.prefill_chunk), ("prefill-1", 1)):
-                tps, _, _ = _measure(args, extra + ["--prefill-chunk", str(chunk)], "prompt_tokens_per_s")
-                results.append({"mode": mode, "draft_len": "", "policy": policy,
-                                "miss_fraction": "" if frac is None else round(frac, 4), "tokens_per_s": tps,
-                                "acceptance": "", "tokens_per_step": "", "hit_rate": "", "same_tokens": ""})
+        got = measure_cells(args, cells)
+        for c, (policy, frac, extra) in enumerate(configs):
+            runs = got[c * len(drafts):(c + 1) * len(drafts)]
+            row = {"policy": policy, "miss_fraction": "" if frac is None else round(frac, 4)}
+            for d, reps in zip(drafts, runs):
+                figs = [f for f, _ in reps]
+                tps = float(np.median([f["decode_tokens_per_s"] for f in figs]))
+                results.append({"mode": "decode", "draft_len": d, **row, "tokens_per_s": tps,
+                                "acceptance": figs[0].get("acceptance_rate", ""),
+                                "tokens_per_step": figs[0].get("tokens_per_step", 1.0), "hit_rate": figs[0]["hit_rate"],
+                                "same_tokens": reps[0][1] == runs[0][0][1], "runs": len(figs),
+                                "spread": (max(f["decode_tokens_per_s"] for f in figs) - min(f["decode_tokens_per_s"] for f in figs)) / tps})
+                print(f"draft {d}  {policy:<11} {'' if frac is None else f'{frac:.3f}':>6}  {tps:8.2f} tok/s  "
+                      f"acceptance {figs[0].get('acceptance_rate', 0.0):.2f}", file=sys.stderr)
+            # the prompt is processed alike whatever the draft length: every run of the config counts
+            pre = [f["prompt_tokens_per_s"] for reps in runs for f, _ in reps]
+            one, _ = _run_once(args, extra + ["--prefill-chunk", "1", "-n", "1"])
+            for mode, vals in (("prefill", pre), ("prefill-1", [one["prompt_tokens_per_s"]])):
+                results.append({"mode": mode, "draft_len": "", **row, "tokens_per_s": float(np.median(vals)),
+                                "acceptance": "", "tokens_per_step": "", "hit_rate": "", "same_tokens": "",
+                                "runs": len(vals), "spread": (max(vals) - min(vals)) / float(np.median(vals))})
     except ExecutorError as exc:
         print(f"speculative: {exc}", file=sys.stderr)
         return 2

@@ -575,7 +575,8 @@ class HybridCostPolicy(HybridPolicy):
 
     The floor is chosen online from ``floors_256``: one shadow copy of the policy per candidate
     floor (its own cache, usage and background work, completions at the live lag) is replayed on
-    the committed steps of ``shadow_layers`` MoE layers spread evenly over depth (with every layer
+    the committed steps of ``shadow_layers`` MoE layers (at most one per ``len(floors_256)`` MoE
+    layers, at least one) spread evenly over depth (with every layer
     that shares a cache pool with one of them; each shadow's ``max_moves`` and ``max_fills`` are
     cut in the same proportion) and sums its predicted layer times. After the first
     ``tune_warmup`` windows the shadows run only a ``tune_duty`` share of the time: a window, then a
@@ -643,9 +644,11 @@ class HybridCostPolicy(HybridPolicy):
         self._lru = [OrderedDict.fromkeys(range(n)) for n in geometry.num_experts]
         self.tuner = None
         if len(floors) > 1:
-            layers = _sample_layers(geometry.moe_layers, self.cache.pool_of, shadow_layers)
+            n_moe = len(geometry.moe_layers)  # shadows plan no more layer-steps than the live policy
+            layers = _sample_layers(geometry.moe_layers, self.cache.pool_of,
+                                    min(shadow_layers, max(n_moe // len(floors), 1)))
             parts = _sub_model(geometry, capacity, profile, cost_model, layers)
-            n, n_moe = len(layers), len(geometry.moe_layers)
+            n = len(layers)
             cut = {"max_moves": -(-self.max_moves * n // n_moe), "max_fills": -(-self.max_fills * n // n_moe)}
             make = lambda f, prof: HybridCostPolicy(*parts[:2], prof, cost_model=parts[3], floors_256=(f,),
                                                     admit=admit, **{**options, **cut})
@@ -734,6 +737,13 @@ class HybridCostPolicy(HybridPolicy):
         use, the GPU work and the uploads start ``cpu_delay_s`` late."""
         n_up = n_floor
         task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
+        if not cpu_t:  # the pool's first expert dearer than the layer with every miss sent: all go
+            g_all, l_all = gpu, link
+            for _ in range(len(eligible) - n_floor):
+                g_all += gpu_s
+                l_all += up_s
+            if task + cpu_s > max(g_all, l_all):
+                return eligible, g_all, l_all, cpu_t
         lag = max(delay - queued, 0.0)  # the uploads' delay behind the queue when the pool is used
         for _ in range(len(eligible) - n_floor):
             g_gpu, g_link = gpu + gpu_s, link + up_s
@@ -750,6 +760,13 @@ class HybridCostPolicy(HybridPolicy):
         go over PCIe, and the most used of that count are sent; returns as ``_split_decode``."""
         n_up = n_floor
         task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
+        if not cpu_t and n_floor < len(eligible):  # as in _split_decode, with the cheapest count
+            g_all, l_all, cheapest = gpu, link, min([ct[cnt[e]] for e in eligible[n_floor:]])
+            for e in eligible[n_floor:]:
+                g_all += gt[cnt[e]]
+                l_all += up_s
+            if task + cheapest > max(g_all, l_all):
+                return eligible, g_all, l_all, cpu_t
         lag = max(delay - queued, 0.0)
         sent: dict[int, int] = {}  # token count -> how many of the greedy's misses go over PCIe
         for e in eligible[n_floor:]:

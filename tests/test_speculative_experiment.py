@@ -5,6 +5,8 @@ import argparse
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 _spec = importlib.util.spec_from_file_location("speculative_experiment",
                                                Path(__file__).parents[1] / "experiments" / "speculative.py")
 spx = importlib.util.module_from_spec(_spec)
@@ -21,3 +23,26 @@ def test_executor_configs_pass_the_policy_and_its_options():
         assert ("--cache-slots" in extra) == (policy != "cpu")
         assert ("--miss-fraction" in extra) == (frac is not None) == (policy == "hybrid")
     assert got[-2][2][-2:] == ["--hardware", "h200-xeon16"]
+
+
+def test_measure_cells_warms_up_then_runs_interleaved_rounds_in_alternating_order():
+    calls = []
+
+    def run(extra):
+        calls.append(extra[0])
+        return {"decode_tokens_per_s": float(len(calls))}, [1, 2, 3]
+
+    got = spx.measure_cells(argparse.Namespace(repeats=3), [["a"], ["b"], ["c"]], run)
+    assert calls == ["a", "a", "b", "c", "c", "b", "a", "a", "b", "c"]  # warm-up, then ABC CBA ABC
+    assert [len(g) for g in got] == [3, 3, 3]
+    assert [f["decode_tokens_per_s"] for f, _ in got[0]] == [2.0, 7.0, 8.0]
+
+
+def test_measure_cells_refuses_greedy_runs_that_disagree():
+    outs = iter([[1], [1], [1], [2]])
+
+    def run(extra):
+        return {}, next(outs)
+
+    with pytest.raises(RuntimeError, match="disagree"):
+        spx.measure_cells(argparse.Namespace(repeats=3), [["a"]], run)

@@ -290,6 +290,16 @@ def test_floor_tuner_shadows_replay_a_spread_of_layers_only():
         assert sh.usage.sum(axis=1).tolist() == routed  # the routes of layers 2 and 6, no others
 
 
+@pytest.mark.parametrize("layers, floors, picked", [(4, (0, 32, 64, 96, 128), [2]), (8, (0, 128), [1, 3, 5, 7]),
+                                                     (48, (0, 32, 64, 96, 128), [6, 18, 30, 42])])
+def test_floor_tuner_shadows_plan_no_more_layers_than_the_live_policy(layers, floors, picked):
+    """At most one sampled layer per len(floors) MoE layers (at least one), up to shadow_layers."""
+    g = Geometry.uniform(layers, 16, 2, 10)
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 4), cost_model=costs(layers=layers),
+                         floors_256=floors)
+    assert sorted(policy.tuner.index) == picked
+
+
 def test_floor_tuner_samples_whole_shared_pools():
     g = Geometry.uniform(6, 8, 2, 10)
     cap = Capacity.shared(g, [(0, 1), (2, 3), (4, 5)], [4, 4, 4])
