@@ -686,47 +686,66 @@ def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None 
 
 def replay_host_fields(records: list[dict]) -> dict:
     """The executor's host-lane fields (``simulate.hardware.EXECUTOR_KEYS``) from a replay's
-    per-layer records (``replay_engine``'s ``layer_log``).
+    per-layer records (``replay_engine``'s ``layer_log``, in replay order).
 
-    GPU-only layers: plan and combine medians; queue = fixed + per further GPU expert + per copy
-    (least squares). Layers with CPU experts (``parts``): their plan beyond a GPU-only layer's and
-    the submit count as ``host_cpu_submit_s``; hand-off, pool start, pool end -> caller and
-    combine medians; the queue less the per-expert and per-copy terms. Raises ValueError when the
-    records lack either kind of layer."""
-    gpu = [r for r in records if r["n_cpu"] == 0 and r["n_gpu"] > 0]
-    cpu = [r for r in records if "parts" in r]
+    GPU-only layers: the plan's growth per copy of the previous record (copies in flight) by
+    least squares, its level and the combine as medians; queue = fixed + per further GPU expert +
+    once per layer with copies (the copy round) + per copy (least squares). Layers with CPU
+    experts (``parts``): their plan beyond a GPU-only layer's and the submit count as
+    ``host_cpu_submit_s``; hand-off, pool start, pool end -> caller and combine medians; the
+    queue less the per-expert and copy terms. Raises ValueError when the records lack either
+    kind of layer."""
+    prev = [0] + [r["n_up"] for r in records[:-1]]
+    gpu = [(r, u) for r, u in zip(records, prev) if r["n_cpu"] == 0 and r["n_gpu"] > 0]
+    cpu = [(r, u) for r, u in zip(records, prev) if "parts" in r]
     if len(gpu) < 8 or len(cpu) < 8:
         raise ValueError(f"replay_host_fields: {len(gpu)} GPU-only and {len(cpu)} CPU layers, expected >= 8 of each")
     med = lambda v: float(np.median(v))
-    a = np.array([[1.0, r["n_gpu"] - 1, r["n_up"]] for r in gpu])
-    q_fixed, q_expert, q_copy = (max(float(c), 0.0) for c in
-                                 np.linalg.lstsq(a, np.array([r["host_queue_s"] for r in gpu]), rcond=None)[0])
-    plan, combine = med([r["host_plan_s"] for r in gpu]), med([r["host_combine_s"] for r in gpu])
-    part = lambda k: med([r["parts"][k] for r in cpu])
-    mixed = [r for r in cpu if r["n_gpu"]]
-    cpu_queue = med([r["parts"]["queue"] - q_expert * (r["n_gpu"] - 1) - q_copy * r["n_up"] for r in mixed]) \
-        if mixed else q_fixed
+    lsq = lambda rows, y: np.linalg.lstsq(np.array(rows, np.float64), np.array(y), rcond=None)[0]
+    plan_copy = max(float(lsq([[1.0, u] for _, u in gpu], [r["host_plan_s"] for r, _ in gpu])[1]), 0.0)
+    q_fixed, q_expert, q_round, q_copy = (max(float(c), 0.0) for c in lsq(
+        [[1.0, r["n_gpu"] - 1, r["n_up"] > 0, r["n_up"]] for r, _ in gpu], [r["host_queue_s"] for r, _ in gpu]))
+    plan = med([r["host_plan_s"] - plan_copy * u for r, u in gpu])
+    combine = med([r["host_combine_s"] for r, _ in gpu])
+    part = lambda k: med([r["parts"][k] for r, _ in cpu])
+    mixed = [r for r, _ in cpu if r["n_gpu"]]
+    copies = lambda r: q_expert * (r["n_gpu"] - 1) + q_round * (r["n_up"] > 0) + q_copy * r["n_up"]
+    cpu_queue = med([r["parts"]["queue"] - copies(r) for r in mixed]) if mixed else q_fixed
+    cpu_plan = med([r["parts"]["plan"] - plan_copy * u for r, u in cpu])
     return {"host_dense_s": med([r["dense_s"] for r in records]),
-            "host_layer_plan_s": plan, "host_layer_combine_s": combine,
-            "host_gpu_layer_s": plan + q_fixed + combine, "host_gpu_expert_s": q_expert, "host_copy_s": q_copy,
-            "host_cpu_submit_s": max(part("plan") - plan + part("submit"), 0.0),
+            "host_layer_plan_s": plan, "host_layer_combine_s": combine, "host_plan_copy_s": plan_copy,
+            "host_gpu_layer_s": plan + q_fixed + combine, "host_gpu_expert_s": q_expert,
+            "host_copy_round_s": q_round, "host_copy_s": q_copy,
+            "host_cpu_submit_s": max(cpu_plan - plan + part("submit"), 0.0),
             "host_cpu_handoff_s": max(part("handoff"), 0.0), "host_cpu_queue_s": max(cpu_queue, 0.0),
             "host_cpu_combine_s": max(part("combine"), 0.0), "cpu_start_s": max(part("start"), 0.0),
             "cpu_return_s": max(part("ret"), 0.0)}
 
 
+POOL_MIN_CALLS = 8  # calls of one expert count needed before that count gets its own factor
+
+
 def replay_pool_fit(records: list[dict]) -> dict:
     """The CPU pool's cost per call as a replay sees it (between layers, after idling while the
     GPU-only layers run): least squares of each CPU layer's compute time (job start -> end) on
-    its expert count -> {"task_s", "expert_s", "by_count": {n: stats}}."""
+    its expert count -> {"task_s", "expert_s", "by_count": {n: stats + mean}, "factor": {n: mean
+    / (task_s + n x expert_s)}} with a factor for each count of at least ``POOL_MIN_CALLS`` calls
+    (the mean, as the fit: a run's tokens/s follows the sum of its calls' times)."""
     cpu = [r for r in records if "parts" in r]
     counts = sorted({r["n_cpu"] for r in cpu})
     if len(counts) < 2:
         raise ValueError(f"replay_pool_fit: CPU layers with expert counts {counts}, expected two or more counts")
     a = np.array([[1.0, r["n_cpu"]] for r in cpu])
     task, per = np.linalg.lstsq(a, np.array([r["parts"]["compute"] for r in cpu]), rcond=None)[0]
-    by = {n: stats([r["parts"]["compute"] for r in cpu if r["n_cpu"] == n]) for n in counts}
-    return {"task_s": max(float(task), 0.0), "expert_s": float(per), "by_count": by}
+    task = max(float(task), 0.0)
+    by, factor = {}, {}
+    for n in counts:
+        v = [r["parts"]["compute"] for r in cpu if r["n_cpu"] == n]
+        by[n] = {**stats(v), "mean": float(np.mean(v))}
+        fit = task + n * float(per)
+        if len(v) >= POOL_MIN_CALLS and fit > 0:
+            factor[n] = min(max(by[n]["mean"] / fit, 0.25), 4.0)
+    return {"task_s": task, "expert_s": float(per), "by_count": by, "factor": factor}
 
 
 REPLAY_CONFIGS = (("lru", {}), ("hybrid", {"adaptive": True, "miss_frac_256": 96}))
@@ -769,17 +788,21 @@ def replay_summary(records: list[dict]) -> dict:
 
 
 def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: dict | None = None) -> dict:
-    """``hw`` (a hardware file's dict) with the host-lane fields and the CPU pool's cost taken from
-    a calibration replay's ``replay_summary`` (``src``: its sources lines, updated)."""
+    """``hw`` (a hardware file's dict) with the host-lane fields and the CPU pool's cost (fit and
+    per-count factors) taken from a calibration replay's ``replay_summary`` (``src``: its sources
+    lines, updated)."""
     hw = dict(hw)
     hw["executor"] = {**hw.get("executor", {}), **summary["fields"]}
     pool = summary["pool"]
     if pool["expert_s"] > 0:  # the pool as a replay sees it, over the back-to-back calls
         hw.update(cpu_task_s=min(pool["task_s"], 0.5), cpu_thread_gbps=expert_bytes / pool["expert_s"] / 1e9 / threads)
+        hw["cpu_call_factor"] = {str(n): f for n, f in pool.get("factor", {}).items()}
         if src is not None:
             src["cpu_thread_gbps"] = ("measured: CPU pool time per expert in the calibration replay (engine_replay: "
                                       "compute time of each CPU layer's job, fit over its expert count), / threads")
             src["cpu_task_s"] = "measured: intercept of the same fit"
+            src["cpu_call_factor"] = (f"measured: per expert count with >= {POOL_MIN_CALLS} calls in the calibration "
+                                      "replay, the mean call time / the same fit's (counts not listed: the fit)")
     return hw
 
 
@@ -815,6 +838,7 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
     hw.pop("_about", None)
     hw.pop("_calibration", None)
     hw.pop("executor", None)
+    hw.pop("cpu_call_factor", None)  # the base's pool factors belong to the base's pool fit
     hw.update(name=name, cpu_name=m.get("cpu_name", platform.processor() or platform.machine()), cpu_threads=T,
               cpu_mem_gbps=mem, cpu_thread_gbps=cpu_rate / T, cpu_task_s=min(max(task, 0.0), 0.5),
               cpu_quant_efficiency=eff)

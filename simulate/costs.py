@@ -7,9 +7,10 @@ Everything the simulator charges is here, so the timing model reads in one place
 - A GPU expert: its bytes / GPU bandwidth (roofline with token count), plus ``expert_kernels``
   launches per batch of experts.
 - An upload (on-demand, stream or background): ``copy_latency_s`` + bytes / link bandwidth.
-- CPU experts of a layer: one parallel call, ``cpu_task_s`` + bytes / pool rate (roofline: the
-  pool reads the weights once at ``cpu_mem_gbps`` and computes each token at the thread rate),
-  with the hidden state copied to the host and the result back (latency + bytes each).
+- CPU experts of a layer: one parallel call (``Costs.cpu_call_s``), ``cpu_task_s`` + bytes / pool
+  rate (roofline: the pool reads the weights once at ``cpu_mem_gbps`` and computes each token at the
+  thread rate), times the hardware file's ``cpu_call_factor`` for that expert count where it has
+  one, with the hidden state copied to the host and the result back (latency + bytes each).
 - A promotion: a device-to-device copy (read + write at GPU bandwidth).
 - Per token: the output head (bytes / GPU bandwidth) and the sampled token's readback latency.
 
@@ -57,7 +58,8 @@ class HostCosts:
     A layer on the host lane (``simulate.engine``): ``plan_s``; dense issued (``dense_s``), router
     read back (``readback_s``); the engine plans (``layer_plan_s``); with CPU experts the input is
     fetched and the job submitted (``cpu_submit_s``; the pool starts ``cpu_start_s`` later) and the
-    GIL handed over (``cpu_handoff_s``); uploads queued (``copy_s`` each); the GPU part queued
+    GIL handed over (``cpu_handoff_s``); uploads queued (``copy_round_s`` once, ``copy_s`` each; the
+    engine's plan takes ``plan_copy_s`` longer per copy of the previous layer); the GPU part queued
     (``gpu_queue_s``, or ``cpu_queue_s`` while the pool computes, + ``gpu_expert_s`` per further
     expert); with CPU experts the caller resumes ``cpu_return_s`` after the pool ends and queues the
     rows and the combine (``cpu_combine_s``), else the combine (``layer_combine_s``)."""
@@ -80,6 +82,8 @@ class HostCosts:
     cpu_start_s: float = 0.0
     cpu_return_s: float = 0.0
     head_s: float = 0.0
+    copy_round_s: float = 0.0
+    plan_copy_s: float = 0.0
 
     @classmethod
     def from_hardware(cls, hw: Hardware, policy: str) -> "HostCosts":
@@ -101,7 +105,8 @@ class HostCosts:
                    cpu_submit_s=g("host_cpu_submit_s") + half, cpu_handoff_s=g("host_cpu_handoff_s"),
                    cpu_queue_s=ex.get("host_cpu_queue_s", queue), cpu_combine_s=g("host_cpu_combine_s") + half,
                    cpu_start_s=g("cpu_start_s"), cpu_return_s=g("cpu_return_s"),
-                   head_s=ex.get("host_head_s", g("host_dense_s")))
+                   head_s=ex.get("host_head_s", g("host_dense_s")), copy_round_s=g("host_copy_round_s"),
+                   plan_copy_s=g("host_plan_copy_s"))
 
 
 class Costs:
@@ -131,6 +136,7 @@ class Costs:
         self.cpu_token_s = [b / compute_bw for b in self.expert_bytes]  # compute per token
         self.cpu_read_s = [b / (hw.cpu_mem_gbps * 1e9) for b in self.expert_bytes]  # weights read once per step
         self.cpu_task_s = hw.cpu_task_s
+        self.cpu_call_factor = hw.cpu_call_factor
         self.small_copy_s = hw.copy_latency_s + model.hidden * cfg.act_bytes / link
         self.combine_s = hw.launch_s  # add the CPU result into the layer output
         self.route_s = hw.copy_latency_s if cfg.route_sync else 0.0
@@ -178,6 +184,19 @@ class Costs:
         """GPU time of a batch of experts given each one's token count (no launches)."""
         e, f = self.gpu_expert_s[layer], self.gpu_expert_flop_s
         return sum(max(e, c * f) for c in counts)
+
+    def cpu_call_s(self, layer: int, num_experts: int, counts=None) -> float:
+        """CPU pool time of one call on a layer's ``num_experts`` CPU experts (0 when none):
+        ``cpu_task_s`` + each expert's time (one token each, or ``counts`` tokens: roofline), times
+        ``cpu_call_factor[num_experts]`` where the hardware file measured that count."""
+        if not num_experts:
+            return 0.0
+        if counts is None:
+            t = self.cpu_task_s + num_experts * self.cpu_expert_s[layer]
+        else:
+            t = self.cpu_task_s + self.cpu_experts(layer, counts)
+        f = self.cpu_call_factor.get(num_experts)
+        return t if f is None else t * f
 
     def cpu_experts(self, layer: int, counts) -> float:
         """CPU pool time of a layer's CPU experts given each one's token count (no task overhead)."""

@@ -103,10 +103,10 @@ class Simulator:
 
     def _process(self, env, items, audit, out):
         c = self.costs
-        dense_s, kv_s, gexp, up_s, cpu_e, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
-                                                     c.cpu_expert_s, c.promote_s)
-        launch, route_s, small, combine, task, token_s = (c.expert_launch_s, c.route_s, c.small_copy_s,
-                                                          c.combine_s, c.cpu_task_s, c.token_s)
+        dense_s, kv_s, gexp, up_s, cpu_call, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
+                                                        c.cpu_call_s, c.promote_s)
+        launch, route_s, small, combine, token_s = (c.expert_launch_s, c.route_s, c.small_copy_s, c.combine_s,
+                                                    c.token_s)
         observe = audit.observe
         events = [] if self.record else None
         pending: deque = deque()  # (completion event, time) of background batches, FIFO
@@ -133,7 +133,7 @@ class Simulator:
                     nu = len(d.uploads) + len(d.streams)
                     upc_s = launch + nu * gexp[l] if nu else 0.0
                     nc = len(d.cpu)
-                    cpu_s = task + nc * cpu_e[l] if nc else 0.0
+                    cpu_s = cpu_call(l, nc)
                 else:
                     g, hit_s, upc_s, cpu_s, nu, nc = self._multi(d, tok)
                 decide = t0 + g + route_s
@@ -232,16 +232,19 @@ class Simulator:
         ``cpu_start_s`` after the submit) and the GIL handed over; uploads queued (the copy engine
         starts as the first is queued); the GPU experts queued (they run after the copies); with
         CPU experts the host waits for the pool (plus ``cpu_return_s``) and queues the rows'
-        upload; the combine. The token ends when the head's sampled id is read back."""
+        upload; the combine. The token ends when the head's sampled id is read back. The engine's
+        plan takes ``plan_copy_s`` longer per copy the previous layer queued, and a layer with
+        copies pays ``copy_round_s`` once to open its copy round."""
         c, hc = self.costs, self.costs.host
-        dense_s, kv_s, gexp, up_s, cpu_e, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
-                                                     c.cpu_expert_s, c.promote_s)
-        batch, combine, task = c.expert_launch_s, c.combine_s, c.cpu_task_s
+        dense_s, kv_s, gexp, up_s, cpu_call, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
+                                                        c.cpu_call_s, c.promote_s)
+        batch, combine = c.expert_launch_s, c.combine_s
         observe = audit.observe
         events = [] if self.record else None
         pending: deque = deque()
         tok_times, bounds, decode = [], [], []
         h = g = cf = p = 0.0
+        prev_nu = 0  # copies queued by the previous layer
         gpu_busy = copy_busy = cpu_busy = 0.0
         tok_start = tok_bound = 0.0
         for item in items:
@@ -257,7 +260,7 @@ class Simulator:
                     n_gpu = len(d.hits) + len(d.uploads) + len(d.streams)
                     gx = batch + n_gpu * gexp[l] if n_gpu else 0.0
                     nc = len(d.cpu)
-                    cpu_s = task + nc * cpu_e[l] if nc else 0.0
+                    cpu_s = cpu_call(l, nc)
                     nu = len(d.uploads) + len(d.streams)
                 else:
                     gd, hit_s, upc_s, cpu_s, nu, nc = self._multi(d, tok)
@@ -267,8 +270,10 @@ class Simulator:
                 g = max(g, h0) + gd
                 if events is not None:
                     events.append(("gpu", f"L{l} dense", g - gd, gd))
-                h = max(h0 + hc.dense_s, g) + hc.readback_s + hc.layer_plan_s
-                h_lane = hc.plan_s + hc.dense_s + hc.readback_s + hc.layer_plan_s
+                lp = hc.layer_plan_s + prev_nu * hc.plan_copy_s  # the previous layer's copies in flight
+                prev_nu = nu
+                h = max(h0 + hc.dense_s, g) + hc.readback_s + lp
+                h_lane = hc.plan_s + hc.dense_s + hc.readback_s + lp
                 if nc:
                     h += hc.cpu_submit_s
                     c0 = max(p, h + hc.cpu_start_s)
@@ -281,11 +286,12 @@ class Simulator:
                 pcopy = 0.0
                 if nu:
                     cs = max(cf, h)
-                    h += nu * hc.copy_s
+                    hq = hc.copy_round_s + nu * hc.copy_s
+                    h += hq
                     pcopy = nu * up_s[l]
                     cf = cs + pcopy
                     copy_busy += pcopy
-                    h_lane += nu * hc.copy_s
+                    h_lane += hq
                     if events is not None:
                         events.append(("copy", f"L{l} x{nu}", cs, pcopy))
                 if n_gpu:
@@ -356,5 +362,5 @@ class Simulator:
         hit_s = c.expert_launch_s + c.gpu_experts(l, [cnt.get(e, 1) for e in d.hits]) if d.hits else 0.0
         up = d.uploads + d.streams
         upc_s = c.expert_launch_s + c.gpu_experts(l, [cnt.get(e, 1) for e in up]) if up else 0.0
-        cpu_s = c.cpu_task_s + c.cpu_experts(l, [cnt.get(e, 1) for e in d.cpu]) if d.cpu else 0.0
+        cpu_s = c.cpu_call_s(l, len(d.cpu), [cnt.get(e, 1) for e in d.cpu])
         return g, hit_s, upc_s, cpu_s, len(up), len(d.cpu)

@@ -28,6 +28,9 @@ EXECUTOR_KEYS = {
     "host_gpu_layer_s": "engine host time of a layer whose experts all run on the GPU (one expert), all phases",
     "host_gpu_expert_s": "engine host time per further GPU expert of a layer",
     "host_copy_s": "host time to queue one expert upload",
+    "host_copy_round_s": "host time to open a layer's copy round (copies begun, compute made to wait for them), "
+                         "once per layer with uploads or streams, beyond host_copy_s per copy",
+    "host_plan_copy_s": "engine plan time per upload or stream of the previous layer (its copies still in flight)",
     "host_cpu_s": "older files: engine host time and hand-offs of a layer with CPU experts (charged half before "
                   "the pool starts, half after it ends) where the split keys below are absent",
     "host_layer_plan_s": "engine host time of a layer before anything is queued (pairs, sources, metadata copy)",
@@ -57,7 +60,9 @@ class Hardware:
     ``gpu_mem_gbps`` and ``pcie_h2d_gbps`` are achievable rates (not spec-sheet peaks).
     CPU pool: ``cpu_threads`` threads, each streaming expert weights at ``cpu_thread_gbps`` times
     the quant type's ``cpu_quant_efficiency`` (1.0 where absent), all together at most
-    ``cpu_mem_gbps``; each parallel call costs ``cpu_task_s``.
+    ``cpu_mem_gbps``; each parallel call costs ``cpu_task_s``. ``cpu_call_factor`` (optional, from a
+    calibration replay): per expert count n of a call, the measured mean call time / (``cpu_task_s`` +
+    n x the per-expert time); counts not in it use the linear cost (factor 1).
     """
 
     name: str
@@ -77,6 +82,7 @@ class Hardware:
     cpu_quant_efficiency: dict = field(default_factory=dict, hash=False)
     gpu_quant_efficiency: dict = field(default_factory=dict, hash=False)
     executor: dict = field(default_factory=dict, hash=False)
+    cpu_call_factor: dict = field(default_factory=dict, hash=False)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +107,7 @@ class Hardware:
                     raise ValueError(f"{f}.{q}: {v!r}, expected a factor in (0, 4]")
             object.__setattr__(self, f, {str(q).upper(): float(v) for q, v in table.items()})
         object.__setattr__(self, "executor", _check_executor(self.executor))
+        object.__setattr__(self, "cpu_call_factor", _check_call_factor(self.cpu_call_factor))
 
     def cpu_gbps(self, quant: str, threads: int | None = None) -> float:
         """Rate (GB/s of weights) at which the pool computes one token's experts of ``quant``."""
@@ -135,6 +142,24 @@ def _check_executor(table) -> dict:
             out[k] = {str(p): _seconds(f"executor.plan_s.{p}", x) for p, x in v.items()}
         else:
             out[k] = _seconds(f"executor.{k}", v)
+    return out
+
+
+def _check_call_factor(table) -> dict:
+    """``cpu_call_factor`` as {expert count (int >= 1): factor in (0, 4]}; JSON keys are strings."""
+    if not isinstance(table, dict):
+        raise ValueError("cpu_call_factor: expected an object of expert count -> factor on the linear pool cost")
+    out = {}
+    for n, v in table.items():
+        try:
+            k = int(n)
+        except (TypeError, ValueError):
+            k = 0
+        if isinstance(n, bool) or k < 1 or str(k) != str(n).strip():
+            raise ValueError(f"cpu_call_factor: key {n!r}, expected an expert count (integer >= 1)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 4:
+            raise ValueError(f"cpu_call_factor.{k}: {v!r}, expected a factor in (0, 4]")
+        out[k] = float(v)
     return out
 
 

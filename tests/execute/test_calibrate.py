@@ -230,32 +230,93 @@ def test_cpu_layer_parts_from_stamps():
 
 
 def replay_records(rng, n: int = 40) -> list[dict]:
-    """Per-layer replay records with known costs: GPU-only layers queue 50 us + 6 us per further
-    expert + 20 us per copy (+-1 us noise); CPU layers' parts as in the fields below."""
+    """Per-layer replay records with known costs: GPU-only layers plan 70 us + 3 us per copy of
+    the previous record and queue 50 us + 6 us per further expert + 15 us once with copies + 20
+    us per copy (+-1 us noise); CPU layers' parts as in the fields below (plan 110 us + the same
+    3 us per previous copy)."""
     out = []
+    prev = 0
     for i in range(n):
         n_gpu, n_up = int(rng.integers(1, 9)), int(rng.integers(0, 4))
-        out.append({"dense_s": 30e-6, "n_gpu": n_gpu, "n_up": n_up, "n_cpu": 0, "host_plan_s": 70e-6,
-                    "host_queue_s": 50e-6 + 6e-6 * (n_gpu - 1) + 20e-6 * n_up + rng.uniform(-1e-6, 1e-6),
+        out.append({"dense_s": 30e-6, "n_gpu": n_gpu, "n_up": n_up, "n_cpu": 0, "host_plan_s": 70e-6 + 3e-6 * prev,
+                    "host_queue_s": 50e-6 + 6e-6 * (n_gpu - 1) + 15e-6 * (n_up > 0) + 20e-6 * n_up
+                    + rng.uniform(-1e-6, 1e-6),
                     "input_wait_s": 0.0, "host_combine_s": 25e-6, "cpu_compute_s": 0.0})
+        prev = n_up
         n_gpu, n_up, n_cpu = int(rng.integers(1, 4)), int(rng.integers(0, 2)), int(rng.integers(1, 7))
-        parts = {"plan": 110e-6, "submit": 15e-6, "handoff": 180e-6, "start": 35e-6, "ret": 40e-6,
-                 "combine": 90e-6, "queue": 60e-6 + 6e-6 * (n_gpu - 1) + 20e-6 * n_up,
+        parts = {"plan": 110e-6 + 3e-6 * prev, "submit": 15e-6, "handoff": 180e-6, "start": 35e-6, "ret": 40e-6,
+                 "combine": 90e-6, "queue": 60e-6 + 6e-6 * (n_gpu - 1) + 15e-6 * (n_up > 0) + 20e-6 * n_up,
                  "compute": 150e-6 + 200e-6 * n_cpu}
         out.append({"dense_s": 34e-6, "n_gpu": n_gpu, "n_up": n_up, "n_cpu": n_cpu, "parts": parts})
+        prev = n_up
     return out
 
 
 def test_replay_host_fields_recover_the_costs():
     f = C.replay_host_fields(replay_records(np.random.default_rng(3)))
     want = {"host_layer_plan_s": 70e-6, "host_layer_combine_s": 25e-6, "host_gpu_layer_s": 145e-6,
-            "host_gpu_expert_s": 6e-6, "host_copy_s": 20e-6, "host_cpu_submit_s": 55e-6,
-            "host_cpu_handoff_s": 180e-6, "host_cpu_queue_s": 60e-6, "host_cpu_combine_s": 90e-6,
-            "cpu_start_s": 35e-6, "cpu_return_s": 40e-6, "host_dense_s": 32e-6}
+            "host_gpu_expert_s": 6e-6, "host_copy_s": 20e-6, "host_copy_round_s": 15e-6, "host_plan_copy_s": 3e-6,
+            "host_cpu_submit_s": 55e-6, "host_cpu_handoff_s": 180e-6, "host_cpu_queue_s": 60e-6,
+            "host_cpu_combine_s": 90e-6, "cpu_start_s": 35e-6, "cpu_return_s": 40e-6, "host_dense_s": 32e-6}
     assert f == pytest.approx(want, abs=0.5e-6)
     from simulate.hardware import EXECUTOR_KEYS
 
     assert set(f) <= set(EXECUTOR_KEYS)
+
+
+def pool_records(rng, calls: dict[int, int], factor: dict[int, float]) -> list[dict]:
+    """CPU layers whose pool call takes (150 + 200 n) us x ``factor[n]`` (1 where absent), ``calls[n]``
+    calls of n experts, +-2% noise."""
+    out = []
+    for n, k in calls.items():
+        for _ in range(k):
+            t = (150e-6 + 200e-6 * n) * factor.get(n, 1.0) * rng.uniform(0.98, 1.02)
+            out.append({"dense_s": 0.0, "n_gpu": 1, "n_up": 0, "n_cpu": n, "parts": {"compute": t}})
+    return out
+
+
+def test_replay_pool_fit_gives_a_factor_per_count_with_enough_calls():
+    recs = pool_records(np.random.default_rng(1), {1: 40, 2: 100, 3: 100, 4: 100, 5: 5}, {1: 0.8})
+    pool = C.replay_pool_fit(recs)
+    fit = lambda n: pool["task_s"] + n * pool["expert_s"]
+    assert set(pool["factor"]) == {1, 2, 3, 4}  # 5: fewer than POOL_MIN_CALLS calls
+    for n in (1, 2, 3, 4):
+        assert pool["factor"][n] == pytest.approx(pool["by_count"][n]["mean"] / fit(n))
+    assert pool["by_count"][1]["mean"] == pytest.approx(280e-6, rel=0.01)
+    assert pool["factor"][1] < 0.9 and all(0.95 < pool["factor"][n] < 1.05 for n in (2, 3, 4))
+    assert pool["by_count"][5]["n"] == 5
+
+
+def test_apply_replay_writes_the_call_factor_and_the_simulator_charges_it(tmp_path):
+    from scheduler import Decision, EndToken, RunLayer, Step, Token
+    from simulate import Costs, ExecConfig, Simulator, load_hardware
+
+    m = fake_measurements()
+    recs = replay_records(np.random.default_rng(3))
+    pool = C.replay_pool_fit(recs + pool_records(np.random.default_rng(1), {1: 10}, {1: 0.6}))
+    m["engine_replay"] = {"fields": C.replay_host_fields(recs), "pool": pool}
+    data = C.hardware_json(m, "h")
+    want = {str(n) for n, st in pool["by_count"].items() if st["n"] >= C.POOL_MIN_CALLS}
+    assert "1" in want and set(data["cpu_call_factor"]) == want and "cpu_call_factor" in data["sources"]
+    path = tmp_path / "hw.json"
+    C.write_json(path, data)
+    hw = load_hardware(path)
+    assert hw.cpu_call_factor[1] == pytest.approx(data["cpu_call_factor"]["1"]) and hw.cpu_call_factor[1] < 0.9
+    from dataclasses import replace
+
+    from simulate import load_model
+
+    model = replace(load_model("qwen3-30b-a3b"), num_layers=1)
+    step = Step(0, tuple(range(8)))
+    t = Token(0, 0, 0, "decode", (step,))
+    items = [RunLayer(t, step, Decision(step, tuple(range(7)), cpu=(7,))), EndToken(t)]
+    with_f = Simulator(Costs(model, hw, ExecConfig(policy="lru"))).run(items).token_s[0]
+    without = Simulator(Costs(model, replace(hw, cpu_call_factor={}), ExecConfig(policy="lru"))).run(items).token_s[0]
+    linear = hw.cpu_task_s + Costs(model, hw).cpu_expert_s[0]
+    assert without - with_f == pytest.approx(linear * (1 - hw.cpu_call_factor[1]))
+    base = dict(data, cpu_call_factor={"1": 0.5})  # a re-calibration on it does not keep the base's factors
+    del m["engine_replay"]
+    assert "cpu_call_factor" not in C.hardware_json(m, "h2", base=base)
 
 
 def test_replay_host_fields_need_both_kinds_of_layer():
