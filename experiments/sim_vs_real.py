@@ -21,7 +21,10 @@ config measured (with its spread) vs predicted tokens/s, p50/p99 token latency, 
 hit rate, then the median and maximum relative error per metric, how many configs' predictions
 fall inside their own measured range, the Spearman rank correlation of tokens/s and whether the
 simulator's best hybrid miss fraction is the executor's. Writes ``OUT/sim_vs_real.csv``,
-``OUT/sim_vs_real.json`` (every token's measured time too) and ``OUT/sim_vs_real.png``.
+``OUT/sim_vs_real.json`` (every token's measured time too) and ``OUT/sim_vs_real.png``; with
+``--decompose`` also ``OUT/decompose.csv``: per config, the per-token times (measured and predicted)
+fit on the token's layers with CPU experts, further CPU experts and copies, to see which kind of
+layer the model misprices.
 
 ``--from DIR`` redoes the simulation and analysis from a previous run's ``DIR/raw.json`` (the
 executor's recording, written after every run; no GPU needed), e.g. with another hardware file or
@@ -346,6 +349,84 @@ def compare(raw: dict, hw) -> list[dict]:
     return rows
 
 
+DECOMPOSE_TERMS = ("token", "cpu_layer", "cpu_expert", "copy")
+
+
+def token_features(c: dict, model, tokens) -> np.ndarray:
+    """Per token of the replay under config ``c``: 1, its layers with CPU experts, its CPU experts
+    beyond one per such layer, its copies (uploads + streams); one row per token."""
+    from scheduler import Capacity, EndToken, RunLayer, drive, make_policy
+
+    geo = model.geometry()
+    pol = make_policy(c["policy"], geo, Capacity.per_layer(geo, c["slots"]), profile=_profile(c, tokens, geo),
+                      **_options(c))
+    rows, cur = [], [1, 0, 0, 0]
+    for item in drive(pol, tokens):
+        if type(item) is RunLayer:
+            d = item.decision
+            cur[1] += bool(d.cpu)
+            cur[2] += max(len(d.cpu) - 1, 0)
+            cur[3] += len(d.uploads) + len(d.streams)
+        elif type(item) is EndToken:
+            rows.append(cur)
+            cur = [1, 0, 0, 0]
+    return np.array(rows, np.float64)
+
+
+def fit_terms(features: np.ndarray, token_s) -> dict:
+    """Least squares of per-token times on ``features`` (``DECOMPOSE_TERMS``), seconds per unit;
+    a term with no variation among the tokens (an all-zero column) gets None."""
+    t = np.asarray(token_s, np.float64)
+    if features.shape[0] != len(t):
+        raise ValueError(f"fit_terms: {features.shape[0]} feature rows for {len(t)} token times")
+    live = [j for j in range(features.shape[1]) if features[:, j].any()]
+    coef = np.linalg.lstsq(features[:, live], t, rcond=None)[0]
+    out = dict.fromkeys(DECOMPOSE_TERMS)
+    for j, v in zip(live, coef):
+        out[DECOMPOSE_TERMS[j]] = float(v)
+    return out
+
+
+def decompose(raw: dict, hw) -> list[dict]:
+    """Per config, what a token costs by part, measured (each token's median over the repeats) and
+    predicted: ``fit_terms`` of the per-token times on its CPU layers, further CPU experts and
+    copies. A diagnosis of which kind of layer the model misprices; no model input."""
+    from execute.calibrate import synth_tokens
+    from simulate import SimConfig, run
+
+    a = raw["args"]
+    tokens, _ = synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)
+    model = sim_model(a["layers"], a["vocab"])
+    out = []
+    for label, reps in group_runs(raw["runs"]).items():
+        c = reps[0]
+        f = token_features(c, model, tokens)
+        meas = np.median(np.array([r["token_s"] for r in reps], np.float64), axis=0)
+        cfg = SimConfig(model=model.name, hardware=hw.name, policy=c["policy"], cache_slots=c["slots"],
+                        miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256)
+        pred = run(cfg, hardware=hw, model=model, tokens=tokens)[0].token_s
+        row = {"label": label, **{f"per_token_{k}": float(v) for k, v in zip(DECOMPOSE_TERMS[1:], f[:, 1:].mean(0))}}
+        for side, t in (("measured", meas), ("predicted", pred)):
+            for k, v in fit_terms(f, t).items():
+                row[f"{side}_{k}_s"] = v
+        out.append(row)
+    return out
+
+
+def print_decompose(rows: list[dict]) -> None:
+    us = lambda v: "     -" if v is None else f"{v * 1e6:6.0f}"
+    print(f"\n{'config':<18}{'cpuL':>6}{'cpuE+':>6}{'copy':>6} | us measured: token cpu_layer cpu_expert copy"
+          " | predicted: token cpu_layer cpu_expert copy")
+    for r in rows:
+        m = " ".join(us(r[f"measured_{k}_s"]) for k in DECOMPOSE_TERMS)
+        p = " ".join(us(r[f"predicted_{k}_s"]) for k in DECOMPOSE_TERMS)
+        print(f"{r['label']:<18}{r['per_token_cpu_layer']:6.2f}{r['per_token_cpu_expert']:6.2f}"
+              f"{r['per_token_copy']:6.2f} | {m} | {p}")
+    print("(per token: least squares of token time on 1, layers with CPU experts, CPU experts beyond one per such "
+          "layer, copies; measured = each token's median over the repeats; a term equal in every token shares its "
+          "part with 'token'; - = no such work)")
+
+
 def spread_summary(rows: list[dict]) -> dict | None:
     """The measurement's own noise: median and max over configs of each metric's spread across
     repeats, and how many configs' predictions fall inside their own measured range."""
@@ -444,13 +525,19 @@ def write_results(out: Path, raw: dict, rows: list[dict], an: dict, nz, hw_path:
 
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "sim_vs_real.json", {"hardware": hw_path, "analysis": an, "noise": nz, "rows": rows, "raw": raw})
-    tmp = out / "sim_vs_real.csv.tmp"
+    write_csv(out / "sim_vs_real.csv", rows)
+    plot(rows, out / "sim_vs_real.png")
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """``rows`` as CSV, atomically (temp file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
-    os.replace(tmp, out / "sim_vs_real.csv")
-    plot(rows, out / "sim_vs_real.png")
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -472,6 +559,9 @@ def main(argv=None) -> int:
                          "run in this process before each round; file: as --hardware has them")
     ap.add_argument("--configs", default=None, help="comma-separated labels to run (default: all 13)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decompose", action="store_true",
+                    help="also fit each config's per-token times, measured and predicted, on its CPU layers, CPU "
+                         "experts and copies (OUT/decompose.csv): which kind of layer the model misprices")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: expected >= 1")
@@ -510,6 +600,10 @@ def main(argv=None) -> int:
     nz = spread_summary(rows)
     print_table(rows, an, nz)
     write_results(Path(args.out), raw, rows, an, nz, str(hw_path))
+    if args.decompose:
+        dec = decompose(raw, hw)
+        print_decompose(dec)
+        write_csv(Path(args.out) / "decompose.csv", dec)
     log(f"wrote {args.out}/sim_vs_real.csv, .json, .png")
     return 0
 

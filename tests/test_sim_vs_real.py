@@ -157,3 +157,36 @@ def test_select_picks_labels_in_table_order_and_names_unknown_ones():
     assert svr.select(runs, None) == runs
     with pytest.raises(ValueError, match="unknown \\['nope'\\]"):
         svr.select(runs, "cpu,nope")
+
+
+def test_fit_terms_recovers_known_costs_and_marks_absent_terms():
+    rng = np.random.default_rng(2)
+    f = np.c_[np.ones(60), rng.integers(0, 5, 60), rng.integers(0, 3, 60), np.zeros(60)]
+    t = 3e-3 + 600e-6 * f[:, 1] + 200e-6 * f[:, 2]
+    got = svr.fit_terms(f, t)
+    assert got["token"] == pytest.approx(3e-3) and got["cpu_layer"] == pytest.approx(600e-6)
+    assert got["cpu_expert"] == pytest.approx(200e-6) and got["copy"] is None
+    with pytest.raises(ValueError, match="60 feature rows for 3 token times"):
+        svr.fit_terms(f, t[:3])
+
+
+def test_decompose_on_a_recording_of_the_simulators_own_times_agrees_side_by_side(tmp_path):
+    from execute.calibrate import synth_tokens
+
+    raw, hw, model, _ = fake_recording(tmp_path, scales=(1.0, 1.1, 0.9))
+    f = svr.token_features(raw["runs"][0], model, synth_tokens(2, 32, 4, 12, 1)[0])
+    assert f.shape == (12, 4) and (f[:, 0] == 1).all() and (f[:, 1] == 2).all()  # cpu: both layers, every token
+    orig = svr.sim_model
+    svr.sim_model = lambda layers, vocab: model
+    try:
+        rows = svr.decompose(raw, hw)
+    finally:
+        svr.sim_model = orig
+    assert [r["label"] for r in rows] == [c["label"] for c in svr.configs(32)[:5]]
+    cpu = rows[0]  # policy cpu: every layer has CPU experts, no copies
+    assert cpu["per_token_cpu_layer"] == 2 and cpu["per_token_copy"] == 0 and cpu["measured_copy_s"] is None
+    for r in rows:  # the median over repeats (x1, x1.1, x0.9) is the simulator's own time
+        for k in svr.DECOMPOSE_TERMS:
+            m, p = r[f"measured_{k}_s"], r[f"predicted_{k}_s"]
+            assert (m is None and p is None) or m == pytest.approx(p, rel=1e-9, abs=1e-12)
+    assert any(r["per_token_copy"] > 0 and r["measured_copy_s"] > 0 for r in rows)
