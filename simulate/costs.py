@@ -156,7 +156,9 @@ class Costs:
         """These costs as a ``scheduler.CostModel`` (for ``hybrid-cost``), in the roofline form
         the simulator charges: per expert, weights read once or compute per token, whichever is
         longer (``gpu_experts``/``cpu_experts``; one token gives the decode costs); ``layer_s`` is
-        a decode layer's dense part at empty context and its router read-back."""
+        a decode layer's dense part at empty context and its router read-back. The pool stays
+        linear here (``CostModel`` has no per-count term): ``cpu_call_factor`` is left out, as are
+        the host's copy-round and plan-per-copy costs (not part of ``upload_s`` before either)."""
         from scheduler import CostModel
 
         n = len(self.expert_bytes)
