@@ -127,6 +127,10 @@ def _parser_replay() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default=None,
                    help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
     p.add_argument("--cache-mib", type=float, default=None, help="GPU expert cache budget, MiB")
+    p.add_argument("--pageable", action="store_true",
+                   help="upload experts from pageable host memory through a small pinned staging ring instead of "
+                        "page-locking the weights (as when the host cannot pin the model); hybrid-cost's cost "
+                        "model then takes the hardware's pageable link rate")
     p.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer (instead of MiB)")
     p.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
     p.add_argument("--tokens", type=int, default=None, help="replay at most N trace rows")
@@ -182,7 +186,7 @@ def _cost_options(args, prog: str) -> dict:
         if args.hardware:
             raise _Fail(f"{prog}: --hardware is used only by --policy hybrid-cost")
         return {}
-    from simulate.costs import Costs
+    from simulate.costs import Costs, ExecConfig
     from simulate.hardware import hardware_presets, load_hardware
     from simulate.models import ModelSpec
 
@@ -190,7 +194,8 @@ def _cost_options(args, prog: str) -> dict:
         raise _Fail(f"{prog}: policy 'hybrid-cost' needs --hardware NAME|FILE for its cost model (a preset: "
                     f"{', '.join(hardware_presets())}; or a hardware JSON, e.g. from moelab calibrate)")
     try:
-        return {"cost_model": Costs(ModelSpec.from_gguf(args.model), load_hardware(args.hardware)).cost_model()}
+        cfg = ExecConfig(pinned=not args.pageable)  # the link rate the uploads will see
+        return {"cost_model": Costs(ModelSpec.from_gguf(args.model), load_hardware(args.hardware), cfg).cost_model()}
     except ValueError as exc:
         raise _Fail(f"{prog}: --hardware {args.hardware}: {exc}") from None
 
@@ -219,11 +224,14 @@ def _backend(args, weights, use_gpu: bool, capacity, prog: str = "moelab replay"
 
     from . import model as M
 
+    if args.pageable and not use_gpu:
+        raise _Fail(f"{prog}: --pageable changes how experts are uploaded to the GPU; policy 'cpu' uploads none")
     if args.backend == "numpy":
         if use_gpu:
             raise _Fail(f"{prog}: --backend numpy runs only policy 'cpu'")
         return M.NumpyExperts(weights)
-    return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s)
+    return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s,
+                           pinned=not args.pageable)
 
 
 def _replay(args) -> int:
@@ -308,6 +316,10 @@ def _parser_run() -> argparse.ArgumentParser:
                    help="with --speculative: also decode plainly (same policy, fresh state) and print both speeds")
     p.add_argument("--hardware", default=None,
                    help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
+    p.add_argument("--pageable", action="store_true",
+                   help="upload experts from pageable host memory through a small pinned staging ring instead of "
+                        "page-locking the weights (as when the host cannot pin the model); hybrid-cost's cost "
+                        "model then takes the hardware's pageable link rate")
     p.add_argument("--miss-fraction", type=float, default=None,
                    help="--policy hybrid: share of distinct misses sent over PCIe (default 44/256)")
     p.add_argument("--audit", default=None, help="write the per-batch audit JSONL (with routes) here")

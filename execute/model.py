@@ -556,7 +556,8 @@ class EngineExperts:
     """The expert engine (``execute.engine.ExpertEngine``: GPU arena and kernels, Numba CPU pool) as
     a ``run`` backend; a step of T tokens is run as its (expert, token) pairs."""
 
-    def __init__(self, weights: ModelWeights, capacity, threads: int, use_gpu: bool, timeout_s: float = 60.0):
+    def __init__(self, weights: ModelWeights, capacity, threads: int, use_gpu: bool, timeout_s: float = 60.0,
+                 pinned: bool = True):
         info = weights.info
         partial = [l.layer for l in weights.experts if l is not None and info.expert_bias and not l.has_bias]
         if partial:
@@ -568,7 +569,7 @@ class EngineExperts:
 
         from .engine import ExpertEngine
 
-        self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s)
+        self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s, pinned=pinned)
         self._first = next((l for l in weights.experts if l is not None), None)
         # numpy's BLAS threads spin-wait after each dense product and starve the Numba pool's
         # thread team (a 2-core layer call went from 0.5 ms to 19 ms); one-token products gain

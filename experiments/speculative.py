@@ -26,7 +26,7 @@ Chunked prefill is timed in the same runs (the prompt is processed alike at ever
 token-by-token prefill (``prefill-1``) in one run per policy.
 
     python experiments/speculative.py --executor m.gguf [--policies lru,hybrid,hybrid-cost]
-        [--cache-slots N | --cache-mib M] [--hardware FILE] [--threads T] [--out DIR]
+        [--cache-slots N | --cache-mib M] [--hardware FILE] [--threads T] [--pageable] [--out DIR]
 
 Writes results.csv, results.json, config.json and speculative.png into --out.
 """
@@ -120,6 +120,7 @@ def main() -> int:
     ex.add_argument("--threads", type=int, default=None, help="CPU expert threads")
     ex.add_argument("--backend", default="engine", choices=("engine", "numpy"))
     ex.add_argument("--repeats", type=int, default=3, help="runs per configuration (median reported)")
+    ex.add_argument("--pageable", action="store_true", help="moelab run --pageable: uploads through a pinned staging ring")
     args = ap.parse_args()
     if args.executor:
         return executor_main(args)
@@ -209,6 +210,8 @@ def _run_once(args, extra):
             "--backend", args.backend, "--seed", str(args.seed), "--prefill-chunk", str(args.prefill_chunk)]
     if args.threads:
         base += ["--threads", str(args.threads)]
+    if args.pageable:
+        base += ["--pageable"]
     return run_figures(base + extra)
 
 

@@ -93,7 +93,8 @@ def test_errors_exit_2(models, tmp_path, capsys):
     write_gguf(bad, "mamba", [("mamba.block_count", 1, "u32")], [])
     cases = [([str(bad), "-p", "x"], "mamba"), ([str(models()), "-p", "x", "--policy", "belady"], "belady"),
              ([str(models()), "-p", "x", "--policy", "lru"], "cache-mib"),
-             ([str(models()), "-p", "x", "--temp", "-1"], "temp")]
+             ([str(models()), "-p", "x", "--temp", "-1"], "temp"),
+             ([str(models()), "-p", "x", "--pageable"], "policy 'cpu' uploads none")]
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -115,3 +116,19 @@ def test_gpu_run_with_a_profile_from_a_recorded_trace(models, tmp_path, capsys):
                          "--profile", tmp_path / "p.strp")
     assert fig["hits"] > 0 and fig["hits"] + fig["cpu"] + fig["uploads"] + fig["streams"] == fig["experts_served"]
     assert np.isfinite(fig["decode_tokens_per_s"]) and text == cpu_text  # greedy text agrees with the CPU run
+
+
+def test_pageable_runs_give_hybrid_cost_the_pageable_link_rate(models):
+    from execute.cli import _cost_options, _parser_run
+    from simulate.hardware import load_hardware
+
+    path = str(models())
+    ups = {}
+    for extra in ([], ["--pageable"]):
+        args = _parser_run().parse_args([path, "-p", "x", "--policy", "hybrid-cost", "--cache-slots", "2",
+                                         "--hardware", "h200-xeon16"] + extra)
+        ups[bool(extra)] = _cost_options(args, "moelab run")["cost_model"].upload_s[0]
+    hw = load_hardware("h200-xeon16")
+    assert ups[True] > ups[False]  # the same expert's bytes over the slower pageable path
+    assert (ups[True] - hw.copy_latency_s) / (ups[False] - hw.copy_latency_s) == pytest.approx(
+        hw.h2d_gbps(True) / hw.h2d_gbps(False))
