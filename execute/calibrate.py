@@ -64,8 +64,8 @@ from .experts import LayerExperts, random_layer
 
 __all__ = ["main", "stats", "fit_line", "hardware_json", "write_json", "build_layers", "StandIn",
            "measure_plan_s", "measure_poll_s", "measure_cpu_mem_gbps", "measure_cpu_pool", "synth_tokens",
-           "replay_engine", "replay_host_fields", "replay_pool_fit", "calibration_replay", "replay_summary",
-           "apply_replay"]
+           "replay_engine", "replay_host_fields", "replay_pool_fit", "replay_between_fields", "apply_between",
+           "calibration_replay", "replay_summary", "apply_replay"]
 
 PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid", "hybrid-cost")
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
@@ -625,8 +625,12 @@ def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None 
 
     Returns (scheduler items, wall seconds per token, the CPU jobs). With ``layer_log`` (a list), appends per
     layer the decision's sizes (``n_gpu``, ``n_up``: uploads + streams, ``n_cpu``), the host time
-    of the dense issue (``dense_s``), the engine's phase deltas (``_PHASES``) and, for a layer with
-    CPU experts, its ``cpu_layer_parts`` (``parts``)."""
+    of the dense issue (``dense_s``), the engine's phase deltas (``_PHASES``), for a layer with
+    CPU experts its ``cpu_layer_parts`` (``parts``), and the host's time between layers: in the
+    driver producing this step (``sched_s``: the policy's plan and commit, the previous step's
+    completions), reading the router logits back (``read_s``, including any wait for the GPU)
+    and, after another layer of the same token, from that layer's ``run_layer`` return to this
+    one's call (``gap_s``; the logging itself left out)."""
     gx = engine.gpu
     k = policy.geometry.top_k
     w = np.full((1, k), 1.0 / k, np.float32)
@@ -647,28 +651,39 @@ def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None 
     try:
         with gx.compute:
             t_prev = time.perf_counter()
+            t_body = t_prev  # end of the previous item's handling: the driver's time starts there
+            t_layer = None  # the previous layer's run_layer return (logging left out), same token only
             for item in drive(policy, tokens):
+                t_item = time.perf_counter()
                 items.append(item)
                 kind = type(item)
                 if kind is RunLayer:
                     t_d = time.perf_counter()
                     x, logits = dense.layer(x, item.step.layer)
-                    t_d = time.perf_counter() - t_d
+                    t_r = time.perf_counter()
                     logits.get(stream=gx.compute)  # the router's read-back
+                    t_g = time.perf_counter()
                     ids = np.asarray(item.step.experts, np.int64)[None, :]
                     if layer_log is None:
                         x = engine.run_layer(item, x, ids, w[:, :ids.shape[1]])
                         continue
+                    t_call = time.perf_counter()
                     n_jobs, s0, t0 = len(jobs), snap(), time.perf_counter()
                     x = engine.run_layer(item, x, ids, w[:, :ids.shape[1]])
                     t1, s1, d = time.perf_counter(), snap(), item.decision
-                    rec = {"dense_s": t_d, "n_gpu": len(d.hits) + len(d.uploads) + len(d.streams),
+                    rec = {"dense_s": t_r - t_d, "sched_s": t_item - t_body, "read_s": t_g - t_r,
+                           "n_gpu": len(d.hits) + len(d.uploads) + len(d.streams),
                            "n_up": len(d.uploads) + len(d.streams), "n_cpu": len(d.cpu),
                            **{p: s1[p] - s0[p] for p in _PHASES}}
+                    if t_layer is not None:
+                        rec["gap_s"] = t_call - t_layer
                     if len(jobs) > n_jobs:
                         rec["parts"] = cpu_layer_parts(t0, t1, rec, jobs[-1])
                     layer_log.append(rec)
-                elif kind is StartBackground:
+                    t_body = t_layer = time.perf_counter()  # from here: the logging is not counted
+                    continue
+                t_layer = None
+                if kind is StartBackground:
                     engine.start_background(item.moves)
                 elif kind is AwaitBackground:
                     engine.await_background(item.moves)
@@ -678,6 +693,7 @@ def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None 
                     times.append(t - t_prev)
                     t_prev = t
                     x = x0
+                t_body = time.perf_counter()
     finally:
         gc.enable()
         del engine.pool.submit
@@ -748,6 +764,50 @@ def replay_pool_fit(records: list[dict]) -> dict:
     return {"task_s": task, "expert_s": float(per), "by_count": by, "factor": factor}
 
 
+BETWEEN_MIN_LAYERS = 8  # layers with a gap_s needed before the between-layer fields are taken
+
+
+def replay_between_fields(records: list[dict]) -> dict | None:
+    """The host's time between layers in a replay (``replay_engine``'s ``sched_s``, ``read_s``,
+    ``gap_s``) -> {"host_dense_s": median of gap - driver - read-back (the dense issue and the
+    loop's own work), "readback_s": median read-back of layers after a layer without copies (the
+    GPU has little queued), "sched_s": {policy: median driver time per step} for records tagged
+    with a ``policy``}; None for records without ``gap_s`` (recorded before it existed) or with
+    fewer than ``BETWEEN_MIN_LAYERS`` of them."""
+    gap = [r for r in records if "gap_s" in r]
+    if len(gap) < BETWEEN_MIN_LAYERS:
+        return None
+    prev = [None] + records[:-1]
+    quiet = [r["read_s"] for r, q in zip(records, prev) if "gap_s" in r and q is not None and q["n_up"] == 0]
+    sched: dict[str, list] = {}
+    for r in records:
+        if "policy" in r:
+            sched.setdefault(r["policy"], []).append(r["sched_s"])
+    return {"host_dense_s": max(float(np.median([r["gap_s"] - r["sched_s"] - r["read_s"] for r in gap])), 0.0),
+            "readback_s": float(np.median(quiet or [r["read_s"] for r in gap])),
+            "sched_s": {p: float(np.median(v)) for p, v in sched.items()}}
+
+
+def apply_between(executor: dict, between: dict, src: dict | None = None) -> dict:
+    """``executor`` (a hardware file's block) with the between-layer host costs of
+    ``replay_between_fields``: ``host_dense_s``, ``readback_s``, and ``plan_s`` of each replayed
+    policy as the driver's median time per step there; the other policies' ``plan_s`` move by the
+    mean difference (replay - file) over the replayed ones (the driver's own work, common to all)."""
+    ex = dict(executor, host_dense_s=between["host_dense_s"], readback_s=between["readback_s"])
+    plan = dict(ex.get("plan_s", {}))
+    known = {p: v for p, v in between["sched_s"].items() if p in plan}
+    shift = float(np.mean([v - plan[p] for p, v in known.items()])) if known else 0.0
+    ex["plan_s"] = {p: between["sched_s"].get(p, max(v + shift, 0.0)) for p, v in plan.items()}
+    for p, v in between["sched_s"].items():
+        ex["plan_s"].setdefault(p, v)
+    if src is not None:
+        src["executor.between"] = ("measured: host time between layers in the calibration replay (replay_engine: "
+                                   "driver per step -> plan_s of the replayed policies, others shifted by their mean "
+                                   "difference; read-back after copy-free layers -> readback_s; the rest of the gap "
+                                   "between run_layer calls -> host_dense_s)")
+    return ex
+
+
 REPLAY_CONFIGS = (("lru", {}), ("hybrid", {"adaptive": True, "miss_frac_256": 96}))
 
 
@@ -773,7 +833,10 @@ def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
         try:
             engine.load_residents(pol.cache.slot)
             replay_engine(cp, engine, pol, tokens[:16], dense, x0)  # warm: the policy's cache fills
+            n0 = len(records)
             replay_engine(cp, engine, pol, tokens[16:], dense, x0, records)
+            for r in records[n0:]:
+                r["policy"] = name
             engine.synchronize()
         finally:
             engine.close()
@@ -781,10 +844,15 @@ def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
 
 
 def replay_summary(records: list[dict]) -> dict:
-    """``engine_replay`` of the measurements: host-lane fields and the pool's fit from records."""
-    return {"configs": [n for n, _ in REPLAY_CONFIGS], "layers": len(records),
-            "cpu_layers": sum("parts" in r for r in records), "fields": replay_host_fields(records),
-            "pool": replay_pool_fit(records)}
+    """``engine_replay`` of the measurements: host-lane fields, the pool's fit and (for records
+    with ``gap_s``) the between-layer host costs from records."""
+    out = {"configs": [n for n, _ in REPLAY_CONFIGS], "layers": len(records),
+           "cpu_layers": sum("parts" in r for r in records), "fields": replay_host_fields(records),
+           "pool": replay_pool_fit(records)}
+    between = replay_between_fields(records)
+    if between is not None:
+        out["between"] = between
+    return out
 
 
 def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: dict | None = None) -> dict:
@@ -793,6 +861,8 @@ def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: 
     lines, updated)."""
     hw = dict(hw)
     hw["executor"] = {**hw.get("executor", {}), **summary["fields"]}
+    if summary.get("between"):
+        hw["executor"] = apply_between(hw["executor"], summary["between"], src)
     pool = summary["pool"]
     if pool["expert_s"] > 0:  # the pool as a replay sees it, over the back-to-back calls
         hw.update(cpu_task_s=min(pool["task_s"], 0.5), cpu_thread_gbps=expert_bytes / pool["expert_s"] / 1e9 / threads)

@@ -370,3 +370,136 @@ def test_dense_stand_in_matches_float64():
     h = sd.head(x).get()
     ref = (x.get() / np.sqrt((x.get() ** 2).mean(axis=1, keepdims=True) + 1e-6)) @ sd.whead.get().astype(np.float64).T
     assert h.shape == (3,) and (ref[np.arange(3), h] >= ref.max(axis=1) - 1e-4 * np.abs(ref).max()).all()
+
+
+class FakeClock:
+    """A deterministic perf_counter: it moves only when a fake component says it spent time."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def spend(self, s: float) -> None:
+        self.t += s
+
+
+def fake_replay_parts(clock: FakeClock):
+    """Test doubles (no GPU) for replay_engine's collaborators, each spending known time on the
+    fake clock: driver 20 us per item, dense issue 30 us, read-back 12 us, run_layer 100 us,
+    head 50 us. Returns (engine, dense, policy, items)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from scheduler import Decision, EndToken, RunLayer, Step, Token
+
+    class Logits:
+        def get(self, stream=None):
+            clock.spend(12e-6)
+
+    stats = SimpleNamespace(**{p: 0.0 for p in C._PHASES})
+
+    def run_layer(item, x, ids, w):
+        clock.spend(100e-6)
+        stats.host_plan_s += 40e-6
+        return x
+
+    dense = SimpleNamespace(layer=lambda x, l: (clock.spend(30e-6), (x, Logits()))[1],
+                            head=lambda x: (clock.spend(50e-6), Logits())[1])
+    engine = SimpleNamespace(gpu=SimpleNamespace(compute=contextlib.nullcontext()), stats=stats,
+                             pool=SimpleNamespace(submit=None), run_layer=run_layer)
+    items = []
+    for i in range(2):
+        steps = tuple(Step(l, (0, 1)) for l in range(3))
+        t = Token(i, 0, i, "decode", steps)
+        items += [RunLayer(t, s, Decision(s, (0, 1))) for s in steps] + [EndToken(t)]
+    return engine, dense, SimpleNamespace(geometry=SimpleNamespace(top_k=2)), items
+
+
+def test_replay_engine_records_the_host_time_between_layers(monkeypatch):
+    from types import SimpleNamespace
+
+    clock = FakeClock()
+    engine, dense, policy, items = fake_replay_parts(clock)
+
+    def drive(pol, tokens):
+        for it in items:
+            clock.spend(20e-6)
+            yield it
+
+    monkeypatch.setattr(C, "drive", drive)
+    monkeypatch.setattr(C, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    log: list = []
+    _, times, _ = C.replay_engine(None, engine, policy, None, dense, np.zeros((1, 4), np.float32), log)
+    assert len(log) == 6 and times == pytest.approx([3 * 162e-6 + 20e-6 + 50e-6 + 12e-6] * 2)
+    for i, r in enumerate(log):
+        assert r["sched_s"] == pytest.approx(20e-6) and r["read_s"] == pytest.approx(12e-6)
+        assert r["dense_s"] == pytest.approx(30e-6) and r["host_plan_s"] == pytest.approx(40e-6)
+        if i % 3 == 0:  # a token's first layer: after the head and the token's end, no gap
+            assert "gap_s" not in r
+        else:
+            assert r["gap_s"] == pytest.approx(62e-6)
+
+
+def between_records(rng, policies=("lru", "hybrid"), n: int = 30) -> list[dict]:
+    """Replay records with known between-layer costs: driver 15 us (lru) / 45 us (hybrid), dense
+    issue + loop 70 us, read-back 20 us after a copy-free layer, 20 + 100 us after one with
+    copies (the GPU still copying); +-1 us noise."""
+    out = []
+    for p in policies:
+        prev_up = 0
+        for i in range(n):
+            sched = {"lru": 15e-6, "hybrid": 45e-6}[p]
+            read = 20e-6 + (100e-6 if prev_up else 0.0)
+            r = {"dense_s": 35e-6, "n_gpu": 4, "n_up": int(rng.integers(0, 3)), "n_cpu": 0, "policy": p,
+                 "sched_s": sched, "read_s": read}
+            if i % 4:
+                r["gap_s"] = sched + 70e-6 + read + rng.uniform(-1e-6, 1e-6)
+            out.append(r)
+            prev_up = r["n_up"]
+    return out
+
+
+def test_replay_between_fields_recover_the_costs():
+    b = C.replay_between_fields(between_records(np.random.default_rng(2)))
+    assert b["host_dense_s"] == pytest.approx(70e-6, abs=1e-6)
+    assert b["readback_s"] == pytest.approx(20e-6)
+    assert b["sched_s"] == pytest.approx({"lru": 15e-6, "hybrid": 45e-6})
+    old = [{k: v for k, v in r.items() if k not in ("gap_s", "sched_s", "read_s")}
+           for r in between_records(np.random.default_rng(2))]
+    assert C.replay_between_fields(old) is None  # recordings from before gap_s: fields as before
+
+
+def test_apply_between_sets_plan_readback_and_dense_and_the_simulator_charges_them():
+    b = C.replay_between_fields(between_records(np.random.default_rng(2)))
+    src: dict = {}
+    ex = C.apply_between(dict(SPLIT, plan_s={"lru": 5e-6, "hybrid": 15e-6, "static": 2e-6, "x": 1e-6}), b, src)
+    assert ex["plan_s"]["lru"] == pytest.approx(15e-6) and ex["plan_s"]["hybrid"] == pytest.approx(45e-6)
+    assert ex["plan_s"]["static"] == pytest.approx(2e-6 + 20e-6) and ex["plan_s"]["x"] == pytest.approx(21e-6)
+    assert ex["readback_s"] == pytest.approx(20e-6) and ex["host_dense_s"] == pytest.approx(70e-6, abs=1e-6)
+    assert "executor.between" in src
+    from scheduler import Decision
+
+    before = one_layer_run(SPLIT, lambda s: Decision(s, (0, 1, 2)))
+    after = one_layer_run(dict(ex, host_head_s=SPLIT["host_head_s"]), lambda s: Decision(s, (0, 1, 2)))
+    # one layer (plan, dense, read-back) and the head's read-back: 20 + (70 - 100) + 2 x (20 - 10) us
+    assert after - before == pytest.approx(20e-6 + ex["host_dense_s"] - 100e-6 + 2 * 10e-6)
+
+
+def test_replay_summary_and_apply_replay_take_the_between_fields():
+    recs = replay_records(np.random.default_rng(3))
+    rng = np.random.default_rng(4)
+    for i, r in enumerate(recs):
+        r.update(policy="lru", sched_s=25e-6, read_s=18e-6)
+        if i % 6:
+            r["gap_s"] = 25e-6 + 18e-6 + 60e-6 + rng.uniform(-1e-6, 1e-6)
+    s = C.replay_summary(recs)
+    assert s["between"]["sched_s"] == {"lru": pytest.approx(25e-6)}
+    hw = C.apply_replay({"executor": dict(SPLIT, plan_s={"lru": 5e-6})}, s, 5_000_000, 15)
+    assert hw["executor"]["host_dense_s"] == pytest.approx(60e-6, abs=1e-6)
+    assert hw["executor"]["plan_s"] == {"lru": pytest.approx(25e-6)}
+    old = C.replay_summary(replay_records(np.random.default_rng(3)))
+    assert "between" not in old
+    hw_old = C.apply_replay({"executor": dict(SPLIT, plan_s={"lru": 5e-6})}, old, 5_000_000, 15)
+    assert hw_old["executor"]["host_dense_s"] == pytest.approx(32e-6) and hw_old["executor"]["plan_s"] == {"lru": 5e-6}
