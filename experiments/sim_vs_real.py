@@ -24,7 +24,8 @@ simulator's best hybrid miss fraction is the executor's. Writes ``OUT/sim_vs_rea
 ``OUT/sim_vs_real.json`` (every token's measured time too) and ``OUT/sim_vs_real.png``; with
 ``--decompose`` also ``OUT/decompose.csv``: per config, the per-token times (measured and predicted)
 fit on the token's layers with CPU experts, further CPU experts and copies, to see which kind of
-layer the model misprices.
+layer the model misprices, and ``OUT/between.csv``: per config the host time per layer step inside
+``run_layer`` and between layers, measured, beside the model's charge between layers.
 
 ``--from DIR`` redoes the simulation and analysis from a previous run's ``DIR/raw.json`` (the
 executor's recording, written after every run; no GPU needed), e.g. with another hardware file or
@@ -413,6 +414,13 @@ def decompose(raw: dict, hw) -> list[dict]:
     return out
 
 
+def synth_tokens_of(a: dict):
+    """The checked trace of a recording's arguments (as ``compare`` builds it)."""
+    from execute.calibrate import synth_tokens
+
+    return synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)[0]
+
+
 def print_decompose(rows: list[dict]) -> None:
     us = lambda v: "     -" if v is None else f"{v * 1e6:6.0f}"
     print(f"\n{'config':<18}{'cpuL':>6}{'cpuE+':>6}{'copy':>6} | us measured: token cpu_layer cpu_expert copy"
@@ -425,6 +433,91 @@ def print_decompose(rows: list[dict]) -> None:
     print("(per token: least squares of token time on 1, layers with CPU experts, CPU experts beyond one per such "
           "layer, copies; measured = each token's median over the repeats; a term equal in every token shares its "
           "part with 'token'; - = no such work)")
+
+
+PHASE_COUNTERS = ("host_plan_s", "input_wait_s", "host_queue_s", "host_combine_s")
+
+
+def _layer_rows(rows) -> np.ndarray:
+    """Per layer (n_gpu, n_up, n_cpu, the previous layer's n_up): GPU-only, with CPU experts, further
+    GPU experts, a copy round, copies, copies of the previous layer, CPU experts."""
+    return np.array([[n_cpu == 0, n_cpu > 0, max(n_gpu - 1, 0), n_up > 0, n_up, prev, n_cpu]
+                     for n_gpu, n_up, n_cpu, prev in rows], np.float64)
+
+
+def calibration_ratios(raw: dict, model, tokens) -> dict[str, dict]:
+    """Per config, measured / calibrated for each engine phase counter and the pool's compute time
+    (median over repeats): the calibration side is a least squares over the session's calibration
+    records (per layer on ``_layer_rows``; the pool per call on 1 and its expert count), applied
+    to the config's own decisions. A diagnosis; no model input. {} without calibration records."""
+    from scheduler import Capacity, RunLayer, drive, make_policy
+
+    recs = raw.get("calibration_records") or []
+    if not recs:
+        return {}
+    prev = [0] + [r["n_up"] for r in recs[:-1]]
+    f = _layer_rows([(r["n_gpu"], r["n_up"], r["n_cpu"], u) for r, u in zip(recs, prev)])
+    coef = {k: np.linalg.lstsq(f, np.array([r[k] for r in recs]), rcond=None)[0] for k in PHASE_COUNTERS}
+    cpu = [r for r in recs if "parts" in r]
+    pool = np.linalg.lstsq(np.array([[1.0, r["n_cpu"]] for r in cpu]), np.array([r["parts"]["compute"] for r in cpu]),
+                           rcond=None)[0]
+    geo, out = model.geometry(), {}
+    for label, reps in group_runs(raw["runs"]).items():
+        c = reps[0]
+        pol = make_policy(c["policy"], geo, Capacity.per_layer(geo, c["slots"]), profile=_profile(c, tokens, geo),
+                          **_options(c))
+        rows, u = [], 0
+        for it in drive(pol, tokens):
+            if type(it) is RunLayer:
+                d = it.decision
+                rows.append((len(d.hits) + len(d.uploads) + len(d.streams), len(d.uploads) + len(d.streams), len(d.cpu), u))
+                u = rows[-1][1]
+        lf = _layer_rows(rows)
+        cal = {k: float((lf @ coef[k]).sum()) for k in PHASE_COUNTERS}
+        cal["cpu_compute_s"] = float(sum(pool[0] + pool[1] * n for _, _, n, _ in rows if n))
+        got = [r for r in reps if r.get("host_s")]
+        meas = lambda k: np.median([r["host_s"][k] if k in r["host_s"] else r[k] for r in got]) if got else np.nan
+        none = () if any(n for _, _, n, _ in rows) else ("input_wait_s", "cpu_compute_s")  # no CPU layers
+        out[label] = {f"ratio_{k}": float(meas(k) / v) if v > 0 and k not in none else None for k, v in cal.items()}
+    return out
+
+
+def between_split(raw: dict, hw) -> list[dict]:
+    """Per config (median over repeats), a step's host time inside ``run_layer`` (the engine's phase
+    counters) and outside it (token time less those: driver, dense issue, router read-back and any
+    wait there for the GPU, the head per layer), measured, beside the model's charge outside it
+    when the host lane is critical (``plan_s`` of the policy + ``host_dense_s`` + ``readback_s`` +
+    ``host_head_s`` / layers). A diagnosis; no model input. Runs without phase counters are skipped."""
+    ex = hw.executor or {}
+    layers = raw["args"]["layers"]
+    out = []
+    for label, reps in group_runs(raw["runs"]).items():
+        reps = [r for r in reps if r.get("host_s") and r.get("steps")]
+        if not reps or not ex:
+            continue
+        inside = np.array([sum(r["host_s"].values()) / r["steps"] for r in reps])
+        total = np.array([sum(r["token_s"]) / r["steps"] for r in reps])
+        plan = ex.get("plan_s", {}).get(reps[0]["policy"], 0.0)
+        model = plan + ex.get("host_dense_s", 0.0) + ex.get("readback_s", 0.0) + ex.get("host_head_s", 0.0) / layers
+        out.append({"label": label, "measured_step_s": float(np.median(total)),
+                    "measured_inside_s": float(np.median(inside)), "measured_between_s": float(np.median(total - inside)),
+                    "model_between_s": model})
+    return out
+
+
+def print_between(rows: list[dict]) -> None:
+    keys = [f"ratio_{k}" for k in (*PHASE_COUNTERS, "cpu_compute_s")]
+    r2 = lambda v: "     -" if v is None else f"{v:6.2f}"
+    print(f"\n{'config':<18}{'us per layer step: total':>26}{'in run_layer':>14}{'between':>9}{'model between':>15}"
+          " | measured / calibration: plan input_wait queue combine pool")
+    for r in rows:
+        print(f"{r['label']:<18}{r['measured_step_s'] * 1e6:26.0f}{r['measured_inside_s'] * 1e6:14.0f}"
+              f"{r['measured_between_s'] * 1e6:9.0f}{r['model_between_s'] * 1e6:15.0f} | "
+              + " ".join(r2(r.get(k)) for k in keys))
+    print("(measured, median over repeats; between = token time less the engine's phase counters, per layer step; "
+          "model between = plan_s + host_dense_s + readback_s + host_head_s / layers, the host's charge outside "
+          "run_layer where it is not waiting for the GPU; measured / calibration: each engine phase counter and the "
+          "pool's compute time over the session's calibration records fit per layer, on this config's decisions)")
 
 
 def spread_summary(rows: list[dict]) -> dict | None:
@@ -561,7 +654,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decompose", action="store_true",
                     help="also fit each config's per-token times, measured and predicted, on its CPU layers, CPU "
-                         "experts and copies (OUT/decompose.csv): which kind of layer the model misprices")
+                         "experts and copies (OUT/decompose.csv): which kind of layer the model misprices; and "
+                         "each config's host time per layer step in and outside run_layer vs the model's charge "
+                         "outside it (OUT/between.csv)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: expected >= 1")
@@ -604,6 +699,14 @@ def main(argv=None) -> int:
         dec = decompose(raw, hw)
         print_decompose(dec)
         write_csv(Path(args.out) / "decompose.csv", dec)
+        btw = between_split(raw, hw)
+        a = raw["args"]
+        ratios = calibration_ratios(raw, sim_model(a["layers"], a["vocab"]),
+                                    synth_tokens_of(a))
+        btw = [{**r, **ratios.get(r["label"], {})} for r in btw]
+        if btw:
+            print_between(btw)
+            write_csv(Path(args.out) / "between.csv", btw)
     log(f"wrote {args.out}/sim_vs_real.csv, .json, .png")
     return 0
 

@@ -190,3 +190,76 @@ def test_decompose_on_a_recording_of_the_simulators_own_times_agrees_side_by_sid
             m, p = r[f"measured_{k}_s"], r[f"predicted_{k}_s"]
             assert (m is None and p is None) or m == pytest.approx(p, rel=1e-9, abs=1e-12)
     assert any(r["per_token_copy"] > 0 and r["measured_copy_s"] > 0 for r in rows)
+
+
+def test_between_split_separates_the_engine_from_the_time_between_layers(tmp_path):
+    raw, hw, _, _ = fake_recording(tmp_path, scales=(1.0, 1.2, 0.9), configs=2)
+    for r in raw["runs"]:  # 24 layer steps; the engine's counters hold 60% of the token time
+        r["steps"] = 24
+        total = sum(r["token_s"])
+        r["host_s"] = {"host_plan_s": 0.4 * total, "host_queue_s": 0.2 * total}
+    rows = svr.between_split(raw, hw)
+    assert [r["label"] for r in rows] == ["cpu", "lru 10%"]
+    ex = hw.executor
+    for r, c in zip(rows, svr.configs(32)):
+        total = np.median([sum(x["token_s"]) for x in raw["runs"] if x["label"] == c["label"]]) / 24
+        assert r["measured_step_s"] == pytest.approx(total)
+        assert r["measured_inside_s"] == pytest.approx(0.6 * total)
+        assert r["measured_between_s"] == pytest.approx(0.4 * total)
+        want = ex["plan_s"].get(c["policy"], 0.0) + ex["host_dense_s"] + ex["readback_s"] + ex["host_head_s"] / 2
+        assert r["model_between_s"] == pytest.approx(want)
+    for r in raw["runs"]:
+        del r["host_s"]
+    assert svr.between_split(raw, hw) == []  # recordings without phase counters
+
+
+def layer_costs(n_gpu, n_up, n_cpu, prev) -> dict:
+    """Known per-layer engine phase costs (s) for test_calibration_ratios_*."""
+    return {"host_plan_s": 50e-6 + 3e-6 * prev + (60e-6 if n_cpu else 0.0),
+            "host_queue_s": 20e-6 + 4e-6 * max(n_gpu - 1, 0) + 10e-6 * (n_up > 0) + 15e-6 * n_up,
+            "host_combine_s": 20e-6 + (50e-6 if n_cpu else 0.0), "input_wait_s": 100e-6 if n_cpu else 0.0,
+            "cpu_compute_s": 200e-6 + 150e-6 * n_cpu if n_cpu else 0.0}
+
+
+def test_calibration_ratios_measure_each_phase_against_the_calibration_records(tmp_path):
+    from scheduler import Capacity, RunLayer, drive, make_policy
+
+    raw, _, model, _ = fake_recording(tmp_path, scales=(1.0, 1.0), configs=5)
+    rng = np.random.default_rng(5)
+    recs, prev = [], 0
+    for _ in range(400):
+        n_cpu = int(rng.integers(0, 4))
+        n_gpu, n_up = int(rng.integers(0 if n_cpu else 1, 8)), int(rng.integers(0, 3))
+        n_up = min(n_up, n_gpu)
+        c = layer_costs(n_gpu, n_up, n_cpu, prev)
+        r = {"n_gpu": n_gpu, "n_up": n_up, "n_cpu": n_cpu, **{k: c[k] for k in svr.PHASE_COUNTERS}}
+        if n_cpu:
+            r["parts"] = {"compute": c["cpu_compute_s"]}
+        recs.append(r)
+        prev = n_up
+    raw["calibration_records"] = recs
+    tokens = svr.synth_tokens_of(raw["args"])
+    geo = model.geometry()
+    slow = {"host_plan_s": 1.5, "input_wait_s": 1.2, "host_queue_s": 1.0, "host_combine_s": 0.8, "cpu_compute_s": 1.1}
+    for run in raw["runs"]:
+        pol = make_policy(run["policy"], geo, Capacity.per_layer(geo, run["slots"]),
+                          profile=svr._profile(run, tokens, geo), **svr._options(run))
+        tot, u = dict.fromkeys(slow, 0.0), 0
+        for it in drive(pol, tokens):
+            if type(it) is RunLayer:
+                d = it.decision
+                nu = len(d.uploads) + len(d.streams)
+                for k, v in layer_costs(len(d.hits) + nu, nu, len(d.cpu), u).items():
+                    tot[k] += v * slow[k]
+                u = nu
+        run["host_s"] = {k: tot[k] for k in svr.PHASE_COUNTERS}
+        run["cpu_compute_s"] = tot["cpu_compute_s"]
+    got = svr.calibration_ratios(raw, model, tokens)
+    assert list(got) == [c["label"] for c in svr.configs(32)[:5]]
+    for label, r in got.items():
+        for k, f in slow.items():
+            if r[f"ratio_{k}"] is not None:
+                assert r[f"ratio_{k}"] == pytest.approx(f, rel=1e-6), (label, k)
+    assert got["cpu"]["ratio_cpu_compute_s"] == pytest.approx(1.1)
+    assert got["lru 10%"]["ratio_cpu_compute_s"] is None and got["lru 10%"]["ratio_input_wait_s"] is None
+    assert svr.calibration_ratios({**raw, "calibration_records": []}, model, tokens) == {}
