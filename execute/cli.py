@@ -128,9 +128,9 @@ def _parser_replay() -> argparse.ArgumentParser:
                    help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
     p.add_argument("--cache-mib", type=float, default=None, help="GPU expert cache budget, MiB")
     p.add_argument("--pageable", action="store_true",
-                   help="upload experts from pageable host memory through a small pinned staging ring instead of "
-                        "page-locking the weights (as when the host cannot pin the model); hybrid-cost's cost "
-                        "model then takes the hardware's pageable link rate")
+                   help="do not page-lock the weights (as when the host cannot pin the model): uploads are "
+                        "copies from pageable memory, staged by the CUDA driver, the host thread waiting for each; "
+                        "hybrid-cost's cost model then takes the hardware's pageable link rate")
     p.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer (instead of MiB)")
     p.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
     p.add_argument("--tokens", type=int, default=None, help="replay at most N trace rows")
@@ -317,9 +317,9 @@ def _parser_run() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default=None,
                    help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
     p.add_argument("--pageable", action="store_true",
-                   help="upload experts from pageable host memory through a small pinned staging ring instead of "
-                        "page-locking the weights (as when the host cannot pin the model); hybrid-cost's cost "
-                        "model then takes the hardware's pageable link rate")
+                   help="do not page-lock the weights (as when the host cannot pin the model): uploads are "
+                        "copies from pageable memory, staged by the CUDA driver, the host thread waiting for each; "
+                        "hybrid-cost's cost model then takes the hardware's pageable link rate")
     p.add_argument("--miss-fraction", type=float, default=None,
                    help="--policy hybrid: share of distinct misses sent over PCIe (default 44/256)")
     p.add_argument("--audit", default=None, help="write the per-batch audit JSONL (with routes) here")

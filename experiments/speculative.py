@@ -120,7 +120,7 @@ def main() -> int:
     ex.add_argument("--threads", type=int, default=None, help="CPU expert threads")
     ex.add_argument("--backend", default="engine", choices=("engine", "numpy"))
     ex.add_argument("--repeats", type=int, default=3, help="runs per configuration (median reported)")
-    ex.add_argument("--pageable", action="store_true", help="moelab run --pageable: uploads through a pinned staging ring")
+    ex.add_argument("--pageable", action="store_true", help="moelab run --pageable: the weights are not page-locked")
     args = ap.parse_args()
     if args.executor:
         return executor_main(args)
