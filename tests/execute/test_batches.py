@@ -234,7 +234,8 @@ def test_hybrid_cost_options_from_hardware(arch_model):
     from simulate.models import ModelSpec
 
     path, w = arch_model("deepseek2")  # a leading dense block: 0-byte layer 0
-    args = argparse.Namespace(policy="hybrid-cost", hardware="rtx4070super-5950x", model=str(path))
+    args = argparse.Namespace(policy="hybrid-cost", hardware="rtx4070super-5950x", model=str(path),
+                              pageable=False)
     cm = _cost_options(args, "test")["cost_model"]
     assert cm == Costs(ModelSpec.from_gguf(path), load_hardware("rtx4070super-5950x")).cost_model()
     assert len(cm.upload_s) == w.info.num_layers and cm.upload_s[1] > 0
