@@ -215,6 +215,11 @@ def _run_once(args, extra):
     return run_figures(base + extra)
 
 
+def _spread(vals) -> float:
+    """(max - min) / median of measured figures."""
+    return (max(vals) - min(vals)) / float(np.median(vals))
+
+
 def measure_cells(args, cells, run=None) -> list[list[tuple[dict, list[int]]]]:
     """Every cell's (figures, tokens) of ``--repeats`` rounds. One unrecorded warm-up run first (a
     first run may pay one-time costs, e.g. CuPy compiling kernels at first use); then each round
@@ -255,7 +260,7 @@ def executor_main(args) -> int:
                                 "tokens_per_step": figs[0].get("tokens_per_step", 1.0), "hit_rate": figs[0]["hit_rate"],
                                 "uploads": figs[0]["uploads"] + figs[0]["streams"], "cpu_experts": figs[0]["cpu"],
                                 "same_tokens": reps[0][1] == runs[0][0][1], "runs": len(figs),
-                                "spread": (max(f["decode_tokens_per_s"] for f in figs) - min(f["decode_tokens_per_s"] for f in figs)) / tps})
+                                "spread": _spread([f["decode_tokens_per_s"] for f in figs])})
                 print(f"draft {d}  {policy:<11} {'' if frac is None else f'{frac:.3f}':>6}  {tps:8.2f} tok/s  "
                       f"acceptance {figs[0].get('acceptance_rate', 0.0):.2f}", file=sys.stderr)
             # the prompt is processed alike whatever the draft length: every run of the config counts
@@ -265,7 +270,7 @@ def executor_main(args) -> int:
                 results.append({"mode": mode, "draft_len": "", **row, "tokens_per_s": float(np.median(vals)),
                                 "acceptance": "", "tokens_per_step": "", "hit_rate": "", "uploads": "",
                                 "cpu_experts": "", "same_tokens": "",
-                                "runs": len(vals), "spread": (max(vals) - min(vals)) / float(np.median(vals))})
+                                "runs": len(vals), "spread": _spread(vals)})
     except ExecutorError as exc:
         print(f"speculative: {exc}", file=sys.stderr)
         return 2
@@ -300,7 +305,6 @@ def best_row(results, mode, draft, policy):
     """The fastest row of ``policy`` (of its fixed fractions, for hybrid) in ``mode`` at ``draft``."""
     rows = [r for r in results if r["mode"] == mode and r["draft_len"] == draft and r["policy"] == policy]
     return max(rows, key=lambda r: r["tokens_per_s"])
-
 
 
 def _noise(detail: str, ratio: float, *rows) -> str:
