@@ -46,3 +46,11 @@ def test_measure_cells_refuses_greedy_runs_that_disagree():
 
     with pytest.raises(RuntimeError, match="disagree"):
         spx.measure_cells(argparse.Namespace(repeats=3), [["a"]], run)
+
+
+def test_noise_note_says_whether_a_shortfall_is_inside_the_runs_spread():
+    a, b = {"spread": 0.2}, {"spread": 0.1}
+    assert spx._noise("r", 0.95, a, b) == "r (inside the runs' noise: half-spread 10%)"
+    assert spx._noise("r", 0.85, a, b) == "r (outside the runs' noise: half-spread 10%)"
+    assert spx._noise("r", 1.02, a, b) == "r"  # not short
+    assert spx._noise("r", 0.9, {}, {"spread": ""}) == "r"  # simulated rows: no spread, no note
