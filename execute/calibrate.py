@@ -65,7 +65,8 @@ from .experts import LayerExperts, random_layer
 __all__ = ["main", "stats", "fit_line", "hardware_json", "write_json", "build_layers", "StandIn",
            "measure_plan_s", "measure_poll_s", "measure_cpu_mem_gbps", "measure_cpu_pool", "synth_tokens",
            "replay_engine", "replay_host_fields", "replay_pool_fit", "replay_between_fields", "apply_between",
-           "calibration_replay", "replay_summary", "apply_replay"]
+           "calibration_replay", "calibration_runs", "decision_totals", "stats_delta", "unlogged_host_fields",
+           "replay_summary", "apply_replay"]
 
 PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid", "hybrid-cost")
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
@@ -809,14 +810,14 @@ def apply_between(executor: dict, between: dict, src: dict | None = None) -> dic
 
 
 REPLAY_CONFIGS = (("lru", {}), ("hybrid", {"adaptive": True, "miss_frac_256": 96}))
+HYBRID_96 = {"adaptive": True, "miss_frac_256": 96}
+# the unlogged calibration runs: (policy, options, cache as a divisor of the experts per layer)
+RUN_CONFIGS = (("lru", {}, 5), ("lru", {}, 2), ("hybrid", HYBRID_96, 5))
+RUN_PHASES = ("host_plan_s", "host_queue_s", "host_combine_s", "input_wait_s", "cpu_wait_s")
 
 
-def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
-    """Per-layer records (``replay_engine``'s ``layer_log``) of the calibration workload: a
-    64-token synthetic trace of its own seed (``args.seed + 31``) replayed under lru and hybrid
-    (miss fraction 96/256) with a cache of 20% of the experts, after 16 unlogged tokens each."""
-    from .engine import ExpertEngine
-
+def _replay_setup(cp, gx, layers, args, dense):
+    """(geometry, the calibration trace's tokens, dense stand-in, layer input) for the calibration replays."""
     L, E = len(layers), layers[0].num_experts
     geo = Geometry((E,) * L, args.top_k, (layers[0].expert_bytes,) * L)
     tokens, _ = synth_tokens(L, E, args.top_k, 64, args.seed + 31)
@@ -825,9 +826,19 @@ def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
                         args.vocab, args.seed)
     with gx.compute:
         x0 = cp.asarray(np.random.default_rng(args.seed + 5).standard_normal((1, args.hidden)).astype(np.float32))
+    return geo, tokens, dense, x0
+
+
+def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
+    """Per-layer records (``replay_engine``'s ``layer_log``) of the calibration workload: a
+    64-token synthetic trace of its own seed (``args.seed + 31``) replayed under lru and hybrid
+    (miss fraction 96/256) with a cache of 20% of the experts, after 16 unlogged tokens each."""
+    from .engine import ExpertEngine
+
+    geo, tokens, dense, x0 = _replay_setup(cp, gx, layers, args, dense)
     records: list[dict] = []
     for name, opts in REPLAY_CONFIGS:
-        cap = Capacity.per_layer(geo, max(args.top_k, E // 5))
+        cap = Capacity.per_layer(geo, max(args.top_k, geo.max_experts // 5))
         pol = make_policy(name, geo, cap, **opts)
         engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
         try:
@@ -843,15 +854,126 @@ def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
     return records
 
 
-def replay_summary(records: list[dict]) -> dict:
-    """``engine_replay`` of the measurements: host-lane fields, the pool's fit and (for records
-    with ``gap_s``) the between-layer host costs from records."""
+def decision_totals(items) -> dict:
+    """Totals over the ``RunLayer`` items of a replay: ``uploads`` (uploads + streams),
+    ``copy_layers`` (layers with any), ``cpu_layers`` (layers with CPU experts), ``cpu_experts``,
+    ``gpu_experts`` (hits + uploads + streams) and ``gpu_layers`` (layers with any)."""
+    out = dict.fromkeys(("layers", "uploads", "copy_layers", "cpu_layers", "cpu_experts", "gpu_experts",
+                         "gpu_layers"), 0)
+    for item in items:
+        if type(item) is not RunLayer:
+            continue
+        d = item.decision
+        nu, nc = len(d.uploads) + len(d.streams), len(d.cpu)
+        ng = len(d.hits) + nu
+        out["layers"] += 1
+        out["uploads"] += nu
+        out["copy_layers"] += nu > 0
+        out["cpu_layers"] += nc > 0
+        out["cpu_experts"] += nc
+        out["gpu_experts"] += ng
+        out["gpu_layers"] += ng > 0
+    return out
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """``{"steps", "host_s": {phase: seconds}}`` between two snapshots of the engine's counters
+    (``{"steps", *RUN_PHASES}``), as ``experiments/sim_vs_real.py`` records its checked runs."""
+    return {"steps": after["steps"] - before["steps"], "host_s": {p: after[p] - before[p] for p in RUN_PHASES}}
+
+
+def calibration_runs(cp, gx, layers, args, dense=None) -> list[dict]:
+    """Aggregates of UNLOGGED replays of the calibration trace (``RUN_CONFIGS``: lru at a fifth and
+    at half of the experts, hybrid 96/256 at a fifth), each after 16 warm-up tokens: per run the
+    engine's phase totals and steps (``stats_delta``), the decisions' ``decision_totals`` and the
+    wall seconds per token (``token_s``). Per-layer logging slows the engine's own phases at a high
+    hit rate, and the checked replays are unlogged: these runs time the same way."""
+    from .engine import ExpertEngine
+
+    geo, tokens, dense, x0 = _replay_setup(cp, gx, layers, args, dense)
+    snap = lambda st: {"steps": st.steps, **{p: getattr(st, p) for p in RUN_PHASES}}
+    out = []
+    for name, opts, div in RUN_CONFIGS:
+        slots = max(args.top_k, geo.max_experts // div)
+        cap = Capacity.per_layer(geo, slots)
+        pol = make_policy(name, geo, cap, **opts)
+        engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
+        try:
+            engine.load_residents(pol.cache.slot)
+            replay_engine(cp, engine, pol, tokens[:16], dense, x0)  # warm: the policy's cache fills
+            s0 = snap(engine.stats)
+            items, times, _ = replay_engine(cp, engine, pol, tokens[16:], dense, x0)
+            out.append({"policy": name, "slots": slots, **opts, **stats_delta(s0, snap(engine.stats)),
+                        **decision_totals(items), "token_s": times})
+        finally:
+            engine.close()
+    return out
+
+
+def _lsq(rows, y) -> np.ndarray | None:
+    """Least squares of ``y`` on ``rows``; None when the columns are not independent (too few configs)."""
+    a = np.array(rows, np.float64)
+    if np.linalg.matrix_rank(a) < a.shape[1]:
+        return None
+    return np.linalg.lstsq(a, np.array(y, np.float64), rcond=None)[0]
+
+
+def unlogged_host_fields(runs: list[dict], fields: dict) -> dict | None:
+    """The GPU-only-layer host-lane fields from unlogged calibration runs (``calibration_runs``),
+    over the logged fit ``fields`` (``replay_host_fields``) -> {"fields": the replaced fields,
+    "fit": per phase its coefficients, "runs": count}; None without runs, or when the runs do not
+    determine the fit (fewer than three configs of independent counts).
+
+    Per phase, least squares over runs of (phase total / steps) on per-step counts, one column per
+    model field it sets, so that three configs (any number of rounds) determine it:
+    plan on [1, uploads, CPU layers] -> ``host_layer_plan_s``, ``host_plan_copy_s`` (per copy: a
+    step's copies equal the next step's copies of the previous layer, up to one layer per run);
+    queue less the logged ``host_gpu_expert_s`` per further GPU expert on [1, copy cost, CPU
+    layers], copy cost = (``host_copy_round_s`` x layers with copies + ``host_copy_s`` x copies) of
+    the logged fit, whose coefficient scales both (the logged replay gives the split between a
+    copy round and a copy; [1, uploads, CPU layers] where both are 0) -> the GPU-only queue level,
+    ``host_copy_round_s``, ``host_copy_s``; combine on [1, CPU layers] -> ``host_layer_combine_s``.
+    The CPU-layer column absorbs those layers, whose parts stay the logged fit's:
+    ``host_cpu_submit_s`` takes the change of ``host_layer_plan_s`` so that a CPU layer's plan is
+    charged as logged. Coefficients below 0 are taken as 0."""
+    runs = [r for r in runs or () if r.get("steps")]
+    if not runs:
+        return None
+    per = lambda r, k: r[k] / r["steps"]
+    rnd, cp_ = fields["host_copy_round_s"], fields["host_copy_s"]
+    cost = ((lambda r: (rnd * r["copy_layers"] + cp_ * r["uploads"]) / r["steps"]) if rnd + cp_ > 0
+            else (lambda r: per(r, "uploads")))
+    further = lambda r: fields["host_gpu_expert_s"] * (r["gpu_experts"] - r["gpu_layers"]) / r["steps"]
+    plan = _lsq([[1.0, per(r, "uploads"), per(r, "cpu_layers")] for r in runs],
+                [r["host_s"]["host_plan_s"] / r["steps"] for r in runs])
+    queue = _lsq([[1.0, cost(r), per(r, "cpu_layers")] for r in runs],
+                 [(r["host_s"]["host_queue_s"] / r["steps"]) - further(r) for r in runs])
+    comb = _lsq([[1.0, per(r, "cpu_layers")] for r in runs],
+                [r["host_s"]["host_combine_s"] / r["steps"] for r in runs])
+    if plan is None or queue is None or comb is None:
+        return None
+    p, pc, q, scale, c = (max(float(v), 0.0) for v in (plan[0], plan[1], queue[0], queue[1], comb[0]))
+    copy_round, copy = (scale * rnd, scale * cp_) if rnd + cp_ > 0 else (0.0, scale)
+    out = {"host_layer_plan_s": p, "host_plan_copy_s": pc, "host_layer_combine_s": c, "host_gpu_layer_s": p + q + c,
+           "host_copy_round_s": copy_round, "host_copy_s": copy,
+           "host_cpu_submit_s": max(fields["host_cpu_submit_s"] + fields["host_layer_plan_s"] - p, 0.0)}
+    fit = {"plan": [float(v) for v in plan], "queue": [float(v) for v in queue], "combine": [float(v) for v in comb]}
+    return {"fields": out, "fit": fit, "runs": len(runs)}
+
+
+def replay_summary(records: list[dict], runs: list[dict] | None = None) -> dict:
+    """``engine_replay`` of the measurements: host-lane fields, the pool's fit, (for records with
+    ``gap_s``) the between-layer host costs from ``records`` and (with unlogged ``runs`` that
+    determine it) ``unlogged_host_fields``."""
     out = {"configs": [n for n, _ in REPLAY_CONFIGS], "layers": len(records),
            "cpu_layers": sum("parts" in r for r in records), "fields": replay_host_fields(records),
            "pool": replay_pool_fit(records)}
     between = replay_between_fields(records)
     if between is not None:
         out["between"] = between
+    unlogged = unlogged_host_fields(runs, out["fields"])
+    if unlogged is not None:
+        out["unlogged"] = unlogged
     return out
 
 
@@ -861,6 +983,12 @@ def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: 
     lines, updated)."""
     hw = dict(hw)
     hw["executor"] = {**hw.get("executor", {}), **summary["fields"]}
+    if summary.get("unlogged"):  # GPU-only layers as unlogged replays run them
+        hw["executor"].update(summary["unlogged"]["fields"])
+        if src is not None:
+            src["executor.unlogged"] = ("measured: GPU-only-layer plan, queue (level, copy round, copy) and combine "
+                                        "from unlogged calibration runs (calibration_runs: engine phase totals per "
+                                        "step fit on copies and CPU layers per step; unlogged_host_fields)")
     if summary.get("between"):
         hw["executor"] = apply_between(hw["executor"], summary["between"], src)
     pool = summary["pool"]
@@ -1058,7 +1186,10 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
         engine.synchronize()
         engine.pool.close()
         log("engine host costs in a replay")
-        m["engine_replay"] = replay_summary(calibration_replay(cp, gx, layers, args))
+        records = calibration_replay(cp, gx, layers, args)
+        log("engine host costs in unlogged replays")
+        m["calibration_runs"] = calibration_runs(cp, gx, layers, args)
+        m["engine_replay"] = replay_summary(records, m["calibration_runs"])
     finally:
         engine.synchronize()
         engine.pool.close()

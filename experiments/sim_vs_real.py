@@ -267,14 +267,18 @@ def run_device(args) -> dict:
         for c in runs:
             replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads)
     log(f"{args.warmup_rounds} warm-up round(s) done")
-    from execute.calibrate import calibration_replay, write_json
+    from execute.calibrate import calibration_replay, calibration_runs, write_json
 
     raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dense_rel_err": dense_err, "runs": [], "failed": []}
-    raw["calibration_records"] = []
+    raw["calibration_records"], raw["calibration_runs"] = [], []
     for rep in range(args.repeats):  # interleaved, every other round in reverse: drift spreads over configs
         if args.host_calibration == "session":  # the calibration workload, in this process, this round
             raw["calibration_records"].extend(calibration_replay(cp, gx, layers, args, dense))
+            t0 = time.perf_counter()
+            cal = calibration_runs(cp, gx, layers, args, dense)  # unlogged: timed as the checked runs are
+            raw["calibration_runs"].extend({**r, "round": rep} for r in cal)
+            log(f"[{rep}] unlogged calibration runs ({len(cal)} configs): {time.perf_counter() - t0:.1f} s")
         for c in (runs if rep % 2 == 0 else runs[::-1]):
             try:
                 r = replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads)
@@ -599,12 +603,14 @@ def plot(rows: list[dict], path: Path) -> None:
 def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:
     """``hw_file`` with its host-lane fields and CPU pool cost from the calibration replays recorded
     in this session (``raw["calibration_records"]``: the calibration workload of ``moelab
-    calibrate``, its own trace, run in the same process before each round); written to
-    ``out/hardware-session.json``."""
+    calibrate``, its own trace, run in the same process before each round, logged per layer; and
+    where recorded ``raw["calibration_runs"]``: the same trace unlogged, whose aggregates set the
+    GPU-only layers' fields); written to ``out/hardware-session.json``. The checked runs
+    (``raw["runs"]``) are not read."""
     from execute.calibrate import apply_replay, replay_summary, write_json
 
     hw = json.loads(Path(hw_file).read_text())
-    summary = replay_summary(raw["calibration_records"])
+    summary = replay_summary(raw["calibration_records"], raw.get("calibration_runs"))
     hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], hw.setdefault("sources", {}))
     hw["_about"] = f"{hw.get('_about', '')}; host lane and CPU pool from sim_vs_real's session calibration replays"
     hw.setdefault("_calibration", {})["session_replay"] = summary
@@ -690,6 +696,10 @@ def main(argv=None) -> int:
         hw_path = session_hardware(args.hardware, raw, Path(args.out))
         hw = load_hardware(hw_path)
         log(f"host lane and CPU pool from this session's calibration replays: {hw_path}")
+        ul = json.loads(Path(hw_path).read_text())["_calibration"]["session_replay"].get("unlogged")
+        if ul:
+            log(f"GPU-only layers from {ul['runs']} unlogged calibration runs: "
+                + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in ul["fields"].items()))
     rows = compare(raw, hw)
     an = analyse(rows)
     nz = spread_summary(rows)

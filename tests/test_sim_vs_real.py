@@ -263,3 +263,35 @@ def test_calibration_ratios_measure_each_phase_against_the_calibration_records(t
     assert got["cpu"]["ratio_cpu_compute_s"] == pytest.approx(1.1)
     assert got["lru 10%"]["ratio_cpu_compute_s"] is None and got["lru 10%"]["ratio_input_wait_s"] is None
     assert svr.calibration_ratios({**raw, "calibration_records": []}, model, tokens) == {}
+
+
+def test_unlogged_calibration_runs_round_trip_through_from_and_ignore_the_checked_runs(tmp_path, monkeypatch):
+    from tests.execute.test_calibrate import UNLOGGED, fake_runs, replay_records
+
+    from execute import calibrate as C
+
+    raw, hw, model, hwp = fake_recording(tmp_path, configs=3)
+    raw["calibration_records"] = replay_records(np.random.default_rng(3))
+    raw["calibration_runs"] = fake_runs(np.random.default_rng(1), C.replay_host_fields(raw["calibration_records"]))
+    raw["expert_bytes"], raw["args"]["threads"] = 5_013_504, 15
+    monkeypatch.setattr(svr, "sim_model", lambda layers, vocab: model)
+
+    def session(raw, name):
+        rec = tmp_path / name
+        C.write_json(rec / "raw.json", raw)
+        out = tmp_path / f"{name}-out"
+        assert svr.main(["--hardware", hwp, "--from", str(rec), "--out", str(out)]) == 0
+        return json.loads((out / "hardware-session.json").read_text()), (out / "sim_vs_real.csv").read_text()
+
+    hw1, csv1 = session(raw, "rec")
+    assert hw1["executor"]["host_layer_plan_s"] == pytest.approx(UNLOGGED["plan"], abs=1e-6)
+    assert hw1["_calibration"]["session_replay"]["unlogged"]["runs"] == 9
+    assert "executor.unlogged" in hw1["sources"]
+    # the checked runs' timings do not enter the calibration
+    slower = {**raw, "runs": [{**r, "token_s": [2 * t for t in r["token_s"]]} for r in raw["runs"]]}
+    hw2, csv2 = session(slower, "slower")
+    assert hw2 == hw1 and csv2 != csv1
+    # without the unlogged runs (every recording before them) the fields are the logged replay's
+    hw3, _ = session({k: v for k, v in raw.items() if k != "calibration_runs"}, "old")
+    assert hw3["executor"]["host_layer_plan_s"] == pytest.approx(70e-6, abs=0.5e-6)
+    assert "unlogged" not in hw3["_calibration"]["session_replay"]

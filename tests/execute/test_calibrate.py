@@ -503,3 +503,134 @@ def test_replay_summary_and_apply_replay_take_the_between_fields():
     assert "between" not in old
     hw_old = C.apply_replay({"executor": dict(SPLIT, plan_s={"lru": 5e-6})}, old, 5_000_000, 15)
     assert hw_old["executor"]["host_dense_s"] == pytest.approx(32e-6) and hw_old["executor"]["plan_s"] == {"lru": 5e-6}
+
+
+# unlogged calibration runs ---------------------------------------------------------------------
+UNLOGGED = {"plan": 40e-6, "plan_copy": 2e-6, "plan_cpu": 50e-6, "queue": 30e-6, "copy_scale": 0.8,
+            "queue_cpu": 40e-6, "combine": 14e-6, "combine_cpu": 60e-6}
+
+
+def drive_runs(num_layers: int = 4, num_experts: int = 32, top_k: int = 4, num_tokens: int = 24):
+    """(RUN_CONFIGS as policies over a small synthetic trace: [(config, scheduler items)], geometry)."""
+    from scheduler import Capacity, Geometry, drive, make_policy
+
+    geo = Geometry((num_experts,) * num_layers, top_k, (1000,) * num_layers)
+    tokens, _ = C.synth_tokens(num_layers, num_experts, top_k, num_tokens, 7)
+    out = []
+    for name, opts, div in C.RUN_CONFIGS:
+        slots = max(top_k, num_experts // div)
+        pol = make_policy(name, geo, Capacity.per_layer(geo, slots), **opts)
+        out.append(({"policy": name, "slots": slots, **opts}, list(drive(pol, tokens))))
+    return out, geo
+
+
+def fake_runs(rng, fields: dict, rounds: int = 3, noise_s: float = 0.3e-6) -> list[dict]:
+    """Unlogged runs whose engine phase totals follow ``UNLOGGED`` per layer: plan 40 us + 2 us per
+    copy of the previous layer (+ 50 us with CPU experts); queue 30 us + the logged per-expert term +
+    0.8 x the logged copy round and copy terms (+ 40 us with CPU experts); combine 14 us (+ 60 us);
+    +-``noise_s`` per layer and phase."""
+    from scheduler import RunLayer
+
+    u, out = UNLOGGED, []
+    for _ in range(rounds):
+        for cfg, items in drive_runs()[0]:
+            tot, prev = dict.fromkeys(C.RUN_PHASES, 0.0), 0
+            for it in items:
+                if type(it) is not RunLayer:
+                    continue
+                d = it.decision
+                nu, nc, ng = len(d.uploads) + len(d.streams), len(d.cpu), len(d.hits) + len(d.uploads) + len(d.streams)
+                e = lambda: rng.uniform(-noise_s, noise_s)
+                tot["host_plan_s"] += u["plan"] + u["plan_copy"] * prev + u["plan_cpu"] * (nc > 0) + e()
+                tot["host_queue_s"] += (u["queue"] + fields["host_gpu_expert_s"] * max(ng - 1, 0) + u["queue_cpu"] * (nc > 0)
+                                        + u["copy_scale"] * (fields["host_copy_round_s"] * (nu > 0)
+                                                             + fields["host_copy_s"] * nu) + e())
+                tot["host_combine_s"] += u["combine"] + u["combine_cpu"] * (nc > 0) + e()
+                prev = nu
+            t = C.decision_totals(items)
+            out.append({**cfg, "steps": t["layers"], "host_s": tot, **t, "token_s": [1e-3] * 4})
+    return out
+
+
+def test_decision_totals_agree_with_the_audit():
+    from scheduler import Audit
+
+    runs, geo = drive_runs()
+    for cfg, items in runs:
+        t = C.decision_totals(items)
+        a = Audit(geo, keep_log=False, keep_records=False)
+        for it in items:
+            a.observe(it)
+        s = a.summary()
+        assert t["uploads"] == s["uploads"] + s["streams"] and t["cpu_experts"] == s["cpu"]
+        assert t["gpu_experts"] + t["cpu_experts"] == s["experts_served"]
+        assert t["copy_layers"] <= t["uploads"] and t["cpu_layers"] <= t["cpu_experts"] <= t["layers"] * geo.top_k
+        assert (t["cpu_layers"] > 0) == (cfg["policy"] == "hybrid")
+    lru5, lru2 = (C.decision_totals(items) for _, items in runs[:2])
+    assert lru5["layers"] == lru2["layers"] and lru5["uploads"] > lru2["uploads"] > 0  # a larger cache: fewer copies
+
+
+def test_stats_delta_takes_the_phase_counters_between_snapshots():
+    before = {"steps": 10, **{p: 1.0 for p in C.RUN_PHASES}}
+    after = {"steps": 58, **{p: 1.0 + i for i, p in enumerate(C.RUN_PHASES)}}
+    d = C.stats_delta(before, after)
+    assert d["steps"] == 48 and d["host_s"] == {p: pytest.approx(float(i)) for i, p in enumerate(C.RUN_PHASES)}
+
+
+def test_unlogged_fit_recovers_the_gpu_only_layer_costs():
+    logged = C.replay_host_fields(replay_records(np.random.default_rng(3)))
+    got = C.unlogged_host_fields(fake_runs(np.random.default_rng(1), logged), logged)
+    u = UNLOGGED
+    f = got["fields"]
+    assert got["runs"] == 9
+    # the plan's per-copy term is fit on a step's own copies: one layer per run apart from the previous layer's
+    assert f["host_layer_plan_s"] == pytest.approx(u["plan"], abs=1e-6)
+    assert f["host_plan_copy_s"] == pytest.approx(u["plan_copy"], abs=0.5e-6)
+    assert f["host_layer_combine_s"] == pytest.approx(u["combine"], abs=0.5e-6)
+    assert f["host_gpu_layer_s"] == pytest.approx(u["plan"] + u["queue"] + u["combine"], abs=2e-6)
+    assert f["host_copy_round_s"] == pytest.approx(u["copy_scale"] * 15e-6, abs=1e-6)
+    assert f["host_copy_s"] == pytest.approx(u["copy_scale"] * 20e-6, abs=0.5e-6)
+    # a CPU layer's plan is charged as logged: submit takes the plan's change
+    assert f["host_cpu_submit_s"] + f["host_layer_plan_s"] == pytest.approx(
+        logged["host_cpu_submit_s"] + logged["host_layer_plan_s"])
+    assert got["fit"]["combine"][1] == pytest.approx(u["combine_cpu"], abs=1e-6)
+    from simulate.hardware import EXECUTOR_KEYS
+
+    assert set(f) <= set(EXECUTOR_KEYS)
+
+
+def test_unlogged_fit_needs_three_independent_configs():
+    logged = C.replay_host_fields(replay_records(np.random.default_rng(3)))
+    runs = fake_runs(np.random.default_rng(1), logged)
+    assert C.unlogged_host_fields([], logged) is None and C.unlogged_host_fields(None, logged) is None
+    assert C.unlogged_host_fields([r for r in runs if r["policy"] == "lru"], logged) is None  # no CPU layers
+    assert C.unlogged_host_fields([r for r in runs if r["slots"] != 16], logged) is None  # one lru cache size
+
+
+def test_replay_summary_applies_unlogged_runs_only_where_present(tmp_path):
+    from simulate import load_hardware
+    from simulate.costs import HostCosts
+
+    recs = replay_records(np.random.default_rng(3))
+    base = {"executor": dict(SPLIT, plan_s={"lru": 5e-6})}
+    old = C.replay_summary(recs)
+    assert "unlogged" not in old and C.replay_summary(recs, []) == old
+    hw_old = C.apply_replay(base, old, 5_000_000, 15)
+    runs = fake_runs(np.random.default_rng(1), old["fields"])
+    new = C.replay_summary(recs, runs)
+    src = {}
+    hw_new = C.apply_replay(base, new, 5_000_000, 15, src)
+    assert "executor.unlogged" in src
+    changed = {k for k in hw_new["executor"] if hw_new["executor"][k] != hw_old["executor"][k]}
+    assert changed == set(new["unlogged"]["fields"])  # the CPU-layer parts and the rest stay the logged fit's
+    assert hw_new["executor"]["host_layer_plan_s"] == pytest.approx(UNLOGGED["plan"], abs=1e-6)
+    m = fake_measurements()
+    m["engine_replay"] = new
+    hw = C.hardware_json(m, "h")
+    assert hw["executor"]["host_layer_combine_s"] == pytest.approx(UNLOGGED["combine"], abs=0.5e-6)
+    C.write_json(tmp_path / "hw.json", hw)
+    hc = HostCosts.from_hardware(load_hardware(tmp_path / "hw.json"), "lru")
+    assert hc.layer_plan_s == pytest.approx(UNLOGGED["plan"], abs=1e-6)
+    assert hc.gpu_queue_s == pytest.approx(UNLOGGED["queue"], abs=2e-6)
+    assert hc.copy_s == pytest.approx(UNLOGGED["copy_scale"] * 20e-6, abs=0.5e-6)
+    assert json.loads(json.dumps(new["unlogged"])) == new["unlogged"]  # plain JSON: it goes under _calibration
