@@ -935,7 +935,10 @@ def unlogged_host_fields(runs: list[dict], fields: dict) -> dict | None:
     ``host_copy_round_s``, ``host_copy_s``; combine on [1, CPU layers] -> ``host_layer_combine_s``.
     The CPU-layer column absorbs those layers, whose parts stay the logged fit's:
     ``host_cpu_submit_s`` takes the change of ``host_layer_plan_s`` so that a CPU layer's plan is
-    charged as logged. Coefficients below 0 are taken as 0."""
+    charged as logged. Coefficients below 0 are taken as 0, except a queue level below 0 (the
+    runs' GPU-only layers all hold about top-k experts, so level and per-expert term are not
+    separable in them): then ``host_gpu_expert_s`` takes the deficit over the GPU-only runs' mean
+    further experts per layer, so that their queue is charged as fit."""
     runs = [r for r in runs or () if r.get("steps")]
     if not runs:
         return None
@@ -952,11 +955,18 @@ def unlogged_host_fields(runs: list[dict], fields: dict) -> dict | None:
                 [r["host_s"]["host_combine_s"] / r["steps"] for r in runs])
     if plan is None or queue is None or comb is None:
         return None
-    p, pc, q, scale, c = (max(float(v), 0.0) for v in (plan[0], plan[1], queue[0], queue[1], comb[0]))
+    p, pc, scale, c = (max(float(v), 0.0) for v in (plan[0], plan[1], queue[1], comb[0]))
     copy_round, copy = (scale * rnd, scale * cp_) if rnd + cp_ > 0 else (0.0, scale)
-    out = {"host_layer_plan_s": p, "host_plan_copy_s": pc, "host_layer_combine_s": c, "host_gpu_layer_s": p + q + c,
+    out = {"host_layer_plan_s": p, "host_plan_copy_s": pc, "host_layer_combine_s": c,
            "host_copy_round_s": copy_round, "host_copy_s": copy,
            "host_cpu_submit_s": max(fields["host_cpu_submit_s"] + fields["host_layer_plan_s"] - p, 0.0)}
+    q = float(queue[0])
+    if q < 0:  # the logged per-expert term over-charges: the deficit goes to it, at the GPU-only runs' expert count
+        gpu_only = [r for r in runs if not r["cpu_layers"]] or runs
+        n = sum(r["gpu_experts"] - r["gpu_layers"] for r in gpu_only) / max(sum(r["gpu_layers"] for r in gpu_only), 1)
+        out["host_gpu_expert_s"] = max(fields["host_gpu_expert_s"] + q / n, 0.0) if n > 0 else fields["host_gpu_expert_s"]
+        q = 0.0
+    out["host_gpu_layer_s"] = p + q + c
     fit = {"plan": [float(v) for v in plan], "queue": [float(v) for v in queue], "combine": [float(v) for v in comb]}
     return {"fields": out, "fit": fit, "runs": len(runs)}
 

@@ -634,3 +634,17 @@ def test_replay_summary_applies_unlogged_runs_only_where_present(tmp_path):
     assert hc.gpu_queue_s == pytest.approx(UNLOGGED["queue"], abs=2e-6)
     assert hc.copy_s == pytest.approx(UNLOGGED["copy_scale"] * 20e-6, abs=0.5e-6)
     assert json.loads(json.dumps(new["unlogged"])) == new["unlogged"]  # plain JSON: it goes under _calibration
+
+
+def test_a_negative_queue_level_moves_to_the_per_expert_term():
+    logged = C.replay_host_fields(replay_records(np.random.default_rng(3)))
+    runs = fake_runs(np.random.default_rng(1), logged, noise_s=0.0)
+    over = dict(logged, host_gpu_expert_s=logged["host_gpu_expert_s"] + 12e-6)  # 3 x 12 us > the 30 us level
+    f = C.unlogged_host_fields(runs, over)["fields"]
+    assert f["host_gpu_layer_s"] == pytest.approx(f["host_layer_plan_s"] + f["host_layer_combine_s"])  # level 0
+    lru = [r for r in runs if r["policy"] == "lru"]
+    further = sum(r["gpu_experts"] - r["gpu_layers"] for r in lru) / sum(r["gpu_layers"] for r in lru)
+    # a GPU-only layer of the lru runs is queued as fit: the true level + the true per-expert term
+    assert f["host_gpu_expert_s"] * further == pytest.approx(UNLOGGED["queue"] + logged["host_gpu_expert_s"] * further,
+                                                             abs=1e-6)
+    assert "host_gpu_expert_s" not in C.unlogged_host_fields(runs, logged)["fields"]
