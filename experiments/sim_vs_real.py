@@ -325,11 +325,7 @@ def compare(raw: dict, hw) -> list[dict]:
     """Simulate every recorded config once and pair the median of its measured repeats with the
     prediction; a config's decisions count as the same when every repeat's digest and uploaded
     bytes equal the simulator's."""
-    from execute.calibrate import synth_tokens
-
-    a = raw["args"]
-    tokens, _ = synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)
-    model = sim_model(a["layers"], a["vocab"])
+    tokens, model = checked_inputs(raw["args"])
     rows = []
     for label, reps in group_runs(raw["runs"]).items():
         c = reps[0]
@@ -396,12 +392,9 @@ def decompose(raw: dict, hw) -> list[dict]:
     """Per config, what a token costs by part, measured (each token's median over the repeats) and
     predicted: ``fit_terms`` of the per-token times on its CPU layers, further CPU experts and
     copies. A diagnosis of which kind of layer the model misprices; no model input."""
-    from execute.calibrate import synth_tokens
     from simulate import SimConfig, run
 
-    a = raw["args"]
-    tokens, _ = synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)
-    model = sim_model(a["layers"], a["vocab"])
+    tokens, model = checked_inputs(raw["args"])
     out = []
     for label, reps in group_runs(raw["runs"]).items():
         c = reps[0]
@@ -418,11 +411,12 @@ def decompose(raw: dict, hw) -> list[dict]:
     return out
 
 
-def synth_tokens_of(a: dict):
-    """The checked trace of a recording's arguments (as ``compare`` builds it)."""
+def checked_inputs(a: dict):
+    """The checked trace and the simulator's model of a recording's arguments ``a``."""
     from execute.calibrate import synth_tokens
 
-    return synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)[0]
+    tokens, _ = synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)
+    return tokens, sim_model(a["layers"], a["vocab"])
 
 
 def print_decompose(rows: list[dict]) -> None:
@@ -710,9 +704,8 @@ def main(argv=None) -> int:
         print_decompose(dec)
         write_csv(Path(args.out) / "decompose.csv", dec)
         btw = between_split(raw, hw)
-        a = raw["args"]
-        ratios = calibration_ratios(raw, sim_model(a["layers"], a["vocab"]),
-                                    synth_tokens_of(a))
+        tokens, model = checked_inputs(raw["args"])
+        ratios = calibration_ratios(raw, model, tokens)
         btw = [{**r, **ratios.get(r["label"], {})} for r in btw]
         if btw:
             print_between(btw)

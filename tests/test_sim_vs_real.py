@@ -238,7 +238,7 @@ def test_calibration_ratios_measure_each_phase_against_the_calibration_records(t
         recs.append(r)
         prev = n_up
     raw["calibration_records"] = recs
-    tokens = svr.synth_tokens_of(raw["args"])
+    tokens, _ = svr.checked_inputs(raw["args"])
     geo = model.geometry()
     slow = {"host_plan_s": 1.5, "input_wait_s": 1.2, "host_queue_s": 1.0, "host_combine_s": 0.8, "cpu_compute_s": 1.1}
     for run in raw["runs"]:
