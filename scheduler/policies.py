@@ -601,6 +601,7 @@ class HybridCostPolicy(HybridPolicy):
     """
 
     name = "hybrid-cost"
+    _shortcut = True  # skip the greedy where it provably sends every miss (tests compare without)
 
     def __init__(self, geometry, capacity, profile=None, *, cost_model: CostModel | None = None,
                  floors_256: Sequence[int] = (0, 32, 64, 96, 128), tune_every: int = 8,
@@ -737,7 +738,7 @@ class HybridCostPolicy(HybridPolicy):
         use, the GPU work and the uploads start ``cpu_delay_s`` late."""
         n_up = n_floor
         task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
-        if not cpu_t:  # the pool's first expert dearer than the layer with every miss sent: all go
+        if self._shortcut and not cpu_t:  # the pool's first expert dearer than every miss sent: all go
             g_all, l_all = gpu, link
             for _ in range(len(eligible) - n_floor):
                 g_all += gpu_s
@@ -760,7 +761,7 @@ class HybridCostPolicy(HybridPolicy):
         go over PCIe, and the most used of that count are sent; returns as ``_split_decode``."""
         n_up = n_floor
         task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
-        if not cpu_t and n_floor < len(eligible):  # as in _split_decode, with the cheapest count
+        if self._shortcut and not cpu_t and n_floor < len(eligible):  # as in _split_decode, cheapest count
             g_all, l_all, cheapest = gpu, link, min([ct[cnt[e]] for e in eligible[n_floor:]])
             for e in eligible[n_floor:]:
                 g_all += gt[cnt[e]]

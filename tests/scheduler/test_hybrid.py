@@ -1,5 +1,7 @@
 """hybrid: the miss split, adaptive fill, swap rounds, and asynchronous completion."""
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from scheduler import Capacity, Geometry, Profile, Step, Token, drive, make_policy, replay
@@ -440,3 +442,40 @@ def test_cpu_delay_keeps_a_layer_off_the_pool_when_queueing_late_costs_more():
     assert late.layer_time_s(d) == (8.0, 0.0)
     with pytest.raises(ValueError, match="cpu_delay_s"):
         replace(cm, cpu_delay_s=-1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), upload=st.floats(0.01, 2.0), cpu_tok=st.floats(0.01, 2.0),
+       task=st.floats(0.0, 3.0), delay=st.floats(0.0, 0.5), batch=st.sampled_from([1, 4]),
+       floors=st.sampled_from([(0,), (0, 64, 128)]))
+def test_greedy_shortcut_gives_the_full_greedys_decisions(seed, upload, cpu_tok, task, delay, batch, floors):
+    """hybrid-cost skips its greedy where the pool's cheapest first expert costs more than sending
+    every miss; the decisions (and so the digest) must equal the greedy's run to the end."""
+    from scheduler import CostModel
+    from scheduler.audit import Audit
+    from scheduler.policies import HybridCostPolicy
+
+    L, E = 4, 16
+    g = Geometry.uniform(L, E, 4, 10)
+    cm = CostModel((0.05,) * L, (0.02,) * L, (upload,) * L, (0.0,) * L, (cpu_tok,) * L, task,
+                   layer_s=(0.3,) * L, cpu_delay_s=delay)
+    rng = np.random.default_rng(seed)
+    tokens = []
+    for i in range(24):
+        steps = []
+        for l in range(L):
+            es = tuple(int(e) for e in rng.choice(E, 4 + 2 * (batch > 1), replace=False))
+            counts = None if batch == 1 else tuple(int(c) for c in rng.integers(1, batch + 1, len(es)))
+            steps.append(Step(l, es, counts))
+        tokens.append(Token(i, 0, i, "decode", tuple(steps), batch))
+
+    def digest(shortcut):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(HybridCostPolicy, "_shortcut", shortcut)
+            policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 5), cost_model=cm, floors_256=floors,
+                                 tune_every=1, tune_warmup=2)
+            audit = Audit(g, keep_log=True)
+            replay(policy, tokens, audit=audit)
+            return audit.digest()
+
+    assert digest(True) == digest(False)
