@@ -260,7 +260,8 @@ def executor_main(args) -> int:
                                 "tokens_per_step": figs[0].get("tokens_per_step", 1.0), "hit_rate": figs[0]["hit_rate"],
                                 "uploads": figs[0]["uploads"] + figs[0]["streams"], "cpu_experts": figs[0]["cpu"],
                                 "same_tokens": reps[0][1] == runs[0][0][1], "runs": len(figs),
-                                "spread": _spread([f["decode_tokens_per_s"] for f in figs])})
+                                "spread": _spread([f["decode_tokens_per_s"] for f in figs]),
+                                "tokens_per_s_runs": [f["decode_tokens_per_s"] for f in figs]})
                 print(f"draft {d}  {policy:<11} {'' if frac is None else f'{frac:.3f}':>6}  {tps:8.2f} tok/s  "
                       f"acceptance {figs[0].get('acceptance_rate', 0.0):.2f}", file=sys.stderr)
             # the prompt is processed alike whatever the draft length: every run of the config counts
@@ -270,7 +271,7 @@ def executor_main(args) -> int:
                 results.append({"mode": mode, "draft_len": "", **row, "tokens_per_s": float(np.median(vals)),
                                 "acceptance": "", "tokens_per_step": "", "hit_rate": "", "uploads": "",
                                 "cpu_experts": "", "same_tokens": "",
-                                "runs": len(vals), "spread": _spread(vals)})
+                                "runs": len(vals), "spread": _spread(vals), "tokens_per_s_runs": vals})
     except ExecutorError as exc:
         print(f"speculative: {exc}", file=sys.stderr)
         return 2
@@ -394,7 +395,8 @@ def plot(results, args, path, title=None, policies=None):
 
 
 def _csv(f, rows):
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    """The rows' scalar columns (per-run lists stay in results.json)."""
+    w = csv.DictWriter(f, fieldnames=[k for k, v in rows[0].items() if not isinstance(v, list)], extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
 
