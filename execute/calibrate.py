@@ -933,9 +933,10 @@ def unlogged_host_fields(runs: list[dict], fields: dict) -> dict | None:
     the logged fit, whose coefficient scales both (the logged replay gives the split between a
     copy round and a copy; [1, uploads, CPU layers] where both are 0) -> the GPU-only queue level,
     ``host_copy_round_s``, ``host_copy_s``; combine on [1, CPU layers] -> ``host_layer_combine_s``.
-    The CPU-layer column absorbs those layers, whose parts stay the logged fit's:
+    The CPU-layer column absorbs those layers' own parts, which stay the logged fit's:
     ``host_cpu_submit_s`` takes the change of ``host_layer_plan_s`` so that a CPU layer's plan is
-    charged as logged. Coefficients below 0 are taken as 0, except a queue level below 0 (the
+    charged as logged (the terms both kinds of layer share, per copy, per previous copy and per
+    further GPU expert, are the unlogged fit's in CPU layers too). Coefficients below 0 are taken as 0, except a queue level below 0 (the
     runs' GPU-only layers all hold about top-k experts, so level and per-expert term are not
     separable in them): then ``host_gpu_expert_s`` takes the deficit over the GPU-only runs' mean
     further experts per layer, so that their queue is charged as fit."""

@@ -694,6 +694,9 @@ def main(argv=None) -> int:
         if ul:
             log(f"GPU-only layers from {ul['runs']} unlogged calibration runs: "
                 + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in ul["fields"].items()))
+        elif raw.get("calibration_runs"):
+            log(f"{len(raw['calibration_runs'])} unlogged calibration runs do not determine the GPU-only fit "
+                "(too few independent configs, or no copy or CPU layers): the logged replay's fields are used")
     rows = compare(raw, hw)
     an = analyse(rows)
     nz = spread_summary(rows)
