@@ -48,27 +48,25 @@ def one(cp, ctx, policy, opts, slots, logged):
 
 
 def main() -> int:
+    from execute.calibrate import _replay_setup, add_shape_args, build_layers
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
+    add_shape_args(ap)  # sim_vs_real's and calibrate's model shape
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     import cupy as cp
 
-    from execute.calibrate import StandIn, build_layers, synth_tokens
     from execute.gpu_experts import GpuExperts
     from scheduler import Capacity, Geometry
 
-    E, k, hidden, ffn, heads, kv, hd, vocab = 128, 8, 2048, 768, 32, 4, 128, 151936  # sim_vs_real's shape
-    layers = build_layers(np.random.default_rng(args.seed), args.layers, E, hidden, ffn, distinct=2)
-    eb = layers[0].expert_bytes
-    geo = Geometry((E,) * args.layers, k, (eb,) * args.layers)
-    tokens, _ = synth_tokens(args.layers, E, k, 64, args.seed + 31)  # the calibration replay's trace
+    E = args.experts
+    layers = build_layers(np.random.default_rng(args.seed), args.layers, E, args.hidden, args.ffn, distinct=2)
+    geo = Geometry((E,) * args.layers, args.top_k, (layers[0].expert_bytes,) * args.layers)
     gx = GpuExperts(layers, Capacity.per_layer(geo, E // 2), scratch_slots=16, pinned=True, timeout_s=120)
-    dense = StandIn(cp, args.layers, hidden, heads * hd, kv * hd, E, vocab, args.seed)
-    with gx.compute:
-        x0 = cp.asarray(np.random.default_rng(args.seed + 5).standard_normal((1, hidden)).astype(np.float32))
+    _, tokens, dense, x0 = _replay_setup(cp, gx, layers, args, None)  # the calibration replay's trace and input
     ctx = (layers, gx, dense, geo, tokens, x0, args.threads)
     cells = [(p, o, s, lg) for p, o, s in (("lru", {}, E // 5), ("lru", {}, E // 2),
                                            ("hybrid", {"adaptive": True, "miss_frac_256": 96}, E // 5))
