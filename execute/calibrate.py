@@ -56,6 +56,7 @@ import numpy as np
 
 from scheduler.core import Capacity, Decision, Geometry, Step, Token
 from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
+from scheduler.files import OutputPathError, atomic_write, check_output
 from scheduler.policies import make_policy
 from scheduler.profile import Profile
 
@@ -1113,12 +1114,8 @@ def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
 
 
 def write_json(path: Path, data: dict) -> None:
-    """Write ``data`` as JSON atomically (temp file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=_jsonable))
-    os.replace(tmp, path)
+    """Write ``data`` as JSON atomically (temp file, then rename), mode 0o666 less the umask."""
+    atomic_write(path, json.dumps(data, indent=1, default=_jsonable))
 
 
 def _jsonable(o):

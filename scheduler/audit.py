@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-from pathlib import Path
 
 from .core import Geometry
 from .drive import AwaitBackground, EndToken, RunLayer, StartBackground
+from .files import atomic_open
 
 __all__ = ["Audit", "COUNTERS"]
 
@@ -136,16 +135,9 @@ class Audit:
 
     def write_jsonl(self, path: str | os.PathLike, run: dict | None = None) -> None:
         """Write one JSON line per token, then a summary line (``"summary": true``), atomically."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
-        try:
-            with os.fdopen(fd, "w") as f:
-                for rec in self.records:
-                    f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-                geometry = {"num_experts": list(self.geometry.num_experts), "top_k": self.geometry.top_k,
-                            "expert_bytes": list(self.geometry.expert_bytes)}
-                f.write(json.dumps({"summary": True, "geometry": geometry, **(run or {}), **self.summary()}) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        geometry = {"num_experts": list(self.geometry.num_experts), "top_k": self.geometry.top_k,
+                    "expert_bytes": list(self.geometry.expert_bytes)}
+        with atomic_open(path, "w") as f:
+            for rec in self.records:
+                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            f.write(json.dumps({"summary": True, "geometry": geometry, **(run or {}), **self.summary()}) + "\n")

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .core import Geometry
+from .files import atomic_write
 
 __all__ = ["Profile", "ProfileError", "read_strp", "write_strp", "STRP_MAGIC"]
 
@@ -83,7 +83,7 @@ class Profile:
 
 
 def write_strp(profile: Profile, path: str | os.PathLike, trailer: str | None = "freq") -> None:
-    """Write ``profile`` atomically (temporary file, then rename). ``trailer``: "freq", "rank" or None."""
+    """Write ``profile`` atomically (temporary file, then rename), mode 0o666 less the umask. ``trailer``: "freq", "rank" or None."""
     n_l, n_e = profile.num_layers, profile.num_experts
     parts = [_HEADER.pack(STRP_MAGIC, 1, n_l, n_e, profile.slots, len(profile.ranked))]
     parts.append(np.asarray(profile.ranked, dtype="<u2").reshape(-1).tobytes())
@@ -98,15 +98,7 @@ def write_strp(profile: Profile, path: str | os.PathLike, trailer: str | None = 
         parts.append(rank.tobytes())
     elif trailer is not None:
         raise ValueError(f"trailer: {trailer!r}, expected 'freq', 'rank' or None")
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"".join(parts))
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, b"".join(parts))
 
 
 def read_strp(path: str | os.PathLike) -> Profile:

@@ -13,11 +13,12 @@ import io
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from scheduler.files import atomic_open
 
 from .run import SimConfig, SimError, run
 
@@ -99,8 +100,7 @@ class Sweep:
         return rows
 
     def _rewrite(self, rows: list[dict]) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-        with os.fdopen(fd, "w") as f:
+        with atomic_open(self.path, "w") as f:
             f.write(",".join(COLUMNS) + "\n")
             for r in rows:
                 f.write(_format(r))

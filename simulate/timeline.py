@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
+
+from scheduler.files import atomic_open
 
 __all__ = ["write_chrome_trace", "LANES"]
 
@@ -23,13 +23,6 @@ def write_chrome_trace(events, path: str | os.PathLike, title: str = "moelab sim
     for lane, name, start, dur in events:
         out.append({"ph": "X", "pid": 1, "tid": LANES[lane][0], "name": name, "ts": round(start * 1e6, 3),
                     "dur": round(dur * 1e6, 3)})
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_open(path, "w") as f:
+        json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
     return len(events)

@@ -8,29 +8,35 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
-import os
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from .format import TraceError, load
+from scheduler.files import atomic_open, atomic_write, check_output
+
+from .format import Trace, TraceError, load
 from .importers import IMPORTERS, import_trace
 
 __all__ = ["main"]
 
 
-def _ints(text: str) -> list[int]:
+def _slots(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
-    if not out or min(out) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected cache sizes >= 1 slot")
     return out
+
+
+def _load(path) -> "Trace":
+    """The trace at ``path`` (None: the bundled one), every entry checked."""
+    return load(path, check=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="coverage, overlap, reuse distances and hit rates per policy")
     st.add_argument("path", nargs="?")
     st.add_argument("--phase", choices=("prefill", "decode"))
-    st.add_argument("--slots", type=_ints, default=[], help="cache slots per layer, e.g. 8,16,32")
+    st.add_argument("--slots", type=_slots, default=[], help="cache slots per layer, e.g. 8,16,32")
     st.add_argument("--policies", default="lru,belady", help="scheduler policies, comma-separated")
     st.add_argument("--reset-per-sequence", action="store_true", help="fresh cache for every sequence")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -57,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     fit = sub.add_parser("fit", help="fit synthetic-trace parameters to a trace")
     fit.add_argument("path", nargs="?")
     fit.add_argument("--phase", choices=("prefill", "decode"), default="decode")
-    fit.add_argument("--slots", type=_ints, help="capacities to match (default k/2, k, 2k, 3k)")
+    fit.add_argument("--slots", type=_slots, help="capacities to match (default k/2, k, 2k, 3k)")
     fit.add_argument("--reset-per-sequence", action="store_true")
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--out", help="write the parameters as JSON here")
@@ -75,10 +81,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _import(a) -> int:
+    check_output(a.dest, "DEST", is_dir=True)
     opts = {}
     if a.format in ("vllm", "strata"):
         opts = {"num_layers": a.layers, "num_experts": a.experts, "model": a.model or "unknown"}
-    elif a.format == "switch" and a.metadata:
+    elif a.metadata:
+        if a.format != "switch":
+            raise ValueError(f"--metadata is read only by the switch importer, not {a.format}")
+        if not Path(a.metadata).is_file():
+            raise ValueError(f"--metadata {a.metadata}: no such file (expected switch's capture-metadata.json)")
         opts = {"metadata": a.metadata}
     trace = import_trace(a.format, a.src, **opts)
     trace.save(a.dest)
@@ -87,7 +98,7 @@ def _import(a) -> int:
 
 
 def _info(a) -> int:
-    t = load(a.path)
+    t = _load(a.path)
     h = t.header()
     h["phases"] = {"prefill": int((np.asarray(t.phase) == 0).sum()), "decode": int((np.asarray(t.phase) == 1).sum())}
     h["sequences"] = len(t.sequences())
@@ -112,34 +123,26 @@ def _table(s: dict) -> str:
 
 
 def _write_out(out: Path, s: dict) -> None:
-    """stats.json, hit_rates.csv and hit_rates.png in ``out``, each written atomically."""
+    """stats.json, hit_rates.csv and hit_rates.png in ``out`` (created; its parent exists), each
+    written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)
     rows = {"lru-reference": s["reference_lru"], **s["hit_rate"]}
 
-    def atomic(name: str, write) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, out / name)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+    def csv_text() -> str:
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["policy", "slots", "hit_rate"])
+        for name, v in rows.items():
+            for c, r in v.items():
+                w.writerow([name, c, "" if r is None else f"{r:.6f}"])
+        return buf.getvalue()
 
-    def csv_writer(tmp):
-        with open(tmp, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["policy", "slots", "hit_rate"])
-            for name, v in rows.items():
-                for c, r in v.items():
-                    w.writerow([name, c, "" if r is None else f"{r:.6f}"])
-
-    def plot(tmp):
+    def plot(f):
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, v in rows.items():
             pts = [(int(c), r) for c, r in v.items() if r is not None]
@@ -153,18 +156,21 @@ def _write_out(out: Path, s: dict) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(tmp, format="png", dpi=120)
+        fig.savefig(f, format="png", dpi=120)
         plt.close(fig)
 
-    atomic("stats.json", lambda tmp: Path(tmp).write_text(json.dumps(s, indent=1) + "\n"))
-    atomic("hit_rates.csv", csv_writer)
-    atomic("hit_rates.png", plot)
+    atomic_write(out / "stats.json", json.dumps(s, indent=1) + "\n")
+    atomic_write(out / "hit_rates.csv", csv_text())
+    with atomic_open(out / "hit_rates.png", "wb") as f:
+        plot(f)
 
 
 def _stats(a) -> int:
     from .stats import summarize
 
-    t = load(a.path)
+    if a.out:
+        check_output(a.out, "--out", is_dir=True)
+    t = _load(a.path)
     if not len(t.rows(a.phase)):
         raise TraceError(f"{a.path or 'bundled trace'}: no {a.phase} rows")
     policies = [p for p in a.policies.split(",") if p]
@@ -183,7 +189,9 @@ def _stats(a) -> int:
 def _fit(a) -> int:
     from .synth import fit, signature, calibration_error, generate
 
-    t = load(a.path)
+    if a.out:
+        check_output(a.out, "--out")
+    t = _load(a.path)
     params = fit(t, a.phase, a.slots, a.reset_per_sequence, seed=a.seed, progress=True)
     out = {"params": asdict(params), "geometry": {"num_layers": len(t.moe_layers), "num_experts": max(t.num_experts),
                                                   "top_k": t.top_k}}
@@ -197,16 +205,14 @@ def _fit(a) -> int:
     text = json.dumps(out, indent=1)
     print(text)
     if a.out:
-        fd, tmp = tempfile.mkstemp(prefix=".fit.", dir=Path(a.out).resolve().parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, a.out)
+        atomic_write(a.out, text + "\n")
     return 0
 
 
 def _synth(a) -> int:
     from .synth import PRESETS, SynthParams, generate
 
+    check_output(a.dest, "DEST", is_dir=True)
     if a.preset:
         if a.preset not in PRESETS:
             raise ValueError(f"--preset: unknown {a.preset!r}; expected one of {', '.join(PRESETS)}")
@@ -218,22 +224,21 @@ def _synth(a) -> int:
         geo = {"layers": None, "experts": None, "top_k": None, "tokens": None, "seqs": 1}
         params = SynthParams()
     if a.params:
-        try:
-            d = json.loads(Path(a.params).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--params {a.params}: cannot read JSON ({e})") from None
-        d = d.get("params", d)
-        try:
-            params = SynthParams(**d)
-        except TypeError as e:
-            raise ValueError(f"--params {a.params}: {e}") from None
+        params, fitted = _read_params(a.params)
+        for key, field in (("layers", "num_layers"), ("experts", "num_experts"), ("top_k", "top_k")):
+            if geo[key] is None and field in fitted:
+                geo[key] = fitted[field]
     for key in geo:
-        v = getattr(a, key if key != "top_k" else "top_k")
+        v = getattr(a, key)
         if v is not None:
             geo[key] = v
-    missing = [k for k, v in geo.items() if v is None]
+    missing = ["--" + k.replace("_", "-") for k, v in geo.items() if v is None]
     if missing:
-        raise ValueError(f"synth: give --preset or all of --layers --experts --top-k --tokens (missing {missing})")
+        raise ValueError(f"synth: give --preset, --params FIT.json (from moelab trace fit) or the geometry; "
+                         f"missing {' '.join(missing)}")
+    for key, v in geo.items():
+        if v < 1:
+            raise ValueError(f"--{key.replace('_', '-')} {v}: expected >= 1")
     t = generate(geo["layers"], geo["experts"], geo["top_k"], geo["tokens"], params, np.random.default_rng(a.seed),
                  num_seqs=geo["seqs"], model=f"synthetic:{a.preset or 'custom'}",
                  progress=geo["tokens"] * geo["layers"] > 2_000_000)
@@ -241,6 +246,31 @@ def _synth(a) -> int:
     t.save(a.dest)
     print(f"wrote {a.dest}: {t!r}", file=sys.stderr)
     return 0
+
+
+def _read_params(path: str) -> tuple["SynthParams", dict]:
+    """The parameters in ``path`` (``moelab trace fit``'s JSON, or bare parameters) and its
+    ``geometry`` (empty when absent)."""
+    from .synth import SynthParams
+
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--params {path}: cannot read JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--params {path}: expected a JSON object (moelab trace fit --out)")
+    geometry = d.get("geometry", {})
+    params = d.get("params", d)
+    if not isinstance(params, dict) or not isinstance(geometry, dict):
+        raise ValueError(f"--params {path}: fields 'params' and 'geometry' must be JSON objects")
+    try:
+        params = SynthParams(**params)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--params {path}: {e}") from None
+    for key, v in geometry.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"--params {path}: geometry.{key} {v!r}, expected an integer >= 1")
+    return params, geometry
 
 
 _COMMANDS = {"import": _import, "info": _info, "stats": _stats, "fit": _fit, "synth": _synth}
@@ -257,4 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return _COMMANDS[a.cmd](a)
     except (TraceError, ValueError) as e:
         print(f"moelab trace {a.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"moelab trace {a.cmd}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1

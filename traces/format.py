@@ -30,6 +30,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from scheduler import Geometry, Step, Token
+from scheduler.files import OutputPathError, check_output, dir_mode
 
 __all__ = ["Trace", "TraceError", "SCHEMA_VERSION", "HEADER_NAME", "PHASES", "load", "default_trace_path"]
 
@@ -39,6 +40,8 @@ PHASES = ("prefill", "decode")  # phase code -> name
 _ARRAYS = ("expert_ids", "weights", "seq", "pos", "phase")
 _CHUNK_ROWS = 256  # rows converted to Python lists at a time in ``tokens``
 _CACHE_ENTRIES = 4_000_000  # traces with at most this many (row, layer) pairs cache their steps
+_CHECK_ROWS = 65536  # rows read at a time by ``validate``
+_KINDS = {"expert_ids": "iu", "weights": "f", "seq": "iu", "pos": "iu", "phase": "iu"}  # dtype kinds on disk
 
 
 class TraceError(ValueError):
@@ -99,26 +102,31 @@ class Trace:
     def validate(self) -> None:
         """Check every entry (ids in range or -1, NaN weights exactly where masked, phases 0/1).
 
-        Reads the whole trace; ``load`` skips it unless asked (``check=True``)."""
-        ids = self.expert_ids
-        if len(ids):
-            lo = ids.min(axis=(0, 2))
-            hi = ids.max(axis=(0, 2))
-            for l, n in enumerate(self.num_experts):
-                if lo[l] < -1 or hi[l] >= n:
+        Reads the whole trace in blocks of rows (memory independent of its length); ``load`` skips
+        it unless asked (``check=True``); every ``moelab`` command that opens a trace asks."""
+        n = np.asarray(self.num_experts)
+        for r0 in range(0, len(self), _CHECK_ROWS):
+            ids = np.asarray(self.expert_ids[r0:r0 + _CHECK_ROWS])  # (R, L, k)
+            if ids.size:
+                lo, hi = ids.min(axis=(0, 2)), ids.max(axis=(0, 2))
+                bad_layers = np.flatnonzero((lo < -1) | (hi >= n))
+                if len(bad_layers):
+                    l = int(bad_layers[0])
                     bad = int(lo[l]) if lo[l] < -1 else int(hi[l])
-                    row = int(np.argwhere((ids[:, l] == bad).any(axis=1))[0, 0])
+                    row = r0 + int(np.argwhere((ids[:, l] == bad).any(axis=1))[0, 0])
                     raise TraceError(f"expert_ids: row {row} layer {l}: id {bad} out of range "
-                                     f"(layer has {n} experts; -1 = masked)")
-        if self.weights is not None:
-            nan = np.isnan(self.weights)
-            if (nan != (ids < 0)).any():
-                row = int(np.argwhere((nan != (ids < 0)).any(axis=(1, 2)))[0, 0])
-                raise TraceError(f"weights: row {row}: NaN weight on a routed expert or a weight on a masked entry")
-        if len(self.phase) and not np.isin(self.phase, (0, 1)).all():
-            raise TraceError(f"phase: values {sorted(set(np.unique(self.phase).tolist()) - {0, 1})}, expected 0 or 1")
-        if len(self.pos) and self.pos.min() < 0:
-            raise TraceError("pos: negative position")
+                                     f"(layer has {n[l]} experts; -1 = masked)")
+            if self.weights is not None:
+                nan = np.isnan(np.asarray(self.weights[r0:r0 + _CHECK_ROWS]))
+                wrong = (nan != (ids < 0)).any(axis=(1, 2))
+                if wrong.any():
+                    row = r0 + int(np.flatnonzero(wrong)[0])
+                    raise TraceError(f"weights: row {row}: NaN weight on a routed expert or a weight on a masked entry")
+            phase = np.asarray(self.phase[r0:r0 + _CHECK_ROWS])
+            if not np.isin(phase, (0, 1)).all():
+                raise TraceError(f"phase: values {sorted(set(np.unique(phase).tolist()) - {0, 1})}, expected 0 or 1")
+            if np.asarray(self.pos[r0:r0 + _CHECK_ROWS]).min(initial=0) < 0:
+                raise TraceError("pos: negative position")
 
     # shape --------------------------------------------------------------------------------------
     @property
@@ -237,14 +245,18 @@ class Trace:
     def save(self, path: str | os.PathLike) -> None:
         """Write the trace directory at ``path`` atomically (temporary directory, then rename).
 
-        An existing trace directory at ``path`` is replaced; anything else there is refused."""
+        An existing trace directory at ``path`` is replaced; anything else there is refused, as is
+        a missing parent directory (``scheduler.files.check_output``)."""
         path = Path(path)
         if path.exists() and not (path / HEADER_NAME).is_file():
             raise TraceError(f"{path}: exists and is not a trace directory; refusing to replace it")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            check_output(path, "trace directory", is_dir=True)
+        except OutputPathError as e:
+            raise TraceError(str(e)) from None
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
-            os.chmod(tmp, 0o777 & ~_umask())
+            os.chmod(tmp, dir_mode())
             for name in _ARRAYS:
                 arr = getattr(self, name)
                 if arr is not None:
@@ -260,12 +272,6 @@ class Trace:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _masked_step(layer: int, ids: list[int], weights: list[float] | None) -> Step | None:
@@ -317,7 +323,9 @@ def load(path: str | os.PathLike | None = None, check: bool = False) -> Trace:
         raise TraceError(f"{path}: not a trace directory (no {HEADER_NAME})")
     try:
         header = json.loads(hpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except OSError as e:
+        raise TraceError(f"{hpath}: cannot read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise TraceError(f"{hpath}: not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise TraceError(f"{hpath}: expected a JSON object")
@@ -336,9 +344,20 @@ def load(path: str | os.PathLike | None = None, check: bool = False) -> Trace:
                 continue
             raise TraceError(f"{path}: array file {f.name} missing")
         try:
-            arrays[name] = np.load(f, mmap_mode="r")
-        except (ValueError, OSError) as e:
+            with open(f, "rb") as fh:
+                magic = fh.read(6)
+        except OSError as e:
+            raise TraceError(f"{f}: cannot read ({e.strerror})") from None
+        if magic != b"\x93NUMPY":
+            raise TraceError(f"{f}: not a .npy array file (expected the magic b'\\x93NUMPY', got {magic!r})")
+        try:
+            arr = np.load(f, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
             raise TraceError(f"{f}: cannot read as .npy ({e})") from None
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in _KINDS[name] or arr.dtype.hasobject:
+            kinds = "integers" if _KINDS[name] == "iu" else "floats"
+            raise TraceError(f"{f}: dtype {getattr(arr, 'dtype', type(arr).__name__)}, expected {kinds}")
+        arrays[name] = arr
     n = _field(header, "num_tokens", int, hpath)
     if len(arrays["seq"]) != n:
         raise TraceError(f"{path / 'seq.npy'}: {len(arrays['seq'])} rows, header says num_tokens={n}")
