@@ -11,6 +11,9 @@ and policy give the same decisions whatever the backend's speed:
 - background moves committed after token n complete before token ``n + 1 + lag_tokens`` starts
   (``AwaitBackground``: the backend blocks until those copies are done). ``lag_tokens=0`` is
   synchronous; the default 1 lets a fill overlap the next token's compute.
+- a policy with ``plan_prefetch(step)`` may also return moves after each step (cross-layer
+  prefetch): they start then and complete before the token's next step is planned, and before
+  its background work; background batches started earlier complete first (the link is FIFO).
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ def drive(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1) -> Itera
         raise ValueError(f"lag_tokens: {lag_tokens}, expected >= 0")
     pending: deque[tuple[int, tuple[Move, ...]]] = deque()
     complete = policy.complete
+    prefetch = getattr(policy, "plan_prefetch", None)
     n = 0
     for tok in tokens:
         while pending and pending[0][0] <= n:
@@ -64,7 +68,11 @@ def drive(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1) -> Itera
             yield AwaitBackground(moves)
             for m in moves:
                 complete(m.layer, m.expert)
+        early: tuple[Move, ...] = ()
         for step in tok.steps:
+            if early:
+                yield from _await_early(pending, early, complete)
+                early = ()
             d = policy.plan(step)
             policy.commit(d)
             yield RunLayer(tok, step, d)
@@ -72,6 +80,13 @@ def drive(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1) -> Itera
                 complete(step.layer, e)
             for e in d.promotions:
                 complete(step.layer, e)
+            if prefetch is not None:
+                early = prefetch(step)
+                if early:
+                    policy.commit_background(early)
+                    yield StartBackground(tok, early)
+        if early:
+            yield from _await_early(pending, early, complete)
         moves = policy.plan_background()
         policy.commit_background(moves)
         if moves:
@@ -84,6 +99,18 @@ def drive(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1) -> Itera
         yield AwaitBackground(moves)
         for m in moves:
             complete(m.layer, m.expert)
+
+
+def _await_early(pending: deque, early: tuple[Move, ...], complete) -> Iterator[Item]:
+    """Complete every earlier background batch, then the prefetch ``early``."""
+    while pending:
+        moves = pending.popleft()[1]
+        yield AwaitBackground(moves)
+        for m in moves:
+            complete(m.layer, m.expert)
+    yield AwaitBackground(early)
+    for m in early:
+        complete(m.layer, m.expert)
 
 
 def replay(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1, audit=None):

@@ -36,6 +36,7 @@ __all__ = [
     "HybridPolicy",
     "HybridCostPolicy",
     "BeladyPolicy",
+    "PredictPolicy",
     "MAX_FILLS_PER_TOKEN",
 ]
 
@@ -1097,6 +1098,8 @@ def _by_layer_then(layers: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return o[np.argsort(layers[o], kind="stable")]
 
 
+from .predict import PredictPolicy  # noqa: E402  (its own module, built on BasePolicy above)
+
 POLICIES = {
     "cpu": CpuPolicy,
     "gpu": GpuPolicy,
@@ -1106,6 +1109,7 @@ POLICIES = {
     "hybrid": HybridPolicy,
     "hybrid-cost": HybridCostPolicy,
     "belady": BeladyPolicy,
+    "predict": PredictPolicy,
 }
 
 

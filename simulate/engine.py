@@ -19,7 +19,9 @@ A layer (all times from ``costs``):
    result copied back; the GPU adds it in.
 5. Promotions: device copies from scratch into their slots, on the GPU stream.
 
-The layer ends when all parts have. With measured executor costs (``Costs.host``) the layer
+The layer ends when all parts have. A background batch awaited inside a token (a policy's
+cross-layer prefetch, started after an earlier layer) delays only the next layer's experts, not
+its dense part: the executor computes the dense part and router before the driver waits. With measured executor costs (``Costs.host``) the layer
 follows the executor's own order on a host lane instead (``_process_host``, docs/FIDELITY.md).
 Analytic bound of a layer: max(GPU work, copy work, CPU
 work) with perfect overlap and no latency between them; of a token: the sum over its layers plus
@@ -115,6 +117,8 @@ class Simulator:
         gpu_busy = copy_busy = cpu_busy = 0.0
         tok_start = 0.0
         tok_bound = 0.0
+        ends: deque = deque()  # completion time of each pending batch
+        ready, mid = 0.0, False  # prefetch awaited inside the token: the next layer's experts wait
         for item in items:
             observe(item)
             kind = type(item)
@@ -137,6 +141,9 @@ class Simulator:
                 else:
                     g, hit_s, upc_s, cpu_s, nu, nc = self._multi(d, tok)
                 decide = t0 + g + route_s
+                if ready > decide:
+                    decide = ready
+                ready, mid = 0.0, True
                 gpu = decide + hit_s
                 if events is not None:
                     events.append(("gpu", f"L{l} dense", t0, g))
@@ -192,6 +199,7 @@ class Simulator:
                 if events is not None:
                     events.append(("token", f"token {tok.index}", tok_start, t - tok_start))
                 tok_start, tok_bound = t, 0.0
+                mid = False
                 yield env.timeout(t - env.now)
             elif kind is StartBackground:
                 start = copy_free if copy_free > t else t
@@ -204,9 +212,12 @@ class Simulator:
                 copy_busy += cs - start
                 copy_free = cs
                 pending.append(env.timeout(cs - env.now))
+                ends.append(cs)
             elif kind is AwaitBackground:
-                done = pending.popleft()
-                if not done.processed:
+                done, end = pending.popleft(), ends.popleft()
+                if mid:
+                    ready = max(ready, end)
+                elif not done.processed:
                     if t > env.now:
                         yield env.timeout(t - env.now)
                     if not done.processed:
@@ -247,6 +258,7 @@ class Simulator:
         prev_nu = 0  # copies queued by the previous layer
         gpu_busy = copy_busy = cpu_busy = 0.0
         tok_start = tok_bound = 0.0
+        ready, mid = 0.0, False  # as in _process
         for item in items:
             observe(item)
             kind = type(item)
@@ -273,6 +285,9 @@ class Simulator:
                 lp = hc.layer_plan_s + prev_nu * hc.plan_copy_s  # the previous layer's copies in flight
                 prev_nu = nu
                 h = max(h0 + hc.dense_s, g) + hc.readback_s + lp
+                if ready > h:
+                    h = ready + hc.wait_poll_s / 2
+                ready, mid = 0.0, True
                 h_lane = hc.plan_s + hc.dense_s + hc.readback_s + lp
                 if nc:
                     h += hc.cpu_submit_s
@@ -326,6 +341,7 @@ class Simulator:
                     events.append(("gpu", "head", g - c.head_s, c.head_s))
                     events.append(("token", f"token {tok.index}", tok_start, h - tok_start))
                 tok_start, tok_bound = h, 0.0
+                mid = False
                 yield env.timeout(h - env.now)
             elif kind is StartBackground:
                 cs = max(cf, h)
@@ -339,7 +355,9 @@ class Simulator:
                 pending.append(cf)
             elif kind is AwaitBackground:
                 done = pending.popleft()
-                if done > h:
+                if mid:
+                    ready = max(ready, done)
+                elif done > h:
                     if events is not None:
                         events.append(("token", "await background", h, done - h))
                     h = done + hc.wait_poll_s / 2
