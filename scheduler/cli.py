@@ -1,7 +1,8 @@
 """The ``moelab`` command: dispatches each subcommand to the package that owns it.
 
 Subcommand modules are imported only when their command runs, so ``moelab trace ...`` never loads
-simpy, cupy or numba. Each handler is ``main(argv: list[str]) -> int`` for its command.
+simpy, cupy or numba. Each handler is ``main(argv: list[str]) -> int`` for its command. Ctrl-C ends
+any command with one line and status 130 (a handler that keeps partial work says what it kept).
 """
 from __future__ import annotations
 
@@ -40,8 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moelab: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    handler = getattr(importlib.import_module(module), func)
-    return int(handler(rest) or 0)
+    try:
+        handler = getattr(importlib.import_module(module), func)
+        return int(handler(rest) or 0)
+    except KeyboardInterrupt:
+        # Results are written atomically: an interrupted command leaves its old output or none.
+        print(f"\nmoelab {name}: interrupted; no partial output file was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

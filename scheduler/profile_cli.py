@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from .files import check_output
 from .profile import Profile, ProfileError, read_strp, write_strp
 
 __all__ = ["main"]
@@ -35,8 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "build":
             return _build(args)
         return _show(args)
-    except (ProfileError, ValueError, OSError) as exc:
+    except (ProfileError, ValueError) as exc:
         print(f"moelab profile: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"moelab profile: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2
 
 
@@ -46,7 +50,10 @@ def _build(args) -> int:
     if len(args.paths) > 2:
         raise ValueError("build takes [TRACE] OUT")
     src, out = (None, args.paths[0]) if len(args.paths) == 1 else args.paths
-    trace = traces.load(src)
+    check_output(out, "OUT")
+    if args.slots is not None and args.slots < 0:
+        raise ValueError(f"--slots {args.slots}: expected >= 0")
+    trace = traces.load(src, check=True)
     counts = trace.routing_counts(phase=args.phase)
     profile = Profile.from_counts(counts, args.slots)
     write_strp(profile, out, None if args.trailer == "none" else args.trailer)

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from scheduler.files import check_output
+
 from .hardware import HardwareError, hardware_presets
 from .models import MODEL_PRESETS
 from .run import SimConfig, SimError, run
@@ -65,8 +67,11 @@ def simulate_main(argv: list[str]) -> int:
                     help="hybrid: share of a layer's distinct misses sent over PCIe (default 44/256 = 0.17)")
     ap.add_argument("--timeline", default=None, help="write a Chrome-trace JSON (Perfetto) of the run here")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    ap.add_argument("--explain", action="store_true", help="after the summary, say what each figure means")
     args = ap.parse_args(argv)
     try:
+        if args.timeline:
+            check_output(args.timeline, "--timeline")
         cfg = SimConfig(
             model=args.model, hardware=args.hardware, policy=args.policy, cache_slots=args.cache_slots,
             cache_mib=DEFAULTS.cache_mib if args.cache_mib is None else args.cache_mib,
@@ -74,8 +79,11 @@ def simulate_main(argv: list[str]) -> int:
             phase=args.phase, expert_quant=args.quant, synth_tokens=args.synth_tokens, seed=args.seed,
             lag_tokens=args.lag_tokens, pinned=not args.pageable)
         result, info = run(cfg, record=bool(args.timeline))
-    except (SimError, HardwareError, ValueError, OSError) as e:
+    except (SimError, HardwareError, ValueError) as e:
         print(f"moelab simulate: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"moelab simulate: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
     s = result.summary()
     if args.timeline:
@@ -88,12 +96,32 @@ def simulate_main(argv: list[str]) -> int:
         return 0
     print(f"{cfg.model} ({info['model_expert_mib'] / 1024:.2f} GiB of experts) on {cfg.hardware}, policy {cfg.policy}, "
           f"cache {info['cache_mib']:.0f} MiB = {info['slots_per_layer']}/{info['num_experts']} experts per layer")
+    print(f"  trace: {_trace_name(cfg)}, {cfg.phase} rows")
     print(f"  {s['tokens']} tokens: {s['tokens_per_s']:.1f} tokens/s simulated, analytic bound "
           f"{s['bound_tokens_per_s']:.1f} tokens/s; p50 {s['p50_token_s'] * 1e3:.2f} ms, p99 {s['p99_token_s'] * 1e3:.2f} ms")
     print(f"  hit rate {s['hit_rate']:.1%}; uploads {s['uploads']}, streams {s['streams']}, CPU experts "
           f"{s['cpu_experts']}, fills {s['fills']}, swaps {s['swaps']}; {s['upload_bytes'] / 2**20:.0f} MiB over PCIe")
     print(f"  busy: GPU {s['gpu_busy']:.0%}, PCIe {s['pcie_busy']:.0%}, CPU {s['cpu_busy']:.0%}")
+    print(GLOSSARY if args.explain else "  (--explain says what each figure means)")
     return 0
+
+
+GLOSSARY = """\
+  analytic bound: tokens/s if each layer took only its busiest resource's work (GPU, PCIe copies or
+    CPU pool, perfectly overlapped, no latency between them); the simulation is at most the bound
+  hit rate: share of routed experts already in the GPU cache
+  uploads: misses copied over PCIe into a cache slot (then run on the GPU, and kept)
+  streams: misses copied into a scratch buffer, run on the GPU, and dropped
+  CPU experts: misses computed from host RAM by the CPU pool, in parallel with the GPU
+  fills, swaps: background copies between tokens: a fill loads an expert into a free slot, a swap
+    replaces a resident one
+  busy: share of the simulated time each resource was working"""
+
+
+def _trace_name(cfg: SimConfig) -> str:
+    if cfg.trace == "synth":
+        return f"synthetic ({cfg.synth_tokens} rows, seed {cfg.seed})"
+    return cfg.trace or "bundled granite-3.0-1b-a400m recording"
 
 
 def _floats(text: str) -> list[float]:
@@ -105,8 +133,11 @@ def _names(text: str) -> list[str]:
 
 
 def sweep_main(argv: list[str]) -> int:
-    """Run the product of the given axes into a resumable CSV, then plot it."""
-    from .sweep import Sweep, expand, plot_results
+    """Run the product of the given axes into a resumable CSV, then plot it.
+
+    Exit 0 when every row of the CSV ran, 1 when any failed (their errors printed), 2 for bad
+    arguments (checked before any config runs), 130 on Ctrl-C (the rows finished are kept)."""
+    from .sweep import Sweep, config_key, expand, plot_results
 
     ap = argparse.ArgumentParser(
         prog="moelab sweep",
@@ -121,10 +152,11 @@ def sweep_main(argv: list[str]) -> int:
     size.add_argument("--cache-mib", type=_floats, default=None, help="comma-separated cache budgets in MiB")
     size.add_argument("--cache-slots", type=_floats, default=None, help="comma-separated slots per layer")
     ap.add_argument("--miss-fractions", type=_floats, default=[44 / 256], help="hybrid miss fractions, comma-separated")
-    ap.add_argument("--out", default="sweep", help="output directory (results.csv and PNG plots)")
+    ap.add_argument("--out", default="sweep", help="output directory (results.csv and PNG plots; its parent must exist)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local worker processes")
     ap.add_argument("--dask", default=None, metavar="ADDRESS", help="run on a Dask distributed scheduler instead")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     unit = "slots" if args.cache_slots is not None else "mib"
     caches = args.cache_slots if unit == "slots" else (args.cache_mib or [256.0, 512.0, 1024.0, 1536.0])
@@ -133,20 +165,50 @@ def sweep_main(argv: list[str]) -> int:
                   pinned=not args.pageable)
     out = Path(args.out)
     try:
+        if args.jobs < 1:
+            raise ValueError(f"--jobs {args.jobs}: expected >= 1")
+        check_output(out, "--out", is_dir=True)
         configs = expand(args.models, args.hardware, args.policies, caches, args.miss_fractions, unit, **common)
-        out.mkdir(parents=True, exist_ok=True)
+        _check_axes(configs)
+        out.mkdir(exist_ok=True)
         sweep = Sweep(out / "results.csv")
-    except (ValueError, OSError) as e:
+    except (SimError, HardwareError, ValueError) as e:
         print(f"moelab sweep: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"moelab sweep: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
     before = len(sweep.done())
-    ran = sweep.run(configs, jobs=max(1, args.jobs), dask_address=args.dask)
-    print(f"{len(configs)} configs: {ran} run, {len(configs) - ran} already in {out / 'results.csv'} "
-          f"({before} rows before)", file=sys.stderr)
-    errors = [r for r in sweep.rows if r.get("error")]
+    try:
+        ran = sweep.run(configs, jobs=args.jobs, dask_address=args.dask, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"\nmoelab sweep: interrupted; {len(sweep.rows)} rows kept in {sweep.path} "
+              f"({len(sweep.rows) - before} new); run the same command to resume", file=sys.stderr)
+        return 130
+    keys = {config_key(c) for c in configs}
+    errors = [r for r in sweep.rows if r.get("error") and r["key"] in keys]
+    print(f"{len(configs)} configs: {ran} run, {len(configs) - ran} already in {sweep.path} "
+          f"({before} rows before); {len(errors)} failed", file=sys.stderr)
     for r in errors[:5]:
-        print(f"  config {r['key']} ({r['model']}, {r['policy']}): {r['error']}", file=sys.stderr)
+        print(f"  config {r['key']} ({r['model']}, {r['hardware']}, {r['policy']}): {r['error']}", file=sys.stderr)
     if not args.no_plots:
         for p in plot_results(sweep.rows, out, unit):
             print(f"plot: {p}", file=sys.stderr)
-    return 0
+    return 1 if errors else 0
+
+
+def _check_axes(configs) -> None:
+    """Each model, hardware and the trace of ``configs`` opened once, and each model's geometry
+    checked against the trace, before any config runs (raises SimError, HardwareError, ValueError)."""
+    from .hardware import load_hardware
+    from .run import _model, load_tokens
+
+    seen_hw, seen_model = set(), set()
+    for cfg in configs:
+        if cfg.hardware not in seen_hw:
+            load_hardware(cfg.hardware)
+            seen_hw.add(cfg.hardware)
+        key = (cfg.model, cfg.expert_quant)
+        if key not in seen_model:
+            load_tokens(cfg, _model(cfg))
+            seen_model.add(key)

@@ -2,7 +2,8 @@
 
 The glue between ``traces`` (tokens), ``scheduler`` (policy, capacity, driver loop, audit) and
 the SimPy engine. A trace's geometry must match the model's (layers, experts per layer, top-k);
-``trace="synth"`` generates a synthetic trace for the model's geometry instead.
+``trace="synth"`` generates a synthetic trace for the model's geometry instead (dense layers
+masked). A trace file is checked entry by entry when opened.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from scheduler import Audit, Capacity, Profile, drive, make_policy
+from scheduler import POLICIES, Audit, Capacity, Profile, drive, make_policy
 
 from .costs import Costs, ExecConfig
 from .engine import SimResult, Simulator
@@ -70,6 +71,10 @@ class SimConfig:
             raise ValueError(f"phase: {self.phase!r}, expected decode, prefill or all")
         if self.lag_tokens < 0:
             raise ValueError(f"lag_tokens: {self.lag_tokens}, expected >= 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: unknown {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        if self.synth_tokens < 1:
+            raise ValueError(f"synth_tokens: {self.synth_tokens}, expected >= 1")
 
     def as_row(self) -> dict:
         """The config's fields as a flat dict (one CSV row's config part)."""
@@ -94,17 +99,14 @@ def _load_tokens(trace_arg, phase_arg, limit, synth_tokens, seed, model: ModelSp
 
     cfg = SimConfig(trace=trace_arg, phase=phase_arg, tokens=limit, synth_tokens=synth_tokens, seed=seed)
 
-    if cfg.trace == "synth":
-        from traces import synth
-
-        rng = np.random.default_rng(cfg.seed)
-        params = synth.SynthParams()
-        trace = synth.generate(model.num_layers, model.num_experts, model.top_k, cfg.synth_tokens, params, rng)
-        if model.first_dense_layers:
-            raise SimError(f"trace synth: model {model.name} has dense layers; use a recorded trace")
-    else:
-        trace = traces.load(cfg.trace)
     geometry = model.geometry()
+    if cfg.trace == "synth":
+        trace = _synth_trace(model, geometry, cfg.synth_tokens, cfg.seed)
+    else:
+        try:
+            trace = traces.load(cfg.trace, check=True)
+        except traces.TraceError as e:
+            raise SimError(f"--trace: {e}") from None
     got = (tuple(trace.num_experts), trace.top_k)
     want = (geometry.num_experts, geometry.top_k)
     if got != want:
@@ -118,6 +120,22 @@ def _load_tokens(trace_arg, phase_arg, limit, synth_tokens, seed, model: ModelSp
     if not toks:
         raise SimError(f"{cfg.trace or 'bundled trace'}: no {cfg.phase} rows to simulate")
     return toks
+
+
+def _synth_trace(model: ModelSpec, geometry, num_tokens: int, seed: int):
+    """A synthetic trace of ``model``'s geometry: generated for its MoE layers, its dense layers
+    masked (all -1), as a recorded trace of the model would have them."""
+    import traces
+    from traces import synth
+
+    moe = [l for l, n in enumerate(geometry.num_experts) if n]
+    t = synth.generate(len(moe), model.num_experts, model.top_k, num_tokens, synth.SynthParams(),
+                       np.random.default_rng(seed))
+    if len(moe) == model.num_layers:
+        return t
+    ids = np.full((len(t), model.num_layers, model.top_k), -1, dtype=t.expert_ids.dtype)  # (T, L, k)
+    ids[:, moe] = t.expert_ids
+    return traces.Trace(t.model, geometry.num_experts, t.top_k, ids, t.seq, t.pos, t.phase, None, t.meta)
 
 
 def build_capacity(cfg: SimConfig, model: ModelSpec, hw: Hardware) -> Capacity:

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -104,7 +103,6 @@ class Sweep:
             f.write(",".join(COLUMNS) + "\n")
             for r in rows:
                 f.write(_format(r))
-        os.replace(tmp, self.path)
 
     def done(self) -> set[str]:
         return {r["key"] for r in self.rows}
@@ -118,14 +116,15 @@ class Sweep:
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._rewrite([])
-        bar = _Progress(len(todo), enabled=progress)
-        with open(self.path, "a") as f:
+        from tqdm import tqdm
+
+        with open(self.path, "a") as f, tqdm(total=len(todo), unit="config", disable=not progress,
+                                             file=sys.stderr, dynamic_ncols=True) as bar:
             for row in _execute(todo, jobs, dask_address):
                 f.write(_format(row))
                 f.flush()
                 self.rows.append({k: str(v) for k, v in row.items()})
                 bar.update()
-        bar.close()
         return len(todo)
 
 
@@ -138,8 +137,15 @@ def _execute(todo: list[SimConfig], jobs: int, dask_address: str | None):
     else:
         import multiprocessing as mp
 
-        with mp.get_context("spawn").Pool(jobs) as pool:
+        with mp.get_context("spawn").Pool(jobs, initializer=_ignore_sigint) as pool:
             yield from pool.imap_unordered(run_row, todo)
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent, which stops the pool and keeps the finished rows."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _execute_dask(todo: list[SimConfig], address: str):
@@ -151,32 +157,6 @@ def _execute_dask(todo: list[SimConfig], address: str):
         futures = [client.submit(run_row, cfg, pure=False) for cfg in todo]
         for fut in as_completed(futures):
             yield fut.result()
-
-
-class _Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 30):
-        self.total, self.n, self.width, self.enabled = total, 0, width, enabled
-        self.start = time.monotonic()
-        self._draw()
-
-    def update(self) -> None:
-        self.n += 1
-        self._draw()
-
-    def _draw(self) -> None:
-        if not self.enabled:
-            return
-        fill = int(self.width * self.n / max(self.total, 1))
-        el = time.monotonic() - self.start
-        eta = f"eta {el / self.n * (self.total - self.n):5.0f}s" if self.n else ""
-        sys.stderr.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {self.n}/{self.total} configs {el:5.0f}s {eta}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
 
 
 def plot_results(rows: list[dict], out_dir: str | os.PathLike, cache_unit: str = "mib") -> list[Path]:
