@@ -56,7 +56,7 @@ class PredictPolicy(BasePolicy):
     uploads_every_miss = True
 
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
-                 memory: float = 32.0, prior: float = 1.0, bypass: bool = True, admit_margin: float = 0.0,
+                 memory: float = 16.0, prior: float = 0.5, bypass: bool = True, admit_margin: float = 0.0,
                  max_prefetch: int = 8, prefetch_margin: float = 0.25):
         if not memory > 1.0:
             raise ValueError(f"predict memory: {memory}, expected > 1 (steps)")

@@ -67,13 +67,13 @@ def checked(policy, tokens, lag_tokens=1):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(batches=True), st.sampled_from(ONLINE + ("belady",)), st.integers(0, 2))
+@given(scenarios(batches=True), st.sampled_from(ONLINE + ("belady", "predict")), st.integers(0, 2))
 def test_invariants_hold(scenario, name, lag):
     geometry, capacity, tokens = scenario
     try:
         policy = build(name, geometry, capacity, tokens)
     except CapacityError:
-        assert name in ("lru", "freq-lru")
+        assert name in ("lru", "freq-lru", "predict")
         return
     checked(policy, tokens, lag)
 
@@ -95,7 +95,7 @@ def test_belady_is_the_ceiling(scenario):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(batches=True), st.sampled_from(ONLINE + ("belady",)))
+@given(scenarios(batches=True), st.sampled_from(ONLINE + ("belady", "predict")))
 def test_same_inputs_same_decision_log(scenario, name):
     geometry, capacity, tokens = scenario
     digests = []

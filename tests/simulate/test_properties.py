@@ -11,7 +11,7 @@ from simulate import Costs, ExecConfig, Simulator
 
 from .conftest import decode_tokens, round_hardware, tiny_model
 
-POLICIES = ["hybrid", "hybrid-cost", "lru", "freq-lru", "cpu", "static", "belady"]
+POLICIES = ["hybrid", "hybrid-cost", "lru", "freq-lru", "cpu", "static", "belady", "predict"]
 
 
 @st.composite
@@ -24,7 +24,7 @@ def scenarios(draw):
     rng = np.random.default_rng(seed)
     routes = [[tuple(int(e) for e in rng.choice(E, k, replace=False)) for _ in range(L)] for _ in range(n)]
     policy = draw(st.sampled_from(POLICIES))
-    slots = draw(st.integers(k if policy in ("lru", "freq-lru") else 0, E))
+    slots = draw(st.integers(k if policy in ("lru", "freq-lru", "predict") else 0, E))
     frac = draw(st.integers(0, 256))
     scale = draw(st.sampled_from([0.1, 1.0, 10.0]))
     lag = draw(st.integers(0, 2))
