@@ -46,6 +46,13 @@ class ArchSpec:
     ``u = clip(u, -7, 7)``, ``g * sigmoid(1.702 g) * (u + 1)``). ``swa_pattern`` n > 0: block l uses
     the sliding window when ``l % n < n - 1``. ``granite_scales``: embedding, residual, attention
     and logit multipliers from the metadata. ``tokenizer`` and ``chat`` are what ``synth`` writes.
+
+    How llama.cpp's loader of the architecture sizes tensors from the metadata (a file that
+    disagrees is refused): ``expert_width`` is where it takes the routed experts' width from:
+    "ffn" (``{arch}.feed_forward_length``), "expert" (``{arch}.expert_feed_forward_length``,
+    required) or "expert_or_ffn_k" (that key, else ``feed_forward_length / expert_used_count``).
+    ``q_width`` "hidden": q and the output projection are ``embedding_length`` wide, not
+    ``head_count * key_length``.
     """
 
     name: str
@@ -63,25 +70,28 @@ class ArchSpec:
     granite_scales: bool = False
     tokenizer: str = "gpt2"
     chat: str = "chatml"
+    expert_width: str = "expert_or_ffn_k"
+    q_width: str = "heads"
 
     def __post_init__(self) -> None:
         for name, allowed in (("gating", ("softmax", "softmax_topk", "sigmoid")), ("rope", ("neox", "norm")),
                               ("qk_norm", ("none", "head", "full")), ("shared", ("none", "plain", "gated")),
                               ("attn", ("gqa", "mla")), ("activation", ("silu", "swiglu_oai")),
-                              ("tokenizer", ("gpt2", "llama")), ("chat", ("chatml", "mistral", "harmony"))):
+                              ("tokenizer", ("gpt2", "llama")), ("chat", ("chatml", "mistral", "harmony")),
+                              ("expert_width", ("ffn", "expert", "expert_or_ffn_k")), ("q_width", ("heads", "hidden"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ArchSpec.{name}: {getattr(self, name)!r}, expected one of {allowed}")
 
 
 ARCHS = {
     "qwen3moe": ArchSpec("qwen3moe", norm_topk=True, qk_norm="head"),
-    "qwen2moe": ArchSpec("qwen2moe", shared="gated", attn_bias=True),
-    "olmoe": ArchSpec("olmoe", qk_norm="full"),
-    "llama": ArchSpec("llama", norm_topk=True, rope="norm", tokenizer="llama", chat="mistral"),
-    "granitemoe": ArchSpec("granitemoe", norm_topk=True, rope="norm", granite_scales=True),
+    "qwen2moe": ArchSpec("qwen2moe", shared="gated", attn_bias=True, q_width="hidden"),
+    "olmoe": ArchSpec("olmoe", qk_norm="full", expert_width="ffn", q_width="hidden"),
+    "llama": ArchSpec("llama", norm_topk=True, rope="norm", tokenizer="llama", chat="mistral", expert_width="ffn"),
+    "granitemoe": ArchSpec("granitemoe", norm_topk=True, rope="norm", granite_scales=True, expert_width="ffn"),
     "gpt-oss": ArchSpec("gpt-oss", gating="softmax_topk", ffn_norm="post_attention_norm", activation="swiglu_oai",
-                        attn_bias=True, sinks=True, swa_pattern=2, chat="harmony"),
-    "deepseek2": ArchSpec("deepseek2", rope="norm", shared="plain", attn="mla"),
+                        attn_bias=True, sinks=True, swa_pattern=2, chat="harmony", expert_width="expert"),
+    "deepseek2": ArchSpec("deepseek2", rope="norm", shared="plain", attn="mla", expert_width="expert"),
 }
 
 

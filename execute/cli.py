@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from scheduler.files import OutputPathError, check_output
+
 from .experts import ExecutorError
 
 __all__ = ["model_main", "replay_main", "run_main", "run_figures"]
@@ -55,9 +57,10 @@ def _synth(args) -> int:
                                      "num_kv_heads", "head_dim", "vocab", "context_length")})
     except (ValueError, TypeError) as exc:
         raise _Fail(f"moelab model synth: {exc}") from None
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        raise _Fail(f"moelab model synth: {out.parent}: no such directory")
+    try:
+        out = check_output(args.out, "OUT")
+    except OutputPathError as exc:
+        raise _Fail(f"moelab model synth: {exc}") from None
     synth_model(out, cfg, progress=not args.quiet)
     print(f"wrote {out}: {cfg.arch} {cfg.num_layers} layers x {cfg.num_experts} experts top-{cfg.top_k}, "
           f"hidden {cfg.hidden}, ffn {cfg.ffn}, {cfg.quant} experts "
@@ -73,10 +76,13 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _info(args) -> int:
-    from .gguf_io import read_model_info
+    from .gguf_io import llamacpp_problems, read_model_info
 
     info = read_model_info(args.file)
     d = info.to_dict()
+    d["llamacpp_problems"] = llamacpp_problems(args.file)
+    for problem in d["llamacpp_problems"]:
+        print(f"moelab: warning: llama.cpp would refuse this file: {problem}", file=sys.stderr)
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -147,6 +153,39 @@ def _parser_replay() -> argparse.ArgumentParser:
     return p
 
 
+def _check_common(args, prog: str) -> None:
+    """The arguments ``run`` and ``replay`` share, checked before the model is loaded."""
+    from scheduler import POLICIES
+
+    if args.policy not in POLICIES:
+        raise _Fail(f"{prog}: --policy {args.policy!r}: expected one of {', '.join(POLICIES)}")
+    if args.threads is not None:
+        import numba
+
+        if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
+            raise _Fail(f"{prog}: --threads {args.threads}: expected 1..{numba.config.NUMBA_NUM_THREADS} "
+                        f"(this machine's cores)")
+    for flag, value, ok, want in (("--cache-mib", args.cache_mib, lambda v: v >= 0, ">= 0"),
+                                  ("--cache-slots", args.cache_slots, lambda v: v >= 0, ">= 0"),
+                                  ("--timeout-s", args.timeout_s, lambda v: v > 0, "> 0 seconds"),
+                                  ("--lag-tokens", args.lag_tokens, lambda v: v >= 0, ">= 0")):
+        if value is not None and not ok(value):
+            raise _Fail(f"{prog}: {flag} {value}: expected {want}")
+    for flag, path, is_dir in (("--audit", args.audit, False), ("--record-trace", getattr(args, "record_trace", None), True)):
+        if path:
+            try:
+                check_output(path, flag, is_dir=is_dir)
+            except OutputPathError as exc:
+                raise _Fail(f"{prog}: {exc}") from None
+    if getattr(args, "profile", None):
+        from scheduler.profile import read_strp
+
+        try:
+            read_strp(args.profile)
+        except (ValueError, OSError) as exc:
+            raise _Fail(f"{prog}: --profile: {exc}") from None
+
+
 def _capacity(args, geometry, prog: str = "moelab replay"):
     from scheduler import Capacity
     from scheduler.core import CapacityError
@@ -171,9 +210,9 @@ def _load_trace(args, info):
     from .model import check_trace, fold_trace
 
     try:
-        trace = traces.load(args.trace)
+        trace = traces.load(args.trace, check=True)
     except (traces.TraceError, OSError) as exc:
-        raise _Fail(f"moelab replay: {exc}") from None
+        raise _Fail(f"moelab replay: --trace: {exc}") from None
     if args.map:
         return fold_trace(trace, info)
     check_trace(trace, info)
@@ -208,7 +247,11 @@ def _policy(args, trace, geometry, capacity):
     if args.profile:
         from scheduler.profile import read_strp
 
-        profile = read_strp(args.profile)
+        try:
+            profile = read_strp(args.profile)
+            profile.check_geometry(geometry)
+        except (ValueError, OSError) as exc:
+            raise _Fail(f"moelab replay: --profile: {exc}") from None
     future = None
     if args.policy == "belady":
         future = [s for tok in trace.tokens(args.phase, 0, args.tokens) for s in tok.steps]
@@ -240,6 +283,9 @@ def _replay(args) -> int:
     from . import model as M
     from .gguf_io import load_model
 
+    _check_common(args, "moelab replay")
+    if args.tokens is not None and args.tokens < 1:
+        raise _Fail(f"moelab replay: --tokens {args.tokens}: expected >= 1")
     weights = load_model(args.model)
     info = weights.info
     trace = _load_trace(args, info)
@@ -384,6 +430,10 @@ class _Generation:
 
     def _emit(self, t: int) -> bool:
         """Stream ``t``; True when generation is over (an end token, or ``n`` reached)."""
+        if not self.generated:
+            import time
+
+            self.first_token_at = time.perf_counter()
         self.generated.append(t)
         text = self.stream.add(t)
         if text:
@@ -495,6 +545,10 @@ def _generate(args, weights, tok, prompt: list[int], draft_len: int, stream, rec
            "stopped_at_eos": gen.stopped, "cache_mib": capacity.slot_bytes(geometry) / 2**20,
            "digest": audit.digest(), **audit.summary()}
     out["decode_tokens_per_s"] = decode_tokens / out["decode_s"] if decode_tokens and out["decode_s"] > 0 else 0.0
+    # from the command's start (model loading, backend preparation and prefill included)
+    started = getattr(args, "started_at", None)
+    first = getattr(gen, "first_token_at", None)
+    out["first_token_s"] = first - started if started is not None and first is not None else None
     out["speculative"] = draft_len
     if draft_len:
         out.update(drafted=gen.drafted, accepted=gen.accepted,
@@ -504,6 +558,7 @@ def _generate(args, weights, tok, prompt: list[int], draft_len: int, stream, rec
 
 
 def _check_run_args(args) -> None:
+    _check_common(args, "moelab run")
     if args.tokens < 0:
         raise _Fail(f"moelab run: -n {args.tokens}, expected >= 0")
     if args.prefill_chunk < 1:
@@ -524,7 +579,10 @@ def run_figures(argv: list[str]) -> tuple[dict, list[int]]:
     from .gguf_io import load_model
     from .tokenizer import Tokenizer
 
+    import time
+
     args = _parser_run().parse_args(argv)
+    args.started_at = time.perf_counter()
     try:
         _check_run_args(args)
         tok = Tokenizer.from_gguf(args.model)
@@ -594,5 +652,9 @@ def _print_run(out: dict, as_json: bool) -> None:
 
 def run_main(argv: list[str]) -> int:
     """``moelab run MODEL.gguf -p TEXT [-n N] [--policy P] ...``."""
+    import time
+
+    started = time.perf_counter()
     args = _parser_run().parse_args(argv)
+    args.started_at = started
     return _guard(_run, args)

@@ -41,9 +41,11 @@ __all__ = [
     "qtype_value",
     "block_shape",
     "read_model_info",
+    "llamacpp_problems",
     "load_model",
     "dequantize",
     "quantize",
+    "stored_matrix",
     "TensorSpec",
     "write_gguf",
     "read_tokenizer",
@@ -371,6 +373,76 @@ def _expert_table(path, by_name: dict, num_layers: int):
     return tuple(num_experts), tuple(expert_bytes), (ffns.pop() if ffns else 0), fused, bias
 
 
+def llamacpp_problems(path: str | os.PathLike) -> list[str]:
+    """Where the file's metadata disagrees with its tensors in a way llama.cpp's loader refuses
+    (``check_tensor_dims``: wrong shape) or its context creation aborts on; [] when none is found.
+
+    Checked: the width llama.cpp takes for the routed experts (``ArchSpec.expert_width``), for
+    dense blocks and for the shared expert; q widths of loaders that size q by
+    ``embedding_length``; MLA's layout keys (``attn_k_b``/``attn_v_b`` need ``key_length_mla`` and
+    ``value_length_mla``, one kv head and ``key_length`` = kv_lora + rope; ``attn_kv_b`` needs
+    neither key and ``head_count_kv`` = ``head_count``). The file must read as a model
+    (:func:`read_model_info`'s errors otherwise)."""
+    reader = _open(path)
+    info = _info_from_reader(reader, str(path))
+    meta, a, spec = _Meta(reader, str(path)), info.arch, info.spec
+    out = []
+
+    def width(key: str) -> int:
+        return meta.int(f"{a}.{key}", 0) if meta.get(f"{a}.{key}") is not None else 0
+
+    def check(tensor: str, dim: int, want: int, why: str) -> None:
+        t = info.tensor(tensor)
+        if t is not None and t.shape[dim] != want:
+            out.append(f"{path}: {tensor} has shape {t.shape} (numpy order) but llama.cpp expects {want} "
+                       f"at axis {dim} from {why}")
+
+    ff, exp, moe = width("feed_forward_length"), width("expert_feed_forward_length"), info.moe_layers[0]
+    if spec.expert_width == "ffn":
+        want, why = ff, f"{a}.feed_forward_length = {ff}"
+    elif spec.expert_width == "expert" or exp:
+        want, why = exp, f"{a}.expert_feed_forward_length = {exp or 'missing'}"
+    else:
+        want, why = ff // info.top_k, f"{a}.feed_forward_length / expert_used_count = {ff} / {info.top_k}"
+    check(f"blk.{moe}.ffn_down_exps.weight", 2, want, why)  # every MoE block has one width (_expert_table)
+    if info.leading_dense:
+        check("blk.0.ffn_gate.weight", 0, ff, f"{a}.feed_forward_length = {ff}")
+    if spec.shared == "gated":
+        sh = width("expert_shared_feed_forward_length") or ff
+        check(f"blk.{moe}.ffn_gate_shexp.weight", 0, sh, f"{a}.expert_shared_feed_forward_length (else feed_forward_length) = {sh}")
+    elif spec.shared == "plain":
+        n = width("expert_shared_count")
+        check(f"blk.{moe}.ffn_gate_shexp.weight", 0, exp * n, f"expert_feed_forward_length x expert_shared_count = {exp} x {n}")
+    if spec.q_width == "hidden":
+        check("blk.0.attn_q.weight", 0, info.hidden, f"{a}.embedding_length = {info.hidden}")
+    if spec.attn == "mla":
+        out += _mla_problems(path, info, meta)
+    return out
+
+
+def _mla_problems(path, info: ModelInfo, meta: _Meta) -> list[str]:
+    a, out = info.arch, []
+    mla_keys = [k for k in ("key_length_mla", "value_length_mla") if meta.get(f"{a}.attention.{k}") is not None]
+    kv_heads = meta.int(f"{a}.attention.head_count_kv", info.num_heads)
+    if info.tensor("blk.0.attn_k_b.weight") is not None:
+        if len(mla_keys) < 2:
+            out.append(f"{path}: attn_k_b/attn_v_b layout without {a}.attention.key_length_mla and value_length_mla: "
+                       "llama.cpp then looks for attn_kv_b and refuses the file")
+        klen, vlen = meta.int(f"{a}.attention.key_length", 0), meta.int(f"{a}.attention.value_length", 0)
+        want = (info.kv_lora_rank + info.rope_dims, info.kv_lora_rank, 1)
+        if (klen, vlen, kv_heads) != want:
+            out.append(f"{path}: attn_k_b/attn_v_b layout with key_length {klen}, value_length {vlen}, head_count_kv "
+                       f"{kv_heads}; llama.cpp's cache expects {want[0]}, {want[1]}, {want[2]} (kv_lora + rope, kv_lora, 1)")
+    elif info.tensor("blk.0.attn_kv_b.weight") is not None:
+        if mla_keys:
+            out.append(f"{path}: attn_kv_b layout with {a}.attention.{mla_keys[0]}: llama.cpp then looks for "
+                       "attn_k_b/attn_v_b and refuses the file")
+        if kv_heads != info.num_heads:
+            out.append(f"{path}: attn_kv_b layout with head_count_kv {kv_heads} != head_count {info.num_heads}: "
+                       "llama.cpp builds keys for every head and aborts at context creation")
+    return out
+
+
 def read_model_info(path: str | os.PathLike) -> ModelInfo:
     """Geometry, quant types and expert sizes of a GGUF model, from metadata and the tensor table.
 
@@ -523,6 +595,31 @@ def _dense_layer(info: ModelInfo, l: int, moe: bool, need, opt) -> DenseLayer:
         sinks=need(p + "attn_sinks.weight") if spec.sinks else None,
         router_bias=opt(p + "ffn_gate_inp.bias") if moe else None,
         exp_probs_b=opt(p + "exp_probs_b.bias") if moe else None, mla=mla)
+
+
+# GGUF tensor of each stored-matrix key (``stored_matrix``); "{p}" is the block prefix "blk.N."
+_STORED = {"wq": "{p}attn_q.weight", "wk": "{p}attn_k.weight", "wv": "{p}attn_v.weight",
+           "wo": "{p}attn_output.weight", "router": "{p}ffn_gate_inp.weight",
+           "shared.gate": "{p}ffn_gate_shexp.weight", "shared.up": "{p}ffn_up_shexp.weight",
+           "shared.down": "{p}ffn_down_shexp.weight", "dense_ffn.gate": "{p}ffn_gate.weight",
+           "dense_ffn.up": "{p}ffn_up.weight", "dense_ffn.down": "{p}ffn_down.weight"}
+
+
+def stored_matrix(weights: ModelWeights, layer: int | None, key: str) -> tuple[np.ndarray, int] | None:
+    """A 2-D dense matrix as the file stores it: its rows as uint8 ``(rows, row_bytes)`` (a view on
+    the map) and its quant type, or None when the file lacks it. ``key``: a DenseLayer field of
+    block ``layer`` (wq, wk, wv, wo, router, shared.gate/up/down, dense_ffn.gate/up/down), or
+    ``"output"`` with layer None (the tied token embedding when the file has no output)."""
+    if weights.reader is None:
+        return None
+    tens = {t.name: t for t in weights.reader.tensors}
+    if key == "output":
+        t = tens.get("output.weight", tens.get("token_embd.weight"))
+    else:
+        t = tens.get(_STORED[key].format(p=f"blk.{layer}."))
+    if t is None or len(t.shape) != 2:
+        return None
+    return np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1), int(t.tensor_type)
 
 
 # quant wrappers ----------------------------------------------------------------------------------

@@ -14,7 +14,13 @@ Architecture traits of the tiny models: qwen2moe has q/k/v biases and a gated sh
 olmoe full-width q/k norms (so kv heads = heads); granitemoe its four multipliers and a tied
 output; gpt-oss attention biases, sinks, a sliding window on even blocks, YaRN RoPE, a router bias
 and expert biases; deepseek2 MLA (q_lora and kv_lora ranks of hidden/2, rope half of a key head), a
-leading dense block, one shared expert and grouped sigmoid routing with a selection bias.
+leading dense block, one shared expert and grouped sigmoid routing with a selection bias. MLA is
+written in current llama.cpp's layout (``attn_k_b``/``attn_v_b``, one kv head) unless
+``mla="kv_b"`` asks for the older ``attn_kv_b``; one seed gives the same model in both.
+
+Metadata is what llama.cpp's loader of the architecture sizes the tensors by
+(``ArchSpec.expert_width``): ``feed_forward_length`` is the routed experts' width for llama, olmoe
+and granitemoe, the dense width (``dense_ffn``) for the others.
 
 Weights are random, deterministic given the seed: each tensor draws from its own generator,
 ``np.random.default_rng([seed, tensor_index])``, so a tensor does not depend on the order others
@@ -75,12 +81,13 @@ class SynthConfig:
     num_kv_heads: int = 2
     head_dim: int = 0
     vocab: int = 320
-    dense_ffn: int = 0  # metadata only (qwen3moe has no dense FFN); 0: ffn * top_k
+    dense_ffn: int = 0  # width of dense blocks (deepseek2's leading one; metadata only elsewhere); 0: ffn * top_k
     context_length: int = 4096
     quant: str = "Q8_0"
     dense_quant: str = "F16"
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
+    mla: str = "split"  # deepseek2: "split" (attn_k_b / attn_v_b) or "kv_b" (the older attn_kv_b)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -105,6 +112,11 @@ class SynthConfig:
         if self.arch == "olmoe" and self.num_kv_heads != self.num_heads:
             raise ValueError(f"SynthConfig.num_kv_heads: {self.num_kv_heads}; olmoe's full-width k norm needs "
                              f"num_kv_heads = num_heads ({self.num_heads})")
+        if ARCHS[self.arch].q_width == "hidden" and self.num_heads * self.head_dim != self.hidden:
+            raise ValueError(f"SynthConfig.head_dim: {self.head_dim}; llama.cpp's {self.arch} loader needs "
+                             f"num_heads * head_dim = hidden ({self.hidden})")
+        if self.mla not in ("split", "kv_b"):
+            raise ValueError(f"SynthConfig.mla: {self.mla!r}, expected 'split' or 'kv_b'")
         if self.quant.upper() not in gguf_io.EXPERT_QTYPES:
             raise ValueError(f"SynthConfig.quant: {self.quant!r}, expected one of {', '.join(gguf_io.EXPERT_QTYPES)}")
         if self.dense_quant.upper() not in ("F32", "F16", "BF16", "Q8_0"):
@@ -208,6 +220,24 @@ def _embedding(seed: int, index: int, qtype: str, shape: tuple[int, int]):
     return make
 
 
+def _mla_split(cfg: SynthConfig, index: int, kv_b: tuple[int, int], qtype: int, part: str):
+    """attn_k_b ``(heads, kv_lora, nope)`` or attn_v_b ``(heads, v, kv_lora)`` cut from the
+    attn_kv_b ``(heads*(nope+v), kv_lora)`` that draw ``index`` makes: per head, the nope rows
+    (transposed) and the v rows. v_b rows are kv_b rows, copied as blocks; k_b is transposed, so
+    it is written in a float type (F16 when the dense type is a block type)."""
+    def make():
+        m, dq = _mla_dims(cfg), cfg.dense_quant
+        raw = _matrix(cfg.seed, index, dq, kv_b)().reshape(cfg.num_heads, m["nope"] + m["v"], -1)
+        if part == "v":
+            return np.ascontiguousarray(raw[:, m["nope"]:])
+        vals = gguf_io.dequantize(raw[:, :m["nope"]], qtype_value(dq)).transpose(0, 2, 1)  # (heads, kv_lora, nope)
+        name = gguf_io.qtype_name(qtype)
+        if name == "BF16":
+            return gguf_io.quantize(vals, qtype)
+        return np.ascontiguousarray(vals, np.float32 if name == "F32" else np.float16).view(np.uint8)
+    return make
+
+
 def _mla_dims(cfg: SynthConfig) -> dict:
     """deepseek2's attention sizes in a tiny model: ranks hidden/2, rope half of a key head."""
     rd = cfg.head_dim // 2
@@ -226,7 +256,13 @@ def _attention_specs(cfg: SynthConfig, p: str, add) -> None:
         add(p + "attn_q_b.weight", (cfg.num_heads * hd, m["q_lora"]), dq, "mat")
         add(p + "attn_kv_a_mqa.weight", (m["kv_lora"] + m["rope"], h), dq, "mat")
         add(p + "attn_kv_a_norm.weight", (m["kv_lora"],), f32, "norm")
-        add(p + "attn_kv_b.weight", (cfg.num_heads * (m["nope"] + m["v"]), m["kv_lora"]), dq, "mat")
+        kv_b = (cfg.num_heads * (m["nope"] + m["v"]), m["kv_lora"])
+        if cfg.mla == "kv_b":
+            add(p + "attn_kv_b.weight", kv_b, dq, "mat")
+        else:  # the same draw as attn_kv_b, split per head the way llama.cpp's converter does
+            kq = dq if cfg.dense_quant in ("F32", "F16", "BF16") else qtype_value("F16")
+            add(p + "attn_k_b.weight", (cfg.num_heads, m["kv_lora"], m["nope"]), kq, "k_b", kv_b)
+            add(p + "attn_v_b.weight", (cfg.num_heads, m["v"], m["kv_lora"]), dq, "v_b", kv_b)
         add(p + "attn_output.weight", (h, cfg.num_heads * m["v"]), dq, "mat")
         return
     add(p + "attn_q.weight", (q, h), dq, "mat")
@@ -298,12 +334,16 @@ def tensor_specs(cfg: SynthConfig) -> list[TensorSpec]:
     ``cfg.arch`` asks."""
     h, dq, f32 = cfg.hidden, qtype_value(cfg.dense_quant), qtype_value("F32")
     specs: list[TensorSpec] = []
+    draws = [0]  # generator index of the next draw; attn_k_b and attn_v_b share attn_kv_b's draw
 
-    def add(name, shape, qtype, kind):
-        i = len(specs)
+    def add(name, shape, qtype, kind, kv_b=None):
+        i = draws[0] - 1 if kind == "v_b" else draws[0]
+        draws[0] = i + 1
         qn = gguf_io.qtype_name(qtype)
         make = {"norm": lambda: _norm(cfg.seed, i, shape[0]), "mat": lambda: _matrix(cfg.seed, i, qn, shape),
-                "emb": lambda: _embedding(cfg.seed, i, qn, shape), "bias": lambda: _bias(cfg.seed, i, shape)}[kind]()
+                "emb": lambda: _embedding(cfg.seed, i, qn, shape), "bias": lambda: _bias(cfg.seed, i, shape),
+                "k_b": lambda: _mla_split(cfg, i, kv_b, qtype, "k"), "v_b": lambda: _mla_split(cfg, i, kv_b, qtype, "v"),
+                }[kind]()
         specs.append(TensorSpec(name, shape, qtype, make))
 
     add("token_embd.weight", (cfg.vocab, h), dq, "emb")
@@ -415,14 +455,30 @@ def _arch_metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
                 (f"{a}.expert_gating_func", 2, "u32"), (f"{a}.expert_group_count", groups, "u32"),
                 (f"{a}.expert_group_used_count", max(groups // 2, 1), "u32"),
                 (f"{a}.attention.q_lora_rank", m["q_lora"], "u32"), (f"{a}.attention.kv_lora_rank", m["kv_lora"], "u32"),
-                (f"{a}.rope.dimension_count", m["rope"], "u32")]
+                (f"{a}.rope.dimension_count", m["rope"], "u32")] + _mla_metadata(cfg)
     return []
+
+
+def _mla_metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
+    """MLA head sizes as llama.cpp reads them. Split layout (``attn_k_b``/``attn_v_b``): attention
+    is one compressed kv head, so ``head_count_kv`` 1, ``key_length`` kv_lora + rope,
+    ``value_length`` kv_lora, and the per-head sizes in ``key_length_mla``/``value_length_mla``
+    (llama.cpp takes their presence as the split layout). ``attn_kv_b`` layout: keys and values
+    decompressed for every head, ``head_count_kv`` = ``head_count``, no ``*_mla`` keys."""
+    if cfg.mla != "split":
+        return []
+    a, m = cfg.arch, _mla_dims(cfg)
+    return [(f"{a}.attention.key_length_mla", cfg.head_dim, "u32"), (f"{a}.attention.value_length_mla", m["v"], "u32")]
 
 
 def metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
     """The ``(key, value, kind)`` metadata of the model (``general.architecture`` added by the writer)."""
     a = cfg.arch
-    vdim = _mla_dims(cfg)["v"] if a == "deepseek2" else cfg.head_dim
+    kdim, vdim, kv_heads = cfg.head_dim, cfg.head_dim, cfg.num_kv_heads
+    if ARCHS[a].attn == "mla":  # see _mla_metadata
+        m = _mla_dims(cfg)
+        kdim, vdim, kv_heads = (m["kv_lora"] + m["rope"], m["kv_lora"], 1) if cfg.mla == "split" else (
+            cfg.head_dim, m["v"], cfg.num_heads)
     return [
         ("general.name", f"moelab synthetic {a} L{cfg.num_layers} E{cfg.num_experts} k{cfg.top_k} {cfg.quant} seed {cfg.seed}", "str"),
         ("general.file_type", _FILE_TYPES[cfg.quant], "u32"),
@@ -430,11 +486,11 @@ def metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
         (f"{a}.block_count", cfg.num_layers, "u32"),
         (f"{a}.context_length", cfg.context_length, "u32"),
         (f"{a}.embedding_length", cfg.hidden, "u32"),
-        (f"{a}.feed_forward_length", dense_ffn(cfg), "u32"),
+        (f"{a}.feed_forward_length", cfg.ffn if ARCHS[a].expert_width == "ffn" else dense_ffn(cfg), "u32"),
         (f"{a}.expert_feed_forward_length", cfg.ffn, "u32"),
         (f"{a}.attention.head_count", cfg.num_heads, "u32"),
-        (f"{a}.attention.head_count_kv", cfg.num_kv_heads, "u32"),
-        (f"{a}.attention.key_length", cfg.head_dim, "u32"),
+        (f"{a}.attention.head_count_kv", kv_heads, "u32"),
+        (f"{a}.attention.key_length", kdim, "u32"),
         (f"{a}.attention.value_length", vdim, "u32"),
         (f"{a}.rope.freq_base", float(cfg.rope_theta), "f32"),
         (f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_eps), "f32"),

@@ -170,3 +170,90 @@ def test_cli_info_bad_file(tmp_path, capsys):
     bad.write_bytes(b"GGUF" + b"\xff" * 40)
     assert model_main(["info", str(bad)]) == 2
     assert "bad.gguf" in capsys.readouterr().err
+
+
+# llama.cpp's loaders per architecture: where each takes the expert width and the MLA head sizes from
+EXPERT_WIDTH_KEY = {"llama": "feed_forward_length", "olmoe": "feed_forward_length",
+                    "granitemoe": "feed_forward_length", "qwen3moe": "expert_feed_forward_length",
+                    "qwen2moe": "expert_feed_forward_length", "gpt-oss": "expert_feed_forward_length",
+                    "deepseek2": "expert_feed_forward_length"}
+
+
+@pytest.mark.parametrize("arch", sorted(EXPERT_WIDTH_KEY))
+def test_expert_width_where_llama_cpp_reads_it(arch, tmp_path):
+    cfg = synth.config_from_preset("tiny", arch=arch)
+    path = synth.synth_model(tmp_path / "m.gguf", cfg)
+    reader = gguf.GGUFReader(path)
+    gate = next(t for t in reader.tensors if t.name.endswith("ffn_gate_exps.weight"))
+    assert reader.get_field(f"{arch}.{EXPERT_WIDTH_KEY[arch]}").contents() == gate.shape[1] == cfg.ffn  # GGUF [hidden, ffn, E]
+    assert gguf_io.llamacpp_problems(path) == []
+
+
+@pytest.mark.parametrize("layout", ["split", "kv_b"])
+def test_deepseek2_mla_metadata_as_llama_cpp_reads_it(layout, tmp_path):
+    cfg = synth.config_from_preset("tiny", arch="deepseek2", mla=layout)
+    reader = gguf.GGUFReader(synth.synth_model(tmp_path / "m.gguf", cfg))
+    val = lambda k: reader.get_field(f"deepseek2.{k}").contents() if reader.get_field(f"deepseek2.{k}") else None  # noqa: E731
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    kv_lora, rope, nope, heads = cfg.hidden // 2, cfg.head_dim // 2, cfg.head_dim // 2, cfg.num_heads
+    if layout == "split":  # one compressed kv head; per-head sizes in the *_mla keys
+        assert (val("attention.head_count_kv"), val("attention.key_length"), val("attention.value_length")) == (
+            1, kv_lora + rope, kv_lora)
+        assert (val("attention.key_length_mla"), val("attention.value_length_mla")) == (cfg.head_dim, cfg.head_dim)
+        assert shapes["blk.0.attn_k_b.weight"] == (nope, kv_lora, heads)
+        assert shapes["blk.0.attn_v_b.weight"] == (kv_lora, cfg.head_dim, heads)
+        assert "blk.0.attn_kv_b.weight" not in shapes
+    else:  # keys and values for every head
+        assert (val("attention.head_count_kv"), val("attention.key_length")) == (heads, cfg.head_dim)
+        assert val("attention.key_length_mla") is None
+        assert shapes["blk.0.attn_kv_b.weight"] == (kv_lora, heads * (nope + cfg.head_dim))
+
+
+def _rewrite(cfg, path, change):
+    """``cfg``'s model with metadata entry ``key -> value`` changed as ``change`` says."""
+    meta = [(k, change.get(k, v), kind) for k, v, kind in synth.metadata(cfg)]
+    gguf_io.write_gguf(path, cfg.arch, meta, synth.tensor_specs(cfg))
+    return path
+
+
+@pytest.mark.parametrize("arch, change, match", [
+    ("llama", {"llama.feed_forward_length": 64}, "feed_forward_length = 64"),
+    ("olmoe", {"olmoe.feed_forward_length": 64}, "feed_forward_length = 64"),
+    ("granitemoe", {"granitemoe.feed_forward_length": 64}, "feed_forward_length = 64"),
+    ("gpt-oss", {"gpt-oss.expert_feed_forward_length": 64}, "expert_feed_forward_length = 64"),
+    ("qwen3moe", {"qwen3moe.expert_feed_forward_length": 16}, "expert_feed_forward_length = 16"),
+    ("qwen2moe", {"qwen2moe.expert_shared_feed_forward_length": 32}, "ffn_gate_shexp"),
+    ("deepseek2", {"deepseek2.feed_forward_length": 32}, "blk.0.ffn_gate"),
+    ("deepseek2", {"deepseek2.attention.head_count_kv": 2}, "head_count_kv 2"),
+    ("deepseek2/kv_b", {"deepseek2.attention.head_count_kv": 2}, "aborts at context creation"),
+])
+def test_info_warns_where_llama_cpp_refuses(arch, change, match, tmp_path, capsys):
+    """Files as ``model synth`` wrote them before (feed_forward_length = ffn x top_k; MLA with
+    2 kv heads) and other disagreements llama.cpp's loader refuses."""
+    arch, _, mla = arch.partition("/")
+    path = _rewrite(synth.config_from_preset("tiny", arch=arch, mla=mla or None), tmp_path / "m.gguf", change)
+    problems = gguf_io.llamacpp_problems(path)
+    assert len(problems) == 1 and match in problems[0] and "m.gguf" in problems[0]
+    assert model_main(["info", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["llamacpp_problems"] == problems
+    assert "llama.cpp would refuse" in captured.err and match in captured.err
+
+
+def test_mla_layout_keys_must_match_the_tensors(tmp_path):
+    cfg = synth.config_from_preset("tiny", arch="deepseek2", mla="kv_b")
+    path = _rewrite(cfg, tmp_path / "m.gguf", {})
+    gguf_io.write_gguf(path, cfg.arch, synth.metadata(cfg) + [("deepseek2.attention.key_length_mla", 16, "u32")],
+                       synth.tensor_specs(cfg))
+    assert any("looks for attn_k_b" in p for p in gguf_io.llamacpp_problems(path))
+    split = synth.config_from_preset("tiny", arch="deepseek2")
+    meta = [m for m in synth.metadata(split) if "_mla" not in m[0]]
+    gguf_io.write_gguf(path, split.arch, meta, synth.tensor_specs(split))
+    assert any("looks for attn_kv_b" in p for p in gguf_io.llamacpp_problems(path))
+
+
+def test_loaders_that_size_q_by_hidden_need_heads_times_dim_equal_hidden():
+    with pytest.raises(ValueError, match="SynthConfig.head_dim: 32; llama.cpp's qwen2moe loader"):
+        synth.config_from_preset("tiny", arch="qwen2moe", head_dim=32)
+    with pytest.raises(ValueError, match="SynthConfig.mla"):
+        synth.config_from_preset("tiny", arch="deepseek2", mla="fused")
