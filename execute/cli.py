@@ -76,10 +76,13 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _info(args) -> int:
-    from .gguf_io import read_model_info
+    from .gguf_io import llamacpp_problems, read_model_info
 
     info = read_model_info(args.file)
     d = info.to_dict()
+    d["llamacpp_problems"] = llamacpp_problems(args.file)
+    for problem in d["llamacpp_problems"]:
+        print(f"moelab: warning: llama.cpp would refuse this file: {problem}", file=sys.stderr)
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
