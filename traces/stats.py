@@ -7,6 +7,8 @@ Two kinds of hit rate:
   recent, later router ranks more recent, and only the ``C`` most recent stay). It also works with
   fewer slots than top-k, which the scheduler's ``lru`` refuses.
 - ``sweep``: the scheduler's own policies replayed over the trace (``scheduler.replay``, no timing).
+  ``hybrid-cost`` prices its split with ``default_cost_model`` (the simulator's default model and
+  hardware), so its hit rate depends on that preset.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from scheduler import Capacity, CapacityError, Profile, make_policy, replay
 
 from .format import Trace
 
-__all__ = ["coverage", "adjacent_overlap", "layer_novelty_correlation", "reuse_distances", "lru_hit_rates",
+__all__ = ["default_cost_model", "coverage", "adjacent_overlap", "layer_novelty_correlation", "reuse_distances", "lru_hit_rates",
            "sweep", "summarize", "COVERAGE_SHARES"]
 
 COVERAGE_SHARES = (0.5, 0.8, 0.9)
@@ -136,6 +138,27 @@ def reuse_distances(trace: Trace, phase: str | None = None, reset_per_sequence: 
             "share_le_16": float((d <= 16).mean())}
 
 
+def default_cost_model(trace: Trace):
+    """A ``scheduler.CostModel`` for ``trace``: the simulator's default model on its default
+    hardware (``simulate.SimConfig``); when the trace's geometry differs, that model's first MoE
+    layer's costs on every layer of the trace."""
+    from scheduler import CostModel
+    from simulate import Costs, ExecConfig, SimConfig
+    from simulate.hardware import load_hardware
+    from simulate.models import load_model
+
+    cfg = SimConfig()
+    model = load_model(cfg.model)
+    cm = Costs(model, load_hardware(cfg.hardware), ExecConfig()).cost_model()
+    if tuple(model.geometry().num_experts) == tuple(trace.num_experts):
+        return cm
+    l, n = model.geometry().moe_layers[0], trace.num_layers
+    pick = lambda v: None if v is None else (v[l],) * n
+    return CostModel(pick(cm.gpu_expert_s), pick(cm.gpu_token_s), pick(cm.upload_s), pick(cm.cpu_expert_s),
+                     pick(cm.cpu_token_s), cm.cpu_task_s, pick(cm.gpu_read_s), pick(cm.cpu_read_s),
+                     pick(cm.layer_s), cm.cpu_delay_s)
+
+
 def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None, seqs: list[list[int]]) -> float | None:
     """Hit rate of scheduler policy ``name`` at ``slots`` per layer; None when it refuses the capacity."""
     geometry = trace.geometry(1)
@@ -148,6 +171,8 @@ def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None, seqs: l
             kw = {}
             if name == "belady":
                 kw["future"] = [s for tok in toks for s in tok.steps]
+            if name == "hybrid-cost":
+                kw["cost_model"] = default_cost_model(trace)
             if name == "static":
                 kw["profile"] = Profile.from_counts(part.routing_counts(phase if group is None else None))
             policy = make_policy(name, geometry, capacity, **kw)
