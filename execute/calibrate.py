@@ -1250,7 +1250,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default=None, help="the hardware's name (default calibrated-<host>)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions; Q8_0 and the pool's thread count only")
     ap.add_argument("--cpu-only", action="store_true", help="no GPU: CPU pool, memory and planning over --base's fields")
-    ap.add_argument("--base", default=None, help="hardware JSON whose GPU and link fields --cpu-only keeps")
+    ap.add_argument("--base", default=None,
+                    help="hardware preset name or JSON file whose GPU and link fields --cpu-only keeps")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="CPU pool threads")
     ap.add_argument("--layers", type=int, default=4, help="MoE layers of random experts (cold-cache rotation)")
     add_shape_args(ap)
@@ -1263,17 +1264,29 @@ def main(argv=None) -> int:
     """``moelab calibrate``: measure, then write the hardware JSON (exit 2 on bad arguments)."""
     args = _parser().parse_args(argv)
     if args.cpu_only and not args.base:
-        print("moelab calibrate: --cpu-only needs --base FILE (a hardware JSON for the GPU and link fields)",
-              file=sys.stderr)
+        print("moelab calibrate: --cpu-only needs --base PRESET|FILE (a hardware preset or JSON for the GPU and "
+              "link fields)", file=sys.stderr)
+        return 2
+    try:
+        check_output(args.out, "--out")
+    except OutputPathError as e:
+        print(f"moelab calibrate: {e}", file=sys.stderr)
         return 2
     base = None
     if args.base:
         try:
-            base = json.loads(Path(args.base).read_text())
+            base = json.loads(_base_path(args.base).read_text())
             if not isinstance(base, dict):
                 raise ValueError("expected a JSON object")
         except (OSError, ValueError) as e:
-            print(f"moelab calibrate: {args.base}: not a readable hardware JSON ({e})", file=sys.stderr)
+            print(f"moelab calibrate: --base {args.base}: not a hardware preset or readable hardware JSON ({e})",
+                  file=sys.stderr)
+            return 2
+    if not args.cpu_only:
+        problem = _gpu_problem()
+        if problem:
+            print(f"moelab calibrate: no usable CUDA GPU ({problem}); without one, measure the CPU side only: "
+                  f"moelab calibrate --cpu-only --base PRESET|FILE (e.g. --base rtx4060-laptop)", file=sys.stderr)
             return 2
     import numba
 
@@ -1293,6 +1306,25 @@ def main(argv=None) -> int:
     log(f"wrote {args.out}")
     _print_summary(hw)
     return 0
+
+
+def _base_path(base: str) -> Path:
+    """``--base``: a JSON file, or the name of a bundled hardware preset."""
+    from simulate.hardware import HARDWARE_DIR
+
+    p = Path(base)
+    if not p.exists() and not p.suffix and (HARDWARE_DIR / f"{base}.json").is_file():
+        return HARDWARE_DIR / f"{base}.json"
+    return p
+
+
+def _gpu_problem() -> str | None:
+    """Why the GPU measurements cannot run here (no CuPy, no device), or None; checked first."""
+    try:
+        from .gpu_experts import gpu_available
+    except Exception as e:  # CuPy missing, or its CUDA libraries
+        return f"{type(e).__name__}: {e}"
+    return None if gpu_available() else "CuPy sees no CUDA device"
 
 
 def _print_summary(hw: dict) -> None:
