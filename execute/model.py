@@ -157,9 +157,15 @@ class MoeModel:
                                 "(partial rotary embeddings are not supported)")
         self.token_embd = weights.token_embd  # stays on the host: one row per token is copied
         self._dev = lambda a: None if a is None else xp.asarray(a, dtype=xp.float32)  # noqa: E731
-        self.layers = [self._dense_layer(l) for l in weights.layers]
+        self.gd = None
+        if use_gpu:
+            from .gpu_dense import GpuDense
+
+            self.gd = GpuDense(info.hidden, info.num_heads, max(info.num_kv_heads, 1), info.head_dim,
+                               max(info.num_experts), min(info.top_k, 32))
+        self.layers = [self._dense_layer(i, l) for i, l in enumerate(weights.layers)]
         self.output_norm = self._dev(weights.output_norm)
-        self.output = self._dev(weights.output)
+        self.output = self._matrix([(None, "output", weights.output, None)])
         factor = info.rope_factor if info.rope_scaling == "yarn" else 1.0
         self.kq_scale = info.attn_scale or 1.0 / np.sqrt(info.head_dim)
         if self.mla:  # llama.cpp: rope magnitude 1, kq scaled by mscale^2 (DeepSeek's YaRN)
@@ -168,29 +174,70 @@ class MoeModel:
         else:
             self.rope_mag = yarn_mscale(factor)
         self._alloc(max(int(max_tokens), 1))
+        self.fast = self._fast_ok()
         self.pos = 0
         self.logits = self.chunk_logits = None
         self._out = None
         self.route_log: list | None = None  # set to a list to collect (pos, [(layer, ids, weights)]) per token
 
     # weights -----------------------------------------------------------------------------------
-    def _dense_layer(self, lw) -> dict:
+    def _matrix(self, parts):
+        """A dense matrix for :meth:`_proj` from ``parts`` ``(layer, key, float32 values, row order or
+        None)`` stacked by rows: on a GPU in its stored type (``execute.gpu_dense``) where the
+        kernels take it, else float32 on ``xp``; None when ``values`` is None."""
+        if parts[0][2] is None:
+            return None
+        if self.gd is not None:
+            from .gguf_io import stored_matrix
+            from .gpu_dense import stack_matrices
+
+            m = stack_matrices([(stored_matrix(self.weights, l, k), v, p) for l, k, v, p in parts])
+            if m is not None:
+                return m
+        vals = [v if p is None else v[p] for _, _, v, p in parts]
+        return self._dev(vals[0] if len(vals) == 1 else np.concatenate(vals))
+
+    def _fast_ok(self) -> bool:
+        """Whether one token runs on the fused kernels (``execute.gpu_dense``): a GPU, GQA with
+        head_dim even and <= 256, every block MoE with softmax or softmax_topk routing (no groups,
+        no selection bias, top-k <= 32), and every projection and the head in a stored type."""
+        info = self.info
+        if (self.gd is None or self.mla or info.top_k > 32 or info.gating not in ("softmax", "softmax_topk")
+                or info.expert_groups > 1 or info.head_dim % 2 or info.head_dim > 256
+                or info.num_heads % max(info.num_kv_heads, 1)):
+            return False
+        if any(w["router"] is None or w["exp_probs_b"] is not None for w in self.layers):
+            return False
+        mats = [self.output] + [w[k] for w in self.layers for k in ("wqkv", "wo", "router")]
+        return not any(hasattr(m, "__cuda_array_interface__") for m in mats)
+
+    def _ffn_weights(self, l: int, name: str, f: dict | None) -> dict | None:
+        if f is None:
+            return None
+        out = {k: self._matrix([(l, f"{name}.{k}", f[k], None)]) for k in ("gate", "up", "down")}
+        out["gate_inp"] = self._dev(f.get("gate_inp"))
+        return out
+
+    def _dense_layer(self, l: int, lw) -> dict:
         """Device weights of one block. GQA: q, k, v stacked into one matrix (biases likewise);
         per-head q/k norms tiled into one ``(heads + kv_heads, head_dim)`` weight."""
         info, dev, norm_rope = self.info, self._dev, self.spec.rope == "norm"
-        w = {k: dev(getattr(lw, k)) for k in ("attn_norm", "wo", "ffn_norm", "router", "sinks")}
+        w = {k: dev(getattr(lw, k)) for k in ("attn_norm", "ffn_norm", "sinks")}
+        w["wo"] = self._matrix([(l, "wo", lw.wo, None)])
+        w["router"] = self._matrix([(l, "router", lw.router, None)])
         w["bo"] = dev((lw.attn_bias or {}).get("o"))
         w["router_bias"] = None if lw.router_bias is None else np.asarray(lw.router_bias, np.float64)
+        w["router_bias_dev"] = dev(lw.router_bias)
         w["exp_probs_b"] = None if lw.exp_probs_b is None else np.asarray(lw.exp_probs_b, np.float64)
-        w["shared"] = None if lw.shared is None else {k: dev(v) for k, v in lw.shared.items()}
-        w["dense_ffn"] = None if lw.dense_ffn is None else {k: dev(v) for k, v in lw.dense_ffn.items()}
+        w["shared"] = self._ffn_weights(l, "shared", lw.shared)
+        w["dense_ffn"] = self._ffn_weights(l, "dense_ffn", lw.dense_ffn)
         if self.mla:
             w["mla"] = self._mla_weights(lw.mla, norm_rope)
             return w
         nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
         pq = _rope_perm(nh, hd, 0, hd) if norm_rope else np.arange(nh * hd)
         pk = _rope_perm(nkv, hd, 0, hd) if norm_rope else np.arange(nkv * hd)
-        w["wqkv"] = dev(np.concatenate([lw.wq[pq], lw.wk[pk], lw.wv]))  # (q + 2 kv, hidden)
+        w["wqkv"] = self._matrix([(l, "wq", lw.wq, pq), (l, "wk", lw.wk, pk), (l, "wv", lw.wv, None)])  # (q + 2 kv, hidden)
         b = lw.attn_bias or {}
         if any(k in b for k in ("q", "k", "v")):
             z = lambda k, n: np.asarray(b[k]) if k in b else np.zeros(n, np.float32)  # noqa: E731
@@ -203,6 +250,9 @@ class MoeModel:
         elif self.spec.qk_norm == "head":
             ph = _rope_perm(1, hd, 0, hd) if norm_rope else np.arange(hd)
             w["qk_norm"] = dev(np.concatenate([np.tile(lw.q_norm[ph], (nh, 1)), np.tile(lw.k_norm[ph], (nkv, 1))]))
+        if self.gd is not None and self.spec.qk_norm != "none":  # the fused kernel's (heads + kv) * head_dim weight
+            w["qk_weight"] = (w["qk_norm"].reshape(-1) if w["qk_norm"] is not None
+                              else self.xp.concatenate([w["q_norm_full"], w["k_norm_full"]]))
         return w
 
     def _mla_weights(self, m: dict, norm_rope: bool) -> dict:
@@ -258,6 +308,12 @@ class MoeModel:
         self._out = y
 
     # pieces ------------------------------------------------------------------------------------
+    def _proj(self, x, m):
+        """``x (T, in)`` times matrix ``m`` (``_matrix``) transposed -> ``(T, out)``."""
+        if self.gd is not None and not hasattr(m, "__cuda_array_interface__"):
+            return self.gd.matmul(x, m)
+        return self._mv(x, m)
+
     @staticmethod
     def _mv(x, w):
         """``x (T, in)`` times ``w (out, in)`` transposed -> ``(T, out)``; one token as a matrix-vector
@@ -316,7 +372,7 @@ class MoeModel:
         info, w, pos, xp = self.info, self.layers[l], self.pos, self.xp
         nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
         t = x.shape[0]
-        qkv = self._mv(x, w["wqkv"])  # (T, q + 2 kv)
+        qkv = self._proj(x, w["wqkv"])  # (T, q + 2 kv)
         if w["bqkv"] is not None:
             qkv = qkv + w["bqkv"]
         if w["q_norm_full"] is not None:
@@ -333,7 +389,7 @@ class MoeModel:
         lo, mask = self._window(l, t)
         q = qk[:, :nh].reshape(t, nkv, nh // nkv, hd).transpose(1, 0, 2, 3)  # (kv, T, group, hd)
         o = self._softmax_attend(l, q, self.k_cache[l][:, lo: pos + t], self.v_cache[l][:, lo: pos + t], mask)
-        y = self._mv(o.transpose(1, 0, 2, 3).reshape(t, nh * hd), w["wo"])
+        y = self._proj(o.transpose(1, 0, 2, 3).reshape(t, nh * hd), w["wo"])
         return y if w["bo"] is None else y + w["bo"]
 
     def _attention_mla(self, l: int, x):
@@ -353,14 +409,14 @@ class MoeModel:
         lo, mask = self._window(l, t)
         o = self._softmax_attend(l, q.transpose(1, 0, 2)[:, :, None, :], self.k_cache[l][:, lo: pos + t],
                                  self.v_cache[l][:, lo: pos + t], mask)  # (nh, T, 1, vd)
-        return self._mv(o[:, :, 0].transpose(1, 0, 2).reshape(t, nh * vd), self.layers[l]["wo"])
+        return self._proj(o[:, :, 0].transpose(1, 0, 2).reshape(t, nh * vd), self.layers[l]["wo"])
 
     def _route(self, l: int, hn, forced) -> tuple[np.ndarray, np.ndarray]:
         """Ids ``(T, k)`` int64 and weights ``(T, k)`` float64 of each token's experts (rank order).
         ``forced[t]`` (a Route or None) replaces token t's routing; a forced route with fewer than
         k experts is padded with its first expert at weight 0 (no contribution)."""
         w = self.layers[l]
-        logits = _host(self._mv(hn, w["router"])).astype(np.float64)  # (T, experts): the host needs the ids
+        logits = _host(self._proj(hn, w["router"])).astype(np.float64)  # (T, experts): the host needs the ids
         if w["router_bias"] is not None:
             logits = logits + w["router_bias"]
         rows = [route_weights(self.info, logits[i], w["exp_probs_b"], None if forced is None else forced[i])
@@ -375,8 +431,8 @@ class MoeModel:
         return ids, wts
 
     def _ffn(self, f: dict, hn):
-        g = self._mv(hn, f["gate"])
-        return self._mv(g / (1.0 + self.xp.exp(-g)) * self._mv(hn, f["up"]), f["down"])
+        g = self._proj(hn, f["gate"])
+        return self._proj(g / (1.0 + self.xp.exp(-g)) * self._proj(hn, f["up"]), f["down"])
 
     def _shared(self, l: int, hn):
         sh = self.layers[l]["shared"]
@@ -417,6 +473,9 @@ class MoeModel:
         t = len(ids)
         while self.pos + t > self.k_cache[0].shape[1]:
             self._grow()
+        if self.fast and t == 1:
+            yield from self._token_fast(ids[0], None if routes is None else routes[0])
+            return
         rs = np.float32(info.residual_scale)
         x = xp.asarray(self.token_embd[ids], dtype=xp.float32) * np.float32(info.embedding_scale)  # (T, hidden)
         rows = [[] for _ in ids] if self.route_log is not None else None
@@ -441,11 +500,67 @@ class MoeModel:
                 raise ExecutorError(f"block {l}: no expert output was delivered for the step")
             x = x + rs * (self._out + self._shared(l, hn))
         xs = x if all_logits else x[-1:]
-        self.chunk_logits = self._mv(self._rms(xs, self.output_norm), self.output) / np.float32(info.logit_scale)
+        self.chunk_logits = self._proj(self._rms(xs, self.output_norm), self.output) / np.float32(info.logit_scale)
         self.logits = self.chunk_logits[-1]  # (vocab,)
         if rows is not None:
             self.route_log.extend((self.pos + i, r) for i, r in enumerate(rows))
         self.pos += t
+
+
+    def _token_fast(self, token_id: int, routes) -> Iterator[Step]:
+        """``chunk_steps`` of one token on the fused kernels (``execute.gpu_dense``): per block
+        five launches (RMSNorm + QKV, q/k norm + RoPE + KV append, attention and its merge, output
+        projection + residual) and the router's GEMV + top-k, whose ids and weights are the block's
+        one host wait. The expert output is added to the residual by the next block's first launch
+        (the head's, after the last block)."""
+        xp, info, gd, pos = self.xp, self.info, self.gd, self.pos
+        rs, eps = float(info.residual_scale), float(info.rms_eps)
+        gating = 0 if info.gating == "softmax" else 1
+        w_scale = float(info.expert_weights_scale or 1.0)
+        mode = {"none": 0, "head": 1, "full": 2}[self.spec.qk_norm]
+        cur = xp.asarray(self.token_embd[token_id] * np.float32(info.embedding_scale), dtype=xp.float32)  # (hidden,)
+        add = None
+        rows = [] if self.route_log is not None else None
+        for l in range(info.num_layers):
+            w = self.layers[l]
+            nxt = gd.x[l % 2] if add is not None else None
+            gd.gemv(w["wqkv"], cur, gd.qkv, add=add, add_scale=rs, x_out=nxt, norm=w["attn_norm"], eps=eps,
+                    bias=w["bqkv"])
+            cur = cur if nxt is None else nxt
+            gd.qk_rope_kv(w.get("qk_weight"), mode, eps, self.rope_cos, self.rope_sin, pos, self.k_cache[l],
+                          self.v_cache[l])
+            lo, _ = self._window(l, 1)
+            gd.attention(self.k_cache[l], self.v_cache[l], lo, pos + 1 - lo, self.kq_scale, w["sinks"])
+            gd.gemv(w["wo"], gd.o, cur, bias=w["bo"], resid=cur, out_scale=rs)  # x += rs * (wo . o + bo)
+            hn = gd.hn[l % 2]
+            forced = None if routes is None else routes[l]
+            if forced is None:
+                tids, twts = gd.route(w["router"], cur, w["ffn_norm"], eps, hn, w["router_bias_dev"], gating,
+                                      info.norm_topk, w_scale)
+                n = tids.shape[1]
+            else:  # the trace's ids; its weights, or the router's own weights of those ids
+                gd.gemv(w["router"], cur, gd.logits, norm=w["ffn_norm"], eps=eps, xn_out=hn, bias=w["router_bias_dev"])
+                r_ids, r_w = route_weights(info, _host(gd.logits).astype(np.float64), None, forced)
+                n = len(r_ids)
+                tids, twts = np.asarray(r_ids, np.int64)[None], np.asarray(r_w, np.float32)[None]
+            self._route_len = [n]
+            self.last_input, self.last_ids, self.last_weights = hn[None], tids, twts
+            self._out = None
+            if rows is not None:
+                rows.append((l, tids[0].tolist(), twts[0].astype(np.float64).tolist()))
+            yield merge_step(l, tids, twts.astype(np.float64), self._route_len)
+            if self._out is None:
+                raise ExecutorError(f"block {l}: no expert output was delivered for the step")
+            add = xp.ascontiguousarray(xp.asarray(self._out, dtype=xp.float32).reshape(-1))
+            if w["shared"] is not None:
+                add = add + self._shared(l, hn[None])[0]
+        self.chunk_logits = xp.empty((1, info.vocab), xp.float32)
+        gd.gemv(self.output, cur, self.chunk_logits, add=add, add_scale=rs, norm=self.output_norm, eps=eps,
+                out_scale=1.0 / float(info.logit_scale))
+        self.logits = self.chunk_logits[-1]
+        if rows is not None:
+            self.route_log.append((pos, rows))
+        self.pos += 1
 
 
 def merge_step(layer: int, ids: np.ndarray, weights: np.ndarray | None, lengths: Sequence[int] | None = None) -> Step:
@@ -584,6 +699,11 @@ class EngineExperts:
             self.engine.pool.warmup(self._first)
         self.engine.load_residents(dict(policy.cache.slot))
 
+    def begin_layer(self, layer: int, x, ids: np.ndarray) -> None:
+        """Start the block's resident experts before the policy plans its step (the engine's early
+        start: one token, GPU only; the decisions are unchanged)."""
+        self.engine.begin_layer(layer, x, ids)
+
     def run_layer(self, item, x, ids: np.ndarray, weights: np.ndarray):
         """The step's (expert, token) pairs on the engine: x ``(T, hidden)``, ids and weights
         ``(T, k)``; -> ``(T, hidden)`` on x's side."""
@@ -694,12 +814,21 @@ def run(model: MoeModel, backend, policy, inputs, lag_tokens: int = 1, audit=Non
     """Drive ``policy`` over ``inputs`` (TokenInputs and ChunkInputs) with real compute: the model's
     dense path and ``backend`` for the experts (``run_layer(item, x (T, hidden), ids (T, k),
     weights (T, k)) -> y (T, hidden)``, ``start_background``, ``await_background``, optionally
-    ``prepare(policy)`` before the first item). Every driver item is also given to ``audit`` (an
+    ``prepare(policy)`` before the first item; ``begin_layer(layer, x, ids)`` as each block's routing
+    is known, before its step is planned). Every driver item is also given to ``audit`` (an
     ``Audit``) if any; ``progress(tokens)`` is called after each batch with the positions run."""
+    import dataclasses
     import time
 
     from scheduler import drive
     from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground
+
+    begin = getattr(backend, "begin_layer", None)
+
+    def started(steps):
+        for step in steps:
+            begin(step.layer, model.last_input, model.last_ids)
+            yield step
 
     n_layers = model.info.num_layers
     dense, experts = np.zeros(n_layers), np.zeros(n_layers)
@@ -709,7 +838,10 @@ def run(model: MoeModel, backend, policy, inputs, lag_tokens: int = 1, audit=Non
         prepare(policy)
     t0 = mark = time.perf_counter()
     other = 0.0
-    for item in drive(policy, _tokens(model, inputs), lag_tokens):
+    tokens_in = _tokens(model, inputs)
+    if begin is not None:
+        tokens_in = (dataclasses.replace(t, steps=started(t.steps)) for t in tokens_in)
+    for item in drive(policy, tokens_in, lag_tokens):
         now = time.perf_counter()
         kind = type(item)
         if kind is RunLayer:

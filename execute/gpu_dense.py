@@ -1,0 +1,237 @@
+"""The GPU dense path's weights and kernels (``dense_kernels.cu``): matrices in their stored type and
+the fused launches of one decode token of a GQA block.
+
+Matrices (:class:`Matrix`) live on the device as the file stores them, not expanded to float32:
+F32, F16 and BF16 rows as they are; Q8_0 split at load into int8 quants ``(rows, cols)`` and one
+float16 scale per 32 weights ``(rows, cols / 32)`` (the same bytes, 16-byte aligned rows); any other
+type is converted to F16 from the loader's float32 values. A matrix whose row length is not a
+multiple of 32, or longer than :data:`MAX_COLS`, is not made (the caller keeps float32).
+
+One token (T = 1) uses :meth:`GpuDense.gemv` (warp per row, 16-byte loads, optional fused
+``x + s * add`` and RMSNorm prologue, bias / residual epilogue), :meth:`GpuDense.qk_rope_kv`,
+:meth:`GpuDense.attention` (split over the keys, then a merge) and :meth:`GpuDense.route`
+(router GEMV and top-k in one launch, then one asynchronous copy of ids and weights into pinned
+memory and one event wait). A chunk (T > 1) multiplies by float32 tiles dequantized per product
+(:meth:`GpuDense.matmul`), so its numerics are the float32 path's.
+
+Everything runs on the caller's current CuPy stream, in order; the only host wait is
+:meth:`GpuDense.route`'s event.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from typing import NamedTuple
+
+import cupy as cp
+import numpy as np
+
+from . import quant as Q
+
+__all__ = ["GpuDense", "Matrix", "device_matrix", "stack_matrices", "MAX_COLS", "KEPT_QTYPES"]
+
+_WARPS = 8  # warps per block of the GEMV kernels (one output row each)
+_CHUNK = 64  # keys per block of decode attention (dense_kernels.cu CHUNK)
+MAX_COLS = 11776  # a GEMV stages its input (cols float32) in shared memory, under the 48 KiB default
+KEPT_QTYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
+_TILE_FLOATS = 1 << 24  # float32 scratch of a chunk's dequantized tile (64 MiB)
+_MODULE: cp.RawModule | None = None
+_rt = cp.cuda.runtime
+
+
+def _function(name: str):
+    global _MODULE
+    if _MODULE is None:
+        src = resources.files(__package__).joinpath("dense_kernels.cu").read_text()
+        _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
+    return _MODULE.get_function(name)
+
+
+class _Kernel:
+    """A kernel launched through ``cuLaunchKernel`` with a reusable argument block: every argument
+    a Python int in its own 64-bit slot (pointers as addresses, 0 for null; ``int`` parameters
+    read the low 32 bits, so they must be >= 0; ``float`` parameters take :func:`f32` bits)."""
+
+    def __init__(self, name: str, nargs: int):
+        self.func = _function(name).kernel.ptr
+        self.nargs = nargs
+        self._vals = np.zeros(nargs, np.uint64)
+        self._params = np.array([self._vals.ctypes.data + 8 * i for i in range(nargs)], np.uint64)
+        self._ptr = int(self._params.ctypes.data)
+
+    def __call__(self, grid: tuple[int, int], block: int, shared: int, stream: int, *args: int) -> None:
+        if len(args) != self.nargs:
+            raise ValueError(f"kernel launch: {len(args)} arguments, expected {self.nargs}")
+        self._vals[:] = args
+        cp.cuda.driver.launchKernel(self.func, grid[0], grid[1], 1, block, 1, 1, shared, stream, self._ptr, 0)
+
+
+def f32(x: float) -> int:
+    """The bits of ``x`` as a float32, for a ``float`` kernel parameter."""
+    return int(np.float32(x).view(np.uint32))
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else int(a.data.ptr)
+
+
+class Matrix(NamedTuple):
+    """A ``(rows, cols)`` matrix on the device in its stored type ``qt`` (see the module docstring):
+    ``w`` the rows (uint8), ``d`` the Q8_0 scales (uint16, else None)."""
+
+    qt: int
+    rows: int
+    cols: int
+    w: cp.ndarray
+    d: cp.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.w.nbytes) + (0 if self.d is None else int(self.d.nbytes))
+
+
+def _convertible(cols: int) -> bool:
+    return cols % 32 == 0 and cols <= MAX_COLS
+
+
+def device_matrix(stored: tuple[np.ndarray, int] | None, values: np.ndarray, perm: np.ndarray | None = None) -> Matrix | None:
+    """``values`` ``(rows, cols)`` (the loader's float32) on the device in its stored type
+    (``stored``: rows as uint8 and qtype, or None), rows reordered by ``perm``; None when the
+    row length does not suit the kernels."""
+    return stack_matrices([(stored, values, perm)])
+
+
+def stack_matrices(parts) -> Matrix | None:
+    """Matrices ``(stored, values, perm)`` stacked by rows into one (as ``device_matrix``); when
+    their stored types differ, or one is not kept, all of them go to F16."""
+    cols = {int(v.shape[1]) for _, v, _ in parts}
+    if len(cols) != 1 or not _convertible(next(iter(cols))):
+        return None
+    (c,) = cols
+    qts = {None if s is None else s[1] for s, _, _ in parts}
+    raws = []
+    if len(qts) == 1 and next(iter(qts)) in KEPT_QTYPES:
+        qt = next(iter(qts))
+        for (raw, _), v, p in parts:
+            raws.append(raw if p is None else raw[p])
+        raw = np.concatenate(raws) if len(raws) > 1 else np.ascontiguousarray(raws[0])
+    else:
+        qt = Q.F16
+        vals = [v if p is None else v[p] for _, v, p in parts]
+        raw = np.ascontiguousarray(np.concatenate(vals).astype(np.float16)).view(np.uint8)
+    rows = raw.shape[0]
+    if qt == Q.Q8_0:  # blocks of f16 d | 32 int8 -> quants (rows, cols) and scales (rows, cols / 32)
+        blk = raw.reshape(rows, c // 32, 34)
+        d = cp.asarray(np.ascontiguousarray(blk[:, :, :2]).view(np.uint16).reshape(rows, c // 32))
+        w = cp.asarray(np.ascontiguousarray(blk[:, :, 2:]).reshape(rows, c))
+        return Matrix(qt, rows, c, w, d)
+    return Matrix(qt, rows, c, cp.asarray(np.ascontiguousarray(raw)), None)
+
+
+class GpuDense:
+    """Kernels and work buffers of the dense path for one model geometry.
+
+    ``hidden``, ``q_dim`` (heads * head_dim), ``qkv_dim``, ``experts`` (router rows, 0: none) and
+    ``top_k`` size the buffers; one instance serves every block (they run one after another)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int):
+        if top_k > 32:
+            raise ValueError(f"GpuDense top_k: {top_k}, the router kernel picks at most 32")
+        self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
+        self.top_k = top_k
+        self._gemv = _Kernel("dense_gemv", 16)
+        self._router = _Kernel("router_topk", 17)
+        self._qk = _Kernel("qk_rope_kv", 14)
+        self._part = _Kernel("attn_partial", 11)
+        self._reduce = _Kernel("attn_reduce", 6)
+        self._dequant = _Kernel("dequant_rows", 7)
+        qd = heads * head_dim
+        self.qkv = cp.empty(qd + 2 * kv_heads * head_dim, cp.float32)
+        self.q = cp.empty(qd, cp.float32)
+        self.o = cp.empty(qd, cp.float32)
+        self.x = [cp.empty(hidden, cp.float32) for _ in range(2)]  # residual stream, alternating
+        self.hn = [cp.empty(hidden, cp.float32) for _ in range(2)]  # a block's normed MoE input, alternating
+        self.logits = cp.empty(max(experts, 1), cp.float32)
+        self._part_buf = cp.empty(0, cp.float32)
+        self._tile = None
+        self._counter = cp.zeros(1, cp.int32)
+        self._route_dev = cp.empty(2 * max(top_k, 1), cp.float32)
+        self._pinned = cp.cuda.alloc_pinned_memory(8 * max(top_k, 1))
+        self._route_host = np.frombuffer(self._pinned, np.float32, 2 * max(top_k, 1))
+        self._routed = cp.cuda.Event(disable_timing=True)
+
+    @staticmethod
+    def stream() -> int:
+        return cp.cuda.get_current_stream().ptr
+
+    # one token -------------------------------------------------------------------------------------
+    def gemv(self, m: Matrix, x, y, *, add=None, add_scale: float = 0.0, x_out=None, norm=None, eps: float = 0.0,
+             xn_out=None, bias=None, resid=None, out_scale: float = 1.0) -> None:
+        """``y[r] = resid[r] + out_scale * (m[r] . v + bias[r])`` with ``v = x + add_scale * add``
+        (written to ``x_out``), RMS-normed by ``norm`` when given (written to ``xn_out``); every
+        optional operand may be None. ``resid`` may be ``y``; ``x_out`` must not be ``x``."""
+        self._gemv((-(-m.rows // _WARPS), 1), 32 * _WARPS, 4 * m.cols, self.stream(),
+                   _ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), _ptr(add), f32(add_scale), _ptr(x_out),
+                   _ptr(norm), f32(eps), _ptr(xn_out), _ptr(bias), _ptr(resid), f32(out_scale), _ptr(y))
+
+    def route(self, m: Matrix, x, norm, eps: float, xn_out, bias, gating: int, norm_topk: bool,
+              scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Router logits of ``rmsnorm(x) * norm`` (the normed input to ``xn_out``) plus ``bias``, and
+        their top-k on the device (``gating`` 0 softmax, 1 softmax_topk; ties: lower id); returns
+        host ids ``(1, k)`` int64 and weights ``(1, k)`` float32 (copies) after one event wait."""
+        k, s = self.top_k, self.stream()
+        self._router((-(-m.rows // _WARPS), 1), 32 * _WARPS, 4 * max(m.cols, m.rows), s,
+                     _ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), _ptr(norm), f32(eps), _ptr(xn_out),
+                     _ptr(bias), _ptr(self.logits), k, gating, int(norm_topk), f32(scale), _ptr(self._counter),
+                     _ptr(self._route_dev))
+        _rt.memcpyAsync(self._pinned.ptr, self._route_dev.data.ptr, 8 * k, _rt.memcpyDeviceToHost, s)
+        _rt.eventRecord(self._routed.ptr, s)
+        self._routed.synchronize()
+        h = self._route_host
+        return h[:k].view(np.int32).astype(np.int64)[None], h[k:2 * k].copy()[None]
+
+    def qk_rope_kv(self, norm_w, mode: int, eps: float, cos, sin, pos: int, k_cache, v_cache) -> None:
+        """From ``qkv``: q/k norm (``mode`` 0 none, 1 per head, 2 over all of q and of k; weights
+        ``(heads + kv_heads) * head_dim``), NeoX RoPE at ``pos`` into ``q`` and the K cache, V
+        appended to the V cache (caches ``(kv_heads, n, head_dim)``)."""
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        self._qk((nh + 2 * nkv, 1), 32 * -(-hd // 32), 0, self.stream(), _ptr(self.qkv), nh, nkv, hd, _ptr(norm_w), mode, f32(eps),
+                 _ptr(cos), _ptr(sin), pos, _ptr(self.q), _ptr(k_cache), _ptr(v_cache), int(k_cache.shape[1]))
+
+    def attention(self, k_cache, v_cache, lo: int, n_keys: int, scale: float, sinks) -> None:
+        """``o`` = softmax(q . keys * scale) . values over cache positions ``lo .. lo + n_keys - 1``
+        (with each head's sink logit in the denominator when ``sinks`` is given)."""
+        nh, hd = self.heads, self.head_dim
+        splits = -(-n_keys // _CHUNK)
+        need = nh * splits * (hd + 2)
+        if self._part_buf.size < need:
+            self._part_buf = cp.empty(max(need, 2 * self._part_buf.size), cp.float32)
+        s = self.stream()
+        self._part((nh, splits), 128, 0, s, _ptr(self.q), _ptr(k_cache), _ptr(v_cache), nh, self.kv_heads, hd,
+                   int(k_cache.shape[1]), lo, n_keys, f32(scale), _ptr(self._part_buf))
+        self._reduce((nh, 1), hd, 0, s, _ptr(self._part_buf), nh, hd, splits, _ptr(sinks), _ptr(self.o))
+
+    # chunks ---------------------------------------------------------------------------------------
+    def dequant(self, m: Matrix, r0: int, rows: int, out) -> None:
+        """``out`` (rows, cols) float32 = rows ``r0 .. r0 + rows - 1`` of ``m``."""
+        n = rows * m.cols
+        self._dequant((min(-(-n // 256), 4096), 1), 256, 0, self.stream(), _ptr(m.w), _ptr(m.d), m.qt, r0, rows,
+                      m.cols, _ptr(out))
+
+    def matmul(self, x, m: Matrix):
+        """``x (T, cols)`` times ``m`` transposed -> ``(T, rows)`` float32: one token by the GEMV
+        kernel, a chunk by float32 tiles of ``m`` dequantized into a reused scratch buffer."""
+        x = cp.ascontiguousarray(x, cp.float32)
+        t = x.shape[0]
+        y = cp.empty((t, m.rows), cp.float32)
+        if t == 1:
+            self.gemv(m, x, y)
+            return y
+        if self._tile is None:
+            self._tile = cp.empty(_TILE_FLOATS, cp.float32)
+        step = max(1, min(m.rows, _TILE_FLOATS // m.cols))
+        for r0 in range(0, m.rows, step):
+            n = min(step, m.rows - r0)
+            tile = self._tile[: n * m.cols].reshape(n, m.cols)
+            self.dequant(m, r0, n, tile)
+            y[:, r0:r0 + n] = x @ tile.T
+        return y
