@@ -7,7 +7,11 @@ after each token plan_background -> commit_background -> ... -> complete.
 Choice of which misses go over PCIe in ``hybrid`` (documented contract): a step's distinct misses
 are ranked by token count (more first), then decayed usage (higher first), then router rank;
 the first ``round(n_miss * frac / 256)`` (half rounds up) that are not in flight go over PCIe,
-the rest to the CPU. A PCIe miss is admitted into a free slot when its pool has one; else (with
+the rest to the CPU. With the default 44/256 a step with 1 or 2 misses sends none over PCIe and
+one with 3 to 8 sends one, so on a top-1 or top-2 model no miss ever does. ``rounding="carry"``
+keeps the fraction on average instead: per layer, the remainder (in 1/256ths) of each step's
+``n_miss * frac`` is carried to the layer's next step, which sends ``(n_miss * frac + carry) //
+256``; the carry is updated at commit, from the step's distinct misses. A PCIe miss is admitted into a free slot when its pool has one; else (with
 ``admit_uploads``, the default) into the slot of the layer's coldest resident that the step does
 not use (by a usage ranking refreshed every ``swap_every`` tokens), when the miss is at least as
 used; otherwise it is streamed through a scratch buffer. Misses in flight (a background copy not
@@ -321,7 +325,11 @@ class HybridPolicy(BasePolicy):
     def __init__(self, geometry, capacity, profile=None, *, miss_frac_256: int = 44,
                  adaptive: bool = True, swap_every: int = 4, max_moves: int = 96,
                  gate: float = 2.0, margin: float = 1.5, decay: float = 0.7,
-                 max_fills: int = MAX_FILLS_PER_TOKEN, admit_uploads: bool = True):
+                 max_fills: int = MAX_FILLS_PER_TOKEN, admit_uploads: bool = True, rounding: str = "nearest"):
+        if rounding not in ("nearest", "carry"):
+            raise ValueError(f"hybrid rounding: {rounding!r}, expected 'nearest' or 'carry'")
+        self.rounding = rounding
+        self._carry = [0] * geometry.num_layers  # remainders of n_miss * miss_frac_256, in 1/256ths
         self.admit_uploads = admit_uploads
         if not 0 <= miss_frac_256 <= 256:
             raise ValueError(f"hybrid miss_frac_256: {miss_frac_256}, expected 0..256")
@@ -366,7 +374,10 @@ class HybridPolicy(BasePolicy):
         if not misses:
             return Decision(step, experts)
         hits = tuple([e for e in experts if state[e] == RESIDENT])
-        n_pcie = (len(misses) * self.miss_frac_256 + 128) >> 8
+        if self.rounding == "carry":
+            n_pcie = (len(misses) * self.miss_frac_256 + self._carry[layer]) >> 8
+        else:
+            n_pcie = (len(misses) * self.miss_frac_256 + 128) >> 8
         if n_pcie == 0:
             return Decision(step, hits, (), (), (), tuple(misses))
         eligible = [e for e in misses if state[e] != INFLIGHT]
@@ -427,6 +438,9 @@ class HybridPolicy(BasePolicy):
         layer = d.step.layer
         if d.uploads:
             self._take_slots(d)
+        if self.rounding == "carry":
+            n_miss = len(d.uploads) + len(d.streams) + len(d.cpu)
+            self._carry[layer] = (n_miss * self.miss_frac_256 + self._carry[layer]) & 255
         u = self._u[layer]
         if d.step.counts is None:
             for e in d.step.experts:
@@ -610,6 +624,8 @@ class HybridCostPolicy(HybridPolicy):
                  tune_warmup: int = 16, admit: str = "recency", **options):
         if admit not in ("recency", "usage"):
             raise ValueError(f"hybrid-cost admit: {admit!r}, expected 'recency' or 'usage'")
+        if options.get("rounding", "nearest") != "nearest":
+            raise ValueError("hybrid-cost rounding: its floor is rounded to nearest; 'carry' is hybrid's")
         if admit == "recency":
             options.setdefault("swap_every", 0)
         self.admit = admit

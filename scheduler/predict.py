@@ -14,7 +14,9 @@ Counts decay by ``1 - 1 / memory`` per step of their layer. A forecast from a st
 prior * freq[b]) / (seen[a] + prior)``: the expected routes of ``b`` at that layer's step (about
 top-k in all). A transition row with few observations leans on the frequency.
 
-Decisions (every miss crosses PCIe, as in ``lru``; the CPU pool is never used):
+Decisions (``misses="gpu"``, the default: every miss crosses PCIe, as in ``lru``; the CPU pool is
+never used; ``misses="cpu"``: every miss runs on the CPU pool and the cache changes only by
+prefetch, so fewer slots than top-k are allowed):
 
 - a step's misses take free slots first, then the slots of the pool's residents that the step does
   not use with the lowest temporal forecast (the step's layer: from the step's own experts; other
@@ -29,12 +31,11 @@ Decisions (every miss crosses PCIe, as in ``lru``; the CPU pool is never used):
   lowest forecast (the next layer's by this forecast, other layers' by their temporal one) while
   the forecast gains at least ``prefetch_margin``, at most ``max_prefetch`` moves. The driver
   completes them before the next step is planned (timed by the link in the simulator, by the copy
-  stream in the executor). After a token's last step the first layer of the next token is forecast
-  by its temporal forecast instead.
+  stream in the executor). After a token's last step, the next token's first MoE layer is the
+  next layer.
 
 No background work between tokens. Planning reads the state only; ``commit`` changes residency and
-then learns from the step; ``commit_background`` resets the token's cross-layer context only
-after a token's last step, so the last layer predicts the next token's first.
+then learns from the step.
 """
 from __future__ import annotations
 
@@ -50,14 +51,17 @@ __all__ = ["PredictPolicy"]
 
 class PredictPolicy(BasePolicy):
     """See the module docstring. Options: ``memory`` (steps, > 1), ``prior`` (> 0), ``bypass``,
-    ``admit_margin`` (>= 0), ``max_prefetch`` (moves per step, 0..512), ``prefetch_margin`` (> 0)."""
+    ``admit_margin`` (>= 0), ``max_prefetch`` (moves per step, 0..512), ``prefetch_margin`` (> 0),
+    ``misses`` ("gpu" or "cpu")."""
 
     name = "predict"
     uploads_every_miss = True
 
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
                  memory: float = 16.0, prior: float = 0.5, bypass: bool = True, admit_margin: float = 0.0,
-                 max_prefetch: int = 8, prefetch_margin: float = 0.25):
+                 max_prefetch: int = 8, prefetch_margin: float = 0.25, misses: str = "gpu"):
+        if misses not in ("gpu", "cpu"):
+            raise ValueError(f"predict misses: {misses!r}, expected 'gpu' or 'cpu'")
         if not memory > 1.0:
             raise ValueError(f"predict memory: {memory}, expected > 1 (steps)")
         if not prior > 0.0:
@@ -71,6 +75,8 @@ class PredictPolicy(BasePolicy):
         self.memory, self.prior, self.bypass = float(memory), float(prior), bool(bypass)
         self.admit_margin, self.max_prefetch = float(admit_margin), int(max_prefetch)
         self.prefetch_margin = float(prefetch_margin)
+        self.misses = misses
+        self.uploads_every_miss = misses == "gpu"
         L, E = geometry.num_layers, max(geometry.max_experts, 1)
         self.freq = np.zeros((L, E))
         self.trans, self.seen = np.zeros((L, E, E)), np.zeros((L, E))
@@ -110,6 +116,8 @@ class PredictPolicy(BasePolicy):
         if not misses:
             return Decision(step, experts)
         hits = tuple([e for e in experts if state[e] == RESIDENT])
+        if self.misses == "cpu":
+            return Decision(step, hits, cpu=tuple(misses))
         q = self.forecast(layer, experts)
         fresh = [e for e in misses if (layer, e) not in cache.slot]  # the rest are in flight
         fresh.sort(key=lambda e: -q[e])  # stable: router rank breaks ties
@@ -172,8 +180,7 @@ class PredictPolicy(BasePolicy):
         p = cache.pool_of[nl]
         if p < 0 or cache.size[p] == 0:
             return ()
-        moe = self.geometry.moe_layers
-        r = self.q[nl] if step.layer == moe[-1] else self.forecast_below(nl, step.experts)
+        r = self.forecast_below(nl, step.experts)
         margin, n = self.prefetch_margin, self.geometry.num_experts[nl]
         cands = [e for e in np.argsort(-r[:n], kind="stable").tolist() if (nl, e) not in cache.slot]
         free = cache.free_slots(nl, len(cands))

@@ -15,7 +15,8 @@ from .test_invariants import checked
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 OPTIONS = st.fixed_dictionaries({"bypass": st.booleans(), "max_prefetch": st.integers(0, 4),
                                  "prefetch_margin": st.sampled_from([0.05, 0.25, 1.0]),
-                                 "admit_margin": st.sampled_from([0.0, 0.2])})
+                                 "admit_margin": st.sampled_from([0.0, 0.2]),
+                                 "misses": st.sampled_from(["gpu", "cpu"])})
 
 
 def build(geometry, capacity, **options):
@@ -115,10 +116,18 @@ def test_refuses_too_few_slots_and_bad_options():
     g = Geometry.uniform(2, 8, 2)
     with pytest.raises(CapacityError, match="top_k=2"):
         make_policy("predict", g, Capacity.per_layer(g, 1))
+    make_policy("predict", g, Capacity.per_layer(g, 1), misses="cpu")  # nothing uploaded on demand
     for bad in ({"memory": 1.0}, {"prior": 0.0}, {"admit_margin": -1.0}, {"max_prefetch": 513},
-                {"prefetch_margin": 0.0}):
+                {"prefetch_margin": 0.0}, {"misses": "disk"}):
         with pytest.raises(ValueError, match=f"predict {next(iter(bad))}"):
             make_policy("predict", g, Capacity.per_layer(g, 2), **bad)
+
+
+def test_cpu_misses_change_the_cache_only_by_prefetch():
+    g = Geometry.uniform(3, 12, 2)
+    toks = make_tokens(60, g.num_experts, 2, seed=5, skew=0.3)
+    s = replay(make_policy("predict", g, Capacity.per_layer(g, 3), misses="cpu"), toks).summary()
+    assert s["uploads"] == s["streams"] == 0 and s["cpu"] > 0 and s["fills"] + s["swaps"] > 0 and s["hits"] > 0
 
 
 def test_closes_more_of_the_gap_than_lru_on_random_traces():
