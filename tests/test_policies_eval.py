@@ -19,7 +19,7 @@ SECTIONS = ["# Policies", "## Method", "## Policies", "## Hit rate (gap closed)"
 def structure(text: str) -> tuple[list[str], list[str], list[str]]:
     """(headings, policies with a paragraph, policies with a row in every table)."""
     heads = [l for l in text.splitlines() if l.startswith("#")]
-    paras = re.findall(r"^\*\*([\w-]+)\*\*\. ", text, flags=re.M)
+    paras = re.findall(r"^\*\*([\w -]+)\*\*\. ", text, flags=re.M)
     rows = [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| ") and not l.startswith("| policy")]
     return heads, paras, sorted(set(r for r in rows if rows.count(r) == 3))
 
