@@ -22,6 +22,26 @@ submitted (inputs from the fetched copy) and awaited, their outputs copied up, a
 pairs combined with the router weights in one kernel. Without a GPU only decisions with CPU work
 alone are accepted.
 
+One token whose experts are all on the GPU (hits and uploads, the decode step of ``gpu`` and
+``lru``) takes a shorter path: no pair gathering and no metadata copy. The token's pair table
+(each routed expert's address and router weight) is passed by value in the kernel launches,
+``moe1_gate_up`` runs the pairs and ``moe1_down_combine`` applies down and combines them in one
+launch (two launches per layer, plus the copies of its uploads).
+
+Early start. A forward pass may call ``engine.begin_layer(layer, x, topk_ids)`` as soon as the
+routing is known, before the driver plans the step; ``run_layer`` then finishes it. For a
+single token, ``begin_layer`` queues the gate/up kernels of the routed experts that are resident
+now. No decision can change their outcome: a step's hits are exactly the experts resident when
+it starts, and no eviction made for a step removes an expert the step uses (``scheduler.core``),
+so whatever the policy decides, these experts are read from the slots they are in now, and
+copies into other slots (this step's uploads) do not touch them. The engine's residency
+(``slot_of``) is the policy's: it follows the same decisions and moves, and uploads, promotions
+and background moves enter it when the driver passes their completion back. The scheduler still
+plans every step from the same routing and nothing flows from the engine to the policy, so the
+decision log is identical with or without early starts; should a decision not list an early
+expert as a hit (a policy breaking the invariant), the early work is dropped and every pair runs
+again after the decision.
+
 The engine follows residency only to know which slot holds an expert (from the decisions and
 moves it executes); all choices are the policy's.
 """
@@ -29,7 +49,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -58,7 +78,20 @@ class LayerStats:
     host_queue_s: float = 0.0  # GPU path, host time: copies, kernels, promotions queued
     input_wait_s: float = 0.0  # GPU path: waiting for the layer input the CPU pool needs
     host_combine_s: float = 0.0  # GPU path, host time: CPU result upload and combine queued
+    early_pairs: int = 0  # pairs begin_layer started before the step's decision
+    host_early_s: float = 0.0  # host time in begin_layer (its kernels queued)
     per_layer_cpu_s: dict = field(default_factory=dict)
+
+
+class _Early(NamedTuple):
+    """What ``begin_layer`` started: the layer, the caller's input (and its device form), the
+    token's routed ids and the pairs whose gate/up kernels are queued."""
+
+    layer: int
+    x: object
+    xd: object
+    ids: list
+    pick: list
 
 
 _SMALL_PAIRS = 512  # gather_pairs works on Python lists up to this many pairs, else numpy
@@ -141,6 +174,12 @@ class ExpertEngine:
             self.gpu = GpuExperts(self.layers, capacity, scratch_slots, pinned, timeout_s)
         self.slot_of: dict[tuple[int, int], int] = {}
         self._pending: dict[int, tuple[tuple[Move, ...], object]] = {}
+        self._early: _Early | None = None
+        self._max_k = 0
+        if self.gpu is not None:
+            from .gpu_experts import MAX_TOP_K
+
+            self._max_k = MAX_TOP_K
         self.stats = LayerStats()
 
     # residency ---------------------------------------------------------------------------------
@@ -161,14 +200,52 @@ class ExpertEngine:
                                 f"or run on a machine with CUDA and cupy)")
 
     # one layer ---------------------------------------------------------------------------------
+    def begin_layer(self, layer: int, x, topk_ids: np.ndarray) -> None:
+        """Start a one-token step's resident experts before the policy has planned it (see the
+        module docstring); ``run_layer`` with the same ``x`` and ids finishes it. Does nothing for
+        a batch, without a GPU, or when no routed expert is resident."""
+        t0 = time.perf_counter()
+        self._early = None
+        gx = self.gpu
+        if gx is None or len(topk_ids) != 1 or not 0 <= layer < len(self.layers):
+            return
+        lx = self.layers[layer]
+        table = gx.slot_tables[layer] if lx is not None else None
+        ids = topk_ids[0].tolist() if isinstance(topk_ids, np.ndarray) else list(topk_ids[0])
+        k = len(ids)
+        if table is None or k > self._max_k or getattr(x, "shape", None) != (1, lx.hidden):
+            return
+        ptr, stride, _ = table
+        slot_of = self.slot_of
+        bases, pick = [0] * k, []
+        for j, e in enumerate(ids):
+            s = slot_of.get((layer, e))
+            if s is not None:
+                bases[j] = ptr + s * stride
+                pick.append(j)
+        if not pick:
+            return
+        xd = gx.as_input(x)
+        gx.pack1(bases, (), pick)
+        gx.gate_up1(layer, xd, k, len(pick))
+        self._early = _Early(layer, x, xd, ids, pick)
+        st = self.stats
+        st.early_pairs += len(pick)
+        st.host_early_s += time.perf_counter() - t0
+
     def run_layer(self, item: RunLayer, x, topk_ids: np.ndarray, topk_weights: np.ndarray):
         """Run one MoE layer as ``item.decision`` says; see the module docstring for shapes."""
         t0 = time.perf_counter()
         d = item.decision
         layer = d.layer
+        early, self._early = self._early, None
         lx = self.layers[layer]
         if lx is None:
             raise ExecutorError(f"layer {layer} has no experts")
+        if (self.gpu is not None and not d.cpu and not d.streams and not d.promotions and len(topk_ids) == 1
+                and isinstance(topk_ids, np.ndarray) and 1 <= topk_ids.shape[1] <= self._max_k
+                and getattr(x, "shape", None) == (1, lx.hidden) and np.shape(topk_weights) == topk_ids.shape):
+            return self._run_one(d, x, topk_ids, topk_weights, early, t0)
         weights = np.asarray(topk_weights, np.float32)
         ids = np.asarray(topk_ids)
         if weights.shape != ids.shape or ids.ndim != 2 or x.shape != (weights.shape[0], lx.hidden):
@@ -194,6 +271,63 @@ class ExpertEngine:
         st.gpu_pairs += n_gpu
         st.cpu_pairs += len(experts) - n_gpu
         return self._run_gpu(d, lx, x, experts, tok, pair_of, n_gpu, weights, t0)
+
+    def _run_one(self, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: "_Early | None", t0: float):
+        """One token whose experts are all on the GPU (hits and uploads): the pair table goes by
+        value in the launches (no metadata copy); the uploads are queued, ``moe1_gate_up`` runs
+        over the pairs ``begin_layer`` did not start, and ``moe1_down_combine`` gives the output."""
+        gx = self.gpu
+        layer = d.layer
+        slot_of = self.slot_of
+        ids = topk_ids[0].tolist()
+        weights = np.asarray(topk_weights, np.float32)[0].tolist()
+        for v in d.evictions:
+            slot_of.pop(v, None)
+        table = gx.slot_tables[layer]
+        hits = d.hits
+        up = dict(zip(d.uploads, d.slots)) if d.uploads else {}
+        if early is not None and (early.layer != layer or early.x is not x or early.ids != ids
+                                  or any(ids[j] not in hits for j in early.pick)):
+            early = None  # not this step's (or a policy broke the hits invariant): run every pair again
+        started = early.pick if early is not None else ()
+        bases, rest = [0] * len(ids), []
+        for j, e in enumerate(ids):
+            s = up.get(e)
+            if s is None:
+                if e not in hits:
+                    missing = sorted({e for e in ids if e not in hits and e not in up})
+                    raise ExecutorError(f"layer {layer}: routed experts {missing} are not in the decision")
+                s = slot_of.get((layer, e))
+                if s is None:
+                    raise ExecutorError(f"layer {layer}: hit on expert {e}, which this engine never loaded")
+            if table is None or not 0 <= s < table[2]:
+                raise ExecutorError(f"layer {layer}: slot {s} of expert {e} out of range for its pool")
+            bases[j] = table[0] + s * table[1]
+            if j not in started:
+                rest.append(j)
+        xd = early.xd if early is not None else gx.as_input(x)
+        st = self.stats
+        st.steps += 1
+        st.gpu_pairs += len(ids)
+        t1 = time.perf_counter()
+        st.host_plan_s += t1 - t0
+        if d.uploads:
+            gx.begin_copies()
+            for e, s in up.items():
+                gx.upload(layer, e, s)
+            gx.compute_after_copies()
+            st.uploads += len(up)
+        gx.pack1(bases, weights, rest)
+        if rest:
+            gx.gate_up1(layer, xd, len(ids), len(rest))
+        out = gx.down_combine1(layer, len(ids))
+        gx.mark_read()
+        for v in d.retired:
+            slot_of.pop(v, None)
+        for e, s in up.items():
+            slot_of[(layer, e)] = s
+        st.host_queue_s += time.perf_counter() - t1
+        return out
 
     def _cpu(self, lx: LayerExperts, experts, tok, xh: np.ndarray, buffers: tuple | None = None):
         """Submit the CPU pairs; ``buffers`` = (inputs, outputs) staging of the right shape."""

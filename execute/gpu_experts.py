@@ -43,10 +43,13 @@ from scheduler.core import Capacity, pad_slot_bytes
 from . import quant as Q
 from .experts import ACTIVATIONS, ExecutorError, LayerExperts
 
-__all__ = ["GpuExperts", "Launch", "LayerMeta", "gpu_available", "scratch_source"]
+__all__ = ["GpuExperts", "Launch", "LayerMeta", "MAX_TOP_K", "gpu_available", "scratch_source"]
 
 _WARPS = 4
-_RPW = 2  # output rows per warp in moe_gate_up / moe_down
+_RPW = 2  # output rows per warp in moe_gate_up / moe_down / moe1_gate_up
+_RPB = 2  # output rows per block in moe1_down_combine (one warp per pair)
+MAX_TOP_K = 32  # MAXK of gpu_kernels.cu: the most pairs a one-token launch carries by value
+_EX_BYTES = 16 * MAX_TOP_K  # Experts1: base (u64), weight (f32), pick (i32), MAX_TOP_K each
 _NOT_READY = 600  # cudaErrorNotReady
 _SPIN_S = 2e-3  # wait() polls without sleeping this long before it sleeps between polls
 _MODULE: cp.RawModule | None = None
@@ -87,13 +90,19 @@ class Launch:
     64-bit slot (device pointers as addresses; an ``int`` parameter reads the slot's low 32 bits,
     so int arguments must be >= 0; ``f32(x)`` gives a ``float`` parameter's bits). The driver
     copies the values at launch, so the block is reused at once. ``nargs`` must match the kernel.
+    With ``blob`` (a uint8 array laid out as a struct parameter), the kernel's first parameter is
+    that struct, passed by value (its current bytes at each launch); ``args`` are the rest.
     """
 
-    def __init__(self, kernel: cp.RawKernel, nargs: int):
+    def __init__(self, kernel: cp.RawKernel, nargs: int, blob: np.ndarray | None = None):
         self.func = kernel.kernel.ptr
         self.nargs = nargs
         self._vals = np.zeros(nargs, np.uint64)
-        self._params = np.array([self._vals.ctypes.data + 8 * i for i in range(nargs)], np.uint64)
+        ptrs = [self._vals.ctypes.data + 8 * i for i in range(nargs)]
+        self._blob = blob  # a by-value struct as the kernel's first parameter (kept alive here)
+        if blob is not None:
+            ptrs.insert(0, blob.ctypes.data)
+        self._params = np.array(ptrs, np.uint64)
         self._params_ptr = int(self._params.ctypes.data)
 
     @staticmethod
@@ -204,6 +213,10 @@ class GpuExperts:
         self._k_gate_up = Launch(_kernel("moe_gate_up"), 18)
         self._k_down = Launch(_kernel("moe_down"), 12)
         self._k_combine = Launch(_kernel("moe_combine"), 6)
+        self._ex = np.zeros(_EX_BYTES, np.uint8)  # the one-token pair table, passed by value
+        self._k1_gate_up = Launch(_kernel("moe1_gate_up"), 13, self._ex)
+        self._k1_down = Launch(_kernel("moe1_down_combine"), 10, self._ex)
+        self._packs: dict[tuple[int, str], struct.Struct] = {}
         self._consts = {l.layer: self._layer_consts(l) for l in moe}
         self._structs: dict[tuple[int, int, int], struct.Struct] = {}
         self._h = self._y = self._iota = None  # device work buffers, grown on demand
@@ -236,6 +249,8 @@ class GpuExperts:
             self.arenas.append(cp.empty(n * sb, cp.uint8))
         self._slots = [a.size // max(sb, 1) for a, sb in zip(self.arenas, self.slot_bytes)]
         self._arena_ptr = [a.data.ptr for a in self.arenas]
+        self.slot_tables = [None if p < 0 else (self._arena_ptr[p], self.slot_bytes[p], self._slots[p])
+                            for p in self.pool_of]
 
     # host memory -----------------------------------------------------------------------------
     def _host_parts(self, l: LayerExperts) -> list[np.ndarray]:
@@ -387,6 +402,42 @@ class GpuExperts:
                 self._y = cp.empty(n * max(wh, hidden), cp.float32)
                 self._iota = cp.arange(n, dtype=cp.int32)
         return self._h.data.ptr, self._y.data.ptr, self._iota.data.ptr
+
+    # one token, metadata by value ------------------------------------------------------------
+    def _pack(self, n: int, code: str) -> struct.Struct:
+        f = self._packs.get((n, code))
+        if f is None:
+            f = self._packs[(n, code)] = struct.Struct(f"<{n}{code}")
+        return f
+
+    def pack1(self, bases: Sequence[int], weights: Sequence[float], pick: Sequence[int]) -> None:
+        """Write the pair table the next ``gate_up1`` / ``down_combine1`` launches pass by value:
+        ``bases[j]`` / ``weights[j]`` of the token's j-th routed expert (k <= MAX_TOP_K) and the
+        pairs ``pick`` the next ``gate_up1`` covers. The driver copies it at each launch, so it
+        may be rewritten at once."""
+        ex = self._ex
+        self._pack(len(bases), "Q").pack_into(ex, 0, *bases)
+        self._pack(len(weights), "f").pack_into(ex, 8 * MAX_TOP_K, *weights)
+        self._pack(len(pick), "i").pack_into(ex, 12 * MAX_TOP_K, *pick)
+
+    def gate_up1(self, layer: int, x: cp.ndarray, k: int, picks: int) -> None:
+        """``h[j] = act(gate_j x, up_j x)`` for the first ``picks`` pairs of ``pick`` (one token:
+        ``x`` (1, hidden) from ``as_input``; ``k`` pairs in all), on the compute stream."""
+        hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, _, _, _, act, bias = self._consts[layer]
+        h, _, _ = self._work(k, ffn, hidden)
+        self._k1_gate_up((-(-ffn // (_WARPS * _RPW)), picks), 32 * _WARPS, self.compute.ptr,
+                         x.data.ptr, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
+
+    def down_combine1(self, layer: int, k: int) -> cp.ndarray:
+        """A new (1, hidden) output: ``sum_j weights[j] * down_j h[j]`` over the k pairs, summed in
+        j order as ``moe_combine`` does (one launch; ``h`` from ``gate_up1``)."""
+        hidden, ffn, _, _, _, _, _, _, off_d, qt_d, rb_d, _, bias = self._consts[layer]
+        h, _, _ = self._work(k, ffn, hidden)
+        with self.compute:
+            out = cp.empty((1, hidden), cp.float32)
+        self._k1_down((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr,
+                      h, out.data.ptr, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
+        return out
 
     # metadata --------------------------------------------------------------------------------
     def _meta_slot(self, nbytes: int) -> tuple[int, int, int]:

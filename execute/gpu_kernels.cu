@@ -215,3 +215,62 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
         out[(long long)t * hidden + c] = s;
     }
 }
+
+// One-token layer (decode), metadata by value: no copy precedes these kernels. Pair j is the
+// token's j-th routed expert (rank order); `base[j]` its address (slot or scratch), `weight[j]`
+// its router weight, and `pick` lists the pairs a moe1_gate_up launch covers (blockIdx.y -> j),
+// so the hits can start before the uploads of the same step have landed.
+#define MAXK 32
+
+struct Experts1 {
+    unsigned long long base[MAXK];
+    float weight[MAXK];
+    int pick[MAXK];
+};
+
+// h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for j = pick[blockIdx.y]; x (hidden,), h (k, ffn).
+// grid (ceil(ffn / (WARPS * rows_per_warp)), pairs picked), block 32 * WARPS.
+extern "C" __global__ void moe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
+                                        int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
+                                        long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
+    int j = ex.pick[blockIdx.y], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(ex.base[j]);
+    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp, tok[TB] = {0, 0, 0, 0};
+    for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
+        float ag[TB] = {0.f, 0.f, 0.f, 0.f}, au[TB] = {0.f, 0.f, 0.f, 0.f};
+        row_dot(qt_g, e + off_g + r * rb_g, hidden, x, 0, tok, 1, ag);
+        row_dot(qt_u, e + off_u + r * rb_u, hidden, x, 0, tok, 1, au);
+        float a = warp_sum(ag[0]), b = warp_sum(au[0]);
+        if (bias) {
+            a += reinterpret_cast<const float*>(e)[r];
+            b += reinterpret_cast<const float*>(e)[ffn + r];
+        }
+        if (lane == 0) h[(long long)j * ffn + r] = expert_act(act, a, b);
+    }
+}
+
+// out[r] = sum_j weight[j] * (down_j h[j] + bd_j)[r], j = 0 .. k - 1 in order (warp j computes
+// pair j's rows into shared memory, then one thread per row sums them: the order of moe_combine).
+// grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32.
+extern "C" __global__ void moe1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
+                                             int k, int ffn, int hidden, int rows_per_block, long long off_d,
+                                             int qt_d, long long rb_d, int bias) {
+    __shared__ float ys[MAXK][32];
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(ex.base[j]);
+    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
+        int r = r0 + i;
+        float a[TB] = {0.f, 0.f, 0.f, 0.f};
+        row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
+        float s = warp_sum(a[0]);
+        if (lane == 0) ys[j][i] = bias ? s + bd[r] : s;
+    }
+    __syncthreads();
+    int i = threadIdx.x;
+    if (i < rows_per_block && r0 + i < hidden) {
+        float s = 0.f;
+        for (int jj = 0; jj < k; jj++) s += ex.weight[jj] * ys[jj][i];
+        out[r0 + i] = s;
+    }
+}

@@ -228,8 +228,15 @@ def measure_rates(cp, layers, gx, pool, dense: Dense, reps: int = 6) -> dict:
                          [1.0 / k] * k, k)
     y = gx.pair_outputs(0, k)
     gx.wait(gx.all_done_event())
+    bases = [gx.source_ptr(0, s) for s in range(k)]
+
+    def experts1():  # the one-token path: gate/up, then down and combine, the pair table by value
+        gx.pack1(bases, [1.0 / k] * k, list(range(k)))
+        gx.gate_up1(0, x1, k, k)
+        return gx.down_combine1(0, k)
+
     times = {"experts": lambda: gx.run_groups(0, meta, 0, k, x1, k), "combine": lambda: gx.combine_meta(meta, y),
-             "dense": lambda: dense(x1, 0), "dense_cupy_ops": lambda: dense.cupy_ops(x1, 0)}
+             "experts1_fused": experts1, "dense": lambda: dense(x1, 0), "dense_cupy_ops": lambda: dense.cupy_ops(x1, 0)}
     assert dense.stream is gx.compute
     out = {"gpu_us": {name: gpu_us(cp, dense, fn) for name, fn in times.items()}}
     out["host_us"] = {name: host_us(fn) for name, fn in times.items()}
@@ -253,6 +260,9 @@ def measure_rates(cp, layers, gx, pool, dense: Dense, reps: int = 6) -> dict:
     fused, ops = dense(x1, 0).get(), dense.cupy_ops(x1, 0).get()
     err = {"fused_vs_f64": float(np.linalg.norm(fused - ref) / np.linalg.norm(ref)),
            "cupy_ops_vs_f64": float(np.linalg.norm(ops - ref) / np.linalg.norm(ref))}
+    gx.run_groups(0, meta, 0, k, x1, k)
+    grouped, one = gx.combine_meta(meta, y).get(), experts1().get()
+    err["experts1_vs_grouped_max_abs"] = float(np.abs(one - grouped).max())
     out.update(upload_gbps=upload_gbps, gpu_gbps=gpu_gbps, cpu_gbps=cpu_gbps,
                dense_s_per_layer=out["gpu_us"]["dense"] * 1e-6, experts_per_measure=k, dense_rel_err=err)
     return out
@@ -272,12 +282,20 @@ def bound_s(decisions, eb: int, rates: dict) -> tuple[float, float]:
 
 
 HOST_PHASES = ("dense", "run_layer", "background")
-ENGINE_PHASES = ("host_plan_s", "host_queue_s", "input_wait_s", "cpu_wait_s", "host_combine_s", "background_wait_s")
+ENGINE_PHASES = ("host_early_s", "host_plan_s", "host_queue_s", "input_wait_s", "cpu_wait_s", "host_combine_s",
+                 "background_wait_s")
 
 
-def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense, gx, rates, options) -> dict:
+def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense, gx, rates, options,
+               sync: bool = False) -> dict:
+    """One policy over the trace. As in a forward pass, each layer's dense part runs and the
+    engine's ``begin_layer`` starts the resident experts (unless ``--no-early``) before the driver
+    plans the step; ``sync`` waits for the layer's GPU work after ``run_layer``, as the model's
+    next router read-back does (then the host phases hold no back-pressure from the GPU queue)."""
     from execute.engine import ExpertEngine
 
+    if name == "gpu":  # every expert resident: the arena holds the whole model
+        cap = Capacity.per_layer(geo, args.experts)
     pol = make_policy(name, geo, cap, profile=profile, **options)
     engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
     engine.load_residents(pol.cache.slot)
@@ -289,18 +307,30 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
     hits = routed = bg_bytes = 0
     host = dict.fromkeys(HOST_PHASES, 0.0)
     t0 = up0 = stats0 = None
-    x = x0
+    state = {"x": x0, "ids": None, "w": None}
     pc = time.perf_counter
-    for item in drive(pol, tokens):
-        if isinstance(item, RunLayer):
-            layer = item.step.layer
-            ids, w = routing[item.token.index][layer]
+    early = not args.no_early
+
+    def forward(tok):
+        """The token's steps, each yielded after its layer's dense part (and early start)."""
+        for step in tok.steps:
+            ids, w = routing[tok.index][step.layer]
             a = pc()
-            x = dense(x, layer)
-            b = pc()
-            x = engine.run_layer(item, x, ids[None, :], w[None, :])
+            state["x"] = x = dense(state["x"], step.layer)
             if timed:
-                host["dense"] += b - a
+                host["dense"] += pc() - a
+            state["ids"], state["w"] = ids[None, :], w[None, :]
+            if early:
+                engine.begin_layer(step.layer, x, state["ids"])
+            yield step
+
+    for item in drive(pol, (replace(t, steps=forward(t)) for t in tokens)):
+        if isinstance(item, RunLayer):
+            b = pc()
+            state["x"] = engine.run_layer(item, state["x"], state["ids"], state["w"])
+            if sync:
+                gx.compute.synchronize()
+            if timed:
                 host["run_layer"] += pc() - b
                 decisions.append(item.decision)
                 hits += len(item.decision.hits)
@@ -320,7 +350,7 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
             engine.synchronize()
             timed, t0, up0 = True, pc(), gx.bytes_uploaded
             stats0 = {k: v for k, v in vars(engine.stats).items() if k != "per_layer_cpu_s"}
-            x = x0
+            state["x"] = x0
     engine.synchronize()
     wall = pc() - t0
     n = args.tokens
@@ -332,7 +362,8 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
     breakdown.update({f"{k[:-2]}_us": st[k] * per_layer for k in ENGINE_PHASES})
     breakdown["wall_us"] = wall * per_layer
     return {
-        "policy": name, "options": options, "profile": profile is not None, "tokens": n, "wall_s": wall,
+        "policy": name, "options": options, "profile": profile is not None, "sync": sync, "early": early,
+        "early_pairs": st.get("early_pairs", 0), "tokens": n, "wall_s": wall,
         "tokens_per_s": n / wall, "hit_rate": hits / max(routed, 1), "uploaded_gb": (gx.bytes_uploaded - up0) / 1e9,
         "background_gb": bg_bytes / 1e9, "cpu_pairs": st["cpu_pairs"], "gpu_pairs": st["gpu_pairs"],
         "cpu_compute_s": st["cpu_compute_s"], "cpu_wait_s": st["cpu_wait_s"],
@@ -342,7 +373,7 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
 
 
 def label(r: dict) -> str:
-    s = r["policy"]
+    s = r["policy"] + (" sync" if r.get("sync") else "")
     if "miss_frac_256" in r["options"]:
         s += f" f={r['options']['miss_frac_256']}"
     if r["policy"] == "hybrid" and r["profile"]:
@@ -367,7 +398,7 @@ def report(results: list[dict], rates: dict) -> tuple[str, dict | None]:
         w(f"hybrid / best non-hybrid: {summary['ratio']:.2f}x ({label(hyb)} {hyb['tokens_per_s']:.1f} vs "
           f"{label(best)} {best['tokens_per_s']:.1f} tok/s); hybrid at "
           f"{100 * hyb['tokens_per_s'] / hyb['ideal_split_bound_tokens_per_s']:.0f}% of the ideal-split bound\n")
-    cols = [r for r in results if r is best or r is hyb or r["policy"] in ("lru", "cpu")]
+    cols = [r for r in results if r is best or r is hyb or r["policy"] in ("lru", "cpu", "gpu")]
     cols = list({id(r): r for r in cols}.values())
     w(f"\nper layer, us (host clock around each call; engine phases inside run_layer)\n{'phase':<18}")
     w("".join(f"{label(r):>14}" for r in cols) + "\n")
@@ -379,6 +410,7 @@ def report(results: list[dict], rates: dict) -> tuple[str, dict | None]:
     w(f"{'layer_meta':<26}{rates['host_us']['layer_meta']:10.1f}{'':>10}\n")
     e = rates["dense_rel_err"]
     w(f"dense stand-in rel. error vs float64: fused {e['fused_vs_f64']:.1e}, cupy ops {e['cupy_ops_vs_f64']:.1e}\n")
+    w(f"one-token expert path vs grouped kernels + combine: max abs difference {e['experts1_vs_grouped_max_abs']:.1e}\n")
     return out.getvalue(), summary
 
 
@@ -458,6 +490,10 @@ def parse(argv):
     ap.add_argument("--miss-fracs", default="16,44,96,160", help="hybrid miss_frac_256 values to run (comma list)")
     ap.add_argument("--hybrid-profile", choices=("none", "warmup"), default="none",
                     help="hybrid's profile: none, or counted on the trace's warm-up tokens")
+    ap.add_argument("--sync", choices=("none", "layer", "both"), default="none",
+                    help="wait for each layer's GPU work after run_layer (as the model's router read-back "
+                         "does): none, layer, or both (each policy run twice)")
+    ap.add_argument("--no-early", action="store_true", help="no early start of resident experts (begin_layer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_executor"))
     args = ap.parse_args(argv)
@@ -510,10 +546,15 @@ def main(argv=None) -> int:
         hp = profile if args.hybrid_profile == "warmup" else None
         runs += [("hybrid", {"miss_frac_256": f}, hp) for f in fracs]
     results = []
+    syncs = {"none": (False,), "layer": (True,), "both": (False, True)}[args.sync]
     for name, options, prof in runs:
-        r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options)
-        results.append(r)
-        log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound {r['bound_tokens_per_s']:.1f}")
+        for sync in syncs:
+            r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options, sync)
+            results.append(r)
+            pl = r["per_layer_us"]
+            log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound "
+                f"{r['bound_tokens_per_s']:.1f}; host us per layer step: early {pl['host_early_us']:.1f}, plan "
+                f"{pl['host_plan_us']:.1f}, queue {pl['host_queue_us']:.1f}, combine {pl['host_combine_us']:.1f}")
     gx.close()
     config = dict(vars(args))
     config.update(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), trace=trace_src, slots_per_layer=slots,

@@ -161,3 +161,89 @@ def test_every_policy_on_gpu_matches_reference(policy, rng, reference):
         check(results, layers, reference)
     finally:
         engine.close()
+
+
+def _replay_early(engine, policy, routing, tokens, early: bool, cp):
+    """As ``replay``, with the inputs made where a forward pass makes them (before the driver plans
+    the step) and ``begin_layer`` called there when ``early``: (decisions, outputs, inputs)."""
+    from dataclasses import replace
+
+    xrng = np.random.default_rng(11)
+    cur = {}
+
+    def steps(tok):
+        for step in tok.steps:
+            ids, _ = routing[(tok.index, step.layer)]
+            cur["x"] = cp.asarray(xrng.standard_normal((len(ids), HIDDEN)).astype(np.float32))
+            if early:
+                engine.begin_layer(step.layer, cur["x"], ids)
+            yield step
+
+    decisions, results = [], []
+    for item in drive(policy, (replace(t, steps=steps(t)) for t in tokens)):
+        if isinstance(item, RunLayer):
+            ids, w = routing[(item.token.index, item.step.layer)]
+            out = engine.run_layer(item, cur["x"], ids, w)
+            decisions.append(item.decision)
+            results.append((item.step.layer, ids, w, cur["x"].get(), out))
+        elif isinstance(item, StartBackground):
+            engine.start_background(item.moves)
+        elif isinstance(item, AwaitBackground):
+            engine.await_background(item.moves)
+    engine.synchronize()
+    return decisions, results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["gpu", "lru", "hybrid"])
+def test_early_start_changes_neither_decisions_nor_outputs(policy, rng, reference):
+    """begin_layer before each step's plan (as ``run`` calls it): the same decisions and bitwise
+    the same outputs as without it, within the float64 reference; resident experts started early."""
+    cp = cupy_or_skip()
+    layers, routing, tokens = scenario(rng, num_tokens=16)
+    geo = Geometry((EXPERTS,) * LAYERS, TOP_K, tuple(l.expert_bytes for l in layers))
+    cap = Capacity.per_layer(geo, EXPERTS if policy == "gpu" else 3)
+    options = {"miss_frac_256": 128, "swap_every": 2, "gate": 0.5, "margin": 0.1} if policy == "hybrid" else {}
+    runs = {}
+    for early in (False, True):
+        pol = make_policy(policy, geo, cap, **options)
+        engine = ExpertEngine(layers, pol.capacity, threads=2, use_gpu=True, scratch_slots=2)
+        try:
+            engine.load_residents(pol.cache.slot)
+            runs[early] = (*_replay_early(engine, pol, routing, tokens, early, cp), engine.stats.early_pairs)
+        finally:
+            engine.close()
+    (d0, r0, e0), (d1, r1, e1) = runs[False], runs[True]
+    assert d0 == d1 and e0 == 0 and e1 > 0
+    check(r1, layers, reference)
+    for a, b in zip(r0, r1):
+        assert np.array_equal(a[3], b[3]) and np.array_equal(a[4].get(), b[4].get())
+
+
+@pytest.mark.gpu
+def test_one_token_path_checks_the_decision(rng, reference):
+    """An early-started expert the decision uploads instead (a broken hits invariant) is run again
+    from its new slot; a routed expert missing from the decision, or a hit never loaded, is an error."""
+    cp = cupy_or_skip()
+    layers, _, _ = scenario(rng, num_tokens=1)
+    geo = Geometry((EXPERTS,) * LAYERS, TOP_K, tuple(l.expert_bytes for l in layers))
+    engine = ExpertEngine(layers, Capacity.per_layer(geo, 3), threads=1, use_gpu=True)
+    try:
+        engine.load_residents({(0, 5): 0})
+        ids, w = np.array([[5, 2]]), np.array([[0.75, 0.25]], np.float32)
+        x = rng.standard_normal((1, HIDDEN)).astype(np.float32)
+        xd = cp.asarray(x)
+        step = Step(0, (5, 2))
+        tok = Token(0, 0, 0, "decode", (step,))
+        engine.begin_layer(0, xd, ids)
+        assert engine.stats.early_pairs == 1
+        out = engine.run_layer(RunLayer(tok, step, Decision(step, (), uploads=(5, 2), slots=(1, 2))), xd, ids, w)
+        assert engine.slot_of[(0, 5)] == 1 and engine.slot_of[(0, 2)] == 2
+        check([(0, ids, w, x, out)], layers, reference)
+        with pytest.raises(ExecutorError, match=r"layer 0: routed experts \[2\] are not in the decision"):
+            engine.run_layer(RunLayer(tok, step, Decision(step, (5,))), xd, ids, w)
+        with pytest.raises(ExecutorError, match="hit on expert 7, which this engine never loaded"):
+            engine.run_layer(RunLayer(tok, Step(0, (5, 7)), Decision(Step(0, (5, 7)), (5, 7))), xd,
+                             np.array([[5, 7]]), w)
+    finally:
+        engine.close()

@@ -170,3 +170,50 @@ def test_launch_checks_argument_count(cp, rng):
 
     with pytest.raises(ValueError, match="3 arguments, expected 6"):
         Launch(_kernel("moe_combine"), 6)((1, 1), 32, 0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=[Q.QTYPES[t].name for t in ALL])
+def test_one_token_kernels_match_reference(qtype, cp, rng, reference):
+    """moe1_gate_up over two picks (hits first, then an upload), moe1_down_combine summing the
+    router-weighted pairs; a repeated expert (a padded route) counts once per pair."""
+    layer = random_layer(rng, 0, num_experts=6, hidden=512, ffn=768, qtype=qtype)
+    gx = make([layer], slots=4)
+    try:
+        gx.begin_copies()
+        for e, s in [(4, 0), (1, 2), (5, 3)]:
+            gx.upload(0, e, s)
+        gx.compute_after_copies()
+        experts, slots = [1, 4, 5, 1], [2, 0, 3, 2]
+        w = np.array([0.5, 0.25, 0.125, 0.0], np.float32)
+        x = rng.standard_normal((1, 512)).astype(np.float32)
+        bases = [gx.source_ptr(0, s) for s in slots]
+        xd = cp.asarray(x)
+        gx.pack1(bases, [], [0, 1, 3])
+        gx.gate_up1(0, xd, 4, 3)
+        gx.pack1(bases, w.tolist(), [2])
+        gx.gate_up1(0, xd, 4, 1)
+        out = gx.down_combine1(0, 4)
+        ref = w.astype(np.float64) @ reference(layer, experts, np.repeat(x, 4, axis=0))
+        assert out.shape == (1, 512) and rel_err(out.get()[0], ref) < REL_ERR
+    finally:
+        gx.close()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_one_token_kernels_add_biases(activation, cp, rng):
+    layer = biased(random_layer(rng, 0, num_experts=5, hidden=256, ffn=512, qtype=Q.Q8_0), rng, activation)
+    gx = make([layer], slots=2)
+    try:
+        gx.begin_copies()
+        gx.upload(0, 3, 1)
+        gx.upload(0, 0, 0)
+        gx.compute_after_copies()
+        x = (rng.standard_normal((1, 256)) * 6.0).astype(np.float32)
+        ref, _ = biased_reference(layer, [0, 3], np.repeat(x, 2, axis=0))
+        w = np.array([0.75, 0.25], np.float32)
+        gx.pack1([gx.source_ptr(0, 0), gx.source_ptr(0, 1)], w.tolist(), [0, 1])
+        gx.gate_up1(0, cp.asarray(x), 2, 2)
+        out = gx.down_combine1(0, 2)
+        assert rel_err(out.get()[0], w.astype(np.float64) @ ref) < REL_ERR
+    finally:
+        gx.close()

@@ -44,6 +44,7 @@ def test_figures_and_greedy_determinism(models, capsys):
     assert fig["decode_tokens"] == fig["generated"] - 1  # the last sampled token is not run
     assert fig["cpu"] == (fig["prompt_tokens"] + fig["decode_tokens"]) * n_moe and fig["hit_rate"] == 0.0
     assert fig["prompt_tokens_per_s"] > 0 and fig["decode_tokens_per_s"] > 0
+    assert fig["prompt_s"] < fig["first_token_s"]  # from the command's start: loading and preparation too
     text3, chunked = run_json(capsys, models(), "-p", "The cat", "-n", "6")  # default: prefill in chunks of 32
     assert text3 == text1 and chunked["tokens"] == 1 + fig["decode_tokens"]  # one prefill batch, then decode
     assert chunked["cpu"] == fig["decode_tokens"] * n_moe + 2 * 8  # each block's batch used all 8 experts once
