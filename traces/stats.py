@@ -8,7 +8,8 @@ Two kinds of hit rate:
   fewer slots than top-k, which the scheduler's ``lru`` refuses.
 - ``sweep``: the scheduler's own policies replayed over the trace (``scheduler.replay``, no timing).
   ``hybrid-cost`` prices its split with ``default_cost_model`` (the simulator's default model and
-  hardware), so its hit rate depends on that preset.
+  hardware), so its hit rate depends on that preset. ``summarize`` also reports each replay's
+  experts moved over PCIe per token (uploads, streams, fills and swaps).
 """
 from __future__ import annotations
 
@@ -159,11 +160,13 @@ def default_cost_model(trace: Trace):
                      pick(cm.layer_s), cm.cpu_delay_s)
 
 
-def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None, seqs: list[list[int]]) -> float | None:
-    """Hit rate of scheduler policy ``name`` at ``slots`` per layer; None when it refuses the capacity."""
+def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None,
+                 seqs: list[list[int]]) -> tuple[float, float] | None:
+    """(hit rate, experts moved over PCIe per token) of scheduler policy ``name`` at ``slots`` per
+    layer; None when it refuses the capacity."""
     geometry = trace.geometry(1)
     capacity = Capacity.per_layer(geometry, slots)
-    hits = served = 0
+    hits = served = moved = tokens = 0
     for group in seqs:
         part = trace if group is None else trace.select(phase, group)
         toks = list(part.tokens(phase if group is None else None))
@@ -181,7 +184,9 @@ def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None, seqs: l
         s = replay(policy, toks, lag_tokens=0).summary()
         hits += s["hits"]
         served += s["experts_served"]
-    return hits / served if served else 0.0
+        moved += s["upload_bytes"]  # expert_bytes 1: bytes count experts
+        tokens += s["tokens"]
+    return (hits / served if served else 0.0), (moved / tokens if tokens else 0.0)
 
 
 def sweep(trace: Trace, slots: Sequence[int], policies: Sequence[str], phase: str | None = None,
@@ -191,8 +196,14 @@ def sweep(trace: Trace, slots: Sequence[int], policies: Sequence[str], phase: st
     Caches carry across sequences unless ``reset_per_sequence`` (then a fresh policy per sequence,
     hits and routes summed). ``static`` gets the oracle top-C profile of the replayed rows (per
     sequence when reset). None marks a capacity the policy refuses (e.g. ``lru`` below top-k)."""
+    return {p: {c: None if r is None else r[0] for c, r in v.items()}
+            for p, v in _sweep(trace, slots, policies, phase, reset_per_sequence, progress).items()}
+
+
+def _sweep(trace, slots, policies, phase, reset_per_sequence, progress) -> dict:
+    """``sweep``'s replays: (hit rate, experts moved per token) or None, per policy and slot count."""
     groups = [[s] for s in trace.select(phase).sequences()] if reset_per_sequence else [None]
-    out: dict[str, dict[int, float | None]] = {}
+    out: dict[str, dict[int, tuple[float, float] | None]] = {}
     for name in policies:
         out[name] = {}
         for c in slots:
@@ -206,6 +217,7 @@ def summarize(trace: Trace, phase: str | None = None, slots: Sequence[int] = (),
               reset_per_sequence: bool = False, progress: bool = False) -> dict:
     """Everything ``moelab trace stats`` reports, as a JSON-ready dict."""
     rows = trace.rows(phase)
+    both = _sweep(trace, slots, policies, phase, reset_per_sequence, progress)
     return {
         "model": trace.model,
         "rows": int(len(rows)),
@@ -218,6 +230,7 @@ def summarize(trace: Trace, phase: str | None = None, slots: Sequence[int] = (),
         "layer_novelty_correlation": layer_novelty_correlation(trace, phase),
         "reuse_distance": reuse_distances(trace, phase, reset_per_sequence),
         "reference_lru": {str(c): r for c, r in lru_hit_rates(trace, slots, phase, reset_per_sequence).items()} if slots else {},
-        "hit_rate": {p: {str(c): r for c, r in v.items()}
-                     for p, v in sweep(trace, slots, policies, phase, reset_per_sequence, progress).items()},
+        "hit_rate": {p: {str(c): None if r is None else r[0] for c, r in v.items()} for p, v in both.items()},
+        "pcie_experts_per_token": {p: {str(c): None if r is None else r[1] for c, r in v.items()}
+                                   for p, v in both.items()},
     }
