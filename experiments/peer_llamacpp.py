@@ -1,41 +1,44 @@
 """moelab's executor against llama.cpp: the same GGUF, the same GPU, measured side by side in one run.
 
-llama.cpp's ``llama-bench`` (``-ngl 99 -fa on -p 256 -n 64``) runs with ``-ncmoe`` (the routed
-experts of the first N blocks kept on the CPU) at N = 0 (every expert in VRAM), at the smallest N
-whose remaining expert bytes fit ``--budget-mib`` (computed from the GGUF's per-block expert
-bytes), and at N = all blocks (every expert on the CPU, like llama.cpp's ``--cpu-moe``).
-``moelab run MODEL -p PROMPT -n 64 --raw --json`` runs with ``--policy gpu``, ``lru``, ``hybrid``
-and ``hybrid-cost`` (cache = the budget; hybrid-cost with the calibrated H200 hardware file) and
-``cpu``. The prompt is fixed text cut to at most ``--prompt-tokens`` tokens by moelab's tokenizer
-on the GGUF's vocabulary (``--raw``: no chat template), so moelab's prompt is 0-2 tokens shorter
-than llama-bench's pp256, which feeds random token ids; result.json records the exact count.
+llama.cpp's ``llama-bench -o json -ngl 99 -fa on -p 256 -n 64 -r 2 -t 16`` runs with ``-ncmoe N``
+(the routed experts of the first N blocks kept on the CPU) at N = 0 (every expert in VRAM), at the
+smallest N whose remaining expert bytes fit ``--budget-mib`` (from the GGUF's per-block expert
+bytes), and at N = all blocks (every expert on the CPU, as ``--cpu-moe``). ``moelab run MODEL -p
+PROMPT -n 64 --raw --threads 15 --json`` runs with ``--policy gpu``, ``lru``, ``hybrid`` and
+``hybrid-cost`` (``--cache-mib`` = the budget; hybrid-cost with docs/fidelity/h200-calibrated.json)
+and ``cpu``. The prompt is fixed text cut to at most ``--prompt-tokens`` tokens by moelab's
+tokenizer on the GGUF's vocabulary (``--raw``: no chat template); llama-bench's pp256 feeds 256
+random token ids. result.json records moelab's count (256 on the 32000-token synthetic vocabulary).
 
-Rounds are interleaved: each runs every configuration once (llama.cpp's, then moelab's), in
-alternating order; figures are the medians over rounds of llama-bench's mean tokens/s per
-invocation (``-r`` repetitions) and of moelab's prompt and decode tokens/s. The comparisons:
-moelab ``gpu`` vs ``-ncmoe 0``; the best moelab policy at the budget vs llama.cpp's best
-configuration with no more expert bytes in VRAM (the max over ``-ncmoe N`` for N >= the budget's
-N); ``cpu`` vs ``-ncmoe`` all blocks. Ratios are moelab / llama.cpp.
+Each round runs every configuration once, llama.cpp's then moelab's, the order reversed on odd
+rounds; one unrecorded ``-n 4`` moelab run precedes the first moelab run of each invocation
+(llama-bench warms up by itself). Figures are medians over rounds of llama-bench's mean tokens/s
+(over its ``-r`` repetitions) and of moelab's prompt and decode tokens/s. The comparisons, as
+moelab / llama.cpp: ``gpu`` vs ``-ncmoe 0``; each budget policy, and the best of them, vs
+llama.cpp's best configuration with no more expert bytes in VRAM (the max over the measured
+``-ncmoe N`` with N >= the budget's N); ``cpu`` vs ``-ncmoe`` all blocks.
 
 Stages, each within one 10-minute command on a GPU machine without network:
 
-    python experiments/peer_llamacpp.py pack --out .peer/lcpp.tgz        # here, once (downloads the sdist)
+    python experiments/peer_llamacpp.py pack --out .peer/lcpp.tgz    # with network, once
     python experiments/peer_llamacpp.py prepare --src .peer/lcpp.tgz --work .peer
-    python experiments/peer_llamacpp.py bench --work .peer --budget-mib 4096 --rounds 2 --out .peer/result
+    python experiments/peer_llamacpp.py bench --work .peer --budget-mib 4096 --rounds 2 \
+        --out .peer/result --deadline-s 450                          # again until it exits 0 or 1
 
-``pack`` slims llama.cpp's source (vendored in the llama-cpp-python sdist) to what a CUDA + CPU
-build of llama-bench and llama-completion needs; the sdist's name and version are in the
-sidecar ``lcpp.tgz.json`` and inside the tarball (``llama.cpp/PEER_SOURCE.json``).
-``prepare`` builds llama.cpp and writes the synthetic Qwen3-30B-A3B-shaped Q8_0 GGUF in parallel;
-each step is skipped when its output is present and matches (a build stamp with the tarball's
-sha256; a sidecar with the synth command), so an interrupted prepare is run again as is.
-``bench`` appends every measurement to ``OUT/raw.jsonl`` at once and, given ``--deadline-s``,
-starts no configuration that would end past it: the same command continues where it stopped
-(exit status 3 while cells are missing, 1 when a configuration failed, 0 when complete).
-``all`` runs prepare then bench, for machines without a time limit.
+``pack`` keeps of llama.cpp's source (vendored in the llama-cpp-python sdist) what a CUDA + CPU
+build of llama-bench and llama-completion needs, LICENSE included; the sdist's name and version
+are in the sidecar ``lcpp.tgz.json`` and in the tarball (``llama.cpp/PEER_SOURCE.json``).
+``prepare`` builds llama.cpp and writes the synthetic Qwen3-30B-A3B-shaped Q8_0 GGUF (``moelab
+model synth --preset qwen3-30b-a3b --vocab 32000 --quant Q8_0 --seed 0``) in parallel, printing
+each one's progress; each is skipped when its output is there and matches (a build stamp with the
+tarball's sha256; a sidecar with the synth command), so an interrupted prepare is run again as is.
+``bench`` appends every run to ``OUT/raw.jsonl`` as it ends; with ``--deadline-s`` it starts no
+run expected to end later (each configuration's last time), and the same command continues.
+Exit status: 0 complete, 1 a configuration failed (recorded, the others still run), 2 bad input,
+3 runs missing. ``all`` = prepare, then bench, for machines without a time limit.
 
-Writes OUT/config.json, raw.jsonl, result.json (config, raw rows, medians), result.png and a
-generated README.md (config, tables, command).
+Writes OUT/config.json, raw.jsonl, logs/, result.json (config, raw rows, medians, comparisons),
+result.png and a generated README.md (config, tables, command).
 """
 from __future__ import annotations
 
@@ -67,7 +70,6 @@ DROP = ("docs/", "models/", "media/", "benches/", "tests/", "gguf-py/", "pocs/",
         "tools/ui/", "tools/server/", "tools/cli/")
 KEEP_BACKENDS = ("ggml-cpu", "ggml-cuda")
 TARGETS = ("llama-bench", "llama-completion")
-SYNTH = ("--preset", "qwen3-30b-a3b", "--vocab", "32000", "--quant", "Q8_0", "--seed", "0")
 HARDWARE = ROOT / "docs" / "fidelity" / "h200-calibrated.json"
 POLICIES = ("gpu", "lru", "hybrid", "hybrid-cost", "cpu")
 BUDGET_POLICIES = ("lru", "hybrid", "hybrid-cost")
@@ -231,8 +233,10 @@ def build_script(args, work: Path) -> tuple[str, dict] | None:
 
 
 def synth_command(args, model: Path) -> list[str]:
-    synth = list(SYNTH) if args.preset == "qwen3-30b-a3b" else ["--preset", args.preset, "--quant", "Q8_0", "--seed", "0"]
-    return [*moelab_cmd(args), "model", "synth", str(model), *synth]
+    """``moelab model synth`` of the benchmark's model (``--preset tiny``: a smoke test's)."""
+    vocab = ["--vocab", "32000"] if args.preset == "qwen3-30b-a3b" else []
+    return [*moelab_cmd(args), "model", "synth", str(model), "--preset", args.preset, *vocab, "--quant", "Q8_0",
+            "--seed", "0"]
 
 
 def synth_done(model: Path, cmd: list[str]) -> bool:
@@ -288,7 +292,7 @@ def run_parallel(jobs: dict, progress_s: float) -> dict:
     for name, (cmd, log, _) in jobs.items():
         print(f"prepare: {name}: {cmd}  (log: {log})", flush=True)
         with open(log, "w") as f:
-            procs[name] = subprocess.Popen(cmd, shell=True, stdout=f, stderr=subprocess.STDOUT)
+            procs[name] = subprocess.Popen(cmd, shell=True, stdout=f, stderr=subprocess.STDOUT, env=child_env())
     t0, failed = time.monotonic(), {}
     next_print = t0 + progress_s
     while procs:
@@ -331,6 +335,12 @@ def moelab_cmd(args) -> list[str]:
         return shlex.split(args.moelab)
     exe = Path(sys.executable).with_name("moelab")
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "scheduler"]
+
+
+def child_env() -> dict:
+    """This environment with the checkout on PYTHONPATH, so that ``python -m scheduler`` runs."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
 
 
 def block_expert_bytes(model: Path) -> list[int]:
@@ -434,7 +444,7 @@ def measure(args, cell: dict, prompt: str, log: Path) -> dict:
     row = {"cell": cell["cell"], "command": cmd}
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=child_env())
     except subprocess.TimeoutExpired as exc:
         log.write_text(f"$ {shlex.join(cmd)}\n{exc.stdout or ''}\n--- stderr\n{exc.stderr or ''}")
         return {**row, "wall_s": time.monotonic() - t0, "error": f"timed out after {args.timeout_s} s"}
@@ -467,6 +477,7 @@ def run_rounds(args, round_cells: list[dict], prompt: str, out: Path, done: list
     walls = {d["cell"]: d["wall_s"] for d in done}
     (out / "logs").mkdir(exist_ok=True)
     total = args.rounds * len(round_cells)
+    warm = not args.warmup
     for r in range(args.rounds):
         for cell in round_order(round_cells, r):
             if (r, cell["cell"]) in have:
@@ -476,6 +487,8 @@ def run_rounds(args, round_cells: list[dict], prompt: str, out: Path, done: list
                 print(f"bench: deadline: {cell['cell']} (round {r}) would end after {args.deadline_s:.0f} s; "
                       "stopping here; run the same command again to continue", flush=True)
                 return False
+            if cell["tool"] == "moelab" and not warm:
+                warm = warmup(args, round_cells, prompt, out / "logs" / "warmup.log")
             slug = cell["cell"].replace(" ", "_").replace("-", "")
             row = {"round": r, **measure(args, cell, prompt, out / "logs" / f"{slug}_r{r}.log")}
             with open(out / "raw.jsonl", "a") as f:
@@ -484,6 +497,17 @@ def run_rounds(args, round_cells: list[dict], prompt: str, out: Path, done: list
             walls[cell["cell"]] = row["wall_s"]
             what = row.get("error") or (f"{row['prompt_tokens_per_s']:.1f} / {row['decode_tokens_per_s']:.1f} tokens/s")
             print(f"bench: [{len(done)}/{total}] round {r} {cell['cell']}: {what} ({row['wall_s']:.0f} s)", flush=True)
+    return True
+
+
+def warmup(args, round_cells: list[dict], prompt: str, log: Path) -> bool:
+    """One unrecorded moelab run (``-n 4``, hybrid's options when hybrid is measured) before this
+    invocation's first moelab run: kernel compilation and caches are not charged to round 0."""
+    names = [c for c in round_cells if c["tool"] == "moelab"]
+    cell = next((c for c in names if c["policy"] == "hybrid"), names[0])
+    row = measure(argparse.Namespace(**{**vars(args), "tokens": 4}), cell, prompt, log)
+    print(f"bench: warm-up {cell['cell']} -n 4: {row.get('error', 'done')} ({row['wall_s']:.0f} s, not recorded)",
+          flush=True)
     return True
 
 
@@ -508,45 +532,52 @@ def medians(round_cells: list[dict], rows: list[dict]) -> dict:
     return out
 
 
-def comparisons(args, med: dict, blocks: list[int], n_budget: int) -> list[dict]:
-    """moelab vs its llama.cpp peer: gpu vs -ncmoe 0, each budget policy (and the best) vs the best
-    -ncmoe N >= the budget's N, cpu vs -ncmoe all; ratios moelab / llama.cpp."""
-    last = len(blocks)
+SPEEDS = ("prompt_tokens_per_s", "decode_tokens_per_s")
 
+
+def best_of(med: dict, names: list[str], key: str) -> tuple[float | None, str | None]:
+    """The highest median ``key`` among the cells ``names``, and that cell."""
+    vals = [(med[n][key], n) for n in names if key in med.get(n, {})]
+    return max(vals) if vals else (None, None)
+
+
+def comparisons(policies: list[str], med: dict, num_blocks: int, n_budget: int) -> list[dict]:
+    """Each moelab policy (and the best budget policy) against its llama.cpp peer: gpu vs -ncmoe 0,
+    cpu vs -ncmoe all blocks, a budget policy vs the best -ncmoe N >= the budget's N (no more
+    expert bytes in VRAM), prompt and decode each on its own; ratios moelab / llama.cpp."""
     def llama(n):
-        return med.get(f"llama.cpp -ncmoe {n}", {})
+        return f"llama.cpp -ncmoe {n}"
 
-    def best(key, cellnames):
-        vals = [(med.get(c, {}).get(key), c) for c in cellnames]
-        vals = [v for v in vals if v[0] is not None]
-        return max(vals) if vals else (None, None)
-
-    lowers = [f"llama.cpp -ncmoe {n}" for n in sorted({n_budget, last})]
-    peers = {"gpu": [f"llama.cpp -ncmoe 0"], "cpu": [f"llama.cpp -ncmoe {last}"]}
+    peers = {"gpu": [llama(0)], "cpu": [llama(num_blocks)]}
+    lower = [llama(n) for n in sorted({n_budget, num_blocks})]
+    at_budget = [f"moelab {p}" for p in policies if p in BUDGET_POLICIES]
+    subjects = [(f"moelab {p}", [f"moelab {p}"]) for p in policies]
+    subjects += [("moelab best at budget", at_budget)] if at_budget else []
     rows = []
-    for policy in [p for p in args.policies] + (["best at budget"] if any(p in BUDGET_POLICIES for p in args.policies) else []):
-        if policy == "best at budget":
-            names = [f"moelab {p}" for p in args.policies if p in BUDGET_POLICIES]
-            mine = {k: best(k, names) for k in ("prompt_tokens_per_s", "decode_tokens_per_s")}
-            me = {k: v[0] for k, v in mine.items()}
-            label = "moelab best at budget (" + ", ".join(f"{'prompt' if k.startswith('prompt') else 'decode'}: "
-                                                            f"{(v[1] or '-').replace('moelab ', '')}" for k, v in mine.items()) + ")"
-            vram = max(med.get(n, {}).get("expert_bytes_vram", 0) for n in names)
-        else:
-            me, label = med.get(f"moelab {policy}", {}), f"moelab {policy}"
-            vram = me.get("expert_bytes_vram", 0)
-        names = peers.get(policy, lowers)
-        peer = {k: best(k, names) for k in ("prompt_tokens_per_s", "decode_tokens_per_s")}
-        peer_label = names[0].replace("llama.cpp ", "") if len(names) == 1 else \
-            "best of " + ", ".join(n.replace("llama.cpp ", "") for n in names)
-        row = {"moelab": label, "expert_bytes_vram": vram, "first_token_s": me.get("first_token_s"),
-               "peer": peer_label, "peer_cells": {k: v[1] for k, v in peer.items()},
-               "peer_expert_bytes_vram": max(llama(int(n.rsplit(' ', 1)[1])).get("expert_bytes_vram", 0) for n in names)}
-        for k in ("prompt_tokens_per_s", "decode_tokens_per_s"):
-            row[k], row[f"peer_{k}"] = me.get(k), peer[k][0]
-            row[f"ratio_{k.split('_')[0]}"] = me[k] / peer[k][0] if me.get(k) and peer[k][0] else None
+    for label, mine in subjects:
+        theirs = peers.get(label.removeprefix("moelab "), lower)
+        row = {"moelab": label, "peer": theirs[0].removeprefix("llama.cpp ") if len(theirs) == 1 else
+               "best of " + ", ".join(n.removeprefix("llama.cpp ") for n in theirs),
+               "expert_bytes_vram": max(med.get(c, {}).get("expert_bytes_vram", 0) for c in mine),
+               "peer_expert_bytes_vram": max(med.get(c, {}).get("expert_bytes_vram", 0) for c in theirs),
+               "first_token_s": med.get(mine[0], {}).get("first_token_s") if len(mine) == 1 else None,
+               "moelab_cells": {}, "peer_cells": {}}
+        for key in SPEEDS:
+            (me, my_cell), (peer, peer_cell) = best_of(med, mine, key), best_of(med, theirs, key)
+            row[key], row[f"peer_{key}"] = me, peer
+            row["moelab_cells"][key], row["peer_cells"][key] = my_cell, peer_cell
+            row[f"ratio_{key.split('_')[0]}"] = me / peer if me and peer else None
         rows.append(row)
     return rows
+
+
+def label(row: dict) -> str:
+    """The table's name of a comparison row (the best-at-budget row says which policy won)."""
+    name = row["moelab"].removeprefix("moelab ")
+    if name != "best at budget":
+        return name
+    won = [(c or "-").removeprefix("moelab ") for c in row["moelab_cells"].values()]
+    return f"{name} ({won[0]} / {won[1]})"
 
 
 def fmt(x, spec=".1f") -> str:
@@ -554,22 +585,25 @@ def fmt(x, spec=".1f") -> str:
 
 
 def tables(med: dict, comp: list[dict], round_cells: list[dict]) -> str:
-    lines = ["| llama.cpp | expert MiB in VRAM | pp tokens/s | tg tokens/s | runs | errors |", "|---|---:|---:|---:|---:|---|"]
-    for c in round_cells:
-        if c["tool"] != "llama.cpp":
-            continue
+    """The llama.cpp table (one row per -ncmoe) and the moelab table (each policy vs its peer)."""
+    lines = ["| llama.cpp | expert MiB in VRAM | pp tokens/s | tg tokens/s | runs | errors |",
+             "|---|---:|---:|---:|---:|---|"]
+    for c in (c for c in round_cells if c["tool"] == "llama.cpp"):
         m = med[c["cell"]]
-        lines.append(f"| -ncmoe {c['ncmoe']} | {m['expert_bytes_vram'] / 2**20:,.0f} | {fmt(m.get('prompt_tokens_per_s'))} | "
-                     f"{fmt(m.get('decode_tokens_per_s'))} | {m['runs']} | {'; '.join(m['errors']) or ''} |")
-    lines += ["", "| moelab | expert MiB in VRAM | prompt tokens/s | decode tokens/s | first token s | llama.cpp peer | "
-              "peer pp / tg | moelab / llama.cpp prompt | decode |", "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+        lines.append(f"| -ncmoe {c['ncmoe']} | {m['expert_bytes_vram'] / 2**20:,.0f} | "
+                     f"{fmt(m.get('prompt_tokens_per_s'))} | {fmt(m.get('decode_tokens_per_s'))} | {m['runs']} | "
+                     f"{'; '.join(m['errors'])} |")
+    lines += ["", "| moelab | expert MiB in VRAM | prompt tokens/s | decode tokens/s | first token s | "
+              "llama.cpp peer | peer pp / tg | moelab / llama.cpp prompt | decode |",
+              "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in comp:
-        lines.append(f"| {r['moelab'].replace('moelab ', '')} | {r['expert_bytes_vram'] / 2**20:,.0f} | "
-                     f"{fmt(r['prompt_tokens_per_s'])} | {fmt(r['decode_tokens_per_s'])} | {fmt(r['first_token_s'], '.3f')} | "
-                     f"{r['peer']} | {fmt(r['peer_prompt_tokens_per_s'])} / {fmt(r['peer_decode_tokens_per_s'])} | "
+        lines.append(f"| {label(r)} | {r['expert_bytes_vram'] / 2**20:,.0f} | {fmt(r['prompt_tokens_per_s'])} | "
+                     f"{fmt(r['decode_tokens_per_s'])} | {fmt(r['first_token_s'], '.3f')} | {r['peer']} | "
+                     f"{fmt(r['peer_prompt_tokens_per_s'])} / {fmt(r['peer_decode_tokens_per_s'])} | "
                      f"{fmt(r['ratio_prompt'], '.3f')} | {fmt(r['ratio_decode'], '.3f')} |")
-    errs = [f"- {name}: {'; '.join(m['errors'])}" for name, m in med.items() if m["errors"] and name.startswith("moelab")]
-    return "\n".join(lines + ([""] + ["moelab errors:"] + errs if errs else [])) + "\n"
+    errs = [f"- {name}: {'; '.join(m['errors'])}" for name, m in med.items()
+            if m["errors"] and name.startswith("moelab")]
+    return "\n".join(lines + (["", "moelab errors:", *errs] if errs else [])) + "\n"
 
 
 def plot(comp: list[dict], path: Path) -> None:
@@ -579,7 +613,7 @@ def plot(comp: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = [r["moelab"].replace("moelab ", "").split(" (")[0] for r in comp]
+    labels = [r["moelab"].removeprefix("moelab ") for r in comp]
     x = range(len(comp))
     for ax, key, title in ((axes[0], "prompt_tokens_per_s", "prompt (pp) tokens/s"),
                            (axes[1], "decode_tokens_per_s", "decode (tg) tokens/s")):
@@ -600,6 +634,7 @@ def bench_config(args, blocks: list[int], n_budget: int, prompt_tokens: int) -> 
             "rounds": args.rounds, "repetitions": args.repetitions, "prompt_tokens_llama": args.prompt_tokens,
             "prompt_tokens_moelab": prompt_tokens, "tokens": args.tokens, "llama_threads": args.llama_threads,
             "threads": args.threads, "policies": list(args.policies), "hardware": str(args.hardware),
+            "warmup": args.warmup,
             "llama_bench": str(args.llama_bench), "timeout_s": args.timeout_s,
             "llama_source": llama_source(Path(args.llama_bench))}
 
@@ -669,7 +704,7 @@ def bench(args) -> int:
           f"{args.rounds} rounds x {len(round_cells)} configurations", flush=True)
     complete = run_rounds(args, round_cells, prompt, out, done)
     med = medians(round_cells, done)
-    comp = comparisons(args, med, blocks, n_budget)
+    comp = comparisons(args.policies, med, len(blocks), n_budget)
     table = tables(med, comp, round_cells)
     result = {"config": config, "prompt": prompt, "complete": complete, "rows": done, "medians": med,
               "comparisons": comp}
@@ -737,6 +772,8 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--timeout-s", type=float, default=300.0, help="per llama-bench / moelab run")
             s.add_argument("--deadline-s", type=float, default=0.0,
                            help="start no run that would end later than this after the start (0: none)")
+            s.add_argument("--no-warmup", dest="warmup", action="store_false",
+                           help="no unrecorded moelab run before the first measured one")
             s.add_argument("--out", default=".peer/result")
     return p
 

@@ -182,22 +182,25 @@ def test_bench_runs_interleaved_rounds_and_compares_each_policy_with_its_peer(ti
     assert (n_budget, last) == (3, 4)  # one block's experts fit 2 MiB
     llama = [f"llama {n}" for n in sorted({0, n_budget, last})]
     moelab = [f"moelab {p}" for p in peer.POLICIES]
-    assert fakes["calls"].read_text().splitlines() == llama + moelab + moelab[::-1] + llama[::-1]
+    warmup = ["moelab hybrid"]  # unrecorded, before the first moelab run
+    assert fakes["calls"].read_text().splitlines() == llama + warmup + moelab + moelab[::-1] + llama[::-1]
     res = json.loads((out / "result.json").read_text())
     assert res["complete"] and len(res["rows"]) == 2 * (len(llama) + len(moelab))
     assert res["config"]["ncmoe_budget"] == n_budget and res["config"]["prompt_tokens_moelab"] <= 256
-    comp = {r["moelab"].split(" (")[0]: r for r in res["comparisons"]}
+    comp = {r["moelab"]: r for r in res["comparisons"]}
     assert comp["moelab gpu"]["peer"] == "-ncmoe 0" and comp["moelab gpu"]["ratio_decode"] == pytest.approx(5.0)
     assert comp["moelab cpu"]["peer"] == f"-ncmoe {last}"
     assert comp["moelab cpu"]["ratio_prompt"] == pytest.approx(10.0 / (1000 / (1 + last)))
     best_llama_tg = 100.0 / (1 + n_budget)  # -ncmoe N_budget beats N = all blocks
     assert comp["moelab lru"]["ratio_decode"] == pytest.approx(50.0 / best_llama_tg)
     best = comp["moelab best at budget"]
-    assert best["decode_tokens_per_s"] == 70.0 and "decode: hybrid-cost" in best["moelab"]
+    assert best["decode_tokens_per_s"] == 70.0 and best["moelab_cells"]["decode_tokens_per_s"] == "moelab hybrid-cost"
+    assert best["peer"] == "best of -ncmoe 3, -ncmoe 4" and best["peer_cells"]["decode_tokens_per_s"] == "llama.cpp -ncmoe 3"
     assert comp["moelab lru"]["expert_bytes_vram"] == 2**20  # the fake's cache_mib: budget - 1
     assert comp["moelab gpu"]["expert_bytes_vram"] == sum(blocks)
     readme = (out / "README.md").read_text()
-    assert "| -ncmoe 0 |" in readme and "best of" in readme and "Incomplete" not in readme
+    assert "| -ncmoe 0 |" in readme and "| best at budget (hybrid-cost / hybrid-cost) |" in readme
+    assert "Incomplete" not in readme
     assert (out / "result.png").stat().st_size > 0
     assert "moelab / llama.cpp" in capsys.readouterr().out
 
@@ -212,7 +215,7 @@ def test_a_failed_configuration_is_recorded_the_others_run_and_the_exit_is_nonze
     assert med["moelab hybrid"]["errors"] == ["exit 2: moelab: hybrid broke"] and med["moelab hybrid"]["runs"] == 0
     assert med["llama.cpp -ncmoe 0"]["errors"][0].startswith("exit 1: llama_model_load")
     assert med["moelab lru"]["runs"] == 1 and med["moelab cpu"]["runs"] == 1
-    comp = {r["moelab"].split(" (")[0]: r for r in json.loads((out / "result.json").read_text())["comparisons"]}
+    comp = {r["moelab"]: r for r in json.loads((out / "result.json").read_text())["comparisons"]}
     assert comp["moelab gpu"]["ratio_decode"] is None  # its peer failed
     assert "failed configurations" in capsys.readouterr().err
     assert "moelab: hybrid broke" in (out / "logs" / "moelab_hybrid_r0.log").read_text()
@@ -221,10 +224,11 @@ def test_a_failed_configuration_is_recorded_the_others_run_and_the_exit_is_nonze
 def test_bench_stops_at_the_deadline_and_the_same_command_continues(tiny_gguf, fakes, tmp_path, capsys):
     out = tmp_path / "result"
     assert _bench(tiny_gguf, fakes, out, "--rounds", "1") == 0
-    n = len(fakes["calls"].read_text().splitlines())
-    # every configuration's last run took longer than the deadline: none starts
+    calls = fakes["calls"].read_text()
+    n = len(json.loads((out / "result.json").read_text())["rows"])
+    # every configuration's last run took longer than the deadline: none starts, nor the warm-up
     assert _bench(tiny_gguf, fakes, out, "--rounds", "2", "--deadline-s", "1e-6") == 3
-    assert len(fakes["calls"].read_text().splitlines()) == n
+    assert fakes["calls"].read_text() == calls
     assert "Incomplete" in (out / "README.md").read_text()
     assert _bench(tiny_gguf, fakes, out, "--rounds", "2") == 0
     rows = json.loads((out / "result.json").read_text())["rows"]
