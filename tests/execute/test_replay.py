@@ -116,7 +116,7 @@ def test_cli_replay_errors(synth_path, capsys):
 
 
 # on a GPU machine ------------------------------------------------------------------------------
-GPU_POLICIES = [("gpu", 8), ("lru", 4), ("hybrid", 3), ("freq-lru", 4)]
+GPU_POLICIES = [("gpu", 8), ("lru", 4), ("hybrid", 3), ("freq-lru", 4), ("predict", 4)]
 
 
 @pytest.mark.gpu
