@@ -12,7 +12,8 @@ policies_eval = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(policies_eval)
 
 SECTIONS = ["# Policies", "## Method", "## Policies", "## Hit rate (gap closed)",
-            "## Experts moved over PCIe per token", "## Simulated tokens/s (granite test, ratio to lru)",
+            "## Experts moved over PCIe per token", "## Forecast precision",
+            "## Simulated tokens/s (granite test, ratio to lru)",
             "## Known limits", "## Command"]
 
 
