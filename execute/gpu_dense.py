@@ -27,7 +27,7 @@ import numpy as np
 
 from . import quant as Q
 
-__all__ = ["GpuDense", "Matrix", "device_matrix", "stack_matrices", "MAX_COLS", "KEPT_QTYPES"]
+__all__ = ["GpuDense", "DecodeBlock", "Matrix", "device_matrix", "stack_matrices", "MAX_COLS", "KEPT_QTYPES"]
 
 _WARPS = 8  # warps per block of the GEMV kernels (one output row each)
 _CHUNK = 64  # keys per block of decode attention (dense_kernels.cu CHUNK)
@@ -63,6 +63,50 @@ class _Kernel:
             raise ValueError(f"kernel launch: {len(args)} arguments, expected {self.nargs}")
         self._vals[:] = args
         cp.cuda.driver.launchKernel(self.func, grid[0], grid[1], 1, block, 1, 1, shared, stream, self._ptr, 0)
+
+
+class _Prepared:
+    """One launch whose argument block is kept: set once, a few slots changed per call."""
+
+    def __init__(self, kernel: _Kernel, grid: tuple[int, int], block: int, shared: int, args):
+        if len(args) != kernel.nargs:
+            raise ValueError(f"kernel launch: {len(args)} arguments, expected {kernel.nargs}")
+        self.func, self.grid, self.block, self.shared = kernel.func, grid, block, shared
+        self.vals = np.array(args, np.uint64)
+        self._params = np.array([self.vals.ctypes.data + 8 * i for i in range(len(args))], np.uint64)
+        self.ptr = int(self._params.ctypes.data)
+
+    def __call__(self, stream: int, grid_y: int = 0) -> None:
+        cp.cuda.driver.launchKernel(self.func, self.grid[0], grid_y or self.grid[1], 1, self.block, 1, 1, self.shared,
+                                    stream, self.ptr, 0)
+
+
+class DecodeBlock:
+    """The prepared launches of one block for one token (see :meth:`GpuDense.decode_block`):
+    :meth:`attend` (RMSNorm + QKV, q/k norm + RoPE + KV append, attention, output projection +
+    residual) and :meth:`route` (router GEMV + top-k, the copy to the host, the wait). Only the
+    expert-output pointer and the position change between calls."""
+
+    def __init__(self, gd: "GpuDense", cur, qkv, qk, part, reduce, wo, router):
+        self.gd, self.cur = gd, cur  # cur: the block's residual stream after attention
+        self.qkv, self.qk, self.part, self.reduce, self.wo, self.router = qkv, qk, part, reduce, wo, router
+
+    def attend(self, stream: int, add_ptr: int, pos: int, lo: int, n_keys: int) -> None:
+        """``add_ptr``: the previous block's expert output (0 for the first block)."""
+        self.qkv.vals[6] = add_ptr
+        self.qkv(stream)
+        self.qk.vals[9] = pos
+        self.qk(stream)
+        splits = -(-n_keys // _CHUNK)
+        self.part.vals[7], self.part.vals[8] = lo, n_keys
+        self.part(stream, splits)
+        self.reduce.vals[3] = splits
+        self.reduce(stream)
+        self.wo(stream)
+
+    def route(self, stream: int) -> tuple[np.ndarray, np.ndarray]:
+        self.router(stream)
+        return self.gd.fetch_route(stream)
 
 
 def f32(x: float) -> int:
@@ -148,16 +192,66 @@ class GpuDense:
         self.qkv = cp.empty(qd + 2 * kv_heads * head_dim, cp.float32)
         self.q = cp.empty(qd, cp.float32)
         self.o = cp.empty(qd, cp.float32)
+        self.emb = cp.empty(hidden, cp.float32)  # a token's (scaled) embedding: the first block's residual
         self.x = [cp.empty(hidden, cp.float32) for _ in range(2)]  # residual stream, alternating
         self.hn = [cp.empty(hidden, cp.float32) for _ in range(2)]  # a block's normed MoE input, alternating
         self.logits = cp.empty(max(experts, 1), cp.float32)
         self._part_buf = cp.empty(0, cp.float32)
+        self._block_part = cp.empty(0, cp.float32)  # the prepared blocks' attention partials
         self._tile = None
         self._counter = cp.zeros(1, cp.int32)
         self._route_dev = cp.empty(2 * max(top_k, 1), cp.float32)
         self._pinned = cp.cuda.alloc_pinned_memory(8 * max(top_k, 1))
         self._route_host = np.frombuffer(self._pinned, np.float32, 2 * max(top_k, 1))
         self._routed = cp.cuda.Event(disable_timing=True)
+
+    def decode_block(self, x, x_out, hn, wqkv: Matrix, attn_norm, bqkv, qk_weight, qk_mode: int, eps: float, cos, sin,
+                     k_cache, v_cache, kq_scale: float, sinks, wo: Matrix, bo, rs: float, router: Matrix, ffn_norm,
+                     router_bias, gating: int, norm_topk: bool, w_scale: float) -> DecodeBlock:
+        """Prepared launches of one block reading its residual input from ``x`` (plus ``rs`` times the
+        expert output given to ``attend``, written to ``x_out``, which then is the residual; x_out
+        None: no expert output, ``x`` is the residual) and writing the normed MoE input to ``hn``.
+        Valid while the caches, RoPE tables and buffers named here live."""
+        nh, nkv, hd, k = self.heads, self.kv_heads, self.head_dim, self.top_k
+        cur = x if x_out is None else x_out
+        n = int(k_cache.shape[1])
+        need = nh * -(-n // _CHUNK) * (hd + 2)
+        if self._block_part.size < need:
+            self._block_part = cp.empty(need, cp.float32)
+        part_buf = self._block_part
+        qkv = _Prepared(self._gemv, (-(-wqkv.rows // _WARPS), 1), 32 * _WARPS, 4 * wqkv.cols,
+                        (_ptr(wqkv.w), _ptr(wqkv.d), wqkv.qt, wqkv.rows, wqkv.cols, _ptr(x), 0, f32(rs), _ptr(x_out),
+                         _ptr(attn_norm), f32(eps), 0, _ptr(bqkv), 0, f32(1.0), _ptr(self.qkv)))
+        qk = _Prepared(self._qk, (nh + 2 * nkv, 1), 32 * -(-hd // 32), 0,
+                       (_ptr(self.qkv), nh, nkv, hd, _ptr(qk_weight), qk_mode, f32(eps), _ptr(cos), _ptr(sin), 0,
+                        _ptr(self.q), _ptr(k_cache), _ptr(v_cache), n))
+        part = _Prepared(self._part, (nh, 1), 128, 0, (_ptr(self.q), _ptr(k_cache), _ptr(v_cache), nh, nkv, hd, n, 0, 1,
+                                                       f32(kq_scale), _ptr(part_buf)))
+        reduce = _Prepared(self._reduce, (nh, 1), hd, 0, (_ptr(part_buf), nh, hd, 1, _ptr(sinks), _ptr(self.o)))
+        wo_l = _Prepared(self._gemv, (-(-wo.rows // _WARPS), 1), 32 * _WARPS, 4 * wo.cols,
+                         (_ptr(wo.w), _ptr(wo.d), wo.qt, wo.rows, wo.cols, _ptr(self.o), 0, 0, 0, 0, 0, 0, _ptr(bo),
+                          _ptr(cur), f32(rs), _ptr(cur)))
+        rt = _Prepared(self._router, (-(-router.rows // _WARPS), 1), 32 * _WARPS, 4 * max(router.cols, router.rows),
+                       (_ptr(router.w), _ptr(router.d), router.qt, router.rows, router.cols, _ptr(cur), _ptr(ffn_norm),
+                        f32(eps), _ptr(hn), _ptr(router_bias), _ptr(self.logits), k, gating, int(norm_topk),
+                        f32(w_scale), _ptr(self._counter), _ptr(self._route_dev)))
+        return DecodeBlock(self, cur, qkv, qk, part, reduce, wo_l, rt)
+
+    def decode_head(self, x, m: Matrix, norm, eps: float, rs: float, logit_scale: float) -> _Prepared:
+        """The head's prepared GEMV: logits = m . rmsnorm(x + rs * add) / logit_scale; the caller sets
+        slot 6 (add) and slot 15 (the logits) before each launch."""
+        return _Prepared(self._gemv, (-(-m.rows // _WARPS), 1), 32 * _WARPS, 4 * m.cols,
+                         (_ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), 0, f32(rs), 0, _ptr(norm), f32(eps), 0, 0,
+                          0, f32(1.0 / logit_scale), 0))
+
+    def fetch_route(self, stream: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copy the router kernel's ids and weights to the host and wait for them (copies)."""
+        k = self.top_k
+        _rt.memcpyAsync(self._pinned.ptr, self._route_dev.data.ptr, 8 * k, _rt.memcpyDeviceToHost, stream)
+        _rt.eventRecord(self._routed.ptr, stream)
+        self._routed.synchronize()
+        h = self._route_host
+        return h[:k].view(np.int32).astype(np.int64)[None], h[k:2 * k].copy()[None]
 
     @staticmethod
     def stream() -> int:
@@ -183,11 +277,7 @@ class GpuDense:
                      _ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), _ptr(norm), f32(eps), _ptr(xn_out),
                      _ptr(bias), _ptr(self.logits), k, gating, int(norm_topk), f32(scale), _ptr(self._counter),
                      _ptr(self._route_dev))
-        _rt.memcpyAsync(self._pinned.ptr, self._route_dev.data.ptr, 8 * k, _rt.memcpyDeviceToHost, s)
-        _rt.eventRecord(self._routed.ptr, s)
-        self._routed.synchronize()
-        h = self._route_host
-        return h[:k].view(np.int32).astype(np.int64)[None], h[k:2 * k].copy()[None]
+        return self.fetch_route(s)
 
     def qk_rope_kv(self, norm_w, mode: int, eps: float, cos, sin, pos: int, k_cache, v_cache) -> None:
         """From ``qkv``: q/k norm (``mode`` 0 none, 1 per head, 2 over all of q and of k; weights

@@ -283,6 +283,7 @@ class MoeModel:
         m = self.rope_mag
         self.rope_cos = xp.asarray(m * np.concatenate([np.cos(ang), np.cos(ang)], axis=1), dtype=xp.float32)  # (n, rd)
         self.rope_sin = xp.asarray(m * np.concatenate([-np.sin(ang), np.sin(ang)], axis=1), dtype=xp.float32)
+        self._plans = None  # the fused path's prepared launches name the caches and tables
 
     def _grow(self) -> None:
         old_k, old_v, n = self.k_cache, self.v_cache, self.k_cache[0].shape[1]
@@ -498,7 +499,7 @@ class MoeModel:
             yield step
             if self._out is None:
                 raise ExecutorError(f"block {l}: no expert output was delivered for the step")
-            x = x + rs * (self._out + self._shared(l, hn))
+            x = x + rs * (xp.asarray(self._out) + self._shared(l, hn))
         xs = x if all_logits else x[-1:]
         self.chunk_logits = self._proj(self._rms(xs, self.output_norm), self.output) / np.float32(info.logit_scale)
         self.logits = self.chunk_logits[-1]  # (vocab,)
@@ -506,6 +507,25 @@ class MoeModel:
             self.route_log.extend((self.pos + i, r) for i, r in enumerate(rows))
         self.pos += t
 
+    def _decode_plans(self) -> tuple[list, object]:
+        """The prepared launches of every block and of the head for one token (``gpu_dense``): block
+        0 reads the embedding; block l > 0 adds the expert output of block l - 1 to the residual
+        of block l - 1 into one of two alternating buffers."""
+        info, gd, spec = self.info, self.gd, self.spec
+        rs, eps = float(info.residual_scale), float(info.rms_eps)
+        gating = 0 if info.gating == "softmax" else 1
+        mode = {"none": 0, "head": 1, "full": 2}[spec.qk_norm]
+        blocks, x = [], gd.emb
+        for l, w in enumerate(self.layers):
+            x_out = None if l == 0 else gd.x[l % 2]
+            blocks.append(gd.decode_block(
+                x, x_out, gd.hn[l % 2], w["wqkv"], w["attn_norm"], w["bqkv"], w.get("qk_weight"), mode, eps,
+                self.rope_cos, self.rope_sin, self.k_cache[l], self.v_cache[l], self.kq_scale, w["sinks"], w["wo"],
+                w["bo"], rs, w["router"], w["ffn_norm"], w["router_bias_dev"], gating, info.norm_topk,
+                float(info.expert_weights_scale or 1.0)))
+            x = blocks[-1].cur
+        head = gd.decode_head(x, self.output, self.output_norm, eps, rs, float(info.logit_scale))
+        return blocks, head
 
     def _token_fast(self, token_id: int, routes) -> Iterator[Step]:
         """``chunk_steps`` of one token on the fused kernels (``execute.gpu_dense``): per block
@@ -514,32 +534,25 @@ class MoeModel:
         one host wait. The expert output is added to the residual by the next block's first launch
         (the head's, after the last block)."""
         xp, info, gd, pos = self.xp, self.info, self.gd, self.pos
-        rs, eps = float(info.residual_scale), float(info.rms_eps)
-        gating = 0 if info.gating == "softmax" else 1
-        w_scale = float(info.expert_weights_scale or 1.0)
-        mode = {"none": 0, "head": 1, "full": 2}[self.spec.qk_norm]
-        cur = xp.asarray(self.token_embd[token_id] * np.float32(info.embedding_scale), dtype=xp.float32)  # (hidden,)
+        if self._plans is None:
+            self._plans = self._decode_plans()
+        blocks, head = self._plans
+        s = gd.stream()
+        gd.emb.set(np.ascontiguousarray(self.token_embd[token_id] * np.float32(info.embedding_scale), np.float32))
         add = None
         rows = [] if self.route_log is not None else None
-        for l in range(info.num_layers):
+        for l, b in enumerate(blocks):
             w = self.layers[l]
-            nxt = gd.x[l % 2] if add is not None else None
-            gd.gemv(w["wqkv"], cur, gd.qkv, add=add, add_scale=rs, x_out=nxt, norm=w["attn_norm"], eps=eps,
-                    bias=w["bqkv"])
-            cur = cur if nxt is None else nxt
-            gd.qk_rope_kv(w.get("qk_weight"), mode, eps, self.rope_cos, self.rope_sin, pos, self.k_cache[l],
-                          self.v_cache[l])
-            lo, _ = self._window(l, 1)
-            gd.attention(self.k_cache[l], self.v_cache[l], lo, pos + 1 - lo, self.kq_scale, w["sinks"])
-            gd.gemv(w["wo"], gd.o, cur, bias=w["bo"], resid=cur, out_scale=rs)  # x += rs * (wo . o + bo)
+            lo = max(0, pos + 1 - info.sliding_window) if info.is_swa(l) else 0
+            b.attend(s, 0 if add is None else add.data.ptr, pos, lo, pos + 1 - lo)
             hn = gd.hn[l % 2]
             forced = None if routes is None else routes[l]
             if forced is None:
-                tids, twts = gd.route(w["router"], cur, w["ffn_norm"], eps, hn, w["router_bias_dev"], gating,
-                                      info.norm_topk, w_scale)
+                tids, twts = b.route(s)
                 n = tids.shape[1]
             else:  # the trace's ids; its weights, or the router's own weights of those ids
-                gd.gemv(w["router"], cur, gd.logits, norm=w["ffn_norm"], eps=eps, xn_out=hn, bias=w["router_bias_dev"])
+                gd.gemv(w["router"], b.cur, gd.logits, norm=w["ffn_norm"], eps=float(info.rms_eps), xn_out=hn,
+                        bias=w["router_bias_dev"])
                 r_ids, r_w = route_weights(info, _host(gd.logits).astype(np.float64), None, forced)
                 n = len(r_ids)
                 tids, twts = np.asarray(r_ids, np.int64)[None], np.asarray(r_w, np.float32)[None]
@@ -555,8 +568,8 @@ class MoeModel:
             if w["shared"] is not None:
                 add = add + self._shared(l, hn[None])[0]
         self.chunk_logits = xp.empty((1, info.vocab), xp.float32)
-        gd.gemv(self.output, cur, self.chunk_logits, add=add, add_scale=rs, norm=self.output_norm, eps=eps,
-                out_scale=1.0 / float(info.logit_scale))
+        head.vals[6], head.vals[15] = add.data.ptr, self.chunk_logits.data.ptr
+        head(s)
         self.logits = self.chunk_logits[-1]
         if rows is not None:
             self.route_log.append((pos, rows))

@@ -1,0 +1,178 @@
+"""Dense-path benchmark: one block's dense path and a whole decode token, float32 operators vs fused
+kernels, side by side in one run.
+
+Model: a synthetic GGUF of the Qwen3-30B-A3B shape with few blocks (``--layers``; what ``moelab model
+synth --preset qwen3-30b-a3b --layers N --vocab 32000 --quant Q8_0`` writes), made in ``--out`` unless
+``--model`` names one. Two dense paths over the same weights and KV cache sizes:
+
+- ``float32``: every dense matrix as a float32 copy on the GPU, CuPy operators, the router's logits
+  read back and its top-k on the host (the dense path before ``execute.gpu_dense``);
+- ``fused``: ``MoeModel`` on a GPU (matrices in their stored type, the fused one-token kernels).
+
+Measured, alternating the two paths ``--repeats`` times:
+
+- dense per block: the time from resuming ``chunk_steps`` to its Step, expert output delivered as
+  zeros (host clock, and CUDA events on the dense stream; median over blocks and tokens, the first
+  block, which also copies the embedding, left out) over ``--tokens`` decode positions;
+- a decode token: ``execute.model.run`` with the expert engine and the ``gpu`` policy (every expert
+  resident, as ``moelab run --policy gpu``), tokens/s over ``--tokens`` positions.
+
+Prints both paths and the ratios; writes ``bench_dense.json`` (results and the config) into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a GGUF to use (default: synthesise one in --out)")
+    p.add_argument("--layers", type=int, default=4, help="blocks of the synthetic model (default 4)")
+    p.add_argument("--tokens", type=int, default=32, help="decode positions per measurement (default 32)")
+    p.add_argument("--repeats", type=int, default=3, help="alternations of the two paths (default 3)")
+    p.add_argument("--threads", type=int, default=2, help="CPU pool threads of the expert engine (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_dense_out", help="output folder (default bench_dense_out)")
+    a = p.parse_args(argv)
+    for name in ("layers", "tokens", "repeats", "threads"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name}: {getattr(a, name)}, expected >= 1")
+    if a.model and not Path(a.model).is_file():
+        p.error(f"--model: {a.model} is not a file")
+    return a
+
+
+def float32_model(weights, max_tokens: int):
+    """The dense path with float32 matrices and CuPy operators (no fused kernels)."""
+    from execute import model as M
+
+    class Float32Dense(M.MoeModel):
+        def _matrix(self, parts):
+            if parts[0][2] is None:
+                return None
+            vals = [v if p is None else v[p] for _, _, v, p in parts]
+            return self._dev(vals[0] if len(vals) == 1 else np.concatenate(vals))
+
+        def _fast_ok(self) -> bool:
+            return False
+
+    return Float32Dense(weights, use_gpu=True, max_tokens=max_tokens)
+
+
+def time_dense(model, tokens) -> tuple[list, list]:
+    """Per block (after the first): host seconds and CUDA-event milliseconds from resuming the
+    generator to its Step, the expert output delivered as zeros."""
+    import cupy as cp
+
+    zeros = cp.zeros((1, model.info.hidden), cp.float32)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    host, dev = [], []
+    model.reset()
+    for t in tokens:
+        gen = model.chunk_steps([int(t)])
+        start.record()
+        t0 = time.perf_counter()
+        for i, step in enumerate(gen):
+            end.record()
+            end.synchronize()
+            if i > 0:
+                host.append(time.perf_counter() - t0)
+                dev.append(cp.cuda.get_elapsed_time(start, end))
+            model.deliver(zeros)
+            start.record()
+            t0 = time.perf_counter()
+    return host, dev
+
+
+def time_tokens(model, backend, weights, tokens) -> float:
+    """Decode tokens/s of ``execute.model.run`` with the gpu policy."""
+    from execute import model as M
+    from scheduler import Capacity, make_policy
+
+    g = weights.info.geometry()
+    policy = make_policy("gpu", g, Capacity.per_layer(g, max(weights.info.num_experts)))
+    inputs = [M.TokenInput(i, 0, i, "decode", int(t)) for i, t in enumerate(tokens)]
+    res = M.run(model, backend, policy, inputs)
+    return res.tokens_per_s
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    try:
+        import cupy as cp
+
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no CUDA device")
+    except Exception as exc:  # noqa: BLE001 - any failure to reach a GPU is the same answer
+        print(f"bench_dense: needs cupy and a CUDA device ({exc})", file=sys.stderr)
+        return 2
+    from execute import model as M
+    from execute.gguf_io import load_model
+    from execute.synth import config_from_preset, synth_model
+    from scheduler import Capacity
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = a.model
+    if path is None:
+        cfg = config_from_preset("qwen3-30b-a3b", num_layers=a.layers, vocab=32000, quant="Q8_0", seed=a.seed)
+        path = out / f"qwen3-30b-a3b-{a.layers}l-q8.gguf"
+        if not path.is_file():
+            synth_model(path, cfg)
+    weights = load_model(path)
+    info = weights.info
+    tokens = np.random.default_rng(a.seed).integers(info.vocab, size=a.tokens)
+    models = {"float32": float32_model(weights, a.tokens + 1), "fused": M.MoeModel(weights, use_gpu=True,
+                                                                                   max_tokens=a.tokens + 1)}
+    if not models["fused"].fast:
+        print(f"bench_dense: {path}: this model does not run on the fused kernels", file=sys.stderr)
+        return 2
+    g = info.geometry()
+    backend = M.EngineExperts(weights, Capacity.per_layer(g, max(info.num_experts)), a.threads, use_gpu=True)
+    res = {k: {"host_us": [], "event_us": [], "tokens_per_s": []} for k in models}
+    try:
+        for name, m in models.items():  # warm-up: compile kernels, fill allocator pools
+            time_dense(m, tokens[:4])
+            time_tokens(m, backend, weights, tokens[:4])
+        for _ in range(a.repeats):
+            for name, m in models.items():
+                host, dev = time_dense(m, tokens)
+                res[name]["host_us"].append(1e6 * statistics.median(host))
+                res[name]["event_us"].append(1e3 * statistics.median(dev))
+                res[name]["tokens_per_s"].append(time_tokens(m, backend, weights, tokens))
+    finally:
+        backend.close()
+    summary = {k: {"dense_host_us_per_block": statistics.median(v["host_us"]),
+                   "dense_event_us_per_block": statistics.median(v["event_us"]),
+                   "tokens_per_s": statistics.median(v["tokens_per_s"]), "runs": v} for k, v in res.items()}
+    f, n = summary["fused"], summary["float32"]
+    layers = info.num_layers
+    print(f"model {path}: {layers} blocks, hidden {info.hidden}, {info.num_heads}/{info.num_kv_heads} heads x "
+          f"{info.head_dim}, {max(info.num_experts)} experts top-{info.top_k}; {a.tokens} positions, "
+          f"{a.repeats} repeats (medians)")
+    print(f"{'path':8} {'dense us/block (host)':>22} {'(events)':>9} {'tokens/s':>9} {'ms/block all-in':>16}")
+    for name, s in summary.items():
+        s["ms_per_block_all_in"] = 1e3 / s["tokens_per_s"] / layers
+        print(f"{name:8} {s['dense_host_us_per_block']:22.1f} {s['dense_event_us_per_block']:9.1f} "
+              f"{s['tokens_per_s']:9.1f} {s['ms_per_block_all_in']:16.3f}")
+    ratios = {"dense_host": n["dense_host_us_per_block"] / f["dense_host_us_per_block"],
+              "dense_events": n["dense_event_us_per_block"] / f["dense_event_us_per_block"],
+              "tokens_per_s": f["tokens_per_s"] / n["tokens_per_s"]}
+    print(f"fused / float32: dense {ratios['dense_host']:.1f}x faster (host), {ratios['dense_events']:.1f}x "
+          f"(events); decode tokens/s {ratios['tokens_per_s']:.2f}x")
+    print(f"at 48 blocks (per-block all-in time x 48, head not separated): float32 "
+          f"{1e3 / (48 * n['ms_per_block_all_in']):.1f} tokens/s, fused {1e3 / (48 * f['ms_per_block_all_in']):.1f}")
+    (out / "bench_dense.json").write_text(json.dumps({"config": {**vars(a), "model": str(path)}, "summary": summary,
+                                                      "ratios": ratios}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
