@@ -190,22 +190,33 @@ def test_ctrl_c_in_a_sweep_is_one_line_and_keeps_rows(tmp_path):
     assert "interrupted" in line and f"{kept} rows kept" in line and kept >= 1
 
 
-def test_result_files_have_the_usual_mode(tmp_path, inputs):
+def test_result_files_have_the_usual_mode(tmp_path):
     """Files written through scheduler.files get 0o666 less the umask, as open() would."""
     env = dict(os.environ)
-    runs = [["trace", "stats", "--slots", "8", "--out", "st"], ["trace", "fit", "--out", "fit.json"],
-            ["profile", "build", "p.strp"], ["simulate", "--tokens", "3", "--timeline", "tl.json"],
+    runs = [["trace", "stats", "--slots", "8", "--out", "st"], ["profile", "build", "p.strp"],
+            ["simulate", "--tokens", "3", "--timeline", "tl.json"], ["trace", "synth", "s", "--preset", "granite"],
             ["sweep", "--tokens", "3", "--policies", "cpu", "--cache-slots", "0", "--out", "sw", "--jobs", "1",
-             "--no-plots", "--quiet"],
-            ["run", inputs["model"], "-p", "hi", "-n", "1", "--audit", "a.jsonl"]]
+             "--no-plots", "--quiet"]]
     for argv in runs:
         r = subprocess.run(["sh", "-c", 'umask 022 && exec "$@"', "sh", *CMD, *map(str, argv)], cwd=tmp_path,
                            capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert len(files) >= 8
+    assert len(files) == 11  # 3 stats files, STRP, timeline, 5 trace files, CSV
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+    assert stat.S_IMODE((tmp_path / "s").stat().st_mode) == 0o755
+
+
+def test_audit_file_has_the_usual_mode(tmp_path):
+    from scheduler import Audit, Geometry
+
+    old = os.umask(0o027)
+    try:
+        Audit(Geometry((4,), 2, (10,))).write_jsonl(tmp_path / "a.jsonl")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.jsonl").stat().st_mode) == 0o640
 
 
 def test_synth_takes_the_geometry_from_a_fit(tmp_path):
@@ -217,3 +228,10 @@ def test_synth_takes_the_geometry_from_a_fit(tmp_path):
     geo = json.loads((tmp_path / "fit.json").read_text())["geometry"]
     assert (len(t.num_experts), max(t.num_experts), t.top_k, len(t)) == (geo["num_layers"], geo["num_experts"],
                                                                           geo["top_k"], 50)
+    assert stat.S_IMODE((tmp_path / "fit.json").stat().st_mode) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
