@@ -1,18 +1,30 @@
-"""Text in and out from a GGUF file's vocabulary: byte-level BPE ("gpt2") and SentencePiece
-("llama"), and the common chat-template shapes.
+"""Text in and out from a GGUF file's vocabulary, following llama.cpp's tokenizer: byte-level BPE
+("gpt2") with its pre-tokenizers, SentencePiece ("llama"), and the common chat-template shapes.
 
-- **BPE** (``tokenizer.ggml.model = "gpt2"``): the text is split by the pre-tokenizer pattern
-  named by ``tokenizer.ggml.pre`` (GPT-2's, or the llama3/qwen2-style pattern for the newer
-  names), each piece is mapped to GPT-2's byte alphabet and merged by merge rank. The patterns use
-  Python's ``re``: a letter is ``[^\\W\\d_]`` and a number ``\\d`` (Unicode-aware, but not exactly
-  the ``\\p{L}``/``\\p{N}`` classes of the original patterns), so rare scripts may split
-  differently from llama.cpp; decoding is exact either way.
+- **Special tokens**: the text is first cut at control, user-defined and unknown tokens written in
+  it, longest token first, each over the whole text before the next; control and unknown tokens
+  only when ``special=True`` (chat prompts), user-defined ones (``<think>``) always. Control tokens
+  are left out of decoded text.
+- **BPE** (``tokenizer.ggml.model = "gpt2"``): each text piece is split by the pre-tokenizer that
+  ``tokenizer.ggml.pre`` names (:data:`PRE_TOKENIZERS`; a name not there is refused, a missing
+  one is ``default``). A pre-tokenizer is a list of patterns applied in turn: each pattern cuts
+  every piece into its matches and the text between them, so the first pattern's splits hold
+  (the digits-first rules of ``deepseek-v3``, ``refact``). Each word is mapped to GPT-2's byte
+  alphabet; under ``ignore_merges`` (the llama-3 family) a word that is a vocabulary entry is
+  one token; otherwise the adjacent pair of lowest merge rank is merged (ties: leftmost) until
+  none is left, with a heap, so a word of n bytes costs O(n log n).
+- **Character classes**, as llama.cpp evaluates them: a pattern that uses ``\\p{..}`` runs on a
+  copy of the text where every character above 127 stands for its class (one code point each
+  for letters, numbers, punctuation, marks, symbols, other; whitespace becomes ``\\v``), so
+  ``\\p{L}`` is ASCII letters plus that letter code point (``\\p{Lu}`` and the other letter
+  subclasses are all of ``\\p{L}``, as in llama.cpp); ``[A-Za-z]`` stays ASCII. Patterns without
+  classes run on the text itself, whitespace above 127 again as ``\\v``. ``\\s`` is ASCII
+  whitespace. Classes come from Python's ``unicodedata``, whose Unicode version may differ from
+  llama.cpp's tables in rare characters.
 - **SentencePiece** (``"llama"``): spaces become U+2581 (with a leading one when
-  ``add_space_prefix``), then the adjacent pair whose concatenation is a piece with the highest
-  score is merged (ties: leftmost) until none is left; symbols not in the vocabulary fall back to
-  ``<0xXX>`` byte tokens (or ``<unk>``).
-- Control and user-defined tokens are matched in the text only when ``special=True`` (chat
-  prompts), and are left out of decoded text.
+  ``add_space_prefix``, at the start and after a special token), then the adjacent pair whose
+  concatenation is a piece of highest score is merged (ties: leftmost), with a heap; symbols not
+  in the vocabulary fall back to ``<0xXX>`` byte tokens (or ``<unk>``).
 - **Chat templates**: no Jinja engine; :meth:`Tokenizer.chat_prompt` recognises the template by
   its markers and writes the one-user-turn prompt of that shape: ChatML (``<|im_start|>``),
   Mistral/Llama-2 (``[INST]``), gpt-oss harmony (``<|start|>...<|message|>``) and Granite
@@ -21,18 +33,74 @@
 from __future__ import annotations
 
 import codecs
+import functools
+import heapq
 import os
 import re
+import unicodedata
+from dataclasses import dataclass
 
-__all__ = ["Tokenizer", "TokenizerError", "StreamDecoder", "byte_alphabet", "CHAT_SHAPES"]
+__all__ = ["Tokenizer", "TokenizerError", "StreamDecoder", "PreTokenizer", "PRE_TOKENIZERS", "byte_alphabet",
+           "CHAT_SHAPES"]
 
-_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
 _SPACE = "\u2581"
-_L, _N, _NOT_LNS = r"[^\W\d_]", r"\d", r"(?:[^\s\w]|_)"
-_GPT2 = rf"'s|'t|'re|'ve|'m|'ll|'d| ?{_L}+| ?{_N}+| ?{_NOT_LNS}+|\s+(?!\S)|\s+"
-_LLAMA3 = (rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|(?:[^\r\n\w]|_)?{_L}+|{_N}{{1,3}}| ?{_NOT_LNS}+[\r\n]*"
-           rf"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE = {"gpt2": _GPT2, "default": _GPT2}  # every other pre name: the llama3/qwen2-style pattern
+_CACHE_WORDS = 1 << 16  # BPE results kept per tokenizer before the cache is cleared
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """Patterns (llama.cpp's syntax, applied in turn) and whether a word in the vocabulary is
+    emitted whole (``ignore_merges``); ``add_bos`` is the default when the file does not say."""
+
+    patterns: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_WORDS = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|DIGITS| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_CASED = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+CONTR"
+          r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*CONTR|DIGITS| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_GROUPS = {  # one entry per llama.cpp pre-tokenizer type
+    "default": PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
+    "gpt2": PreTokenizer((_GPT2,)),
+    "starcoder": PreTokenizer((r"\p{N}", _GPT2)),
+    "llama3": PreTokenizer((_WORDS.replace("DIGITS", r"\p{N}{1,3}"),), ignore_merges=True, add_bos=True),
+    "chatglm4": PreTokenizer((_WORDS.replace("DIGITS", r"\p{N}{1,3}"),)),
+    "qwen2": PreTokenizer((_WORDS.replace("DIGITS", r"\p{N}"),)),
+    "qwen35": PreTokenizer((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                            r"|\s*[\r\n]+|\s+(?!\S)|\s+",)),
+    "deepseek-llm": PreTokenizer((r"[\r\n]", r"\s?CASED_LETTERS+",
+                                  "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
+                                  _CJK_HANGUL, r"\p{N}+")),
+    "deepseek-coder": PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}")),
+    "deepseek-v3": PreTokenizer((r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                                 r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                                 r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")),
+    "gpt-4o": PreTokenizer((_CASED.replace("CONTR", _CONTRACTIONS + "?").replace("DIGITS", r"\p{N}{1,3}"),)),
+    "tekken": PreTokenizer((_CASED.replace("CONTR", "").replace("DIGITS", r"\p{N}"),)),
+}
+# pre name (tokenizer.ggml.pre) -> rules: the names llama.cpp knows that models of the supported
+# architectures carry, with the aliases llama.cpp gives the same rules
+_NAMES = {
+    "default": ("default",),
+    "gpt2": ("gpt-2", "olmo", "gigachat"),
+    "starcoder": ("refact", "starcoder"),
+    "llama3": ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+    "chatglm4": ("glm4", "chatglm-bpe"),
+    "qwen2": ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"),
+    "qwen35": ("qwen35",),
+    "deepseek-llm": ("deepseek-llm",),
+    "deepseek-coder": ("deepseek-coder",),
+    "deepseek-v3": ("deepseek-v3", "joyai-llm"),
+    "gpt-4o": ("gpt-4o", "kanana2"),
+    "tekken": ("tekken",),
+}
+PRE_TOKENIZERS = {name: _GROUPS[group] for group, names in _NAMES.items() for name in names}
 
 # template marker -> one user turn, then the assistant's turn opened
 CHAT_SHAPES = {
@@ -62,6 +130,145 @@ def byte_alphabet() -> list[str]:
     return out
 
 
+# character classes ------------------------------------------------------------------------------
+_CLASS_CHAR = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}  # other: \xd0
+_CLASS_ASCII = {"N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:;?@\[-\]_\{\}", "M": "", "S": r"\$\+<->\^`\|~"}
+
+
+class _Collapse(dict):
+    """``str.translate`` table: a character above 127 -> its class code point, whitespace -> \\v."""
+
+    def __missing__(self, cp: int) -> int:
+        ch = chr(cp)
+        if cp < 128:
+            out = cp
+        elif ch.isspace():
+            out = 0x0B
+        else:
+            out = ord(_CLASS_CHAR.get(unicodedata.category(ch)[0], "\xd0"))
+        self[cp] = out
+        return out
+
+
+class _Widen(dict):
+    """``str.translate`` table: whitespace above 127 -> \\v, everything else unchanged."""
+
+    def __missing__(self, cp: int) -> int:
+        out = 0x0B if cp >= 128 and chr(cp).isspace() else cp
+        self[cp] = out
+        return out
+
+
+_COLLAPSE, _WIDEN = _Collapse(), _Widen()
+
+
+@functools.lru_cache(maxsize=None)
+def _cased_letters() -> str:
+    """A class of the cased letters (Unicode Lu, Ll, Lt) as ranges, for deepseek-llm's pattern."""
+    ranges, start, prev = [], None, None
+    for cp in range(0x20000):
+        if unicodedata.category(chr(cp)) in ("Lu", "Ll", "Lt"):
+            if start is None:
+                start = cp
+            elif cp != prev + 1:
+                ranges.append((start, prev))
+                start = cp
+            prev = cp
+    ranges.append((start, prev))
+    return "[" + "".join(re.escape(chr(a)) + ("-" + re.escape(chr(b)) if b > a else "") for a, b in ranges) + "]"
+
+
+def _translate(pattern: str) -> tuple[re.Pattern, bool]:
+    """A pattern in llama.cpp's syntax -> (Python pattern, runs on the collapsed text)."""
+    collapsed = "\\p{" in pattern
+    out, i, inside = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and pattern.startswith("p{", i + 1):
+            end = pattern.index("}", i)
+            cls = pattern[i + 3:end][0]  # Lu, Ll, ... are all letters here
+            body = _CLASS_CHAR[cls] + _CLASS_ASCII[cls]
+            out.append(body if inside else f"[{body}]")
+            i = end + 1
+            continue
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not inside:
+            inside = True
+        elif c == "]" and inside:
+            inside = False
+        elif c == "$" and not inside:
+            c = r"\Z"  # ECMAScript's $ is the end of the piece only
+        out.append(c)
+        i += 1
+    text = "".join(out).replace("CASED_LETTERS", _cased_letters() if "CASED_LETTERS" in pattern else "")
+    return re.compile(text, re.ASCII), collapsed
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str) -> tuple[tuple[re.Pattern, bool], ...]:
+    return tuple(_translate(p) for p in PRE_TOKENIZERS[name].patterns)
+
+
+def pre_split(text: str, name: str) -> list[str]:
+    """``text`` cut into words by pre-tokenizer ``name`` (see the module docstring)."""
+    rules = _compiled(name)
+    views = {}
+    spans = [(0, len(text))] if text else []
+    for pattern, collapsed in rules:
+        if collapsed not in views:
+            views[collapsed] = text.translate(_COLLAPSE if collapsed else _WIDEN)
+        src, out = views[collapsed], []
+        for a, b in spans:
+            at = a
+            for m in pattern.finditer(src, a, b):
+                if m.end() == m.start():
+                    continue
+                if m.start() > at:
+                    out.append((at, m.start()))
+                out.append((m.start(), m.end()))
+                at = m.end()
+            if at < b:
+                out.append((at, b))
+        spans = out
+    return [text[a:b] for a, b in spans]
+
+
+# merging ----------------------------------------------------------------------------------------
+def _merge(symbols: list[str], priority) -> list[str]:
+    """Merge adjacent symbols, best pair first: ``priority(left, right)`` is a sort key (lower
+    first) or None when the pair does not merge; ties go to the leftmost pair. A heap of
+    candidate pairs, each with the versions of its two sides; a popped pair whose sides have
+    changed since it was pushed is skipped."""
+    n = len(symbols)
+    nxt, prv, ver = list(range(1, n + 1)), list(range(-1, n - 1)), [0] * n
+    nxt[-1] = -1
+
+    def pair(i: int):
+        j = nxt[i] if i >= 0 else -1
+        key = priority(symbols[i], symbols[j]) if j >= 0 else None
+        return None if key is None else (key, i, ver[i], j, ver[j])
+
+    heap = [p for p in map(pair, range(n - 1)) if p is not None]
+    heapq.heapify(heap)
+    while heap:
+        _, i, vi, j, vj = heapq.heappop(heap)
+        if ver[i] != vi or ver[j] != vj or nxt[i] != j:
+            continue
+        symbols[i], symbols[j] = symbols[i] + symbols[j], ""
+        ver[i] += 1
+        ver[j] += 1
+        nxt[i] = nxt[j]
+        if nxt[j] >= 0:
+            prv[nxt[j]] = i
+        for p in (pair(prv[i]), pair(i)):
+            if p is not None:
+                heapq.heappush(heap, p)
+    return [s for s in symbols if s]
+
+
 class Tokenizer:
     """Encoder/decoder of one vocabulary (see the module docstring). Build with :meth:`from_gguf`
     or from the metadata dict of ``gguf_io.read_tokenizer``."""
@@ -73,17 +280,27 @@ class Tokenizer:
             raise TokenizerError(f"{source}: tokenizer.ggml.model = {self.kind!r}; supported: gpt2 (BPE), llama (SentencePiece)")
         self.tokens: list[str] = list(meta["tokens"])
         n = len(self.tokens)
-        self.types = list(meta["token_type"] or [1] * n)
+        self.types = list(meta.get("token_type") or [_NORMAL] * n)
         if len(self.types) != n:
             raise TokenizerError(f"{source}: tokenizer.ggml.token_type has {len(self.types)} entries, tokens {n}")
-        self.ids = {t: i for i, t in enumerate(self.tokens)}
+        self.pre = None
+        if self.kind == "gpt2":
+            self.pre = meta.get("pre") or "default"
+            if self.pre not in PRE_TOKENIZERS:
+                raise TokenizerError(f"{source}: tokenizer.ggml.pre = {self.pre!r} is not a pre-tokenizer moelab knows; "
+                                     f"known: {', '.join(sorted(PRE_TOKENIZERS))}")
+        self.ids = dict(zip(self.tokens, range(n)))
         self.bos, self.eos, self.unk = meta.get("bos"), meta.get("eos"), meta.get("unk")
-        self.add_bos = bool(meta["add_bos"]) if meta.get("add_bos") is not None else self.kind == "llama"
+        default_bos = self.kind == "llama" or PRE_TOKENIZERS.get(self.pre, _GROUPS["default"]).add_bos
+        self.add_bos = bool(meta["add_bos"]) if meta.get("add_bos") is not None else default_bos
         self.add_space_prefix = bool(meta["add_space_prefix"]) if meta.get("add_space_prefix") is not None else True
         self.chat_template = meta.get("chat_template")
-        self.special = {t: i for i, t in enumerate(self.tokens) if self.types[i] in (_CONTROL, _USER_DEFINED)}
-        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(self.special, key=len, reverse=True))) \
-            if self.special else None
+        kinds = (_CONTROL, _USER_DEFINED, _UNKNOWN)
+        found = [i for i, t in enumerate(self.types) if t in kinds and self.tokens[i]]
+        self.special = {self.tokens[i]: i for i in found}
+        # llama.cpp's order: longest first, each over the whole text before the next
+        self._specials = sorted(((self.tokens[i], i, self.types[i] == _USER_DEFINED) for i in found),
+                                key=lambda s: -len(s[0]))
         stops = {i for i in (self.eos, meta.get("eot")) if i is not None}
         self.stop_ids = frozenset(stops | {self.ids[t] for t in _STOP_TEXTS if t in self.special})
         if self.kind == "gpt2":
@@ -103,43 +320,36 @@ class Tokenizer:
         merges = meta.get("merges")
         if merges is None:
             raise TokenizerError(f"{self.source}: BPE vocabulary without tokenizer.ggml.merges")
-        self.ranks = {}
-        for i, m in enumerate(merges):
-            a, sep, b = m.partition(" ")
-            if not sep:
-                raise TokenizerError(f"{self.source}: tokenizer.ggml.merges[{i}] = {m!r}, expected 'left right'")
-            self.ranks.setdefault((a, b), i)
+        bad = next((i for i, m in enumerate(merges) if " " not in m), None)
+        if bad is not None:
+            raise TokenizerError(f"{self.source}: tokenizer.ggml.merges[{bad}] = {merges[bad]!r}, expected 'left right'")
+        # "left right" -> rank; the first of repeated merges wins (the dict keeps the last assignment)
+        self.ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
+        self.ignore_merges = PRE_TOKENIZERS[self.pre].ignore_merges
         self.byte_char = byte_alphabet()
         self.char_byte = {c: b for b, c in enumerate(self.byte_char)}
-        self.pattern = re.compile(_PRE.get(meta.get("pre") or "default", _LLAMA3))
+        self._to_bytes = {i: c for i, c in enumerate(self.byte_char)}  # latin-1 code point -> byte char
         self._cache: dict[str, list[int]] = {}
 
     def _bpe(self, piece: str) -> list[int]:
         hit = self._cache.get(piece)
         if hit is not None:
             return hit
-        word = [self.byte_char[b] for b in piece.encode("utf-8")]
-        while len(word) > 1:
-            ranked = [(self.ranks.get((word[i], word[i + 1]), -1), i) for i in range(len(word) - 1)]
-            ranked = [r for r in ranked if r[0] >= 0]
-            if not ranked:
-                break
-            best = min(ranked)[0]
-            out, i = [], 0
-            while i < len(word):
-                if i + 1 < len(word) and self.ranks.get((word[i], word[i + 1])) == best:
-                    out.append(word[i] + word[i + 1])
-                    i += 2
-                else:
-                    out.append(word[i])
-                    i += 1
-            word = out
-        ids = []
-        for w in word:
-            if w in self.ids:
-                ids.append(self.ids[w])
-            else:  # a merge result missing from the vocabulary: its bytes one by one
-                ids.extend(self._byte_id(c) for c in w)
+        word = piece.encode("utf-8").decode("latin-1").translate(self._to_bytes)
+        whole = self.ids.get(word) if self.ignore_merges else None
+        if whole is not None:
+            ids = [whole]
+        else:
+            ids = []
+            ranks = self.ranks
+            for w in _merge(list(word), lambda a, b: ranks.get(a + " " + b)):
+                j = self.ids.get(w)
+                if j is not None:
+                    ids.append(j)
+                else:  # a merge result missing from the vocabulary: its bytes one by one
+                    ids.extend(self._byte_id(c) for c in w)
+        if len(self._cache) >= _CACHE_WORDS:
+            self._cache.clear()
         self._cache[piece] = ids
         return ids
 
@@ -159,19 +369,15 @@ class Tokenizer:
             if self.types[i] == _BYTE and len(t) == 6 and t.startswith("<0x"):
                 self.byte_ids[int(t[3:5], 16)] = i
 
+    def _spm_priority(self, a: str, b: str):
+        j = self.ids.get(a + b)
+        if j is None or self.types[j] in (_CONTROL, _BYTE):
+            return None
+        return -self.scores[j]
+
     def _spm(self, text: str) -> list[int]:
-        sym = list(text)
-        while len(sym) > 1:
-            best, at = None, -1
-            for i in range(len(sym) - 1):
-                j = self.ids.get(sym[i] + sym[i + 1])
-                if j is not None and self.types[j] not in (_CONTROL, _BYTE) and (best is None or self.scores[j] > best):
-                    best, at = self.scores[j], i
-            if at < 0:
-                break
-            sym[at:at + 2] = [sym[at] + sym[at + 1]]
         ids = []
-        for s in sym:
+        for s in _merge(list(text), self._spm_priority):
             j = self.ids.get(s)
             if j is not None and self.types[j] != _CONTROL:
                 ids.append(j)
@@ -184,27 +390,44 @@ class Tokenizer:
         return ids
 
     # text -----------------------------------------------------------------------------------------
-    def _encode_plain(self, text: str, first: bool) -> list[int]:
-        if not text:
-            return []
+    def _partition(self, text: str, special: bool) -> list:
+        """``text`` cut at special tokens: a list of text pieces (str) and token ids (int)."""
+        parts: list = [text]
+        for tok, i, user in self._specials:
+            if not (user or special) or tok not in text:
+                continue
+            out = []
+            for p in parts:
+                if isinstance(p, int) or tok not in p:
+                    out.append(p)
+                    continue
+                for k, piece in enumerate(p.split(tok)):
+                    if k:
+                        out.append(i)
+                    if piece:
+                        out.append(piece)
+            parts = out
+        return parts
+
+    def _encode_text(self, text: str, after_special: bool) -> list[int]:
         if self.kind == "llama":
-            if first and self.add_space_prefix:
+            if after_special and self.add_space_prefix:
                 text = " " + text
             return self._spm(text.replace(" ", _SPACE))
-        return [i for piece in self.pattern.findall(text) for i in self._bpe(piece)]
+        return [i for word in pre_split(text, self.pre) for i in self._bpe(word)]
 
     def encode(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_bos`` (default: the file's ``add_bos_token``) prepends BOS;
-        ``special`` matches control tokens written in the text."""
+        ``special`` matches control tokens written in the text (user-defined ones always match)."""
         ids = [self.bos] if (self.add_bos if add_bos is None else add_bos) and self.bos is not None else []
-        parts = [text]
-        if special and self._special_re is not None:
-            parts = self._special_re.split(text)
-            found = self._special_re.findall(text)
-        for k, part in enumerate(parts):
-            ids.extend(self._encode_plain(part, first=k == 0))
-            if special and self._special_re is not None and k < len(found):
-                ids.append(self.special[found[k]])
+        after_special = True
+        for part in self._partition(text, special):
+            if isinstance(part, int):
+                ids.append(part)
+                after_special = True
+            else:
+                ids.extend(self._encode_text(part, after_special))
+                after_special = False
         return ids
 
     def token_bytes(self, i: int) -> bytes:

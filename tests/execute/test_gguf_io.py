@@ -165,3 +165,31 @@ def test_mla_split_layout_without_its_keys_is_named(tmp_path):
     path = tmp_path / "m.gguf"
     gguf_io.write_gguf(path, cfg.arch, meta, synth.tensor_specs(cfg))
     assert any("key_length_mla" in p for p in gguf_io.llamacpp_problems(path))
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama", "gpt-oss"])
+def test_read_tokenizer_matches_gguf_reader(arch, tmp_path):
+    """The metadata parser of read_tokenizer gives what gguf-py's reader gives, key by key."""
+    gguf = pytest.importorskip("gguf")
+    path = synth.synth_model(tmp_path / "m.gguf", synth.config_from_preset("tiny", arch=arch))
+    got = gguf_io.read_tokenizer(path)
+    reader = gguf.GGUFReader(path)
+    for short, key in gguf_io._TOKENIZER_KEYS.items():
+        f = reader.get_field(key)
+        want = None if f is None else f.contents()
+        assert got[short] == (list(want) if isinstance(want, list) else want), key
+    assert got["tokens"] and got["model"] in ("gpt2", "llama")
+
+
+def test_read_tokenizer_errors_name_the_file(tmp_path):
+    path = synth.synth_model(tmp_path / "m.gguf", synth.config_from_preset("tiny"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:3000])
+    with pytest.raises(GGUFError, match="cut.gguf: metadata section truncated"):
+        gguf_io.read_tokenizer(cut)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file" * 10)
+    with pytest.raises(GGUFError, match="junk.gguf: not a little-endian GGUF"):
+        gguf_io.read_tokenizer(junk)
+    with pytest.raises(GGUFError, match="no such file"):
+        gguf_io.read_tokenizer(tmp_path / "absent.gguf")
