@@ -427,6 +427,7 @@ class _Generation:
         self.stopped = False
         self.batches: list[tuple[int, str]] = []
         self.decode_steps = self.drafted = self.accepted = 0
+        self.weights = None
 
     def _emit(self, t: int) -> bool:
         """Stream ``t``; True when generation is over (an end token, or ``n`` reached)."""
@@ -452,8 +453,16 @@ class _Generation:
         return ChunkInput(index, 0, pos, phase, tuple(int(t) for t in ids), None, all_logits)
 
     def _logits(self, rows: bool = False):
+        import numpy as np
+
         a = self.model.chunk_logits if rows else self.model.logits
-        return a.get() if hasattr(a, "get") else a
+        a = a.get() if hasattr(a, "get") else a
+        if not np.isfinite(a).all():
+            where = _non_finite_tensor(self.weights) if self.weights is not None else None
+            raise _Fail(f"moelab run: the model's output after position {self.model.pos - 1} is not finite "
+                        f"(NaN or Inf); " + (f"tensor {where} holds non-finite values" if where else
+                                             "no dense tensor holds NaN/Inf, so a routed expert's weights may"))
+        return a
 
     def __iter__(self):
         from .speculative import lookup_draft, verify
@@ -481,6 +490,21 @@ class _Generation:
             for t in produced:
                 if self._emit(t):
                     return
+
+
+def _non_finite_tensor(weights) -> str | None:
+    """The name of the first dense tensor of ``weights`` (in file order: embedding, blocks, head)
+    holding NaN or Inf, or None; read only once the output has been found non-finite."""
+    import numpy as np
+
+    named = [("token_embd", weights.token_embd)]
+    for l, layer in enumerate(weights.layers):
+        for field, v in vars(layer).items():
+            for part, arr in (v.items() if isinstance(v, dict) else [("", v)]):
+                if isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
+                    named.append((f"blk.{l}.{field}{'.' + part if part else ''}", arr))
+    named += [("output_norm", weights.output_norm), ("output", weights.output)]
+    return next((name for name, arr in named if not np.isfinite(arr).all()), None)
 
 
 def _record_trace(path: str, model, gen: _Generation, info, name: str) -> None:
@@ -526,6 +550,7 @@ def _generate(args, weights, tok, prompt: list[int], draft_len: int, stream, rec
     audit = Audit(geometry, profile_residents=policy.cache.slot.keys(), keep_log=True, record_routes=True)
     gen = _Generation(model, tok, Sampler(args.temp, args.seed, args.top_k), prompt, args.tokens, stream,
                       args.prefill_chunk, draft_len)
+    gen.weights = weights  # to name a tensor with NaN/Inf when the output is not finite
     marks = {}
     progress = lambda i: marks.setdefault("prefill", time.perf_counter()) if i == len(prompt) else None  # noqa: E731
     try:

@@ -235,3 +235,20 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_nan_weights_stop_the_run_naming_the_tensor(tmp_path, inputs):
+    from execute.gguf_io import load_model
+
+    model = tmp_path / "nan.gguf"
+    model.write_bytes(inputs["model"].read_bytes())
+    w = load_model(model)
+    off = int(next(t for t in w.reader.tensors if t.name == "blk.1.attn_norm.weight").data_offset)
+    del w
+    with open(model, "r+b") as f:
+        f.seek(off)
+        f.write(np.full(4, np.nan, np.float32).tobytes())
+    r = moelab(["run", model, "-p", "hi", "-n", "4", "--backend", "numpy"], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "tensor blk.1.attn_norm holds non-finite values" in _error_line(r.stderr)
+    assert "\x00" not in r.stdout
