@@ -150,6 +150,7 @@ def _parser_replay() -> argparse.ArgumentParser:
                    help="experts on the expert engine (GPU kernels + Numba CPU pool), or numpy reference (cpu only)")
     p.add_argument("--audit", default=None, help="write the per-token audit JSONL (with routes) here")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     return p
 
 
@@ -299,12 +300,14 @@ def _replay(args) -> int:
     model = M.MoeModel(weights, use_gpu=use_gpu)
     audit = Audit(geometry, keep_log=True, record_routes=args.audit is not None)
     n = len(trace.rows(args.phase)) if args.tokens is None else min(args.tokens, len(trace.rows(args.phase)))
-    progress = (lambda i: print(f"replay: {i}/{n} tokens", file=sys.stderr, flush=True)
-                if i % max(n // 10, 1) == 0 else None)
+    from tqdm import tqdm
+
+    bar = tqdm(total=n, unit="token", desc="replay", disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
     try:
         res = M.run(model, backend, policy, M.trace_inputs(trace, info, args.phase, 0, args.tokens, args.seed),
-                    args.lag_tokens, audit, progress=progress)
+                    args.lag_tokens, audit, progress=lambda i: bar.update(i - bar.n))
     finally:
+        bar.close()
         backend.close()
     summary = audit.summary()
     out = {"model": str(args.model), "trace": trace.model, "policy": args.policy,

@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--reset-per-sequence", action="store_true", help="fresh cache for every sequence")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--out", help="directory for stats.json, hit_rates.csv and hit_rates.png")
+    st.add_argument("--quiet", action="store_true", help="no progress on stderr")
     fit = sub.add_parser("fit", help="fit synthetic-trace parameters to a trace")
     fit.add_argument("path", nargs="?")
     fit.add_argument("--phase", choices=("prefill", "decode"), default="decode")
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--reset-per-sequence", action="store_true")
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--out", help="write the parameters as JSON here")
+    fit.add_argument("--quiet", action="store_true", help="no progress on stderr")
     syn = sub.add_parser("synth", help="write a synthetic trace")
     syn.add_argument("dest")
     syn.add_argument("--preset", help="named preset (geometry + parameters); see traces.synth.PRESETS")
@@ -77,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     syn.add_argument("--tokens", type=int)
     syn.add_argument("--seqs", type=int)
     syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p
 
 
@@ -179,7 +182,7 @@ def _stats(a) -> int:
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")
-    s = summarize(t, a.phase, a.slots, policies, a.reset_per_sequence, progress=len(t) * t.num_layers > 200_000)
+    s = summarize(t, a.phase, a.slots, policies, a.reset_per_sequence, progress=not a.quiet and len(t) * t.num_layers > 200_000)
     print(json.dumps(s, indent=1) if a.json else _table(s))
     if a.out:
         _write_out(Path(a.out), s)
@@ -192,7 +195,7 @@ def _fit(a) -> int:
     if a.out:
         check_output(a.out, "--out")
     t = _load(a.path)
-    params = fit(t, a.phase, a.slots, a.reset_per_sequence, seed=a.seed, progress=True)
+    params = fit(t, a.phase, a.slots, a.reset_per_sequence, seed=a.seed, progress=not a.quiet)
     out = {"params": asdict(params), "geometry": {"num_layers": len(t.moe_layers), "num_experts": max(t.num_experts),
                                                   "top_k": t.top_k}}
     part = t.select(a.phase if len(t.rows(a.phase)) else None)
@@ -241,10 +244,11 @@ def _synth(a) -> int:
             raise ValueError(f"--{key.replace('_', '-')} {v}: expected >= 1")
     t = generate(geo["layers"], geo["experts"], geo["top_k"], geo["tokens"], params, np.random.default_rng(a.seed),
                  num_seqs=geo["seqs"], model=f"synthetic:{a.preset or 'custom'}",
-                 progress=geo["tokens"] * geo["layers"] > 2_000_000)
+                 progress=not a.quiet and geo["tokens"] * geo["layers"] > 2_000_000)
     t.meta["seed"] = a.seed
     t.save(a.dest)
-    print(f"wrote {a.dest}: {t!r}", file=sys.stderr)
+    if not a.quiet:
+        print(f"wrote {a.dest}: {t!r}", file=sys.stderr)
     return 0
 
 
