@@ -1,0 +1,229 @@
+"""moelab's logits against llama.cpp's on synthetic GGUFs of every architecture, on the CPU.
+
+Method: ``build`` installs llama-cpp-python (``--version``, default 0.3.36, built from its sdist
+for the CPU, ``CMAKE_BUILD_PARALLEL_LEVEL=--jobs``) into a cache folder (``--cache``, default
+``~/.cache/moelab/llamacpp``); nothing is built when the cache already holds that version.
+``check`` writes one ``moelab model synth`` file per architecture and expert quant type (2 blocks,
+8 experts top-2, seed ``--seed``; hidden and ffn 64, or 256 for the K-quants, whose blocks are 256
+long; deepseek2 in both MLA layouts), evaluates ``--tokens`` fixed token ids with llama.cpp in a
+child process (``logits_all``, F32 KV cache, no flash attention, 1 thread) and with moelab's
+executor (``execute.model``, ``cpu`` policy, numpy experts), and compares the logits of every
+position: NMSE = sum (moelab - llama.cpp)^2 / sum llama.cpp^2, top-1 agreement, and whether
+``gguf_io.llamacpp_problems`` had anything to say. A file llama.cpp refuses to load is a failed row.
+
+Expected NMSE per expert quant type (dense weights F16, norms and router F32):
+
+- F32 experts: about 1e-14 to 1e-12. Both sides compute in float32 with the same weights; what
+  is left is summation order.
+- F16, BF16 experts: about 1e-8 to 1e-6. llama.cpp's CPU matmul with F16/BF16 weights rounds the
+  activations to F16/BF16 before the dot products (``vec_dot_type``); moelab multiplies by the
+  float32 activations.
+- Q8_0, Q4_0, Q4_K, Q6_K, MXFP4 experts: about 1e-5 to 1e-3. llama.cpp quantizes the activations to
+  8 bits per block (Q8_0 / Q8_K) before its integer dot products; moelab dequantizes the weights
+  and keeps float32 activations.
+
+Dense F16 matrices add the F16 activation rounding on every quant type, so even F32 experts show
+it unless ``--dense-quant F32``. Top-1 agreement should be 1.0 everywhere.
+
+Commands (the build takes tens of minutes on two cores; run it once)::
+
+    python experiments/llamacpp_check.py build --jobs 1
+    python experiments/llamacpp_check.py check --out llamacpp_check_out
+
+``check`` prints a table and writes ``OUT/result.json`` (config, one row per file) and
+``OUT/config.json``. Exit status: 0 every row within its bound (``LIMITS``), 1 a row failed, 2 bad
+input or no build.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
+LIMITS = {"F32": 1e-10, "F16": 1e-5, "BF16": 1e-4, "Q8_0": 1e-2, "Q4_0": 1e-2, "Q4_K": 1e-2, "Q6_K": 1e-2,
+          "MXFP4": 1e-2}  # NMSE bound per expert quant type; see the module docstring for what is typical
+TOKENS = (5, 300, 17, 17, 42, 256, 1, 9, 100, 77, 3, 250)
+
+_CHILD = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+model, tokens, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+llm = Llama(model_path=model, n_ctx=64, n_batch=64, logits_all=True, n_threads=1, n_gpu_layers=0,
+            type_k=0, type_v=0, flash_attn=False, verbose=False)
+llm.eval(tokens)
+np.save(out, np.asarray(llm.scores[:len(tokens)], dtype=np.float32))
+"""
+
+
+def site(cache: Path, version: str) -> Path:
+    return cache / f"llama-cpp-python-{version}"
+
+
+def built(cache: Path, version: str) -> bool:
+    """True when the cache holds an importable llama_cpp of ``version``."""
+    target = site(cache, version)
+    if not (target / "llama_cpp").is_dir():
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                           env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True)
+    return probe.returncode == 0 and probe.stdout.strip() == version
+
+
+def build(cache: Path, version: str, jobs: int, src: str | None) -> int:
+    """pip-install llama-cpp-python ``version`` for the CPU into the cache (skipped when there)."""
+    if built(cache, version):
+        print(f"llama-cpp-python {version}: already in {site(cache, version)}")
+        return 0
+    cache.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs), "FORCE_CMAKE": "1",
+           "CMAKE_ARGS": "-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF "
+                         "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"}
+    cmd = [sys.executable, "-m", "pip", "install", "--no-binary", "llama-cpp-python", "--target",
+           str(site(cache, version)), src or f"llama-cpp-python=={version}"]
+    print("building:", " ".join(cmd), flush=True)
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc or not built(cache, version):
+        print(f"build of llama-cpp-python {version} failed (pip exit {rc})", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cases(archs, quants) -> list[tuple[str, str, str]]:
+    """(arch, expert quant, MLA layout) of every file to check."""
+    from execute.archs import ARCHS
+
+    out = []
+    for arch in archs:
+        for q in quants:
+            for mla in (("split", "kv_b") if ARCHS[arch].attn == "mla" else ("",)):
+                out.append((arch, q, mla))
+    return out
+
+
+def synth_case(folder: Path, arch: str, quant: str, mla: str, dense_quant: str, seed: int) -> Path:
+    from execute.synth import config_from_preset, synth_model
+
+    wide = quant in ("Q4_K", "Q6_K")
+    cfg = config_from_preset("tiny", arch=arch, quant=quant, dense_quant=dense_quant, seed=seed, mla=mla or None,
+                             hidden=256 if wide else None, ffn=256 if wide else None)
+    return synth_model(folder / f"{arch}_{quant}{'_' + mla if mla else ''}.gguf", cfg)
+
+
+def moelab_logits(path: Path, tokens) -> np.ndarray:
+    """Logits ``(len(tokens), vocab)`` of moelab's executor (cpu policy, numpy experts)."""
+    from execute import model as M
+    from execute.gguf_io import load_model
+    from scheduler import Capacity, make_policy
+
+    w = load_model(path)
+    g = w.info.geometry()
+    policy = make_policy("cpu", g, Capacity.per_layer(g, 0))
+    inputs = [M.TokenInput(i, 0, i, "decode", int(t), None) for i, t in enumerate(tokens)]
+    res = M.run(M.MoeModel(w, max_tokens=len(tokens) + 1), M.NumpyExperts(w), policy, inputs, keep_logits=True)
+    return np.stack(res.logits).astype(np.float64)
+
+
+def llamacpp_logits(target: Path, path: Path, tokens) -> tuple[np.ndarray | None, str]:
+    """llama.cpp's logits, or None and the tail of its error output."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "scores.npy"
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), json.dumps(list(tokens)), str(out)],
+                              env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True)
+        if proc.returncode or not out.exists():
+            return None, (proc.stderr or proc.stdout)[-400:].strip()
+        return np.load(out).astype(np.float64), ""
+
+
+def compare(ours: np.ndarray, ref: np.ndarray) -> dict:
+    """NMSE over all positions, worst position's NMSE, top-1 agreement."""
+    per = ((ours - ref) ** 2).sum(axis=1) / (ref ** 2).sum(axis=1)
+    return {"nmse": float(((ours - ref) ** 2).sum() / (ref ** 2).sum()), "nmse_max_position": float(per.max()),
+            "top1": float(np.mean(ours.argmax(axis=1) == ref.argmax(axis=1)))}
+
+
+def check(a) -> int:
+    from execute.gguf_io import llamacpp_problems
+
+    target = site(Path(a.cache), a.version)
+    if not built(Path(a.cache), a.version):
+        print(f"llama-cpp-python {a.version} is not built in {a.cache}: run the build stage first", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(a).items() if k != "func"}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    rows, failed = [], 0
+    print(f"{'file':34s} {'NMSE':>10s} {'worst pos':>10s} {'top-1':>6s}  bound")
+    for arch, quant, mla in cases(a.archs, a.quants):
+        path = synth_case(out, arch, quant, mla, a.dense_quant, a.seed)
+        row = {"arch": arch, "quant": quant, "mla": mla, "file": path.name, "problems": llamacpp_problems(path)}
+        ref, err = llamacpp_logits(target, path, TOKENS[:a.tokens])
+        if ref is None:
+            row.update(ok=False, error=err)
+        else:
+            row.update(compare(moelab_logits(path, TOKENS[:a.tokens]), ref))
+            row["ok"] = row["nmse"] <= LIMITS[quant] and row["top1"] == 1.0
+        failed += not row["ok"]
+        rows.append(row)
+        if "nmse" in row:
+            print(f"{path.name:34s} {row['nmse']:10.2e} {row['nmse_max_position']:10.2e} {row['top1']:6.2f}  "
+                  f"{LIMITS[quant]:.0e} {'ok' if row['ok'] else 'FAILED'}", flush=True)
+        else:
+            print(f"{path.name:34s} llama.cpp failed: {row['error'].splitlines()[-1] if row['error'] else '?'}", flush=True)
+    (out / "result.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
+    print(f"{len(rows) - failed}/{len(rows)} within bounds; {out / 'result.json'}")
+    return 1 if failed else 0
+
+
+def _args(argv):
+    from execute.archs import ARCHS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("stage", choices=("build", "check", "all"))
+    p.add_argument("--cache", default=str(Path.home() / ".cache" / "moelab" / "llamacpp"),
+                   help="folder of the llama-cpp-python build (default ~/.cache/moelab/llamacpp)")
+    p.add_argument("--version", default="0.3.36", help="llama-cpp-python version (default 0.3.36)")
+    p.add_argument("--src", help="a local llama-cpp-python sdist to build instead of the registry's")
+    p.add_argument("--jobs", type=int, default=1, help="parallel compile jobs of the build (default 1)")
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), help="architectures (default all)")
+    p.add_argument("--quants", nargs="+", default=list(QUANTS), help="expert quant types (default all)")
+    p.add_argument("--dense-quant", default="F16", help="dense weights' type (default F16)")
+    p.add_argument("--tokens", type=int, default=len(TOKENS), help=f"positions evaluated (1..{len(TOKENS)})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="llamacpp_check_out", help="output folder (default llamacpp_check_out)")
+    a = p.parse_args(argv)
+    bad = [x for x in a.archs if x not in ARCHS] + [q for q in a.quants if q.upper() not in QUANTS]
+    if bad:
+        p.error(f"unknown architecture or quant type: {', '.join(bad)}")
+    a.quants = [q.upper() for q in a.quants]
+    if not 1 <= a.tokens <= len(TOKENS):
+        p.error(f"--tokens: {a.tokens}, expected 1..{len(TOKENS)}")
+    if a.jobs < 1:
+        p.error(f"--jobs: {a.jobs}, expected >= 1")
+    if a.src and not Path(a.src).is_file():
+        p.error(f"--src: {a.src} is not a file")
+    return a
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    if a.stage in ("build", "all"):
+        rc = build(Path(a.cache), a.version, a.jobs, a.src)
+        if rc or a.stage == "build":
+            return rc
+    return check(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

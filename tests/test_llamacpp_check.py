@@ -1,0 +1,60 @@
+"""experiments/llamacpp_check.py: the comparison, the cases, argument errors and moelab's side on
+its own; (slow) the build and the check against llama.cpp end to end."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+_spec = importlib.util.spec_from_file_location("llamacpp_check", Path(__file__).parents[1] / "experiments" / "llamacpp_check.py")
+lc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lc)
+
+
+def test_compare():
+    ref = np.array([[1.0, 2.0, 0.0], [0.0, 1.0, 3.0]])
+    same = lc.compare(ref, ref)
+    assert same == {"nmse": 0.0, "nmse_max_position": 0.0, "top1": 1.0}
+    off = ref.copy()
+    off[1] = [4.0, 1.0, 3.0]  # position 1's top-1 moves to token 0
+    got = lc.compare(off, ref)
+    assert got["top1"] == 0.5 and got["nmse"] == pytest.approx(16 / 15) and got["nmse_max_position"] == pytest.approx(1.6)
+
+
+def test_cases_cover_both_mla_layouts():
+    got = lc.cases(["qwen3moe", "deepseek2"], ["Q8_0"])
+    assert got == [("qwen3moe", "Q8_0", ""), ("deepseek2", "Q8_0", "split"), ("deepseek2", "Q8_0", "kv_b")]
+
+
+@pytest.mark.parametrize("argv, match", [(["check", "--archs", "mixtral"], "mixtral"),
+                                         (["check", "--quants", "Q5_1"], "Q5_1"),
+                                         (["check", "--tokens", "0"], "--tokens"), (["build", "--jobs", "0"], "--jobs")])
+def test_bad_arguments(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        lc._args(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_check_without_a_build_exits_2(tmp_path, capsys):
+    assert lc.main(["check", "--cache", str(tmp_path / "none"), "--out", str(tmp_path / "out")]) == 2
+    assert "not built" in capsys.readouterr().err
+
+
+def test_moelab_side_matches_the_reference(tmp_path):
+    from execute.gguf_io import load_model
+    from execute.reference import reference_forward
+
+    path = lc.synth_case(tmp_path, "deepseek2", "Q4_K", "split", "F16", 3)
+    ours = lc.moelab_logits(path, lc.TOKENS)
+    ref, _ = reference_forward(load_model(path), list(lc.TOKENS))
+    assert ours.shape == (len(lc.TOKENS), 320) and lc.compare(ours, np.asarray(ref))["nmse"] < 1e-10
+
+
+@pytest.mark.slow
+def test_llamacpp_agrees_on_every_architecture(tmp_path):
+    """Builds llama-cpp-python for the CPU into the default cache (once; tens of minutes), then
+    checks every architecture and quant type against it."""
+    assert lc.main(["all", "--out", str(tmp_path / "out")]) == 0
