@@ -29,7 +29,6 @@ sets ``OMP_WAIT_POLICY=PASSIVE`` before Numba's threading layer starts, unless t
 """
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
@@ -45,22 +44,17 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import quant as Q
+from .cpu_simd import (addr, comb256, dpbusd, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
+                       load_nib32, load_u8, load_u16,
+                       lut16, nib_hi, nib_lo, vand, vor, vshl, vshr, xor80, zero_f32, zero_i32)
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 
 __all__ = ["CpuExpertPool", "CpuJob", "run_experts", "tensor_views"]
 
 _Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16
 _MXFP4 = Q.MXFP4
-# MXFP4 code -> value, a float32 table (a compile-time constant: on this AVX2 VM the lookup measured
-# faster than computing the value from the code's bits with selects or max)
-_MXFP4_VALUES = Q.MXFP4_VALUES.copy()
-# Inner-loop trip counts, passed to the kernels as run-time values: with a constant trip count
-# LLVM unrolls the 32-weight loop completely and then vectorizes across blocks (stride-34 byte
-# gathers, vpinsrb); with a run-time one it vectorizes the loop itself (vpmovsxbd, vcvtdq2ps, vfmadd).
-_LANES = np.array([32, 16], np.int64)
-# Numba computes integer arithmetic in int64, whose conversion to float32 has no packed
-# instruction before AVX-512DQ (scalar vcvtsi2ss): nibble expressions are cast to int32 (LLVM then
-# narrows the arithmetic) before they become float32.
+# MXFP4 code -> integer value + 12 (0..24, unsigned for dpbusd; the 12 comes off through the sums)
+_MXFP4_U8 = (Q.MXFP4_VALUES + 12).astype(np.uint8)
 
 
 @intrinsic
@@ -80,173 +74,228 @@ def _bits_f32(typingctx, bits):
 
 
 @njit(inline="always")
-def _q4k_scale_min(u8b, k, s):
-    """6-bit scale and min of sub-block ``s`` (0..7) of Q4_K block ``k`` (bytes 4..15 of it)."""
-    if s < 4:
-        return np.float32(u8b[k, 4 + s] & 63), np.float32(u8b[k, 8 + s] & 63)
-    sc = (u8b[k, 8 + s] & 15) | ((u8b[k, s] >> 6) << 4)
-    mn = (u8b[k, 8 + s] >> 4) | ((u8b[k, 4 + s] >> 6) << 4)
-    return np.float32(sc), np.float32(mn)
-
-
-@njit(inline="always", fastmath=True)
-def _dot_q8_0(i8b, u16b, k0, x, xs, n32):
-    """Row of Q8_0 blocks k0.. (i8b: (blocks, 34), u16b: (blocks, 17)) . x (cols,)."""
-    xb = x.reshape((x.size // 32, 32))  # (blocks, 32)
-    acc = np.float32(0.0)
-    for b in range(xb.shape[0]):
-        k = k0 + b
-        s = np.float32(0.0)
-        for j in range(n32):
-            s += np.float32(i8b[k, 2 + j]) * xb[b, j]
-        acc += _half(u16b[k, 0]) * s
-    return acc
-
-
-@njit(inline="always", fastmath=True)
-def _dot_q4_0(u8b, u16b, k0, x, xs, n16):
-    """Row of Q4_0 blocks (u8b: (blocks, 18)) . x; xs: x's 32-weight block sums (the -8 offset)."""
-    xb = x.reshape((x.size // 32, 2, 16))  # (blocks, low/high nibble, 16)
-    acc = np.float32(0.0)
-    for b in range(xb.shape[0]):
-        k = k0 + b
-        s = np.float32(0.0)
-        for j in range(n16):
-            q = u8b[k, 2 + j]
-            s += np.float32(np.int32(q & 15)) * xb[b, 0, j] + np.float32(np.int32(q >> 4)) * xb[b, 1, j]
-        acc += _half(u16b[k, 0]) * (s - np.float32(8.0) * xs[b])
-    return acc
-
-
-@njit(inline="always")
 def _e8m0(e):
-    """MXFP4 block exponent (uint8) -> float32 2^(e - 128) from its bits (denormal for e < 2)."""
+    """MXFP4 block exponent (0..255) -> float32 2^(e - 128) from its bits (denormal for e < 2)."""
     ee = np.uint32(e)
     return _bits_f32(np.uint32(np.uint32(0x00200000) << ee if ee < 2 else (ee - np.uint32(1)) << np.uint32(23)))
 
 
-@njit(inline="always", fastmath=True)
-def _dot_mxfp4(u8b, k0, x, n16):
-    """Row of MXFP4 blocks (u8b: (blocks, 17): u8 e, u8 qs[16]) . x; only byte loads (odd blocks)."""
-    xb = x.reshape((x.size // 32, 2, 16))  # (blocks, low/high nibble, 16)
-    acc = np.float32(0.0)
-    for b in range(xb.shape[0]):
-        k = k0 + b
-        s = np.float32(0.0)
-        for j in range(n16):
-            q = u8b[k, 1 + j]
-            s += _MXFP4_VALUES[q & 15] * xb[b, 0, j] + _MXFP4_VALUES[q >> 4] * xb[b, 1, j]
-        acc += _e8m0(u8b[k, 0]) * s
-    return acc
+# Quantized rows are dotted with int8 activations (see _quantize): per 32 weights, dpbusd of the
+# weights as unsigned bytes (Q8_0: w + 128; Q4_0, Q4_K: nibbles; Q6_K: 6-bit q; MXFP4: value + 12)
+# with the activation bytes, converted and FMA'd into a vector accumulator with the product of the
+# two block scales; the unsigned offset (or Q4_K's min) comes off through the activation block's
+# sum xs (float, = scale * sum of its int8 values). Arguments (arrays by address, see cpu_simd.addr):
+# w the weights' bytes, o the row's first byte, nb the row's 32-weight blocks; xq the int8
+# activations from byte xo; xd, xs the activation blocks' scales and sums from block xb (xs16:
+# 16-weight sums, from 2 * xb); l2 the offset of the second activation level in xq (0: one level;
+# see _quantize).
+
+@njit(inline="always")
+def _idot(q, xq, a, l2):
+    """Per-lane integer dot of weight bytes q with the activation block at byte a of xq: 256 q.x1 +
+    q.x2 with two levels (|lane| <= 4 * 255 * 127 * 257 < 2^31)."""
+    v = dpbusd(zero_i32(), q, load_i8x32(xq, a))
+    if l2:
+        v = comb256(v, dpbusd(zero_i32(), q, load_i8x32(xq, a + l2)))
+    return v
 
 
 @njit(inline="always", fastmath=True)
-def _dot_q4_k(u8b, u16b, k0, x, xs, n32):
-    """Row of Q4_K blocks (u8b: (blocks, 144)) . x; mins through xs (x's 32-weight sums)."""
-    xb = x.reshape((x.size // 256, 4, 2, 32))  # (blocks, 64-weight chunk, nibble, 32)
-    xsb = xs.reshape((x.size // 256, 8))  # (blocks, sub-block)
-    acc = np.float32(0.0)
-    for b in range(xb.shape[0]):
-        k = k0 + b
-        d = _half(u16b[k, 0])
-        dmin = _half(u16b[k, 1])
-        for c in range(4):
-            sc0, m0 = _q4k_scale_min(u8b, k, 2 * c)
-            sc1, m1 = _q4k_scale_min(u8b, k, 2 * c + 1)
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            for j in range(n32):
-                q = u8b[k, 16 + 32 * c + j]
-                s0 += np.float32(np.int32(q & 15)) * xb[b, c, 0, j]
-                s1 += np.float32(np.int32(q >> 4)) * xb[b, c, 1, j]
-            acc += d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * xsb[b, 2 * c] + m1 * xsb[b, 2 * c + 1])
-    return acc
+def _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2):
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb):
+        p = o + 34 * b  # f16 d, i8 qs[32]
+        d = load_f16(w, p)
+        v = _idot(xor80(load_i8x32(w, p + 2)), xq, xo + 32 * b, l2)
+        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
+        corr += d * load_f32(xs, xb + b)
+    return hsum(acc) - np.float32(128.0) * corr
 
 
 @njit(inline="always", fastmath=True)
-def _dot_q6_k(u8b, i8b, u16b, k0, x, n16):
-    """Row of Q6_K blocks (u8b/i8b: (blocks, 210): ql[128], qh[64], i8 scales[16], f16 d) . x."""
-    xb = x.reshape((x.size // 256, 2, 4, 2, 16))  # (blocks, half, 32-group, 16-half, 16)
-    acc = np.float32(0.0)
-    for b in range(xb.shape[0]):
-        k = k0 + b
-        s = np.float32(0.0)
-        for h in range(2):
-            ql = 64 * h
-            qh = 128 + 32 * h
-            for m in range(2):
-                sc = 192 + 8 * h + m
-                c0 = np.float32(i8b[k, sc])
-                c1 = np.float32(i8b[k, sc + 2])
-                c2 = np.float32(i8b[k, sc + 4])
-                c3 = np.float32(i8b[k, sc + 6])
-                for j in range(n16):
-                    jj = 16 * m + j
-                    lo0 = u8b[k, ql + jj]
-                    lo1 = u8b[k, ql + 32 + jj]
-                    hb = u8b[k, qh + jj]
-                    q0 = np.int32((lo0 & 15) | ((hb & 3) << 4)) - np.int32(32)
-                    q1 = np.int32((lo1 & 15) | ((hb & 12) << 2)) - np.int32(32)
-                    q2 = np.int32((lo0 >> 4) | (hb & 48)) - np.int32(32)
-                    q3 = np.int32((lo1 >> 4) | ((hb >> 2) & 48)) - np.int32(32)
-                    s += (c0 * np.float32(q0) * xb[b, h, 0, m, j] + c1 * np.float32(q1) * xb[b, h, 1, m, j]
-                          + c2 * np.float32(q2) * xb[b, h, 2, m, j] + c3 * np.float32(q3) * xb[b, h, 3, m, j])
-        acc += _half(u16b[k, 104]) * s
-    return acc
+def _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2):
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb):
+        p = o + 18 * b  # f16 d, u8 qs[16] (low nibbles: weights 0-15, high: 16-31)
+        d = load_f16(w, p)
+        v = _idot(load_nib32(w, p + 2), xq, xo + 32 * b, l2)
+        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
+        corr += d * load_f32(xs, xb + b)
+    return hsum(acc) - np.float32(8.0) * corr
 
 
 @njit(inline="always", fastmath=True)
-def _dot_row(v, row, x, xs, lanes):
-    """Weight row ``row`` (of all experts' rows) of tensor views ``v`` (see _blocks) . x (cols,)."""
-    qt, u8b, i8b, u16b, f32b = v
-    if qt == _F32:
-        s = np.float32(0.0)
-        for j in range(x.size):
-            s += f32b[row, j] * x[j]
-        return s
-    if qt == _F16:
-        s = np.float32(0.0)
-        for j in range(x.size):
-            s += _half(u16b[row, j]) * x[j]
-        return s
-    if qt == _BF16:
-        s = np.float32(0.0)
-        for j in range(x.size):
-            s += _bits_f32(np.uint32(u16b[row, j]) << 16) * x[j]
-        return s
-    if qt == _Q8_0:
-        return _dot_q8_0(i8b, u16b, row * (x.size // 32), x, xs, lanes[0])
-    if qt == _Q4_0:
-        return _dot_q4_0(u8b, u16b, row * (x.size // 32), x, xs, lanes[1])
-    if qt == _MXFP4:
-        return _dot_mxfp4(u8b, row * (x.size // 32), x, lanes[1])
-    if qt == _Q4_K:
-        return _dot_q4_k(u8b, u16b, row * (x.size // 256), x, xs, lanes[0])
-    return _dot_q6_k(u8b, i8b, u16b, row * (x.size // 256), x, lanes[1])
+def _dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table):
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb):
+        p = o + 17 * b  # u8 e, u8 qs[16] (nibble codes, Q4_0's order)
+        d = _e8m0(load_u8(w, p))
+        v = _idot(lut16(load_nib32(w, p + 1), table), xq, xo + 32 * b, l2)
+        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
+        corr += d * load_f32(xs, xb + b)
+    return hsum(acc) - np.float32(12.0) * corr
 
 
 @njit(inline="always")
-def _blocks(v, cols):
-    """tensor_views tuple -> (qtype, u8, i8, u16 as (blocks, block units), f32 as (rows, cols)):
-    a float type's block is one row, so every weight row starts at block ``row * blocks per row``.
-    MXFP4's 17-byte blocks have no 16-bit view (u16 is a (1, 1) dummy)."""
-    u8, i8, u16, f32, qt, eb, rb = v
-    if qt == _Q8_0:
-        bb = 34
-    elif qt == _Q4_0:
-        bb = 18
-    elif qt == _Q4_K:
-        bb = 144
-    elif qt == _Q6_K:
-        bb = 210
-    elif qt == _MXFP4:
-        bb = 17
+def _q4k_scale_min(w, p, s):
+    """6-bit scale and min of sub-block ``s`` (0..7) of the Q4_K block at byte ``p``."""
+    if s < 4:
+        return np.float32(load_u8(w, p + 4 + s) & 63), np.float32(load_u8(w, p + 8 + s) & 63)
+    sc = (load_u8(w, p + 8 + s) & 15) | ((load_u8(w, p + s) >> 6) << 4)
+    mn = (load_u8(w, p + 8 + s) >> 4) | ((load_u8(w, p + 4 + s) >> 6) << 4)
+    return np.float32(sc), np.float32(mn)
+
+
+@njit(inline="always", fastmath=True)
+def _dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2):
+    acc0 = zero_f32()
+    acc1 = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb // 8):
+        p = o + 144 * b  # f16 d, f16 dmin, u8 scales[12], u8 qs[128]
+        d = load_f16(w, p)
+        dmin = load_f16(w, p + 2)
+        mins = np.float32(0.0)
+        for c in range(4):  # 32 bytes: low nibbles are sub-block 2c, high nibbles 2c + 1
+            q = load_i8x32(w, p + 16 + 32 * c)
+            s = xb + 8 * b + 2 * c
+            sc0, m0 = _q4k_scale_min(w, p, 2 * c)
+            sc1, m1 = _q4k_scale_min(w, p, 2 * c + 1)
+            a = xo + 256 * b + 64 * c
+            acc0 = fma_cvt(acc0, _idot(nib_lo(q), xq, a, l2), d * sc0 * load_f32(xd, s))
+            acc1 = fma_cvt(acc1, _idot(nib_hi(q), xq, a + 32, l2), d * sc1 * load_f32(xd, s + 1))
+            mins += m0 * load_f32(xs, s) + m1 * load_f32(xs, s + 1)
+        corr += dmin * mins
+    return hsum(acc0) + hsum(acc1) - corr
+
+
+@njit(inline="always", fastmath=True)
+def _q6_part(acc, q, w, sp, dq, xq, a, l2, xd, xs16, s):
+    """acc + dpbusd(q, activation block at a) scaled per 16 weights (i8 scales at sp, sp + 1);
+    and the block's offset term sum(scale * xs16)."""
+    s0 = np.float32(load_i8(w, sp))
+    s1 = np.float32(load_i8(w, sp + 1))
+    ds = dq * load_f32(xd, s)
+    acc = fma_cvt2(acc, _idot(q, xq, a, l2), ds * s0, ds * s1)
+    return acc, s0 * load_f32(xs16, 2 * s) + s1 * load_f32(xs16, 2 * s + 1)
+
+
+@njit(inline="always", fastmath=True)
+def _dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2):
+    acc0 = zero_f32()
+    acc1 = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb // 8):
+        p = o + 210 * b  # u8 ql[128], u8 qh[64], i8 scales[16], f16 d
+        d = load_f16(w, p + 208)
+        off = np.float32(0.0)
+        for hh in range(2):  # 128 weights: 32-weight groups g = 0..3 (activation block 4 hh + g)
+            ql0 = load_i8x32(w, p + 64 * hh)
+            ql1 = load_i8x32(w, p + 64 * hh + 32)
+            qh = load_i8x32(w, p + 128 + 32 * hh)
+            sp = p + 192 + 8 * hh  # scales of group g: sp + 2g (weights 0-15), sp + 2g + 1 (16-31)
+            s = xb + 8 * b + 4 * hh
+            a = xo + 256 * b + 128 * hh
+            acc0, t0 = _q6_part(acc0, vor(nib_lo(ql0), vshl(vand(qh, 3), 4)), w, sp, d, xq, a, l2, xd, xs16, s)
+            acc1, t1 = _q6_part(acc1, vor(nib_lo(ql1), vshl(vand(qh, 12), 2)), w, sp + 2, d, xq, a + 32, l2, xd, xs16,
+                                s + 1)
+            acc0, t2 = _q6_part(acc0, vor(nib_hi(ql0), vand(qh, 48)), w, sp + 4, d, xq, a + 64, l2, xd, xs16, s + 2)
+            acc1, t3 = _q6_part(acc1, vor(nib_hi(ql1), vand(vshr(qh, 2), 48)), w, sp + 6, d, xq, a + 96, l2, xd, xs16,
+                                s + 3)
+            off += t0 + t1 + t2 + t3
+        corr += d * off
+    return hsum(acc0) + hsum(acc1) - np.float32(32.0) * corr
+
+
+@njit(inline="always", fastmath=True)
+def _dot_float(qt, w, o, x, xo, cols):
+    """Row of a float tensor from element o (w: address of its F32 or F16/BF16 elements) . x[xo:xo + cols]."""
+    s = np.float32(0.0)
+    if qt == _F32:
+        for j in range(cols):
+            s += load_f32(w, o + j) * load_f32(x, xo + j)
+    elif qt == _F16:
+        for j in range(cols):
+            s += _half(np.uint16(load_u16(w, o + j))) * load_f32(x, xo + j)
     else:
-        bb = rb
-    n = u8.size // bb
-    f2 = f32.reshape((n, cols)) if qt == _F32 else f32.reshape((1, 1))
-    u2 = u16.reshape((1, 1)) if qt == _MXFP4 else u16.reshape((n, bb // 2))
-    return qt, u8.reshape((n, bb)), i8.reshape((n, bb)), u2, f2
+        for j in range(cols):
+            s += _bits_f32(load_u16(w, o + j) << np.uint32(16)) * load_f32(x, xo + j)
+    return s
+
+
+@njit(inline="always", fastmath=True)
+def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table):
+    """Row ``row`` (of all experts' rows) of a tensor of type qt (w: its address, rb bytes per row)
+    . input ``i``: x (address of the (n, cols) float32 inputs) for float types, the int8
+    activations xq, xd, xs, xs16, l2 (see _quantize) for quantized ones."""
+    o = row * rb
+    nb = cols // 32
+    if qt == _Q8_0:
+        return _dot_q8_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2)
+    if qt == _Q4_K:
+        return _dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2)
+    if qt == _Q6_K:
+        return _dot_q6_k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2)
+    if qt == _Q4_0:
+        return _dot_q4_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2)
+    if qt == _MXFP4:
+        return _dot_mxfp4(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, table)
+    return _dot_float(qt, w, row * cols, x, i * cols, cols)
+
+
+@njit(inline="always", fastmath=True)
+def _quantize16(xf, xq, j0, d, inv, l2):
+    """xq[j0:j0 + 16] (and its second level at l2 when l2 > 0) from xf; the sum of the integers
+    (256 q1 + q2 for two levels)."""
+    s = np.int32(0)
+    for j in range(j0, j0 + 16):
+        q = np.int32(np.rint(xf[j] * inv))
+        xq[j] = q
+        if l2:
+            r = np.int32(np.rint((xf[j] - np.float32(q) * d) * (np.float32(256.0) * inv)))
+            r = min(max(r, np.int32(-127)), np.int32(127))
+            xq[l2 + j] = r
+            q = np.int32(256) * q + r
+        s += q
+    return s
+
+
+@njit(inline="always", fastmath=True)
+def _quantize(x, quantized, levels):
+    """x (n, cols) float32 -> (xq (levels * n * cols,) int8, xd, xs (n * cols / 32,), xs16
+    (n * cols / 16,), l2): per 32 columns, d = max |x| / 127 and q1 = round(x / d) (llama.cpp's
+    q8_0 activations); with 2 levels also q2 = round((x - d q1) * 256 / d), clipped to +-127, from
+    byte l2 = n * cols, so that x = d / 256 (256 q1 + q2) to within d / 512. xd is the scale of
+    the integer a kernel forms (d, or d / 256 for two levels), xs and xs16 the sums of the
+    dequantized values per 32 and 16 columns (the offsets' terms). Empty arrays when not
+    ``quantized`` (float weights read x) or the rows are not whole blocks."""
+    n, cols = x.shape
+    m = n * cols if quantized and cols % 32 == 0 else 0
+    xq = np.empty(levels * m, np.int8)
+    xd = np.empty(m // 32, np.float32)
+    xs = np.empty(m // 32, np.float32)
+    xs16 = np.empty(m // 16, np.float32)
+    if m == 0:
+        return xq, xd, xs, xs16, 0
+    xf = x.reshape(m)
+    l2 = m if levels == 2 else 0
+    for b in range(m // 32):
+        amax = np.float32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(xf[32 * b + j]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        s0 = _quantize16(xf, xq, 32 * b, d, inv, l2)
+        s1 = _quantize16(xf, xq, 32 * b + 16, d, inv, l2)
+        ds = d / np.float32(256.0) if l2 else d
+        xd[b] = ds
+        xs[b] = ds * np.float32(s0 + s1)
+        xs16[2 * b] = ds * np.float32(s0)
+        xs16[2 * b + 1] = ds * np.float32(s1)
+    return xq, xd, xs, xs16, l2
 
 
 @njit(inline="always", fastmath=True)
@@ -257,67 +306,101 @@ def _swiglu_oai(a, b, limit, alpha):
     return a / (np.float32(1.0) + np.exp(-alpha * a)) * (b + np.float32(1.0))
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _gate_up(g, u, bg, bu, oai, group_expert, group_start, order, x, xs, h, rows_per_task, lanes):
-    """h[i] = act(gate_e x[i] + bg[e], up_e x[i] + bu[e]) for every pair i: act is silu(a) * b when
-    ``oai`` is None, else ``_swiglu_oai`` with ``oai`` = (limit, alpha). x: (n, hidden); xs: (n,
-    hidden/32) block sums of x; h: (n, ffn); bg, bu: (experts, ffn) or None. None arguments are
-    typed as such, so their branches are compiled out (the plain silu path has none)."""
-    ffn = h.shape[1]
-    hidden = x.shape[1]
-    gv = _blocks(g, hidden)
-    uv = _blocks(u, hidden)
-    tasks_per_group = (ffn + rows_per_task - 1) // rows_per_task
-    n_tasks = group_expert.shape[0] * tasks_per_group
-    for t in prange(n_tasks):
-        k = t // tasks_per_group
-        r0 = (t % tasks_per_group) * rows_per_task
-        r1 = min(r0 + rows_per_task, ffn)
-        e = group_expert[k]
+@njit(fastmath=True, nogil=True, cache=True)
+def _rows(v, e, r0, r1, pairs, xf, ax, out, table):
+    """out[i, r] = row r of expert e (tensor views v) . input i, for rows r0..r1 - 1 and the pairs
+    i in ``pairs``; xf (n * cols,) the inputs, ax their int8 form (see _quantize); out (n, rows).
+    The one compiled copy of every type's dot (gate, up and down share it). The inner loops read
+    through addresses: array accesses there would add reference counting per row."""
+    u8, u16, f32, qt, rb = v
+    xq, xd, xs, xs16, l2 = ax
+    w = addr(f32) if qt == _F32 else addr(u16) if qt == _F16 or qt == _BF16 else addr(u8)
+    pxf, pq, pd, ps, ps16, pt = addr(xf), addr(xq), addr(xd), addr(xs), addr(xs16), addr(table)
+    rows = out.shape[1]
+    cols = xf.size // out.shape[0]
+    for r in range(r0, r1):
+        for p in range(pairs.size):
+            i = pairs[p]
+            out[i, r] = _dot_row(qt, w, rb, e * rows + r, cols, i, pxf, pq, pd, ps, ps16, l2, pt)
+
+
+@njit(inline="always", fastmath=True)
+def _activate(hg, hu, bg, bu, oai, e, r0, r1, pairs):
+    """hg[i, r] = act(hg[i, r] + bg[e, r], hu[i, r] + bu[e, r]) for rows r0..r1 - 1 of the pairs:
+    act is silu(a) * b when ``oai`` is None, else _swiglu_oai with oai = (limit, alpha); biases
+    None (compiled out) or (experts, ffn) float32."""
+    for i in pairs:
         for r in range(r0, r1):
-            for p in range(group_start[k], group_start[k + 1]):
-                i = order[p]
-                a = _dot_row(gv, e * ffn + r, x[i], xs[i], lanes)
-                b = _dot_row(uv, e * ffn + r, x[i], xs[i], lanes)
-                if bg is not None:
-                    a += bg[e, r]
-                if bu is not None:
-                    b += bu[e, r]
-                if oai is None:
-                    h[i, r] = a / (np.float32(1.0) + np.exp(-a)) * b
-                else:
-                    h[i, r] = _swiglu_oai(a, b, oai[0], oai[1])
+            a = hg[i, r]
+            b = hu[i, r]
+            if bg is not None:
+                a += bg[e, r]
+            if bu is not None:
+                b += bu[e, r]
+            if oai is None:
+                hg[i, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+            else:
+                hg[i, r] = _swiglu_oai(a, b, oai[0], oai[1])
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _down(dn, bd, group_expert, group_start, order, h, hs, y, rows_per_task, lanes):
-    """y[i] = down_e h[i] + bd[e] for every pair i. h: (n, ffn); hs: (n, ffn/32) block sums;
-    y: (n, hidden); bd: (experts, hidden) or None (compiled out)."""
-    hidden = y.shape[1]
-    ffn = h.shape[1]
-    dv = _blocks(dn, ffn)
-    tasks_per_group = (hidden + rows_per_task - 1) // rows_per_task
-    n_tasks = group_expert.shape[0] * tasks_per_group
-    for t in prange(n_tasks):
-        k = t // tasks_per_group
-        r0 = (t % tasks_per_group) * rows_per_task
-        r1 = min(r0 + rows_per_task, hidden)
-        e = group_expert[k]
-        for r in range(r0, r1):
-            for p in range(group_start[k], group_start[k + 1]):
-                i = order[p]
-                y[i, r] = _dot_row(dv, e * hidden + r, h[i], hs[i], lanes)
-                if bd is not None:
-                    y[i, r] += bd[e, r]
+def _moe(g, u, dn, bg, bu, bd, oai, experts, x, y, ffn, chunks, table):
+    """y[i] = down_e(act(gate_e x[i] + bg[e], up_e x[i] + bu[e])) + bd[e], e = experts[i], for every
+    pair i (see _activate), in two parallel regions (gate+up, then down), each ``chunks`` equal
+    runs of the (expert, row) work; pairs are grouped by expert so that a weight row is read once
+    per call. x: (n, hidden) float32; y: (n, hidden) float32, written; bd None or (experts, hidden)."""
+    n, hidden = x.shape
+    order = np.argsort(experts, kind="mergesort")
+    group_start = np.empty(n + 1, np.int64)
+    group_expert = np.empty(n, np.int64)
+    ng = 0
+    for p in range(n):
+        if p == 0 or experts[order[p]] != experts[order[p - 1]]:
+            group_start[ng] = p
+            group_expert[ng] = experts[order[p]]
+            ng += 1
+    group_start[ng] = n
+    gq = g[3] not in (_F32, _F16, _BF16) or u[3] not in (_F32, _F16, _BF16)
+    ax = _quantize(x, gq, 2)
+    xf = x.reshape(n * hidden)
+    h = np.empty((n, ffn), np.float32)
+    hu = np.empty((n, ffn), np.float32)
+    work = ng * ffn
+    for t in prange(chunks):  # gate + up: h (n, ffn); chunk t: flat (expert group, row) f0..f1 - 1
+        f0 = t * work // chunks
+        f1 = (t + 1) * work // chunks
+        for k in range(f0 // ffn, (f1 + ffn - 1) // ffn):
+            r0 = max(f0 - k * ffn, 0)
+            r1 = min(f1 - k * ffn, ffn)
+            pairs = order[group_start[k]:group_start[k + 1]]
+            _rows(g, group_expert[k], r0, r1, pairs, xf, ax, h, table)
+            _rows(u, group_expert[k], r0, r1, pairs, xf, ax, hu, table)
+            _activate(h, hu, bg, bu, oai, group_expert[k], r0, r1, pairs)
+    ah = _quantize(h, dn[3] not in (_F32, _F16, _BF16), 2)
+    hf = h.reshape(n * ffn)
+    work = ng * hidden
+    for t in prange(chunks):  # down: y (n, hidden)
+        f0 = t * work // chunks
+        f1 = (t + 1) * work // chunks
+        for k in range(f0 // hidden, (f1 + hidden - 1) // hidden):
+            r0 = max(f0 - k * hidden, 0)
+            r1 = min(f1 - k * hidden, hidden)
+            pairs = order[group_start[k]:group_start[k + 1]]
+            _rows(dn, group_expert[k], r0, r1, pairs, hf, ah, y, table)
+            if bd is not None:
+                for i in pairs:
+                    for r in range(r0, r1):
+                        y[i, r] += bd[group_expert[k], r]
 
 
 _EMPTY_F32 = np.zeros(1, np.float32)
 _EMPTY_U16 = np.zeros(1, np.uint16)
-_OAI = {"silu": None, "swiglu_oai": (np.float32(7.0), np.float32(1.702))}  # activation -> _gate_up's oai
+_OAI = {"silu": None, "swiglu_oai": (np.float32(7.0), np.float32(1.702))}  # activation -> _moe's oai
 
 
 def tensor_views(t: ExpertTensor) -> tuple:
-    """(u8, i8, u16, f32, qtype, expert_bytes, row_bytes): the byte views the kernels read."""
+    """(u8, u16, f32, qtype, row_bytes): the flat views of all experts' rows the kernels read
+    (u16 for F16/BF16, f32 for F32; one-element dummies otherwise)."""
     Q.row_bytes(t.qtype, t.cols, t.name or "expert tensor")
     rb = Q.row_bytes(t.qtype, t.cols)
     if t.expert_bytes != rb * t.rows:
@@ -325,27 +408,8 @@ def tensor_views(t: ExpertTensor) -> tuple:
                          f"{t.rows} rows x {rb} = {rb * t.rows} for {Q.QTYPES[t.qtype].name}")
     flat = np.asarray(t.data).reshape(-1)
     f32 = flat.view(np.float32) if t.qtype == Q.F32 else _EMPTY_F32
-    u16 = _EMPTY_U16 if t.qtype == Q.MXFP4 else flat.view(np.uint16)
-    return (flat, flat.view(np.int8), u16, f32, np.int64(t.qtype),
-            np.int64(t.expert_bytes), np.int64(rb))
-
-
-def _block_sums(x: np.ndarray) -> np.ndarray:
-    """(n, cols) -> (n, cols / 32) float32 sums of each 32-column block (Q4_0/Q4_K offsets)."""
-    if x.shape[1] % 32:  # only float types have such rows; they do not read the sums
-        return np.zeros((x.shape[0], 1), np.float32)
-    return x.reshape(x.shape[0], -1, 32).sum(axis=2, dtype=np.float32)
-
-
-def _groups(experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    order = np.argsort(experts, kind="stable").astype(np.int64)
-    ids, start = np.unique(experts[order], return_index=True)
-    return ids.astype(np.int64), np.append(start, len(experts)).astype(np.int64), order
-
-
-def _rows_per_task(rows: int, groups: int, threads: int) -> int:
-    """About 4 tasks per thread, at least 4 rows each."""
-    return max(4, math.ceil(rows * groups / (4 * max(threads, 1))))
+    u16 = flat.view(np.uint16) if t.qtype in (Q.F16, Q.BF16) else _EMPTY_U16
+    return flat, u16, f32, np.int64(t.qtype), np.int64(rb)
 
 
 def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, threads: int | None = None,
@@ -361,16 +425,10 @@ def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, thre
     y = np.empty((len(e), layer.hidden), np.float32) if out is None else out
     if y.shape != (len(e), layer.hidden) or y.dtype != np.float32 or not y.flags.c_contiguous:
         raise ValueError(f"layer {layer.layer}: out must be C-contiguous float32 ({len(e)}, {layer.hidden})")
-    if not len(e):
-        return y
     g, u, d = views or (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
-    ids, start, order = _groups(e)
     th = threads or numba.get_num_threads()
-    h = np.empty((len(e), layer.ffn), np.float32)
-    _gate_up(g, u, layer.gate_bias, layer.up_bias, _OAI[layer.activation], ids, start, order, x, _block_sums(x), h,
-             _rows_per_task(layer.ffn, len(ids), th), _LANES)
-    _down(d, layer.down_bias, ids, start, order, h, _block_sums(h), y, _rows_per_task(layer.hidden, len(ids), th),
-          _LANES)
+    _moe(g, u, d, layer.gate_bias, layer.up_bias, layer.down_bias, _OAI[layer.activation], e, x, y, layer.ffn, th,
+         _MXFP4_U8)
     return y
 
 

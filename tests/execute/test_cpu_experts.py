@@ -15,14 +15,23 @@ from execute.experts import ACTIVATIONS, ExecutorError, random_layer
 from .conftest import biased, biased_reference
 
 ALL = sorted(Q.QTYPES)
-# float32 accumulation over <= 512 terms, exact dequantization: far below 1e-5 in practice
+FLOATS = (Q.F32, Q.F16, Q.BF16)
+# relative error bound (norm of the error / norm of the reference): float weights are dotted with
+# float32 inputs (exact dequantization, float32 accumulation: ~1e-7); quantized weights with two
+# int8 levels of the inputs (|error| <= scale / 512 per input: ~5e-5 measured, NMSE ~2e-9, well
+# inside NMSE 1e-4)
 REL_ERR = 1e-5
+REL_ERR_INT8 = 2e-4
 
 
 def rel_err(y, ref):
     y = np.asarray(y, np.float64)
     assert np.isfinite(y).all()
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def bound(*qtypes):
+    return REL_ERR if all(t in FLOATS for t in qtypes) else REL_ERR_INT8
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=[Q.QTYPES[t].name for t in ALL])
@@ -32,7 +41,7 @@ def test_kernels_match_reference(qtype, rng, reference):
     x = rng.standard_normal((len(experts), 512)).astype(np.float32)
     y = run_experts(layer, experts, x, threads=2)
     assert y.shape == (7, 512) and y.dtype == np.float32
-    assert rel_err(y, reference(layer, experts, x)) < REL_ERR
+    assert rel_err(y, reference(layer, experts, x)) < bound(qtype)
 
 
 # odd block counts (the kernels reshape rows into blocks and read x's 32-column sums), and float
@@ -48,14 +57,14 @@ def test_odd_shapes_and_single_token_groups(qtype, rng, reference):
     layer = random_layer(rng, 4, num_experts=3, hidden=hidden, ffn=ffn, qtype=qtype)
     experts = [2, 0, 1]
     x = (rng.standard_normal((3, hidden)) * [[1.0], [1e-3], [30.0]]).astype(np.float32)  # scales differ per row
-    assert rel_err(run_experts(layer, experts, x, threads=1), reference(layer, experts, x)) < REL_ERR
+    assert rel_err(run_experts(layer, experts, x, threads=1), reference(layer, experts, x)) < bound(qtype)
 
 
 @pytest.mark.parametrize("qtype, down", [(Q.Q4_K, Q.Q6_K), (Q.MXFP4, Q.MXFP4)], ids=("Q4_K+Q6_K", "MXFP4"))
 def test_mixed_types_and_fast_random_blocks(qtype, down, rng, reference):
     layer = random_layer(rng, 0, num_experts=4, hidden=256, ffn=512, qtype=qtype, down_qtype=down, exact=False)
     x = rng.standard_normal((3, 256)).astype(np.float32)
-    assert rel_err(run_experts(layer, [3, 0, 2], x), reference(layer, [3, 0, 2], x)) < REL_ERR
+    assert rel_err(run_experts(layer, [3, 0, 2], x), reference(layer, [3, 0, 2], x)) < bound(qtype, down)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -67,7 +76,7 @@ def test_biases_and_activations_match_float64(activation, qtype, rng):
     ref, cut = biased_reference(layer, experts, x)
     assert activation == "silu" or cut > 0.05  # the clamps are exercised
     y = run_experts(layer, experts, x, threads=2)
-    assert rel_err(y, ref) < REL_ERR
+    assert rel_err(y, ref) < bound(qtype)
     plain = dataclasses.replace(layer, gate_bias=None, up_bias=None, down_bias=None, activation="silu")
     assert rel_err(run_experts(plain, experts, x, threads=1), ref) > 1e-2  # biases and activation matter
 
@@ -98,7 +107,7 @@ def test_pool_runs_in_background(rng, reference):
     with CpuExpertPool(threads=2, timeout_s=60) as pool:
         jobs = [pool.submit(layer, [i, 3 - i, 0, 1], x) for i in range(3)]
         for i, job in enumerate(jobs):
-            assert rel_err(job.result(), reference(layer, [i, 3 - i, 0, 1], x)) < REL_ERR
+            assert rel_err(job.result(), reference(layer, [i, 3 - i, 0, 1], x)) < REL_ERR_INT8
 
 
 def test_pool_failure_is_an_error_not_an_abort(rng):

@@ -1,0 +1,327 @@
+"""256-bit vector values and the few operations the CPU expert kernels need, as Numba intrinsics.
+
+Numba has no vector type; this module gives it three, ``I8x32`` (32 bytes), ``I32x8`` and
+``F32x8``, each an LLVM vector held in a register, and operations on them that lower to one or
+a few instructions. The kernels in ``execute.cpu_experts`` are written with them in plain Numba
+loops, so the block structure of each quant type stays readable while the inner loop is the
+integer dot llama.cpp uses: ``dpbusd`` (32 unsigned weight bytes x 32 signed activation bytes,
+summed in groups of 4 into 8 int32 lanes), one int -> float conversion and one FMA per 32
+weights into a vector accumulator, one horizontal sum per row.
+
+``dpbusd`` is ``vpdpbusd`` (AVX-512 VNNI or AVX-VNNI) when the host has it; otherwise the same
+arithmetic in plain IR (zero/sign extension, multiply, pairwise adds), which LLVM lowers to
+``vpmaddwd`` and adds on AVX2. ``lut16`` (MXFP4's code table) is ``vpshufb`` (AVX2). Numba's
+on-disk cache is keyed on the CPU name and features, so code compiled for one host is never
+loaded on another.
+
+Loads take an address (``addr(array)``) and a byte offset, are unaligned (``align 1``) and read
+exactly the bytes named; callers keep offsets in bounds (the kernels' views are checked once per
+call by ``tensor_views``) and the arrays alive.
+"""
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+__all__ = ["I8x32", "I32x8", "F32x8", "HAS_VNNI", "zero_i32", "zero_f32", "load_i8x32", "load_nib32",
+           "nib_lo", "nib_hi", "vand", "vor", "vshl", "vshr", "xor80", "lut16", "dpbusd", "fma_cvt",
+           "fma_cvt2", "comb256", "hsum", "addr", "load_f16", "load_f32", "load_u16", "load_i8", "load_u8"]
+
+_features = llvm.get_host_cpu_features()
+HAS_VNNI = bool(_features.get("avx512vnni") and _features.get("avx512vl")) or bool(_features.get("avxvnni"))
+
+
+class VecType(types.Type):
+    """A 256-bit LLVM vector of ``n`` lanes of ``kind`` (i8, i32 or f32)."""
+
+    def __init__(self, kind: str, n: int):
+        self.kind, self.n = kind, n
+        super().__init__(name=f"Vec{kind}x{n}")
+
+
+I8x32, I32x8, F32x8 = VecType("i8", 32), VecType("i32", 8), VecType("f32", 8)
+_I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+
+
+def _ll(t: VecType) -> ir.VectorType:
+    return ir.VectorType({"i8": _I8, "i32": _I32, "f32": _F32}[t.kind], t.n)
+
+
+@register_model(VecType)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _ll(fe_type))
+
+
+V8, V32, VF = _ll(I32x8), _ll(I8x32), _ll(F32x8)
+
+
+def _splat(builder, value, vt: ir.VectorType):
+    """Scalar ``value`` (already of the lane type) in every lane of ``vt``."""
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vt.count), [0] * vt.count))
+
+
+def _ptr(context, builder, sig, args, lt, k=0):
+    """Pointer to byte args[k] + args[k + 1] (two integers; args[k] alone when it is the last), as ``lt*``."""
+    b = context.cast(builder, args[k], sig.args[k], types.int64)
+    if k + 1 < len(args):
+        b = builder.add(b, context.cast(builder, args[k + 1], sig.args[k + 1], types.int64))
+    return builder.inttoptr(b, ir.PointerType(lt))
+
+
+def _addr_args(base, off) -> bool:
+    return isinstance(base, types.Integer) and isinstance(off, types.Integer)
+
+
+@intrinsic
+def addr(typingctx, arr):
+    """The address of a contiguous array's first element (int64). The kernels read through
+    addresses, not arrays, so that Numba adds no reference counting to their inner loops; the
+    caller keeps the array alive."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.ptrtoint(a.data, ir.IntType(64))
+    return types.int64(arr), codegen
+
+
+@intrinsic
+def zero_i32(typingctx):
+    """<8 x i32> zeros."""
+    return I32x8(), lambda context, builder, sig, args: ir.Constant(V8, None)
+
+
+@intrinsic
+def zero_f32(typingctx):
+    """<8 x f32> zeros."""
+    return F32x8(), lambda context, builder, sig, args: ir.Constant(VF, None)
+
+
+@intrinsic
+def load_i8x32(typingctx, base, off):
+    """Bytes base + off .. base + off + 31."""
+    if not _addr_args(base, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_ptr(context, builder, sig, args, V32), align=1)
+    return I8x32(base, off), codegen
+
+
+@intrinsic
+def load_nib32(typingctx, base, off):
+    """16 bytes at base + off -> 32 nibbles: lane j < 16 is byte j & 15, lane 16 + j is byte j >> 4."""
+    if not _addr_args(base, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I8, 16)
+        q = builder.load(_ptr(context, builder, sig, args, v16), align=1)
+        lo = builder.and_(q, ir.Constant(v16, [15] * 16))
+        hi = builder.lshr(q, ir.Constant(v16, [4] * 16))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    return I8x32(base, off), codegen
+
+
+def _binop(name):
+    def make(typingctx, v, c):
+        if v != I8x32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            rhs = args[1] if sig.args[1] == I8x32 else _splat(builder, builder.trunc(args[1], _I8), V32)
+            return getattr(builder, name)(args[0], rhs)
+        return I8x32(v, c), codegen
+    return make
+
+
+vand = intrinsic(_binop("and_"))
+vand.__doc__ = "Bytewise v & c (c: a vector or an integer, splatted)."
+vor = intrinsic(_binop("or_"))
+vor.__doc__ = "Bytewise v | c."
+vshl = intrinsic(_binop("shl"))
+vshl.__doc__ = "Bytewise v << c."
+vshr = intrinsic(_binop("lshr"))
+vshr.__doc__ = "Bytewise logical v >> c."
+
+
+@intrinsic
+def nib_lo(typingctx, v):
+    """Bytewise v & 15."""
+    if v != I8x32:
+        return None
+    return I8x32(v), lambda context, builder, sig, args: builder.and_(args[0], ir.Constant(V32, [15] * 32))
+
+
+@intrinsic
+def nib_hi(typingctx, v):
+    """Bytewise v >> 4 (logical)."""
+    if v != I8x32:
+        return None
+    return I8x32(v), lambda context, builder, sig, args: builder.lshr(args[0], ir.Constant(V32, [4] * 32))
+
+
+@intrinsic
+def xor80(typingctx, v):
+    """Bytewise v ^ 0x80: int8 w -> uint8 w + 128."""
+    if v != I8x32:
+        return None
+    return I8x32(v), lambda context, builder, sig, args: builder.xor(args[0], ir.Constant(V32, [0x80] * 32))
+
+
+@intrinsic
+def lut16(typingctx, v, table):
+    """Bytewise table[v] for v in 0..15; ``table`` the address of 16 bytes (vpshufb)."""
+    if v != I8x32 or not isinstance(table, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I8, 16)
+        t = builder.load(_ptr(context, builder, sig, args, v16, k=1), align=1)
+        t2 = builder.shuffle_vector(t, t, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32, [V32, V32]), "llvm.x86.avx2.pshuf.b")
+        return builder.call(fn, [t2, args[0]])
+    return I8x32(v, table), codegen
+
+
+def _dpbusd_ir(builder, acc, u, s):
+    """acc + per-lane sums of 4 products u8 x s8, in plain IR (LLVM picks vpmaddwd on AVX2)."""
+    w32 = ir.VectorType(_I32, 32)
+    p = builder.mul(builder.zext(u, w32), builder.sext(s, w32))
+    idx = ir.VectorType(_I32, 8)
+    parts = [builder.shuffle_vector(p, p, ir.Constant(idx, [4 * i + k for i in range(8)])) for k in range(4)]
+    return builder.add(acc, builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3])))
+
+
+@intrinsic
+def dpbusd(typingctx, acc, u, s):
+    """acc[l] + sum_{k<4} u[4l+k] * s[4l+k]: u as unsigned bytes, s as signed bytes."""
+    if acc != I32x8 or u != I8x32 or s != I8x32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not HAS_VNNI:
+            return _dpbusd_ir(builder, *args)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [V8, V8, V8]),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, [args[0], builder.bitcast(args[1], V8), builder.bitcast(args[2], V8)])
+    return I32x8(acc, u, s), codegen
+
+
+@intrinsic
+def comb256(typingctx, hi, lo):
+    """hi * 256 + lo, per int32 lane (two activation levels with scales in ratio 256)."""
+    if hi != I32x8 or lo != I32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(builder.shl(args[0], ir.Constant(V8, [8] * 8)), args[1])
+    return I32x8(hi, lo), codegen
+
+
+@intrinsic
+def fma_cvt(typingctx, acc, v, s):
+    """acc + float(v) * s (s: float32 scalar, broadcast)."""
+    if acc != F32x8 or v != I32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f = builder.sitofp(args[1], VF)
+        sv = _splat(builder, context.cast(builder, args[2], sig.args[2], types.float32), VF)
+        return builder.fadd(args[0], builder.fmul(f, sv, flags=("fast",)), flags=("fast",))
+    return F32x8(acc, v, types.float32), codegen
+
+
+@intrinsic
+def fma_cvt2(typingctx, acc, v, s0, s1):
+    """acc + float(v) * [s0 x4, s1 x4]: lanes 0-3 (bytes 0-15) scaled by s0, lanes 4-7 by s1."""
+    if acc != F32x8 or v != I32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f = builder.sitofp(args[1], VF)
+        a = _splat(builder, context.cast(builder, args[2], sig.args[2], types.float32), VF)
+        b = _splat(builder, context.cast(builder, args[3], sig.args[3], types.float32), VF)
+        sv = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), [0, 1, 2, 3, 12, 13, 14, 15]))
+        return builder.fadd(args[0], builder.fmul(f, sv, flags=("fast",)), flags=("fast",))
+    return F32x8(acc, v, types.float32, types.float32), codegen
+
+
+@intrinsic
+def hsum(typingctx, v):
+    """Sum of the 8 lanes (float32, any order)."""
+    if v != F32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, VF]),
+                                            "llvm.vector.reduce.fadd.v8f32")
+        return builder.call(fn, [ir.Constant(_F32, -0.0), args[0]], fastmath=("fast",))
+    return types.float32(v), codegen
+
+
+@intrinsic
+def load_f16(typingctx, base, off):
+    """The float16 at byte base + off (any alignment), as float32."""
+    if not _addr_args(base, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = builder.load(_ptr(context, builder, sig, args, ir.HalfType()), align=1)
+        return builder.fpext(h, _F32)
+    return types.float32(base, off), codegen
+
+
+@intrinsic
+def load_f32(typingctx, base, i):
+    """Element ``i`` of the float32 array at address ``base``."""
+    if not _addr_args(base, i):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), ir.PointerType(_F32))
+        return builder.load(builder.gep(p, [context.cast(builder, args[1], sig.args[1], types.int64)]), align=4)
+    return types.float32(base, i), codegen
+
+
+@intrinsic
+def load_u16(typingctx, base, i):
+    """Element ``i`` of the uint16 array at address ``base``, as uint32."""
+    if not _addr_args(base, i):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), ir.PointerType(ir.IntType(16)))
+        v = builder.load(builder.gep(p, [context.cast(builder, args[1], sig.args[1], types.int64)]), align=2)
+        return builder.zext(v, _I32)
+    return types.uint32(base, i), codegen
+
+
+@intrinsic
+def load_i8(typingctx, base, off):
+    """The byte at base + off as int32 (signed)."""
+    if not _addr_args(base, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = builder.load(_ptr(context, builder, sig, args, _I8), align=1)
+        return builder.sext(b, _I32)
+    return types.int32(base, off), codegen
+
+
+@intrinsic
+def load_u8(typingctx, base, off):
+    """The byte at base + off as int32 (unsigned)."""
+    if not _addr_args(base, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = builder.load(_ptr(context, builder, sig, args, _I8), align=1)
+        return builder.zext(b, _I32)
+    return types.int32(base, off), codegen
