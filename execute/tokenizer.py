@@ -17,9 +17,10 @@
   copy of the text where every character above 127 stands for its class (one code point each
   for letters, numbers, punctuation, marks, symbols, other; whitespace becomes ``\\v``), so
   ``\\p{L}`` is ASCII letters plus that letter code point (``\\p{Lu}`` and the other letter
-  subclasses are all of ``\\p{L}``, as in llama.cpp); ``[A-Za-z]`` stays ASCII. Patterns without
-  classes run on the text itself, whitespace above 127 again as ``\\v``. ``\\s`` is ASCII
-  whitespace. Classes come from Python's ``unicodedata``, whose Unicode version may differ from
+  subclasses are all of ``\\p{L}``, as in llama.cpp); ``[A-Za-z]`` stays ASCII. ``kimi-k2``
+  (llama.cpp splits it by hand) gives Han ideographs a class of their own, ``\\p{Han}``.
+  Patterns without classes run on the text itself, whitespace above 127 again as ``\\v``.
+  ``\\s`` is ASCII whitespace. Classes come from Python's ``unicodedata``, whose Unicode version may differ from
   llama.cpp's tables in rare characters.
 - **SentencePiece** (``"llama"``): spaces become U+2581 (with a leading one when
   ``add_space_prefix``, at the start and after a special token), then the adjacent pair whose
@@ -83,6 +84,9 @@ _GROUPS = {  # one entry per llama.cpp pre-tokenizer type
                                  r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")),
     "gpt-4o": PreTokenizer((_CASED.replace("CONTR", _CONTRACTIONS + "?").replace("DIGITS", r"\p{N}{1,3}"),)),
     "tekken": PreTokenizer((_CASED.replace("CONTR", "").replace("DIGITS", r"\p{N}"),)),
+    # llama.cpp's own splitter for Kimi K2: Han runs, then words of other letters (marks not included)
+    "kimi-k2": PreTokenizer((r"\p{Han}+|[^\r\n\p{L}\p{Han}\p{N}]?\p{L}+" + _CONTRACTIONS + r"?|\p{N}{1,3}"
+                             r"| ?[^\s\p{L}\p{Han}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)),
 }
 # pre name (tokenizer.ggml.pre) -> rules: the names llama.cpp knows that models of the supported
 # architectures carry, with the aliases llama.cpp gives the same rules
@@ -99,6 +103,7 @@ _NAMES = {
     "deepseek-v3": ("deepseek-v3", "joyai-llm"),
     "gpt-4o": ("gpt-4o", "kanana2"),
     "tekken": ("tekken",),
+    "kimi-k2": ("kimi-k2",),
 }
 PRE_TOKENIZERS = {name: _GROUPS[group] for group, names in _NAMES.items() for name in names}
 
@@ -131,12 +136,19 @@ def byte_alphabet() -> list[str]:
 
 
 # character classes ------------------------------------------------------------------------------
-_CLASS_CHAR = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}  # other: \xd0
-_CLASS_ASCII = {"N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:;?@\[-\]_\{\}", "M": "", "S": r"\$\+<->\^`\|~"}
+_CLASS_CHAR = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5", "H": "\xd6"}  # other: \xd0
+_CLASS_ASCII = {"N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:;?@\[-\]_\{\}", "M": "", "S": r"\$\+<->\^`\|~", "H": ""}
+# \p{Han} (kimi-k2): llama.cpp's ranges of CJK ideographs
+_HAN = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2EBEF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 
 
 class _Collapse(dict):
-    """``str.translate`` table: a character above 127 -> its class code point, whitespace -> \\v."""
+    """``str.translate`` table: a character above 127 -> its class code point, whitespace -> \\v;
+    with ``han``, Han ideographs get their own code point (and are not in \\p{L})."""
+
+    def __init__(self, han: bool = False):
+        super().__init__()
+        self.han = han
 
     def __missing__(self, cp: int) -> int:
         ch = chr(cp)
@@ -144,6 +156,8 @@ class _Collapse(dict):
             out = cp
         elif ch.isspace():
             out = 0x0B
+        elif self.han and any(a <= cp <= b for a, b in _HAN):
+            out = 0xD6
         else:
             out = ord(_CLASS_CHAR.get(unicodedata.category(ch)[0], "\xd0"))
         self[cp] = out
@@ -159,7 +173,7 @@ class _Widen(dict):
         return out
 
 
-_COLLAPSE, _WIDEN = _Collapse(), _Widen()
+_VIEWS = {"classes": _Collapse(), "classes+han": _Collapse(han=True), "text": _Widen()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,15 +192,16 @@ def _cased_letters() -> str:
     return "[" + "".join(re.escape(chr(a)) + ("-" + re.escape(chr(b)) if b > a else "") for a, b in ranges) + "]"
 
 
-def _translate(pattern: str) -> tuple[re.Pattern, bool]:
-    """A pattern in llama.cpp's syntax -> (Python pattern, runs on the collapsed text)."""
-    collapsed = "\\p{" in pattern
+def _translate(pattern: str) -> tuple[re.Pattern, str]:
+    """A pattern in llama.cpp's syntax -> (Python pattern, the view of the text it runs on:
+    "classes", "classes+han" or "text")."""
+    view = "classes+han" if "\\p{Han}" in pattern else "classes" if "\\p{" in pattern else "text"
     out, i, inside = [], 0, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\" and pattern.startswith("p{", i + 1):
             end = pattern.index("}", i)
-            cls = pattern[i + 3:end][0]  # Lu, Ll, ... are all letters here
+            cls = pattern[i + 3:end][0]  # Lu, Ll, ... are all letters here; H: Han
             body = _CLASS_CHAR[cls] + _CLASS_ASCII[cls]
             out.append(body if inside else f"[{body}]")
             i = end + 1
@@ -204,11 +219,11 @@ def _translate(pattern: str) -> tuple[re.Pattern, bool]:
         out.append(c)
         i += 1
     text = "".join(out).replace("CASED_LETTERS", _cased_letters() if "CASED_LETTERS" in pattern else "")
-    return re.compile(text, re.ASCII), collapsed
+    return re.compile(text, re.ASCII), view
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str) -> tuple[tuple[re.Pattern, bool], ...]:
+def _compiled(name: str) -> tuple[tuple[re.Pattern, str], ...]:
     return tuple(_translate(p) for p in PRE_TOKENIZERS[name].patterns)
 
 
@@ -217,10 +232,10 @@ def pre_split(text: str, name: str) -> list[str]:
     rules = _compiled(name)
     views = {}
     spans = [(0, len(text))] if text else []
-    for pattern, collapsed in rules:
-        if collapsed not in views:
-            views[collapsed] = text.translate(_COLLAPSE if collapsed else _WIDEN)
-        src, out = views[collapsed], []
+    for pattern, view in rules:
+        if view not in views:
+            views[view] = text.translate(_VIEWS[view])
+        src, out = views[view], []
         for a, b in spans:
             at = a
             for m in pattern.finditer(src, a, b):

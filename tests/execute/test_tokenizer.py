@@ -152,6 +152,7 @@ def spelled(tok: Tokenizer, text: str, **kw) -> list[str]:
     ("llama-bpe", ["123", "45"]),  # runs of up to three
     ("deepseek-v3", ["123", "45"]),
     ("gpt-4o", ["123", "45"]),
+    ("kimi-k2", ["123", "45"]),
     ("gpt-2", ["12345"]),  # one number
 ])
 def test_digits_follow_each_pre_tokenizer(pre, expected):
@@ -198,6 +199,8 @@ def test_pre_tokenizer_patterns_apply_in_turn():
     assert pre_split("HelloWorld ok", "gpt-4o") == ["Hello", "World", " ok"]
     assert pre_split("a\nb  ", "deepseek-llm") == ["a", "\n", "b", "  "]
     assert pre_split("日本語のテキストabc", "deepseek-v3") == ["日本語のテキスト", "abc"]
+    assert pre_split("你好世界hello World", "kimi-k2") == ["你好世界", "hello", " World"]  # Han apart
+    assert pre_split("你好世界hello World", "qwen2") == ["你好世界hello", " World"]
 
 
 def test_user_defined_tokens_stay_whole_control_tokens_only_when_asked():
@@ -216,11 +219,11 @@ def test_longer_special_token_goes_first_over_the_whole_text():
 
 def test_unknown_pre_tokenizer_is_refused():
     meta = {"model": "gpt2", "tokens": BYTES, "token_type": [1] * 256, "merges": []}
-    for name in ("kimi-k2", "my-own", "gpt2"):
+    for name in ("youtu", "my-own", "gpt2"):
         with pytest.raises(TokenizerError, match=f"f.gguf: tokenizer.ggml.pre = '{name}' is not a pre-tokenizer"):
             Tokenizer({**meta, "pre": name}, "f.gguf")
     assert Tokenizer({**meta, "pre": None}).pre == "default"  # llama.cpp: a file without the key
-    assert {"qwen2", "qwen35", "llama-bpe", "deepseek-v3", "deepseek-llm", "gpt-4o", "olmo", "refact"} <= set(PRE_TOKENIZERS)
+    assert {"qwen2", "qwen35", "llama-bpe", "deepseek-v3", "deepseek-llm", "gpt-4o", "olmo", "refact", "kimi-k2"} <= set(PRE_TOKENIZERS)
 
 
 def test_merging_is_linear_in_the_word():
