@@ -20,8 +20,8 @@
   subclasses are all of ``\\p{L}``, as in llama.cpp); ``[A-Za-z]`` stays ASCII. ``kimi-k2``
   (llama.cpp splits it by hand) gives Han ideographs a class of their own, ``\\p{Han}``.
   Patterns without classes run on the text itself, whitespace above 127 again as ``\\v``.
-  ``\\s`` is ASCII whitespace. Classes come from Python's ``unicodedata``, whose Unicode version may differ from
-  llama.cpp's tables in rare characters.
+  ``\\s`` is ASCII whitespace. Classes come from Python's ``unicodedata``, whose Unicode
+  version may differ from llama.cpp's tables in rare characters.
 - **SentencePiece** (``"llama"``): spaces become U+2581 (with a leading one when
   ``add_space_prefix``, at the start and after a special token), then the adjacent pair whose
   concatenation is a piece of highest score is merged (ties: leftmost), with a heap; symbols not
