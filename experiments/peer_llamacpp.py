@@ -48,8 +48,10 @@ import hashlib
 import io
 import json
 import os
+import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -258,24 +260,20 @@ def prepare(args) -> int:
         raise Fail(f"prepare: --src {args.src}: no such file (make it with: pack --out {args.src})")
     work.mkdir(parents=True, exist_ok=True)
     model = work / args.model_name
-    jobs = {}
+    jobs = {}  # name: (shell command, log, stamp file written when it succeeds, its content)
     build = build_script(args, work)
     if build is None:
         print(f"prepare: {work / 'build' / 'bin' / 'llama-bench'} is built from {args.src}: skipped")
     else:
-        jobs["build"] = (build[0], work / "build.log", build[1])
+        jobs["build"] = (build[0], work / "build.log", work / "build" / "peer_build.json", build[1])
     synth = synth_command(args, model)
     if synth_done(model, synth):
         print(f"prepare: {model} is complete: skipped")
     else:
         model.unlink(missing_ok=True)
-        jobs["synth"] = (shlex.join(synth), work / "synth.log", {"synth": synth[synth.index("synth"):]})
+        jobs["synth"] = (shlex.join(synth), work / "synth.log", Path(f"{model}.json"),
+                         {"synth": synth[synth.index("synth"):]})
     failed = run_parallel(jobs, args.progress_s)
-    for name, (_, log, done) in jobs.items():
-        if name in failed:
-            continue
-        path = work / "build" / "peer_build.json" if name == "build" else Path(f"{model}.json")
-        path.write_text(json.dumps(done, indent=1) + "\n")
     if failed:
         for name in failed:
             print(f"prepare: {name} failed (exit {failed[name]}); last lines of {jobs[name][1]}:", file=sys.stderr)
@@ -286,36 +284,52 @@ def prepare(args) -> int:
 
 
 def run_parallel(jobs: dict, progress_s: float) -> dict:
-    """Run each job's shell command with its output in its log; print each log's last progress
-    line every ``progress_s``; -> {name: exit status} of those that failed."""
+    """Run each job's shell command with its output in its log, and write its stamp when it
+    succeeds; print each log's last progress line every ``progress_s``; -> {name: exit status} of
+    those that failed. Interrupted (SIGTERM, Ctrl-C), it stops the jobs still running, with their
+    children."""
     procs = {}
-    for name, (cmd, log, _) in jobs.items():
-        print(f"prepare: {name}: {cmd}  (log: {log})", flush=True)
-        with open(log, "w") as f:
-            procs[name] = subprocess.Popen(cmd, shell=True, stdout=f, stderr=subprocess.STDOUT, env=child_env())
-    t0, failed = time.monotonic(), {}
+    try:
+        for name, (cmd, log, _, _) in jobs.items():
+            print(f"prepare: {name}: {cmd}  (log: {log})", flush=True)
+            with open(log, "w") as f:
+                procs[name] = subprocess.Popen(cmd, shell=True, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
+                                               start_new_session=True)
+        return _wait(jobs, procs, progress_s)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+
+
+def _wait(jobs: dict, procs: dict, progress_s: float) -> dict:
+    t0, failed, running = time.monotonic(), {}, dict(procs)
     next_print = t0 + progress_s
-    while procs:
+    while running:
         time.sleep(min(progress_s, 0.5))
-        for name, p in list(procs.items()):
+        for name, p in list(running.items()):
             if p.poll() is not None:
-                del procs[name]
+                del running[name]
                 if p.returncode:
                     failed[name] = p.returncode
+                else:
+                    _, _, stamp, content = jobs[name]
+                    stamp.write_text(json.dumps(content, indent=1) + "\n")
                 print(f"prepare: {name} {'failed' if p.returncode else 'done'} after "
                       f"{time.monotonic() - t0:.0f} s", flush=True)
-        if procs and time.monotonic() >= next_print:
+        if running and time.monotonic() >= next_print:
             next_print += progress_s
-            for name in procs:
+            for name in running:
                 print(f"prepare: {time.monotonic() - t0:4.0f} s {name}: {last_progress(jobs[name][1])}", flush=True)
     return failed
 
 
 def last_progress(log: Path) -> str:
-    """The last ``[n/m]`` / ``[ nn%]`` line of a build log, or the last line (synth's progress)."""
-    lines = [l.strip() for l in tail(log, 40).replace("\r", "\n").splitlines() if l.strip()]
-    marked = [l for l in lines if l.startswith("[")]
-    return ((marked or lines or ["(no output yet)"])[-1])[:120]
+    """The last ``[n/m]`` (ninja) or ``[ nn%]`` (make) line of a build log, else its last line
+    (synth's progress)."""
+    lines = [l.strip() for l in tail(log, 1000).replace("\r", "\n").splitlines() if l.strip()]
+    marked = [l for l in lines if re.match(r"\[\s*\d+(/\d+|%)\]", l)]
+    return (marked or lines or ["(no output yet)"])[-1][:120]
 
 
 def tail(path: Path, num_lines: int) -> str:
@@ -798,4 +812,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # a time limit: clean up, then exit
     sys.exit(main())

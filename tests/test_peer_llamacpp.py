@@ -286,3 +286,15 @@ def test_prepare_skips_a_matching_build_synthesises_once_and_reports_a_failed_st
     err = capsys.readouterr().err
     assert "synth failed (exit 1)" in err and "out of disk" in err
     assert not (work / "other.gguf.json").exists()
+
+
+def test_last_progress_is_the_builds_last_step_line_among_compiler_warnings(tmp_path):
+    log = tmp_path / "build.log"
+    log.write_text("-- Configuring done\n[3/143] Building C object a.o\n[4/143] Building CXX object b.o\n"
+                   "b.cpp:1:2: warning: unused\n  |   ^~~\n")
+    assert peer.last_progress(log) == "[4/143] Building CXX object b.o"
+    log.write_text("[ 45%] Built target ggml\nwarning\n")
+    assert peer.last_progress(log) == "[ 45%] Built target ggml"
+    log.write_text("synth: tensor 3/27 (blk.0.ffn_up_exps.weight), 0.10/1.51 GiB\n")
+    assert peer.last_progress(log).startswith("synth: tensor 3/27")
+    assert peer.last_progress(tmp_path / "none.log") == "(no output yet)"
