@@ -459,8 +459,9 @@ def measure(args, cell: dict, prompt: str, log: Path) -> dict:
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=child_env())
-    except subprocess.TimeoutExpired as exc:
-        log.write_text(f"$ {shlex.join(cmd)}\n{exc.stdout or ''}\n--- stderr\n{exc.stderr or ''}")
+    except subprocess.TimeoutExpired as exc:  # its output arrives as bytes, text=True or not
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr))
+        log.write_text(f"$ {shlex.join(cmd)}\n{out}\n--- stderr\n{err}")
         return {**row, "wall_s": time.monotonic() - t0, "error": f"timed out after {args.timeout_s} s"}
     except OSError as exc:
         return {**row, "wall_s": time.monotonic() - t0, "error": str(exc)}

@@ -298,3 +298,12 @@ def test_last_progress_is_the_builds_last_step_line_among_compiler_warnings(tmp_
     log.write_text("synth: tensor 3/27 (blk.0.ffn_up_exps.weight), 0.10/1.51 GiB\n")
     assert peer.last_progress(log).startswith("synth: tensor 3/27")
     assert peer.last_progress(tmp_path / "none.log") == "(no output yet)"
+
+
+def test_a_run_past_its_timeout_is_an_error_row_with_its_output_logged(tmp_path):
+    slow = _script(tmp_path / "slow", "#!{python}\nimport time\nprint('loading', flush=True)\ntime.sleep(30)\n")
+    args = peer.parser().parse_args(["bench", "--timeout-s", "3", "--llama-bench", str(slow), "--model", "m.gguf"])
+    args.llama_bench, args.model = slow, Path("m.gguf")
+    row = peer.measure(args, {"cell": "llama.cpp -ncmoe 0", "tool": "llama.cpp", "ncmoe": 0}, "", tmp_path / "x.log")
+    assert row["error"] == "timed out after 3.0 s"
+    assert "loading" in (tmp_path / "x.log").read_text()
