@@ -28,7 +28,7 @@ it unless ``--dense-quant F32``. Top-1 agreement should be 1.0 everywhere.
 Commands (the build takes tens of minutes on two cores; run it once)::
 
     python experiments/llamacpp_check.py build --jobs 1
-    python experiments/llamacpp_check.py check --out llamacpp_check_out
+    python experiments/llamacpp_check.py check --out experiments/out/llamacpp_check
 
 ``check`` prints a table and writes ``OUT/result.json`` (config, one row per file) and
 ``OUT/config.json``. Exit status: 0 every row within its bound (``LIMITS``), 1 a row failed, 2 bad
@@ -201,7 +201,8 @@ def _args(argv):
     p.add_argument("--dense-quant", default="F16", help="dense weights' type (default F16)")
     p.add_argument("--tokens", type=int, default=len(TOKENS), help=f"positions evaluated (1..{len(TOKENS)})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="llamacpp_check_out", help="output folder (default llamacpp_check_out)")
+    p.add_argument("--out", default="experiments/out/llamacpp_check",
+                   help="output folder (default experiments/out/llamacpp_check)")
     a = p.parse_args(argv)
     bad = [x for x in a.archs if x not in ARCHS] + [q for q in a.quants if q.upper() not in QUANTS]
     if bad:
