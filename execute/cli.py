@@ -510,6 +510,16 @@ def _non_finite_tensor(weights) -> str | None:
     return next((name for name, arr in named if not np.isfinite(arr).all()), None)
 
 
+def _batch_positions(route_log: list, gen: _Generation) -> list:
+    """``route_log`` (one entry per position run) split into the generation's batches, for the
+    audit: a multi-token batch then imports as one trace row per position."""
+    out, i = [], 0
+    for n, _ in gen.batches:
+        out.append(route_log[i:i + n])
+        i += n
+    return out
+
+
 def _record_trace(path: str, model, gen: _Generation, info, name: str) -> None:
     """The routing of every position run (rejected drafts too), one row each, with the batches
     in ``meta["batches"]`` (``execute.model.trace_batches``)."""
@@ -637,7 +647,7 @@ def _run(args) -> int:
         raise _Fail(f"moelab run: {exc}") from None
     prompt = _prompt_ids(args, tok)
     out, gen, model, audit = _generate(args, weights, tok, prompt, args.speculative, sys.stdout,
-                                       record=bool(args.record_trace))
+                                       record=bool(args.record_trace or args.audit))
     if args.compare:
         plain, pgen, _, _ = _generate(args, weights, tok, prompt, 0, io.StringIO())
         out["plain"] = {k: plain[k] for k in ("prompt_tokens_per_s", "decode_tokens", "decode_s",
@@ -645,7 +655,8 @@ def _run(args) -> int:
         out["speedup"] = out["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain["decode_tokens_per_s"] else 0.0
         out["same_tokens"] = gen.generated == pgen.generated
     if args.audit:
-        audit.write_jsonl(args.audit, run={k: out[k] for k in ("model", "policy", "cache_mib", "digest")})
+        audit.write_jsonl(args.audit, run={k: out[k] for k in ("model", "policy", "cache_mib", "digest")},
+                          positions=_batch_positions(model.route_log, gen))
     if args.record_trace:
         from traces import TraceError
 

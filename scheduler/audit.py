@@ -26,7 +26,10 @@ class Audit:
     ``keep_log=True`` also keeps every decision and move for ``log`` / ``digest``.
     ``record_routes=True`` adds each token's routing to its record, as
     ``"routes": [[layer, [expert, ...], [weight, ...] or null], ...]`` (experts in router-rank
-    order), so that an audit file is also a routing trace (``moelab trace import audit``).
+    order), so that an audit file is also a routing trace (``moelab trace import audit``). A
+    multi-token batch (``num_tokens`` > 1 in its record) routes each position to its own top-k,
+    which the batch's union of experts cannot tell apart: ``write_jsonl(positions=...)`` adds each
+    position's routing, so that such a batch imports as one trace row per position.
     """
 
     def __init__(self, geometry: Geometry, profile_residents=(), keep_log: bool = False,
@@ -101,6 +104,8 @@ class Audit:
                 totals[k] += v
             if self.keep_records:
                 rec = {"token": tok.index, "seq": tok.seq, "pos": tok.pos, "phase": tok.phase}
+                if tok.num_tokens != 1:
+                    rec["num_tokens"] = tok.num_tokens
                 rec.update(zip(COUNTERS, self.cur))
                 rec["added"] = self.added
                 rec["removed"] = self.removed
@@ -133,11 +138,25 @@ class Audit:
             raise ValueError("Audit.digest needs keep_log=True")
         return hashlib.sha256(repr(self.log).encode()).hexdigest()
 
-    def write_jsonl(self, path: str | os.PathLike, run: dict | None = None) -> None:
-        """Write one JSON line per token, then a summary line (``"summary": true``), atomically."""
+    def write_jsonl(self, path: str | os.PathLike, run: dict | None = None, positions=None) -> None:
+        """Write one JSON line per token, then a summary line (``"summary": true``), atomically.
+
+        ``positions``: None, or per record the routing of each position of its batch, as
+        ``(pos, [(layer, experts, weights), ...])`` pairs (``execute.model.MoeModel.route_log``, split
+        by batch); written as the record's ``"positions"``."""
+        if positions is not None and len(positions) != len(self.records):
+            raise ValueError(f"positions: {len(positions)} batches, the audit has {len(self.records)} records")
         geometry = {"num_experts": list(self.geometry.num_experts), "top_k": self.geometry.top_k,
                     "expert_bytes": list(self.geometry.expert_bytes)}
         with atomic_open(path, "w") as f:
-            for rec in self.records:
+            for i, rec in enumerate(self.records):
+                if positions is not None:
+                    rec = {**rec, "positions": [_position(p, routes) for p, routes in positions[i]]}
                 f.write(json.dumps(rec, separators=(",", ":")) + "\n")
             f.write(json.dumps({"summary": True, "geometry": geometry, **(run or {}), **self.summary()}) + "\n")
+
+
+def _position(pos: int, routes) -> dict:
+    """One position's routing as an audit record holds it."""
+    return {"pos": int(pos), "routes": [[int(l), [int(e) for e in ids], None if ws is None else [float(w) for w in ws]]
+                                        for l, ids, ws in routes]}

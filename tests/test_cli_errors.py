@@ -252,3 +252,17 @@ def test_nan_weights_stop_the_run_naming_the_tensor(tmp_path, inputs):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "tensor blk.1.attn_norm holds non-finite values" in _error_line(r.stderr)
     assert "\x00" not in r.stdout
+
+
+@pytest.mark.parametrize("extra", [["--prefill-chunk", "8"], ["--prefill-chunk", "5", "--speculative", "2"]])
+def test_run_audit_with_multi_token_batches_imports_as_the_recorded_trace(tmp_path, inputs, extra):
+    r = moelab(["run", inputs["model"], "-p", "the cat sat on the mat, the cat sat on the", "-n", "6",
+                "--audit", "a.jsonl", "--record-trace", "rt", *extra], tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = moelab(["trace", "import", "audit", "a.jsonl", "imp"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    got, want = traces.load(tmp_path / "imp", check=True), traces.load(tmp_path / "rt", check=True)
+    assert len(got) == len(want) > 20
+    for name in ("expert_ids", "pos", "phase"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+    np.testing.assert_allclose(got.weights, want.weights, rtol=1e-6)

@@ -21,7 +21,8 @@ Formats (``IMPORTERS``, name -> function ``(src, **options) -> Trace``):
   increasing layers; a record whose layer is not greater than the previous record's starts a new
   token. One sequence, all decode. Layers/experts default to the largest seen + 1.
 - ``audit``: moelab's own audit JSONL (``Audit(record_routes=True).write_jsonl``): per-token
-  records with ``routes`` and a final summary line holding the geometry.
+  records with ``routes`` and a final summary line holding the geometry. A record with
+  ``positions`` (a multi-token batch) gives one row per position, from each position's routes.
 """
 from __future__ import annotations
 
@@ -355,19 +356,26 @@ def import_audit(src) -> Trace:
     _check_geometry(src, "summary line", L, max(num_experts, default=0), k)
     if min(num_experts) < 0 or any(0 < n < k for n in num_experts):
         raise _fail(src, "summary line", f"geometry.num_experts {num_experts} does not fit top_k {k}")
-    T = len(records)
+    rows = []  # (line, record, pos, routes): one per trace row
+    for n, r in records:
+        if r.get("positions") is None:
+            rows.append((n, r, r.get("pos"), r.get("routes")))
+            continue
+        if not isinstance(r["positions"], list) or not all(isinstance(p, dict) for p in r["positions"]):
+            raise _fail(src, f"line {n}", "field 'positions' is not a list of {pos, routes} objects")
+        rows.extend((n, r, p.get("pos"), p.get("routes")) for p in r["positions"])
+    T = len(rows)
     ids_a = np.full((T, L, k), -1, dtype=np.int16 if max(num_experts) <= 32767 else np.int32)
     w_a = np.full((T, L, k), np.nan, dtype=np.float32)
     any_w = False
     seq, pos, phase = [], [], []
-    for t, (n, r) in enumerate(records):
+    for t, (n, r, p, routes) in enumerate(rows):
         where = f"line {n}"
         seq.append(_int(r.get("seq"), src, where, "seq"))
-        pos.append(_int(r.get("pos"), src, where, "pos"))
+        pos.append(_int(p, src, where, "pos"))
         if r.get("phase") not in PHASES:
             raise _fail(src, where, f"phase {r.get('phase')!r}, expected one of {PHASES}")
         phase.append(PHASES.index(r["phase"]))
-        routes = r.get("routes")
         if not isinstance(routes, list):
             raise _fail(src, where, "field 'routes' missing or not a list (write the audit with record_routes=True)")
         for route in routes:
@@ -378,7 +386,8 @@ def import_audit(src) -> Trace:
                 raise _fail(src, where, f"route layer {layer} is not a MoE layer of the geometry")
             ids = _ids(route[1], None, num_experts[layer], src, f"{where} layer {layer}")
             if len(ids) > k:
-                raise _fail(src, where, f"layer {layer}: {len(ids)} experts > top_k {k} (a multi-token batch?)")
+                raise _fail(src, where, f"layer {layer}: {len(ids)} experts > top_k {k} (a multi-token batch "
+                                        f"written without 'positions'; moelab run --audit writes them)")
             w = _weights(route[2], len(ids), src, f"{where} layer {layer}")
             ids_a[t, layer, :len(ids)] = ids
             if w is not None:
