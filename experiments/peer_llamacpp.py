@@ -169,7 +169,8 @@ def write_slim(src: tarfile.TarFile, out: Path, source: dict) -> tuple[int, int]
 def _write_slim(src: tarfile.TarFile, tmp: Path, source: dict) -> tuple[int, int]:
     num_files = num_bytes = 0
     has_license = False
-    with gzip.GzipFile(tmp, "wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as dst:
+    with open(tmp, "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w") as dst:  # no name or time in the header: same sdist, same bytes
         for m in src:
             top, _, rest = m.name.partition("/")
             if not rest.startswith(VENDOR) or not (m.isfile() or m.isdir()):

@@ -129,6 +129,8 @@ def test_pack_writes_the_slim_tree_with_license_version_and_long_paths_renamed(t
     assert source == {"sdist": "s.tar.gz", "name": "llama_cpp_python", "version": "9.9.9"}
     side = json.loads(Path(f"{out}.json").read_text())
     assert side["version"] == "9.9.9" and side["files"] == 2 and side["sha256"] == peer.sha256(out)
+    assert peer.main(["pack", "--sdist", str(sdist), "--out", str(tmp_path / "again.tgz")]) == 0
+    assert (tmp_path / "again.tgz").read_bytes() == out.read_bytes()
 
 
 def test_pack_refuses_an_sdist_without_llama_cpp_license_and_writes_nothing(tmp_path, capsys):
