@@ -266,3 +266,45 @@ def test_run_audit_with_multi_token_batches_imports_as_the_recorded_trace(tmp_pa
     for name in ("expert_ids", "pos", "phase"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
     np.testing.assert_allclose(got.weights, want.weights, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["stall", "crash"])
+def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monkeypatch, fault):
+    """``moelab replay`` on the CPU path with the pool's kernel call stalled (or raising): the
+    command ends with one error line within --timeout-s; a hang fails the join below."""
+    import contextlib
+    import io
+    import threading
+
+    from execute import cpu_experts
+    from execute.cli import replay_main
+
+    release = threading.Event()
+    real = cpu_experts.run_experts
+    calls = []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # a few layers run, then the fault
+            if fault == "crash":
+                raise RuntimeError("worker died")
+            release.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_experts, "run_experts", faulty)
+    err, result = io.StringIO(), []
+    argv = [str(inputs["model"]), "--policy", "cpu", "--map", "--tokens", "8", "--threads", "1", "--timeout-s", "2",
+            "--quiet"]
+
+    def go():
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            result.append(replay_main(argv))
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(120)
+    release.set()
+    assert not t.is_alive(), "replay hung on a faulty CPU worker"
+    assert result == [2]
+    line = _error_line(err.getvalue())
+    assert ("did not finish within 2.0 s" if fault == "stall" else "CPU experts failed: RuntimeError('worker died')") in line
