@@ -284,34 +284,35 @@ class ExpertEngine:
         for v in d.evictions:
             slot_of.pop(v, None)
         table = gx.slot_tables[layer]
+        if table is None:
+            raise ExecutorError(f"layer {layer} has no cache pool; its experts cannot be on the GPU")
+        ptr, stride, n_slots = table
         hits = d.hits
-        up = dict(zip(d.uploads, d.slots)) if d.uploads else {}
-        if early is not None and (early.layer != layer or early.x is not x or early.ids != ids
-                                  or any(ids[j] not in hits for j in early.pick)):
-            early = None  # not this step's (or a policy broke the hits invariant): run every pair again
-        started = early.pick if early is not None else ()
-        bases, rest = [0] * len(ids), []
+        up = dict(zip(d.uploads, d.slots)) if d.uploads else None
+        if early is not None and (early.layer != layer or early.x is not x or early.ids != ids):
+            early = None  # begun for another step: run every pair here
+        picked = early.pick if early is not None else ()
+        bases, rest = [], []
         for j, e in enumerate(ids):
-            s = up.get(e)
-            if s is None:
-                if e not in hits:
-                    missing = sorted({e for e in ids if e not in hits and e not in up})
-                    raise ExecutorError(f"layer {layer}: routed experts {missing} are not in the decision")
-                s = slot_of.get((layer, e))
-                if s is None:
-                    raise ExecutorError(f"layer {layer}: hit on expert {e}, which this engine never loaded")
-            if table is None or not 0 <= s < table[2]:
-                raise ExecutorError(f"layer {layer}: slot {s} of expert {e} out of range for its pool")
-            bases[j] = table[0] + s * table[1]
-            if j not in started:
+            if up is not None and e in up:  # (an early-started expert uploaded anew runs again)
+                s = up[e]
+                if not 0 <= s < n_slots:
+                    raise ExecutorError(f"layer {layer}: slot {s} out of range for pool of {n_slots} slots")
                 rest.append(j)
+            else:
+                s = slot_of.get((layer, e))
+                if s is None or e not in hits:
+                    self._not_on_gpu(layer, ids, hits, up or {})
+                if j not in picked:
+                    rest.append(j)
+            bases.append(ptr + s * stride)
         xd = early.xd if early is not None else gx.as_input(x)
         st = self.stats
         st.steps += 1
         st.gpu_pairs += len(ids)
         t1 = time.perf_counter()
         st.host_plan_s += t1 - t0
-        if d.uploads:
+        if up is not None:
             gx.begin_copies()
             for e, s in up.items():
                 gx.upload(layer, e, s)
@@ -324,10 +325,19 @@ class ExpertEngine:
         gx.mark_read()
         for v in d.retired:
             slot_of.pop(v, None)
-        for e, s in up.items():
-            slot_of[(layer, e)] = s
+        if up is not None:
+            for e, s in up.items():
+                slot_of[(layer, e)] = s
         st.host_queue_s += time.perf_counter() - t1
         return out
+
+    def _not_on_gpu(self, layer: int, ids: list, hits: tuple, up: dict) -> None:
+        """Raise the ExecutorError for a routed expert the decision does not place on the GPU."""
+        missing = sorted({e for e in ids if e not in hits and e not in up})
+        if missing:
+            raise ExecutorError(f"layer {layer}: routed experts {missing} are not in the decision")
+        e = next(e for e in ids if e not in up and (layer, e) not in self.slot_of)
+        raise ExecutorError(f"layer {layer}: hit on expert {e}, which this engine never loaded")
 
     def _cpu(self, lx: LayerExperts, experts, tok, xh: np.ndarray, buffers: tuple | None = None):
         """Submit the CPU pairs; ``buffers`` = (inputs, outputs) staging of the right shape."""

@@ -27,10 +27,19 @@ Host cost per layer is kept to a few calls into the driver: kernels are launched
 (expert addresses, group starts, token rows, ``pair_of`` and router weights) is packed into one
 pinned buffer and sent in one copy (:meth:`GpuExperts.layer_meta`), and the intermediate and
 per-pair buffers (``h``, ``y``, CPU staging) are allocated once and grown when a layer needs more.
+
+One token (decode) needs no metadata copy at all: its pair table (each routed expert's address
+and router weight, at most ``MAX_TOP_K``) is a struct passed by value in the launch
+(:meth:`GpuExperts.pack1`); ``moe1_gate_up`` (:meth:`gate_up1`, any subset of the pairs, so the
+resident experts can start before the uploads land) and ``moe1_down_combine``
+(:meth:`down_combine1`: down projection and the router-weighted sum in one launch, in the order of
+``moe_combine``) write into an output reused once its holder has dropped it. Host addresses of
+expert rows are computed once per layer, so an upload is three ``cudaMemcpyAsync`` calls.
 """
 from __future__ import annotations
 
 import struct
+import sys
 import time
 from importlib import resources
 from typing import NamedTuple, Sequence
@@ -50,6 +59,7 @@ _RPW = 2  # output rows per warp in moe_gate_up / moe_down / moe1_gate_up
 _RPB = 2  # output rows per block in moe1_down_combine (one warp per pair)
 MAX_TOP_K = 32  # MAXK of gpu_kernels.cu: the most pairs a one-token launch carries by value
 _EX_BYTES = 16 * MAX_TOP_K  # Experts1: base (u64), weight (f32), pick (i32), MAX_TOP_K each
+_OUT_RING = 16  # one-token outputs kept for reuse, per shape
 _NOT_READY = 600  # cudaErrorNotReady
 _SPIN_S = 2e-3  # wait() polls without sleeping this long before it sleeps between polls
 _MODULE: cp.RawModule | None = None
@@ -217,6 +227,8 @@ class GpuExperts:
         self._k1_gate_up = Launch(_kernel("moe1_gate_up"), 13, self._ex)
         self._k1_down = Launch(_kernel("moe1_down_combine"), 10, self._ex)
         self._packs: dict[tuple[int, str], struct.Struct] = {}
+        self._rows: dict[int, list | None] = {}
+        self._outs: dict[tuple[int, int], list[cp.ndarray]] = {}
         self._consts = {l.layer: self._layer_consts(l) for l in moe}
         self._structs: dict[tuple[int, int, int], struct.Struct] = {}
         self._h = self._y = self._iota = None  # device work buffers, grown on demand
@@ -301,7 +313,29 @@ class GpuExperts:
         return self.scratch.data.ptr + k * self.scratch_bytes
 
     # copies ----------------------------------------------------------------------------------
+    def _host_rows(self, layer: int) -> list[tuple[int, int, int]] | None:
+        """(address, row stride, row bytes) of each host part of the layer, when every row is
+        contiguous (computed once; numpy's ``ctypes.data`` costs about a microsecond a call)."""
+        rows = self._rows.get(layer, False)
+        if rows is False:
+            parts = self._host_parts(self.layers[layer])
+            rows = None
+            if all(a.ndim == 2 and a.strides[1] == a.itemsize for a in parts):
+                rows = [(a.ctypes.data, a.strides[0], a.shape[1] * a.itemsize) for a in parts]
+            self._rows[layer] = rows
+        return rows
+
     def _copy_expert(self, layer: int, expert: int, dst: int, stream: cp.cuda.Stream) -> None:
+        rows = self._host_rows(layer) if self.staging is None else None
+        if rows is not None:
+            if not 0 <= expert < self.layers[layer].num_experts:
+                raise ExecutorError(f"layer {layer}: expert {expert} out of range")
+            off, s = 0, stream.ptr
+            for base, stride, n in rows:
+                _rt.memcpyAsync(dst + off, base + expert * stride, n, _H2D, s)
+                off += n
+            self.bytes_uploaded += off
+            return
         off = 0
         for part in self._host_parts(self.layers[layer]):
             row = part[expert]
@@ -433,11 +467,24 @@ class GpuExperts:
         j order as ``moe_combine`` does (one launch; ``h`` from ``gate_up1``)."""
         hidden, ffn, _, _, _, _, _, _, off_d, qt_d, rb_d, _, bias = self._consts[layer]
         h, _, _ = self._work(k, ffn, hidden)
-        with self.compute:
-            out = cp.empty((1, hidden), cp.float32)
+        out = self._output(1, hidden)
         self._k1_down((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr,
                       h, out.data.ptr, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
         return out
+
+    def _output(self, rows: int, cols: int) -> cp.ndarray:
+        """A (rows, cols) float32 array for a layer's output: one of earlier outputs that nobody
+        holds any more (as a freed block of CuPy's pool would be reused, in compute-stream order),
+        else a new one; saves the allocation's host cost."""
+        ring = self._outs.setdefault((rows, cols), [])
+        for a in ring:
+            if sys.getrefcount(a) == 3:  # the ring, the loop variable and getrefcount's argument
+                return a
+        with self.compute:
+            a = cp.empty((rows, cols), cp.float32)
+        if len(ring) < _OUT_RING:
+            ring.append(a)
+        return a
 
     # metadata --------------------------------------------------------------------------------
     def _meta_slot(self, nbytes: int) -> tuple[int, int, int]:

@@ -25,7 +25,17 @@ The bound, per policy, from rates measured in this run: sum over layers of
 ``dense + max(GPU bytes / GPU rate, PCIe bytes / upload rate, CPU bytes / CPU rate)`` for the
 decisions the policy made (background copies not counted), and the ``ideal split`` bound: the
 same hits with every layer's misses split between PCIe and CPU in the best proportion. GPU rates
-are device time (kernels queued behind a spin kernel, so no launch gap is timed).
+are device time (kernels queued behind a spin kernel, so no launch gap is timed). When only
+``gpu``, ``lru`` and ``freq-lru`` run, the CPU pool is not measured (its rate is 0 and the ideal
+split is PCIe alone).
+
+``gpu`` runs with every expert resident (its arena holds the whole model, ~31 GB at the default
+shape), whatever ``--cache-mib``. Each layer is run as a forward pass runs it: the dense part and
+the engine's ``begin_layer`` (early start of the resident experts; ``--no-early`` turns it off)
+before the driver plans the step, then ``run_layer``. ``--sync layer`` waits for the layer's GPU
+work after ``run_layer``, as the model's next router read-back does: the engine's host phases then
+hold only host work. Without it the host runs ahead until the GPU's queue is full, and a GPU-bound
+run charges that back-pressure to whichever host phase waits.
 
 Prints the results, hybrid / best non-hybrid, and a per-layer host-time breakdown (host clock
 around each call, beside device-event times of the same kernels); writes ``bench_executor.json``,
@@ -245,16 +255,18 @@ def measure_rates(cp, layers, gx, pool, dense: Dense, reps: int = 6) -> dict:
                                                                   [1.0 / k] * k, k))
     gx.wait(gx.all_done_event())
     gpu_gbps = k * eb / (out["gpu_us"]["experts"] * 1e-6) / 1e9
-    # CPU pool: k experts per call, rotating layers so L3 does not serve them
-    xh = np.random.default_rng(1).standard_normal((k, layers[0].hidden)).astype(np.float32)
-    pool.warmup(layers[0])
-    cpu_t = []
-    for i in range(reps * 2):
-        lx = layers[(i * 7 + 3) % len(layers)]
-        job = pool.submit(lx, list(range(k, 2 * k)), xh)
-        job.result()
-        cpu_t.append(job.compute_s)
-    cpu_gbps = k * eb / float(np.median(cpu_t[1:])) / 1e9
+    # CPU pool: k experts per call, rotating layers so L3 does not serve them (0: not measured)
+    cpu_gbps = 0.0
+    if pool is not None:
+        xh = np.random.default_rng(1).standard_normal((k, layers[0].hidden)).astype(np.float32)
+        pool.warmup(layers[0])
+        cpu_t = []
+        for i in range(reps * 2):
+            lx = layers[(i * 7 + 3) % len(layers)]
+            job = pool.submit(lx, list(range(k, 2 * k)), xh)
+            job.result()
+            cpu_t.append(job.compute_s)
+        cpu_gbps = k * eb / float(np.median(cpu_t[1:])) / 1e9
     # dense stand-in: numerics against float64 and the CuPy-operator version
     ref = dense.reference(x1.get(), 0)
     fused, ops = dense(x1, 0).get(), dense.cupy_ops(x1, 0).get()
@@ -275,13 +287,14 @@ def bound_s(decisions, eb: int, rates: dict) -> tuple[float, float]:
     for d in decisions:
         n_gpu = len(d.hits) + len(d.uploads) + len(d.streams)
         n_pcie = len(d.uploads) + len(d.streams)
-        own += dn + max(n_gpu * eb / g, n_pcie * eb / p, len(d.cpu) * eb / c)
+        own += dn + max(n_gpu * eb / g, n_pcie * eb / p, len(d.cpu) * eb / c if d.cpu else 0.0)
         misses = n_pcie + len(d.cpu)
         ideal += dn + max(len(d.hits) * eb / g, misses * eb / (p + c))
     return own, ideal
 
 
 HOST_PHASES = ("dense", "run_layer", "background")
+NO_CPU = {"gpu", "lru", "freq-lru"}  # policies that never compute an expert on the CPU
 ENGINE_PHASES = ("host_early_s", "host_plan_s", "host_queue_s", "input_wait_s", "cpu_wait_s", "host_combine_s",
                  "background_wait_s")
 
@@ -538,8 +551,11 @@ def main(argv=None) -> int:
     pin_s = time.perf_counter() - t0
     log(f"pinned {len(gx.registered)} host buffers in {pin_s:.1f} s (staging: {gx.staging is not None})")
     dense = Dense(cp, args.layers, args.hidden, rng, gx.compute)
-    with CpuExpertPool(args.threads, timeout_s=120) as pool:
-        rates = measure_rates(cp, layers, gx, pool, dense)
+    if set(args.policies.split(",")) <= NO_CPU:  # no CPU work: the pool's rate (and compile) not needed
+        rates = measure_rates(cp, layers, gx, None, dense)
+    else:
+        with CpuExpertPool(args.threads, timeout_s=120) as pool:
+            rates = measure_rates(cp, layers, gx, pool, dense)
     log("rates: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items() if isinstance(v, float)))
     runs = [(p, {}, profile if p == "static" else None) for p in args.policies.split(",") if p != "hybrid"]
     if "hybrid" in args.policies.split(","):
