@@ -34,14 +34,14 @@ prefetch, so fewer slots than top-k are allowed):
   stream in the executor). After a token's last step, the next token's first MoE layer is the
   next layer.
 
-No background work between tokens. Planning reads the state only; ``commit`` changes residency and
-then learns from the step.
+No background work between tokens. Planning reads the state only; ``commit`` changes residency, and
+``commit_background`` at the token's end folds the token's steps into the statistics.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .cache import RESIDENT
+from .cache import ABSENT, RESIDENT
 from .core import Capacity, Decision, Geometry, Move, Step
 from .policies import MAX_FILLS_PER_TOKEN, BasePolicy
 from .profile import Profile
@@ -78,34 +78,44 @@ class PredictPolicy(BasePolicy):
         self.misses = misses
         self.uploads_every_miss = misses == "gpu"
         L, E = geometry.num_layers, max(geometry.max_experts, 1)
-        self.freq = np.zeros((L, E))
+        # statistics stored divided by the layer's running decay ``scale[l]`` (a step decays a layer
+        # by changing one number; rescaled before it underflows)
+        self.scale = [1.0] * L
+        self.freq_stored = np.zeros((L, E))
         self.trans, self.seen = np.zeros((L, E, E)), np.zeros((L, E))
         self.cross, self.cseen = np.zeros((L, E, E)), np.zeros((L, E))
-        self.q = np.zeros((L, E))  # each layer's temporal forecast after its last committed step
+        # each row a of a layer's forecast, (counts[a] + prior * freq) / (seen[a] + prior) in true
+        # units, refreshed when the layer's statistics change
+        self.trans_rows, self.cross_rows = np.zeros((L, E, E)), np.zeros((L, E, E))
         self.prev: list[tuple[int, ...]] = [()] * L  # each layer's last committed experts
+        self._unlearnt: list[tuple] = []  # (layer, experts, its prev, the step above) this token
         self.above: tuple[int, ...] = ()  # experts of the last committed step (any layer)
         moe = geometry.moe_layers
         self.next_layer = {l: moe[(i + 1) % len(moe)] for i, l in enumerate(moe)}
         super().__init__(geometry, capacity, profile)
 
     # forecasts -------------------------------------------------------------------------------
-    def _mix(self, counts: np.ndarray, seen: np.ndarray, layer: int, experts) -> np.ndarray:
+    def frequency(self, layer: int) -> np.ndarray:
+        """The layer's decayed routes per step, (max_experts,) (a fresh array)."""
+        return self.freq_stored[layer] * self.scale[layer]
+
+    def _mix(self, rows: np.ndarray, layer: int, experts) -> np.ndarray:
         idx = list(experts)
         if not idx:
-            return self.freq[layer].copy()
-        rows = counts[idx] + self.prior * self.freq[layer]  # (k, E)
-        rows /= (seen[idx] + self.prior)[:, None]
-        return rows.mean(axis=0)
+            return self.frequency(layer)
+        q = rows[idx].sum(axis=0)  # (E,)
+        q *= 1.0 / len(idx)
+        return q
 
     def forecast(self, layer: int, experts) -> np.ndarray:
         """Temporal forecast: expected routes of each expert at ``layer``'s next step after one
         that routed ``experts`` (a fresh (max_experts,) array; reads the statistics only)."""
-        return self._mix(self.trans[layer], self.seen[layer], layer, experts)
+        return self._mix(self.trans_rows[layer], layer, experts)
 
     def forecast_below(self, layer: int, experts) -> np.ndarray:
         """Cross-layer forecast: expected routes of each expert at ``layer`` in a token whose
         previous MoE step routed ``experts``."""
-        return self._mix(self.cross[layer], self.cseen[layer], layer, experts)
+        return self._mix(self.cross_rows[layer], layer, experts)
 
     # steps -----------------------------------------------------------------------------------
     def plan(self, step: Step) -> Decision:
@@ -142,32 +152,95 @@ class PredictPolicy(BasePolicy):
     def _victims(self, layer: int, q: np.ndarray, used, need: int) -> list[tuple[float, tuple[int, int]]]:
         """Up to ``need`` (forecast, key) of the pool's residents not in ``used`` (experts of
         ``layer``), lowest forecast first, then layer, then expert; ``q`` ranks ``layer``'s."""
+        return self._ranked(layer, q, used)[:need]
+
+    def _ranked(self, layer: int, q: np.ndarray, used=()) -> list[tuple[float, tuple[int, int]]]:
+        """(forecast, key) of every resident of ``layer``'s pool but ``layer``'s experts in
+        ``used``, ascending (ties: layer, expert); ``q`` ranks ``layer``'s, other layers rank by
+        their own temporal forecast."""
         cache = self.cache
-        state, own = cache.state, self.q
-        out = []
-        for k in cache.owner[cache.pool_of[layer]]:
-            if k is None or state[k[0]][k[1]] != RESIDENT or (k[0] == layer and k[1] in used):
-                continue
-            out.append((float(q[k[1]] if k[0] == layer else own[k[0], k[1]]), k))
+        p = cache.pool_of[layer]
+        state = cache.state
+        if len(self.capacity.pools[p][0]) == 1:  # the layer's own pool
+            qs, row = q.tolist(), state[layer]
+            out = [(qs[k[1]], k) for k in cache.owner[p]
+                   if k is not None and row[k[1]] == RESIDENT and k[1] not in used]
+        else:
+            own = {layer: q}
+            out = [(float(self._own(k[0], own)[k[1]]), k) for k in cache.owner[p]
+                   if k is not None and state[k[0]][k[1]] == RESIDENT and not (k[0] == layer and k[1] in used)]
         out.sort()
-        return out[:need]
+        return out
+
+    def _own(self, layer: int, memo: dict) -> np.ndarray:
+        """The layer's temporal forecast from its last committed step (memoised in ``memo``; a
+        layer's statistics change only when one of its steps is committed)."""
+        q = memo.get(layer)
+        if q is None:
+            q = memo[layer] = self.forecast(layer, self.prev[layer])
+        return q
 
     def commit(self, d: Decision) -> None:
+        """Change residency. The step is learnt at the token's end (``commit_background`` with no
+        moves: this policy has no background work between tokens, and a prefetch always has
+        moves). A layer's statistics change only with its own steps and are read by its next step
+        and the prefetch before it, in a later token; only the prefetch for the next token's first
+        layer, planned after this token's last step, sees that layer's statistics as of the
+        previous token."""
         self._take_slots(d)
         layer, experts = d.step.layer, d.step.experts
-        keep, idx = 1.0 - 1.0 / self.memory, list(experts)
-        f = self.freq[layer]
-        f *= keep
-        f[idx] += 1.0 / self.memory
-        for counts, seen, before in ((self.trans[layer], self.seen[layer], self.prev[layer]),
-                                     (self.cross[layer], self.cseen[layer], self.above)):
-            if before:
-                counts *= keep
-                seen *= keep
-                counts[np.ix_(list(before), idx)] += 1.0
-                seen[list(before)] += 1.0
-        self.prev[layer] = self.above = tuple(experts)
-        self.q[layer] = self.forecast(layer, experts)
+        self._unlearnt.append((layer, experts, self.prev[layer], self.above))
+        self.prev[layer] = self.above = experts
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        super().commit_background(moves)
+        if not moves and self._unlearnt:
+            self._learn()
+
+    def _learn(self) -> None:
+        """Fold the token's committed steps into the statistics: each decays its layer by
+        ``1 - 1 / memory`` and adds one route per expert and per (before, expert) pair; vectorised
+        over groups of steps of distinct layers (a token has one step per layer)."""
+        steps, self._unlearnt = self._unlearnt, []
+        while steps:
+            group, rest, layers = [], [], set()
+            for st in steps:
+                (rest if st[0] in layers else group).append(st)
+                layers.add(st[0])
+            self._learn_group(group)
+            steps = rest
+
+    def _learn_group(self, group: list[tuple]) -> None:
+        arrays = (self.freq_stored, self.trans, self.seen, self.cross, self.cseen)
+        E, keep, n = self.freq_stored.shape[1], 1.0 - 1.0 / self.memory, len(group)
+        layers = [st[0] for st in group]
+        inc = np.empty(n)
+        for i, l in enumerate(layers):
+            s = self.scale[l] * keep
+            if s < 1e-200:  # rescale before the stored values overflow
+                for a in arrays:
+                    a[l] *= s
+                s = 1.0
+            self.scale[l] = s
+            inc[i] = 1.0 / s
+
+        def onehot(col: int) -> np.ndarray:  # (n, E): the experts of each step's field ``col``
+            m = np.zeros(n * E)
+            m[[i * E + e for i, st in enumerate(group) for e in st[col]]] = 1.0
+            return m.reshape(n, E)
+
+        now, prev, above = onehot(1), onehot(2), onehot(3)
+        w = inc[:, None]
+        self.freq_stored[layers] += (w / self.memory) * now
+        for counts, seen, before in ((self.trans, self.seen, prev), (self.cross, self.cseen, above)):
+            seen[layers] += w * before
+            counts[layers] += (w * before)[:, :, None] * now[:, None, :]  # (n, E, E)
+        s = np.asarray([self.scale[l] for l in layers])[:, None]  # (n, 1)
+        f = (self.prior * s) * self.freq_stored[layers]  # (n, E): prior * true frequency
+        for counts, seen, rows in ((self.trans, self.seen, self.trans_rows), (self.cross, self.cseen, self.cross_rows)):
+            num = counts[layers] * s[:, :, None] + f[:, None, :]  # (n, E, E)
+            num /= (seen[layers] * s + self.prior)[:, :, None]
+            rows[layers] = num
 
     # prefetch --------------------------------------------------------------------------------
     def plan_prefetch(self, step: Step) -> tuple[Move, ...]:
@@ -181,19 +254,17 @@ class PredictPolicy(BasePolicy):
         if p < 0 or cache.size[p] == 0:
             return ()
         r = self.forecast_below(nl, step.experts)
-        margin, n = self.prefetch_margin, self.geometry.num_experts[nl]
-        cands = [e for e in np.argsort(-r[:n], kind="stable").tolist() if (nl, e) not in cache.slot]
+        margin, n, rl = self.prefetch_margin, self.geometry.num_experts[nl], r.tolist()
+        row = cache.state[nl]
+        cands = [e for e in np.argsort(-r[:n], kind="stable").tolist() if row[e] == ABSENT]
         free = cache.free_slots(nl, len(cands))
         moves = []
         for e, s in zip(cands, free):
-            if r[e] < margin or len(moves) == self.max_prefetch:
+            if rl[e] < margin or len(moves) == self.max_prefetch:
                 return tuple(moves)
-            moves.append(Move(nl, e, s, None, float(r[e])))
-        state, own = cache.state, self.q
-        victims = sorted((float(r[k[1]] if k[0] == nl else own[k[0], k[1]]), k) for k in cache.owner[p]
-                         if k is not None and state[k[0]][k[1]] == RESIDENT)
-        for e, (vq, v) in zip(cands[len(free):], victims):
-            gain = float(r[e]) - vq
+            moves.append(Move(nl, e, s, None, rl[e]))
+        for e, (vq, v) in zip(cands[len(free):], self._ranked(nl, r)):
+            gain = rl[e] - vq
             if gain < margin or len(moves) == self.max_prefetch:
                 break
             moves.append(Move(nl, e, cache.slot[v], v, gain))

@@ -40,18 +40,26 @@ def test_planning_has_no_side_effects(scenario, options):
     leaves residency and statistics alone."""
     geometry, capacity, tokens = scenario
     policy = build(geometry, capacity, **options)
+    def snapshot():
+        arrays = (policy.freq_stored, policy.trans, policy.seen, policy.cross, policy.cseen)
+        return policy.residents(), list(policy.scale), [a.copy() for a in arrays]
+
+    def same(a, b):
+        return a[:2] == b[:2] and all(np.array_equal(x, y) for x, y in zip(a[2], b[2]))
+
     for tok in tokens:
         for step in tok.steps:
-            before = (policy.residents(), policy.freq.copy(), policy.q.copy())
+            before = snapshot()
             d = policy.plan(step)
             assert policy.plan(step) == d
-            assert policy.residents() == before[0]
-            assert np.array_equal(policy.freq, before[1]) and np.array_equal(policy.q, before[2])
+            assert same(snapshot(), before)
             policy.commit(d)
             for e in d.uploads:
                 policy.complete(step.layer, e)
+            before = snapshot()
             moves = policy.plan_prefetch(step)
             assert policy.plan_prefetch(step) == moves
+            assert same(snapshot(), before)
             policy.commit_background(moves)
             for m in moves:
                 policy.complete(m.layer, m.expert)
@@ -84,6 +92,7 @@ def test_forecast_matches_a_reference():
         policy.commit(d)
         for e in d.uploads:
             policy.complete(0, e)
+        policy.commit_background(())  # the token's end: the step is learnt
         freq = freq * keep
         freq[list(ex)] += 0.25
         if prev is not None:
@@ -94,8 +103,25 @@ def test_forecast_matches_a_reference():
                     trans[a, b] += 1
         prev = ex
     want = np.mean([(trans[a] + 0.5 * freq) / (seen[a] + 0.5) for a in (2, 3)], axis=0)
-    np.testing.assert_allclose(policy.q[0], want)
+    np.testing.assert_allclose(policy.forecast(0, policy.prev[0]), want)
     np.testing.assert_allclose(policy.forecast(0, (2, 3)), want)
+    np.testing.assert_allclose(policy.frequency(0), freq)
+
+
+def test_statistics_survive_rescaling():
+    """Thousands of steps: the stored statistics are rescaled before they overflow, and the
+    forecast stays the decayed one (a one-expert layer always routes expert 0: freq -> 1)."""
+    g = Geometry.uniform(1, 2, 1)
+    policy = make_policy("predict", g, Capacity.per_layer(g, 1), memory=2.0, max_prefetch=0)
+    for _ in range(3000):
+        d = policy.plan(Step(0, (0,)))
+        policy.commit(d)
+        for e in d.uploads:
+            policy.complete(0, e)
+        policy.commit_background(())
+    assert 1e-200 <= policy.scale[0] <= 1.0
+    np.testing.assert_allclose(policy.frequency(0), [1.0, 0.0])
+    np.testing.assert_allclose(policy.forecast(0, (0,)), [1.0, 0.0])
 
 
 def test_prefetch_brings_the_next_layers_expert_in():
