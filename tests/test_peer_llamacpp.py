@@ -85,6 +85,7 @@ def tiny_gguf(tmp_path_factory):
 @pytest.fixture
 def fakes(tmp_path, monkeypatch):
     monkeypatch.setenv("PEER_CALLS", str(tmp_path / "calls.txt"))
+    monkeypatch.setattr(peer, "moelab_commit", lambda: "0000000")  # others may commit between two bench calls
     return {"llama": _script(tmp_path / "llama-bench", FAKE_LLAMA), "moelab": _script(tmp_path / "moelab", FAKE_MOELAB),
             "calls": tmp_path / "calls.txt"}
 
@@ -202,7 +203,7 @@ def test_bench_runs_interleaved_rounds_and_compares_each_policy_with_its_peer(ti
     assert comp["moelab gpu"]["expert_bytes_vram"] == sum(blocks)
     readme = (out / "README.md").read_text()
     assert "| -ncmoe 0 |" in readme and "| best at budget (hybrid-cost / hybrid-cost) |" in readme
-    assert "Incomplete" not in readme
+    assert "Incomplete" not in readme and "(build abc1234)" in readme
     assert (out / "result.png").stat().st_size > 0
     assert "moelab / llama.cpp" in capsys.readouterr().out
 
