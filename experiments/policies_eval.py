@@ -211,8 +211,9 @@ def render(res: dict, command: str) -> str:
            "completions at once (as `moelab trace stats`): " + "; ".join(
                f"{p} ({n} tokens, {', '.join(map(str, s))} slots per layer)" for p, n, s in res["parts"]) +
            ". Granite's decode rows are split in two halves in replay order: `predict`'s defaults "
-           "were chosen on `granite fit` (simulated tokens/s no lower than `lru`'s on both "
-           "hardware presets, then the most hits), and are reported on `granite test` and "
+           "were chosen on `granite fit` from a small grid (memory, prior, prefetch count and "
+           "margin, bypass): simulated tokens/s at least `lru`'s on both hardware presets, then "
+           "the most hits; they are reported on `granite test` and "
            "`switch-base-8` (top-1 routing) as well. Gap closed = (hit rate - lru) / (belady - lru).", "",
            "## Policies", ""]
     for name in POLICIES:
