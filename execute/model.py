@@ -525,7 +525,7 @@ class MoeModel:
                 float(info.expert_weights_scale or 1.0)))
             x = blocks[-1].cur
         head = gd.decode_head(x, self.output, self.output_norm, eps, rs, float(info.logit_scale))
-        return blocks, head
+        return blocks, head, [h[None] for h in gd.hn]
 
     def _token_fast(self, token_id: int, routes) -> Iterator[Step]:
         """``chunk_steps`` of one token on the fused kernels (``execute.gpu_dense``): per block
@@ -536,7 +536,7 @@ class MoeModel:
         xp, info, gd, pos = self.xp, self.info, self.gd, self.pos
         if self._plans is None:
             self._plans = self._decode_plans()
-        blocks, head = self._plans
+        blocks, head, hn_rows = self._plans
         s = gd.stream()
         gd.emb.set(np.ascontiguousarray(self.token_embd[token_id] * np.float32(info.embedding_scale), np.float32))
         add = None
@@ -545,7 +545,7 @@ class MoeModel:
             w = self.layers[l]
             lo = max(0, pos + 1 - info.sliding_window) if info.is_swa(l) else 0
             b.attend(s, 0 if add is None else add.data.ptr, pos, lo, pos + 1 - lo)
-            hn = gd.hn[l % 2]
+            hn = hn_rows[l % 2]  # (1, hidden)
             forced = None if routes is None else routes[l]
             if forced is None:
                 tids, twts = b.route(s)
@@ -557,16 +557,19 @@ class MoeModel:
                 n = len(r_ids)
                 tids, twts = np.asarray(r_ids, np.int64)[None], np.asarray(r_w, np.float32)[None]
             self._route_len = [n]
-            self.last_input, self.last_ids, self.last_weights = hn[None], tids, twts
+            self.last_input, self.last_ids, self.last_weights = hn, tids, twts
             self._out = None
+            ids_l, w_l = tids[0].tolist(), twts[0].astype(np.float64).tolist()
             if rows is not None:
-                rows.append((l, tids[0].tolist(), twts[0].astype(np.float64).tolist()))
-            yield merge_step(l, tids, twts.astype(np.float64), self._route_len)
-            if self._out is None:
+                rows.append((l, ids_l, w_l))
+            yield Step(l, tuple(ids_l), None, tuple(w_l))  # merge_step of one token
+            add = self._out
+            if add is None:
                 raise ExecutorError(f"block {l}: no expert output was delivered for the step")
-            add = xp.ascontiguousarray(xp.asarray(self._out, dtype=xp.float32).reshape(-1))
+            if not (isinstance(add, xp.ndarray) and add.dtype == xp.float32 and add.flags.c_contiguous):
+                add = xp.ascontiguousarray(xp.asarray(add, dtype=xp.float32))
             if w["shared"] is not None:
-                add = add + self._shared(l, hn[None])[0]
+                add = add + self._shared(l, hn)
         self.chunk_logits = xp.empty((1, info.vocab), xp.float32)
         head.vals[6], head.vals[15] = add.data.ptr, self.chunk_logits.data.ptr
         head(s)

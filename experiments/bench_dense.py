@@ -15,7 +15,9 @@ Measured, alternating the two paths ``--repeats`` times:
   zeros (host clock, and CUDA events on the dense stream; median over blocks and tokens, the first
   block, which also copies the embedding, left out) over ``--tokens`` decode positions;
 - a decode token: ``execute.model.run`` with the expert engine and the ``gpu`` policy (every expert
-  resident, as ``moelab run --policy gpu``), tokens/s over ``--tokens`` positions.
+  resident, as ``moelab run --policy gpu``), tokens/s over ``--tokens`` positions;
+- the fused block's launches alone (no read-back): host time to issue them, and device time from
+  a CUDA graph of 50 repetitions (the block's cost with launch and host gaps removed).
 
 Prints both paths and the ratios; writes ``bench_dense.json`` (results and the config) into ``--out``.
 """
@@ -91,6 +93,46 @@ def time_dense(model, tokens) -> tuple[list, list]:
     return host, dev
 
 
+def fused_block_split(model, reps: int = 50) -> dict:
+    """Of one block's fused launches (attention part and router kernel, no read-back), at the
+    model's last position: the host time to issue them, and their device time from a CUDA graph of
+    ``reps`` repetitions (no launch or host gap): what a block costs with launch overhead removed."""
+    import cupy as cp
+
+    if model._plans is None:
+        model._plans = model._decode_plans()
+    blocks = model._plans[0]
+    b = blocks[min(1, len(blocks) - 1)]
+    add = cp.zeros(model.info.hidden, cp.float32)
+    pos = max(model.pos - 1, 0)
+    s = cp.cuda.Stream(non_blocking=True)
+    s.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.attend(s.ptr, add.data.ptr, pos, 0, pos + 1)
+        b.router(s.ptr)
+    issue = (time.perf_counter() - t0) / reps
+    s.synchronize()
+    out = {"issue_us": 1e6 * issue, "device_us": None}
+    try:
+        with s:
+            s.begin_capture()
+            for _ in range(reps):
+                b.attend(s.ptr, add.data.ptr, pos, 0, pos + 1)
+                b.router(s.ptr)
+            graph = s.end_capture()
+        graph.launch(s)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(s)
+        graph.launch(s)
+        end.record(s)
+        end.synchronize()
+        out["device_us"] = 1e3 * cp.cuda.get_elapsed_time(start, end) / reps
+    except Exception as exc:  # noqa: BLE001 - a capture this CuPy cannot do leaves the figure out
+        print(f"bench_dense: no CUDA graph of the block ({exc})", file=sys.stderr)
+    return out
+
+
 def time_tokens(model, backend, weights, tokens) -> float:
     """Decode tokens/s of ``execute.model.run`` with the gpu policy."""
     from execute import model as M
@@ -137,6 +179,7 @@ def main(argv=None) -> int:
     g = info.geometry()
     backend = M.EngineExperts(weights, Capacity.per_layer(g, max(info.num_experts)), a.threads, use_gpu=True)
     res = {k: {"host_us": [], "event_us": [], "tokens_per_s": []} for k in models}
+    split = []
     try:
         for name, m in models.items():  # warm-up: compile kernels, fill allocator pools
             time_dense(m, tokens[:4])
@@ -146,6 +189,8 @@ def main(argv=None) -> int:
                 host, dev = time_dense(m, tokens)
                 res[name]["host_us"].append(1e6 * statistics.median(host))
                 res[name]["event_us"].append(1e3 * statistics.median(dev))
+                if name == "fused":
+                    split.append(fused_block_split(m))
                 res[name]["tokens_per_s"].append(time_tokens(m, backend, weights, tokens))
     finally:
         backend.close()
@@ -167,6 +212,12 @@ def main(argv=None) -> int:
               "tokens_per_s": f["tokens_per_s"] / n["tokens_per_s"]}
     print(f"fused / float32: dense {ratios['dense_host']:.1f}x faster (host), {ratios['dense_events']:.1f}x "
           f"(events); decode tokens/s {ratios['tokens_per_s']:.2f}x")
+    issue = statistics.median(x["issue_us"] for x in split)
+    dev = [x["device_us"] for x in split if x["device_us"] is not None]
+    summary["fused"]["block_issue_us"] = issue
+    summary["fused"]["block_device_us"] = statistics.median(dev) if dev else None
+    print(f"fused block, launches alone: {issue:.1f} us to issue (host), "
+          + (f"{summary['fused']['block_device_us']:.1f} us on the device (CUDA graph)" if dev else "no graph figure"))
     print(f"at 48 blocks (per-block all-in time x 48, head not separated): float32 "
           f"{1e3 / (48 * n['ms_per_block_all_in']):.1f} tokens/s, fused {1e3 / (48 * f['ms_per_block_all_in']):.1f}")
     (out / "bench_dense.json").write_text(json.dumps({"config": {**vars(a), "model": str(path)}, "summary": summary,
