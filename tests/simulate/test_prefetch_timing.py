@@ -59,3 +59,15 @@ def test_await_between_tokens_still_blocks_the_dense_part(model2, hw, exec_cfg):
     # the copy (310 us) starts at token 0's end; token 1's work follows it in full
     assert run(model2, hw, exec_cfg, items) == pytest.approx(one + 310 * US + (run(model2, hw, exec_cfg, plain) - one),
                                                              abs=0.01 * US)
+
+
+def test_host_lane_prefetch_overlaps_the_dense_issue_and_readback(model2, exec_cfg):
+    """With measured executor costs (the host lane): the prefetched copy runs while the host
+    issues layer 1's dense part (50 us) and reads its router back (10 us); on demand the copy is
+    queued only after them."""
+    from .conftest import round_hardware
+
+    hw = round_hardware(executor={"host_dense_s": 50 * US, "readback_s": 10 * US})
+    demand = run(model2, hw, exec_cfg, token_items(False))
+    prefetched = run(model2, hw, exec_cfg, token_items(True))
+    assert demand - prefetched == pytest.approx((50 + 10) * US, abs=0.01 * US)
