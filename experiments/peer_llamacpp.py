@@ -422,8 +422,11 @@ def moelab_command(args, cell: dict, prompt: str) -> list[str]:
 
 
 def parse_llama(stdout: str, ncmoe: int) -> dict:
-    """pp and tg tokens/s of one llama-bench ``-o json`` run at ``-ncmoe ncmoe``."""
-    rows = json.loads(stdout)
+    """pp and tg tokens/s of one llama-bench ``-o json`` run at ``-ncmoe ncmoe`` (its array starts
+    with a line holding ``[``; anything printed before it is skipped)."""
+    lines = stdout.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == "["), 0)
+    rows = json.loads("".join(lines[start:]))
     got = {}
     for r in rows:
         if r.get("n_cpu_moe") != ncmoe:

@@ -165,6 +165,7 @@ def test_parse_llama_checks_the_ncmoe_and_needs_both_tests(fakes, tmp_path):
     got = peer.parse_llama(out, 3)
     assert got["prompt_tokens_per_s"] == 250.0 and got["decode_tokens_per_s"] == 25.0
     assert got["llama"]["pp"]["tokens"] == 256 and got["llama"]["tg"]["tokens"] == 64
+    assert peer.parse_llama("warning: [not json]\n" + out, 3)["decode_tokens_per_s"] == 25.0
     with pytest.raises(ValueError, match="n_cpu_moe 3, expected 4"):
         peer.parse_llama(out, 4)
     with pytest.raises(ValueError, match="expected pp and tg"):
