@@ -637,10 +637,13 @@ def plot(comp: list[dict], path: Path) -> None:
     x = range(len(comp))
     for ax, key, title in ((axes[0], "prompt_tokens_per_s", "prompt (pp) tokens/s"),
                            (axes[1], "decode_tokens_per_s", "decode (tg) tokens/s")):
-        ax.bar([i - 0.2 for i in x], [r[f"peer_{key}"] or 0 for r in comp], 0.4, label="llama.cpp (peer)")
-        ax.bar([i + 0.2 for i in x], [r[key] or 0 for r in comp], 0.4, label="moelab")
+        theirs, mine = [r[f"peer_{key}"] or 0 for r in comp], [r[key] or 0 for r in comp]
+        for dx, vals, name in ((-0.2, theirs, "llama.cpp (peer)"), (0.2, mine, "moelab")):
+            bars = ax.bar([i + dx for i in x], vals, 0.4, label=name)
+            ax.bar_label(bars, [f"{v:.3g}" if v else "-" for v in vals], fontsize=7)
         ax.set_xticks(list(x), labels, rotation=20)
         ax.set_yscale("log")
+        ax.set_ylim(bottom=min([v for v in theirs + mine if v] or [1]) / 3)  # every bar starts below the smallest
         ax.set_title(title)
     axes[0].legend()
     fig.tight_layout()
