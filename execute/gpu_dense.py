@@ -7,15 +7,18 @@ float16 scale per 32 weights ``(rows, cols / 32)`` (the same bytes, 16-byte alig
 type is converted to F16 from the loader's float32 values. A matrix whose row length is not a
 multiple of 32, or longer than :data:`MAX_COLS`, is not made (the caller keeps float32).
 
-One token (T = 1) uses :meth:`GpuDense.gemv` (warp per row, 16-byte loads, optional fused
-``x + s * add`` and RMSNorm prologue, bias / residual epilogue), :meth:`GpuDense.qk_rope_kv`,
-:meth:`GpuDense.attention` (split over the keys, then a merge) and :meth:`GpuDense.route`
-(router GEMV and top-k in one launch, then one asynchronous copy of ids and weights into pinned
-memory and one event wait). A chunk (T > 1) multiplies by float32 tiles dequantized per product
-(:meth:`GpuDense.matmul`), so its numerics are the float32 path's.
+Kernels for one token (T = 1): the GEMV (warp per row, 16-byte loads, optional fused
+``x + s * add`` and RMSNorm prologue, bias / residual epilogue), q/k norm + RoPE + KV append,
+decode attention (split over the keys, then a merge) and the router (GEMV and top-k in one
+launch, then one asynchronous copy of ids and weights into pinned memory and one event wait).
+:meth:`GpuDense.decode_block` prepares a block's launches once (:class:`DecodeBlock`: only the
+position and the expert-output pointer change per token); :meth:`GpuDense.gemv`,
+:meth:`~GpuDense.qk_rope_kv`, :meth:`~GpuDense.attention` and :meth:`~GpuDense.route` launch the
+same kernels one call at a time. A chunk (T > 1) multiplies by float32 tiles dequantized per
+product (:meth:`GpuDense.matmul`), so its numerics are the float32 path's.
 
-Everything runs on the caller's current CuPy stream, in order; the only host wait is
-:meth:`GpuDense.route`'s event.
+Everything runs on the caller's current CuPy stream, in order; the only host wait is the router's
+event.
 """
 from __future__ import annotations
 
@@ -174,12 +177,12 @@ def stack_matrices(parts) -> Matrix | None:
 class GpuDense:
     """Kernels and work buffers of the dense path for one model geometry.
 
-    ``hidden``, ``q_dim`` (heads * head_dim), ``qkv_dim``, ``experts`` (router rows, 0: none) and
-    ``top_k`` size the buffers; one instance serves every block (they run one after another)."""
+    ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``experts`` (router rows) and ``top_k`` (at
+    most 32) size the buffers; one instance serves every block (they run one after another)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int):
-        if top_k > 32:
-            raise ValueError(f"GpuDense top_k: {top_k}, the router kernel picks at most 32")
+        if not 1 <= top_k <= 32:
+            raise ValueError(f"GpuDense top_k: {top_k}, expected 1..32 (the router kernel's limit)")
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.top_k = top_k
         self._gemv = _Kernel("dense_gemv", 16)
