@@ -11,6 +11,7 @@
 #define CHUNK 64  // keys per block of decode attention
 #define NEG_INF __int_as_float(0xff800000u)
 
+typedef unsigned long long u64;
 enum { F32 = 0, F16 = 1, Q8_0 = 8, BF16 = 30 };
 
 __device__ __forceinline__ float h2f(unsigned short h) {
@@ -56,13 +57,13 @@ __device__ __forceinline__ float row_dot(const unsigned char* w, const unsigned 
                                          int cols, const float* xs, int lane) {
     float s = 0.f;
     if (qt == F16 || qt == BF16) {  // 8 weights per 16-byte load
-        const uint4* r = reinterpret_cast<const uint4*>(w + (size_t)row * cols * 2);
+        const uint4* r = reinterpret_cast<const uint4*>(w + (u64)row * cols * 2);
         bool bf = qt == BF16;
         #pragma unroll 4
         for (int i = lane; i < cols / 8; i += 32) s += dot8h(__ldg(r + i), xs + 8 * i, bf);
     } else if (qt == Q8_0) {  // 16 int8 quants per load, one scale per 32
-        const uint4* r = reinterpret_cast<const uint4*>(w + (size_t)row * cols);
-        const unsigned short* dr = d + (size_t)row * (cols / 32);
+        const uint4* r = reinterpret_cast<const uint4*>(w + (u64)row * cols);
+        const unsigned short* dr = d + (u64)row * (cols / 32);
         #pragma unroll 4
         for (int i = lane; i < cols / 16; i += 32) {
             uint4 q = __ldg(r + i);
@@ -74,7 +75,7 @@ __device__ __forceinline__ float row_dot(const unsigned char* w, const unsigned 
             s += h2f(__ldg(dr + (i >> 1))) * t;
         }
     } else {  // F32: 4 weights per load
-        const float4* r = reinterpret_cast<const float4*>(w + (size_t)row * cols * 4);
+        const float4* r = reinterpret_cast<const float4*>(w + (u64)row * cols * 4);
         #pragma unroll 4
         for (int i = lane; i < cols / 4; i += 32) {
             float4 q = __ldg(r + i);
@@ -223,7 +224,7 @@ extern "C" __global__ void qk_rope_kv(const float* qkv, int nh, int nkv, int hd,
     bool on = i < hd;
     if (b >= nh + nkv) {
         int h = b - nh - nkv;
-        if (on) vc[((size_t)h * cache_n + pos) * hd + i] = qkv[(size_t)(nh + nkv) * hd + h * hd + i];
+        if (on) vc[((u64)h * cache_n + pos) * hd + i] = qkv[(u64)(nh + nkv) * hd + h * hd + i];
         return;
     }
     float v = on ? qkv[b * hd + i] : 0.f;
@@ -243,9 +244,9 @@ extern "C" __global__ void qk_rope_kv(const float* qkv, int nh, int nkv, int hd,
     if (on) v_s[i] = v;
     __syncthreads();
     if (!on) return;
-    float o = v * cos[(size_t)pos * hd + i] + v_s[(i + hd / 2) % hd] * sin[(size_t)pos * hd + i];
+    float o = v * cos[(u64)pos * hd + i] + v_s[(i + hd / 2) % hd] * sin[(u64)pos * hd + i];
     if (b < nh) q_out[b * hd + i] = o;
-    else kc[((size_t)(b - nh) * cache_n + pos) * hd + i] = o;
+    else kc[((u64)(b - nh) * cache_n + pos) * hd + i] = o;
 }
 
 // Decode attention, split over the keys: block (h, s) covers keys lo + s*CHUNK .. of q head h
@@ -266,14 +267,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(
         acc[j] = 0.f;
     }
     float m = NEG_INF, l = 0.f;
-    const float* kb = kc + (size_t)kvh * cache_n * hd;
-    const float* vb = vc + (size_t)kvh * cache_n * hd;
+    const float* kb = kc + (u64)kvh * cache_n * hd;
+    const float* vb = vc + (u64)kvh * cache_n * hd;
     for (int t = k0 + warp; t < k1; t += 4) {
         float dot = 0.f;
         #pragma unroll
         for (int j = 0; j < 8; j++) {
             int c = lane + 32 * j;
-            if (c < hd) dot += qr[j] * kb[(size_t)t * hd + c];
+            if (c < hd) dot += qr[j] * kb[(u64)t * hd + c];
         }
         float sc = warp_sum(dot) * scale;
         float mn = fmaxf(m, sc), cf = expf(m - mn), p = expf(sc - mn);
@@ -281,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(
         #pragma unroll
         for (int j = 0; j < 8; j++) {
             int c = lane + 32 * j;
-            if (c < hd) acc[j] = acc[j] * cf + p * vb[(size_t)t * hd + c];
+            if (c < hd) acc[j] = acc[j] * cf + p * vb[(u64)t * hd + c];
         }
         m = mn;
     }
@@ -293,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(
     if (lane == 0) { sm[warp][0] = m; sm[warp][1] = l; }
     __syncthreads();
     float M = fmaxf(fmaxf(sm[0][0], sm[1][0]), fmaxf(sm[2][0], sm[3][0]));
-    float* out = part + ((size_t)h * gridDim.y + s) * (hd + 2);
+    float* out = part + ((u64)h * gridDim.y + s) * (hd + 2);
     for (int c = threadIdx.x; c < hd + 2; c += blockDim.x) {
         float v = 0.f;
         for (int w = 0; w < 4; w++) {
@@ -308,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(
 // sinks != 0): o[h * hd + c]. grid (nh), block hd.
 extern "C" __global__ void attn_reduce(const float* part, int nh, int hd, int S, const float* sinks, float* o) {
     int h = blockIdx.x, c = threadIdx.x;
-    const float* p = part + (size_t)h * S * (hd + 2);
+    const float* p = part + (u64)h * S * (hd + 2);
     float M = sinks ? sinks[h] : NEG_INF;
     for (int s = 0; s < S; s++) M = fmaxf(M, p[s * (hd + 2)]);
     float L = sinks ? expf(sinks[h] - M) : 0.f, acc = 0.f;
@@ -324,9 +325,9 @@ extern "C" __global__ void attn_reduce(const float* part, int nh, int hd, int S,
 // out (rows, cols) float32 = the matrix rows r0 .. r0 + rows - 1 dequantized (chunks of T > 1).
 extern "C" __global__ void dequant_rows(const unsigned char* w, const unsigned short* d, int qt, int r0, int rows,
                                         int cols, float* out) {
-    size_t n = (size_t)rows * cols;
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
-        size_t r = r0 + e / cols, c = e % cols, at = r * cols + c;
+    u64 n = (u64)rows * cols;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (u64)gridDim.x * blockDim.x) {
+        u64 r = r0 + e / cols, c = e % cols, at = r * cols + c;
         float v;
         if (qt == F16) v = h2f(reinterpret_cast<const unsigned short*>(w)[at]);
         else if (qt == BF16) v = bf2f(reinterpret_cast<const unsigned short*>(w)[at]);
