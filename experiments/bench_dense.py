@@ -15,7 +15,8 @@ Measured, alternating the two paths ``--repeats`` times:
   zeros (host clock, and CUDA events on the dense stream; median over blocks and tokens, the first
   block, which also copies the embedding, left out) over ``--tokens`` decode positions;
 - a decode token: ``execute.model.run`` with the expert engine and the ``gpu`` policy (every expert
-  resident, as ``moelab run --policy gpu``), tokens/s over ``--tokens`` positions;
+  resident, as ``moelab run --policy gpu``), tokens/s over ``--tokens`` positions, and the same
+  for one prefill chunk of ``--prompt`` tokens;
 - the fused block's launches alone (no read-back): host time to issue them, and device time from
   a CUDA graph of 50 repetitions (the block's cost with launch and host gaps removed).
 
@@ -38,12 +39,13 @@ def _args(argv):
     p.add_argument("--model", help="a GGUF to use (default: synthesise one in --out)")
     p.add_argument("--layers", type=int, default=4, help="blocks of the synthetic model (default 4)")
     p.add_argument("--tokens", type=int, default=32, help="decode positions per measurement (default 32)")
+    p.add_argument("--prompt", type=int, default=128, help="tokens of the timed prefill chunk (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="alternations of the two paths (default 3)")
     p.add_argument("--threads", type=int, default=2, help="CPU pool threads of the expert engine (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_dense_out", help="output folder (default bench_dense_out)")
     a = p.parse_args(argv)
-    for name in ("layers", "tokens", "repeats", "threads"):
+    for name in ("layers", "tokens", "prompt", "repeats", "threads"):
         if getattr(a, name) < 1:
             p.error(f"--{name}: {getattr(a, name)}, expected >= 1")
     if a.model and not Path(a.model).is_file():
@@ -135,14 +137,18 @@ def fused_block_split(model, reps: int = 50) -> dict:
     return out
 
 
-def time_tokens(model, backend, weights, tokens) -> float:
-    """Decode tokens/s of ``execute.model.run`` with the gpu policy."""
+def time_tokens(model, backend, weights, tokens, chunk: bool = False) -> float:
+    """Tokens/s of ``execute.model.run`` with the gpu policy: decode (one token per step), or one
+    prefill chunk of all ``tokens`` (``chunk``)."""
     from execute import model as M
     from scheduler import Capacity, make_policy
 
     g = weights.info.geometry()
     policy = make_policy("gpu", g, Capacity.per_layer(g, max(weights.info.num_experts)))
-    inputs = [M.TokenInput(i, 0, i, "decode", int(t)) for i, t in enumerate(tokens)]
+    if chunk:
+        inputs = [M.ChunkInput(0, 0, 0, "prefill", tuple(int(t) for t in tokens))]
+    else:
+        inputs = [M.TokenInput(i, 0, i, "decode", int(t)) for i, t in enumerate(tokens)]
     res = M.run(model, backend, policy, inputs)
     return res.tokens_per_s
 
@@ -172,7 +178,8 @@ def main(argv=None) -> int:
             synth_model(path, cfg)
     weights = load_model(path)
     info = weights.info
-    tokens = np.random.default_rng(a.seed).integers(info.vocab, size=a.tokens)
+    rng = np.random.default_rng(a.seed)
+    tokens, prompt = rng.integers(info.vocab, size=a.tokens), rng.integers(info.vocab, size=a.prompt)
     models = {"float32": float32_model(weights, a.tokens + 1), "fused": M.MoeModel(weights, use_gpu=True,
                                                                                    max_tokens=a.tokens + 1)}
     if not models["fused"].fast:
@@ -180,38 +187,43 @@ def main(argv=None) -> int:
         return 2
     g = info.geometry()
     backend = M.EngineExperts(weights, Capacity.per_layer(g, max(info.num_experts)), a.threads, use_gpu=True)
-    res = {k: {"host_us": [], "event_us": [], "tokens_per_s": []} for k in models}
+    res = {k: {"host_us": [], "event_us": [], "tokens_per_s": [], "prompt_tokens_per_s": []} for k in models}
     try:
         for name, m in models.items():  # warm-up: compile kernels, fill allocator pools
             time_dense(m, tokens[:4])
             time_tokens(m, backend, weights, tokens[:4])
+            time_tokens(m, backend, weights, prompt[:8], chunk=True)
         for _ in range(a.repeats):
             for name, m in models.items():
                 host, dev = time_dense(m, tokens)
                 res[name]["host_us"].append(1e6 * statistics.median(host))
                 res[name]["event_us"].append(1e3 * statistics.median(dev))
                 res[name]["tokens_per_s"].append(time_tokens(m, backend, weights, tokens))
+                res[name]["prompt_tokens_per_s"].append(time_tokens(m, backend, weights, prompt, chunk=True))
         split = [fused_block_split(models["fused"]) for _ in range(a.repeats)]  # last: it may capture a graph
     finally:
         backend.close()
     summary = {k: {"dense_host_us_per_block": statistics.median(v["host_us"]),
                    "dense_event_us_per_block": statistics.median(v["event_us"]),
-                   "tokens_per_s": statistics.median(v["tokens_per_s"]), "runs": v} for k, v in res.items()}
+                   "tokens_per_s": statistics.median(v["tokens_per_s"]),
+                   "prompt_tokens_per_s": statistics.median(v["prompt_tokens_per_s"]), "runs": v} for k, v in res.items()}
     f, n = summary["fused"], summary["float32"]
     layers = info.num_layers
     print(f"model {path}: {layers} blocks, hidden {info.hidden}, {info.num_heads}/{info.num_kv_heads} heads x "
           f"{info.head_dim}, {max(info.num_experts)} experts top-{info.top_k}; {a.tokens} positions, "
           f"{a.repeats} repeats (medians)")
-    print(f"{'path':8} {'dense us/block (host)':>22} {'(events)':>9} {'tokens/s':>9} {'ms/block all-in':>16}")
+    print(f"{'path':8} {'dense us/block (host)':>22} {'(events)':>9} {'tokens/s':>9} {'ms/block all-in':>16} "
+          f"{'prompt tokens/s':>16}")
     for name, s in summary.items():
         s["ms_per_block_all_in"] = 1e3 / s["tokens_per_s"] / layers
         print(f"{name:8} {s['dense_host_us_per_block']:22.1f} {s['dense_event_us_per_block']:9.1f} "
-              f"{s['tokens_per_s']:9.1f} {s['ms_per_block_all_in']:16.3f}")
+              f"{s['tokens_per_s']:9.1f} {s['ms_per_block_all_in']:16.3f} {s['prompt_tokens_per_s']:16.1f}")
     ratios = {"dense_host": n["dense_host_us_per_block"] / f["dense_host_us_per_block"],
               "dense_events": n["dense_event_us_per_block"] / f["dense_event_us_per_block"],
-              "tokens_per_s": f["tokens_per_s"] / n["tokens_per_s"]}
+              "tokens_per_s": f["tokens_per_s"] / n["tokens_per_s"],
+              "prompt_tokens_per_s": f["prompt_tokens_per_s"] / n["prompt_tokens_per_s"]}
     print(f"fused / float32: dense {ratios['dense_host']:.1f}x faster (host), {ratios['dense_events']:.1f}x "
-          f"(events); decode tokens/s {ratios['tokens_per_s']:.2f}x")
+          f"(events); decode tokens/s {ratios['tokens_per_s']:.2f}x; prompt tokens/s {ratios['prompt_tokens_per_s']:.2f}x")
     issue = statistics.median(x["issue_us"] for x in split)
     dev = [x["device_us"] for x in split if x["device_us"] is not None]
     summary["fused"]["block_issue_us"] = issue
