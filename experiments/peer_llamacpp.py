@@ -33,7 +33,8 @@ model synth --preset qwen3-30b-a3b --vocab 32000 --quant Q8_0 --seed 0``) in par
 each one's progress; each is skipped when its output is there and matches (a build stamp with the
 tarball's sha256; a sidecar with the synth command), so an interrupted prepare is run again as is.
 ``bench`` appends every run to ``OUT/raw.jsonl`` as it ends; with ``--deadline-s`` it starts no
-run expected to end later (each configuration's last time), and the same command continues.
+run expected to end later (each configuration's last time), and the same command continues (a
+failed run stays recorded; delete its line to run it again).
 Exit status: 0 complete, 1 a configuration failed (recorded, the others still run), 2 bad input,
 3 runs missing. ``all`` = prepare, then bench, for machines without a time limit.
 
@@ -496,6 +497,10 @@ def run_rounds(args, round_cells: list[dict], prompt: str, out: Path, done: list
     have = {(d["round"], d["cell"]) for d in done}
     walls = {d["cell"]: d["wall_s"] for d in done}
     (out / "logs").mkdir(exist_ok=True)
+    raw = out / "raw.jsonl"
+    if raw.is_file() and not raw.read_bytes().endswith(b"\n") and raw.stat().st_size:
+        with open(raw, "a") as f:  # after a line cut short by a kill
+            f.write("\n")
     total = args.rounds * len(round_cells)
     warm = not args.warmup
     for r in range(args.rounds):
@@ -503,15 +508,18 @@ def run_rounds(args, round_cells: list[dict], prompt: str, out: Path, done: list
             if (r, cell["cell"]) in have:
                 continue
             expected = walls.get(cell["cell"], statistics.median(walls.values()) if walls else 0.0)
+            if cell["tool"] == "moelab" and not warm:
+                expected *= 2  # the warm-up takes about as long
             if args.deadline_s and time.monotonic() - t0 + expected > args.deadline_s:
                 print(f"bench: deadline: {cell['cell']} (round {r}) would end after {args.deadline_s:.0f} s; "
                       "stopping here; run the same command again to continue", flush=True)
                 return False
             if cell["tool"] == "moelab" and not warm:
-                warm = warmup(args, round_cells, prompt, out / "logs" / "warmup.log")
+                warmup(args, round_cells, prompt, out / "logs" / "warmup.log")
+                warm = True
             slug = cell["cell"].replace(" ", "_").replace("-", "")
             row = {"round": r, **measure(args, cell, prompt, out / "logs" / f"{slug}_r{r}.log")}
-            with open(out / "raw.jsonl", "a") as f:
+            with open(raw, "a") as f:
                 f.write(json.dumps(row) + "\n")
             done.append(row)
             walls[cell["cell"]] = row["wall_s"]
@@ -520,7 +528,7 @@ def run_rounds(args, round_cells: list[dict], prompt: str, out: Path, done: list
     return True
 
 
-def warmup(args, round_cells: list[dict], prompt: str, log: Path) -> bool:
+def warmup(args, round_cells: list[dict], prompt: str, log: Path) -> None:
     """One unrecorded moelab run (``-n 4``, hybrid's options when hybrid is measured) before this
     invocation's first moelab run: kernel compilation and caches are not charged to round 0."""
     names = [c for c in round_cells if c["tool"] == "moelab"]
@@ -528,7 +536,6 @@ def warmup(args, round_cells: list[dict], prompt: str, log: Path) -> bool:
     row = measure(argparse.Namespace(**{**vars(args), "tokens": 4}), cell, prompt, log)
     print(f"bench: warm-up {cell['cell']} -n 4: {row.get('error', 'done')} ({row['wall_s']:.0f} s, not recorded)",
           flush=True)
-    return True
 
 
 def medians(round_cells: list[dict], rows: list[dict]) -> dict:
@@ -703,6 +710,17 @@ def check_bench_args(args) -> None:
         raise Fail(f"bench: --hardware {args.hardware}: no such file (needed by --policy hybrid-cost)")
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of raw.jsonl; a line cut short by a kill is dropped (that run is made again)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
 def bench(args) -> int:
     from execute.gguf_io import GGUFError
     from execute.tokenizer import Tokenizer, TokenizerError
@@ -722,8 +740,7 @@ def bench(args) -> int:
     if (out / "config.json").is_file():
         if {**json.loads((out / "config.json").read_text()), "rounds": args.rounds} != config:
             raise Fail(f"bench: {out / 'config.json'} holds another configuration; give a new --out or remove {out}")
-        done = [json.loads(l) for l in (out / "raw.jsonl").read_text().splitlines() if l.strip()] \
-            if (out / "raw.jsonl").is_file() else []
+        done = read_rows(out / "raw.jsonl")
         print(f"bench: continuing {out}: {len(done)} runs already recorded")
         (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")  # --rounds may grow
     else:

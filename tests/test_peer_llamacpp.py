@@ -234,9 +234,12 @@ def test_bench_stops_at_the_deadline_and_the_same_command_continues(tiny_gguf, f
     assert _bench(tiny_gguf, fakes, out, "--rounds", "2", "--deadline-s", "1e-6") == 3
     assert fakes["calls"].read_text() == calls
     assert "Incomplete" in (out / "README.md").read_text()
+    with open(out / "raw.jsonl", "a") as f:
+        f.write('{"round": 1, "cell": "moelab cpu", "wall')  # a row cut short by a kill: that run is made again
     assert _bench(tiny_gguf, fakes, out, "--rounds", "2") == 0
     rows = json.loads((out / "result.json").read_text())["rows"]
     assert [r["round"] for r in rows] == [0] * n + [1] * n
+    assert peer.read_rows(out / "raw.jsonl") == rows
     assert "continuing" in capsys.readouterr().out
 
 
