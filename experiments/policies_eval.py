@@ -61,7 +61,9 @@ ABOUT = {
               "misses on the CPU, nothing uploaded.",
     "predict": "Forecasts each layer's next experts from transition counts learnt online (temporal: "
                "this layer's previous step; cross-layer: the previous MoE layer of the same token), "
-               "decayed with a memory of 16 steps and smoothed towards the decayed frequency. Misses "
+               "decayed with a memory of 16 steps and smoothed towards a prior (weight 0.5) in which "
+               "an expert recurs at its layer's next step (weight 16) and others come by decayed "
+               "frequency. Misses "
                "evict the residents with the lowest forecast, or are streamed when their own "
                "forecast is lower (bypass); after each step up to 8 of the next layer's likeliest "
                "experts are prefetched into free or lower-forecast slots when the forecast gains "
@@ -211,8 +213,8 @@ def render(res: dict, command: str) -> str:
            "completions at once (as `moelab trace stats`): " + "; ".join(
                f"{p} ({n} tokens, {', '.join(map(str, s))} slots per layer)" for p, n, s in res["parts"]) +
            ". Granite's decode rows are split in two halves in replay order: `predict`'s defaults "
-           "were chosen on `granite fit` from a small grid (memory, prior, prefetch count and "
-           "margin, bypass): simulated tokens/s at least `lru`'s on both hardware presets, then "
+           "were chosen on `granite fit` from a small grid (memory, prior, persistence, prefetch "
+           "count and margin, bypass): simulated tokens/s at least `lru`'s on both hardware presets, then "
            "the most hits; they are reported on `granite test` and "
            "`switch-base-8` (top-1 routing) as well. Gap closed = (hit rate - lru) / (belady - lru).", "",
            "## Policies", ""]

@@ -11,8 +11,10 @@ The policy learns, online from the steps it has committed (never from later ones
 
 Counts decay by ``1 - 1 / memory`` per step of their layer. A forecast from a step with experts
 ``S`` is, for every expert ``b`` of the predicted layer, ``mean over a in S of (counts[a, b] +
-prior * freq[b]) / (seen[a] + prior)``: the expected routes of ``b`` at that layer's step (about
-top-k in all). A transition row with few observations leans on the frequency.
+prior * (freq[b] + persist * [b == a])) / (seen[a] + prior)``, the persistence term in the
+temporal forecast only: the expected routes of ``b`` at that layer's step. A transition row with
+few observations leans on the prior: the expert itself recurs (as ``lru`` assumes), others by
+frequency.
 
 Decisions (``misses="gpu"``, the default: every miss crosses PCIe, as in ``lru``; the CPU pool is
 never used; ``misses="cpu"``: every miss runs on the CPU pool and the cache changes only by
@@ -52,14 +54,15 @@ __all__ = ["PredictPolicy"]
 class PredictPolicy(BasePolicy):
     """See the module docstring. Options: ``memory`` (steps, > 1), ``prior`` (> 0), ``bypass``,
     ``admit_margin`` (>= 0), ``max_prefetch`` (moves per step, 0..512), ``prefetch_margin`` (> 0),
-    ``misses`` ("gpu" or "cpu")."""
+    ``misses`` ("gpu" or "cpu"), ``persist`` (>= 0)."""
 
     name = "predict"
     uploads_every_miss = True
 
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
                  memory: float = 16.0, prior: float = 0.5, bypass: bool = True, admit_margin: float = 0.0,
-                 max_prefetch: int = 8, prefetch_margin: float = 0.25, misses: str = "gpu"):
+                 max_prefetch: int = 8, prefetch_margin: float = 0.25, misses: str = "gpu",
+                 persist: float = 16.0):
         if misses not in ("gpu", "cpu"):
             raise ValueError(f"predict misses: {misses!r}, expected 'gpu' or 'cpu'")
         if not memory > 1.0:
@@ -75,6 +78,9 @@ class PredictPolicy(BasePolicy):
         self.memory, self.prior, self.bypass = float(memory), float(prior), bool(bypass)
         self.admit_margin, self.max_prefetch = float(admit_margin), int(max_prefetch)
         self.prefetch_margin = float(prefetch_margin)
+        if not persist >= 0.0:
+            raise ValueError(f"predict persist: {persist}, expected >= 0")
+        self.persist = float(persist)
         self.misses = misses
         self.uploads_every_miss = misses == "gpu"
         L, E = geometry.num_layers, max(geometry.max_experts, 1)
@@ -84,12 +90,13 @@ class PredictPolicy(BasePolicy):
         self.freq_stored = np.zeros((L, E))
         self.trans, self.seen = np.zeros((L, E, E)), np.zeros((L, E))
         self.cross, self.cseen = np.zeros((L, E, E)), np.zeros((L, E))
-        # each row a of a layer's forecast, (counts[a] + prior * freq) / (seen[a] + prior) in true
-        # units, refreshed when the layer's statistics change
+        # row a of a layer's forecast, (counts[a] + prior * (freq + persist * [b == a] for the
+        # temporal one)) / (seen[a] + prior) in true units, refreshed when the statistics change
         self.trans_rows, self.cross_rows = np.zeros((L, E, E)), np.zeros((L, E, E))
+        self.trans_rows[:] = self.persist * np.eye(E)  # nothing learnt: an expert recurs
         self.prev: list[tuple[int, ...]] = [()] * L  # each layer's last committed experts
-        self._unlearnt: list[tuple] = []  # (layer, experts, its prev, the step above) this token
         self.above: tuple[int, ...] = ()  # experts of the last committed step (any layer)
+        self._unlearnt: list[tuple] = []  # (layer, experts, its prev, the step above) this token
         moe = geometry.moe_layers
         self.next_layer = {l: moe[(i + 1) % len(moe)] for i, l in enumerate(moe)}
         super().__init__(geometry, capacity, profile)
@@ -237,8 +244,10 @@ class PredictPolicy(BasePolicy):
             counts[layers] += (w * before)[:, :, None] * now[:, None, :]  # (n, E, E)
         s = np.asarray([self.scale[l] for l in layers])[:, None]  # (n, 1)
         f = (self.prior * s) * self.freq_stored[layers]  # (n, E): prior * true frequency
-        for counts, seen, rows in ((self.trans, self.seen, self.trans_rows), (self.cross, self.cseen, self.cross_rows)):
-            num = counts[layers] * s[:, :, None] + f[:, None, :]  # (n, E, E)
+        eye = (self.prior * self.persist) * np.eye(f.shape[1])
+        for counts, seen, rows, own in ((self.trans, self.seen, self.trans_rows, eye),
+                                        (self.cross, self.cseen, self.cross_rows, 0.0)):
+            num = counts[layers] * s[:, :, None] + f[:, None, :] + own  # (n, E, E)
             num /= (seen[layers] * s + self.prior)[:, :, None]
             rows[layers] = num
 

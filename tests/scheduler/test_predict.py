@@ -81,9 +81,10 @@ def test_decisions_never_depend_on_later_steps(scenario, cut):
 
 
 def test_forecast_matches_a_reference():
-    """Counts, decay and the prior by hand on a 1-layer, 4-expert, top-2 trace."""
+    """Counts, decay, the prior and persistence by hand on a 1-layer, 4-expert, top-2 trace."""
     g = Geometry.uniform(1, 4, 2)
-    policy = make_policy("predict", g, Capacity.per_layer(g, 4), memory=4.0, prior=0.5, max_prefetch=0)
+    policy = make_policy("predict", g, Capacity.per_layer(g, 4), memory=4.0, prior=0.5, persist=3.0,
+                         max_prefetch=0)
     seq = [(0, 1), (1, 2), (0, 1), (2, 3)]
     keep = 0.75
     freq, trans, seen, prev = np.zeros(4), np.zeros((4, 4)), np.zeros(4), None
@@ -102,7 +103,8 @@ def test_forecast_matches_a_reference():
                 for b in ex:
                     trans[a, b] += 1
         prev = ex
-    want = np.mean([(trans[a] + 0.5 * freq) / (seen[a] + 0.5) for a in (2, 3)], axis=0)
+    want = np.mean([(trans[a] + 0.5 * (freq + 3.0 * (np.arange(4) == a))) / (seen[a] + 0.5) for a in (2, 3)],
+                   axis=0)
     np.testing.assert_allclose(policy.forecast(0, policy.prev[0]), want)
     np.testing.assert_allclose(policy.forecast(0, (2, 3)), want)
     np.testing.assert_allclose(policy.frequency(0), freq)
@@ -112,7 +114,7 @@ def test_statistics_survive_rescaling():
     """Thousands of steps: the stored statistics are rescaled before they overflow, and the
     forecast stays the decayed one (a one-expert layer always routes expert 0: freq -> 1)."""
     g = Geometry.uniform(1, 2, 1)
-    policy = make_policy("predict", g, Capacity.per_layer(g, 1), memory=2.0, max_prefetch=0)
+    policy = make_policy("predict", g, Capacity.per_layer(g, 1), memory=2.0, persist=0.0, max_prefetch=0)
     for _ in range(3000):
         d = policy.plan(Step(0, (0,)))
         policy.commit(d)
@@ -144,7 +146,7 @@ def test_refuses_too_few_slots_and_bad_options():
         make_policy("predict", g, Capacity.per_layer(g, 1))
     make_policy("predict", g, Capacity.per_layer(g, 1), misses="cpu")  # nothing uploaded on demand
     for bad in ({"memory": 1.0}, {"prior": 0.0}, {"admit_margin": -1.0}, {"max_prefetch": 513},
-                {"prefetch_margin": 0.0}, {"misses": "disk"}):
+                {"prefetch_margin": 0.0}, {"misses": "disk"}, {"persist": -1.0}):
         with pytest.raises(ValueError, match=f"predict {next(iter(bad))}"):
             make_policy("predict", g, Capacity.per_layer(g, 2), **bad)
 
