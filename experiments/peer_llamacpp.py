@@ -802,7 +802,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--moelab", help="moelab command (default: moelab beside this Python)")
         if name in ("prepare", "all"):
             s.add_argument("--src", default=".peer/lcpp.tgz")
-            s.add_argument("--jobs", type=int, default=max((os.cpu_count() or 2) - 1, 1))
+            s.add_argument("--jobs", type=int, default=max(len(os.sched_getaffinity(0)) - 1, 1),
+                           help="build jobs (default: the cores this process may use, less one for synth)")
             s.add_argument("--cpu-only", action="store_true", help="build llama.cpp without CUDA")
             s.add_argument("--cuda-arch", default="90")
             s.add_argument("--preset", default="qwen3-30b-a3b", help="moelab model synth preset (tiny: a smoke test)")
