@@ -137,6 +137,8 @@ def test_gpu_work_without_gpu_is_a_clear_error(rng):
     engine = ExpertEngine(layers, cap, threads=1, use_gpu=False)
     item = next(i for i in drive(make_policy("lru", geo, cap), tokens) if isinstance(i, RunLayer))
     ids, w = routing[(0, 0)]
+    engine.begin_layer(0, np.zeros((len(ids), HIDDEN), np.float32), ids)  # no GPU: nothing to start
+    assert engine.stats.early_pairs == 0
     with pytest.raises(ExecutorError, match="need a GPU"):
         engine.run_layer(item, np.zeros((len(ids), HIDDEN), np.float32), ids, w)
     engine.close()
@@ -247,3 +249,40 @@ def test_one_token_path_checks_the_decision(rng, reference):
                              np.array([[5, 7]]), w)
     finally:
         engine.close()
+
+
+def test_run_begins_each_block_before_its_plan_and_keeps_the_decisions(tiny_weights):
+    """``run`` hands each block's routing to a backend's ``begin_layer`` before the driver plans
+    the step; the decision log is the same as with a backend that has none."""
+    from execute import model as M
+    from scheduler.audit import Audit
+
+    weights = tiny_weights("Q8_0")
+    geo = weights.info.geometry()
+    events = []
+
+    class Any(M.NumpyExperts):  # computes every expert on the host, whatever the decision
+        def run_layer(self, item, x, ids, w):
+            return self.compute(item.step, x, ids, w)
+
+    class Early(Any):
+        def begin_layer(self, layer, x, ids):
+            assert x is model.last_input and ids is model.last_ids
+            events.append(("begin", layer, tuple(ids[0].tolist())))
+
+    inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate([3, 17, 5, 29, 11])]
+    digests = []
+    for backend in (Any(weights), Early(weights)):
+        events.clear()
+        pol = make_policy("lru", geo, Capacity.per_layer(geo, geo.top_k))
+        plan = pol.plan
+        pol.plan = lambda step, plan=plan: (events.append(("plan", step.layer, step.experts)), plan(step))[1]
+        model = M.MoeModel(weights)
+        audit = Audit(geo, keep_log=True)
+        M.run(model, backend, pol, inputs, audit=audit)
+        digests.append(audit.digest())
+    assert digests[0] == digests[1]
+    moe = [l for l in range(geo.num_layers) if geo.num_experts[l]]
+    assert [e[:2] for e in events] == [(kind, l) for _ in inputs for l in moe for kind in ("begin", "plan")]
+    for begin, plan in zip(events[::2], events[1::2]):
+        assert set(begin[2]) == set(plan[2])  # the routing begun is the step planned
