@@ -268,7 +268,7 @@ def render(res: dict, command: str) -> str:
             "`predict` despite fewer hits, on the H200 preset slower.",
             "- `predict`'s statistics start empty: over the first 16 to 32 tokens from a cold start "
             "it moved more bytes than `lru` and was up to 7% slower at 8 slots (granite fit half's "
-            "first tokens, both presets); it pays from about 50 tokens on.",
+            "first 16 and 32 tokens, both presets), and faster over the whole 96-token fit half.",
             "- `predict`'s decisions cost several times `lru`'s host time per layer-step (table "
             "above); neither the simulator nor the tokens/s above charge it, the executor's host "
             "thread pays it.",
