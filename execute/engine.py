@@ -2,6 +2,7 @@
 
 Calling it from a forward pass (one MoE layer of a step of T tokens)::
 
+    engine.begin_layer(layer, x, topk_ids)  # optional, as soon as the routing is known (below)
     item = next(driver)                     # scheduler.drive.RunLayer for this layer
     out = engine.run_layer(item, x, topk_ids, topk_weights)
     # x: (T, hidden) float32, cupy when use_gpu else numpy; topk_ids: (T, k) int, topk_weights:
