@@ -258,8 +258,14 @@ def synth_done(model: Path, cmd: list[str]) -> bool:
 
 def prepare(args) -> int:
     work = Path(args.work)
+    from execute.synth import PRESETS
+
     if not Path(args.src).is_file():
         raise Fail(f"prepare: --src {args.src}: no such file (make it with: pack --out {args.src})")
+    if args.preset not in PRESETS:
+        raise Fail(f"prepare: --preset {args.preset}: expected one of {', '.join(PRESETS)}")
+    if args.jobs < 1:
+        raise Fail(f"prepare: --jobs {args.jobs}, expected >= 1")
     work.mkdir(parents=True, exist_ok=True)
     model = work / args.model_name
     jobs = {}  # name: (shell command, log, stamp file written when it succeeds, its content)

@@ -314,3 +314,14 @@ def test_a_run_past_its_timeout_is_an_error_row_with_its_output_logged(tmp_path)
     row = peer.measure(args, {"cell": "llama.cpp -ncmoe 0", "tool": "llama.cpp", "ncmoe": 0}, "", tmp_path / "x.log")
     assert row["error"] == "timed out after 3.0 s"
     assert "loading" in (tmp_path / "x.log").read_text()
+
+
+@pytest.mark.parametrize("extra, message", [(["--preset", "huge"], "--preset huge"), (["--jobs", "0"], "--jobs 0"),
+                                            (["--src", "/nonexistent.tgz"], "--src /nonexistent.tgz")])
+def test_prepare_bad_input_is_one_line_before_any_work(tmp_path, capsys, extra, message):
+    src = tmp_path / "lcpp.tgz"
+    src.write_bytes(b"")
+    assert peer.main(["prepare", "--src", str(src), "--work", str(tmp_path / "work"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "work").exists()
