@@ -68,6 +68,18 @@ _rt = cp.cuda.runtime
 _H2D, _D2H, _D2D = _rt.memcpyHostToDevice, _rt.memcpyDeviceToHost, _rt.memcpyDeviceToDevice
 
 
+def _free_refs() -> int:
+    """``sys.getrefcount`` of an object only a list holds, seen from a loop over the list as
+    ``GpuExperts._output`` loops (the count depends on the interpreter's reference borrowing)."""
+    ring = [object()]
+    for a in ring:
+        return sys.getrefcount(a)
+    return 0
+
+
+_FREE_REFS = _free_refs()
+
+
 def gpu_available() -> bool:
     """True when CuPy sees at least one CUDA device."""
     try:
@@ -478,7 +490,7 @@ class GpuExperts:
         else a new one; saves the allocation's host cost."""
         ring = self._outs.setdefault((rows, cols), [])
         for a in ring:
-            if sys.getrefcount(a) == 3:  # the ring, the loop variable and getrefcount's argument
+            if sys.getrefcount(a) == _FREE_REFS:
                 return a
         with self.compute:
             a = cp.empty((rows, cols), cp.float32)
