@@ -148,6 +148,8 @@ def _parser_replay() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=60.0, help="an expert step that takes longer is an error")
     p.add_argument("--backend", choices=("engine", "numpy"), default="engine",
                    help="experts on the expert engine (GPU kernels + Numba CPU pool), or numpy reference (cpu only)")
+    p.add_argument("--cpu-dense", action="store_true",
+                   help="with --policy cpu, run the dense path on the CPU too (default: on the GPU when one is present)")
     p.add_argument("--audit", default=None, help="write the per-token audit JSONL (with routes) here")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
@@ -160,6 +162,8 @@ def _check_common(args, prog: str) -> None:
 
     if args.policy not in POLICIES:
         raise _Fail(f"{prog}: --policy {args.policy!r}: expected one of {', '.join(POLICIES)}")
+    if args.cpu_dense and args.policy != "cpu":
+        raise _Fail(f"{prog}: --cpu-dense: only with --policy cpu (policy {args.policy!r} runs experts on the GPU)")
     if args.threads is not None:
         import numba
 
@@ -263,19 +267,34 @@ def _policy(args, trace, geometry, capacity):
         raise _Fail(f"moelab replay: {exc}") from None
 
 
+def _use_gpu(args) -> bool:
+    """Whether the dense path and the expert engine use the GPU: always for policies with GPU
+    experts; for ``cpu`` (every expert on the CPU pool, as llama.cpp's ``--cpu-moe``) when a CUDA
+    device is present, unless ``--backend numpy`` or ``--cpu-dense`` asks for a host-only run."""
+    if args.policy != "cpu":
+        return True
+    if args.backend == "numpy" or getattr(args, "cpu_dense", False):
+        return False
+    try:
+        from .gpu_experts import gpu_available
+    except ImportError:  # no cupy
+        return False
+    return gpu_available()
+
+
 def _backend(args, weights, use_gpu: bool, capacity, prog: str = "moelab replay"):
     import os
 
     from . import model as M
 
-    if args.pageable and not use_gpu:
+    if args.pageable and args.policy == "cpu":
         raise _Fail(f"{prog}: --pageable changes how experts are uploaded to the GPU; policy 'cpu' uploads none")
     if args.backend == "numpy":
         if use_gpu:
             raise _Fail(f"{prog}: --backend numpy runs only policy 'cpu'")
         return M.NumpyExperts(weights)
     return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s,
-                           pinned=not args.pageable)
+                           pinned=not args.pageable and args.policy != "cpu")
 
 
 def _replay(args) -> int:
@@ -295,7 +314,7 @@ def _replay(args) -> int:
     geometry = Geometry(info.num_experts, trace.top_k, info.expert_bytes)
     capacity = _capacity(args, geometry)
     policy = _policy(args, trace, geometry, capacity)
-    use_gpu = args.policy != "cpu"
+    use_gpu = _use_gpu(args)
     backend = _backend(args, weights, use_gpu, capacity)
     model = M.MoeModel(weights, use_gpu=use_gpu)
     audit = Audit(geometry, keep_log=True, record_routes=args.audit is not None)
@@ -357,6 +376,8 @@ def _parser_run() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=60.0, help="an expert step that takes longer is an error")
     p.add_argument("--backend", choices=("engine", "numpy"), default="engine",
                    help="experts on the expert engine (GPU kernels and CPU pool), or the numpy reference (cpu only)")
+    p.add_argument("--cpu-dense", action="store_true",
+                   help="with --policy cpu, run the dense path on the CPU too (default: on the GPU when one is present)")
     p.add_argument("--prefill-chunk", type=int, default=32,
                    help="prompt tokens run as one batch (default 32; 1: token by token)")
     p.add_argument("--speculative", type=int, default=0, metavar="N",
@@ -555,7 +576,7 @@ def _generate(args, weights, tok, prompt: list[int], draft_len: int, stream, rec
     geometry = info.geometry()
     capacity = _capacity(args, geometry, "moelab run")
     policy = _run_policy(args, geometry, capacity)
-    use_gpu = args.policy != "cpu"
+    use_gpu = _use_gpu(args)
     backend = _backend(args, weights, use_gpu, capacity, "moelab run")
     model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
     if record:

@@ -95,7 +95,8 @@ def test_errors_exit_2(models, tmp_path, capsys):
     cases = [([str(bad), "-p", "x"], "mamba"), ([str(models()), "-p", "x", "--policy", "belady"], "belady"),
              ([str(models()), "-p", "x", "--policy", "lru"], "cache-mib"),
              ([str(models()), "-p", "x", "--temp", "-1"], "temp"),
-             ([str(models()), "-p", "x", "--pageable"], "policy 'cpu' uploads none")]
+             ([str(models()), "-p", "x", "--pageable"], "policy 'cpu' uploads none"),
+             ([str(models()), "-p", "x", "--policy", "lru", "--cache-slots", "2", "--cpu-dense"], "only with --policy cpu")]
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -117,6 +118,20 @@ def test_gpu_run_with_a_profile_from_a_recorded_trace(models, tmp_path, capsys):
                          "--profile", tmp_path / "p.strp")
     assert fig["hits"] > 0 and fig["hits"] + fig["cpu"] + fig["uploads"] + fig["streams"] == fig["experts_served"]
     assert np.isfinite(fig["decode_tokens_per_s"]) and text == cpu_text  # greedy text agrees with the CPU run
+
+
+@pytest.mark.gpu
+def test_cpu_policy_runs_its_dense_path_on_the_gpu(models, capsys):
+    """``--policy cpu`` on a GPU machine: experts on the CPU pool, the dense path on the GPU (as
+    llama.cpp's --cpu-moe); the same tokens and decisions as the host-only run."""
+    cupy_or_skip()
+    from execute.cli import _parser_run, _use_gpu
+
+    assert _use_gpu(_parser_run().parse_args([str(models()), "-p", "x"]))
+    assert not _use_gpu(_parser_run().parse_args([str(models()), "-p", "x", "--cpu-dense"]))
+    text, fig = run_json(capsys, models(), "-p", "Hello there", "-n", "6", "--policy", "cpu")
+    host_text, host_fig = run_json(capsys, models(), "-p", "Hello there", "-n", "6", "--cpu-dense")
+    assert text == host_text and fig["digest"] == host_fig["digest"] and fig["cpu"] == fig["experts_served"]
 
 
 def test_pageable_runs_give_hybrid_cost_the_pageable_link_rate(models):
