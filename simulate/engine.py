@@ -29,6 +29,7 @@ the per-token GPU work (output head).
 """
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -112,7 +113,7 @@ class Simulator:
         observe = audit.observe
         events = [] if self.record else None
         pending: deque = deque()  # (completion event, time) of background batches, FIFO
-        tok_times, bounds, decode = [], [], []
+        tok_times, bounds, decode = array("d"), array("d"), array("b")  # per token, 17 bytes
         t = gpu_free = copy_free = cpu_free = 0.0
         gpu_busy = copy_busy = cpu_busy = 0.0
         tok_start = 0.0
@@ -253,7 +254,7 @@ class Simulator:
         observe = audit.observe
         events = [] if self.record else None
         pending: deque = deque()
-        tok_times, bounds, decode = [], [], []
+        tok_times, bounds, decode = array("d"), array("d"), array("b")  # per token, 17 bytes
         h = g = cf = p = 0.0
         prev_nu = 0  # copies queued by the previous layer
         gpu_busy = copy_busy = cpu_busy = 0.0

@@ -19,7 +19,7 @@ from .engine import SimResult, Simulator
 from .hardware import Hardware, load_hardware
 from .models import ModelSpec, load_model
 
-__all__ = ["SimConfig", "SimError", "run", "build_capacity", "load_tokens", "AUTO_RESERVE_BYTES"]
+__all__ = ["SimConfig", "SimError", "run", "build_capacity", "load_tokens", "TraceTokens", "AUTO_RESERVE_BYTES"]
 
 AUTO_RESERVE_BYTES = 700 * 2**20  # VRAM kept free by the "auto" cache size (as Strata's auto mode)
 
@@ -86,10 +86,29 @@ def _model(cfg: SimConfig) -> ModelSpec:
     return m.with_quant(cfg.expert_quant) if cfg.expert_quant else m
 
 
-def load_tokens(cfg: SimConfig, model: ModelSpec):
-    """The trace rows of ``cfg`` as a tuple of scheduler tokens; the geometry is checked against ``model``.
+class TraceTokens:
+    """The scheduler tokens of a trace's rows, re-iterable: each pass reads them from the (memory
+    mapped) trace as the simulation consumes them, so memory does not grow with the trace's length
+    (``Trace.tokens``; small traces keep their steps, see ``traces.format``)."""
 
-    Cached per process (tokens are immutable), so a sweep loads each trace once per worker."""
+    def __init__(self, trace, phase: str | None, limit: int | None):
+        self.trace, self.phase, self.limit = trace, phase, limit
+        n = len(trace.rows(phase))
+        self._len = n if limit is None else min(n, limit)
+
+    def __iter__(self):
+        return self.trace.tokens(phase=self.phase, limit=self.limit)
+
+    def __len__(self) -> int:
+        return self._len
+
+
+def load_tokens(cfg: SimConfig, model: ModelSpec) -> TraceTokens:
+    """The trace rows of ``cfg`` as re-iterable scheduler tokens (``TraceTokens``); the geometry is
+    checked against ``model``.
+
+    Cached per process (the trace is opened and checked once), so a sweep loads each trace once
+    per worker."""
     return _load_tokens(cfg.trace, cfg.phase, cfg.tokens, cfg.synth_tokens, cfg.seed, model)
 
 
@@ -115,9 +134,8 @@ def _load_tokens(trace_arg, phase_arg, limit, synth_tokens, seed, model: ModelSp
             f"{where}: trace geometry {len(got[0])} layers x {max(got[0])} experts top-{got[1]} does not match "
             f"model {model.name} ({len(want[0])} layers x {max(want[0])} experts top-{want[1]}); pick the model "
             f"the trace was recorded on, or --trace synth for a synthetic trace of the model's geometry")
-    phase = None if cfg.phase == "all" else cfg.phase
-    toks = tuple(trace.tokens(phase=phase, limit=cfg.tokens))
-    if not toks:
+    toks = TraceTokens(trace, None if cfg.phase == "all" else cfg.phase, cfg.tokens)
+    if not len(toks):
         raise SimError(f"{cfg.trace or 'bundled trace'}: no {cfg.phase} rows to simulate")
     return toks
 
@@ -173,7 +191,7 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     profile = None
     if cfg.policy == "static":
         profile = Profile.from_counts(_counts(tokens, geometry))  # oracle: the replayed tokens' own counts
-    future = [s for t in tokens for s in t.steps] if cfg.policy == "belady" else None
+    future = [s for t in tokens for s in t.steps] if cfg.policy == "belady" else None  # belady: all of it, held
     costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=cfg.policy))
     if cfg.policy == "hybrid-cost":
         options["cost_model"] = costs.cost_model()

@@ -39,7 +39,7 @@ HEADER_NAME = "trace.json"
 PHASES = ("prefill", "decode")  # phase code -> name
 _ARRAYS = ("expert_ids", "weights", "seq", "pos", "phase")
 _CHUNK_ROWS = 256  # rows converted to Python lists at a time in ``tokens``
-_CACHE_ENTRIES = 4_000_000  # traces with at most this many (row, layer) pairs cache their steps
+_CACHE_ENTRIES = 250_000  # traces with at most this many (row, layer) pairs cache their steps (~100 MiB)
 _CHECK_ROWS = 65536  # rows read at a time by ``validate``
 _KINDS = {"expert_ids": "iu", "weights": "f", "seq": "iu", "pos": "iu", "phase": "iu"}  # dtype kinds on disk
 
