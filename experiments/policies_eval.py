@@ -272,8 +272,8 @@ def render(res: dict, command: str) -> str:
             "- `predict`'s decisions cost several times `lru`'s host time per layer-step (table "
             "above); neither the simulator nor the tokens/s above charge it, the executor's host "
             "thread pays it.",
-            "- `predict` keeps four (layers, experts, experts) float64 arrays: 0.6 MiB for granite "
-            "(24 x 32 x 32), 128 MiB for 61 layers of 256 experts; its per-token learning grows "
+            "- `predict` keeps four (layers, experts, experts) float64 arrays: 0.75 MiB for granite "
+            "(24 x 32 x 32), 122 MiB for 61 layers of 256 experts; its per-token learning grows "
             "with experts squared.",
             "- The cross-layer forecast is learnt from routing alone; the next block's router applied "
             "to the current hidden state is not used.",
