@@ -308,3 +308,15 @@ def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monk
     assert result == [2]
     line = _error_line(err.getvalue())
     assert ("did not finish within 2.0 s" if fault == "stall" else "CPU experts failed: RuntimeError('worker died')") in line
+
+
+def test_every_model_preset_simulates_with_a_synthetic_trace(capsys):
+    """Presets with leading dense layers (deepseek-v2-lite) included: the dense layers are masked."""
+    from simulate.cli import simulate_main
+    from simulate.models import MODEL_PRESETS
+
+    for name in MODEL_PRESETS:
+        assert simulate_main(["--model", name, "--trace", "synth", "--synth-tokens", "6", "--cache-mib", "auto",
+                              "--hardware", "h200-xeon16"]) == 0, name
+        out = capsys.readouterr().out
+        assert f"trace: synthetic (6 rows, seed 0)" in out and "tokens/s simulated" in out
