@@ -320,3 +320,21 @@ def test_every_model_preset_simulates_with_a_synthetic_trace(capsys):
                               "--hardware", "h200-xeon16"]) == 0, name
         out = capsys.readouterr().out
         assert f"trace: synthetic (6 rows, seed 0)" in out and "tokens/s simulated" in out
+
+
+def test_ctrl_c_in_model_synth_is_one_line_and_leaves_no_file(tmp_path):
+    p = subprocess.Popen(CMD + ["model", "synth", "big.gguf", "--quant", "Q8_0", "--layers", "8", "--experts", "64",
+                                "--hidden", "1024", "--ffn", "1024"],
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        first = p.stderr.readline()  # the first progress line: the file is being written
+        assert first.startswith("synth: tensor"), first
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130 and "Traceback" not in err
+    assert "interrupted" in _error_line(err)
+    assert _tree(tmp_path) == set()
