@@ -176,12 +176,15 @@ def _check_common(args, prog: str) -> None:
                                   ("--lag-tokens", args.lag_tokens, lambda v: v >= 0, ">= 0")):
         if value is not None and not ok(value):
             raise _Fail(f"{prog}: {flag} {value}: expected {want}")
-    for flag, path, is_dir in (("--audit", args.audit, False), ("--record-trace", getattr(args, "record_trace", None), True)):
-        if path:
-            try:
-                check_output(path, flag, is_dir=is_dir)
-            except OutputPathError as exc:
-                raise _Fail(f"{prog}: {exc}") from None
+    try:
+        if args.audit:
+            check_output(args.audit, "--audit")
+        if getattr(args, "record_trace", None):
+            from traces.format import check_trace_dest
+
+            check_trace_dest(args.record_trace, "--record-trace")
+    except (OutputPathError, ValueError) as exc:
+        raise _Fail(f"{prog}: {exc}") from None
     if getattr(args, "profile", None):
         from scheduler.profile import read_strp
 

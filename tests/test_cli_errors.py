@@ -338,3 +338,17 @@ def test_ctrl_c_in_model_synth_is_one_line_and_leaves_no_file(tmp_path):
     assert p.returncode == 130 and "Traceback" not in err
     assert "interrupted" in _error_line(err)
     assert _tree(tmp_path) == set()
+
+
+@pytest.mark.parametrize("argv", [["trace", "synth", "{dir}", "--preset", "granite"],
+                                  ["trace", "import", "switch", "{root}/afile", "{dir}"],
+                                  ["run", "{model}", "-p", "hi", "--record-trace", "{dir}"]])
+def test_a_directory_that_is_not_a_trace_is_refused_before_the_work(tmp_path, inputs, argv):
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    subs = {"{dir}": str(keep), "{root}": str(inputs["root"]), "{model}": str(inputs["model"])}
+    r = moelab([subs.get(a, a).replace("{root}", str(inputs["root"])) for a in argv], tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "exists and is not a trace directory" in _error_line(r.stderr)
+    assert _tree(tmp_path) == {"mine", "mine/notes.txt"}

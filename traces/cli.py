@@ -18,7 +18,7 @@ import numpy as np
 
 from scheduler.files import atomic_open, atomic_write, check_output
 
-from .format import Trace, TraceError, load
+from .format import Trace, TraceError, check_trace_dest, load
 from .importers import IMPORTERS, import_trace
 
 __all__ = ["main"]
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _import(a) -> int:
-    check_output(a.dest, "DEST", is_dir=True)
+    check_trace_dest(a.dest, "DEST")
     opts = {}
     if a.format in ("vllm", "strata"):
         opts = {"num_layers": a.layers, "num_experts": a.experts, "model": a.model or "unknown"}
@@ -215,7 +215,7 @@ def _fit(a) -> int:
 def _synth(a) -> int:
     from .synth import PRESETS, SynthParams, generate
 
-    check_output(a.dest, "DEST", is_dir=True)
+    check_trace_dest(a.dest, "DEST")
     if a.preset:
         if a.preset not in PRESETS:
             raise ValueError(f"--preset: unknown {a.preset!r}; expected one of {', '.join(PRESETS)}")

@@ -32,7 +32,8 @@ import numpy as np
 from scheduler import Geometry, Step, Token
 from scheduler.files import OutputPathError, check_output, dir_mode
 
-__all__ = ["Trace", "TraceError", "SCHEMA_VERSION", "HEADER_NAME", "PHASES", "load", "default_trace_path"]
+__all__ = ["Trace", "TraceError", "SCHEMA_VERSION", "HEADER_NAME", "PHASES", "load", "default_trace_path",
+           "check_trace_dest"]
 
 SCHEMA_VERSION = 1
 HEADER_NAME = "trace.json"
@@ -247,13 +248,7 @@ class Trace:
 
         An existing trace directory at ``path`` is replaced; anything else there is refused, as is
         a missing parent directory (``scheduler.files.check_output``)."""
-        path = Path(path)
-        if path.exists() and not (path / HEADER_NAME).is_file():
-            raise TraceError(f"{path}: exists and is not a trace directory; refusing to replace it")
-        try:
-            check_output(path, "trace directory", is_dir=True)
-        except OutputPathError as e:
-            raise TraceError(str(e)) from None
+        path = check_trace_dest(path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
             os.chmod(tmp, dir_mode())
@@ -272,6 +267,20 @@ class Trace:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def check_trace_dest(path: str | os.PathLike, what: str = "trace directory") -> Path:
+    """``path`` if ``Trace.save`` can write there: its parent exists and is writable, and it is
+    absent or a trace directory (replaced); raises TraceError naming ``what`` otherwise. Commands
+    call it before their work."""
+    path = Path(path)
+    try:
+        check_output(path, what, is_dir=True)
+    except OutputPathError as e:
+        raise TraceError(str(e)) from None
+    if path.exists() and not (path / HEADER_NAME).is_file():
+        raise TraceError(f"{what} {path}: exists and is not a trace directory; refusing to replace it")
+    return path
 
 
 def _masked_step(layer: int, ids: list[int], weights: list[float] | None) -> Step | None:
