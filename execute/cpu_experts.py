@@ -30,7 +30,6 @@ sets ``OMP_WAIT_POLICY=PASSIVE`` before Numba's threading layer starts, unless t
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from typing import Sequence
@@ -44,8 +43,9 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import quant as Q
-from .cpu_simd import (addr, comb256, dpbusd, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
-                       load_nib32, load_u8, load_u16,
+from .cpu_simd import (comb256, dpbusd, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
+                       addr, load_nib32, load_u8, load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, atomic_load,
+                       atomic_store, atomic_add, pause, futex_wait, futex_wake, now_ns,
                        lut16, nib_hi, nib_lo, vand, vor, vshl, vshr, xor80, zero_f32, zero_i32)
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 
@@ -263,26 +263,15 @@ def _quantize16(xf, xq, j0, d, inv, l2):
     return s
 
 
-@njit(inline="always", fastmath=True)
-def _quantize(x, quantized, levels):
-    """x (n, cols) float32 -> (xq (levels * n * cols,) int8, xd, xs (n * cols / 32,), xs16
-    (n * cols / 16,), l2): per 32 columns, d = max |x| / 127 and q1 = round(x / d) (llama.cpp's
-    q8_0 activations); with 2 levels also q2 = round((x - d q1) * 256 / d), clipped to +-127, from
-    byte l2 = n * cols, so that x = d / 256 (256 q1 + q2) to within d / 512. xd is the scale of
-    the integer a kernel forms (d, or d / 256 for two levels), xs and xs16 the sums of the
-    dequantized values per 32 and 16 columns (the offsets' terms). Empty arrays when not
-    ``quantized`` (float weights read x) or the rows are not whole blocks."""
-    n, cols = x.shape
-    m = n * cols if quantized and cols % 32 == 0 else 0
-    xq = np.empty(levels * m, np.int8)
-    xd = np.empty(m // 32, np.float32)
-    xs = np.empty(m // 32, np.float32)
-    xs16 = np.empty(m // 16, np.float32)
-    if m == 0:
-        return xq, xd, xs, xs16, 0
-    xf = x.reshape(m)
-    l2 = m if levels == 2 else 0
-    for b in range(m // 32):
+@njit(fastmath=True, nogil=True, cache=True)
+def _quantize(xf, xq, xd, xs, xs16, l2):
+    """xf (m,) float32, m a multiple of 32 -> xq (m or 2m,) int8, xd, xs (m / 32,), xs16 (m / 16,):
+    per 32 values, d = max |x| / 127 and q1 = round(x / d) (llama.cpp's q8_0 activations); with
+    l2 = m also q2 = round((x - d q1) * 256 / d), clipped to +-127, from byte l2, so that
+    x = d / 256 (256 q1 + q2) to within d / 512. xd is the scale of the integer a kernel forms (d,
+    or d / 256 for two levels), xs and xs16 the sums of the dequantized values per 32 and 16
+    values (the offsets' terms)."""
+    for b in range(xf.size // 32):
         amax = np.float32(0.0)
         for j in range(32):
             amax = max(amax, abs(xf[32 * b + j]))
@@ -295,249 +284,494 @@ def _quantize(x, quantized, levels):
         xs[b] = ds * np.float32(s0 + s1)
         xs16[2 * b] = ds * np.float32(s0)
         xs16[2 * b + 1] = ds * np.float32(s1)
-    return xq, xd, xs, xs16, l2
 
 
-@njit(inline="always", fastmath=True)
-def _swiglu_oai(a, b, limit, alpha):
-    """gpt-oss's clamped SwiGLU on gate ``a`` and up ``b`` (biases added)."""
-    a = min(a, limit)
-    b = min(max(b, -limit), limit)
-    return a / (np.float32(1.0) + np.exp(-alpha * a)) * (b + np.float32(1.0))
+# A call is described by one int64 array, its "job": sizes, the addresses of the inputs, outputs,
+# weights and scratch (all kept alive by the caller until the call has finished), and two clock
+# stamps. The phases below read it; the synchronous path (_moe, OpenMP) and the pool's thread team
+# (_team_worker) run the same phases.
+(J_N, J_HIDDEN, J_FFN, J_EXPERTS, J_X, J_Y, J_QT, J_W, J_RB, J_BIAS, J_ACT, J_NG, J_ORDER, J_GSTART, J_GEXP,
+ J_H, J_HU, J_XQ, J_XD, J_XS, J_XS16, J_LEVELS, J_TABLE, J_T0, J_T1) = (0, 1, 2, 3, 4, 5, 6, 9, 12, 15, 18, 19, 20,
+                                                                     21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32)
+JOB_FIELDS = 33  # J_QT, J_W, J_RB, J_BIAS: 3 fields each (gate, up, down); bias address 0 = none
+_LEVELS = 2  # int8 levels of the activations (see _quantize): 2 keeps the NMSE ~1e-9, 1 is llama.cpp's
+
+
+@njit(inline="always")
+def _qtype_is_float(qt):
+    return qt == _F32 or qt == _F16 or qt == _BF16
+
+
+_AHEAD = 2  # rows prefetched ahead in _rows
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _rows(v, e, r0, r1, pairs, xf, ax, out, table):
-    """out[i, r] = row r of expert e (tensor views v) . input i, for rows r0..r1 - 1 and the pairs
-    i in ``pairs``; xf (n * cols,) the inputs, ax their int8 form (see _quantize); out (n, rows).
-    The one compiled copy of every type's dot (gate, up and down share it). The inner loops read
-    through addresses: array accesses there would add reference counting per row."""
-    u8, u16, f32, qt, rb = v
-    xq, xd, xs, xs16, l2 = ax
-    w = addr(f32) if qt == _F32 else addr(u16) if qt == _F16 or qt == _BF16 else addr(u8)
-    pxf, pq, pd, ps, ps16, pt = addr(xf), addr(xq), addr(xd), addr(xs), addr(xs16), addr(table)
-    rows = out.shape[1]
-    cols = xf.size // out.shape[0]
+def _rows(job, k, e, r0, r1, x, cols, a, out, rows):
+    """out[i * rows + r] = row r of expert e of projection k (0 gate, 1 up, 2 down) . input i, for
+    rows r0..r1 - 1 and the pairs i of e's group (all addresses: x the (n, cols) float32 inputs,
+    a the base of their int8 form, see _scratch_fields; out float32). The one compiled copy of
+    every type's dot. Addresses, not arrays, so that Numba adds no reference counting per row."""
+    qt, w, rb = job[J_QT + k], job[J_W + k], job[J_RB + k]
+    order = numba.carray(ptr_i64(job[J_ORDER]), job[J_N])
+    gstart = numba.carray(ptr_i64(job[J_GSTART]), job[J_N] + 1)
+    g = a[0]
+    p0, p1 = gstart[g], gstart[g + 1]
+    xq, xd, xs, xs16, l2, table = a[1], a[2], a[3], a[4], a[5], job[J_TABLE]
     for r in range(r0, r1):
-        for p in range(pairs.size):
-            i = pairs[p]
-            out[i, r] = _dot_row(qt, w, rb, e * rows + r, cols, i, pxf, pq, pd, ps, ps16, l2, pt)
+        if r + _AHEAD < r1:  # the row _AHEAD rows on, into the caches while this one is dotted
+            nxt = w + (e * rows + r + _AHEAD) * rb
+            for c in range(0, rb, 64):
+                prefetch(nxt, c)
+        for p in range(p0, p1):
+            i = order[p]
+            store_f32(out, i * rows + r, _dot_row(qt, w, rb, e * rows + r, cols, i, x, xq, xd, xs, xs16, l2, table))
 
 
-@njit(inline="always", fastmath=True)
-def _activate(hg, hu, bg, bu, oai, e, r0, r1, pairs):
-    """hg[i, r] = act(hg[i, r] + bg[e, r], hu[i, r] + bu[e, r]) for rows r0..r1 - 1 of the pairs:
-    act is silu(a) * b when ``oai`` is None, else _swiglu_oai with oai = (limit, alpha); biases
-    None (compiled out) or (experts, ffn) float32."""
-    for i in pairs:
-        for r in range(r0, r1):
-            a = hg[i, r]
-            b = hu[i, r]
-            if bg is not None:
-                a += bg[e, r]
-            if bu is not None:
-                b += bu[e, r]
-            if oai is None:
-                hg[i, r] = a / (np.float32(1.0) + np.exp(-a)) * b
-            else:
-                hg[i, r] = _swiglu_oai(a, b, oai[0], oai[1])
-
-
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe(g, u, dn, bg, bu, bd, oai, experts, x, y, ffn, chunks, table):
-    """y[i] = down_e(act(gate_e x[i] + bg[e], up_e x[i] + bu[e])) + bd[e], e = experts[i], for every
-    pair i (see _activate), in two parallel regions (gate+up, then down), each ``chunks`` equal
-    runs of the (expert, row) work; pairs are grouped by expert so that a weight row is read once
-    per call. x: (n, hidden) float32; y: (n, hidden) float32, written; bd None or (experts, hidden)."""
-    n, hidden = x.shape
-    order = np.argsort(experts, kind="mergesort")
-    group_start = np.empty(n + 1, np.int64)
-    group_expert = np.empty(n, np.int64)
+@njit(fastmath=True, nogil=True, cache=True)
+def _prepare(job):
+    """Group the pairs by expert (J_ORDER, J_GSTART, J_GEXP, J_NG) and quantize x."""
+    n = job[J_N]
+    experts = numba.carray(ptr_i64(job[J_EXPERTS]), n)
+    order = numba.carray(ptr_i64(job[J_ORDER]), n)
+    gstart = numba.carray(ptr_i64(job[J_GSTART]), n + 1)
+    gexp = numba.carray(ptr_i64(job[J_GEXP]), n)
+    for p in range(n):  # insertion sort by expert, stable (n is small: pairs of one layer)
+        v = experts[p]
+        q = p
+        while q > 0 and experts[order[q - 1]] > v:
+            order[q] = order[q - 1]
+            q -= 1
+        order[q] = p
     ng = 0
     for p in range(n):
         if p == 0 or experts[order[p]] != experts[order[p - 1]]:
-            group_start[ng] = p
-            group_expert[ng] = experts[order[p]]
+            gstart[ng] = p
+            gexp[ng] = experts[order[p]]
             ng += 1
-    group_start[ng] = n
-    gq = g[3] not in (_F32, _F16, _BF16) or u[3] not in (_F32, _F16, _BF16)
-    ax = _quantize(x, gq, 2)
-    xf = x.reshape(n * hidden)
-    h = np.empty((n, ffn), np.float32)
-    hu = np.empty((n, ffn), np.float32)
-    work = ng * ffn
-    for t in prange(chunks):  # gate + up: h (n, ffn); chunk t: flat (expert group, row) f0..f1 - 1
-        f0 = t * work // chunks
-        f1 = (t + 1) * work // chunks
-        for k in range(f0 // ffn, (f1 + ffn - 1) // ffn):
-            r0 = max(f0 - k * ffn, 0)
-            r1 = min(f1 - k * ffn, ffn)
-            pairs = order[group_start[k]:group_start[k + 1]]
-            _rows(g, group_expert[k], r0, r1, pairs, xf, ax, h, table)
-            _rows(u, group_expert[k], r0, r1, pairs, xf, ax, hu, table)
-            _activate(h, hu, bg, bu, oai, group_expert[k], r0, r1, pairs)
-    ah = _quantize(h, dn[3] not in (_F32, _F16, _BF16), 2)
-    hf = h.reshape(n * ffn)
-    work = ng * hidden
-    for t in prange(chunks):  # down: y (n, hidden)
-        f0 = t * work // chunks
-        f1 = (t + 1) * work // chunks
-        for k in range(f0 // hidden, (f1 + hidden - 1) // hidden):
-            r0 = max(f0 - k * hidden, 0)
-            r1 = min(f1 - k * hidden, hidden)
-            pairs = order[group_start[k]:group_start[k + 1]]
-            _rows(dn, group_expert[k], r0, r1, pairs, hf, ah, y, table)
-            if bd is not None:
-                for i in pairs:
+    gstart[ng] = n
+    job[J_NG] = ng
+    _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _quantize_input(job, x, cols, k0, k1):
+    """int8 form of the (n, cols) inputs at x for projections k0..k1 (skipped if all float)."""
+    if _qtype_is_float(job[J_QT + k0]) and _qtype_is_float(job[J_QT + k1]):
+        return
+    if cols % 32:
+        return
+    m = job[J_N] * cols
+    l2 = m if job[J_LEVELS] == 2 else 0
+    _quantize(numba.carray(ptr_f32(x), m), numba.carray(ptr_i8(job[J_XQ]), m * job[J_LEVELS]),
+              numba.carray(ptr_f32(job[J_XD]), m // 32), numba.carray(ptr_f32(job[J_XS]), m // 32),
+              numba.carray(ptr_f32(job[J_XS16]), m // 16), l2)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _middle(job):
+    """Quantize h for the down projection."""
+    _quantize_input(job, job[J_H], job[J_FFN], 2, 2)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _chunk(job, t, chunks, phase):
+    """Chunk t of ``chunks`` equal runs of the flat (expert group, row) work of ``phase``: 0 gate
+    and up into h (activation and biases applied), 1 down into y (bias added)."""
+    n, hidden, ffn = job[J_N], job[J_HIDDEN], job[J_FFN]
+    rows = ffn if phase == 0 else hidden
+    cols = hidden if phase == 0 else ffn
+    work = job[J_NG] * rows
+    f0 = t * work // chunks
+    f1 = (t + 1) * work // chunks
+    gexp = numba.carray(ptr_i64(job[J_GEXP]), n)
+    order = numba.carray(ptr_i64(job[J_ORDER]), n)
+    gstart = numba.carray(ptr_i64(job[J_GSTART]), n + 1)
+    m = n * cols
+    l2 = m if job[J_LEVELS] == 2 else 0
+    for g in range((f0 // rows) if rows else 0, ((f1 + rows - 1) // rows) if rows else 0):
+        r0 = max(f0 - g * rows, 0)
+        r1 = min(f1 - g * rows, rows)
+        e = gexp[g]
+        a = (g, job[J_XQ], job[J_XD], job[J_XS], job[J_XS16], l2)
+        if phase == 0:
+            h, hu = job[J_H], job[J_HU]
+            _rows(job, 0, e, r0, r1, job[J_X], cols, a, h, rows)
+            _rows(job, 1, e, r0, r1, job[J_X], cols, a, hu, rows)
+            _activate(job, e, r0, r1, order[gstart[g]:gstart[g + 1]], h, hu, rows)
+        else:
+            _rows(job, 2, e, r0, r1, job[J_H], cols, a, job[J_Y], rows)
+            bd = job[J_BIAS + 2]
+            if bd:
+                for p in range(gstart[g], gstart[g + 1]):
+                    i = order[p]
                     for r in range(r0, r1):
-                        y[i, r] += bd[group_expert[k], r]
+                        store_f32(job[J_Y], i * rows + r, load_f32(job[J_Y], i * rows + r) + load_f32(bd, e * rows + r))
 
 
-_EMPTY_F32 = np.zeros(1, np.float32)
-_EMPTY_U16 = np.zeros(1, np.uint16)
-_OAI = {"silu": None, "swiglu_oai": (np.float32(7.0), np.float32(1.702))}  # activation -> _moe's oai
+_EXP_MAX = np.float32(80.0)  # exp's argument is clipped here: fastmath assumes no infinities
+
+
+@njit(inline="always", fastmath=True)
+def _activate(job, e, r0, r1, pairs, h, hu, rows):
+    """h = act(h + bg[e], hu + bu[e]) at rows r0..r1 - 1 of the pairs: silu(a) * b (J_ACT 0) or
+    gpt-oss's clamped SwiGLU (J_ACT 1; limit 7, alpha 1.702); bias address 0 = none."""
+    bg, bu, oai = job[J_BIAS], job[J_BIAS + 1], job[J_ACT]
+    for i in pairs:
+        for r in range(r0, r1):
+            a = load_f32(h, i * rows + r)
+            b = load_f32(hu, i * rows + r)
+            if bg:
+                a += load_f32(bg, e * rows + r)
+            if bu:
+                b += load_f32(bu, e * rows + r)
+            if oai:
+                a = min(a, np.float32(7.0))
+                b = min(max(b, np.float32(-7.0)), np.float32(7.0))
+                v = a / (np.float32(1.0) + np.exp(min(np.float32(-1.702) * a, _EXP_MAX))) * (b + np.float32(1.0))
+            else:
+                v = a / (np.float32(1.0) + np.exp(min(-a, _EXP_MAX))) * b
+            store_f32(h, i * rows + r, v)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _moe(job, chunks):
+    """The whole call on Numba's thread pool: two parallel regions of ``chunks`` chunks."""
+    _prepare(job)
+    for t in prange(chunks):
+        _chunk(job, t, chunks, 0)
+    _middle(job)
+    for t in prange(chunks):
+        _chunk(job, t, chunks, 1)
+
+
+_OAI = {"silu": 0, "swiglu_oai": 1}  # activation -> J_ACT
 
 
 def tensor_views(t: ExpertTensor) -> tuple:
-    """(u8, u16, f32, qtype, row_bytes): the flat views of all experts' rows the kernels read
-    (u16 for F16/BF16, f32 for F32; one-element dummies otherwise)."""
+    """(flat uint8 bytes of all experts' rows, qtype, row_bytes): what the kernels read, checked."""
     Q.row_bytes(t.qtype, t.cols, t.name or "expert tensor")
     rb = Q.row_bytes(t.qtype, t.cols)
     if t.expert_bytes != rb * t.rows:
         raise ValueError(f"{t.name or 'expert tensor'}: {t.expert_bytes} bytes per expert, expected "
                          f"{t.rows} rows x {rb} = {rb * t.rows} for {Q.QTYPES[t.qtype].name}")
-    flat = np.asarray(t.data).reshape(-1)
-    f32 = flat.view(np.float32) if t.qtype == Q.F32 else _EMPTY_F32
-    u16 = flat.view(np.uint16) if t.qtype in (Q.F16, Q.BF16) else _EMPTY_U16
-    return flat, u16, f32, np.int64(t.qtype), np.int64(rb)
+    flat = np.ascontiguousarray(t.data).reshape(-1)
+    if t.qtype in (Q.F16, Q.BF16, Q.F32) and flat.ctypes.data % (4 if t.qtype == Q.F32 else 2):
+        raise ValueError(f"{t.name or 'expert tensor'}: {Q.QTYPES[t.qtype].name} data must be aligned to its element size")
+    return flat, int(t.qtype), int(rb)
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class _Scratch:
+    """Per-call work buffers (grown on demand, never shrunk); a call's job holds their addresses,
+    so an in-flight call keeps the set it started with (``CpuJob`` holds a reference)."""
+
+    def __init__(self):
+        self.n = self.width = 0
+        self.arrays: tuple = ()
+
+    def fields(self, n: int, hidden: int, ffn: int) -> tuple[tuple, np.ndarray]:
+        """(arrays, the job fields J_ORDER .. J_TABLE: their addresses, _LEVELS, the MXFP4 table's)."""
+        width = max(hidden, ffn)
+        if n > self.n or width > self.width or (n * ffn > 0 and not self.arrays):
+            self.n, self.width = max(n, self.n, 1), max(width, self.width)
+            nn, m = self.n, self.n * self.width
+            self.arrays = (np.empty(nn, np.int64), np.empty(nn + 1, np.int64), np.empty(nn, np.int64),
+                           np.empty(nn * max(ffn, self.width), np.float32), np.empty(nn * max(ffn, self.width), np.float32),
+                           np.empty(_LEVELS * m + 64, np.int8), np.empty(m // 32 + 1, np.float32),
+                           np.empty(m // 32 + 1, np.float32), np.empty(m // 16 + 1, np.float32))
+            self.addrs = np.array([_addr(a) for a in self.arrays] + [_LEVELS, _addr(_MXFP4_U8)], np.int64)
+        return self.arrays, self.addrs
+
+
+def _layer_fields(layer: LayerExperts, views: tuple) -> np.ndarray:
+    """The job fields of a layer that do not change between calls (J_HIDDEN, J_FFN, J_QT .. J_ACT)."""
+    bias = tuple(0 if b is None else _addr(b) for b in (layer.gate_bias, layer.up_bias, layer.down_bias))
+    return np.array((layer.hidden, layer.ffn) + tuple(v[1] for v in views) + tuple(_addr(v[0]) for v in views)
+                    + tuple(v[2] for v in views) + bias + (_OAI[layer.activation],), np.int64)
+
+
+def _check_call(layer: LayerExperts, experts, x, out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(experts int64, x, y) checked but for the expert range (see _launch): ValueError naming the
+    layer and what was expected."""
+    e = np.ascontiguousarray(experts, dtype=np.int64).reshape(-1)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape != (len(e), layer.hidden):
+        raise ValueError(f"layer {layer.layer}: x has shape {x.shape}, expected ({len(e)}, {layer.hidden})")
+    y = np.empty((len(e), layer.hidden), np.float32) if out is None else out
+    if y.shape != (len(e), layer.hidden) or y.dtype != np.float32 or not y.flags.c_contiguous:
+        raise ValueError(f"layer {layer.layer}: out must be C-contiguous float32 ({len(e)}, {layer.hidden})")
+    return e, x, y
+
+
+def _bad_experts(layer: LayerExperts) -> ValueError:
+    return ValueError(f"layer {layer.layer}: expert ids must be in 0..{layer.num_experts - 1}")
+
+
+@njit(nogil=True, cache=True)
+def _launch(ctrl, job, seq, e, x, y, num_experts, fixed, scratch):
+    """Fill ``job`` for a call of pairs (e, x) into y (fixed: _layer_fields, scratch:
+    _Scratch.fields) and publish it as call ``seq`` (seq 0: only fill). False, with nothing
+    written, when an expert id is out of 0..num_experts - 1."""
+    for v in e:
+        if v < 0 or v >= num_experts:
+            return False
+    job[J_N] = e.size
+    job[J_HIDDEN:J_EXPERTS] = fixed[:2]
+    job[J_EXPERTS] = addr(e)
+    job[J_X] = addr(x)
+    job[J_Y] = addr(y)
+    job[J_QT:J_NG] = fixed[2:]
+    job[J_NG] = 0
+    job[J_ORDER:J_T0] = scratch
+    if seq:
+        _publish(ctrl, seq)
+    return True
 
 
 def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, threads: int | None = None,
                 views: tuple | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """Compute the pairs' expert outputs on the calling thread: (n, hidden) float32 (into ``out``
-    when given, e.g. a page-locked buffer)."""
-    e = np.asarray(experts, dtype=np.int64).reshape(-1)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape != (len(e), layer.hidden):
-        raise ValueError(f"layer {layer.layer}: x has shape {x.shape}, expected ({len(e)}, {layer.hidden})")
-    if len(e) and (e.min() < 0 or e.max() >= layer.num_experts):
-        raise ValueError(f"layer {layer.layer}: expert ids must be in 0..{layer.num_experts - 1}")
-    y = np.empty((len(e), layer.hidden), np.float32) if out is None else out
-    if y.shape != (len(e), layer.hidden) or y.dtype != np.float32 or not y.flags.c_contiguous:
-        raise ValueError(f"layer {layer.layer}: out must be C-contiguous float32 ({len(e)}, {layer.hidden})")
-    g, u, d = views or (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
-    th = threads or numba.get_num_threads()
-    _moe(g, u, d, layer.gate_bias, layer.up_bias, layer.down_bias, _OAI[layer.activation], e, x, y, layer.ffn, th,
-         _MXFP4_U8)
+    """Compute the pairs' expert outputs on the calling thread with Numba's thread pool (``threads``
+    chunks per region): (n, hidden) float32 (into ``out`` when given, e.g. a page-locked buffer)."""
+    e, x, y = _check_call(layer, experts, x, out)
+    views = views or (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
+    job = np.zeros(JOB_FIELDS, np.int64)
+    keep, scratch = _Scratch().fields(len(e), layer.hidden, layer.ffn)
+    if not _launch(job, job, 0, e, x, y, layer.num_experts, _layer_fields(layer, views), scratch):
+        raise _bad_experts(layer)
+    _moe(job, int(threads or numba.get_num_threads()))
+    del keep
     return y
+
+
+# The pool's thread team. ctrl (int64) holds the team's counters, each on its own cache line:
+_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD = (8 * k for k in range(7))
+_CTRL = 8 * 8
+_RING = 16  # job slots: calls submitted but not yet finished, at most
+_STOP = -1  # _C_GEN value that ends the workers
+_ABANDONED: list = []  # arrays of calls a stalled team may still read (see CpuExpertPool._break)
+
+
+@njit(inline="always")
+def _barrier(ctrl, team, nbar):
+    """Wait until every worker has reached barrier ``nbar + 1``; the new count."""
+    atomic_add(ctrl, _C_BAR, 1)
+    target = team * (nbar + 1)
+    while atomic_load(ctrl, _C_BAR) < target:
+        pause()
+    return nbar + 1
+
+
+@njit(nogil=True, cache=True)
+def _team_worker(ctrl, ring, t, team, spin_ns):
+    """Worker t of ``team``: runs every published call (slots of ``ring`` in order), spinning up to
+    spin_ns for the next one, then sleeping on a futex. Worker 0 runs the serial parts (grouping,
+    quantization) between barriers; the last worker to finish a call stamps and publishes it."""
+    seq = 0
+    nbar = 0
+    while True:
+        t0 = now_ns()
+        spins = 0
+        while atomic_load(ctrl, _C_GEN) == seq:
+            spins += 1
+            if spins & 63 or now_ns() - t0 < spin_ns:
+                pause()
+                continue
+            atomic_add(ctrl, _C_SLEEP, 1)
+            if atomic_load(ctrl, _C_GEN) == seq:
+                futex_wait(ctrl, _C_GEN, seq, 100_000_000)
+            atomic_add(ctrl, _C_SLEEP, -1)
+        if atomic_load(ctrl, _C_GEN) == _STOP:
+            return
+        seq += 1
+        job = ring[seq % _RING]
+        if t == 0:
+            while atomic_load(ctrl, _C_FIN) < team * (seq - 1) or atomic_load(ctrl, _C_HOLD):
+                pause()  # the previous call's scratch is free once every worker has finished it
+            job[J_T0] = now_ns()
+            _prepare(job)
+        nbar = _barrier(ctrl, team, nbar)
+        _chunk(job, t, team, 0)
+        nbar = _barrier(ctrl, team, nbar)
+        if t == 0:
+            _middle(job)
+        nbar = _barrier(ctrl, team, nbar)
+        _chunk(job, t, team, 1)
+        if atomic_add(ctrl, _C_FIN, 1) == team * seq - 1:
+            job[J_T1] = now_ns()
+            atomic_store(ctrl, _C_DONE, seq)
+            if atomic_load(ctrl, _C_WAIT):
+                futex_wake(ctrl, _C_DONE)
+
+
+@njit(nogil=True, cache=True)
+def _publish(ctrl, seq):
+    """Make call ``seq`` (or _STOP) visible to the team and wake sleeping workers."""
+    atomic_store(ctrl, _C_GEN, seq)
+    if atomic_load(ctrl, _C_SLEEP):
+        futex_wake(ctrl, _C_GEN)
+
+
+@njit(nogil=True, cache=True)
+def _wait_done(ctrl, seq, spin_ns, timeout_ns):
+    """Wait until call ``seq`` has finished: spin up to spin_ns, then sleep on a futex; False after
+    timeout_ns."""
+    t0 = now_ns()
+    while atomic_load(ctrl, _C_DONE) < seq:
+        el = now_ns() - t0
+        if el > timeout_ns:
+            return False
+        if el < spin_ns:
+            pause()
+            continue
+        atomic_add(ctrl, _C_WAIT, 1)
+        done = atomic_load(ctrl, _C_DONE)
+        if done < seq:
+            futex_wait(ctrl, _C_DONE, done, 1_000_000)
+        atomic_add(ctrl, _C_WAIT, -1)
+    return True
 
 
 class CpuJob:
     """A submitted layer's CPU experts; ``result()`` waits for them at most the pool's timeout."""
 
-    def __init__(self, pool: "CpuExpertPool", layer: int, n: int):
+    def __init__(self, pool: "CpuExpertPool", layer: int, n: int, seq: int = 0):
         self._pool = pool
         self.layer = layer
         self.num_pairs = n
-        self._done = threading.Event()
+        self._seq = seq
         self._out: np.ndarray | None = None
         self._error: BaseException | None = None
         self.submitted_s = time.perf_counter()
         self.compute_s = 0.0
-        # perf_counter stamps (0.0 until set): the worker starts and ends the Numba call; the
-        # caller's first successful result() returns (moelab calibrate splits the hand-offs by them)
+        # perf_counter stamps (0.0 until set): the team starts and ends the call (CLOCK_MONOTONIC,
+        # perf_counter's clock); the caller's first successful result() returns (moelab calibrate
+        # splits the hand-offs by them)
         self.started_s = 0.0
         self.finished_s = 0.0
         self.collected_s = 0.0
 
-    def _finish(self, out: np.ndarray | None, error: BaseException | None) -> None:
-        self._out, self._error = out, error
-        self._done.set()
-
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._error is not None or self._pool._ctrl[_C_DONE] >= self._seq
 
     def result(self) -> np.ndarray:
         """(n, hidden) float32 unweighted outputs; ExecutorError on failure or timeout."""
-        left = self._pool.timeout_s - (time.perf_counter() - self.submitted_s)
-        if not self._done.wait(max(left, 0.0)):
-            self._pool._broken = f"layer {self.layer}: CPU experts did not finish within {self._pool.timeout_s} s"
-            raise ExecutorError(self._pool._broken)
         if self._error is not None:
             raise ExecutorError(f"layer {self.layer}: CPU experts failed: {self._error!r}") from self._error
+        pool = self._pool
         if not self.collected_s:
+            left = pool.timeout_s - (time.perf_counter() - self.submitted_s)
+            if not _wait_done(pool._ctrl, self._seq, pool._spin_ns, int(max(left, 0.0) * 1e9)):
+                pool._break(f"layer {self.layer}: CPU experts did not finish within {pool.timeout_s} s")
+            slot = pool._ring[self._seq % _RING]
+            self.started_s, self.finished_s = slot[J_T0] * 1e-9, slot[J_T1] * 1e-9
+            self.compute_s = self.finished_s - self.started_s
             self.collected_s = time.perf_counter()
         return self._out
 
 
 class CpuExpertPool:
-    """One persistent worker thread running the Numba expert kernels with ``threads`` threads."""
+    """A team of ``threads`` native worker threads running the expert kernels.
 
-    def __init__(self, threads: int, timeout_s: float = 30.0):
-        if threads < 1 or threads > numba.config.NUMBA_NUM_THREADS:
-            raise ValueError(f"CpuExpertPool threads: {threads}, expected 1..{numba.config.NUMBA_NUM_THREADS} "
-                             f"(NUMBA_NUM_THREADS)")
+    The workers are Numba ``nogil`` functions on daemon threads: they never take the GIL. A call is
+    written into a slot of a ring of job descriptions and published through an atomic counter;
+    workers spin up to ``spin_us`` after each call for the next one (a hot team starts a call in
+    about a microsecond), then sleep on a futex (waking costs a system call and the scheduler's
+    latency). ``result()`` spins the same time, then sleeps. Inputs and outputs are read and
+    written in place (``out=`` e.g. page-locked memory): no copies.
+    """
+
+    def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float = 100.0):
+        cores = os.cpu_count() or 1
+        if threads < 1 or threads > max(cores, numba.config.NUMBA_NUM_THREADS):
+            raise ValueError(f"CpuExpertPool threads: {threads}, expected 1..{max(cores, numba.config.NUMBA_NUM_THREADS)}")
         if not timeout_s > 0:
             raise ValueError(f"CpuExpertPool timeout_s: {timeout_s}, expected > 0")
+        if not 0 <= spin_us <= 1e6:
+            raise ValueError(f"CpuExpertPool spin_us: {spin_us}, expected 0..1e6")
         self.threads = int(threads)
         self.timeout_s = float(timeout_s)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._spin_ns = int(spin_us * 1e3)
+        self._ctrl = np.zeros(_CTRL, np.int64)
+        self._ring = np.zeros((_RING, JOB_FIELDS), np.int64)
+        self._seq = 0
         self._views: dict[int, tuple] = {}
+        self._scratch = _Scratch()
         self._broken: str | None = None
-        self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._inflight: list[tuple[int, tuple]] = []  # (seq, arrays the team reads) until seq is done
 
-    def _views_of(self, layer: LayerExperts) -> tuple:
+    def _break(self, why: str) -> None:
+        """Mark the pool unusable and raise; a stalled team may still read its calls' arrays
+        later, so those are kept for the life of the process."""
+        self._broken = why
+        _ABANDONED.extend(self._inflight)
+        raise ExecutorError(why)
+
+    def _fixed(self, layer: LayerExperts) -> tuple:
         v = self._views.get(id(layer))
         if v is None or v[0] is not layer:
-            v = (layer, (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down)))
+            views = (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
+            v = (layer, views, _layer_fields(layer, views))
             self._views[id(layer)] = v
-        return v[1]
+        return v[2]
 
-    def _work(self) -> None:
-        numba.set_num_threads(self.threads)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, layer, experts, x, views, out = item
-            t0 = job.started_s = time.perf_counter()
-            try:
-                out = run_experts(layer, experts, x, self.threads, views, out)
-            except BaseException as exc:  # reported to the caller by result()
-                job._finish(None, exc)
-            else:
-                job.finished_s = time.perf_counter()
-                job.compute_s = job.finished_s - t0
-                job._finish(out, None)
+    def _start(self) -> None:
+        for t in range(self.threads):
+            w = threading.Thread(target=_team_worker, args=(self._ctrl, self._ring, t, self.threads, self._spin_ns),
+                                 name=f"moelab-cpu-experts-{t}", daemon=True)
+            w.start()
+            self._workers.append(w)
 
     def submit(self, layer: LayerExperts, experts: Sequence[int], x: np.ndarray,
                out: np.ndarray | None = None) -> CpuJob:
         """Start computing ``experts[i]`` on ``x[i]`` for every i in the background (results
-        into ``out`` when given; it must not be touched until ``result()`` returns)."""
+        into ``out`` when given; neither ``x`` nor ``out`` may be touched until ``result()``
+        returns). A bad argument is reported by ``result()``."""
         if self._broken:
             raise ExecutorError(f"CPU expert pool is unusable: {self._broken}")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="moelab-cpu-experts", daemon=True)
-            self._thread.start()
         job = CpuJob(self, layer.layer, len(experts))
-        self._queue.put((job, layer, np.asarray(experts, np.int64), np.ascontiguousarray(x, np.float32),
-                         self._views_of(layer), out))
+        try:
+            e, x, y = _check_call(layer, experts, x, out)
+            fixed = self._fixed(layer)
+        except (ValueError, TypeError) as exc:
+            job._error = exc
+            return job
+        if not self._workers:
+            self._start()
+        seq = self._seq + 1
+        if seq - int(self._ctrl[_C_DONE]) > _RING and not _wait_done(self._ctrl, seq - _RING, self._spin_ns,
+                                                                      int(self.timeout_s * 1e9)):
+            self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
+        arrays, scratch = self._scratch.fields(len(e), layer.hidden, layer.ffn)
+        if not _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch):
+            job._error = _bad_experts(layer)
+            return job
+        done = int(self._ctrl[_C_DONE])
+        self._inflight = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays))]
+        job._seq, job._out = seq, y
+        self._seq = seq
         return job
 
     def warmup(self, layer: LayerExperts) -> None:
-        """Compile the kernels for this layer's types (first use compiles; disk-cached after)."""
-        x = np.zeros((1, layer.hidden), np.float32)
-        job = self.submit(layer, [0], x)
-        job._done.wait()
-        job.result()
+        """Run one call (the kernels are compiled on first import, or loaded from Numba's cache)."""
+        self.submit(layer, [0], np.zeros((1, layer.hidden), np.float32)).result()
 
     def close(self) -> None:
-        """Stop the worker after the queued jobs (a stalled worker is left behind, daemonic)."""
-        if self._thread is not None:
-            self._queue.put(None)
+        """Stop the workers after the submitted calls (a stalled team is left behind, daemonic)."""
+        if self._workers:
+            if not self._broken and not _wait_done(self._ctrl, self._seq, 0, int(self.timeout_s * 1e9)):
+                self._broken = f"the CPU expert team did not finish within {self.timeout_s} s of close()"
+                _ABANDONED.extend(self._inflight)
+            _publish(self._ctrl, _STOP)
             if not self._broken:
-                self._thread.join(self.timeout_s)
-            self._thread = None
+                for w in self._workers:
+                    w.join(self.timeout_s)
+            self._workers = []
+            if not self._broken:
+                self._inflight = []
 
     def __enter__(self) -> "CpuExpertPool":
         return self

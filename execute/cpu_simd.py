@@ -28,7 +28,9 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = ["I8x32", "I32x8", "F32x8", "HAS_VNNI", "zero_i32", "zero_f32", "load_i8x32", "load_nib32",
            "nib_lo", "nib_hi", "vand", "vor", "vshl", "vshr", "xor80", "lut16", "dpbusd", "fma_cvt",
-           "fma_cvt2", "comb256", "hsum", "addr", "load_f16", "load_f32", "load_u16", "load_i8", "load_u8"]
+           "fma_cvt2", "comb256", "hsum", "addr", "prefetch", "load_f16", "load_f32", "load_u16", "load_i8", "load_u8", "store_f32",
+           "ptr_f32", "ptr_i64", "ptr_i8", "atomic_load", "atomic_store", "atomic_add", "pause", "futex_wait",
+           "futex_wake", "now_ns"]
 
 _features = llvm.get_host_cpu_features()
 HAS_VNNI = bool(_features.get("avx512vnni") and _features.get("avx512vl")) or bool(_features.get("avxvnni"))
@@ -267,6 +269,22 @@ def hsum(typingctx, v):
 
 
 @intrinsic
+def prefetch(typingctx, base, off):
+    """Hint the cache line at base + off into the caches (prefetcht0); no fault if out of range."""
+    if not _addr_args(base, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.PointerType(_I8)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [_ptr(context, builder, sig, args, _I8), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                          ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(base, off), codegen
+
+
+@intrinsic
 def load_f16(typingctx, base, off):
     """The float16 at byte base + off (any alignment), as float32."""
     if not _addr_args(base, off):
@@ -325,3 +343,148 @@ def load_u8(typingctx, base, off):
         b = builder.load(_ptr(context, builder, sig, args, _I8), align=1)
         return builder.zext(b, _I32)
     return types.int32(base, off), codegen
+
+
+@intrinsic
+def store_f32(typingctx, base, i, v):
+    """Element ``i`` of the float32 array at address ``base`` = v."""
+    if not _addr_args(base, i):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), ir.PointerType(_F32))
+        builder.store(context.cast(builder, args[2], sig.args[2], types.float32),
+                      builder.gep(p, [context.cast(builder, args[1], sig.args[1], types.int64)]), align=4)
+        return context.get_dummy_value()
+    return types.none(base, i, v), codegen
+
+
+def _view(dtype):
+    @intrinsic
+    def ptr(typingctx, base):
+        if not isinstance(base, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_data_type(dtype)
+            return builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), ir.PointerType(lt))
+        return types.CPointer(dtype)(base), codegen
+    return ptr
+
+
+ptr_f32 = _view(types.float32)
+ptr_f32.__doc__ = "float32* at an address (for numba.carray views of scratch the caller keeps alive)."
+ptr_i64 = _view(types.int64)
+ptr_i64.__doc__ = "int64* at an address."
+ptr_i8 = _view(types.int8)
+ptr_i8.__doc__ = "int8* at an address."
+
+
+# Synchronisation for the pool's native thread team: sequentially consistent atomics on int64
+# array elements, the spin-loop hint, Linux futexes on the low 32 bits of an int64 element, and
+# CLOCK_MONOTONIC (the clock of Python's time.perf_counter on Linux).
+
+def _elem(context, builder, sig, args):
+    a = context.make_array(sig.args[0])(context, builder, args[0])
+    return builder.gep(a.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+
+
+def _int64_array(arr) -> bool:
+    return isinstance(arr, types.Array) and arr.dtype == types.int64
+
+
+@intrinsic
+def atomic_load(typingctx, arr, i):
+    """arr[i], an atomic (sequentially consistent) load."""
+    if not _int64_array(arr):
+        return None
+    return types.int64(arr, i), lambda context, builder, sig, args: builder.load_atomic(
+        _elem(context, builder, sig, args), "seq_cst", 8)
+
+
+@intrinsic
+def atomic_store(typingctx, arr, i, v):
+    """arr[i] = v, an atomic (sequentially consistent) store."""
+    if not _int64_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), _elem(context, builder, sig, args),
+                             "seq_cst", 8)
+        return context.get_dummy_value()
+    return types.none(arr, i, v), codegen
+
+
+@intrinsic
+def atomic_add(typingctx, arr, i, v):
+    """arr[i] += v atomically; the old value."""
+    if not _int64_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.atomic_rmw("add", _elem(context, builder, sig, args),
+                                  context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
+    return types.int64(arr, i, v), codegen
+
+
+@intrinsic
+def pause(typingctx):
+    """The spin-wait hint (x86 pause)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+_I64 = ir.IntType(64)
+_SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 202, 128, 129  # x86-64 Linux
+
+
+def _futex(context, builder, sig, args, op, val, timeout):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, [_I64], var_arg=True), "syscall")
+    p = builder.bitcast(_elem(context, builder, sig, args), ir.PointerType(_I32))
+    return builder.call(fn, [ir.Constant(_I64, _SYS_FUTEX), p, ir.Constant(_I32, op), val, timeout])
+
+
+@intrinsic
+def futex_wait(typingctx, arr, i, expected, timeout_ns):
+    """Sleep while the low 32 bits of arr[i] equal those of ``expected``, at most timeout_ns
+    (a spurious or early return is possible: callers re-check)."""
+    if not _int64_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        t = context.cast(builder, args[3], sig.args[3], types.int64)
+        ts = cgutils.alloca_once(builder, ir.ArrayType(_I64, 2))
+        billion = ir.Constant(_I64, 1_000_000_000)
+        builder.store(builder.sdiv(t, billion), builder.gep(ts, [ir.Constant(_I32, 0), ir.Constant(_I32, 0)]))
+        builder.store(builder.srem(t, billion), builder.gep(ts, [ir.Constant(_I32, 0), ir.Constant(_I32, 1)]))
+        val = builder.trunc(context.cast(builder, args[2], sig.args[2], types.int64), _I32)
+        return _futex(context, builder, sig, args, _FUTEX_WAIT_PRIVATE, val, ts)
+    return types.int64(arr, i, expected, timeout_ns), codegen
+
+
+@intrinsic
+def futex_wake(typingctx, arr, i):
+    """Wake every thread in futex_wait on arr[i]."""
+    if not _int64_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _futex(context, builder, sig, args, _FUTEX_WAKE_PRIVATE, ir.Constant(_I32, 2 ** 31 - 1),
+                      ir.Constant(ir.PointerType(_I8), None))
+    return types.int64(arr, i), codegen
+
+
+@intrinsic
+def now_ns(typingctx):
+    """CLOCK_MONOTONIC in nanoseconds."""
+    def codegen(context, builder, sig, args):
+        ts = cgutils.alloca_once(builder, ir.ArrayType(_I64, 2))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32, ts.type]), "clock_gettime")
+        builder.call(fn, [ir.Constant(_I32, 1), ts])
+        s = builder.load(builder.gep(ts, [ir.Constant(_I32, 0), ir.Constant(_I32, 0)]))
+        ns = builder.load(builder.gep(ts, [ir.Constant(_I32, 0), ir.Constant(_I32, 1)]))
+        return builder.add(builder.mul(s, ir.Constant(_I64, 1_000_000_000)), ns)
+    return types.int64(), codegen

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
-
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from execute import cpu_experts
 from execute import quant as Q
@@ -119,24 +119,68 @@ def test_pool_failure_is_an_error_not_an_abort(rng):
         assert pool.submit(layer, [1], np.ones((1, 256), np.float32)).result().shape == (1, 256)
 
 
-def test_pool_stall_times_out(rng, monkeypatch):
+def test_pool_stall_times_out(rng):
     layer = random_layer(rng, 5, 2, 256, 256, Q.Q8_0)
-    release = threading.Event()
-    real = cpu_experts.run_experts
-
-    def stalled(*args, **kwargs):
-        release.wait()
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_experts, "run_experts", stalled)
     pool = CpuExpertPool(threads=1, timeout_s=0.2)
+    pool._ctrl[cpu_experts._C_HOLD] = 1  # the team's leader waits before its next call: a stall
     job = pool.submit(layer, [0], np.ones((1, 256), np.float32))
     with pytest.raises(ExecutorError, match="layer 5: CPU experts did not finish within 0.2 s"):
         job.result()
     with pytest.raises(ExecutorError, match="CPU expert pool is unusable"):
         pool.submit(layer, [0], np.ones((1, 256), np.float32))
-    release.set()
+    pool._ctrl[cpu_experts._C_HOLD] = 0
     pool.close()
+
+
+def test_pool_matches_run_experts_and_writes_in_place(rng):
+    """The team and the OpenMP path run the same phases; ``out`` is the result, not a copy; the
+    job's clock stamps are ordered; bad expert ids are reported by result()."""
+    layer = random_layer(rng, 0, 6, 512, 256, Q.Q4_K, down_qtype=Q.Q6_K)
+    experts = [5, 0, 5, 3, 1]
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    want = run_experts(layer, experts, x, threads=3)
+    with CpuExpertPool(threads=2, timeout_s=60) as pool:
+        out = np.full((5, 512), np.nan, np.float32)
+        job = pool.submit(layer, experts, x, out=out)
+        assert job.result() is out
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert job.submitted_s <= job.started_s <= job.finished_s <= job.collected_s
+        assert job.compute_s == job.finished_s - job.started_s > 0
+        bad = pool.submit(layer, [6], x[:1])
+        with pytest.raises(ExecutorError, match="expert ids must be in 0..5"):
+            bad.result()
+        assert pool.submit(layer, [], x[:0]).result().shape == (0, 512)
+
+
+def test_pool_queues_more_calls_than_its_ring(rng, reference):
+    layer = random_layer(rng, 1, 4, 256, 256, Q.Q8_0)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    with CpuExpertPool(threads=2, timeout_s=60, spin_us=0) as pool:
+        jobs = [pool.submit(layer, [k % 4, (k + 1) % 4], x) for k in range(2 * cpu_experts._RING + 3)]
+        for k, job in enumerate(jobs):
+            assert rel_err(job.result(), reference(layer, [k % 4, (k + 1) % 4], x)) < REL_ERR_INT8
+
+
+# Shapes for the property test: (hidden, ffn) multiples of each type's block
+BLOCK = {t: (256 if t in (Q.Q4_K, Q.Q6_K) else 32 if t not in FLOATS else 8) for t in ALL}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(qtype=st.sampled_from(ALL), down=st.sampled_from(ALL), hb=st.integers(1, 3), fb=st.integers(1, 3),
+       experts=st.lists(st.integers(0, 3), min_size=0, max_size=9), chunks=st.integers(1, 7),
+       scale=st.sampled_from([1e-3, 1.0, 40.0]), seed=st.integers(0, 2**16))
+def test_any_shape_pairs_and_chunking_match_float64(qtype, down, hb, fb, experts, chunks, scale, seed, reference):
+    """Any block-multiple shape, pair list (repeats, empty), input scale and chunk count (rows
+    that do not divide it): within the error bound of the types involved."""
+    block = max(BLOCK[qtype], BLOCK[down])
+    hidden, ffn = hb * block, fb * block
+    r = np.random.default_rng(seed)
+    layer = random_layer(r, 0, num_experts=4, hidden=hidden, ffn=ffn, qtype=qtype, down_qtype=down, exact=False)
+    x = (r.standard_normal((len(experts), hidden)) * scale).astype(np.float32)
+    y = run_experts(layer, experts, x, threads=chunks)
+    assert y.shape == (len(experts), hidden)
+    if experts:
+        assert rel_err(y, reference(layer, experts, x)) < bound(qtype, down)
 
 
 def test_pool_config_validated():
