@@ -54,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler.cli import ArgumentParser
 from scheduler.core import Capacity, Decision, Geometry, Step, Token
 from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
 from scheduler.files import OutputPathError, atomic_write, check_output
@@ -1244,7 +1245,7 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moelab calibrate", description="Measure this machine as moelab's executor "
+    ap = ArgumentParser(prog="moelab calibrate", description="Measure this machine as moelab's executor "
                                  "uses it and write a hardware file for moelab simulate --hardware.")
     ap.add_argument("--out", default="calibrated.json", help="hardware JSON to write (default calibrated.json)")
     ap.add_argument("--name", default=None, help="the hardware's name (default calibrated-<host>)")

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from scheduler.cli import ArgumentParser
 from scheduler.files import OutputPathError, check_output
 
 from .experts import ExecutorError
@@ -22,7 +23,7 @@ class _Fail(Exception):
 
 
 def _parser_model() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moelab model", description="Synthesise or describe GGUF MoE models.")
+    p = ArgumentParser(prog="moelab model", description="Synthesise or describe GGUF MoE models.")
     sub = p.add_subparsers(dest="cmd", required=True)
     from .archs import ARCHS
 
@@ -125,7 +126,7 @@ def model_main(argv: list[str]) -> int:
 
 # replay ---------------------------------------------------------------------------------------------
 def _parser_replay() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moelab replay", description=(
+    p = ArgumentParser(prog="moelab replay", description=(
         "Run a routing trace through the model's real forward pass, experts placed by a policy."))
     p.add_argument("model", help="GGUF model")
     p.add_argument("--trace", default=None, help="trace directory (default: the bundled granite trace)")
@@ -360,7 +361,7 @@ def replay_main(argv: list[str]) -> int:
 
 # run ------------------------------------------------------------------------------------------------
 def _parser_run() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moelab run", description=(
+    p = ArgumentParser(prog="moelab run", description=(
         "Decode text with a GGUF MoE model, experts placed by a policy; streams the text, then prints "
         "prompt and decode speed, hit rate and bytes uploaded."))
     p.add_argument("model", help="GGUF model")

@@ -6,10 +6,19 @@ any command with one line and status 130 (a handler that keeps partial work says
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "COMMANDS", "ArgumentParser"]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the one-line error every moelab command gives: ``prog: error: message``,
+    exit status 2 (the usage is one ``--help`` away, not printed above the error)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
 
 # command -> (module, function, one-line help)
 COMMANDS = {

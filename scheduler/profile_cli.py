@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from .cli import ArgumentParser
 from .files import check_output
 from .profile import Profile, ProfileError, read_strp, write_strp
 
@@ -16,7 +17,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moelab profile", description="Build or show STRP expert profiles.")
+    ap = ArgumentParser(prog="moelab profile", description="Build or show STRP expert profiles.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="rank experts by routing count in a trace and write STRP v1")
     b.add_argument("paths", nargs="+", metavar="[TRACE] OUT", help="trace (default: the bundled one), output .strp")

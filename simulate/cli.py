@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from scheduler.cli import ArgumentParser
 from scheduler.files import check_output
 
 from .hardware import HardwareError, hardware_presets
@@ -47,7 +48,7 @@ def _common(ap: argparse.ArgumentParser) -> None:
 
 def simulate_main(argv: list[str]) -> int:
     """Simulate one configuration and print its summary (or JSON)."""
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="moelab simulate",
         description="Simulate decode of a routing trace under a cache policy on a hardware preset. With no "
                     "arguments: the bundled granite-3.0-1b-a400m trace, its model in f16 (2.25 GiB of experts) "
@@ -139,7 +140,7 @@ def sweep_main(argv: list[str]) -> int:
     arguments (checked before any config runs), 130 on Ctrl-C (the rows finished are kept)."""
     from .sweep import Sweep, config_key, expand, plot_results
 
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="moelab sweep",
         description="Simulate cache sizes x policies x miss fractions x hardware x models; one CSV row per "
                     "config, resumable (finished configs are skipped), plots of tokens/s and hit rate.")

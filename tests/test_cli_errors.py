@@ -103,12 +103,10 @@ CASES = [
 
 
 def _error_line(stderr: str) -> str:
-    """The one ``moelab`` line of stderr (argparse's usage lines aside)."""
+    """The one line of stderr, a ``moelab ...`` line."""
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
-    own = [ln for ln in lines if ln.startswith("moelab")]
-    others = [ln for ln in lines if not ln.startswith(("moelab", "usage:", " "))]
-    assert len(own) == 1 and not others, stderr
-    return own[0]
+    assert len(lines) == 1 and lines[0].startswith("moelab"), stderr
+    return lines[0]
 
 
 def _tree(path: Path) -> set[str]:
@@ -279,19 +277,19 @@ def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monk
     from execute import cpu_experts
     from execute.cli import replay_main
 
-    release = threading.Event()
-    real = cpu_experts.run_experts
-    calls = []
+    real = cpu_experts._launch
+    calls, held = [], []
 
-    def faulty(*args, **kwargs):
+    def faulty(ctrl, *args):
         calls.append(1)
         if len(calls) > 3:  # a few layers run, then the fault
             if fault == "crash":
                 raise RuntimeError("worker died")
-            release.wait()
-        return real(*args, **kwargs)
+            ctrl[cpu_experts._C_HOLD] = 1  # the pool's team holds its next call: a stall
+            held.append(ctrl)
+        return real(ctrl, *args)
 
-    monkeypatch.setattr(cpu_experts, "run_experts", faulty)
+    monkeypatch.setattr(cpu_experts, "_launch", faulty)
     err, result = io.StringIO(), []
     argv = [str(inputs["model"]), "--policy", "cpu", "--map", "--tokens", "8", "--threads", "1", "--timeout-s", "2",
             "--quiet"]
@@ -303,7 +301,8 @@ def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monk
     t = threading.Thread(target=go, daemon=True)
     t.start()
     t.join(120)
-    release.set()
+    for ctrl in held:
+        ctrl[cpu_experts._C_HOLD] = 0
     assert not t.is_alive(), "replay hung on a faulty CPU worker"
     assert result == [2]
     line = _error_line(err.getvalue())

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler.cli import ArgumentParser
 from scheduler.files import atomic_open, atomic_write, check_output
 
 from .format import Trace, TraceError, check_trace_dest, load
@@ -40,7 +41,7 @@ def _load(path) -> "Trace":
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moelab trace", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="moelab trace", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="convert a recording into a trace directory")
     imp.add_argument("format", choices=sorted(IMPORTERS))
