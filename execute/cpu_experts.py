@@ -716,7 +716,7 @@ class CpuExpertPool:
             views = (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
             v = (layer, views, _layer_fields(layer, views))
             self._views[id(layer)] = v
-        return v[2]
+        return v[1:]
 
     def _start(self) -> None:
         for t in range(self.threads):
@@ -735,7 +735,7 @@ class CpuExpertPool:
         job = CpuJob(self, layer.layer, len(experts))
         try:
             e, x, y = _check_call(layer, experts, x, out)
-            fixed = self._fixed(layer)
+            views, fixed = self._fixed(layer)
         except (ValueError, TypeError) as exc:
             job._error = exc
             return job
@@ -746,11 +746,16 @@ class CpuExpertPool:
                                                                       int(self.timeout_s * 1e9)):
             self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
         arrays, scratch = self._scratch.fields(len(e), layer.hidden, layer.ffn)
-        if not _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch):
+        try:
+            launched = _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch)
+        except Exception as exc:  # reported by result(), like a bad argument
+            job._error = exc
+            return job
+        if not launched:
             job._error = _bad_experts(layer)
             return job
         done = int(self._ctrl[_C_DONE])
-        self._inflight = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays))]
+        self._inflight = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays, layer, views))]
         job._seq, job._out = seq, y
         self._seq = seq
         return job
