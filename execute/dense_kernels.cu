@@ -6,10 +6,20 @@
 // every row starts 16-byte aligned. cols is a multiple of 32. A warp computes one output row; a
 // block of WARPS warps first stages its input vector (optionally x + add_scale * add, optionally
 // RMS-normed) in shared memory, so every block recomputes the norm instead of a separate launch.
+//
+// A CUDA graph replays a block's launches with the arguments it captured; what changes per token
+// is read from the block's decode record rec (int64, device memory, copied from the host by the
+// graph's first node): rec[REC_POS] the position, rec[REC_LO] the first key, rec[REC_KEYS] the
+// number of keys, rec[REC_ADD] the address of the previous block's expert output (0: none). The
+// kernels that take rec use it when it is not null and their plain arguments otherwise.
 
 #define WARPS 8
 #define CHUNK 64  // keys per block of decode attention
 #define NEG_INF __int_as_float(0xff800000u)
+#define REC_POS 0
+#define REC_LO 1
+#define REC_KEYS 2
+#define REC_ADD 3
 
 typedef unsigned long long u64;
 enum { F32 = 0, F16 = 1, Q8_0 = 8, BF16 = 30 };
@@ -121,14 +131,15 @@ __device__ void gemv_rows(const unsigned char* w, const unsigned short* d, int q
     }
 }
 
-// One matrix-vector product with the fused prologue (stage) and epilogue (gemv_rows).
-// grid (ceil(rows / WARPS)), block 32 * WARPS, dynamic shared memory 4 * cols bytes.
+// One matrix-vector product with the fused prologue (stage) and epilogue (gemv_rows); with rec,
+// add is rec[REC_ADD]. grid (ceil(rows / WARPS)), block 32 * WARPS, dynamic shared memory 4 * cols bytes.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) dense_gemv(
         const unsigned char* w, const unsigned short* d, int qt, int rows, int cols,
         const float* x, const float* add, float add_scale, float* x_out, const float* norm, float eps,
-        float* xn_out, const float* bias, const float* resid, float out_scale, float* y) {
+        float* xn_out, const float* bias, const float* resid, float out_scale, float* y, const long long* rec) {
     extern __shared__ float xs[];
     __shared__ float red[32];
+    if (rec) add = reinterpret_cast<const float*>(rec[REC_ADD]);
     stage(x, add, add_scale, x_out, norm, eps, xn_out, cols, xs, red);
     gemv_rows(w, d, qt, rows, cols, xs, bias, resid, out_scale, y);
 }
@@ -214,12 +225,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) router_topk(
 // q/k norm (mode 0 none, 1 per head over hd, 2 full: over all of q or all of k), NeoX RoPE at pos
 // (tables cos, sin (n, hd); out[i] = v[i] cos[i] + v[(i + hd/2) % hd] sin[i]), then q to q_out
 // (nh, hd) and k, v appended at pos of the caches (nkv, cache_n, hd). qkv: q (nh*hd) | k | v.
-// nw: (nh + nkv) * hd norm weights. grid (nh + 2 nkv), block hd rounded up to whole warps (<= 1024).
+// nw: (nh + nkv) * hd norm weights; with rec, pos is rec[REC_POS].
+// grid (nh + 2 nkv), block hd rounded up to whole warps (<= 1024).
 extern "C" __global__ void qk_rope_kv(const float* qkv, int nh, int nkv, int hd, const float* nw, int mode,
                                       float eps, const float* cos, const float* sin, int pos, float* q_out,
-                                      float* kc, float* vc, int cache_n) {
+                                      float* kc, float* vc, int cache_n, const long long* rec) {
     __shared__ float red[32];
     __shared__ float v_s[1024];
+    if (rec) pos = (int)rec[REC_POS];
     int b = blockIdx.x, i = threadIdx.x;
     bool on = i < hd;
     if (b >= nh + nkv) {
@@ -252,12 +265,18 @@ extern "C" __global__ void qk_rope_kv(const float* qkv, int nh, int nkv, int hd,
 // Decode attention, split over the keys: block (h, s) covers keys lo + s*CHUNK .. of q head h
 // (kv head h / (nh / nkv)), online softmax per warp (one key per warp at a time, lane holds dims
 // lane + 32 j), then the warps merged; part[(h * S + s) * (hd + 2)] = max, sum, acc[hd].
-// grid (nh, S = ceil(n_keys / CHUNK)), block 128, hd <= 256.
+// grid (nh, S >= ceil(n_keys / CHUNK)), block 128, hd <= 256; blocks past the keys write nothing
+// (a graph launches the S of the longest range and reads lo and n_keys from rec).
 extern "C" __global__ void __launch_bounds__(128) attn_partial(
         const float* q, const float* kc, const float* vc, int nh, int nkv, int hd, int cache_n, int lo,
-        int n_keys, float scale, float* part) {
+        int n_keys, float scale, float* part, const long long* rec) {
     __shared__ float sm[4][258];
     int h = blockIdx.x, s = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (rec) {
+        lo = (int)rec[REC_LO];
+        n_keys = (int)rec[REC_KEYS];
+    }
+    if (s * CHUNK >= n_keys) return;  // the whole block: no barrier is skipped
     int kvh = h / (nh / nkv), k0 = lo + s * CHUNK, k1 = min(k0 + CHUNK, lo + n_keys);
     float qr[8], acc[8];
     #pragma unroll
@@ -305,15 +324,18 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(
     }
 }
 
-// Merge the S partial results of each head (+ the head's sink logit in the denominator when
-// sinks != 0): o[h * hd + c]. grid (nh), block hd.
-extern "C" __global__ void attn_reduce(const float* part, int nh, int hd, int S, const float* sinks, float* o) {
+// Merge the partial results of each head (+ the head's sink logit in the denominator when
+// sinks != 0): o[h * hd + c]. S partials per head in part; the first S are merged, or with rec the
+// first ceil(rec[REC_KEYS] / CHUNK). grid (nh), block hd.
+extern "C" __global__ void attn_reduce(const float* part, int nh, int hd, int S, const float* sinks, float* o,
+                                       const long long* rec) {
     int h = blockIdx.x, c = threadIdx.x;
     const float* p = part + (u64)h * S * (hd + 2);
+    int used = rec ? (int)((rec[REC_KEYS] + CHUNK - 1) / CHUNK) : S;
     float M = sinks ? sinks[h] : NEG_INF;
-    for (int s = 0; s < S; s++) M = fmaxf(M, p[s * (hd + 2)]);
+    for (int s = 0; s < used; s++) M = fmaxf(M, p[s * (hd + 2)]);
     float L = sinks ? expf(sinks[h] - M) : 0.f, acc = 0.f;
-    for (int s = 0; s < S; s++) {
+    for (int s = 0; s < used; s++) {
         float m = p[s * (hd + 2)];
         float f = m == NEG_INF ? 0.f : expf(m - M);
         L += p[s * (hd + 2) + 1] * f;

@@ -12,10 +12,20 @@ Kernels for one token (T = 1): the GEMV (warp per row, 16-byte loads, optional f
 decode attention (split over the keys, then a merge) and the router (GEMV and top-k in one
 launch, then one asynchronous copy of ids and weights into pinned memory and one event wait).
 :meth:`GpuDense.decode_block` prepares a block's launches once (:class:`DecodeBlock`: only the
-position and the expert-output pointer change per token); :meth:`GpuDense.gemv`,
+position, the key range and the expert-output pointer change per token); :meth:`GpuDense.gemv`,
 :meth:`~GpuDense.qk_rope_kv`, :meth:`~GpuDense.attention` and :meth:`~GpuDense.route` launch the
 same kernels one call at a time. A chunk (T > 1) multiplies by float32 tiles dequantized per
 product (:meth:`GpuDense.matmul`), so its numerics are the float32 path's.
+
+CUDA graphs (:meth:`GpuDense.capture`): a block's token (attention, router, the copy of the top-k
+to pinned memory) captured once as one graph and replayed per token. What changes per token is
+written by the host into the block's decode record in pinned memory (position, first key, number
+of keys, expert-output address); the graph's first node copies it to the device, where the kernels
+read it (``dense_kernels.cu``). The host writes a record only after waiting for the block's
+previous replay (its route event), so a replay never sees a half-written one. The attention's grid
+is the one of the longest key range the cache holds; blocks past the token's keys exit at once,
+and the merge reads only the partials written, so a replay computes the same values in the same
+order as the plain launches (bit-identical results).
 
 Everything runs on the caller's current CuPy stream, in order; the only host wait is the router's
 event.
@@ -23,7 +33,7 @@ event.
 from __future__ import annotations
 
 from importlib import resources
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import cupy as cp
 import numpy as np
@@ -37,6 +47,7 @@ _CHUNK = 64  # keys per block of decode attention (dense_kernels.cu CHUNK)
 MAX_COLS = 11776  # a GEMV stages its input (cols float32) in shared memory, under the 48 KiB default
 KEPT_QTYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
 _TILE_FLOATS = 1 << 24  # float32 scratch of a chunk's dequantized tile (64 MiB)
+_REC = 4  # a decode record: position, first key, number of keys, expert-output address (int64)
 _MODULE: cp.RawModule | None = None
 _rt = cp.cuda.runtime
 
@@ -74,6 +85,7 @@ class _Prepared:
     def __init__(self, kernel: _Kernel, grid: tuple[int, int], block: int, shared: int, args):
         if len(args) != kernel.nargs:
             raise ValueError(f"kernel launch: {len(args)} arguments, expected {kernel.nargs}")
+        self.kernel = kernel
         self.func, self.grid, self.block, self.shared = kernel.func, grid, block, shared
         self.vals = np.array(args, np.uint64)
         self._params = np.array([self.vals.ctypes.data + 8 * i for i in range(len(args))], np.uint64)
@@ -83,16 +95,33 @@ class _Prepared:
         cp.cuda.driver.launchKernel(self.func, self.grid[0], grid_y or self.grid[1], 1, self.block, 1, 1, self.shared,
                                     stream, self.ptr, 0)
 
+    def variant(self, slots: dict[int, int], grid_y: int = 0) -> "_Prepared":
+        """A copy with the argument ``slots`` (index -> value) replaced, and the grid's y when given."""
+        args = self.vals.tolist()
+        for i, v in slots.items():
+            args[i] = v
+        return _Prepared(self.kernel, (self.grid[0], grid_y or self.grid[1]), self.block, self.shared, args)
+
 
 class DecodeBlock:
     """The prepared launches of one block for one token (see :meth:`GpuDense.decode_block`):
     :meth:`attend` (RMSNorm + QKV, q/k norm + RoPE + KV append, attention, output projection +
-    residual) and :meth:`route` (router GEMV + top-k, the copy to the host, the wait). Only the
-    expert-output pointer and the position change between calls."""
+    residual) and :meth:`route` (router GEMV + top-k, the copy to the host, the wait); :meth:`run`
+    does both, by replaying the block's CUDA graph once :meth:`GpuDense.capture` has made it
+    (``graph`` not None). Only the expert-output pointer, the position and the key range change
+    between calls."""
 
-    def __init__(self, gd: "GpuDense", cur, qkv, qk, part, reduce, wo, router):
+    def __init__(self, gd: "GpuDense", cur, qkv, qk, part, reduce, wo, router, max_splits: int):
         self.gd, self.cur = gd, cur  # cur: the block's residual stream after attention
         self.qkv, self.qk, self.part, self.reduce, self.wo, self.router = qkv, qk, part, reduce, wo, router
+        self._rec_mem = cp.cuda.alloc_pinned_memory(8 * _REC)
+        self.rec = np.frombuffer(self._rec_mem, np.int64, _REC)  # the host's decode record
+        self.rec_dev = cp.zeros(_REC, cp.int64)  # the graph's copy of it
+        r = int(self.rec_dev.data.ptr)
+        self._graphed = (qkv.variant({16: r}), qk.variant({14: r}), part.variant({11: r}, max_splits),
+                         reduce.variant({3: max_splits, 6: r}), wo, router)
+        self.graph = None
+        self._exec = 0
 
     def attend(self, stream: int, add_ptr: int, pos: int, lo: int, n_keys: int) -> None:
         """``add_ptr``: the previous block's expert output (0 for the first block)."""
@@ -110,6 +139,39 @@ class DecodeBlock:
     def route(self, stream: int) -> tuple[np.ndarray, np.ndarray]:
         self.router(stream)
         return self.gd.fetch_route(stream)
+
+    def run(self, stream: int, add_ptr: int, pos: int, lo: int, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`attend` then :meth:`route`: one graph launch and the route wait when captured."""
+        if self._exec == 0:
+            self.attend(stream, add_ptr, pos, lo, n_keys)
+            return self.route(stream)
+        r = self.rec  # the previous replay has finished: its route was waited for
+        r[0], r[1], r[2], r[3] = pos, lo, n_keys, add_ptr
+        _rt.graphLaunch(self._exec, stream)
+        return self.gd.wait_route(stream)
+
+    def record(self, stream: int) -> None:
+        """Issue the graph's work on ``stream`` (a capturing one): the record's copy, the launches
+        reading it, the top-k's copy to pinned memory."""
+        _rt.memcpyAsync(self.rec_dev.data.ptr, self._rec_mem.ptr, 8 * _REC, _rt.memcpyHostToDevice, stream)
+        for launch in self._graphed:
+            launch(stream)
+        self.gd.copy_route(stream)
+
+    def set_graph(self, graph) -> None:
+        """Replay ``graph`` (CuPy's, from :meth:`record`'s capture) from now on; None: the plain launches."""
+        ge = 0 if graph is None else int(getattr(graph, "graphExec", 0) or 0)
+        if graph is not None and ge == 0:
+            raise RuntimeError("this CuPy's Graph does not expose graphExec")
+        self.graph, self._exec = graph, ge
+
+
+def _end_quietly(stream) -> None:
+    """End a capture that failed (its graph, and any error ending it, are dropped)."""
+    try:
+        stream.end_capture()
+    except Exception:  # noqa: BLE001 - the capture's own error is the one raised
+        pass
 
 
 def f32(x: float) -> int:
@@ -185,11 +247,11 @@ class GpuDense:
             raise ValueError(f"GpuDense top_k: {top_k}, expected 1..32 (the router kernel's limit)")
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.top_k = top_k
-        self._gemv = _Kernel("dense_gemv", 16)
+        self._gemv = _Kernel("dense_gemv", 17)
         self._router = _Kernel("router_topk", 17)
-        self._qk = _Kernel("qk_rope_kv", 14)
-        self._part = _Kernel("attn_partial", 11)
-        self._reduce = _Kernel("attn_reduce", 6)
+        self._qk = _Kernel("qk_rope_kv", 15)
+        self._part = _Kernel("attn_partial", 12)
+        self._reduce = _Kernel("attn_reduce", 7)
         self._dequant = _Kernel("dequant_rows", 7)
         qd = heads * head_dim
         self.qkv = cp.empty(qd + 2 * kv_heads * head_dim, cp.float32)
@@ -207,54 +269,91 @@ class GpuDense:
         self._pinned = cp.cuda.alloc_pinned_memory(8 * max(top_k, 1))
         self._route_host = np.frombuffer(self._pinned, np.float32, 2 * max(top_k, 1))
         self._routed = cp.cuda.Event(disable_timing=True)
+        self._capture_stream = None
+        self.captures = 0  # calls of capture that made graphs
 
     def decode_block(self, x, x_out, hn, wqkv: Matrix, attn_norm, bqkv, qk_weight, qk_mode: int, eps: float, cos, sin,
                      k_cache, v_cache, kq_scale: float, sinks, wo: Matrix, bo, rs: float, router: Matrix, ffn_norm,
-                     router_bias, gating: int, norm_topk: bool, w_scale: float) -> DecodeBlock:
+                     router_bias, gating: int, norm_topk: bool, w_scale: float, max_keys: int = 0) -> DecodeBlock:
         """Prepared launches of one block reading its residual input from ``x`` (plus ``rs`` times the
         expert output given to ``attend``, written to ``x_out``, which then is the residual; x_out
         None: no expert output, ``x`` is the residual) and writing the normed MoE input to ``hn``.
-        Valid while the caches, RoPE tables and buffers named here live."""
+        ``max_keys``: the most keys a token attends to (a sliding window; 0: the cache's length),
+        which sizes a graph's attention grid. Valid while the caches, RoPE tables and buffers named
+        here live."""
         nh, nkv, hd, k = self.heads, self.kv_heads, self.head_dim, self.top_k
         cur = x if x_out is None else x_out
         n = int(k_cache.shape[1])
+        max_splits = -(-min(n, max_keys or n) // _CHUNK)
         need = nh * -(-n // _CHUNK) * (hd + 2)
         if self._block_part.size < need:
             self._block_part = cp.empty(need, cp.float32)
         part_buf = self._block_part
         qkv = _Prepared(self._gemv, (-(-wqkv.rows // _WARPS), 1), 32 * _WARPS, 4 * wqkv.cols,
                         (_ptr(wqkv.w), _ptr(wqkv.d), wqkv.qt, wqkv.rows, wqkv.cols, _ptr(x), 0, f32(rs), _ptr(x_out),
-                         _ptr(attn_norm), f32(eps), 0, _ptr(bqkv), 0, f32(1.0), _ptr(self.qkv)))
+                         _ptr(attn_norm), f32(eps), 0, _ptr(bqkv), 0, f32(1.0), _ptr(self.qkv), 0))
         qk = _Prepared(self._qk, (nh + 2 * nkv, 1), 32 * -(-hd // 32), 0,
                        (_ptr(self.qkv), nh, nkv, hd, _ptr(qk_weight), qk_mode, f32(eps), _ptr(cos), _ptr(sin), 0,
-                        _ptr(self.q), _ptr(k_cache), _ptr(v_cache), n))
+                        _ptr(self.q), _ptr(k_cache), _ptr(v_cache), n, 0))
         part = _Prepared(self._part, (nh, 1), 128, 0, (_ptr(self.q), _ptr(k_cache), _ptr(v_cache), nh, nkv, hd, n, 0, 1,
-                                                       f32(kq_scale), _ptr(part_buf)))
-        reduce = _Prepared(self._reduce, (nh, 1), hd, 0, (_ptr(part_buf), nh, hd, 1, _ptr(sinks), _ptr(self.o)))
+                                                       f32(kq_scale), _ptr(part_buf), 0))
+        reduce = _Prepared(self._reduce, (nh, 1), hd, 0, (_ptr(part_buf), nh, hd, 1, _ptr(sinks), _ptr(self.o), 0))
         wo_l = _Prepared(self._gemv, (-(-wo.rows // _WARPS), 1), 32 * _WARPS, 4 * wo.cols,
                          (_ptr(wo.w), _ptr(wo.d), wo.qt, wo.rows, wo.cols, _ptr(self.o), 0, 0, 0, 0, 0, 0, _ptr(bo),
-                          _ptr(cur), f32(rs), _ptr(cur)))
+                          _ptr(cur), f32(rs), _ptr(cur), 0))
         rt = _Prepared(self._router, (-(-router.rows // _WARPS), 1), 32 * _WARPS, 4 * max(router.cols, router.rows),
                        (_ptr(router.w), _ptr(router.d), router.qt, router.rows, router.cols, _ptr(cur), _ptr(ffn_norm),
                         f32(eps), _ptr(hn), _ptr(router_bias), _ptr(self.logits), k, gating, int(norm_topk),
                         f32(w_scale), _ptr(self._counter), _ptr(self._route_dev)))
-        return DecodeBlock(self, cur, qkv, qk, part, reduce, wo_l, rt)
+        return DecodeBlock(self, cur, qkv, qk, part, reduce, wo_l, rt, max_splits)
+
+    def capture(self, blocks: Sequence[DecodeBlock]) -> None:
+        """Capture each block's token as a CUDA graph (on a private stream; nothing runs) and have
+        :meth:`DecodeBlock.run` replay it. On any error no block keeps a graph and the error is
+        raised (the caller runs the plain launches)."""
+        if self._capture_stream is None:
+            self._capture_stream = cp.cuda.Stream(non_blocking=True)
+        cs = self._capture_stream
+        try:
+            with cs:
+                for b in blocks:
+                    cs.begin_capture()
+                    try:
+                        b.record(cs.ptr)
+                    except BaseException:
+                        _end_quietly(cs)
+                        raise
+                    b.set_graph(cs.end_capture())
+        except BaseException:
+            for b in blocks:
+                b.set_graph(None)
+            raise
+        self.captures += 1
 
     def decode_head(self, x, m: Matrix, norm, eps: float, rs: float, logit_scale: float) -> _Prepared:
         """The head's prepared GEMV: logits = m . rmsnorm(x + rs * add) / logit_scale; the caller sets
         slot 6 (add) and slot 15 (the logits) before each launch."""
         return _Prepared(self._gemv, (-(-m.rows // _WARPS), 1), 32 * _WARPS, 4 * m.cols,
                          (_ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), 0, f32(rs), 0, _ptr(norm), f32(eps), 0, 0,
-                          0, f32(1.0 / logit_scale), 0))
+                          0, f32(1.0 / logit_scale), 0, 0))
 
-    def fetch_route(self, stream: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copy the router kernel's ids and weights to the host and wait for them (copies)."""
+    def copy_route(self, stream: int) -> None:
+        """Queue the copy of the router kernel's ids and weights into pinned memory."""
+        _rt.memcpyAsync(self._pinned.ptr, self._route_dev.data.ptr, 8 * self.top_k, _rt.memcpyDeviceToHost, stream)
+
+    def wait_route(self, stream: int) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for the work queued on ``stream`` (the copy of :meth:`copy_route` included) and
+        return the ids ``(1, k)`` int64 and weights ``(1, k)`` float32 (copies)."""
         k = self.top_k
-        _rt.memcpyAsync(self._pinned.ptr, self._route_dev.data.ptr, 8 * k, _rt.memcpyDeviceToHost, stream)
         _rt.eventRecord(self._routed.ptr, stream)
         self._routed.synchronize()
         h = self._route_host
         return h[:k].view(np.int32).astype(np.int64)[None], h[k:2 * k].copy()[None]
+
+    def fetch_route(self, stream: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copy the router kernel's ids and weights to the host and wait for them (copies)."""
+        self.copy_route(stream)
+        return self.wait_route(stream)
 
     @staticmethod
     def stream() -> int:
@@ -268,7 +367,7 @@ class GpuDense:
         optional operand may be None. ``resid`` may be ``y``; ``x_out`` must not be ``x``."""
         self._gemv((-(-m.rows // _WARPS), 1), 32 * _WARPS, 4 * m.cols, self.stream(),
                    _ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), _ptr(add), f32(add_scale), _ptr(x_out),
-                   _ptr(norm), f32(eps), _ptr(xn_out), _ptr(bias), _ptr(resid), f32(out_scale), _ptr(y))
+                   _ptr(norm), f32(eps), _ptr(xn_out), _ptr(bias), _ptr(resid), f32(out_scale), _ptr(y), 0)
 
     def route(self, m: Matrix, x, norm, eps: float, xn_out, bias, gating: int, norm_topk: bool,
               scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -288,7 +387,7 @@ class GpuDense:
         appended to the V cache (caches ``(kv_heads, n, head_dim)``)."""
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         self._qk((nh + 2 * nkv, 1), 32 * -(-hd // 32), 0, self.stream(), _ptr(self.qkv), nh, nkv, hd, _ptr(norm_w), mode, f32(eps),
-                 _ptr(cos), _ptr(sin), pos, _ptr(self.q), _ptr(k_cache), _ptr(v_cache), int(k_cache.shape[1]))
+                 _ptr(cos), _ptr(sin), pos, _ptr(self.q), _ptr(k_cache), _ptr(v_cache), int(k_cache.shape[1]), 0)
 
     def attention(self, k_cache, v_cache, lo: int, n_keys: int, scale: float, sinks) -> None:
         """``o`` = softmax(q . keys * scale) . values over cache positions ``lo .. lo + n_keys - 1``
@@ -300,8 +399,8 @@ class GpuDense:
             self._part_buf = cp.empty(max(need, 2 * self._part_buf.size), cp.float32)
         s = self.stream()
         self._part((nh, splits), 128, 0, s, _ptr(self.q), _ptr(k_cache), _ptr(v_cache), nh, self.kv_heads, hd,
-                   int(k_cache.shape[1]), lo, n_keys, f32(scale), _ptr(self._part_buf))
-        self._reduce((nh, 1), hd, 0, s, _ptr(self._part_buf), nh, hd, splits, _ptr(sinks), _ptr(self.o))
+                   int(k_cache.shape[1]), lo, n_keys, f32(scale), _ptr(self._part_buf), 0)
+        self._reduce((nh, 1), hd, 0, s, _ptr(self._part_buf), nh, hd, splits, _ptr(sinks), _ptr(self.o), 0)
 
     # chunks ---------------------------------------------------------------------------------------
     def dequant(self, m: Matrix, r0: int, rows: int, out) -> None:

@@ -29,6 +29,8 @@ so the shared permutation leaves them unchanged (the reference rotates the pairs
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -44,6 +46,15 @@ from .gguf_io import ModelWeights
 __all__ = ["MoeModel", "Qwen3Moe", "Route", "TokenInput", "ChunkInput", "RunResult", "merge_step", "trace_tokens", "NumpyExperts", "EngineExperts", "run",
            "check_trace", "fold_trace", "trace_inputs", "array_module", "softmax_topk", "route_weights",
            "expert_ffn"]
+
+
+def cuda_graphs_env() -> bool:
+    """The ``MOELAB_CUDA_GRAPHS`` environment variable: ``1`` (the default) lets the fused one-token
+    path replay CUDA graphs, ``0`` keeps its plain launches."""
+    v = os.environ.get("MOELAB_CUDA_GRAPHS", "1").strip()
+    if v not in ("0", "1"):
+        raise ExecutorError(f"environment variable MOELAB_CUDA_GRAPHS: {v!r}, expected 0 or 1")
+    return v == "1"
 
 
 def array_module(use_gpu: bool):
@@ -142,10 +153,16 @@ class MoeModel:
     State: the KV cache of the current sequence (``reset`` starts a new one) and ``pos``, the
     number of tokens in it. After a token's generator is exhausted, ``logits`` holds its
     ``(vocab,)`` output on ``xp``.
+
+    ``cuda_graphs``: whether the fused one-token path replays each block as a CUDA graph (None:
+    :func:`cuda_graphs_env`); results are bit-identical either way. A failed capture prints one
+    warning line and leaves the plain launches (:attr:`graphed` says which ran).
     """
 
-    def __init__(self, weights: ModelWeights, use_gpu: bool = False, max_tokens: int = 256):
+    def __init__(self, weights: ModelWeights, use_gpu: bool = False, max_tokens: int = 256,
+                 cuda_graphs: bool | None = None):
         info = weights.info
+        self.cuda_graphs = bool(use_gpu) and (cuda_graphs_env() if cuda_graphs is None else bool(cuda_graphs))
         self.spec = spec = info.spec
         self.xp = xp = array_module(use_gpu)
         self.info = info
@@ -507,10 +524,17 @@ class MoeModel:
             self.route_log.extend((self.pos + i, r) for i, r in enumerate(rows))
         self.pos += t
 
-    def _decode_plans(self) -> tuple[list, object]:
+    @property
+    def graphed(self) -> bool:
+        """Whether one-token decode now replays CUDA graphs (prepared for the current cache size)."""
+        return self._plans is not None and all(b.graph is not None for b in self._plans[0])
+
+    def _decode_plans(self) -> tuple[list, object, list]:
         """The prepared launches of every block and of the head for one token (``gpu_dense``): block
         0 reads the embedding; block l > 0 adds the expert output of block l - 1 to the residual
-        of block l - 1 into one of two alternating buffers."""
+        of block l - 1 into one of two alternating buffers. With ``cuda_graphs`` each block is
+        captured as a graph (again after the cache grows); a failed capture warns once and turns
+        graphs off for this model."""
         info, gd, spec = self.info, self.gd, self.spec
         rs, eps = float(info.residual_scale), float(info.rms_eps)
         gating = 0 if info.gating == "softmax" else 1
@@ -522,17 +546,26 @@ class MoeModel:
                 x, x_out, gd.hn[l % 2], w["wqkv"], w["attn_norm"], w["bqkv"], w.get("qk_weight"), mode, eps,
                 self.rope_cos, self.rope_sin, self.k_cache[l], self.v_cache[l], self.kq_scale, w["sinks"], w["wo"],
                 w["bo"], rs, w["router"], w["ffn_norm"], w["router_bias_dev"], gating, info.norm_topk,
-                float(info.expert_weights_scale or 1.0)))
+                float(info.expert_weights_scale or 1.0), info.sliding_window if info.is_swa(l) else 0))
             x = blocks[-1].cur
         head = gd.decode_head(x, self.output, self.output_norm, eps, rs, float(info.logit_scale))
+        if self.cuda_graphs:
+            try:
+                gd.capture(blocks)
+            except Exception as exc:  # noqa: BLE001 - any capture failure leaves the plain launches
+                self.cuda_graphs = False
+                msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+                print(f"moelab: warning: CUDA graph capture failed ({msg}); the fused decode path runs without "
+                      "graphs", file=sys.stderr)
         return blocks, head, [h[None] for h in gd.hn]
 
     def _token_fast(self, token_id: int, routes) -> Iterator[Step]:
         """``chunk_steps`` of one token on the fused kernels (``execute.gpu_dense``): per block
         five launches (RMSNorm + QKV, q/k norm + RoPE + KV append, attention and its merge, output
         projection + residual) and the router's GEMV + top-k, whose ids and weights are the block's
-        one host wait. The expert output is added to the residual by the next block's first launch
-        (the head's, after the last block)."""
+        one host wait; or the block's CUDA graph of all of them (:attr:`graphed`). The expert output
+        is added to the residual by the next block's first launch (the head's, after the last
+        block). A forced route reads the router's logits after that wait."""
         xp, info, gd, pos = self.xp, self.info, self.gd, self.pos
         if self._plans is None:
             self._plans = self._decode_plans()
@@ -544,15 +577,12 @@ class MoeModel:
         for l, b in enumerate(blocks):
             w = self.layers[l]
             lo = max(0, pos + 1 - info.sliding_window) if info.is_swa(l) else 0
-            b.attend(s, 0 if add is None else add.data.ptr, pos, lo, pos + 1 - lo)
+            tids, twts = b.run(s, 0 if add is None else add.data.ptr, pos, lo, pos + 1 - lo)
             hn = hn_rows[l % 2]  # (1, hidden)
             forced = None if routes is None else routes[l]
             if forced is None:
-                tids, twts = b.route(s)
                 n = tids.shape[1]
             else:  # the trace's ids; its weights, or the router's own weights of those ids
-                gd.gemv(w["router"], b.cur, gd.logits, norm=w["ffn_norm"], eps=float(info.rms_eps), xn_out=hn,
-                        bias=w["router_bias_dev"])
                 r_ids, r_w = route_weights(info, _host(gd.logits).astype(np.float64), None, forced)
                 n = len(r_ids)
                 tids, twts = np.asarray(r_ids, np.int64)[None], np.asarray(r_w, np.float32)[None]

@@ -1,5 +1,6 @@
-"""execute.gpu_dense: each fused dense kernel against numpy, and the GPU model (fused one-token path,
-dequantized chunks) against the numpy model on tiny synthetic GGUFs of every architecture."""
+"""execute.gpu_dense: each fused dense kernel against numpy, the GPU model (fused one-token path,
+dequantized chunks) against the numpy model on tiny synthetic GGUFs of every architecture, and the
+fused path's CUDA graph replay against its plain launches (bit-identical) with its switch."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ import pytest
 from execute import model as M
 from execute import quant as Q
 from execute.archs import ARCHS, rope_angles
+from execute.experts import ExecutorError
 from execute.gguf_io import load_model
 from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, make_policy
@@ -176,9 +178,9 @@ def arch_weights(tmp_path_factory):
     return get
 
 
-def run(weights, inputs, use_gpu: bool):
+def run(weights, inputs, use_gpu: bool, cuda_graphs: bool | None = None):
     g = weights.info.geometry()
-    model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=8)  # grows during the run
+    model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=8, cuda_graphs=cuda_graphs)  # grows during the run
     audit = Audit(g, keep_log=True, record_routes=True)
     model.route_log = []
     res = M.run(model, M.NumpyExperts(weights), make_policy("cpu", g, Capacity.per_layer(g, 0)), inputs,
@@ -234,3 +236,88 @@ def test_forced_routes(arch_weights):
     got, gpu = run(w, decode_inputs(TOKENS, routes), use_gpu=True)
     assert gpu.fast and nmse(got, ref) <= 1e-6
     assert [[r[1] for r in row] for _, row in gpu.route_log] == [[list(r.experts) for r in rr] for rr in routes]
+
+
+# CUDA graphs --------------------------------------------------------------------------------------
+FUSED_ARCHS = tuple(a for a in ARCHS if a != "deepseek2")
+
+
+def plain_and_graphed(weights, inputs):
+    """The fused path's logits and model with plain launches, then with graph replay."""
+    plain, plain_model = run(weights, inputs, use_gpu=True, cuda_graphs=False)
+    got, model = run(weights, inputs, use_gpu=True, cuda_graphs=True)
+    assert plain_model.fast and not plain_model.graphed and plain_model.gd.captures == 0
+    assert model.graphed
+    return plain, plain_model, got, model
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_graph_replay_is_bit_identical(arch, arch_weights):
+    cupy_or_skip()
+    w = arch_weights(arch)
+    plain, plain_model, got, model = plain_and_graphed(w, decode_inputs(TOKENS))
+    assert model.gd.captures == 2  # at 8 positions, then again when the cache grew to 16 for the ninth token
+    assert np.array_equal(got, plain)
+    assert model.route_log == plain_model.route_log  # ids and weights, exactly
+
+
+def test_graph_replay_over_many_key_splits(arch_weights):
+    """140 positions: the cache grows 8 -> 256 (six captures), the attention runs up to 3 of the
+    graph's 4 splits of 64 keys; same bits as the plain launches, and the numpy model's values."""
+    cupy_or_skip()
+    w = arch_weights("qwen3moe")
+    tokens = np.random.default_rng(3).integers(w.info.vocab, size=140).tolist()
+    plain, plain_model, got, model = plain_and_graphed(w, decode_inputs(tokens))
+    assert model.k_cache[0].shape[1] == 256 and model.gd.captures == 6
+    assert np.array_equal(got, plain) and model.route_log == plain_model.route_log
+    ref, _ = run(w, decode_inputs(tokens), use_gpu=False)
+    assert nmse(got, ref) <= 1e-6
+
+
+def test_graph_replay_with_forced_routes(arch_weights):
+    cupy_or_skip()
+    w = arch_weights("qwen3moe")
+    _, model = run(w, decode_inputs(TOKENS), use_gpu=False)
+    routes = [tuple(M.Route(tuple(ids[::-1]), None if i % 2 else tuple(wt)) for _, ids, wt in row)
+              for i, (_, row) in enumerate(model.route_log)]  # reversed order; every other token: router weights
+    plain, plain_model, got, graphed = plain_and_graphed(w, decode_inputs(TOKENS, routes))
+    assert np.array_equal(got, plain) and graphed.route_log == plain_model.route_log
+    assert [[r[1] for r in row] for _, row in graphed.route_log] == [[list(r.experts) for r in rr] for rr in routes]
+
+
+def test_prefill_chunk_then_graphed_decode(arch_weights):
+    cupy_or_skip()
+    w = arch_weights("gpt-oss")  # window 4, sinks, biases
+    inputs = [M.ChunkInput(0, 0, 0, "prefill", tuple(TOKENS[:6]), all_logits=True)]
+    inputs += [M.TokenInput(1 + i, 0, 6 + i, "decode", t) for i, t in enumerate(TOKENS[6:])]
+    plain, _, got, _ = plain_and_graphed(w, inputs)
+    assert np.array_equal(got, plain)
+
+
+def test_graph_switch_and_fallback(arch_weights, monkeypatch, capsys):
+    cupy_or_skip()
+    from execute.gpu_dense import DecodeBlock
+
+    w = arch_weights("qwen3moe")
+    inputs = decode_inputs(TOKENS[:4])
+    monkeypatch.setenv("MOELAB_CUDA_GRAPHS", "0")
+    off, m_off = run(w, inputs, use_gpu=True)
+    assert m_off.fast and not m_off.cuda_graphs and not m_off.graphed and m_off.gd.captures == 0
+    monkeypatch.setenv("MOELAB_CUDA_GRAPHS", "1")
+    on, m_on = run(w, inputs, use_gpu=True)
+    assert m_on.graphed and m_on.gd.captures == 1 and np.array_equal(on, off)
+    monkeypatch.setenv("MOELAB_CUDA_GRAPHS", "yes")
+    with pytest.raises(ExecutorError, match="MOELAB_CUDA_GRAPHS: 'yes', expected 0 or 1"):
+        M.MoeModel(w, use_gpu=True)
+    monkeypatch.delenv("MOELAB_CUDA_GRAPHS")
+
+    def refuse(self, stream):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(DecodeBlock, "record", refuse)  # a capture that fails: warn once, plain launches
+    capsys.readouterr()
+    fell, m_fell = run(w, decode_inputs(TOKENS), use_gpu=True)  # grows the cache: no second attempt
+    lines = [l for l in capsys.readouterr().err.splitlines() if "CUDA graph capture failed" in l]
+    assert len(lines) == 1 and "RuntimeError: capture refused" in lines[0]
+    assert not m_fell.graphed and not m_fell.cuda_graphs and m_fell.gd.captures == 0
+    assert np.array_equal(fell[: len(off)], off)
