@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 __all__ = ["main", "COMMANDS", "ArgumentParser"]
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         # Results are written atomically: an interrupted command leaves its old output or none.
         print(f"\nmoelab {name}: interrupted; no partial output file was written", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (moelab ... | head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ProfileError, ValueError) as exc:
         print(f"moelab profile: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise
     except OSError as exc:
         print(f"moelab profile: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -83,6 +83,8 @@ def simulate_main(argv: list[str]) -> int:
     except (SimError, HardwareError, ValueError) as e:
         print(f"moelab simulate: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise
     except OSError as e:
         print(f"moelab simulate: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -351,3 +351,18 @@ def test_a_directory_that_is_not_a_trace_is_refused_before_the_work(tmp_path, in
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "exists and is not a trace directory" in _error_line(r.stderr)
     assert _tree(tmp_path) == {"mine", "mine/notes.txt"}
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    r = subprocess.run(["sh", "-c", '"$@" | head -c 1 > /dev/null', "sh", *CMD, "trace", "info"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.stderr == ""
+
+
+def test_calibrate_base_takes_a_preset_name(tmp_path):
+    from execute.calibrate import _base_path
+    from simulate.hardware import HARDWARE_DIR
+
+    assert _base_path("rtx4060-laptop") == HARDWARE_DIR / "rtx4060-laptop.json"
+    (tmp_path / "hw.json").write_text("{}")
+    assert _base_path(str(tmp_path / "hw.json")) == tmp_path / "hw.json"

@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, ValueError) as e:
         print(f"moelab trace {a.cmd}: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise
     except OSError as e:
         print(f"moelab trace {a.cmd}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1
