@@ -1298,9 +1298,14 @@ def main(argv=None) -> int:
     m = {}
     try:
         m = measure_all(args, partial=m)
-    except BaseException:
+    except BaseException as exc:
+        partial = Path(str(args.out) + ".partial.json")
         if m:  # what was measured before the failure, for the record (not a hardware file)
-            write_json(Path(str(args.out) + ".partial.json"), m)
+            write_json(partial, m)
+        if isinstance(exc, KeyboardInterrupt):
+            kept = f"what was measured is in {partial} (not a hardware file)" if m else "nothing was written"
+            print(f"\nmoelab calibrate: interrupted; {kept}", file=sys.stderr)
+            return 130
         raise
     hw = hardware_json(m, args.name or f"calibrated-{socket.gethostname()}", base if args.cpu_only else None)
     write_json(Path(args.out), hw)
