@@ -140,14 +140,22 @@ class DecodeBlock:
         self.router(stream)
         return self.gd.fetch_route(stream)
 
-    def run(self, stream: int, add_ptr: int, pos: int, lo: int, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`attend` then :meth:`route`: one graph launch and the route wait when captured."""
+    def issue(self, stream: int, add_ptr: int, pos: int, lo: int, n_keys: int) -> None:
+        """Queue the block's token (:meth:`attend`, the router, the top-k's copy to pinned memory):
+        the decode record written and one graph launch when captured. The record may be rewritten
+        only once the previous replay has finished (its route waited for) or with the same values."""
         if self._exec == 0:
             self.attend(stream, add_ptr, pos, lo, n_keys)
-            return self.route(stream)
-        r = self.rec  # the previous replay has finished: its route was waited for
+            self.router(stream)
+            self.gd.copy_route(stream)
+            return
+        r = self.rec
         r[0], r[1], r[2], r[3] = pos, lo, n_keys, add_ptr
         _rt.graphLaunch(self._exec, stream)
+
+    def run(self, stream: int, add_ptr: int, pos: int, lo: int, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`issue`, then wait for the route: ids ``(1, k)`` int64 and weights ``(1, k)`` float32."""
+        self.issue(stream, add_ptr, pos, lo, n_keys)
         return self.gd.wait_route(stream)
 
     def record(self, stream: int) -> None:

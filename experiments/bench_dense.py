@@ -1,15 +1,17 @@
 """Dense-path benchmark: one block's dense path and a whole decode token, float32 operators vs fused
-kernels, side by side in one run.
+kernels vs fused kernels replayed as CUDA graphs, side by side in one run.
 
 Model: a synthetic GGUF of the Qwen3-30B-A3B shape with few blocks (``--layers``; what ``moelab model
 synth --preset qwen3-30b-a3b --layers N --vocab 32000 --quant Q8_0`` writes), made in ``--out`` unless
-``--model`` names one. Two dense paths over the same weights and KV cache sizes:
+``--model`` names one. Three dense paths over the same weights and KV cache sizes:
 
 - ``float32``: every dense matrix as a float32 copy on the GPU, CuPy operators, the router's logits
   read back and its top-k on the host (the dense path before ``execute.gpu_dense``);
-- ``fused``: ``MoeModel`` on a GPU (matrices in their stored type, the fused one-token kernels).
+- ``fused``: ``MoeModel`` on a GPU (matrices in their stored type, the fused one-token kernels),
+  CUDA graphs off (``MOELAB_CUDA_GRAPHS=0``);
+- ``graphs``: the same with each block's token replayed as one CUDA graph (the default).
 
-Measured, alternating the two paths ``--repeats`` times:
+Measured, alternating the paths ``--repeats`` times:
 
 - dense per block: the time from resuming ``chunk_steps`` to its Step, expert output delivered as
   zeros (host clock, and CUDA events on the dense stream; median over blocks and tokens, the first
@@ -17,10 +19,12 @@ Measured, alternating the two paths ``--repeats`` times:
 - a decode token: ``execute.model.run`` with the expert engine and the ``gpu`` policy (every expert
   resident, as ``moelab run --policy gpu``), tokens/s over ``--tokens`` positions, and the same
   for one prefill chunk of ``--prompt`` tokens;
-- the fused block's launches alone (no read-back): host time to issue them, and device time from
-  a CUDA graph of 50 repetitions (the block's cost with launch and host gaps removed).
+- one block's token alone (no wait), at the last position: with plain launches, the host time to
+  issue them and the device time from a CUDA graph of 50 repetitions (no launch or host gaps);
+  as the block's own graph, the host time of a replay (record write + launch) and the device
+  time of 50 replays back to back (the record's and the route's copies included).
 
-Prints both paths and the ratios; writes ``bench_dense.json`` (results and the config) into ``--out``.
+Prints every path and the ratios; writes ``bench_dense.json`` (results and the config) into ``--out``.
 """
 from __future__ import annotations
 
@@ -95,16 +99,45 @@ def time_dense(model, tokens) -> tuple[list, list]:
     return host, dev
 
 
+def _block(model):
+    """The second block's prepared launches (the first also reads the embedding)."""
+    if model._plans is None:
+        model._plans = model._decode_plans()
+    blocks = model._plans[0]
+    return blocks[min(1, len(blocks) - 1)]
+
+
+def graph_block_split(model, reps: int = 50) -> dict:
+    """Of one block's CUDA graph (``model`` with graphs on), at the model's last position: the host
+    time of a replay (record write + launch, no wait) and the device time per replay of ``reps``
+    replays back to back. None figures when the model holds no graph."""
+    import cupy as cp
+
+    b = _block(model)
+    if b.graph is None:
+        return {"issue_us": None, "device_us": None}
+    add = cp.zeros(model.info.hidden, cp.float32)
+    pos = max(model.pos - 1, 0)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(s)
+    t0 = time.perf_counter()
+    for _ in range(reps):  # the same record each time: rewriting it while a replay runs changes nothing
+        b.issue(s.ptr, add.data.ptr, pos, 0, pos + 1)
+    issue = (time.perf_counter() - t0) / reps
+    end.record(s)
+    end.synchronize()
+    return {"issue_us": 1e6 * issue, "device_us": 1e3 * cp.cuda.get_elapsed_time(start, end) / reps}
+
+
 def fused_block_split(model, reps: int = 50) -> dict:
     """Of one block's fused launches (attention part and router kernel, no read-back), at the
     model's last position: the host time to issue them, and their device time from a CUDA graph of
     ``reps`` repetitions (no launch or host gap): what a block costs with launch overhead removed."""
     import cupy as cp
 
-    if model._plans is None:
-        model._plans = model._decode_plans()
-    blocks = model._plans[0]
-    b = blocks[min(1, len(blocks) - 1)]
+    b = _block(model)
     add = cp.zeros(model.info.hidden, cp.float32)
     pos = max(model.pos - 1, 0)
     s = cp.cuda.Stream(non_blocking=True)
@@ -180,8 +213,10 @@ def main(argv=None) -> int:
     info = weights.info
     rng = np.random.default_rng(a.seed)
     tokens, prompt = rng.integers(info.vocab, size=a.tokens), rng.integers(info.vocab, size=a.prompt)
-    models = {"float32": float32_model(weights, a.tokens + 1), "fused": M.MoeModel(weights, use_gpu=True,
-                                                                                   max_tokens=a.tokens + 1)}
+    cap = a.tokens + 1
+    models = {"float32": float32_model(weights, cap),
+              "fused": M.MoeModel(weights, use_gpu=True, max_tokens=cap, cuda_graphs=False),
+              "graphs": M.MoeModel(weights, use_gpu=True, max_tokens=cap, cuda_graphs=True)}
     if not models["fused"].fast:
         print(f"bench_dense: {path}: this model does not run on the fused kernels", file=sys.stderr)
         return 2
@@ -189,10 +224,13 @@ def main(argv=None) -> int:
     backend = M.EngineExperts(weights, Capacity.per_layer(g, max(info.num_experts)), a.threads, use_gpu=True)
     res = {k: {"host_us": [], "event_us": [], "tokens_per_s": [], "prompt_tokens_per_s": []} for k in models}
     try:
-        for name, m in models.items():  # warm-up: compile kernels, fill allocator pools
+        for name, m in models.items():  # warm-up: compile kernels, fill allocator pools, capture graphs
             time_dense(m, tokens[:4])
             time_tokens(m, backend, weights, tokens[:4])
             time_tokens(m, backend, weights, prompt[:8], chunk=True)
+        if not models["graphs"].graphed:
+            print("bench_dense: no CUDA graphs were captured (see the warning above): the graphs row runs the "
+                  "plain launches", file=sys.stderr)
         for _ in range(a.repeats):
             for name, m in models.items():
                 host, dev = time_dense(m, tokens)
@@ -201,13 +239,15 @@ def main(argv=None) -> int:
                 res[name]["tokens_per_s"].append(time_tokens(m, backend, weights, tokens))
                 res[name]["prompt_tokens_per_s"].append(time_tokens(m, backend, weights, prompt, chunk=True))
         split = [fused_block_split(models["fused"]) for _ in range(a.repeats)]  # last: it may capture a graph
+        gsplit = [graph_block_split(models["graphs"]) for _ in range(a.repeats)]
     finally:
         backend.close()
     summary = {k: {"dense_host_us_per_block": statistics.median(v["host_us"]),
                    "dense_event_us_per_block": statistics.median(v["event_us"]),
                    "tokens_per_s": statistics.median(v["tokens_per_s"]),
                    "prompt_tokens_per_s": statistics.median(v["prompt_tokens_per_s"]), "runs": v} for k, v in res.items()}
-    f, n = summary["fused"], summary["float32"]
+    f, n, g = summary["fused"], summary["float32"], summary["graphs"]
+    g["graphed"] = models["graphs"].graphed
     layers = info.num_layers
     print(f"model {path}: {layers} blocks, hidden {info.hidden}, {info.num_heads}/{info.num_kv_heads} heads x "
           f"{info.head_dim}, {max(info.num_experts)} experts top-{info.top_k}; {a.tokens} positions, "
@@ -221,17 +261,32 @@ def main(argv=None) -> int:
     ratios = {"dense_host": n["dense_host_us_per_block"] / f["dense_host_us_per_block"],
               "dense_events": n["dense_event_us_per_block"] / f["dense_event_us_per_block"],
               "tokens_per_s": f["tokens_per_s"] / n["tokens_per_s"],
-              "prompt_tokens_per_s": f["prompt_tokens_per_s"] / n["prompt_tokens_per_s"]}
+              "prompt_tokens_per_s": f["prompt_tokens_per_s"] / n["prompt_tokens_per_s"],
+              "graphs_dense_host": f["dense_host_us_per_block"] / g["dense_host_us_per_block"],
+              "graphs_dense_events": f["dense_event_us_per_block"] / g["dense_event_us_per_block"],
+              "graphs_tokens_per_s": g["tokens_per_s"] / f["tokens_per_s"]}
     print(f"fused / float32: dense {ratios['dense_host']:.1f}x faster (host), {ratios['dense_events']:.1f}x "
           f"(events); decode tokens/s {ratios['tokens_per_s']:.2f}x; prompt tokens/s {ratios['prompt_tokens_per_s']:.2f}x")
+    print(f"graphs / fused: dense {ratios['graphs_dense_host']:.2f}x faster (host), "
+          f"{ratios['graphs_dense_events']:.2f}x (events); decode tokens/s {ratios['graphs_tokens_per_s']:.2f}x"
+          + ("" if g["graphed"] else " (NO graphs were captured: both rows ran the plain launches)"))
+    print(f"decode tokens/s, --policy gpu, {layers} blocks: CUDA graphs on {g['tokens_per_s']:.1f}, "
+          f"off {f['tokens_per_s']:.1f}")
     issue = statistics.median(x["issue_us"] for x in split)
     dev = [x["device_us"] for x in split if x["device_us"] is not None]
     summary["fused"]["block_issue_us"] = issue
     summary["fused"]["block_device_us"] = statistics.median(dev) if dev else None
     print(f"fused block, launches alone: {issue:.1f} us to issue (host), "
           + (f"{summary['fused']['block_device_us']:.1f} us on the device (CUDA graph)" if dev else "no graph figure"))
-    print(f"at 48 blocks (per-block all-in time x 48, head not separated): float32 "
-          f"{1e3 / (48 * n['ms_per_block_all_in']):.1f} tokens/s, fused {1e3 / (48 * f['ms_per_block_all_in']):.1f}")
+    g_issue = [x["issue_us"] for x in gsplit if x["issue_us"] is not None]
+    g_dev = [x["device_us"] for x in gsplit if x["device_us"] is not None]
+    g["block_issue_us"] = statistics.median(g_issue) if g_issue else None
+    g["block_device_us"] = statistics.median(g_dev) if g_dev else None
+    if g_issue:
+        print(f"graphs block, one replay alone: {g['block_issue_us']:.1f} us to issue (host: record + launch), "
+              f"{g['block_device_us']:.1f} us on the device (replays back to back)")
+    print("at 48 blocks (per-block all-in time x 48, head not separated): "
+          + ", ".join(f"{k} {1e3 / (48 * v['ms_per_block_all_in']):.1f}" for k, v in summary.items()) + " tokens/s")
     (out / "bench_dense.json").write_text(json.dumps({"config": {**vars(a), "model": str(path)}, "summary": summary,
                                                       "ratios": ratios}, indent=1))
     return 0
