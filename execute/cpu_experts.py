@@ -547,8 +547,9 @@ def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, thre
 
 
 # The pool's thread team. ctrl (int64) holds the team's counters, each on its own cache line:
-_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD = (8 * k for k in range(7))
-_CTRL = 8 * 8
+_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD, _C_BSLEEP = (8 * k for k in range(8))
+_BARRIER_SPINS = 4000  # pause instructions (tens of microseconds) before a barrier sleeps
+_CTRL = 8 * 9
 _RING = 16  # job slots: calls submitted but not yet finished, at most
 _STOP = -1  # _C_GEN value that ends the workers
 _ABANDONED: list = []  # arrays of calls a stalled team may still read (see CpuExpertPool._break)
@@ -556,12 +557,27 @@ _ABANDONED: list = []  # arrays of calls a stalled team may still read (see CpuE
 
 @njit(inline="always")
 def _barrier(ctrl, team, nbar):
-    """Wait until every worker has reached barrier ``nbar + 1``; the new count."""
-    atomic_add(ctrl, _C_BAR, 1)
+    """Wait until every worker has reached barrier ``nbar + 1`` (spinning, then on a futex: a
+    descheduled worker must not cost the others their cores); the new count."""
     target = team * (nbar + 1)
-    while atomic_load(ctrl, _C_BAR) < target:
-        pause()
-    return nbar + 1
+    if atomic_add(ctrl, _C_BAR, 1) == target - 1:
+        if atomic_load(ctrl, _C_BSLEEP):
+            futex_wake(ctrl, _C_BAR)
+        return nbar + 1
+    spins = 0
+    while True:
+        v = atomic_load(ctrl, _C_BAR)
+        if v >= target:
+            return nbar + 1
+        spins += 1
+        if spins < _BARRIER_SPINS:
+            pause()
+            continue
+        atomic_add(ctrl, _C_BSLEEP, 1)
+        v = atomic_load(ctrl, _C_BAR)
+        if v < target:
+            futex_wait(ctrl, _C_BAR, v, 1_000_000)
+        atomic_add(ctrl, _C_BSLEEP, -1)
 
 
 @njit(nogil=True, cache=True)

@@ -1,50 +1,80 @@
-"""CPU expert pool rates: GB/s of expert weights read per layer call, old kernels vs new, per quant
-type and thread count, measured side by side in one run.
+"""CPU expert pool rates: GB/s of expert weights read per call, per quant type and call shape, the
+pool's empty-call round trip and the host's streaming ceiling, all measured in one run.
 
-``old``: the kernels before the vectorized rewrite (experiments/cpu_experts_before.py: each row
-dequantized into a float32 buffer, then dotted). ``new``: execute/cpu_experts.py (blocks dotted in
-place). Shapes: Qwen3-30B-A3B experts (hidden 2048, ffn 768), one token on each of 8 experts per
-call (decode); ``--experts`` distinct experts per type (copies of 4 random ones, each in its own
-memory) so that rotating 8-expert sets stream from DRAM rather than L3. The F32 row is the
-practical ceiling of a core: a streaming float32 dot.
+``new``: ``CpuExpertPool`` (execute/cpu_experts.py: int8 activations, vpdpbusd, a native thread
+team), submit -> result, as the engine calls it. ``old``: the kernels before the rewrite
+(experiments/cpu_experts_before.py: each row dequantized into a float32 buffer, then dotted, on
+Numba's OpenMP pool). Shapes: Qwen3-30B-A3B experts (hidden 2048, ffn 768). Call shapes: 1, 2
+and 8 experts x 1 token (decode) and 8 experts x 8 tokens (prefill: 64 pairs, each expert read
+once). Each type's layer has ``--experts`` distinct experts (copies of 4 random ones, each in its
+own memory) and calls rotate through them, so weights stream from DRAM rather than the L3.
 
-Each rate is the median over ``--reps`` calls, old and new calls alternating so both see the same
-machine load. ``--clock cpu`` divides by the process CPU time instead of the wall time (for shared
-machines; it then reports GB/s per CPU-second, summed over the threads).
+The ceiling is a Numba float32 sum over ``--ceiling-mib`` with the same thread count. Per-core
+rates (``--per-core``, default 1 and 2 threads) put old and new side by side for every type and
+are printed in GB per CPU-second (process time), which stays meaningful on a shared machine.
+Each figure is the median over ``--reps`` calls, old and new calls alternating.
 
-    python3 experiments/bench_cpu_experts.py --threads 1,4,8,16
+    python3 experiments/bench_cpu_experts.py --threads 15
+
+The last line reads ``Q8_0 8 experts: <X> GB/s, <R> of the ceiling, empty call <U> us``.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+T_START = time.perf_counter()
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numba  # noqa: E402
+from numba import njit, prange  # noqa: E402
 
 import cpu_experts_before as old  # noqa: E402
 from execute import cpu_experts as new  # noqa: E402
 from execute import quant as Q  # noqa: E402
 from execute.experts import ExpertTensor, LayerExperts, random_layer  # noqa: E402
 
-TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "F16", "BF16", "F32")
+TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "BF16")
 NEW_ONLY = ("MXFP4",)  # types the old kernels never read: their old rate is reported as nan
+SHAPES = (("1x1", 1, 1), ("2x1", 2, 1), ("8x1", 8, 1), ("8x8", 8, 8))  # (name, experts, tokens each)
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@njit(parallel=True, fastmath=True, cache=True)
+def _stream_sum(a):
+    s = np.float32(0.0)
+    for i in prange(a.size):
+        s += a[i]
+    return s
+
+
+def ceiling_gbps(threads: int, mib: int, reps: int) -> float:
+    """Best of ``reps`` parallel float32 sums over ``mib`` MiB with ``threads`` threads (GB/s)."""
+    numba.set_num_threads(threads)
+    a = np.ones(mib * 2**20 // 4, np.float32)
+    _stream_sum(a)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _stream_sum(a)
+        ts.append(time.perf_counter() - t0)
+    return a.nbytes / min(ts) / 1e9
+
+
 def big_layer(qtype: int, experts: int, hidden: int, ffn: int, rng: np.random.Generator) -> LayerExperts:
-    """``experts`` experts in ``qtype``: copies of 4 random ones (valid blocks, normal floats; MXFP4
-    quantized from normal weights, as random_layer's fast path only sets f16 scales)."""
+    """``experts`` experts in ``qtype``: copies of 4 random ones (random_layer's fast blocks; MXFP4
+    quantized from normal weights, as the fast path only sets f16 scales)."""
     base = random_layer(rng, 0, 4, hidden, ffn, qtype, exact=Q.QTYPES[qtype].name in NEW_ONLY)
 
     def grow(t: ExpertTensor) -> ExpertTensor:
@@ -53,71 +83,132 @@ def big_layer(qtype: int, experts: int, hidden: int, ffn: int, rng: np.random.Ge
     return LayerExperts(0, grow(base.gate), grow(base.up), grow(base.down))
 
 
-def rates(layer: LayerExperts, threads: int, reps: int, clock) -> tuple[float, float]:
-    """(old, new) GB/s: median over ``reps`` calls of 8 experts x 1 token each (old nan for NEW_ONLY)."""
+def calls(layer: LayerExperts, k: int, tokens: int, reps: int, rng: np.random.Generator) -> list[tuple]:
+    """``reps`` + 1 calls of k distinct experts x ``tokens`` tokens, rotating through the layer's
+    experts: (expert ids per pair, x)."""
+    out = []
+    for r in range(reps + 1):
+        ids = [(r * k + j) % layer.num_experts for j in range(k)]
+        pairs = [e for _ in range(tokens) for e in ids]
+        out.append((pairs, rng.standard_normal((len(pairs), layer.hidden)).astype(np.float32)))
+    return out
+
+
+def rates(layer: LayerExperts, shape: tuple, threads: int, reps: int, with_old: bool, clock,
+          rng: np.random.Generator, spin_us: float = 100.0) -> tuple[float, float]:
+    """(old, new) GB/s of weights read for one call shape: medians over ``reps`` alternating calls
+    (the first call of each is a warm-up); ``spin_us`` the pool's (0 when CPU time is the clock:
+    a spinning wait would count as work)."""
+    _, k, tokens = shape
+    work = calls(layer, k, tokens, reps, rng)
+    nbytes = k * layer.expert_bytes
     numba.set_num_threads(threads)
-    x = np.random.default_rng(1).standard_normal((8, layer.hidden)).astype(np.float32)
-    if Q.QTYPES[layer.gate.qtype].name in NEW_ONLY:
-        return float("nan"), rates_of((new,), layer, threads, reps, clock, x)[0]
-    o, n = rates_of((old, new), layer, threads, reps, clock, x)
-    return o, n
-
-
-def rates_of(mods: tuple, layer: LayerExperts, threads: int, reps: int, clock, x: np.ndarray) -> list[float]:
-    """GB/s of each kernel module in ``mods``, their calls alternating."""
-    views = [(m.tensor_views(layer.gate), m.tensor_views(layer.up), m.tensor_views(layer.down)) for m in mods]
-    for m, v in zip(mods, views):
-        m.run_experts(layer, list(range(8)), x, threads, v)
-    ts: list[list[float]] = [[] for _ in mods]
-    sets = layer.num_experts // 8
-    for r in range(reps):
-        ids = list(range((r % sets) * 8, (r % sets) * 8 + 8))
-        for k, (m, v) in enumerate(zip(mods, views)):
+    ov = (old.tensor_views(layer.gate), old.tensor_views(layer.up), old.tensor_views(layer.down))
+    to, tn = [], []
+    with new.CpuExpertPool(threads, timeout_s=120, spin_us=spin_us) as pool:
+        for i, (pairs, x) in enumerate(work):
+            if with_old:
+                t0 = clock()
+                old.run_experts(layer, pairs, x, threads, ov)
+                to.append(clock() - t0)
             t0 = clock()
-            m.run_experts(layer, ids, x, threads, v)
-            ts[k].append(clock() - t0)
-    nbytes = 8 * layer.expert_bytes
-    return [nbytes / float(np.median(t)) / 1e9 for t in ts]
+            pool.submit(layer, pairs, x).result()
+            tn.append(clock() - t0)
+    o = nbytes / float(np.median(to[1:])) / 1e9 if with_old else float("nan")
+    return o, nbytes / float(np.median(tn[1:])) / 1e9
+
+
+def empty_call_us(threads: int, reps: int, rng: np.random.Generator) -> float:
+    """Median submit -> result round trip of a call with no pairs (the team's hand-off alone)."""
+    layer = random_layer(rng, 0, 2, 256, 256, Q.Q8_0, exact=False)
+    x = np.zeros((0, 256), np.float32)
+    ts = []
+    with new.CpuExpertPool(threads, timeout_s=120) as pool:
+        pool.submit(layer, [], x).result()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            pool.submit(layer, [], x).result()
+            ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
+
+
+def first_call_s(rng: np.random.Generator) -> float:
+    """Seconds from this script's start to the end of its first pool call (imports, Numba's cache
+    or compilation, thread start)."""
+    layer = random_layer(rng, 0, 2, 256, 256, Q.Q8_0, exact=False)
+    with new.CpuExpertPool(1, timeout_s=600) as pool:
+        pool.submit(layer, [0], np.ones((1, 256), np.float32)).result()
+    return time.perf_counter() - T_START
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", default=f"1,{os.cpu_count()}", help="comma-separated thread counts")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="pool threads for the main table (default: cores - 1)")
+    p.add_argument("--per-core", default="1,2", help="comma-separated thread counts of the old-vs-new table ('' skips)")
     p.add_argument("--types", default=",".join(TYPES), help="comma-separated quant types")
-    p.add_argument("--experts", type=int, default=64, help="distinct experts per type (multiple of 8)")
-    p.add_argument("--reps", type=int, default=15, help="calls per (type, threads, kernel)")
+    p.add_argument("--experts", type=int, default=64, help="distinct experts per type (>= 8)")
+    p.add_argument("--reps", type=int, default=15, help="calls per figure")
+    p.add_argument("--ceiling-mib", type=int, default=1024, help="array size of the streaming ceiling")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--out", type=Path, help="also write the figures and arguments here (JSON)")
     args = p.parse_args(argv)
     try:
-        threads = [int(t) for t in args.threads.split(",")]
         types = [Q.QTYPE_BY_NAME[t] for t in args.types.split(",")]
+        per_core = [int(t) for t in args.per_core.split(",") if t.strip()]
     except (ValueError, KeyError) as exc:
-        p.error(f"--threads/--types: {exc} (types: {', '.join(TYPES)})")
-    if max(threads) > numba.config.NUMBA_NUM_THREADS or min(threads) < 1:
-        p.error(f"--threads: expected 1..{numba.config.NUMBA_NUM_THREADS}")
-    if args.experts < 8 or args.experts % 8:
-        p.error("--experts: expected a positive multiple of 8")
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+        p.error(f"--types/--per-core: {exc} (types: {', '.join(TYPES)})")
+    limit = max(os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS)
+    if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS or any(not 1 <= t <= limit for t in per_core):
+        p.error(f"--threads/--per-core: expected 1..{numba.config.NUMBA_NUM_THREADS}")
+    if args.experts < 8 or args.reps < 1 or args.ceiling_mib < 1:
+        p.error("--experts: expected >= 8; --reps, --ceiling-mib: expected >= 1")
+    if args.out is not None and not args.out.parent.is_dir():
+        p.error(f"--out: directory {args.out.parent} does not exist")
     rng = np.random.default_rng(0)
-    t0 = time.perf_counter()
-    rows = []
+    first_s = first_call_s(rng)
+    log(f"  first pool call {first_s:.1f} s after start")
+    ceiling = ceiling_gbps(args.threads, args.ceiling_mib, 5)
+    log(f"  ceiling {ceiling:.1f} GB/s ({args.threads} threads)")
+    empty = empty_call_us(args.threads, 200, rng)
+    log(f"  empty call {empty:.1f} us")
+    main_rows, core_rows = [], []
     for qt in types:
+        name = Q.QTYPES[qt].name
         layer = big_layer(qt, args.experts, args.hidden, args.ffn, rng)
-        for th in threads:
-            o, n = rates(layer, th, args.reps, clock)
-            rows.append((Q.QTYPES[qt].name, th, o, n))
-            log(f"  {Q.QTYPES[qt].name} {th} threads: old {o:.2f} new {n:.2f} GB/s ({time.perf_counter() - t0:.0f} s)")
+        for shape in SHAPES:
+            o, n = rates(layer, shape, args.threads, args.reps, name not in NEW_ONLY, time.perf_counter, rng)
+            main_rows.append((name, shape[0], o, n))
+            log(f"  {name} {shape[0]} {args.threads} threads: old {o:.2f} new {n:.2f} GB/s "
+                f"({time.perf_counter() - T_START:.0f} s)")
+        for th in per_core:
+            o, n = rates(layer, SHAPES[2], th, max(3, args.reps // 3), name not in NEW_ONLY, time.process_time, rng, 0.0)
+            core_rows.append((name, th, o, n))
         del layer
-    unit = "GB/s" if args.clock == "wall" else "GB/cpu-s"
-    print(f"expert weights read per call ({unit}); hidden {args.hidden}, ffn {args.ffn}, 8 experts x 1 token, "
-          f"median of {args.reps}; numba {numba.__version__}, layer {numba.threading_layer()}")
-    print(f"{'type':6s}{'threads':>8s}{'old':>9s}{'new':>9s}{'new/old':>9s}{'new/F32':>9s}")
-    f32 = {th: n for name, th, _, n in rows if name == "F32"}
-    for name, th, o, n in rows:
-        ceil = f"{n / f32[th]:9.2f}" if th in f32 else f"{'-':>9s}"
-        print(f"{name:6s}{th:8d}{o:9.2f}{n:9.2f}{n / o:9.2f}{ceil}")
+    print(f"expert weights read per call (GB/s, median of {args.reps}); hidden {args.hidden}, ffn {args.ffn}; "
+          f"shape = experts x tokens each; {args.threads} threads; numba {numba.__version__}")
+    print(f"{'type':6s}{'shape':>6s}{'old':>9s}{'new':>9s}{'new/old':>9s}{'of ceil':>9s}")
+    for name, shape, o, n in main_rows:
+        print(f"{name:6s}{shape:>6s}{o:9.2f}{n:9.2f}{n / o:9.2f}{n / ceiling:9.2f}")
+    if core_rows:
+        print("per core, 8 experts x 1 token (GB per CPU-second: process time, all threads)")
+        print(f"{'type':6s}{'threads':>8s}{'old':>9s}{'new':>9s}{'new/old':>9s}")
+        for name, th, o, n in core_rows:
+            print(f"{name:6s}{th:8d}{o:9.2f}{n:9.2f}{n / o:9.2f}")
+    print(f"streaming ceiling {ceiling:.1f} GB/s ({args.threads} threads, float32 sum of {args.ceiling_mib} MiB); "
+          f"first pool call {first_s:.1f} s after start; {time.perf_counter() - T_START:.0f} s in all")
+    if args.out is not None:
+        args.out.write_text(json.dumps({
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "ceiling_gbps": ceiling, "empty_call_us": empty, "first_call_s": first_s,
+            "rates": [dict(zip(("type", "shape", "old_gbps", "new_gbps"), r)) for r in main_rows],
+            "per_core": [dict(zip(("type", "threads", "old_gbps", "new_gbps"), r)) for r in core_rows]}, indent=1))
+    q8 = [n for name, shape, _, n in main_rows if name == "Q8_0" and shape == "8x1"]
+    if q8:
+        print(f"Q8_0 8 experts: {q8[0]:.1f} GB/s, {q8[0] / ceiling:.2f} of the ceiling, empty call {empty:.1f} us")
+    else:
+        print(f"Q8_0 8 experts: not measured (--types), empty call {empty:.1f} us")
     return 0
 
 
