@@ -44,8 +44,8 @@ from .experts import ExecutorError
 from .gguf_io import ModelWeights
 
 __all__ = ["MoeModel", "Qwen3Moe", "Route", "TokenInput", "ChunkInput", "RunResult", "merge_step", "trace_tokens", "NumpyExperts", "EngineExperts", "run",
-           "check_trace", "fold_trace", "trace_inputs", "array_module", "softmax_topk", "route_weights",
-           "expert_ffn"]
+           "check_trace", "fold_trace", "trace_inputs", "array_module", "cuda_graphs_env", "softmax_topk",
+           "route_weights", "expert_ffn"]
 
 
 def cuda_graphs_env() -> bool:
