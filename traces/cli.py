@@ -89,7 +89,10 @@ def _import(a) -> int:
     opts = {}
     if a.format in ("vllm", "strata"):
         opts = {"num_layers": a.layers, "num_experts": a.experts, "model": a.model or "unknown"}
-    elif a.metadata:
+    elif a.layers is not None or a.experts is not None or a.model is not None:
+        raise ValueError(f"--layers, --experts and --model are read only by the vllm and strata importers, "
+                         f"not {a.format}")
+    if a.metadata:
         if a.format != "switch":
             raise ValueError(f"--metadata is read only by the switch importer, not {a.format}")
         if not Path(a.metadata).is_file():
