@@ -1273,6 +1273,13 @@ def main(argv=None) -> int:
     except OutputPathError as e:
         print(f"moelab calibrate: {e}", file=sys.stderr)
         return 2
+    for flag in ("layers", "experts", "hidden", "ffn", "top_k", "heads", "kv_heads", "head_dim", "vocab"):
+        if getattr(args, flag) < 1:
+            print(f"moelab calibrate: --{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1", file=sys.stderr)
+            return 2
+    if args.top_k > args.experts:
+        print(f"moelab calibrate: --top-k {args.top_k}: expected <= --experts {args.experts}", file=sys.stderr)
+        return 2
     base = None
     if args.base:
         try:

@@ -102,6 +102,9 @@ CASES = [
     ("model-synth-dir", ["model", "synth", ".", "--quant", "Q8_0"], "is a directory"),
     ("model-info-junk", ["model", "info", "{root}/junk.bin"], "junk.bin"),
     ("calibrate-out-missing-parent", ["calibrate", "--out", "nope/hw.json"], "nope does not exist"),
+    ("calibrate-layers-0", ["calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--layers", "0"], "--layers 0"),
+    ("calibrate-top-k", ["calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--top-k", "9", "--experts", "8"],
+     "--top-k 9: expected <= --experts 8"),
     ("calibrate-bad-base", ["calibrate", "--cpu-only", "--base", "nope"], "--base nope"),
 ]
 
