@@ -31,19 +31,43 @@ def _cache_mib(text: str):
     return v
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v}")
+        return v
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction 0..1, got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction 0..1, got {v}")
+    return v
+
+
 def _common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", default=None,
                     help="trace directory/file (default: the bundled granite-3.0-1b-a400m trace), or 'synth' "
                          "for a synthetic trace of the model's geometry")
     ap.add_argument("--phase", choices=("decode", "prefill", "all"), default="decode",
                     help="which trace rows to replay (default decode)")
-    ap.add_argument("--tokens", type=int, default=None, help="replay at most N rows")
+    ap.add_argument("--tokens", type=_int_at_least(1), default=None, help="replay at most N rows")
     ap.add_argument("--quant", default=None, help="expert quant type, overriding the model preset's (e.g. Q4_K)")
-    ap.add_argument("--synth-tokens", type=int, default=DEFAULTS.synth_tokens, help="rows of a synthetic trace")
+    ap.add_argument("--synth-tokens", type=_int_at_least(1), default=DEFAULTS.synth_tokens,
+                    help="rows of a synthetic trace")
     ap.add_argument("--seed", type=int, default=0, help="seed of a synthetic trace")
     ap.add_argument("--no-adaptive", action="store_true", help="hybrid without background fills and swaps")
     ap.add_argument("--pageable", action="store_true", help="uploads from pageable (not pinned) host memory")
-    ap.add_argument("--lag-tokens", type=int, default=1, help="tokens a background copy may overlap (default 1)")
+    ap.add_argument("--lag-tokens", type=_int_at_least(0), default=1,
+                    help="tokens a background copy may overlap (default 1)")
 
 
 def simulate_main(argv: list[str]) -> int:
@@ -61,10 +85,10 @@ def simulate_main(argv: list[str]) -> int:
     ap.add_argument("--policy", default=DEFAULTS.policy, help="cpu, gpu, lru, freq-lru, static (oracle profile of the replayed rows), hybrid, hybrid-cost "
                                                            "(split from the simulator's costs), belady")
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--cache-slots", type=int, default=None, help="expert cache slots per MoE layer")
+    size.add_argument("--cache-slots", type=_int_at_least(0), default=None, help="expert cache slots per MoE layer")
     size.add_argument("--cache-mib", type=_cache_mib, default=None,
                       help=f"expert cache budget in MiB, or 'auto' (default {DEFAULTS.cache_mib:g})")
-    ap.add_argument("--miss-fraction", type=float, default=None,
+    ap.add_argument("--miss-fraction", type=_fraction, default=None,
                     help="hybrid: share of a layer's distinct misses sent over PCIe (default 44/256 = 0.17)")
     ap.add_argument("--timeline", default=None, help="write a Chrome-trace JSON (Perfetto) of the run here")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -156,7 +180,7 @@ def sweep_main(argv: list[str]) -> int:
     size.add_argument("--cache-slots", type=_floats, default=None, help="comma-separated slots per layer")
     ap.add_argument("--miss-fractions", type=_floats, default=[44 / 256], help="hybrid miss fractions, comma-separated")
     ap.add_argument("--out", default="sweep", help="output directory (results.csv and PNG plots; its parent must exist)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local worker processes")
+    ap.add_argument("--jobs", type=_int_at_least(1), default=os.cpu_count() or 1, help="local worker processes")
     ap.add_argument("--dask", default=None, metavar="ADDRESS", help="run on a Dask distributed scheduler instead")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -168,8 +192,6 @@ def sweep_main(argv: list[str]) -> int:
                   pinned=not args.pageable)
     out = Path(args.out)
     try:
-        if args.jobs < 1:
-            raise ValueError(f"--jobs {args.jobs}: expected >= 1")
         check_output(out, "--out", is_dir=True)
         configs = expand(args.models, args.hardware, args.policies, caches, args.miss_fractions, unit, **common)
         _check_axes(configs)
