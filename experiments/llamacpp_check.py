@@ -1,8 +1,9 @@
 """moelab's logits against llama.cpp's on synthetic GGUFs of every architecture, on the CPU.
 
 Method: ``build`` installs llama-cpp-python (``--version``, default 0.3.36, built from its sdist
-for the CPU, ``CMAKE_BUILD_PARALLEL_LEVEL=--jobs``) into a cache folder (``--cache``, default
-``~/.cache/moelab/llamacpp``); nothing is built when the cache already holds that version.
+for the CPU without its multimodal library, ``CMAKE_BUILD_PARALLEL_LEVEL=--jobs``) into a cache
+folder (``--cache``, default ``~/.cache/moelab/llamacpp``); nothing is built when the cache already
+holds that version.
 ``check`` writes one ``moelab model synth`` file per architecture and expert quant type (2 blocks,
 8 experts top-2, seed ``--seed``; hidden and ffn 64, or 256 for the K-quants, whose blocks are 256
 long; deepseek2 in both MLA layouts), evaluates ``--tokens`` fixed token ids with llama.cpp in a
@@ -88,7 +89,7 @@ def build(cache: Path, version: str, jobs: int, src: str | None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs), "FORCE_CMAKE": "1",
            "CMAKE_ARGS": "-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF "
-                         "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"}
+                         "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF"}
     cmd = [sys.executable, "-m", "pip", "install", "--no-binary", "llama-cpp-python", "--target",
            str(site(cache, version)), src or f"llama-cpp-python=={version}"]
     print("building:", " ".join(cmd), flush=True)
