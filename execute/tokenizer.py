@@ -21,7 +21,9 @@
   (llama.cpp splits it by hand) gives Han ideographs a class of their own, ``\\p{Han}``.
   Patterns without classes run on the text itself, whitespace above 127 again as ``\\v``.
   ``\\s`` is ASCII whitespace. Classes come from Python's ``unicodedata``, whose Unicode
-  version may differ from llama.cpp's tables in rare characters.
+  version may differ from llama.cpp's tables in rare characters. Where llama.cpp's rewrite of a
+  model's pattern differs from the original, moelab follows llama.cpp: ``gpt-4o``'s letter
+  classes leave combining marks out (``experiments/pretokenizer_vs_hf.py`` compares the two).
 - **SentencePiece** (``"llama"``): spaces become U+2581 (with a leading one when
   ``add_space_prefix``, at the start and after a special token), then the adjacent pair whose
   concatenation is a piece of highest score is merged (ties: leftmost), with a heap; symbols not
