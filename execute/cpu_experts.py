@@ -2,30 +2,25 @@
 
 A call computes ``y[i] = down_e(act(gate_e x[i] + bg_e, up_e x[i] + bu_e)) + bd_e`` for each row
 ``i`` of ``x`` with ``e = experts[i]`` (one row per (expert, token) pair; act and the optional
-biases are the layer's, see ``LayerExperts``), unweighted: the caller combines the
-outputs with the router weights. Pairs are grouped by expert so that each weight row is read once
-per call however many tokens use it. Each call runs two parallel regions (gate+up, then down)
-over (expert group, block of rows) tasks. A weight row is dotted with each input in place, block by
-block, with float32 activations (results within float32 rounding of the exact dot): per block, a
-vectorized loop converts the packed weights (int8, nibbles, 6-bit, f16, bf16, MXFP4 codes through a
-16-entry table) to float32 and multiplies-adds them with the input, then one multiply applies the
-block's scale. Offsets and
-mins (Q4_0's -8, Q4_K's dmin*m) are applied through the input's 32-column sums, computed once per
-call. What keeps LLVM's loops vectorized (checked in the assembly: vpmovsxbd/vpmovzxbd, vcvtdq2ps,
-vfmadd on ymm): 2-D block views indexed by loop counters (no per-element index wrap-around),
-inner trip counts passed at run time (see ``_LANES``), int32 casts of nibble arithmetic, f16 and
-bf16 converted by LLVM intrinsics (``_half``, ``_bits_f32``) rather than a table or a store.
+biases are the layer's, see ``LayerExperts``), unweighted: the caller combines the outputs with
+the router weights. Pairs are grouped by expert so that each weight row is read once per call
+however many tokens use it.
 
-``CpuExpertPool`` owns one persistent worker thread that calls the kernels (compiled ``nogil``,
-so the GPU driver thread runs meanwhile) with the configured Numba thread count. ``submit``
-returns at once; ``CpuJob.result`` waits at most ``timeout_s`` and raises ``ExecutorError`` on a
-stall or a failure (the pool is then marked broken): never a hang, never an abort.
+Quantized weights are dotted with int8 activations: x (and h before the down projection) is
+quantized once per call, per 32 values, in two int8 levels (``_quantize``); per 32 weights one
+``vpdpbusd`` per level of the weights as unsigned bytes with the activation bytes, one
+conversion and one FMA into a vector accumulator (``execute.cpu_simd``); offsets and mins come
+off through the activations' block sums. Float weights (F32, F16, BF16) are dotted with float32
+x. A call runs in two phases, gate+up then down, each split into equal runs of (expert group,
+row) work, one per thread.
 
-The pool runs one parallel call per layer, so Numba's OpenMP team idles between calls; with
-OpenMP's default (active) waiting those threads spin there and take the cores the engine's own
-thread needs (H200 box, 15 threads, 2026-11-29, four configs of experiments/sim_vs_real.py, 4
-repeats each: passive waiting gave 6-13% more tokens/s and 7-45% lower p99 token latency). This module
-sets ``OMP_WAIT_POLICY=PASSIVE`` before Numba's threading layer starts, unless the user set it.
+``CpuExpertPool`` runs calls on a team of native threads (Numba ``nogil`` functions that never
+take the GIL) fed through a ring of job descriptions; ``submit`` returns at once, ``CpuJob.result``
+waits at most ``timeout_s`` and raises ``ExecutorError`` on a stall or a failure (the pool is then
+marked broken): never a hang, never an abort. ``run_experts`` runs the same phases on the calling
+thread with Numba's OpenMP pool, whose waiting policy this module sets to passive (unless the
+user set one) before the OpenMP runtime loads: its threads idle between calls and spinning ones
+took the cores the engine's own thread needs.
 """
 from __future__ import annotations
 

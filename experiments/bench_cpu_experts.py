@@ -3,8 +3,8 @@ pool's empty-call round trip and the host's streaming ceiling, all measured in o
 
 ``new``: ``CpuExpertPool`` (execute/cpu_experts.py: int8 activations, vpdpbusd, a native thread
 team), submit -> result, as the engine calls it. ``old``: the kernels before the rewrite
-(experiments/cpu_experts_before.py: each row dequantized into a float32 buffer, then dotted, on
-Numba's OpenMP pool). Shapes: Qwen3-30B-A3B experts (hidden 2048, ffn 768). Call shapes: 1, 2
+(experiments/cpu_experts_before.py: float32 activations, rows dotted block by block, two regions
+on Numba's OpenMP pool with passive waiting, called directly on this thread). Shapes: Qwen3-30B-A3B experts (hidden 2048, ffn 768). Call shapes: 1, 2
 and 8 experts x 1 token (decode) and 8 experts x 8 tokens (prefill: 64 pairs, each expert read
 once). Each type's layer has ``--experts`` distinct experts (copies of 4 random ones, each in its
 own memory) and calls rotate through them, so weights stream from DRAM rather than the L3.
@@ -43,7 +43,7 @@ from execute import quant as Q  # noqa: E402
 from execute.experts import ExpertTensor, LayerExperts, random_layer  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "BF16")
-NEW_ONLY = ("MXFP4",)  # types the old kernels never read: their old rate is reported as nan
+EXACT = ("MXFP4",)  # types built by quantizing normal weights (random_layer's fast path only sets f16 scales)
 SHAPES = (("1x1", 1, 1), ("2x1", 2, 1), ("8x1", 8, 1), ("8x8", 8, 8))  # (name, experts, tokens each)
 
 
@@ -73,9 +73,8 @@ def ceiling_gbps(threads: int, mib: int, reps: int) -> float:
 
 
 def big_layer(qtype: int, experts: int, hidden: int, ffn: int, rng: np.random.Generator) -> LayerExperts:
-    """``experts`` experts in ``qtype``: copies of 4 random ones (random_layer's fast blocks; MXFP4
-    quantized from normal weights, as the fast path only sets f16 scales)."""
-    base = random_layer(rng, 0, 4, hidden, ffn, qtype, exact=Q.QTYPES[qtype].name in NEW_ONLY)
+    """``experts`` experts in ``qtype``: copies of 4 random ones (random_layer's fast blocks but for EXACT)."""
+    base = random_layer(rng, 0, 4, hidden, ffn, qtype, exact=Q.QTYPES[qtype].name in EXACT)
 
     def grow(t: ExpertTensor) -> ExpertTensor:
         return ExpertTensor(np.tile(t.data, (experts // 4 + 1, 1))[:experts].copy(), t.qtype, t.rows, t.cols, t.name)
@@ -94,7 +93,7 @@ def calls(layer: LayerExperts, k: int, tokens: int, reps: int, rng: np.random.Ge
     return out
 
 
-def rates(layer: LayerExperts, shape: tuple, threads: int, reps: int, with_old: bool, clock,
+def rates(layer: LayerExperts, shape: tuple, threads: int, reps: int, clock,
           rng: np.random.Generator, spin_us: float = 100.0) -> tuple[float, float]:
     """(old, new) GB/s of weights read for one call shape: medians over ``reps`` alternating calls
     (the first call of each is a warm-up); ``spin_us`` the pool's (0 when CPU time is the clock:
@@ -107,15 +106,13 @@ def rates(layer: LayerExperts, shape: tuple, threads: int, reps: int, with_old: 
     to, tn = [], []
     with new.CpuExpertPool(threads, timeout_s=120, spin_us=spin_us) as pool:
         for i, (pairs, x) in enumerate(work):
-            if with_old:
-                t0 = clock()
-                old.run_experts(layer, pairs, x, threads, ov)
-                to.append(clock() - t0)
+            t0 = clock()
+            old.run_experts(layer, pairs, x, threads, ov)
+            to.append(clock() - t0)
             t0 = clock()
             pool.submit(layer, pairs, x).result()
             tn.append(clock() - t0)
-    o = nbytes / float(np.median(to[1:])) / 1e9 if with_old else float("nan")
-    return o, nbytes / float(np.median(tn[1:])) / 1e9
+    return nbytes / float(np.median(to[1:])) / 1e9, nbytes / float(np.median(tn[1:])) / 1e9
 
 
 def empty_call_us(threads: int, reps: int, rng: np.random.Generator) -> float:
@@ -178,12 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         name = Q.QTYPES[qt].name
         layer = big_layer(qt, args.experts, args.hidden, args.ffn, rng)
         for shape in SHAPES:
-            o, n = rates(layer, shape, args.threads, args.reps, name not in NEW_ONLY, time.perf_counter, rng)
+            o, n = rates(layer, shape, args.threads, args.reps, time.perf_counter, rng)
             main_rows.append((name, shape[0], o, n))
             log(f"  {name} {shape[0]} {args.threads} threads: old {o:.2f} new {n:.2f} GB/s "
                 f"({time.perf_counter() - T_START:.0f} s)")
         for th in per_core:
-            o, n = rates(layer, SHAPES[2], th, max(3, args.reps // 3), name not in NEW_ONLY, time.process_time, rng, 0.0)
+            o, n = rates(layer, SHAPES[2], th, max(3, args.reps // 3), time.process_time, rng, 0.0)
             core_rows.append((name, th, o, n))
         del layer
     print(f"expert weights read per call (GB/s, median of {args.reps}); hidden {args.hidden}, ffn {args.ffn}; "

@@ -1,121 +1,246 @@
-"""The CPU expert kernels as they were before the vectorized rewrite (execute/cpu_experts.py at
-commit d26c8cb): each weight row dequantized into a float32 buffer, then dotted. Kept only so that
-experiments/bench_cpu_experts.py can print old and new rates side by side in one run; the
-executor never imports it.
+"""The CPU expert kernels as they were before the int8 rewrite (execute/cpu_experts.py at commit
+586806d): float32 activations, each weight row dotted block by block in place (vectorized by LLVM:
+vpmovsxbd, vcvtdq2ps, vfmadd on ymm), two parallel regions on Numba's OpenMP pool per call. Kept
+only so that experiments/bench_cpu_experts.py can print old and new rates side by side in one
+run; the executor never imports it.
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
-import numba
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when the OpenMP runtime loads (see above)
+
+import numba  # noqa: E402
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from execute import quant as Q
 from execute.experts import ExpertTensor, LayerExperts
 
 __all__ = ["run_experts", "tensor_views"]
 
-_LUT = Q.F16_TO_F32
 _Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16
+_MXFP4 = Q.MXFP4
+# MXFP4 code -> value, a float32 table (a compile-time constant: on this AVX2 VM the lookup measured
+# faster than computing the value from the code's bits with selects or max)
+_MXFP4_VALUES = Q.MXFP4_VALUES.copy()
+# Inner-loop trip counts, passed to the kernels as run-time values: with a constant trip count
+# LLVM unrolls the 32-weight loop completely and then vectorizes across blocks (stride-34 byte
+# gathers, vpinsrb); with a run-time one it vectorizes the loop itself (vpmovsxbd, vcvtdq2ps, vfmadd).
+_LANES = np.array([32, 16], np.int64)
+# Numba computes integer arithmetic in int64, whose conversion to float32 has no packed
+# instruction before AVX-512DQ (scalar vcvtsi2ss): nibble expressions are cast to int32 (LLVM then
+# narrows the arithmetic) before they become float32.
 
 
-@njit(inline="always", fastmath=True)
-def _q4k_scale_min(u8, o, s):
-    """6-bit scale and min of sub-block ``s`` (0..7) of the Q4_K block at byte ``o``."""
-    p = o + 4
+@intrinsic
+def _half(typingctx, bits):
+    """float16 bit pattern (uint16) -> float32, exact (LLVM fpext: vcvtph2ps when vectorized)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, bits):
+    """uint32 bit pattern -> float32 (a register reinterpretation, no memory round trip)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@njit(inline="always")
+def _q4k_scale_min(u8b, k, s):
+    """6-bit scale and min of sub-block ``s`` (0..7) of Q4_K block ``k`` (bytes 4..15 of it)."""
     if s < 4:
-        return u8[p + s] & 63, u8[p + s + 4] & 63
-    sc = (u8[p + s + 4] & 15) | ((u8[p + s - 4] >> 6) << 4)
-    mn = (u8[p + s + 4] >> 4) | ((u8[p + s] >> 6) << 4)
-    return sc, mn
+        return np.float32(u8b[k, 4 + s] & 63), np.float32(u8b[k, 8 + s] & 63)
+    sc = (u8b[k, 8 + s] & 15) | ((u8b[k, s] >> 6) << 4)
+    mn = (u8b[k, 8 + s] >> 4) | ((u8b[k, 4 + s] >> 6) << 4)
+    return np.float32(sc), np.float32(mn)
 
 
 @njit(inline="always", fastmath=True)
-def _dequant_row(qt, u8, i8, u16, f32, off, cols, buf):
-    """Weights of the row starting at byte ``off`` -> buf[:cols] (float32); BF16 is _load_row's."""
-    if qt == _Q8_0:
-        for b in range(cols // 32):  # block: f16 d, i8 qs[32]
-            o = off + b * 34
-            d = _LUT[u16[o >> 1]]
-            for j in range(32):
-                buf[b * 32 + j] = d * np.float32(i8[o + 2 + j])
-    elif qt == _Q4_0:
-        for b in range(cols // 32):  # block: f16 d, u8 qs[16]
-            o = off + b * 18
-            d = _LUT[u16[o >> 1]]
-            for j in range(16):
-                q = u8[o + 2 + j]
-                buf[b * 32 + j] = d * np.float32(np.int32(q & 15) - 8)
-                buf[b * 32 + 16 + j] = d * np.float32(np.int32(q >> 4) - 8)
-    elif qt == _Q4_K:
-        for b in range(cols // 256):  # block: f16 d, f16 dmin, u8 scales[12], u8 qs[128]
-            o = off + b * 144
-            d = _LUT[u16[o >> 1]]
-            dmin = _LUT[u16[(o >> 1) + 1]]
-            for c in range(4):  # 64 weights: 32 low nibbles, 32 high nibbles
-                sc0, m0 = _q4k_scale_min(u8, o, 2 * c)
-                sc1, m1 = _q4k_scale_min(u8, o, 2 * c + 1)
-                d0, n0 = d * np.float32(sc0), dmin * np.float32(m0)
-                d1, n1 = d * np.float32(sc1), dmin * np.float32(m1)
-                base = b * 256 + c * 64
-                qo = o + 16 + c * 32
-                for j in range(32):
-                    q = u8[qo + j]
-                    buf[base + j] = d0 * np.float32(q & 15) - n0
-                    buf[base + 32 + j] = d1 * np.float32(q >> 4) - n1
-    elif qt == _Q6_K:
-        for b in range(cols // 256):  # block: u8 ql[128], u8 qh[64], i8 scales[16], f16 d
-            o = off + b * 210
-            d = _LUT[u16[(o >> 1) + 104]]
-            for h in range(2):  # halves of 128 weights
-                ql = o + 64 * h
-                qh = o + 128 + 32 * h
-                sc = o + 192 + 8 * h
-                base = b * 256 + 128 * h
-                for j in range(32):
-                    hb = u8[qh + j]
-                    lo0 = u8[ql + j]
-                    lo1 = u8[ql + 32 + j]
-                    s = j >> 4
-                    buf[base + j] = d * np.float32(i8[sc + s]) * np.float32(np.int32((lo0 & 15) | ((hb & 3) << 4)) - 32)
-                    buf[base + 32 + j] = d * np.float32(i8[sc + s + 2]) * np.float32(np.int32((lo1 & 15) | (((hb >> 2) & 3) << 4)) - 32)
-                    buf[base + 64 + j] = d * np.float32(i8[sc + s + 4]) * np.float32(np.int32((lo0 >> 4) | (((hb >> 4) & 3) << 4)) - 32)
-                    buf[base + 96 + j] = d * np.float32(i8[sc + s + 6]) * np.float32(np.int32((lo1 >> 4) | ((hb >> 6) << 4)) - 32)
-    elif qt == _F32:
-        o = off >> 2
-        for j in range(cols):
-            buf[j] = f32[o + j]
-    elif qt == _F16:
-        o = off >> 1
-        for j in range(cols):
-            buf[j] = _LUT[u16[o + j]]
-
-
-@njit(inline="always", fastmath=True)
-def _load_row(qt, u8, i8, u16, f32, off, cols, buf, bits):
-    if qt == _BF16:
-        o = off >> 1
-        for j in range(cols):  # bits: uint32 view of buf
-            bits[j] = np.uint32(u16[o + j]) << 16
-    else:
-        _dequant_row(qt, u8, i8, u16, f32, off, cols, buf)
-
-
-@njit(inline="always", fastmath=True)
-def _dot(a, x, cols):
+def _dot_q8_0(i8b, u16b, k0, x, xs, n32):
+    """Row of Q8_0 blocks k0.. (i8b: (blocks, 34), u16b: (blocks, 17)) . x (cols,)."""
+    xb = x.reshape((x.size // 32, 32))  # (blocks, 32)
     acc = np.float32(0.0)
-    for j in range(cols):
-        acc += a[j] * x[j]
+    for b in range(xb.shape[0]):
+        k = k0 + b
+        s = np.float32(0.0)
+        for j in range(n32):
+            s += np.float32(i8b[k, 2 + j]) * xb[b, j]
+        acc += _half(u16b[k, 0]) * s
     return acc
 
 
+@njit(inline="always", fastmath=True)
+def _dot_q4_0(u8b, u16b, k0, x, xs, n16):
+    """Row of Q4_0 blocks (u8b: (blocks, 18)) . x; xs: x's 32-weight block sums (the -8 offset)."""
+    xb = x.reshape((x.size // 32, 2, 16))  # (blocks, low/high nibble, 16)
+    acc = np.float32(0.0)
+    for b in range(xb.shape[0]):
+        k = k0 + b
+        s = np.float32(0.0)
+        for j in range(n16):
+            q = u8b[k, 2 + j]
+            s += np.float32(np.int32(q & 15)) * xb[b, 0, j] + np.float32(np.int32(q >> 4)) * xb[b, 1, j]
+        acc += _half(u16b[k, 0]) * (s - np.float32(8.0) * xs[b])
+    return acc
+
+
+@njit(inline="always")
+def _e8m0(e):
+    """MXFP4 block exponent (uint8) -> float32 2^(e - 128) from its bits (denormal for e < 2)."""
+    ee = np.uint32(e)
+    return _bits_f32(np.uint32(np.uint32(0x00200000) << ee if ee < 2 else (ee - np.uint32(1)) << np.uint32(23)))
+
+
+@njit(inline="always", fastmath=True)
+def _dot_mxfp4(u8b, k0, x, n16):
+    """Row of MXFP4 blocks (u8b: (blocks, 17): u8 e, u8 qs[16]) . x; only byte loads (odd blocks)."""
+    xb = x.reshape((x.size // 32, 2, 16))  # (blocks, low/high nibble, 16)
+    acc = np.float32(0.0)
+    for b in range(xb.shape[0]):
+        k = k0 + b
+        s = np.float32(0.0)
+        for j in range(n16):
+            q = u8b[k, 1 + j]
+            s += _MXFP4_VALUES[q & 15] * xb[b, 0, j] + _MXFP4_VALUES[q >> 4] * xb[b, 1, j]
+        acc += _e8m0(u8b[k, 0]) * s
+    return acc
+
+
+@njit(inline="always", fastmath=True)
+def _dot_q4_k(u8b, u16b, k0, x, xs, n32):
+    """Row of Q4_K blocks (u8b: (blocks, 144)) . x; mins through xs (x's 32-weight sums)."""
+    xb = x.reshape((x.size // 256, 4, 2, 32))  # (blocks, 64-weight chunk, nibble, 32)
+    xsb = xs.reshape((x.size // 256, 8))  # (blocks, sub-block)
+    acc = np.float32(0.0)
+    for b in range(xb.shape[0]):
+        k = k0 + b
+        d = _half(u16b[k, 0])
+        dmin = _half(u16b[k, 1])
+        for c in range(4):
+            sc0, m0 = _q4k_scale_min(u8b, k, 2 * c)
+            sc1, m1 = _q4k_scale_min(u8b, k, 2 * c + 1)
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            for j in range(n32):
+                q = u8b[k, 16 + 32 * c + j]
+                s0 += np.float32(np.int32(q & 15)) * xb[b, c, 0, j]
+                s1 += np.float32(np.int32(q >> 4)) * xb[b, c, 1, j]
+            acc += d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * xsb[b, 2 * c] + m1 * xsb[b, 2 * c + 1])
+    return acc
+
+
+@njit(inline="always", fastmath=True)
+def _dot_q6_k(u8b, i8b, u16b, k0, x, n16):
+    """Row of Q6_K blocks (u8b/i8b: (blocks, 210): ql[128], qh[64], i8 scales[16], f16 d) . x."""
+    xb = x.reshape((x.size // 256, 2, 4, 2, 16))  # (blocks, half, 32-group, 16-half, 16)
+    acc = np.float32(0.0)
+    for b in range(xb.shape[0]):
+        k = k0 + b
+        s = np.float32(0.0)
+        for h in range(2):
+            ql = 64 * h
+            qh = 128 + 32 * h
+            for m in range(2):
+                sc = 192 + 8 * h + m
+                c0 = np.float32(i8b[k, sc])
+                c1 = np.float32(i8b[k, sc + 2])
+                c2 = np.float32(i8b[k, sc + 4])
+                c3 = np.float32(i8b[k, sc + 6])
+                for j in range(n16):
+                    jj = 16 * m + j
+                    lo0 = u8b[k, ql + jj]
+                    lo1 = u8b[k, ql + 32 + jj]
+                    hb = u8b[k, qh + jj]
+                    q0 = np.int32((lo0 & 15) | ((hb & 3) << 4)) - np.int32(32)
+                    q1 = np.int32((lo1 & 15) | ((hb & 12) << 2)) - np.int32(32)
+                    q2 = np.int32((lo0 >> 4) | (hb & 48)) - np.int32(32)
+                    q3 = np.int32((lo1 >> 4) | ((hb >> 2) & 48)) - np.int32(32)
+                    s += (c0 * np.float32(q0) * xb[b, h, 0, m, j] + c1 * np.float32(q1) * xb[b, h, 1, m, j]
+                          + c2 * np.float32(q2) * xb[b, h, 2, m, j] + c3 * np.float32(q3) * xb[b, h, 3, m, j])
+        acc += _half(u16b[k, 104]) * s
+    return acc
+
+
+@njit(inline="always", fastmath=True)
+def _dot_row(v, row, x, xs, lanes):
+    """Weight row ``row`` (of all experts' rows) of tensor views ``v`` (see _blocks) . x (cols,)."""
+    qt, u8b, i8b, u16b, f32b = v
+    if qt == _F32:
+        s = np.float32(0.0)
+        for j in range(x.size):
+            s += f32b[row, j] * x[j]
+        return s
+    if qt == _F16:
+        s = np.float32(0.0)
+        for j in range(x.size):
+            s += _half(u16b[row, j]) * x[j]
+        return s
+    if qt == _BF16:
+        s = np.float32(0.0)
+        for j in range(x.size):
+            s += _bits_f32(np.uint32(u16b[row, j]) << 16) * x[j]
+        return s
+    if qt == _Q8_0:
+        return _dot_q8_0(i8b, u16b, row * (x.size // 32), x, xs, lanes[0])
+    if qt == _Q4_0:
+        return _dot_q4_0(u8b, u16b, row * (x.size // 32), x, xs, lanes[1])
+    if qt == _MXFP4:
+        return _dot_mxfp4(u8b, row * (x.size // 32), x, lanes[1])
+    if qt == _Q4_K:
+        return _dot_q4_k(u8b, u16b, row * (x.size // 256), x, xs, lanes[0])
+    return _dot_q6_k(u8b, i8b, u16b, row * (x.size // 256), x, lanes[1])
+
+
+@njit(inline="always")
+def _blocks(v, cols):
+    """tensor_views tuple -> (qtype, u8, i8, u16 as (blocks, block units), f32 as (rows, cols)):
+    a float type's block is one row, so every weight row starts at block ``row * blocks per row``.
+    MXFP4's 17-byte blocks have no 16-bit view (u16 is a (1, 1) dummy)."""
+    u8, i8, u16, f32, qt, eb, rb = v
+    if qt == _Q8_0:
+        bb = 34
+    elif qt == _Q4_0:
+        bb = 18
+    elif qt == _Q4_K:
+        bb = 144
+    elif qt == _Q6_K:
+        bb = 210
+    elif qt == _MXFP4:
+        bb = 17
+    else:
+        bb = rb
+    n = u8.size // bb
+    f2 = f32.reshape((n, cols)) if qt == _F32 else f32.reshape((1, 1))
+    u2 = u16.reshape((1, 1)) if qt == _MXFP4 else u16.reshape((n, bb // 2))
+    return qt, u8.reshape((n, bb)), i8.reshape((n, bb)), u2, f2
+
+
+@njit(inline="always", fastmath=True)
+def _swiglu_oai(a, b, limit, alpha):
+    """gpt-oss's clamped SwiGLU on gate ``a`` and up ``b`` (biases added)."""
+    a = min(a, limit)
+    b = min(max(b, -limit), limit)
+    return a / (np.float32(1.0) + np.exp(-alpha * a)) * (b + np.float32(1.0))
+
+
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _gate_up(g, u, group_expert, group_start, order, x, h, rows_per_task):
-    """h[i] = silu(gate_e x[i]) * (up_e x[i]) for every pair i. x: (n, hidden); h: (n, ffn)."""
+def _gate_up(g, u, bg, bu, oai, group_expert, group_start, order, x, xs, h, rows_per_task, lanes):
+    """h[i] = act(gate_e x[i] + bg[e], up_e x[i] + bu[e]) for every pair i: act is silu(a) * b when
+    ``oai`` is None, else ``_swiglu_oai`` with ``oai`` = (limit, alpha). x: (n, hidden); xs: (n,
+    hidden/32) block sums of x; h: (n, ffn); bg, bu: (experts, ffn) or None. None arguments are
+    typed as such, so their branches are compiled out (the plain silu path has none)."""
     ffn = h.shape[1]
     hidden = x.shape[1]
+    gv = _blocks(g, hidden)
+    uv = _blocks(u, hidden)
     tasks_per_group = (ffn + rows_per_task - 1) // rows_per_task
     n_tasks = group_expert.shape[0] * tasks_per_group
     for t in prange(n_tasks):
@@ -123,25 +248,28 @@ def _gate_up(g, u, group_expert, group_start, order, x, h, rows_per_task):
         r0 = (t % tasks_per_group) * rows_per_task
         r1 = min(r0 + rows_per_task, ffn)
         e = group_expert[k]
-        wg = np.empty(hidden, np.float32)
-        wu = np.empty(hidden, np.float32)
-        bg = wg.view(np.uint32)
-        bu = wu.view(np.uint32)
         for r in range(r0, r1):
-            _load_row(g[4], g[0], g[1], g[2], g[3], e * g[5] + r * g[6], hidden, wg, bg)
-            _load_row(u[4], u[0], u[1], u[2], u[3], e * u[5] + r * u[6], hidden, wu, bu)
             for p in range(group_start[k], group_start[k + 1]):
                 i = order[p]
-                a = _dot(wg, x[i], hidden)
-                b = _dot(wu, x[i], hidden)
-                h[i, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+                a = _dot_row(gv, e * ffn + r, x[i], xs[i], lanes)
+                b = _dot_row(uv, e * ffn + r, x[i], xs[i], lanes)
+                if bg is not None:
+                    a += bg[e, r]
+                if bu is not None:
+                    b += bu[e, r]
+                if oai is None:
+                    h[i, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+                else:
+                    h[i, r] = _swiglu_oai(a, b, oai[0], oai[1])
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _down(dn, group_expert, group_start, order, h, y, rows_per_task):
-    """y[i] = down_e h[i] for every pair i. h: (n, ffn); y: (n, hidden)."""
+def _down(dn, bd, group_expert, group_start, order, h, hs, y, rows_per_task, lanes):
+    """y[i] = down_e h[i] + bd[e] for every pair i. h: (n, ffn); hs: (n, ffn/32) block sums;
+    y: (n, hidden); bd: (experts, hidden) or None (compiled out)."""
     hidden = y.shape[1]
     ffn = h.shape[1]
+    dv = _blocks(dn, ffn)
     tasks_per_group = (hidden + rows_per_task - 1) // rows_per_task
     n_tasks = group_expert.shape[0] * tasks_per_group
     for t in prange(n_tasks):
@@ -149,16 +277,17 @@ def _down(dn, group_expert, group_start, order, h, y, rows_per_task):
         r0 = (t % tasks_per_group) * rows_per_task
         r1 = min(r0 + rows_per_task, hidden)
         e = group_expert[k]
-        w = np.empty(ffn, np.float32)
-        bits = w.view(np.uint32)
         for r in range(r0, r1):
-            _load_row(dn[4], dn[0], dn[1], dn[2], dn[3], e * dn[5] + r * dn[6], ffn, w, bits)
             for p in range(group_start[k], group_start[k + 1]):
                 i = order[p]
-                y[i, r] = _dot(w, h[i], ffn)
+                y[i, r] = _dot_row(dv, e * hidden + r, h[i], hs[i], lanes)
+                if bd is not None:
+                    y[i, r] += bd[e, r]
 
 
 _EMPTY_F32 = np.zeros(1, np.float32)
+_EMPTY_U16 = np.zeros(1, np.uint16)
+_OAI = {"silu": None, "swiglu_oai": (np.float32(7.0), np.float32(1.702))}  # activation -> _gate_up's oai
 
 
 def tensor_views(t: ExpertTensor) -> tuple:
@@ -170,8 +299,16 @@ def tensor_views(t: ExpertTensor) -> tuple:
                          f"{t.rows} rows x {rb} = {rb * t.rows} for {Q.QTYPES[t.qtype].name}")
     flat = np.asarray(t.data).reshape(-1)
     f32 = flat.view(np.float32) if t.qtype == Q.F32 else _EMPTY_F32
-    return (flat, flat.view(np.int8), flat.view(np.uint16), f32, np.int64(t.qtype),
+    u16 = _EMPTY_U16 if t.qtype == Q.MXFP4 else flat.view(np.uint16)
+    return (flat, flat.view(np.int8), u16, f32, np.int64(t.qtype),
             np.int64(t.expert_bytes), np.int64(rb))
+
+
+def _block_sums(x: np.ndarray) -> np.ndarray:
+    """(n, cols) -> (n, cols / 32) float32 sums of each 32-column block (Q4_0/Q4_K offsets)."""
+    if x.shape[1] % 32:  # only float types have such rows; they do not read the sums
+        return np.zeros((x.shape[0], 1), np.float32)
+    return x.reshape(x.shape[0], -1, 32).sum(axis=2, dtype=np.float32)
 
 
 def _groups(experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -204,6 +341,8 @@ def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, thre
     ids, start, order = _groups(e)
     th = threads or numba.get_num_threads()
     h = np.empty((len(e), layer.ffn), np.float32)
-    _gate_up(g, u, ids, start, order, x, h, _rows_per_task(layer.ffn, len(ids), th))
-    _down(d, ids, start, order, h, y, _rows_per_task(layer.hidden, len(ids), th))
+    _gate_up(g, u, layer.gate_bias, layer.up_bias, _OAI[layer.activation], ids, start, order, x, _block_sums(x), h,
+             _rows_per_task(layer.ffn, len(ids), th), _LANES)
+    _down(d, layer.down_bias, ids, start, order, h, _block_sums(h), y, _rows_per_task(layer.hidden, len(ids), th),
+          _LANES)
     return y
