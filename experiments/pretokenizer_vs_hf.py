@@ -7,12 +7,15 @@ emoji, URLs, joined with no separator; seed ``--seed``) with ``execute.tokenizer
 with ``tokenizers.pre_tokenizers.Split`` (behavior "isolated") over the original patterns from the
 models' tokenizer.json, and counts the strings split identically. Where llama.cpp's rewrite
 differs from the original (gpt-4o: its letter classes leave combining marks out), moelab is
-expected to differ too; the first differences are printed.
+expected to differ too; the first differences are printed. Then, on the synthetic byte-level
+vocabulary of ``--vocab`` entries (``execute.synth.vocabulary``), the token ids of moelab's
+``Tokenizer`` and of a ``tokenizers`` BPE model (byte-level, ``ignore_merges`` for llama-bpe) over
+the same strings.
 
 ``tokenizers`` is not a moelab dependency: install it beside, e.g.
 ``pip install --target /tmp/hf tokenizers``, then
 
-    PYTHONPATH=/tmp/hf python experiments/pretokenizer_vs_hf.py [--texts 3000] [--seed 1]
+    PYTHONPATH=/tmp/hf python experiments/pretokenizer_vs_hf.py [--texts 3000] [--seed 1] [--vocab 151936]
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from execute.tokenizer import pre_split  # noqa: E402
+from execute.synth import vocabulary  # noqa: E402
+from execute.tokenizer import PRE_TOKENIZERS, Tokenizer, pre_split  # noqa: E402
 
 _C = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _CASED = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _C + "?"
@@ -49,9 +53,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--texts", type=int, default=3000, help="random strings (default 3000)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=151936, help="synthetic vocabulary size for the ids (default 151936)")
     a = ap.parse_args(argv)
     try:
-        from tokenizers import Regex, pre_tokenizers
+        from tokenizers import Regex, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
         print("pretokenizer_vs_hf: the tokenizers package is needed (see the docstring)", file=sys.stderr)
         return 2
@@ -64,6 +70,17 @@ def main(argv=None) -> int:
         print(f"{name:12s} {len(texts) - len(diff)}/{len(texts)} strings split identically")
         for t, want, got in diff[:2]:
             print(f"    {t!r}\n      original: {want}\n      moelab:   {got}")
+    tokens, types, merges = vocabulary(a.vocab)
+    ids = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    for name in ("qwen2", "llama-bpe", "deepseek-v3", "qwen35"):
+        hf = HFTokenizer(models.BPE(ids, pairs, ignore_merges=PRE_TOKENIZERS[name].ignore_merges))
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in ORIGINAL[name]]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        ours = Tokenizer({"model": "gpt2", "pre": name, "tokens": tokens, "token_type": types, "merges": merges})
+        same = sum(hf.encode(t, add_special_tokens=False).ids == ours.encode(t, add_bos=False) for t in texts)
+        print(f"{name:12s} {same}/{len(texts)} strings with identical ids ({a.vocab}-entry vocabulary)")
     return 0
 
 
