@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import Sequence
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when the OpenMP runtime loads (see above)
@@ -542,7 +543,7 @@ def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, thre
 
 
 # The pool's thread team. ctrl (int64) holds the team's counters, each on its own cache line:
-_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD, _C_BSLEEP = (8 * k for k in range(8))
+_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD, _C_BSLEEP, _C_BROKEN = (8 * k for k in range(9))
 _BARRIER_SPINS = 4000  # pause instructions (tens of microseconds) before a barrier sleeps
 _CTRL = 8 * 9
 _RING = 16  # job slots: calls submitted but not yet finished, at most
@@ -645,6 +646,14 @@ def _wait_done(ctrl, seq, spin_ns, timeout_ns):
     return True
 
 
+def _stop_team(ctrl: np.ndarray, inflight: list, timeout_s: float) -> None:
+    """Stop a team whose pool is gone, after its last published call (arrays kept if it stalls)."""
+    seq = int(ctrl[_C_GEN])
+    if seq > 0 and not ctrl[_C_BROKEN] and not _wait_done(ctrl, seq, 0, int(timeout_s * 1e9)):
+        _ABANDONED.extend(inflight)
+    _publish(ctrl, _STOP)
+
+
 class CpuJob:
     """A submitted layer's CPU experts; ``result()`` waits for them at most the pool's timeout."""
 
@@ -713,11 +722,14 @@ class CpuExpertPool:
         self._broken: str | None = None
         self._workers: list[threading.Thread] = []
         self._inflight: list[tuple[int, tuple]] = []  # (seq, arrays the team reads) until seq is done
+        # a pool dropped without close(): its team finishes the calls, then stops
+        weakref.finalize(self, _stop_team, self._ctrl, self._inflight, self.timeout_s)
 
     def _break(self, why: str) -> None:
         """Mark the pool unusable and raise; a stalled team may still read its calls' arrays
         later, so those are kept for the life of the process."""
         self._broken = why
+        self._ctrl[_C_BROKEN] = 1
         _ABANDONED.extend(self._inflight)
         raise ExecutorError(why)
 
@@ -766,7 +778,7 @@ class CpuExpertPool:
             job._error = _bad_experts(layer)
             return job
         done = int(self._ctrl[_C_DONE])
-        self._inflight = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays, layer, views))]
+        self._inflight[:] = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays, layer, views))]
         job._seq, job._out = seq, y
         self._seq = seq
         return job
@@ -780,6 +792,7 @@ class CpuExpertPool:
         if self._workers:
             if not self._broken and not _wait_done(self._ctrl, self._seq, 0, int(self.timeout_s * 1e9)):
                 self._broken = f"the CPU expert team did not finish within {self.timeout_s} s of close()"
+                self._ctrl[_C_BROKEN] = 1
                 _ABANDONED.extend(self._inflight)
             _publish(self._ctrl, _STOP)
             if not self._broken:
@@ -787,7 +800,7 @@ class CpuExpertPool:
                     w.join(self.timeout_s)
             self._workers = []
             if not self._broken:
-                self._inflight = []
+                self._inflight.clear()
 
     def __enter__(self) -> "CpuExpertPool":
         return self

@@ -112,7 +112,7 @@ def test_engine_cpu_path_runs_chunks(arch, arch_model):
         got, _, _ = run_chunks(w, [6, 8], backend=backend)
     finally:
         backend.close()
-    assert nmse(got, one) <= 1e-10
+    assert nmse(got, one) <= 1e-8  # the CPU kernels' inputs are two int8 levels (NMSE ~1e-9)
 
 
 def test_step_of_a_chunk_has_counts_and_summed_weights(arch_model):

@@ -201,3 +201,18 @@ def test_device_offsets_and_misaligned_layouts(rng):
     bad = random_layer(rng, 0, num_experts=2, hidden=32, ffn=33, qtype=Q.MXFP4, down_qtype=Q.F32)
     with pytest.raises(ValueError, match=r"F32 would start at byte 1122 .*not 4-byte aligned"):
         bad.device_offsets()
+
+
+def test_a_dropped_pool_stops_its_team(rng):
+    """A pool garbage-collected without close(): its team finishes the published call and exits."""
+    import gc
+
+    layer = random_layer(rng, 0, 2, 256, 256, Q.Q8_0)
+    pool = CpuExpertPool(threads=2, timeout_s=60, spin_us=0)
+    pool.submit(layer, [0, 1], np.ones((2, 256), np.float32))  # result never collected
+    workers = list(pool._workers)
+    del pool
+    gc.collect()
+    for w in workers:
+        w.join(10)
+    assert not any(w.is_alive() for w in workers)
