@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -126,13 +126,13 @@ def read_strp(path: str | os.PathLike) -> Profile:
         )
     pairs = np.frombuffer(data, dtype="<u2", count=2 * n_r, offset=_HEADER.size).reshape(n_r, 2)
     ranked = tuple((int(l), int(e)) for l, e in pairs)
-    freq = None
-    if len(data) == body + table:
-        freq = _read_trailer(path, data[body:], ranked, n_l, n_e)
     try:
-        return Profile(n_l, n_e, ranked, slots, freq)
+        profile = Profile(n_l, n_e, ranked, slots)  # pairs checked before the trailer is indexed by them
     except ProfileError as exc:
         raise ProfileError(f"{path}: {exc}") from None
+    if len(data) == body + table:
+        profile = replace(profile, frequency=_read_trailer(path, data[body:], ranked, n_l, n_e))
+    return profile
 
 
 def _read_trailer(path, raw: bytes, ranked, n_l: int, n_e: int) -> np.ndarray | None:

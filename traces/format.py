@@ -43,6 +43,8 @@ _CHUNK_ROWS = 256  # rows converted to Python lists at a time in ``tokens``
 _CACHE_ENTRIES = 250_000  # traces with at most this many (row, layer) pairs cache their steps (~100 MiB)
 _CHECK_ROWS = 65536  # rows read at a time by ``validate``
 _KINDS = {"expert_ids": "iu", "weights": "f", "seq": "iu", "pos": "iu", "phase": "iu"}  # dtype kinds on disk
+_SHAPES = {"expert_ids": (3, "(T, L, k)"), "weights": (3, "(T, L, k)"), "seq": (1, "(T,)"), "pos": (1, "(T,)"),
+           "phase": (1, "(T,)")}  # dimensions and shape of each array
 
 
 class TraceError(ValueError):
@@ -361,11 +363,14 @@ def load(path: str | os.PathLike | None = None, check: bool = False) -> Trace:
             raise TraceError(f"{f}: not a .npy array file (expected the magic b'\\x93NUMPY', got {magic!r})")
         try:
             arr = np.load(f, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise TraceError(f"{f}: cannot read as .npy ({e})") from None
+        except Exception as e:  # numpy parses the header with ast: ValueError, SyntaxError, tokenize errors...
+            raise TraceError(f"{f}: cannot read as .npy ({type(e).__name__}: {e})") from None
         if not isinstance(arr, np.ndarray) or arr.dtype.kind not in _KINDS[name] or arr.dtype.hasobject:
             kinds = "integers" if _KINDS[name] == "iu" else "floats"
             raise TraceError(f"{f}: dtype {getattr(arr, 'dtype', type(arr).__name__)}, expected {kinds}")
+        ndim, shape = _SHAPES[name]
+        if arr.ndim != ndim:
+            raise TraceError(f"{f}: shape {arr.shape}, expected {shape}")
         arrays[name] = arr
     n = _field(header, "num_tokens", int, hpath)
     if len(arrays["seq"]) != n:
