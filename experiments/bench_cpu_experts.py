@@ -12,7 +12,7 @@ own memory) and calls rotate through them, so weights stream from DRAM rather th
 The ceiling is a Numba float32 sum over ``--ceiling-mib`` with the same thread count. Per-core
 rates (``--per-core``, default 1 and 2 threads) put old and new side by side for every type and
 are printed in GB per CPU-second (process time), which stays meaningful on a shared machine.
-Each figure is the median over ``--reps`` calls, old and new calls alternating.
+Each figure is the median over ``--reps`` calls (old and new run the same calls, one after the other).
 
     python3 experiments/bench_cpu_experts.py --threads 15
 
@@ -72,6 +72,16 @@ def ceiling_gbps(threads: int, mib: int, reps: int) -> float:
     return a.nbytes / min(ts) / 1e9
 
 
+def l3_bytes() -> int:
+    """The last-level cache's size from sysfs (0 when unknown)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 0
+    unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * unit if text.rstrip("KMG").isdigit() else 0
+
+
 def big_layer(qtype: int, experts: int, hidden: int, ffn: int, rng: np.random.Generator) -> LayerExperts:
     """``experts`` experts in ``qtype``: copies of 4 random ones (random_layer's fast blocks but for EXACT)."""
     base = random_layer(rng, 0, 4, hidden, ffn, qtype, exact=Q.QTYPES[qtype].name in EXACT)
@@ -95,20 +105,22 @@ def calls(layer: LayerExperts, k: int, tokens: int, reps: int, rng: np.random.Ge
 
 def rates(layer: LayerExperts, shape: tuple, threads: int, reps: int, clock,
           rng: np.random.Generator, spin_us: float = 100.0) -> tuple[float, float]:
-    """(old, new) GB/s of weights read for one call shape: medians over ``reps`` alternating calls
-    (the first call of each is a warm-up); ``spin_us`` the pool's (0 when CPU time is the clock:
-    a spinning wait would count as work)."""
+    """(old, new) GB/s of weights read for one call shape: medians over the same ``reps`` calls,
+    old ones first, then new ones (the new pool's team would spin during old calls; the first
+    call of each is a warm-up); ``spin_us`` the pool's (0 when CPU time is the clock: a spinning
+    wait would count as work)."""
     _, k, tokens = shape
     work = calls(layer, k, tokens, reps, rng)
     nbytes = k * layer.expert_bytes
     numba.set_num_threads(threads)
     ov = (old.tensor_views(layer.gate), old.tensor_views(layer.up), old.tensor_views(layer.down))
     to, tn = [], []
-    with new.CpuExpertPool(threads, timeout_s=120, spin_us=spin_us) as pool:
-        for i, (pairs, x) in enumerate(work):
-            t0 = clock()
-            old.run_experts(layer, pairs, x, threads, ov)
-            to.append(clock() - t0)
+    for pairs, x in work:
+        t0 = clock()
+        old.run_experts(layer, pairs, x, threads, ov)
+        to.append(clock() - t0)
+    with new.CpuExpertPool(threads, timeout_s=120, spin_us=spin_us) as pool:  # its team spins between calls
+        for pairs, x in work:
             t0 = clock()
             pool.submit(layer, pairs, x).result()
             tn.append(clock() - t0)
@@ -144,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="pool threads for the main table (default: cores - 1)")
     p.add_argument("--per-core", default="1,2", help="comma-separated thread counts of the old-vs-new table ('' skips)")
     p.add_argument("--types", default=",".join(TYPES), help="comma-separated quant types")
-    p.add_argument("--experts", type=int, default=64, help="distinct experts per type (>= 8)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="distinct experts per type (>= 8; default: 64, or more to span twice the L3)")
     p.add_argument("--reps", type=int, default=15, help="calls per figure")
-    p.add_argument("--ceiling-mib", type=int, default=1024, help="array size of the streaming ceiling")
+    p.add_argument("--ceiling-mib", type=int, default=0,
+                   help="array size of the streaming ceiling (default: 1024, or 4 x the L3)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=768)
     p.add_argument("--out", type=Path, help="also write the figures and arguments here (JSON)")
@@ -159,21 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     limit = max(os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS)
     if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS or any(not 1 <= t <= limit for t in per_core):
         p.error(f"--threads/--per-core: expected 1..{numba.config.NUMBA_NUM_THREADS}")
-    if args.experts < 8 or args.reps < 1 or args.ceiling_mib < 1:
-        p.error("--experts: expected >= 8; --reps, --ceiling-mib: expected >= 1")
+    if args.experts and args.experts < 8 or args.reps < 1 or args.ceiling_mib < 0:
+        p.error("--experts: expected >= 8; --reps: expected >= 1; --ceiling-mib: expected >= 1")
+    l3 = l3_bytes()
+    ceiling_mib = args.ceiling_mib or max(1024, 4 * l3 // 2**20)
     if args.out is not None and not args.out.parent.is_dir():
         p.error(f"--out: directory {args.out.parent} does not exist")
     rng = np.random.default_rng(0)
     first_s = first_call_s(rng)
     log(f"  first pool call {first_s:.1f} s after start")
-    ceiling = ceiling_gbps(args.threads, args.ceiling_mib, 5)
+    ceiling = ceiling_gbps(args.threads, ceiling_mib, 5)
     log(f"  ceiling {ceiling:.1f} GB/s ({args.threads} threads)")
     empty = empty_call_us(args.threads, 200, rng)
     log(f"  empty call {empty:.1f} us")
     main_rows, core_rows = [], []
     for qt in types:
         name = Q.QTYPES[qt].name
-        layer = big_layer(qt, args.experts, args.hidden, args.ffn, rng)
+        per_expert = 2 * args.ffn * Q.row_bytes(qt, args.hidden) + args.hidden * Q.row_bytes(qt, args.ffn)
+        experts = args.experts or max(64, -(-2 * l3 // per_expert // 8) * 8)
+        layer = big_layer(qt, experts, args.hidden, args.ffn, rng)
         for shape in SHAPES:
             o, n = rates(layer, shape, args.threads, args.reps, time.perf_counter, rng)
             main_rows.append((name, shape[0], o, n))
@@ -193,12 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'type':6s}{'threads':>8s}{'old':>9s}{'new':>9s}{'new/old':>9s}")
         for name, th, o, n in core_rows:
             print(f"{name:6s}{th:8d}{o:9.2f}{n:9.2f}{n / o:9.2f}")
-    print(f"streaming ceiling {ceiling:.1f} GB/s ({args.threads} threads, float32 sum of {args.ceiling_mib} MiB); "
+    print(f"streaming ceiling {ceiling:.1f} GB/s ({args.threads} threads, float32 sum of {ceiling_mib} MiB); "
           f"first pool call {first_s:.1f} s after start; {time.perf_counter() - T_START:.0f} s in all")
     if args.out is not None:
         args.out.write_text(json.dumps({
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "ceiling_gbps": ceiling, "empty_call_us": empty, "first_call_s": first_s,
+            "ceiling_gbps": ceiling, "ceiling_mib": ceiling_mib, "l3_bytes": l3, "empty_call_us": empty, "first_call_s": first_s,
             "rates": [dict(zip(("type", "shape", "old_gbps", "new_gbps"), r)) for r in main_rows],
             "per_core": [dict(zip(("type", "threads", "old_gbps", "new_gbps"), r)) for r in core_rows]}, indent=1))
     q8 = [n for name, shape, _, n in main_rows if name == "Q8_0" and shape == "8x1"]
