@@ -261,9 +261,9 @@ def _quantize16(xf, xq, j0, d, inv, l2):
 
 @njit(fastmath=True, nogil=True, cache=True)
 def _quantize(xf, xq, xd, xs, xs16, l2):
-    """xf (m,) float32, m a multiple of 32 -> xq (m or 2m,) int8, xd, xs (m / 32,), xs16 (m / 16,):
-    per 32 values, d = max |x| / 127 and q1 = round(x / d) (llama.cpp's q8_0 activations); with
-    l2 = m also q2 = round((x - d q1) * 256 / d), clipped to +-127, from byte l2, so that
+    """xf (m,) float32, m a multiple of 32 -> xq int8, xd, xs (m / 32,), xs16 (m / 16,): per 32
+    values, d = max |x| / 127 and q1 = round(x / d) (llama.cpp's q8_0 activations); with l2 > 0
+    also q2 = round((x - d q1) * 256 / d), clipped to +-127, l2 bytes after q1, so that
     x = d / 256 (256 q1 + q2) to within d / 512. xd is the scale of the integer a kernel forms (d,
     or d / 256 for two levels), xs and xs16 the sums of the dequantized values per 32 and 16
     values (the offsets' terms)."""
@@ -324,49 +324,49 @@ def _rows(job, k, e, r0, r1, x, cols, a, out, rows):
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _prepare(job):
-    """Group the pairs by expert (J_ORDER, J_GSTART, J_GEXP, J_NG) and quantize x."""
+def _group(job):
+    """Group the pairs by expert, stable (J_ORDER, J_GSTART, J_GEXP, J_NG): a counting sort."""
     n = job[J_N]
     experts = numba.carray(ptr_i64(job[J_EXPERTS]), n)
     order = numba.carray(ptr_i64(job[J_ORDER]), n)
     gstart = numba.carray(ptr_i64(job[J_GSTART]), n + 1)
     gexp = numba.carray(ptr_i64(job[J_GEXP]), n)
-    for p in range(n):  # insertion sort by expert, stable (n is small: pairs of one layer)
-        v = experts[p]
-        q = p
-        while q > 0 and experts[order[q - 1]] > v:
-            order[q] = order[q - 1]
-            q -= 1
-        order[q] = p
-    ng = 0
+    top = 0
     for p in range(n):
-        if p == 0 or experts[order[p]] != experts[order[p - 1]]:
-            gstart[ng] = p
-            gexp[ng] = experts[order[p]]
+        top = max(top, experts[p] + 1)
+    first = np.zeros(top + 1, np.int64)
+    for p in range(n):
+        first[experts[p] + 1] += 1
+    ng = 0
+    for e in range(top):
+        if first[e + 1]:
+            gstart[ng] = first[e]
+            gexp[ng] = e
             ng += 1
+        first[e + 1] += first[e]
     gstart[ng] = n
     job[J_NG] = ng
-    _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1)
+    for p in range(n):
+        e = experts[p]
+        order[first[e]] = p
+        first[e] += 1
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _quantize_input(job, x, cols, k0, k1):
-    """int8 form of the (n, cols) inputs at x for projections k0..k1 (skipped if all float)."""
+def _quantize_input(job, x, cols, k0, k1, t, parts):
+    """Part t of ``parts`` of the int8 form of the (n, cols) inputs at x (whole 32-value blocks),
+    for projections k0..k1 (nothing when they are all float)."""
     if _qtype_is_float(job[J_QT + k0]) and _qtype_is_float(job[J_QT + k1]):
         return
     if cols % 32:
         return
     m = job[J_N] * cols
     l2 = m if job[J_LEVELS] == 2 else 0
-    _quantize(numba.carray(ptr_f32(x), m), numba.carray(ptr_i8(job[J_XQ]), m * job[J_LEVELS]),
-              numba.carray(ptr_f32(job[J_XD]), m // 32), numba.carray(ptr_f32(job[J_XS]), m // 32),
-              numba.carray(ptr_f32(job[J_XS16]), m // 16), l2)
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _middle(job):
-    """Quantize h for the down projection."""
-    _quantize_input(job, job[J_H], job[J_FFN], 2, 2)
+    b0 = t * (m // 32) // parts
+    b1 = (t + 1) * (m // 32) // parts
+    xq = numba.carray(ptr_i8(job[J_XQ]), m * job[J_LEVELS])
+    _quantize(numba.carray(ptr_f32(x), m)[32 * b0:32 * b1], xq[32 * b0:], numba.carray(ptr_f32(job[J_XD]), m // 32)[b0:],
+              numba.carray(ptr_f32(job[J_XS]), m // 32)[b0:], numba.carray(ptr_f32(job[J_XS16]), m // 16)[2 * b0:], l2)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -432,10 +432,11 @@ def _activate(job, e, r0, r1, pairs, h, hu, rows):
 @njit(parallel=True, nogil=True, cache=True)
 def _moe(job, chunks):
     """The whole call on Numba's thread pool: two parallel regions of ``chunks`` chunks."""
-    _prepare(job)
+    _group(job)
+    _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, 0, 1)
     for t in prange(chunks):
         _chunk(job, t, chunks, 0)
-    _middle(job)
+    _quantize_input(job, job[J_H], job[J_FFN], 2, 2, 0, 1)
     for t in prange(chunks):
         _chunk(job, t, chunks, 1)
 
@@ -579,8 +580,10 @@ def _barrier(ctrl, team, nbar):
 @njit(nogil=True, cache=True)
 def _team_worker(ctrl, ring, t, team, spin_ns):
     """Worker t of ``team``: runs every published call (slots of ``ring`` in order), spinning up to
-    spin_ns for the next one, then sleeping on a futex. Worker 0 runs the serial parts (grouping,
-    quantization) between barriers; the last worker to finish a call stamps and publishes it."""
+    spin_ns for the next one, then sleeping on a futex. Once every worker has finished the previous
+    call (its scratch is then free), worker 0 groups the pairs while all quantize a part of x; a
+    barrier; gate+up; a barrier; all quantize a part of h; a barrier; down. The last worker to
+    finish a call stamps and publishes it."""
     seq = 0
     nbar = 0
     while True:
@@ -599,16 +602,16 @@ def _team_worker(ctrl, ring, t, team, spin_ns):
             return
         seq += 1
         job = ring[seq % _RING]
+        while atomic_load(ctrl, _C_FIN) < team * (seq - 1) or (t == 0 and atomic_load(ctrl, _C_HOLD)):
+            pause()  # the previous call's scratch is free once every worker has finished it
         if t == 0:
-            while atomic_load(ctrl, _C_FIN) < team * (seq - 1) or atomic_load(ctrl, _C_HOLD):
-                pause()  # the previous call's scratch is free once every worker has finished it
             job[J_T0] = now_ns()
-            _prepare(job)
+            _group(job)
+        _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, t, team)
         nbar = _barrier(ctrl, team, nbar)
         _chunk(job, t, team, 0)
         nbar = _barrier(ctrl, team, nbar)
-        if t == 0:
-            _middle(job)
+        _quantize_input(job, job[J_H], job[J_FFN], 2, 2, t, team)
         nbar = _barrier(ctrl, team, nbar)
         _chunk(job, t, team, 1)
         if atomic_add(ctrl, _C_FIN, 1) == team * seq - 1:
