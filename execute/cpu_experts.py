@@ -549,6 +549,7 @@ _BARRIER_SPINS = 4000  # pause instructions (tens of microseconds) before a barr
 _CTRL = 8 * 9
 _RING = 16  # job slots: calls submitted but not yet finished, at most
 _STOP = -1  # _C_GEN value that ends the workers
+_WAIT_SPIN_NS = 1_000_000  # result()'s spin when threads < cores (see CpuExpertPool)
 _ABANDONED: list = []  # arrays of calls a stalled team may still read (see CpuExpertPool._break)
 
 
@@ -686,7 +687,7 @@ class CpuJob:
         pool = self._pool
         if not self.collected_s:
             left = pool.timeout_s - (time.perf_counter() - self.submitted_s)
-            if not _wait_done(pool._ctrl, self._seq, pool._spin_ns, int(max(left, 0.0) * 1e9)):
+            if not _wait_done(pool._ctrl, self._seq, pool._wait_spin_ns, int(max(left, 0.0) * 1e9)):
                 pool._break(f"layer {self.layer}: CPU experts did not finish within {pool.timeout_s} s")
             slot = pool._ring[self._seq % _RING]
             self.started_s, self.finished_s = slot[J_T0] * 1e-9, slot[J_T1] * 1e-9
@@ -702,7 +703,8 @@ class CpuExpertPool:
     written into a slot of a ring of job descriptions and published through an atomic counter;
     workers spin up to ``spin_us`` after each call for the next one (a hot team starts a call in
     about a microsecond), then sleep on a futex (waking costs a system call and the scheduler's
-    latency). ``result()`` spins the same time, then sleeps. Inputs and outputs are read and
+    latency). ``result()`` spins the same time (1 ms when ``threads`` leaves the caller a core),
+    then sleeps. Inputs and outputs are read and
     written in place (``out=`` e.g. page-locked memory): no copies.
     """
 
@@ -717,6 +719,9 @@ class CpuExpertPool:
         self.threads = int(threads)
         self.timeout_s = float(timeout_s)
         self._spin_ns = int(spin_us * 1e3)
+        # result() spins longer when the caller has a core of its own: a futex wake-up would be on
+        # the layer's critical path (the CPU job is usually its longest part)
+        self._wait_spin_ns = max(self._spin_ns, _WAIT_SPIN_NS) if self.threads < cores and spin_us else self._spin_ns
         self._ctrl = np.zeros(_CTRL, np.int64)
         self._ring = np.zeros((_RING, JOB_FIELDS), np.int64)
         self._seq = 0
