@@ -15,7 +15,7 @@ olmoe full-width q/k norms (so kv heads = heads); granitemoe its four multiplier
 output; gpt-oss attention biases, sinks, a sliding window on even blocks, YaRN RoPE, a router bias
 and expert biases; deepseek2 MLA (q_lora and kv_lora ranks of hidden/2, rope half of a key head), a
 leading dense block, one shared expert and grouped sigmoid routing with a selection bias. MLA is
-written in current llama.cpp's layout (``attn_k_b``/``attn_v_b``, one kv head) unless
+written in current llama.cpp's layout (``attn_k_b``/``attn_v_b`` in F32, one kv head) unless
 ``mla="kv_b"`` asks for the older ``attn_kv_b``; one seed gives the same model in both.
 
 Metadata is what llama.cpp's loader of the architecture sizes the tensors by
@@ -220,21 +220,18 @@ def _embedding(seed: int, index: int, qtype: str, shape: tuple[int, int]):
     return make
 
 
-def _mla_split(cfg: SynthConfig, index: int, kv_b: tuple[int, int], qtype: int, part: str):
-    """attn_k_b ``(heads, kv_lora, nope)`` or attn_v_b ``(heads, v, kv_lora)`` cut from the
-    attn_kv_b ``(heads*(nope+v), kv_lora)`` that draw ``index`` makes: per head, the nope rows
-    (transposed) and the v rows. v_b rows are kv_b rows, copied as blocks; k_b is transposed, so
-    it is written in a float type (F16 when the dense type is a block type)."""
+def _mla_split(cfg: SynthConfig, index: int, kv_b: tuple[int, int], part: str):
+    """attn_k_b ``(heads, kv_lora, nope)`` or attn_v_b ``(heads, v, kv_lora)``, F32, cut from the
+    attn_kv_b ``(heads*(nope+v), kv_lora)`` that draw ``index`` makes in the dense type: per head,
+    the nope rows (transposed) and the v rows, dequantized (so exactly the same model). F32
+    because llama.cpp's CPU backend fails on this absorbed-attention path with F16 or Q8_0
+    k_b/v_b once nope >= 16 (no kernel, or NaN logits)."""
     def make():
         m, dq = _mla_dims(cfg), cfg.dense_quant
-        raw = _matrix(cfg.seed, index, dq, kv_b)().reshape(cfg.num_heads, m["nope"] + m["v"], -1)
-        if part == "v":
-            return np.ascontiguousarray(raw[:, m["nope"]:])
-        vals = gguf_io.dequantize(raw[:, :m["nope"]], qtype_value(dq)).transpose(0, 2, 1)  # (heads, kv_lora, nope)
-        name = gguf_io.qtype_name(qtype)
-        if name == "BF16":
-            return gguf_io.quantize(vals, qtype)
-        return np.ascontiguousarray(vals, np.float32 if name == "F32" else np.float16).view(np.uint8)
+        raw = _matrix(cfg.seed, index, dq, kv_b)()
+        vals = gguf_io.dequantize(raw, qtype_value(dq)).reshape(cfg.num_heads, m["nope"] + m["v"], -1)
+        out = vals[:, m["nope"]:] if part == "v" else vals[:, :m["nope"]].transpose(0, 2, 1)
+        return np.ascontiguousarray(out, np.float32)
     return make
 
 
@@ -260,9 +257,8 @@ def _attention_specs(cfg: SynthConfig, p: str, add) -> None:
         if cfg.mla == "kv_b":
             add(p + "attn_kv_b.weight", kv_b, dq, "mat")
         else:  # the same draw as attn_kv_b, split per head the way llama.cpp's converter does
-            kq = dq if cfg.dense_quant in ("F32", "F16", "BF16") else qtype_value("F16")
-            add(p + "attn_k_b.weight", (cfg.num_heads, m["kv_lora"], m["nope"]), kq, "k_b", kv_b)
-            add(p + "attn_v_b.weight", (cfg.num_heads, m["v"], m["kv_lora"]), dq, "v_b", kv_b)
+            add(p + "attn_k_b.weight", (cfg.num_heads, m["kv_lora"], m["nope"]), f32, "k_b", kv_b)
+            add(p + "attn_v_b.weight", (cfg.num_heads, m["v"], m["kv_lora"]), f32, "v_b", kv_b)
         add(p + "attn_output.weight", (h, cfg.num_heads * m["v"]), dq, "mat")
         return
     add(p + "attn_q.weight", (q, h), dq, "mat")
@@ -342,7 +338,7 @@ def tensor_specs(cfg: SynthConfig) -> list[TensorSpec]:
         qn = gguf_io.qtype_name(qtype)
         make = {"norm": lambda: _norm(cfg.seed, i, shape[0]), "mat": lambda: _matrix(cfg.seed, i, qn, shape),
                 "emb": lambda: _embedding(cfg.seed, i, qn, shape), "bias": lambda: _bias(cfg.seed, i, shape),
-                "k_b": lambda: _mla_split(cfg, i, kv_b, qtype, "k"), "v_b": lambda: _mla_split(cfg, i, kv_b, qtype, "v"),
+                "k_b": lambda: _mla_split(cfg, i, kv_b, "k"), "v_b": lambda: _mla_split(cfg, i, kv_b, "v"),
                 }[kind]()
         specs.append(TensorSpec(name, shape, qtype, make))
 
