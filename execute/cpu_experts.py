@@ -705,7 +705,8 @@ class CpuExpertPool:
     about a microsecond), then sleep on a futex (waking costs a system call and the scheduler's
     latency). ``result()`` spins the same time (1 ms when ``threads`` leaves the caller a core),
     then sleeps. Inputs and outputs are read and
-    written in place (``out=`` e.g. page-locked memory): no copies.
+    written in place (``out=`` e.g. page-locked memory): no copies. Calls are submitted from one
+    thread at a time (the engine's); results may be collected in any order.
     """
 
     def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float = 100.0):
