@@ -608,6 +608,7 @@ def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:
     hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], hw.setdefault("sources", {}))
     hw["_about"] = f"{hw.get('_about', '')}; host lane and CPU pool from sim_vs_real's session calibration replays"
     hw.setdefault("_calibration", {})["session_replay"] = summary
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "hardware-session.json"
     write_json(path, hw)
     return path
