@@ -278,6 +278,7 @@ def test_unlogged_calibration_runs_round_trip_through_from_and_ignore_the_checke
 
     def session(raw, name):
         rec = tmp_path / name
+        rec.mkdir(exist_ok=True)
         C.write_json(rec / "raw.json", raw)
         out = tmp_path / f"{name}-out"
         assert svr.main(["--hardware", hwp, "--from", str(rec), "--out", str(out)]) == 0
