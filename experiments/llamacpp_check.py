@@ -6,25 +6,34 @@ folder (``--cache``, default ``~/.cache/moelab/llamacpp``); nothing is built whe
 holds that version.
 ``check`` writes one ``moelab model synth`` file per architecture and expert quant type (2 blocks,
 8 experts top-2, seed ``--seed``; hidden and ffn 64, or 256 for the K-quants, whose blocks are 256
-long; deepseek2 in both MLA layouts), evaluates ``--tokens`` fixed token ids with llama.cpp in a
+long; deepseek2 in the ``--mla`` layouts), evaluates ``--tokens`` fixed token ids with llama.cpp in a
 child process (``logits_all``, F32 KV cache, no flash attention, 1 thread) and with moelab's
 executor (``execute.model``, ``cpu`` policy, numpy experts), and compares the logits of every
-position: NMSE = sum (moelab - llama.cpp)^2 / sum llama.cpp^2, top-1 agreement, and whether
-``gguf_io.llamacpp_problems`` had anything to say. A file llama.cpp refuses to load is a failed row.
+position: NMSE = sum (moelab - llama.cpp)^2 / sum llama.cpp^2, top-1 agreement, and what
+``gguf_io.llamacpp_problems`` says of the file. A file llama.cpp refuses to load is a failed row.
 
-Expected NMSE per expert quant type (dense weights F16, norms and router F32):
+NMSE per expert quant type, measured with llama-cpp-python 0.3.36 on 2 CPU cores, seed 0 (every
+architecture, dense weights F16 unless said; ``check`` writes the table):
 
-- F32 experts: about 1e-14 to 1e-12. Both sides compute in float32 with the same weights; what
-  is left is summation order.
-- F16, BF16 experts: about 1e-8 to 1e-6. llama.cpp's CPU matmul with F16/BF16 weights rounds the
-  activations to F16/BF16 before the dot products (``vec_dot_type``); moelab multiplies by the
-  float32 activations.
-- Q8_0, Q4_0, Q4_K, Q6_K, MXFP4 experts: about 1e-5 to 1e-3. llama.cpp quantizes the activations to
-  8 bits per block (Q8_0 / Q8_K) before its integer dot products; moelab dequantizes the weights
-  and keeps float32 activations.
+- F32 experts: 1e-14 to 1e-13 (1.2e-14 granitemoe .. 5.8e-14 gpt-oss; deepseek2 9.6e-14 with
+  ``--dense-quant F32``). Both sides compute in float32 from the same weights; what is left is
+  summation order. deepseek2 with F16 dense weights: 4.7e-8, llama.cpp rounding activations to
+  F16 somewhere in its MLA path (the other architectures show none from F16 dense weights), so
+  F32 rows are held to 1e-10 only with ``--dense-quant F32``, else to the F16 bound.
+- F16 experts: 1.8e-11 .. 1.0e-7; BF16: 9.3e-10 .. 3.1e-6. llama.cpp's CPU matmul rounds the
+  activations to the weights' type before the dot products (``vec_dot_type``); moelab multiplies
+  by float32 activations.
+- Q8_0, Q4_0, Q4_K, Q6_K, MXFP4 experts: 2.1e-8 (granitemoe) .. 2.6e-4. llama.cpp quantizes the
+  activations to 8 bits per block (Q8_0 / Q8_K) before its integer dot products; moelab
+  dequantizes the weights and keeps float32 activations. Top-1 agreement 11 or 12 of 12
+  positions; a flip only where llama.cpp's two best logits are within 4x that position's RMS
+  difference (``top1_unexplained`` counts the others and fails the row).
 
-Dense F16 matrices add the F16 activation rounding on every quant type, so even F32 experts show
-it unless ``--dense-quant F32``. Top-1 agreement should be 1.0 everywhere.
+A token whose routing is a near tie in moelab's float64 reference (relative margin < ``NEAR_TIE``
+between the k-th and next expert, or between the last expert group kept and the next) may get
+other experts in llama.cpp, which rounds: such positions are left out of the NMSE and listed
+(seed 0's deepseek2 model: token 5, group margin 1e-4, NMSE 0.5 at that position). Both MLA
+layouts give the same figures (``--mla split kv_b``).
 
 Commands (the build takes tens of minutes on two cores; run it once)::
 
@@ -51,9 +60,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
-LIMITS = {"F32": 1e-10, "F16": 1e-5, "BF16": 1e-4, "Q8_0": 1e-2, "Q4_0": 1e-2, "Q4_K": 1e-2, "Q6_K": 1e-2,
-          "MXFP4": 1e-2}  # NMSE bound per expert quant type; see the module docstring for what is typical
+LIMITS = {"F32": 1e-10, "F16": 1e-5, "BF16": 1e-4, "Q8_0": 1e-3, "Q4_0": 1e-3, "Q4_K": 1e-3, "Q6_K": 1e-3,
+          "MXFP4": 1e-3}  # NMSE bound per expert quant type; the module docstring has the measured figures
 TOKENS = (5, 300, 17, 17, 42, 256, 1, 9, 100, 77, 3, 250)
+NEAR_TIE = 1e-3  # relative routing margin within which llama.cpp's rounding may pick other experts
 
 _CHILD = r"""
 import json, sys
@@ -100,14 +110,14 @@ def build(cache: Path, version: str, jobs: int, src: str | None) -> int:
     return 0
 
 
-def cases(archs, quants) -> list[tuple[str, str, str]]:
+def cases(archs, quants, layouts=("split",)) -> list[tuple[str, str, str]]:
     """(arch, expert quant, MLA layout) of every file to check."""
     from execute.archs import ARCHS
 
     out = []
     for arch in archs:
         for q in quants:
-            for mla in (("split", "kv_b") if ARCHS[arch].attn == "mla" else ("",)):
+            for mla in (tuple(layouts) if ARCHS[arch].attn == "mla" else ("",)):
                 out.append((arch, q, mla))
     return out
 
@@ -135,6 +145,40 @@ def moelab_logits(path: Path, tokens) -> np.ndarray:
     return np.stack(res.logits).astype(np.float64)
 
 
+def routing_gaps(path: Path, tokens) -> np.ndarray:
+    """Per position, the smallest routing margin over the MoE blocks in moelab's float64 reference:
+    the gap between the k-th and (k+1)-th expert's selection score and, with expert groups,
+    between the last group kept and the first dropped. A gap within rounding (``NEAR_TIE``) lets
+    llama.cpp, which rounds activations, pick other experts for that token."""
+    from execute import reference as R
+    from execute.gguf_io import load_model
+
+    gaps, select = [], R._select
+
+    def spy(info, logits, lw, forced):
+        g = info.gating
+        probs = 1.0 / (1.0 + np.exp(-logits)) if g == "sigmoid" else (
+            np.exp(logits - logits.max()) if g == "softmax" else logits.copy())
+        score = probs + (np.asarray(lw.exp_probs_b, np.float64) if lw.exp_probs_b is not None else 0.0)
+        ranked = np.sort(score)[::-1]
+        gap = ranked[info.top_k - 1] - ranked[info.top_k] if len(score) > info.top_k else np.inf
+        if info.expert_groups > 1:
+            per = len(score) // info.expert_groups
+            gs = np.sort([np.sort(score[i * per:(i + 1) * per])[-2:].sum() for i in range(info.expert_groups)])[::-1]
+            gap = min(gap, gs[info.expert_groups_used - 1] - gs[info.expert_groups_used])
+        gaps.append(gap / max(abs(ranked[0]), 1e-30))
+        return select(info, logits, lw, forced)
+
+    w = load_model(path)
+    R._select = spy
+    try:
+        R.reference_forward(w, list(tokens))
+    finally:
+        R._select = select
+    moe = len(w.info.moe_layers)
+    return np.asarray(gaps).reshape(moe, len(tokens)).min(axis=0) if moe else np.full(len(tokens), np.inf)
+
+
 def llamacpp_logits(target: Path, path: Path, tokens) -> tuple[np.ndarray | None, str]:
     """llama.cpp's logits, or None and the tail of its error output."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,10 +191,16 @@ def llamacpp_logits(target: Path, path: Path, tokens) -> tuple[np.ndarray | None
 
 
 def compare(ours: np.ndarray, ref: np.ndarray) -> dict:
-    """NMSE over all positions, worst position's NMSE, top-1 agreement."""
+    """NMSE over all positions, worst position's NMSE, top-1 agreement, and the positions whose
+    top-1 differs although llama.cpp's margin between the two tokens is more than 4x that
+    position's RMS difference (a flip that rounding does not explain)."""
     per = ((ours - ref) ** 2).sum(axis=1) / (ref ** 2).sum(axis=1)
+    a, b = ours.argmax(axis=1), ref.argmax(axis=1)
+    rows = np.arange(len(ref))
+    margin = ref[rows, b] - ref[rows, a]
+    rms = np.sqrt(((ours - ref) ** 2).mean(axis=1))
     return {"nmse": float(((ours - ref) ** 2).sum() / (ref ** 2).sum()), "nmse_max_position": float(per.max()),
-            "top1": float(np.mean(ours.argmax(axis=1) == ref.argmax(axis=1)))}
+            "top1": float(np.mean(a == b)), "top1_unexplained": int(np.sum((a != b) & (margin > 4 * rms)))}
 
 
 def check(a) -> int:
@@ -166,20 +216,27 @@ def check(a) -> int:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     rows, failed = [], 0
     print(f"{'file':34s} {'NMSE':>10s} {'worst pos':>10s} {'top-1':>6s}  bound")
-    for arch, quant, mla in cases(a.archs, a.quants):
+    for arch, quant, mla in cases(a.archs, a.quants, a.mla):
         path = synth_case(out, arch, quant, mla, a.dense_quant, a.seed)
         row = {"arch": arch, "quant": quant, "mla": mla, "file": path.name, "problems": llamacpp_problems(path)}
         ref, err = llamacpp_logits(target, path, TOKENS[:a.tokens])
         if ref is None:
             row.update(ok=False, error=err)
         else:
-            row.update(compare(moelab_logits(path, TOKENS[:a.tokens]), ref))
-            row["ok"] = row["nmse"] <= LIMITS[quant] and row["top1"] == 1.0
+            toks = TOKENS[:a.tokens]
+            ties = routing_gaps(path, toks) < NEAR_TIE
+            row["near_ties"] = [int(i) for i in np.flatnonzero(ties)]
+            ours = moelab_logits(path, toks)
+            row.update(compare(ours[~ties], ref[~ties]) if (~ties).any() else {"nmse": 0.0, "nmse_max_position": 0.0,
+                                                                             "top1": 1.0, "top1_unexplained": 0})
+            bound = LIMITS[quant] if quant != "F32" or a.dense_quant == "F32" else LIMITS["F16"]
+            row["ok"] = row["nmse"] <= bound and row["top1_unexplained"] == 0
         failed += not row["ok"]
         rows.append(row)
         if "nmse" in row:
+            ties = f"  (near routing ties left out: positions {row['near_ties']})" if row["near_ties"] else ""
             print(f"{path.name:34s} {row['nmse']:10.2e} {row['nmse_max_position']:10.2e} {row['top1']:6.2f}  "
-                  f"{LIMITS[quant]:.0e} {'ok' if row['ok'] else 'FAILED'}", flush=True)
+                  f"{bound:.0e} {'ok' if row['ok'] else 'FAILED'}{ties}", flush=True)
         else:
             print(f"{path.name:34s} llama.cpp failed: {row['error'].splitlines()[-1] if row['error'] else '?'}", flush=True)
     (out / "result.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
@@ -200,6 +257,8 @@ def _args(argv):
     p.add_argument("--archs", nargs="+", default=list(ARCHS), help="architectures (default all)")
     p.add_argument("--quants", nargs="+", default=list(QUANTS), help="expert quant types (default all)")
     p.add_argument("--dense-quant", default="F16", help="dense weights' type (default F16)")
+    p.add_argument("--mla", nargs="+", default=["split"], choices=("split", "kv_b"),
+                   help="deepseek2's MLA layouts (default split: attn_k_b/attn_v_b)")
     p.add_argument("--tokens", type=int, default=len(TOKENS), help=f"positions evaluated (1..{len(TOKENS)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="experiments/out/llamacpp_check",

@@ -17,16 +17,30 @@ _spec.loader.exec_module(lc)
 def test_compare():
     ref = np.array([[1.0, 2.0, 0.0], [0.0, 1.0, 3.0]])
     same = lc.compare(ref, ref)
-    assert same == {"nmse": 0.0, "nmse_max_position": 0.0, "top1": 1.0}
+    assert same == {"nmse": 0.0, "nmse_max_position": 0.0, "top1": 1.0, "top1_unexplained": 0}
     off = ref.copy()
     off[1] = [4.0, 1.0, 3.0]  # position 1's top-1 moves to token 0
     got = lc.compare(off, ref)
     assert got["top1"] == 0.5 and got["nmse"] == pytest.approx(16 / 15) and got["nmse_max_position"] == pytest.approx(1.6)
 
 
-def test_cases_cover_both_mla_layouts():
-    got = lc.cases(["qwen3moe", "deepseek2"], ["Q8_0"])
-    assert got == [("qwen3moe", "Q8_0", ""), ("deepseek2", "Q8_0", "split"), ("deepseek2", "Q8_0", "kv_b")]
+def test_top1_flips_explained_by_rounding_or_not():
+    ref = np.zeros((1, 100))
+    ref[0, 2] = 3.0
+    far = ref.copy()
+    far[0, 0] = 4.0  # one logit off by 4: RMS 0.4, llama.cpp's margin 3 > 4 x 0.4
+    assert lc.compare(far, ref)["top1_unexplained"] == 1
+    near = ref.copy()
+    near[0, 0] = 3.01
+    ref_tie = ref.copy()
+    ref_tie[0, 0] = 2.999  # llama.cpp's top two within rounding of each other
+    assert lc.compare(near, ref_tie)["top1"] == 0.0 and lc.compare(near, ref_tie)["top1_unexplained"] == 0
+
+
+def test_cases_and_mla_layouts():
+    assert lc.cases(["qwen3moe", "deepseek2"], ["Q8_0"]) == [("qwen3moe", "Q8_0", ""), ("deepseek2", "Q8_0", "split")]
+    got = lc.cases(["deepseek2"], ["Q8_0"], ("split", "kv_b"))
+    assert got == [("deepseek2", "Q8_0", "split"), ("deepseek2", "Q8_0", "kv_b")]
 
 
 @pytest.mark.parametrize("argv, match", [(["check", "--archs", "mixtral"], "mixtral"),
@@ -58,3 +72,12 @@ def test_llamacpp_agrees_on_every_architecture(tmp_path):
     """Builds llama-cpp-python for the CPU into the default cache (once; tens of minutes), then
     checks every architecture and quant type against it."""
     assert lc.main(["all", "--out", str(tmp_path / "out")]) == 0
+
+
+def test_routing_gaps_find_the_near_tie(tmp_path):
+    """Seed 0's deepseek2 model routes token 5 on a group margin of about 1e-4."""
+    path = lc.synth_case(tmp_path, "deepseek2", "F32", "split", "F16", 0)
+    gaps = lc.routing_gaps(path, lc.TOKENS)
+    assert gaps.shape == (len(lc.TOKENS),)
+    assert gaps[0] < lc.NEAR_TIE and (gaps[1:] > lc.NEAR_TIE).all()
+    assert (lc.routing_gaps(lc.synth_case(tmp_path, "qwen3moe", "Q8_0", "", "F16", 0), lc.TOKENS) > 0).all()
