@@ -35,6 +35,11 @@ other experts in llama.cpp, which rounds: such positions are left out of the NMS
 (seed 0's deepseek2 model: token 5, group margin 1e-4, NMSE 0.5 at that position). Both MLA
 layouts give the same figures (``--mla split kv_b``).
 
+Known: with ``--dense-quant Q8_0`` llama.cpp's process dies (SIGSEGV, no message) on every
+architecture here (0.3.36 built with ``GGML_NATIVE`` on an AVX-512/AMX CPU) as soon as any dense
+matmul weight is Q8_0 (a Q8_0 token_embd alone runs; Q8_0 experts run); F32, F16 and BF16 dense
+weights run. The cause (a CPU kernel or the file) is not determined.
+
 Commands (the build takes tens of minutes on two cores; run it once)::
 
     python experiments/llamacpp_check.py build --jobs 1
