@@ -207,6 +207,8 @@ def _capacity(args, geometry, prog: str = "moelab replay"):
         if args.cache_mib is None:
             if args.policy == "cpu":
                 return Capacity.per_layer(geometry, 0)
+            if args.policy == "gpu":  # every expert resident
+                return Capacity.per_layer(geometry, list(geometry.num_experts))
             raise _Fail(f"{prog}: policy {args.policy!r} needs --cache-mib or --cache-slots")
         return Capacity.from_mib(geometry, args.cache_mib)
     except (ValueError, CapacityError) as exc:

@@ -650,6 +650,15 @@ def _wait_done(ctrl, seq, spin_ns, timeout_ns):
     return True
 
 
+def _default_spin_us() -> float:
+    """``MOELAB_POOL_SPIN_US`` (microseconds a worker spins before it sleeps), else 100."""
+    raw = os.environ.get("MOELAB_POOL_SPIN_US", "100")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"MOELAB_POOL_SPIN_US={raw!r}: expected microseconds, a number 0..1e6") from None
+
+
 def _stop_team(ctrl: np.ndarray, inflight: list, timeout_s: float) -> None:
     """Stop a team whose pool is gone, after its last published call (arrays kept if it stalls)."""
     seq = int(ctrl[_C_GEN])
@@ -704,13 +713,17 @@ class CpuExpertPool:
     workers spin up to ``spin_us`` after each call for the next one (a hot team starts a call in
     about a microsecond), then sleep on a futex (waking costs a system call and the scheduler's
     latency). ``result()`` spins the same time (1 ms when ``threads`` leaves the caller a core),
-    then sleeps. Inputs and outputs are read and
+    then sleeps. ``spin_us`` defaults to the environment's ``MOELAB_POOL_SPIN_US``, else 100: a
+    decode step's GPU part between two CPU layers is longer than that, so a longer spin keeps the
+    team hot across layers at the price of busy cores. Inputs and outputs are read and
     written in place (``out=`` e.g. page-locked memory): no copies. Calls are submitted from one
     thread at a time (the engine's); results may be collected in any order.
     """
 
-    def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float = 100.0):
+    def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float | None = None):
         cores = os.cpu_count() or 1
+        if spin_us is None:
+            spin_us = _default_spin_us()
         if threads < 1 or threads > max(cores, numba.config.NUMBA_NUM_THREADS):
             raise ValueError(f"CpuExpertPool threads: {threads}, expected 1..{max(cores, numba.config.NUMBA_NUM_THREADS)}")
         if not timeout_s > 0:
