@@ -216,3 +216,17 @@ def test_a_dropped_pool_stops_its_team(rng):
     for w in workers:
         w.join(10)
     assert not any(w.is_alive() for w in workers)
+
+
+def test_pool_spin_default_follows_the_environment(monkeypatch):
+    """MOELAB_POOL_SPIN_US sets the workers' spin; unset, a team that leaves the caller a core
+    spins 2 ms, else 100 us; a value that is no number is an error naming the variable."""
+    from execute.cpu_experts import _default_spin_us
+
+    monkeypatch.delenv("MOELAB_POOL_SPIN_US", raising=False)
+    assert _default_spin_us(True) == 2000.0 and _default_spin_us(False) == 100.0
+    monkeypatch.setenv("MOELAB_POOL_SPIN_US", "350")
+    assert _default_spin_us(True) == _default_spin_us(False) == 350.0
+    monkeypatch.setenv("MOELAB_POOL_SPIN_US", "fast")
+    with pytest.raises(ValueError, match="MOELAB_POOL_SPIN_US"):
+        _default_spin_us(True)
