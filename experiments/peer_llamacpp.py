@@ -231,7 +231,10 @@ def build_script(args, work: Path) -> tuple[str, dict] | None:
     src = work / "llama.cpp"
     steps = [f"rm -rf {shlex.quote(str(src))} {shlex.quote(str(build / 'peer_build.json'))}",
              f"tar -xzf {shlex.quote(str(args.src))} -C {shlex.quote(str(work))}",
-             shlex.join(cmake_configure(src, build, not args.cpu_only, args.cuda_arch)),
+             # llama.cpp names its build after the git checkout around its source: stop git at
+             # the work folder, or a tarball unpacked inside moelab's checkout takes moelab's commit
+             f"GIT_CEILING_DIRECTORIES={shlex.quote(str(work.resolve()))} "
+             + shlex.join(cmake_configure(src, build, not args.cpu_only, args.cuda_arch)),
              shlex.join(["cmake", "--build", str(build), "-j", str(args.jobs), "--target", *TARGETS])]
     return " && ".join(steps), stamp
 
@@ -676,12 +679,16 @@ def bench_config(args, blocks: list[int], n_budget: int, prompt_tokens: int) -> 
 
 
 def moelab_commit() -> str | None:
-    """The checkout's commit, when it is a git checkout."""
+    """The checkout's commit, when it is a git checkout, with ``+changes`` when the tracked files
+    differ from it (a copied working tree whose .git is older than its files says so)."""
     try:
         p = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if p.returncode != 0 or not p.stdout.strip():
+            return None
+        d = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--"], capture_output=True)
     except OSError:
         return None
-    return p.stdout.strip() or None if p.returncode == 0 else None
+    return p.stdout.strip() + ("+changes" if d.returncode == 1 else "")
 
 
 def llama_source(llama_bench: Path) -> dict | None:
