@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cache import ABSENT, RESIDENT
-from .core import Capacity, Decision, Geometry, Move, Step
-from .policies import MAX_FILLS_PER_TOKEN, BasePolicy
-from .profile import Profile
+from ..cache import ABSENT, RESIDENT
+from ..core import Capacity, Decision, Geometry, Move, Step
+from . import MAX_FILLS_PER_TOKEN, BasePolicy
+from ..profile import Profile
 
 __all__ = ["PredictPolicy"]
 
