@@ -400,6 +400,10 @@ def _parser_run() -> argparse.ArgumentParser:
                    help="--policy hybrid: share of distinct misses sent over PCIe (default 44/256)")
     p.add_argument("--audit", default=None, help="write the per-batch audit JSONL (with routes) here")
     p.add_argument("--record-trace", default=None, help="write the routing as a trace directory (traces/ format)")
+    p.add_argument("--router-predictor", action="store_true",
+                   help="measure each next block's router on the current hidden state as a predictor of its "
+                        "experts (recall at k and 2k, in --json as router_predictor; adds a router product "
+                        "and a host wait per block)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the text")
     return p
 
@@ -587,6 +591,8 @@ def _generate(args, weights, tok, prompt: list[int], draft_len: int, stream, rec
     model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
     if record:
         model.route_log = []
+    if getattr(args, "router_predictor", False):
+        model.router_predictor = M.RouterPredictor(info)
     audit = Audit(geometry, profile_residents=policy.cache.slot.keys(), keep_log=True, record_routes=True)
     gen = _Generation(model, tok, Sampler(args.temp, args.seed, args.top_k), prompt, args.tokens, stream,
                       args.prefill_chunk, draft_len)
@@ -615,6 +621,8 @@ def _generate(args, weights, tok, prompt: list[int], draft_len: int, stream, rec
     first = getattr(gen, "first_token_at", None)
     out["first_token_s"] = first - started if started is not None and first is not None else None
     out["speculative"] = draft_len
+    if model.router_predictor is not None:
+        out["router_predictor"] = model.router_predictor.summary()
     if draft_len:
         out.update(drafted=gen.drafted, accepted=gen.accepted,
                    acceptance_rate=gen.accepted / gen.drafted if gen.drafted else 0.0,
@@ -709,6 +717,12 @@ def _print_run(out: dict, as_json: bool) -> None:
         print(f"speculative (draft {out['speculative']}): {out['decode_steps']} decode steps, "
               f"{out['tokens_per_step']:.2f} tokens/step; acceptance {out['acceptance_rate']:.3f} "
               f"({out['accepted']} of {out['drafted']} drafted)")
+    rp = out.get("router_predictor")
+    if rp is not None:
+        parts = [f"{ph} recall@{rp['k']} {rp[ph]['recall_k']:.3f}, @{rp['top_2k']} {rp[ph]['recall_2k']:.3f}"
+                 for ph in ("prefill", "decode") if rp[ph]["routed"]]
+        print(f"next block's router as predictor: {'; '.join(parts) or 'no prediction made'} "
+              f"(a uniform guess: {rp['chance_k']:.3f}, {rp['chance_2k']:.3f})")
     if "plain" in out:
         p = out["plain"]
         print(f"plain decode: {p['decode_tokens']} tokens in {p['decode_s']:.3f} s = {p['decode_tokens_per_s']:.1f} "

@@ -45,7 +45,7 @@ from .gguf_io import ModelWeights
 
 __all__ = ["MoeModel", "Qwen3Moe", "Route", "TokenInput", "ChunkInput", "RunResult", "merge_step", "trace_tokens", "NumpyExperts", "EngineExperts", "run",
            "check_trace", "fold_trace", "trace_inputs", "array_module", "cuda_graphs_env", "softmax_topk",
-           "route_weights", "expert_ffn"]
+           "route_weights", "expert_ffn", "RouterPredictor"]
 
 
 def cuda_graphs_env() -> bool:
@@ -196,6 +196,7 @@ class MoeModel:
         self.logits = self.chunk_logits = None
         self._out = None
         self.route_log: list | None = None  # set to a list to collect (pos, [(layer, ids, weights)]) per token
+        self.router_predictor: RouterPredictor | None = None  # set to one to measure it (off: no work)
 
     # weights -----------------------------------------------------------------------------------
     def _matrix(self, parts):
@@ -508,6 +509,8 @@ class MoeModel:
             forced = None if routes is None else [None if r is None else r[l] for r in routes]
             tids, twts = self._route(l, hn, forced)
             self.last_input, self.last_ids, self.last_weights = hn, tids, twts.astype(np.float32)
+            if self.router_predictor is not None:
+                self._predict_router(l, x, tids)
             self._out = None
             step = merge_step(l, tids, twts, self._route_len)
             if rows is not None:
@@ -523,6 +526,20 @@ class MoeModel:
         if rows is not None:
             self.route_log.extend((self.pos + i, r) for i, r in enumerate(rows))
         self.pos += t
+
+    def _predict_router(self, l: int, x, ids: np.ndarray) -> None:
+        """The :class:`RouterPredictor` measurement at MoE block ``l``: its routing ``ids`` ``(T, k)``
+        against the prediction made at block l - 1, then block l + 1's prediction (when it is a MoE
+        block) from ``x`` ``(T, hidden)``, block l's residual stream after attention (before its MoE
+        norm): block l + 1's ffn norm, router and router bias, as its own routing computes them."""
+        rp = self.router_predictor
+        rp.observe(l, ids, self._route_len)
+        if l + 1 < self.info.num_layers and self.layers[l + 1]["router"] is not None:
+            w = self.layers[l + 1]
+            logits = _host(self._proj(self._rms(x, w["ffn_norm"]), w["router"])).astype(np.float64)  # (T, experts)
+            if w["router_bias"] is not None:
+                logits = logits + w["router_bias"]
+            rp.predict(l + 1, logits, w["exp_probs_b"])
 
     @property
     def graphed(self) -> bool:
@@ -588,6 +605,8 @@ class MoeModel:
                 tids, twts = np.asarray(r_ids, np.int64)[None], np.asarray(r_w, np.float32)[None]
             self._route_len = [n]
             self.last_input, self.last_ids, self.last_weights = hn, tids, twts
+            if self.router_predictor is not None:
+                self._predict_router(l, b.cur[None], tids)
             self._out = None
             ids_l, w_l = tids[0].tolist(), twts[0].astype(np.float64).tolist()
             if rows is not None:
@@ -639,6 +658,74 @@ def _merge(layer: int, parts: Sequence[tuple[Sequence[int], Sequence[float] | No
 
 
 Qwen3Moe = MoeModel  # the first architecture's name, kept for existing callers
+
+
+# the next block's router as a predictor ----------------------------------------------------------
+class RouterPredictor:
+    """How well the next block's router, applied to the current block's hidden state, predicts the
+    next block's experts: a measurement, set on :attr:`MoeModel.router_predictor` (None: off).
+
+    At MoE block l followed by MoE block l + 1, each token's prediction is block l + 1's routing
+    rule (:func:`route_weights`: gating, selection bias, groups; ties: lower id) on block l + 1's
+    router logits (bias added) of block l's residual stream after attention, normed by block
+    l + 1's ffn norm weight: what block l + 1 computes, on the state block l's experts have not yet
+    added to. When block l + 1 routes, its experts are looked up in the predicted top-k and top-2k
+    (at most the block's experts). Counts per phase (``phase``, set by :meth:`phased` for each
+    batch ``run`` drives) and predicted block; a forced route (trace replay) is the actual one."""
+
+    def __init__(self, info):
+        import dataclasses
+
+        moe = [n for n in info.num_experts if n]
+        self.k = info.top_k
+        self.num_experts = min(moe) if moe else 0
+        self._wide = dataclasses.replace(info, top_k=min(2 * self.k, max(self.num_experts, 1)))
+        self.phase = "decode"
+        self.pending: dict[int, np.ndarray] = {}  # block -> (T, 2k) predicted ids in rank order
+        self.counts: dict[tuple[str, int], list[int]] = {}  # (phase, block) -> [positions, routed, hits@k, hits@2k]
+
+    def phased(self, phase: str, steps):
+        """``steps`` (a batch's generator), counted under ``phase`` from its first step on."""
+        self.phase = phase
+        self.pending.clear()
+        yield from steps
+
+    def predict(self, layer: int, logits: np.ndarray, exp_probs_b) -> None:
+        """Predict block ``layer``'s experts from router logits ``(T, experts)`` float64."""
+        self.pending[layer] = np.stack([route_weights(self._wide, row, exp_probs_b)[0] for row in logits])
+
+    def observe(self, layer: int, ids: np.ndarray, lengths: Sequence[int]) -> None:
+        """Block ``layer``'s routing (row t's first ``lengths[t]`` ids) against its prediction, if any."""
+        pred = self.pending.pop(layer, None)
+        if pred is None:
+            return
+        c = self.counts.setdefault((self.phase, layer), [0, 0, 0, 0])
+        for row, n, p in zip(np.asarray(ids).tolist(), lengths, pred.tolist()):
+            got = set(row[:n])
+            c[0] += 1
+            c[1] += len(got)
+            c[2] += len(got.intersection(p[: self.k]))
+            c[3] += len(got.intersection(p))
+
+    def summary(self) -> dict:
+        """Recall at k and at 2k (share of the routed experts found in the predicted top-k, top-2k;
+        ``top_2k`` is 2k capped at the experts) per phase, overall and per predicted block, with the
+        recall of a uniform guess (``chance_*``)."""
+        E, wide = self.num_experts, self._wide.top_k
+        out = {"k": self.k, "top_2k": wide, "chance_k": self.k / E if E else None,
+               "chance_2k": wide / E if E else None}
+
+        def figures(c) -> dict:
+            return {"positions": c[0], "routed": c[1], "recall_k": c[2] / c[1] if c[1] else None,
+                    "recall_2k": c[3] / c[1] if c[1] else None}
+
+        for phase in ("prefill", "decode"):
+            layers = sorted(l for p, l in self.counts if p == phase)
+            rows = [self.counts[phase, l] for l in layers]
+            total = [sum(c[i] for c in rows) for i in range(4)]
+            total[0] = max((c[0] for c in rows), default=0)  # positions: each is counted at every block
+            out[phase] = {**figures(total), "per_layer": [{"layer": l, **figures(c)} for l, c in zip(layers, rows)]}
+        return out
 
 
 # expert backends without a GPU -------------------------------------------------------------------
@@ -852,7 +939,10 @@ def _tokens(model: MoeModel, inputs) -> Iterator:
         elif t.pos < end:
             back, end = end - t.pos, t.pos
         end += len(ids)
-        yield Token(t.index, t.seq, t.pos, t.phase, model.chunk_steps(ids, routes, all_logits, back), len(ids))
+        steps = model.chunk_steps(ids, routes, all_logits, back)
+        if model.router_predictor is not None:
+            steps = model.router_predictor.phased(t.phase, steps)
+        yield Token(t.index, t.seq, t.pos, t.phase, steps, len(ids))
 
 
 def run(model: MoeModel, backend, policy, inputs, lag_tokens: int = 1, audit=None,
