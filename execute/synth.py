@@ -495,28 +495,21 @@ def metadata(cfg: SynthConfig) -> list[tuple[str, object, str]]:
     ] + _arch_metadata(cfg) + _tokenizer_metadata(cfg)
 
 
-class _Progress:
-    """Tensor-count and byte progress on stderr, at most every ~5% of the bytes."""
-
-    def __init__(self, specs: list[TensorSpec], stream=sys.stderr):
-        self.sizes = {s.name: s.nbytes for s in specs}
-        self.total = sum(self.sizes.values())
-        self.done = self.shown = 0
-        self.stream = stream
-
-    def __call__(self, i: int, n: int, name: str) -> None:
-        big = self.total >= 64 * 2**20
-        if (big and self.done - self.shown >= self.total / 20) or i == n - 1:
-            print(f"synth: tensor {i + 1}/{n} ({name}), {self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB",
-                  file=self.stream, flush=True)
-            self.shown = self.done
-        self.done += self.sizes[name]
-
-
 def synth_model(path: str | Path, cfg: SynthConfig, progress: bool = False) -> Path:
-    """Write the synthetic model ``cfg`` to ``path`` (atomically); returns the path."""
+    """Write the synthetic model ``cfg`` to ``path`` (atomically); returns the path. ``progress``:
+    a bar of the bytes written on stderr."""
+    from tqdm import tqdm
+
     specs = tensor_specs(cfg)
-    gguf_io.write_gguf(path, cfg.arch, metadata(cfg), specs, _Progress(specs) if progress else None)
+    before = np.cumsum([0] + [s.nbytes for s in specs])  # bytes written before tensor i
+    with tqdm(total=int(before[-1]), unit="B", unit_scale=True, desc="model synth",
+              disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        def step(i: int, n: int, name: str) -> None:
+            bar.set_postfix_str(f"tensor {i + 1}/{n}", refresh=False)
+            bar.update(int(before[i]) - bar.n)
+
+        gguf_io.write_gguf(path, cfg.arch, metadata(cfg), specs, step)
+        bar.update(bar.total - bar.n)
     return Path(path)
 
 

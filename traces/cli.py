@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--experts", type=int, help="experts per layer (vllm, strata)")
     imp.add_argument("--model", help="model name (vllm, strata)")
     imp.add_argument("--metadata", help="switch: capture-metadata.json (default: beside SRC)")
+    imp.add_argument("--quiet", action="store_true", help="nothing on stderr but errors")
     info = sub.add_parser("info", help="header and shape of a trace")
     info.add_argument("path", nargs="?")
     st = sub.add_parser("stats", help="coverage, overlap, reuse distances and hit rates per policy")
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--reset-per-sequence", action="store_true", help="fresh cache for every sequence")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--out", help="directory for stats.json, hit_rates.csv and hit_rates.png")
-    st.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    st.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     fit = sub.add_parser("fit", help="fit synthetic-trace parameters to a trace")
     fit.add_argument("path", nargs="?")
     fit.add_argument("--phase", choices=("prefill", "decode"), default="decode")
@@ -69,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--reset-per-sequence", action="store_true")
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--out", help="write the parameters as JSON here")
-    fit.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    fit.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     syn = sub.add_parser("synth", help="write a synthetic trace")
     syn.add_argument("dest")
     syn.add_argument("--preset", help="named preset (geometry + parameters); see traces.synth.PRESETS")
@@ -80,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     syn.add_argument("--tokens", type=int)
     syn.add_argument("--seqs", type=int)
     syn.add_argument("--seed", type=int, default=0)
-    syn.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    syn.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     return p
 
 
@@ -100,7 +101,8 @@ def _import(a) -> int:
         opts = {"metadata": a.metadata}
     trace = import_trace(a.format, a.src, **opts)
     trace.save(a.dest)
-    print(f"wrote {a.dest}: {trace!r}", file=sys.stderr)
+    if not a.quiet:
+        print(f"wrote {a.dest}: {trace!r}", file=sys.stderr)
     return 0
 
 
@@ -186,7 +188,7 @@ def _stats(a) -> int:
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")
-    s = summarize(t, a.phase, a.slots, policies, a.reset_per_sequence, progress=not a.quiet and len(t) * t.num_layers > 200_000)
+    s = summarize(t, a.phase, a.slots, policies, a.reset_per_sequence, progress=not a.quiet)
     print(json.dumps(s, indent=1) if a.json else _table(s))
     if a.out:
         _write_out(Path(a.out), s)
@@ -248,7 +250,7 @@ def _synth(a) -> int:
             raise ValueError(f"--{key.replace('_', '-')} {v}: expected >= 1")
     t = generate(geo["layers"], geo["experts"], geo["top_k"], geo["tokens"], params, np.random.default_rng(a.seed),
                  num_seqs=geo["seqs"], model=f"synthetic:{a.preset or 'custom'}",
-                 progress=not a.quiet and geo["tokens"] * geo["layers"] > 2_000_000)
+                 progress=not a.quiet)
     t.meta["seed"] = a.seed
     t.save(a.dest)
     if not a.quiet:

@@ -171,14 +171,12 @@ def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None,
         part = trace if group is None else trace.select(phase, group)
         toks = list(part.tokens(phase if group is None else None))
         try:
-            kw = {}
-            if name == "belady":
-                kw["future"] = [s for tok in toks for s in tok.steps]
+            kw = {}  # belady's future: the steps of toks
             if name == "hybrid-cost":
                 kw["cost_model"] = default_cost_model(trace)
             if name == "static":
                 kw["profile"] = Profile.from_counts(part.routing_counts(phase if group is None else None))
-            policy = make_policy(name, geometry, capacity, **kw)
+            policy = make_policy(name, geometry, capacity, tokens=toks, **kw)
         except CapacityError:
             return None
         s = replay(policy, toks, lag_tokens=0).summary()
@@ -202,14 +200,18 @@ def sweep(trace: Trace, slots: Sequence[int], policies: Sequence[str], phase: st
 
 def _sweep(trace, slots, policies, phase, reset_per_sequence, progress) -> dict:
     """``sweep``'s replays: (hit rate, experts moved per token) or None, per policy and slot count."""
+    from tqdm import tqdm
+
     groups = [[s] for s in trace.select(phase).sequences()] if reset_per_sequence else [None]
     out: dict[str, dict[int, tuple[float, float] | None]] = {}
-    for name in policies:
-        out[name] = {}
-        for c in slots:
-            if progress:
-                print(f"trace stats: {name} at {c} slots", file=sys.stderr)
-            out[name][int(c)] = _replay_rate(trace, name, int(c), phase, groups)
+    with tqdm(total=len(policies) * len(slots), unit="replay", desc="trace stats",
+              disable=not progress or not policies or not slots, file=sys.stderr, dynamic_ncols=True) as bar:
+        for name in policies:
+            out[name] = {}
+            for c in slots:
+                bar.set_postfix_str(f"{name} at {c} slots", refresh=False)
+                out[name][int(c)] = _replay_rate(trace, name, int(c), phase, groups)
+                bar.update()
     return out
 
 
