@@ -106,7 +106,14 @@ def test_recall_is_the_direct_numpy_computation(which, synth_path, deep):
     assert summary["chance_k"] == w.info.top_k / max(w.info.num_experts)
 
 
+def untimed(fig: dict) -> dict:
+    """A run's figures without the wall-clock ones."""
+    return {k: v for k, v in fig.items() if not k.endswith(("_s", "_per_s", "ms_per_token"))}
+
+
 def test_the_cli_reports_it_and_off_changes_nothing(synth_path, capsys):
+    from execute.cli import run_main
+
     path = synth_path("Q8_0", num_layers=4)
     assert M.MoeModel(load_model(path)).router_predictor is None  # off by default
     for chunk in ("1", "32"):
@@ -119,17 +126,9 @@ def test_the_cli_reports_it_and_off_changes_nothing(synth_path, capsys):
         assert rp["prefill"]["positions"] == fig["prompt_tokens"]
         assert rp["decode"]["positions"] == fig["decode_tokens"]
         assert [r["layer"] for r in rp["decode"]["per_layer"]] == [1, 2, 3]
-        timing = ("_s", "_per_s", "ms_per_token")
-        same = lambda d: {k: v for k, v in d.items() if not k.endswith(timing) and k != "per_layer_ms_per_token"}  # noqa: E731
-        assert same(fig_on) == same(fig)
-    assert run_main_text(path, capsys).count("next block's router as predictor: prefill recall@2") == 1
-
-
-def run_main_text(path, capsys) -> str:
-    from execute.cli import run_main
-
+        assert untimed(fig_on) == untimed(fig)
     assert run_main([str(path), "-p", "Hi", "-n", "3", "--threads", "1", "--router-predictor"]) == 0
-    return capsys.readouterr().out
+    assert capsys.readouterr().out.count("next block's router as predictor: prefill recall@2 ") == 1
 
 
 def test_a_batch_left_unfinished_leaves_no_prediction(synth_path):
@@ -160,5 +159,5 @@ def test_gpu_recall_agrees_with_the_host(graphs, synth_path, monkeypatch):
     assert [(p, l, ids.tolist()) for p, l, _, ids in grec.seen] == [(p, l, ids.tolist()) for p, l, _, ids in rec.seen]
     for ph in ("prefill", "decode"):
         assert gpu[ph]["routed"] == host[ph]["routed"] > 0
-        for key in ("recall_k", "recall_2k"):
-            assert abs(gpu[ph][key] - host[ph][key]) <= 0.02, (ph, key, gpu[ph][key], host[ph][key])
+        for key in ("recall_k", "recall_2k"):  # at most one hit apart
+            assert abs(gpu[ph][key] - host[ph][key]) * host[ph]["routed"] <= 1 + 1e-9, (ph, key, gpu[ph], host[ph])
