@@ -93,6 +93,7 @@ def simulate_main(argv: list[str]) -> int:
     ap.add_argument("--timeline", default=None, help="write a Chrome-trace JSON (Perfetto) of the run here")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     ap.add_argument("--explain", action="store_true", help="after the summary, say what each figure means")
+    ap.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     args = ap.parse_args(argv)
     try:
         if args.timeline:
@@ -103,7 +104,12 @@ def simulate_main(argv: list[str]) -> int:
             miss_fraction=args.miss_fraction, adaptive=not args.no_adaptive, tokens=args.tokens, trace=args.trace,
             phase=args.phase, expert_quant=args.quant, synth_tokens=args.synth_tokens, seed=args.seed,
             lag_tokens=args.lag_tokens, pinned=not args.pageable)
-        result, info = run(cfg, record=bool(args.timeline))
+        from .run import _model, load_tokens
+
+        model = _model(cfg)
+        tokens = load_tokens(cfg, model)  # opened and checked before the bar starts
+        with _bar("simulate", len(tokens), "token", args.quiet) as bar:
+            result, info = run(cfg, record=bool(args.timeline), model=model, tokens=_Counted(tokens, bar))
     except (SimError, HardwareError, ValueError) as e:
         print(f"moelab simulate: {e}", file=sys.stderr)
         return 2
@@ -117,7 +123,8 @@ def simulate_main(argv: list[str]) -> int:
         from .timeline import write_chrome_trace
 
         n = write_chrome_trace(result.events, args.timeline, title=f"{cfg.model} / {cfg.hardware} / {cfg.policy}")
-        print(f"timeline: {n} spans -> {args.timeline}", file=sys.stderr)
+        if not args.quiet:
+            print(f"timeline: {n} spans -> {args.timeline}", file=sys.stderr)
     if args.json:
         print(json.dumps({"config": cfg.as_row(), **info, **s}, sort_keys=True))
         return 0
@@ -143,6 +150,30 @@ GLOSSARY = """\
   fills, swaps: background copies between tokens: a fill loads an expert into a free slot, a swap
     replaces a resident one
   busy: share of the simulated time each resource was working"""
+
+
+def _bar(desc: str, total: int, unit: str, quiet: bool):
+    """The commands' progress bar on stderr (disabled by ``--quiet``)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, desc=desc, disable=quiet, file=sys.stderr, dynamic_ncols=True)
+
+
+class _Counted:
+    """Re-iterable ``tokens`` that advance ``bar`` as they are consumed; each pass restarts it (the
+    static and belady policies read the tokens once before the simulation does)."""
+
+    def __init__(self, tokens, bar):
+        self.tokens, self.bar = tokens, bar
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __iter__(self):
+        self.bar.reset()
+        for t in self.tokens:
+            yield t
+            self.bar.update()
 
 
 def _trace_name(cfg: SimConfig) -> str:
@@ -183,7 +214,7 @@ def sweep_main(argv: list[str]) -> int:
     ap.add_argument("--jobs", type=_int_at_least(1), default=os.cpu_count() or 1, help="local worker processes")
     ap.add_argument("--dask", default=None, metavar="ADDRESS", help="run on a Dask distributed scheduler instead")
     ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     args = ap.parse_args(argv)
     unit = "slots" if args.cache_slots is not None else "mib"
     caches = args.cache_slots if unit == "slots" else (args.cache_mib or [256.0, 512.0, 1024.0, 1536.0])
@@ -212,13 +243,15 @@ def sweep_main(argv: list[str]) -> int:
         return 130
     keys = {config_key(c) for c in configs}
     errors = [r for r in sweep.rows if r.get("error") and r["key"] in keys]
-    print(f"{len(configs)} configs: {ran} run, {len(configs) - ran} already in {sweep.path} "
-          f"({before} rows before); {len(errors)} failed", file=sys.stderr)
+    if errors or not args.quiet:
+        print(f"{len(configs)} configs: {ran} run, {len(configs) - ran} already in {sweep.path} "
+              f"({before} rows before); {len(errors)} failed", file=sys.stderr)
     for r in errors[:5]:
         print(f"  config {r['key']} ({r['model']}, {r['hardware']}, {r['policy']}): {r['error']}", file=sys.stderr)
     if not args.no_plots:
         for p in plot_results(sweep.rows, out, unit):
-            print(f"plot: {p}", file=sys.stderr)
+            if not args.quiet:
+                print(f"plot: {p}", file=sys.stderr)
     return 1 if errors else 0
 
 

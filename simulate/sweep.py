@@ -118,7 +118,7 @@ class Sweep:
             self._rewrite([])
         from tqdm import tqdm
 
-        with open(self.path, "a") as f, tqdm(total=len(todo), unit="config", disable=not progress,
+        with open(self.path, "a") as f, tqdm(total=len(todo), unit="config", desc="sweep", disable=not progress,
                                              file=sys.stderr, dynamic_ncols=True) as bar:
             for row in _execute(todo, jobs, dask_address):
                 f.write(_format(row))
