@@ -74,10 +74,6 @@ PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid", "hybrid-co
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
 
 
-def log(msg: str) -> None:
-    print(f"[calibrate {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 # statistics ------------------------------------------------------------------------------------
 def stats(samples) -> dict:
     """Median, 10th/90th percentiles and count of ``samples`` (ValueError when empty)."""
@@ -1139,13 +1135,42 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+class _Stages:
+    """The measurement stages as a progress bar on stderr: ``stage(name)`` ends the previous one."""
+
+    def __init__(self, total: int, quiet: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="stage", desc="calibrate", disable=quiet, file=sys.stderr,
+                        dynamic_ncols=True)
+        self.started = False
+
+    def __call__(self, name: str) -> None:
+        if self.started:
+            self.bar.update()
+        self.started = True
+        self.bar.set_postfix_str(name)
+
+
 def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict:
     """Every measurement (see the module docstring); reuses ``layers``/``gx`` when given. Results
-    go into ``partial`` (a dict, also returned) as they come."""
+    go into ``partial`` (a dict, also returned) as they come. Stages are shown on stderr unless
+    ``args.quiet``."""
+    total = (layers is None) + 3 + (not args.quick) + (0 if args.cpu_only else 7)
+    stage = _Stages(total, getattr(args, "quiet", False))
+    try:
+        m = _measure(args, stage, layers, gx, partial)
+        stage("done")
+        return m
+    finally:
+        stage.bar.close()
+
+
+def _measure(args, stage, layers, gx, partial) -> dict:
     reps = 5 if args.quick else 11
     rng = np.random.default_rng(args.seed)
     if layers is None:
-        log(f"building {args.layers} x {args.experts} Q8_0 experts (hidden {args.hidden}, ffn {args.ffn})")
+        stage(f"building {args.layers} x {args.experts} Q8_0 experts")
         layers = build_layers(rng, args.layers, args.experts, args.hidden, args.ffn)
     eb = layers[0].expert_bytes
     geo = Geometry((args.experts,) * len(layers), args.top_k, (eb,) * len(layers))
@@ -1154,15 +1179,16 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
          "expert_bytes": eb, "quick": bool(args.quick), "cpu_name": cpu_model(),
          "shape": {k: getattr(args, k) for k in ("layers", "experts", "hidden", "ffn", "top_k", "heads", "kv_heads",
                                                   "head_dim", "vocab")}})
-    log("scheduler planning per policy")
+    stage("scheduler planning per policy")
     tokens, _ = synth_tokens(len(layers), args.experts, args.top_k, 48, args.seed + 11)
     m["plan_s"] = measure_plan_s(geo, max(args.top_k, args.experts // 4), tokens)
     m["poll_s"] = measure_poll_s()
-    log("host memory bandwidth")
+    stage("host memory bandwidth")
     m["cpu_mem"] = measure_cpu_mem_gbps(args.threads, 1 << 30 if not args.small else 1 << 24)
-    log("CPU pool")
+    stage("CPU pool")
     m["cpu_pool"] = measure_cpu_pool(layers, args.threads, reps=reps, seed=args.seed)
     if not args.quick:
+        stage("CPU pool: quant types and thread counts")
         m["cpu_quant"], m["cpu_threads_q8"] = _cpu_types(args, layers, rng)
     if args.cpu_only:
         return m
@@ -1172,9 +1198,9 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
     from .gpu_experts import GpuExperts
 
     timer = GpuTimer(cp)
-    log("GPU basics")
+    stage("GPU basics")
     m["gpu"] = _gpu_basics(cp, timer, reps)
-    log("link")
+    stage("link")
     m["link"] = _link(cp, timer, reps)
     cap = Capacity.per_layer(geo, 32)
     own = gx is None
@@ -1182,21 +1208,21 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
         gx = GpuExperts(layers, cap, scratch_slots=16, pinned=True, timeout_s=60)
     engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
     try:
-        log("expert uploads and batches")
+        stage("expert uploads and batches")
         gx.begin_copies()
         for e in range(16):
             gx.upload(0, e, e)
         gx.wait(gx.copies_event())
         m["experts"] = _experts_gpu(cp, timer, gx, layers, reps)
-        log("dense stand-in")
+        stage("dense stand-in")
         m["dense"] = _dense(cp, timer, gx, args, reps)
-        log("engine host costs")
+        stage("engine host costs")
         m["engine"] = _engine(cp, timer, engine, layers, reps, args.seed)
         engine.synchronize()
         engine.pool.close()
-        log("engine host costs in a replay")
+        stage("engine host costs in a replay")
         records = calibration_replay(cp, gx, layers, args)
-        log("engine host costs in unlogged replays")
+        stage("engine host costs in unlogged replays")
         m["calibration_runs"] = calibration_runs(cp, gx, layers, args)
         m["engine_replay"] = replay_summary(records, m["calibration_runs"])
     finally:
@@ -1257,6 +1283,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=4, help="MoE layers of random experts (cold-cache rotation)")
     add_shape_args(ap)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     ap.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tests: a 16 MiB memory read
     return ap
 
@@ -1316,7 +1343,8 @@ def main(argv=None) -> int:
         raise
     hw = hardware_json(m, args.name or f"calibrated-{socket.gethostname()}", base if args.cpu_only else None)
     write_json(Path(args.out), hw)
-    log(f"wrote {args.out}")
+    if not args.quiet:
+        print(f"wrote {args.out}: hardware {hw['name']}", file=sys.stderr)
     _print_summary(hw)
     return 0
 
