@@ -41,7 +41,7 @@ def _parser_model() -> argparse.ArgumentParser:
     s.add_argument("--quant", required=True, help="expert quant type: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K MXFP4")
     s.add_argument("--dense-quant", default=None, help="type of dense matrices: F16 (default), F32, BF16, Q8_0")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    s.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     i = sub.add_parser("info", help="geometry, quant types and expert sizes (metadata and tensor table only)")
     i.add_argument("file")
     i.add_argument("--json", action="store_true")
@@ -153,7 +153,7 @@ def _parser_replay() -> argparse.ArgumentParser:
                    help="with --policy cpu, run the dense path on the CPU too (default: on the GPU when one is present)")
     p.add_argument("--audit", default=None, help="write the per-token audit JSONL (with routes) here")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     return p
 
 
@@ -405,6 +405,8 @@ def _parser_run() -> argparse.ArgumentParser:
                         "experts (recall at k and 2k, in --json as router_predictor; adds a router product "
                         "and a host wait per block)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the text")
+    p.add_argument("--quiet", action="store_true",
+                   help="nothing on stderr but errors (the text still streams to stdout)")
     return p
 
 
@@ -437,7 +439,7 @@ def _run_policy(args, geometry, capacity):
 
 def _prompt_ids(args, tok) -> list[int]:
     text = None if args.raw else tok.chat_prompt(args.prompt)
-    if text is None and not args.raw and tok.chat_template:
+    if text is None and not args.raw and tok.chat_template and not args.quiet:
         print("moelab run: the file's chat template has no shape moelab knows; prompt used as is", file=sys.stderr)
     ids = tok.encode(args.prompt) if text is None else tok.encode(text, special=True)
     if not ids:
