@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from scheduler import MISS_FRAC_256
 from scheduler.cli import ArgumentParser
 from scheduler.files import OutputPathError, check_output
 
@@ -397,7 +398,7 @@ def _parser_run() -> argparse.ArgumentParser:
                         "copies from pageable memory, staged by the CUDA driver, the host thread waiting for each; "
                         "hybrid-cost's cost model then takes the hardware's pageable link rate")
     p.add_argument("--miss-fraction", type=float, default=None,
-                   help="--policy hybrid: share of distinct misses sent over PCIe (default 44/256)")
+                   help=f"--policy hybrid: share of distinct misses sent over PCIe (default {MISS_FRAC_256}/256)")
     p.add_argument("--audit", default=None, help="write the per-batch audit JSONL (with routes) here")
     p.add_argument("--record-trace", default=None, help="write the routing as a trace directory (traces/ format)")
     p.add_argument("--router-predictor", action="store_true",
@@ -430,9 +431,9 @@ def _run_policy(args, geometry, capacity):
     if args.miss_fraction is not None:
         if args.policy != "hybrid" or not 0.0 <= args.miss_fraction <= 1.0:
             raise _Fail(f"moelab run: --miss-fraction {args.miss_fraction}: expected 0..1, with --policy hybrid")
-        options["miss_frac_256"] = int(round(args.miss_fraction * 256))
     try:
-        return make_policy(args.policy, geometry, capacity, profile=profile, **options)
+        return make_policy(args.policy, geometry, capacity, profile=profile, miss_fraction=args.miss_fraction,
+                           **options)
     except (ValueError, CapacityError) as exc:
         raise _Fail(f"moelab run: {exc}") from None
 

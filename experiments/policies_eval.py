@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scheduler import Audit, Capacity, CapacityError, Profile, drive, make_policy, replay  # noqa: E402
+from scheduler import MISS_FRAC_256, Audit, Capacity, CapacityError, Profile, drive, make_policy, replay  # noqa: E402
 from simulate import Costs, ExecConfig, SimConfig, Simulator, run  # noqa: E402
 from simulate.hardware import load_hardware  # noqa: E402
 from simulate.models import load_model  # noqa: E402
@@ -46,12 +46,12 @@ ABOUT = {
            "not use is evicted. The reference the gap is measured from.",
     "freq-lru": "Every miss uploaded; the victim is the resident with the lowest routing count "
                 "(halved every 16 steps of its layer), least recent on ties.",
-    "hybrid": "A fixed share (44/256) of a step's distinct misses goes over PCIe, the rest to the CPU "
+    "hybrid": f"A fixed share ({MISS_FRAC_256}/256) of a step's distinct misses goes over PCIe, the rest to the CPU "
               "pool; misses are filled into free slots after the token and swap rounds move "
-              "experts by decayed usage. With few misses, round(n * 44 / 256) (half up) sends none of "
+              f"experts by decayed usage. With few misses, round(n * {MISS_FRAC_256} / 256) (half up) sends none of "
               "1 or 2 misses over PCIe and one of 3 to 8: on a top-1 or top-2 trace no miss ever "
               "crosses PCIe, and its cache changes only by background fills and swaps.",
-    "hybrid carry": "hybrid with `rounding=\"carry\"`: each layer carries the remainder of n * 44 / "
+    "hybrid carry": f"hybrid with `rounding=\"carry\"`: each layer carries the remainder of n * {MISS_FRAC_256} / "
                     "256 to its next step, so the share of misses sent over PCIe holds on average "
                     "(on a top-1 trace, about one miss in six).",
     "hybrid-cost": "hybrid whose miss split comes from a cost model (here the simulator's default "

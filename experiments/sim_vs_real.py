@@ -44,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler import MISS_FRAC_256
+
 TARGETS = {"tokens_per_s_median": 0.03, "tokens_per_s_max": 0.08, "p99_median": 0.10, "spearman": 0.95}
 METRICS = ("tokens_per_s", "p50_token_s", "p99_token_s")
 
@@ -60,7 +62,7 @@ def configs(num_experts: int) -> list[dict]:
     for pol in ("lru", "static", "hybrid"):
         for name, s in sizes.items():
             out.append({"label": f"{pol} {name}", "policy": pol, "slots": s,
-                        "miss_frac_256": 44 if pol == "hybrid" else None})
+                        "miss_frac_256": MISS_FRAC_256 if pol == "hybrid" else None})
     for f in (0, 128, 256):
         out.append({"label": f"hybrid 25% f={f}", "policy": "hybrid", "slots": sizes["25%"], "miss_frac_256": f})
     return out
@@ -181,14 +183,11 @@ def simulate_config(c: dict, hw, model, tokens) -> tuple[dict, str]:
 
 def _profile(c, tokens, geometry):
     from scheduler import Profile
+    from scheduler.policies import route_counts
 
     if c["policy"] != "static":
         return None
-    counts = np.zeros((geometry.num_layers, geometry.max_experts), np.int64)
-    for t in tokens:
-        for s in t.steps:
-            counts[s.layer, list(s.experts)] += 1
-    return Profile.from_counts(counts)  # as simulate.run: the replayed tokens' own counts
+    return Profile.from_counts(route_counts(tokens, geometry))  # as simulate.run: the replayed tokens' own counts
 
 
 def _options(c) -> dict:

@@ -21,7 +21,7 @@ without one: cpu), and prefill in chunks of ``--prefill-chunk`` vs token by toke
 run must give the plain run's tokens (checked); with lru and hybrid present, the checks above are
 applied to the measured figures. Median of ``--repeats`` interleaved rounds (each runs every
 configuration once, in alternating order), after one unrecorded warm-up run (on the H200,
-2026-11-29, without it, plain lru ran first at 74 tok/s and its draft-1 run next at 109).
+without it, plain lru ran first at 74 tok/s and its draft-1 run next at 109).
 Chunked prefill is timed in the same runs (the prompt is processed alike at every draft length);
 token-by-token prefill (``prefill-1``) in one run per policy.
 
@@ -43,10 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler import MISS_FRAC_256
 from simulate.run import SimConfig, run
 from simulate.speculative import merge_rows, verify_batches
 
-FRACTIONS = (0.1, 44 / 256, 0.25, 0.5)
+FRACTIONS = (0.1, MISS_FRAC_256 / 256, 0.25, 0.5)
 
 
 def policies():
@@ -82,12 +83,9 @@ def plan_s_per_step(runs, args) -> dict:
         for key, batches in runs.items():
             policy, frac = key[2], key[3]
             cfg = sim_config(policy, frac, args)
-            options = {}
+            options = {"adaptive": cfg.adaptive, "miss_fraction": frac} if policy == "hybrid" else {}
             if policy == "hybrid-cost":
                 options["cost_model"] = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=policy)).cost_model()
-            if policy == "hybrid":
-                options["adaptive"] = cfg.adaptive
-                options["miss_frac_256"] = int(round(frac * 256))
             capacity = build_capacity(cfg, model, hw)
             pol = make_policy(policy, geometry, capacity, **options)
             t0 = time.process_time()
@@ -371,7 +369,7 @@ def plot(results, args, path, title=None, policies=None):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    lines = [("lru", "lru", None), ("hybrid 44/256", "hybrid", round(44 / 256, 4)),
+    lines = [("lru", "lru", None), (f"hybrid {MISS_FRAC_256}/256", "hybrid", round(MISS_FRAC_256 / 256, 4)),
              ("hybrid best fixed", "hybrid", "best"), ("hybrid-cost", "hybrid-cost", None)]
     if policies is not None:
         lines = [x for x in lines if x[1] in policies] + [(p, p, None) for p in policies

@@ -6,14 +6,14 @@ from .audit import Audit
 from .cache import Cache
 from .core import (Capacity, CapacityError, Decision, Geometry, Move, Policy, Step, Token,
                    pad_slot_bytes)
-from .costmodel import CostModel, LayerLoad
+from .costmodel import CostModel
 from .drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive, replay
-from .policies import MAX_FILLS_PER_TOKEN, POLICIES, make_policy
+from .policies import MAX_FILLS_PER_TOKEN, MISS_FRAC_256, POLICIES, make_policy
 from .profile import Profile, ProfileError, read_strp, write_strp
 
 __all__ = [
     "Audit", "Cache", "Capacity", "CapacityError", "Decision", "Geometry", "Move", "Policy", "Step",
     "Token", "pad_slot_bytes", "AwaitBackground", "EndToken", "RunLayer", "StartBackground", "drive",
-    "replay", "MAX_FILLS_PER_TOKEN", "POLICIES", "make_policy", "Profile", "ProfileError",
-    "read_strp", "write_strp", "CostModel", "LayerLoad",
+    "replay", "MAX_FILLS_PER_TOKEN", "MISS_FRAC_256", "POLICIES", "make_policy", "Profile", "ProfileError",
+    "read_strp", "write_strp", "CostModel",
 ]

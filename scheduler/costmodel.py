@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CostModel", "LayerLoad"]
+__all__ = ["CostModel"]
 
 
 @dataclass(frozen=True)
@@ -75,15 +75,3 @@ class CostModel:
             work = max(self.cpu_read_s[layer], work)
         return self.cpu_expert_s[layer] + work
 
-
-@dataclass
-class LayerLoad:
-    """Running totals of one layer's work while a policy assigns its experts."""
-
-    gpu_s: float = 0.0
-    pcie_s: float = 0.0
-    cpu_s: float = 0.0
-
-    @property
-    def time_s(self) -> float:
-        return max(self.gpu_s, self.pcie_s, self.cpu_s)

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from scheduler import MISS_FRAC_256
 from scheduler.cli import ArgumentParser
 from scheduler.files import check_output
 
@@ -89,7 +90,8 @@ def simulate_main(argv: list[str]) -> int:
     size.add_argument("--cache-mib", type=_cache_mib, default=None,
                       help=f"expert cache budget in MiB, or 'auto' (default {DEFAULTS.cache_mib:g})")
     ap.add_argument("--miss-fraction", type=_fraction, default=None,
-                    help="hybrid: share of a layer's distinct misses sent over PCIe (default 44/256 = 0.17)")
+                    help=f"hybrid: share of a layer's distinct misses sent over PCIe "
+                         f"(default {MISS_FRAC_256}/256 = {MISS_FRAC_256 / 256:.2f})")
     ap.add_argument("--timeline", default=None, help="write a Chrome-trace JSON (Perfetto) of the run here")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     ap.add_argument("--explain", action="store_true", help="after the summary, say what each figure means")
@@ -209,7 +211,8 @@ def sweep_main(argv: list[str]) -> int:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--cache-mib", type=_floats, default=None, help="comma-separated cache budgets in MiB")
     size.add_argument("--cache-slots", type=_floats, default=None, help="comma-separated slots per layer")
-    ap.add_argument("--miss-fractions", type=_floats, default=[44 / 256], help="hybrid miss fractions, comma-separated")
+    ap.add_argument("--miss-fractions", type=_floats, default=[MISS_FRAC_256 / 256],
+                    help="hybrid miss fractions, comma-separated")
     ap.add_argument("--out", default="sweep", help="output directory (results.csv and PNG plots; its parent must exist)")
     ap.add_argument("--jobs", type=_int_at_least(1), default=os.cpu_count() or 1, help="local worker processes")
     ap.add_argument("--dask", default=None, metavar="ADDRESS", help="run on a Dask distributed scheduler instead")

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from scheduler import POLICIES, Audit, Capacity, Profile, drive, make_policy
+from scheduler import POLICIES, Audit, Capacity, drive, make_policy
 
 from .costs import Costs, ExecConfig
 from .engine import SimResult, Simulator
@@ -183,20 +183,12 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
         tokens = load_tokens(cfg, model)
     geometry = model.geometry()
     capacity = build_capacity(cfg, model, hw)
-    options = {}
-    if cfg.policy == "hybrid":
-        options["adaptive"] = cfg.adaptive
-        if cfg.miss_fraction is not None:
-            options["miss_frac_256"] = int(round(cfg.miss_fraction * 256))
-    profile = None
-    if cfg.policy == "static":
-        profile = Profile.from_counts(_counts(tokens, geometry))  # oracle: the replayed tokens' own counts
-    future = [s for t in tokens for s in t.steps] if cfg.policy == "belady" else None  # belady: all of it, held
+    options = {"adaptive": cfg.adaptive} if cfg.policy == "hybrid" else {}
     costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=cfg.policy))
-    if cfg.policy == "hybrid-cost":
-        options["cost_model"] = costs.cost_model()
-    try:
-        policy = make_policy(cfg.policy, geometry, capacity, profile=profile, future=future, **options)
+    cost_model = costs.cost_model() if cfg.policy == "hybrid-cost" else None
+    try:  # static: the replayed tokens' own counts (an oracle); belady: every step, held
+        policy = make_policy(cfg.policy, geometry, capacity, tokens=tokens, cost_model=cost_model,
+                             miss_fraction=cfg.miss_fraction, **options)
     except ValueError as e:
         raise SimError(f"policy {cfg.policy}: {e}") from None
     audit = Audit(geometry, keep_records=False)
@@ -206,11 +198,3 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
             "expert_bytes": model.expert_bytes(model.num_layers - 1), "num_experts": model.num_experts,
             "model_expert_mib": model.total_expert_bytes() / 2**20}
     return result, info
-
-
-def _counts(tokens, geometry) -> np.ndarray:
-    counts = np.zeros((geometry.num_layers, geometry.max_experts), dtype=np.int64)
-    for t in tokens:
-        for s in t.steps:
-            counts[s.layer, list(s.experts)] += 1
-    return counts

@@ -41,46 +41,71 @@ No background work between tokens. Planning reads the state only; ``commit`` cha
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..cache import ABSENT, RESIDENT
 from ..core import Capacity, Decision, Geometry, Move, Step
-from . import MAX_FILLS_PER_TOKEN, BasePolicy
 from ..profile import Profile
+from .base import MAX_FILLS_PER_TOKEN, BasePolicy
 
-__all__ = ["PredictPolicy"]
+__all__ = ["PredictConfig", "PredictPolicy"]
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    """``predict``'s knobs (see the module docstring); an error names the field.
+
+    ``memory`` (steps, > 1), ``prior`` (> 0), ``bypass``, ``admit_margin`` (>= 0), ``max_prefetch``
+    (moves per step, 0..``MAX_FILLS_PER_TOKEN``), ``prefetch_margin`` (> 0), ``misses`` ("gpu" or
+    "cpu"), ``persist`` (>= 0).
+    """
+
+    memory: float = 16.0
+    prior: float = 0.5
+    bypass: bool = True
+    admit_margin: float = 0.0
+    max_prefetch: int = 8
+    prefetch_margin: float = 0.25
+    misses: str = "gpu"
+    persist: float = 16.0
+
+    def __post_init__(self) -> None:
+        if self.misses not in ("gpu", "cpu"):
+            raise ValueError(f"predict misses: {self.misses!r}, expected 'gpu' or 'cpu'")
+        if not self.memory > 1.0:
+            raise ValueError(f"predict memory: {self.memory}, expected > 1 (steps)")
+        if not self.prior > 0.0:
+            raise ValueError(f"predict prior: {self.prior}, expected > 0")
+        if not self.admit_margin >= 0.0:
+            raise ValueError(f"predict admit_margin: {self.admit_margin}, expected >= 0")
+        if not 0 <= self.max_prefetch <= MAX_FILLS_PER_TOKEN:
+            raise ValueError(f"predict max_prefetch: {self.max_prefetch}, expected 0..{MAX_FILLS_PER_TOKEN}")
+        if not self.prefetch_margin > 0.0:
+            raise ValueError(f"predict prefetch_margin: {self.prefetch_margin}, expected > 0")
+        if not self.persist >= 0.0:
+            raise ValueError(f"predict persist: {self.persist}, expected >= 0")
+        for name in ("memory", "prior", "admit_margin", "prefetch_margin", "persist"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "bypass", bool(self.bypass))
+        object.__setattr__(self, "max_prefetch", int(self.max_prefetch))
 
 
 class PredictPolicy(BasePolicy):
-    """See the module docstring. Options: ``memory`` (steps, > 1), ``prior`` (> 0), ``bypass``,
-    ``admit_margin`` (>= 0), ``max_prefetch`` (moves per step, 0..512), ``prefetch_margin`` (> 0),
-    ``misses`` ("gpu" or "cpu"), ``persist`` (>= 0)."""
+    """See the module docstring; the knobs are ``PredictConfig``'s."""
 
     name = "predict"
     uploads_every_miss = True
 
-    def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
-                 memory: float = 16.0, prior: float = 0.5, bypass: bool = True, admit_margin: float = 0.0,
-                 max_prefetch: int = 8, prefetch_margin: float = 0.25, misses: str = "gpu",
-                 persist: float = 16.0):
-        if misses not in ("gpu", "cpu"):
-            raise ValueError(f"predict misses: {misses!r}, expected 'gpu' or 'cpu'")
-        if not memory > 1.0:
-            raise ValueError(f"predict memory: {memory}, expected > 1 (steps)")
-        if not prior > 0.0:
-            raise ValueError(f"predict prior: {prior}, expected > 0")
-        if not admit_margin >= 0.0:
-            raise ValueError(f"predict admit_margin: {admit_margin}, expected >= 0")
-        if not 0 <= max_prefetch <= MAX_FILLS_PER_TOKEN:
-            raise ValueError(f"predict max_prefetch: {max_prefetch}, expected 0..{MAX_FILLS_PER_TOKEN}")
-        if not prefetch_margin > 0.0:
-            raise ValueError(f"predict prefetch_margin: {prefetch_margin}, expected > 0")
-        self.memory, self.prior, self.bypass = float(memory), float(prior), bool(bypass)
-        self.admit_margin, self.max_prefetch = float(admit_margin), int(max_prefetch)
-        self.prefetch_margin = float(prefetch_margin)
-        if not persist >= 0.0:
-            raise ValueError(f"predict persist: {persist}, expected >= 0")
-        self.persist = float(persist)
+    def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None,
+                 config: PredictConfig = PredictConfig()):
+        self.config = config
+        self.memory, self.prior, self.bypass = config.memory, config.prior, config.bypass
+        self.admit_margin, self.max_prefetch = config.admit_margin, config.max_prefetch
+        self.prefetch_margin = config.prefetch_margin
+        self.persist = config.persist
+        misses = config.misses
         self.misses = misses
         self.uploads_every_miss = misses == "gpu"
         L, E = geometry.num_layers, max(geometry.max_experts, 1)

@@ -176,7 +176,8 @@ def predicted_s(policy, tokens):
     for t in tokens:
         for step in t.steps:
             d = policy.plan(step)
-            total += policy.commit(d)
+            policy.commit(d)
+            total += policy.committed_s
             for e in d.uploads:
                 policy.complete(step.layer, e)
         policy.commit_background(policy.plan_background())

@@ -1,0 +1,344 @@
+"""``hybrid``: hits on the GPU, a layer's distinct misses split between PCIe and the CPU pool.
+
+Choice of which misses go over PCIe in ``hybrid`` (documented contract): a step's distinct misses
+are ranked by token count (more first), then decayed usage (higher first), then router rank;
+the first ``round(n_miss * frac / 256)`` (half rounds up) that are not in flight go over PCIe,
+the rest to the CPU. With the default ``MISS_FRAC_256`` = 44 a step with 1 or 2 misses sends none over PCIe and
+one with 3 to 8 sends one, so on a top-1 or top-2 model no miss ever does. ``rounding="carry"``
+keeps the fraction on average instead: per layer, the remainder (in 1/256ths) of each step's
+``n_miss * frac`` is carried to the layer's next step, which sends ``(n_miss * frac + carry) //
+256``; the carry is updated at commit, from the step's distinct misses. A PCIe miss is admitted into a free slot when its pool has one; else (with
+``admit_uploads``, the default) into the slot of the layer's coldest resident that the step does
+not use (by a usage ranking refreshed every ``swap_every`` tokens), when the miss is at least as
+used; otherwise it is streamed through a scratch buffer. Misses in flight (a background copy not
+yet complete) always go to the CPU: nothing is uploaded twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cache import INFLIGHT, RESIDENT
+from ..core import Capacity, Decision, Geometry, Move, Step
+from ..profile import Profile
+from .base import MAX_FILLS_PER_TOKEN, BasePolicy
+
+__all__ = ["MISS_FRAC_256", "HybridConfig", "HybridPolicy"]
+
+MISS_FRAC_256 = 44  # hybrid's default share of a step's distinct misses sent over PCIe, in 1/256ths
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """``hybrid``'s knobs (see ``HybridPolicy``); an error names the field.
+
+    ``miss_frac_256`` in 0..256; ``swap_every`` (tokens, 0: no swap rounds) and ``max_moves`` >= 0;
+    ``max_fills`` in 0..``MAX_FILLS_PER_TOKEN``; ``decay`` in (0, 1]; ``rounding`` "nearest" or
+    "carry" (see the module docstring).
+    """
+
+    miss_frac_256: int = MISS_FRAC_256
+    adaptive: bool = True
+    swap_every: int = 4
+    max_moves: int = 96
+    gate: float = 2.0
+    margin: float = 1.5
+    decay: float = 0.7
+    max_fills: int = MAX_FILLS_PER_TOKEN
+    admit_uploads: bool = True
+    rounding: str = "nearest"
+
+    policy = "hybrid"  # the name errors give (not a field)
+
+    def __post_init__(self) -> None:
+        p = self.policy
+        if self.rounding not in ("nearest", "carry"):
+            raise ValueError(f"{p} rounding: {self.rounding!r}, expected 'nearest' or 'carry'")
+        if not 0 <= self.miss_frac_256 <= 256:
+            raise ValueError(f"{p} miss_frac_256: {self.miss_frac_256}, expected 0..256")
+        for name in ("swap_every", "max_moves"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{p} {name}: {getattr(self, name)}, expected >= 0")
+        if not 0 <= self.max_fills <= MAX_FILLS_PER_TOKEN:
+            raise ValueError(f"{p} max_fills: {self.max_fills}, expected 0..{MAX_FILLS_PER_TOKEN}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"{p} decay: {self.decay}, expected in (0, 1]")
+
+
+class HybridPolicy(BasePolicy):
+    """Hits on the GPU; a layer's distinct misses split between PCIe and the CPU pool.
+
+    ``miss_frac_256``/256 of the distinct misses go over PCIe (see the module docstring for
+    which). After each token, the experts that missed are filled into free slots, ranked across
+    layers by decayed usage, at most ``max_fills`` per token. Every ``swap_every`` tokens a swap
+    round runs (skipped while earlier background copies are pending): per pool, candidates
+    (non-resident, usage >= ``gate``) by usage descending first take free slots, then pair with
+    residents by usage ascending, swapping only if candidate >= victim + ``margin``; all moves
+    ranked by gain and cut to ``max_moves``; then usage *= ``decay``.
+
+    With ``admit_uploads`` a miss that goes over PCIe when its pool is full takes the slot of
+    the coldest resident the step does not use, if the miss's usage is at least the resident's:
+    its bytes cross the link anyway, so keeping it costs nothing more.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None,
+                 config: HybridConfig = HybridConfig()):
+        self.config = config
+        self.rounding = config.rounding
+        self._carry = [0] * geometry.num_layers  # remainders of n_miss * miss_frac_256, in 1/256ths
+        self.admit_uploads = config.admit_uploads
+        self.miss_frac_256 = config.miss_frac_256
+        self.adaptive = config.adaptive
+        self.swap_every, self.max_moves = config.swap_every, config.max_moves
+        self.gate, self.margin, self.decay = config.gate, config.margin, config.decay
+        self.max_fills = config.max_fills
+        # usage: one float64 buffer, read and bumped per step through memoryview rows (fast
+        # from Python), decayed and ranked through a numpy view of the same memory.
+        width = max(geometry.max_experts, 1)
+        self._buf = bytearray(8 * geometry.num_layers * width)
+        self._u = [memoryview(self._buf)[8 * width * l: 8 * width * (l + 1)].cast("d") for l in range(geometry.num_layers)]
+        self._np = np.frombuffer(self._buf, dtype=np.float64).reshape(geometry.num_layers, width)
+        self.missed: dict[tuple[int, int], None] = {}  # this token's misses, in order
+        self._room = True  # some pool had a free slot when this token started
+        self._cold: list[list[int]] = [[] for _ in range(geometry.num_layers)]  # admission ranking
+        self.tokens = 0
+        self.background: set[tuple[int, int]] = set()  # background copies in flight
+        super().__init__(geometry, capacity, profile)
+        pool_of = self.cache.pool_of
+        self._valid = np.zeros((geometry.num_layers, width), dtype=bool)  # may be cached
+        for l, n in enumerate(geometry.num_experts):
+            if pool_of[l] >= 0 and self.cache.size[pool_of[l]] > 0:
+                self._valid[l, :n] = True
+
+    @property
+    def usage(self) -> np.ndarray:
+        """Decayed routing counts, (layers, max_experts): every committed step adds its token
+        counts; each swap round multiplies all by ``decay`` once it is committed. A copy."""
+        return self._np.copy()
+
+    def plan(self, step: Step) -> Decision:
+        layer = step.layer
+        state = self.cache.state[layer]
+        experts = step.experts
+        misses = [e for e in experts if state[e] != RESIDENT]
+        if not misses:
+            return Decision(step, experts)
+        hits = tuple([e for e in experts if state[e] == RESIDENT])
+        if self.rounding == "carry":
+            n_pcie = (len(misses) * self.miss_frac_256 + self._carry[layer]) >> 8
+        else:
+            n_pcie = (len(misses) * self.miss_frac_256 + 128) >> 8
+        if n_pcie == 0:
+            return Decision(step, hits, (), (), (), tuple(misses))
+        eligible = [e for e in misses if state[e] != INFLIGHT]
+        if n_pcie == 1 and len(eligible) > 1 and step.counts is None:
+            best = max(eligible, key=self._u[layer].__getitem__)  # first of the most used: rank order
+            pcie = [best]
+            cpu = tuple([e for e in misses if e != best])
+        elif len(eligible) > n_pcie:
+            u = self._u[layer]
+            if step.counts is None:
+                eligible.sort(key=lambda e: -u[e])  # stable: router rank breaks ties
+            else:
+                cnt = dict(zip(experts, step.counts))
+                eligible.sort(key=lambda e: (-cnt[e], -u[e]))
+            pcie = eligible[:n_pcie]
+            cpu = tuple([e for e in misses if e not in pcie])
+        else:
+            pcie = eligible
+            cpu = tuple([e for e in misses if state[e] == INFLIGHT])
+        slots = self.cache.free_slots(layer, len(pcie))
+        n_up = len(slots)
+        if n_up < len(pcie) and self.admit_uploads:
+            return self._admit(step, hits, pcie, slots, cpu)
+        if n_up == 0:
+            return Decision(step, hits, (), (), tuple(pcie), cpu)
+        return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu)
+
+    def _admit(self, step: Step, hits, pcie: list[int], slots: list[int], cpu) -> Decision:
+        """Uploads beyond the free slots replace the coldest residents of the layer that the
+        step does not use, while the miss is at least as used as the resident now. "Coldest"
+        follows the residents' usage ranking taken every ``swap_every`` tokens (4 without swap
+        rounds), after that token's background moves (ascending, ties by id); when that ranking
+        has too few such residents left, the layer is ranked afresh for this step."""
+        layer = step.layer
+        cache = self.cache
+        u = self._u[layer]
+        used = step.experts
+        need = len(pcie) - len(slots)
+        victims = _unused_residents(self._cold[layer], cache.state[layer], used, need)
+        if len(victims) < need:
+            victims = [v for v in self._rank_residents(layer) if v not in used][:need]
+        victims = [(u[v], v) for v in victims]
+        uploads, streams, evictions = list(pcie[: len(slots)]), [], []
+        slots = list(slots)
+        j = 0
+        for e in pcie[len(slots):]:
+            if j < len(victims) and u[e] >= victims[j][0]:
+                v = (layer, victims[j][1])
+                j += 1
+                uploads.append(e)
+                slots.append(cache.slot[v])
+                evictions.append(v)
+            else:
+                streams.append(e)
+        return Decision(step, hits, tuple(uploads), tuple(slots), tuple(streams), cpu, tuple(evictions))
+
+    def commit(self, d: Decision) -> None:
+        layer = d.step.layer
+        if d.uploads:
+            self._take_slots(d)
+        if self.rounding == "carry":
+            n_miss = len(d.uploads) + len(d.streams) + len(d.cpu)
+            self._carry[layer] = (n_miss * self.miss_frac_256 + self._carry[layer]) & 255
+        u = self._u[layer]
+        if d.step.counts is None:
+            for e in d.step.experts:
+                u[e] += 1.0
+        else:
+            for e, c in zip(d.step.experts, d.step.counts):
+                u[e] += c
+        if self._room:  # the misses are fill candidates only while some pool has a free slot
+            missed = self.missed
+            for e in d.streams:
+                missed[(layer, e)] = None
+            for e in d.cpu:
+                missed[(layer, e)] = None
+
+    def complete(self, layer: int, expert: int) -> None:
+        super().complete(layer, expert)
+        self.background.discard((layer, expert))
+
+    def _rank_residents(self, layer: int) -> list[int]:
+        """The layer's residents by usage ascending, ties by id."""
+        row = np.flatnonzero(self.cache.resident_row(layer) & self._valid[layer])
+        return row[np.argsort(self._np[layer][row], kind="stable")].tolist()
+
+    def _rank_all_residents(self) -> None:
+        """Refresh every layer's admission ranking (after a swap round)."""
+        width = self._np.shape[1]
+        vi = np.flatnonzero(self._valid & self.cache.resident_mask)
+        vl, ve = vi // width, vi % width
+        o = _by_layer_then(vl, self._np.ravel()[vi])
+        vl, ve = vl[o], ve[o]
+        bounds = np.searchsorted(vl, np.arange(len(self._cold) + 1))
+        self._cold = [ve[bounds[l]:bounds[l + 1]].tolist() for l in range(len(self._cold))]
+
+    # background ------------------------------------------------------------------------------
+    def _swap_due(self) -> bool:
+        return bool(self.swap_every) and (self.tokens + 1) % self.swap_every == 0 and not self.background
+
+    def plan_background(self) -> tuple[Move, ...]:
+        cache = self.cache
+        free_left = [len(f) for f in cache.free]
+        fills: list[Move] = []
+        taken: set[tuple[int, int]] = set()
+        if self.adaptive and self.missed and any(free_left):
+            u = self._u
+            cands = [k for k in self.missed if k not in cache.slot and cache.pool_of[k[0]] >= 0]
+            cands.sort(key=lambda k: -u[k[0]][k[1]])
+            for k in cands:
+                if len(fills) == self.max_fills:
+                    break
+                p = cache.pool_of[k[0]]
+                if free_left[p] == 0:
+                    continue
+                slot = cache.free[p][free_left[p] - 1]
+                free_left[p] -= 1
+                fills.append(Move(k[0], k[1], slot, None, u[k[0]][k[1]]))
+                taken.add(k)
+        moves = self._swap_round(free_left, taken) if self._swap_due() else []
+        return tuple(fills) + tuple(moves)
+
+    def _swap_round(self, free_left: list[int], taken: set[tuple[int, int]]) -> list[Move]:
+        """Plan one swap round (see the class docstring); vectorised over layers.
+
+        Candidates of a layer are ranked by usage descending, victims ascending, ties by expert
+        id. A pool's free slots go to its best candidates (merged across the pool's layers);
+        the layer's next candidates pair with its victims in order while candidate >= victim +
+        margin. All moves are ranked by gain descending, ties by layer then expert, and cut.
+        """
+        cache = self.cache
+        U = self._np
+        num_layers, width = U.shape
+        cand = self._valid & ~cache.occupied_mask & (U >= self.gate)
+        for l, e in taken:
+            cand[l, e] = False
+        layers = np.arange(num_layers)
+        # candidates: by layer, usage descending, expert; rank = position within the layer
+        ci = np.flatnonzero(cand)
+        cl, ce, cu = ci // width, ci % width, U.ravel()[ci]
+        o = _by_layer_then(cl, -cu)
+        cl, ce, cu = cl[o], ce[o], cu[o]
+        cstart = np.searchsorted(cl, layers)
+        crank = np.arange(len(cl)) - cstart[cl]
+        ncand = np.bincount(cl, minlength=num_layers)
+        # victims: residents by layer, usage ascending, expert
+        vi = np.flatnonzero(self._valid & cache.resident_mask)
+        vl, ve, vu = vi // width, vi % width, U.ravel()[vi]
+        o = _by_layer_then(vl, vu)
+        vl, ve, vu = vl[o], ve[o], vu[o]
+        vstart = np.searchsorted(vl, layers)
+        nvict = np.bincount(vl, minlength=num_layers)
+        # fills: a pool's free slots go to its best candidates (merged across its layers)
+        f = np.zeros(num_layers, dtype=np.int64)
+        fills = []  # (-gain, layer, expert, slot, None)
+        for p, (pool_layers, _) in enumerate(self.capacity.pools):
+            n_free = free_left[p]
+            if n_free == 0:
+                continue
+            best = sorted((-float(cu[cstart[l] + i]), l, int(ce[cstart[l] + i]))
+                          for l in pool_layers for i in range(min(n_free, int(ncand[l]))))
+            free = cache.free[p]
+            for i, (g, l, e) in enumerate(best[:n_free]):
+                f[l] += 1
+                fills.append((g, l, e, free[n_free - 1 - i], None))
+        # swaps: the layer's candidate f + j against its victim j, while the gain holds
+        vpos = crank - f[cl]
+        ok = (vpos >= 0) & (vpos < nvict[cl])
+        vidx = vstart[cl] + np.where(ok, vpos, 0)
+        gain = cu - vu[np.minimum(vidx, max(len(vu) - 1, 0))] if len(vu) else np.zeros(len(cu))
+        ok &= gain >= self.margin
+        sel = np.flatnonzero(ok)
+        swaps = [(-float(gain[i]), int(cl[i]), int(ce[i]), None, int(ve[vidx[i]])) for i in sel]
+        moves = []
+        for g, l, e, s, v in sorted(fills + swaps)[: self.max_moves]:
+            if v is None:
+                moves.append(Move(l, e, s, None, -g))
+            else:
+                moves.append(Move(l, e, cache.slot[(l, v)], (l, v), -g))
+        return moves
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        swap_round = self._swap_due()
+        super().commit_background(moves)
+        self.background.update((m.layer, m.expert) for m in moves)
+        if swap_round:
+            self._np *= self.decay
+        if self.admit_uploads and (self.tokens + 1) % (self.swap_every or 4) == 0:
+            self._rank_all_residents()
+        self.missed.clear()
+        self._room = any(self.cache.free)  # hybrid frees no slot during a token
+        self.tokens += 1
+
+
+def _unused_residents(order, state, used, need: int) -> list[int]:
+    """The first ``need`` experts of ``order`` that are resident and not in ``used``."""
+    out = []
+    for v in order:
+        if state[v] == RESIDENT and v not in used:
+            out.append(v)
+            if len(out) == need:
+                break
+    return out
+
+
+def _by_layer_then(layers: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Order of entries given in (layer, expert) order, sorted by layer, then key, then expert:
+    two stable sorts (the same order as ``np.lexsort((experts, keys, layers))``, several times
+    faster)."""
+    o = np.argsort(keys, kind="stable")
+    return o[np.argsort(layers[o], kind="stable")]

@@ -1,0 +1,362 @@
+"""``hybrid-cost``: ``hybrid`` whose miss split comes from a cost model (see ``HybridCostPolicy``)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+from ..cache import INFLIGHT, RESIDENT
+from ..core import Capacity, Decision, Geometry, Move, Step
+from ..costmodel import CostModel
+from ..profile import Profile
+from .hybrid import HybridConfig, HybridPolicy, _unused_residents
+from .tuner import FloorTuner
+
+__all__ = ["HybridCostConfig", "HybridCostPolicy"]
+
+
+@dataclass(frozen=True)
+class HybridCostConfig(HybridConfig):
+    """``hybrid-cost``'s knobs (see ``HybridCostPolicy``) and ``hybrid``'s, checked as there; an
+    error names the field.
+
+    ``floors_256``: distinct candidate floors in 0..256 (the first is the starting floor);
+    ``tune_every`` >= 1 (tokens' worth of routes per window); ``hysteresis`` in [0, 1);
+    ``shadow_layers`` >= 1; ``tune_duty`` in (0, 1]; ``tune_warmup`` >= 0 (windows);
+    ``admit`` "recency" or "usage". ``swap_every`` None: 0 (no swap rounds) with "recency", 4 with
+    "usage". ``rounding`` must be "nearest" (the floor is rounded to nearest).
+    """
+
+    swap_every: int | None = None
+    floors_256: tuple[int, ...] = (0, 32, 64, 96, 128)
+    tune_every: int = 8
+    hysteresis: float = 0.01
+    shadow_layers: int = 4
+    tune_duty: float = 0.25
+    tune_warmup: int = 16
+    admit: str = "recency"
+
+    policy = "hybrid-cost"
+
+    def __post_init__(self) -> None:
+        if self.admit not in ("recency", "usage"):
+            raise ValueError(f"hybrid-cost admit: {self.admit!r}, expected 'recency' or 'usage'")
+        if self.rounding != "nearest":
+            raise ValueError("hybrid-cost rounding: its floor is rounded to nearest; 'carry' is hybrid's")
+        if self.swap_every is None:
+            object.__setattr__(self, "swap_every", 0 if self.admit == "recency" else 4)
+        floors = tuple(int(f) for f in self.floors_256)
+        if not floors or any(not 0 <= f <= 256 for f in floors) or len(set(floors)) != len(floors):
+            raise ValueError(f"hybrid-cost floors_256: {self.floors_256}, expected distinct values in 0..256")
+        object.__setattr__(self, "floors_256", floors)
+        if not self.tune_every >= 1:
+            raise ValueError(f"hybrid-cost tune_every: {self.tune_every}, expected >= 1")
+        if not 0.0 <= self.hysteresis < 1.0:
+            raise ValueError(f"hybrid-cost hysteresis: {self.hysteresis}, expected in [0, 1)")
+        if not self.shadow_layers >= 1:
+            raise ValueError(f"hybrid-cost shadow_layers: {self.shadow_layers}, expected >= 1")
+        if not 0.0 < self.tune_duty <= 1.0:
+            raise ValueError(f"hybrid-cost tune_duty: {self.tune_duty}, expected in (0, 1]")
+        if not self.tune_warmup >= 0:
+            raise ValueError(f"hybrid-cost tune_warmup: {self.tune_warmup}, expected >= 0")
+        super().__post_init__()
+
+
+class HybridCostPolicy(HybridPolicy):
+    """``hybrid`` whose miss split comes from a cost model instead of a fixed fraction.
+
+    Per step: the hits' GPU time is counted first; in-flight misses go to the CPU. Of the other
+    misses, ranked by token count (more first), then decayed usage (higher first), then router
+    rank, the first ``round(n * floor_256 / 256)`` (half up) go over PCIe (the *floor*); each of
+    the rest goes where the layer's time ``max(gpu, pcie, cpu)`` grows least: over PCIe to the GPU
+    (upload + GPU compute) or to the CPU pool (its per-layer task cost paid once); ties go to the
+    CPU, which moves no bytes. Misses of equal token count cost the same, so the greedy fixes how
+    many of each count go over PCIe and the most used of them are the ones sent (and admitted).
+
+    The link is modelled as a queue: background copies (fills and swaps) committed after a token
+    are queued on it, and drain while layers run (``CostModel.layer_s`` of each layer's other
+    work, then the layer's predicted time); a step's uploads start behind what is left. A step
+    with no upload does not wait for the link.
+
+    The floor is chosen online from ``floors_256``: one shadow copy of the policy per candidate
+    floor (its own cache, usage and background work, completions at the live lag) is replayed on
+    the committed steps of ``shadow_layers`` MoE layers (at most one per ``len(floors_256)`` MoE
+    layers, at least one) spread evenly over depth (with every layer
+    that shares a cache pool with one of them; each shadow's ``max_moves`` and ``max_fills`` are
+    cut in the same proportion) and sums its predicted layer times. After the first
+    ``tune_warmup`` windows the shadows run only a ``tune_duty`` share of the time: a window, then a
+    rest; the window after a rest starts fresh shadows from the live cache, usage and in-flight
+    copies on those layers. Tuning thus costs about ``tune_duty * len(floors_256) * shadow_layers
+    / num_moe_layers`` of a policy's steps. A window closes after ``tune_every``
+    tokens' worth of routes (``top_k`` per token and MoE layer; an n-token step counts its token
+    counts), at a step (in the duty cycle, at the end of that step's token): the live floor
+    moves to the shadow predicted fastest, if it beats the
+    current floor's shadow by more than ``hysteresis`` (a fraction); then every sum is halved, so
+    earlier windows weigh less. A single candidate fixes the floor. An expert with many tokens
+    is worth uploading; one with a single token is often cheaper on the CPU (HybriMoE, Fiddler); a
+    share of uploads beyond that buys future hits, which the shadows price.
+
+    Caching (``admit``): with ``"recency"`` (the default) a PCIe miss beyond the free slots always
+    takes the slot of the layer's least recently used resident the step does not use (within a
+    step, in router order; never used: by id): its bytes cross the link anyway, and on a trace with the locality of the
+    qwen3 preset, recency kept more hits than usage (simulated, calibrated H200 file: hit rate
+    0.751 against 0.643 for hybrid's usage-gated admission when every miss goes over PCIe); swap
+    rounds are then off unless ``swap_every`` is given, since they refill by usage what recency
+    evicted. ``"usage"``: ``hybrid``'s admission and swap rounds. Fills are ``hybrid``'s.
+    """
+
+    name = "hybrid-cost"
+    _shortcut = True  # skip the greedy where it provably sends every miss (tests compare without)
+
+    def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
+                 cost_model: CostModel | None = None, config: HybridCostConfig = HybridCostConfig()):
+        self.admit = config.admit
+        if cost_model is None:
+            raise ValueError("policy 'hybrid-cost' needs cost_model= (scheduler.CostModel)")
+        if len(cost_model.upload_s) != geometry.num_layers:
+            raise ValueError(f"cost_model has {len(cost_model.upload_s)} layers, the model {geometry.num_layers}")
+        floors = config.floors_256
+        self.costs = cost_model
+        self.floor_256 = floors[0]
+        self._layer_s = cost_model.layer_s or (0.0,) * geometry.num_layers
+        self._queue_s = 0.0  # link work still queued when the last committed layer ended
+        self.lag_tokens = 1  # background completion lag, learnt from the live completions
+        self._bg_token: dict[tuple[int, int], int] = {}  # background copy -> token it followed
+        self._gpu1 = [cost_model.gpu_s(l, 1) for l in range(geometry.num_layers)]  # decode costs
+        self._cpu1 = [cost_model.cpu_s(l, 1) for l in range(geometry.num_layers)]
+        self._gpu_tab: list[list[float]] = [[] for _ in range(geometry.num_layers)]  # see _tables
+        self._cpu_tab: list[list[float]] = [[] for _ in range(geometry.num_layers)]
+        self._planned = None  # (the last decision planned, its layer_time_s), read by commit
+        self.committed_s = 0.0  # predicted expert time of the last committed decision
+        super().__init__(geometry, capacity, profile, config)
+        # per layer, every expert from least to most recently used (never used first, by id)
+        self._lru = [OrderedDict.fromkeys(range(n)) for n in geometry.num_experts]
+        self.tuner = None
+        if len(floors) > 1:
+            n_moe = len(geometry.moe_layers)  # shadows plan no more layer-steps than the live policy
+            layers = _sample_layers(geometry.moe_layers, self.cache.pool_of,
+                                    min(config.shadow_layers, max(n_moe // len(floors), 1)))
+            parts = _sub_model(geometry, capacity, profile, cost_model, layers)
+            n = len(layers)
+            cut = replace(config, max_moves=-(-self.max_moves * n // n_moe), max_fills=-(-self.max_fills * n // n_moe))
+            make = lambda f, prof: HybridCostPolicy(*parts[:2], prof, cost_model=parts[3],
+                                                    config=replace(cut, floors_256=(f,)))
+            routes = config.tune_every * geometry.top_k * n_moe
+            self.tuner = FloorTuner(make, floors, routes, config.hysteresis, layers, parts[2], config.tune_duty,
+                                    config.tune_warmup)
+
+    def _tables(self, layer: int, max_count: int) -> tuple[list[float], list[float]]:
+        """The layer's GPU and CPU seconds per expert by token count (index c: c tokens), grown
+        to cover ``max_count``."""
+        gt, ct = self._gpu_tab[layer], self._cpu_tab[layer]
+        cm = self.costs
+        for c in range(len(gt), max_count + 1):
+            gt.append(cm.gpu_s(layer, c))
+            ct.append(cm.cpu_s(layer, c))
+        return gt, ct
+
+    def plan(self, step: Step) -> Decision:
+        layer = step.layer
+        state = self.cache.state[layer]
+        experts, counts = step.experts, step.counts
+        misses = [e for e in experts if state[e] != RESIDENT]
+        queued = self._queue_s - self._layer_s[layer]
+        queued = queued if queued > 0.0 else 0.0
+        if counts is None:
+            gpu_s, cpu_s = self._gpu1[layer], self._cpu1[layer]
+        else:
+            gt, ct = self._tables(layer, max(counts))
+        if not misses:
+            t = len(experts) * gpu_s if counts is None else sum([gt[c] for c in counts])
+            d = Decision(step, experts)
+            self._planned = (d, t, queued - t if queued > t else 0.0)
+            return d
+        hits = tuple([e for e in experts if state[e] == RESIDENT])
+        eligible = [e for e in misses if state[e] != INFLIGHT]
+        task = self.costs.cpu_task_s
+        if counts is None:
+            gpu = len(hits) * gpu_s
+            n_busy = len(misses) - len(eligible)  # in flight: on the CPU
+            cpu_t = task + n_busy * cpu_s if n_busy else 0.0
+        else:
+            cnt = dict(zip(experts, counts))
+            gpu = sum([gt[cnt[e]] for e in hits])
+            busy = [ct[cnt[e]] for e in misses if state[e] == INFLIGHT]
+            cpu_t = task + sum(busy) if busy else 0.0
+        delay = self.costs.cpu_delay_s  # with the pool in use, GPU work and copies are queued this late
+        if not eligible:
+            t = max(gpu + delay, cpu_t)
+            d = Decision(step, hits, cpu=tuple(misses))
+            self._planned = (d, t, queued - t if queued > t else 0.0)
+            return d
+        u = self._u[layer]
+        if len(eligible) > 1:  # more used first; stable, so router rank breaks ties
+            eligible.sort(key=u.__getitem__ if counts is None else (lambda e: (cnt[e], u[e])), reverse=True)
+        n_floor = (len(eligible) * self.floor_256 + 128) >> 8
+        up_s = self.costs.upload_s[layer]
+        link = queued + n_floor * up_s
+        if counts is None:
+            gpu += n_floor * gpu_s
+            pcie, gpu, link, cpu_t = self._split_decode(eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s,
+                                                        queued)
+        else:
+            gpu += sum([gt[cnt[e]] for e in eligible[:n_floor]])
+            pcie, gpu, link, cpu_t = self._split_counts(eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s,
+                                                        queued)
+        dl = delay if cpu_t else 0.0
+        if pcie:
+            t, left = max(gpu + dl, cpu_t, link + max(dl - queued, 0.0)), 0.0
+            cpu = tuple([e for e in misses if e not in pcie])
+        else:
+            t = max(gpu + dl, cpu_t)
+            left = queued - t if queued > t else 0.0
+            cpu = tuple(misses)
+        slots = self.cache.free_slots(layer, len(pcie))
+        n_slot = len(slots)
+        if n_slot < len(pcie) and self.admit_uploads:
+            d = self._admit(step, hits, pcie, slots, cpu)
+        else:
+            d = Decision(step, hits, tuple(pcie[:n_slot]), tuple(slots), tuple(pcie[n_slot:]), cpu)
+        self._planned = (d, t, left)
+        return d
+
+    def _split_decode(self, eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s, queued):
+        """The greedy past the floor when every miss has one token (all cost the same, so the
+        first ones sent are the most used); returns (PCIe misses, gpu, link, cpu times).
+        ``link``: the link's end (``queued`` background work, then the uploads); with the pool in
+        use, the GPU work and the uploads start ``cpu_delay_s`` late."""
+        n_up = n_floor
+        task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
+        if self._shortcut and not cpu_t:  # the pool's first expert dearer than every miss sent: all go
+            g_all, l_all = gpu, link
+            for _ in range(len(eligible) - n_floor):
+                g_all += gpu_s
+                l_all += up_s
+            if task + cpu_s > max(g_all, l_all):
+                return eligible, g_all, l_all, cpu_t
+        lag = max(delay - queued, 0.0)  # the uploads' delay behind the queue when the pool is used
+        for _ in range(len(eligible) - n_floor):
+            g_gpu, g_link = gpu + gpu_s, link + up_s
+            c_cpu = cpu_t + cpu_s + (0.0 if cpu_t else task)
+            dg, dk = (delay, lag) if cpu_t else (0.0, 0.0)
+            if max(g_gpu + dg, g_link + dk, cpu_t) < max(gpu + delay, link + lag if n_up else 0.0, c_cpu):
+                gpu, link, n_up = g_gpu, g_link, n_up + 1
+            else:
+                cpu_t = c_cpu
+        return eligible[:n_up], gpu, link, cpu_t
+
+    def _split_counts(self, eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s, queued):
+        """The greedy past the floor with token counts: it fixes how many misses of each count
+        go over PCIe, and the most used of that count are sent; returns as ``_split_decode``."""
+        n_up = n_floor
+        task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
+        if self._shortcut and not cpu_t and n_floor < len(eligible):  # as in _split_decode, cheapest count
+            g_all, l_all, cheapest = gpu, link, min([ct[cnt[e]] for e in eligible[n_floor:]])
+            for e in eligible[n_floor:]:
+                g_all += gt[cnt[e]]
+                l_all += up_s
+            if task + cheapest > max(g_all, l_all):
+                return eligible, g_all, l_all, cpu_t
+        lag = max(delay - queued, 0.0)
+        sent: dict[int, int] = {}  # token count -> how many of the greedy's misses go over PCIe
+        for e in eligible[n_floor:]:
+            c = cnt[e]
+            g_gpu, g_link = gpu + gt[c], link + up_s
+            c_cpu = cpu_t + ct[c] + (0.0 if cpu_t else task)
+            dg, dk = (delay, lag) if cpu_t else (0.0, 0.0)
+            if max(g_gpu + dg, g_link + dk, cpu_t) < max(gpu + delay, link + lag if n_up else 0.0, c_cpu):
+                sent[c] = sent.get(c, 0) + 1
+                gpu, link, n_up = g_gpu, g_link, n_up + 1
+            else:
+                cpu_t = c_cpu
+        pcie = eligible[:n_floor]
+        for e in eligible[n_floor:]:
+            c = cnt[e]
+            if sent.get(c):
+                sent[c] -= 1
+                pcie.append(e)
+        return pcie, gpu, link, cpu_t
+
+    def layer_time_s(self, d: Decision) -> tuple[float, float]:
+        """Predicted expert time of decision ``d`` by the cost model (waiting for the link's queue
+        when it uploads), and the link work still queued when the layer ends."""
+        if self._planned is not None and self._planned[0] is d:
+            return self._planned[1], self._planned[2]
+        cm = self.costs
+        layer = d.step.layer
+        cnt = dict(zip(d.step.experts, d.step.counts)) if d.step.counts is not None else None
+        queued = max(self._queue_s - self._layer_s[layer], 0.0)
+        gpu = sum(cm.gpu_s(layer, cnt[e] if cnt else 1) for e in d.hits + d.uploads + d.streams)
+        cpu = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in d.cpu) if d.cpu else 0.0
+        n_up = len(d.uploads) + len(d.streams)
+        dl = cm.cpu_delay_s if d.cpu else 0.0
+        if n_up:
+            return max(gpu + dl, cpu, max(queued, dl) + n_up * cm.upload_s[layer]), 0.0
+        t = max(gpu + dl, cpu)
+        return t, max(queued - t, 0.0)
+
+    def _admit(self, step: Step, hits, pcie: list[int], slots: list[int], cpu) -> Decision:
+        """``admit="recency"``: uploads beyond the free slots take the slots of the layer's least
+        recently used residents the step does not use; else ``hybrid``'s usage-gated admission."""
+        if self.admit != "recency":
+            return super()._admit(step, hits, pcie, slots, cpu)
+        layer, cache = step.layer, self.cache
+        need = len(pcie) - len(slots)
+        victims = _unused_residents(self._lru[layer], cache.state[layer], step.experts, need)
+        n_up = len(slots) + len(victims)
+        slots = list(slots) + [cache.slot[(layer, v)] for v in victims]
+        return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu,
+                        tuple((layer, v) for v in victims))
+
+    def commit(self, d: Decision) -> None:
+        """Commit ``d`` (see ``hybrid``); its predicted time (``layer_time_s``) is kept in
+        ``committed_s``."""
+        self.committed_s, self._queue_s = self.layer_time_s(d)
+        to_end = self._lru[d.step.layer].move_to_end
+        for e in d.step.experts:
+            to_end(e)
+        super().commit(d)
+        if self.tuner is not None:
+            self.floor_256 = self.tuner.observe(d.step, self.floor_256)
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        token = self.tokens
+        super().commit_background(moves)
+        up = self.costs.upload_s
+        self._queue_s += sum(up[m.layer] for m in moves)
+        for m in moves:
+            self._bg_token[(m.layer, m.expert)] = token
+        if self.tuner is not None:
+            self.floor_256 = self.tuner.end_token(self, token)
+
+    def complete(self, layer: int, expert: int) -> None:
+        token = self._bg_token.pop((layer, expert), None)
+        if token is not None:  # a background copy: the driver's lag is now known
+            self.lag_tokens = max(self.tokens - token - 1, 0)
+        super().complete(layer, expert)
+
+
+def _sample_layers(moe_layers: tuple[int, ...], pool_of: list[int], k: int) -> tuple[int, ...]:
+    """``k`` of ``moe_layers`` spread evenly (the middle of each of ``k`` equal runs), with every
+    layer sharing a cache pool with one of them; ascending."""
+    n = len(moe_layers)
+    if k >= n:
+        return moe_layers
+    picked = {moe_layers[(2 * i + 1) * n // (2 * k)] for i in range(k)}
+    pools = {pool_of[l] for l in picked if pool_of[l] >= 0}
+    return tuple(sorted(picked | {l for l in moe_layers if pool_of[l] in pools}))
+
+
+def _sub_model(geometry: Geometry, capacity: Capacity, profile: Profile | None, cost_model: CostModel,
+               layers: tuple[int, ...]):
+    """Geometry, capacity, profile and cost model of ``layers`` alone (whole pools), renumbered
+    0.. in order, for the floor tuner's shadows."""
+    index = {l: i for i, l in enumerate(layers)}
+    sub = Geometry(tuple(geometry.num_experts[l] for l in layers), geometry.top_k,
+                   tuple(geometry.expert_bytes[l] for l in layers))
+    pools = tuple((tuple(index[l] for l in ls if l in index), n) for ls, n in capacity.pools
+                  if any(l in index for l in ls))
+    if profile is not None:
+        ranked = tuple((index[l], e) for l, e in profile.ranked if l in index)
+        freq = None if profile.frequency is None else profile.frequency[list(layers)]
+        profile = Profile(len(layers), sub.max_experts, ranked, min(profile.slots, len(ranked)), freq)
+    return sub, Capacity(pools), profile, cost_model.of_layers(layers)
