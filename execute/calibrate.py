@@ -59,7 +59,6 @@ from scheduler.core import Capacity, Decision, Geometry, Step, Token
 from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
 from scheduler.files import OutputPathError, atomic_write, check_output
 from scheduler.policies import make_policy
-from scheduler.profile import Profile
 
 from . import quant as Q
 from .experts import LayerExperts, random_layer
@@ -137,18 +136,12 @@ def measure_plan_s(geometry: Geometry, slots: int, tokens, policies=PLAN_POLICIE
 
         full = Costs(load_model("qwen3-30b-a3b"), load_hardware("h200-xeon16")).cost_model()
         cost_model = full.of_layers([l % len(full.upload_s) for l in range(geometry.num_layers)])
-    counts = np.zeros((geometry.num_layers, geometry.max_experts))
-    for t in tokens:
-        for s in t.steps:
-            counts[s.layer, list(s.experts)] += 1
-    profile = Profile.from_counts(counts)
     out = {}
     for name in policies:
         samples = []
         for _ in range(reps):
             cap = Capacity.per_layer(geometry, geometry.max_experts if name == "gpu" else slots)
-            pol = make_policy(name, geometry, cap, profile=profile if name == "static" else None,
-                              **({"cost_model": cost_model} if name == "hybrid-cost" else {}))
+            pol = make_policy(name, geometry, cap, tokens=tokens, cost_model=cost_model)  # static: the tokens' counts
             steps = 0
             t0 = time.perf_counter()
             for item in drive(pol, tokens):
@@ -361,7 +354,7 @@ class GpuTimer:
         """Host seconds per call of ``fn()`` (async work), ``reps + 1`` calls back to back behind one
         spin (nothing blocks), the first a warm-up: the thread stays busy, as in a replay. (Timing
         each call after a synchronisation instead measured it cold: about twice as long on the H200
-        box, 2026-11-29, docs/FIDELITY.md.)"""
+        box.)"""
         samples = []
         self.spin(stream)
         for r in range(reps + 1):

@@ -7,7 +7,7 @@ memory; no GGUF file: loading files is ``moelab replay``'s job). The GPU expert 
 ``--cache-mib`` MiB and at ``--cache-frac`` of each layer's experts (the smaller).
 
 Routing: ``traces.synth`` (the preset ``qwen3-30b-a3b`` when it exists, else parameters fitted
-here to ANCHORS' 48x128 LRU figures: 41/64/82/92% hits at 8/16/32/64 slots, per-sequence reset).
+here to a published 48x128 top-8 LRU curve: 41/64/82/92% hits at 8/16/32/64 slots, per-sequence reset).
 ``static`` is pre-placed from a profile counted on the warm-up part of the same trace (a profile
 from another trace of the model places the wrong experts); ``hybrid`` is the scheduler's default
 (``admit_uploads``) without a profile, or with the warm-up profile (``--hybrid-profile warmup``),
@@ -63,7 +63,7 @@ from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground
 from scheduler.policies import make_policy
 from scheduler.profile import Profile
 
-# fitted with traces.synth.signature to ANCHORS' 48x128 top-8 LRU hit rates (see module docstring)
+# fitted with traces.synth.signature to the published 48x128 top-8 LRU hit rates (see module docstring)
 FALLBACK_PARAMS = dict(zipf_s=0.6, topic_concentration=0.3, reuse_prob=0.3, reuse_lag_tokens=2.0)
 QKV, ATTN = 5120, 4096  # dense stand-in widths
 

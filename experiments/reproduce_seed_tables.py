@@ -1,10 +1,10 @@
-"""Predict seed 000's published decode rows with the simulator and print them side by side.
+"""Predict the published decode rows below with the simulator and print them side by side.
 
 Machines: the ``rtx4060-laptop`` and ``l4-colab`` presets. Model: Qwen3.5-35B-A3B geometry (40 layers
 x 256 experts, top-8) in the published quant types, on a synthetic trace of that geometry (no
 recorded Qwen3.5 routing is available). Rows: upstream ``--cpu-moe`` (policy ``cpu``), upstream's
 cache (``lru`` with the same MiB budget) and the PR's hybrid + adaptive (``hybrid``, adaptive fills,
-cache starting empty). Published figures: /work/shared/ANCHORS.md "Published figures" (seed 000).
+cache starting empty). The published figures are the ``TABLES`` entries.
 
     python experiments/reproduce_seed_tables.py [--tokens 256] [--seeds 3] [--out docs/SEED_TABLES.md]
 """

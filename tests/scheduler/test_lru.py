@@ -1,4 +1,4 @@
-"""lru against a ten-line reference, and the granite figures of ANCHORS.md."""
+"""lru against a ten-line reference, and the published granite hit rates."""
 from collections import OrderedDict
 
 import pytest
@@ -38,7 +38,7 @@ def test_lru_matches_reference(top_k, num_experts, seed, extra, skew):
     assert got == reference_lru_hits(tokens, slots)
 
 
-GRANITE = {  # ANCHORS.md: decode steps in order, caches carried across the three prompts
+GRANITE = {  # published hit rates: decode steps in order, caches carried across the three prompts
     8: {"lru": 0.422, "static": 0.454, "belady": 0.620},
     16: {"lru": 0.725, "static": 0.740, "belady": 0.859},
     24: {"lru": 0.904, "static": 0.919, "belady": 0.953},
