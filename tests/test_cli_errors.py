@@ -382,3 +382,12 @@ def test_calibrate_base_takes_a_preset_name(tmp_path):
     assert _base_path("rtx4060-laptop") == HARDWARE_DIR / "rtx4060-laptop.json"
     (tmp_path / "hw.json").write_text("{}")
     assert _base_path(str(tmp_path / "hw.json")) == tmp_path / "hw.json"
+
+
+@pytest.mark.parametrize("slots", [0, -3])
+def test_the_reference_lru_refuses_caches_of_no_slots(slots):
+    """Not a hit rate read from the wrong end of the recency order (a -1 index)."""
+    from traces import stats
+
+    with pytest.raises(ValueError, match=f"capacities: {slots} slots, expected cache sizes >= 1"):
+        stats.lru_hit_rates(traces.load(), [8, slots])

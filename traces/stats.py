@@ -121,7 +121,11 @@ def _lru_sweep(ids: np.ndarray, seq: np.ndarray, E: int, capacities: Sequence[in
 
 def lru_hit_rates(trace: Trace, capacities: Sequence[int], phase: str | None = None,
                   reset_per_sequence: bool = False) -> dict[int, float]:
-    """Reference per-layer LRU hit rate at each capacity (slots per layer; see the module docstring)."""
+    """Reference per-layer LRU hit rate at each capacity (slots per layer, each >= 1; see the module
+    docstring)."""
+    bad = [c for c in capacities if int(c) < 1]
+    if bad:
+        raise ValueError(f"capacities: {bad[0]} slots, expected cache sizes >= 1 slot")
     ids, seq = _ids(trace, phase)
     hits, routed, _ = _lru_sweep(ids, seq, max(trace.num_experts), capacities, reset_per_sequence)
     return {int(c): (float(h) / routed if routed else 0.0) for c, h in zip(capacities, hits)}
