@@ -155,42 +155,41 @@ def generate(num_layers: int, num_experts: int, top_k: int, num_tokens: int, par
     s_idx, l_idx = np.arange(S)[:, None, None], np.arange(L)[None, :, None]
     p_lag = 1.0 / params.reuse_lag_tokens
     reuse_exp = (1.0 - params.reuse_prob) / max(params.reuse_prob, 1e-9)  # E[U ** reuse_exp] = reuse_prob
-    bar = _bar(progress, "trace synth", num_tokens, "token")
-    for t in range(int(lens.max())):
-        if t:
-            shift = np.flatnonzero(rng.random(S) < params.topic_shift_prob)
-            if len(shift):
-                _set_topics(cdf, base, shift, params.topic_concentration, rng)
-        cand = _topic_draw(flat, offsets, _shared_uniform(rng, (S, L, m), params.cross_layer), E)
-        if t:
-            lag = rng.geometric(p_lag, size=(S, L, m))
-            src = rng.integers(k, size=(S, L, m))
-            strength = _shared_uniform(rng, (S, L, 1), params.cross_layer) ** reuse_exp  # (S, L, 1)
-            reuse = (rng.random((S, L, m)) < strength) & (lag <= min(t, _HISTORY))
-            cand = np.where(reuse, hist[(t - lag) % _HISTORY, s_idx, l_idx, src], cand)
-            cand = np.take_along_axis(cand, np.argsort(~reuse, axis=2, kind="stable"), 2)  # repeats rank first
-        sel = _first_unique(cand.reshape(S * L, m), k)
-        for _ in range(4):
+    with _bar(progress, "trace synth", num_tokens, "token") as bar:
+        for t in range(int(lens.max())):
+            if t:
+                shift = np.flatnonzero(rng.random(S) < params.topic_shift_prob)
+                if len(shift):
+                    _set_topics(cdf, base, shift, params.topic_concentration, rng)
+            cand = _topic_draw(flat, offsets, _shared_uniform(rng, (S, L, m), params.cross_layer), E)
+            if t:
+                lag = rng.geometric(p_lag, size=(S, L, m))
+                src = rng.integers(k, size=(S, L, m))
+                strength = _shared_uniform(rng, (S, L, 1), params.cross_layer) ** reuse_exp  # (S, L, 1)
+                reuse = (rng.random((S, L, m)) < strength) & (lag <= min(t, _HISTORY))
+                cand = np.where(reuse, hist[(t - lag) % _HISTORY, s_idx, l_idx, src], cand)
+                cand = np.take_along_axis(cand, np.argsort(~reuse, axis=2, kind="stable"), 2)  # repeats rank first
+            sel = _first_unique(cand.reshape(S * L, m), k)
+            for _ in range(4):
+                short = np.flatnonzero((sel < 0).any(axis=1))
+                if not len(short):
+                    break
+                u = rng.random((len(short), 1, m))
+                extra = _topic_draw(flat, offsets.reshape(S * L, 1, 1)[short], u, E).reshape(len(short), m)
+                sel[short] = _first_unique(np.concatenate([sel[short], extra], axis=1), k)
             short = np.flatnonzero((sel < 0).any(axis=1))
-            if not len(short):
-                break
-            u = rng.random((len(short), 1, m))
-            extra = _topic_draw(flat, offsets.reshape(S * L, 1, 1)[short], u, E).reshape(len(short), m)
-            sel[short] = _first_unique(np.concatenate([sel[short], extra], axis=1), k)
-        short = np.flatnonzero((sel < 0).any(axis=1))
-        if len(short):  # a topic too narrow to give k experts: complete with unused ids at random
-            keys = rng.random((len(short), E))
-            rows = sel[short]
-            np.put_along_axis(keys, np.where(rows >= 0, rows, 0), np.where(rows >= 0, 2.0, keys[:, :1]), 1)
-            fresh = np.argsort(keys, axis=1)[:, :k]
-            fill = np.cumsum(rows < 0, axis=1) - 1
-            sel[short] = np.where(rows >= 0, rows, np.take_along_axis(fresh, np.maximum(fill, 0), 1))
-        sel = sel.reshape(S, L, k)
-        hist[t % _HISTORY] = sel
-        live = np.flatnonzero(lens > t)
-        out[starts[live] + t] = sel[live]
-        bar.update(len(live))
-    bar.close()
+            if len(short):  # a topic too narrow to give k experts: complete with unused ids at random
+                keys = rng.random((len(short), E))
+                rows = sel[short]
+                np.put_along_axis(keys, np.where(rows >= 0, rows, 0), np.where(rows >= 0, 2.0, keys[:, :1]), 1)
+                fresh = np.argsort(keys, axis=1)[:, :k]
+                fill = np.cumsum(rows < 0, axis=1) - 1
+                sel[short] = np.where(rows >= 0, rows, np.take_along_axis(fresh, np.maximum(fill, 0), 1))
+            sel = sel.reshape(S, L, k)
+            hist[t % _HISTORY] = sel
+            live = np.flatnonzero(lens > t)
+            out[starts[live] + t] = sel[live]
+            bar.update(len(live))
     seq = np.repeat(np.arange(S, dtype=np.int32), lens)
     pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
     meta = {"source": "synthetic", "license": "generated (no third-party data)",
@@ -253,32 +252,31 @@ def fit_to(target: dict, geometry: tuple[int, int, int], num_seqs: int, tokens_p
     rng = np.random.default_rng(seed)
     best = start or SynthParams()
     best_loss = evaluate(best)
-    bar = _bar(progress, "trace fit", num_random + passes, "step")  # a random point, or a pass
-    for i in range(num_random):  # global: random points in the box (log scale where marked)
-        cand = SynthParams(**{name: _from_unit(name, rng.random()) for name in _BOUNDS})
-        loss = evaluate(cand)
-        if loss < best_loss:
-            best, best_loss = cand, loss
-        bar.set_postfix_str(f"loss {best_loss:.2f} points^2", refresh=False)
-        bar.update()
-    step = 0.125
-    for n in range(passes):  # local: coordinate moves in the unit box, step halving
-        improved = False
-        for name in _BOUNDS:
-            for direction in (1, -1):
-                u = min(1.0, max(0.0, _to_unit(name, getattr(best, name)) + direction * step))
-                cand = replace(best, **{name: _from_unit(name, u)})
-                if cand == best:
-                    continue
-                loss = evaluate(cand)
-                if loss < best_loss:
-                    best, best_loss, improved = cand, loss, True
-                    break
-        bar.set_postfix_str(f"loss {best_loss:.2f} points^2", refresh=False)
-        bar.update()
-        if not improved:
-            step *= 0.5
-    bar.close()
+    with _bar(progress, "trace fit", num_random + passes, "step") as bar:  # a random point, or a pass
+        for i in range(num_random):  # global: random points in the box (log scale where marked)
+            cand = SynthParams(**{name: _from_unit(name, rng.random()) for name in _BOUNDS})
+            loss = evaluate(cand)
+            if loss < best_loss:
+                best, best_loss = cand, loss
+            bar.set_postfix_str(f"loss {best_loss:.2f} points^2", refresh=False)
+            bar.update()
+        step = 0.125
+        for n in range(passes):  # local: coordinate moves in the unit box, step halving
+            improved = False
+            for name in _BOUNDS:
+                for direction in (1, -1):
+                    u = min(1.0, max(0.0, _to_unit(name, getattr(best, name)) + direction * step))
+                    cand = replace(best, **{name: _from_unit(name, u)})
+                    if cand == best:
+                        continue
+                    loss = evaluate(cand)
+                    if loss < best_loss:
+                        best, best_loss, improved = cand, loss, True
+                        break
+            bar.set_postfix_str(f"loss {best_loss:.2f} points^2", refresh=False)
+            bar.update()
+            if not improved:
+                step *= 0.5
     return best
 
 
