@@ -4,11 +4,14 @@ Everything it hands out is in numpy order. **The reversed-dims trap**: GGUF list
 dimensions fastest-varying first (``ne[0]`` is the length of a row), numpy lists them slowest first.
 A projection ``W`` computing ``y = W @ x`` (``x`` of length ``cols``, ``y`` of length ``rows``) is
 stored as GGUF shape ``[cols, rows]`` and is a numpy array ``(rows, cols)``; an expert tensor of GGUF
-shape ``[cols, rows, experts]`` is numpy ``(experts, rows, cols)``. ``gguf.GGUFReader`` already
-reshapes ``ReaderTensor.data`` to numpy order, but ``ReaderTensor.shape`` stays in GGUF order, and
-quantized tensors arrive as ``uint8`` rows of blocks (``(..., rows, bytes_per_row)``). This module
-reverses the shape once (:class:`TensorEntry` ``.shape`` is numpy order, in elements) and nobody
-else sees GGUF order.
+shape ``[cols, rows, experts]`` is numpy ``(experts, rows, cols)``. Quantized rows are stored as
+blocks, so a tensor's bytes are ``uint8`` ``(..., rows, bytes_per_row)``. This module reverses the
+shape once, where it parses the tensor table (:class:`TensorEntry` ``.shape`` is numpy order, in
+elements), and nobody else sees GGUF order.
+
+Reading is this module's own parser (:class:`GGUFFile`: header, metadata and tensor table, tensor
+data memory-mapped); gguf-py is used for writing, quant type names and sizes, and as the numpy
+dequantization reference.
 
 - :func:`read_model_info` reads metadata and the tensor table only (weights stay unread on disk).
 - :func:`load_model` memory-maps the file: dense weights are dequantized to float32 numpy arrays,
@@ -19,7 +22,10 @@ else sees GGUF order.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +37,7 @@ from .experts import ExecutorError, ExpertTensor, LayerExperts
 
 __all__ = [
     "GGUFError",
+    "GGUFFile",
     "ModelInfo",
     "TensorEntry",
     "DenseLayer",
@@ -83,12 +90,14 @@ def block_shape(qtype: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One row of the tensor table. ``shape`` is numpy order, in elements (GGUF order reversed)."""
+    """One row of the tensor table. ``shape`` is numpy order, in elements (GGUF order reversed);
+    ``data_offset`` is where its bytes start in the file."""
 
     name: str
     qtype: int
     shape: tuple[int, ...]
     nbytes: int
+    data_offset: int = field(default=0, repr=False)
 
     @property
     def qtype_name(self) -> str:
@@ -212,29 +221,207 @@ class ModelInfo:
 
 
 # reading ------------------------------------------------------------------------------------------
-def _open(path: str | os.PathLike) -> gguf.GGUFReader:
-    p = Path(path)
-    if not p.is_file():
-        raise GGUFError(f"{p}: no such file")
-    try:
-        return gguf.GGUFReader(p, "r")
-    except Exception as exc:  # gguf raises ValueError/struct errors/IndexError on bad files
-        raise GGUFError(f"{p}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+# GGUF value types: (struct code, size) of the scalars; 8 is a string, 9 an array
+_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4), 7: ("?", 1),
+            10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_QUANT_SIZES = {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
+
+
+class _Corrupt(Exception):
+    """A read past the end of the file or a malformed entry, while parsing one section."""
+
+
+class GGUFFile:
+    """A GGUF file parsed by this module (little-endian v2/v3): header, metadata and tensor table.
+
+    ``gguf.GGUFReader`` builds Python objects for every metadata element, which takes seconds for a
+    150k-entry vocabulary; here each key's value type and offset are recorded in one pass and a
+    value is decoded when :meth:`value` asks for it. ``data`` is the whole file as a read-only
+    uint8 array on a memory map; ``tensors`` the tensor table as :class:`TensorEntry` rows (numpy
+    order, ``data_offset`` absolute in the file, checked to lie inside it); :meth:`raw` a tensor's
+    bytes as a view on the map. Parsing checks every length and offset against the file's size, so a
+    truncated or corrupt file is a :class:`GGUFError` naming the file and the section."""
+
+    def __init__(self, path: str | os.PathLike):
+        p = Path(path)
+        if not p.is_file():
+            raise GGUFError(f"{p}: no such file")
+        self.path = str(path)
+        try:
+            with open(p, "rb") as fh:
+                self._buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # mmap of an empty file
+            raise GGUFError(f"{p}: empty file, not a GGUF file") from None
+        except OSError as exc:
+            raise GGUFError(f"{p}: cannot read ({exc.strerror or exc})") from None
+        self.data = np.frombuffer(self._buf, np.uint8)
+        self._values: dict = {}
+        pos = self._header()
+        try:
+            self.fields, pos = self._fields(pos)
+        except (_Corrupt, struct.error, OverflowError) as exc:
+            raise GGUFError(f"{self.path}: metadata section truncated or corrupt ({exc})") from None
+        try:
+            self.tensors = self._tensor_table(pos)
+        except (_Corrupt, struct.error, OverflowError) as exc:
+            raise GGUFError(f"{self.path}: tensor table truncated or corrupt ({exc})") from None
+
+    def _header(self) -> int:
+        buf = self._buf
+        if len(buf) < 24 or buf[:4] != b"GGUF":
+            raise GGUFError(f"{self.path}: not a little-endian GGUF v2/v3 file (starts with {bytes(buf[:4])!r})")
+        version = struct.unpack_from("<I", buf, 4)[0]
+        if version not in (2, 3):
+            swapped = struct.unpack_from(">I", buf, 4)[0]
+            kind = "a big-endian GGUF file" if swapped in (2, 3) else f"GGUF version {version}"
+            raise GGUFError(f"{self.path}: {kind}; supported: little-endian GGUF v2/v3")
+        self.version = version
+        self.num_tensors, self.num_kv = struct.unpack_from("<QQ", buf, 8)
+        return 24
+
+    def _end(self, pos: int, n: int, what: str) -> int:
+        """``pos + n``, after checking that ``n`` bytes of ``what`` at ``pos`` lie inside the file."""
+        if n < 0 or pos + n > len(self._buf):
+            raise _Corrupt(f"{what}: {n} bytes at offset {pos} run past the end of the file ({len(self._buf)} bytes)")
+        return pos + n
+
+    def _string(self, pos: int, what: str) -> tuple[bytes, int]:
+        n = struct.unpack_from("<Q", self._buf, pos)[0]
+        end = self._end(pos + 8, n, what)
+        return self._buf[pos + 8:end], end
+
+    def _skip(self, vtype: int, pos: int, what: str) -> int:
+        """The offset after a value of ``vtype`` at ``pos`` (arrays walked, not decoded)."""
+        if vtype in _SCALARS:
+            return self._end(pos, _SCALARS[vtype][1], what)
+        if vtype == _STRING:
+            return self._string(pos, what)[1]
+        if vtype != _ARRAY:
+            raise _Corrupt(f"{what}: value type {vtype} unknown")
+        itype, n = struct.unpack_from("<IQ", self._buf, pos)
+        pos += 12
+        if itype in _SCALARS:
+            return self._end(pos, n * _SCALARS[itype][1], what)
+        self._end(pos, 8 * n if itype == _STRING else 4 * n, what)  # every element takes at least that
+        if itype == _STRING:
+            buf, unpack, size = self._buf, struct.unpack_from, len(self._buf)
+            for _ in range(n):
+                pos += 8 + unpack("<Q", buf, pos)[0]
+            if pos > size:
+                raise _Corrupt(f"{what}: a string runs past the end of the file ({size} bytes)")
+            return pos
+        for _ in range(n):
+            pos = self._skip(itype, pos, what)
+        return pos
+
+    def _decode(self, vtype: int, pos: int):
+        """The value of ``vtype`` at ``pos`` as Python values (arrays as lists, strings UTF-8)."""
+        buf = self._buf
+        if vtype in _SCALARS:
+            return struct.unpack_from("<" + _SCALARS[vtype][0], buf, pos)[0]
+        if vtype == _STRING:
+            return self._string(pos, "string")[0].decode("utf-8", "replace")
+        itype, n = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if itype in _SCALARS:
+            return np.frombuffer(buf, np.dtype("<" + _SCALARS[itype][0]), n, pos).tolist()
+        out = []
+        for _ in range(n):
+            if itype == _STRING:
+                m = struct.unpack_from("<Q", buf, pos)[0]
+                out.append(buf[pos + 8:pos + 8 + m].decode("utf-8", "replace"))
+                pos += 8 + m
+            else:
+                out.append(self._decode(itype, pos))
+                pos = self._skip(itype, pos, "array")
+        return out
+
+    def _fields(self, pos: int) -> tuple[dict, int]:
+        self._end(pos, 12 * self.num_kv, f"{self.num_kv} metadata entries")  # a key length and a type each
+        fields = {}
+        for i in range(self.num_kv):
+            raw, pos = self._string(pos, f"key of metadata entry {i}")
+            key = raw.decode("utf-8", "replace")
+            if key in fields:
+                raise _Corrupt(f"metadata key {key!r} appears twice")
+            vtype = struct.unpack_from("<I", self._buf, pos)[0]
+            fields[key] = (vtype, pos + 4)
+            pos = self._skip(vtype, pos + 4, f"metadata key {key!r}")
+        return fields, pos
+
+    def _tensor_table(self, pos: int) -> tuple[TensorEntry, ...]:
+        self._end(pos, 24 * self.num_tensors, f"{self.num_tensors} tensor entries")  # name length, dims, type, offset
+        rows = []
+        for i in range(self.num_tensors):
+            raw, pos = self._string(pos, f"name of tensor {i}")
+            name = raw.decode("utf-8", "replace")
+            n_dims = struct.unpack_from("<I", self._buf, pos)[0]
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise _Corrupt(f"tensor {name!r}: {n_dims} dimensions, expected 1..{_MAX_DIMS}")
+            self._end(pos + 4, 8 * n_dims + 12, f"tensor {name!r}")
+            dims = struct.unpack_from(f"<{n_dims}Q", self._buf, pos + 4)  # GGUF order: ne[0] (a row's length) first
+            qtype, offset = struct.unpack_from("<IQ", self._buf, pos + 4 + 8 * n_dims)
+            pos += 16 + 8 * n_dims
+            if qtype not in _QUANT_SIZES:
+                raise _Corrupt(f"tensor {name!r}: quant type {qtype} unknown")
+            block, size = _QUANT_SIZES[qtype]
+            if not all(dims) or dims[0] % block:
+                raise _Corrupt(f"tensor {name!r}: dimensions {list(dims)} (GGUF order), expected >= 1 each and a "
+                               f"row length that is a multiple of {qtype_name(qtype)}'s block of {block}")
+            nbytes = math.prod(dims) // block * size
+            # the reversed-dims trap, undone here once: numpy order is GGUF order reversed
+            rows.append(TensorEntry(name, qtype, tuple(reversed(dims)), nbytes, offset))
+        if len({t.name for t in rows}) != len(rows):
+            seen = set()
+            dup = next(t.name for t in rows if t.name in seen or seen.add(t.name))
+            raise _Corrupt(f"tensor {dup!r} appears twice")
+        if self.fields.get("general.alignment", (_UINT32,))[0] != _UINT32:
+            raise _Corrupt(f"general.alignment has value type {self.fields['general.alignment'][0]}, expected uint32")
+        align = self.value("general.alignment", 32)
+        if align < 1 or align & (align - 1):
+            raise _Corrupt(f"general.alignment = {align}, expected a power of two")
+        start = -(-pos // align) * align
+        out = []
+        for t in rows:
+            at = start + t.data_offset
+            if at + t.nbytes > len(self._buf):
+                raise GGUFError(f"{self.path}: tensor data truncated: tensor {t.name!r}'s {t.nbytes} bytes at offset {at} "
+                                f"run past the end of the file ({len(self._buf)} bytes; an incomplete copy?)")
+            out.append(TensorEntry(t.name, t.qtype, t.shape, t.nbytes, at))
+        return tuple(out)
+
+    def value(self, key: str, default=None):
+        """The value of metadata ``key`` (numbers, str, lists for arrays), or ``default``."""
+        if key not in self.fields:
+            return default
+        if key not in self._values:
+            vtype, pos = self.fields[key]
+            self._values[key] = self._decode(vtype, pos)
+        return self._values[key]
+
+    def raw(self, t: TensorEntry) -> np.ndarray:
+        """Tensor ``t``'s bytes as uint8 ``(*shape[:-1], row_bytes)``, a view on the map."""
+        return self.data[t.data_offset:t.data_offset + t.nbytes].reshape(*t.shape[:-1], -1)
+
+
+def _open(path: str | os.PathLike) -> GGUFFile:
+    return GGUFFile(path)
 
 
 class _Meta:
-    """Typed access to a reader's key/value metadata, with errors naming file and key."""
+    """Typed access to a file's key/value metadata, with errors naming file and key."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: str):
+    def __init__(self, reader: GGUFFile, path: str):
         self.reader, self.path = reader, path
 
     def get(self, key: str, default=None, required: bool = False):
-        f = self.reader.get_field(key)
-        if f is None:
+        if key not in self.reader.fields:
             if required:
                 raise GGUFError(f"{self.path}: metadata key {key!r} missing")
             return default
-        return f.contents()
+        return self.reader.value(key)
 
     def int(self, key: str, default=None, required: bool = False) -> int:
         v = self.get(key, default, required)
@@ -247,20 +434,13 @@ class _Meta:
         return int(v)
 
 
-def _tensor_table(reader: gguf.GGUFReader) -> tuple[TensorEntry, ...]:
-    return tuple(
-        TensorEntry(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), int(t.n_bytes))
-        for t in reader.tensors
-    )
-
-
-def _info_from_reader(reader: gguf.GGUFReader, path: str) -> ModelInfo:
+def _info_from_reader(reader: GGUFFile, path: str) -> ModelInfo:
     meta = _Meta(reader, path)
     arch = meta.get("general.architecture", required=True)
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"{path}: general.architecture = {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     spec = ARCHS[arch]
-    tensors = _tensor_table(reader)
+    tensors = reader.tensors
     by_name = {t.name: t for t in tensors}
     num_layers = meta.int(f"{arch}.block_count", required=True)
     hidden = meta.int(f"{arch}.embedding_length", required=True)
@@ -484,38 +664,33 @@ class ModelWeights:
     output: np.ndarray  # (vocab, hidden); token_embd when the output is tied
     layers: tuple[DenseLayer, ...]
     experts: tuple[LayerExperts | None, ...]  # per block; None on a dense block
-    reader: object = field(repr=False, default=None)  # keeps the memory map alive
+    reader: GGUFFile | None = field(repr=False, default=None)  # keeps the memory map alive
 
 
-def _raw_rows(t) -> np.ndarray:
-    """A reader tensor's bytes as uint8 ``(experts, bytes_per_expert)``, a view on the map."""
-    data = t.data
-    return data.view(np.uint8).reshape(data.shape[0], -1)
-
-
-def _expert_tensor(t, part: str, ffn: int, name: str) -> ExpertTensor:
-    """Routed-expert projection ``part`` (gate/up/down) from reader tensor ``t``.
+def _expert_tensor(reader: GGUFFile, t: TensorEntry, part: str, ffn: int) -> ExpertTensor:
+    """Routed-expert projection ``part`` (gate/up/down) from tensor ``t``, its bytes as uint8
+    ``(experts, bytes_per_expert)``, a view on the map.
 
     A fused gate-up tensor is numpy ``(experts, 2*ffn, hidden)``, gate rows first, then up rows."""
-    raw = _raw_rows(t)
-    e, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+    e, rows, cols = t.shape
+    raw = reader.raw(t).reshape(e, -1)
     if part in ("gate", "up") and rows == 2 * ffn and "gate_up" in t.name:
         half = raw.shape[1] // 2
         raw = raw[:, :half] if part == "gate" else raw[:, half:]
         rows = ffn
-    return ExpertTensor(raw, int(t.tensor_type), rows, cols, name=f"{t.name}[{part}]" if "gate_up" in t.name else t.name)
+    return ExpertTensor(raw, t.qtype, rows, cols, name=f"{t.name}[{part}]" if "gate_up" in t.name else t.name)
 
 
-def _dense(t) -> np.ndarray:
-    """A reader tensor dequantized to float32 in numpy order."""
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    return dequantize(np.asarray(t.data), int(t.tensor_type)).reshape(shape)
+def _dense(reader: GGUFFile, t: TensorEntry) -> np.ndarray:
+    """Tensor ``t`` dequantized to float32 in numpy order."""
+    return dequantize(reader.raw(t), t.qtype).reshape(t.shape)
 
 
-def _layer_experts(info: ModelInfo, l: int, tens: dict, names: dict, bias: dict | None) -> LayerExperts:
+def _layer_experts(info: ModelInfo, l: int, reader: GGUFFile, tens: dict, names: dict,
+                   bias: dict | None) -> LayerExperts:
     """Block ``l``'s routed experts: raw projections, float32 biases (when the file has all three:
     the expert kernels take all or none) and the architecture's activation."""
-    parts = (_expert_tensor(tens[names[k]], k, info.ffn, names[k]) for k in ("gate", "up", "down"))
+    parts = (_expert_tensor(reader, tens[names[k]], k, info.ffn) for k in ("gate", "up", "down"))
     b = {}
     if bias and all(k in bias for k in ("gate", "up", "down")):
         b = {f"{k}_bias": np.ascontiguousarray(bias[k], np.float32) for k in ("gate", "up", "down")}
@@ -534,17 +709,17 @@ def load_model(path: str | os.PathLike) -> ModelWeights:
     def need(name: str):
         if name not in tens:
             raise GGUFError(f"{path}: tensor {name!r} missing ({info.arch} needs it)")
-        return _dense(tens[name])
+        return _dense(reader, tens[name])
 
     def opt(name: str):
-        return _dense(tens[name]) if name in tens else None
+        return _dense(reader, tens[name]) if name in tens else None
 
     layers, experts = [], []
     for l in range(info.num_layers):
         names = _expert_names(tens, l)
         layers.append(_dense_layer(info, l, names is not None, need, opt))
         if names:
-            experts.append(_layer_experts(info, l, tens, names, layers[-1].expert_bias))
+            experts.append(_layer_experts(info, l, reader, tens, names, layers[-1].expert_bias))
         else:
             experts.append(None)
     emb = need("token_embd.weight")
@@ -619,7 +794,7 @@ def stored_matrix(weights: ModelWeights, layer: int | None, key: str) -> tuple[n
         t = tens.get(_STORED[key].format(p=f"blk.{layer}."))
     if t is None or len(t.shape) != 2:
         return None
-    return np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1), int(t.tensor_type)
+    return weights.reader.raw(t), t.qtype
 
 
 # quant wrappers ----------------------------------------------------------------------------------
@@ -730,77 +905,12 @@ _TOKENIZER_KEYS = {
 }
 
 
-# GGUF value types: (struct code, size) of the scalars; 8 is a string, 9 an array
-_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4), 7: ("?", 1),
-            10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
-
-
-def _read_kv(path: str | os.PathLike, keys) -> dict:
-    """The metadata values of ``keys`` (those present) read straight from the file's key/value
-    section, without ``gguf.GGUFReader`` (which builds an object per array element: tens of
-    seconds for a 150k-entry vocabulary). Little-endian GGUF v2/v3; strings decoded as UTF-8,
-    numeric arrays as lists."""
-    import mmap
-    import struct
-
-    p = Path(path)
-    if not p.is_file():
-        raise GGUFError(f"{p}: no such file")
-    with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
-            raise GGUFError(f"{p}: not a little-endian GGUF v2/v3 file")
-        want, out, pos = set(keys), {}, 24
-        unpack = struct.unpack_from
-
-        def string(pos: int) -> tuple[bytes, int]:
-            n = unpack("<Q", buf, pos)[0]
-            return buf[pos + 8:pos + 8 + n], pos + 8 + n
-
-        def value(vtype: int, pos: int, keep: bool):
-            if vtype in _SCALARS:
-                code, size = _SCALARS[vtype]
-                return (unpack("<" + code, buf, pos)[0] if keep else None), pos + size
-            if vtype == 8:
-                raw, pos = string(pos)
-                return (raw.decode("utf-8", "replace") if keep else None), pos
-            if vtype != 9:
-                raise GGUFError(f"{p}: metadata value type {vtype} unknown")
-            itype, n = unpack("<IQ", buf, pos)
-            pos += 12
-            if itype in _SCALARS:
-                code, size = _SCALARS[itype]
-                items = np.frombuffer(buf, np.dtype("<" + code), n, pos).tolist() if keep else None
-                return items, pos + n * size
-            if itype == 8:
-                items = [] if keep else None
-                for _ in range(n):
-                    m = unpack("<Q", buf, pos)[0]
-                    if keep:
-                        items.append(buf[pos + 8:pos + 8 + m].decode("utf-8", "replace"))
-                    pos += 8 + m
-                return items, pos
-            raise GGUFError(f"{p}: metadata array of type {itype} not supported")
-
-        try:
-            n_kv = unpack("<Q", buf, 16)[0]
-            for _ in range(n_kv):
-                key, pos = string(pos)
-                key = key.decode("utf-8", "replace")
-                vtype = unpack("<I", buf, pos)[0]
-                val, pos = value(vtype, pos + 4, key in want)
-                if key in want:
-                    out[key] = val
-        except (struct.error, ValueError, IndexError) as exc:
-            raise GGUFError(f"{p}: metadata section truncated or corrupt ({exc})") from None
-    return out
-
-
 def read_tokenizer(path: str | os.PathLike) -> dict:
     """The ``tokenizer.*`` metadata of a GGUF file as plain Python values, keyed by short names
     (model, pre, tokens, token_type, scores, merges, bos, eos, eot, unk, add_bos, add_space_prefix,
     chat_template); absent keys are None. GGUFError when the file has no vocabulary."""
-    found = _read_kv(path, _TOKENIZER_KEYS.values())
-    out = {k: found.get(key) for k, key in _TOKENIZER_KEYS.items()}
+    f = GGUFFile(path)
+    out = {k: f.value(key) for k, key in _TOKENIZER_KEYS.items()}
     if out["model"] is None or not out["tokens"]:
         raise GGUFError(f"{path}: no vocabulary (metadata keys 'tokenizer.ggml.model' and 'tokenizer.ggml.tokens' needed)")
     return out
