@@ -100,3 +100,29 @@ def test_the_simulate_bar_counts_the_simulated_tokens(capsys):
     assert simulate_main(["--tokens", "7", "--policy", "static", "--cache-slots", "8"]) == 0
     err = capsys.readouterr().err
     assert "7/7" in err and "14/7" not in err
+
+
+@pytest.mark.parametrize("argv, bar", [(["trace", "synth", "big", "--layers", "48", "--experts", "128", "--top-k", "8",
+                                         "--tokens", "400000"], "trace synth"),
+                                        (["simulate", "--trace", "synth", "--synth-tokens", "100000"], "simulate")])
+def test_ctrl_c_during_a_bar_ends_with_the_interrupted_line(tmp_path, argv, bar):
+    import os
+    import signal
+
+    p = subprocess.Popen(CMD + argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen = ""
+        while seen.count(f"{bar}:") < 4:  # the bar has been drawn a few times: the work is under way
+            chunk = os.read(p.stderr.fileno(), 4096).decode()
+            assert chunk, seen
+            seen += chunk
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    lines = [s for s in (seen + err).replace("\r", "\n").splitlines() if s.strip()]
+    assert p.returncode == 130 and "Traceback" not in err
+    assert lines[-1].startswith("moelab") and "interrupted" in lines[-1], lines[-3:]
+    assert not (tmp_path / "big").exists()
