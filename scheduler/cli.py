@@ -30,6 +30,7 @@ COMMANDS = {
     "model": ("execute.cli", "model_main", "synthesise or describe GGUF models"),
     "replay": ("execute.cli", "replay_main", "run a trace through real GPU/CPU expert kernels"),
     "run": ("execute.cli", "run_main", "decode text with a GGUF model under a policy"),
+    "kld": ("execute.kld", "main", "KL divergence of a policy's next-token distributions to the numpy reference"),
     "calibrate": ("execute.calibrate", "main", "measure this machine and write a hardware file for moelab simulate"),
 }
 
