@@ -198,45 +198,62 @@ def sweep(trace: Trace, slots: Sequence[int], policies: Sequence[str], phase: st
     Caches carry across sequences unless ``reset_per_sequence`` (then a fresh policy per sequence,
     hits and routes summed). ``static`` gets the oracle top-C profile of the replayed rows (per
     sequence when reset). None marks a capacity the policy refuses (e.g. ``lru`` below top-k)."""
-    return {p: {c: None if r is None else r[0] for c, r in v.items()}
-            for p, v in _sweep(trace, slots, policies, phase, reset_per_sequence, progress).items()}
+    with _bar(progress, len(policies) * len(slots)) as bar:
+        both = _sweep(trace, slots, policies, phase, reset_per_sequence, bar)
+    return {p: {c: None if r is None else r[0] for c, r in v.items()} for p, v in both.items()}
 
 
-def _sweep(trace, slots, policies, phase, reset_per_sequence, progress) -> dict:
-    """``sweep``'s replays: (hit rate, experts moved per token) or None, per policy and slot count."""
+def _bar(show: bool, total: int):
+    """``trace stats``'s progress bar on stderr (a disabled one when not ``show``)."""
     from tqdm import tqdm
 
+    return tqdm(total=total, unit="step", desc="trace stats", disable=not show, file=sys.stderr, dynamic_ncols=True)
+
+
+def _sweep(trace, slots, policies, phase, reset_per_sequence, bar) -> dict:
+    """``sweep``'s replays: (hit rate, experts moved per token) or None, per policy and slot count;
+    ``bar`` advances by one per replay."""
     groups = [[s] for s in trace.select(phase).sequences()] if reset_per_sequence else [None]
     out: dict[str, dict[int, tuple[float, float] | None]] = {}
-    with tqdm(total=len(policies) * len(slots), unit="replay", desc="trace stats",
-              disable=not progress or not policies or not slots, file=sys.stderr, dynamic_ncols=True) as bar:
-        for name in policies:
-            out[name] = {}
-            for c in slots:
-                bar.set_postfix_str(f"{name} at {c} slots", refresh=False)
-                out[name][int(c)] = _replay_rate(trace, name, int(c), phase, groups)
-                bar.update()
+    for name in policies:
+        out[name] = {}
+        for c in slots:
+            bar.set_postfix_str(f"{name} at {c} slots", refresh=False)
+            out[name][int(c)] = _replay_rate(trace, name, int(c), phase, groups)
+            bar.update()
     return out
 
 
 def summarize(trace: Trace, phase: str | None = None, slots: Sequence[int] = (), policies: Sequence[str] = (),
               reset_per_sequence: bool = False, progress: bool = False) -> dict:
-    """Everything ``moelab trace stats`` reports, as a JSON-ready dict."""
+    """Everything ``moelab trace stats`` reports, as a JSON-ready dict; ``progress``: a bar of its
+    statistics and replays on stderr."""
     rows = trace.rows(phase)
-    both = _sweep(trace, slots, policies, phase, reset_per_sequence, progress)
-    return {
-        "model": trace.model,
-        "rows": int(len(rows)),
-        "sequences": len(trace.select(phase).sequences()) if len(rows) else 0,
-        "phase": phase or "all",
-        "geometry": {"num_layers": trace.num_layers, "num_experts": list(trace.num_experts), "top_k": trace.top_k},
-        "reset_per_sequence": reset_per_sequence,
-        "coverage": coverage(trace, phase),
-        "adjacent_overlap": adjacent_overlap(trace, phase),
-        "layer_novelty_correlation": layer_novelty_correlation(trace, phase),
-        "reuse_distance": reuse_distances(trace, phase, reset_per_sequence),
-        "reference_lru": {str(c): r for c, r in lru_hit_rates(trace, slots, phase, reset_per_sequence).items()} if slots else {},
-        "hit_rate": {p: {str(c): None if r is None else r[0] for c, r in v.items()} for p, v in both.items()},
-        "pcie_experts_per_token": {p: {str(c): None if r is None else r[1] for c, r in v.items()}
-                                   for p, v in both.items()},
-    }
+    with _bar(progress, 5 + len(policies) * len(slots)) as bar:
+        def step(name: str, fn, *args):
+            bar.set_postfix_str(name, refresh=False)
+            value = fn(*args)
+            bar.update()
+            return value
+
+        out = {
+            "model": trace.model,
+            "rows": int(len(rows)),
+            "sequences": len(trace.select(phase).sequences()) if len(rows) else 0,
+            "phase": phase or "all",
+            "geometry": {"num_layers": trace.num_layers, "num_experts": list(trace.num_experts), "top_k": trace.top_k},
+            "reset_per_sequence": reset_per_sequence,
+            "coverage": step("coverage", coverage, trace, phase),
+            "adjacent_overlap": step("adjacent overlap", adjacent_overlap, trace, phase),
+            "layer_novelty_correlation": step("cross-layer novelty", layer_novelty_correlation, trace, phase),
+            "reuse_distance": step("reuse distances", reuse_distances, trace, phase, reset_per_sequence),
+            "reference_lru": {str(c): r for c, r in step("reference LRU", lru_hit_rates, trace, slots, phase,
+                                                         reset_per_sequence).items()} if slots else {},
+        }
+        if not slots:
+            bar.update()
+        both = _sweep(trace, slots, policies, phase, reset_per_sequence, bar)
+    out["hit_rate"] = {p: {str(c): None if r is None else r[0] for c, r in v.items()} for p, v in both.items()}
+    out["pcie_experts_per_token"] = {p: {str(c): None if r is None else r[1] for c, r in v.items()}
+                                     for p, v in both.items()}
+    return out
