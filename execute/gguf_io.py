@@ -738,9 +738,12 @@ def _mla(info: ModelInfo, p: str, need, opt) -> dict:
     kv_b = opt(p + "attn_kv_b.weight")
     if kv_b is None:  # newer files: k_b (heads, kv_lora, nope) and v_b (heads, v, kv_lora)
         k_b, v_b = need(p + "attn_k_b.weight"), need(p + "attn_v_b.weight")
-        h = info.num_heads
-        k_b = k_b.reshape(h, info.kv_lora_rank, -1).transpose(0, 2, 1)  # (heads, nope, kv_lora)
-        kv_b = np.concatenate([k_b, v_b.reshape(h, -1, info.kv_lora_rank)], axis=1).reshape(-1, info.kv_lora_rank)
+        h, r = info.num_heads, info.kv_lora_rank
+        if r < 1 or k_b.size % (h * r) or v_b.size % (h * r):
+            raise GGUFError(f"{info.path}: {p}attn_k_b {k_b.shape} / attn_v_b {v_b.shape} (numpy order) do not split "
+                            f"into head_count {h} x kv_lora_rank {r}")
+        k_b = k_b.reshape(h, r, -1).transpose(0, 2, 1)  # (heads, nope, kv_lora)
+        kv_b = np.concatenate([k_b, v_b.reshape(h, -1, r)], axis=1).reshape(-1, r)
     m["kv_b"] = kv_b  # (heads*(nope+v), kv_lora): per head, nope rows then v rows
     return m
 

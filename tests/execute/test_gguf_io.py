@@ -191,3 +191,12 @@ def test_read_tokenizer_errors_name_the_file(tmp_path):
         gguf_io.read_tokenizer(junk)
     with pytest.raises(GGUFError, match="no such file"):
         gguf_io.read_tokenizer(tmp_path / "absent.gguf")
+
+
+def test_mla_split_layout_that_does_not_fit_its_rank_is_named(tmp_path):
+    cfg = synth.config_from_preset("tiny", arch="deepseek2", mla="split")
+    meta = [(k, 5 if k == "deepseek2.attention.kv_lora_rank" else v, kind) for k, v, kind in synth.metadata(cfg)]
+    path = tmp_path / "m.gguf"
+    gguf_io.write_gguf(path, cfg.arch, meta, synth.tensor_specs(cfg))
+    with pytest.raises(GGUFError, match=r"m\.gguf: blk\.0\.attn_k_b .* do not split into head_count 4 x kv_lora_rank 5"):
+        gguf_io.load_model(path)
