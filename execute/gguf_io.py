@@ -406,10 +406,6 @@ class GGUFFile:
         return self.data[t.data_offset:t.data_offset + t.nbytes].reshape(*t.shape[:-1], -1)
 
 
-def _open(path: str | os.PathLike) -> GGUFFile:
-    return GGUFFile(path)
-
-
 class _Meta:
     """Typed access to a file's key/value metadata, with errors naming file and key."""
 
@@ -563,7 +559,7 @@ def llamacpp_problems(path: str | os.PathLike) -> list[str]:
     ``value_length_mla``, one kv head and ``key_length`` = kv_lora + rope; ``attn_kv_b`` needs
     neither key and ``head_count_kv`` = ``head_count``). The file must read as a model
     (:func:`read_model_info`'s errors otherwise)."""
-    reader = _open(path)
+    reader = GGUFFile(path)
     info = _info_from_reader(reader, str(path))
     meta, a, spec = _Meta(reader, str(path)), info.arch, info.spec
     out = []
@@ -627,7 +623,7 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
     """Geometry, quant types and expert sizes of a GGUF model, from metadata and the tensor table.
 
     Raises :class:`GGUFError` (naming file and key/tensor) on an unreadable or unsupported file."""
-    return _info_from_reader(_open(path), str(path))
+    return _info_from_reader(GGUFFile(path), str(path))
 
 
 # weights ------------------------------------------------------------------------------------------
@@ -702,7 +698,7 @@ def load_model(path: str | os.PathLike) -> ModelWeights:
 
     Raises :class:`GGUFError` naming the file and the first tensor the architecture needs and the
     file lacks."""
-    reader = _open(path)
+    reader = GGUFFile(path)
     info = _info_from_reader(reader, str(path))
     tens = {t.name: t for t in reader.tensors}
 
