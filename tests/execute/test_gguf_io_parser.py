@@ -100,3 +100,21 @@ def test_tensor_row_length_must_fit_its_blocks(tmp_path):
     with pytest.raises(GGUFError, match=r"tensor 'x': dimensions \[31, 2\].*multiple of Q8_0's block of 32"):
         GGUFFile(_write(tmp_path, bytes(data)))
     assert GGUFFile(path).tensors[0].shape == (2, 32)
+
+
+def test_open_speed_experiment_runs_and_writes_figures(tmp_path, capsys):
+    """experiments/gguf_open_speed.py end to end on a small vocabulary (no time is asserted)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "gguf_open_speed", Path(__file__).parents[2] / "experiments" / "gguf_open_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "open.json"
+    assert mod.main(["--vocab", "2000", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["args"]["vocab"] == 2000 and res["gguf_reader_s"] > 0 and res["read_model_info_s"] > 0
+    assert res["speedup"] == pytest.approx(res["gguf_reader_s"] / res["read_model_info_s"])
+    assert "vocabulary of 2000" in capsys.readouterr().out
