@@ -61,6 +61,9 @@ def _args(model, *extra):
     return kld._parser().parse_args([str(model), "-p", TEXT, *extra])
 
 
+CPU = ("--policy", "cpu", "--cpu-dense")  # the engine's CPU pool, dense path on the host, on any machine
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("kld")
@@ -83,8 +86,8 @@ def models(tmp_path_factory):
     ("qwen3moe", "Q8_0", 1, 1e-7), ("qwen3moe", "Q4_0", 8, 1e-7), ("gpt-oss", "Q8_0", 1, 1e-7),
     ("deepseek2", "Q8_0", 8, 1e-7), ("qwen3moe", "F16", 1, 1e-11)])
 def test_cpu_policy_matches_the_reference(models, arch, quant, batch, bound):
-    out = kld.kld(_args(models(arch, quant), "--policy", "cpu", "--batch", str(batch), "--tokens", "40"))
-    assert out["positions"] == 40 and out["batch"] == batch and out["policy"] == "cpu"
+    out = kld.kld(_args(models(arch, quant), *CPU, "--batch", str(batch), "--tokens", "40"))
+    assert out["positions"] == 40 and out["batch"] == batch and out["policy"] == "cpu" and not out["gpu"]
     assert 0 < out["kl_mean"] <= out["kl_p99"] <= out["kl_max"] < bound
     assert out["top1_agreement"] == 1.0 and out["share_kl_above_0.1"] == 0.0
     assert out["ppl_policy"] == pytest.approx(out["ppl_reference"], rel=1e-4)
@@ -105,7 +108,7 @@ def test_a_corrupted_expert_output_shows_up_at_its_position(models, monkeypatch)
         return y * 50 if 30 * 2 < calls["n"] <= 31 * 2 else y  # 2 MoE blocks per token
 
     monkeypatch.setattr(M.EngineExperts, "run_layer", corrupt)
-    out = kld.kld(_args(models(), "--policy", "cpu", "--tokens", "40"))
+    out = kld.kld(_args(models(), *CPU, "--tokens", "40"))
     assert out["kl_max_position"] == 30 and out["kl_max"] > 0.1
     assert out["worst"][0][0] == 30 and all(pos > 30 for pos, kl in out["worst"][1:] if kl > 1e-6)
 
@@ -116,11 +119,11 @@ def _moelab(argv, cwd):
 
 
 def test_command_prints_json(models, tmp_path):
-    r = _moelab(["kld", models(), "--policy", "cpu", "-p", TEXT, "--tokens", "16", "--json"], tmp_path)
+    r = _moelab(["kld", models(), *CPU, "-p", TEXT, "--tokens", "16", "--json"], tmp_path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["positions"] == 16 and out["top1_agreement"] == 1.0 and out["kl_max"] < 1e-7
-    r = _moelab(["kld", models(), "--policy", "cpu", "-p", TEXT, "--tokens", "16"], tmp_path)
+    r = _moelab(["kld", models(), *CPU, "-p", TEXT, "--tokens", "16"], tmp_path)
     assert r.returncode == 0 and "top-1 agreement: 100.00% (16/16)" in r.stdout, r.stderr
 
 
