@@ -387,8 +387,8 @@ class GGUFFile:
         for t in rows:
             at = start + t.data_offset
             if at + t.nbytes > len(self._buf):
-                raise GGUFError(f"{self.path}: tensor data truncated: tensor {t.name!r}'s {t.nbytes} bytes at offset {at} "
-                                f"run past the end of the file ({len(self._buf)} bytes; an incomplete copy?)")
+                raise GGUFError(f"{self.path}: tensor data truncated: tensor {t.name!r}'s {t.nbytes} bytes at offset "
+                                f"{at} run past the end of the file ({len(self._buf)} bytes; an incomplete copy?)")
             out.append(TensorEntry(t.name, t.qtype, t.shape, t.nbytes, at))
         return tuple(out)
 
