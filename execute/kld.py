@@ -8,7 +8,7 @@ the decode path with its background copies lagging ``--lag-tokens`` behind):
 - the reference: policy ``cpu`` on the numpy backend (:class:`~execute.model.NumpyExperts`: every
   expert dequantized to float32 and run in numpy; the dense path in numpy), what ``moelab run
   --policy cpu --backend numpy`` computes;
-- policy P on the expert engine (:class:`~execute.model.EngineExperts`: the CPU pool's int8 kernels,
+- policy P on the expert engine (:class:`~execute.model.EngineExperts`: the CPU pool's kernels,
   the GPU arena with its asynchronous uploads, fills and swaps), as ``moelab run --policy P``.
 
 Each position's logits (float32, ``(vocab,)``) are kept on the host, ``tokens x vocab x 4`` bytes
