@@ -251,19 +251,25 @@ def _cost_options(args, prog: str) -> dict:
         raise _Fail(f"{prog}: --hardware {args.hardware}: {exc}") from None
 
 
+def _profile(args, geometry, prog: str):
+    """The ``--profile`` STRP file checked against the model's geometry, or None."""
+    if not args.profile:
+        return None
+    from scheduler.profile import read_strp
+
+    try:
+        profile = read_strp(args.profile)
+        profile.check_geometry(geometry)
+    except (ValueError, OSError) as exc:
+        raise _Fail(f"{prog}: --profile: {exc}") from None
+    return profile
+
+
 def _policy(args, trace, geometry, capacity):
     from scheduler import make_policy
     from scheduler.core import CapacityError
 
-    profile = None
-    if args.profile:
-        from scheduler.profile import read_strp
-
-        try:
-            profile = read_strp(args.profile)
-            profile.check_geometry(geometry)
-        except (ValueError, OSError) as exc:
-            raise _Fail(f"moelab replay: --profile: {exc}") from None
+    profile = _profile(args, geometry, "moelab replay")
     future = None
     if args.policy == "belady":
         future = [s for tok in trace.tokens(args.phase, 0, args.tokens) for s in tok.steps]
@@ -418,15 +424,7 @@ def _run_policy(args, geometry, capacity):
     if args.policy == "belady":
         raise _Fail("moelab run: policy 'belady' needs the future routing, which a live run does not know; "
                     "record a trace (--record-trace) and use moelab replay or simulate")
-    profile = None
-    if args.profile:
-        from scheduler.profile import read_strp
-
-        try:
-            profile = read_strp(args.profile)
-            profile.check_geometry(geometry)
-        except (ValueError, OSError) as exc:
-            raise _Fail(f"moelab run: {exc}") from None
+    profile = _profile(args, geometry, "moelab run")
     options = _cost_options(args, "moelab run")
     if args.miss_fraction is not None:
         if args.policy != "hybrid" or not 0.0 <= args.miss_fraction <= 1.0:

@@ -58,7 +58,7 @@ __all__ = [
     "read_tokenizer",
 ]
 
-# Quant types the expert kernels read directly (issue 5); any other expert type is an error.
+# Quant types the expert kernels read directly; any other expert type is an error.
 EXPERT_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
 SUPPORTED_ARCHS = tuple(ARCHS)
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from scheduler.cli import ArgumentParser
 
-from .cli import _backend, _capacity, _check_common, _cost_options, _Fail, _guard, _use_gpu
+from .cli import _backend, _capacity, _check_common, _cost_options, _Fail, _guard, _profile, _use_gpu
 
 __all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing"]
 
@@ -155,15 +155,7 @@ def _policy(args, geometry, capacity):
     from scheduler import make_policy
     from scheduler.core import CapacityError
 
-    profile = None
-    if args.profile:
-        from scheduler.profile import read_strp
-
-        try:
-            profile = read_strp(args.profile)
-            profile.check_geometry(geometry)
-        except (ValueError, OSError) as exc:
-            raise _Fail(f"{PROG}: --profile: {exc}") from None
+    profile = _profile(args, geometry, PROG)
     try:
         return make_policy(args.policy, geometry, capacity, profile=profile, **_cost_options(args, PROG))
     except (ValueError, CapacityError) as exc:
