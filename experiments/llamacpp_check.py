@@ -19,7 +19,8 @@ architecture, dense weights F16 unless said; ``check`` writes the table):
   ``--dense-quant F32``). Both sides compute in float32 from the same weights; what is left is
   summation order. deepseek2 with F16 dense weights: 4.7e-8, llama.cpp rounding activations to
   F16 somewhere in its MLA path (the other architectures show none from F16 dense weights), so
-  F32 rows are held to 1e-10 only with ``--dense-quant F32``, else to the F16 bound.
+  F32 rows are held to 1e-10 only with ``--dense-quant F32``: a row's bound is the looser of its
+  expert type's and its dense type's (``LIMITS``).
 - F16 experts: 1.8e-11 .. 1.0e-7; BF16: 9.3e-10 .. 3.1e-6. llama.cpp's CPU matmul rounds the
   activations to the weights' type before the dot products (``vec_dot_type``); moelab multiplies
   by float32 activations.
@@ -28,6 +29,11 @@ architecture, dense weights F16 unless said; ``check`` writes the table):
   dequantizes the weights and keeps float32 activations. Top-1 agreement 11 or 12 of 12
   positions; a flip only where llama.cpp's two best logits are within 4x that position's RMS
   difference (``top1_unexplained`` counts the others and fails the row).
+- ``--dense-quant Q8_0`` (run without extra buffer types, below): 8.5e-6 (granitemoe) .. 3.6e-4 for
+  every expert type and both MLA layouts, held to the Q8_0 bound; llama.cpp quantizes the
+  activations of every dense matmul to 8 bits, which also moves routing margins by up to about
+  1e-2 (seed 0's qwen3moe: margins of 1.2e-3 .. 1.8e-3 gave 0.02 .. 0.1 at their positions), so
+  ties are taken within ``NEAR_TIE_Q8``.
 
 A token whose routing is a near tie in moelab's float64 reference (relative margin < ``NEAR_TIE``
 between the k-th and next expert, or between the last expert group kept and the next) may get
@@ -35,15 +41,28 @@ other experts in llama.cpp, which rounds: such positions are left out of the NMS
 (seed 0's deepseek2 model: token 5, group margin 1e-4, NMSE 0.5 at that position). Both MLA
 layouts give the same figures (``--mla split kv_b``).
 
-Known: with ``--dense-quant Q8_0`` llama.cpp's process dies (SIGSEGV, no message) on every
-architecture here (0.3.36 built with ``GGML_NATIVE`` on an AVX-512/AMX CPU) as soon as any dense
-matmul weight is Q8_0 (a Q8_0 token_embd alone runs; Q8_0 experts run); F32, F16 and BF16 dense
-weights run. The cause (a CPU kernel or the file) is not determined.
+Known limit, llama.cpp's (not the file's): a llama-cpp-python built with GCC 12 and
+``GGML_NATIVE`` on an AMX CPU dies (SIGSEGV, no message) on the first matmul of two or more tokens
+by a quantized dense weight, on every architecture (Q8_0 measured; by the source every type of
+``AMX_TYPES`` takes the same path). Such weights go to llama.cpp's AMX buffer type (expert tensors
+and ``token_embd`` do not: their ops are MUL_MAT_ID and GET_ROWS), and its kernel for M > 1 loads
+its tile configuration with ``_tile_loadconfig`` from a local struct; GCC 12's
+``amxtileintrin.h`` declares that asm's memory operand as 8 bytes, so the compiler drops the
+stores of the rows and column widths and ``ldtilecfg`` reads stack garbage: a general-protection
+fault (``si_code`` SI_KERNEL) at ``ldtilecfg`` in ``ggml_backend_amx_mul_mat`` (its disassembly
+stores only the palette byte). A Q8_0 file written by llama.cpp's own ``llama_model_quantize``
+from the F16 file dies the same way; one token at a time (the M = 1 path, no tiles) runs.
+llama.cpp has no environment switch for it; its model parameter ``use_extra_bufts = false``
+(``--no-repack`` of its own tools) keeps the weights in plain CPU buffers. ``check`` therefore
+evaluates a file with a quantized dense matmul weight (:func:`amx_weights`) without extra buffer
+types (``--extra-bufts auto``; ``on`` forces them, to reproduce the crash; the row's
+``extra_bufts`` says which was used).
 
 Commands (the build takes tens of minutes on two cores; run it once)::
 
     python experiments/llamacpp_check.py build --jobs 1
     python experiments/llamacpp_check.py check --out experiments/out/llamacpp_check
+    python experiments/llamacpp_check.py check --dense-quant Q8_0 --out experiments/out/llamacpp_check_q8
 
 ``check`` prints a table and writes ``OUT/result.json`` (config, one row per file) and
 ``OUT/config.json``. Exit status: 0 every row within its bound (``LIMITS``), 1 a row failed, 2 bad
@@ -54,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,14 +87,24 @@ sys.path.insert(0, str(ROOT))
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
 LIMITS = {"F32": 1e-10, "F16": 1e-5, "BF16": 1e-4, "Q8_0": 1e-3, "Q4_0": 1e-3, "Q4_K": 1e-3, "Q6_K": 1e-3,
           "MXFP4": 1e-3}  # NMSE bound per expert quant type; the module docstring has the measured figures
+DENSE_QUANTS = ("F32", "F16", "BF16", "Q8_0")  # synth's --dense-quant choices
+AMX_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # llama.cpp's AMX buffer takes these
 TOKENS = (5, 300, 17, 17, 42, 256, 1, 9, 100, 77, 3, 250)
 NEAR_TIE = 1e-3  # relative routing margin within which llama.cpp's rounding may pick other experts
+NEAR_TIE_Q8 = 1e-2  # the same with Q8_0 dense weights (llama.cpp rounds the attention's activations to 8 bits)
 
 _CHILD = r"""
 import json, sys
 import numpy as np
+import llama_cpp.llama_cpp as C
 from llama_cpp import Llama
-model, tokens, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+model, tokens, out, extra = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+defaults = C.llama_model_default_params
+def params():
+    p = defaults()
+    p.use_extra_bufts = extra
+    return p
+C.llama_model_default_params = params  # Llama() takes no use_extra_bufts of its own
 llm = Llama(model_path=model, n_ctx=64, n_batch=64, logits_all=True, n_threads=1, n_gpu_layers=0,
             type_k=0, type_v=0, flash_attn=False, verbose=False)
 llm.eval(tokens)
@@ -184,14 +214,28 @@ def routing_gaps(path: Path, tokens) -> np.ndarray:
     return np.asarray(gaps).reshape(moe, len(tokens)).min(axis=0) if moe else np.full(len(tokens), np.inf)
 
 
-def llamacpp_logits(target: Path, path: Path, tokens) -> tuple[np.ndarray | None, str]:
-    """llama.cpp's logits, or None and the tail of its error output."""
+def amx_weights(path: Path) -> list[str]:
+    """Dense matmul weights of the file in a type llama.cpp's AMX buffer repacks (``AMX_TYPES``):
+    2-D ``.weight`` tensors other than ``token_embd`` (read by row lookup) and the experts (3-D)."""
+    from execute.gguf_io import read_model_info
+
+    return [t.name for t in read_model_info(path).tensors if len(t.shape) == 2 and t.name.endswith(".weight")
+            and t.name != "token_embd.weight" and t.qtype_name in AMX_TYPES]
+
+
+def llamacpp_logits(target: Path, path: Path, tokens, extra_bufts: bool = True) -> tuple[np.ndarray | None, str]:
+    """llama.cpp's logits (``extra_bufts``: its repacking buffer types, AMX among them, allowed),
+    or None and the tail of its error output (and the signal that killed it)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "scores.npy"
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), json.dumps(list(tokens)), str(out)],
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), json.dumps(list(tokens)), str(out),
+                               "1" if extra_bufts else "0"],
                               env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True)
         if proc.returncode or not out.exists():
-            return None, (proc.stderr or proc.stdout)[-400:].strip()
+            tail = (proc.stderr or proc.stdout)[-400:].strip()
+            if proc.returncode < 0:
+                tail = (tail + "\n" if tail else "") + f"killed by {signal.Signals(-proc.returncode).name}"
+            return None, tail
         return np.load(out).astype(np.float64), ""
 
 
@@ -223,18 +267,20 @@ def check(a) -> int:
     print(f"{'file':34s} {'NMSE':>10s} {'worst pos':>10s} {'top-1':>6s}  bound")
     for arch, quant, mla in cases(a.archs, a.quants, a.mla):
         path = synth_case(out, arch, quant, mla, a.dense_quant, a.seed)
-        row = {"arch": arch, "quant": quant, "mla": mla, "file": path.name, "problems": llamacpp_problems(path)}
-        ref, err = llamacpp_logits(target, path, TOKENS[:a.tokens])
+        extra = a.extra_bufts == "on" or (a.extra_bufts == "auto" and not amx_weights(path))
+        row = {"arch": arch, "quant": quant, "mla": mla, "file": path.name, "problems": llamacpp_problems(path),
+               "extra_bufts": extra}
+        ref, err = llamacpp_logits(target, path, TOKENS[:a.tokens], extra)
         if ref is None:
             row.update(ok=False, error=err)
         else:
             toks = TOKENS[:a.tokens]
-            ties = routing_gaps(path, toks) < NEAR_TIE
+            ties = routing_gaps(path, toks) < (NEAR_TIE_Q8 if a.dense_quant == "Q8_0" else NEAR_TIE)
             row["near_ties"] = [int(i) for i in np.flatnonzero(ties)]
             ours = moelab_logits(path, toks)
             row.update(compare(ours[~ties], ref[~ties]) if (~ties).any() else {"nmse": 0.0, "nmse_max_position": 0.0,
                                                                              "top1": 1.0, "top1_unexplained": 0})
-            bound = LIMITS[quant] if quant != "F32" or a.dense_quant == "F32" else LIMITS["F16"]
+            bound = max(LIMITS[quant], LIMITS[a.dense_quant])
             row["ok"] = row["nmse"] <= bound and row["top1_unexplained"] == 0
         failed += not row["ok"]
         rows.append(row)
@@ -261,7 +307,10 @@ def _args(argv):
     p.add_argument("--jobs", type=int, default=1, help="parallel compile jobs of the build (default 1)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS), help="architectures (default all)")
     p.add_argument("--quants", nargs="+", default=list(QUANTS), help="expert quant types (default all)")
-    p.add_argument("--dense-quant", default="F16", help="dense weights' type (default F16)")
+    p.add_argument("--dense-quant", default="F16", help=f"dense weights' type: {', '.join(DENSE_QUANTS)} (default F16)")
+    p.add_argument("--extra-bufts", default="auto", choices=("auto", "on", "off"),
+                   help="llama.cpp's repacking buffer types (AMX among them): auto (default) turns them off for "
+                        "files with quantized dense matmul weights, on/off for every file")
     p.add_argument("--mla", nargs="+", default=["split"], choices=("split", "kv_b"),
                    help="deepseek2's MLA layouts (default split: attn_k_b/attn_v_b)")
     p.add_argument("--tokens", type=int, default=len(TOKENS), help=f"positions evaluated (1..{len(TOKENS)})")
@@ -273,6 +322,9 @@ def _args(argv):
     if bad:
         p.error(f"unknown architecture or quant type: {', '.join(bad)}")
     a.quants = [q.upper() for q in a.quants]
+    if a.dense_quant.upper() not in DENSE_QUANTS:
+        p.error(f"--dense-quant: {a.dense_quant}, expected one of {', '.join(DENSE_QUANTS)}")
+    a.dense_quant = a.dense_quant.upper()
     if not 1 <= a.tokens <= len(TOKENS):
         p.error(f"--tokens: {a.tokens}, expected 1..{len(TOKENS)}")
     if a.jobs < 1:

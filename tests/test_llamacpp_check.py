@@ -3,6 +3,7 @@ its own; (slow) the build and the check against llama.cpp end to end."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,8 @@ def test_cases_and_mla_layouts():
 
 @pytest.mark.parametrize("argv, match", [(["check", "--archs", "mixtral"], "mixtral"),
                                          (["check", "--quants", "Q5_1"], "Q5_1"),
+                                         (["check", "--dense-quant", "Q4_K"], "--dense-quant"),
+                                         (["check", "--extra-bufts", "maybe"], "--extra-bufts"),
                                          (["check", "--tokens", "0"], "--tokens"), (["build", "--jobs", "0"], "--jobs")])
 def test_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
@@ -65,6 +68,55 @@ def test_moelab_side_matches_the_reference(tmp_path):
     ours = lc.moelab_logits(path, lc.TOKENS)
     ref, _ = reference_forward(load_model(path), list(lc.TOKENS))
     assert ours.shape == (len(lc.TOKENS), 320) and lc.compare(ours, np.asarray(ref))["nmse"] < 1e-10
+
+
+def test_amx_weights_are_the_quantized_dense_matmuls(tmp_path):
+    """llama.cpp's AMX buffer takes quantized 2-D matmul weights; the embedding (row lookup) and
+    the experts (MUL_MAT_ID) stay out, so Q8_0 experts under F16 dense weights list none."""
+    q8 = lc.amx_weights(lc.synth_case(tmp_path, "qwen3moe", "F16", "", "Q8_0", 0))
+    assert "output.weight" in q8 and "blk.1.attn_v.weight" in q8
+    assert "token_embd.weight" not in q8 and not [n for n in q8 if "_exps" in n or "norm" in n or "gate_inp" in n]
+    assert lc.amx_weights(lc.synth_case(tmp_path, "qwen3moe", "Q8_0", "", "F16", 0)) == []
+
+
+def _fake_llama_cpp(root: Path, body: str) -> Path:
+    """A stand-in ``llama_cpp`` package: ``body`` is its ``Llama`` class (or what importing it does)."""
+    (root / "llama_cpp").mkdir(parents=True)
+    (root / "llama_cpp" / "llama_cpp.py").write_text(
+        "class P:\n    use_extra_bufts = True\ndef llama_model_default_params():\n    return P()\n")
+    (root / "llama_cpp" / "__init__.py").write_text(body)
+    return root
+
+
+def test_child_passes_extra_bufts_to_the_model_params(tmp_path):
+    """The child switches llama.cpp's extra buffer types through llama_model_default_params, which
+    Llama() reads its model parameters from."""
+    target = _fake_llama_cpp(tmp_path / "fake", (
+        "import numpy as np\nfrom . import llama_cpp as C\n"
+        "class Llama:\n    def __init__(self, **kw):\n        self.extra = C.llama_model_default_params().use_extra_bufts\n"
+        "    def eval(self, tokens):\n        self.scores = np.full((len(tokens), 3), float(self.extra))\n"))
+    for extra in (True, False):
+        got, err = lc.llamacpp_logits(target, tmp_path / "model.gguf", [1, 2], extra)
+        assert err == "" and got.shape == (2, 3) and (got == float(extra)).all()
+
+
+def test_a_crashed_child_names_its_signal(tmp_path):
+    target = _fake_llama_cpp(tmp_path / "fake", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    got, err = lc.llamacpp_logits(target, tmp_path / "model.gguf", [1, 2])
+    assert got is None and err.splitlines()[-1] == "killed by SIGSEGV"
+
+
+@pytest.mark.slow
+def test_llamacpp_runs_q8_0_dense_weights(tmp_path):
+    """Q8_0 dense weights, which llama.cpp's AMX path crashes on where it is built with GCC 12, are
+    evaluated without extra buffer types and agree within the Q8_0 bound (needs the build)."""
+    if not lc.built(Path.home() / ".cache" / "moelab" / "llamacpp", "0.3.36"):
+        pytest.skip("llama-cpp-python 0.3.36 is not built in the default cache")
+    out = tmp_path / "out"
+    assert lc.main(["check", "--archs", "qwen3moe", "deepseek2", "--quants", "Q8_0", "--dense-quant", "Q8_0",
+                    "--out", str(out)]) == 0
+    rows = json.loads((out / "result.json").read_text())["rows"]
+    assert [r["extra_bufts"] for r in rows] == [False, False]
 
 
 @pytest.mark.slow
