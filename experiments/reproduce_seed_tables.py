@@ -91,7 +91,8 @@ def predict(hw: Hardware, model: ModelSpec, table: dict, row: str, seeds: int, s
     if pol == "hybrid":
         opts = {"adaptive": True, "miss_fraction": 0.0,
                 "max_fills": SLOW_FILLS if row == "hybrid-slow-fill" else 512}
-    costs = Costs(model, hw, ExecConfig(pinned=False, policy=pol))
+    # uploads are pageable; rows without uploads copy only activations, through pinned buffers
+    costs = Costs(model, hw, ExecConfig(pinned=row in ("full", "cpu"), policy=pol))
     tps, hits = [], []
     for seed in range(seeds):
         cfg = SimConfig(model=model.name, trace="synth", synth_tokens=n_tok, seed=seed)
