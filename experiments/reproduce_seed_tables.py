@@ -19,7 +19,7 @@ the CPU's per-thread expert rate (a pageable copy is staged through pinned memor
 thread), fitted on one machine's ``lru`` rows and used unchanged on the other. Each row is
 predicted twice: ``k`` fitted on its own machine, and on the other machine.
 
-    python experiments/reproduce_seed_tables.py [--seeds 3] [--tokens-scale 1.0] [--out docs/SEED_TABLES.md]
+    python experiments/reproduce_seed_tables.py [--seeds 3] [--tokens-scale 1.0] [--data experiments/seed_tables.json] [--out docs/SEED_TABLES.md]
 """
 from __future__ import annotations
 
