@@ -309,7 +309,7 @@ def render(res: dict, command: str) -> str:
             "enough that they are fastest despite fewer hits. `predict cpu` keeps predict's hits "
             "with a third of its traffic, yet stays slower than them: its prefetch must land before "
             "the next layer's experts run, and one expert's copy takes longer than a layer's dense "
-            "part on the rtx4060 preset (about 262 vs 113 us) and about as long on the H200 one "
+            "part on the rtx4060 preset and about as long on the H200 one "
             "(70 vs 85 us), so most prefetches stall the GPU.",
             "", "## Command", "", f"    {command}", ""]
     return "\n".join(out)
