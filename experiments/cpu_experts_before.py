@@ -14,11 +14,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when the OpenMP runt
 
 import numba  # noqa: E402
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from execute import quant as Q
+from execute.cpu_experts import _bits_f32, _half  # the same bit reinterpretations
 from execute.experts import ExpertTensor, LayerExperts
 
 __all__ = ["run_experts", "tensor_views"]
@@ -35,22 +34,6 @@ _LANES = np.array([32, 16], np.int64)
 # Numba computes integer arithmetic in int64, whose conversion to float32 has no packed
 # instruction before AVX-512DQ (scalar vcvtsi2ss): nibble expressions are cast to int32 (LLVM then
 # narrows the arithmetic) before they become float32.
-
-
-@intrinsic
-def _half(typingctx, bits):
-    """float16 bit pattern (uint16) -> float32, exact (LLVM fpext: vcvtph2ps when vectorized)."""
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, bits):
-    """uint32 bit pattern -> float32 (a register reinterpretation, no memory round trip)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
 
 
 @njit(inline="always")
