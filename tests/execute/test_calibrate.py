@@ -648,3 +648,18 @@ def test_a_negative_queue_level_moves_to_the_per_expert_term():
     assert f["host_gpu_expert_s"] * further == pytest.approx(UNLOGGED["queue"] + logged["host_gpu_expert_s"] * further,
                                                              abs=1e-6)
     assert "host_gpu_expert_s" not in C.unlogged_host_fields(runs, logged)["fields"]
+
+
+def test_pool_rate_survives_a_noisy_fit():
+    """When noise makes the per-expert slope <= 0 (tiny experts), the CPU rate comes from the
+    largest call's mean per expert, never a negative or infinite figure."""
+    from simulate import hardware as H
+
+    stat = lambda v: {"median": v}  # noqa: E731
+    m = {"expert_bytes": 1_000_000, "threads": 2, "cpu_mem": stat(10.0),
+         "cpu_pool": {"compute_s": {"1": stat(4e-4), "2": stat(3e-4), "8": stat(2e-4)}},
+         "plan_s": {}, "poll_s": 0.0}
+    base = json.loads((H.HARDWARE_DIR / "h200-xeon16.json").read_text())
+    hw = C.hardware_json(m, "noisy", base)
+    assert hw["cpu_thread_gbps"] == pytest.approx(1_000_000 / (2e-4 / 8) / 1e9 / 2)
+    assert hw["cpu_task_s"] == 0.0
