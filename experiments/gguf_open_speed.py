@@ -18,21 +18,14 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from execute import gguf_io, synth  # noqa: E402
 
-
-def _best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tokenizer_speed import _best  # noqa: E402  the same best-of-n timer
 
 
 def main(argv=None) -> int:
