@@ -40,8 +40,7 @@ from numba.extending import intrinsic
 
 from . import quant as Q
 from .cpu_simd import (comb256, dpbusd, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
-                       addr, load_nib32, load_u8, load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, atomic_load,
-                       atomic_store, atomic_add, pause, futex_wait, futex_wake, now_ns,
+                       addr, load_nib32, load_u8, load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8,
                        lut16, nib_hi, nib_lo, vand, vor, vshl, vshr, xor80, zero_f32, zero_i32)
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 
@@ -508,10 +507,9 @@ def _bad_experts(layer: LayerExperts) -> ValueError:
 
 
 @njit(nogil=True, cache=True)
-def _launch(ctrl, job, seq, e, x, y, num_experts, fixed, scratch):
+def _fill(job, e, x, y, num_experts, fixed, scratch):
     """Fill ``job`` for a call of pairs (e, x) into y (fixed: _layer_fields, scratch:
-    _Scratch.fields) and publish it as call ``seq`` (seq 0: only fill). False, with nothing
-    written, when an expert id is out of 0..num_experts - 1."""
+    _Scratch.fields). False, with nothing written, when an expert id is out of 0..num_experts - 1."""
     for v in e:
         if v < 0 or v >= num_experts:
             return False
@@ -523,8 +521,6 @@ def _launch(ctrl, job, seq, e, x, y, num_experts, fixed, scratch):
     job[J_QT:J_NG] = fixed[2:]
     job[J_NG] = 0
     job[J_ORDER:J_T0] = scratch
-    if seq:
-        _publish(ctrl, seq)
     return True
 
 
@@ -536,301 +532,20 @@ def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, thre
     views = views or (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
     job = np.zeros(JOB_FIELDS, np.int64)
     keep, scratch = _Scratch().fields(len(e), layer.hidden, layer.ffn)
-    if not _launch(job, job, 0, e, x, y, layer.num_experts, _layer_fields(layer, views), scratch):
+    if not _fill(job, e, x, y, layer.num_experts, _layer_fields(layer, views), scratch):
         raise _bad_experts(layer)
     _moe(job, int(threads or numba.get_num_threads()))
     del keep
     return y
 
 
-# The pool's thread team. ctrl (int64) holds the team's counters, each on its own cache line:
-_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD, _C_BSLEEP, _C_BROKEN = (8 * k for k in range(9))
-_BARRIER_SPINS = 4000  # pause instructions (tens of microseconds) before a barrier sleeps
-_CTRL = 8 * 9
-_RING = 16  # job slots: calls submitted but not yet finished, at most
-_STOP = -1  # _C_GEN value that ends the workers
-_WAIT_SPIN_NS = 1_000_000  # result()'s spin when threads < cores (see CpuExpertPool)
-_ABANDONED: list = []  # arrays of calls a stalled team may still read (see CpuExpertPool._break)
+_POOL_NAMES = ("CpuExpertPool", "CpuJob")
 
 
-@njit(inline="always")
-def _barrier(ctrl, team, nbar):
-    """Wait until every worker has reached barrier ``nbar + 1`` (spinning, then on a futex: a
-    descheduled worker must not cost the others their cores); the new count."""
-    target = team * (nbar + 1)
-    if atomic_add(ctrl, _C_BAR, 1) == target - 1:
-        if atomic_load(ctrl, _C_BSLEEP):
-            futex_wake(ctrl, _C_BAR)
-        return nbar + 1
-    spins = 0
-    while True:
-        v = atomic_load(ctrl, _C_BAR)
-        if v >= target:
-            return nbar + 1
-        spins += 1
-        if spins < _BARRIER_SPINS:
-            pause()
-            continue
-        atomic_add(ctrl, _C_BSLEEP, 1)
-        v = atomic_load(ctrl, _C_BAR)
-        if v < target:
-            futex_wait(ctrl, _C_BAR, v, 1_000_000)
-        atomic_add(ctrl, _C_BSLEEP, -1)
-
-
-@njit(nogil=True, cache=True)
-def _team_worker(ctrl, ring, t, team, spin_ns):
-    """Worker t of ``team``: runs every published call (slots of ``ring`` in order), spinning up to
-    spin_ns for the next one, then sleeping on a futex. Once every worker has finished the previous
-    call (its scratch is then free), worker 0 groups the pairs while all quantize a part of x; a
-    barrier; gate+up; a barrier; all quantize a part of h; a barrier; down. The last worker to
-    finish a call stamps and publishes it."""
-    seq = 0
-    nbar = 0
-    while True:
-        t0 = now_ns()
-        spins = 0
-        while atomic_load(ctrl, _C_GEN) == seq:
-            spins += 1
-            if spins & 63 or now_ns() - t0 < spin_ns:
-                pause()
-                continue
-            atomic_add(ctrl, _C_SLEEP, 1)
-            if atomic_load(ctrl, _C_GEN) == seq:
-                futex_wait(ctrl, _C_GEN, seq, 100_000_000)
-            atomic_add(ctrl, _C_SLEEP, -1)
-        if atomic_load(ctrl, _C_GEN) == _STOP:
-            return
-        seq += 1
-        job = ring[seq % _RING]
-        while atomic_load(ctrl, _C_FIN) < team * (seq - 1) or (t == 0 and atomic_load(ctrl, _C_HOLD)):
-            pause()  # the previous call's scratch is free once every worker has finished it
-        if t == 0:
-            job[J_T0] = now_ns()
-            _group(job)
-        _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, t, team)
-        nbar = _barrier(ctrl, team, nbar)
-        _chunk(job, t, team, 0)
-        nbar = _barrier(ctrl, team, nbar)
-        _quantize_input(job, job[J_H], job[J_FFN], 2, 2, t, team)
-        nbar = _barrier(ctrl, team, nbar)
-        _chunk(job, t, team, 1)
-        if atomic_add(ctrl, _C_FIN, 1) == team * seq - 1:
-            job[J_T1] = now_ns()
-            atomic_store(ctrl, _C_DONE, seq)
-            if atomic_load(ctrl, _C_WAIT):
-                futex_wake(ctrl, _C_DONE)
-
-
-@njit(nogil=True, cache=True)
-def _publish(ctrl, seq):
-    """Make call ``seq`` (or _STOP) visible to the team and wake sleeping workers."""
-    atomic_store(ctrl, _C_GEN, seq)
-    if atomic_load(ctrl, _C_SLEEP):
-        futex_wake(ctrl, _C_GEN)
-
-
-@njit(nogil=True, cache=True)
-def _wait_done(ctrl, seq, spin_ns, timeout_ns):
-    """Wait until call ``seq`` has finished: spin up to spin_ns, then sleep on a futex; False after
-    timeout_ns."""
-    t0 = now_ns()
-    while atomic_load(ctrl, _C_DONE) < seq:
-        el = now_ns() - t0
-        if el > timeout_ns:
-            return False
-        if el < spin_ns:
-            pause()
-            continue
-        atomic_add(ctrl, _C_WAIT, 1)
-        done = atomic_load(ctrl, _C_DONE)
-        if done < seq:
-            futex_wait(ctrl, _C_DONE, done, 1_000_000)
-        atomic_add(ctrl, _C_WAIT, -1)
-    return True
-
-
-def _default_spin_us(spare_core: bool) -> float:
-    """``MOELAB_POOL_SPIN_US`` (microseconds a worker spins before it sleeps), else 2000 when the
-    team leaves the caller a core (the team stays hot across a decode step's GPU part between
-    two CPU layers: on a 16-core H200 host, 15 threads, `moelab run --policy cpu` decoded 116 vs
-    102 tokens/s and `hybrid` 147 vs 128 against a 100 us spin), else 100 (spinning workers would
-    take the caller's core)."""
-    raw = os.environ.get("MOELAB_POOL_SPIN_US", "2000" if spare_core else "100")
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"MOELAB_POOL_SPIN_US={raw!r}: expected microseconds, a number 0..1e6") from None
-
-
-def _stop_team(ctrl: np.ndarray, inflight: list, timeout_s: float) -> None:
-    """Stop a team whose pool is gone, after its last published call (arrays kept if it stalls)."""
-    seq = int(ctrl[_C_GEN])
-    if seq > 0 and not ctrl[_C_BROKEN] and not _wait_done(ctrl, seq, 0, int(timeout_s * 1e9)):
-        _ABANDONED.extend(inflight)
-    _publish(ctrl, _STOP)
-
-
-class CpuJob:
-    """A submitted layer's CPU experts; ``result()`` waits for them at most the pool's timeout."""
-
-    def __init__(self, pool: "CpuExpertPool", layer: int, n: int, seq: int = 0):
-        self._pool = pool
-        self.layer = layer
-        self.num_pairs = n
-        self._seq = seq
-        self._out: np.ndarray | None = None
-        self._error: BaseException | None = None
-        self.submitted_s = time.perf_counter()
-        self.compute_s = 0.0
-        # perf_counter stamps (0.0 until set): the team starts and ends the call (CLOCK_MONOTONIC,
-        # perf_counter's clock); the caller's first successful result() returns (moelab calibrate
-        # splits the hand-offs by them)
-        self.started_s = 0.0
-        self.finished_s = 0.0
-        self.collected_s = 0.0
-
-    def done(self) -> bool:
-        return self._error is not None or self._pool._ctrl[_C_DONE] >= self._seq
-
-    def result(self) -> np.ndarray:
-        """(n, hidden) float32 unweighted outputs; ExecutorError on failure or timeout."""
-        if self._error is not None:
-            raise ExecutorError(f"layer {self.layer}: CPU experts failed: {self._error!r}") from self._error
-        pool = self._pool
-        if not self.collected_s:
-            left = pool.timeout_s - (time.perf_counter() - self.submitted_s)
-            if not _wait_done(pool._ctrl, self._seq, pool._wait_spin_ns, int(max(left, 0.0) * 1e9)):
-                pool._break(f"layer {self.layer}: CPU experts did not finish within {pool.timeout_s} s")
-            slot = pool._ring[self._seq % _RING]
-            self.started_s, self.finished_s = slot[J_T0] * 1e-9, slot[J_T1] * 1e-9
-            self.compute_s = self.finished_s - self.started_s
-            self.collected_s = time.perf_counter()
-        return self._out
-
-
-class CpuExpertPool:
-    """A team of ``threads`` native worker threads running the expert kernels.
-
-    The workers are Numba ``nogil`` functions on daemon threads: they never take the GIL. A call is
-    written into a slot of a ring of job descriptions and published through an atomic counter;
-    workers spin up to ``spin_us`` after each call for the next one (a hot team starts a call in
-    about a microsecond), then sleep on a futex (waking costs a system call and the scheduler's
-    latency). ``result()`` spins the same time (1 ms when ``threads`` leaves the caller a core),
-    then sleeps. ``spin_us`` defaults to the environment's ``MOELAB_POOL_SPIN_US``, else 2000 us
-    when ``threads`` leaves the caller a core and 100 us otherwise (``_default_spin_us``): a
-    decode step's GPU part between two CPU layers is longer than 100 us, and a team woken from
-    its futex costs the layer a wake-up of every worker. Inputs and outputs are read and
-    written in place (``out=`` e.g. page-locked memory): no copies. Calls are submitted from one
-    thread at a time (the engine's); results may be collected in any order.
-    """
-
-    def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float | None = None):
-        cores = os.cpu_count() or 1
-        if spin_us is None:
-            spin_us = _default_spin_us(threads < cores)
-        if threads < 1 or threads > max(cores, numba.config.NUMBA_NUM_THREADS):
-            raise ValueError(f"CpuExpertPool threads: {threads}, expected 1..{max(cores, numba.config.NUMBA_NUM_THREADS)}")
-        if not timeout_s > 0:
-            raise ValueError(f"CpuExpertPool timeout_s: {timeout_s}, expected > 0")
-        if not 0 <= spin_us <= 1e6:
-            raise ValueError(f"CpuExpertPool spin_us: {spin_us}, expected 0..1e6")
-        self.threads = int(threads)
-        self.timeout_s = float(timeout_s)
-        self._spin_ns = int(spin_us * 1e3)
-        # result() spins longer when the caller has a core of its own: a futex wake-up would be on
-        # the layer's critical path (the CPU job is usually its longest part)
-        self._wait_spin_ns = max(self._spin_ns, _WAIT_SPIN_NS) if self.threads < cores and spin_us else self._spin_ns
-        self._ctrl = np.zeros(_CTRL, np.int64)
-        self._ring = np.zeros((_RING, JOB_FIELDS), np.int64)
-        self._seq = 0
-        self._views: dict[int, tuple] = {}
-        self._scratch = _Scratch()
-        self._broken: str | None = None
-        self._workers: list[threading.Thread] = []
-        self._inflight: list[tuple[int, tuple]] = []  # (seq, arrays the team reads) until seq is done
-        # a pool dropped without close(): its team finishes the calls, then stops
-        weakref.finalize(self, _stop_team, self._ctrl, self._inflight, self.timeout_s)
-
-    def _break(self, why: str) -> None:
-        """Mark the pool unusable and raise; a stalled team may still read its calls' arrays
-        later, so those are kept for the life of the process."""
-        self._broken = why
-        self._ctrl[_C_BROKEN] = 1
-        _ABANDONED.extend(self._inflight)
-        raise ExecutorError(why)
-
-    def _fixed(self, layer: LayerExperts) -> tuple:
-        v = self._views.get(id(layer))
-        if v is None or v[0] is not layer:
-            views = (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
-            v = (layer, views, _layer_fields(layer, views))
-            self._views[id(layer)] = v
-        return v[1:]
-
-    def _start(self) -> None:
-        for t in range(self.threads):
-            w = threading.Thread(target=_team_worker, args=(self._ctrl, self._ring, t, self.threads, self._spin_ns),
-                                 name=f"moelab-cpu-experts-{t}", daemon=True)
-            w.start()
-            self._workers.append(w)
-
-    def submit(self, layer: LayerExperts, experts: Sequence[int], x: np.ndarray,
-               out: np.ndarray | None = None) -> CpuJob:
-        """Start computing ``experts[i]`` on ``x[i]`` for every i in the background (results
-        into ``out`` when given; neither ``x`` nor ``out`` may be touched until ``result()``
-        returns). A bad argument is reported by ``result()``."""
-        if self._broken:
-            raise ExecutorError(f"CPU expert pool is unusable: {self._broken}")
-        job = CpuJob(self, layer.layer, len(experts))
-        try:
-            e, x, y = _check_call(layer, experts, x, out)
-            views, fixed = self._fixed(layer)
-        except (ValueError, TypeError) as exc:
-            job._error = exc
-            return job
-        if not self._workers:
-            self._start()
-        seq = self._seq + 1
-        if seq - int(self._ctrl[_C_DONE]) > _RING and not _wait_done(self._ctrl, seq - _RING, self._spin_ns,
-                                                                      int(self.timeout_s * 1e9)):
-            self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
-        arrays, scratch = self._scratch.fields(len(e), layer.hidden, layer.ffn)
-        try:
-            launched = _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch)
-        except Exception as exc:  # reported by result(), like a bad argument
-            job._error = exc
-            return job
-        if not launched:
-            job._error = _bad_experts(layer)
-            return job
-        done = int(self._ctrl[_C_DONE])
-        self._inflight[:] = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays, layer, views))]
-        job._seq, job._out = seq, y
-        self._seq = seq
-        return job
-
-    def warmup(self, layer: LayerExperts) -> None:
-        """Run one call (the kernels are compiled on first import, or loaded from Numba's cache)."""
-        self.submit(layer, [0], np.zeros((1, layer.hidden), np.float32)).result()
-
-    def close(self) -> None:
-        """Stop the workers after the submitted calls (a stalled team is left behind, daemonic)."""
-        if self._workers:
-            if not self._broken and not _wait_done(self._ctrl, self._seq, 0, int(self.timeout_s * 1e9)):
-                self._broken = f"the CPU expert team did not finish within {self.timeout_s} s of close()"
-                self._ctrl[_C_BROKEN] = 1
-                _ABANDONED.extend(self._inflight)
-            _publish(self._ctrl, _STOP)
-            if not self._broken:
-                for w in self._workers:
-                    w.join(self.timeout_s)
-            self._workers = []
-            if not self._broken:
-                self._inflight.clear()
-
-    def __enter__(self) -> "CpuExpertPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def __getattr__(name: str):
+    """The pool (``execute.cpu_pool``) re-exported here, imported on first use: the pool imports
+    this module's kernels, so a module-level import would be a circle."""
+    if name in _POOL_NAMES:
+        from . import cpu_pool
+        return getattr(cpu_pool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,7 @@ import pytest
 
 import traces
 
-CMD = [sys.executable, "-m", "scheduler"]
+CMD = [sys.executable, "-m", "moelab"]
 
 
 def moelab(args, cwd, timeout=300, **kw):
@@ -283,10 +283,10 @@ def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monk
     import io
     import threading
 
-    from execute import cpu_experts
+    from execute import cpu_pool
     from execute.cli import replay_main
 
-    real = cpu_experts._launch
+    real = cpu_pool._launch
     calls, held = [], []
 
     def faulty(ctrl, *args):
@@ -294,11 +294,11 @@ def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monk
         if len(calls) > 3:  # a few layers run, then the fault
             if fault == "crash":
                 raise RuntimeError("worker died")
-            ctrl[cpu_experts._C_HOLD] = 1  # the pool's team holds its next call: a stall
+            ctrl[cpu_pool._C_HOLD] = 1  # the pool's team holds its next call: a stall
             held.append(ctrl)
         return real(ctrl, *args)
 
-    monkeypatch.setattr(cpu_experts, "_launch", faulty)
+    monkeypatch.setattr(cpu_pool, "_launch", faulty)
     err, result = io.StringIO(), []
     argv = [str(inputs["model"]), "--policy", "cpu", "--map", "--tokens", "8", "--threads", "1", "--timeout-s", "2",
             "--quiet"]
@@ -311,7 +311,7 @@ def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monk
     t.start()
     t.join(120)
     for ctrl in held:
-        ctrl[cpu_experts._C_HOLD] = 0
+        ctrl[cpu_pool._C_HOLD] = 0
     assert not t.is_alive(), "replay hung on a faulty CPU worker"
     assert result == [2]
     line = _error_line(err.getvalue())
@@ -320,8 +320,8 @@ def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monk
 
 def test_every_model_preset_simulates_with_a_synthetic_trace(capsys):
     """Presets with leading dense layers (deepseek-v2-lite) included: the dense layers are masked."""
-    from simulate.cli import simulate_main
-    from simulate.models import MODEL_PRESETS
+    from moelab.simulate_cli import simulate_main
+    from scheduler.models import MODEL_PRESETS
 
     for name in MODEL_PRESETS:
         assert simulate_main(["--model", name, "--trace", "synth", "--synth-tokens", "6", "--cache-mib", "auto",
@@ -377,7 +377,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
 
 def test_calibrate_base_takes_a_preset_name(tmp_path):
     from execute.calibrate import _base_path
-    from simulate.hardware import HARDWARE_DIR
+    from scheduler.hardware import HARDWARE_DIR
 
     assert _base_path("rtx4060-laptop") == HARDWARE_DIR / "rtx4060-laptop.json"
     (tmp_path / "hw.json").write_text("{}")

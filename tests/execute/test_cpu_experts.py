@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from execute import cpu_experts
+from execute import cpu_pool
 from execute import quant as Q
 from execute.cpu_experts import CpuExpertPool, run_experts
 from execute.experts import ACTIVATIONS, ExecutorError, random_layer
@@ -122,13 +122,13 @@ def test_pool_failure_is_an_error_not_an_abort(rng):
 def test_pool_stall_times_out(rng):
     layer = random_layer(rng, 5, 2, 256, 256, Q.Q8_0)
     pool = CpuExpertPool(threads=1, timeout_s=0.2)
-    pool._ctrl[cpu_experts._C_HOLD] = 1  # the team's leader waits before its next call: a stall
+    pool._ctrl[cpu_pool._C_HOLD] = 1  # the team's leader waits before its next call: a stall
     job = pool.submit(layer, [0], np.ones((1, 256), np.float32))
     with pytest.raises(ExecutorError, match="layer 5: CPU experts did not finish within 0.2 s"):
         job.result()
     with pytest.raises(ExecutorError, match="CPU expert pool is unusable"):
         pool.submit(layer, [0], np.ones((1, 256), np.float32))
-    pool._ctrl[cpu_experts._C_HOLD] = 0
+    pool._ctrl[cpu_pool._C_HOLD] = 0
     pool.close()
 
 
@@ -156,7 +156,7 @@ def test_pool_queues_more_calls_than_its_ring(rng, reference):
     layer = random_layer(rng, 1, 4, 256, 256, Q.Q8_0)
     x = rng.standard_normal((2, 256)).astype(np.float32)
     with CpuExpertPool(threads=2, timeout_s=60, spin_us=0) as pool:
-        jobs = [pool.submit(layer, [k % 4, (k + 1) % 4], x) for k in range(2 * cpu_experts._RING + 3)]
+        jobs = [pool.submit(layer, [k % 4, (k + 1) % 4], x) for k in range(2 * cpu_pool._RING + 3)]
         for k, job in enumerate(jobs):
             assert rel_err(job.result(), reference(layer, [k % 4, (k + 1) % 4], x)) < REL_ERR_INT8
 
@@ -221,7 +221,7 @@ def test_a_dropped_pool_stops_its_team(rng):
 def test_pool_spin_default_follows_the_environment(monkeypatch):
     """MOELAB_POOL_SPIN_US sets the workers' spin; unset, a team that leaves the caller a core
     spins 2 ms, else 100 us; a value that is no number is an error naming the variable."""
-    from execute.cpu_experts import _default_spin_us
+    from execute.cpu_pool import _default_spin_us
 
     monkeypatch.delenv("MOELAB_POOL_SPIN_US", raising=False)
     assert _default_spin_us(True) == 2000.0 and _default_spin_us(False) == 100.0
