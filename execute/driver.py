@@ -1,0 +1,161 @@
+"""The run loop: inputs (``TokenInput``, ``ChunkInput``) become scheduler Tokens whose steps run
+the model lazily; ``run`` drives a policy over them with real compute (the model's dense path, a
+backend's experts) and measures it (``RunResult``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from .xp import host as _host
+
+__all__ = ["TokenInput", "ChunkInput", "RunResult", "run"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInput:
+    """One token to run: its trace identity, the input token id, and optional forced routes."""
+
+    index: int
+    seq: int
+    pos: int
+    phase: str
+    token_id: int
+    routes: tuple | None = None  # per block: Route or None
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInput:
+    """T tokens run as one batch (one scheduler Token of ``num_tokens`` T) at positions ``pos ..
+    pos + T - 1``: a prefill chunk or a speculative verification batch. A ``pos`` before the end
+    of what the sequence has run rolls the KV cache back to it first (rejected drafts)."""
+
+    index: int
+    seq: int
+    pos: int
+    phase: str
+    token_ids: tuple[int, ...]
+    routes: tuple | None = None  # per token: per block Route or None (or None: the router's)
+    all_logits: bool = False  # keep every token's logits (verification), else the last one's
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("ChunkInput.token_ids: expected at least one token")
+        if self.routes is not None and len(self.routes) != len(self.token_ids):
+            raise ValueError(f"ChunkInput.routes: {len(self.routes)} entries, expected one per token "
+                             f"({len(self.token_ids)})")
+
+
+@dataclass
+class RunResult:
+    """What a run measured. Times are host wall-clock seconds, summed over tokens. ``tokens``
+    counts positions run (a batch of T counts T), ``steps`` the batches (scheduler Tokens)."""
+
+    audit: object
+    tokens: int
+    wall_s: float
+    dense_s: np.ndarray  # (layers,) attention + router, per block
+    experts_s: np.ndarray  # (layers,) the backend's run_layer, per block
+    other_s: float  # head, background starts and waits, bookkeeping
+    logits: list  # host (vocab,) arrays when kept: one per token (per kept row of a batch)
+    steps: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        per = max(self.tokens, 1)
+        return {"tokens": self.tokens, "steps": self.steps, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
+                "dense_ms_per_token": 1e3 * float(self.dense_s.sum()) / per,
+                "experts_ms_per_token": 1e3 * float(self.experts_s.sum()) / per,
+                "other_ms_per_token": 1e3 * self.other_s / per,
+                "per_layer_ms_per_token": [{"layer": l, "dense": 1e3 * float(d) / per, "experts": 1e3 * float(e) / per}
+                                           for l, (d, e) in enumerate(zip(self.dense_s, self.experts_s))]}
+
+
+def _tokens(model, inputs) -> Iterator:
+    """scheduler Tokens whose steps run the model lazily; a new sequence (or position 0) resets the
+    KV cache, a position before the end of what the sequence has run rolls it back."""
+    from scheduler import Token
+
+    seq, end = None, 0
+    for t in inputs:
+        if isinstance(t, ChunkInput):
+            ids, routes, all_logits = t.token_ids, t.routes, t.all_logits
+        else:
+            ids, routes, all_logits = (t.token_id,), None if t.routes is None else (t.routes,), False
+        back = 0
+        if t.seq != seq or t.pos == 0:
+            model.reset()
+            seq, end = t.seq, t.pos
+        elif t.pos < end:
+            back, end = end - t.pos, t.pos
+        end += len(ids)
+        steps = model.chunk_steps(ids, routes, all_logits, back)
+        if model.router_predictor is not None:
+            steps = model.router_predictor.phased(t.phase, steps)
+        yield Token(t.index, t.seq, t.pos, t.phase, steps, len(ids))
+
+
+def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
+        keep_logits: bool = False, progress=None) -> RunResult:
+    """Drive ``policy`` over ``inputs`` (TokenInputs and ChunkInputs) with real compute: the model's
+    dense path and ``backend`` for the experts (``run_layer(item, x (T, hidden), ids (T, k),
+    weights (T, k)) -> y (T, hidden)``, ``start_background``, ``await_background``, optionally
+    ``prepare(policy)`` before the first item; ``begin_layer(layer, x, ids)`` as each block's routing
+    is known, before its step is planned). Every driver item is also given to ``audit`` (an
+    ``Audit``) if any; ``progress(tokens)`` is called after each batch with the positions run."""
+    import dataclasses
+    import time
+
+    from scheduler import drive
+    from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground
+
+    begin = getattr(backend, "begin_layer", None)
+
+    def started(steps):
+        for step in steps:
+            begin(step.layer, model.last_input, model.last_ids)
+            yield step
+
+    n_layers = model.info.num_layers
+    dense, experts = np.zeros(n_layers), np.zeros(n_layers)
+    logits, tokens, steps = [], 0, 0
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(policy)
+    t0 = mark = time.perf_counter()
+    other = 0.0
+    tokens_in = _tokens(model, inputs)
+    if begin is not None:
+        tokens_in = (dataclasses.replace(t, steps=started(t.steps)) for t in tokens_in)
+    for item in drive(policy, tokens_in, lag_tokens):
+        now = time.perf_counter()
+        kind = type(item)
+        if kind is RunLayer:
+            l = item.step.layer
+            dense[l] += now - mark
+            y = backend.run_layer(item, model.last_input, model.last_ids, model.last_weights)
+            model.deliver(y)
+            mark = time.perf_counter()
+            experts[l] += mark - now
+        else:
+            other += now - mark
+            if kind is StartBackground:
+                backend.start_background(item.moves)
+            elif kind is AwaitBackground:
+                backend.await_background(item.moves)
+            elif kind is EndToken:
+                tokens += item.token.num_tokens
+                steps += 1
+                if keep_logits:
+                    logits.extend(_host(model.chunk_logits).copy())
+                if progress is not None:
+                    progress(tokens)
+            mark = time.perf_counter()
+            other += mark - now
+        if audit is not None:
+            audit.observe(item)
+    return RunResult(audit, tokens, time.perf_counter() - t0, dense, experts, other, logits, steps)
