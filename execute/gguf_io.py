@@ -56,6 +56,7 @@ __all__ = [
     "TensorSpec",
     "write_gguf",
     "read_tokenizer",
+    "iq_grid_bitmaps",
 ]
 
 # Quant types the expert kernels read directly; any other expert type is an error.
@@ -819,6 +820,27 @@ def quantize(values: np.ndarray, qtype: int) -> np.ndarray:
     qt = gguf.GGMLQuantizationType(int(qtype))
     out = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), qt)
     return np.ascontiguousarray(out).view(np.uint8).reshape(*values.shape[:-1], -1)
+
+
+def iq_grid_bitmaps() -> dict[str, str]:
+    """gguf-py's IQ grids as ``execute.iq_grids`` stores them: per grid, the base64 of a bitmap
+    over the codes of its lattice (entry k of a grid of ``dim`` values from a map of ``base``
+    levels is the code sum(level_i * base**i); bit c set when code c is in the grid; the grids
+    are sorted by code, so the bitmap gives them back in order). IQ1_M shares IQ1_S's grid."""
+    import base64
+
+    out = {}
+    for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S"):
+        cls = getattr(gguf.quants, name)
+        cls.init_grid()
+        levels = np.asarray(cls.grid_map, np.float32)
+        grid = np.asarray(cls.grid, np.float32).reshape(cls.grid_shape)
+        idx = np.searchsorted(levels, grid).astype(np.int64)
+        code = (idx * len(levels) ** np.arange(grid.shape[1], dtype=np.int64)).sum(axis=1)
+        bits = np.zeros(len(levels) ** grid.shape[1], np.uint8)
+        bits[code] = 1
+        out[name] = base64.b64encode(np.packbits(bits, bitorder="little").tobytes()).decode()
+    return out
 
 
 # writing ------------------------------------------------------------------------------------------

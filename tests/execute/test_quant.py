@@ -8,15 +8,47 @@ from hypothesis import given, settings, strategies as st
 from execute import quant as Q
 
 ALL = sorted(Q.QTYPES)
+LAYOUTS = sorted(Q.LAYOUTS)
 
 
-@pytest.mark.parametrize("qtype", ALL, ids=[Q.QTYPES[t].name for t in ALL])
+@pytest.mark.parametrize("qtype", LAYOUTS, ids=[Q.LAYOUTS[t].name for t in LAYOUTS])
 def test_layout_matches_gguf(qtype):
     import gguf
 
     assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)] == (
-        Q.QTYPES[qtype].block_weights, Q.QTYPES[qtype].block_bytes)
-    assert gguf.GGMLQuantizationType(qtype).name == Q.QTYPES[qtype].name
+        Q.LAYOUTS[qtype].block_weights, Q.LAYOUTS[qtype].block_bytes)
+    assert gguf.GGMLQuantizationType(qtype).name == Q.LAYOUTS[qtype].name
+
+
+@pytest.mark.parametrize("qtype", LAYOUTS, ids=[Q.LAYOUTS[t].name for t in LAYOUTS])
+def test_dequantize_random_blocks_matches_gguf(qtype, rng, gguf_dequant):
+    """Random bytes (every bit pattern of indices, signs and sub-scales) with valid f16 scales:
+    the reference dequantizer agrees with gguf-py's to 1e-5 relative (in practice bit for bit)."""
+    cols = 512
+    raw = Q.random_blocks(rng, qtype, 7, cols, scale=0.05)
+    assert raw.shape == (7, Q.row_bytes(qtype, cols, types=Q.LAYOUTS))
+    mine = Q.dequantize(raw, qtype, cols)
+    theirs = gguf_dequant(raw, qtype, cols)
+    assert mine.dtype == np.float32 and np.isfinite(mine).all() and np.abs(theirs).max() > 0
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=0)
+
+
+def test_iq_tables_match_gguf():
+    """The project's own copy of the i-quant tables decodes to gguf-py's, and is what
+    gguf_io.iq_grid_bitmaps() derives from them."""
+    from gguf import quants
+
+    from execute import iq_grids as G
+    from execute.gguf_io import iq_grid_bitmaps
+
+    assert iq_grid_bitmaps() == G.BITMAPS
+    for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"):
+        cls = getattr(quants, name)
+        cls.init_grid()
+        np.testing.assert_array_equal(G.grid(name), np.asarray(cls.grid).reshape(cls.grid_shape))
+    assert bytes(G.KSIGNS) == quants.IQ2_XXS.ksigns
+    assert tuple(G.IQ4_NL_VALUES.tolist()) == tuple(quants.IQ4_NL.kvalues)
+    assert G.grid("IQ1_M") is G.grid("IQ1_M") and not G.grid("IQ2_S").flags.writeable
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=[Q.QTYPES[t].name for t in ALL])
@@ -84,7 +116,10 @@ def test_row_bytes_and_errors():
     assert Q.row_bytes(Q.Q6_K, 768) == 3 * 210
     with pytest.raises(ValueError, match="blk.0.ffn_down_exps: 100 columns"):
         Q.row_bytes(Q.Q4_K, 100, "blk.0.ffn_down_exps")
-    with pytest.raises(ValueError, match=r"t\.weight: quant type 3 is not supported.*Q8_0"):
+    with pytest.raises(ValueError, match=r"t\.weight: quant type 3 \(Q4_1\) is not supported.*Q8_0"):
         Q.quant_type(3, "t.weight")
+    assert Q.row_bytes(Q.Q4_1, 64, types=Q.LAYOUTS) == 40
+    with pytest.raises(ValueError, match="quant type 99 \\(type 99\\)"):
+        Q.dequantize(np.zeros(4, np.uint8), 99, 1)
     with pytest.raises(ValueError, match="rows, cols"):
         Q.quantize(np.zeros(32, np.float32), Q.Q8_0)
