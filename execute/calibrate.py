@@ -1,6 +1,6 @@
 """``moelab calibrate``: measure this machine as moelab's executor uses it; write a hardware file.
 
-The file is in the simulator's format (``simulate/hardware.py``: ``moelab simulate --hardware
+The file is in the simulator's format (``scheduler/hardware.py``: ``moelab simulate --hardware
 FILE``). Every number is measured here, from the executor's own code paths, repeated: the JSON keeps
 the median as the field and every sample's median, 10th and 90th percentile and count under
 ``"_calibration"`` (which the simulator ignores), with a ``sources`` line per field.
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.cli import ArgumentParser
+from scheduler.args import ArgumentParser
 from scheduler.core import Capacity, Decision, Geometry, Step, Token
 from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
 from scheduler.files import OutputPathError, atomic_write, check_output
@@ -131,8 +131,9 @@ def measure_plan_s(geometry: Geometry, slots: int, tokens, policies=PLAN_POLICIE
     h200-xeon16 preset, its layers repeated to ``geometry``'s count: the planning work is what is
     timed here, not the quality of its split)."""
     if "hybrid-cost" in policies and cost_model is None:
-        from simulate import load_hardware, load_model
-        from simulate.costs import Costs
+        from scheduler.costs import Costs
+        from scheduler.hardware import load_hardware
+        from scheduler.models import load_model
 
         full = Costs(load_model("qwen3-30b-a3b"), load_hardware("h200-xeon16")).cost_model()
         cost_model = full.of_layers([l % len(full.upload_s) for l in range(geometry.num_layers)])
@@ -693,7 +694,7 @@ def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None 
 
 
 def replay_host_fields(records: list[dict]) -> dict:
-    """The executor's host-lane fields (``simulate.hardware.EXECUTOR_KEYS``) from a replay's
+    """The executor's host-lane fields (``scheduler.hardware.EXECUTOR_KEYS``) from a replay's
     per-layer records (``replay_engine``'s ``layer_log``, in replay order).
 
     GPU-only layers: the plan's growth per copy of the previous record (copies in flight) by
@@ -1349,7 +1350,7 @@ def main(argv=None) -> int:
 
 def _base_path(base: str) -> Path:
     """``--base``: a JSON file, or the name of a bundled hardware preset."""
-    from simulate.hardware import HARDWARE_DIR
+    from scheduler.hardware import HARDWARE_DIR
 
     p = Path(base)
     if not p.exists() and not p.suffix and (HARDWARE_DIR / f"{base}.json").is_file():

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from scheduler import MISS_FRAC_256
-from scheduler.cli import ArgumentParser
+from scheduler.args import ArgumentParser
 from scheduler.files import OutputPathError, check_output
 
 from .experts import ExecutorError
@@ -237,16 +237,16 @@ def _cost_options(args, prog: str) -> dict:
         if args.hardware:
             raise _Fail(f"{prog}: --hardware is used only by --policy hybrid-cost")
         return {}
-    from simulate.costs import Costs, ExecConfig
-    from simulate.hardware import hardware_presets, load_hardware
-    from simulate.models import ModelSpec
+    from scheduler.costs import Costs, ExecConfig
+    from scheduler.hardware import hardware_presets, load_hardware
+    from .model_spec import model_spec
 
     if not args.hardware:
         raise _Fail(f"{prog}: policy 'hybrid-cost' needs --hardware NAME|FILE for its cost model (a preset: "
                     f"{', '.join(hardware_presets())}; or a hardware JSON, e.g. from moelab calibrate)")
     try:
         cfg = ExecConfig(pinned=not args.pageable)  # the link rate the uploads will see
-        return {"cost_model": Costs(ModelSpec.from_gguf(args.model), load_hardware(args.hardware), cfg).cost_model()}
+        return {"cost_model": Costs(model_spec(args.model), load_hardware(args.hardware), cfg).cost_model()}
     except ValueError as exc:
         raise _Fail(f"{prog}: --hardware {args.hardware}: {exc}") from None
 

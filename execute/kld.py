@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.cli import ArgumentParser
+from scheduler.args import ArgumentParser
 
 from .cli import _backend, _capacity, _check_common, _cost_options, _Fail, _guard, _profile, _use_gpu
 

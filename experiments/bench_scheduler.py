@@ -4,7 +4,7 @@ A 48-layer, 128-expert, top-8 synthetic trace (traces.synth's qwen3-30b-a3b pres
 through each policy with no timing, side by side in one process: the decision loop alone
 (scheduler.drive: plan, commit, completions, background work), and again with an Audit observing
 every item (what a backend adds to count hits and bytes). ``hybrid-cost`` prices its decisions
-with the cost model of the qwen3-30b-a3b preset on ``--hardware`` (simulate.costs), its floor
+with the cost model of the qwen3-30b-a3b preset on ``--hardware`` (scheduler.costs), its floor
 tuned by shadow policies (on its default ``shadow_layers`` of the 48 layers).
 
 Usage: python experiments/bench_scheduler.py [--tokens N] [--slots S] [--repeats R] [--hardware H] [--json]
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from simulate import load_hardware, load_model
-    from simulate.costs import Costs
+    from scheduler.costs import Costs
 
     cost_model = Costs(load_model("qwen3-30b-a3b"), load_hardware(args.hardware)).cost_model()
     tokens = synthetic_tokens(args.tokens, args.seed)

@@ -355,15 +355,15 @@ def tail(path: Path, num_lines: int) -> str:
 # bench ---------------------------------------------------------------------------------------------
 
 def moelab_cmd(args) -> list[str]:
-    """``--moelab``, else the moelab script beside this Python, else ``python -m scheduler``."""
+    """``--moelab``, else the moelab script beside this Python, else ``python -m moelab``."""
     if args.moelab:
         return shlex.split(args.moelab)
     exe = Path(sys.executable).with_name("moelab")
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "scheduler"]
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "moelab"]
 
 
 def child_env() -> dict:
-    """This environment with the checkout on PYTHONPATH, so that ``python -m scheduler`` runs."""
+    """This environment with the checkout on PYTHONPATH, so that ``python -m moelab`` runs."""
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
 

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from scheduler import MISS_FRAC_256, Audit, Capacity, CapacityError, Profile, drive, make_policy, replay  # noqa: E402
 from simulate import Costs, ExecConfig, SimConfig, Simulator, run  # noqa: E402
-from simulate.hardware import load_hardware  # noqa: E402
-from simulate.models import load_model  # noqa: E402
+from scheduler.hardware import load_hardware  # noqa: E402
+from scheduler.models import load_model  # noqa: E402
 from simulate.run import build_capacity  # noqa: E402
 from traces import load  # noqa: E402
 from traces.importers import import_trace  # noqa: E402

@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from scheduler import Audit, Capacity, drive, make_policy
-from simulate.costs import Costs, ExecConfig
+from scheduler.costs import Costs, ExecConfig
 from simulate.engine import Simulator
-from simulate.hardware import Hardware, load_hardware
-from simulate.models import ModelSpec, load_model
+from scheduler.hardware import Hardware, load_hardware
+from scheduler.models import ModelSpec, load_model
 from simulate.run import SimConfig, load_tokens
 
 DATA = Path(__file__).resolve().parent / "seed_tables.json"

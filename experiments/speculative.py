@@ -73,7 +73,7 @@ def plan_s_per_step(runs, args) -> dict:
     interleaved with the others, best of ``--plan-repeats``."""
     from scheduler import drive, make_policy
     from simulate import load_hardware, load_model
-    from simulate.costs import Costs, ExecConfig
+    from scheduler.costs import Costs, ExecConfig
     from simulate.run import build_capacity
 
     model, hw = load_model(args.model), load_hardware(args.hardware)

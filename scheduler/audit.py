@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from typing import Iterable
 
-from .core import Geometry
-from .drive import AwaitBackground, EndToken, RunLayer, StartBackground
+from .core import Geometry, Policy, Token
+from .drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
 from .files import atomic_open
 
-__all__ = ["Audit", "COUNTERS"]
+__all__ = ["Audit", "COUNTERS", "replay"]
 
 COUNTERS = ("hits", "uploads", "streams", "cpu", "fills", "swaps", "upload_bytes", "profile_hits")
 
@@ -160,3 +161,16 @@ def _position(pos: int, routes) -> dict:
     """One position's routing as an audit record holds it."""
     return {"pos": int(pos), "routes": [[int(l), [int(e) for e in ids], None if ws is None else [float(w) for w in ws]]
                                         for l, ids, ws in routes]}
+
+
+def replay(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1, audit=None):
+    """Drive ``policy`` over ``tokens`` with no timing; feed each item to ``audit`` if given.
+
+    Returns the audit (a fresh :class:`~scheduler.audit.Audit` when none is given).
+    """
+    if audit is None:
+        audit = Audit(policy.geometry)
+    observe = audit.observe
+    for item in drive(policy, tokens, lag_tokens):
+        observe(item)
+    return audit

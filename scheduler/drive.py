@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, NamedTuple, Union
 
 from .core import Decision, Move, Policy, Step, Token
 
-__all__ = ["RunLayer", "StartBackground", "AwaitBackground", "EndToken", "Item", "drive", "replay"]
+__all__ = ["RunLayer", "StartBackground", "AwaitBackground", "EndToken", "Item", "drive"]
 
 
 class RunLayer(NamedTuple):
@@ -111,18 +111,3 @@ def _await_early(pending: deque, early: tuple[Move, ...], complete) -> Iterator[
     yield AwaitBackground(early)
     for m in early:
         complete(m.layer, m.expert)
-
-
-def replay(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1, audit=None):
-    """Drive ``policy`` over ``tokens`` with no timing; feed each item to ``audit`` if given.
-
-    Returns the audit (a fresh :class:`~scheduler.audit.Audit` when none is given).
-    """
-    from .audit import Audit
-
-    if audit is None:
-        audit = Audit(policy.geometry)
-    observe = audit.observe
-    for item in drive(policy, tokens, lag_tokens):
-        observe(item)
-    return audit

@@ -39,7 +39,7 @@ import simpy
 
 from scheduler import Audit, AwaitBackground, EndToken, RunLayer, StartBackground
 
-from .costs import Costs
+from scheduler.costs import Costs
 
 __all__ = ["Simulator", "SimResult"]
 

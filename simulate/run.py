@@ -14,10 +14,10 @@ import numpy as np
 
 from scheduler import POLICIES, Audit, Capacity, drive, make_policy
 
-from .costs import Costs, ExecConfig
+from scheduler.costs import DEFAULT_HARDWARE, DEFAULT_MODEL, Costs, ExecConfig
 from .engine import SimResult, Simulator
-from .hardware import Hardware, load_hardware
-from .models import ModelSpec, load_model
+from scheduler.hardware import Hardware, load_hardware
+from scheduler.models import ModelSpec, load_model
 
 __all__ = ["SimConfig", "SimError", "run", "build_capacity", "load_tokens", "TraceTokens", "AUTO_RESERVE_BYTES"]
 
@@ -39,8 +39,8 @@ class SimConfig:
     model's geometry, from ``seed``). ``phase``: which trace rows run ("decode", "prefill", "all").
     """
 
-    model: str = "granite-3.0-1b-a400m"
-    hardware: str = "rtx4060-laptop"
+    model: str = DEFAULT_MODEL
+    hardware: str = DEFAULT_HARDWARE
     policy: str = "hybrid"
     cache_slots: int | None = None
     cache_mib: float | str | None = 512.0

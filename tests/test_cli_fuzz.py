@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import traces
-from scheduler import profile_cli
+from moelab import profile_cli
 from scheduler.profile import Profile, write_strp
-from traces import cli as trace_cli
+from moelab import trace_cli
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

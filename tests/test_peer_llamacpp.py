@@ -76,7 +76,7 @@ def _script(path: Path, text: str) -> Path:
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("peer") / "tiny.gguf"
-    subprocess.run([sys.executable, "-m", "scheduler", "model", "synth", str(path), "--preset", "tiny", "--layers", "4",
+    subprocess.run([sys.executable, "-m", "moelab", "model", "synth", str(path), "--preset", "tiny", "--layers", "4",
                     "--experts", "32", "--hidden", "128", "--ffn", "128", "--quant", "Q8_0", "--quiet"],
                    check=True, capture_output=True)  # 1.6 MiB of experts per block
     return path
@@ -281,7 +281,7 @@ def test_prepare_skips_a_matching_build_synthesises_once_and_reports_a_failed_st
     assert peer.build_script(args, work) is None
     assert peer.build_script(peer.parser().parse_args(base + ["--cpu-only"]), work) is not None
 
-    moelab = f"{sys.executable} -m scheduler"
+    moelab = f"{sys.executable} -m moelab"
     assert peer.main(base + ["--moelab", moelab]) == 0
     assert (work / "q8.gguf").is_file() and "synth" in json.loads((work / "q8.gguf.json").read_text())
     capsys.readouterr()

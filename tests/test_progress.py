@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-CMD = [sys.executable, "-m", "scheduler"]
+CMD = [sys.executable, "-m", "moelab"]
 
 
 def moelab(args, cwd, timeout=300):
@@ -81,7 +81,8 @@ def test_sweep_quiet_still_reports_failed_rows(tmp_path):
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_trace_fit_shows_its_search_unless_quiet(monkeypatch, capsys, tmp_path, quiet):
-    from traces import cli, synth
+    from moelab import trace_cli as cli
+    from traces import synth
 
     monkeypatch.setattr(synth, "fit", functools.partial(synth.fit, num_random=2, passes=1))
     assert cli.main(["fit", "--out", str(tmp_path / "fit.json")] + ["--quiet"] * quiet) == 0
@@ -95,7 +96,7 @@ def test_trace_fit_shows_its_search_unless_quiet(monkeypatch, capsys, tmp_path, 
 
 def test_the_simulate_bar_counts_the_simulated_tokens(capsys):
     """static reads the tokens once before the simulation: the bar restarts, and ends at the token count."""
-    from simulate.cli import simulate_main
+    from moelab.simulate_cli import simulate_main
 
     assert simulate_main(["--tokens", "7", "--policy", "static", "--cache-slots", "8"]) == 0
     err = capsys.readouterr().err

@@ -145,16 +145,15 @@ def reuse_distances(trace: Trace, phase: str | None = None, reset_per_sequence: 
 
 def default_cost_model(trace: Trace):
     """A ``scheduler.CostModel`` for ``trace``: the simulator's default model on its default
-    hardware (``simulate.SimConfig``); when the trace's geometry differs, that model's first MoE
+    hardware (``scheduler.costs.DEFAULT_MODEL`` and ``DEFAULT_HARDWARE``, the simulator's defaults); when the trace's geometry differs, that model's first MoE
     layer's costs on every layer of the trace."""
     from scheduler import CostModel
-    from simulate import Costs, ExecConfig, SimConfig
-    from simulate.hardware import load_hardware
-    from simulate.models import load_model
+    from scheduler.costs import DEFAULT_HARDWARE, DEFAULT_MODEL, Costs, ExecConfig
+    from scheduler.hardware import load_hardware
+    from scheduler.models import load_model
 
-    cfg = SimConfig()
-    model = load_model(cfg.model)
-    cm = Costs(model, load_hardware(cfg.hardware), ExecConfig()).cost_model()
+    model = load_model(DEFAULT_MODEL)
+    cm = Costs(model, load_hardware(DEFAULT_HARDWARE), ExecConfig()).cost_model()
     if tuple(model.geometry().num_experts) == tuple(trace.num_experts):
         return cm
     l, n = model.geometry().moe_layers[0], trace.num_layers

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..core import Move, Step
 from ..profile import Profile
 
-if TYPE_CHECKING:
-    from .hybrid_cost import HybridCostPolicy
 
 __all__ = ["FloorTuner"]
 
@@ -32,7 +30,7 @@ class FloorTuner:
         self.rest_routes = round(window_routes * (1.0 / duty - 1.0))
         self.routes = 0  # (token, expert) routes seen in this window or rest
         self.window_s = [0.0] * len(floors)
-        self.pending: deque[tuple[int, HybridCostPolicy, tuple[Move, ...]]] = deque()
+        self.pending: deque[tuple[int, Any, tuple[Move, ...]]] = deque()
         self.history: list[int] = []  # the floor chosen at each window's end
         self.resting = self.reseed = self.close_due = False
         self.warmup = warmup
@@ -80,7 +78,7 @@ class FloorTuner:
             self.pending.clear()
         return floor
 
-    def end_token(self, live: HybridCostPolicy, token: int) -> int:
+    def end_token(self, live, token: int) -> int:
         """Background work of every shadow after live token ``token`` (after ``live``'s own);
         completes the copies due before the next token starts. Closes a window due to close, or
         starts fresh shadows after a rest. Returns the live floor from now on."""
@@ -104,7 +102,7 @@ class FloorTuner:
                 sh.complete(m.layer, m.expert)
         return live.floor_256
 
-    def _seed(self, sh: HybridCostPolicy, live: HybridCostPolicy, token: int, lag: int) -> None:
+    def _seed(self, sh, live, token: int, lag: int) -> None:
         """Give shadow ``sh`` the live policy's residents (same slots), usage and token count on
         the sampled layers; live background copies still in flight are in flight in ``sh`` too,
         completing when the live ones do, and queued on its link."""

@@ -15,6 +15,7 @@ import traces
 from execute import model as M
 from execute.archs import ARCHS
 from execute.cli import replay_main, run_main
+from execute.model_spec import model_spec
 from execute.gguf_io import load_model
 from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, Step, Token, make_policy, replay
@@ -191,11 +192,11 @@ def test_recorded_n_token_run_replays_to_the_same_decisions(arch_model, tmp_path
     g = w.info.geometry()
     cap0 = Capacity.per_layer(g, 0)
     assert replay(make_policy("cpu", g, cap0), M.trace_tokens(tr), audit=Audit(g, keep_log=True)).digest() == fig["digest"]
-    from simulate.costs import Costs
-    from simulate.hardware import load_hardware
-    from simulate.models import ModelSpec
+    from scheduler.costs import Costs
+    from scheduler.hardware import load_hardware
+    from scheduler.models import ModelSpec
 
-    cm = Costs(ModelSpec.from_gguf(path), load_hardware("rtx4070super-5950x")).cost_model()
+    cm = Costs(model_spec(path), load_hardware("rtx4070super-5950x")).cost_model()
     for policy, options in (("cpu", {}), ("lru", {}), ("hybrid", {}), ("hybrid-cost", {"cost_model": cm})):
         cap = cap0 if policy == "cpu" else Capacity.per_layer(g, 3)
         want = replay(make_policy(policy, g, cap, **options), M.trace_tokens(tr), audit=Audit(g, keep_log=True))
@@ -229,15 +230,15 @@ def test_hybrid_cost_options_from_hardware(arch_model):
     import argparse
 
     from execute.cli import _cost_options
-    from simulate.costs import Costs
-    from simulate.hardware import load_hardware
-    from simulate.models import ModelSpec
+    from scheduler.costs import Costs
+    from scheduler.hardware import load_hardware
+    from scheduler.models import ModelSpec
 
     path, w = arch_model("deepseek2")  # a leading dense block: 0-byte layer 0
     args = argparse.Namespace(policy="hybrid-cost", hardware="rtx4070super-5950x", model=str(path),
                               pageable=False)
     cm = _cost_options(args, "test")["cost_model"]
-    assert cm == Costs(ModelSpec.from_gguf(path), load_hardware("rtx4070super-5950x")).cost_model()
+    assert cm == Costs(model_spec(path), load_hardware("rtx4070super-5950x")).cost_model()
     assert len(cm.upload_s) == w.info.num_layers and cm.upload_s[1] > 0
     g = w.info.geometry()
     make_policy("hybrid-cost", g, Capacity.per_layer(g, 2), cost_model=cm)
@@ -248,14 +249,14 @@ def test_hybrid_cost_options_from_hardware(arch_model):
 @pytest.mark.parametrize("arch", ("qwen3moe", "qwen2moe", "deepseek2"))
 def test_gpu_policies_on_chunks_match_token_by_token_cpu(arch, arch_model):
     cupy_or_skip()
-    from simulate.costs import Costs
-    from simulate.hardware import load_hardware
-    from simulate.models import ModelSpec
+    from scheduler.costs import Costs
+    from scheduler.hardware import load_hardware
+    from scheduler.models import ModelSpec
 
     path, w = arch_model(arch)
     one, _, _ = run_chunks(w, [1] * len(TOKENS))
     g = w.info.geometry()
-    cm = Costs(ModelSpec.from_gguf(path), load_hardware("h200-xeon16")).cost_model()
+    cm = Costs(model_spec(path), load_hardware("h200-xeon16")).cost_model()
     for policy, slots, options in (("hybrid", 3, {}), ("hybrid-cost", 3, {"cost_model": cm}), ("lru", 2, {}),
                                    ("gpu", 8, {})):
         cap = Capacity.per_layer(g, slots)

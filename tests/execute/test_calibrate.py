@@ -119,8 +119,8 @@ def test_plan_measurement_includes_hybrid_cost():
 
 
 def test_cpu_only_command_writes_a_loadable_file(tmp_path):
-    from scheduler.cli import main as moelab
-    from simulate import hardware as H
+    from moelab.cli import main as moelab
+    from scheduler import hardware as H
     from simulate import load_hardware
 
     out = tmp_path / "cpu.json"
@@ -259,7 +259,7 @@ def test_replay_host_fields_recover_the_costs():
             "host_cpu_submit_s": 55e-6, "host_cpu_handoff_s": 180e-6, "host_cpu_queue_s": 60e-6,
             "host_cpu_combine_s": 90e-6, "cpu_start_s": 35e-6, "cpu_return_s": 40e-6, "host_dense_s": 32e-6}
     assert f == pytest.approx(want, abs=0.5e-6)
-    from simulate.hardware import EXECUTOR_KEYS
+    from scheduler.hardware import EXECUTOR_KEYS
 
     assert set(f) <= set(EXECUTOR_KEYS)
 
@@ -594,7 +594,7 @@ def test_unlogged_fit_recovers_the_gpu_only_layer_costs():
     assert f["host_cpu_submit_s"] + f["host_layer_plan_s"] == pytest.approx(
         logged["host_cpu_submit_s"] + logged["host_layer_plan_s"])
     assert got["fit"]["combine"][1] == pytest.approx(u["combine_cpu"], abs=1e-6)
-    from simulate.hardware import EXECUTOR_KEYS
+    from scheduler.hardware import EXECUTOR_KEYS
 
     assert set(f) <= set(EXECUTOR_KEYS)
 
@@ -609,7 +609,7 @@ def test_unlogged_fit_needs_three_independent_configs():
 
 def test_replay_summary_applies_unlogged_runs_only_where_present(tmp_path):
     from simulate import load_hardware
-    from simulate.costs import HostCosts
+    from scheduler.costs import HostCosts
 
     recs = replay_records(np.random.default_rng(3))
     base = {"executor": dict(SPLIT, plan_s={"lru": 5e-6})}
@@ -653,7 +653,7 @@ def test_a_negative_queue_level_moves_to_the_per_expert_term():
 def test_pool_rate_survives_a_noisy_fit():
     """When noise makes the per-expert slope <= 0 (tiny experts), the CPU rate comes from the
     largest call's mean per expert, never a negative or infinite figure."""
-    from simulate import hardware as H
+    from scheduler import hardware as H
 
     stat = lambda v: {"median": v}  # noqa: E731
     m = {"expert_bytes": 1_000_000, "threads": 2, "cpu_mem": stat(10.0),

@@ -114,7 +114,7 @@ def test_a_corrupted_expert_output_shows_up_at_its_position(models, monkeypatch)
 
 
 def _moelab(argv, cwd):
-    return subprocess.run([sys.executable, "-m", "scheduler.cli", *map(str, argv)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "moelab.cli", *map(str, argv)], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 

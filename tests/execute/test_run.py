@@ -79,8 +79,8 @@ def test_recorded_trace_replays_to_the_same_decisions(models, tmp_path, capsys):
 
 def test_trace_feeds_stats_and_profile(models, tmp_path, capsys):
     from scheduler.profile import read_strp
-    from scheduler.profile_cli import main as profile_main
-    from traces.cli import main as trace_main
+    from moelab.profile_cli import main as profile_main
+    from moelab.trace_cli import main as trace_main
 
     run_json(capsys, models(), "-p", "Hello", "-n", "4", "--record-trace", tmp_path / "tr")
     assert trace_main(["stats", str(tmp_path / "tr")]) == 0
@@ -109,7 +109,7 @@ def test_errors_exit_2(models, tmp_path, capsys):
 @pytest.mark.gpu
 def test_gpu_run_with_a_profile_from_a_recorded_trace(models, tmp_path, capsys):
     cupy_or_skip()
-    from scheduler.profile_cli import main as profile_main
+    from moelab.profile_cli import main as profile_main
 
     cpu_text, _ = run_json(capsys, models(), "-p", "Hello", "-n", "6", "--record-trace", tmp_path / "tr")
     assert profile_main(["build", str(tmp_path / "tr"), str(tmp_path / "p.strp"), "--slots", "3"]) == 0
@@ -136,7 +136,7 @@ def test_cpu_policy_runs_its_dense_path_on_the_gpu(models, capsys):
 
 def test_pageable_runs_give_hybrid_cost_the_pageable_link_rate(models):
     from execute.cli import _cost_options, _parser_run
-    from simulate.hardware import load_hardware
+    from scheduler.hardware import load_hardware
 
     path = str(models())
     ups = {}

@@ -6,7 +6,7 @@ import pytest
 
 from scheduler import (Audit, Capacity, Geometry, Profile, ProfileError, Step, Token, make_policy, read_strp,
                        replay, write_strp)
-from scheduler.cli import main
+from moelab.cli import main
 
 
 def sample_profile():

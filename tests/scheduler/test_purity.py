@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_import_loads_no_backend_module():
-    code = ("import sys, scheduler, scheduler.cli, scheduler.profile_cli; "
+    code = ("import sys, scheduler, moelab.cli, moelab.profile_cli; "
             "print(sorted(m for m in ('simpy', 'cupy', 'numba', 'gguf', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from simulate.cli import simulate_main, sweep_main
+from moelab.simulate_cli import simulate_main, sweep_main
 from simulate.sweep import COLUMNS, Sweep, config_key, expand
 
 JSON_KEYS = {"tokens_per_s", "bound_tokens_per_s", "hit_rate", "upload_bytes", "cpu_experts", "p50_token_s",

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from simulate import MODEL_PRESETS, HardwareError, ModelSpec, hardware_presets, load_hardware, load_model, quant_bytes
-from simulate.hardware import HARDWARE_DIR, Hardware
+from scheduler.hardware import HARDWARE_DIR, Hardware
 
 from .conftest import tiny_model
 
@@ -109,10 +109,14 @@ def test_unreadable_hardware_file(tmp_path):
 
 def test_model_from_gguf(tmp_path):
     synth = pytest.importorskip("execute.synth")
+    from execute.model_spec import model_spec, resolve_model
+
     path = synth.synth_model(tmp_path / "m.gguf", synth.SynthConfig(num_layers=2, num_experts=8, top_k=2, hidden=64,
                                                                     ffn=32, quant="Q8_0"))
-    m = ModelSpec.from_gguf(path)
+    m = model_spec(path)
     assert (m.num_layers, m.num_experts, m.top_k, m.hidden, m.expert_ffn) == (2, 8, 2, 64, 32)
     assert m.expert_quant == "Q8_0"
     assert m.expert_bytes(1) == quant_bytes("Q8_0", 3 * 64 * 32)
-    assert load_model(str(path)).geometry() == m.geometry()
+    assert resolve_model(str(path)).geometry() == m.geometry()
+    with pytest.raises(ValueError, match="unknown model"):
+        load_model(str(path))  # the scheduler's presets do not read GGUF files

@@ -7,7 +7,7 @@ import numpy as np
 
 import traces
 from simulate.run import SimConfig, TraceTokens, load_tokens, run
-from simulate.models import load_model
+from scheduler.models import load_model
 from traces.synth import SynthParams, generate
 
 

@@ -3,7 +3,7 @@ import csv
 
 from distributed import LocalCluster
 
-from simulate.cli import sweep_main
+from moelab.simulate_cli import sweep_main
 
 
 def _rows(path):

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import traces
 from scheduler import Audit, Capacity, make_policy, replay
-from traces.cli import main
+from moelab.trace_cli import main
 from traces.format import TraceError
 from traces.importers import import_trace, write_strata
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from traces import stats
-from traces.cli import main
+from moelab.trace_cli import main
 
 from .conftest import small_trace
 

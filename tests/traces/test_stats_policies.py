@@ -9,7 +9,7 @@ import pytest
 
 from scheduler import POLICIES
 from traces import stats
-from traces.cli import main
+from moelab.trace_cli import main
 
 from .conftest import small_trace
 

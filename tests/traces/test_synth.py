@@ -7,7 +7,7 @@ import pytest
 
 import traces
 from traces import stats
-from traces.cli import main
+from moelab.trace_cli import main
 from traces.synth import PRESETS, SynthParams, calibration_error, generate, signature
 
 

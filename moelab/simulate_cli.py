@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 from scheduler import MISS_FRAC_256
-from scheduler.cli import ArgumentParser
+from scheduler.args import ArgumentParser
 from scheduler.files import check_output
 
-from .hardware import HardwareError, hardware_presets
-from .models import MODEL_PRESETS
-from .run import SimConfig, SimError, run
+from scheduler.hardware import HardwareError, hardware_presets
+from scheduler.models import MODEL_PRESETS
+from simulate.run import SimConfig, SimError, run
 
 __all__ = ["simulate_main", "sweep_main"]
 
@@ -106,9 +106,9 @@ def simulate_main(argv: list[str]) -> int:
             miss_fraction=args.miss_fraction, adaptive=not args.no_adaptive, tokens=args.tokens, trace=args.trace,
             phase=args.phase, expert_quant=args.quant, synth_tokens=args.synth_tokens, seed=args.seed,
             lag_tokens=args.lag_tokens, pinned=not args.pageable)
-        from .run import _model, load_tokens
+        from simulate.run import load_tokens
 
-        model = _model(cfg)
+        model = _model_of(cfg)
         tokens = load_tokens(cfg, model)  # opened and checked before the bar starts
         with _bar("simulate", len(tokens), "token", args.quiet) as bar:
             result, info = run(cfg, record=bool(args.timeline), model=model, tokens=_Counted(tokens, bar))
@@ -122,7 +122,7 @@ def simulate_main(argv: list[str]) -> int:
         return 2
     s = result.summary()
     if args.timeline:
-        from .timeline import write_chrome_trace
+        from simulate.timeline import write_chrome_trace
 
         n = write_chrome_trace(result.events, args.timeline, title=f"{cfg.model} / {cfg.hardware} / {cfg.policy}")
         if not args.quiet:
@@ -197,7 +197,7 @@ def sweep_main(argv: list[str]) -> int:
 
     Exit 0 when every row of the CSV ran, 1 when any failed (their errors printed), 2 for bad
     arguments (checked before any config runs), 130 on Ctrl-C (the rows finished are kept)."""
-    from .sweep import Sweep, config_key, expand, plot_results
+    from simulate.sweep import Sweep, config_key, expand, plot_results
 
     ap = ArgumentParser(
         prog="moelab sweep",
@@ -258,11 +258,23 @@ def sweep_main(argv: list[str]) -> int:
     return 1 if errors else 0
 
 
+def _model_of(cfg: SimConfig):
+    """The config's model: a preset, or a ``.gguf`` file's geometry read by the executor's parser."""
+    if not str(cfg.model).endswith(".gguf"):
+        from simulate.run import _model
+
+        return _model(cfg)
+    from execute.model_spec import resolve_model
+
+    m = resolve_model(cfg.model)
+    return m.with_quant(cfg.expert_quant) if cfg.expert_quant else m
+
+
 def _check_axes(configs) -> None:
     """Each model, hardware and the trace of ``configs`` opened once, and each model's geometry
     checked against the trace, before any config runs (raises SimError, HardwareError, ValueError)."""
-    from .hardware import load_hardware
-    from .run import _model, load_tokens
+    from scheduler.hardware import load_hardware
+    from simulate.run import _model, load_tokens
 
     seen_hw, seen_model = set(), set()
     for cfg in configs:

@@ -2,7 +2,7 @@
 
 A hardware file is one JSON object with the fields of :class:`Hardware` and, optionally,
 ``"sources": {field: "where the number comes from"}``. Presets live in
-``simulate/presets/hardware/<name>.json``; ``load_hardware`` takes a preset name or a path.
+``scheduler/presets/hardware/<name>.json``; ``load_hardware`` takes a preset name or a path.
 Bandwidths are in GB/s (1e9 bytes per second), times in seconds. A file written by ``moelab
 calibrate`` also carries ``"_calibration"`` (the raw measurements, medians and spread), ignored here.
 """

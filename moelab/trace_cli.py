@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.cli import ArgumentParser
+from scheduler.args import ArgumentParser
 from scheduler.files import atomic_open, atomic_write, check_output
 
-from .format import Trace, TraceError, check_trace_dest, load
-from .importers import IMPORTERS, import_trace
+from traces.format import Trace, TraceError, check_trace_dest, load
+from traces.importers import IMPORTERS, import_trace
 
 __all__ = ["main"]
 
@@ -175,7 +175,7 @@ def _write_out(out: Path, s: dict) -> None:
 
 
 def _stats(a) -> int:
-    from .stats import summarize
+    from traces.stats import summarize
 
     if a.out:
         check_output(a.out, "--out", is_dir=True)
@@ -196,7 +196,7 @@ def _stats(a) -> int:
 
 
 def _fit(a) -> int:
-    from .synth import fit, signature, calibration_error, generate
+    from traces.synth import fit, signature, calibration_error, generate
 
     if a.out:
         check_output(a.out, "--out")
@@ -219,7 +219,7 @@ def _fit(a) -> int:
 
 
 def _synth(a) -> int:
-    from .synth import PRESETS, SynthParams, generate
+    from traces.synth import PRESETS, SynthParams, generate
 
     check_trace_dest(a.dest, "DEST")
     if a.preset:
@@ -261,7 +261,7 @@ def _synth(a) -> int:
 def _read_params(path: str) -> tuple["SynthParams", dict]:
     """The parameters in ``path`` (``moelab trace fit``'s JSON, or bare parameters) and its
     ``geometry`` (empty when absent)."""
-    from .synth import SynthParams
+    from traces.synth import SynthParams
 
     try:
         d = json.loads(Path(path).read_text())

@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from .hardware import Hardware
 from .models import ModelSpec
 
-__all__ = ["ExecConfig", "Costs", "HostCosts"]
+__all__ = ["ExecConfig", "Costs", "HostCosts", "DEFAULT_MODEL", "DEFAULT_HARDWARE"]
+
+DEFAULT_MODEL = "granite-3.0-1b-a400m"  # the model and hardware of the bundled trace's default run
+DEFAULT_HARDWARE = "rtx4060-laptop"
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ class Costs:
         a decode layer's dense part at empty context and its router read-back. The pool stays
         linear here (``CostModel`` has no per-count term): ``cpu_call_factor`` is left out, as are
         the host's copy-round and plan-per-copy costs (not part of ``upload_s`` before either)."""
-        from scheduler import CostModel
+        from .costmodel import CostModel
 
         n = len(self.expert_bytes)
         task, delay = self.cpu_task_s, 0.0

@@ -9,9 +9,9 @@ import argparse
 import json
 import sys
 
-from .cli import ArgumentParser
-from .files import check_output
-from .profile import Profile, ProfileError, read_strp, write_strp
+from scheduler.args import ArgumentParser
+from scheduler.files import check_output
+from scheduler.profile import Profile, ProfileError, read_strp, write_strp
 
 __all__ = ["main"]
 

@@ -1,10 +1,10 @@
-"""Model geometry for the simulator: layer and expert shapes, quant types and their byte sizes.
+"""Model geometry: layer and expert shapes, quant types and their byte sizes.
 
 A :class:`ModelSpec` describes what the simulator charges for: routed experts (bytes from the quant
 type), the dense part of each layer (attention, router, shared expert) and the KV cache that
 attention reads at the current context length. Built-in presets live in
-``simulate/presets/models.json`` with the source of every number; ``ModelSpec.from_gguf`` reads a
-GGUF file's metadata and tensor table (through ``execute.gguf_io``, no weights read).
+``scheduler/presets/models.json`` with the source of every number. A GGUF file's geometry is read by
+the executor (``execute.model_spec.model_spec``), which maps its tensor table onto a ModelSpec.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-from scheduler import Geometry
+from .core import Geometry
 
 __all__ = ["ModelSpec", "QUANT_BLOCKS", "quant_bytes", "MODEL_PRESETS", "load_model", "PRESETS_DIR"]
 
@@ -148,39 +148,6 @@ class ModelSpec:
         return replace(self, expert_quant=expert_quant or self.expert_quant,
                        dense_quant=dense_quant or self.dense_quant, layer_expert_bytes=())
 
-    @classmethod
-    def from_gguf(cls, path: str | Path) -> "ModelSpec":
-        """Geometry from a GGUF file's metadata and tensor table (no weights are read)."""
-        from execute import gguf_io  # the one module that imports gguf
-
-        info = gguf_io.read_model_info(path)
-        return _spec_from_info(info, Path(path))
-
-
-def _spec_from_info(info, path: Path) -> ModelSpec:
-    """Map ``execute.gguf_io.ModelInfo`` onto a ModelSpec (quant types from the tensor table)."""
-    per_layer = list(info.num_experts)
-    moe = [l for l, n in enumerate(per_layer) if n]
-    if not moe:
-        raise ValueError(f"{path}: no MoE layer in the tensor table")
-    if moe != list(range(moe[0], info.num_layers)):
-        raise ValueError(f"{path}: MoE layers {moe} are not a contiguous tail of the blocks; not supported")
-
-    def common_type(pred, default):
-        names = [t.qtype_name for t in info.tensors if pred(t.name)]
-        return max(set(names), key=names.count) if names else default
-
-    expert_quant = common_type(lambda n: "_exps" in n, "Q8_0")
-    dense_quant = common_type(lambda n: ".attn_" in n and n.endswith(".weight") and "norm" not in n, "F16")
-    known = lambda q: q if q.upper() in QUANT_BLOCKS else "F16"
-    return ModelSpec(
-        name=f"{info.arch}:{path.name}", num_layers=info.num_layers, num_experts=max(per_layer), top_k=info.top_k,
-        hidden=info.hidden, expert_ffn=info.ffn, num_heads=info.num_heads, num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim, vocab=info.vocab, shared_ffn=info.shared_ffn, dense_ffn=info.dense_ffn,
-        first_dense_layers=moe[0], expert_quant=known(expert_quant), dense_quant=known(dense_quant),
-        layer_expert_bytes=tuple(info.expert_bytes), source=str(path),
-    )
-
 
 @lru_cache(maxsize=1)
 def _preset_data() -> dict:
@@ -194,13 +161,11 @@ def _preset_names() -> tuple[str, ...]:
 MODEL_PRESETS = _preset_names()
 
 
-def load_model(name_or_path: str) -> ModelSpec:
-    """A built-in preset by name, or a ``.gguf`` file's geometry."""
+def load_model(name: str) -> ModelSpec:
+    """A built-in preset by name (a ``.gguf`` file's geometry: ``execute.model_spec``)."""
     data = _preset_data()
-    key = str(name_or_path).lower()
+    key = str(name).lower()
     if key in data:
         fields = {k: v for k, v in data[key].items()}
         return ModelSpec(name=key, **fields)
-    if str(name_or_path).endswith(".gguf") and Path(name_or_path).exists():
-        return ModelSpec.from_gguf(name_or_path)
-    raise ValueError(f"unknown model {name_or_path!r}: expected a preset ({', '.join(data)}) or a .gguf file path")
+    raise ValueError(f"unknown model {name!r}: expected a preset ({', '.join(data)}) or a .gguf file path")
