@@ -9,31 +9,30 @@ blocks, so a tensor's bytes are ``uint8`` ``(..., rows, bytes_per_row)``. This m
 shape once, where it parses the tensor table (:class:`TensorEntry` ``.shape`` is numpy order, in
 elements), and nobody else sees GGUF order.
 
-Reading is this module's own parser (:class:`GGUFFile`: header, metadata and tensor table, tensor
-data memory-mapped); gguf-py is used for writing, quant type names and sizes, and as the numpy
-dequantization reference.
+Reading is the project's own parser (``execute.gguf_file``: header, metadata and tensor table,
+tensor data memory-mapped; re-exported here); gguf-py is used for writing and as the numpy
+dequantization reference in tests.
 
 - :func:`read_model_info` reads metadata and the tensor table only (weights stay unread on disk).
 - :func:`load_model` memory-maps the file: dense weights are dequantized to float32 numpy arrays,
   routed-expert weights stay raw GGUF blocks, as views on the map (no copy), in
-  :class:`~execute.experts.LayerExperts`.
+  :class:`~execute.experts.LayerExperts`, when the expert kernels read their type; other expert
+  types are dequantized to F16 at load (:func:`qtype_paths` says which path runs each type).
 - :func:`dequantize` / :func:`quantize` wrap ``gguf.quants`` so that tests and reference code need
   not import gguf.
 """
 from __future__ import annotations
 
-import math
-import mmap
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from . import quant as Q
 from .archs import ARCHS, GATING_FUNCS
-from .experts import ExecutorError, ExpertTensor, LayerExperts
+from .gguf_file import GGUFError, GGUFFile, TensorEntry, _Meta, qtype_name  # noqa: F401  (re-exported)
 
 __all__ = [
     "GGUFError",
@@ -57,23 +56,14 @@ __all__ = [
     "write_gguf",
     "read_tokenizer",
     "iq_grid_bitmaps",
+    "qtype_paths",
 ]
 
-# Quant types the expert kernels read directly; any other expert type is an error.
-EXPERT_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
+# Quant types a file's routed experts may have: read by the kernels, or dequantized at load (qtype_paths)
+EXPERT_QTYPES = tuple(q.name for q in Q.LAYOUTS.values())
+# architectures whose llama.cpp loader needs output.weight (no fallback to the token embedding)
+_OUTPUT_REQUIRED = ("olmoe",)
 SUPPORTED_ARCHS = tuple(ARCHS)
-
-
-class GGUFError(ExecutorError, ValueError):
-    """A GGUF file that is unreadable, incomplete or unsupported; the message names file and field."""
-
-
-def qtype_name(qtype: int) -> str:
-    """Name of a ``GGMLQuantizationType`` value (``8 -> "Q8_0"``)."""
-    try:
-        return gguf.GGMLQuantizationType(int(qtype)).name
-    except ValueError:
-        return f"type{int(qtype)}"
 
 
 def qtype_value(name: str) -> int:
@@ -87,22 +77,6 @@ def qtype_value(name: str) -> int:
 def block_shape(qtype: int) -> tuple[int, int]:
     """``(elements per block, bytes per block)`` of a quant type."""
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(qtype))]
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One row of the tensor table. ``shape`` is numpy order, in elements (GGUF order reversed);
-    ``data_offset`` is where its bytes start in the file."""
-
-    name: str
-    qtype: int
-    shape: tuple[int, ...]
-    nbytes: int
-    data_offset: int = field(default=0, repr=False)
-
-    @property
-    def qtype_name(self) -> str:
-        return qtype_name(self.qtype)
 
 
 @dataclass(frozen=True)
@@ -217,218 +191,8 @@ class ModelInfo:
             "sliding_window": self.sliding_window, "leading_dense": self.leading_dense,
             "expert_qtypes": exp_types, "tensor_qtypes": counts,
             "expert_bytes": list(self.expert_bytes), "total_expert_bytes": self.total_expert_bytes,
-            "num_tensors": len(self.tensors),
+            "num_tensors": len(self.tensors), "qtype_paths": qtype_paths(self),
         }
-
-
-# reading ------------------------------------------------------------------------------------------
-# GGUF value types: (struct code, size) of the scalars; 8 is a string, 9 an array
-_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4), 7: ("?", 1),
-            10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
-_MAX_DIMS = 4  # GGML_MAX_DIMS
-_QUANT_SIZES = {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
-
-
-class _Corrupt(Exception):
-    """A read past the end of the file or a malformed entry, while parsing one section."""
-
-
-class GGUFFile:
-    """A GGUF file parsed by this module (little-endian v2/v3): header, metadata and tensor table.
-
-    ``gguf.GGUFReader`` builds Python objects for every metadata element, which takes seconds for a
-    150k-entry vocabulary; here each key's value type and offset are recorded in one pass and a
-    value is decoded when :meth:`value` asks for it. ``data`` is the whole file as a read-only
-    uint8 array on a memory map; ``tensors`` the tensor table as :class:`TensorEntry` rows (numpy
-    order, ``data_offset`` absolute in the file, checked to lie inside it); :meth:`raw` a tensor's
-    bytes as a view on the map. Parsing checks every length and offset against the file's size, so a
-    truncated or corrupt file is a :class:`GGUFError` naming the file and the section."""
-
-    def __init__(self, path: str | os.PathLike):
-        p = Path(path)
-        if not p.is_file():
-            raise GGUFError(f"{p}: no such file")
-        self.path = str(path)
-        try:
-            with open(p, "rb") as fh:
-                self._buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:  # mmap of an empty file
-            raise GGUFError(f"{p}: empty file, not a GGUF file") from None
-        except OSError as exc:
-            raise GGUFError(f"{p}: cannot read ({exc.strerror or exc})") from None
-        self.data = np.frombuffer(self._buf, np.uint8)
-        self._values: dict = {}
-        pos = self._header()
-        try:
-            self.fields, pos = self._fields(pos)
-        except (_Corrupt, struct.error, OverflowError) as exc:
-            raise GGUFError(f"{self.path}: metadata section truncated or corrupt ({exc})") from None
-        try:
-            self.tensors = self._tensor_table(pos)
-        except (_Corrupt, struct.error, OverflowError) as exc:
-            raise GGUFError(f"{self.path}: tensor table truncated or corrupt ({exc})") from None
-
-    def _header(self) -> int:
-        buf = self._buf
-        if len(buf) < 24 or buf[:4] != b"GGUF":
-            raise GGUFError(f"{self.path}: not a little-endian GGUF v2/v3 file (starts with {bytes(buf[:4])!r})")
-        version = struct.unpack_from("<I", buf, 4)[0]
-        if version not in (2, 3):
-            swapped = struct.unpack_from(">I", buf, 4)[0]
-            kind = "a big-endian GGUF file" if swapped in (2, 3) else f"GGUF version {version}"
-            raise GGUFError(f"{self.path}: {kind}; supported: little-endian GGUF v2/v3")
-        self.version = version
-        self.num_tensors, self.num_kv = struct.unpack_from("<QQ", buf, 8)
-        return 24
-
-    def _end(self, pos: int, n: int, what: str) -> int:
-        """``pos + n``, after checking that ``n`` bytes of ``what`` at ``pos`` lie inside the file."""
-        if n < 0 or pos + n > len(self._buf):
-            raise _Corrupt(f"{what}: {n} bytes at offset {pos} run past the end of the file ({len(self._buf)} bytes)")
-        return pos + n
-
-    def _string(self, pos: int, what: str) -> tuple[bytes, int]:
-        n = struct.unpack_from("<Q", self._buf, pos)[0]
-        end = self._end(pos + 8, n, what)
-        return self._buf[pos + 8:end], end
-
-    def _skip(self, vtype: int, pos: int, what: str) -> int:
-        """The offset after a value of ``vtype`` at ``pos`` (arrays walked, not decoded)."""
-        if vtype in _SCALARS:
-            return self._end(pos, _SCALARS[vtype][1], what)
-        if vtype == _STRING:
-            return self._string(pos, what)[1]
-        if vtype != _ARRAY:
-            raise _Corrupt(f"{what}: value type {vtype} unknown")
-        itype, n = struct.unpack_from("<IQ", self._buf, pos)
-        pos += 12
-        if itype in _SCALARS:
-            return self._end(pos, n * _SCALARS[itype][1], what)
-        self._end(pos, 8 * n if itype == _STRING else 4 * n, what)  # every element takes at least that
-        if itype == _STRING:
-            buf, unpack, size = self._buf, struct.unpack_from, len(self._buf)
-            for _ in range(n):
-                pos += 8 + unpack("<Q", buf, pos)[0]
-            if pos > size:
-                raise _Corrupt(f"{what}: a string runs past the end of the file ({size} bytes)")
-            return pos
-        for _ in range(n):
-            pos = self._skip(itype, pos, what)
-        return pos
-
-    def _decode(self, vtype: int, pos: int):
-        """The value of ``vtype`` at ``pos`` as Python values (arrays as lists, strings UTF-8)."""
-        buf = self._buf
-        if vtype in _SCALARS:
-            return struct.unpack_from("<" + _SCALARS[vtype][0], buf, pos)[0]
-        if vtype == _STRING:
-            return self._string(pos, "string")[0].decode("utf-8", "replace")
-        itype, n = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if itype in _SCALARS:
-            return np.frombuffer(buf, np.dtype("<" + _SCALARS[itype][0]), n, pos).tolist()
-        out = []
-        for _ in range(n):
-            if itype == _STRING:
-                m = struct.unpack_from("<Q", buf, pos)[0]
-                out.append(buf[pos + 8:pos + 8 + m].decode("utf-8", "replace"))
-                pos += 8 + m
-            else:
-                out.append(self._decode(itype, pos))
-                pos = self._skip(itype, pos, "array")
-        return out
-
-    def _fields(self, pos: int) -> tuple[dict, int]:
-        self._end(pos, 12 * self.num_kv, f"{self.num_kv} metadata entries")  # a key length and a type each
-        fields = {}
-        for i in range(self.num_kv):
-            raw, pos = self._string(pos, f"key of metadata entry {i}")
-            key = raw.decode("utf-8", "replace")
-            if key in fields:
-                raise _Corrupt(f"metadata key {key!r} appears twice")
-            vtype = struct.unpack_from("<I", self._buf, pos)[0]
-            fields[key] = (vtype, pos + 4)
-            pos = self._skip(vtype, pos + 4, f"metadata key {key!r}")
-        return fields, pos
-
-    def _tensor_table(self, pos: int) -> tuple[TensorEntry, ...]:
-        self._end(pos, 24 * self.num_tensors, f"{self.num_tensors} tensor entries")  # name length, dims, type, offset
-        rows = []
-        for i in range(self.num_tensors):
-            raw, pos = self._string(pos, f"name of tensor {i}")
-            name = raw.decode("utf-8", "replace")
-            n_dims = struct.unpack_from("<I", self._buf, pos)[0]
-            if not 1 <= n_dims <= _MAX_DIMS:
-                raise _Corrupt(f"tensor {name!r}: {n_dims} dimensions, expected 1..{_MAX_DIMS}")
-            self._end(pos + 4, 8 * n_dims + 12, f"tensor {name!r}")
-            dims = struct.unpack_from(f"<{n_dims}Q", self._buf, pos + 4)  # GGUF order: ne[0] (a row's length) first
-            qtype, offset = struct.unpack_from("<IQ", self._buf, pos + 4 + 8 * n_dims)
-            pos += 16 + 8 * n_dims
-            if qtype not in _QUANT_SIZES:
-                raise _Corrupt(f"tensor {name!r}: quant type {qtype} unknown")
-            block, size = _QUANT_SIZES[qtype]
-            if not all(dims) or dims[0] % block:
-                raise _Corrupt(f"tensor {name!r}: dimensions {list(dims)} (GGUF order), expected >= 1 each and a "
-                               f"row length that is a multiple of {qtype_name(qtype)}'s block of {block}")
-            nbytes = math.prod(dims) // block * size
-            # the reversed-dims trap, undone here once: numpy order is GGUF order reversed
-            rows.append(TensorEntry(name, qtype, tuple(reversed(dims)), nbytes, offset))
-        if len({t.name for t in rows}) != len(rows):
-            seen = set()
-            dup = next(t.name for t in rows if t.name in seen or seen.add(t.name))
-            raise _Corrupt(f"tensor {dup!r} appears twice")
-        if self.fields.get("general.alignment", (_UINT32,))[0] != _UINT32:
-            raise _Corrupt(f"general.alignment has value type {self.fields['general.alignment'][0]}, expected uint32")
-        align = self.value("general.alignment", 32)
-        if align < 1 or align & (align - 1):
-            raise _Corrupt(f"general.alignment = {align}, expected a power of two")
-        start = -(-pos // align) * align
-        out = []
-        for t in rows:
-            at = start + t.data_offset
-            if at + t.nbytes > len(self._buf):
-                raise GGUFError(f"{self.path}: tensor data truncated: tensor {t.name!r}'s {t.nbytes} bytes at offset "
-                                f"{at} run past the end of the file ({len(self._buf)} bytes; an incomplete copy?)")
-            out.append(TensorEntry(t.name, t.qtype, t.shape, t.nbytes, at))
-        return tuple(out)
-
-    def value(self, key: str, default=None):
-        """The value of metadata ``key`` (numbers, str, lists for arrays), or ``default``."""
-        if key not in self.fields:
-            return default
-        if key not in self._values:
-            vtype, pos = self.fields[key]
-            self._values[key] = self._decode(vtype, pos)
-        return self._values[key]
-
-    def raw(self, t: TensorEntry) -> np.ndarray:
-        """Tensor ``t``'s bytes as uint8 ``(*shape[:-1], row_bytes)``, a view on the map."""
-        return self.data[t.data_offset:t.data_offset + t.nbytes].reshape(*t.shape[:-1], -1)
-
-
-class _Meta:
-    """Typed access to a file's key/value metadata, with errors naming file and key."""
-
-    def __init__(self, reader: GGUFFile, path: str):
-        self.reader, self.path = reader, path
-
-    def get(self, key: str, default=None, required: bool = False):
-        if key not in self.reader.fields:
-            if required:
-                raise GGUFError(f"{self.path}: metadata key {key!r} missing")
-            return default
-        return self.reader.value(key)
-
-    def int(self, key: str, default=None, required: bool = False) -> int:
-        v = self.get(key, default, required)
-        if isinstance(v, list):  # per-layer arrays (e.g. head_count_kv): all equal supported here
-            if len(set(v)) != 1:
-                raise GGUFError(f"{self.path}: metadata key {key!r} varies per layer {v[:8]}..., not supported")
-            v = v[0]
-        if v is None:
-            raise GGUFError(f"{self.path}: metadata key {key!r} missing")
-        return int(v)
 
 
 def _info_from_reader(reader: GGUFFile, path: str) -> ModelInfo:
@@ -532,7 +296,7 @@ def _expert_table(path, by_name: dict, num_layers: int):
             if len(t.shape) != 3:
                 raise GGUFError(f"{path}: tensor {t.name!r}: shape {t.shape} (numpy order), expected (experts, rows, cols)")
             if t.qtype_name not in EXPERT_QTYPES:
-                raise GGUFError(f"{path}: tensor {t.name!r} has quant type {t.qtype_name}; the expert kernels read "
+                raise GGUFError(f"{path}: tensor {t.name!r} has quant type {t.qtype_name}; experts may be "
                                 f"{', '.join(EXPERT_QTYPES)}")
         e = ents["down"].shape[0]
         ffn = ents["down"].shape[2]
@@ -594,6 +358,33 @@ def llamacpp_problems(path: str | os.PathLike) -> list[str]:
         check("blk.0.attn_q.weight", 0, info.hidden, f"{a}.embedding_length = {info.hidden}")
     if spec.attn == "mla":
         out += _mla_problems(path, info, meta)
+    if info.tied_output and a in _OUTPUT_REQUIRED:
+        out.append(f"{path}: no output.weight (the output head is tied to token_embd); llama.cpp's {a} loader "
+                   "requires output.weight")
+    return out
+
+
+def qtype_paths(info: ModelInfo) -> dict[str, str]:
+    """Which path runs each quant type present, by type name: the routed experts' types (CPU pool
+    kernel, GPU expert kernel, or dequantized to F16 at load, see :func:`load_model`) and the
+    dense tensors' (dequantized to float32 at load; F32, F16, BF16 and Q8_0 matrices are also
+    read by the GPU's fused dense path as stored)."""
+    experts = {t.qtype for t in info.tensors if "_exps.weight" in t.name}
+    dense = {t.qtype for t in info.tensors if "_exps." not in t.name and len(t.shape) == 2}
+    out = {}
+    for qt in sorted(experts | dense):
+        parts = []
+        if qt in experts:
+            if qt in Q.QTYPES:
+                parts.append("experts: CPU kernel, GPU kernel")
+            elif qt in Q.CPU_QTYPES:
+                parts.append("experts: CPU kernel (policy cpu), else dequantized to F16 at load")
+            else:
+                parts.append("experts: dequantized to F16 at load")
+        if qt in dense:
+            gpu = ", GPU fused dense kernel as stored" if qt in Q.GPU_DENSE_QTYPES else ""
+            parts.append(f"dense: dequantized to float32 at load{gpu}")
+        out[qtype_name(qt)] = "; ".join(parts)
     return out
 
 
@@ -625,176 +416,6 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
 
     Raises :class:`GGUFError` (naming file and key/tensor) on an unreadable or unsupported file."""
     return _info_from_reader(GGUFFile(path), str(path))
-
-
-# weights ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DenseLayer:
-    """One block's non-expert weights, float32, numpy order (``W`` is ``(out, in)``)."""
-
-    attn_norm: np.ndarray  # (hidden,)
-    wq: np.ndarray | None  # (heads*head_dim, hidden); None with MLA
-    wk: np.ndarray | None  # (kv_heads*head_dim, hidden)
-    wv: np.ndarray | None  # (kv_heads*head_dim, hidden)
-    wo: np.ndarray  # (hidden, heads*head_dim)
-    q_norm: np.ndarray | None  # (head_dim,), or (heads*head_dim,) for a full-width norm (olmoe)
-    k_norm: np.ndarray | None  # (head_dim,), or (kv_heads*head_dim,)
-    ffn_norm: np.ndarray  # (hidden,)
-    router: np.ndarray | None  # (experts, hidden); None on a dense block
-    shared: dict | None = None  # gate (sf, hidden), up (sf, hidden), down (hidden, sf), gate_inp (hidden,) or None
-    expert_bias: dict | None = None  # gate/up (experts, ffn), down (experts, hidden) when present
-    dense_ffn: dict | None = None  # gate/up/down of a dense block
-    attn_bias: dict | None = None  # q (heads*head_dim,), k, v (kv*head_dim,), o (hidden,): those present
-    sinks: np.ndarray | None = None  # (heads,) attention-sink logits (gpt-oss)
-    router_bias: np.ndarray | None = None  # (experts,) added to the router logits (gpt-oss)
-    exp_probs_b: np.ndarray | None = None  # (experts,) selection-only bias (deepseek V3)
-    mla: dict | None = None  # deepseek2: q or q_a/q_a_norm/q_b, kv_a, kv_a_norm, kv_b (heads*(nope+v), kv_lora)
-
-
-@dataclass(frozen=True)
-class ModelWeights:
-    """A loaded model: float32 dense weights and raw routed experts (views on the memory map)."""
-
-    info: ModelInfo
-    token_embd: np.ndarray  # (vocab, hidden)
-    output_norm: np.ndarray  # (hidden,)
-    output: np.ndarray  # (vocab, hidden); token_embd when the output is tied
-    layers: tuple[DenseLayer, ...]
-    experts: tuple[LayerExperts | None, ...]  # per block; None on a dense block
-    reader: GGUFFile | None = field(repr=False, default=None)  # keeps the memory map alive
-
-
-def _expert_tensor(reader: GGUFFile, t: TensorEntry, part: str, ffn: int) -> ExpertTensor:
-    """Routed-expert projection ``part`` (gate/up/down) from tensor ``t``, its bytes as uint8
-    ``(experts, bytes_per_expert)``, a view on the map.
-
-    A fused gate-up tensor is numpy ``(experts, 2*ffn, hidden)``, gate rows first, then up rows."""
-    e, rows, cols = t.shape
-    raw = reader.raw(t).reshape(e, -1)
-    if part in ("gate", "up") and rows == 2 * ffn and "gate_up" in t.name:
-        half = raw.shape[1] // 2
-        raw = raw[:, :half] if part == "gate" else raw[:, half:]
-        rows = ffn
-    return ExpertTensor(raw, t.qtype, rows, cols, name=f"{t.name}[{part}]" if "gate_up" in t.name else t.name)
-
-
-def _dense(reader: GGUFFile, t: TensorEntry) -> np.ndarray:
-    """Tensor ``t`` dequantized to float32 in numpy order."""
-    return dequantize(reader.raw(t), t.qtype).reshape(t.shape)
-
-
-def _layer_experts(info: ModelInfo, l: int, reader: GGUFFile, tens: dict, names: dict,
-                   bias: dict | None) -> LayerExperts:
-    """Block ``l``'s routed experts: raw projections, float32 biases (when the file has all three:
-    the expert kernels take all or none) and the architecture's activation."""
-    parts = (_expert_tensor(reader, tens[names[k]], k, info.ffn) for k in ("gate", "up", "down"))
-    b = {}
-    if bias and all(k in bias for k in ("gate", "up", "down")):
-        b = {f"{k}_bias": np.ascontiguousarray(bias[k], np.float32) for k in ("gate", "up", "down")}
-    return LayerExperts(l, *parts, **b, activation=info.spec.activation)
-
-
-def load_model(path: str | os.PathLike) -> ModelWeights:
-    """Memory-map a GGUF model: dense weights as float32, routed experts as raw blocks (no copy).
-
-    Raises :class:`GGUFError` naming the file and the first tensor the architecture needs and the
-    file lacks."""
-    reader = GGUFFile(path)
-    info = _info_from_reader(reader, str(path))
-    tens = {t.name: t for t in reader.tensors}
-
-    def need(name: str):
-        if name not in tens:
-            raise GGUFError(f"{path}: tensor {name!r} missing ({info.arch} needs it)")
-        return _dense(reader, tens[name])
-
-    def opt(name: str):
-        return _dense(reader, tens[name]) if name in tens else None
-
-    layers, experts = [], []
-    for l in range(info.num_layers):
-        names = _expert_names(tens, l)
-        layers.append(_dense_layer(info, l, names is not None, need, opt))
-        if names:
-            experts.append(_layer_experts(info, l, reader, tens, names, layers[-1].expert_bias))
-        else:
-            experts.append(None)
-    emb = need("token_embd.weight")
-    out = opt("output.weight")
-    return ModelWeights(info, emb, need("output_norm.weight"), emb if out is None else out,
-                        tuple(layers), tuple(experts), reader)
-
-
-def _mla(info: ModelInfo, p: str, need, opt) -> dict:
-    """deepseek2 attention weights; ``kv_b`` rebuilt from ``attn_k_b``/``attn_v_b`` when split."""
-    m = {"kv_a": need(p + "attn_kv_a_mqa.weight"), "kv_a_norm": need(p + "attn_kv_a_norm.weight")}
-    if info.q_lora_rank:
-        m.update(q_a=need(p + "attn_q_a.weight"), q_a_norm=need(p + "attn_q_a_norm.weight"), q_b=need(p + "attn_q_b.weight"))
-    else:
-        m["q"] = need(p + "attn_q.weight")
-    kv_b = opt(p + "attn_kv_b.weight")
-    if kv_b is None:  # newer files: k_b (heads, kv_lora, nope) and v_b (heads, v, kv_lora)
-        k_b, v_b = need(p + "attn_k_b.weight"), need(p + "attn_v_b.weight")
-        h, r = info.num_heads, info.kv_lora_rank
-        if r < 1 or k_b.size % (h * r) or v_b.size % (h * r):
-            raise GGUFError(f"{info.path}: {p}attn_k_b {k_b.shape} / attn_v_b {v_b.shape} (numpy order) do not split "
-                            f"into head_count {h} x kv_lora_rank {r}")
-        k_b = k_b.reshape(h, r, -1).transpose(0, 2, 1)  # (heads, nope, kv_lora)
-        kv_b = np.concatenate([k_b, v_b.reshape(h, -1, r)], axis=1).reshape(-1, r)
-    m["kv_b"] = kv_b  # (heads*(nope+v), kv_lora): per head, nope rows then v rows
-    return m
-
-
-def _dense_layer(info: ModelInfo, l: int, moe: bool, need, opt) -> DenseLayer:
-    spec, p = info.spec, f"blk.{l}."
-    shared = None
-    if spec.shared != "none" and moe:
-        shared = {k: need(f"{p}ffn_{k}_shexp.weight") for k in ("gate", "up", "down")}
-        shared["gate_inp"] = need(p + "ffn_gate_inp_shexp.weight").reshape(-1) if spec.shared == "gated" else None
-    bias = {k: opt(f"{p}ffn_{k}_exps.bias") for k in ("gate", "up", "down")}
-    bias = {k: v for k, v in bias.items() if v is not None}
-    if spec.activation == "swiglu_oai" and moe and len(bias) != 3:
-        need(p + "ffn_gate_exps.bias"), need(p + "ffn_up_exps.bias"), need(p + "ffn_down_exps.bias")
-    attn_bias = {k: opt(f"{p}attn_{n}.bias") for k, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}
-    mla = _mla(info, p, need, opt) if spec.attn == "mla" else None
-    gqa = mla is None
-    qk = spec.qk_norm != "none"
-    return DenseLayer(
-        attn_norm=need(p + "attn_norm.weight"), wq=need(p + "attn_q.weight") if gqa else None,
-        wk=need(p + "attn_k.weight") if gqa else None, wv=need(p + "attn_v.weight") if gqa else None,
-        wo=need(p + "attn_output.weight"), q_norm=need(p + "attn_q_norm.weight") if qk else None,
-        k_norm=need(p + "attn_k_norm.weight") if qk else None, ffn_norm=need(f"{p}{spec.ffn_norm}.weight"),
-        router=need(p + "ffn_gate_inp.weight") if moe else None, shared=shared, expert_bias=bias or None,
-        dense_ffn=None if moe else {k: need(f"{p}ffn_{k}.weight") for k in ("gate", "up", "down")},
-        attn_bias={k: v for k, v in attn_bias.items() if v is not None} or None,
-        sinks=need(p + "attn_sinks.weight") if spec.sinks else None,
-        router_bias=opt(p + "ffn_gate_inp.bias") if moe else None,
-        exp_probs_b=opt(p + "exp_probs_b.bias") if moe else None, mla=mla)
-
-
-# GGUF tensor of each stored-matrix key (``stored_matrix``); "{p}" is the block prefix "blk.N."
-_STORED = {"wq": "{p}attn_q.weight", "wk": "{p}attn_k.weight", "wv": "{p}attn_v.weight",
-           "wo": "{p}attn_output.weight", "router": "{p}ffn_gate_inp.weight",
-           "shared.gate": "{p}ffn_gate_shexp.weight", "shared.up": "{p}ffn_up_shexp.weight",
-           "shared.down": "{p}ffn_down_shexp.weight", "dense_ffn.gate": "{p}ffn_gate.weight",
-           "dense_ffn.up": "{p}ffn_up.weight", "dense_ffn.down": "{p}ffn_down.weight"}
-
-
-def stored_matrix(weights: ModelWeights, layer: int | None, key: str) -> tuple[np.ndarray, int] | None:
-    """A 2-D dense matrix as the file stores it: its rows as uint8 ``(rows, row_bytes)`` (a view on
-    the map) and its quant type, or None when the file lacks it. ``key``: a DenseLayer field of
-    block ``layer`` (wq, wk, wv, wo, router, shared.gate/up/down, dense_ffn.gate/up/down), or
-    ``"output"`` with layer None (the tied token embedding when the file has no output)."""
-    if weights.reader is None:
-        return None
-    tens = {t.name: t for t in weights.reader.tensors}
-    if key == "output":
-        t = tens.get("output.weight", tens.get("token_embd.weight"))
-    else:
-        t = tens.get(_STORED[key].format(p=f"blk.{layer}."))
-    if t is None or len(t.shape) != 2:
-        return None
-    return weights.reader.raw(t), t.qtype
 
 
 # quant wrappers ----------------------------------------------------------------------------------
@@ -935,3 +556,15 @@ def read_tokenizer(path: str | os.PathLike) -> dict:
     if out["model"] is None or not out["tokens"]:
         raise GGUFError(f"{path}: no vocabulary (metadata keys 'tokenizer.ggml.model' and 'tokenizer.ggml.tokens' needed)")
     return out
+
+
+_MODEL_NAMES = ("DenseLayer", "ModelWeights", "load_model", "stored_matrix")
+
+
+def __getattr__(name: str):
+    """The weights readers live in ``execute.gguf_model`` (imported on first use: it imports this module)."""
+    if name in _MODEL_NAMES:
+        from . import gguf_model
+
+        return getattr(gguf_model, name)
+    raise AttributeError(f"module 'execute.gguf_io' has no attribute {name!r}")

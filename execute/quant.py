@@ -2,7 +2,8 @@
 
 Ids are ``gguf.GGMLQuantizationType`` values (this module does not import gguf). ``LAYOUTS``
 holds every type below; ``QTYPES`` the ones both expert paths (CPU pool and GPU arena) read;
-``execute.cpu_experts.CPU_QTYPES`` the CPU pool's (a superset). Little-endian; "lo/hi nibbles"
+``CPU_QTYPES`` the CPU pool's (a superset); ``GPU_DENSE_QTYPES`` those the GPU's fused dense path
+reads as stored. Little-endian; "lo/hi nibbles"
 means byte j's low nibble is weight j and its high nibble weight j + 16 (of a 32-weight group).
 
 ========  ===  =====  ===  =================================================================
@@ -67,6 +68,8 @@ import numpy as np
 __all__ = [
     "QuantType",
     "QTYPES",
+    "CPU_QTYPES",
+    "GPU_DENSE_QTYPES",
     "LAYOUTS",
     "QTYPE_BY_NAME",
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -108,8 +111,10 @@ LAYOUTS: dict[int, QuantType] = {q.qtype: q for q in (
     QuantType("IQ4_NL", IQ4_NL, 32, 18), QuantType("IQ3_S", IQ3_S, 256, 110), QuantType("IQ2_S", IQ2_S, 256, 82),
     QuantType("IQ4_XS", IQ4_XS, 256, 136), QuantType("IQ1_M", IQ1_M, 256, 56), QuantType("BF16", BF16, 1, 2),
     QuantType("MXFP4", MXFP4, 32, 17))}
-# the types both expert paths read (the CPU pool reads more: execute.cpu_experts.CPU_QTYPES)
+# the types both expert paths read (CPU pool and GPU arena), the CPU pool's, and the GPU fused dense path's
 QTYPES: dict[int, QuantType] = {t: LAYOUTS[t] for t in (F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, BF16, MXFP4)}
+CPU_QTYPES: dict[int, QuantType] = dict(QTYPES)
+GPU_DENSE_QTYPES = (F32, F16, BF16, Q8_0)
 QTYPE_BY_NAME: dict[str, int] = {q.name: q.qtype for q in LAYOUTS.values()}
 
 # float16 bit pattern -> float32, for kernels without a native half type (256 KiB)

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from . import gguf_io
+from . import quant as Q
 from .gguf_io import TensorSpec, qtype_value
 
 __all__ = ["SynthConfig", "synth_model", "random_blocks", "tensor_specs", "metadata", "vocabulary", "config_from_preset", "PRESETS"]
@@ -149,7 +150,8 @@ def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, st
     """Random ``(rows, cols)`` weights of type ``qtype`` as uint8 ``(rows, bytes_per_row)``.
 
     Quants are uniform and scales vary per block (x0.5..1.5), sized so that the dequantized weights
-    have standard deviation about ``std`` and mean about 0. F32/F16/BF16: Gaussian values."""
+    have standard deviation about ``std`` and mean about 0 (other types than those below:
+    ``quant.random_blocks``, std about ``std``, mean not controlled). F32/F16/BF16: Gaussian values."""
     qtype = qtype.upper()
     if qtype in ("F32", "F16", "BF16"):
         vals = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
@@ -186,8 +188,10 @@ def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, st
         e = np.rint(np.log2(jitter * std / 5.85)) + 128  # codes' values have std 5.85
         out[:, 0] = np.clip(e, 0, 254).astype(np.uint8)
         out[:, 1:] = rng.integers(0, 256, (n, 16), dtype=np.uint8)
-    else:
-        raise ValueError(f"random_blocks: no generator for quant type {qtype}")
+    else:  # any other layout: random bytes, every f16 scale sized so the weights' std is about std
+        qt = Q.QTYPE_BY_NAME[qtype]
+        probe = Q.dequantize(Q.random_blocks(np.random.default_rng(0), qt, 4, cols, 1.0), qt, cols).std()
+        return Q.random_blocks(rng, qt, rows, cols, std / float(probe))
     return out.reshape(rows, -1)
 
 

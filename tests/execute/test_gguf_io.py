@@ -71,20 +71,73 @@ def _specs_with(cfg, change):
     return [change(s) for s in synth.tensor_specs(cfg)]
 
 
-def test_unsupported_expert_type_names_tensor_and_type(tmp_path):
-    cfg = tiny_config("Q8_0")
-    q5 = qtype_value("Q5_0")
-
+def _with_up_type(cfg, tmp_path, qtype: int, make):
     def change(s: TensorSpec):
         if s.name != "blk.1.ffn_up_exps.weight":
             return s
-        n = TensorSpec(s.name, s.shape, q5, None)
-        return TensorSpec(s.name, s.shape, q5, lambda: np.zeros(n.nbytes, np.uint8))
+        return TensorSpec(s.name, s.shape, qtype, lambda: make(s.shape))
 
-    path = tmp_path / "q5.gguf"
+    path = tmp_path / "mixed.gguf"
     gguf_io.write_gguf(path, "qwen3moe", synth.metadata(cfg), _specs_with(cfg, change))
-    with pytest.raises(GGUFError, match=r"blk\.1\.ffn_up_exps\.weight.*Q5_0"):
+    return path
+
+
+def test_expert_type_without_a_kernel_is_dequantized_to_f16_at_load(tmp_path, rng):
+    """A Q4_K_M-style file mixing types per tensor: a type no expert kernel reads loads as F16
+    (its weights rounded once), the others stay views on the map; info reports what moves, and
+    qtype_paths says which path runs each type."""
+    from execute import quant as Q
+
+    cfg = tiny_config("Q8_0")
+    qt = Q.IQ4_NL  # no expert kernel reads it on both paths
+    blocks = {}
+
+    def make(shape):
+        blocks["up"] = Q.random_blocks(rng, qt, shape[0] * shape[1], shape[2], 0.05).reshape(shape[0], -1)
+        return blocks["up"]
+
+    path = _with_up_type(cfg, tmp_path, qt, make)
+    info = gguf_io.read_model_info(path)
+    assert info.expert_bytes[1] != info.expert_bytes[0]  # the file's sizes
+    paths = gguf_io.qtype_paths(info)
+    assert paths["IQ4_NL"] == "experts: dequantized to F16 at load"
+    assert paths["Q8_0"].startswith("experts: CPU kernel, GPU kernel")
+    w = gguf_io.load_model(path)
+    up, gate = w.experts[1].up, w.experts[1].gate
+    assert up.qtype == Q.F16 and gate.qtype == Q.Q8_0 and np.shares_memory(gate.data, w.reader.data)
+    want = Q.dequantize(blocks["up"], qt, cfg.hidden).astype(np.float16)
+    np.testing.assert_array_equal(up.data.reshape(-1).view(np.float16), want.reshape(-1))
+    assert w.info.expert_bytes == tuple(x.expert_bytes for x in w.experts)
+    assert w.info.expert_bytes[1] == w.info.expert_bytes[0] - gate.expert_bytes + 2 * cfg.ffn * cfg.hidden
+
+
+def test_unsupported_expert_type_names_tensor_and_type(tmp_path):
+    cfg = tiny_config("Q8_0")
+    path = _with_up_type(cfg, tmp_path, 24, lambda shape: np.zeros(int(np.prod(shape)), np.uint8))  # I8
+    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_up_exps\.weight' has quant type I8; experts may be.*IQ4_XS"):
         gguf_io.read_model_info(path)
+
+
+def test_own_type_table_matches_gguf():
+    import gguf
+
+    from execute.gguf_file import QUANT_SIZES
+
+    assert QUANT_SIZES == {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
+    for k in gguf.GGML_QUANT_SIZES:
+        assert gguf_io.qtype_name(int(k)) == k.name
+
+
+def test_tied_output_head_warns_where_llamacpp_needs_output(tmp_path):
+    cfg = tiny_config("Q8_0", arch="olmoe", num_kv_heads=4)
+    specs = [s for s in synth.tensor_specs(cfg) if s.name != "output.weight"]
+    path = tmp_path / "tied.gguf"
+    gguf_io.write_gguf(path, "olmoe", synth.metadata(cfg), specs)
+    assert gguf_io.read_model_info(path).tied_output
+    assert any("no output.weight" in p for p in gguf_io.llamacpp_problems(path))
+    full = tmp_path / "full.gguf"
+    gguf_io.write_gguf(full, "olmoe", synth.metadata(cfg), synth.tensor_specs(cfg))
+    assert not any("output.weight" in p for p in gguf_io.llamacpp_problems(full))
 
 
 def test_fused_gate_up_experts_split_into_gate_and_up(tmp_path):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from execute import gguf_io, synth
-from execute.cli import model_main
+from execute.cli_model import model_main
 from execute.synth import SynthConfig
 
 from .conftest import K_QUANTS, SMALL_QUANTS, tiny_config
@@ -120,7 +120,7 @@ def test_deterministic_by_seed(tmp_path):
 
 @pytest.mark.parametrize("field,value,match", [
     ("top_k", 9, "top_k"), ("num_kv_heads", 3, "num_kv_heads"), ("vocab", 200, "vocab"),
-    ("quant", "Q5_1", "quant"), ("hidden", 48, "hidden"),
+    ("quant", "Q9_9", "quant"), ("hidden", 48, "hidden"),
 ])
 def test_config_errors_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=f"SynthConfig.{match}"):
