@@ -33,7 +33,9 @@ import numpy as np
 
 from scheduler.args import ArgumentParser
 
-from .cli import _backend, _capacity, _check_common, _cost_options, _Fail, _guard, _profile, _use_gpu
+from .cli_options import Fail as _Fail, build_capacity as _capacity, check_common as _check_common
+from .cli_options import cost_options as _cost_options, guard as _guard, make_backend as _backend
+from .cli_options import read_profile as _profile, wants_gpu as _use_gpu
 
 __all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing"]
 

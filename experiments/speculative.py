@@ -202,7 +202,7 @@ def executor_configs(args):
 
 def _run_once(args, extra):
     """One ``moelab run`` of the sweep's prompt with ``extra``: (figures, generated token ids)."""
-    from execute.cli import run_figures
+    from execute.cli_run import run_figures
 
     base = [args.executor, "-p", args.prompt or EXEC_PROMPT, "-n", str(args.gen_tokens), "--raw",
             "--backend", args.backend, "--seed", str(args.seed), "--prefill-chunk", str(args.prefill_chunk)]

@@ -35,17 +35,17 @@ def _sweep(argv):
 
 
 def _model(argv):
-    from execute.cli import model_main as handler
+    from execute.cli_model import model_main as handler
     return handler(argv)
 
 
 def _replay(argv):
-    from execute.cli import replay_main as handler
+    from execute.cli_replay import replay_main as handler
     return handler(argv)
 
 
 def _run(argv):
-    from execute.cli import run_main as handler
+    from execute.cli_run import run_main as handler
     return handler(argv)
 
 

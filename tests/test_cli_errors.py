@@ -284,7 +284,7 @@ def test_a_stalled_or_crashed_cpu_worker_is_a_step_error_not_a_hang(inputs, monk
     import threading
 
     from execute import cpu_pool
-    from execute.cli import replay_main
+    from execute.cli_replay import replay_main
 
     real = cpu_pool._launch
     calls, held = [], []

@@ -159,12 +159,12 @@ def gguf_bytes(tmp_path_factory) -> bytes:
 @FUZZ
 @given(edits=damage, cut_at=cut, extra=tail)
 def test_gguf_header_reader_through_model_info(gguf_bytes, edits, cut_at, extra):
-    from execute import cli as exec_cli
+    from execute.cli_model import model_main
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "m.gguf"
         p.write_bytes(_damaged(gguf_bytes, edits, cut_at, extra))
-        rc, err = _call(exec_cli.model_main, ["info", str(p), "--json"])
+        rc, err = _call(model_main, ["info", str(p), "--json"])
     if rc == 0:
         return
     assert rc == 2, err

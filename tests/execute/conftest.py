@@ -148,7 +148,7 @@ def run_json(capsys, *argv) -> tuple[str, dict]:
     """``moelab run ... --json`` on one thread: (the streamed text, the figures)."""
     import json
 
-    from execute.cli import run_main
+    from execute.cli_run import run_main
 
     assert run_main([*map(str, argv), "--json", "--threads", "1"]) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import traces
 from execute import model as M
 from execute.archs import ARCHS
-from execute.cli import replay_main, run_main
+from execute.cli_replay import replay_main
+from execute.cli_run import run_main
 from execute.model_spec import model_spec
 from execute.gguf_io import load_model
 from execute.synth import config_from_preset, synth_model
@@ -229,7 +230,7 @@ def test_hybrid_cost_needs_a_hardware_description(arch_model, capsys, tmp_path):
 def test_hybrid_cost_options_from_hardware(arch_model):
     import argparse
 
-    from execute.cli import _cost_options
+    from execute.cli_options import cost_options
     from scheduler.costs import Costs
     from scheduler.hardware import load_hardware
     from scheduler.models import ModelSpec
@@ -237,7 +238,7 @@ def test_hybrid_cost_options_from_hardware(arch_model):
     path, w = arch_model("deepseek2")  # a leading dense block: 0-byte layer 0
     args = argparse.Namespace(policy="hybrid-cost", hardware="rtx4070super-5950x", model=str(path),
                               pageable=False)
-    cm = _cost_options(args, "test")["cost_model"]
+    cm = cost_options(args, "test")["cost_model"]
     assert cm == Costs(model_spec(path), load_hardware("rtx4070super-5950x")).cost_model()
     assert len(cm.upload_s) == w.info.num_layers and cm.upload_s[1] > 0
     g = w.info.geometry()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import traces
 from execute import model as M
-from execute.cli import replay_main
+from execute.cli_replay import replay_main
 from execute.gguf_io import read_model_info
 from scheduler import Capacity, Geometry, make_policy, replay
 from scheduler.audit import Audit

@@ -112,7 +112,7 @@ def untimed(fig: dict) -> dict:
 
 
 def test_the_cli_reports_it_and_off_changes_nothing(synth_path, capsys):
-    from execute.cli import run_main
+    from execute.cli_run import run_main
 
     path = synth_path("Q8_0", num_layers=4)
     assert M.MoeModel(load_model(path)).router_predictor is None  # off by default

@@ -10,7 +10,8 @@ import pytest
 import traces
 from execute import model as M
 from execute.archs import ARCHS
-from execute.cli import replay_main, run_main
+from execute.cli_replay import replay_main
+from execute.cli_run import run_main
 from execute.gguf_io import load_model, write_gguf
 from scheduler import Capacity, make_policy, replay
 from scheduler.audit import Audit
@@ -125,25 +126,27 @@ def test_cpu_policy_runs_its_dense_path_on_the_gpu(models, capsys):
     """``--policy cpu`` on a GPU machine: experts on the CPU pool, the dense path on the GPU (as
     llama.cpp's --cpu-moe); the same tokens and decisions as the host-only run."""
     cupy_or_skip()
-    from execute.cli import _parser_run, _use_gpu
+    from execute.cli_options import wants_gpu
+    from execute.cli_run import parser_run
 
-    assert _use_gpu(_parser_run().parse_args([str(models()), "-p", "x"]))
-    assert not _use_gpu(_parser_run().parse_args([str(models()), "-p", "x", "--cpu-dense"]))
+    assert wants_gpu(parser_run().parse_args([str(models()), "-p", "x"]))
+    assert not wants_gpu(parser_run().parse_args([str(models()), "-p", "x", "--cpu-dense"]))
     text, fig = run_json(capsys, models(), "-p", "Hello there", "-n", "6", "--policy", "cpu")
     host_text, host_fig = run_json(capsys, models(), "-p", "Hello there", "-n", "6", "--cpu-dense")
     assert text == host_text and fig["digest"] == host_fig["digest"] and fig["cpu"] == fig["experts_served"]
 
 
 def test_pageable_runs_give_hybrid_cost_the_pageable_link_rate(models):
-    from execute.cli import _cost_options, _parser_run
+    from execute.cli_options import cost_options
+    from execute.cli_run import parser_run
     from scheduler.hardware import load_hardware
 
     path = str(models())
     ups = {}
     for extra in ([], ["--pageable"]):
-        args = _parser_run().parse_args([path, "-p", "x", "--policy", "hybrid-cost", "--cache-slots", "2",
+        args = parser_run().parse_args([path, "-p", "x", "--policy", "hybrid-cost", "--cache-slots", "2",
                                          "--hardware", "h200-xeon16"] + extra)
-        ups[bool(extra)] = _cost_options(args, "moelab run")["cost_model"].upload_s[0]
+        ups[bool(extra)] = cost_options(args, "moelab run")["cost_model"].upload_s[0]
     hw = load_hardware("h200-xeon16")
     assert ups[True] > ups[False]  # the same expert's bytes over the slower pageable path
     assert (ups[True] - hw.copy_latency_s) / (ups[False] - hw.copy_latency_s) == pytest.approx(

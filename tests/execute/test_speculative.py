@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from execute.archs import ARCHS
-from execute.cli import run_main
+from execute.cli_run import run_main
 from execute.sampling import Sampler
 from execute.speculative import lookup_draft, verify
 
