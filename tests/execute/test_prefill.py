@@ -1,0 +1,199 @@
+"""Batched prefill: routing of a whole batch (bit-identical to row by row), and the tensor-core
+expert kernels (``execute.prefill``) against a float64 reference and against the engine's own
+path under every kind of decision (hits, uploads, streams in several rounds, CPU pairs,
+promotions), with the residency they leave."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from execute import quant as Q
+from execute.batch_route import merge_rows, route_rows
+from execute.experts import random_layer
+from execute.routing import merge_step, route_weights
+from scheduler.core import Capacity, Geometry, Step, Token
+from scheduler.drive import AwaitBackground, RunLayer, StartBackground, drive
+from scheduler.policies import make_policy
+
+from .conftest import cupy_or_skip
+
+
+# routing of a batch (no GPU) ------------------------------------------------------------------
+@pytest.mark.parametrize("gating", ("softmax", "sigmoid", "softmax_topk"))
+@pytest.mark.parametrize("norm,scale", ((True, 0.0), (False, 2.5)))
+@pytest.mark.parametrize("experts", (8, 128, 256))
+def test_route_rows_equal_route_weights_row_by_row(gating, norm, scale, experts):
+    info = types.SimpleNamespace(gating=gating, norm_topk=norm, expert_weights_scale=scale, expert_groups=1, top_k=8)
+    rng = np.random.default_rng(experts)
+    logits = rng.standard_normal((70, experts)) * 3
+    logits[3] = 0.0  # all tied: lower ids first
+    logits[4, :4] = logits[4, 4:8]
+    for bias in (None, rng.standard_normal(experts)):
+        ids, w = route_rows(info, logits, bias)
+        for i in range(len(logits)):
+            r_ids, r_w = route_weights(info, logits[i], bias)
+            assert np.array_equal(ids[i], r_ids) and np.array_equal(w[i], r_w)  # bit for bit
+        assert merge_rows(5, ids, w) == merge_step(5, ids, w)
+
+
+def test_route_rows_leaves_expert_groups_to_the_caller():
+    info = types.SimpleNamespace(gating="sigmoid", norm_topk=True, expert_weights_scale=0.0, expert_groups=4, top_k=2)
+    assert route_rows(info, np.zeros((3, 8)), None) is None
+
+
+def test_merge_rows_order_counts_and_sums():
+    ids = np.array([[3, 1], [1, 7], [7, 3]])
+    w = np.array([[0.5, 0.25], [0.125, 1.0], [2.0, 4.0]])
+    assert merge_rows(2, ids, w) == Step(2, (3, 1, 7), (2, 2, 2), (4.5, 0.375, 3.0))
+
+
+# the kernels on a GPU ---------------------------------------------------------------------------
+E, K = 16, 4
+
+
+def _scenario(rng, layers, sizes):
+    """Tokens of ``sizes`` rows at every layer, routed with a skewed distribution (some experts get
+    more than a tile of rows): ({(token, layer): (ids, weights)}, tokens)."""
+    p = np.array([16, 12, 8, 6, 4, 3, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1], float)
+    p /= p.sum()
+    routing, tokens = {}, []
+    for i, t in enumerate(sizes):
+        steps = []
+        for l in range(len(layers)):
+            ids = np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(t)])
+            w = rng.dirichlet(np.ones(K), size=t).astype(np.float32)
+            routing[(i, l)] = (ids, w)
+            one = Step(l, tuple(ids[0].tolist()), None, tuple(w[0].tolist()))
+            steps.append(merge_rows(l, ids, w) if t > 1 else one)
+        tokens.append(Token(i, 0, i, "prefill" if t > 1 else "decode", tuple(steps), t))
+    return routing, tokens
+
+
+def _drive(engine, batched, policy, routing, tokens, hidden, cp):
+    """Every item on the engine (steps ``batched`` takes there when given); (token, decision,
+    output, input, taken) per RunLayer."""
+    xrng = np.random.default_rng(5)
+    out = []
+    for item in drive(policy, tokens):
+        if isinstance(item, RunLayer):
+            ids, w = routing[(item.token.index, item.step.layer)]
+            x = cp.asarray(xrng.standard_normal((len(ids), hidden)).astype(np.float32))
+            took = batched is not None and batched.takes(item.decision, ids)
+            y = batched.run_layer(item.decision, x, ids, w) if took else engine.run_layer(item, x, ids, w)
+            engine.gpu.compute.synchronize()
+            out.append((item.token.index, item.decision, y.get(), x.get(), took))
+        elif isinstance(item, StartBackground):
+            engine.start_background(item.moves)
+        elif isinstance(item, AwaitBackground):
+            engine.await_background(item.moves)
+    engine.synchronize()
+    return out
+
+
+def _reference(layer, ids, w, x):
+    from .conftest import experts_reference
+
+    y = np.zeros((len(x), layer.hidden))
+    for t in range(len(x)):
+        y[t] = w[t].astype(np.float64) @ experts_reference(layer, list(ids[t]), np.repeat(x[t:t + 1], K, axis=0))
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy,slots", (("gpu", E), ("lru", 5), ("hybrid", 4), ("belady", 5)))
+@pytest.mark.parametrize("qt,hidden,ffn", ((Q.Q8_0, 256, 128), (Q.Q4_0, 96, 160), (Q.F16, 128, 96)))
+def test_batched_layers_match_reference_and_engine(policy, slots, qt, hidden, ffn):
+    cp = cupy_or_skip()
+    from execute.engine import ExpertEngine
+    from execute.prefill import BatchedExperts
+
+    rng = np.random.default_rng(11)
+    layers = [random_layer(rng, l, E, hidden, ffn, qt) for l in range(2)]
+    routing, tokens = _scenario(rng, layers, (40, 1, 100, 16, 1, 70))
+    geo = Geometry((E,) * 2, K, tuple(l.expert_bytes for l in layers))
+    runs = []
+    for use_batched in (True, False):
+        cap = Capacity.per_layer(geo, slots)
+        options = {"miss_frac_256": 128, "swap_every": 2, "gate": 0.5, "margin": 0.1} if policy == "hybrid" else {}
+        future = [s for t in tokens for s in t.steps] if policy == "belady" else None
+        pol = make_policy(policy, geo, cap, future=future, **options)
+        engine = ExpertEngine(layers, pol.capacity, threads=2, use_gpu=True, scratch_slots=2)
+        try:
+            engine.load_residents(pol.cache.slot)
+            batched = BatchedExperts(engine, batch_experts=2) if use_batched else None  # several rounds
+            runs.append((_drive(engine, batched, pol, routing, tokens, hidden, cp), dict(engine.slot_of)))
+        finally:
+            engine.close()
+    (new, new_slots), (old, old_slots) = runs
+    assert new_slots == old_slots  # the same residency, slot for slot
+    assert any(r[-1] for r in new) and not any(r[-1] for r in old)
+    kinds = {"streams": 0, "uploads": 0, "cpu": 0, "promotions": 0}
+    for (i, d, y, x, took), (_, d_old, y_old, _, _) in zip(new, old):
+        assert d == d_old
+        if took:
+            for kind in kinds:
+                kinds[kind] += len(getattr(d, kind))
+        assert np.isfinite(y).all()
+        assert np.linalg.norm(y - y_old) <= 2e-5 * np.linalg.norm(y_old)
+        ids, w = routing[(i, d.layer)]
+        ref = _reference(layers[d.layer], ids, w, x)
+        assert np.linalg.norm(y - ref) <= 1e-5 * np.linalg.norm(ref)
+    if policy == "lru":
+        assert kinds["streams"] > 2 and kinds["uploads"] > 0
+    if policy == "hybrid":
+        assert kinds["cpu"] > 0
+
+
+@pytest.mark.gpu
+def test_batched_layer_of_the_qwen3_shape():
+    """128 Q8_0 experts of 2048 x 768, top-8, 256 tokens, every expert resident."""
+    cp = cupy_or_skip()
+    from execute.engine import ExpertEngine
+    from execute.prefill import BatchedExperts
+
+    rng = np.random.default_rng(3)
+    layer = random_layer(rng, 0, 128, 2048, 768, Q.Q8_0)
+    geo = Geometry((128,), 8, (layer.expert_bytes,))
+    pol = make_policy("gpu", geo, None)
+    engine = ExpertEngine([layer], pol.capacity, threads=2, use_gpu=True)
+    try:
+        engine.load_residents(pol.cache.slot)
+        ids = np.stack([rng.choice(128, 8, replace=False) for _ in range(256)])
+        w = rng.dirichlet(np.ones(8), size=256).astype(np.float32)
+        x = rng.standard_normal((256, 2048)).astype(np.float32)
+        tok = Token(0, 0, 0, "prefill", (merge_rows(0, ids, w),), 256)
+        item = next(i for i in drive(pol, [tok]) if isinstance(i, RunLayer))
+        batched = BatchedExperts(engine)
+        assert batched.takes(item.decision, ids)
+        y = batched.run_layer(item.decision, cp.asarray(x), ids, w).get()
+    finally:
+        engine.close()
+    rows = [0, 17, 128, 255]
+    ref = np.stack([w[t].astype(np.float64) @ _ref_rows(layer, ids[t], x[t]) for t in rows])
+    assert np.linalg.norm(y[rows] - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+def _ref_rows(layer, experts, xt):
+    from .conftest import experts_reference
+
+    return experts_reference(layer, list(experts), np.repeat(xt[None], len(experts), axis=0))
+
+
+# the prompt sweep's library (no GPU: policy cpu) ---------------------------------------------------
+def test_prompt_sweep_rows(synth_path):
+    from execute.prompt_bench import Config, fit_prompt, sweep
+    from execute.tokenizer import Tokenizer
+
+    path = str(synth_path("Q8_0"))
+    text, n = fit_prompt(Tokenizer.from_gguf(path), 20)
+    assert 0 < n <= 20 and len(Tokenizer.from_gguf(path).encode(text)) == n
+    rows = sweep(path, [8, 20], [Config("cpu", ("--policy", "cpu", "--backend", "numpy")),
+                                 Config("cpu chunk 4", ("--policy", "cpu", "--backend", "numpy", "--prefill-chunk", "4"),
+                                        {"MOELAB_PREFILL": "0"})], threads=1)
+    assert [(r["length"], r["config"]) for r in rows] == [(8, "cpu"), (8, "cpu chunk 4"), (20, "cpu"), (20, "cpu chunk 4")]
+    assert all(0 < r["prompt_tokens"] <= r["length"] and r["prompt_tokens_per_s"] > 0 and r["first_token_s"] > 0
+               for r in rows)
+    assert rows[0]["prefill_chunk"] == 512 and rows[1]["prefill_chunk"] == 4
+    assert rows[0]["digest"] != rows[1]["digest"] or rows[0]["prompt_tokens"] <= 4
