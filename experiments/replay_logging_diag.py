@@ -48,7 +48,7 @@ def one(cp, ctx, policy, opts, slots, logged):
 
 
 def main() -> int:
-    from execute.calibrate import _replay_setup, add_shape_args, build_layers
+    from execute.calibrate import add_shape_args, build_layers, replay_setup
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -66,7 +66,7 @@ def main() -> int:
     layers = build_layers(np.random.default_rng(args.seed), args.layers, E, args.hidden, args.ffn, distinct=2)
     geo = Geometry((E,) * args.layers, args.top_k, (layers[0].expert_bytes,) * args.layers)
     gx = GpuExperts(layers, Capacity.per_layer(geo, E // 2), scratch_slots=16, pinned=True, timeout_s=120)
-    _, tokens, dense, x0 = _replay_setup(cp, gx, layers, args, None)  # the calibration replay's trace and input
+    _, tokens, dense, x0 = replay_setup(cp, gx, layers, args, None)  # the calibration replay's trace and input
     ctx = (layers, gx, dense, geo, tokens, x0, args.threads)
     cells = [(p, o, s, lg) for p, o, s in (("lru", {}, E // 5), ("lru", {}, E // 2),
                                            ("hybrid", {"adaptive": True, "miss_frac_256": 96}, E // 5))

@@ -8,6 +8,10 @@ import numpy as np
 import pytest
 
 from execute import calibrate as C
+from execute import calibrate_fit as F
+from execute import calibrate_measure as M
+from execute import calibrate_replay as R
+from execute import standin as S
 
 from .conftest import cupy_or_skip
 
@@ -45,14 +49,14 @@ def gpu_layer(whole: float) -> dict:
 
 
 def test_fit_line_and_stats():
-    a, b = C.fit_line([1, 2, 4], [3, 5, 9])
+    a, b = F.fit_line([1, 2, 4], [3, 5, 9])
     assert a == pytest.approx(1) and b == pytest.approx(2)
     with pytest.raises(ValueError):
-        C.fit_line([1, 1], [2, 3])
-    s = C.stats([3, 1, 2])
+        F.fit_line([1, 1], [2, 3])
+    s = F.stats([3, 1, 2])
     assert s["median"] == 2 and s["n"] == 3 and s["p10"] <= s["median"] <= s["p90"]
     with pytest.raises(ValueError):
-        C.stats([])
+        F.stats([])
 
 
 def test_hardware_json_loads_in_the_simulator_and_recovers_the_rates(tmp_path):
@@ -103,18 +107,18 @@ def test_a_bad_executor_field_is_refused(tmp_path):
 def test_plan_and_poll_measurements_run_without_a_gpu():
     from scheduler.core import Geometry
 
-    tokens, _ = C.synth_tokens(2, 16, 4, 12, seed=0)
-    plan = C.measure_plan_s(Geometry((16, 16), 4, (1000, 1000)), 8, tokens, policies=("lru", "hybrid"), reps=1)
+    tokens, _ = M.synth_tokens(2, 16, 4, 12, seed=0)
+    plan = M.measure_plan_s(Geometry((16, 16), 4, (1000, 1000)), 8, tokens, policies=("lru", "hybrid"), reps=1)
     assert set(plan) == {"lru", "hybrid"} and all(v["median"] > 0 for v in plan.values())
-    assert C.measure_poll_s(reps=5)["median"] >= 20e-6
+    assert M.measure_poll_s(reps=5)["median"] >= 20e-6
 
 
 def test_plan_measurement_includes_hybrid_cost():
     from scheduler.core import Geometry
 
-    tokens, _ = C.synth_tokens(3, 16, 4, 12, seed=0)
-    assert "hybrid-cost" in C.PLAN_POLICIES
-    plan = C.measure_plan_s(Geometry((16, 16, 16), 4, (1000,) * 3), 8, tokens, policies=("hybrid", "hybrid-cost"), reps=1)
+    tokens, _ = M.synth_tokens(3, 16, 4, 12, seed=0)
+    assert "hybrid-cost" in M.PLAN_POLICIES
+    plan = M.measure_plan_s(Geometry((16, 16, 16), 4, (1000,) * 3), 8, tokens, policies=("hybrid", "hybrid-cost"), reps=1)
     assert set(plan) == {"hybrid", "hybrid-cost"} and plan["hybrid-cost"]["median"] > 0
 
 
@@ -223,7 +227,7 @@ def test_cpu_layer_parts_from_stamps():
     job = SimpleNamespace(submitted_s=10.000050, started_s=10.000070, finished_s=10.000500, collected_s=10.000510)
     d = {"host_plan_s": 30e-6, "input_wait_s": 35e-6, "host_queue_s": 40e-6, "host_combine_s": 1.0,
          "cpu_compute_s": 430e-6}
-    p = C.cpu_layer_parts(10.0, 10.000540, d, job)
+    p = M.cpu_layer_parts(10.0, 10.000540, d, job)
     want = {"plan": 30e-6, "submit": 20e-6, "handoff": 15e-6, "queue": 40e-6, "start": 20e-6, "compute": 430e-6,
             "ret": 10e-6, "combine": 30e-6}
     assert p == pytest.approx(want)
@@ -253,7 +257,7 @@ def replay_records(rng, n: int = 40) -> list[dict]:
 
 
 def test_replay_host_fields_recover_the_costs():
-    f = C.replay_host_fields(replay_records(np.random.default_rng(3)))
+    f = F.replay_host_fields(replay_records(np.random.default_rng(3)))
     want = {"host_layer_plan_s": 70e-6, "host_layer_combine_s": 25e-6, "host_gpu_layer_s": 145e-6,
             "host_gpu_expert_s": 6e-6, "host_copy_s": 20e-6, "host_copy_round_s": 15e-6, "host_plan_copy_s": 3e-6,
             "host_cpu_submit_s": 55e-6, "host_cpu_handoff_s": 180e-6, "host_cpu_queue_s": 60e-6,
@@ -277,7 +281,7 @@ def pool_records(rng, calls: dict[int, int], factor: dict[int, float]) -> list[d
 
 def test_replay_pool_fit_gives_a_factor_per_count_with_enough_calls():
     recs = pool_records(np.random.default_rng(1), {1: 40, 2: 100, 3: 100, 4: 100, 5: 5}, {1: 0.8})
-    pool = C.replay_pool_fit(recs)
+    pool = F.replay_pool_fit(recs)
     fit = lambda n: pool["task_s"] + n * pool["expert_s"]
     assert set(pool["factor"]) == {1, 2, 3, 4}  # 5: fewer than POOL_MIN_CALLS calls
     for n in (1, 2, 3, 4):
@@ -293,10 +297,10 @@ def test_apply_replay_writes_the_call_factor_and_the_simulator_charges_it(tmp_pa
 
     m = fake_measurements()
     recs = replay_records(np.random.default_rng(3))
-    pool = C.replay_pool_fit(recs + pool_records(np.random.default_rng(1), {1: 10}, {1: 0.6}))
-    m["engine_replay"] = {"fields": C.replay_host_fields(recs), "pool": pool}
+    pool = F.replay_pool_fit(recs + pool_records(np.random.default_rng(1), {1: 10}, {1: 0.6}))
+    m["engine_replay"] = {"fields": F.replay_host_fields(recs), "pool": pool}
     data = C.hardware_json(m, "h")
-    want = {str(n) for n, st in pool["by_count"].items() if st["n"] >= C.POOL_MIN_CALLS}
+    want = {str(n) for n, st in pool["by_count"].items() if st["n"] >= F.POOL_MIN_CALLS}
     assert "1" in want and set(data["cpu_call_factor"]) == want and "cpu_call_factor" in data["sources"]
     path = tmp_path / "hw.json"
     C.write_json(path, data)
@@ -322,23 +326,23 @@ def test_apply_replay_writes_the_call_factor_and_the_simulator_charges_it(tmp_pa
 def test_replay_host_fields_need_both_kinds_of_layer():
     recs = replay_records(np.random.default_rng(3))
     with pytest.raises(ValueError, match="0 CPU layers"):
-        C.replay_host_fields([r for r in recs if "parts" not in r])
+        F.replay_host_fields([r for r in recs if "parts" not in r])
 
 
 def test_replay_fields_override_the_one_call_figures(tmp_path):
     m = fake_measurements()
     recs = replay_records(np.random.default_rng(3))
-    pool = C.replay_pool_fit(recs)
+    pool = F.replay_pool_fit(recs)
     assert pool["task_s"] == pytest.approx(150e-6) and pool["expert_s"] == pytest.approx(200e-6)
     assert set(pool["by_count"]) == {1, 2, 3, 4, 5, 6}
-    m["engine_replay"] = {"fields": C.replay_host_fields(recs), "pool": pool}
+    m["engine_replay"] = {"fields": F.replay_host_fields(recs), "pool": pool}
     hw = C.hardware_json(m, "h")
     ex = hw["executor"]
     assert ex["host_cpu_handoff_s"] == pytest.approx(180e-6) and ex["host_copy_s"] == pytest.approx(20e-6, abs=0.5e-6)
     assert hw["cpu_task_s"] == pytest.approx(150e-6)
     assert hw["cpu_thread_gbps"] * 15 == pytest.approx(m["expert_bytes"] / 200e-6 / 1e9)
     with pytest.raises(ValueError, match="two or more counts"):
-        C.replay_pool_fit([dict(r, n_cpu=2) for r in recs])
+        F.replay_pool_fit([dict(r, n_cpu=2) for r in recs])
 
 
 def test_cpu_job_stamps_are_ordered():
@@ -359,7 +363,7 @@ def test_cpu_job_stamps_are_ordered():
 @pytest.mark.gpu
 def test_dense_stand_in_matches_float64():
     cp = cupy_or_skip()
-    sd = C.StandIn(cp, 2, 256, 128, 32, 16, 1000, seed=3)
+    sd = S.StandIn(cp, 2, 256, 128, 32, 16, 1000, seed=3)
     x = cp.asarray(np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32))
     for l in range(2):
         y, logits = sd.layer(x, l)
@@ -398,7 +402,7 @@ def fake_replay_parts(clock: FakeClock):
         def get(self, stream=None):
             clock.spend(12e-6)
 
-    stats = SimpleNamespace(**{p: 0.0 for p in C._PHASES})
+    stats = SimpleNamespace(**{p: 0.0 for p in M.PHASES})
 
     def run_layer(item, x, ids, w):
         clock.spend(100e-6)
@@ -428,10 +432,10 @@ def test_replay_engine_records_the_host_time_between_layers(monkeypatch):
             clock.spend(20e-6)
             yield it
 
-    monkeypatch.setattr(C, "drive", drive)
-    monkeypatch.setattr(C, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(R, "drive", drive)
+    monkeypatch.setattr(R, "time", SimpleNamespace(perf_counter=clock.perf_counter))
     log: list = []
-    _, times, _ = C.replay_engine(None, engine, policy, None, dense, np.zeros((1, 4), np.float32), log)
+    _, times, _ = R.replay_engine(None, engine, policy, None, dense, np.zeros((1, 4), np.float32), log)
     assert len(log) == 6 and times == pytest.approx([3 * 162e-6 + 20e-6 + 50e-6 + 12e-6] * 2)
     for i, r in enumerate(log):
         assert r["sched_s"] == pytest.approx(20e-6) and r["read_s"] == pytest.approx(12e-6)
@@ -462,17 +466,17 @@ def between_records(rng, policies=("lru", "hybrid"), n: int = 30) -> list[dict]:
 
 
 def test_replay_between_fields_recover_the_costs():
-    b = C.replay_between_fields(between_records(np.random.default_rng(2)))
+    b = F.replay_between_fields(between_records(np.random.default_rng(2)))
     assert b["host_dense_s"] == pytest.approx(70e-6, abs=1e-6)
     assert b["readback_s"] == pytest.approx(20e-6)
     assert b["sched_s"] == pytest.approx({"lru": 15e-6, "hybrid": 45e-6})
     old = [{k: v for k, v in r.items() if k not in ("gap_s", "sched_s", "read_s")}
            for r in between_records(np.random.default_rng(2))]
-    assert C.replay_between_fields(old) is None  # recordings from before gap_s: fields as before
+    assert F.replay_between_fields(old) is None  # recordings from before gap_s: fields as before
 
 
 def test_apply_between_sets_plan_readback_and_dense_and_the_simulator_charges_them():
-    b = C.replay_between_fields(between_records(np.random.default_rng(2)))
+    b = F.replay_between_fields(between_records(np.random.default_rng(2)))
     src: dict = {}
     ex = C.apply_between(dict(SPLIT, plan_s={"lru": 5e-6, "hybrid": 15e-6, "static": 2e-6, "x": 1e-6}), b, src)
     assert ex["plan_s"]["lru"] == pytest.approx(15e-6) and ex["plan_s"]["hybrid"] == pytest.approx(45e-6)
@@ -494,12 +498,12 @@ def test_replay_summary_and_apply_replay_take_the_between_fields():
         r.update(policy="lru", sched_s=25e-6, read_s=18e-6)
         if i % 6:
             r["gap_s"] = 25e-6 + 18e-6 + 60e-6 + rng.uniform(-1e-6, 1e-6)
-    s = C.replay_summary(recs)
+    s = R.replay_summary(recs)
     assert s["between"]["sched_s"] == {"lru": pytest.approx(25e-6)}
     hw = C.apply_replay({"executor": dict(SPLIT, plan_s={"lru": 5e-6})}, s, 5_000_000, 15)
     assert hw["executor"]["host_dense_s"] == pytest.approx(60e-6, abs=1e-6)
     assert hw["executor"]["plan_s"] == {"lru": pytest.approx(25e-6)}
-    old = C.replay_summary(replay_records(np.random.default_rng(3)))
+    old = R.replay_summary(replay_records(np.random.default_rng(3)))
     assert "between" not in old
     hw_old = C.apply_replay({"executor": dict(SPLIT, plan_s={"lru": 5e-6})}, old, 5_000_000, 15)
     assert hw_old["executor"]["host_dense_s"] == pytest.approx(32e-6) and hw_old["executor"]["plan_s"] == {"lru": 5e-6}
@@ -515,9 +519,9 @@ def drive_runs(num_layers: int = 4, num_experts: int = 32, top_k: int = 4, num_t
     from scheduler import Capacity, Geometry, drive, make_policy
 
     geo = Geometry((num_experts,) * num_layers, top_k, (1000,) * num_layers)
-    tokens, _ = C.synth_tokens(num_layers, num_experts, top_k, num_tokens, 7)
+    tokens, _ = M.synth_tokens(num_layers, num_experts, top_k, num_tokens, 7)
     out = []
-    for name, opts, div in C.RUN_CONFIGS:
+    for name, opts, div in R.RUN_CONFIGS:
         slots = max(top_k, num_experts // div)
         pol = make_policy(name, geo, Capacity.per_layer(geo, slots), **opts)
         out.append(({"policy": name, "slots": slots, **opts}, list(drive(pol, tokens))))
@@ -534,7 +538,7 @@ def fake_runs(rng, fields: dict, rounds: int = 3, noise_s: float = 0.3e-6) -> li
     u, out = UNLOGGED, []
     for _ in range(rounds):
         for cfg, items in drive_runs()[0]:
-            tot, prev = dict.fromkeys(C.RUN_PHASES, 0.0), 0
+            tot, prev = dict.fromkeys(R.RUN_PHASES, 0.0), 0
             for it in items:
                 if type(it) is not RunLayer:
                     continue
@@ -547,7 +551,7 @@ def fake_runs(rng, fields: dict, rounds: int = 3, noise_s: float = 0.3e-6) -> li
                                                              + fields["host_copy_s"] * nu) + e())
                 tot["host_combine_s"] += u["combine"] + u["combine_cpu"] * (nc > 0) + e()
                 prev = nu
-            t = C.decision_totals(items)
+            t = R.decision_totals(items)
             out.append({**cfg, "steps": t["layers"], "host_s": tot, **t, "token_s": [1e-3] * 4})
     return out
 
@@ -557,7 +561,7 @@ def test_decision_totals_agree_with_the_audit():
 
     runs, geo = drive_runs()
     for cfg, items in runs:
-        t = C.decision_totals(items)
+        t = R.decision_totals(items)
         a = Audit(geo, keep_log=False, keep_records=False)
         for it in items:
             a.observe(it)
@@ -566,20 +570,20 @@ def test_decision_totals_agree_with_the_audit():
         assert t["gpu_experts"] + t["cpu_experts"] == s["experts_served"]
         assert t["copy_layers"] <= t["uploads"] and t["cpu_layers"] <= t["cpu_experts"] <= t["layers"] * geo.top_k
         assert (t["cpu_layers"] > 0) == (cfg["policy"] == "hybrid")
-    lru5, lru2 = (C.decision_totals(items) for _, items in runs[:2])
+    lru5, lru2 = (R.decision_totals(items) for _, items in runs[:2])
     assert lru5["layers"] == lru2["layers"] and lru5["uploads"] > lru2["uploads"] > 0  # a larger cache: fewer copies
 
 
 def test_stats_delta_takes_the_phase_counters_between_snapshots():
-    before = {"steps": 10, **{p: 1.0 for p in C.RUN_PHASES}}
-    after = {"steps": 58, **{p: 1.0 + i for i, p in enumerate(C.RUN_PHASES)}}
-    d = C.stats_delta(before, after)
-    assert d["steps"] == 48 and d["host_s"] == {p: pytest.approx(float(i)) for i, p in enumerate(C.RUN_PHASES)}
+    before = {"steps": 10, **{p: 1.0 for p in R.RUN_PHASES}}
+    after = {"steps": 58, **{p: 1.0 + i for i, p in enumerate(R.RUN_PHASES)}}
+    d = R.stats_delta(before, after)
+    assert d["steps"] == 48 and d["host_s"] == {p: pytest.approx(float(i)) for i, p in enumerate(R.RUN_PHASES)}
 
 
 def test_unlogged_fit_recovers_the_gpu_only_layer_costs():
-    logged = C.replay_host_fields(replay_records(np.random.default_rng(3)))
-    got = C.unlogged_host_fields(fake_runs(np.random.default_rng(1), logged), logged)
+    logged = F.replay_host_fields(replay_records(np.random.default_rng(3)))
+    got = F.unlogged_host_fields(fake_runs(np.random.default_rng(1), logged), logged)
     u = UNLOGGED
     f = got["fields"]
     assert got["runs"] == 9
@@ -600,11 +604,11 @@ def test_unlogged_fit_recovers_the_gpu_only_layer_costs():
 
 
 def test_unlogged_fit_needs_three_independent_configs():
-    logged = C.replay_host_fields(replay_records(np.random.default_rng(3)))
+    logged = F.replay_host_fields(replay_records(np.random.default_rng(3)))
     runs = fake_runs(np.random.default_rng(1), logged)
-    assert C.unlogged_host_fields([], logged) is None and C.unlogged_host_fields(None, logged) is None
-    assert C.unlogged_host_fields([r for r in runs if r["policy"] == "lru"], logged) is None  # no CPU layers
-    assert C.unlogged_host_fields([r for r in runs if r["slots"] != 16], logged) is None  # one lru cache size
+    assert F.unlogged_host_fields([], logged) is None and F.unlogged_host_fields(None, logged) is None
+    assert F.unlogged_host_fields([r for r in runs if r["policy"] == "lru"], logged) is None  # no CPU layers
+    assert F.unlogged_host_fields([r for r in runs if r["slots"] != 16], logged) is None  # one lru cache size
 
 
 def test_replay_summary_applies_unlogged_runs_only_where_present(tmp_path):
@@ -613,11 +617,11 @@ def test_replay_summary_applies_unlogged_runs_only_where_present(tmp_path):
 
     recs = replay_records(np.random.default_rng(3))
     base = {"executor": dict(SPLIT, plan_s={"lru": 5e-6})}
-    old = C.replay_summary(recs)
-    assert "unlogged" not in old and C.replay_summary(recs, []) == old
+    old = R.replay_summary(recs)
+    assert "unlogged" not in old and R.replay_summary(recs, []) == old
     hw_old = C.apply_replay(base, old, 5_000_000, 15)
     runs = fake_runs(np.random.default_rng(1), old["fields"])
-    new = C.replay_summary(recs, runs)
+    new = R.replay_summary(recs, runs)
     src = {}
     hw_new = C.apply_replay(base, new, 5_000_000, 15, src)
     assert "executor.unlogged" in src
@@ -637,17 +641,17 @@ def test_replay_summary_applies_unlogged_runs_only_where_present(tmp_path):
 
 
 def test_a_negative_queue_level_moves_to_the_per_expert_term():
-    logged = C.replay_host_fields(replay_records(np.random.default_rng(3)))
+    logged = F.replay_host_fields(replay_records(np.random.default_rng(3)))
     runs = fake_runs(np.random.default_rng(1), logged, noise_s=0.0)
     over = dict(logged, host_gpu_expert_s=logged["host_gpu_expert_s"] + 12e-6)  # 3 x 12 us > the 30 us level
-    f = C.unlogged_host_fields(runs, over)["fields"]
+    f = F.unlogged_host_fields(runs, over)["fields"]
     assert f["host_gpu_layer_s"] == pytest.approx(f["host_layer_plan_s"] + f["host_layer_combine_s"])  # level 0
     lru = [r for r in runs if r["policy"] == "lru"]
     further = sum(r["gpu_experts"] - r["gpu_layers"] for r in lru) / sum(r["gpu_layers"] for r in lru)
     # a GPU-only layer of the lru runs is queued as fit: the true level + the true per-expert term
     assert f["host_gpu_expert_s"] * further == pytest.approx(UNLOGGED["queue"] + logged["host_gpu_expert_s"] * further,
                                                              abs=1e-6)
-    assert "host_gpu_expert_s" not in C.unlogged_host_fields(runs, logged)["fields"]
+    assert "host_gpu_expert_s" not in F.unlogged_host_fields(runs, logged)["fields"]
 
 
 def test_pool_rate_survives_a_noisy_fit():
