@@ -1,4 +1,4 @@
-"""experiments/peer_llamacpp.py without a GPU: the slim tarball, the -ncmoe budget, and bench end to
+"""experiments/peer_llamacpp.py and moelab.peer* without a GPU: the slim tarball, the -ncmoe budget, and bench end to
 end against fake ``llama-bench`` and ``moelab`` executables that print the real output formats."""
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from moelab import peer as bench_stage
+from moelab import peer_build as build
+from moelab import peer_runs as runs
+
+# the script: its command line (main, parser) around the modules above
 _spec = importlib.util.spec_from_file_location("peer_llamacpp", Path(__file__).parents[1] / "experiments" / "peer_llamacpp.py")
 peer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(peer)
@@ -63,7 +68,7 @@ print("some text\n{{\nmore text")
 print(json.dumps({{"model": a[1], "policy": policy, "prompt_tokens": len(prompt.split()), "prompt_s": 1.0,
                   "prompt_tokens_per_s": speed * 2, "generated": 8, "decode_tokens": 7, "decode_s": 1.0,
                   "decode_tokens_per_s": speed, "stopped_at_eos": False, "cache_mib": cache, "hit_rate": 0.5,
-                  "uploads": 3, "upload_mib": 1.0, "digest": "00"}}, indent=2))
+                  "uploads": 3, "upload_mib": 1.0, "digest": "00", "first_token_s": 0.5}}, indent=2))
 '''
 
 
@@ -85,7 +90,7 @@ def tiny_gguf(tmp_path_factory):
 @pytest.fixture
 def fakes(tmp_path, monkeypatch):
     monkeypatch.setenv("PEER_CALLS", str(tmp_path / "calls.txt"))
-    monkeypatch.setattr(peer, "moelab_commit", lambda: "0000000")  # others may commit between two bench calls
+    monkeypatch.setattr(bench_stage, "moelab_commit", lambda: "0000000")  # others may commit between two bench calls
     return {"llama": _script(tmp_path / "llama-bench", FAKE_LLAMA), "moelab": _script(tmp_path / "moelab", FAKE_MOELAB),
             "calls": tmp_path / "calls.txt"}
 
@@ -107,13 +112,13 @@ def _sdist(path: Path, files: dict) -> Path:
 
 
 def test_keep_drops_docs_examples_and_other_backends_but_not_what_the_build_reads():
-    assert peer.keep("LICENSE") and peer.keep("CMakeLists.txt") and peer.keep("tools/llama-bench/llama-bench.cpp")
-    assert peer.keep("ggml/src/ggml-cuda/template-instances/fattn-vec-instance-f16-f16.cu")
-    assert peer.keep("ggml/src/ggml-cpu/ggml-cpu.c") and peer.keep("ggml/src/ggml.c")
-    assert peer.keep("examples/CMakeLists.txt") and not peer.keep("examples/simple/simple.cpp")
+    assert build.keep("LICENSE") and build.keep("CMakeLists.txt") and build.keep("tools/llama-bench/llama-bench.cpp")
+    assert build.keep("ggml/src/ggml-cuda/template-instances/fattn-vec-instance-f16-f16.cu")
+    assert build.keep("ggml/src/ggml-cpu/ggml-cpu.c") and build.keep("ggml/src/ggml.c")
+    assert build.keep("examples/CMakeLists.txt") and not build.keep("examples/simple/simple.cpp")
     for rel in ("docs/build.md", "models/ggml-vocab.gguf", "ggml/src/ggml-vulkan/x.cpp", "tools/ui/index.html",
                 ".github/workflows/x.yml", ".git", "tests/test-x.cpp"):
-        assert not peer.keep(rel), rel
+        assert not build.keep(rel), rel
 
 
 def test_pack_writes_the_slim_tree_with_license_version_and_long_paths_renamed(tmp_path):
@@ -129,7 +134,7 @@ def test_pack_writes_the_slim_tree_with_license_version_and_long_paths_renamed(t
     assert names == {"llama.cpp/LICENSE", "llama.cpp/" + long_name, "llama.cpp/PEER_SOURCE.json"}
     assert source == {"sdist": "s.tar.gz", "name": "llama_cpp_python", "version": "9.9.9"}
     side = json.loads(Path(f"{out}.json").read_text())
-    assert side["version"] == "9.9.9" and side["files"] == 2 and side["sha256"] == peer.sha256(out)
+    assert side["version"] == "9.9.9" and side["files"] == 2 and side["sha256"] == build.sha256(out)
     assert peer.main(["pack", "--sdist", str(sdist), "--out", str(tmp_path / "again.tgz")]) == 0
     assert (tmp_path / "again.tgz").read_bytes() == out.read_bytes()
 
@@ -143,10 +148,10 @@ def test_pack_refuses_an_sdist_without_llama_cpp_license_and_writes_nothing(tmp_
 
 def test_budget_blocks_is_the_smallest_ncmoe_whose_vram_experts_fit():
     block = 128 * 5_013_504  # Qwen3-30B-A3B, Q8_0: 128 experts of 3 x 2048 x 768 weights
-    assert peer.budget_blocks([block] * 48, 4096 * 2**20) == 42  # 6 blocks in VRAM, 7 would not fit
-    assert peer.budget_blocks([block] * 48, 100 * 2**30) == 0
-    assert peer.budget_blocks([block] * 48, 1) == 48
-    assert peer.budget_blocks([0, 10, 10, 10], 20) == 2  # a leading dense block counts as a block
+    assert runs.budget_blocks([block] * 48, 4096 * 2**20) == 42  # 6 blocks in VRAM, 7 would not fit
+    assert runs.budget_blocks([block] * 48, 100 * 2**30) == 0
+    assert runs.budget_blocks([block] * 48, 1) == 48
+    assert runs.budget_blocks([0, 10, 10, 10], 20) == 2  # a leading dense block counts as a block
 
 
 def test_fit_prompt_takes_the_longest_prefix_within_the_token_count():
@@ -154,38 +159,38 @@ def test_fit_prompt_takes_the_longest_prefix_within_the_token_count():
         def encode(self, text):
             return list(range(2 * len(text.split()) + 1))  # BOS + two tokens per word
 
-    text, n = peer.fit_prompt(Tok(), 256)
+    text, n = runs.fit_prompt(Tok(), 256)
     assert n == 255 and len(text.split()) == 127
-    assert text.split()[:3] == peer.PROMPT_WORDS[:3]
+    assert text.split()[:3] == runs.PROMPT_WORDS[:3]
 
 
 def test_parse_llama_checks_the_ncmoe_and_needs_both_tests(fakes, tmp_path):
     out = subprocess.run([str(fakes["llama"]), "-m", "m", "-o", "json", "-ngl", "99", "-fa", "on", "-p", "256", "-n", "64",
                           "-r", "2", "-t", "16", "-ncmoe", "3"], capture_output=True, text=True, check=True).stdout
-    got = peer.parse_llama(out, 3)
+    got = runs.parse_llama(out, 3)
     assert got["prompt_tokens_per_s"] == 250.0 and got["decode_tokens_per_s"] == 25.0
     assert got["llama"]["pp"]["tokens"] == 256 and got["llama"]["tg"]["tokens"] == 64
-    assert peer.parse_llama("warning: [not json]\n" + out, 3)["decode_tokens_per_s"] == 25.0
+    assert runs.parse_llama("warning: [not json]\n" + out, 3)["decode_tokens_per_s"] == 25.0
     with pytest.raises(ValueError, match="n_cpu_moe 3, expected 4"):
-        peer.parse_llama(out, 4)
+        runs.parse_llama(out, 4)
     with pytest.raises(ValueError, match="expected pp and tg"):
-        peer.parse_llama(json.dumps(json.loads(out)[:1]), 3)
+        runs.parse_llama(json.dumps(json.loads(out)[:1]), 3)
 
 
 def test_parse_moelab_reads_the_json_after_text_with_braces():
-    assert peer.parse_moelab('text\n{\nnot json\n{\n  "a": 1\n}\n') == {"a": 1}
+    assert runs.parse_moelab('text\n{\nnot json\n{\n  "a": 1\n}\n') == {"a": 1}
     with pytest.raises(ValueError):
-        peer.parse_moelab("only text\n")
+        runs.parse_moelab("only text\n")
 
 
 def test_bench_runs_interleaved_rounds_and_compares_each_policy_with_its_peer(tiny_gguf, fakes, tmp_path, capsys):
     out = tmp_path / "result"
     assert _bench(tiny_gguf, fakes, out, "--rounds", "2") == 0
-    blocks = peer.block_expert_bytes(tiny_gguf)
-    n_budget, last = peer.budget_blocks(blocks, 2 * 2**20), len(blocks)
+    blocks = runs.block_expert_bytes(tiny_gguf)
+    n_budget, last = runs.budget_blocks(blocks, 2 * 2**20), len(blocks)
     assert (n_budget, last) == (3, 4)  # one block's experts fit 2 MiB
     llama = [f"llama {n}" for n in sorted({0, n_budget, last})]
-    moelab = [f"moelab {p}" for p in peer.POLICIES]
+    moelab = [f"moelab {p}" for p in runs.POLICIES]
     warmup = ["moelab hybrid"]  # unrecorded, before the first moelab run
     assert fakes["calls"].read_text().splitlines() == llama + warmup + moelab + moelab[::-1] + llama[::-1]
     res = json.loads((out / "result.json").read_text())
@@ -205,6 +210,8 @@ def test_bench_runs_interleaved_rounds_and_compares_each_policy_with_its_peer(ti
     readme = (out / "README.md").read_text()
     assert "| -ncmoe 0 |" in readme and "| best at budget (hybrid-cost / hybrid-cost) |" in readme
     assert "Incomplete" not in readme and "(build abc1234)" in readme
+    # each policy's row: prompt and decode tokens/s, first token, its peer's pp / tg, both ratios
+    assert "| lru | 1 | 100.0 | 50.0 | 0.500 | best of -ncmoe 3, -ncmoe 4 | 250.0 / 25.0 | 0.400 | 2.000 |" in readme
     assert (out / "result.png").stat().st_size > 0
     assert "moelab / llama.cpp" in capsys.readouterr().out
 
@@ -239,7 +246,7 @@ def test_bench_stops_at_the_deadline_and_the_same_command_continues(tiny_gguf, f
     assert _bench(tiny_gguf, fakes, out, "--rounds", "2") == 0
     rows = json.loads((out / "result.json").read_text())["rows"]
     assert [r["round"] for r in rows] == [0] * n + [1] * n
-    assert peer.read_rows(out / "raw.jsonl") == rows
+    assert runs.read_rows(out / "raw.jsonl") == rows
     assert "continuing" in capsys.readouterr().out
 
 
@@ -276,10 +283,10 @@ def test_prepare_skips_a_matching_build_synthesises_once_and_reports_a_failed_st
     (work / "build" / "bin" / "llama-bench").write_text("")
     base = ["prepare", "--src", str(src), "--work", str(work), "--preset", "tiny", "--progress-s", "0.2"]
     args = peer.parser().parse_args(base)
-    stamp = peer.build_script(args, work)[1]
+    stamp = build.build_script(args, work)[1]
     (work / "build" / "peer_build.json").write_text(json.dumps(stamp))
-    assert peer.build_script(args, work) is None
-    assert peer.build_script(peer.parser().parse_args(base + ["--cpu-only"]), work) is not None
+    assert build.build_script(args, work) is None
+    assert build.build_script(peer.parser().parse_args(base + ["--cpu-only"]), work) is not None
 
     moelab = f"{sys.executable} -m moelab"
     assert peer.main(base + ["--moelab", moelab]) == 0
@@ -299,19 +306,19 @@ def test_last_progress_is_the_builds_last_step_line_among_compiler_warnings(tmp_
     log = tmp_path / "build.log"
     log.write_text("-- Configuring done\n[3/143] Building C object a.o\n[4/143] Building CXX object b.o\n"
                    "b.cpp:1:2: warning: unused\n  |   ^~~\n")
-    assert peer.last_progress(log) == "[4/143] Building CXX object b.o"
+    assert build.last_progress(log) == "[4/143] Building CXX object b.o"
     log.write_text("[ 45%] Built target ggml\nwarning\n")
-    assert peer.last_progress(log) == "[ 45%] Built target ggml"
+    assert build.last_progress(log) == "[ 45%] Built target ggml"
     log.write_text("synth: tensor 3/27 (blk.0.ffn_up_exps.weight), 0.10/1.51 GiB\n")
-    assert peer.last_progress(log).startswith("synth: tensor 3/27")
-    assert peer.last_progress(tmp_path / "none.log") == "(no output yet)"
+    assert build.last_progress(log).startswith("synth: tensor 3/27")
+    assert build.last_progress(tmp_path / "none.log") == "(no output yet)"
 
 
 def test_a_run_past_its_timeout_is_an_error_row_with_its_output_logged(tmp_path):
     slow = _script(tmp_path / "slow", "#!{python}\nimport time\nprint('loading', flush=True)\ntime.sleep(30)\n")
     args = peer.parser().parse_args(["bench", "--timeout-s", "3", "--llama-bench", str(slow), "--model", "m.gguf"])
     args.llama_bench, args.model = slow, Path("m.gguf")
-    row = peer.measure(args, {"cell": "llama.cpp -ncmoe 0", "tool": "llama.cpp", "ncmoe": 0}, "", tmp_path / "x.log")
+    row = runs.measure(args, {"cell": "llama.cpp -ncmoe 0", "tool": "llama.cpp", "ncmoe": 0}, "", tmp_path / "x.log")
     assert row["error"] == "timed out after 3.0 s"
     assert "loading" in (tmp_path / "x.log").read_text()
 
