@@ -3,21 +3,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
-from scheduler import MISS_FRAC_256
+from scheduler import MISS_FRAC_256, POLICIES
 from scheduler.args import ArgumentParser
 from scheduler.files import check_output
 
-from scheduler.hardware import HardwareError, hardware_presets
+from scheduler.hardware import HardwareError, hardware_presets, load_hardware
 from scheduler.models import MODEL_PRESETS
 from simulate.run import SimConfig, SimError, run
 
 __all__ = ["simulate_main", "sweep_main"]
 
 DEFAULTS = SimConfig()
+DEFAULT_SWEEP_MIB = [768.0, 1024.0, 1536.0, 2048.0]  # every default policy runs at each (lru needs top-k slots)
 
 
 def _cache_mib(text: str):
@@ -27,8 +30,8 @@ def _cache_mib(text: str):
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MiB or 'auto', got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected MiB >= 0, got {text}")
+    if not 0 <= v < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of MiB >= 0 or 'auto', got {text}")
     return v
 
 
@@ -64,7 +67,7 @@ def _common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quant", default=None, help="expert quant type, overriding the model preset's (e.g. Q4_K)")
     ap.add_argument("--synth-tokens", type=_int_at_least(1), default=DEFAULTS.synth_tokens,
                     help="rows of a synthetic trace")
-    ap.add_argument("--seed", type=int, default=0, help="seed of a synthetic trace")
+    ap.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of a synthetic trace")
     ap.add_argument("--no-adaptive", action="store_true", help="hybrid without background fills and swaps")
     ap.add_argument("--pageable", action="store_true", help="uploads from pageable (not pinned) host memory")
     ap.add_argument("--lag-tokens", type=_int_at_least(0), default=1,
@@ -83,8 +86,9 @@ def simulate_main(argv: list[str]) -> int:
                     help=f"model preset ({', '.join(MODEL_PRESETS)}) or a .gguf file")
     ap.add_argument("--hardware", default=DEFAULTS.hardware,
                     help=f"hardware preset ({', '.join(hardware_presets())}) or a JSON file")
-    ap.add_argument("--policy", default=DEFAULTS.policy, help="cpu, gpu, lru, freq-lru, static (oracle profile of the replayed rows), hybrid, hybrid-cost "
-                                                           "(split from the simulator's costs), belady")
+    ap.add_argument("--policy", default=DEFAULTS.policy,
+                    help=f"one of {', '.join(POLICIES)} (default {DEFAULTS.policy}); static ranks by an oracle "
+                         f"profile of the replayed rows, hybrid-cost splits from the simulator's costs")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--cache-slots", type=_int_at_least(0), default=None, help="expert cache slots per MoE layer")
     size.add_argument("--cache-mib", type=_cache_mib, default=None,
@@ -106,27 +110,31 @@ def simulate_main(argv: list[str]) -> int:
             miss_fraction=args.miss_fraction, adaptive=not args.no_adaptive, tokens=args.tokens, trace=args.trace,
             phase=args.phase, expert_quant=args.quant, synth_tokens=args.synth_tokens, seed=args.seed,
             lag_tokens=args.lag_tokens, pinned=not args.pageable)
-        from simulate.run import load_tokens
+        from simulate.run import build_capacity, load_tokens
 
         model = _model_of(cfg)
-        tokens = load_tokens(cfg, model)  # opened and checked before the bar starts
+        hw = load_hardware(cfg.hardware)
+        build_capacity(cfg, model, hw)  # a cache the GPU cannot hold is refused before the trace is read
+        tokens = load_tokens(cfg, model, progress=not args.quiet)  # opened and checked before the bar starts
         with _bar("simulate", len(tokens), "token", args.quiet) as bar:
-            result, info = run(cfg, record=bool(args.timeline), model=model, tokens=_Counted(tokens, bar))
+            result, info = run(cfg, record=bool(args.timeline), hardware=hw, model=model,
+                               tokens=_Counted(tokens, bar))
+        s = result.summary()
+        if args.timeline:
+            from simulate.timeline import write_chrome_trace
+
+            n = write_chrome_trace(result.events, args.timeline,
+                                   title=f"{cfg.model} / {cfg.hardware} / {cfg.policy}")
+            if not args.quiet:
+                print(f"timeline: {n} spans -> {args.timeline}", file=sys.stderr)
     except (SimError, HardwareError, ValueError) as e:
         print(f"moelab simulate: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         raise
     except OSError as e:
-        print(f"moelab simulate: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        print(f"moelab simulate: {e.filename or args.timeline or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
-    s = result.summary()
-    if args.timeline:
-        from simulate.timeline import write_chrome_trace
-
-        n = write_chrome_trace(result.events, args.timeline, title=f"{cfg.model} / {cfg.hardware} / {cfg.policy}")
-        if not args.quiet:
-            print(f"timeline: {n} spans -> {args.timeline}", file=sys.stderr)
     if args.json:
         print(json.dumps({"config": cfg.as_row(), **info, **s}, sort_keys=True))
         return 0
@@ -185,11 +193,20 @@ def _trace_name(cfg: SimConfig) -> str:
 
 
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not out or not all(0 <= v < math.inf for v in out):
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated finite numbers >= 0, got {text!r}")
+    return out
 
 
 def _names(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated names, got {text!r}")
+    return out
 
 
 def sweep_main(argv: list[str]) -> int:
@@ -197,7 +214,7 @@ def sweep_main(argv: list[str]) -> int:
 
     Exit 0 when every row of the CSV ran, 1 when any failed (their errors printed), 2 for bad
     arguments (checked before any config runs), 130 on Ctrl-C (the rows finished are kept)."""
-    from simulate.sweep import Sweep, config_key, expand, plot_results
+    from simulate.sweep import Sweep, config_key, expand, locked, plot_results
 
     ap = ArgumentParser(
         prog="moelab sweep",
@@ -209,7 +226,8 @@ def sweep_main(argv: list[str]) -> int:
     ap.add_argument("--policies", type=_names, default=["lru", "hybrid", "static", "cpu"],
                     help="comma-separated policies")
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--cache-mib", type=_floats, default=None, help="comma-separated cache budgets in MiB")
+    size.add_argument("--cache-mib", type=_floats, default=None,
+                      help=f"comma-separated cache budgets in MiB (default {','.join(f'{v:g}' for v in DEFAULT_SWEEP_MIB)})")
     size.add_argument("--cache-slots", type=_floats, default=None, help="comma-separated slots per layer")
     ap.add_argument("--miss-fractions", type=_floats, default=[MISS_FRAC_256 / 256],
                     help="hybrid miss fractions, comma-separated")
@@ -220,42 +238,58 @@ def sweep_main(argv: list[str]) -> int:
     ap.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     args = ap.parse_args(argv)
     unit = "slots" if args.cache_slots is not None else "mib"
-    caches = args.cache_slots if unit == "slots" else (args.cache_mib or [256.0, 512.0, 1024.0, 1536.0])
+    caches = args.cache_slots if unit == "slots" else (args.cache_mib or DEFAULT_SWEEP_MIB)
     common = dict(adaptive=not args.no_adaptive, tokens=args.tokens, trace=args.trace, phase=args.phase,
                   expert_quant=args.quant, synth_tokens=args.synth_tokens, seed=args.seed, lag_tokens=args.lag_tokens,
                   pinned=not args.pageable)
     out = Path(args.out)
-    try:
-        check_output(out, "--out", is_dir=True)
-        configs = expand(args.models, args.hardware, args.policies, caches, args.miss_fractions, unit, **common)
-        _check_axes(configs)
-        out.mkdir(exist_ok=True)
-        sweep = Sweep(out / "results.csv")
-    except (SimError, HardwareError, ValueError) as e:
-        print(f"moelab sweep: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"moelab sweep: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    before = len(sweep.done())
-    try:
-        ran = sweep.run(configs, jobs=args.jobs, dask_address=args.dask, progress=not args.quiet)
-    except KeyboardInterrupt:
-        print(f"\nmoelab sweep: interrupted; {len(sweep.rows)} rows kept in {sweep.path} "
-              f"({len(sweep.rows) - before} new); run the same command to resume", file=sys.stderr)
-        return 130
-    keys = {config_key(c) for c in configs}
-    errors = [r for r in sweep.rows if r.get("error") and r["key"] in keys]
-    if errors or not args.quiet:
-        print(f"{len(configs)} configs: {ran} run, {len(configs) - ran} already in {sweep.path} "
-              f"({before} rows before); {len(errors)} failed", file=sys.stderr)
-    for r in errors[:5]:
-        print(f"  config {r['key']} ({r['model']}, {r['hardware']}, {r['policy']}): {r['error']}", file=sys.stderr)
-    if not args.no_plots:
-        for p in plot_results(sweep.rows, out, unit):
-            if not args.quiet:
-                print(f"plot: {p}", file=sys.stderr)
-    return 1 if errors else 0
+    made, sweep = not out.exists(), None
+    with ExitStack() as stack:  # plots are written under the lock too
+        try:
+            check_output(out, "--out", is_dir=True)
+            configs = expand(args.models, args.hardware, args.policies, caches, args.miss_fractions, unit, **common)
+            _check_axes(configs)
+            out.mkdir(exist_ok=True)
+            stack.callback(_remove_if_empty, out, made)
+            stack.enter_context(locked(out))
+            sweep = Sweep(out / "results.csv")
+            before = len(sweep.done())
+            ran = sweep.run(configs, jobs=args.jobs, dask_address=args.dask, progress=not args.quiet)
+        except (SimError, HardwareError, ValueError) as e:
+            print(f"moelab sweep: {e}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            print(f"moelab sweep: {e.filename or out}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            if sweep is None:
+                raise
+            print(f"\nmoelab sweep: interrupted; {len(sweep.rows)} rows kept in {sweep.path} "
+                  f"({len(sweep.rows) - before} new); run the same command to resume", file=sys.stderr)
+            return 130
+        keys = {config_key(c) for c in configs}
+        errors = [r for r in sweep.rows if r.get("error") and r["key"] in keys]
+        if errors or not args.quiet:
+            print(f"{len(configs)} configs: {ran} run, {len(configs) - ran} already in {sweep.path} "
+                  f"({before} rows before); {len(errors)} failed", file=sys.stderr)
+        for r in errors[:5]:
+            print(f"  config {r['key']} ({r['model']}, {r['hardware']}, {r['policy']}): {r['error']}", file=sys.stderr)
+        if not args.no_plots:
+            for p in plot_results(sweep.rows, out, unit):
+                if not args.quiet:
+                    print(f"plot: {p}", file=sys.stderr)
+        return 1 if errors else 0
+
+
+def _remove_if_empty(out: Path, made: bool) -> None:
+    """The sweep's directory, removed when this command made it and wrote nothing but its lock."""
+    from simulate.sweep import LOCK_NAME
+
+    if made and out.is_dir() and {p.name for p in out.iterdir()} <= {LOCK_NAME}:
+        (out / LOCK_NAME).unlink(missing_ok=True)
+        out.rmdir()
 
 
 def _model_of(cfg: SimConfig):

@@ -19,7 +19,7 @@ import numpy as np
 from scheduler.args import ArgumentParser
 from scheduler.files import atomic_open, atomic_write, check_output
 
-from traces.format import Trace, TraceError, check_trace_dest, load
+from traces.format import MAX_EXPERTS, Trace, TraceError, check_trace_dest, load
 from traces.importers import IMPORTERS, import_trace
 
 __all__ = ["main"]
@@ -35,6 +35,18 @@ def _slots(text: str) -> list[int]:
     return out
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v}")
+        return v
+    return parse
+
+
 def _load(path) -> "Trace":
     """The trace at ``path`` (None: the bundled one), every entry checked."""
     return load(path, check=True)
@@ -47,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("format", choices=sorted(IMPORTERS))
     imp.add_argument("src")
     imp.add_argument("dest")
-    imp.add_argument("--layers", type=int, help="layers (vllm, strata: when the file cannot tell)")
-    imp.add_argument("--experts", type=int, help="experts per layer (vllm, strata)")
+    imp.add_argument("--layers", type=_at_least(1), help="layers (vllm, strata: when the file cannot tell)")
+    imp.add_argument("--experts", type=_at_least(1), help="experts per layer (vllm, strata)")
     imp.add_argument("--model", help="model name (vllm, strata)")
     imp.add_argument("--metadata", help="switch: capture-metadata.json (default: beside SRC)")
     imp.add_argument("--quiet", action="store_true", help="nothing on stderr but errors")
@@ -68,19 +80,19 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--phase", choices=("prefill", "decode"), default="decode")
     fit.add_argument("--slots", type=_slots, help="capacities to match (default k/2, k, 2k, 3k)")
     fit.add_argument("--reset-per-sequence", action="store_true")
-    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--seed", type=_at_least(0), default=0)
     fit.add_argument("--out", help="write the parameters as JSON here")
     fit.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     syn = sub.add_parser("synth", help="write a synthetic trace")
     syn.add_argument("dest")
     syn.add_argument("--preset", help="named preset (geometry + parameters); see traces.synth.PRESETS")
     syn.add_argument("--params", help="JSON file of parameters (from moelab trace fit)")
-    syn.add_argument("--layers", type=int)
-    syn.add_argument("--experts", type=int)
-    syn.add_argument("--top-k", type=int)
-    syn.add_argument("--tokens", type=int)
-    syn.add_argument("--seqs", type=int)
-    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--layers", type=_at_least(1))
+    syn.add_argument("--experts", type=_at_least(1))
+    syn.add_argument("--top-k", type=_at_least(1))
+    syn.add_argument("--tokens", type=_at_least(1))
+    syn.add_argument("--seqs", type=_at_least(1))
+    syn.add_argument("--seed", type=_at_least(0), default=0)
     syn.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     return p
 
@@ -139,6 +151,7 @@ def _write_out(out: Path, s: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    made = not out.exists()
     out.mkdir(exist_ok=True)
     rows = {"lru-reference": s["reference_lru"], **s["hit_rate"]}
 
@@ -168,10 +181,19 @@ def _write_out(out: Path, s: dict) -> None:
         fig.savefig(f, format="png", dpi=120)
         plt.close(fig)
 
-    atomic_write(out / "stats.json", json.dumps(s, indent=1) + "\n")
-    atomic_write(out / "hit_rates.csv", csv_text())
-    with atomic_open(out / "hit_rates.png", "wb") as f:
-        plot(f)
+    written = []
+    try:
+        for name, text in (("stats.json", json.dumps(s, indent=1) + "\n"), ("hit_rates.csv", csv_text())):
+            atomic_write(out / name, text)
+            written.append(out / name)
+        with atomic_open(out / "hit_rates.png", "wb") as f:
+            plot(f)
+    except BaseException:  # all three files or none of this run's (a directory made for them removed)
+        for p in written:
+            p.unlink(missing_ok=True)
+        if made and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 def _stats(a) -> int:
@@ -179,6 +201,8 @@ def _stats(a) -> int:
 
     if a.out:
         check_output(a.out, "--out", is_dir=True)
+        if not a.slots:
+            raise ValueError("--out writes hit rates per cache size: give --slots too (e.g. --slots 8,16,32)")
     t = _load(a.path)
     if not len(t.rows(a.phase)):
         raise TraceError(f"{a.path or 'bundled trace'}: no {a.phase} rows")
@@ -248,6 +272,12 @@ def _synth(a) -> int:
     for key, v in geo.items():
         if v < 1:
             raise ValueError(f"--{key.replace('_', '-')} {v}: expected >= 1")
+    if geo["experts"] > MAX_EXPERTS:
+        raise ValueError(f"--experts {geo['experts']}: expected at most {MAX_EXPERTS} (16-bit expert ids)")
+    if geo["top_k"] > geo["experts"]:
+        raise ValueError(f"--top-k {geo['top_k']}: expected <= --experts {geo['experts']}")
+    if geo["seqs"] > geo["tokens"]:
+        raise ValueError(f"--seqs {geo['seqs']}: expected <= --tokens {geo['tokens']}")
     t = generate(geo["layers"], geo["experts"], geo["top_k"], geo["tokens"], params, np.random.default_rng(a.seed),
                  num_seqs=geo["seqs"], model=f"synthetic:{a.preset or 'custom'}",
                  progress=not a.quiet)
@@ -297,9 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         return _COMMANDS[a.cmd](a)
     except (TraceError, ValueError) as e:
         print(f"moelab trace {a.cmd}: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except BrokenPipeError:
         raise
     except OSError as e:
-        print(f"moelab trace {a.cmd}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        print(f"moelab trace {a.cmd}: error: {e.filename or _output_of(a)}: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _output_of(a) -> str:
+    """The path the command writes (named by an error that names no file)."""
+    return str(getattr(a, "dest", None) or getattr(a, "out", None) or "")

@@ -77,10 +77,15 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, file_mode())
-        with os.fdopen(fd, mode, **kwargs) as f:
-            yield f
-        os.replace(tmp, path)
+        try:
+            os.fchmod(fd, file_mode())
+            with os.fdopen(fd, mode, **kwargs) as f:
+                yield f
+            os.replace(tmp, path)
+        except OSError as e:  # a write's error (a full disk) names no file: name the destination
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+            raise
     except BaseException:
         try:
             os.unlink(tmp)

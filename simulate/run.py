@@ -7,12 +7,13 @@ masked). A trace file is checked entry by entry when opened.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from scheduler import POLICIES, Audit, Capacity, drive, make_policy
+from scheduler import POLICIES, Audit, Capacity, drive, make_policy, pad_slot_bytes
 
 from scheduler.costs import DEFAULT_HARDWARE, DEFAULT_MODEL, Costs, ExecConfig
 from .engine import SimResult, Simulator
@@ -61,8 +62,8 @@ class SimConfig:
             raise ValueError(f"cache_slots: {self.cache_slots}, expected >= 0")
         if isinstance(self.cache_mib, str) and self.cache_mib != "auto":
             raise ValueError(f"cache_mib: {self.cache_mib!r}, expected a number of MiB or 'auto'")
-        if isinstance(self.cache_mib, (int, float)) and self.cache_mib < 0:
-            raise ValueError(f"cache_mib: {self.cache_mib}, expected >= 0")
+        if isinstance(self.cache_mib, (int, float)) and not 0 <= self.cache_mib < float("inf"):
+            raise ValueError(f"cache_mib: {self.cache_mib}, expected a finite number >= 0")
         if self.miss_fraction is not None and not 0.0 <= self.miss_fraction <= 1.0:
             raise ValueError(f"miss_fraction: {self.miss_fraction}, expected 0..1")
         if self.tokens is not None and self.tokens < 1:
@@ -75,6 +76,10 @@ class SimConfig:
             raise ValueError(f"policy: unknown {self.policy!r}; expected one of {', '.join(POLICIES)}")
         if self.synth_tokens < 1:
             raise ValueError(f"synth_tokens: {self.synth_tokens}, expected >= 1")
+        if self.seed < 0:
+            raise ValueError(f"seed: {self.seed}, expected >= 0")
+        if self.context < 1:
+            raise ValueError(f"context: {self.context}, expected >= 1")
 
     def as_row(self) -> dict:
         """The config's fields as a flat dict (one CSV row's config part)."""
@@ -103,24 +108,24 @@ class TraceTokens:
         return self._len
 
 
-def load_tokens(cfg: SimConfig, model: ModelSpec) -> TraceTokens:
+def load_tokens(cfg: SimConfig, model: ModelSpec, progress: bool = False) -> TraceTokens:
     """The trace rows of ``cfg`` as re-iterable scheduler tokens (``TraceTokens``); the geometry is
-    checked against ``model``.
+    checked against ``model``. ``progress``: a bar on stderr while a synthetic trace is generated.
 
     Cached per process (the trace is opened and checked once), so a sweep loads each trace once
     per worker."""
-    return _load_tokens(cfg.trace, cfg.phase, cfg.tokens, cfg.synth_tokens, cfg.seed, model)
+    return _load_tokens(cfg.trace, cfg.phase, cfg.tokens, cfg.synth_tokens, cfg.seed, model, progress)
 
 
 @lru_cache(maxsize=4)
-def _load_tokens(trace_arg, phase_arg, limit, synth_tokens, seed, model: ModelSpec):
+def _load_tokens(trace_arg, phase_arg, limit, synth_tokens, seed, model: ModelSpec, progress: bool = False):
     import traces
 
     cfg = SimConfig(trace=trace_arg, phase=phase_arg, tokens=limit, synth_tokens=synth_tokens, seed=seed)
 
     geometry = model.geometry()
     if cfg.trace == "synth":
-        trace = _synth_trace(model, geometry, cfg.synth_tokens, cfg.seed)
+        trace = _synth_trace(model, geometry, cfg.synth_tokens, cfg.seed, progress)
     else:
         try:
             trace = traces.load(cfg.trace, check=True)
@@ -137,10 +142,14 @@ def _load_tokens(trace_arg, phase_arg, limit, synth_tokens, seed, model: ModelSp
     toks = TraceTokens(trace, None if cfg.phase == "all" else cfg.phase, cfg.tokens)
     if not len(toks):
         raise SimError(f"{cfg.trace or 'bundled trace'}: no {cfg.phase} rows to simulate")
+    rows = trace.rows(toks.phase)[:len(toks)]
+    if not any(int(np.max(trace.expert_ids[rows[i:i + 65536]])) >= 0 for i in range(0, len(rows), 65536)):
+        raise SimError(f"{cfg.trace or 'bundled trace'}: every expert id of its {cfg.phase} rows is masked (-1); "
+                       f"nothing is routed, nothing to simulate")
     return toks
 
 
-def _synth_trace(model: ModelSpec, geometry, num_tokens: int, seed: int):
+def _synth_trace(model: ModelSpec, geometry, num_tokens: int, seed: int, progress: bool = False):
     """A synthetic trace of ``model``'s geometry: generated for its MoE layers, its dense layers
     masked (all -1), as a recorded trace of the model would have them."""
     import traces
@@ -148,7 +157,7 @@ def _synth_trace(model: ModelSpec, geometry, num_tokens: int, seed: int):
 
     moe = [l for l, n in enumerate(geometry.num_experts) if n]
     t = synth.generate(len(moe), model.num_experts, model.top_k, num_tokens, synth.SynthParams(),
-                       np.random.default_rng(seed))
+                       np.random.default_rng(seed), progress=progress)
     if len(moe) == model.num_layers:
         return t
     ids = np.full((len(t), model.num_layers, model.top_k), -1, dtype=t.expert_ids.dtype)  # (T, L, k)
@@ -157,21 +166,40 @@ def _synth_trace(model: ModelSpec, geometry, num_tokens: int, seed: int):
 
 
 def build_capacity(cfg: SimConfig, model: ModelSpec, hw: Hardware) -> Capacity:
-    """Cache slots from ``cache_slots``, ``cache_mib`` or the hardware's free VRAM ("auto")."""
+    """Cache slots from ``cache_slots``, ``cache_mib`` or the hardware's free VRAM ("auto").
+
+    Refused (SimError) before any work: a cache that does not fit the GPU beside the dense weights
+    and the KV cache at ``context`` (``gpu``: every expert resident), and a budget of MiB too small
+    for one expert per layer under a policy that caches."""
     geometry = model.geometry()
-    if cfg.policy == "gpu":  # every expert resident: a what-if, whatever the VRAM
-        return Capacity.per_layer(geometry, geometry.max_experts)
-    if cfg.cache_slots is not None:
-        return Capacity.per_layer(geometry, cfg.cache_slots)
-    mib = cfg.cache_mib
-    if mib is None or mib == "auto":
-        dense = sum(model.dense_bytes(l) for l in range(model.num_layers)) + 2 * model.head_bytes()
-        kv = cfg.context * sum(model.kv_bytes_per_position(l) for l in range(model.num_layers))
+    dense = sum(model.dense_bytes(l) for l in range(model.num_layers)) + 2 * model.head_bytes()
+    kv = cfg.context * sum(model.kv_bytes_per_position(l) for l in range(model.num_layers))
+    if cfg.policy == "gpu":  # every expert resident
+        capacity = Capacity.per_layer(geometry, geometry.max_experts)
+        what = "policy gpu (every expert resident)"
+    elif cfg.cache_slots is not None:
+        capacity = Capacity.per_layer(geometry, cfg.cache_slots)
+        what = f"--cache-slots {cfg.cache_slots}"
+    elif cfg.cache_mib is None or cfg.cache_mib == "auto":
         free = hw.gpu_mem_bytes - dense - kv - AUTO_RESERVE_BYTES
         if free <= 0:
             raise SimError(f"cache auto: the dense weights and KV cache of {model.name} do not fit {hw.name}")
-        mib = free / 2**20
-    return Capacity.from_mib(geometry, float(mib))
+        return Capacity.from_mib(geometry, free / 2**20)
+    else:
+        capacity = Capacity.from_mib(geometry, float(cfg.cache_mib))
+        what = f"--cache-mib {cfg.cache_mib:g}"
+        row = sum(pad_slot_bytes(geometry.expert_bytes[l]) for l in geometry.moe_layers)
+        if cfg.cache_mib > 0 and cfg.policy != "cpu" and capacity.min_slots_per_layer(geometry) == 0:
+            raise SimError(f"{what}: 0 of {model.num_experts} experts per layer of {model.name} (one expert in "
+                           f"every MoE layer takes {row / 2**20:.0f} MiB); give at least {math.ceil(row / 2**20)} "
+                           f"MiB, 'auto', or --cache-mib 0 / --policy cpu for no cache")
+    need = capacity.slot_bytes(geometry) + dense + kv
+    if need > hw.gpu_mem_bytes:
+        raise SimError(f"{what}: the cache ({capacity.slot_bytes(geometry) / 2**20:.0f} MiB) with the dense "
+                       f"weights and the KV cache at context {cfg.context} ({(dense + kv) / 2**20:.0f} MiB) needs "
+                       f"{need / 2**20:.0f} MiB, more than the {hw.gpu_mem_bytes / 2**20:.0f} MiB of GPU memory of "
+                       f"{hw.name}; give a smaller cache or 'auto'")
+    return capacity
 
 
 def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
@@ -185,7 +213,7 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     capacity = build_capacity(cfg, model, hw)
     options = {"adaptive": cfg.adaptive} if cfg.policy == "hybrid" else {}
     costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=cfg.policy))
-    cost_model = costs.cost_model() if cfg.policy == "hybrid-cost" else None
+    cost_model = costs.cost_model() if cfg.policy in ("hybrid-cost", "lookahead", "oracle") else None
     try:  # static: the replayed tokens' own counts (an oracle); belady: every step, held
         policy = make_policy(cfg.policy, geometry, capacity, tokens=tokens, cost_model=cost_model,
                              miss_fraction=cfg.miss_fraction, **options)

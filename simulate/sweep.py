@@ -13,15 +13,19 @@ import io
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from scheduler.files import atomic_open
+from scheduler.files import atomic_open, file_mode
 
 from .run import SimConfig, SimError, run
 
-__all__ = ["expand", "config_key", "run_row", "Sweep", "RESULT_FIELDS", "plot_results"]
+__all__ = ["expand", "config_key", "run_row", "Sweep", "RESULT_FIELDS", "plot_results", "locked", "SweepBusy",
+           "LOCK_NAME"]
+
+LOCK_NAME = ".sweep.lock"  # held by the sweep writing into its output directory
 
 RESULT_FIELDS = ("tokens_simulated", "tokens_per_s", "bound_tokens_per_s", "hit_rate", "upload_bytes", "hits", "uploads",
                  "streams", "cpu_experts", "fills", "swaps", "p50_token_s", "p99_token_s", "gpu_busy", "pcie_busy",
@@ -113,32 +117,48 @@ class Sweep:
         todo = [c for c in configs if config_key(c) not in self.done()]
         if not todo:
             return 0
+        rows = _execute(todo, jobs, dask_address)  # connects to Dask (or fails) before the CSV is made
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._rewrite([])
         from tqdm import tqdm
 
-        with open(self.path, "a") as f, tqdm(total=len(todo), unit="config", desc="sweep", disable=not progress,
-                                             file=sys.stderr, dynamic_ncols=True) as bar:
-            for row in _execute(todo, jobs, dask_address):
-                f.write(_format(row))
-                f.flush()
-                self.rows.append({k: str(v) for k, v in row.items()})
-                bar.update()
+        try:
+            with open(self.path, "a") as f, tqdm(total=len(todo), unit="config", desc="sweep",
+                                                 disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+                for row in rows:
+                    f.write(_format(row))
+                    f.flush()
+                    self.rows.append({k: str(v) for k, v in row.items()})
+                    bar.update()
+        except OSError as e:  # a full disk: name the CSV (the rows written before it are kept)
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror or str(e), str(self.path)) from None
+            raise
         return len(todo)
 
 
 def _execute(todo: list[SimConfig], jobs: int, dask_address: str | None):
+    """An iterator of the rows of ``todo``; a Dask scheduler is connected to now (SimError if not)."""
     if dask_address:
-        yield from _execute_dask(todo, dask_address)
-    elif jobs <= 1:
-        for cfg in todo:
-            yield run_row(cfg)
-    else:
-        import multiprocessing as mp
+        return _execute_dask(todo, _connect_dask(dask_address))
+    if jobs <= 1:
+        return (run_row(cfg) for cfg in todo)
+    return _execute_pool(todo, jobs)
 
-        with mp.get_context("spawn").Pool(jobs, initializer=_ignore_sigint) as pool:
-            yield from pool.imap_unordered(run_row, todo)
+
+def _execute_pool(todo: list[SimConfig], jobs: int):
+    import multiprocessing as mp
+
+    pool = mp.get_context("spawn").Pool(jobs, initializer=_ignore_sigint)
+    try:
+        yield from pool.imap_unordered(run_row, todo)
+        pool.close()  # workers leave on their own: nothing of theirs is left for the resource tracker
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
 
 
 def _ignore_sigint() -> None:
@@ -148,15 +168,54 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _execute_dask(todo: list[SimConfig], address: str):
+DASK_CONNECT_S = 5  # how long ``--dask`` waits for its scheduler before giving up
+
+
+def _connect_dask(address: str):
     try:
-        from dask.distributed import Client, as_completed
+        from dask.distributed import Client
     except ImportError:
-        raise SystemExit("moelab sweep --dask needs dask[distributed]: pip install 'moelab[dask]'") from None
-    with Client(address) as client:
+        raise SimError("--dask needs dask[distributed]: pip install 'moelab[dask]'") from None
+    try:
+        return Client(address, timeout=f"{DASK_CONNECT_S}s")
+    except (OSError, TimeoutError, ValueError, TypeError) as e:
+        raise SimError(f"--dask {address}: cannot reach a Dask scheduler ({e})") from None
+
+
+def _execute_dask(todo: list[SimConfig], client):
+    from dask.distributed import as_completed
+
+    with client:
         futures = [client.submit(run_row, cfg, pure=False) for cfg in todo]
         for fut in as_completed(futures):
             yield fut.result()
+
+
+class SweepBusy(ValueError):
+    """Another sweep holds the output directory's lock."""
+
+
+@contextmanager
+def locked(out_dir: str | os.PathLike):
+    """Hold ``out_dir/LOCK_NAME`` (an exclusive ``flock``) for the block: two sweeps into one
+    directory would both run every config and write each row twice. Raises SweepBusy, naming the
+    holder's pid, when another process holds it; the lock ends with the process that held it."""
+    import fcntl
+
+    path = Path(out_dir) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, file_mode())
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise SweepBusy(f"{out_dir}: another moelab sweep (pid {holder}) is writing here "
+                            f"(lock {path}); wait for it to end or give another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def plot_results(rows: list[dict], out_dir: str | os.PathLike, cache_unit: str = "mib") -> list[Path]:

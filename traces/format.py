@@ -32,7 +32,7 @@ import numpy as np
 from scheduler import Geometry, Step, Token
 from scheduler.files import OutputPathError, check_output, dir_mode
 
-__all__ = ["Trace", "TraceError", "SCHEMA_VERSION", "HEADER_NAME", "PHASES", "load", "default_trace_path",
+__all__ = ["Trace", "TraceError", "SCHEMA_VERSION", "MAX_EXPERTS", "HEADER_NAME", "PHASES", "load", "default_trace_path",
            "check_trace_dest"]
 
 SCHEMA_VERSION = 1
@@ -42,6 +42,7 @@ _ARRAYS = ("expert_ids", "weights", "seq", "pos", "phase")
 _CHUNK_ROWS = 256  # rows converted to Python lists at a time in ``tokens``
 _CACHE_ENTRIES = 250_000  # traces with at most this many (row, layer) pairs cache their steps (~100 MiB)
 _CHECK_ROWS = 65536  # rows read at a time by ``validate``
+MAX_EXPERTS = 65535  # experts per layer: ids are 16-bit in the scheduler and in STRP profiles
 _KINDS = {"expert_ids": "iu", "weights": "f", "seq": "iu", "pos": "iu", "phase": "iu"}  # dtype kinds on disk
 _SHAPES = {"expert_ids": (3, "(T, L, k)"), "weights": (3, "(T, L, k)"), "seq": (1, "(T,)"), "pos": (1, "(T,)"),
            "phase": (1, "(T,)")}  # dimensions and shape of each array
@@ -89,6 +90,9 @@ class Trace:
     def _check_shapes(self) -> None:
         if not self.num_experts or min(self.num_experts) < 0 or not any(self.num_experts):
             raise TraceError(f"num_experts: {self.num_experts}, expected one count >= 0 per layer, one > 0")
+        if max(self.num_experts) > MAX_EXPERTS:
+            raise TraceError(f"num_experts: {max(self.num_experts)} experts in a layer, expected at most "
+                             f"{MAX_EXPERTS} (the scheduler's and STRP's 16-bit expert ids)")
         if self.top_k < 1 or any(0 < n < self.top_k for n in self.num_experts):
             raise TraceError(f"top_k: {self.top_k}, expected 1 <= top_k <= every MoE layer's experts")
         shape = (len(self.seq), self.num_layers, self.top_k)
@@ -119,6 +123,12 @@ class Trace:
                     row = r0 + int(np.argwhere((ids[:, l] == bad).any(axis=1))[0, 0])
                     raise TraceError(f"expert_ids: row {row} layer {l}: id {bad} out of range "
                                      f"(layer has {n[l]} experts; -1 = masked)")
+                srt = np.sort(ids, axis=2)
+                dup = (srt[:, :, 1:] == srt[:, :, :-1]) & (srt[:, :, 1:] >= 0)  # (R, L, k-1)
+                if dup.any():
+                    r, l, j = (int(x) for x in np.argwhere(dup)[0])
+                    raise TraceError(f"expert_ids: row {r0 + r} layer {l}: expert {int(srt[r, l, j + 1])} listed twice "
+                                     f"(a row routes top_k distinct experts; -1 = masked)")
             if self.weights is not None:
                 nan = np.isnan(np.asarray(self.weights[r0:r0 + _CHECK_ROWS]))
                 wrong = (nan != (ids < 0)).any(axis=(1, 2))
@@ -253,22 +263,29 @@ class Trace:
         path = check_trace_dest(path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
-            os.chmod(tmp, dir_mode())
-            for name in _ARRAYS:
-                arr = getattr(self, name)
-                if arr is not None:
-                    _save_array(tmp / f"{name}.npy", arr)
-            (tmp / HEADER_NAME).write_text(json.dumps(self.header(), indent=1) + "\n")
-            if path.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-                os.replace(path, old / "t")
-                os.replace(tmp, path)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, path)
+            self._save_into(tmp, path)
+        except OSError as e:  # a full disk: the error names the destination, not the temporary copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def _save_into(self, tmp: Path, path: Path) -> None:
+        """The arrays and header into ``tmp``, then ``tmp`` renamed to ``path`` (an old trace there replaced)."""
+        os.chmod(tmp, dir_mode())
+        for name in _ARRAYS:
+            arr = getattr(self, name)
+            if arr is not None:
+                _save_array(tmp / f"{name}.npy", arr)
+        (tmp / HEADER_NAME).write_text(json.dumps(self.header(), indent=1) + "\n")
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old / "t")
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
 
 
 def check_trace_dest(path: str | os.PathLike, what: str = "trace directory") -> Path:

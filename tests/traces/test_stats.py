@@ -63,4 +63,4 @@ def test_cli_out_writes_csv_and_plot(tmp_path, capsys):
     rows = list(csv.DictReader(open(tmp_path / "o" / "hit_rates.csv")))
     assert {r["policy"] for r in rows} == {"lru-reference", "lru", "static", "belady"}
     assert (tmp_path / "o" / "hit_rates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["stats", "--policies", "nope", "--slots", "8"]) == 1
+    assert main(["stats", "--policies", "nope", "--slots", "8"]) == 2

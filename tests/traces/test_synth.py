@@ -57,7 +57,7 @@ def test_cli_synth_and_info(tmp_path, capsys):
     assert (len(t), t.num_layers, t.top_k, t.meta["seed"]) == (50, 4, 2, 3)
     assert main(["info", str(tmp_path / "s")]) == 0
     assert '"num_tokens": 50' in capsys.readouterr().out
-    assert main(["synth", str(tmp_path / "x"), "--layers", "4"]) == 1 and not (tmp_path / "x").exists()
+    assert main(["synth", str(tmp_path / "x"), "--layers", "4"]) == 2 and not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow

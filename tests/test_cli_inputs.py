@@ -1,0 +1,193 @@
+"""Bad inputs, second round: each case as a user meets it, with the one-line error and exit status 2.
+
+Cases run through ``moelab.cli.main`` in a fresh interpreter, several per subprocess (``_batch``),
+so the table stays cheap; cases about a full disk or a second process use their own subprocess.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import traces
+
+CMD = [sys.executable, "-m", "moelab"]
+
+# Runs each argv of argv[1] (a JSON list) through moelab.cli.main in this one interpreter; prints
+# [status, stderr] per argv. An exception escaping main is printed as the status "raised".
+_DRIVER = r"""
+import contextlib, io, json, sys, traceback
+from moelab.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+        except BaseException:
+            rc, _ = "raised", err.write(traceback.format_exc())
+    out.append([rc, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _batch(cases: list[list[str]], cwd: Path) -> list[tuple[object, str]]:
+    r = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([[str(a) for a in c] for c in cases])], cwd=cwd,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return [tuple(x) for x in json.loads(r.stdout.splitlines()[-1])]
+
+
+def _one_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.replace("\r", "\n").splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moelab"), stderr
+    return lines[0]
+
+
+def _tree(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("bad2")
+    t = traces.load()
+    masked = np.full_like(np.asarray(t.expert_ids), -1)
+    traces.Trace(t.model, t.num_experts, t.top_k, masked, t.seq, t.pos, t.phase, None, t.meta).save(root / "masked")
+    ids = np.array(t.expert_ids)
+    ids[5, 2, 1] = ids[5, 2, 0]
+    traces.Trace(t.model, t.num_experts, t.top_k, ids, t.seq, t.pos, t.phase, None, t.meta, check=False).save(root / "dup")
+    return {"root": root}
+
+
+# (id, argv, text the one error line must hold); every case exits 2 and writes nothing
+CASES = [
+    ("cache-mib-inf", ["simulate", "--cache-mib", "inf"], "--cache-mib: expected a finite number of MiB"),
+    ("cache-mib-nan", ["simulate", "--cache-mib", "nan"], "--cache-mib: expected a finite number of MiB"),
+    ("sweep-cache-mib-inf", ["sweep", "--cache-mib", "512,inf", "--out", "sw"], "--cache-mib: expected one or more"),
+    ("seed-negative", ["simulate", "--trace", "synth", "--seed", "-1"], "--seed: expected an integer >= 0, got -1"),
+    ("synth-seed-negative", ["trace", "synth", "s", "--preset", "granite", "--seed", "-1"], "--seed: expected an"),
+    ("gpu-cache-too-big", ["simulate", "--model", "qwen3-30b-a3b", "--policy", "gpu", "--trace", "synth",
+                           "--synth-tokens", "4"], "more than the 8192 MiB of GPU memory of rtx4060-laptop"),
+    ("slots-too-big", ["simulate", "--model", "qwen3-30b-a3b", "--cache-slots", "128", "--trace", "synth",
+                       "--synth-tokens", "4"], "--cache-slots 128: the cache"),
+    ("zero-slots", ["simulate", "--model", "mixtral-8x7b", "--trace", "synth", "--synth-tokens", "4"],
+     "--cache-mib 512: 0 of 8 experts per layer of mixtral-8x7b"),
+    ("synth-70000-experts", ["trace", "synth", "s", "--layers", "2", "--experts", "70000", "--top-k", "2",
+                             "--tokens", "10"], "--experts 70000: expected at most 65535"),
+    ("synth-top-k-above-experts", ["trace", "synth", "s", "--layers", "2", "--experts", "4", "--top-k", "6",
+                                   "--tokens", "10"], "--top-k 6: expected <= --experts 4"),
+    ("stats-out-no-slots", ["trace", "stats", "--out", "st"], "--out writes hit rates per cache size: give --slots"),
+    ("all-masked", ["simulate", "--trace", "{root}/masked", "--policy", "belady"], "is masked (-1)"),
+    ("duplicate-ids", ["trace", "info", "{root}/dup"], "row 5 layer 2: expert"),
+    ("top-negative", ["profile", "show", "x.strp", "--top", "-5"], "--top: expected an integer >= 0, got -5"),
+    ("policies-empty", ["sweep", "--policies", "", "--out", "sw"], "--policies: expected one or more"),
+    ("trace-bad-input", ["trace", "info", "nope"], "nope: not a trace directory"),
+]
+
+
+def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, files):
+    root = str(files["root"])
+    before = _tree(files["root"])
+    results = _batch([[a.replace("{root}", root) for a in c[1]] for c in CASES], tmp_path)
+    for (name, _, expect), (rc, err) in zip(CASES, results):
+        assert rc == 2, (name, rc, err)
+        assert expect in _one_line(err), (name, err)
+    assert _tree(tmp_path) == set()
+    assert _tree(files["root"]) == before
+
+
+def test_simulate_help_lists_every_policy():
+    from scheduler import POLICIES
+
+    r = subprocess.run(CMD + ["simulate", "--help"], capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and all(p in text for p in POLICIES), text
+
+
+def test_a_trace_of_more_experts_than_the_scheduler_takes_is_refused():
+    ids = np.zeros((2, 1, 1), np.int32)
+    with pytest.raises(traces.TraceError, match="expected at most 65535"):
+        traces.Trace("m", (70000,), 1, ids, np.zeros(2), np.arange(2), np.ones(2))
+
+
+def _full_disk():
+    """The child may write files of at most 4 KiB: a write past it fails as on a full disk (EFBIG)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(tmp_path):
+    slots = ",".join(str(s) for s in range(40))
+    runs = [(["trace", "synth", "s", "--preset", "granite"], "s"),
+            (["simulate", "--tokens", "3", "--timeline", "tl.json"], "tl.json"),
+            (["trace", "stats", "--slots", "8", "--out", "st"], "st/"),
+            (["profile", "build", "p.strp"], "p.strp"),
+            (["sweep", "--tokens", "2", "--policies", "cpu", "--cache-slots", slots, "--out", "sw", "--jobs", "1",
+              "--no-plots"], "sw/results.csv")]
+    for argv, name in runs:
+        r = subprocess.run(CMD + argv + ["--quiet"] * (argv[0] != "profile"), cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, preexec_fn=_full_disk)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        line = _one_line(r.stderr)
+        assert f" {name}" in line and "File too large" in line, line
+    # the sweep keeps the rows it finished (it resumes from them) and its lock; nothing else is left
+    assert _tree(tmp_path) <= {"sw", "sw/results.csv", "sw/.sweep.lock"}
+
+
+def test_a_second_sweep_into_a_busy_folder_is_refused(tmp_path):
+    from simulate.sweep import locked
+
+    (tmp_path / "sw").mkdir()
+    with locked(tmp_path / "sw"):  # another sweep is writing there
+        r = subprocess.run(CMD + ["sweep", "--tokens", "2", "--policies", "cpu", "--cache-slots", "0", "--out", "sw",
+                                  "--jobs", "1", "--no-plots", "--quiet"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert r.returncode == 2 and "another moelab sweep" in _one_line(r.stderr)
+    assert _tree(tmp_path) == {"sw", "sw/.sweep.lock"}  # no CSV: nothing ran
+
+
+def test_two_sweeps_at_once_write_each_row_once(tmp_path):
+    argv = CMD + ["sweep", "--tokens", "40", "--policies", "cpu,hybrid", "--cache-slots", "8,12,16", "--out", "sw",
+                  "--jobs", "1", "--no-plots", "--quiet"]
+    procs = [subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    for p in procs:
+        p.stdout.close()
+        p.stderr.close()
+    rows = (tmp_path / "sw" / "results.csv").read_text().splitlines()[1:]
+    assert len(rows) == 6 and len({r.split(",")[0] for r in rows}) == 6
+    assert sorted(rc for rc, _ in results) in ([0, 0], [0, 2]), results  # one ran, the other ran none or was refused
+
+
+def test_sweep_with_its_default_sizes_runs_every_config(tmp_path, capsys):
+    from moelab.simulate_cli import sweep_main
+
+    assert sweep_main(["--tokens", "2", "--out", str(tmp_path / "sw"), "--jobs", "1", "--no-plots"]) == 0
+    assert "0 failed" in capsys.readouterr().err
+
+
+def test_sweep_jobs_leaves_no_semaphore_behind(tmp_path):
+    r = subprocess.run(CMD + ["sweep", "--tokens", "2", "--policies", "cpu,lru", "--cache-slots", "8,16", "--out", "sw",
+                              "--jobs", "2", "--no-plots", "--quiet"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_sweep_dask_unreachable_is_one_line_and_no_folder(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("dask.distributed")
+    from moelab.simulate_cli import sweep_main
+    from simulate import sweep
+
+    monkeypatch.setattr(sweep, "DASK_CONNECT_S", 1)
+    assert sweep_main(["--tokens", "2", "--policies", "cpu", "--cache-slots", "0", "--out", str(tmp_path / "sw"),
+                       "--dask", "127.0.0.1:1", "--quiet"]) == 2
+    assert "--dask 127.0.0.1:1: cannot reach a Dask scheduler" in _one_line(capsys.readouterr().err)
+    assert _tree(tmp_path) == set()
