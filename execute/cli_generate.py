@@ -179,6 +179,11 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
     from .sampling import Sampler
 
     info = weights.info
+    need = len(prompt) + args.tokens + draft_len
+    if info.context_length and need > info.context_length:  # checked before anything is allocated
+        raise Fail(f"moelab run: the prompt ({len(prompt)} tokens) and -n {args.tokens}"
+                   f"{f' with --speculative {draft_len}' if draft_len else ''} need {need} positions, more than "
+                   f"the model's context length {info.context_length}")
     geometry = info.geometry()
     capacity = build_capacity(args, geometry, "moelab run")
     policy = run_policy(args, geometry, capacity)
@@ -197,9 +202,9 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
     progress = lambda i: marks.setdefault("prefill", time.perf_counter()) if i == len(prompt) else None  # noqa: E731
     try:
         res = M.run(model, backend, policy, gen, args.lag_tokens, audit, progress=progress)
+        end = time.perf_counter()  # before the backend closes: its closing is neither prompt nor decode
     finally:
         backend.close()
-    end = time.perf_counter()
     t0 = end - res.wall_s  # the run's clock starts after the backend's preparation (kernel compile, uploads)
     gen.out.write(gen.stream.flush() + "\n")
     prefill_s = marks.get("prefill", end) - t0

@@ -41,6 +41,8 @@ def _parser_replay() -> argparse.ArgumentParser:
                    help="with --policy cpu, run the dense path on the CPU too (default: on the GPU when one is present)")
     p.add_argument("--audit", default=None, help="write the per-token audit JSONL (with routes) here")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="run a model whose weights hold NaN or Inf (checked at load otherwise)")
     p.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     return p
 
@@ -79,12 +81,12 @@ def _replay(args) -> int:
     from scheduler.audit import Audit
 
     from . import model as M
-    from .gguf_io import load_model
+    from .weights_check import load_checked
 
     check_common(args, "moelab replay")
     if args.tokens is not None and args.tokens < 1:
         raise Fail(f"moelab replay: --tokens {args.tokens}: expected >= 1")
-    weights = load_model(args.model)
+    weights = load_checked(args.model, args.allow_non_finite)
     info = weights.info
     trace = _load_trace(args, info)
     from scheduler import Geometry

@@ -12,6 +12,7 @@ from scheduler.args import ArgumentParser
 
 from .cli_generate import batch_positions, generate, prompt_ids, record_trace
 from .cli_options import Fail, check_common, guard
+from .weights_check import load_checked
 from .experts import ExecutorError
 
 __all__ = ["run_main", "run_figures", "parser_run"]
@@ -60,6 +61,8 @@ def parser_run() -> argparse.ArgumentParser:
                         "experts (recall at k and 2k, in --json as router_predictor; adds a router product "
                         "and a host wait per block)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the text")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="run a model whose weights hold NaN or Inf (checked at load otherwise)")
     p.add_argument("--quiet", action="store_true",
                    help="nothing on stderr but errors (the text still streams to stdout)")
     return p
@@ -104,12 +107,11 @@ def run_figures(argv: list[str]) -> tuple[dict, list[int]]:
 def _run(args) -> int:
     import io
 
-    from .gguf_io import load_model
     from .sampling import Sampler
     from .tokenizer import Tokenizer, TokenizerError
 
     check_run_args(args)
-    weights = load_model(args.model)
+    weights = load_checked(args.model, args.allow_non_finite)
     try:
         tok = Tokenizer.from_gguf(args.model)
         Sampler(args.temp, args.seed, args.top_k)

@@ -125,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-dense", action="store_true",
                    help="with --policy cpu, run the policy's dense path on the CPU too (default: on the GPU when one is present)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="compare on a model whose weights hold NaN or Inf (checked at load otherwise)")
     p.set_defaults(backend="engine", audit=None)
     return p
 
@@ -202,18 +204,23 @@ def kld(args) -> dict:
     from scheduler.audit import Audit
 
     from . import model as M
-    from .gguf_io import load_model
+    from .gguf_io import read_model_info
     from .tokenizer import Tokenizer, TokenizerError
+    from .weights_check import load_checked
 
     _check(args)
-    weights = load_model(args.model)
-    info = weights.info
     try:
         ids = Tokenizer.from_gguf(args.model).encode(args.prompt)[:args.tokens]
     except TokenizerError as exc:
         raise _Fail(f"{PROG}: {exc}") from None
     if len(ids) < 2:
         raise _Fail(f"{PROG}: the text encodes to {len(ids)} token(s); at least 2 are needed")
+    ctx = read_model_info(args.model).context_length
+    if ctx and len(ids) > ctx:
+        raise _Fail(f"{PROG}: the text is {len(ids)} tokens, more than the model's context length {ctx}; "
+                    f"give --tokens {ctx} or less")
+    weights = load_checked(args.model, args.allow_non_finite)
+    info = weights.info
     geometry = info.geometry()
     capacity = _capacity(args, geometry, PROG)
     policy = _policy(args, geometry, capacity)

@@ -209,7 +209,7 @@ def test_result_files_have_the_usual_mode(tmp_path):
                            capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert len(files) == 11  # 3 stats files, STRP, timeline, 5 trace files, CSV
+    assert len(files) == 12  # 3 stats files, STRP, timeline, 5 trace files, CSV, the sweep's lock
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
     assert stat.S_IMODE((tmp_path / "s").stat().st_mode) == 0o755
@@ -257,7 +257,7 @@ def test_nan_weights_stop_the_run_naming_the_tensor(tmp_path, inputs):
         f.write(np.full(4, np.nan, np.float32).tobytes())
     r = moelab(["run", model, "-p", "hi", "-n", "4", "--backend", "numpy"], tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "tensor blk.1.attn_norm holds non-finite values" in _error_line(r.stderr)
+    assert "tensor blk.1.attn_norm.weight holds a NaN or Inf (F32 element 0)" in _error_line(r.stderr)
     assert "\x00" not in r.stdout
 
 

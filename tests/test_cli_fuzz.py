@@ -124,7 +124,7 @@ def test_trace_loader_through_trace_info(small_trace_dir, fields, name, new_arra
         elif f.exists():
             f.write_bytes(_damaged(f.read_bytes(), edits, cut_at, b""))
         rc, err = _call(trace_cli.main, ["info", str(p)])
-    _check(rc, err, 1, "moelab trace info: error: ")
+    _check(rc, err, 2, "moelab trace info: error: ")
 
 
 @FUZZ
@@ -139,9 +139,9 @@ def test_every_bad_expert_id_is_found_at_open(small_trace_dir, layer, row, value
         rc, err = _call(trace_cli.main, ["info", str(p)])
     v = int(ids[row, layer, 0])
     if v < -1 or v >= 32:  # every layer of the bundled trace has 32 experts
-        assert rc == 1 and f"row {row} layer {layer}: id {v} out of range" in err, err
+        assert rc == 2 and f"row {row} layer {layer}: id {v} out of range" in err, err
     else:
-        _check(rc, err, 1, "moelab trace info: error: ")
+        _check(rc, err, 2, "moelab trace info: error: ")
 
 
 # GGUF ---------------------------------------------------------------------------------------------

@@ -191,3 +191,121 @@ def test_sweep_dask_unreachable_is_one_line_and_no_folder(tmp_path, monkeypatch,
                        "--dask", "127.0.0.1:1", "--quiet"]) == 2
     assert "--dask 127.0.0.1:1: cannot reach a Dask scheduler" in _one_line(capsys.readouterr().err)
     assert _tree(tmp_path) == set()
+
+
+# non-finite weights ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nan_models(tmp_path_factory) -> dict:
+    """The tiny Q8_0 model, and copies with one NaN or Inf planted: an expert scale (the CPU pool's
+    ZeroDivisionError), an up projection, the embedding (F16) and the output norm (F32)."""
+    from execute.gguf_file import GGUFFile
+
+    root = tmp_path_factory.mktemp("nan")
+    r = subprocess.run(CMD + ["model", "synth", "t.gguf", "--preset", "tiny", "--quant", "Q8_0", "--quiet"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    good = (root / "t.gguf").read_bytes()
+    offsets = {t.name: t.data_offset for t in GGUFFile(root / "t.gguf").tensors}
+    plants = {"gate": ("blk.0.ffn_gate_exps.weight", 34 * 70, np.float16(np.nan)),  # block 70: expert 1
+              "up": ("blk.1.ffn_up_exps.weight", 34 * 200, np.float16(np.nan)),
+              "embd": ("token_embd.weight", 2 * 100, np.float16(np.inf)),
+              "norm": ("output_norm.weight", 4 * 3, np.float32(-np.inf))}
+    out = {"good": root / "t.gguf"}
+    for key, (name, at, value) in plants.items():
+        data = bytearray(good)
+        off = offsets[name] + at
+        data[off:off + value.nbytes] = value.tobytes()
+        (root / f"{key}.gguf").write_bytes(bytes(data))
+        out[key] = root / f"{key}.gguf"
+    return out
+
+
+def test_non_finite_weights_are_found_at_load_on_every_path(tmp_path, nan_models):
+    expect = {"gate": "tensor blk.0.ffn_gate_exps.weight holds a NaN or Inf (Q8_0 block 70, expert 1)",
+              "up": "tensor blk.1.ffn_up_exps.weight holds a NaN or Inf (Q8_0 block 200, expert 3)",
+              "embd": "tensor token_embd.weight holds a NaN or Inf (F16 element 100)",
+              "norm": "tensor output_norm.weight holds a NaN or Inf (F32 element 3)"}
+    cases, wants = [], []
+    for key, want in expect.items():
+        m = nan_models[key]
+        for argv in (["run", m, "-p", "hi", "-n", "4"], ["replay", m, "--policy", "cpu", "--map", "--tokens", "4"],
+                     ["kld", m, "--policy", "cpu", "-p", "hello there", "--tokens", "8"]):
+            cases.append(argv + ["--timeout-s", "30"])
+            wants.append(want)
+    for argv, want, (rc, err) in zip(cases, wants, _batch(cases, tmp_path)):
+        assert rc == 2, (argv, rc, err)
+        line = _one_line(err)  # one line: no worker traceback, no numpy RuntimeWarning before it
+        assert want in line and "--allow-non-finite" in line, (argv, line)
+
+
+def test_allow_non_finite_runs_past_the_check(tmp_path, nan_models):
+    (rc, err), = _batch([["run", nan_models["norm"], "-p", "hi", "-n", "2", "--backend", "numpy",
+                          "--allow-non-finite"]], tmp_path)
+    assert rc == 2 and "is not finite" in _one_line(err) and "holds a NaN or Inf" not in err
+
+
+@pytest.mark.parametrize("qtype", sorted(__import__("execute.quant", fromlist=["LAYOUTS"]).LAYOUTS))
+def test_every_layout_s_non_finite_scale_is_found(qtype):
+    from execute import quant as Q
+    from execute.weights_check import _bad_in
+
+    rng = np.random.default_rng(qtype)
+    q = Q.LAYOUTS[qtype]
+    raw = Q.random_blocks(rng, qtype, 4, 512)  # (rows, row_bytes), finite
+    assert _bad_in(raw.reshape(-1), qtype) is None
+    np.testing.assert_array_equal(np.isfinite(Q.dequantize(raw, qtype, 512)), True)
+    flat = raw.reshape(-1).copy()
+    unit = 5  # the 6th element (float types) or block
+    if q.block_weights == 1:
+        v = {Q.F32: np.float32(np.nan), Q.F16: np.float16(np.inf)}.get(qtype)
+        bits = v.tobytes() if v is not None else np.uint16(0x7FC0).tobytes()  # BF16 NaN
+        flat[unit * q.block_bytes:(unit + 1) * q.block_bytes] = np.frombuffer(bits, np.uint8)
+    else:
+        block = flat[unit * q.block_bytes:(unit + 1) * q.block_bytes]
+        if qtype == Q.MXFP4:
+            block[0] = 255
+            block[1:] = 0x77  # values 12: 12 * 2^127 overflows float32
+        elif qtype == Q.IQ1_M:
+            s = block[48:56].view("<u2")
+            s |= np.uint16(0xF000)  # d's exponent nibble and more: all ones
+        else:
+            off = Q._F16_FIELDS[qtype][-1]
+            block[off:off + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    assert _bad_in(flat, qtype) == unit
+    with np.errstate(all="ignore"):
+        w = Q.dequantize(flat.reshape(raw.shape), qtype, 512).reshape(-1)
+    assert not np.isfinite(w[unit * q.block_weights:(unit + 1) * q.block_weights]).all()
+
+
+def test_the_prompt_time_leaves_out_the_backend_s_closing(monkeypatch, nan_models):
+    """The backend closes after the run's clock stops: its closing is neither prompt nor decode
+    (it was taken off the prompt, which then read -0.000 s)."""
+    import time
+
+    from execute import cli_generate
+    from execute.cli_run import run_figures
+
+    real = cli_generate.make_backend
+
+    def slow_to_close(*args, **kwargs):
+        backend = real(*args, **kwargs)
+        close = backend.close
+        backend.close = lambda: (time.sleep(1.0), close())
+        return backend
+
+    monkeypatch.setattr(cli_generate, "make_backend", slow_to_close)
+    out, _ = run_figures([str(nan_models["good"]), "-p", "hi", "-n", "3", "--backend", "numpy", "--quiet"])
+    assert out["prompt_s"] > 0 and out["decode_s"] > 0 and out["prompt_tokens_per_s"] > 0
+
+
+def test_the_context_length_is_enforced_before_the_work(tmp_path):
+    r = subprocess.run(CMD + ["model", "synth", "c.gguf", "--preset", "tiny", "--quant", "Q8_0", "--context", "64",
+                              "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = "hello world " * 50  # more than 64 tokens
+    cases = [["run", "c.gguf", "-p", "hi", "-n", "100000000"], ["run", "c.gguf", "-p", text, "-n", "4"],
+             ["kld", "c.gguf", "--policy", "cpu", "-p", text, "--tokens", "1000"]]
+    results = _batch(cases, tmp_path)
+    for argv, (rc, err) in zip(cases, results):
+        assert rc == 2 and "context length 64" in _one_line(err), (argv, err)
+    assert "-n 100000000 need 100000" in results[0][1]

@@ -1,0 +1,106 @@
+"""Non-finite weights found at load, before any kernel sees them.
+
+Every tensor of a GGUF file is checked in its stored form: float tensors (F32, F16, BF16) element
+by element, block types through their scales (the f16 ``d``/``m`` fields, IQ1_M's split ``d``,
+MXFP4's exponent; a block with finite scales dequantizes to finite weights). A NaN or Inf is
+reported naming the tensor, and for a routed-expert tensor the expert, so a damaged file stops
+with one line instead of a CPU worker dividing by NaN or a run printing text from NaN logits.
+
+The check reads each tensor once through the memory map (chunks of ``_CHUNK_BYTES``), no copy of
+a tensor is made; ``--allow-non-finite`` skips it for a user who wants to run anyway.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import quant as Q
+from .gguf_file import GGUFError, GGUFFile
+
+__all__ = ["NonFiniteWeights", "first_non_finite", "check_file", "load_checked", "ALLOW_FLAG"]
+
+ALLOW_FLAG = "--allow-non-finite"
+_CHUNK_BYTES = 64 << 20
+_IQ1_M_SCALES = 48  # byte offset of IQ1_M's u16 scales[4], whose top nibbles hold the f16 d
+_MXFP4_SAFE_E = 250  # an MXFP4 block exponent below this cannot overflow float32 (|value| <= 12 * 2^121)
+
+
+class NonFiniteWeights(GGUFError):
+    """A tensor of the file holds NaN or Inf; the message names the file, tensor and where."""
+
+
+def _f16_bad(bits: np.ndarray) -> np.ndarray:
+    return (bits & 0x7C00) == 0x7C00  # exponent all ones: Inf or NaN
+
+
+def _bad_in(raw: np.ndarray, qtype: int) -> int | None:
+    """Index of the first non-finite element (float types) or block (block types) of uint8
+    ``raw`` (flat bytes of one tensor, or a chunk of whole blocks), or None."""
+    if qtype == Q.F32:
+        bad = ~np.isfinite(raw.view("<f4"))
+    elif qtype == Q.F16:
+        bad = _f16_bad(raw.view("<u2"))
+    elif qtype == Q.BF16:
+        bad = (raw.view("<u2") & 0x7F80) == 0x7F80
+    elif qtype in Q._F16_FIELDS:
+        b = raw.reshape(-1, Q.LAYOUTS[qtype].block_bytes)
+        bad = np.zeros(len(b), bool)
+        for off in Q._F16_FIELDS[qtype]:
+            bad |= _f16_bad(b[:, off].astype(np.uint16) | (b[:, off + 1].astype(np.uint16) << 8))
+    elif qtype == Q.IQ1_M:
+        s = raw.reshape(-1, Q.LAYOUTS[qtype].block_bytes)[:, _IQ1_M_SCALES:_IQ1_M_SCALES + 8]
+        s = s[:, 0::2].astype(np.uint16) | (s[:, 1::2].astype(np.uint16) << 8)  # (blocks, 4) u16
+        bad = _f16_bad((s[:, 0] >> 12) | ((s[:, 1] >> 8) & 0xF0) | ((s[:, 2] >> 4) & 0xF00) | (s[:, 3] & 0xF000))
+    elif qtype == Q.MXFP4:
+        b = raw.reshape(-1, Q.LAYOUTS[qtype].block_bytes)
+        bad = np.zeros(len(b), bool)
+        hot = np.flatnonzero(b[:, 0] >= _MXFP4_SAFE_E)
+        if len(hot):
+            with np.errstate(over="ignore", invalid="ignore"):
+                w = Q.dequantize(np.ascontiguousarray(b[hot]), Q.MXFP4, 32)
+            bad[hot] = ~np.isfinite(w).all(axis=1)
+    else:
+        return None  # integer tensors and types without float fields
+    hit = np.flatnonzero(bad)
+    return int(hit[0]) if len(hit) else None
+
+
+def first_non_finite(reader: GGUFFile) -> str | None:
+    """Where the first non-finite value of ``reader``'s tensors is, in words, or None."""
+    for t in reader.tensors:
+        if t.qtype not in Q.LAYOUTS:
+            continue
+        q = Q.LAYOUTS[t.qtype]
+        raw = reader.raw(t).reshape(-1)
+        step = max(1, _CHUNK_BYTES // q.block_bytes) * q.block_bytes
+        for start in range(0, len(raw), step):
+            i = _bad_in(raw[start:start + step], t.qtype)
+            if i is None:
+                continue
+            i += start // q.block_bytes
+            unit = "element" if q.block_weights == 1 else "block"
+            where = f"{unit} {i}"
+            if len(t.shape) == 3:  # routed experts (experts, rows, cols): name the expert
+                per = t.nbytes // t.shape[0] // q.block_bytes
+                where += f", expert {i // per}"
+            return f"tensor {t.name} holds a NaN or Inf ({q.name} {where})"
+    return None
+
+
+def check_file(path: str | os.PathLike) -> None:
+    """Raise NonFiniteWeights naming the tensor when ``path``'s weights hold NaN or Inf."""
+    where = first_non_finite(GGUFFile(path))
+    if where:
+        raise NonFiniteWeights(f"{path}: {where}; the model cannot run on it ({ALLOW_FLAG} runs it anyway)")
+
+
+def load_checked(path: str | os.PathLike, allow_non_finite: bool = False, **kwargs):
+    """``gguf_io.load_model(path, **kwargs)`` after ``check_file`` (skipped by ``allow_non_finite``);
+    with the check skipped, dequantizing a non-finite tensor stays silent (no numpy warnings)."""
+    from .gguf_io import load_model
+
+    if not allow_non_finite:
+        check_file(path)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return load_model(path, **kwargs)
