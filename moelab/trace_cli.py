@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--out", help="directory for stats.json, hit_rates.csv and hit_rates.png")
     st.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
+    st.add_argument("--hardware", default=None, help="hardware preset the policies are simulated on (link and "
+                    "CPU charged; the trace's geometry on the default model's expert sizes); default: the simulator's")
     fit = sub.add_parser("fit", help="fit synthetic-trace parameters to a trace")
     fit.add_argument("path", nargs="?")
     fit.add_argument("--phase", choices=("prefill", "decode"), default="decode")
@@ -140,6 +142,12 @@ def _table(s: dict) -> str:
         rows = {"lru (ref)": s["reference_lru"], **s["hit_rate"]}
         for name, v in rows.items():
             lines.append(f"{name:<14}" + "".join(f"{'n/a' if v[c] is None else format(v[c], '.3f'):>9}" for c in slots))
+        for key, title, fmt in (("demand_hit_rate", "demand hits", ".3f"), ("pcie_experts_per_token", "moved/token", ".2f"),
+                                ("tokens_per_s", "tokens/s", ".1f")):
+            if s.get(key):
+                lines.append(f"{title:<14}" + "".join(f"{c:>9}" for c in slots))
+                for name, v in s[key].items():
+                    lines.append(f"{name:<14}" + "".join(f"{'n/a' if v[c] is None else format(v[c], fmt):>9}" for c in slots))
     return "\n".join(lines)
 
 
@@ -212,11 +220,22 @@ def _stats(a) -> int:
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")
-    s = summarize(t, a.phase, a.slots, policies, a.reset_per_sequence, progress=not a.quiet)
+    s = summarize(t, a.phase, a.slots, policies, a.reset_per_sequence, progress=not a.quiet, timed=_timed(t, a.hardware))
     print(json.dumps(s, indent=1) if a.json else _table(s))
     if a.out:
         _write_out(Path(a.out), s)
     return 0
+
+
+def _timed(trace: Trace, hardware: str | None):
+    """``summarize``'s timed runs: the simulator on ``hardware`` with the trace's geometry."""
+    from scheduler.costs import DEFAULT_HARDWARE
+    from scheduler.hardware import load_hardware
+    from simulate.evaluate import measure, trace_model
+
+    hw = load_hardware(hardware or DEFAULT_HARDWARE)
+    model = trace_model(trace)
+    return lambda toks, name, slots: measure(toks, model, hw, name, slots)
 
 
 def _fit(a) -> int:

@@ -21,7 +21,9 @@ A layer (all times from ``costs``):
 
 The layer ends when all parts have. A background batch awaited inside a token (a policy's
 cross-layer prefetch, started after an earlier layer) delays only the next layer's experts, not
-its dense part: the executor computes the dense part and router before the driver waits. With measured executor costs (``Costs.host``) the layer
+its dense part: the executor computes the dense part and router before the driver waits. A hit
+on such a prefetch that lands after the step could have started counts as a *late hit*: the
+summary's ``hit_rate`` leaves it out (it was waited for, as a miss would be). With measured executor costs (``Costs.host``) the layer
 follows the executor's own order on a host lane instead (``_process_host``, docs/FIDELITY.md).
 Analytic bound of a layer: max(GPU work, copy work, CPU
 work) with perfect overlap and no latency between them; of a token: the sum over its layers plus
@@ -57,6 +59,7 @@ class SimResult:
     cpu_busy_s: float
     audit: Audit
     events: list = field(default_factory=list)  # (lane, name, start_s, dur_s) when recorded
+    late_hits: int = 0  # hits on a prefetch that landed after its step's experts could start
 
     def summary(self) -> dict:
         """The headline numbers; throughput over decode tokens (all tokens if none is decode)."""
@@ -65,13 +68,15 @@ class SimResult:
         n = int(sel.sum())
         a = self.audit.summary()
         total = self.total_s or 1.0
+        served = a["hits"] + a["uploads"] + a["streams"] + a["cpu"]
         return {
             "tokens": n,
             "tokens_per_s": float(n / t.sum()) if n and t.sum() > 0 else 0.0,
             "bound_tokens_per_s": float(n / b.sum()) if n and b.sum() > 0 else 0.0,
             "p50_token_s": float(np.percentile(t, 50)) if n else 0.0,
             "p99_token_s": float(np.percentile(t, 99)) if n else 0.0,
-            "hit_rate": float(a["hit_rate"]),
+            "hit_rate": float((a["hits"] - self.late_hits) / served) if served else 0.0,
+            "late_hits": int(self.late_hits),
             "upload_bytes": int(a["upload_bytes"]),
             "hits": a["hits"], "uploads": a["uploads"], "streams": a["streams"],
             "cpu_experts": a["cpu"], "fills": a["fills"], "swaps": a["swaps"],
@@ -120,6 +125,8 @@ class Simulator:
         tok_bound = 0.0
         ends: deque = deque()  # completion time of each pending batch
         ready, mid = 0.0, False  # prefetch awaited inside the token: the next layer's experts wait
+        land: dict = {}  # (layer, expert) -> when its background copy lands
+        late = 0
         for item in items:
             observe(item)
             kind = type(item)
@@ -143,6 +150,7 @@ class Simulator:
                     g, hit_s, upc_s, cpu_s, nu, nc = self._multi(d, tok)
                 decide = t0 + g + route_s
                 if ready > decide:
+                    late += sum(1 for e in d.hits if land.get((l, e), 0.0) > decide)
                     decide = ready
                 ready, mid = 0.0, True
                 gpu = decide + hit_s
@@ -210,6 +218,7 @@ class Simulator:
                     if events is not None:
                         events.append(("copy", f"bg L{m.layer} E{m.expert}", cs, u))
                     cs += u
+                    land[m.layer, m.expert] = cs
                 copy_busy += cs - start
                 copy_free = cs
                 pending.append(env.timeout(cs - env.now))
@@ -231,7 +240,7 @@ class Simulator:
                 raise TypeError(f"simulator cannot run {kind.__name__}")
         out.update(token_s=np.array(tok_times), bound_s=np.array(bounds), decode=np.array(decode, dtype=bool),
                    total_s=t, gpu_busy_s=gpu_busy, copy_busy_s=copy_busy, cpu_busy_s=cpu_busy,
-                   events=events or [])
+                   events=events or [], late_hits=late)
         if t > env.now:
             yield env.timeout(t - env.now)
 
@@ -260,6 +269,8 @@ class Simulator:
         gpu_busy = copy_busy = cpu_busy = 0.0
         tok_start = tok_bound = 0.0
         ready, mid = 0.0, False  # as in _process
+        land: dict = {}
+        late = 0
         for item in items:
             observe(item)
             kind = type(item)
@@ -287,6 +298,7 @@ class Simulator:
                 prev_nu = nu
                 h = max(h0 + hc.dense_s, g) + hc.readback_s + lp
                 if ready > h:
+                    late += sum(1 for e in d.hits if land.get((l, e), 0.0) > h)
                     h = ready + hc.wait_poll_s / 2
                 ready, mid = 0.0, True
                 h_lane = hc.plan_s + hc.dense_s + hc.readback_s + lp
@@ -348,7 +360,10 @@ class Simulator:
                 cs = max(cf, h)
                 n = len(item.moves)
                 h += n * hc.copy_s
-                p_bg = sum(up_s[m.layer] for m in item.moves)
+                p_bg = 0.0
+                for m in item.moves:
+                    p_bg += up_s[m.layer]
+                    land[m.layer, m.expert] = cs + p_bg
                 cf = cs + p_bg
                 copy_busy += p_bg
                 if events is not None and n:
@@ -366,7 +381,7 @@ class Simulator:
                 raise TypeError(f"simulator cannot run {kind.__name__}")
         out.update(token_s=np.array(tok_times), bound_s=np.array(bounds), decode=np.array(decode, dtype=bool),
                    total_s=h, gpu_busy_s=gpu_busy, copy_busy_s=copy_busy, cpu_busy_s=cpu_busy,
-                   events=events or [])
+                   events=events or [], late_hits=late)
         if h > env.now:
             yield env.timeout(h - env.now)
 

@@ -6,7 +6,11 @@ Two kinds of hit rate:
   once; hits are those resident at the start of the step; then the step's experts become most
   recent, later router ranks more recent, and only the ``C`` most recent stay). It also works with
   fewer slots than top-k, which the scheduler's ``lru`` refuses.
-- ``sweep``: the scheduler's own policies replayed over the trace (``scheduler.replay``, no timing).
+- ``sweep``: the scheduler's own policies replayed over the trace (``scheduler.replay``, no timing:
+  a prefetch lands at once, so it counts as a hit whatever the link). ``summarize(timed=...)`` runs
+  them through a timed backend instead (``moelab trace stats`` passes the simulator), so that a
+  prefetch landing after its step is no hit, as in ``moelab simulate``. Both report the *demand*
+  hit rate beside the hit rate (``DemandAudit``: hits resident before any prefetch of the step).
   ``hybrid-cost`` prices its split with ``default_cost_model`` (the simulator's default model and
   hardware), so its hit rate depends on that preset. ``summarize`` also reports each replay's
   experts moved over PCIe per token (uploads, streams, fills and swaps).
@@ -18,14 +22,46 @@ from typing import Sequence
 
 import numpy as np
 
-from scheduler import Capacity, CapacityError, Profile, make_policy, replay
+from scheduler import Audit, AwaitBackground, Capacity, CapacityError, Profile, RunLayer, make_policy, replay
 
 from .format import Trace
 
-__all__ = ["default_cost_model", "coverage", "adjacent_overlap", "layer_novelty_correlation", "reuse_distances", "lru_hit_rates",
+__all__ = ["DemandAudit", "default_cost_model", "coverage", "adjacent_overlap", "layer_novelty_correlation", "reuse_distances", "lru_hit_rates",
            "sweep", "summarize", "COVERAGE_SHARES"]
 
 COVERAGE_SHARES = (0.5, 0.8, 0.9)
+
+
+class DemandAudit(Audit):
+    """An :class:`~scheduler.Audit` that also counts *demand hits*: hits on experts that were
+    resident before any background copy (prefetch or fill) completed since the previous step, i.e.
+    what a cache without that step's prefetch would have hit. ``demand_hits`` <= ``hits``."""
+
+    def __init__(self, geometry, **kw):
+        super().__init__(geometry, **kw)
+        self.demand_hits = 0
+        self._fresh: set[tuple[int, int]] = set()
+
+    def observe(self, item) -> None:
+        t = type(item)
+        if t is RunLayer:
+            d = item.decision
+            fresh, layer = self._fresh, d.step.layer
+            self.demand_hits += sum(1 for e in d.hits if (layer, e) not in fresh) if fresh else len(d.hits)
+            fresh.clear()
+        elif t is AwaitBackground:
+            self._fresh.update((m.layer, m.expert) for m in item.moves)
+        super().observe(item)
+
+    def rates(self) -> dict:
+        """hit rate, demand hit rate and experts moved over PCIe per token (uploads, streams,
+        fills and swaps)."""
+        t = self.totals
+        served = t["hits"] + t["uploads"] + t["streams"] + t["cpu"]
+        moved = t["uploads"] + t["streams"] + t["fills"] + t["swaps"]
+        return {"hit_rate": t["hits"] / served if served else 0.0,
+                "demand_hit_rate": self.demand_hits / served if served else 0.0,
+                "moved_per_token": moved / self.tokens if self.tokens else 0.0}
 
 
 def _ids(trace: Trace, phase: str | None) -> tuple[np.ndarray, np.ndarray]:
@@ -163,31 +199,54 @@ def default_cost_model(trace: Trace):
                      pick(cm.layer_s), cm.cpu_delay_s)
 
 
-def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None,
-                 seqs: list[list[int]]) -> tuple[float, float] | None:
-    """(hit rate, experts moved over PCIe per token) of scheduler policy ``name`` at ``slots`` per
-    layer; None when it refuses the capacity."""
+def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None, seqs: list[list[int]],
+                 timed=None) -> dict | None:
+    """Hit rate, demand hit rate and experts moved over PCIe per token of scheduler policy ``name``
+    at ``slots`` per layer (and tokens/s when ``timed``); None when it refuses the capacity.
+
+    ``timed(tokens, name, slots)``: a run with the link and the CPU charged (``moelab trace stats``
+    passes the simulator's, ``simulate.evaluate.measure``), returning those figures, or None."""
     geometry = trace.geometry(1)
     capacity = Capacity.per_layer(geometry, slots)
-    hits = served = moved = tokens = 0
+    sums = dict.fromkeys(("hits", "demand", "served", "moved", "tokens", "seconds"), 0.0)
     for group in seqs:
         part = trace if group is None else trace.select(phase, group)
         toks = list(part.tokens(phase if group is None else None))
+        if timed is not None:
+            r = timed(toks, name, slots)
+            if r is None:
+                return None
+            n = len(toks)
+            served = n * geometry.top_k * len(geometry.moe_layers)  # decode rows: top_k each
+            sums["hits"] += r["hit_rate"] * served
+            sums["demand"] += r["demand_hit_rate"] * served
+            sums["served"] += served
+            sums["moved"] += r["moved_per_token"] * n
+            sums["tokens"] += n
+            sums["seconds"] += n / r["tokens_per_s"] if r["tokens_per_s"] else 0.0
+            continue
         try:
             kw = {}  # belady's future: the steps of toks
-            if name == "hybrid-cost":
+            if name in ("hybrid-cost", "lookahead", "oracle"):
                 kw["cost_model"] = default_cost_model(trace)
             if name == "static":
                 kw["profile"] = Profile.from_counts(part.routing_counts(phase if group is None else None))
             policy = make_policy(name, geometry, capacity, tokens=toks, **kw)
         except CapacityError:
             return None
-        s = replay(policy, toks, lag_tokens=0).summary()
-        hits += s["hits"]
-        served += s["experts_served"]
-        moved += s["upload_bytes"]  # expert_bytes 1: bytes count experts
-        tokens += s["tokens"]
-    return (hits / served if served else 0.0), (moved / tokens if tokens else 0.0)
+        audit = replay(policy, toks, lag_tokens=0, audit=DemandAudit(geometry, keep_records=False))
+        t = audit.totals
+        served = t["hits"] + t["uploads"] + t["streams"] + t["cpu"]
+        sums["hits"] += t["hits"]
+        sums["demand"] += audit.demand_hits
+        sums["served"] += served
+        sums["moved"] += t["uploads"] + t["streams"] + t["fills"] + t["swaps"]
+        sums["tokens"] += audit.tokens
+    sv, n = sums["served"] or 1.0, sums["tokens"] or 1.0
+    out = {"hit_rate": sums["hits"] / sv, "demand_hit_rate": sums["demand"] / sv, "moved_per_token": sums["moved"] / n}
+    if timed is not None:
+        out["tokens_per_s"] = sums["tokens"] / sums["seconds"] if sums["seconds"] else 0.0
+    return out
 
 
 def sweep(trace: Trace, slots: Sequence[int], policies: Sequence[str], phase: str | None = None,
@@ -199,7 +258,7 @@ def sweep(trace: Trace, slots: Sequence[int], policies: Sequence[str], phase: st
     sequence when reset). None marks a capacity the policy refuses (e.g. ``lru`` below top-k)."""
     with _bar(progress, len(policies) * len(slots)) as bar:
         both = _sweep(trace, slots, policies, phase, reset_per_sequence, bar)
-    return {p: {c: None if r is None else r[0] for c, r in v.items()} for p, v in both.items()}
+    return {p: {c: None if r is None else r["hit_rate"] for c, r in v.items()} for p, v in both.items()}
 
 
 def _bar(show: bool, total: int):
@@ -209,24 +268,25 @@ def _bar(show: bool, total: int):
     return tqdm(total=total, unit="step", desc="trace stats", disable=not show, file=sys.stderr, dynamic_ncols=True)
 
 
-def _sweep(trace, slots, policies, phase, reset_per_sequence, bar) -> dict:
-    """``sweep``'s replays: (hit rate, experts moved per token) or None, per policy and slot count;
-    ``bar`` advances by one per replay."""
+def _sweep(trace, slots, policies, phase, reset_per_sequence, bar, timed=None) -> dict:
+    """``sweep``'s replays: ``_replay_rate``'s figures or None, per policy and slot count; ``bar``
+    advances by one per replay."""
     groups = [[s] for s in trace.select(phase).sequences()] if reset_per_sequence else [None]
     out: dict[str, dict[int, tuple[float, float] | None]] = {}
     for name in policies:
         out[name] = {}
         for c in slots:
             bar.set_postfix_str(f"{name} at {c} slots", refresh=False)
-            out[name][int(c)] = _replay_rate(trace, name, int(c), phase, groups)
+            out[name][int(c)] = _replay_rate(trace, name, int(c), phase, groups, timed)
             bar.update()
     return out
 
 
 def summarize(trace: Trace, phase: str | None = None, slots: Sequence[int] = (), policies: Sequence[str] = (),
-              reset_per_sequence: bool = False, progress: bool = False) -> dict:
+              reset_per_sequence: bool = False, progress: bool = False, timed=None) -> dict:
     """Everything ``moelab trace stats`` reports, as a JSON-ready dict; ``progress``: a bar of its
-    statistics and replays on stderr."""
+    statistics and replays on stderr; ``timed``: see ``_replay_rate`` (then the policies' figures,
+    hit rates included, are the simulator's, and ``tokens_per_s`` is added)."""
     rows = trace.rows(phase)
     with _bar(progress, 5 + len(policies) * len(slots)) as bar:
         def step(name: str, fn, *args):
@@ -251,8 +311,11 @@ def summarize(trace: Trace, phase: str | None = None, slots: Sequence[int] = (),
         }
         if not slots:
             bar.update()
-        both = _sweep(trace, slots, policies, phase, reset_per_sequence, bar)
-    out["hit_rate"] = {p: {str(c): None if r is None else r[0] for c, r in v.items()} for p, v in both.items()}
-    out["pcie_experts_per_token"] = {p: {str(c): None if r is None else r[1] for c, r in v.items()}
-                                     for p, v in both.items()}
+        both = _sweep(trace, slots, policies, phase, reset_per_sequence, bar, timed)
+    pick = lambda key: {p: {str(c): None if r is None else r[key] for c, r in v.items()} for p, v in both.items()}
+    out["hit_rate"] = pick("hit_rate")
+    out["demand_hit_rate"] = pick("demand_hit_rate")
+    out["pcie_experts_per_token"] = pick("moved_per_token")
+    if timed is not None:
+        out["tokens_per_s"] = pick("tokens_per_s")
     return out

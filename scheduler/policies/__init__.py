@@ -1,7 +1,7 @@
 """The policies, picked by name from ``POLICIES`` and built by ``make_policy``.
 
 One file per family: ``simple`` (cpu, gpu, lru, freq-lru, static), ``hybrid``, ``hybrid_cost``
-with its floor tuner (``tuner``), ``belady`` and ``predict``; ``base`` holds what they share. Each
+with its floor tuner (``tuner``), ``belady``, ``predict``, ``lookahead`` and ``oracle``; ``base`` holds what they share. Each
 policy is a plain class over a :class:`~scheduler.cache.Cache` that follows ``core.Policy``; a
 family with knobs has a frozen config dataclass (``HybridConfig``, ...) whose errors name the
 field, and every default is written once, there.
@@ -20,6 +20,8 @@ from .base import MAX_FILLS_PER_TOKEN, BasePolicy
 from .belady import BeladyPolicy
 from .hybrid import MISS_FRAC_256, HybridConfig, HybridPolicy, _by_layer_then  # noqa: F401 (tests)
 from .hybrid_cost import HybridCostConfig, HybridCostPolicy
+from .lookahead import LookaheadConfig, LookaheadPolicy
+from .oracle import OraclePolicy
 from .predict import PredictConfig, PredictPolicy
 from .simple import CpuPolicy, FreqLruConfig, FreqLruPolicy, GpuPolicy, LruPolicy, StaticPolicy
 
@@ -42,6 +44,9 @@ __all__ = [
     "BeladyPolicy",
     "PredictConfig",
     "PredictPolicy",
+    "LookaheadConfig",
+    "LookaheadPolicy",
+    "OraclePolicy",
     "MAX_FILLS_PER_TOKEN",
     "MISS_FRAC_256",
 ]
@@ -56,6 +61,8 @@ POLICIES = {
     "hybrid-cost": HybridCostPolicy,
     "belady": BeladyPolicy,
     "predict": PredictPolicy,
+    "lookahead": LookaheadPolicy,
+    "oracle": OraclePolicy,
 }
 
 # the families with knobs: their config class (the others take none)
@@ -64,6 +71,7 @@ CONFIGS = {
     "hybrid": HybridConfig,
     "hybrid-cost": HybridCostConfig,
     "predict": PredictConfig,
+    "lookahead": LookaheadConfig,
 }
 
 
@@ -88,7 +96,8 @@ def make_policy(name: str, geometry: Geometry, capacity: Capacity, profile: Prof
     - ``profile``: residents to start from (``static`` needs one); ``static`` with no profile and
       ``tokens`` given starts from the tokens' own route counts (``route_counts``: an oracle);
     - ``future``: ``belady``'s steps in replay order; by default the steps of ``tokens``;
-    - ``cost_model``: ``hybrid-cost``'s costs (it needs one);
+    - ``cost_model``: the costs of ``hybrid-cost``, ``lookahead`` and ``oracle`` (they need one);
+    - ``oracle``: the future as ``belady``'s, with its token boundaries when ``tokens`` are given;
     - ``miss_fraction``: ``hybrid``'s share of distinct misses sent over PCIe, 0..1, to the
       nearest 1/256 (``miss_frac_256``; default ``MISS_FRAC_256`` / 256).
     """
@@ -112,7 +121,17 @@ def make_policy(name: str, geometry: Geometry, capacity: Capacity, profile: Prof
         if future is None and tokens is not None:
             future = [s for t in tokens for s in t.steps]
         return cls(geometry, capacity, profile, future=list(future or ()))
-    if name == "hybrid-cost":
+    if name == "oracle":
+        ends = None
+        if future is None and tokens is not None:
+            steps = [tuple(t.steps) for t in tokens]
+            future = [s for st in steps for s in st]
+            ends, n = [], 0
+            for st in steps:
+                n += len(st)
+                ends += [n] * len(st)
+        return cls(geometry, capacity, profile, future=list(future or ()), cost_model=cost_model, token_ends=ends)
+    if name in ("hybrid-cost", "lookahead"):
         return cls(geometry, capacity, profile, cost_model=cost_model, config=config(**options))
     if config:
         return cls(geometry, capacity, profile, config(**options))

@@ -1,0 +1,379 @@
+"""``lookahead``: forecasts and a cost model together; every move has to earn its link time.
+
+Per step, with a :class:`~scheduler.costmodel.CostModel` (the simulator's timing model, or a
+calibration):
+
+- *split*: the step's misses are ranked by their value (below), highest first; the first ``n`` go
+  over PCIe and the rest to the CPU pool, with ``n`` the largest whose predicted layer time
+  ``max(gpu, link + uploaded experts' GPU work, cpu)``, less what the uploads are worth later,
+  is within ``slack`` (a share of the fastest split's time) of the best; an upload is worth
+  ``reuse_weight`` x (its value - its victim's, or 0) x one CPU expert's time. Misses still in flight go to the CPU. An upload beyond the free slots takes the slot of
+  the pool's resident of lowest value the step does not use, if the upload's value is at least
+  that; otherwise it is streamed;
+- *prefetch* (``plan_prefetch``, after each step): the link is modelled as a queue (what the
+  policy put on it, draining while layers run, as ``hybrid-cost`` models it); the next MoE layer's
+  dense part is the window in which it would idle. At most ``floor(window / upload_s)`` (and
+  ``max_prefetch``) of the next layer's experts are prefetched, only those whose forecast value is
+  at least ``confidence``, into free slots or over residents worth at least ``margin`` less; so a
+  prefetch never delays the step it is for, by the model;
+- *release*: a prefetched expert that the next step of its layer does not route was forecast
+  wrong: until it is routed it ranks below every other resident as a victim (the driver completes
+  a prefetch before the next step is planned, so it cannot be stopped in flight; its slot is what
+  is given back);
+- *fills* (``plan_background``, after each token): within ``fill_share`` of the time the link
+  idled in the token (its predicted time less the policy's copies), non-residents with a long-run
+  value take free slots, then replace residents of lower value (by ``margin`` x top_k /
+  experts, a share of a uniform expert's routes per step), best gains first.
+
+Values come from ``value`` / ``next_value`` / ``fill_value``; :class:`LookaheadPolicy` learns them
+online with ``predict``'s statistics (temporal forecast for keeping and admitting, cross-layer
+forecast for the prefetch, decayed frequency for fills), never from later steps; the ``oracle``
+policy (``oracle.py``) gives them from the future. Planning reads the state only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cache import ABSENT, INFLIGHT, RESIDENT
+from ..core import Capacity, Decision, Geometry, Move, Step
+from ..costmodel import CostModel
+from ..profile import Profile
+from .base import MAX_FILLS_PER_TOKEN, BasePolicy
+from .predict import PredictConfig, PredictPolicy
+
+__all__ = ["LookaheadConfig", "LookaheadPolicy", "CostPlanner"]
+
+
+class _All:
+    def __getitem__(self, i) -> bool:
+        return True
+
+
+_ALL = _All()
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """``lookahead``'s knobs (see the module docstring); an error names the field.
+
+    ``confidence`` in [0, 1] (forecast routes at the next step to prefetch), ``margin`` >= 0,
+    ``max_prefetch`` in 0..``MAX_FILLS_PER_TOKEN``, ``fill_share`` in [0, 1], ``slack`` >= 0,
+    ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0.
+    """
+
+    confidence: float = 0.5
+    margin: float = 0.1
+    max_prefetch: int = 8
+    fill_share: float = 0.25
+    slack: float = 0.0
+    memory: float = 16.0
+    reuse_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = {"confidence": 0.0 <= self.confidence <= 1.0, "margin": self.margin >= 0.0,
+                  "max_prefetch": 0 <= self.max_prefetch <= MAX_FILLS_PER_TOKEN,
+                  "fill_share": 0.0 <= self.fill_share <= 1.0, "slack": self.slack >= 0.0,
+                  "memory": self.memory > 1.0, "reuse_weight": self.reuse_weight >= 0.0}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"lookahead {name}: {getattr(self, name)} out of range (see LookaheadConfig)")
+
+
+class CostPlanner(BasePolicy):
+    """The split, admission, prefetch, release and fills of the module docstring, over values
+    that a subclass supplies (``value``, ``next_value``, ``fill_value``, ``learn``)."""
+
+    name = "cost-planner"
+
+    def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None, cost_model: CostModel | None,
+                 config: LookaheadConfig):
+        if cost_model is None:
+            raise ValueError(f"policy {self.name!r} needs cost_model= (scheduler.CostModel)")
+        if len(cost_model.upload_s) != geometry.num_layers:
+            raise ValueError(f"cost_model has {len(cost_model.upload_s)} layers, the model {geometry.num_layers}")
+        self.config = config
+        self.costs = cost_model
+        L = geometry.num_layers
+        self.up_s = cost_model.upload_s
+        self.layer_s = cost_model.layer_s or (0.0,) * L
+        self._queue = 0.0  # link work left when the last committed layer ended
+        self._token_s = 0.0  # predicted time of the current token so far
+        self._link_s = 0.0  # link time the policy used in it
+        self._planned = None  # (decision, layer time, link work left)
+        self._ending = False  # plan_background was called: the next commit_background ends a token
+        self._pf: set[tuple[int, int]] = set()  # prefetched, not yet seen by their layer's next step
+        self._wrong: set[tuple[int, int]] = set()  # prefetched and not routed: first victims
+        moe = geometry.moe_layers
+        self.next_layer = {l: moe[(i + 1) % len(moe)] for i, l in enumerate(moe)}
+        super().__init__(geometry, capacity, profile)
+
+    # values (subclasses) ---------------------------------------------------------------------
+    def value(self, layer: int, experts=None) -> np.ndarray:
+        """(max_experts,) worth of keeping each expert of ``layer`` resident, higher better; after
+        a step of ``layer`` that routes ``experts`` (None: after its last committed step)."""
+        raise NotImplementedError
+
+    def next_value(self, step: Step, layer: int) -> np.ndarray:
+        """(max_experts,) expected routes of each expert of ``layer`` at its next step, known
+        after ``step`` (the step just committed)."""
+        raise NotImplementedError
+
+    def fill_value(self, layer: int) -> np.ndarray:
+        """(max_experts,) long-run worth of each expert of ``layer`` for background fills."""
+        raise NotImplementedError
+
+    def fillable(self, layer: int):
+        """Which experts of ``layer`` a fill may bring in (indexable by expert; all by default)."""
+        return _ALL
+
+    def learn(self, step: Step) -> None:
+        """A step was committed (statistics may change)."""
+
+    def end_token(self) -> None:
+        """A token ended."""
+
+    # steps -----------------------------------------------------------------------------------
+    def _times(self, layer: int, step: Step):
+        """Per-expert GPU and CPU seconds of ``step``'s experts (dicts by expert)."""
+        cm = self.costs
+        if step.counts is None:
+            g, c = cm.gpu_s(layer, 1), cm.cpu_s(layer, 1)
+            return dict.fromkeys(step.experts, g), dict.fromkeys(step.experts, c)
+        return ({e: cm.gpu_s(layer, n) for e, n in zip(step.experts, step.counts)},
+                {e: cm.cpu_s(layer, n) for e, n in zip(step.experts, step.counts)})
+
+    def plan(self, step: Step) -> Decision:
+        layer, cache = step.layer, self.cache
+        state = cache.state[layer]
+        experts = step.experts
+        queued = max(self._queue - self.layer_s[layer], 0.0)
+        gt, ct = self._times(layer, step)
+        hits = tuple([e for e in experts if state[e] == RESIDENT])
+        gpu = sum(gt[e] for e in hits)
+        if len(hits) == len(experts):
+            d = Decision(step, experts)
+            self._planned = (d, gpu, max(queued - gpu, 0.0))
+            return d
+        busy = [e for e in experts if state[e] == INFLIGHT]
+        elig = [e for e in experts if state[e] == ABSENT]
+        v = self.value(layer, experts)
+        elig.sort(key=lambda e: -v[e])  # stable: router rank breaks ties
+        cm = self.costs
+        task, delay, up = cm.cpu_task_s, cm.cpu_delay_s, self.up_s[layer]
+        times, worth = [], [0.0]
+        cpu_all = sum(ct[e] for e in elig) + sum(ct[e] for e in busy)
+        g_up = cpu_up = 0.0
+        # what an upload is worth later: its value over its victim's (free slots first), times
+        # the CPU time of a miss, times reuse_weight
+        n_free = cache.num_free(layer)
+        vict = [q for q, _ in self._ranked(layer, v, set(experts))] if len(elig) > n_free and self.config.reuse_weight else []
+        w = self.config.reuse_weight * ct[elig[0]] if elig else 0.0
+        for n in range(len(elig) + 1):
+            if n:
+                e = elig[n - 1]
+                g_up += gt[e]
+                cpu_up += ct[e]
+                j = n - 1 - n_free
+                base = 0.0 if j < 0 else (max(vict[j], 0.0) if j < len(vict) else float(v[e]))
+                worth.append(worth[-1] + w * max(float(v[e]) - base, 0.0))
+            rest = cpu_all - cpu_up
+            on_cpu = n < len(elig) or busy
+            dl = delay if on_cpu else 0.0
+            cpu = task + rest if on_cpu else 0.0
+            link = max(queued, dl) + n * up + g_up if n else 0.0
+            times.append(max(gpu + dl, cpu, link, gpu + g_up + dl))
+        score = [t - wv for t, wv in zip(times, worth)]
+        best = min(score)
+        n = max(i for i, t in enumerate(score) if t <= best + self.config.slack * min(times) + 1e-15)
+        pcie, cpu_experts = elig[:n], elig[n:] + busy
+        t = times[n]
+        left = 0.0 if n else max(queued - t, 0.0)
+        cpu = tuple(e for e in experts if e in cpu_experts)
+        slots = cache.free_slots(layer, len(pcie))
+        uploads, evictions, streams = list(pcie[:len(slots)]), [], []
+        rest = pcie[len(slots):]
+        if rest:
+            victims = self._ranked(layer, v, set(experts))
+            for e in rest:
+                if victims and v[e] >= victims[0][0]:
+                    key = victims.pop(0)[1]
+                    uploads.append(e)
+                    slots.append(cache.slot[key])
+                    evictions.append(key)
+                else:
+                    streams.append(e)
+        d = Decision(step, hits, tuple(uploads), tuple(slots), tuple(streams), cpu, tuple(evictions))
+        self._planned = (d, t, left)
+        return d
+
+    def _ranked(self, layer: int, v: np.ndarray, used=()) -> list[tuple[float, tuple[int, int]]]:
+        """(value, key) of the residents of ``layer``'s pool but ``layer``'s experts in ``used``,
+        lowest first (released prefetches below all; ties by layer, expert); ``v`` values
+        ``layer``'s, other layers of a shared pool their own ``value``."""
+        cache = self.cache
+        p = cache.pool_of[layer]
+        state, wrong = cache.state, self._wrong
+        memo = {layer: v}
+        out = []
+        for k in cache.owner[p]:
+            if k is None or state[k[0]][k[1]] != RESIDENT or (k[0] == layer and k[1] in used):
+                continue
+            q = memo.get(k[0])
+            if q is None:
+                q = memo[k[0]] = self.value(k[0])
+            out.append((-1.0 if k in wrong else float(q[k[1]]), k))
+        out.sort()
+        return out
+
+    def commit(self, d: Decision) -> None:
+        if self._planned is not None and self._planned[0] is d:
+            _, t, left = self._planned
+        else:
+            t, left = 0.0, 0.0
+        self._planned = None
+        layer = d.step.layer
+        self._take_slots(d)
+        self._queue = left
+        self._token_s += self.layer_s[layer] + t
+        self._link_s += (len(d.uploads) + len(d.streams)) * self.up_s[layer]
+        used = set(d.step.experts)
+        for k in [k for k in self._pf if k[0] == layer]:
+            self._pf.discard(k)
+            if k[1] not in used:
+                self._wrong.add(k)
+        if self._wrong:
+            self._wrong.difference_update((layer, e) for e in used)
+        self.learn(d.step)
+
+    # prefetch --------------------------------------------------------------------------------
+    def plan_prefetch(self, step: Step) -> tuple[Move, ...]:
+        """The next layer's likeliest experts, within the link's idle window (module docstring)."""
+        cfg = self.config
+        if not cfg.max_prefetch:
+            return ()
+        nl = self.next_layer[step.layer]
+        cache = self.cache
+        p = cache.pool_of[nl]
+        if p < 0 or cache.size[p] == 0:
+            return ()
+        room = int((self.layer_s[nl] - self._queue) // self.up_s[nl]) if self.up_s[nl] > 0 else cfg.max_prefetch
+        room = min(room, cfg.max_prefetch)
+        if room <= 0:
+            return ()
+        r = self.next_value(step, nl)
+        n = self.geometry.num_experts[nl]
+        row = cache.state[nl]
+        cands = [e for e in np.argsort(-r[:n], kind="stable").tolist() if row[e] == ABSENT and r[e] >= cfg.confidence]
+        if not cands:
+            return ()
+        free = cache.free_slots(nl, len(cands))
+        moves = [Move(nl, e, s, None, float(r[e])) for e, s in zip(cands[:room], free)]
+        if len(moves) < room and len(cands) > len(free):
+            for e, (vq, key) in zip(cands[len(free):], self._ranked(nl, r)):
+                gain = float(r[e]) - vq
+                if gain < cfg.margin or len(moves) == room:
+                    break
+                moves.append(Move(nl, e, cache.slot[key], key, gain))
+        return tuple(moves)
+
+    def plan_background(self) -> tuple[Move, ...]:
+        """Fills while the link would idle (module docstring); marks the token's end."""
+        self._ending = True
+        share = self.config.fill_share
+        if not share:
+            return ()
+        cache = self.cache
+        up = [self.up_s[l] for l in self.geometry.moe_layers]
+        mean_up = sum(up) / len(up) if up else 0.0
+        budget = share * (self._token_s - self._link_s) - self._queue
+        if mean_up <= 0 or budget < mean_up:
+            return ()
+        room = min(int(budget // mean_up), MAX_FILLS_PER_TOKEN)
+        moves: list[Move] = []
+        taken: set[tuple[int, int]] = set()
+        g = self.geometry
+        margin = self.config.margin * g.top_k / g.max_experts  # in routes per step: a share of a uniform expert's
+        for l in self.geometry.moe_layers:
+            p = cache.pool_of[l]
+            if p < 0 or cache.size[p] == 0:
+                continue
+            f = self.fill_value(l)
+            row = cache.state[l]
+            n = self.geometry.num_experts[l]
+            ok = self.fillable(l)
+            cands = [e for e in np.argsort(-f[:n], kind="stable").tolist() if row[e] == ABSENT and ok[e]]
+            if not cands:
+                continue
+            free = [s for s in cache.free_slots(l, len(cands))]
+            for e, s in zip(cands, free):
+                if f[e] > 0.0:
+                    moves.append(Move(l, e, s, None, float(f[e])))
+            victims = [(vq, k) for vq, k in self._ranked_fill(l, f) if k not in taken]
+            for e, (vq, key) in zip(cands[len(free):], victims):
+                gain = float(f[e]) - vq
+                if gain < margin:
+                    break
+                taken.add(key)
+                moves.append(Move(l, e, cache.slot[key], key, gain))
+        moves.sort(key=lambda m: -m.gain)
+        return tuple(moves[:room])
+
+    def _ranked_fill(self, layer: int, f: np.ndarray) -> list[tuple[float, tuple[int, int]]]:
+        """Residents of ``layer``'s pool by fill value, lowest first (released prefetches below)."""
+        cache = self.cache
+        p = cache.pool_of[layer]
+        out = []
+        memo = {layer: f}
+        for k in cache.owner[p]:
+            if k is None or cache.state[k[0]][k[1]] != RESIDENT:
+                continue
+            q = memo.get(k[0])
+            if q is None:
+                q = memo[k[0]] = self.fill_value(k[0])
+            out.append((-1.0 if k in self._wrong else float(q[k[1]]), k))
+        out.sort()
+        return out
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        super().commit_background(moves)
+        self._queue += sum(self.up_s[m.layer] for m in moves)
+        if self._ending:
+            self._ending = False
+            self._token_s = self._link_s = 0.0
+            self.end_token()
+        else:
+            self._pf.update((m.layer, m.expert) for m in moves)
+            self._link_s += sum(self.up_s[m.layer] for m in moves)
+
+
+class LookaheadPolicy(CostPlanner):
+    """``lookahead`` with values learnt online by ``predict``'s statistics (module docstring):
+    ``value`` is the temporal forecast, ``next_value`` the cross-layer one, ``fill_value`` the
+    decayed frequency (routes per step)."""
+
+    name = "lookahead"
+
+    def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
+                 cost_model: CostModel | None = None, config: LookaheadConfig = LookaheadConfig()):
+        full = Capacity.per_layer(geometry, geometry.max_experts)
+        # the forecaster: predict's statistics, fed every step; its own cache is never used
+        self.forecaster = PredictPolicy(geometry, full, None, PredictConfig(memory=config.memory, max_prefetch=0))
+        super().__init__(geometry, capacity, profile, cost_model, config)
+
+    def value(self, layer, experts=None):
+        f = self.forecaster
+        return f.forecast(layer, f.prev[layer] if experts is None else experts)
+
+    def next_value(self, step, layer):
+        return self.forecaster.forecast_below(layer, step.experts)
+
+    def fill_value(self, layer):
+        return self.forecaster.frequency(layer)
+
+    def learn(self, step):
+        self.forecaster.commit(Decision(step, step.experts))
+
+    def end_token(self):
+        self.forecaster.commit_background(())
