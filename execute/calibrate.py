@@ -161,7 +161,7 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
         "cpu_thread_gbps": "measured: CpuExpertPool Q8_0 time per expert, slope over 1..8 cold experts per call "
                            "(the 8-expert call's mean per expert where noise makes the slope <= 0), / threads",
         "cpu_task_s": "measured: CpuExpertPool intercept of the same fit",
-        "cpu_quant_efficiency": "measured: pool GB/s of each type / Q8_0's (8 experts per call)",
+        "cpu_quant_efficiency": _efficiency_source(sorted(m.get("cpu_quant") or {}), sorted(set(eff) - {"Q8_0"})),
     }
     hw = dict(base or {})
     hw.pop("_about", None)
@@ -182,6 +182,14 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
                     + (" (CPU side only; GPU and link fields from the base file)" if "gpu" not in m else ""))
     hw["_calibration"] = m
     return hw
+
+
+def _efficiency_source(measured: list[str], given: list[str]) -> str:
+    """Where ``cpu_quant_efficiency`` comes from: only the types measured are called measured."""
+    rest = [q for q in given if q not in measured]
+    text = (f"measured: pool GB/s of {', '.join(measured)} / Q8_0's (8 experts per call)" if measured
+            else "Q8_0 1.0 by definition; no other type measured (--quick)")
+    return text + (f"; {', '.join(rest)}: the base file's ratios to Q8_0, not measured here" if rest else "")
 
 
 def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
@@ -404,13 +412,20 @@ def main(argv=None) -> int:
     if args.top_k > args.experts:
         print(f"moelab calibrate: --top-k {args.top_k}: expected <= --experts {args.experts}", file=sys.stderr)
         return 2
+    block = 32 if args.quick else 256  # the largest block of the types measured: Q8_0; Q4_K, Q6_K
+    for flag in ("hidden", "ffn"):
+        if getattr(args, flag) % block:
+            print(f"moelab calibrate: --{flag} {getattr(args, flag)}: expected a multiple of {block} (the block of "
+                  f"the quant types moelab calibrate {'--quick ' if args.quick else ''}measures)", file=sys.stderr)
+            return 2
     base = None
     if args.base:
         try:
             base = json.loads(_base_path(args.base).read_text())
             if not isinstance(base, dict):
                 raise ValueError("expected a JSON object")
-        except (OSError, ValueError) as e:
+            _check_base(base)
+        except (OSError, ValueError, TypeError) as e:
             print(f"moelab calibrate: --base {args.base}: not a hardware preset or readable hardware JSON ({e})",
                   file=sys.stderr)
             return 2
@@ -444,6 +459,15 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}: hardware {hw['name']}", file=sys.stderr)
     _print_summary(hw)
     return 0
+
+
+def _check_base(base: dict) -> None:
+    """The fields ``base`` gives, checked as a hardware file's (ValueError naming the field): the
+    fields it lacks are taken from a bundled preset for the check only."""
+    from scheduler.hardware import HARDWARE_DIR, Hardware
+
+    filler = json.loads((HARDWARE_DIR / "rtx4060-laptop.json").read_text())
+    Hardware(**{k: v for k, v in {**filler, **base}.items() if not k.startswith("_")})
 
 
 def _base_path(base: str) -> Path:

@@ -54,7 +54,10 @@ def _synth(args) -> int:
         out = check_output(args.out, "OUT")
     except OutputPathError as exc:
         raise Fail(f"moelab model synth: {exc}") from None
-    synth_model(out, cfg, progress=not args.quiet)
+    try:
+        synth_model(out, cfg, progress=not args.quiet)  # a temporary file, renamed into place at the end
+    except OSError as exc:  # a full disk: the write's error names no file
+        raise Fail(f"moelab model synth: {out}: {exc.strerror or exc}") from None
     print(f"wrote {out}: {cfg.arch} {cfg.num_layers} layers x {cfg.num_experts} experts top-{cfg.top_k}, "
           f"hidden {cfg.hidden}, ffn {cfg.ffn}, {cfg.quant} experts "
           f"({cfg.expert_bytes * cfg.num_experts * cfg.num_layers / 2**20:.1f} MiB), seed {cfg.seed}")

@@ -79,6 +79,8 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         p = Path(path)
+        if p.is_dir():
+            raise GGUFError(f"{p}: is a directory; expected a GGUF file")
         if not p.is_file():
             raise GGUFError(f"{p}: no such file")
         self.path = str(path)
@@ -103,8 +105,10 @@ class GGUFFile:
 
     def _header(self) -> int:
         buf = self._buf
-        if len(buf) < 24 or buf[:4] != b"GGUF":
+        if buf[:4] != b"GGUF":
             raise GGUFError(f"{self.path}: not a little-endian GGUF v2/v3 file (starts with {bytes(buf[:4])!r})")
+        if len(buf) < 24:
+            raise GGUFError(f"{self.path}: {len(buf)} bytes, truncated inside the 24-byte GGUF header")
         version = struct.unpack_from("<I", buf, 4)[0]
         if version not in (2, 3):
             swapped = struct.unpack_from(">I", buf, 4)[0]

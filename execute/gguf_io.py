@@ -531,7 +531,10 @@ def write_gguf(path: str | os.PathLike, arch: str, metadata: list[tuple[str, obj
         writer.close()
         os.replace(tmp, path)
     except BaseException:
-        writer.close()
+        try:
+            writer.close()
+        except OSError:  # the failure was the disk's: closing flushes into it again
+            pass
         if tmp.exists():
             tmp.unlink()
         raise

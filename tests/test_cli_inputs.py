@@ -64,6 +64,10 @@ def files(tmp_path_factory) -> dict:
     ids = np.array(t.expert_ids)
     ids[5, 2, 1] = ids[5, 2, 0]
     traces.Trace(t.model, t.num_experts, t.top_k, ids, t.seq, t.pos, t.phase, None, t.meta, check=False).save(root / "dup")
+    hw = json.loads((Path(__import__("scheduler.hardware", fromlist=["x"]).HARDWARE_DIR) / "rtx4060-laptop.json").read_text())
+    (root / "neg.json").write_text(json.dumps({**hw, "pcie_h2d_gbps": -12.5}))
+    (root / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x00\x00")
+    (root / "adir").mkdir()
     return {"root": root}
 
 
@@ -90,6 +94,12 @@ CASES = [
     ("top-negative", ["profile", "show", "x.strp", "--top", "-5"], "--top: expected an integer >= 0, got -5"),
     ("policies-empty", ["sweep", "--policies", "", "--out", "sw"], "--policies: expected one or more"),
     ("trace-bad-input", ["trace", "info", "nope"], "nope: not a trace directory"),
+    ("calibrate-hidden-33", ["calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--quick", "--hidden", "33"],
+     "--hidden 33: expected a multiple of 32"),
+    ("calibrate-negative-link", ["calibrate", "--cpu-only", "--base", "{root}/neg.json", "--quick"],
+     "pcie_h2d_gbps: -12.5, expected a number > 0"),
+    ("gguf-cut-in-header", ["model", "info", "{root}/cut.gguf"], "10 bytes, truncated inside the 24-byte GGUF header"),
+    ("model-is-a-directory", ["run", "{root}/adir", "-p", "hi"], "adir: is a directory; expected a GGUF file"),
 ]
 
 
@@ -129,6 +139,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(tmp_path):
             (["simulate", "--tokens", "3", "--timeline", "tl.json"], "tl.json"),
             (["trace", "stats", "--slots", "8", "--out", "st"], "st/"),
             (["profile", "build", "p.strp"], "p.strp"),
+            (["model", "synth", "m.gguf", "--preset", "tiny", "--quant", "Q8_0"], "m.gguf"),
             (["sweep", "--tokens", "2", "--policies", "cpu", "--cache-slots", slots, "--out", "sw", "--jobs", "1",
               "--no-plots"], "sw/results.csv")]
     for argv, name in runs:
@@ -309,3 +320,11 @@ def test_the_context_length_is_enforced_before_the_work(tmp_path):
     for argv, (rc, err) in zip(cases, results):
         assert rc == 2 and "context length 64" in _one_line(err), (argv, err)
     assert "-n 100000000 need 100000" in results[0][1]
+
+
+def test_calibrate_calls_measured_only_the_types_it_measured():
+    from execute.calibrate import _efficiency_source
+
+    assert "measured" not in _efficiency_source([], ["Q4_K", "Q6_K"]).split(";")[0]
+    assert "Q4_K, Q6_K: the base file's ratios to Q8_0, not measured here" in _efficiency_source([], ["Q4_K", "Q6_K"])
+    assert _efficiency_source(["Q4_K"], ["Q4_K"]).startswith("measured: pool GB/s of Q4_K")
