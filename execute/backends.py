@@ -112,6 +112,11 @@ class EngineExperts:
         from .engine import ExpertEngine
 
         self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s, pinned=pinned)
+        self.batched = None  # multi-token steps on tensor cores (execute.prefill), GPU only
+        if use_gpu:
+            from .prefill import BatchedExperts, prefill_env
+
+            self.batched = BatchedExperts(self.engine) if prefill_env() else None
         self._first = next((l for l in weights.experts if l is not None), None)
         # numpy's BLAS threads spin-wait after each dense product and starve the Numba pool's
         # thread team (a 2-core layer call went from 0.5 ms to 19 ms); one-token products gain
@@ -134,12 +139,36 @@ class EngineExperts:
     def run_layer(self, item, x, ids: np.ndarray, weights: np.ndarray):
         """The step's (expert, token) pairs on the engine: x ``(T, hidden)``, ids and weights
         ``(T, k)``; -> ``(T, hidden)`` on x's side."""
-        y = self.engine.run_layer(item, x, ids, weights)
+        b = self.batched
+        if b is not None and b.takes(item.decision, ids):
+            y = b.run_layer(item.decision, x, ids, weights)
+        else:
+            y = self.engine.run_layer(item, x, ids, weights)
         if self.engine.gpu is not None:
-            # the next block's router reads back to the host and would wait for this anyway;
-            # waiting here charges the layer's GPU expert work to "experts", not to "dense"
-            self.engine.gpu.compute.synchronize()
+            # the dense path's stream (the caller's) waits on the device for the expert work, so
+            # the next block is queued at once; its router's read-back is the host's one wait
+            self.engine.dense_after_experts()
         return y
+
+    def settle_layer(self, item) -> None:
+        """A step a token graph computed (``run``): the engine follows its decision's residency."""
+        self.engine.settle_layer(item)
+
+    def token_graph(self, model):
+        """A ``TokenGraph`` running ``model``'s decode tokens with this engine's experts, or None
+        (no GPU, a model off the fused path or with shared experts, or ``MOELAB_TOKEN_GRAPH=0``)."""
+        eng = self.engine
+        if eng.gpu is None or not getattr(model, "fast", False) or eng.table_dev is None:
+            return None
+        from .token_graph import TokenGraph, token_graph_env
+
+        if not token_graph_env() or any(w["shared"] is not None for w in model.layers):
+            return None
+        if any(l is None or l.hidden != model.info.hidden for l in eng.layers):
+            return None
+        if not any(t is not None and t[2] > 0 for t in eng.gpu.slot_tables):  # no expert can be resident
+            return None
+        return TokenGraph(model, eng)
 
     def start_background(self, moves) -> None:
         self.engine.start_background(moves)

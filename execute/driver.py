@@ -105,8 +105,11 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     dense path and ``backend`` for the experts (``run_layer(item, x (T, hidden), ids (T, k),
     weights (T, k)) -> y (T, hidden)``, ``start_background``, ``await_background``, optionally
     ``prepare(policy)`` before the first item; ``begin_layer(layer, x, ids)`` as each block's routing
-    is known, before its step is planned). Every driver item is also given to ``audit`` (an
-    ``Audit``) if any; ``progress(tokens)`` is called after each batch with the positions run."""
+    is known, before its step is planned; ``token_graph(model)``, a ``TokenGraph`` or None, to run
+    decode tokens as one graph, whose steps then go to ``settle_layer(item)`` instead of
+    ``run_layer``). With a token graph, the graph's time is counted in block 0's dense time. Every
+    driver item is also given to ``audit`` (an ``Audit``) if any; ``progress(tokens)`` is called
+    after each batch with the positions run."""
     import dataclasses
     import time
 
@@ -117,7 +120,8 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
 
     def started(steps):
         for step in steps:
-            begin(step.layer, model.last_input, model.last_ids)
+            if not model.step_done:
+                begin(step.layer, model.last_input, model.last_ids)
             yield step
 
     n_layers = model.info.num_layers
@@ -126,6 +130,9 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     prepare = getattr(backend, "prepare", None)
     if prepare is not None:
         prepare(policy)
+    attach = getattr(backend, "token_graph", None)
+    if attach is not None and getattr(model, "token_graph", 0) is None:
+        model.token_graph = attach(model)
     t0 = mark = time.perf_counter()
     other = 0.0
     tokens_in = _tokens(model, inputs)
@@ -137,8 +144,10 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
         if kind is RunLayer:
             l = item.step.layer
             dense[l] += now - mark
-            y = backend.run_layer(item, model.last_input, model.last_ids, model.last_weights)
-            model.deliver(y)
+            if model.step_done:  # the token's graph computed it
+                backend.settle_layer(item)
+            else:
+                model.deliver(backend.run_layer(item, model.last_input, model.last_ids, model.last_weights))
             mark = time.perf_counter()
             experts[l] += mark - now
         else:

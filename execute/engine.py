@@ -80,6 +80,8 @@ class LayerStats:
     input_wait_s: float = 0.0  # GPU path: waiting for the layer input the CPU pool needs
     host_combine_s: float = 0.0  # GPU path, host time: CPU result upload and combine queued
     early_pairs: int = 0  # pairs begin_layer started before the step's decision
+    graph_steps: int = 0  # steps a token's graph computed (settle_layer)
+    settled_moves: int = 0  # of those, steps whose decision still moved experts
     host_early_s: float = 0.0  # host time in begin_layer (its kernels queued)
     per_layer_cpu_s: dict = field(default_factory=dict)
 
@@ -93,6 +95,38 @@ class _Early(NamedTuple):
     xd: object
     ids: list
     pick: list
+
+
+class _Residency(dict):
+    """``ExpertEngine.slot_of``: (layer, expert) -> slot, mirrored into a slot table of device
+    addresses (``table[layer, expert]``, 0 when not resident) in pinned host memory, which
+    :meth:`ExpertEngine.sync_table` copies to the device when it changed (the expert kernels of a
+    token's graph read it there)."""
+
+    def __init__(self, table: np.ndarray | None = None, slot_tables=()):
+        super().__init__()
+        self.table, self.slot_tables, self.dirty = table, slot_tables, True
+
+    def __setitem__(self, key, slot) -> None:
+        super().__setitem__(key, slot)
+        if self.table is not None and self.slot_tables[key[0]] is not None:
+            ptr, stride, _ = self.slot_tables[key[0]]
+            self.table[key] = ptr + slot * stride
+            self.dirty = True
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        if self.table is not None:
+            self.table[key] = 0
+            self.dirty = True
+
+    def pop(self, key, *default):
+        had = key in self
+        v = super().pop(key, *default)
+        if had and self.table is not None:
+            self.table[key] = 0
+            self.dirty = True
+        return v
 
 
 _SMALL_PAIRS = 512  # gather_pairs works on Python lists up to this many pairs, else numpy
@@ -173,7 +207,20 @@ class ExpertEngine:
             from .gpu_experts import GpuExperts
 
             self.gpu = GpuExperts(self.layers, capacity, scratch_slots, pinned, timeout_s)
-        self.slot_of: dict[tuple[int, int], int] = {}
+        self.slot_of: dict[tuple[int, int], int] = _Residency()
+        self.table_dev = None  # (layers, max experts) uint64 device addresses, see _Residency
+        if self.gpu is not None:
+            import cupy as cp
+
+            width = max((l.num_experts for l in self.layers if l is not None), default=1)
+            mem = cp.cuda.alloc_pinned_memory(8 * len(self.layers) * width)
+            table = np.frombuffer(mem, np.uint64, len(self.layers) * width).reshape(len(self.layers), width)
+            table[:] = 0
+            self._table_mem = mem
+            self.table_dev = cp.zeros((len(self.layers), width), cp.uint64)
+            self.slot_of = _Residency(table, self.gpu.slot_tables)
+            self._dense_waits = [cp.cuda.Event(disable_timing=True) for _ in range(4)]
+            self._next_wait = 0
         self._pending: dict[int, tuple[tuple[Move, ...], object]] = {}
         self._early: _Early | None = None
         self._max_k = 0
@@ -468,6 +515,59 @@ class ExpertEngine:
             g0 = g1
         for e, s in zip(d.uploads, d.slots):
             self.slot_of[(layer, e)] = s
+
+    def dense_after_experts(self) -> None:
+        """Make the caller's current stream (the dense path's) wait on the device for the expert
+        work queued so far (no host wait)."""
+        import cupy as cp
+
+        gx = self.gpu
+        ev = self._dense_waits[self._next_wait]
+        self._next_wait = (self._next_wait + 1) % len(self._dense_waits)
+        rt = cp.cuda.runtime
+        rt.eventRecord(ev.ptr, gx.compute.ptr)
+        rt.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev.ptr)
+
+    # a token's graph ---------------------------------------------------------------------------
+    def sync_table(self, stream_ptr: int) -> None:
+        """Queue the copy of the slot table to the device on ``stream_ptr`` when residency changed
+        since the last copy. The caller waits for that stream's work before residency changes
+        again (the host table is copied from, asynchronously)."""
+        res = self.slot_of
+        if res.dirty and self.table_dev is not None:
+            from .gpu_experts import copy_to_device
+
+            copy_to_device(self.table_dev, res.table, stream_ptr)
+            res.dirty = False
+
+    def settle_layer(self, item: RunLayer) -> None:
+        """Carry out a step that a token's graph already computed on the GPU (every routed expert
+        was resident when it ran): nothing to run; residency follows the decision. A decision that
+        is not all hits (a policy's prefetch evicted an expert the graph read, or one moved it)
+        keeps its residency effects: its uploads and promotions are copied into their slots, its
+        evictions and retired experts leave (``stats.settled_moves`` counts such steps)."""
+        d = item.decision
+        st = self.stats
+        st.steps += 1
+        st.gpu_pairs += len(d.step.experts)
+        st.graph_steps += 1
+        if not (d.uploads or d.promotions or d.evictions or d.retired):
+            return
+        st.settled_moves += 1
+        slot_of = self.slot_of
+        for v in d.evictions:
+            slot_of.pop(v, None)
+        for v in d.retired:
+            slot_of.pop(v, None)
+        moves = list(zip(d.uploads, d.slots)) + list(zip(d.promotions, d.promotion_slots))
+        if moves:
+            gx = self.gpu
+            gx.begin_copies()
+            for e, s in moves:
+                gx.upload(d.layer, e, s)
+            gx.compute_after_copies()
+            for e, s in moves:
+                slot_of[(d.layer, e)] = s
 
     # background --------------------------------------------------------------------------------
     def start_background(self, moves: tuple[Move, ...]) -> None:

@@ -118,10 +118,19 @@ class DecodeBlock:
         self.rec = np.frombuffer(self._rec_mem, np.int64, _REC)  # the host's decode record
         self.rec_dev = cp.zeros(_REC, cp.int64)  # the graph's copy of it
         r = int(self.rec_dev.data.ptr)
-        self._graphed = (qkv.variant({16: r}), qk.variant({14: r}), part.variant({11: r}, max_splits),
-                         reduce.variant({3: max_splits, 6: r}), wo, router)
+        self.max_splits = max_splits
+        self._graphed = self.launches(r)
         self.graph = None
         self._exec = 0
+
+    def launches(self, rec: int, route: int = 0) -> tuple:
+        """The block's launches reading decode record ``rec`` (a device address) instead of their
+        plain arguments, as a graph replays them; with ``route``, the router writes its ids and
+        weights there (``2 * top_k`` floats) instead of the shared buffer."""
+        ms = self.max_splits
+        router = self.router if not route else self.router.variant({16: route})
+        return (self.qkv.variant({16: rec}), self.qk.variant({14: rec}), self.part.variant({11: rec}, ms),
+                self.reduce.variant({3: ms, 6: rec}), self.wo, router)
 
     def attend(self, stream: int, add_ptr: int, pos: int, lo: int, n_keys: int) -> None:
         """``add_ptr``: the previous block's expert output (0 for the first block)."""

@@ -52,7 +52,7 @@ from scheduler.core import Capacity, pad_slot_bytes
 from . import quant as Q
 from .experts import ACTIVATIONS, ExecutorError, LayerExperts
 
-__all__ = ["GpuExperts", "Launch", "LayerMeta", "MAX_TOP_K", "gpu_available", "scratch_source"]
+__all__ = ["GpuExperts", "Launch", "LayerMeta", "MAX_TOP_K", "copy_to_device", "gpu_available", "scratch_source"]
 
 _WARPS = 4
 _RPW = 2  # output rows per warp in moe_gate_up / moe_down / moe1_gate_up
@@ -91,6 +91,11 @@ def gpu_available() -> bool:
 def scratch_source(k: int) -> int:
     """The ``sources`` code of scratch buffer ``k`` (slots are codes >= 0)."""
     return -1 - k
+
+
+def copy_to_device(dev: cp.ndarray, host: np.ndarray, stream_ptr: int) -> None:
+    """Queue ``dev[...] = host`` (same size; ``host`` in pinned memory) on ``stream_ptr``."""
+    _rt.memcpyAsync(dev.data.ptr, host.ctypes.data, host.nbytes, _H2D, stream_ptr)
 
 
 def _kernel(name: str):
@@ -238,6 +243,7 @@ class GpuExperts:
         self._ex = np.zeros(_EX_BYTES, np.uint8)  # the one-token pair table, passed by value
         self._k1_gate_up = Launch(_kernel("moe1_gate_up"), 13, self._ex)
         self._k1_down = Launch(_kernel("moe1_down_combine"), 10, self._ex)
+        self._k1r = None  # the token graph's launches (routed_layer), compiled on first use
         self._packs: dict[tuple[int, str], struct.Struct] = {}
         self._rows: dict[int, list | None] = {}
         self._outs: dict[tuple[int, int], list[cp.ndarray]] = {}
@@ -483,6 +489,21 @@ class GpuExperts:
         self._k1_down((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr,
                       h, out.data.ptr, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
         return out
+
+    def routed_layer(self, layer: int, route: int, table: int, halt: int, x: int, h: int, out: int, k: int) -> list:
+        """The launches of one token's layer inside a token's graph (``moe1r_gate_up`` then
+        ``moe1r_down_combine``, see gpu_kernels.cu), as callables of a stream address: the pairs
+        come from the router's output at ``route`` and the layer's slot table row at ``table``;
+        ``halt`` is the token's first missing layer; ``x`` the layer's normed input, ``h`` a
+        (k, ffn) float32 work buffer the graph owns, ``out`` its (hidden,) output (device addresses)."""
+        hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
+        if self._k1r is None:
+            self._k1r = (Launch(_kernel("moe1r_gate_up"), 18), Launch(_kernel("moe1r_down_combine"), 14))
+        gate_up, down = self._k1r
+        a1 = (route, table, halt, layer, k, x, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
+        a2 = (route, table, halt, layer, h, out, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
+        g1, g2 = (-(-ffn // (_WARPS * _RPW)), k), (-(-hidden // _RPB), 1)
+        return [lambda s: gate_up(g1, 32 * _WARPS, s, *a1), lambda s: down(g2, 32 * k, s, *a2)]
 
     def _output(self, rows: int, cols: int) -> cp.ndarray:
         """A (rows, cols) float32 array for a layer's output: one of earlier outputs that nobody

@@ -274,3 +274,73 @@ extern "C" __global__ void moe1_down_combine(const Experts1 ex, const float* __r
         out[r0 + i] = s;
     }
 }
+
+// One-token layer inside a token's CUDA graph: the pairs come from device memory, not from the
+// host. route: the router kernel's output (ids as int bits [0, k), weights [k, 2k)); table: the
+// layer's row of the slot table (expert -> device address, 0 when not resident); halt: the first
+// layer of the token whose routed experts were not all resident (the token's number of layers
+// when none). moe1r_gate_up checks the k routed experts first: when one is missing it lowers halt
+// to this layer and writes nothing; neither kernel runs once halt <= layer (an earlier miss
+// included). Otherwise they compute exactly what moe1_gate_up / moe1_down_combine compute.
+__device__ __forceinline__ unsigned long long route_base(const float* route, const unsigned long long* table, int j) {
+    return table[__float_as_int(route[j])];
+}
+
+// grid (ceil(ffn / (WARPS * rows_per_warp)), k), block 32 * WARPS.
+extern "C" __global__ void moe1r_gate_up(const float* __restrict__ route, const unsigned long long* __restrict__ table,
+                                         int* halt, int layer, int k, const float* __restrict__ x, float* __restrict__ h,
+                                         int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
+                                         long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
+    __shared__ int missing;
+    if (*(volatile int*)halt < layer) return;
+    if (threadIdx.x == 0) {
+        int miss = 0;
+        for (int jj = 0; jj < k; jj++) miss |= route_base(route, table, jj) == 0ull;
+        missing = miss;
+    }
+    __syncthreads();
+    if (missing) {
+        if (threadIdx.x == 0) atomicMin(halt, layer);
+        return;
+    }
+    int j = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
+    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp, tok[TB] = {0, 0, 0, 0};
+    for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
+        float ag[TB] = {0.f, 0.f, 0.f, 0.f}, au[TB] = {0.f, 0.f, 0.f, 0.f};
+        row_dot(qt_g, e + off_g + r * rb_g, hidden, x, 0, tok, 1, ag);
+        row_dot(qt_u, e + off_u + r * rb_u, hidden, x, 0, tok, 1, au);
+        float a = warp_sum(ag[0]), b = warp_sum(au[0]);
+        if (bias) {
+            a += reinterpret_cast<const float*>(e)[r];
+            b += reinterpret_cast<const float*>(e)[ffn + r];
+        }
+        if (lane == 0) h[(long long)j * ffn + r] = expert_act(act, a, b);
+    }
+}
+
+// grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32.
+extern "C" __global__ void moe1r_down_combine(const float* __restrict__ route, const unsigned long long* __restrict__ table,
+                                              const int* halt, int layer, const float* __restrict__ h,
+                                              float* __restrict__ out, int k, int ffn, int hidden, int rows_per_block,
+                                              long long off_d, int qt_d, long long rb_d, int bias) {
+    __shared__ float ys[MAXK][32];
+    if (*(volatile const int*)halt <= layer) return;
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
+    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
+        int r = r0 + i;
+        float a[TB] = {0.f, 0.f, 0.f, 0.f};
+        row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
+        float s = warp_sum(a[0]);
+        if (lane == 0) ys[j][i] = bias ? s + bd[r] : s;
+    }
+    __syncthreads();
+    int i = threadIdx.x;
+    if (i < rows_per_block && r0 + i < hidden) {
+        float s = 0.f;
+        for (int jj = 0; jj < k; jj++) s += route[k + jj] * ys[jj][i];
+        out[r0 + i] = s;
+    }
+}

@@ -106,6 +106,8 @@ class MoeModel:
         self.logits = self.chunk_logits = None
         self._out = None
         self.route_log: list | None = None  # set to a list to collect (pos, [(layer, ids, weights)]) per token
+        self.token_graph = None  # a TokenGraph (execute.token_graph) when decode tokens may run as one graph
+        self.step_done = False  # the step just yielded was computed by the token graph (run settles it)
         self.router_predictor: RouterPredictor | None = None  # set to one to measure it (off: no work)
 
     # weights -----------------------------------------------------------------------------------
@@ -499,9 +501,36 @@ class MoeModel:
         blocks, head, hn_rows = self._plans
         s = gd.stream()
         gd.emb.set(np.ascontiguousarray(self.token_embd[token_id] * np.float32(info.embedding_scale), np.float32))
-        add = None
+        add, start = None, 0
         rows = [] if self.route_log is not None else None
+        tg = self.token_graph
+        if (tg is not None and routes is None and self.router_predictor is None and tg.want()):
+            start, g_ids, g_wts = tg.run(pos)
+            for l in range(start):  # computed by the graph: the steps are decided and settled, not run
+                tids, twts = g_ids[l:l + 1], g_wts[l:l + 1]
+                self._route_len = [tids.shape[1]]
+                self.last_input, self.last_ids, self.last_weights = tg.hn[l:l + 1], tids, twts
+                ids_l, w_l = tids[0].tolist(), twts[0].astype(np.float64).tolist()
+                if rows is not None:
+                    rows.append((l, ids_l, w_l))
+                self.step_done = True
+                try:
+                    yield Step(l, tuple(ids_l), None, tuple(w_l))
+                finally:
+                    self.step_done = False
+            if start == len(blocks):
+                self.chunk_logits = tg.logits.copy()
+                self.logits = self.chunk_logits[-1]
+                if rows is not None:
+                    self.route_log.append((pos, rows))
+                self.pos += 1
+                return
+            if start:  # block by block from the first block with a miss
+                blocks[start - 1].cur[...] = tg.cur[start - 1]
+                add = tg.out[start - 1]
         for l, b in enumerate(blocks):
+            if l < start:
+                continue
             w = self.layers[l]
             lo = max(0, pos + 1 - info.sliding_window) if info.is_swa(l) else 0
             tids, twts = b.run(s, 0 if add is None else add.data.ptr, pos, lo, pos + 1 - lo)
