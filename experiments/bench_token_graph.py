@@ -39,7 +39,7 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
         if n == warmup:
             marks["t0"] = time.perf_counter()
             marks["stats"] = dict(vars(backend.engine.stats))
-            tg = model.token_graph
+            tg = getattr(model, "token_graph", None)
             marks["tg"] = (tg.tokens, tg.complete) if tg is not None else (0, 0)
 
     inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
@@ -53,10 +53,10 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
     finally:
         backend.close()
     n = len(tokens) - warmup
-    d = {k: st[k] - marks["stats"][k] for k in ("steps", "host_plan_s", "host_queue_s", "host_combine_s",
+    d = {k: st.get(k, 0) - marks["stats"].get(k, 0) for k in ("steps", "host_plan_s", "host_queue_s", "host_combine_s",
                                                  "host_early_s", "graph_steps", "uploads")}
     steps = max(d["steps"], 1)
-    tg = model.token_graph
+    tg = getattr(model, "token_graph", None)
     tried, done = ((tg.tokens, tg.complete) if tg is not None else (0, 0))
     tried, done = tried - marks["tg"][0], done - marks["tg"][1]
     s = audit.summary()
