@@ -25,10 +25,18 @@ from .experts import ExecutorError, LayerExperts
 __all__ = ["CpuExpertPool", "CpuJob"]
 
 
-# The pool's thread team. ctrl (int64) holds the team's counters, each on its own cache line:
-_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD, _C_BSLEEP, _C_BROKEN = (8 * k for k in range(9))
+# The pool's thread team. ctrl (int64) holds the team's counters, each on its own cache line
+# (a GPU hand-off places ctrl in host-mapped memory: the GPU writes _C_GATE and reads _C_DONE
+# and _C_BROKEN, see execute.handoff):
+(_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD, _C_BSLEEP, _C_BROKEN,
+ _C_GATE) = (8 * k for k in range(10))
 _BARRIER_SPINS = 4000  # pause instructions (tens of microseconds) before a barrier sleeps
-_CTRL = 8 * 9
+CTRL_WORDS = _CTRL = 8 * 10
+# pool-only job fields after the kernels' (cpu_experts.JOB_FIELDS): the gate value a gated call
+# waits for in ctrl[_C_GATE] (0: none), how many workers have passed it, and the first one's stamp
+J_GATE, J_GSEEN, J_TG = JOB_FIELDS, JOB_FIELDS + 1, JOB_FIELDS + 2
+_RING_FIELDS = JOB_FIELDS + 3
+_GATE_NAP_NS = 20_000  # a worker that has spun past spin_ns re-checks the gate this often
 _RING = 16  # job slots: calls submitted but not yet finished, at most
 _STOP = -1  # _C_GEN value that ends the workers
 _WAIT_SPIN_NS = 1_000_000  # result()'s spin when threads < cores (see CpuExpertPool)
@@ -90,6 +98,8 @@ def _team_worker(ctrl, ring, t, team, spin_ns):
         if t == 0:
             job[J_T0] = now_ns()
             _group(job)
+        if job[J_GATE]:
+            _wait_gate(ctrl, job, spin_ns)
         _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, t, team)
         nbar = _barrier(ctrl, team, nbar)
         _chunk(job, t, team, 0)
@@ -104,6 +114,27 @@ def _team_worker(ctrl, ring, t, team, spin_ns):
                 futex_wake(ctrl, _C_DONE)
 
 
+@njit(inline="always")
+def _wait_gate(ctrl, job, spin_ns):
+    """Wait until ctrl[_C_GATE] reaches the call's gate (written by the GPU once the call's inputs
+    are in place) or the pool is marked broken: spin up to spin_ns, then nap _GATE_NAP_NS at a
+    time (nobody can wake a futex from the GPU). The first worker through stamps J_TG."""
+    gate = job[J_GATE]
+    t0 = now_ns()
+    spins = 0
+    while True:
+        v = atomic_load(ctrl, _C_GATE)
+        if v >= gate or atomic_load(ctrl, _C_BROKEN):
+            break
+        spins += 1
+        if spins & 63 or now_ns() - t0 < spin_ns:
+            pause()
+            continue
+        futex_wait(ctrl, _C_GATE, v, _GATE_NAP_NS)
+    if atomic_add(job, J_GSEEN, 1) == 0:
+        job[J_TG] = now_ns()
+
+
 @njit(nogil=True, cache=True)
 def _publish(ctrl, seq):
     """Make call ``seq`` (or _STOP) visible to the team and wake sleeping workers."""
@@ -113,11 +144,15 @@ def _publish(ctrl, seq):
 
 
 @njit(nogil=True, cache=True)
-def _launch(ctrl, job, seq, e, x, y, num_experts, fixed, scratch):
-    """Fill ``job`` (see cpu_experts._fill) and publish it as call ``seq``; False, with nothing
-    written or published, when an expert id is out of range."""
+def _launch(ctrl, job, seq, e, x, y, num_experts, fixed, scratch, gate):
+    """Fill ``job`` (see cpu_experts._fill) and publish it as call ``seq``, gated on ctrl[_C_GATE]
+    >= ``gate`` (0: not gated); False, with nothing written or published, when an expert id is
+    out of range."""
     if not _fill(job, e, x, y, num_experts, fixed, scratch):
         return False
+    job[J_GATE] = gate
+    job[J_GSEEN] = 0
+    job[J_TG] = 0
     _publish(ctrl, seq)
     return True
 
@@ -181,6 +216,7 @@ class CpuJob:
         self.started_s = 0.0
         self.finished_s = 0.0
         self.collected_s = 0.0
+        self.gate_s = 0.0  # a gated call: when its first worker passed the gate
 
     def done(self) -> bool:
         return self._error is not None or self._pool._ctrl[_C_DONE] >= self._seq
@@ -194,11 +230,25 @@ class CpuJob:
             left = pool.timeout_s - (time.perf_counter() - self.submitted_s)
             if not _wait_done(pool._ctrl, self._seq, pool._wait_spin_ns, int(max(left, 0.0) * 1e9)):
                 pool._break(f"layer {self.layer}: CPU experts did not finish within {pool.timeout_s} s")
-            slot = pool._ring[self._seq % _RING]
-            self.started_s, self.finished_s = slot[J_T0] * 1e-9, slot[J_T1] * 1e-9
-            self.compute_s = self.finished_s - self.started_s
-            self.collected_s = time.perf_counter()
+            self._stamp()
         return self._out
+
+    def _stamp(self) -> None:
+        slot = self._pool._ring[self._seq % _RING]
+        self.started_s, self.finished_s, self.gate_s = slot[J_T0] * 1e-9, slot[J_T1] * 1e-9, slot[J_TG] * 1e-9
+        self.compute_s = self.finished_s - max(self.started_s, self.gate_s)
+        self.collected_s = time.perf_counter()
+
+    def poll(self) -> bool:
+        """True (and the clock stamps set) once the call has finished; never waits. The
+        stamps must be read before the ring slot is reused: ``CpuExpertPool.submit`` does so for
+        the calls it tracks (``track=True``)."""
+        if self.collected_s:
+            return True
+        if self._error is not None or self._pool._ctrl[_C_DONE] < self._seq:
+            return False
+        self._stamp()
+        return True
 
 
 class CpuExpertPool:
@@ -217,7 +267,8 @@ class CpuExpertPool:
     thread at a time (the engine's); results may be collected in any order.
     """
 
-    def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float | None = None):
+    def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float | None = None,
+                 ctrl: np.ndarray | None = None):
         cores = os.cpu_count() or 1
         if spin_us is None:
             spin_us = _default_spin_us(threads < cores)
@@ -233,8 +284,12 @@ class CpuExpertPool:
         # result() spins longer when the caller has a core of its own: a futex wake-up would be on
         # the layer's critical path (the CPU job is usually its longest part)
         self._wait_spin_ns = max(self._spin_ns, _WAIT_SPIN_NS) if self.threads < cores and spin_us else self._spin_ns
-        self._ctrl = np.zeros(_CTRL, np.int64)
-        self._ring = np.zeros((_RING, JOB_FIELDS), np.int64)
+        if ctrl is not None and (ctrl.dtype != np.int64 or ctrl.shape != (_CTRL,) or not ctrl.flags.c_contiguous):
+            raise ValueError(f"CpuExpertPool ctrl: expected C-contiguous int64 ({_CTRL},), got {ctrl.dtype} {ctrl.shape}")
+        self._ctrl = np.zeros(_CTRL, np.int64) if ctrl is None else ctrl
+        self._ctrl[:] = 0
+        self._ring = np.zeros((_RING, _RING_FIELDS), np.int64)
+        self._tracked: list[CpuJob] = []  # calls submitted with track=True, not yet polled done
         self._seq = 0
         self._views: dict[int, tuple] = {}
         self._scratch = _Scratch()
@@ -245,12 +300,23 @@ class CpuExpertPool:
         weakref.finalize(self, _stop_team, self._ctrl, self._inflight, self.timeout_s)
 
     def _break(self, why: str) -> None:
-        """Mark the pool unusable and raise; a stalled team may still read its calls' arrays
-        later, so those are kept for the life of the process."""
-        self._broken = why
-        self._ctrl[_C_BROKEN] = 1
-        _ABANDONED.extend(self._inflight)
-        raise ExecutorError(why)
+        """Mark the pool unusable and raise (see ``fail``)."""
+        raise self.fail(why)
+
+    def fail(self, why: str) -> ExecutorError:
+        """Mark the pool unusable (gated calls stop waiting for their gates, a GPU waiting for
+        the team stops waiting) and return the error to raise; a stalled team may still read its
+        calls' arrays later, so those are kept for the life of the process."""
+        if self._broken is None:
+            self._broken = why
+            self._ctrl[_C_BROKEN] = 1
+            _ABANDONED.extend(self._inflight)
+        return ExecutorError(why)
+
+    @property
+    def ctrl(self) -> np.ndarray:
+        """The team's counters (int64, ``CTRL_WORDS``): where a GPU hand-off writes the gate."""
+        return self._ctrl
 
     def _fixed(self, layer: LayerExperts) -> tuple:
         v = self._views.get(id(layer))
@@ -268,10 +334,16 @@ class CpuExpertPool:
             self._workers.append(w)
 
     def submit(self, layer: LayerExperts, experts: Sequence[int], x: np.ndarray,
-               out: np.ndarray | None = None) -> CpuJob:
+               out: np.ndarray | None = None, gated: bool = False, track: bool = False) -> CpuJob:
         """Start computing ``experts[i]`` on ``x[i]`` for every i in the background (results
         into ``out`` when given; neither ``x`` nor ``out`` may be touched until ``result()``
-        returns). A bad argument is reported by ``result()``."""
+        returns). A bad argument is reported by ``result()``.
+
+        ``gated``: the team reads ``x`` only once ctrl[_C_GATE] >= the job's ``seq`` (written by
+        whoever fills ``x``, e.g. a GPU kernel; see ``execute.handoff``); a bad argument then
+        raises here, since nobody may wait for a call that never runs. ``track``: the pool
+        stamps the job (``poll``) before its ring slot is reused, so a caller that never calls
+        ``result()`` still gets its times."""
         if self._broken:
             raise ExecutorError(f"CPU expert pool is unusable: {self._broken}")
         job = CpuJob(self, layer.layer, len(experts))
@@ -280,26 +352,37 @@ class CpuExpertPool:
             views, fixed = self._fixed(layer)
         except (ValueError, TypeError) as exc:
             job._error = exc
-            return job
+            return self._failed(job, gated)
         if not self._workers:
             self._start()
         seq = self._seq + 1
         if seq - int(self._ctrl[_C_DONE]) > _RING and not _wait_done(self._ctrl, seq - _RING, self._spin_ns,
                                                                       int(self.timeout_s * 1e9)):
             self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
+        if self._tracked:
+            self._tracked = [j for j in self._tracked if not j.poll()]
         arrays, scratch = self._scratch.fields(len(e), layer.hidden, layer.ffn)
         try:
-            launched = _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch)
+            launched = _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch,
+                               seq if gated else 0)
         except Exception as exc:  # reported by result(), like a bad argument
             job._error = exc
-            return job
+            return self._failed(job, gated)
         if not launched:
             job._error = _bad_experts(layer)
-            return job
+            return self._failed(job, gated)
         done = int(self._ctrl[_C_DONE])
         self._inflight[:] = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays, layer, views))]
         job._seq, job._out = seq, y
         self._seq = seq
+        if track:
+            self._tracked.append(job)
+        return job
+
+    @staticmethod
+    def _failed(job: CpuJob, gated: bool) -> CpuJob:
+        if gated:
+            job.result()  # raises the job's error
         return job
 
     def warmup(self, layer: LayerExperts) -> None:

@@ -48,6 +48,7 @@ moves it executes); all choices are the policy's.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
@@ -83,6 +84,9 @@ class LayerStats:
     graph_steps: int = 0  # steps a token's graph computed (settle_layer)
     settled_moves: int = 0  # of those, steps whose decision still moved experts
     host_early_s: float = 0.0  # host time in begin_layer (its kernels queued)
+    handoff_calls: int = 0  # CPU calls handed off through mapped memory whose edges were measured
+    handoff_in_s: float = 0.0  # their gate written (GPU) -> first CPU worker through it
+    handoff_out_s: float = 0.0  # their last CPU output -> the GPU's waiting kernel sees it
     per_layer_cpu_s: dict = field(default_factory=dict)
 
 
@@ -196,7 +200,6 @@ class ExpertEngine:
         self.layers = list(layers)
         self.use_gpu = bool(use_gpu)
         self.timeout_s = float(timeout_s)
-        self.pool = CpuExpertPool(threads, timeout_s)
         self.gpu = None
         self._own_gpu = gpu is None
         if self.use_gpu and gpu is not None:  # reuse pinned host weights and streams (benchmarks)
@@ -207,6 +210,14 @@ class ExpertEngine:
             from .gpu_experts import GpuExperts
 
             self.gpu = GpuExperts(self.layers, capacity, scratch_slots, pinned, timeout_s)
+        # with a GPU and MOELAB_HANDOFF=1, one token's CPU pairs are handed off through mapped
+        # memory (execute.handoff; the pool's counters live there), else fetched and awaited
+        self.handoff = None
+        if self.gpu is not None and os.environ.get("MOELAB_HANDOFF", "0") == "1":
+            from .handoff import Handoff
+
+            self.handoff = Handoff(self.gpu.compute, timeout_s)
+        self.pool = CpuExpertPool(threads, timeout_s, ctrl=None if self.handoff is None else self.handoff.ctrl)
         self.slot_of: dict[tuple[int, int], int] = _Residency()
         self.table_dev = None  # (layers, max experts) uint64 device addresses, see _Residency
         if self.gpu is not None:
@@ -294,6 +305,10 @@ class ExpertEngine:
                 and isinstance(topk_ids, np.ndarray) and 1 <= topk_ids.shape[1] <= self._max_k
                 and getattr(x, "shape", None) == (1, lx.hidden) and np.shape(topk_weights) == topk_ids.shape):
             return self._run_one(d, x, topk_ids, topk_weights, early, t0)
+        if (self.handoff is not None and d.cpu and len(topk_ids) == 1 and isinstance(topk_ids, np.ndarray)
+                and 1 <= topk_ids.shape[1] <= self._max_k and getattr(x, "shape", None) == (1, lx.hidden)
+                and np.shape(topk_weights) == topk_ids.shape):  # CPU pairs handed off, no host wait
+            return self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0)
         weights = np.asarray(topk_weights, np.float32)
         ids = np.asarray(topk_ids)
         if weights.shape != ids.shape or ids.ndim != 2 or x.shape != (weights.shape[0], lx.hidden):
@@ -601,6 +616,9 @@ class ExpertEngine:
         """Wait for all queued GPU work (no-op without a GPU)."""
         if self.gpu is not None:
             self.gpu.wait(self.gpu.all_done_event(), "GPU work")
+        if self.handoff is not None:
+            self.handoff.check(self.pool)
+            self.handoff.collect(self.stats)
 
     def close(self) -> None:
         self.pool.close()

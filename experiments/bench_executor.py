@@ -378,6 +378,9 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
     breakdown = {f"{k}_us": v * per_layer for k, v in host.items()}
     breakdown.update({f"{k[:-2]}_us": st[k] * per_layer for k in ENGINE_PHASES})
     breakdown["wall_us"] = wall * per_layer
+    calls = max(st.get("handoff_calls", 0), 1)  # the hand-off's edges, per CPU call handed off
+    breakdown["handoff_in_us"] = st.get("handoff_in_s", 0.0) * 1e6 / calls
+    breakdown["handoff_out_us"] = st.get("handoff_out_s", 0.0) * 1e6 / calls
     return {
         "policy": name, "options": options, "profile": profile is not None, "sync": sync, "early": early,
         "early_pairs": st.get("early_pairs", 0), "tokens": n, "wall_s": wall,

@@ -230,3 +230,51 @@ def test_pool_spin_default_follows_the_environment(monkeypatch):
     monkeypatch.setenv("MOELAB_POOL_SPIN_US", "fast")
     with pytest.raises(ValueError, match="MOELAB_POOL_SPIN_US"):
         _default_spin_us(True)
+
+
+def test_gated_call_waits_for_its_gate(rng, reference):
+    """A gated call reads its input only once ctrl[_C_GATE] reaches its number (a GPU kernel
+    writes it in the hand-off; here the test does); the first worker through stamps gate_s."""
+    import time
+
+    layer = random_layer(rng, 3, 4, 256, 256, Q.Q8_0)
+    x = np.zeros((2, 256), np.float32)
+    want_x = rng.standard_normal((2, 256)).astype(np.float32)
+    with CpuExpertPool(threads=2, timeout_s=60, spin_us=50) as pool:
+        pool.warmup(layer)
+        job = pool.submit(layer, [1, 2], x, gated=True, track=True)
+        time.sleep(0.05)  # the team holds the call (spins, then naps) until the gate
+        assert not job.done() and not job.poll()
+        x[:] = want_x  # the input is written, then the gate, as handoff_put does
+        pool.ctrl[cpu_pool._C_GATE] = job._seq
+        assert rel_err(job.result(), reference(layer, [1, 2], want_x)) < REL_ERR_INT8
+        assert job.submitted_s < job.gate_s <= job.finished_s and job.poll()
+        with pytest.raises(ExecutorError, match="expert ids must be in 0..3"):
+            pool.submit(layer, [4], x[:1], gated=True)  # a gated call that cannot run raises at once
+
+
+def test_broken_pool_opens_its_gates(rng):
+    """A pool marked broken (``fail``, as a GPU wait that gave up does) releases calls waiting
+    for a gate that will never come, so close() does not wait for them."""
+    layer = random_layer(rng, 3, 2, 256, 256, Q.Q8_0)
+    pool = CpuExpertPool(threads=2, timeout_s=60, spin_us=0)
+    job = pool.submit(layer, [0], np.ones((1, 256), np.float32), gated=True)
+    err = pool.fail("layer 3: the GPU stopped waiting")
+    assert isinstance(err, ExecutorError) and "layer 3" in str(err)
+    job.result()  # the call ran (on whatever its input held) and finished
+    with pytest.raises(ExecutorError, match="CPU expert pool is unusable: layer 3"):
+        pool.submit(layer, [0], np.ones((1, 256), np.float32))
+    pool.close()
+
+
+def test_pool_over_external_counters(rng, reference):
+    """The counters may be given (the hand-off's mapped memory): checked, zeroed, used in place."""
+    layer = random_layer(rng, 0, 2, 256, 256, Q.Q8_0)
+    with pytest.raises(ValueError, match="ctrl"):
+        CpuExpertPool(threads=1, ctrl=np.zeros(8, np.int64))
+    ctrl = np.full(cpu_pool.CTRL_WORDS, 7, np.int64)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    with CpuExpertPool(threads=1, ctrl=ctrl) as pool:
+        assert pool.ctrl is ctrl
+        assert rel_err(pool.submit(layer, [1], x).result(), reference(layer, [1], x)) < REL_ERR_INT8
+        assert ctrl[cpu_pool._C_DONE] == 1

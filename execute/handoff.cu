@@ -1,0 +1,145 @@
+// moelab GPU <-> CPU pool hand-off kernels (compiled after gpu_kernels.cu in one module; see
+// execute/handoff.py). The pool's counters (`ctrl`, int64 words) live in host-mapped memory: the
+// GPU writes the gate word once a call's inputs are in place and reads the done word (and the
+// broken word) to know when the call's outputs are; nobody synchronizes a stream.
+//
+// Ordering: inputs are written, then __threadfence_system(), then the gate (st.release.sys); the
+// CPU's last worker writes the outputs, then the done word (x86 stores are ordered), and the GPU
+// reads the done word with ld.acquire.sys before it reads the outputs with volatile loads.
+
+__device__ __forceinline__ long long ho_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (long long)t;
+}
+
+__device__ __forceinline__ long long ho_acquire(const long long* p) {
+    long long v;
+    asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void ho_release(long long* p, long long v) {
+    asm volatile("st.release.sys.global.s64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+
+// xin[i, :] = x[rows ? rows[i] : 0, :] for the call's n input rows, then ctrl[gate] = seq and
+// stamps[0] = the GPU clock when the gate was written. The last block to finish writes the gate
+// (counter: a device word, 0 between calls). grid any, block 256.
+extern "C" __global__ void handoff_put(const float* __restrict__ x, const int* __restrict__ rows, int n, int hidden,
+                                       float* xin, long long* ctrl, int gate, long long seq,
+                                       unsigned int* counter, long long* stamps) {
+    long long total = (long long)n * hidden;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / hidden, c = i - r * hidden;
+        xin[i] = x[(long long)(rows ? rows[r] : 0) * hidden + c];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(counter, 1u) == gridDim.x - 1) {
+        *counter = 0u;
+        __threadfence_system();
+        stamps[0] = ho_now();
+        ho_release(ctrl + gate, seq);
+    }
+}
+
+// Wait (thread 0 of a block) until ctrl[done] >= seq: a block first looks at the device word
+// `relay` (set by whichever block saw the call done first), and every 16th look reads the mapped
+// done word itself (so no block depends on another being resident). Gives up when ctrl[broken]
+// is set or after timeout_ns: then err (mapped) = seq, ctrl[broken] = 1 (the pool's gates open,
+// later waits end at once) and false. The first block to see the call done stamps stamps[1].
+__device__ bool ho_wait(const long long* ctrl, int done, int broken, long long seq, long long timeout_ns,
+                        long long* relay, long long* err, long long* stamps) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        long long t0 = ho_now();
+        int r = -1;
+        for (int it = 0; r < 0; it++) {
+            if (*(volatile long long*)relay >= seq) {
+                r = 1;
+            } else if ((it & 15) == 0) {
+                if (ho_acquire(ctrl + done) >= seq) {
+                    if (atomicMax((unsigned long long*)relay, (unsigned long long)seq) < (unsigned long long)seq)
+                        stamps[1] = ho_now();
+                    r = 1;
+                } else if (*(volatile const long long*)(ctrl + broken)) {
+                    r = 0;
+                } else if (ho_now() - t0 > timeout_ns) {
+                    atomicCAS((unsigned long long*)err, 0ull, (unsigned long long)seq);
+                    *(volatile long long*)(ctrl + broken) = 1;
+                    __threadfence_system();
+                    r = 0;
+                }
+            }
+            if (r < 0) __nanosleep(200);
+        }
+        __threadfence();
+        ok = r;
+    }
+    __syncthreads();
+    return ok;
+}
+
+// One-token layer with CPU pairs: moe1_down_combine where pair j with base[j] == 0 is computed by
+// the CPU pool, its unweighted output row pick[j] of `ycpu` (mapped); the sum is in j order as
+// moe_combine's. grid ceil(hidden / rows_per_block), block 32 * k.
+extern "C" __global__ void handoff1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
+                                                 int k, int ffn, int hidden, int rows_per_block, long long off_d,
+                                                 int qt_d, long long rb_d, int bias, const long long* ctrl, int done,
+                                                 int broken, long long seq, long long timeout_ns, long long* relay,
+                                                 long long* err, long long* stamps, const float* ycpu) {
+    __shared__ float ys[MAXK][32];
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(ex.base[j]);
+    if (e) {
+        const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+        for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
+            int r = r0 + i;
+            float a[TB] = {0.f, 0.f, 0.f, 0.f};
+            row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
+            float s = warp_sum(a[0]);
+            if (lane == 0) ys[j][i] = bias ? s + bd[r] : s;
+        }
+    }
+    bool ok = ho_wait(ctrl, done, broken, seq, timeout_ns, relay, err, stamps);
+    if (!e && lane < rows_per_block && r0 + lane < hidden)
+        ys[j][lane] = ok ? *(volatile const float*)(ycpu + (long long)ex.pick[j] * hidden + r0 + lane) : 0.f;
+    __syncthreads();
+    int i = threadIdx.x;
+    if (i < rows_per_block && r0 + i < hidden) {
+        float s = 0.f;
+        for (int jj = 0; jj < k; jj++) s += ex.weight[jj] * ys[jj][i];
+        out[r0 + i] = s;
+    }
+}
+
+// y[row0 + i, :] = ycpu[i, :] for the call's n rows, once the CPU pool has finished the call
+// (see ho_wait). grid any, block 256.
+extern "C" __global__ void handoff_get(const long long* ctrl, int done, int broken, long long seq, long long timeout_ns,
+                                       long long* relay, long long* err, long long* stamps, const float* ycpu,
+                                       float* __restrict__ y, long long n) {
+    bool ok = ho_wait(ctrl, done, broken, seq, timeout_ns, relay, err, stamps);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = ok ? *(volatile const float*)(ycpu + i) : 0.f;
+}
+
+// Clock pairing for the edge measurements: round r waits for ctrl[ping] == r (the host writes it
+// with its clock), stamps the GPU clock in stamps[r] and answers ctrl[pong] = r. One thread.
+extern "C" __global__ void handoff_clock(long long* ctrl, int ping, int pong, int rounds, long long* stamps,
+                                         long long timeout_ns) {
+    long long t0 = ho_now();
+    for (int r = 1; r <= rounds; r++) {
+        while (ho_acquire(ctrl + ping) < r)
+            if (ho_now() - t0 > timeout_ns) return;
+        stamps[r - 1] = ho_now();
+        ho_release(ctrl + pong, r);
+    }
+}
+
+// GPU work of a given length (the microbenchmark's stand-in for a layer's GPU part). One thread.
+extern "C" __global__ void handoff_busy(long long ns) {
+    long long t0 = ho_now();
+    while (ho_now() - t0 < ns) __nanosleep(1000);
+}
