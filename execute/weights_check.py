@@ -1,4 +1,5 @@
-"""Non-finite weights found at load, before any kernel sees them.
+"""Non-finite weights (and dense shapes that disagree with the metadata) found at load, before any
+kernel sees them.
 
 Every tensor of a GGUF file is checked in its stored form: float tensors (F32, F16, BF16) element
 by element, block types through their scales (the f16 ``d``/``m`` fields, IQ1_M's split ``d``,
@@ -18,7 +19,7 @@ import numpy as np
 from . import quant as Q
 from .gguf_file import GGUFError, GGUFFile
 
-__all__ = ["NonFiniteWeights", "first_non_finite", "check_file", "load_checked", "ALLOW_FLAG"]
+__all__ = ["NonFiniteWeights", "first_non_finite", "check_file", "check_shapes", "load_checked", "ALLOW_FLAG"]
 
 ALLOW_FLAG = "--allow-non-finite"
 _CHUNK_BYTES = 64 << 20
@@ -95,12 +96,44 @@ def check_file(path: str | os.PathLike) -> None:
         raise NonFiniteWeights(f"{path}: {where}; the model cannot run on it ({ALLOW_FLAG} runs it anyway)")
 
 
+def check_shapes(weights) -> None:
+    """Raise GGUFError when a dense tensor's shape disagrees with the file's metadata (a damaged key,
+    e.g. ``head_count_kv`` lost and its default taken), naming the tensor and the shape expected."""
+    info = weights.info
+    h = info.hidden
+    want = [("token_embd.weight", weights.token_embd, (info.vocab, h)), ("output_norm.weight", weights.output_norm, (h,)),
+            ("output.weight", weights.output, (info.vocab, h))]
+    for l, lw in enumerate(weights.layers):
+        p = f"blk.{l}."
+        want += [(p + "attn_norm.weight", lw.attn_norm, (h,)), (p + "attn_output.weight", lw.wo, (h, None)),
+                 (p + "ffn_gate_inp.weight", lw.router, (info.num_experts[l], h))]
+        if lw.wq is not None:  # GQA
+            kv = info.num_kv_heads * info.head_dim
+            want += [(p + "attn_q.weight", lw.wq, (None, h)), (p + "attn_k.weight", lw.wk, (kv, h)),
+                     (p + "attn_v.weight", lw.wv, (kv, h))]
+        for group, tensors in (("shexp", lw.shared), ("", lw.dense_ffn)):
+            for k in ("gate", "up"):
+                if tensors and tensors.get(k) is not None:
+                    want.append((f"{p}ffn_{k}{'_' + group if group else ''}.weight", tensors[k], (None, h)))
+    for name, arr, shape in want:
+        if arr is None:
+            continue
+        if arr.ndim != len(shape) or any(w is not None and w != n for w, n in zip(shape, arr.shape)):
+            expected = tuple("any" if w is None else w for w in shape)
+            raise GGUFError(f"{info.path}: tensor {name} has shape {tuple(arr.shape)} (numpy order); the file's "
+                            f"metadata ({info.arch}: hidden {h}, heads {info.num_heads}, kv heads "
+                            f"{info.num_kv_heads}, head_dim {info.head_dim}, vocab {info.vocab}) needs {expected}")
+
+
 def load_checked(path: str | os.PathLike, allow_non_finite: bool = False, **kwargs):
-    """``gguf_io.load_model(path, **kwargs)`` after ``check_file`` (skipped by ``allow_non_finite``);
-    with the check skipped, dequantizing a non-finite tensor stays silent (no numpy warnings)."""
+    """``gguf_io.load_model(path, **kwargs)`` after ``check_file`` (skipped by ``allow_non_finite``),
+    then ``check_shapes``; with the finite check skipped, dequantizing a non-finite tensor stays
+    silent (no numpy warnings)."""
     from .gguf_io import load_model
 
     if not allow_non_finite:
         check_file(path)
     with np.errstate(over="ignore", invalid="ignore"):
-        return load_model(path, **kwargs)
+        weights = load_model(path, **kwargs)
+    check_shapes(weights)
+    return weights
