@@ -2,8 +2,9 @@
 
 Everything the simulator charges is here, so the timing model reads in one place:
 
-- GPU dense work of a layer: ``dense_kernels`` launches + (dense weights + KV cache at the current
-  context) / GPU bandwidth; multi-token batches use the roofline max(bytes/bw, flops/peak).
+- GPU dense work of a layer: ``dense_kernels`` kernels (``launch_s`` each from Python, or
+  ``graph_kernel_s`` in a captured graph: ``ExecConfig.engine``) + (dense weights + KV cache at the
+  current context) / GPU bandwidth; multi-token batches use the roofline max(bytes/bw, flops/peak).
 - A GPU expert: its bytes / GPU bandwidth (roofline with token count), plus ``expert_kernels``
   launches per batch of experts.
 - An upload (on-demand, stream or background): ``copy_latency_s`` + bytes / link bandwidth.
@@ -13,6 +14,9 @@ Everything the simulator charges is here, so the timing model reads in one place
   one, with the hidden state copied to the host and the result back (latency + bytes each).
 - A promotion: a device-to-device copy (read + write at GPU bandwidth).
 - Per token: the output head (bytes / GPU bandwidth) and the sampled token's readback latency.
+- Per layer, by engine: the route read back (``copy_latency_s``, moelab), one graph-split round
+  trip (``split_sync_s``, llama.cpp, where the host takes part), or a mailbox hand-off each way
+  (``mailbox_s``, the seed's hybrid).
 
 When the hardware file has ``executor`` costs (measured by ``moelab calibrate``), ``Costs.host``
 holds the host lane's costs (:class:`HostCosts`) and the GPU's fixed costs come from the same
@@ -26,7 +30,9 @@ from dataclasses import dataclass
 from .hardware import Hardware
 from .models import ModelSpec
 
-__all__ = ["ExecConfig", "Costs", "HostCosts", "DEFAULT_MODEL", "DEFAULT_HARDWARE"]
+__all__ = ["ExecConfig", "Costs", "HostCosts", "DEFAULT_MODEL", "DEFAULT_HARDWARE", "ENGINES"]
+
+ENGINES = ("moelab", "llama.cpp", "mailbox")  # see ExecConfig
 
 DEFAULT_MODEL = "granite-3.0-1b-a400m"  # the model and hardware of the bundled trace's default run
 DEFAULT_HARDWARE = "rtx4060-laptop"
@@ -39,6 +45,13 @@ class ExecConfig:
     ``dense_kernels``: launches of a layer's dense part (norms, attention, router, shared
     expert); ``expert_kernels``: launches per batch of GPU experts; ``route_sync``: the router's
     choice is read back to the host before the layer's decision (one copy latency).
+
+    ``engine`` says which fixed costs of the hardware file apply (``ENGINES``): ``"moelab"``
+    launches every kernel from Python (``launch_s`` each) and reads the route back
+    (``copy_latency_s``); ``"llama.cpp"`` runs captured graphs (``graph_kernel_s`` per kernel) and
+    pays one ``split_sync_s`` per layer whose experts or decision are on the host (every policy
+    but ``gpu``); ``"mailbox"`` runs the same graphs and hands the CPU's work over through mapped
+    flags (``mailbox_s`` each way), with no host synchronisation inside the token.
     """
 
     dense_kernels: int = 12
@@ -47,8 +60,11 @@ class ExecConfig:
     route_sync: bool = True
     act_bytes: int = 4  # bytes per hidden-state element copied to and from the CPU pool
     policy: str = ""  # the scheduler policy, for its planning time on the host lane
+    engine: str = "moelab"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"ExecConfig.engine: {self.engine!r}, expected one of {', '.join(ENGINES)}")
         for f in ("dense_kernels", "expert_kernels", "act_bytes"):
             if getattr(self, f) < 0:
                 raise ValueError(f"ExecConfig.{f}: {getattr(self, f)}, expected >= 0")
@@ -123,16 +139,17 @@ class Costs:
         link = hw.h2d_gbps(cfg.pinned) * 1e9
         flops = hw.gpu_tflops * 1e12
         self.expert_bytes = [model.expert_bytes(l) for l in range(L)]
+        kernel = hw.launch_s if cfg.engine == "moelab" else hw.graph_kernel_s  # fixed cost per kernel
         # dense part: fixed bytes, KV bytes per context position, flops per token
-        self.dense_s = [cfg.dense_kernels * hw.launch_s + model.dense_bytes(l) / gbw for l in range(L)]
+        self.dense_s = [cfg.dense_kernels * kernel + model.dense_bytes(l) / gbw for l in range(L)]
         self.kv_s_per_pos = [model.kv_bytes_per_position(l) / gbw for l in range(L)]
         self.dense_flop_s = [2 * model.dense_bytes(l) / _bytes_per_weight(model.dense_quant) / flops for l in range(L)]
         # routed experts
         self.gpu_expert_s = [b / ebw for b in self.expert_bytes]
         self.gpu_expert_flop_s = 2 * model.expert_params / flops  # per token
-        self.expert_launch_s = cfg.expert_kernels * hw.launch_s
+        self.expert_launch_s = cfg.expert_kernels * kernel
         self.upload_s = [hw.copy_latency_s + b / link for b in self.expert_bytes]
-        self.promote_s = [hw.launch_s + 2 * b / ebw for b in self.expert_bytes]
+        self.promote_s = [kernel + 2 * b / ebw for b in self.expert_bytes]
         cpu_bw = hw.cpu_gbps(model.expert_quant) * 1e9  # decode: min(memory, compute) rate
         self.cpu_expert_s = [b / cpu_bw for b in self.expert_bytes]
         compute_bw = hw.cpu_threads * hw.cpu_thread_gbps * hw.cpu_quant_efficiency.get(model.expert_quant, 1.0) * 1e9
@@ -140,10 +157,18 @@ class Costs:
         self.cpu_read_s = [b / (hw.cpu_mem_gbps * 1e9) for b in self.expert_bytes]  # weights read once per step
         self.cpu_task_s = hw.cpu_task_s
         self.cpu_call_factor = hw.cpu_call_factor
-        self.small_copy_s = hw.copy_latency_s + model.hidden * cfg.act_bytes / link
-        self.combine_s = hw.launch_s  # add the CPU result into the layer output
-        self.route_s = hw.copy_latency_s if cfg.route_sync else 0.0
-        self.token_s = (model.head_bytes() / gbw + cfg.dense_kernels * hw.launch_s  # output head, norm, sampling
+        act = model.hidden * cfg.act_bytes / link  # one hidden state over the link
+        self.combine_s = kernel  # add the CPU result into the layer output
+        if cfg.engine == "moelab":
+            self.small_copy_s = hw.copy_latency_s + act
+            self.route_s = hw.copy_latency_s if cfg.route_sync else 0.0
+        elif cfg.engine == "llama.cpp":  # the split's round trip: synchronise, copy out, launch the next split
+            self.small_copy_s = act
+            self.route_s = hw.split_sync_s if cfg.policy != "gpu" else 0.0
+        else:  # mailbox: the GPU goes on with the hits; each direction is one flag hand-off
+            self.small_copy_s = hw.mailbox_s + act
+            self.route_s = 0.0
+        self.token_s = (model.head_bytes() / gbw + cfg.dense_kernels * kernel  # output head, norm, sampling
                         + hw.copy_latency_s)  # sampled id read back
         self.host: HostCosts | None = None
         if hw.executor:  # measured executor costs replace the launch counts (docs/FIDELITY.md)

@@ -63,6 +63,13 @@ class Hardware:
     ``cpu_mem_gbps``; each parallel call costs ``cpu_task_s``. ``cpu_call_factor`` (optional, from a
     calibration replay): per expert count n of a call, the measured mean call time / (``cpu_task_s`` +
     n x the per-expert time); counts not in it use the linear cost (factor 1).
+
+    Fixed costs, each a term of its own (0 where a file does not give it): ``launch_s`` per kernel
+    launched from Python (moelab's executor); ``graph_kernel_s`` GPU time per kernel node of a
+    captured CUDA graph (llama.cpp); ``split_sync_s`` one round trip of a graph-split engine at a
+    layer whose experts or decision are on the host (device synchronised, activations out, the
+    next split launched); ``mailbox_s`` one hand-off through flags in mapped host memory (the
+    seed's mailbox), per direction. ``costs.ExecConfig.engine`` picks which of them apply.
     """
 
     name: str
@@ -79,6 +86,9 @@ class Hardware:
     cpu_mem_gbps: float
     cpu_thread_gbps: float
     cpu_task_s: float
+    graph_kernel_s: float = 0.0
+    split_sync_s: float = 0.0
+    mailbox_s: float = 0.0
     cpu_quant_efficiency: dict = field(default_factory=dict, hash=False)
     gpu_quant_efficiency: dict = field(default_factory=dict, hash=False)
     executor: dict = field(default_factory=dict, hash=False)
@@ -94,7 +104,7 @@ class Hardware:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{f}: {v!r}, expected a number > 0")
-        for f in ("launch_s", "copy_latency_s", "cpu_task_s"):
+        for f in ("launch_s", "copy_latency_s", "cpu_task_s", "graph_kernel_s", "split_sync_s", "mailbox_s"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1:
                 raise ValueError(f"{f}: {v!r}, expected seconds in [0, 1)")

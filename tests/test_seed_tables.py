@@ -1,7 +1,9 @@
-"""experiments/reproduce_seed_tables.py: a small run has the committed report's structure and rows;
-the committed report is what its own command writes (slow); bad data files are refused up front."""
+"""experiments/reproduce_seed_tables.py and simulate.seeds: the data file holds every counted row
+with what it fits; a small run has the committed report's structure and rows; fits reproduce their
+rows; the committed report is what its own command writes (slow); bad data files are refused."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -10,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from scheduler.hardware import load_hardware
+from simulate import seeds
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "reproduce_seed_tables.py"
+DATA = ROOT / "experiments" / "seed_tables.json"
 DOC = ROOT / "docs" / "SEED_TABLES.md"
-LAST = re.compile(r"^rows within 15%: (\d+) of (\d+); hybrid/cache speedup error: laptop (\d+)%, L4 (\d+)%$")
+LAST = re.compile(r"^predicted rows within 15%: (\d+) of (\d+); fitted: (\d+)$")
 
 
 def _script():
@@ -23,14 +29,50 @@ def _script():
     return mod
 
 
-def _rows(text: str) -> list[tuple[str, str]]:
-    """(row label, published t/s) of every table row under a machine/model heading."""
+def _rows(text: str) -> list[tuple[str, str, str]]:
+    """(row label, published t/s, fits) of every table row under a machine/model heading."""
     out = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 8 and cells[1] and cells[1][0].isdigit():
-            out.append((cells[0], cells[1]))
+        if line.startswith("| ") and len(cells) == 6 and cells[1] and cells[1][0].isdigit():
+            out.append((cells[0], cells[1], cells[5]))
     return out
+
+
+def test_data_file_holds_the_coder_next_l4_rows_and_says_what_each_fits():
+    data = seeds.load_data(DATA)
+    cn = {(t["tokens"], r["row"]): r["tps"] for t in data["tables"] if t["model"] == "qwen3-coder-next"
+          and t["machine"] == "l4-colab" for r in t["rows"]}
+    assert cn == {(256, "lru"): 38.5, (256, "hybrid-slow-fill"): 21.1, (256, "hybrid"): 29.1,
+                  (1024, "lru"): 46.6, (1024, "hybrid-slow-fill"): 32.7, (1024, "hybrid"): 42.6}
+    fits = [(t["machine"], r["fits"]) for t in data["tables"] for r in t["rows"] if r["fits"]]
+    assert len(fits) == len(set(fits))  # each parameter fitted once per machine
+    for m in data["machines"]:  # both machines keep predicted rows
+        assert any(not r["fits"] for t in data["tables"] if t["machine"] == m for r in t["rows"])
+    assert all(x["why"] for x in data["left_out"])
+
+
+def test_a_fitted_parameter_reproduces_its_row():
+    data = seeds.load_data(DATA)
+    t = next(t for t in data["tables"] if t["machine"] == "l4-colab" and any(r["row"] == "cpu" for r in t["rows"]))
+    small = {**t, "tokens": 16}
+    model = seeds.model_of(data, t["model"], t["quant"])
+    hw = load_hardware("l4-colab")
+    target = seeds.simulate_row(dataclasses.replace(hw, cpu_thread_gbps=3.0), model, small, "cpu", 1, 1.0)["tps"]
+    one = {**data, "shared": [], "machines": {"l4-colab": data["machines"]["l4-colab"]},
+           "tables": [{**small, "rows": [{"row": "cpu", "tps": target, "fits": "cpu_thread_gbps"}]}]}
+    hosts = seeds.derive_hosts(one, 1, 1.0)
+    assert hosts["l4-colab"].cpu_thread_gbps == pytest.approx(3.0, rel=0.01)
+
+
+def test_a_split_round_trip_slows_cpu_rows_and_not_the_mailbox():
+    data = seeds.load_data(DATA)
+    t = {**data["tables"][0], "tokens": 12}
+    model = seeds.model_of(data, t["model"], t["quant"])
+    hw = load_hardware("rtx4060-laptop")
+    slow = dataclasses.replace(hw, split_sync_s=1e-3)
+    assert seeds.simulate_row(slow, model, t, "cpu", 1, 1.0)["tps"] < seeds.simulate_row(hw, model, t, "cpu", 1, 1.0)["tps"]
+    assert seeds.simulate_row(slow, model, t, "hybrid", 1, 1.0) == seeds.simulate_row(hw, model, t, "hybrid", 1, 1.0)
 
 
 def test_small_run_has_the_committed_structure_and_rows(tmp_path):
@@ -41,16 +83,15 @@ def test_small_run_has_the_committed_structure_and_rows(tmp_path):
     assert heads(small) == heads(committed)
     for h in ("## Method", "## Errors", "## Known limits"):
         assert h in heads(committed)
-    assert _rows(small) == _rows(committed)
-    data = json.loads((ROOT / "experiments" / "seed_tables.json").read_text())
-    published = [f"{v:.1f}" for t in data["tables"] for v in t["rows"].values()]
-    assert [p for _, p in _rows(committed)] == published
+    assert [(a, b, c) for a, b, c in _rows(small)] == _rows(committed)
+    data = json.loads(DATA.read_text())
+    assert [(f"{r['tps']:.1f}", r["fits"] or "") for t in data["tables"] for r in t["rows"]] == \
+        [(b, c) for _, b, c in _rows(committed)]
     for text in (small, committed):
         m = LAST.match(text.rstrip("\n").splitlines()[-1])
         assert m, text.splitlines()[-1]
-        n, total = int(m.group(1)), int(m.group(2))
-        fit = sum(1 for label, _ in _rows(text) if label.endswith("(fit)"))
-        assert 0 <= n <= total == len(_rows(text)) - fit
+        n, total, fitted = (int(g) for g in m.groups())
+        assert fitted == sum(1 for *_, c in _rows(text) if c) and 0 <= n <= total == len(_rows(text)) - fitted
 
 
 @pytest.mark.slow
@@ -66,12 +107,14 @@ def test_committed_report_is_what_its_command_writes(tmp_path):
 @pytest.mark.parametrize("edit, field", [
     (lambda d: d.pop("tables"), "'tables'"),
     (lambda d: d["tables"][0].pop("cache_mib"), "tables[0] has no field 'cache_mib'"),
-    (lambda d: d["tables"][0]["rows"].update(cpu=-1), "tables[0].rows.cpu"),
-    (lambda d: d["tables"][1]["rows"].update(belady=3.0), "tables[1].rows.belady: unknown row"),
+    (lambda d: d["tables"][0]["rows"][0].update(tps=-1), "tables[0].rows[0].tps"),
+    (lambda d: d["tables"][1]["rows"][0].update(row="belady"), "tables[1].rows[0].row"),
     (lambda d: d["tables"][0].update(machine="h100"), "tables[0].machine 'h100'"),
+    (lambda d: d["tables"][1]["rows"][0].update(fits="cpu_thread_gbps"), "already fitted"),
+    (lambda d: d["tables"][1]["rows"][0].update(fits="gpu_tflops"), "tables[1].rows[0].fits"),
 ])
 def test_bad_data_file_is_refused_before_any_work(tmp_path, capsys, edit, field):
-    data = json.loads((ROOT / "experiments" / "seed_tables.json").read_text())
+    data = json.loads(DATA.read_text())
     edit(data)
     bad, out = tmp_path / "bad.json", tmp_path / "out.md"
     bad.write_text(json.dumps(data))

@@ -1,0 +1,330 @@
+"""The seeds' published decode rows as simulator runs: the data file, the engines, the fits.
+
+A data file (``experiments/seed_tables.json``) holds tables of published decode rates; each row
+names a configuration (``ROWS``) and, where it was used to fit a hardware parameter, that
+parameter (``fits``). A row is replayed on synthetic traces of the model's geometry under the
+policy and engine of its configuration:
+
+- ``full``: every expert on the GPU, one captured graph per token (llama.cpp, policy ``gpu``);
+- ``cpu``: ``--cpu-moe``, every expert on the CPU: llama.cpp splits each layer's graph at the
+  experts (``split_sync_s`` per layer);
+- ``lru``: upstream's cache, one LRU shared by every MoE layer, every miss uploaded before the
+  layer's experts run; the host reads the route at every layer (a split, ``split_sync_s``). The
+  cache loads during the prompt, which the published generation rate leaves out: the prompt's
+  tokens run through the cache untimed;
+- ``hybrid`` / ``hybrid-slow-fill``: the pull request's hybrid with adaptive fill: hits on the
+  GPU, every miss on the CPU, the two meeting through the device mailbox (``mailbox_s`` each way,
+  no host synchronisation); the cache starts empty at the first generated token and the experts
+  that missed are uploaded right after the token that missed them (at most 512, or 16 before the
+  faster fill, while slots are free), before the next token runs (``drive(lag_tokens=0)``).
+
+Every upload is a pageable copy (both builds upload from the host buffers the CPU computes from).
+Fitted parameters are found by bisection on the simulated rate of their row, with the others at
+their current values, in ``FIT_ORDER``, twice over; a parameter in the file's ``shared`` list is
+fitted on one machine and used on every machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from scheduler import Audit, Capacity, drive, make_policy
+from scheduler.core import Step, Token
+from scheduler.costs import Costs, ExecConfig
+from scheduler.hardware import Hardware, load_hardware
+from scheduler.models import ModelSpec, load_model
+from scheduler.policies.hybrid import HybridPolicy
+
+from .engine import Simulator
+
+__all__ = ["ROWS", "FIT_PARAMS", "FIT_ORDER", "PROMPT_TOKENS", "load_data", "model_of", "simulate_row",
+           "derive_hosts", "predict_tables", "TOLERANCE"]
+
+# configuration -> (label, policy, engine, fills per token (hybrid) or None)
+ROWS = {
+    "full": ("all on the GPU (-fit)", "gpu", "llama.cpp", None),
+    "cpu": ("--cpu-moe", "cpu", "llama.cpp", None),
+    "lru": ("cache (upstream LRU)", "lru", "llama.cpp", None),
+    "hybrid": ("hybrid + adaptive", "hybrid", "mailbox", 512),
+    "hybrid-slow-fill": ("hybrid + adaptive, 16 fills/token", "hybrid", "mailbox", 16),
+}
+# parameter -> (direction of the rate as it grows, lower bound, upper bound)
+FIT_PARAMS = {
+    "graph_kernel_s": (-1, 1e-8, 1e-3),
+    "split_sync_s": (-1, 1e-7, 5e-3),
+    "pageable_gbps": (+1, 0.2, 100.0),
+    "cpu_thread_gbps": (+1, 0.05, 100.0),
+}
+FIT_ORDER = tuple(FIT_PARAMS)
+PROMPT_TOKENS = 63  # the published runs' prompt
+TOLERANCE = 0.15
+
+
+def load_data(path: Path) -> dict:
+    """The published figures; a malformed file is a ValueError naming the field."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    for key in ("source", "machines", "tables", "rows_measured", "shared", "left_out"):
+        if key not in data:
+            raise ValueError(f"{path}: missing field {key!r}")
+    for p in data["shared"]:
+        if p not in FIT_PARAMS:
+            raise ValueError(f"{path}: shared: {p!r}, expected some of {', '.join(FIT_PARAMS)}")
+    fitted: dict = {}
+    for i, t in enumerate(data["tables"]):
+        for key in ("machine", "model", "quant", "cache_mib", "tokens", "rows", "note"):
+            if key not in t:
+                raise ValueError(f"{path}: tables[{i}] has no field {key!r}")
+        if t["machine"] not in data["machines"]:
+            raise ValueError(f"{path}: tables[{i}].machine {t['machine']!r} is not in 'machines'")
+        if not isinstance(t["tokens"], int) or t["tokens"] < 1:
+            raise ValueError(f"{path}: tables[{i}].tokens: {t['tokens']!r}, expected an integer >= 1")
+        seen = set()
+        for j, r in enumerate(t["rows"]):
+            where = f"{path}: tables[{i}].rows[{j}]"
+            if not isinstance(r, dict) or r.get("row") not in ROWS:
+                raise ValueError(f"{where}.row: expected one of {', '.join(ROWS)}")
+            if r["row"] in seen:
+                raise ValueError(f"{where}.row: {r['row']!r} twice in one table")
+            seen.add(r["row"])
+            v = r.get("tps")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{where}.tps: {v!r}, expected tokens/s > 0")
+            f = r.get("fits")
+            if f is not None:
+                if f not in FIT_PARAMS:
+                    raise ValueError(f"{where}.fits: {f!r}, expected null or one of {', '.join(FIT_PARAMS)}")
+                key = f if f in data["shared"] else (f, t["machine"])
+                if key in fitted:
+                    raise ValueError(f"{where}.fits: {f} is already fitted by {fitted[key]}")
+                fitted[key] = f"tables[{i}].rows[{j}]"
+    return data
+
+
+def model_of(data: dict, name: str, quant: str) -> ModelSpec:
+    spec = data.get("models", {}).get(name)
+    m = ModelSpec(name=name, **{k: v for k, v in spec.items() if k != "source"}) if spec else load_model(name)
+    return m.with_quant(quant)
+
+
+@lru_cache(maxsize=16)
+def _routes(model: ModelSpec, num_tokens: int, seed: int) -> np.ndarray:
+    """(prompt + tokens, layers, top_k) expert ids of a synthetic trace of ``model``'s geometry."""
+    from traces import synth
+
+    g = model.geometry()
+    moe = list(g.moe_layers)
+    t = synth.generate(len(moe), model.num_experts, model.top_k, PROMPT_TOKENS + num_tokens, synth.SynthParams(),
+                       np.random.default_rng(seed))
+    ids = np.full((len(t.expert_ids), model.num_layers, model.top_k), -1, dtype=np.int32)
+    ids[:, moe] = t.expert_ids
+    return ids
+
+
+def _tokens(ids: np.ndarray, moe: list[int], first: int, prompt: int) -> list[Token]:
+    """Tokens from row ``first`` on; rows before ``prompt`` are prompt tokens (untimed)."""
+    out = []
+    for n in range(first, len(ids)):
+        steps = tuple(Step(l, tuple(int(e) for e in ids[n, l])) for l in moe)
+        out.append(Token(n - first, 0, n, "prefill" if n < prompt else "decode", steps))
+    return out
+
+
+@lru_cache(maxsize=64)
+def _items(model: ModelSpec, row: str, cache_mib: float, num_tokens: int, seed: int) -> tuple[tuple, float]:
+    """The driver's work items of one row on one trace (they do not depend on the hardware) and
+    the generated tokens' hit rate."""
+    _, policy, _, fills = ROWS[row]
+    g = model.geometry()
+    cap = Capacity.from_mib(g, cache_mib)
+    opts: dict = {}
+    if row == "full":
+        cap = Capacity.per_layer(g, g.max_experts)
+    elif row == "lru":  # one LRU shared by every MoE layer (all have the same layout)
+        cap = Capacity.shared(g, [g.moe_layers], [cap.pools[0][1] * len(g.moe_layers)])
+    elif fills is not None:
+        opts = {"adaptive": True, "miss_fraction": 0.0, "max_fills": fills}
+    ids = _routes(model, num_tokens, seed)
+    tokens = _tokens(ids, list(g.moe_layers), PROMPT_TOKENS, PROMPT_TOKENS)
+    pol = make_policy(policy, g, cap, **opts)
+    if fills is not None and fills < 512:
+        pol = _FillFirst(g, cap, config=pol.config)
+    items = tuple(drive(pol, tokens, lag_tokens=0))
+    hits = total = 0
+    for it in items:
+        d = getattr(it, "decision", None)
+        if d is not None and it.token.phase == "decode":
+            hits += len(d.hits)
+            total += len(d.step.experts)
+    return items, hits / max(total, 1)
+
+
+class _FillFirst(HybridPolicy):
+    """The hybrid before its faster fill: no swap round while a slot is free (the seed: the
+    periodic swap round "now also runs while the cache fills" came with the faster fill)."""
+
+    def _swap_due(self) -> bool:
+        return super()._swap_due() and not any(self.cache.free)
+
+
+def simulate_row(hw: Hardware, model: ModelSpec, table: dict, row: str, seeds: int, scale: float) -> dict:
+    """Mean decode tokens/s and hit rate of one row over ``seeds`` synthetic traces."""
+    _, policy, engine, _ = ROWS[row]
+    n_tok = max(8, int(round(table["tokens"] * scale)))
+    # uploads are pageable; rows without uploads copy only activations, through pinned buffers
+    costs = Costs(model, hw, ExecConfig(pinned=row in ("full", "cpu"), policy=policy, engine=engine))
+    sim = Simulator(costs)
+    g = model.geometry()
+    tps, hits = [], []
+    for seed in range(seeds):
+        items, hit = _items(model, row, float(table["cache_mib"]), n_tok, seed)
+        tps.append(sim.run(iter(items), Audit(g, keep_records=False)).summary()["tokens_per_s"])
+        hits.append(hit)
+    return {"tps": float(np.mean(tps)), "hit_rate": float(np.mean(hits))}
+
+
+def _solve(f, target: float, lo: float, hi: float, sign: int) -> float:
+    """x in [lo, hi] with f(x) ~= target, f monotone in direction ``sign`` (bisection in log x)."""
+    for _ in range(28):
+        mid = math.sqrt(lo * hi)
+        if (f(mid) < target) == (sign > 0):
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
+def _fit_rows(data: dict) -> list[tuple[str, dict, dict]]:
+    """(parameter, table, row) of every fitting row, in ``FIT_ORDER``."""
+    rows = [(r["fits"], t, r) for t in data["tables"] for r in t["rows"] if r.get("fits")]
+    return sorted(rows, key=lambda x: FIT_ORDER.index(x[0]))
+
+
+def derive_hosts(data: dict, seeds: int, scale: float, presets: dict | None = None) -> dict[str, Hardware]:
+    """Each machine's preset (or ``presets[name]``) with the fitted parameters solved from their
+    rows; ``shared`` parameters are copied to every machine."""
+    hosts = {m: (presets or {}).get(m) or load_hardware(m) for m in data["machines"]}
+    for _ in range(2):  # the fits depend on each other weakly: a second pass settles them
+        for param, t, r in _fit_rows(data):
+            m = t["machine"]
+            model = model_of(data, t["model"], t["quant"])
+            sign, lo, hi = FIT_PARAMS[param]
+            base = hosts[m]
+            x = _solve(lambda v: simulate_row(dataclasses.replace(base, **{param: v}), model, t, r["row"], seeds,
+                                              scale)["tps"], r["tps"], lo, hi, sign)
+            x = float(f"{x:.3g}")
+            for name in (data["machines"] if param in data["shared"] else [m]):
+                hosts[name] = dataclasses.replace(hosts[name], **{param: x})
+    return hosts
+
+
+def predict_tables(data: dict, hosts: dict[str, Hardware], seeds: int, scale: float) -> list[dict]:
+    """Per table: each row's published and predicted rate, error and hit rate, and the
+    hybrid-over-cache speedup published and predicted (None where the table lacks either)."""
+    out = []
+    for t in data["tables"]:
+        model = model_of(data, t["model"], t["quant"])
+        rows = []
+        for r in t["rows"]:
+            p = simulate_row(hosts[t["machine"]], model, t, r["row"], seeds, scale)
+            rows.append({"row": r["row"], "label": ROWS[r["row"]][0], "published": r["tps"], "predicted": p["tps"],
+                         "error": p["tps"] / r["tps"] - 1, "hit_rate": p["hit_rate"], "fits": r.get("fits")})
+        by = {x["row"]: x for x in rows}
+        h = "hybrid" if "hybrid" in by else "hybrid-slow-fill" if "hybrid-slow-fill" in by else None
+        speedup = None
+        if h and "lru" in by:
+            pub = by[h]["published"] / by["lru"]["published"]
+            pred = by[h]["predicted"] / by["lru"]["predicted"]
+            speedup = {"row": h, "published": pub, "predicted": pred, "error": pred / pub - 1,
+                       "sign_right": (pub > 1) == (pred > 1)}
+        out.append({"table": t, "rows": rows, "speedup": speedup,
+                    "simulated_tokens": max(8, int(round(t["tokens"] * scale)))})
+    return out
+
+
+def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: int, command: str) -> str:
+    """The markdown reference of a reproduction; its last line counts the predicted rows."""
+    lines = ["# The seeds' decode rows, predicted by the simulator", "", f"Command: `{command}`", "",
+             "## Method", "", _METHOD.format(seeds=seeds, prompt=PROMPT_TOKENS), "",
+             "| machine | gpu_mem_gbps | graph_kernel_s | split_sync_s | mailbox_s | cpu_thread_gbps | pageable_gbps |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for m, h in hosts.items():
+        lines.append(f"| {m} | {h.gpu_mem_gbps:.1f} | {h.graph_kernel_s * 1e6:.2f} us | {h.split_sync_s * 1e6:.0f} us | "
+                     f"{h.mailbox_s * 1e6:.0f} us | {h.cpu_thread_gbps:.2f} | {h.pageable_gbps:.2f} |")
+    lines.append("")
+    predicted, fitted, speedups = [], [], []
+    for res in results:
+        t = res["table"]
+        lines += [f"## {data['machines'][t['machine']]['about']}: {t['note']}", "",
+                  f"Preset `{t['machine']}`, model `{t['model']}` experts {t['quant']}, {t['cache_mib']} MiB cache, "
+                  f"{t['tokens']} tokens published ({res['simulated_tokens']} simulated).", "",
+                  "| row | published t/s | predicted | error | hit rate | fits |", "|---|---:|---:|---:|---:|---|"]
+        for r in res["rows"]:
+            (fitted if r["fits"] else predicted).append((r, t))
+            lines.append(f"| {r['label']} | {r['published']:.1f} | {r['predicted']:.1f} | {r['error']:+.1%} | "
+                         f"{r['hit_rate']:.1%} | {r['fits'] or ''} |")
+        s = res["speedup"]
+        if s:
+            speedups.append((s, t))
+            lines += ["", f"Hybrid / cache ({ROWS[s['row']][0]}): published {s['published']:.2f}x, predicted "
+                          f"{s['predicted']:.2f}x (error {s['error']:+.1%}, sign {'right' if s['sign_right'] else 'WRONG'})."]
+        lines.append("")
+    within = [x for x in predicted if abs(x[0]["error"]) <= TOLERANCE]
+    per_machine = {m: (sum(1 for r, t in within if t["machine"] == m), sum(1 for r, t in predicted if t["machine"] == m))
+                   for m in data["machines"]}
+    signs = sum(1 for s, _ in speedups if s["sign_right"])
+    worst = max(speedups, key=lambda x: abs(x[0]["error"])) if speedups else None
+    lines += ["## Errors", "",
+              f"- Predicted rows (no parameter fitted on them) within {TOLERANCE:.0%}: {len(within)} of {len(predicted)} ("
+              + ", ".join(f"{m} {a} of {b}" for m, (a, b) in per_machine.items()) + f"); {len(fitted)} rows fitted a "
+              "parameter and are not counted.",
+              f"- Hybrid / cache speedup: sign right in {signs} of {len(speedups)} tables; errors "
+              + ", ".join(f"{s['error']:+.0%}" for s, _ in speedups)
+              + (f" (largest {abs(worst[0]['error']):.0%})." if worst else "."), "",
+              "## Left out of the data file", ""]
+    lines += [f"- {x['rows']}: {x['why']}." for x in data["left_out"]]
+    lines += ["", "## Known limits", "", _LIMITS, "",
+              f"predicted rows within {TOLERANCE:.0%}: {len(within)} of {len(predicted)}; fitted: {len(fitted)}"]
+    return "\n".join(lines) + "\n"
+
+
+_METHOD = (
+    "Each published row (`experiments/seed_tables.json`: `source` names the systems and machines, `rows_measured` "
+    "what each configuration measured) is replayed on synthetic traces of its model's geometry (`traces.synth` "
+    "defaults, {seeds} seeds, mean reported) under the policy and engine of its configuration (`simulate.seeds.ROWS`): "
+    "`--cpu-moe` = policy `cpu` and upstream's cache = `lru` over one pool shared by all MoE layers, both on the "
+    "`llama.cpp` engine (captured graphs, one graph-split round trip per layer); the pull request's hybrid = `hybrid` "
+    "with every miss on the CPU, on the `mailbox` engine (captured graphs, one mapped-flag hand-off each way per "
+    "layer). Both caches start empty at the first generated token (upstream's cache only reads experts in batches of "
+    "more than 32 tokens, so the {prompt}-token prompt leaves it cold; the hybrid starts empty by design). Fill lag, as "
+    "the seed describes it: upstream uploads every miss before the layer's experts run; the hybrid uploads the experts "
+    "that missed right after the token that missed them, before the next token (`lag_tokens=0`), at most 512 per token "
+    "(16 before its faster fill, whose swap rounds waited for the cache to fill). Every upload is a pageable copy.\n\n"
+    "Host figures: the presets' spec-sheet derived numbers (`gpu_mem_gbps` = 0.88 x the GPU's specified bandwidth, "
+    "the fraction moelab's calibration measured on the H200; `split_sync_s` from llama.cpp's `-ncmoe` rows measured "
+    "on the H200 machine; `mailbox_s` an estimate; the presets' `sources` say so), and the parameters fitted on the "
+    "rows marked in the `fits` column: each by bisection on its row's simulated rate (`simulate.seeds.derive_hosts`). "
+    "A fitted row reproduces itself and is not counted. Error = predicted / published - 1.")
+
+_LIMITS = (
+    "- No recorded routing of these models exists here: every hit rate comes from synthetic traces with default "
+    "parameters, not Qwen3.5's or Qwen3-Coder-Next's routing; every cache and hybrid row depends on it. Upstream's "
+    "cache rows at 256 and 1024 tokens differ more in the published runs (the cache warms over hundreds of tokens) "
+    "than on these traces, whose hit rate settles within tens of tokens.\n"
+    "- The laptop's hybrid rows are predicted well below the published figures: the model charges the pull "
+    "request's hybrid the CPU expert rate of upstream's `--cpu-moe` row; the pull request also changed the CPU's "
+    "one-token-per-expert kernel (row chunking, tuned on that laptop), which is not modelled.\n"
+    "- One pageable rate serves upstream's on-demand uploads (sorted, consecutive misses merged) and the hybrid's "
+    "fills; upstream's merged copies are not modelled.\n"
+    "- The laptop has no row with every weight on the GPU: its graph cost is the L4's.\n"
+    "- The laptop's non-hybrid rows varied by up to about 5 t/s between rounds (published), about 25% of those rows.\n"
+    "- Mixed per-tensor quant types (the UD files) are charged as their nominal expert type.")
