@@ -39,17 +39,21 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import quant as Q
-from .cpu_simd import (comb256, dpbusd, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
+from .cpu_simd import (bits32, choose_isa, comb256, dpbusd_isa, sign_abs, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
                        addr, load_nib32, load_u8, load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8,
                        lut16, nib_hi, nib_lo, vand, vor, vshl, vshr, xor80, zero_f32, zero_i32)
 from .experts import ExecutorError, ExpertTensor, LayerExperts
+from .iq_grids import IQ4_NL_VALUES
 
 __all__ = ["CpuExpertPool", "CpuJob", "run_experts", "tensor_views"]
 
 _Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16
 _MXFP4 = Q.MXFP4
-# MXFP4 code -> integer value + 12 (0..24, unsigned for dpbusd; the 12 comes off through the sums)
-_MXFP4_U8 = (Q.MXFP4_VALUES + 12).astype(np.uint8)
+_Q4_1, _Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS = Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS
+# code tables (lut16): bytes 0-15 MXFP4 code -> integer value + 12 (0..24, unsigned for dpbusd; the
+# 12 comes off through the sums); bytes 16-31 IQ4_NL/IQ4_XS code -> level (signed, see _sdot)
+_TABLES = np.concatenate([(Q.MXFP4_VALUES + 12).astype(np.uint8), IQ4_NL_VALUES.view(np.uint8)])
+_IQ4 = 16  # offset of the IQ4 table
 
 
 @intrinsic
@@ -86,49 +90,110 @@ def _e8m0(e):
 # see _quantize).
 
 @njit(inline="always")
-def _idot(q, xq, a, l2):
-    """Per-lane integer dot of weight bytes q with the activation block at byte a of xq: 256 q.x1 +
-    q.x2 with two levels (|lane| <= 4 * 255 * 127 * 257 < 2^31)."""
-    v = dpbusd(zero_i32(), q, load_i8x32(xq, a))
+def _dp(isa, acc, u, s):
+    """The integer dot on instruction-set path ``isa`` (cpu_simd.ISA_PATHS). The avx2 path is exact
+    for u <= 127 (every caller's unsigned weights: nibbles, 6-bit values, MXFP4 + 12; Q8_0 and
+    IQ4 go through _sdot)."""
+    return dpbusd_isa(isa, acc, u, s)
+
+
+@njit(inline="always")
+def _idot(q, xq, a, l2, isa):
+    """Per-lane integer dot of unsigned weight bytes q with the activation block at byte a of xq:
+    256 q.x1 + q.x2 with two levels (|lane| <= 4 * 255 * 127 * 257 < 2^31)."""
+    v = _dp(isa, zero_i32(), q, load_i8x32(xq, a))
     if l2:
-        v = comb256(v, dpbusd(zero_i32(), q, load_i8x32(xq, a + l2)))
+        v = comb256(v, _dp(isa, zero_i32(), q, load_i8x32(xq, a + l2)))
+    return v
+
+
+@njit(inline="always")
+def _sdot(q, xq, a, l2, isa):
+    """_idot for signed weight bytes q (|q| <= 128): |q| . x sign(q) per level (activations avoid -128)."""
+    aq, s1 = sign_abs(q, load_i8x32(xq, a))
+    v = _dp(isa, zero_i32(), aq, s1)
+    if l2:
+        _, s2 = sign_abs(q, load_i8x32(xq, a + l2))
+        v = comb256(v, _dp(isa, zero_i32(), aq, s2))
     return v
 
 
 @njit(inline="always", fastmath=True)
-def _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2):
+def _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
     acc = zero_f32()
     corr = np.float32(0.0)
     for b in range(nb):
         p = o + 34 * b  # f16 d, i8 qs[32]
         d = load_f16(w, p)
-        v = _idot(xor80(load_i8x32(w, p + 2)), xq, xo + 32 * b, l2)
+        if isa == 0:  # vpdpbusd: w + 128 unsigned, the 128 off through the sums
+            v = _idot(xor80(load_i8x32(w, p + 2)), xq, xo + 32 * b, l2, isa)
+            corr += d * load_f32(xs, xb + b)
+        else:  # vpmaddubsw's int16 pairs would overflow on w + 128: signed weights
+            v = _sdot(load_i8x32(w, p + 2), xq, xo + 32 * b, l2, isa)
         acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
-        corr += d * load_f32(xs, xb + b)
     return hsum(acc) - np.float32(128.0) * corr
 
 
 @njit(inline="always", fastmath=True)
-def _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2):
+def _dot_q4_1(w, o, nb, xq, xo, xd, xs, xb, l2, isa, bs, hi):
+    """Q4_1 (bs 20, hi 0), Q5_0 (bs 22, hi 2: q - 16) and Q5_1 (bs 24, hi 4): f16 d, [f16 m],
+    [u32 qh at byte hi], u8 qs[16] (lo/hi nibbles); w = d q + m, or d (q - 16) without m."""
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb):
+        p = o + bs * b
+        d = load_f16(w, p)
+        q = load_nib32(w, p + bs - 16)
+        if hi:
+            q = vor(q, vshl(bits32(w, p + hi), 4))
+        acc = fma_cvt(acc, _idot(q, xq, xo + 32 * b, l2, isa), d * load_f32(xd, xb + b))
+        corr += (load_f16(w, p + 2) if bs != 22 else np.float32(-16.0) * d) * load_f32(xs, xb + b)
+    return hsum(acc) + corr
+
+
+@njit(inline="always", fastmath=True)
+def _dot_iq4(w, o, nb, xq, xo, xd, xb, l2, isa, table, xs_blocks):
+    """IQ4_NL (xs_blocks 0: 18-byte blocks, f16 d, 16 bytes of codes) and IQ4_XS (256-weight
+    blocks: f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]); codes -> signed levels by lut16."""
+    acc = zero_f32()
+    if xs_blocks == 0:
+        for b in range(nb):
+            p = o + 18 * b
+            v = _sdot(lut16(load_nib32(w, p + 2), table + _IQ4), xq, xo + 32 * b, l2, isa)
+            acc = fma_cvt(acc, v, load_f16(w, p) * load_f32(xd, xb + b))
+        return hsum(acc)
+    for b in range(nb // 8):
+        p = o + 136 * b
+        d = load_f16(w, p)
+        sh = load_u8(w, p + 2) | (load_u8(w, p + 3) << 8)
+        for s in range(8):
+            ls = ((load_u8(w, p + 4 + s // 2) >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)
+            v = _sdot(lut16(load_nib32(w, p + 8 + 16 * s), table + _IQ4), xq, xo + 256 * b + 32 * s, l2, isa)
+            acc = fma_cvt(acc, v, d * np.float32(np.int32(ls) - 32) * load_f32(xd, xb + 8 * b + s))
+    return hsum(acc)
+
+
+@njit(inline="always", fastmath=True)
+def _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
     acc = zero_f32()
     corr = np.float32(0.0)
     for b in range(nb):
         p = o + 18 * b  # f16 d, u8 qs[16] (low nibbles: weights 0-15, high: 16-31)
         d = load_f16(w, p)
-        v = _idot(load_nib32(w, p + 2), xq, xo + 32 * b, l2)
+        v = _idot(load_nib32(w, p + 2), xq, xo + 32 * b, l2, isa)
         acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
         corr += d * load_f32(xs, xb + b)
     return hsum(acc) - np.float32(8.0) * corr
 
 
 @njit(inline="always", fastmath=True)
-def _dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table):
+def _dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table, isa):
     acc = zero_f32()
     corr = np.float32(0.0)
     for b in range(nb):
         p = o + 17 * b  # u8 e, u8 qs[16] (nibble codes, Q4_0's order)
         d = _e8m0(load_u8(w, p))
-        v = _idot(lut16(load_nib32(w, p + 1), table), xq, xo + 32 * b, l2)
+        v = _idot(lut16(load_nib32(w, p + 1), table), xq, xo + 32 * b, l2, isa)
         acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
         corr += d * load_f32(xs, xb + b)
     return hsum(acc) - np.float32(12.0) * corr
@@ -145,41 +210,49 @@ def _q4k_scale_min(w, p, s):
 
 
 @njit(inline="always", fastmath=True)
-def _dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2):
+def _dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2, isa, five):
+    """Q4_K (five False) and Q5_K (five: u8 qh[32] after the scales; bit s of qh[j] is the fifth
+    bit of weight 32 s + j)."""
     acc0 = zero_f32()
     acc1 = zero_f32()
     corr = np.float32(0.0)
+    bs, qo = (176, 48) if five else (144, 16)
     for b in range(nb // 8):
-        p = o + 144 * b  # f16 d, f16 dmin, u8 scales[12], u8 qs[128]
+        p = o + bs * b  # f16 d, f16 dmin, u8 scales[12], [u8 qh[32]], u8 qs[128]
         d = load_f16(w, p)
         dmin = load_f16(w, p + 2)
         mins = np.float32(0.0)
         for c in range(4):  # 32 bytes: low nibbles are sub-block 2c, high nibbles 2c + 1
-            q = load_i8x32(w, p + 16 + 32 * c)
+            q = load_i8x32(w, p + qo + 32 * c)
+            q0, q1 = nib_lo(q), nib_hi(q)
+            if five:
+                h = load_i8x32(w, p + 16)
+                q0 = vor(q0, vshl(vand(vshr(h, 2 * c), 1), 4))
+                q1 = vor(q1, vshl(vand(vshr(h, 2 * c + 1), 1), 4))
             s = xb + 8 * b + 2 * c
             sc0, m0 = _q4k_scale_min(w, p, 2 * c)
             sc1, m1 = _q4k_scale_min(w, p, 2 * c + 1)
             a = xo + 256 * b + 64 * c
-            acc0 = fma_cvt(acc0, _idot(nib_lo(q), xq, a, l2), d * sc0 * load_f32(xd, s))
-            acc1 = fma_cvt(acc1, _idot(nib_hi(q), xq, a + 32, l2), d * sc1 * load_f32(xd, s + 1))
+            acc0 = fma_cvt(acc0, _idot(q0, xq, a, l2, isa), d * sc0 * load_f32(xd, s))
+            acc1 = fma_cvt(acc1, _idot(q1, xq, a + 32, l2, isa), d * sc1 * load_f32(xd, s + 1))
             mins += m0 * load_f32(xs, s) + m1 * load_f32(xs, s + 1)
         corr += dmin * mins
     return hsum(acc0) + hsum(acc1) - corr
 
 
 @njit(inline="always", fastmath=True)
-def _q6_part(acc, q, w, sp, dq, xq, a, l2, xd, xs16, s):
+def _q6_part(acc, q, w, sp, dq, xq, a, l2, xd, xs16, s, isa):
     """acc + dpbusd(q, activation block at a) scaled per 16 weights (i8 scales at sp, sp + 1);
     and the block's offset term sum(scale * xs16)."""
     s0 = np.float32(load_i8(w, sp))
     s1 = np.float32(load_i8(w, sp + 1))
     ds = dq * load_f32(xd, s)
-    acc = fma_cvt2(acc, _idot(q, xq, a, l2), ds * s0, ds * s1)
+    acc = fma_cvt2(acc, _idot(q, xq, a, l2, isa), ds * s0, ds * s1)
     return acc, s0 * load_f32(xs16, 2 * s) + s1 * load_f32(xs16, 2 * s + 1)
 
 
 @njit(inline="always", fastmath=True)
-def _dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2):
+def _dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa):
     acc0 = zero_f32()
     acc1 = zero_f32()
     corr = np.float32(0.0)
@@ -194,12 +267,13 @@ def _dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2):
             sp = p + 192 + 8 * hh  # scales of group g: sp + 2g (weights 0-15), sp + 2g + 1 (16-31)
             s = xb + 8 * b + 4 * hh
             a = xo + 256 * b + 128 * hh
-            acc0, t0 = _q6_part(acc0, vor(nib_lo(ql0), vshl(vand(qh, 3), 4)), w, sp, d, xq, a, l2, xd, xs16, s)
+            acc0, t0 = _q6_part(acc0, vor(nib_lo(ql0), vshl(vand(qh, 3), 4)), w, sp, d, xq, a, l2, xd, xs16, s, isa)
             acc1, t1 = _q6_part(acc1, vor(nib_lo(ql1), vshl(vand(qh, 12), 2)), w, sp + 2, d, xq, a + 32, l2, xd, xs16,
-                                s + 1)
-            acc0, t2 = _q6_part(acc0, vor(nib_hi(ql0), vand(qh, 48)), w, sp + 4, d, xq, a + 64, l2, xd, xs16, s + 2)
+                                s + 1, isa)
+            acc0, t2 = _q6_part(acc0, vor(nib_hi(ql0), vand(qh, 48)), w, sp + 4, d, xq, a + 64, l2, xd, xs16, s + 2,
+                                isa)
             acc1, t3 = _q6_part(acc1, vor(nib_hi(ql1), vand(vshr(qh, 2), 48)), w, sp + 6, d, xq, a + 96, l2, xd, xs16,
-                                s + 3)
+                                s + 3, isa)
             off += t0 + t1 + t2 + t3
         corr += d * off
     return hsum(acc0) + hsum(acc1) - np.float32(32.0) * corr
@@ -222,22 +296,27 @@ def _dot_float(qt, w, o, x, xo, cols):
 
 
 @njit(inline="always", fastmath=True)
-def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table):
+def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
     """Row ``row`` (of all experts' rows) of a tensor of type qt (w: its address, rb bytes per row)
     . input ``i``: x (address of the (n, cols) float32 inputs) for float types, the int8
-    activations xq, xd, xs, xs16, l2 (see _quantize) for quantized ones."""
+    activations xq, xd, xs, xs16, l2 (see _quantize) for quantized ones; isa: the integer dot's path."""
     o = row * rb
     nb = cols // 32
     if qt == _Q8_0:
-        return _dot_q8_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2)
-    if qt == _Q4_K:
-        return _dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2)
+        return _dot_q8_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa)
+    if qt == _Q4_K or qt == _Q5_K:
+        return _dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, qt == _Q5_K)
     if qt == _Q6_K:
-        return _dot_q6_k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2)
+        return _dot_q6_k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa)
     if qt == _Q4_0:
-        return _dot_q4_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2)
+        return _dot_q4_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa)
+    if qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:
+        bs, hi = (20, 0) if qt == _Q4_1 else (22, 2) if qt == _Q5_0 else (24, 4)
+        return _dot_q4_1(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, bs, hi)
+    if qt == _IQ4_NL or qt == _IQ4_XS:
+        return _dot_iq4(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table, qt == _IQ4_XS)
     if qt == _MXFP4:
-        return _dot_mxfp4(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, table)
+        return _dot_mxfp4(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, table, isa)
     return _dot_float(qt, w, row * cols, x, i * cols, cols)
 
 
@@ -286,9 +365,9 @@ def _quantize(xf, xq, xd, xs, xs16, l2):
 # stamps. The phases below read it; the synchronous path (_moe, OpenMP) and the pool's thread team
 # (_team_worker) run the same phases.
 (J_N, J_HIDDEN, J_FFN, J_EXPERTS, J_X, J_Y, J_QT, J_W, J_RB, J_BIAS, J_ACT, J_NG, J_ORDER, J_GSTART, J_GEXP,
- J_H, J_HU, J_XQ, J_XD, J_XS, J_XS16, J_LEVELS, J_TABLE, J_T0, J_T1) = (0, 1, 2, 3, 4, 5, 6, 9, 12, 15, 18, 19, 20,
-                                                                     21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32)
-JOB_FIELDS = 33  # J_QT, J_W, J_RB, J_BIAS: 3 fields each (gate, up, down); bias address 0 = none
+ J_H, J_HU, J_XQ, J_XD, J_XS, J_XS16, J_LEVELS, J_TABLE, J_ISA, J_T0, J_T1) = (0, 1, 2, 3, 4, 5, 6, 9, 12, 15, 18, 19, 20,
+                                                                     21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33)
+JOB_FIELDS = 34  # J_QT, J_W, J_RB, J_BIAS: 3 fields each (gate, up, down); bias address 0 = none
 _LEVELS = 2  # int8 levels of the activations (see _quantize): 2 keeps the NMSE ~1e-9, 1 is llama.cpp's
 
 
@@ -305,8 +384,9 @@ def _rows(job, k, e, r0, r1, x, cols, a, out, rows):
     """out[i * rows + r] = row r of expert e of projection k (0 gate, 1 up, 2 down) . input i, for
     rows r0..r1 - 1 and the pairs i of e's group (all addresses: x the (n, cols) float32 inputs,
     a the base of their int8 form, see _scratch_fields; out float32). The one compiled copy of
-    every type's dot. Addresses, not arrays, so that Numba adds no reference counting per row."""
-    qt, w, rb = job[J_QT + k], job[J_W + k], job[J_RB + k]
+    every type's dot; the instruction-set path J_ISA is a branch LLVM unswitches out of the loops.
+    Addresses, not arrays, so that Numba adds no reference counting per row."""
+    qt, w, rb, isa = job[J_QT + k], job[J_W + k], job[J_RB + k], job[J_ISA]
     order = numba.carray(ptr_i64(job[J_ORDER]), job[J_N])
     gstart = numba.carray(ptr_i64(job[J_GSTART]), job[J_N] + 1)
     g = a[0]
@@ -319,7 +399,8 @@ def _rows(job, k, e, r0, r1, x, cols, a, out, rows):
                 prefetch(nxt, c)
         for p in range(p0, p1):
             i = order[p]
-            store_f32(out, i * rows + r, _dot_row(qt, w, rb, e * rows + r, cols, i, x, xq, xd, xs, xs16, l2, table))
+            store_f32(out, i * rows + r, _dot_row(qt, w, rb, e * rows + r, cols, i, x, xq, xd, xs, xs16, l2, table,
+                                                  isa))
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -445,14 +526,13 @@ _OAI = {"silu": 0, "swiglu_oai": 1}  # activation -> J_ACT
 
 def tensor_views(t: ExpertTensor) -> tuple:
     """(flat uint8 bytes of all experts' rows, qtype, row_bytes): what the kernels read, checked."""
-    Q.row_bytes(t.qtype, t.cols, t.name or "expert tensor")
-    rb = Q.row_bytes(t.qtype, t.cols)
+    rb = Q.row_bytes(t.qtype, t.cols, t.name or "expert tensor", Q.CPU_QTYPES)
     if t.expert_bytes != rb * t.rows:
         raise ValueError(f"{t.name or 'expert tensor'}: {t.expert_bytes} bytes per expert, expected "
-                         f"{t.rows} rows x {rb} = {rb * t.rows} for {Q.QTYPES[t.qtype].name}")
+                         f"{t.rows} rows x {rb} = {rb * t.rows} for {Q.LAYOUTS[t.qtype].name}")
     flat = np.ascontiguousarray(t.data).reshape(-1)
     if t.qtype in (Q.F16, Q.BF16, Q.F32) and flat.ctypes.data % (4 if t.qtype == Q.F32 else 2):
-        raise ValueError(f"{t.name or 'expert tensor'}: {Q.QTYPES[t.qtype].name} data must be aligned to its element size")
+        raise ValueError(f"{t.name or 'expert tensor'}: {Q.LAYOUTS[t.qtype].name} data must be aligned to its element size")
     return flat, int(t.qtype), int(rb)
 
 
@@ -464,12 +544,14 @@ class _Scratch:
     """Per-call work buffers (grown on demand, never shrunk); a call's job holds their addresses,
     so an in-flight call keeps the set it started with (``CpuJob`` holds a reference)."""
 
-    def __init__(self):
+    def __init__(self, isa: str | None = None):
         self.n = self.width = 0
         self.arrays: tuple = ()
+        self.isa = choose_isa(isa)  # the integer dot's path: MOELAB_CPU_ISA, else the host's best
 
     def fields(self, n: int, hidden: int, ffn: int) -> tuple[tuple, np.ndarray]:
-        """(arrays, the job fields J_ORDER .. J_TABLE: their addresses, _LEVELS, the MXFP4 table's)."""
+        """(arrays, the job fields J_ORDER .. J_ISA: their addresses, _LEVELS, the code tables',
+        the instruction-set path)."""
         width = max(hidden, ffn)
         if n > self.n or width > self.width or (n * ffn > 0 and not self.arrays):
             self.n, self.width = max(n, self.n, 1), max(width, self.width)
@@ -478,7 +560,7 @@ class _Scratch:
                            np.empty(nn * max(ffn, self.width), np.float32), np.empty(nn * max(ffn, self.width), np.float32),
                            np.empty(_LEVELS * m + 64, np.int8), np.empty(m // 32 + 1, np.float32),
                            np.empty(m // 32 + 1, np.float32), np.empty(m // 16 + 1, np.float32))
-            self.addrs = np.array([_addr(a) for a in self.arrays] + [_LEVELS, _addr(_MXFP4_U8)], np.int64)
+            self.addrs = np.array([_addr(a) for a in self.arrays] + [_LEVELS, _addr(_TABLES), self.isa], np.int64)
         return self.arrays, self.addrs
 
 
@@ -525,13 +607,14 @@ def _fill(job, e, x, y, num_experts, fixed, scratch):
 
 
 def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, threads: int | None = None,
-                views: tuple | None = None, out: np.ndarray | None = None) -> np.ndarray:
+                views: tuple | None = None, out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
     """Compute the pairs' expert outputs on the calling thread with Numba's thread pool (``threads``
-    chunks per region): (n, hidden) float32 (into ``out`` when given, e.g. a page-locked buffer)."""
+    chunks per region): (n, hidden) float32 (into ``out`` when given, e.g. a page-locked buffer);
+    ``isa`` forces an instruction-set path (cpu_simd.ISA_PATHS; default MOELAB_CPU_ISA, else the best)."""
     e, x, y = _check_call(layer, experts, x, out)
     views = views or (tensor_views(layer.gate), tensor_views(layer.up), tensor_views(layer.down))
     job = np.zeros(JOB_FIELDS, np.int64)
-    keep, scratch = _Scratch().fields(len(e), layer.hidden, layer.ffn)
+    keep, scratch = _Scratch(isa).fields(len(e), layer.hidden, layer.ffn)
     if not _fill(job, e, x, y, layer.num_experts, _layer_fields(layer, views), scratch):
         raise _bad_experts(layer)
     _moe(job, int(threads or numba.get_num_threads()))

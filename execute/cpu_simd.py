@@ -27,7 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 __all__ = ["I8x32", "I32x8", "F32x8", "HAS_VNNI", "zero_i32", "zero_f32", "load_i8x32", "load_nib32",
-           "nib_lo", "nib_hi", "vand", "vor", "vshl", "vshr", "xor80", "lut16", "dpbusd", "fma_cvt",
+           "nib_lo", "nib_hi", "vand", "vor", "vshl", "vshr", "xor80", "lut16", "dpbusd", "dpbusd_isa", "sign_abs", "bits32", "ISA_PATHS", "host_isas", "choose_isa", "fma_cvt",
            "fma_cvt2", "comb256", "hsum", "addr", "prefetch", "load_f16", "load_f32", "load_u16", "load_i8", "load_u8", "store_f32",
            "ptr_f32", "ptr_i64", "ptr_i8", "atomic_load", "atomic_store", "atomic_add", "pause", "futex_wait",
            "futex_wake", "now_ns"]
@@ -193,7 +193,7 @@ def lut16(typingctx, v, table):
 
 
 def _dpbusd_ir(builder, acc, u, s):
-    """acc + per-lane sums of 4 products u8 x s8, in plain IR (LLVM picks vpmaddwd on AVX2)."""
+    """acc + per-lane sums of 4 products u8 x s8, in plain IR (no dot-product instruction)."""
     w32 = ir.VectorType(_I32, 32)
     p = builder.mul(builder.zext(u, w32), builder.sext(s, w32))
     idx = ir.VectorType(_I32, 8)
@@ -201,19 +201,121 @@ def _dpbusd_ir(builder, acc, u, s):
     return builder.add(acc, builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3])))
 
 
+def _dpbusd_vnni(builder, acc, u, s):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [V8, V8, V8]), "llvm.x86.avx512.vpdpbusd.256")
+    return builder.call(fn, [acc, builder.bitcast(u, V8), builder.bitcast(s, V8)])
+
+
+def _dpbusd_avx2(builder, acc, u, s):
+    """vpmaddubsw (u8 x s8, adjacent pairs summed into int16, saturating) then vpmaddwd with ones:
+    exact while each pair's sum fits int16, i.e. u <= 127 or |s| * u small (see ``dpbusd``)."""
+    v16 = ir.VectorType(ir.IntType(16), 16)
+    mb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [V32, V32]), "llvm.x86.avx2.pmadd.ub.sw")
+    mw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [v16, v16]), "llvm.x86.avx2.pmadd.wd")
+    pairs = builder.call(mb, [u, s])
+    return builder.add(acc, builder.call(mw, [pairs, ir.Constant(v16, [1] * 16)]))
+
+
+# The integer dot's instruction-set paths, best first: "vnni" (vpdpbusd: AVX-512 VNNI with VL, or
+# AVX-VNNI, one LLVM intrinsic, LLVM picks the encoding), "avx2" (vpmaddubsw + vpmaddwd, as
+# llama.cpp's AVX2 path), "plain" (widening multiplies and adds in plain IR). Kernels take the path
+# as a run-time argument (cpu_experts: a job field) and compile every path the host has; a path the
+# host lacks compiles as "plain" and is never chosen (choose_isa refuses it).
+ISA_PATHS = ("vnni", "avx2", "plain")
+ISA_VNNI, ISA_AVX2, ISA_PLAIN = 0, 1, 2
+HAS_AVX2 = bool(_features.get("avx2"))
+_ISA_CODEGEN = (_dpbusd_vnni if HAS_VNNI else _dpbusd_ir, _dpbusd_avx2 if HAS_AVX2 else _dpbusd_ir, _dpbusd_ir)
+
+
+def host_isas() -> tuple[str, ...]:
+    """The paths this host runs, best first."""
+    return tuple(n for n, ok in zip(ISA_PATHS, (HAS_VNNI, HAS_AVX2, True)) if ok)
+
+
+def choose_isa(name: str | None = None, what: str = "MOELAB_CPU_ISA") -> int:
+    """Index in ISA_PATHS of ``name`` (default: the environment's MOELAB_CPU_ISA, else the best
+    the host runs); a ValueError naming ``what`` for an unknown path or one the host lacks."""
+    import os
+
+    name = name if name is not None else os.environ.get("MOELAB_CPU_ISA") or host_isas()[0]
+    if name not in ISA_PATHS:
+        raise ValueError(f"{what}={name!r}: expected one of {', '.join(ISA_PATHS)}")
+    if name not in host_isas():
+        raise ValueError(f"{what}={name!r}: this CPU runs only {', '.join(host_isas())}")
+    return ISA_PATHS.index(name)
+
+
+def _dp_switch(builder, isa, acc, u, s):
+    """The dot on path ``isa`` (an i64 at run time): a three-way branch LLVM folds or unswitches
+    where ``isa`` is loop-invariant, so each path's instructions run alone."""
+    fn = builder.function
+    blocks = [fn.append_basic_block(f"dp_{n}") for n in ISA_PATHS]
+    done = fn.append_basic_block("dp_done")
+    sw = builder.switch(isa, blocks[ISA_PLAIN])
+    sw.add_case(ir.Constant(isa.type, ISA_VNNI), blocks[ISA_VNNI])
+    sw.add_case(ir.Constant(isa.type, ISA_AVX2), blocks[ISA_AVX2])
+    out = []
+    for k, blk in enumerate(blocks):
+        builder.position_at_end(blk)
+        out.append((_ISA_CODEGEN[k](builder, acc, u, s), builder.block))
+        builder.branch(done)
+    builder.position_at_end(done)
+    phi = builder.phi(V8)
+    for v, blk in out:
+        phi.add_incoming(v, blk)
+    return phi
+
+
 @intrinsic
-def dpbusd(typingctx, acc, u, s):
-    """acc[l] + sum_{k<4} u[4l+k] * s[4l+k]: u as unsigned bytes, s as signed bytes."""
-    if acc != I32x8 or u != I8x32 or s != I8x32:
+def dpbusd_isa(typingctx, isa, acc, u, s):
+    """acc[l] + sum_{k<4} u[4l+k] * s[4l+k] (u unsigned, s signed bytes) on instruction-set path
+    ``isa`` (index in ISA_PATHS): vpdpbusd; vpmaddubsw + vpmaddwd, exact when every pair
+    u[2i] s[2i] + u[2i+1] s[2i+1] fits int16 (u <= 127 with |s| <= 127, or u <= 128 with |s| <= 127
+    as after ``sign_abs``); or plain IR."""
+    if not isinstance(isa, types.Integer) or acc != I32x8 or u != I8x32 or s != I8x32:
         return None
 
     def codegen(context, builder, sig, args):
-        if not HAS_VNNI:
-            return _dpbusd_ir(builder, *args)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [V8, V8, V8]),
-                                            "llvm.x86.avx512.vpdpbusd.256")
-        return builder.call(fn, [args[0], builder.bitcast(args[1], V8), builder.bitcast(args[2], V8)])
-    return I32x8(acc, u, s), codegen
+        return _dp_switch(builder, context.cast(builder, args[0], sig.args[0], types.int64), *args[1:])
+    return I32x8(isa, acc, u, s), codegen
+
+
+@intrinsic
+def dpbusd(typingctx, acc, u, s):
+    """acc[l] + sum_{k<4} u[4l+k] * s[4l+k]: u as unsigned bytes, s as signed bytes, on the best
+    path compiled for this host (vpdpbusd with VNNI, else plain IR)."""
+    if acc != I32x8 or u != I8x32 or s != I8x32:
+        return None
+    return I32x8(acc, u, s), lambda context, builder, sig, args: _ISA_CODEGEN[0](builder, *args)
+
+
+@intrinsic
+def sign_abs(typingctx, w, x):
+    """(|w|, x * sign(w)) bytewise, for signed x signed dots on an unsigned x signed instruction:
+    |w| . x sign(w) = w . x (|w| of -128 is 128 as an unsigned byte; x must avoid -128)."""
+    if w != I8x32 or x != I8x32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        wv, xv = args
+        zero = ir.Constant(V32, None)
+        neg = builder.icmp_signed("<", wv, zero)
+        aw = builder.select(neg, builder.sub(zero, wv), wv)
+        sx = builder.select(neg, builder.sub(zero, xv), builder.select(builder.icmp_signed("==", wv, zero), zero, xv))
+        return context.make_tuple(builder, sig.return_type, (aw, sx))
+    return types.UniTuple(I8x32, 2)(w, x), codegen
+
+
+@intrinsic
+def bits32(typingctx, base, off):
+    """The 32 bits of the uint32 at base + off as bytes 0/1 (lane j: bit j)."""
+    if not _addr_args(base, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = builder.load(_ptr(context, builder, sig, args, _I32), align=1)
+        return builder.zext(builder.bitcast(b, ir.VectorType(ir.IntType(1), 32)), V32)
+    return I8x32(base, off), codegen
 
 
 @intrinsic

@@ -1,0 +1,111 @@
+"""The CPU kernels of every type they read, on every instruction-set path this host runs (forced)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from execute import cpu_simd
+from execute import quant as Q
+from execute.cpu_experts import run_experts
+from execute.experts import ExpertTensor, LayerExperts
+
+from .conftest import gguf_dequant
+
+CPU = sorted(Q.CPU_QTYPES)
+NEW = sorted(set(Q.CPU_QTYPES) - set(Q.QTYPES))
+PATHS = cpu_simd.host_isas()
+REL_ERR_INT8 = 2e-4  # two int8 levels of the inputs, as tests/execute/test_cpu_experts.py
+
+
+def layer_of(rng, qtype, num_experts, hidden, ffn, scale=1.0) -> LayerExperts:
+    """Random valid blocks of ``qtype`` (any layout) as a layer."""
+    def t(rows, cols, name):
+        data = Q.random_blocks(rng, qtype, num_experts * rows, cols, scale / np.sqrt(cols)).reshape(num_experts, -1)
+        return ExpertTensor(data, qtype, rows, cols, name)
+    return LayerExperts(0, t(ffn, hidden, "gate"), t(ffn, hidden, "up"), t(hidden, ffn, "down"))
+
+
+def reference(layer: LayerExperts, experts, x) -> np.ndarray:
+    """float64 down(silu(gate x) * up x) per pair from gguf-py's dequantized weights."""
+    out = np.empty((len(experts), layer.hidden))
+    for i, (e, xi) in enumerate(zip(experts, np.asarray(x, np.float64))):
+        g = gguf_dequant(layer.gate.data[e], layer.gate.qtype, layer.hidden) @ xi
+        u = gguf_dequant(layer.up.data[e], layer.up.qtype, layer.hidden) @ xi
+        d = gguf_dequant(layer.down.data[e], layer.down.qtype, layer.ffn)
+        out[i] = d @ (g / (1 + np.exp(-g)) * u)
+    return out
+
+
+def rel_err(y, ref) -> float:
+    assert np.isfinite(y).all()
+    return float(np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("qtype", NEW, ids=[Q.LAYOUTS[t].name for t in NEW])
+def test_new_types_match_gguf_on_every_path(qtype, rng):
+    """Q4_1, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS against gguf-py's dequantizer and a float64 product;
+    the paths agree bit for bit (their integer dots are exact)."""
+    k = Q.LAYOUTS[qtype].block_weights
+    hidden, ffn = (512, 256) if k == 256 else (160, 96)  # 32-weight types: 5- and 3-block rows, odd row starts
+    layer = layer_of(rng, qtype, 4, hidden, ffn)
+    experts = [3, 1, 3, 0]
+    x = (rng.standard_normal((4, hidden)) * [[1.0], [1e-3], [30.0], [1.0]]).astype(np.float32)
+    ys = [run_experts(layer, experts, x, threads=2, isa=isa) for isa in PATHS]
+    assert rel_err(ys[0], reference(layer, experts, x)) < REL_ERR_INT8
+    for y in ys[1:]:
+        np.testing.assert_array_equal(y, ys[0])
+
+
+@pytest.mark.parametrize("qtype", CPU, ids=[Q.LAYOUTS[t].name for t in CPU])
+def test_paths_agree_bit_for_bit_at_the_extremes(qtype, rng):
+    """Weights at their largest magnitudes (bytes 0x80 / 0xFF / 0x7F: Q8_0's -128 and 127, the
+    top nibbles and 6-bit values) against activations at +-127 in both int8 levels: the avx2 path's
+    int16 pair sums would saturate if a kernel fed it out-of-range bytes."""
+    hidden, ffn = 256, 256
+    layer = layer_of(rng, qtype, 2, hidden, ffn)
+    q = Q.LAYOUTS[qtype]
+    fields = [o + i for o in Q._F16_FIELDS.get(qtype, ()) for i in (0, 1)] + ([0] if qtype == Q.MXFP4 else [])
+    for t in (layer.gate, layer.up, layer.down):
+        if q.block_weights > 1:  # every byte but the scales: 0x80, 0xFF, 0x7F or 0
+            b = t.data.reshape(-1, q.block_bytes)
+            scales = b[:, fields].copy()
+            b[:] = rng.choice(np.array([0x80, 0xFF, 0x7F, 0x00], np.uint8), b.shape)
+            b[:, fields] = scales
+    x = np.where(rng.random((3, hidden)) < 0.5, -1.0, 1.0).astype(np.float32) * 3.0
+    x[:, ::7] = 2.999  # second level at its clip
+    ys = {isa: run_experts(layer, [0, 1, 1], x, threads=2, isa=isa) for isa in PATHS}
+    for isa, y in ys.items():
+        if qtype == Q.Q8_0 and isa == "vnni":  # w + 128 with the 128 taken off in float: rounding differs
+            assert rel_err(y, ys["plain"].astype(np.float64)) < 1e-5
+        else:
+            np.testing.assert_array_equal(y, ys["plain"])
+    assert rel_err(ys["plain"], reference(layer, [0, 1, 1], x)) < REL_ERR_INT8
+
+
+def test_choose_isa(monkeypatch):
+    assert PATHS[-1] == "plain" and cpu_simd.choose_isa("plain") == cpu_simd.ISA_PATHS.index("plain")
+    monkeypatch.setenv("MOELAB_CPU_ISA", "plain")
+    assert cpu_simd.choose_isa() == cpu_simd.ISA_PATHS.index("plain")
+    monkeypatch.setenv("MOELAB_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="MOELAB_CPU_ISA='sse9': expected one of vnni, avx2, plain"):
+        cpu_simd.choose_isa()
+    monkeypatch.delenv("MOELAB_CPU_ISA")
+    assert cpu_simd.choose_isa() == cpu_simd.ISA_PATHS.index(PATHS[0])
+
+
+def test_each_path_compiles_its_instructions():
+    """The compiled row kernel holds vpdpbusd where the host has VNNI and vpmaddubsw + vpmaddwd
+    where it has AVX2 (forcing a path runs those instructions, not a fallback)."""
+    from numba import njit
+    from numba import types as T
+
+    from execute.cpu_experts import _rows
+
+    fresh = njit(fastmath=True, nogil=True)(_rows.py_func)  # not from Numba's cache, which keeps no assembly
+    sig = (T.int64[::1],) + (T.int64,) * 6 + (T.UniTuple(T.int64, 6), T.int64, T.int64)  # as _chunk calls it
+    fresh.compile(sig)
+    asm = fresh.inspect_asm(sig)
+    if "vnni" in PATHS:
+        assert "vpdpbusd" in asm
+    if "avx2" in PATHS:
+        assert "vpmaddubsw" in asm and "vpmaddwd" in asm
