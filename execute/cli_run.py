@@ -40,8 +40,8 @@ def parser_run() -> argparse.ArgumentParser:
                    help="experts on the expert engine (GPU kernels and CPU pool), or the numpy reference (cpu only)")
     p.add_argument("--cpu-dense", action="store_true",
                    help="with --policy cpu, run the dense path on the CPU too (default: on the GPU when one is present)")
-    p.add_argument("--prefill-chunk", type=int, default=32,
-                   help="prompt tokens run as one batch (default 32; 1: token by token)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens run as one batch (default 512; 1: token by token)")
     p.add_argument("--speculative", type=int, default=0, metavar="N",
                    help="prompt-lookup speculative decoding with drafts of up to N tokens (1-4; 0: off, the default)")
     p.add_argument("--compare", action="store_true",

@@ -38,6 +38,7 @@ from scheduler import Step
 
 from .archs import rope_angles, yarn_mscale
 from .backends import EngineExperts, NumpyExperts, expert_ffn
+from .batch_route import merge_rows, route_rows
 from .driver import ChunkInput, RunResult, TokenInput, run
 from .experts import ExecutorError
 from .gguf_io import ModelWeights
@@ -350,6 +351,11 @@ class MoeModel:
         logits = _host(self._proj(hn, w["router"])).astype(np.float64)  # (T, experts): the host needs the ids
         if w["router_bias"] is not None:
             logits = logits + w["router_bias"]
+        if len(logits) > 1 and (forced is None or all(f is None for f in forced)):
+            batch = route_rows(self.info, logits, w["exp_probs_b"])  # the same ids and weights, no loop
+            if batch is not None:
+                self._route_len = [batch[0].shape[1]] * len(logits)
+                return batch
         rows = [route_weights(self.info, logits[i], w["exp_probs_b"], None if forced is None else forced[i])
                 for i in range(len(logits))]
         k = max(len(ids) for ids, _ in rows)
@@ -424,7 +430,8 @@ class MoeModel:
             if self.router_predictor is not None:
                 self._predict_router(l, x, tids)
             self._out = None
-            step = merge_step(l, tids, twts, self._route_len)
+            step = (merge_rows(l, tids, twts) if t > 1 and min(self._route_len) == tids.shape[1]
+                    else merge_step(l, tids, twts, self._route_len))
             if rows is not None:
                 for i, n in enumerate(self._route_len):
                     rows[i].append((l, tids[i, :n].tolist(), twts[i, :n].tolist()))
