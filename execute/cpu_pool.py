@@ -40,6 +40,7 @@ _GATE_NAP_NS = 20_000  # a worker that has spun past spin_ns re-checks the gate 
 _RING = 16  # job slots: calls submitted but not yet finished, at most
 _STOP = -1  # _C_GEN value that ends the workers
 _WAIT_SPIN_NS = 1_000_000  # result()'s spin when threads < cores (see CpuExpertPool)
+_DEAD_CHECK_S = 0.05  # a result() wait looks for a dead worker this often
 _ABANDONED: list = []  # arrays of calls a stalled team may still read (see CpuExpertPool._break)
 
 
@@ -177,6 +178,18 @@ def _wait_done(ctrl, seq, spin_ns, timeout_ns):
     return True
 
 
+def _guarded_worker(ctrl, ring, t, team, spin_ns, pool_ref) -> None:
+    """``_team_worker``; an exception in it is kept in the pool's ``_dead``, which ends a
+    ``result()`` wait within ``_DEAD_CHECK_S`` instead of the timeout. ``pool_ref`` is a weak
+    reference: the team must not keep its pool alive."""
+    try:
+        _team_worker(ctrl, ring, t, team, spin_ns)
+    except BaseException as exc:
+        pool = pool_ref()
+        if pool is not None:
+            pool._dead = f"CPU experts failed: worker {t} died: {exc!r}"
+
+
 def _default_spin_us(spare_core: bool) -> float:
     """``MOELAB_POOL_SPIN_US`` (microseconds a worker spins before it sleeps), else 2000 when the
     team leaves the caller a core (the team stays hot across a decode step's GPU part between
@@ -227,9 +240,14 @@ class CpuJob:
             raise ExecutorError(f"layer {self.layer}: CPU experts failed: {self._error!r}") from self._error
         pool = self._pool
         if not self.collected_s:
-            left = pool.timeout_s - (time.perf_counter() - self.submitted_s)
-            if not _wait_done(pool._ctrl, self._seq, pool._wait_spin_ns, int(max(left, 0.0) * 1e9)):
-                pool._break(f"layer {self.layer}: CPU experts did not finish within {pool.timeout_s} s")
+            while True:  # in slices: a worker that died ends the wait within one
+                left = pool.timeout_s - (time.perf_counter() - self.submitted_s)
+                wait_ns = int(max(min(left, _DEAD_CHECK_S), 0.0) * 1e9)
+                if _wait_done(pool._ctrl, self._seq, pool._wait_spin_ns, wait_ns):
+                    break
+                if pool._dead or left <= _DEAD_CHECK_S:
+                    pool._break(f"layer {self.layer}: " + (pool._dead or f"CPU experts did not finish within "
+                                                                        f"{pool.timeout_s} s"))
             self._stamp()
         return self._out
 
@@ -294,6 +312,7 @@ class CpuExpertPool:
         self._views: dict[int, tuple] = {}
         self._scratch = _Scratch()
         self._broken: str | None = None
+        self._dead: str | None = None  # a team worker's exception (see _guarded_worker)
         self._workers: list[threading.Thread] = []
         self._inflight: list[tuple[int, tuple]] = []  # (seq, arrays the team reads) until seq is done
         # a pool dropped without close(): its team finishes the calls, then stops
@@ -328,8 +347,8 @@ class CpuExpertPool:
 
     def _start(self) -> None:
         for t in range(self.threads):
-            w = threading.Thread(target=_team_worker, args=(self._ctrl, self._ring, t, self.threads, self._spin_ns),
-                                 name=f"moelab-cpu-experts-{t}", daemon=True)
+            w = threading.Thread(target=_guarded_worker, name=f"moelab-cpu-experts-{t}", daemon=True,
+                                 args=(self._ctrl, self._ring, t, self.threads, self._spin_ns, weakref.ref(self)))
             w.start()
             self._workers.append(w)
 

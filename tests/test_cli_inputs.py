@@ -328,3 +328,37 @@ def test_calibrate_calls_measured_only_the_types_it_measured():
     assert "measured" not in _efficiency_source([], ["Q4_K", "Q6_K"]).split(";")[0]
     assert "Q4_K, Q6_K: the base file's ratios to Q8_0, not measured here" in _efficiency_source([], ["Q4_K", "Q6_K"])
     assert _efficiency_source(["Q4_K"], ["Q4_K"]).startswith("measured: pool GB/s of Q4_K")
+
+
+def test_a_cpu_worker_that_dies_is_one_error_long_before_the_timeout(nan_models, monkeypatch):
+    """A worker thread's exception (a ZeroDivisionError in the kernel, as a NaN scale gave) fails the
+    pool at once: ``moelab replay`` ends with one line naming it, not after --timeout-s 120."""
+    import contextlib
+    import io
+    import threading
+
+    from execute import cpu_pool
+    from execute.cli_replay import replay_main
+
+    real = cpu_pool._team_worker
+
+    def dies(ctrl, ring, t, team, spin_ns):
+        if t == 0:
+            raise ZeroDivisionError("division by zero")
+        return real(ctrl, ring, t, team, spin_ns)
+
+    monkeypatch.setattr(cpu_pool, "_team_worker", dies)
+    err, result = io.StringIO(), []
+    argv = [str(nan_models["good"]), "--policy", "cpu", "--map", "--tokens", "4", "--threads", "2", "--timeout-s", "120",
+            "--quiet"]
+
+    def go():
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            result.append(replay_main(argv))
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(60)  # half the timeout: a wait for it fails here
+    assert not t.is_alive(), "replay waited for the timeout on a dead CPU worker"
+    assert result == [2]
+    assert "CPU experts failed: worker 0 died: ZeroDivisionError('division by zero')" in _one_line(err.getvalue())
