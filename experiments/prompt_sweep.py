@@ -45,7 +45,8 @@ def configs(args) -> list[Config]:
 def readme(config: dict, rows: list[dict]) -> str:
     lines = ["# Prompt-length sweep", "", f"Model `{config['model']}`; lengths {config['lengths']}; "
              f"{config['repeats']} repeat(s); command: `{config['command']}`.", "",
-             "| config | prompt tokens | prompt tokens/s | first token s | chunk | hit rate |", "|---|---:|---:|---:|---:|---:|"]
+             "| config | prompt tokens | prompt tokens/s | first token s | chunk | hit rate |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['prompt_tokens']} | {r['prompt_tokens_per_s']:.1f} | "
                      f"{r['first_token_s']:.3f} | {r['prefill_chunk']} | {r['hit_rate'] or 0:.3f} |")

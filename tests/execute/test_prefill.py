@@ -189,10 +189,10 @@ def test_prompt_sweep_rows(synth_path):
     path = str(synth_path("Q8_0"))
     text, n = fit_prompt(Tokenizer.from_gguf(path), 20)
     assert 0 < n <= 20 and len(Tokenizer.from_gguf(path).encode(text)) == n
-    rows = sweep(path, [8, 20], [Config("cpu", ("--policy", "cpu", "--backend", "numpy")),
-                                 Config("cpu chunk 4", ("--policy", "cpu", "--backend", "numpy", "--prefill-chunk", "4"),
-                                        {"MOELAB_PREFILL": "0"})], threads=1)
-    assert [(r["length"], r["config"]) for r in rows] == [(8, "cpu"), (8, "cpu chunk 4"), (20, "cpu"), (20, "cpu chunk 4")]
+    cpu = ("--policy", "cpu", "--backend", "numpy")
+    rows = sweep(path, [8, 20], [Config("cpu", cpu), Config("chunk 4", (*cpu, "--prefill-chunk", "4"),
+                                                            {"MOELAB_PREFILL": "0"})], threads=1)
+    assert [(r["length"], r["config"]) for r in rows] == [(8, "cpu"), (8, "chunk 4"), (20, "cpu"), (20, "chunk 4")]
     assert all(0 < r["prompt_tokens"] <= r["length"] and r["prompt_tokens_per_s"] > 0 and r["first_token_s"] > 0
                for r in rows)
     assert rows[0]["prefill_chunk"] == 512 and rows[1]["prefill_chunk"] == 4
