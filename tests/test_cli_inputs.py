@@ -362,3 +362,8 @@ def test_a_cpu_worker_that_dies_is_one_error_long_before_the_timeout(nan_models,
     assert not t.is_alive(), "replay waited for the timeout on a dead CPU worker"
     assert result == [2]
     assert "CPU experts failed: worker 0 died: ZeroDivisionError('division by zero')" in _one_line(err.getvalue())
+
+
+def test_the_exit_statuses_are_documented():
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "Exit status, the same for every command: 0 done; 2 bad input; 1 `sweep`" in text
