@@ -9,10 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from execute import fidelity as ex
+from moelab import sim_vs_real as join
+from simulate import fidelity as svr
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("sim_vs_real", ROOT / "experiments" / "sim_vs_real.py")
-svr = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(svr)
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
 
 
 def row(label, policy, f, meas, pred, slots=32):
@@ -84,26 +88,31 @@ def fake_recording(tmp_path, scales=(1.0,), configs=5):
 
 
 def compare_with(raw, hw, model):
-    orig = svr.sim_model
-    svr.sim_model = lambda layers, vocab: model
-    try:
-        return svr.compare(raw, hw)
-    finally:
-        svr.sim_model = orig
+    from execute.calibrate import synth_tokens
+
+    return svr.compare(raw, hw, synth_tokens(2, 32, 4, 12, 1)[0], model)
 
 
-def test_from_recording_simulates_compares_and_writes(tmp_path):
-    """A fake recording whose 'measured' times are the simulator's own: zero error, same decisions."""
+def test_from_recording_simulates_compares_and_writes(tmp_path, monkeypatch):
+    """A fake recording whose 'measured' times are the simulator's own: zero error, same decisions;
+    the script creates its output folder, parents included."""
+    from execute import calibrate as C
+
     raw, hw, model, hwp = fake_recording(tmp_path)
     rows = compare_with(raw, hw, model)
     an = svr.analyse(rows)
     assert an["errors"]["tokens_per_s"]["max"] == pytest.approx(0.0, abs=1e-12)
     assert an["identical_decisions"]
     assert svr.spread_summary(rows) is None  # one run per config: no spread
-    svr.write_results(tmp_path / "out", raw, rows, an, None, hwp)
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    C.write_json(rec / "raw.json", raw)
+    monkeypatch.setattr(svr, "sim_model", lambda layers, vocab: model)
+    out = tmp_path / "new" / "out"
+    assert script.main(["--hardware", hwp, "--from", str(rec), "--out", str(out), "--host-calibration", "file"]) == 0
     for f in ("sim_vs_real.csv", "sim_vs_real.json", "sim_vs_real.png"):
-        assert (tmp_path / "out" / f).stat().st_size > 0
-    assert json.loads((tmp_path / "out" / "sim_vs_real.json").read_text())["analysis"]["identical_decisions"]
+        assert (out / f).stat().st_size > 0
+    assert json.loads((out / "sim_vs_real.json").read_text())["analysis"]["identical_decisions"]
 
 
 def test_repeats_give_the_median_the_spread_and_whether_the_prediction_is_inside(tmp_path):
@@ -142,7 +151,7 @@ def test_session_hardware_takes_the_host_lane_and_pool_from_the_recorded_replays
     raw, hw, model, hwp = fake_recording(tmp_path)
     raw["calibration_records"] = replay_records(np.random.default_rng(3))
     raw["expert_bytes"], raw["args"]["threads"] = 5_013_504, 15
-    path = svr.session_hardware(hwp, raw, tmp_path / "out")
+    path = ex.session_hardware(hwp, raw, tmp_path / "out")
     got = load_hardware(path)
     assert got.executor["host_cpu_handoff_s"] == pytest.approx(180e-6)
     assert got.executor["host_copy_s"] == pytest.approx(20e-6, abs=0.5e-6)
@@ -176,12 +185,7 @@ def test_decompose_on_a_recording_of_the_simulators_own_times_agrees_side_by_sid
     raw, hw, model, _ = fake_recording(tmp_path, scales=(1.0, 1.1, 0.9))
     f = svr.token_features(raw["runs"][0], model, synth_tokens(2, 32, 4, 12, 1)[0])
     assert f.shape == (12, 4) and (f[:, 0] == 1).all() and (f[:, 1] == 2).all()  # cpu: both layers, every token
-    orig = svr.sim_model
-    svr.sim_model = lambda layers, vocab: model
-    try:
-        rows = svr.decompose(raw, hw)
-    finally:
-        svr.sim_model = orig
+    rows = svr.decompose(raw, hw, synth_tokens(2, 32, 4, 12, 1)[0], model)
     assert [r["label"] for r in rows] == [c["label"] for c in svr.configs(32)[:5]]
     cpu = rows[0]  # policy cpu: every layer has CPU experts, no copies
     assert cpu["per_token_cpu_layer"] == 2 and cpu["per_token_copy"] == 0 and cpu["measured_copy_s"] is None
@@ -238,12 +242,12 @@ def test_calibration_ratios_measure_each_phase_against_the_calibration_records(t
         recs.append(r)
         prev = n_up
     raw["calibration_records"] = recs
-    tokens, _ = svr.checked_inputs(raw["args"])
+    tokens, _ = join.checked_inputs(raw["args"])
     geo = model.geometry()
     slow = {"host_plan_s": 1.5, "input_wait_s": 1.2, "host_queue_s": 1.0, "host_combine_s": 0.8, "cpu_compute_s": 1.1}
     for run in raw["runs"]:
         pol = make_policy(run["policy"], geo, Capacity.per_layer(geo, run["slots"]),
-                          profile=svr._profile(run, tokens, geo), **svr._options(run))
+                          profile=svr.profile_of(run, tokens, geo), **svr.options_of(run))
         tot, u = dict.fromkeys(slow, 0.0), 0
         for it in drive(pol, tokens):
             if type(it) is RunLayer:
@@ -281,7 +285,7 @@ def test_unlogged_calibration_runs_round_trip_through_from_and_ignore_the_checke
         rec.mkdir(exist_ok=True)
         C.write_json(rec / "raw.json", raw)
         out = tmp_path / f"{name}-out"
-        assert svr.main(["--hardware", hwp, "--from", str(rec), "--out", str(out)]) == 0
+        assert script.main(["--hardware", hwp, "--from", str(rec), "--out", str(out)]) == 0
         return json.loads((out / "hardware-session.json").read_text()), (out / "sim_vs_real.csv").read_text()
 
     hw1, csv1 = session(raw, "rec")
@@ -296,3 +300,43 @@ def test_unlogged_calibration_runs_round_trip_through_from_and_ignore_the_checke
     hw3, _ = session({k: v for k, v in raw.items() if k != "calibration_runs"}, "old")
     assert hw3["executor"]["host_layer_plan_s"] == pytest.approx(70e-6, abs=0.5e-6)
     assert "unlogged" not in hw3["_calibration"]["session_replay"]
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    from execute import calibrate as C
+
+    from tests.execute.test_calibrate import fake_measurements
+
+    hwp = tmp_path / "hw.json"
+    C.write_json(hwp, C.hardware_json(fake_measurements(), "fake"))
+    (tmp_path / "file").write_text("x")
+    assert script.main(["--hardware", str(hwp), "--from", str(tmp_path), "--out", str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0]
+
+
+def test_budget_configs_are_the_peer_benchmarks():
+    eb = 5_013_504
+    runs = svr.configs(128, [2048, 4096, 12288], 48, eb)
+    assert [c["label"] for c in runs] == ["gpu", "cpu", "lru 2048MiB", "hybrid 2048MiB", "lru 4096MiB",
+                                          "hybrid 4096MiB", "lru 12288MiB", "hybrid 12288MiB"]
+    slots = {c["label"]: c["slots"] for c in runs}
+    assert slots["gpu"] == 128 and slots["lru 4096MiB"] == 4096 * 2**20 // (48 * eb) == 17
+    assert join.runs_of({"experts": 128, "budgets": [4096], "layers": 48, "hidden": 2048, "ffn": 768,
+                         "configs": "lru 4096MiB"}) == [c for c in runs if c["label"] == "lru 4096MiB"]
+
+
+def test_peer_rows_are_predicted_from_a_hardware_file(capsys):
+    from scheduler.hardware import load_hardware
+    from simulate import peer
+
+    result = peer.load_result(ROOT / "docs" / "perf" / "peer_h200" / "result.json")
+    m = peer.peer_model(result["config"])
+    assert m.num_layers == 48 and abs(m.vocab - 32000) < 0.15 * 32000  # synth file: vocab 32000 (router F32)
+    small = {**result, "rows": [r for r in result["rows"] if r["cell"] in ("moelab lru", "moelab cpu")]}
+    rows = peer.predict_peer(small, load_hardware(ROOT / "docs" / "fidelity" / "h200-calibrated.json"), seeds=1)
+    assert [r["row"] for r in rows] == ["moelab lru", "moelab cpu"]
+    assert rows[0]["measured_tokens_per_s"] == pytest.approx(57.3135, abs=1e-3)
+    assert rows[0]["predicted_tokens_per_s"] > rows[1]["predicted_tokens_per_s"] > 0
+    text = peer.format_peer(rows, 4096)
+    assert text.splitlines()[-1].startswith("rows within 15%: ") and "moelab cpu" in text

@@ -1,0 +1,138 @@
+"""Does the simulator predict the executor? The executor side of ``sim_vs_real`` (GPU).
+
+``run_device`` builds a Qwen3-30B-A3B-shaped model cut to ``--layers`` layers (Q8_0 experts with
+random weights in pinned host RAM, the dense part by ``calibrate.StandIn``) and replays every
+configuration through ``ExpertEngine``, interleaved over ``--repeats`` rounds (every other round in
+reverse order, so drift spreads over the configs), recording every token's wall time, the decision
+digest and the bytes uploaded. ``session_hardware`` applies the session's calibration replays to
+a hardware file. The simulation side is ``simulate.fidelity``; ``moelab.sim_vs_real`` joins them.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["replay_executor", "run_device", "session_hardware", "log"]
+
+
+def log(msg: str) -> None:
+    print(f"[sim_vs_real {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: int, make_policy_of) -> dict:
+    """Run the tokens through the engine under config ``c`` (``execute.calibrate.replay_engine``);
+    per-token wall times and what moved. ``make_policy_of(c, tokens, geometry)`` -> (policy, capacity)."""
+    from scheduler import Audit
+
+    from .calibrate import replay_engine
+    from .engine import ExpertEngine
+
+    pol, cap = make_policy_of(c, tokens, geometry)
+    engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=120, gpu=gx)
+    engine.load_residents(pol.cache.slot)
+    x0 = cp.asarray(np.random.default_rng(5).standard_normal((1, layers[0].hidden)).astype(np.float32))
+    engine.synchronize()
+    up0 = gx.bytes_uploaded
+    items, times, jobs = replay_engine(cp, engine, pol, tokens, dense, x0)
+    engine.synchronize()
+    uploaded = gx.bytes_uploaded - up0
+    engine.close()
+    audit = Audit(geometry, keep_log=True, keep_records=False)
+    for item in items:
+        audit.observe(item)
+    s = audit.summary()
+    done = [j for j in jobs if j.collected_s]
+    med = lambda v: float(np.median(v)) if v else None
+    st = engine.stats
+    return {"token_s": times, "upload_bytes": int(uploaded), "audit_upload_bytes": int(s["upload_bytes"]),
+            "hit_rate": float(s["hit_rate"]), "digest": audit.digest(), "cpu_pairs": st.cpu_pairs,
+            "cpu_compute_s": st.cpu_compute_s, "background_wait_s": st.background_wait_s,
+            "cpu_start_s": med([j.started_s - j.submitted_s for j in done]),
+            "cpu_return_s": med([j.collected_s - j.finished_s for j in done]),
+            "host_s": {k: getattr(st, k) for k in ("host_plan_s", "host_queue_s", "input_wait_s", "cpu_wait_s",
+                                                   "host_combine_s")}, "steps": st.steps}
+
+
+def run_device(args, runs: list[dict], make_policy_of) -> dict:
+    """Build the model on this machine's GPU and replay every config of ``runs`` (``args``: the
+    script's arguments); writes ``args.out/raw.json`` after every run; returns the raw results."""
+    import cupy as cp
+
+    from .calibrate import StandIn, build_layers, calibration_replay, calibration_runs, synth_tokens, write_json
+    from .gpu_experts import GpuExperts
+    from scheduler import Capacity, Geometry
+
+    rng = np.random.default_rng(args.seed)
+    log(f"building {args.layers} x {args.experts} Q8_0 experts")
+    layers = build_layers(rng, args.layers, args.experts, args.hidden, args.ffn, distinct=2)  # copies: own memory
+    eb = layers[0].expert_bytes
+    geo = Geometry((args.experts,) * args.layers, args.top_k, (eb,) * args.layers)
+    tokens, _ = synth_tokens(args.layers, args.experts, args.top_k, args.tokens, args.seed + 1)
+    warm, _ = synth_tokens(args.layers, args.experts, args.top_k, 12, args.seed + 2)
+    t0 = time.perf_counter()
+    gx = GpuExperts(layers, Capacity.per_layer(geo, args.experts // 2), scratch_slots=16, pinned=True, timeout_s=120)
+    log(f"pinned host weights in {time.perf_counter() - t0:.1f} s")
+    dense = StandIn(cp, args.layers, args.hidden, args.heads * args.head_dim, args.kv_heads * args.head_dim,
+                    args.experts, args.vocab, args.seed)
+    with gx.compute:  # the stand-in against float64 on layer 0
+        xr = cp.asarray(rng.standard_normal((1, args.hidden)).astype(np.float32))
+        y, logits = dense.layer(xr, 0)
+        ry, rl = dense.reference(xr.get(), 0)
+        dense_err = max(float(np.linalg.norm(y.get() - ry) / np.linalg.norm(ry)),
+                        float(np.linalg.norm(logits.get() - rl) / np.linalg.norm(rl)))
+    log(f"dense stand-in relative error vs float64: {dense_err:.1e}")
+    for c in (runs[0], runs[-1]):  # warm-up: kernels compiled, pools started (not recorded)
+        replay_executor(cp, c, layers, gx, dense, warm, geo, args.threads, make_policy_of)
+    for _ in range(args.warmup_rounds):  # the machine settles (clocks, caches, page tables): not recorded
+        for c in runs:
+            replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads, make_policy_of)
+    log(f"{args.warmup_rounds} warm-up round(s) done")
+    raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dense_rel_err": dense_err, "runs": [], "failed": []}
+    raw["calibration_records"], raw["calibration_runs"] = [], []
+    for rep in range(args.repeats):  # interleaved, every other round in reverse: drift spreads over configs
+        if args.host_calibration == "session":  # the calibration workload, in this process, this round
+            raw["calibration_records"].extend(calibration_replay(cp, gx, layers, args, dense))
+            t0 = time.perf_counter()
+            cal = calibration_runs(cp, gx, layers, args, dense)  # unlogged: timed as the checked runs are
+            raw["calibration_runs"].extend({**r, "round": rep} for r in cal)
+            log(f"[{rep}] unlogged calibration runs ({len(cal)} configs): {time.perf_counter() - t0:.1f} s")
+        for c in (runs if rep % 2 == 0 else runs[::-1]):
+            try:
+                r = replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads, make_policy_of)
+            except Exception as e:  # noqa: BLE001 -- recorded and reported; the other configs still run
+                log(f"{c['label']} (repeat {rep}): FAILED {e!r}")
+                raw["failed"].append({**c, "repeat": rep, "error": repr(e)})
+                continue
+            t = np.asarray(r["token_s"], np.float64)
+            log(f"[{rep}] {c['label']:<18} {len(t) / t.sum():7.1f} tok/s  p99 {np.percentile(t, 99) * 1e3:6.2f} ms  "
+                f"hits {r['hit_rate']:.3f}  up {r['upload_bytes'] / 1e9:.2f} GB")
+            raw["runs"].append({**c, **r, "repeat": rep})
+            write_json(Path(args.out) / "raw.json", raw)  # kept if a later run or the analysis fails
+    gx.close()
+    return raw
+
+
+def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:
+    """``hw_file`` with its host-lane fields and CPU pool cost from the calibration replays recorded
+    in this session (``raw["calibration_records"]``: the calibration workload of ``moelab
+    calibrate``, its own trace, run in the same process before each round, logged per layer; and
+    where recorded ``raw["calibration_runs"]``: the same trace unlogged, whose aggregates set the
+    GPU-only layers' fields); written to ``out/hardware-session.json``. The checked runs
+    (``raw["runs"]``) are not read."""
+    from .calibrate import apply_replay, replay_summary, write_json
+
+    hw = json.loads(Path(hw_file).read_text())
+    summary = replay_summary(raw["calibration_records"], raw.get("calibration_runs"))
+    hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], hw.setdefault("sources", {}))
+    hw["_about"] = f"{hw.get('_about', '')}; host lane and CPU pool from sim_vs_real's session calibration replays"
+    hw.setdefault("_calibration", {})["session_replay"] = summary
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "hardware-session.json"
+    write_json(path, hw)
+    return path
+

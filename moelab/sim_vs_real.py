@@ -1,0 +1,103 @@
+"""Does the simulator predict the executor? Joins the executor's recording (``execute.fidelity``)
+with the simulator's predictions (``simulate.fidelity``), and the peer benchmark's moelab rows
+with theirs (``simulate.peer``). ``experiments/sim_vs_real.py`` is the command line."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["checked_inputs", "runs_of", "run", "predict_peer_rows"]
+
+
+def checked_inputs(a: dict):
+    """The checked trace and the simulator's model of a recording's arguments ``a``."""
+    from execute.calibrate import synth_tokens
+    from simulate.fidelity import sim_model
+
+    tokens, _ = synth_tokens(a["layers"], a["experts"], a["top_k"], a["tokens"], a["seed"] + 1)
+    return tokens, sim_model(a["layers"], a["vocab"])
+
+
+def runs_of(a: dict) -> list[dict]:
+    """The configurations named by a recording's (or the command line's) arguments ``a``."""
+    from scheduler.models import quant_bytes
+    from simulate.fidelity import configs, select
+
+    budgets = a.get("budgets")
+    eb = quant_bytes("Q8_0", 3 * a["hidden"] * a["ffn"])  # the executor's random experts are Q8_0
+    return select(configs(a["experts"], budgets, a["layers"], eb), a.get("configs"))
+
+
+def predict_peer_rows(result_path: str, hw_path: str, seeds: int = 3) -> int:
+    """Print predicted vs measured per moelab row of a peer ``result.json``; 2 on bad input."""
+    from scheduler.hardware import HardwareError, load_hardware
+    from simulate.peer import format_peer, load_result, predict_peer
+
+    try:
+        hw = load_hardware(hw_path)
+        result = load_result(Path(result_path))
+        rows = predict_peer(result, hw, seeds)
+    except (HardwareError, ValueError) as e:
+        print(f"sim_vs_real: {e}", file=sys.stderr)
+        return 2
+    print(format_peer(rows, float(result["config"]["budget_mib"])))
+    return 0
+
+
+def run(args) -> int:
+    """The whole comparison for the parsed command line ``args`` (see the script)."""
+    from execute.fidelity import log, run_device, session_hardware
+    from scheduler.hardware import HardwareError, load_hardware
+    from simulate import fidelity as fd
+
+    try:
+        hw = load_hardware(args.hardware)
+    except HardwareError as e:
+        print(f"sim_vs_real: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"sim_vs_real: --out {out}: cannot create the folder ({e.strerror})", file=sys.stderr)
+        return 2
+    if args.from_dir:
+        src = Path(args.from_dir) / "raw.json"
+        try:
+            raw = json.loads(src.read_text())
+            raw["args"]["layers"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"sim_vs_real: {src}: not a sim_vs_real result ({e})", file=sys.stderr)
+            return 2
+    else:
+        raw = run_device(args, runs_of(vars(args)), fd.make_policy_of)
+    if not raw.get("runs"):
+        print("sim_vs_real: no recorded runs to compare", file=sys.stderr)
+        return 1
+    hw_path = args.hardware
+    if args.host_calibration == "session" and raw.get("calibration_records"):
+        hw_path = session_hardware(args.hardware, raw, out)
+        hw = load_hardware(hw_path)
+        log(f"host lane and CPU pool from this session's calibration replays: {hw_path}")
+    tokens, model = checked_inputs(raw["args"])
+    rows = fd.compare(raw, hw, tokens, model)
+    an, nz = fd.analyse(rows), fd.spread_summary(rows)
+    fd.print_table(rows, an, nz)
+    from execute.calibrate import write_json
+
+    write_json(out / "sim_vs_real.json", {"hardware": str(hw_path), "analysis": an, "noise": nz, "rows": rows,
+                                          "raw": raw})
+    fd.write_csv(out / "sim_vs_real.csv", rows)
+    fd.plot(rows, out / "sim_vs_real.png")
+    if args.decompose:
+        dec = fd.decompose(raw, hw, tokens, model)
+        fd.print_decompose(dec)
+        fd.write_csv(out / "decompose.csv", dec)
+        ratios = fd.calibration_ratios(raw, model, tokens)
+        btw = [{**r, **ratios.get(r["label"], {})} for r in fd.between_split(raw, hw)]
+        if btw:
+            fd.print_between(btw)
+            fd.write_csv(out / "between.csv", btw)
+    log(f"wrote {out}/sim_vs_real.csv, .json, .png")
+    return 0

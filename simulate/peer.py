@@ -1,0 +1,113 @@
+"""Predict the peer benchmark's moelab rows (``experiments/peer_llamacpp.py``'s ``result.json``).
+
+The benchmark runs ``moelab run`` on a synthetic GGUF of the ``qwen3-30b-a3b`` preset's shape
+(``moelab model synth``: Q8_0 experts, F16 dense matrices, ``num_blocks`` layers) at one expert budget per result, with the policies of its
+config (``gpu``: every expert in VRAM; ``cpu``: every expert on the CPU pool), a prompt of
+``prompt_tokens`` then ``decode_tokens`` generated. The prediction replays a synthetic trace of
+the same geometry under the same policy and cache size (the row's own ``cache_mib``, else the
+config's budget) on a hardware file, decode tokens/s averaged over ``seeds`` traces. Random
+weights do not route like a trained model: the measured hit rates are the check on the traces.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from scheduler.hardware import Hardware
+from scheduler.models import ModelSpec, load_model
+
+from .run import SimConfig, SimError, run
+
+__all__ = ["load_result", "peer_model", "predict_peer", "format_peer"]
+
+
+def load_result(path: Path) -> dict:
+    """A peer benchmark's result.json; ValueError naming the file and field."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable result.json ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    for key in ("config", "rows"):
+        if key not in data:
+            raise ValueError(f"{path}: missing field {key!r}")
+    for key in ("num_blocks", "block_expert_bytes", "model_bytes", "budget_mib"):
+        if key not in data["config"]:
+            raise ValueError(f"{path}: config has no field {key!r}")
+    return data
+
+
+def peer_model(config: dict) -> ModelSpec:
+    """The benchmark's model: ``qwen3-30b-a3b`` cut to ``num_blocks`` layers, Q8_0 experts and F16
+    dense matrices (``moelab model synth``'s defaults), the vocabulary solved from the file size
+    (embedding + output head are what is left)."""
+    L = int(config["num_blocks"])
+    m = replace(load_model("qwen3-30b-a3b"), num_layers=L, expert_quant="Q8_0", dense_quant="F16")
+    expert = sum(int(b) for b in config["block_expert_bytes"])
+    dense = sum(m.dense_bytes(l) for l in range(L))
+    per_row = m.head_bytes() / m.vocab  # bytes per vocabulary row of one head
+    vocab = int(round((int(config["model_bytes"]) - expert - dense) / (2 * per_row)))
+    return replace(m, vocab=max(vocab, 1), name=f"peer/{L}L")
+
+
+def _measured(rows: list[dict]) -> dict[str, dict]:
+    """Per moelab cell: the median decode rate over its runs, its policy and cache MiB."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        cell = r.get("cell", "")
+        if not cell.startswith("moelab "):
+            continue
+        e = out.setdefault(cell, {"policy": cell.split(" ", 1)[1], "decode": [], "cache_mib": None, "hit_rate": []})
+        if r.get("decode_tokens_per_s"):
+            e["decode"].append(float(r["decode_tokens_per_s"]))
+            e["hit_rate"].append(float(r.get("hit_rate", 0.0)))
+            e["cache_mib"] = r.get("cache_mib", e["cache_mib"])
+            e["decode_tokens"] = int(r.get("decode_tokens", 63))
+    return out
+
+
+def predict_peer(result: dict, hw: Hardware, seeds: int = 3) -> list[dict]:
+    """Per moelab row of ``result``: measured (median; None where every run failed) and predicted
+    decode tokens/s, hit rates, and the relative error."""
+    cfg = result["config"]
+    model = peer_model(cfg)
+    out = []
+    for cell, e in _measured(result["rows"]).items():
+        mib = e["cache_mib"] if e["cache_mib"] is not None else float(cfg["budget_mib"])
+        n = e.get("decode_tokens", int(cfg.get("tokens", 64)) - 1)
+        tps, hits = [], []
+        for seed in range(seeds):
+            sc = SimConfig(model=model.name, hardware=hw.name, policy=e["policy"], cache_mib=mib if e["policy"] != "cpu"
+                           else 0.0, trace="synth", synth_tokens=n, seed=seed)
+            try:
+                s = run(sc, hardware=hw, model=model)[0].summary()
+            except SimError as err:
+                raise ValueError(f"{cell}: {err}") from None
+            tps.append(s["tokens_per_s"])
+            hits.append(s["hit_rate"])
+        meas = float(np.median(e["decode"])) if e["decode"] else None
+        pred = float(np.mean(tps))
+        out.append({"row": cell, "policy": e["policy"], "cache_mib": mib, "measured_tokens_per_s": meas,
+                    "predicted_tokens_per_s": pred, "error": None if meas is None else pred / meas - 1,
+                    "measured_hit_rate": float(np.median(e["hit_rate"])) if e["hit_rate"] else None,
+                    "predicted_hit_rate": float(np.mean(hits))})
+    return out
+
+
+def format_peer(rows: list[dict], budget_mib: float) -> str:
+    """The rows as a text table, then the count within 15%."""
+    f = lambda v, spec: "-" if v is None else format(v, spec)
+    lines = [f"peer benchmark budget {budget_mib:g} MiB",
+             f"{'row':<22}{'cache MiB':>10}{'measured':>10}{'predicted':>10}{'error':>8}{'hits m':>8}{'hits p':>8}"]
+    for r in rows:
+        err = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        lines.append(f"{r['row']:<22}{r['cache_mib']:10.1f}{f(r['measured_tokens_per_s'], '.1f'):>10}"
+                     f"{r['predicted_tokens_per_s']:10.1f}{err:>8}{f(r['measured_hit_rate'], '.3f'):>8}"
+                     f"{r['predicted_hit_rate']:8.3f}")
+    got = [r for r in rows if r["error"] is not None]
+    lines.append(f"rows within 15%: {sum(abs(r['error']) <= 0.15 for r in got)} of {len(got)} measured")
+    return "\n".join(lines)
