@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--allow-non-finite", action="store_true",
                    help="compare on a model whose weights hold NaN or Inf (checked at load otherwise)")
+    p.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     p.set_defaults(backend="engine", audit=None)
     return p
 
@@ -179,8 +181,9 @@ def _inputs(ids: list[int], batch: int):
             yield ChunkInput(index, 0, i, phase, tuple(chunk), None, True)
 
 
-def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit) -> tuple[np.ndarray, object]:
-    """Run ``ids`` under ``policy`` and ``backend``; -> ``(N, vocab)`` float32 logits and the RunResult."""
+def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit, bar=None) -> tuple[np.ndarray, object]:
+    """Run ``ids`` under ``policy`` and ``backend``; -> ``(N, vocab)`` float32 logits and the RunResult.
+    ``bar`` (a tqdm) advances by each batch's tokens."""
     from . import model as M
 
     model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(ids))
@@ -190,6 +193,8 @@ def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit
         rows = model.chunk_logits
         rows = rows.get() if hasattr(rows, "get") else rows
         out[tokens - len(rows):tokens] = rows
+        if bar is not None:
+            bar.update(len(rows))
 
     try:
         res = M.run(model, backend, policy, _inputs(ids, args.batch), args.lag_tokens, audit, progress=keep)
@@ -228,16 +233,21 @@ def kld(args) -> dict:
     backend = _backend(args, weights, use_gpu, capacity, PROG)  # before the reference: errors come first
     audit = Audit(geometry, keep_log=True)
     ref_policy = make_policy("cpu", geometry, Capacity.per_layer(geometry, 0))
-    try:
-        ref, ref_res = _logits(weights, ref_policy, M.NumpyExperts(weights), False, ids, args, None)
-    except BaseException:
-        backend.close()
-        raise
-    if not np.isfinite(ref).all():
-        backend.close()
-        raise _Fail(f"{PROG}: the reference's logits are not finite (NaN or Inf) at position "
-                    f"{int(np.argmin(np.isfinite(ref).all(axis=1)))}; the file's weights hold non-finite values")
-    got, res = _logits(weights, policy, backend, use_gpu, ids, args, audit)
+    from tqdm import tqdm
+
+    # the reference's tokens, then the policy's
+    with tqdm(total=2 * len(ids), unit="token", desc="kld", disable=getattr(args, "quiet", False), file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        try:
+            ref, ref_res = _logits(weights, ref_policy, M.NumpyExperts(weights), False, ids, args, None, bar)
+        except BaseException:
+            backend.close()
+            raise
+        if not np.isfinite(ref).all():
+            backend.close()
+            raise _Fail(f"{PROG}: the reference's logits are not finite (NaN or Inf) at position "
+                        f"{int(np.argmin(np.isfinite(ref).all(axis=1)))}; the file's weights hold non-finite values")
+        got, res = _logits(weights, policy, backend, use_gpu, ids, args, audit, bar)
     summary = audit.summary()
     return {"model": str(args.model), "arch": info.arch, "policy": args.policy, "reference": "cpu, numpy backend",
             "gpu": use_gpu, "batch": args.batch, "lag_tokens": args.lag_tokens, "vocab": info.vocab,

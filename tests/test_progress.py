@@ -45,6 +45,7 @@ CASES = [
     ("model-synth", ["model", "synth", "m2.gguf", "--quant", "Q8_0"], "model synth"),
     ("replay", ["replay", "{model}", "--policy", "cpu", "--map", "--tokens", "4", "--threads", "1"], "replay"),
     ("run", ["run", "{model}", "-p", "hi", "-n", "2", "--threads", "1"], None),
+    ("kld", ["kld", "{model}", "--policy", "cpu", "-p", "hello there", "--tokens", "8", "--threads", "1"], "kld"),
     ("calibrate", ["calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--quick", "--small", "--layers", "1",
                    "--experts", "8", "--top-k", "2", "--hidden", "256", "--ffn", "256", "--threads", "1",
                    "--out", "hw.json"], "calibrate"),
