@@ -8,11 +8,15 @@ however many tokens use it.
 
 Quantized weights are dotted with int8 activations: x (and h before the down projection) is
 quantized once per call, per 32 values, in two int8 levels (``_quantize``); per 32 weights one
-``vpdpbusd`` per level of the weights as unsigned bytes with the activation bytes, one
-conversion and one FMA into a vector accumulator (``execute.cpu_simd``); offsets and mins come
-off through the activations' block sums. Float weights (F32, F16, BF16) are dotted with float32
-x. A call runs in two phases, gate+up then down, each split into equal runs of (expert group,
-row) work, one per thread.
+integer dot per level of the weights as bytes with the activation bytes, one conversion and one
+FMA into a vector accumulator (``execute.cpu_simd``); offsets and mins come off through the
+activations' block sums. The integer dot has three instruction-set paths, chosen per call from a
+job field (``cpu_simd.choose_isa``: ``MOELAB_CPU_ISA``, else the host's best): ``vnni``
+(``vpdpbusd``), ``avx2`` (``vpmaddubsw`` + ``vpmaddwd``, whose int16 pair sums need unsigned
+weight bytes <= 127: signed weights go through |w| and sign(x, w)) and ``plain``. Types: every
+one of ``quant.CPU_QTYPES``. Float weights (F32, F16, BF16) are dotted with float32 x. A call
+runs in two phases, gate+up then down, each split into equal runs of (expert group, row) work,
+one per thread.
 
 ``CpuExpertPool`` runs calls on a team of native threads (Numba ``nogil`` functions that never
 take the GIL) fed through a ring of job descriptions; ``submit`` returns at once, ``CpuJob.result``
@@ -50,6 +54,7 @@ __all__ = ["CpuExpertPool", "CpuJob", "run_experts", "tensor_views"]
 _Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16
 _MXFP4 = Q.MXFP4
 _Q4_1, _Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS = Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS
+_Q2_K, _Q3_K = Q.Q2_K, Q.Q3_K
 # code tables (lut16): bytes 0-15 MXFP4 code -> integer value + 12 (0..24, unsigned for dpbusd; the
 # 12 comes off through the sums); bytes 16-31 IQ4_NL/IQ4_XS code -> level (signed, see _sdot)
 _TABLES = np.concatenate([(Q.MXFP4_VALUES + 12).astype(np.uint8), IQ4_NL_VALUES.view(np.uint8)])
@@ -279,6 +284,48 @@ def _dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa):
     return hsum(acc0) + hsum(acc1) - np.float32(32.0) * corr
 
 
+@njit(inline="always")
+def _q3k_scale(w, p, k):
+    """Q3_K's 6-bit scale k (0..15) of the block at byte p, minus 32: low 4 bits in byte k % 8
+    (high nibble for k >= 8), top 2 bits at bits 2 (k // 4) of byte 8 + k % 4."""
+    lo = (load_u8(w, p + 96 + k % 8) >> (4 * (k // 8))) & 15
+    hi = (load_u8(w, p + 104 + k % 4) >> (2 * (k // 4))) & 3
+    return np.float32((lo | (hi << 4)) - 32)
+
+
+@njit(inline="always", fastmath=True)
+def _dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
+    """Q2_K (three False; 84-byte blocks: u8 scales[16], u8 qs[64], f16 d, f16 dmin) and Q3_K
+    (110-byte blocks: u8 hmask[32], u8 qs[64], u8 scales[12], f16 d). Weight 128 h + 32 s + j:
+    2 low bits at bits 2 s of qs[32 h + j]; Q3_K's third bit at bit 4 h + s of hmask[j] (q - 4 when
+    it is clear). Scales per 16 weights, two per 32-weight dot (fma_cvt2)."""
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    bs, qo = (110, 32) if three else (84, 16)
+    for b in range(nb // 8):
+        p = o + bs * b
+        d = load_f16(w, p + 108) if three else load_f16(w, p + 80)
+        dmin = np.float32(4.0) * d if three else load_f16(w, p + 82)
+        for h in range(2):
+            qv = load_i8x32(w, p + qo + 32 * h)
+            for s in range(4):
+                q = vand(vshr(qv, 2 * s), 3)
+                k = 8 * h + 2 * s  # the 16-weight sub-blocks k, k + 1
+                if three:
+                    q = vor(q, vshl(vand(vshr(load_i8x32(w, p), 4 * h + s), 1), 2))
+                    sa, sb = _q3k_scale(w, p, k), _q3k_scale(w, p, k + 1)
+                    ma, mb = sa, sb
+                else:
+                    ca, cb = load_u8(w, p + k), load_u8(w, p + k + 1)
+                    sa, sb = np.float32(ca & 15), np.float32(cb & 15)
+                    ma, mb = np.float32(ca >> 4), np.float32(cb >> 4)
+                blk = xb + 8 * b + 4 * h + s
+                ds = d * load_f32(xd, blk)
+                acc = fma_cvt2(acc, _idot(q, xq, xo + 256 * b + 128 * h + 32 * s, l2, isa), ds * sa, ds * sb)
+                corr += dmin * (ma * load_f32(xs16, 2 * blk) + mb * load_f32(xs16, 2 * blk + 1))
+    return hsum(acc) - corr
+
+
 @njit(inline="always", fastmath=True)
 def _dot_float(qt, w, o, x, xo, cols):
     """Row of a float tensor from element o (w: address of its F32 or F16/BF16 elements) . x[xo:xo + cols]."""
@@ -313,6 +360,8 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
     if qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:
         bs, hi = (20, 0) if qt == _Q4_1 else (22, 2) if qt == _Q5_0 else (24, 4)
         return _dot_q4_1(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, bs, hi)
+    if qt == _Q2_K or qt == _Q3_K:
+        return _dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, qt == _Q3_K)
     if qt == _IQ4_NL or qt == _IQ4_XS:
         return _dot_iq4(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table, qt == _IQ4_XS)
     if qt == _MXFP4:

@@ -113,7 +113,8 @@ LAYOUTS: dict[int, QuantType] = {q.qtype: q for q in (
     QuantType("MXFP4", MXFP4, 32, 17))}
 # the types both expert paths read (CPU pool and GPU arena), the CPU pool's, and the GPU fused dense path's
 QTYPES: dict[int, QuantType] = {t: LAYOUTS[t] for t in (F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, BF16, MXFP4)}
-CPU_QTYPES: dict[int, QuantType] = {**QTYPES, **{t: LAYOUTS[t] for t in (Q4_1, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS)}}
+CPU_QTYPES: dict[int, QuantType] = {**QTYPES, **{t: LAYOUTS[t] for t in (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL,
+                                                                          IQ4_XS)}}
 GPU_DENSE_QTYPES = (F32, F16, BF16, Q8_0)
 QTYPE_BY_NAME: dict[str, int] = {q.name: q.qtype for q in LAYOUTS.values()}
 

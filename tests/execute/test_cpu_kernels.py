@@ -32,7 +32,8 @@ def reference(layer: LayerExperts, experts, x) -> np.ndarray:
         g = gguf_dequant(layer.gate.data[e], layer.gate.qtype, layer.hidden) @ xi
         u = gguf_dequant(layer.up.data[e], layer.up.qtype, layer.hidden) @ xi
         d = gguf_dequant(layer.down.data[e], layer.down.qtype, layer.ffn)
-        out[i] = d @ (g / (1 + np.exp(-g)) * u)
+        with np.errstate(over="ignore"):  # silu of a very negative g: g / inf = -0
+            out[i] = d @ (g / (1 + np.exp(-g)) * u)
     return out
 
 
