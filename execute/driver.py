@@ -77,11 +77,34 @@ class RunResult:
 
 def _tokens(model, inputs) -> Iterator:
     """scheduler Tokens whose steps run the model lazily; a new sequence (or position 0) resets the
-    KV cache, a position before the end of what the sequence has run rolls it back."""
+    KV cache, a position before the end of what the sequence has run rolls it back.
+
+    With a token graph, the next input may be taken while a token is still being settled
+    (``TokenGraph.ahead``): when a token's graph completes, its logits are final, so the next input
+    (chosen from them, when a generation loop gives the inputs) is taken then and, when it is the
+    sequence's next token, its graph is launched at once (``execute.token_graph``: Pipelining)."""
     from scheduler import Token
 
+    it = iter(inputs)
+    held: list = []  # an input taken ahead
     seq, end = None, 0
-    for t in inputs:
+    tg = getattr(model, "token_graph", None)
+    if tg is not None:
+        def ahead(pos: int):
+            t = next(it, None)
+            if t is None:
+                return None
+            held.append(t)
+            if (isinstance(t, TokenInput) and t.routes is None and t.seq == seq and t.pos == end == pos
+                    and pos != 0):
+                return t.token_id
+            return None
+
+        tg.ahead = ahead
+    while True:
+        t = held.pop() if held else next(it, None)
+        if t is None:
+            return
         if isinstance(t, ChunkInput):
             ids, routes, all_logits = t.token_ids, t.routes, t.all_logits
         else:
@@ -125,7 +148,7 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
             yield step
 
     n_layers = model.info.num_layers
-    dense, experts = np.zeros(n_layers), np.zeros(n_layers)
+    dense, experts = [0.0] * n_layers, [0.0] * n_layers
     logits, tokens, steps = [], 0, 0
     prepare = getattr(backend, "prepare", None)
     if prepare is not None:
@@ -138,33 +161,42 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     tokens_in = _tokens(model, inputs)
     if begin is not None:
         tokens_in = (dataclasses.replace(t, steps=started(t.steps)) for t in tokens_in)
-    for item in drive(policy, tokens_in, lag_tokens):
-        now = time.perf_counter()
-        kind = type(item)
-        if kind is RunLayer:
-            l = item.step.layer
-            dense[l] += now - mark
-            if model.step_done:  # the token's graph computed it
-                backend.settle_layer(item)
+    clock = time.perf_counter
+    settle = getattr(backend, "settle_layer", None)
+    observe = audit.observe if audit is not None else None
+    try:
+        for item in drive(policy, tokens_in, lag_tokens):
+            now = clock()
+            kind = type(item)
+            if kind is RunLayer:
+                l = item.step.layer
+                dense[l] += now - mark
+                if model.step_done:  # the token's graph computed it
+                    settle(item)
+                else:
+                    model.deliver(backend.run_layer(item, model.last_input, model.last_ids, model.last_weights))
+                mark = clock()
+                experts[l] += mark - now
             else:
-                model.deliver(backend.run_layer(item, model.last_input, model.last_ids, model.last_weights))
-            mark = time.perf_counter()
-            experts[l] += mark - now
-        else:
-            other += now - mark
-            if kind is StartBackground:
-                backend.start_background(item.moves)
-            elif kind is AwaitBackground:
-                backend.await_background(item.moves)
-            elif kind is EndToken:
-                tokens += item.token.num_tokens
-                steps += 1
-                if keep_logits:
-                    logits.extend(_host(model.chunk_logits).copy())
-                if progress is not None:
-                    progress(tokens)
-            mark = time.perf_counter()
-            other += mark - now
-        if audit is not None:
-            audit.observe(item)
-    return RunResult(audit, tokens, time.perf_counter() - t0, dense, experts, other, logits, steps)
+                other += now - mark
+                if kind is StartBackground:
+                    backend.start_background(item.moves)
+                elif kind is AwaitBackground:
+                    backend.await_background(item.moves)
+                elif kind is EndToken:
+                    tokens += item.token.num_tokens
+                    steps += 1
+                    if keep_logits:
+                        logits.extend(_host(model.chunk_logits).copy())
+                    if progress is not None:
+                        progress(tokens)
+                mark = clock()
+                other += mark - now
+            if observe is not None:
+                observe(item)
+    finally:
+        tg = getattr(model, "token_graph", None)
+        if tg is not None:  # no input is taken ahead after the run; a graph launched ahead is waited for
+            tg.ahead = None
+            tg.drop()
+    return RunResult(audit, tokens, time.perf_counter() - t0, np.array(dense), np.array(experts), other, logits, steps)

@@ -507,30 +507,16 @@ class MoeModel:
             self._plans = self._decode_plans()
         blocks, head, hn_rows = self._plans
         s = gd.stream()
-        gd.emb.set(np.ascontiguousarray(self.token_embd[token_id] * np.float32(info.embedding_scale), np.float32))
+        tg = self.token_graph
+        ahead = tg is not None and tg.launched(pos, token_id)  # its graph runs already (token_graph: pipelining)
+        if not ahead:
+            gd.emb.set(np.ascontiguousarray(self.token_embd[token_id] * np.float32(info.embedding_scale), np.float32))
         add, start = None, 0
         rows = [] if self.route_log is not None else None
-        tg = self.token_graph
-        if (tg is not None and routes is None and self.router_predictor is None and tg.want()):
-            start, g_ids, g_wts = tg.run(pos)
-            for l in range(start):  # computed by the graph: the steps are decided and settled, not run
-                tids, twts = g_ids[l:l + 1], g_wts[l:l + 1]
-                self._route_len = [tids.shape[1]]
-                self.last_input, self.last_ids, self.last_weights = tg.hn[l:l + 1], tids, twts
-                ids_l, w_l = tids[0].tolist(), twts[0].astype(np.float64).tolist()
-                if rows is not None:
-                    rows.append((l, ids_l, w_l))
-                self.step_done = True
-                try:
-                    yield Step(l, tuple(ids_l), None, tuple(w_l))
-                finally:
-                    self.step_done = False
-            if start == len(blocks):
-                self.chunk_logits = tg.logits.copy()
-                self.logits = self.chunk_logits[-1]
-                if rows is not None:
-                    self.route_log.append((pos, rows))
-                self.pos += 1
+        if ahead or (tg is not None and routes is None and self.router_predictor is None and tg.want()):
+            # the graph's blocks: their steps are decided and settled, not run
+            start = yield from tg.steps(self, pos, rows, ahead)
+            if start == len(blocks):  # the graph completed the token (logits, position, route log)
                 return
             if start:  # block by block from the first block with a miss
                 blocks[start - 1].cur[...] = tg.cur[start - 1]

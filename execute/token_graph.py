@@ -17,6 +17,18 @@ every expert is resident and the graph always completes. For a policy whose cach
 the model, an incomplete token costs the wasted dense launches, so after an incomplete token the
 graph is tried again only after a back-off (1, 2, 4 .. 64 tokens; 0 again after a complete one).
 
+Pipelining. When a token's graph completes, its logits are final before the host has planned,
+settled or audited any of its steps. ``steps`` then asks ``ahead`` (set by the run loop,
+``execute.driver``) for the next input; when that is the same sequence's next token, its graph is
+launched at once and the host's work on the finished token's steps overlaps it. Nothing the
+scheduler decides depends on it (decisions come from the routes, which are the same), and the
+numerics do not change: the early graph reads the slot table as it stood at its launch, copied to a
+staging buffer (the host table may change while it runs); every expert in that table is in its
+slot by then (uploads and promotions are ordered before the graph on the device, background fills
+enter the table only once complete), and every copy queued after the launch waits for the graph's
+reads (``mark_read``), so no slot it reads is overwritten while it runs. An expert that the early
+graph does not find (a background fill completed after its launch) halts it, as any miss does.
+
 Numerics: the same kernels on the same values as the block-by-block path (router weights as the
 router kernel wrote them), so logits are bit-identical.
 """
@@ -24,8 +36,14 @@ from __future__ import annotations
 
 import sys
 
+import time
+
 import cupy as cp
 import numpy as np
+
+from scheduler import Step
+
+from .gpu_experts import copy_to_device
 
 __all__ = ["TokenGraph", "token_graph_env"]
 
@@ -48,7 +66,10 @@ def token_graph_env() -> bool:
 
 
 class TokenGraph:
-    """The token graph of ``model`` (a ``MoeModel`` on the fused path) with ``engine``'s experts."""
+    """The token graph of ``model`` (a ``MoeModel`` on the fused path) with ``engine``'s experts.
+    ``pipeline`` False launches no token ahead (for side-by-side timing)."""
+
+    pipeline = True
 
     def __init__(self, model, engine):
         info, gd = model.info, model.gd
@@ -57,6 +78,7 @@ class TokenGraph:
         L, k = self.L, self.k
         self.cur = cp.zeros((L, hidden), cp.float32)  # each block's residual stream after attention
         self.hn = cp.zeros((L, hidden), cp.float32)  # each block's normed MoE input
+        self.hn_rows = [self.hn[l:l + 1] for l in range(L)]  # (1, hidden) views, made once
         self.out = cp.zeros((L, hidden), cp.float32)  # each block's expert output
         self.logits = cp.zeros((1, info.vocab), cp.float32)
         ffn = max(l.ffn for l in engine.layers if l is not None)
@@ -69,6 +91,8 @@ class TokenGraph:
         self.rec_dev = cp.zeros((L, 4), cp.int64)
         self.rec[:, 3] = [0] + [int(self.out[l].data.ptr) for l in range(L - 1)]
         self.swa = [info.sliding_window if info.is_swa(l) else 0 for l in range(L)]
+        self._win = np.array(self.swa, np.int64)  # per block: its sliding window (0: none)
+        self._has_win = self._win > 0
         self.done = cp.cuda.Event(disable_timing=True)
         self.after_experts = cp.cuda.Event(disable_timing=True)
         self._stream = cp.cuda.Stream(non_blocking=True)
@@ -80,6 +104,15 @@ class TokenGraph:
         self.failed = False  # a capture failed: never again for this model
         self.tokens = self.complete = 0
         self._gd = gd
+        # the slot table as the last launch read it (the host's may change while a graph runs)
+        self._stage_mem = cp.cuda.alloc_pinned_memory(engine.table_dev.nbytes)
+        self._stage = np.frombuffer(self._stage_mem, np.uint64, engine.table_dev.size).reshape(engine.table_dev.shape)
+        self._emb_mem = cp.cuda.alloc_pinned_memory(4 * hidden)  # the embedding of a token launched ahead
+        self._emb = np.frombuffer(self._emb_mem, np.float32, hidden)
+        self.ahead = None  # the run loop's: ahead(pos) -> the token id to launch at pos next, or None
+        self._pending = None  # (pos, token id or None) of the launched graph not yet read back
+        self.launched_ahead = 0  # tokens launched before the previous token's steps were settled
+        self.wait_s = 0.0  # host time blocked on the graphs (in result)
 
     # build ---------------------------------------------------------------------------------------
     def _launches(self) -> list:
@@ -155,28 +188,42 @@ class TokenGraph:
             return False
         return True
 
-    def run(self, pos: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """Run the token at ``pos`` (its embedding already in ``gd.emb``): -> the number of blocks
-        the graph completed (``halt``), ids ``(L, k)`` int64 and weights ``(L, k)`` float32 of
-        blocks ``0 .. halt`` (rows past it are not meaningful)."""
+    def launch(self, pos: int) -> bool:
+        """Launch the token at ``pos`` (its embedding already queued into ``gd.emb`` on the current
+        stream) without waiting; False when the graph cannot be built. ``result`` reads it back."""
         if self._exec == 0 or self._cache is not self.model.k_cache[0]:
             if not self._build():
-                return 0, np.zeros((self.L, self.k), np.int64), np.zeros((self.L, self.k), np.float32)
-        L, k, gx = self.L, self.k, self.gx
+                return False
+        gx = self.gx
         rec = self.rec
         n = pos + 1
-        for l, win in enumerate(self.swa):
-            lo = max(0, n - win) if win else 0
-            rec[l, 0], rec[l, 1], rec[l, 2] = pos, lo, n - lo
+        lo = np.where(self._has_win, np.maximum(n - self._win, 0), 0)  # each block's first key
+        rec[:, 0] = pos
+        rec[:, 1] = lo
+        rec[:, 2] = n - lo
         s = cp.cuda.get_current_stream().ptr
         _rt.eventRecord(self.after_experts.ptr, gx.compute.ptr)  # expert work queued before this token
         _rt.streamWaitEvent(s, self.after_experts.ptr)
-        self.engine.sync_table(s)
+        res = self.engine.slot_of
+        if res.dirty:  # the graph reads a staged copy: the host table may change while it runs
+            np.copyto(self._stage, res.table)
+            copy_to_device(self.engine.table_dev, self._stage, s)
+            res.dirty = False
         _rt.graphLaunch(self._exec, s)
         _rt.eventRecord(self.done.ptr, s)
         _rt.streamWaitEvent(gx.compute.ptr, self.done.ptr)
         gx.mark_read()  # copies into slots wait for the graph's reads
+        self._pending = (pos, None)
+        return True
+
+    def result(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """Wait for the launched graph: -> the number of blocks it completed (``halt``), ids ``(L, k)``
+        int64 and weights ``(L, k)`` float32 of blocks ``0 .. halt`` (rows past it are not meaningful)."""
+        L, k = self.L, self.k
+        t0 = time.perf_counter()
         self.done.synchronize()
+        self.wait_s += time.perf_counter() - t0
+        self._pending = None
         back = self.back
         halt = int(back[L * 2 * k:].view(np.int32)[0])
         m = L if halt >= L else halt
@@ -191,3 +238,71 @@ class TokenGraph:
             self.skip = self._backoff
             self._backoff = min(2 * self._backoff, _MAX_SKIP)
         return m, ids, wts
+
+    def run(self, pos: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """``launch`` then ``result`` (0 blocks when the graph cannot be built)."""
+        if not self.launch(pos):
+            return 0, np.zeros((self.L, self.k), np.int64), np.zeros((self.L, self.k), np.float32)
+        return self.result()
+
+    def launched(self, pos: int, token_id: int) -> bool:
+        """Whether token ``token_id`` at ``pos`` was launched ahead (``steps`` then reads it back)."""
+        return self._pending == (pos, token_id)
+
+    def drop(self) -> None:
+        """Forget a graph launched ahead and not read back (a run that ended early), after it ran."""
+        if self._pending is not None:
+            self.done.synchronize()
+            self._pending = None
+
+    def _launch_ahead(self, pos: int, token_id: int) -> None:
+        """Launch the next token of the sequence now, if the graph would be tried for it."""
+        model = self.model
+        if (pos + 1 > model.k_cache[0].shape[1] or self._cache is not model.k_cache[0]
+                or model.router_predictor is not None or not self.want()):
+            return
+        np.copyto(self._emb, np.ascontiguousarray(model.token_embd[token_id] * np.float32(model.info.embedding_scale),
+                                                  np.float32))
+        copy_to_device(self._gd.emb, self._emb, cp.cuda.get_current_stream().ptr)
+        if self.launch(pos):
+            self._pending = (pos, token_id)
+            self.launched_ahead += 1
+
+    def steps(self, model, pos: int, rows: list | None, ahead: bool = False):
+        """The token at ``pos`` through the graph (``model._token_fast``'s decode token: its embedding
+        queued, or with ``ahead`` the graph ``launched`` ahead for it): yields the Steps of the blocks it completed, each with
+        ``model.step_done`` set (the run loop settles them), and returns how many. ``rows``: the
+        model's route log of the token, extended by those blocks' routes. A token the graph
+        completed leaves the model after the token (logits, position, route log) before its first
+        step is yielded, and the next token may be launched then (see Pipelining above); the
+        steps' ``last_input`` rows are then not this token's (nothing reads them for a settled step)."""
+        if not ahead:
+            self.drop()
+            if not self.launch(pos):
+                return 0
+        m, g_ids, g_wts = self.result()
+        ids_rows = g_ids[:m].tolist()
+        w_rows = g_wts[:m].astype(np.float64).tolist()
+        if rows is not None:
+            rows.extend((l, ids_rows[l], w_rows[l]) for l in range(m))
+        if m == self.L:
+            model.chunk_logits = self.logits.copy()
+            model.logits = model.chunk_logits[-1]
+            if rows is not None:
+                model.route_log.append((pos, rows))
+            model.pos = pos + 1
+            ahead = self.ahead
+            if ahead is not None and self.pipeline:
+                nxt = ahead(pos + 1)
+                if nxt is not None:
+                    self._launch_ahead(pos + 1, nxt)
+        model._route_len = [self.k]
+        hn = self.hn_rows
+        for l in range(m):
+            model.last_input, model.last_ids, model.last_weights = hn[l], g_ids[l:l + 1], g_wts[l:l + 1]
+            model.step_done = True
+            try:
+                yield Step(l, tuple(ids_rows[l]), None, tuple(w_rows[l]))
+            finally:
+                model.step_done = False
+        return m

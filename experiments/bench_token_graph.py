@@ -1,13 +1,16 @@
 """Decode speed with and without the token graph (``execute.token_graph``), side by side in one run.
 
-For each policy, the same decode tokens (random ids, one sequence) run twice on a GGUF through
-``execute.model.run`` with the expert engine: block by block (``MOELAB_TOKEN_GRAPH=0``) and with
-the token graph (the default). The first ``--warmup`` tokens are not timed. Prints and writes
-(``--out``/bench_token_graph.json) per run: tokens/s, wall time per layer step, host time in the
-engine per layer step (``run_layer`` or ``settle_layer``: plan + queue + combine), the share of
-tokens the graph completed, and the hit rate; then graph / block-by-block per policy.
+For each policy, the same decode tokens (random ids, one sequence) run on a GGUF through
+``execute.model.run`` with the expert engine, in each of ``--modes``: ``plain`` block by block
+(``MOELAB_TOKEN_GRAPH=0``), ``graph`` the token graph without pipelining, ``pipelined`` the token
+graph with the next token launched while the host settles the last (the default). The first
+``--warmup`` tokens are not timed. Prints and writes (``--out``/bench_token_graph.json) per run:
+tokens/s, wall time per layer step, host time in the engine per layer step (``run_layer`` or
+``settle_layer``: plan + queue + combine), the host's time blocked on graphs per layer step (wait:
+the GPU's share the host did not overlap), the tokens launched ahead, the share of tokens the graph
+completed, and the hit rate; then each mode / plain per policy.
 
-    python experiments/bench_token_graph.py MODEL.gguf --policies gpu,lru --cache-mib 2048
+    python experiments/bench_token_graph.py MODEL.gguf --policies gpu,lru,hybrid --cache-mib 2048
 """
 from __future__ import annotations
 
@@ -21,12 +24,14 @@ from pathlib import Path
 import numpy as np
 
 
-def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: int, graph: bool, threads: int) -> dict:
+def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: int, mode: str, threads: int) -> dict:
     from execute import model as M
+    from execute.token_graph import TokenGraph
     from scheduler import Capacity, make_policy
     from scheduler.audit import Audit
 
-    os.environ["MOELAB_TOKEN_GRAPH"] = "1" if graph else "0"
+    os.environ["MOELAB_TOKEN_GRAPH"] = "0" if mode == "plain" else "1"
+    TokenGraph.pipeline = mode == "pipelined"
     info = weights.info
     g = info.geometry()
     cap = Capacity.per_layer(g, max(info.num_experts)) if policy == "gpu" else Capacity.from_mib(g, cache_mib)
@@ -40,7 +45,7 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
             marks["t0"] = time.perf_counter()
             marks["stats"] = dict(vars(backend.engine.stats))
             tg = getattr(model, "token_graph", None)
-            marks["tg"] = (tg.tokens, tg.complete) if tg is not None else (0, 0)
+            marks["tg"] = (tg.tokens, tg.complete, tg.wait_s, tg.launched_ahead) if tg is not None else (0, 0, 0.0, 0)
 
     inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
     try:
@@ -52,18 +57,20 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
         st = vars(backend.engine.stats)
     finally:
         backend.close()
+        TokenGraph.pipeline = True
     n = len(tokens) - warmup
     d = {k: st.get(k, 0) - marks["stats"].get(k, 0) for k in ("steps", "host_plan_s", "host_queue_s", "host_combine_s",
                                                  "host_early_s", "graph_steps", "uploads")}
     steps = max(d["steps"], 1)
     tg = getattr(model, "token_graph", None)
-    tried, done = ((tg.tokens, tg.complete) if tg is not None else (0, 0))
-    tried, done = tried - marks["tg"][0], done - marks["tg"][1]
+    now = (tg.tokens, tg.complete, tg.wait_s, tg.launched_ahead) if tg is not None else (0, 0, 0.0, 0)
+    tried, done, wait_s, ahead = (a - b for a, b in zip(now, marks["tg"]))
     s = audit.summary()
-    return {"policy": policy, "graph": graph, "tokens": n, "tokens_per_s": n / wall, "wall_s": wall,
+    return {"policy": policy, "mode": mode, "tokens": n, "tokens_per_s": n / wall, "wall_s": wall,
             "wall_us_per_layer_step": 1e6 * wall / steps,
             "engine_host_us_per_layer_step": 1e6 * (d["host_plan_s"] + d["host_queue_s"] + d["host_combine_s"]
                                                     + d["host_early_s"]) / steps,
+            "graph_wait_us_per_layer_step": 1e6 * wait_s / steps, "tokens_launched_ahead": ahead,
             "graph_tokens_tried": tried, "graph_tokens_complete": done, "graph_steps": d["graph_steps"],
             "uploads": d["uploads"], "hit_rate": s["hit_rate"], "cache_mib": cap.slot_bytes(g) / 2**20}
 
@@ -72,6 +79,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="GGUF model")
     ap.add_argument("--policies", default="gpu,lru", help="comma list (default gpu,lru)")
+    ap.add_argument("--modes", default="plain,graph,pipelined", help="comma list of plain, graph, pipelined")
     ap.add_argument("--cache-mib", type=float, default=2048, help="expert cache of the policies other than gpu")
     ap.add_argument("--tokens", type=int, default=96, help="timed decode tokens")
     ap.add_argument("--warmup", type=int, default=16, help="untimed tokens first")
@@ -81,22 +89,28 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.warmup < 1:
         ap.error("--tokens and --warmup: expected >= 1")
+    modes = args.modes.split(",")
+    if not modes or any(m not in ("plain", "graph", "pipelined") for m in modes):
+        ap.error(f"--modes: {args.modes!r}, expected a comma list of plain, graph, pipelined")
     from execute.gguf_io import load_model
 
     weights = load_model(args.model)
     tokens = np.random.default_rng(args.seed).integers(weights.info.vocab, size=args.tokens + args.warmup).tolist()
     rows = []
     for policy in args.policies.split(","):
-        for graph in (False, True):
-            r = run_one(weights, policy, args.cache_mib, tokens, args.warmup, graph, args.threads)
+        for mode in modes:
+            r = run_one(weights, policy, args.cache_mib, tokens, args.warmup, mode, args.threads)
             rows.append(r)
-            print(f"{policy:>8} graph={int(graph)}: {r['tokens_per_s']:7.1f} tok/s, wall {r['wall_us_per_layer_step']:6.1f} "
-                  f"us/layer step, engine host {r['engine_host_us_per_layer_step']:5.1f} us/layer step, graph "
-                  f"{r['graph_tokens_complete']}/{r['graph_tokens_tried']} tokens complete, hits {r['hit_rate']:.3f}",
-                  flush=True)
+            print(f"{policy:>8} {mode:>9}: {r['tokens_per_s']:7.1f} tok/s, wall {r['wall_us_per_layer_step']:6.1f} "
+                  f"us/layer step, engine host {r['engine_host_us_per_layer_step']:5.1f}, graph wait "
+                  f"{r['graph_wait_us_per_layer_step']:5.1f} us/layer step, graph {r['graph_tokens_complete']}/"
+                  f"{r['graph_tokens_tried']} tokens complete, {r['tokens_launched_ahead']} ahead, hits "
+                  f"{r['hit_rate']:.3f}", flush=True)
     for policy in args.policies.split(","):
-        a, b = (next(r for r in rows if r["policy"] == policy and r["graph"] == g) for g in (False, True))
-        print(f"{policy}: token graph / block by block = {b['tokens_per_s'] / a['tokens_per_s']:.2f}x")
+        base = next((r for r in rows if r["policy"] == policy and r["mode"] == modes[0]), None)
+        for r in rows:
+            if r["policy"] == policy and r is not base:
+                print(f"{policy}: {r['mode']} / {base['mode']} = {r['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(vars(args), layers=weights.info.num_layers, experts=list(weights.info.num_experts)[:1])

@@ -1,7 +1,9 @@
 """execute.token_graph: a decode token as one CUDA graph (experts reading the routes and the slot
 table on the device) gives the bits of the block-by-block path, with the same decisions, when every
 expert is resident (``gpu``) and when a block misses (``lru`` on 3 of 8 slots: the graph halts and
-the token continues block by block from that block)."""
+the token continues block by block from that block); with each next token chosen from the logits
+(greedy), a token's graph launched while the host still settles the previous token (pipelining)
+gives the same bits, tokens and decisions, background copies included (``hybrid``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,7 +33,7 @@ def weights(tmp_path_factory):
     return get
 
 
-def _run(w, policy: str, slots: int, tokens, graph: bool, monkeypatch):
+def _run(w, policy: str, slots: int, tokens, graph: bool, monkeypatch, lag_tokens: int = 1):
     monkeypatch.setenv("MOELAB_TOKEN_GRAPH", "1" if graph else "0")
     g = w.info.geometry()
     cap = Capacity.per_layer(g, slots)
@@ -39,9 +41,9 @@ def _run(w, policy: str, slots: int, tokens, graph: bool, monkeypatch):
     model.route_log = []
     backend = M.EngineExperts(w, cap, threads=2, use_gpu=True)
     audit = Audit(g, keep_log=True)
-    inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
+    inputs = tokens(model) if callable(tokens) else [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
     try:
-        res = M.run(model, backend, make_policy(policy, g, cap), inputs, audit=audit, keep_logits=True)
+        res = M.run(model, backend, make_policy(policy, g, cap), inputs, lag_tokens, audit=audit, keep_logits=True)
         stats = backend.engine.stats
     finally:
         backend.close()
@@ -68,3 +70,40 @@ def test_token_graph_gives_the_block_by_block_bits(weights, arch, policy, slots,
         assert st.graph_steps == len(tokens) * w.info.num_layers and st.settled_moves == 0
     else:  # some tokens halt at a miss and continue block by block; some complete
         assert tg.tokens >= len(tokens) // 2 and st.graph_steps > 0 and a1.summary()["uploads"] > 0
+
+
+def _greedy(first: int, n: int, out: list):
+    """Inputs of a greedy generation: each token after the first is the argmax of the model's
+    logits when the loop asks for it (appended to ``out``)."""
+    from execute.xp import host
+
+    def inputs(model):
+        t = first
+        for i in range(n):
+            if i:
+                t = int(np.argmax(host(model.logits)))
+            out.append(t)
+            yield M.TokenInput(i, 0, i, "decode", t)
+
+    return inputs
+
+
+@pytest.mark.parametrize("policy, slots, lag", [("gpu", 8, 1), ("hybrid", 3, 1), ("hybrid", 3, 0), ("lru", 3, 1)])
+def test_pipelined_graphs_give_the_block_by_block_tokens(weights, policy, slots, lag, monkeypatch):
+    cupy_or_skip()
+    w = weights("qwen3moe")
+    from execute import token_graph
+
+    monkeypatch.setattr(token_graph, "_MAX_SKIP", 0)
+    off, on = [], []
+    plain, m0, a0, _ = _run(w, policy, slots, _greedy(7, 40, off), False, monkeypatch, lag)
+    got, m1, a1, st = _run(w, policy, slots, _greedy(7, 40, on), True, monkeypatch, lag)
+    tg = m1.token_graph
+    assert on == off and np.array_equal(got, plain)
+    assert m1.route_log == m0.route_log and a1.digest() == a0.digest()
+    assert tg.ahead is None and tg._pending is None
+    assert tg.launched_ahead > 0 and st.graph_steps > 0
+    if policy == "gpu":  # every token completes: all but the first few (cache growth) launched ahead
+        assert tg.complete == tg.tokens == len(on) and tg.launched_ahead >= len(on) - 5
+    if policy == "hybrid":
+        assert a1.summary()["fills"] + a1.summary()["swaps"] > 0
