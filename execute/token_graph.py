@@ -270,12 +270,13 @@ class TokenGraph:
 
     def steps(self, model, pos: int, rows: list | None, ahead: bool = False):
         """The token at ``pos`` through the graph (``model._token_fast``'s decode token: its embedding
-        queued, or with ``ahead`` the graph ``launched`` ahead for it): yields the Steps of the blocks it completed, each with
-        ``model.step_done`` set (the run loop settles them), and returns how many. ``rows``: the
-        model's route log of the token, extended by those blocks' routes. A token the graph
-        completed leaves the model after the token (logits, position, route log) before its first
-        step is yielded, and the next token may be launched then (see Pipelining above); the
-        steps' ``last_input`` rows are then not this token's (nothing reads them for a settled step)."""
+        queued, or with ``ahead`` the graph ``launched`` ahead for it): yields the Steps of the blocks
+        it completed, each with ``model.step_done`` set (the run loop settles them), and returns how
+        many. ``rows``: the model's route log of the token, extended by those blocks' routes. A token
+        the graph completed leaves the model after the token (logits, position, route log) before
+        its first step is yielded, and the next token may be launched then (see Pipelining above);
+        the steps' ``last_input`` rows are then not this token's (nothing reads them for a settled
+        step)."""
         if not ahead:
             self.drop()
             if not self.launch(pos):
@@ -291,9 +292,9 @@ class TokenGraph:
             if rows is not None:
                 model.route_log.append((pos, rows))
             model.pos = pos + 1
-            ahead = self.ahead
-            if ahead is not None and self.pipeline:
-                nxt = ahead(pos + 1)
+            take = self.ahead
+            if take is not None and self.pipeline:
+                nxt = take(pos + 1)
                 if nxt is not None:
                     self._launch_ahead(pos + 1, nxt)
         model._route_len = [self.k]
