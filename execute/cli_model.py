@@ -95,6 +95,8 @@ def _info(args) -> int:
           f"sliding window {info.sliding_window}; leading dense blocks {info.leading_dense}")
     print(f"  expert quant types: {', '.join(d['expert_qtypes'])}; all tensors: "
           + ", ".join(f"{k} x{v}" for k, v in sorted(d["tensor_qtypes"].items())))
+    for name, path in d["qtype_paths"].items():
+        print(f"  {name}: {path}")
     print(f"  bytes per expert: {', '.join(_fmt_bytes(b) for b in eb)} ({eb[0] if len(eb) == 1 else eb} B)")
     print(f"  total expert bytes: {_fmt_bytes(info.total_expert_bytes)} ({info.total_expert_bytes} B)")
     return 0

@@ -86,7 +86,7 @@ def _replay(args) -> int:
     check_common(args, "moelab replay")
     if args.tokens is not None and args.tokens < 1:
         raise Fail(f"moelab replay: --tokens {args.tokens}: expected >= 1")
-    weights = load_checked(args.model, args.allow_non_finite)
+    weights = load_checked(args.model, args.allow_non_finite, cpu_only=not wants_gpu(args))
     info = weights.info
     trace = _load_trace(args, info)
     from scheduler import Geometry

@@ -11,7 +11,7 @@ from scheduler import MISS_FRAC_256
 from scheduler.args import ArgumentParser
 
 from .cli_generate import batch_positions, generate, prompt_ids, record_trace
-from .cli_options import Fail, check_common, guard
+from .cli_options import Fail, check_common, guard, wants_gpu
 from .weights_check import load_checked
 from .experts import ExecutorError
 
@@ -111,7 +111,7 @@ def _run(args) -> int:
     from .tokenizer import Tokenizer, TokenizerError
 
     check_run_args(args)
-    weights = load_checked(args.model, args.allow_non_finite)
+    weights = load_checked(args.model, args.allow_non_finite, cpu_only=not wants_gpu(args))
     try:
         tok = Tokenizer.from_gguf(args.model)
         Sampler(args.temp, args.seed, args.top_k)

@@ -366,7 +366,8 @@ def llamacpp_problems(path: str | os.PathLike) -> list[str]:
 
 def qtype_paths(info: ModelInfo) -> dict[str, str]:
     """Which path runs each quant type present, by type name: the routed experts' types (CPU pool
-    kernel, GPU expert kernel, or dequantized to F16 at load, see :func:`load_model`) and the
+    kernel, GPU expert kernel, or dequantized to F16 at load, see :func:`load_model`: a run without
+    a GPU loads with ``cpu_only``) and the
     dense tensors' (dequantized to float32 at load; F32, F16, BF16 and Q8_0 matrices are also
     read by the GPU's fused dense path as stored)."""
     experts = {t.qtype for t in info.tensors if "_exps.weight" in t.name}
@@ -378,7 +379,7 @@ def qtype_paths(info: ModelInfo) -> dict[str, str]:
             if qt in Q.QTYPES:
                 parts.append("experts: CPU kernel, GPU kernel")
             elif qt in Q.CPU_QTYPES:
-                parts.append("experts: CPU kernel (policy cpu), else dequantized to F16 at load")
+                parts.append("experts: CPU kernel on host-only runs, else dequantized to F16 at load")
             else:
                 parts.append("experts: dequantized to F16 at load")
         if qt in dense:

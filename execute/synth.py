@@ -58,7 +58,10 @@ CHAT_TEMPLATES = {
     "harmony": ("{% for message in messages %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + "
                 "'<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"),
 }
-_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32, "MXFP4": 38}
+# llama.cpp's general.file_type of a file whose experts are of a type (the K types: its _M preset)
+_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 12,
+               "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23, "IQ1_S": 24,
+               "IQ4_NL": 25, "IQ3_S": 26, "IQ2_S": 28, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "MXFP4": 38}
 
 # Geometry presets (``moelab model synth --preset NAME``); fields not given keep SynthConfig's defaults.
 PRESETS = {
@@ -86,6 +89,7 @@ class SynthConfig:
     context_length: int = 4096
     quant: str = "Q8_0"
     dense_quant: str = "F16"
+    down_quant: str = ""  # the experts' down projection's type ("": quant), e.g. Q6_K in a Q4_K_M-style file
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
     mla: str = "split"  # deepseek2: "split" (attn_k_b / attn_v_b) or "kv_b" (the older attn_kv_b)
@@ -122,12 +126,16 @@ class SynthConfig:
             raise ValueError(f"SynthConfig.quant: {self.quant!r}, expected one of {', '.join(gguf_io.EXPERT_QTYPES)}")
         if self.dense_quant.upper() not in ("F32", "F16", "BF16", "Q8_0"):
             raise ValueError(f"SynthConfig.dense_quant: {self.dense_quant!r}, expected F32, F16, BF16 or Q8_0")
+        if self.down_quant and self.down_quant.upper() not in gguf_io.EXPERT_QTYPES:
+            raise ValueError(f"SynthConfig.down_quant: {self.down_quant!r}, expected '' or one of "
+                             f"{', '.join(gguf_io.EXPERT_QTYPES)}")
         object.__setattr__(self, "quant", self.quant.upper())
         object.__setattr__(self, "dense_quant", self.dense_quant.upper())
-        block = gguf_io.block_shape(qtype_value(self.quant))[0]
-        for name in ("hidden", "ffn"):
+        object.__setattr__(self, "down_quant", self.down_quant.upper() or self.quant)
+        for name, quant in (("hidden", self.quant), ("ffn", self.quant), ("ffn", self.down_quant)):
+            block = gguf_io.block_shape(qtype_value(quant))[0]
             if getattr(self, name) % block:
-                raise ValueError(f"SynthConfig.{name}: {getattr(self, name)} is not a multiple of {self.quant}'s "
+                raise ValueError(f"SynthConfig.{name}: {getattr(self, name)} is not a multiple of {quant}'s "
                                  f"block size {block} (expert rows are {name} long)")
         dblock = gguf_io.block_shape(qtype_value(self.dense_quant))[0]
         for name, n in (("hidden", self.hidden), ("num_heads*head_dim", self.num_heads * self.head_dim)):
@@ -136,9 +144,10 @@ class SynthConfig:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert (gate + up + down) in the expert quant type."""
+        """Bytes of one expert (gate + up + down) in the expert quant types."""
         block, size = gguf_io.block_shape(qtype_value(self.quant))
-        return 3 * self.ffn * self.hidden // block * size
+        dblock, dsize = gguf_io.block_shape(qtype_value(self.down_quant))
+        return 2 * self.ffn * self.hidden // block * size + self.ffn * self.hidden // dblock * dsize
 
 
 # random weights -----------------------------------------------------------------------------------
@@ -301,7 +310,7 @@ def _ffn_specs(cfg: SynthConfig, l: int, p: str, add) -> None:
         add(p + "exp_probs_b.bias", (e,), f32, "bias")
     add(p + "ffn_gate_exps.weight", (e, f, h), xq, "mat")
     add(p + "ffn_up_exps.weight", (e, f, h), xq, "mat")
-    add(p + "ffn_down_exps.weight", (e, h, f), xq, "mat")
+    add(p + "ffn_down_exps.weight", (e, h, f), qtype_value(cfg.down_quant), "mat")
     if spec.activation == "swiglu_oai":
         add(p + "ffn_gate_exps.bias", (e, f), f32, "bias")
         add(p + "ffn_up_exps.bias", (e, f), f32, "bias")

@@ -88,8 +88,8 @@ def test_expert_type_without_a_kernel_is_dequantized_to_f16_at_load(tmp_path, rn
     qtype_paths says which path runs each type."""
     from execute import quant as Q
 
-    cfg = tiny_config("Q8_0")
-    qt = Q.IQ4_NL  # no expert kernel reads it on both paths
+    cfg = tiny_config("Q4_K")  # rows of 256
+    qt = Q.IQ2_XS  # no expert kernel reads it
     blocks = {}
 
     def make(shape):
@@ -100,11 +100,11 @@ def test_expert_type_without_a_kernel_is_dequantized_to_f16_at_load(tmp_path, rn
     info = gguf_io.read_model_info(path)
     assert info.expert_bytes[1] != info.expert_bytes[0]  # the file's sizes
     paths = gguf_io.qtype_paths(info)
-    assert paths["IQ4_NL"] == "experts: dequantized to F16 at load"
-    assert paths["Q8_0"].startswith("experts: CPU kernel, GPU kernel")
+    assert paths["IQ2_XS"] == "experts: dequantized to F16 at load"
+    assert paths["Q4_K"].startswith("experts: CPU kernel, GPU kernel")
     w = gguf_io.load_model(path)
     up, gate = w.experts[1].up, w.experts[1].gate
-    assert up.qtype == Q.F16 and gate.qtype == Q.Q8_0 and np.shares_memory(gate.data, w.reader.data)
+    assert up.qtype == Q.F16 and gate.qtype == Q.Q4_K and np.shares_memory(gate.data, w.reader.data)
     want = Q.dequantize(blocks["up"], qt, cfg.hidden).astype(np.float16)
     np.testing.assert_array_equal(up.data.reshape(-1).view(np.float16), want.reshape(-1))
     assert w.info.expert_bytes == tuple(x.expert_bytes for x in w.experts)
@@ -253,3 +253,25 @@ def test_mla_split_layout_that_does_not_fit_its_rank_is_named(tmp_path):
     gguf_io.write_gguf(path, cfg.arch, meta, synth.tensor_specs(cfg))
     with pytest.raises(GGUFError, match=r"m\.gguf: blk\.0\.attn_k_b .* do not split into head_count 4 x kv_lora_rank 5"):
         gguf_io.load_model(path)
+
+
+@pytest.mark.parametrize("quant,down", [("Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("IQ4_XS", "Q5_K"), ("Q3_K", "IQ2_XXS")])
+def test_mixed_type_files_run_on_the_cpu_kernels(quant, down, tmp_path, rng):
+    """Q4_K_M / Q5_K_M / UD-style files (a type per projection) load with cpu_only: every expert
+    tensor the CPU pool reads stays raw and goes through its kernel; the rest (IQ2_XXS here) is
+    dequantized to F16 at load; the kernels' outputs match gguf-py's dequantized weights."""
+    from execute import quant as Q
+    from execute.cpu_experts import run_experts
+
+    from .test_cpu_kernels import REL_ERR_INT8, reference, rel_err
+
+    cfg = tiny_config(quant, down_quant=down, num_layers=1, hidden=256, ffn=256)
+    path = synth.synth_model(tmp_path / "mixed.gguf", cfg)
+    assert set(gguf_io.qtype_paths(gguf_io.read_model_info(path))) >= {quant, down}
+    w = gguf_io.load_model(path, cpu_only=True)
+    layer = w.experts[0]
+    want_down = Q.QTYPE_BY_NAME[down] if Q.QTYPE_BY_NAME[down] in Q.CPU_QTYPES else Q.F16
+    assert (layer.gate.qtype, layer.down.qtype) == (Q.QTYPE_BY_NAME[quant], want_down)
+    x = rng.standard_normal((3, cfg.hidden)).astype(np.float32)
+    y = run_experts(layer, [0, 5, 5], x, threads=2)
+    assert rel_err(y, reference(layer, [0, 5, 5], x)) < REL_ERR_INT8
