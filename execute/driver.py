@@ -10,7 +10,7 @@ import numpy as np
 
 from .xp import host as _host
 
-__all__ = ["TokenInput", "ChunkInput", "RunResult", "run"]
+__all__ = ["TokenInput", "ChunkInput", "RunResult", "run", "settled_steps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,24 @@ class RunResult:
                 "other_ms_per_token": 1e3 * self.other_s / per,
                 "per_layer_ms_per_token": [{"layer": l, "dense": 1e3 * float(d) / per, "experts": 1e3 * float(e) / per}
                                            for l, (d, e) in enumerate(zip(self.dense_s, self.experts_s))]}
+
+
+def settled_steps(model, ids: np.ndarray, weights: np.ndarray, id_rows: list, weight_rows: list, inputs):
+    """The Steps of one token's blocks ``0 .. len(ids) - 1``, computed already (by a token graph):
+    each is yielded with ``model.step_done`` set, so that ``run`` settles it instead of running it,
+    and ``model.last_input`` / ``last_ids`` / ``last_weights`` set to ``inputs[l]`` and the block's
+    rows of ``ids`` ``(m, k)`` int64 and ``weights`` ``(m, k)`` float32; ``id_rows`` and
+    ``weight_rows`` are the same as lists (weights as float64), as ``ids.tolist()`` gives them."""
+    from scheduler import Step
+
+    model._route_len = [ids.shape[1]]
+    for l in range(len(id_rows)):
+        model.last_input, model.last_ids, model.last_weights = inputs[l], ids[l:l + 1], weights[l:l + 1]
+        model.step_done = True
+        try:
+            yield Step(l, tuple(id_rows[l]), None, tuple(weight_rows[l]))
+        finally:
+            model.step_done = False
 
 
 def _tokens(model, inputs) -> Iterator:

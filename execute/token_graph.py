@@ -41,8 +41,7 @@ import time
 import cupy as cp
 import numpy as np
 
-from scheduler import Step
-
+from .driver import settled_steps
 from .gpu_experts import copy_to_device
 
 __all__ = ["TokenGraph", "token_graph_env"]
@@ -297,13 +296,5 @@ class TokenGraph:
                 nxt = take(pos + 1)
                 if nxt is not None:
                     self._launch_ahead(pos + 1, nxt)
-        model._route_len = [self.k]
-        hn = self.hn_rows
-        for l in range(m):
-            model.last_input, model.last_ids, model.last_weights = hn[l], g_ids[l:l + 1], g_wts[l:l + 1]
-            model.step_done = True
-            try:
-                yield Step(l, tuple(ids_rows[l]), None, tuple(w_rows[l]))
-            finally:
-                model.step_done = False
+        yield from settled_steps(model, g_ids[:m], g_wts[:m], ids_rows, w_rows, self.hn_rows)
         return m

@@ -7,6 +7,12 @@ every item (what a backend adds to count hits and bytes). ``hybrid-cost`` prices
 with the cost model of the qwen3-30b-a3b preset on ``--hardware`` (scheduler.costs), its floor
 tuned by shadow policies (on its default ``shadow_layers`` of the 48 layers).
 
+The last column is the executor's whole host loop per layer step when a token graph computed
+every token (GPU stubbed): execute.driver.run over the trace's routes as settled steps
+(execute.driver.settled_steps, as TokenGraph.steps yields them), with the audit, and
+ExpertEngine.settle_layer carrying out each decision (its copies not queued). ``gpu`` runs with
+every expert resident.
+
 Usage: python experiments/bench_scheduler.py [--tokens N] [--slots S] [--repeats R] [--hardware H] [--json]
 """
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -27,6 +34,48 @@ def synthetic_tokens(num_tokens: int, seed: int) -> list[Token]:
     preset = synth.PRESETS["qwen3-30b-a3b"]
     trace = synth.generate(48, 128, 8, num_tokens, preset.params, np.random.default_rng(seed))
     return list(trace.tokens())
+
+
+class _GraphModel:
+    """A model all of whose tokens a token graph computed: each token's steps are the trace's routes
+    (random router weights) as ``settled_steps`` yields them after a graph's read-back."""
+
+    step_done = False
+    router_predictor = token_graph = None
+
+    def __init__(self, tokens: list[Token], seed: int):
+        rng = np.random.default_rng(seed)
+        self.ids = [np.array([s.experts for s in t.steps], np.int64) for t in tokens]
+        self.w = [rng.random(a.shape, dtype=np.float32) for a in self.ids]
+        self.info = SimpleNamespace(num_layers=len(tokens[0].steps))
+        self.rows = [None] * self.info.num_layers
+        self.pos = 0
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def chunk_steps(self, ids, routes, all_logits, rollback):
+        from execute.driver import settled_steps
+
+        a, w = self.ids[self.pos], self.w[self.pos]
+        self.pos += 1
+        return settled_steps(self, a, w, a.tolist(), w.astype(np.float64).tolist(), self.rows)
+
+
+def executor_loop(policy, tokens: list[Token], geometry: Geometry, model: _GraphModel) -> None:
+    """execute.driver.run over ``tokens`` with every step settled (``_GraphModel``) by an expert
+    engine without a GPU (its copies into slots are not queued), audited as the executor does."""
+    from execute.driver import TokenInput, run
+    from execute.engine import ExpertEngine, LayerStats
+
+    engine = ExpertEngine.__new__(ExpertEngine)  # settle_layer's state only: no GPU, no CPU pool
+    noop = lambda *a: None  # noqa: E731
+    engine.stats, engine.slot_of = LayerStats(), dict(policy.cache.slot)
+    engine.gpu = SimpleNamespace(begin_copies=noop, upload=noop, compute_after_copies=noop)
+    backend = SimpleNamespace(settle_layer=engine.settle_layer, start_background=noop, await_background=noop)
+    model.reset()
+    inputs = [TokenInput(t.index, 0, t.index, "decode", 0) for t in tokens]
+    run(model, backend, policy, inputs, audit=Audit(geometry))
 
 
 def main() -> None:
@@ -52,9 +101,11 @@ def main() -> None:
             counts[s.layer, list(s.experts)] += 1
     profile = Profile.from_counts(counts)
 
+    full = Capacity.per_layer(geometry, 128)
+
     def policy(name):
         options = {"profile": profile} if name == "static" else {"cost_model": cost_model} if name == "hybrid-cost" else {}
-        return make_policy(name, geometry, capacity, **options)
+        return make_policy(name, geometry, full if name == "gpu" else capacity, **options)
 
     def decide(name):  # the decision loop alone: plan, commit, completions, background work
         for _ in drive(policy(name), tokens):
@@ -63,9 +114,10 @@ def main() -> None:
     def audited(name):  # the same, with every item observed by an Audit (as backends do)
         return replay(policy(name), tokens, audit=Audit(geometry, keep_records=False))
 
-    names = ("hybrid", "lru", "static", "cpu", "hybrid-cost")
-    times = {(n, k): float("inf") for n in names for k in ("decide", "audited")}
+    names = ("gpu", "hybrid", "lru", "static", "cpu", "hybrid-cost")
+    times = {(n, k): float("inf") for n in names for k in ("decide", "audited", "executor")}
     hit = {}
+    graph_model = _GraphModel(tokens, args.seed)
     for _ in range(args.repeats):  # interleaved, so that other load hits every policy alike
         for name in names:
             t0 = time.process_time()
@@ -73,10 +125,14 @@ def main() -> None:
             t1 = time.process_time()
             hit[name] = audited(name).summary()["hit_rate"]
             t2 = time.process_time()
+            executor_loop(policy(name), tokens, geometry, graph_model)
+            t3 = time.process_time()
             times[name, "decide"] = min(times[name, "decide"], t1 - t0)
             times[name, "audited"] = min(times[name, "audited"], t2 - t1)
+            times[name, "executor"] = min(times[name, "executor"], t3 - t2)
     results = {n: {"layer_steps_per_s": steps / times[n, "decide"],
-                   "with_audit_layer_steps_per_s": steps / times[n, "audited"], "hit_rate": hit[n]} for n in names}
+                   "with_audit_layer_steps_per_s": steps / times[n, "audited"],
+                   "executor_us_per_layer_step": 1e6 * times[n, "executor"] / steps, "hit_rate": hit[n]} for n in names}
     out = {"tokens": args.tokens, "layer_steps": steps, "slots_per_layer": args.slots, "policies": results,
            "hybrid_over_lru": results["hybrid"]["layer_steps_per_s"] / results["lru"]["layer_steps_per_s"],
            "hybrid_cost_time_over_hybrid": times["hybrid-cost", "decide"] / times["hybrid", "decide"]}
@@ -85,10 +141,10 @@ def main() -> None:
     else:
         print(f"{steps} layer-steps ({args.tokens} tokens x 48 layers, top-8, {args.slots} slots/layer), "
               f"best of {args.repeats}, one core (process CPU time)")
-        print(f"  {'policy':<11} {'decided/s':>12} {'with audit/s':>13}   hit rate")
+        print(f"  {'policy':<11} {'decided/s':>12} {'with audit/s':>13} {'executor us/step':>17}   hit rate")
         for name, r in results.items():
-            print(f"  {name:<11} {r['layer_steps_per_s']:>12,.0f} {r['with_audit_layer_steps_per_s']:>13,.0f}   "
-                  f"{r['hit_rate']:.3f}")
+            print(f"  {name:<11} {r['layer_steps_per_s']:>12,.0f} {r['with_audit_layer_steps_per_s']:>13,.0f} "
+                  f"{r['executor_us_per_layer_step']:>17.2f}   {r['hit_rate']:.3f}")
         print(f"  hybrid/lru speed ratio {out['hybrid_over_lru']:.2f}; "
               f"hybrid-cost planning time {out['hybrid_cost_time_over_hybrid']:.2f}x hybrid's")
 
