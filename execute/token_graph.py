@@ -112,6 +112,8 @@ class TokenGraph:
         self._pending = None  # (pos, token id or None) of the launched graph not yet read back
         self.launched_ahead = 0  # tokens launched before the previous token's steps were settled
         self.wait_s = 0.0  # host time blocked on the graphs (in result)
+        self.gpu_s = 0.0  # device time of the graphs (CUDA events around each launch)
+        self._t0, self._t1 = cp.cuda.Event(), cp.cuda.Event()
 
     # build ---------------------------------------------------------------------------------------
     def _launches(self) -> list:
@@ -208,7 +210,9 @@ class TokenGraph:
             np.copyto(self._stage, res.table)
             copy_to_device(self.engine.table_dev, self._stage, s)
             res.dirty = False
+        _rt.eventRecord(self._t0.ptr, s)
         _rt.graphLaunch(self._exec, s)
+        _rt.eventRecord(self._t1.ptr, s)
         _rt.eventRecord(self.done.ptr, s)
         _rt.streamWaitEvent(gx.compute.ptr, self.done.ptr)
         gx.mark_read()  # copies into slots wait for the graph's reads
@@ -222,6 +226,7 @@ class TokenGraph:
         t0 = time.perf_counter()
         self.done.synchronize()
         self.wait_s += time.perf_counter() - t0
+        self.gpu_s += 1e-3 * cp.cuda.get_elapsed_time(self._t0, self._t1)
         self._pending = None
         back = self.back
         halt = int(back[L * 2 * k:].view(np.int32)[0])

@@ -7,8 +7,9 @@ graph with the next token launched while the host settles the last (the default)
 ``--warmup`` tokens are not timed. Prints and writes (``--out``/bench_token_graph.json) per run:
 tokens/s, wall time per layer step, host time in the engine per layer step (``run_layer`` or
 ``settle_layer``: plan + queue + combine), the host's time blocked on graphs per layer step (wait:
-the GPU's share the host did not overlap), the tokens launched ahead, the share of tokens the graph
-completed, and the hit rate; then each mode / plain per policy.
+the GPU's share the host did not overlap), the graphs' device time per block (CUDA events around
+each launch), the tokens launched ahead, the share of tokens the graph completed, and the hit rate;
+then each mode / plain per policy.
 
     python experiments/bench_token_graph.py MODEL.gguf --policies gpu,lru,hybrid --cache-mib 2048
 """
@@ -22,6 +23,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+
+def _graph_counts(model) -> tuple:
+    """The token graph's counters: tokens tried, completed, host wait, launched ahead, device time."""
+    tg = getattr(model, "token_graph", None)
+    return (tg.tokens, tg.complete, tg.wait_s, tg.launched_ahead, tg.gpu_s) if tg is not None else (0, 0, 0.0, 0, 0.0)
 
 
 def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: int, mode: str, threads: int) -> dict:
@@ -44,8 +51,7 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
         if n == warmup:
             marks["t0"] = time.perf_counter()
             marks["stats"] = dict(vars(backend.engine.stats))
-            tg = getattr(model, "token_graph", None)
-            marks["tg"] = (tg.tokens, tg.complete, tg.wait_s, tg.launched_ahead) if tg is not None else (0, 0, 0.0, 0)
+            marks["tg"] = _graph_counts(model)
 
     inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
     try:
@@ -62,15 +68,14 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
     d = {k: st.get(k, 0) - marks["stats"].get(k, 0) for k in ("steps", "host_plan_s", "host_queue_s", "host_combine_s",
                                                  "host_early_s", "graph_steps", "uploads")}
     steps = max(d["steps"], 1)
-    tg = getattr(model, "token_graph", None)
-    now = (tg.tokens, tg.complete, tg.wait_s, tg.launched_ahead) if tg is not None else (0, 0, 0.0, 0)
-    tried, done, wait_s, ahead = (a - b for a, b in zip(now, marks["tg"]))
+    tried, done, wait_s, ahead, gpu_s = (a - b for a, b in zip(_graph_counts(model), marks["tg"]))
     s = audit.summary()
     return {"policy": policy, "mode": mode, "tokens": n, "tokens_per_s": n / wall, "wall_s": wall,
             "wall_us_per_layer_step": 1e6 * wall / steps,
             "engine_host_us_per_layer_step": 1e6 * (d["host_plan_s"] + d["host_queue_s"] + d["host_combine_s"]
                                                     + d["host_early_s"]) / steps,
             "graph_wait_us_per_layer_step": 1e6 * wait_s / steps, "tokens_launched_ahead": ahead,
+            "graph_gpu_us_per_graph_layer": 1e6 * gpu_s / max(tried * weights.info.num_layers, 1),
             "graph_tokens_tried": tried, "graph_tokens_complete": done, "graph_steps": d["graph_steps"],
             "uploads": d["uploads"], "hit_rate": s["hit_rate"], "cache_mib": cap.slot_bytes(g) / 2**20}
 
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{policy:>8} {mode:>9}: {r['tokens_per_s']:7.1f} tok/s, wall {r['wall_us_per_layer_step']:6.1f} "
                   f"us/layer step, engine host {r['engine_host_us_per_layer_step']:5.1f}, graph wait "
-                  f"{r['graph_wait_us_per_layer_step']:5.1f} us/layer step, graph {r['graph_tokens_complete']}/"
+                  f"{r['graph_wait_us_per_layer_step']:5.1f} us/layer step, graph on GPU "
+                  f"{r['graph_gpu_us_per_graph_layer']:5.1f} us/layer, graph {r['graph_tokens_complete']}/"
                   f"{r['graph_tokens_tried']} tokens complete, {r['tokens_launched_ahead']} ahead, hits "
                   f"{r['hit_rate']:.3f}", flush=True)
     for policy in args.policies.split(","):
