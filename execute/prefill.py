@@ -75,7 +75,8 @@ def _kernel(name: str):
 
 def supported(lx: LayerExperts | None) -> bool:
     """Whether ``pf_mm`` reads the layer's experts: gate, up, down in F16, Q8_0 or Q4_0 (gate and
-    up of one type), widths multiples of 32, SiLU, no biases."""
+    up of one type), widths multiples of 32, SiLU, no biases (and, on the device, compute
+    capability >= 8.0: ``BatchedExperts`` checks that)."""
     return (lx is not None and lx.gate.qtype in _QTYPES and lx.down.qtype in _QTYPES
             and lx.up.qtype == lx.gate.qtype and lx.hidden % 32 == 0 and lx.ffn % 32 == 0
             and lx.activation == "silu" and not lx.has_bias)
@@ -104,9 +105,12 @@ class BatchedExperts:
             raise ValueError(f"BatchedExperts batch_experts: {batch_experts}, expected >= 1")
         self.engine, self.gx = engine, engine.gpu
         self.batch_experts = batch_experts
-        self._mm = Launch(_kernel("pf_mm"), 15)
-        self._split = Launch(_kernel("pf_split"), 6)
-        self._ok = {l.layer: supported(l) for l in engine.layers if l is not None}
+        # mma.sync m16n8k16 needs compute capability 8.0: an older GPU keeps every step on the engine
+        # (pf_mm would not compile there, and the backend must still run)
+        tensor_cores = int(cp.cuda.Device().compute_capability) >= 80
+        self._ok = {l.layer: tensor_cores and supported(l) for l in engine.layers if l is not None}
+        self._mm = Launch(_kernel("pf_mm"), 15) if any(self._ok.values()) else None
+        self._split = Launch(_kernel("pf_split"), 6) if self._mm is not None else None
         moe = [l for l in engine.layers if l is not None]
         self._stage_bytes = max(pad_slot_bytes(l.expert_bytes) for l in moe)
         self._stage: cp.ndarray | None = None

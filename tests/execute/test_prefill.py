@@ -186,6 +186,27 @@ def test_batched_layer_of_the_qwen3_shape():
     assert np.linalg.norm(y[rows] - ref) <= 1e-5 * np.linalg.norm(ref)
 
 
+@pytest.mark.gpu
+def test_a_gpu_without_mma_keeps_every_step_on_the_engine(monkeypatch):
+    """Below compute capability 8.0 (no mma.sync m16n8k16) nothing is compiled and takes() is False."""
+    cp = cupy_or_skip()
+    from execute import prefill
+    from execute.engine import ExpertEngine
+
+    layer = random_layer(np.random.default_rng(1), 0, E, 64, 64, Q.Q8_0)
+    geo = Geometry((E,), K, (layer.expert_bytes,))
+    engine = ExpertEngine([layer], make_policy("gpu", geo, None).capacity, threads=1, use_gpu=True)
+    try:
+        ids = np.tile(np.arange(K), (32, 1))
+        d = types.SimpleNamespace(layer=0, step=Step(0, tuple(range(K)), None, (1.0,) * K))
+        assert prefill.BatchedExperts(engine).takes(d, ids)
+        monkeypatch.setattr(cp.cuda, "Device", lambda *a: types.SimpleNamespace(compute_capability="75"))
+        old = prefill.BatchedExperts(engine)
+        assert old._mm is None and not old.takes(d, ids)
+    finally:
+        engine.close()
+
+
 # the prompt sweep's library (no GPU: policy cpu) ---------------------------------------------------
 def test_prompt_sweep_rows(synth_path):
     from execute.prompt_bench import Config, fit_prompt, sweep
