@@ -60,6 +60,7 @@ def drive(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1) -> Itera
         raise ValueError(f"lag_tokens: {lag_tokens}, expected >= 0")
     pending: deque[tuple[int, tuple[Move, ...]]] = deque()
     complete = policy.complete
+    plan, commit = policy.plan, policy.commit
     prefetch = getattr(policy, "plan_prefetch", None)
     n = 0
     for tok in tokens:
@@ -73,13 +74,15 @@ def drive(policy: Policy, tokens: Iterable[Token], lag_tokens: int = 1) -> Itera
             if early:
                 yield from _await_early(pending, early, complete)
                 early = ()
-            d = policy.plan(step)
-            policy.commit(d)
+            d = plan(step)
+            commit(d)
             yield RunLayer(tok, step, d)
-            for e in d.uploads:
-                complete(step.layer, e)
-            for e in d.promotions:
-                complete(step.layer, e)
+            if d.uploads:
+                for e in d.uploads:
+                    complete(step.layer, e)
+            if d.promotions:
+                for e in d.promotions:
+                    complete(step.layer, e)
             if prefetch is not None:
                 early = prefetch(step)
                 if early:

@@ -83,7 +83,8 @@ class _UploadEveryMiss(BasePolicy):
         return Decision(step, hits, tuple(misses[:n_up]), tuple(slots), tuple(misses[n_up:]), (), tuple(evictions))
 
     def commit(self, d: Decision) -> None:
-        self._take_slots(d)
+        if d.uploads:
+            self._take_slots(d)
         self._touch(d.step.layer, d)
 
     def _victims(self, layer: int, need: int, used) -> list[tuple[int, int]]:
