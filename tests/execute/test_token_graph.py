@@ -88,7 +88,9 @@ def _greedy(first: int, n: int, out: list):
     return inputs
 
 
-@pytest.mark.parametrize("policy, slots, lag", [("gpu", 8, 1), ("hybrid", 3, 1), ("hybrid", 3, 0), ("lru", 3, 1)])
+# 7 of 8 slots: about one token in five finds every routed expert resident (the graph completes it
+# and the next is launched ahead), the rest halt at a miss
+@pytest.mark.parametrize("policy, slots, lag", [("gpu", 8, 1), ("hybrid", 7, 1), ("hybrid", 7, 0), ("lru", 7, 1)])
 def test_pipelined_graphs_give_the_block_by_block_tokens(weights, policy, slots, lag, monkeypatch):
     cupy_or_skip()
     w = weights("qwen3moe")
@@ -102,8 +104,12 @@ def test_pipelined_graphs_give_the_block_by_block_tokens(weights, policy, slots,
     assert on == off and np.array_equal(got, plain)
     assert m1.route_log == m0.route_log and a1.digest() == a0.digest()
     assert tg.ahead is None and tg._pending is None
-    assert tg.launched_ahead > 0 and st.graph_steps > 0
-    if policy == "gpu":  # every token completes: all but the first few (cache growth) launched ahead
-        assert tg.complete == tg.tokens == len(on) and tg.launched_ahead >= len(on) - 5
+    # after each completed token but the last, the next is launched ahead unless the KV cache grows
+    # then (8 -> 16 -> 32 -> 64 positions)
+    assert tg.complete > 0 and tg.complete - 4 <= tg.launched_ahead <= tg.complete
+    if policy == "gpu":  # every token completes
+        assert tg.complete == tg.tokens == len(on)
+    else:  # some halt at a miss and continue block by block
+        assert tg.complete < len(on) and a1.summary()["uploads"] + a1.summary()["cpu"] > 0
     if policy == "hybrid":
         assert a1.summary()["fills"] + a1.summary()["swaps"] > 0
