@@ -286,20 +286,20 @@ class TokenGraph:
             if not self.launch(pos):
                 return 0
         m, g_ids, g_wts = self.result()
-        ids_rows = g_ids[:m].tolist()
-        w_rows = g_wts[:m].astype(np.float64).tolist()
-        if rows is not None:
-            rows.extend((l, ids_rows[l], w_rows[l]) for l in range(m))
-        if m == self.L:
+        if m == self.L:  # the device idles from here to the next launch: nothing else before it
             model.chunk_logits = self.logits.copy()
             model.logits = model.chunk_logits[-1]
-            if rows is not None:
-                model.route_log.append((pos, rows))
             model.pos = pos + 1
             take = self.ahead
             if take is not None and self.pipeline:
                 nxt = take(pos + 1)
                 if nxt is not None:
                     self._launch_ahead(pos + 1, nxt)
+        ids_rows = g_ids[:m].tolist()
+        w_rows = g_wts[:m].astype(np.float64).tolist()
+        if rows is not None:
+            rows.extend((l, ids_rows[l], w_rows[l]) for l in range(m))
+            if m == self.L:
+                model.route_log.append((pos, rows))
         yield from settled_steps(model, g_ids[:m], g_wts[:m], ids_rows, w_rows, self.hn_rows)
         return m
