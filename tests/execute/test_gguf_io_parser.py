@@ -67,7 +67,8 @@ def _write(tmp_path, data: bytes):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda b: b[:10], "not a little-endian GGUF v2/v3 file"),
+    (lambda b: b[:10], "10 bytes, truncated inside the 24-byte GGUF header"),
+    (lambda b: b"GGUX" + b[4:], "not a little-endian GGUF v2/v3 file"),
     (lambda b: b"GGUF" + struct.pack("<I", 7) + b[8:], "GGUF version 7; supported"),
     (lambda b: b"GGUF" + struct.pack(">I", 3) + b[8:], "a big-endian GGUF file"),
     (lambda b: b[:16] + struct.pack("<Q", 2**40) + b[24:], "metadata section truncated or corrupt"),
