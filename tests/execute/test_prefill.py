@@ -159,13 +159,15 @@ def test_batched_layers_match_reference_and_engine(policy, slots, qt, hidden, ff
 
 @pytest.mark.gpu
 def test_batched_layer_of_the_qwen3_shape():
-    """128 Q8_0 experts of 2048 x 768, top-8, 256 tokens, every expert resident."""
+    """128 Q8_0 experts of 2048 x 768, top-8, 256 tokens, every expert resident (random blocks with
+    valid scales: quantizing 600 M float weights took 50 s of the test; the reference reads the
+    same blocks)."""
     cp = cupy_or_skip()
     from execute.engine import ExpertEngine
     from execute.prefill import BatchedExperts
 
     rng = np.random.default_rng(3)
-    layer = random_layer(rng, 0, 128, 2048, 768, Q.Q8_0)
+    layer = random_layer(rng, 0, 128, 2048, 768, Q.Q8_0, exact=False)
     geo = Geometry((128,), 8, (layer.expert_bytes,))
     pol = make_policy("gpu", geo, None)
     engine = ExpertEngine([layer], pol.capacity, threads=2, use_gpu=True)
