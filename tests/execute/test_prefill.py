@@ -209,6 +209,69 @@ def test_a_gpu_without_mma_keeps_every_step_on_the_engine(monkeypatch):
         engine.close()
 
 
+@pytest.fixture(scope="module")
+def chunk_model(tmp_path_factory):
+    """``chunk_model(arch, quant)`` -> ModelWeights of a tiny model (made once per module)."""
+    from execute.gguf_io import load_model
+    from execute.synth import config_from_preset, synth_model
+
+    root, made = tmp_path_factory.mktemp("prefill"), {}
+
+    def get(arch: str, quant: str):
+        if (arch, quant) not in made:
+            cfg = config_from_preset("tiny", arch=arch, quant=quant, seed=5)
+            made[(arch, quant)] = load_model(synth_model(root / f"{arch}_{quant}.gguf", cfg))
+        return made[(arch, quant)]
+
+    return get
+
+
+def _model_run(w, policy: str, slots: int, prefill: bool, monkeypatch):
+    """Two prefill chunks (20 and 17 tokens: the KV cache grows inside them) then 8 decode tokens
+    through ``execute.driver.run`` on the engine, with ``MOELAB_PREFILL`` on or off: (every row's
+    logits, audit, GPU rounds the batched path ran)."""
+    from execute import model as M
+    from scheduler.audit import Audit
+
+    monkeypatch.setenv("MOELAB_PREFILL", "1" if prefill else "0")
+    g = w.info.geometry()
+    cap = Capacity.per_layer(g, slots)
+    options = {"miss_frac_256": 128, "swap_every": 2, "gate": 0.5, "margin": 0.1} if policy == "hybrid" else {}
+    toks = np.random.default_rng(9).integers(w.info.vocab, size=45).tolist()
+    inputs = [M.ChunkInput(0, 0, 0, "prefill", tuple(toks[:20]), all_logits=True),
+              M.ChunkInput(1, 0, 20, "prefill", tuple(toks[20:37]), all_logits=True)]
+    inputs += [M.TokenInput(2 + i, 0, 37 + i, "decode", t) for i, t in enumerate(toks[37:])]
+    backend = M.EngineExperts(w, cap, threads=2, use_gpu=True, timeout_s=120)
+    assert (backend.batched is not None) == prefill
+    if prefill:
+        backend.batched.batch_experts = 2  # misses in several rounds: both staging halves reused
+    audit = Audit(g, keep_log=True)
+    try:
+        res = M.run(M.MoeModel(w, use_gpu=True, max_tokens=8), backend, make_policy(policy, g, cap, **options),
+                    inputs, audit=audit, keep_logits=True)
+        rounds = backend.batched.rounds if prefill else 0
+    finally:
+        backend.close()
+    return np.stack(res.logits), audit, rounds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,quant,policy,slots", (("qwen3moe", "Q8_0", "hybrid", 3), ("qwen3moe", "Q8_0", "lru", 2),
+                                                     ("qwen3moe", "Q8_0", "gpu", 8), ("qwen2moe", "Q4_0", "lru", 2)))
+def test_prefill_chunks_through_the_model_match_the_engine_path(chunk_model, arch, quant, policy, slots, monkeypatch):
+    """The batched path as ``moelab run`` takes it (EngineExperts' hook, the dense stream waiting on
+    the expert work, decode tokens and their graphs after it): the same decisions and logits
+    within the kernels' rounding as the engine's own kernels."""
+    cupy_or_skip()
+    w = chunk_model(arch, quant)
+    new, a_new, rounds = _model_run(w, policy, slots, True, monkeypatch)
+    old, a_old, _ = _model_run(w, policy, slots, False, monkeypatch)
+    assert rounds > 0 and len(new) == 37 + 8
+    assert a_new.digest() == a_old.digest()
+    assert np.isfinite(new).all()
+    assert float(((new - old) ** 2).sum() / (old ** 2).sum()) <= 1e-8
+
+
 # the prompt sweep's library (no GPU: policy cpu) ---------------------------------------------------
 def test_prompt_sweep_rows(synth_path):
     from execute.prompt_bench import Config, fit_prompt, sweep
