@@ -60,16 +60,18 @@ class LookaheadConfig:
 
     ``confidence`` in [0, 1] (forecast routes at the next step to prefetch), ``margin`` >= 0,
     ``max_prefetch`` in 0..``MAX_FILLS_PER_TOKEN``, ``fill_share`` in [0, 1], ``slack`` >= 0,
-    ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0.
+    ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0. The defaults are the
+    configuration chosen by leave-one-trace-out over ``simulate.evaluate``'s evaluation set
+    (docs/POLICIES.md).
     """
 
     confidence: float = 0.5
     margin: float = 0.1
     max_prefetch: int = 8
-    fill_share: float = 0.25
+    fill_share: float = 0.5
     slack: float = 0.0
     memory: float = 16.0
-    reuse_weight: float = 1.0
+    reuse_weight: float = 0.25
 
     def __post_init__(self) -> None:
         checks = {"confidence": 0.0 <= self.confidence <= 1.0, "margin": self.margin >= 0.0,
