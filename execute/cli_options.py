@@ -93,10 +93,13 @@ def build_capacity(args, geometry, prog: str = "moelab replay"):
 
 
 def cost_options(args, prog: str) -> dict:
-    """``cost_model=`` for ``hybrid-cost``, from ``--hardware`` and the model file's geometry."""
-    if args.policy != "hybrid-cost":
+    """``cost_model=`` for ``hybrid-cost`` (and ``hybrid``'s PCIe share when ``--hardware`` is given),
+    from ``--hardware`` and the model file's geometry."""
+    if args.policy not in ("hybrid", "hybrid-cost"):
         if args.hardware:
-            raise Fail(f"{prog}: --hardware is used only by --policy hybrid-cost")
+            raise Fail(f"{prog}: --hardware is used only by --policy hybrid-cost and hybrid")
+        return {}
+    if args.policy == "hybrid" and not args.hardware:  # the fixed share (--miss-fraction, default 44/256)
         return {}
     from scheduler.costs import Costs, ExecConfig
     from scheduler.hardware import hardware_presets, load_hardware

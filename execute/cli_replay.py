@@ -20,7 +20,8 @@ def _parser_replay() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="trace directory (default: the bundled granite trace)")
     p.add_argument("--policy", required=True, help="cpu, gpu, lru, freq-lru, static, hybrid, hybrid-cost, belady")
     p.add_argument("--hardware", default=None,
-                   help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
+                   help="hardware preset or JSON file (moelab simulate's format): the cost model of --policy "
+                        "hybrid-cost, and of hybrid's PCIe share (without it, hybrid's share is fixed at 44/256)")
     p.add_argument("--cache-mib", type=float, default=None, help="GPU expert cache budget, MiB")
     p.add_argument("--pageable", action="store_true",
                    help="do not page-lock the weights (as when the host cannot pin the model): uploads are "

@@ -47,7 +47,8 @@ def parser_run() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="with --speculative: also decode plainly (same policy, fresh state) and print both speeds")
     p.add_argument("--hardware", default=None,
-                   help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
+                   help="hardware preset or JSON file (moelab simulate's format): the cost model of --policy hybrid-cost, "
+                        "and of hybrid's PCIe share (without it, or with --miss-fraction, hybrid's share is fixed)")
     p.add_argument("--pageable", action="store_true",
                    help="do not page-lock the weights (as when the host cannot pin the model): uploads are "
                         "copies from pageable memory, staged by the CUDA driver, the host thread waiting for each; "
@@ -87,7 +88,7 @@ def run_figures(argv: list[str]) -> tuple[dict, list[int]]:
     token ids, without printing the text; for experiments. A user error raises ``ExecutorError``."""
     import io
 
-    from .gguf_io import load_model
+    from .gguf_model import load_model
     from .tokenizer import Tokenizer
 
     import time

@@ -118,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer (instead of MiB)")
     p.add_argument("--profile", default=None, help="STRP profile (static, hybrid pre-population)")
     p.add_argument("--hardware", default=None,
-                   help="hardware preset or JSON file (moelab simulate's format) for --policy hybrid-cost's cost model")
+                   help="hardware preset or JSON file (moelab simulate's format): the cost model of --policy "
+                        "hybrid-cost, and of hybrid's PCIe share (without it, hybrid's share is fixed at 44/256)")
     p.add_argument("--pageable", action="store_true", help="do not page-lock the weights (uploads from pageable memory)")
     p.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
     p.add_argument("--lag-tokens", type=int, default=1, help="background copies complete this many tokens later")

@@ -94,8 +94,9 @@ def simulate_main(argv: list[str]) -> int:
     size.add_argument("--cache-mib", type=_cache_mib, default=None,
                       help=f"expert cache budget in MiB, or 'auto' (default {DEFAULTS.cache_mib:g})")
     ap.add_argument("--miss-fraction", type=_fraction, default=None,
-                    help=f"hybrid: share of a layer's distinct misses sent over PCIe "
-                         f"(default {MISS_FRAC_256}/256 = {MISS_FRAC_256 / 256:.2f})")
+                    help=f"hybrid: a fixed share of a layer's distinct misses sent over PCIe (the seed's: "
+                         f"{MISS_FRAC_256}/256 = {MISS_FRAC_256 / 256:.2f}); default: the share the hardware's "
+                         f"cost model gives each step")
     ap.add_argument("--timeline", default=None, help="write a Chrome-trace JSON (Perfetto) of the run here")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     ap.add_argument("--explain", action="store_true", help="after the summary, say what each figure means")

@@ -62,7 +62,7 @@ def plan_s_per_step(runs, args) -> dict:
             policy, frac = key[2], key[3]
             cfg = sim_config(policy, frac, args)
             options = {"adaptive": cfg.adaptive, "miss_fraction": frac} if policy == "hybrid" else {}
-            if policy == "hybrid-cost":
+            if policy in ("hybrid", "hybrid-cost"):  # hybrid: its share when frac is None
                 options["cost_model"] = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=policy)).cost_model()
             capacity = build_capacity(cfg, model, hw)
             pol = make_policy(policy, geometry, capacity, **options)

@@ -213,7 +213,7 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     capacity = build_capacity(cfg, model, hw)
     options = {"adaptive": cfg.adaptive} if cfg.policy == "hybrid" else {}
     costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=cfg.policy))
-    cost_model = costs.cost_model() if cfg.policy in ("hybrid-cost", "lookahead", "oracle") else None
+    cost_model = costs.cost_model() if cfg.policy in ("hybrid", "hybrid-cost", "lookahead", "oracle") else None
     try:  # static: the replayed tokens' own counts (an oracle); belady: every step, held
         policy = make_policy(cfg.policy, geometry, capacity, tokens=tokens, cost_model=cost_model,
                              miss_fraction=cfg.miss_fraction, **options)

@@ -96,7 +96,8 @@ def make_policy(name: str, geometry: Geometry, capacity: Capacity, profile: Prof
     - ``profile``: residents to start from (``static`` needs one); ``static`` with no profile and
       ``tokens`` given starts from the tokens' own route counts (``route_counts``: an oracle);
     - ``future``: ``belady``'s steps in replay order; by default the steps of ``tokens``;
-    - ``cost_model``: the costs of ``hybrid-cost``, ``lookahead`` and ``oracle`` (they need one);
+    - ``cost_model``: the costs of ``hybrid-cost``, ``lookahead`` and ``oracle`` (they need one),
+      and of ``hybrid``'s PCIe share when no ``miss_fraction`` (or ``miss_frac_256``) is given;
     - ``oracle``: the future as ``belady``'s, with its token boundaries when ``tokens`` are given;
     - ``miss_fraction``: ``hybrid``'s share of distinct misses sent over PCIe, 0..1, to the
       nearest 1/256 (``miss_frac_256``; default ``MISS_FRAC_256`` / 256).
@@ -133,6 +134,8 @@ def make_policy(name: str, geometry: Geometry, capacity: Capacity, profile: Prof
         return cls(geometry, capacity, profile, future=list(future or ()), cost_model=cost_model, token_ends=ends)
     if name in ("hybrid-cost", "lookahead"):
         return cls(geometry, capacity, profile, cost_model=cost_model, config=config(**options))
+    if name == "hybrid" and "miss_frac_256" not in options:  # no fraction given: the cost model's share
+        return cls(geometry, capacity, profile, config(**options), cost_model=cost_model)
     if config:
         return cls(geometry, capacity, profile, config(**options))
     return cls(geometry, capacity, profile)

@@ -12,19 +12,28 @@ keeps the fraction on average instead: per layer, the remainder (in 1/256ths) of
 not use (by a usage ranking refreshed every ``swap_every`` tokens), when the miss is at least as
 used; otherwise it is streamed through a scratch buffer. Misses in flight (a background copy not
 yet complete) always go to the CPU: nothing is uploaded twice.
+
+Given a cost model (``cost_model=``, from a hardware file), ``hybrid`` takes its share from it
+instead (``CostShare``): per step, the number of PCIe misses that makes the layer's predicted time
+least, with the CPU misses charged the reuse they lose (they are not cached); it then admits by
+recency (``admit="recency"``: an upload takes the slot of the layer's least recently used
+resident the step does not use) and runs no swap rounds, unless ``admit``/``swap_every`` say
+otherwise. ``miss_frac_256`` and ``rounding`` apply to the fixed share only.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..cache import INFLIGHT, RESIDENT
 from ..core import Capacity, Decision, Geometry, Move, Step
+from ..costmodel import CostModel
 from ..profile import Profile
 from .base import MAX_FILLS_PER_TOKEN, BasePolicy
 
-__all__ = ["MISS_FRAC_256", "HybridConfig", "HybridPolicy"]
+__all__ = ["MISS_FRAC_256", "CostShare", "HybridConfig", "HybridPolicy"]
 
 MISS_FRAC_256 = 44  # hybrid's default share of a step's distinct misses sent over PCIe, in 1/256ths
 
@@ -35,12 +44,14 @@ class HybridConfig:
 
     ``miss_frac_256`` in 0..256; ``swap_every`` (tokens, 0: no swap rounds) and ``max_moves`` >= 0;
     ``max_fills`` in 0..``MAX_FILLS_PER_TOKEN``; ``decay`` in (0, 1]; ``rounding`` "nearest" or
-    "carry" (see the module docstring).
+    "carry" (see the module docstring); ``admit`` "usage" or "recency" (see ``HybridPolicy``).
+    None (the defaults): ``admit`` "recency" with a cost model, "usage" without; ``swap_every`` 0
+    with "recency", 4 with "usage".
     """
 
     miss_frac_256: int = MISS_FRAC_256
     adaptive: bool = True
-    swap_every: int = 4
+    swap_every: int | None = None
     max_moves: int = 96
     gate: float = 2.0
     margin: float = 1.5
@@ -48,6 +59,7 @@ class HybridConfig:
     max_fills: int = MAX_FILLS_PER_TOKEN
     admit_uploads: bool = True
     rounding: str = "nearest"
+    admit: str | None = None
 
     policy = "hybrid"  # the name errors give (not a field)
 
@@ -58,12 +70,14 @@ class HybridConfig:
         if not 0 <= self.miss_frac_256 <= 256:
             raise ValueError(f"{p} miss_frac_256: {self.miss_frac_256}, expected 0..256")
         for name in ("swap_every", "max_moves"):
-            if not getattr(self, name) >= 0:
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise ValueError(f"{p} {name}: {getattr(self, name)}, expected >= 0")
         if not 0 <= self.max_fills <= MAX_FILLS_PER_TOKEN:
             raise ValueError(f"{p} max_fills: {self.max_fills}, expected 0..{MAX_FILLS_PER_TOKEN}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"{p} decay: {self.decay}, expected in (0, 1]")
+        if self.admit not in (None, "usage", "recency"):
+            raise ValueError(f"{p} admit: {self.admit!r}, expected 'recency' or 'usage'")
 
 
 class HybridPolicy(BasePolicy):
@@ -85,14 +99,19 @@ class HybridPolicy(BasePolicy):
     name = "hybrid"
 
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None,
-                 config: HybridConfig = HybridConfig()):
+                 config: HybridConfig = HybridConfig(), *, cost_model: CostModel | None = None):
         self.config = config
+        self.share = None if cost_model is None else CostShare(cost_model, geometry.num_layers)
         self.rounding = config.rounding
         self._carry = [0] * geometry.num_layers  # remainders of n_miss * miss_frac_256, in 1/256ths
         self.admit_uploads = config.admit_uploads
+        self.admit = config.admit or ("usage" if cost_model is None else "recency")
+        # per layer, with admit "recency": every expert from least to most recently used (never used first, by id)
+        self._lru = [OrderedDict.fromkeys(range(n)) for n in geometry.num_experts] if self.admit == "recency" else None
         self.miss_frac_256 = config.miss_frac_256
         self.adaptive = config.adaptive
-        self.swap_every, self.max_moves = config.swap_every, config.max_moves
+        self.swap_every = config.swap_every if config.swap_every is not None else 4 if self.admit == "usage" else 0
+        self.max_moves = config.max_moves
         self.gate, self.margin, self.decay = config.gate, config.margin, config.decay
         self.max_fills = config.max_fills
         # usage: one float64 buffer, read and bumped per step through memoryview rows (fast
@@ -127,13 +146,17 @@ class HybridPolicy(BasePolicy):
         if not misses:
             return Decision(step, experts)
         hits = tuple([e for e in experts if state[e] == RESIDENT])
-        if self.rounding == "carry":
+        if self.share is not None:
+            eligible = [e for e in misses if state[e] != INFLIGHT]
+            n_pcie = self.share.uploads(step, hits, eligible, len(misses) - len(eligible), self._u[layer])
+        elif self.rounding == "carry":
             n_pcie = (len(misses) * self.miss_frac_256 + self._carry[layer]) >> 8
         else:
             n_pcie = (len(misses) * self.miss_frac_256 + 128) >> 8
         if n_pcie == 0:
             return Decision(step, hits, (), (), (), tuple(misses))
-        eligible = [e for e in misses if state[e] != INFLIGHT]
+        if self.share is None:
+            eligible = [e for e in misses if state[e] != INFLIGHT]
         if n_pcie == 1 and len(eligible) > 1 and step.counts is None:
             best = max(eligible, key=self._u[layer].__getitem__)  # first of the most used: rank order
             pcie = [best]
@@ -159,16 +182,23 @@ class HybridPolicy(BasePolicy):
         return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu)
 
     def _admit(self, step: Step, hits, pcie: list[int], slots: list[int], cpu) -> Decision:
-        """Uploads beyond the free slots replace the coldest residents of the layer that the
+        """``admit="recency"``: uploads beyond the free slots take the slots of the layer's least
+        recently used residents the step does not use. Else (``"usage"``): uploads beyond the free slots replace the coldest residents of the layer that the
         step does not use, while the miss is at least as used as the resident now. "Coldest"
         follows the residents' usage ranking taken every ``swap_every`` tokens (4 without swap
         rounds), after that token's background moves (ascending, ties by id); when that ranking
         has too few such residents left, the layer is ranked afresh for this step."""
         layer = step.layer
         cache = self.cache
+        need = len(pcie) - len(slots)
+        if self._lru is not None:
+            victims = _unused_residents(self._lru[layer], cache.state[layer], step.experts, need)
+            n_up = len(slots) + len(victims)
+            slots = list(slots) + [cache.slot[(layer, v)] for v in victims]
+            return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu,
+                            tuple((layer, v) for v in victims))
         u = self._u[layer]
         used = step.experts
-        need = len(pcie) - len(slots)
         victims = _unused_residents(self._cold[layer], cache.state[layer], used, need)
         if len(victims) < need:
             victims = [v for v in self._rank_residents(layer) if v not in used][:need]
@@ -191,6 +221,12 @@ class HybridPolicy(BasePolicy):
         layer = d.step.layer
         if d.uploads:
             self._take_slots(d)
+        if self._lru is not None:
+            to_end = self._lru[layer].move_to_end
+            for e in d.step.experts:
+                to_end(e)
+        if self.share is not None:
+            self.share.observe(layer, len(d.hits), len(d.step.experts))
         if self.rounding == "carry":
             n_miss = len(d.uploads) + len(d.streams) + len(d.cpu)
             self._carry[layer] = (n_miss * self.miss_frac_256 + self._carry[layer]) & 255
@@ -342,3 +378,89 @@ def _by_layer_then(layers: np.ndarray, keys: np.ndarray) -> np.ndarray:
     faster)."""
     o = np.argsort(keys, kind="stable")
     return o[np.argsort(layers[o], kind="stable")]
+
+
+REUSE_SCALE = 32  # the reuse estimate's unit: 1/32 of a step's routes
+REUSE_STEPS = 16  # steps of a layer over which its hit share is averaged (moving average)
+
+
+class CostShare:
+    """``hybrid``'s PCIe share from a cost model: how many of a step's misses go over PCIe.
+
+    For ``k`` of the step's ``m`` eligible misses (ranked as ``hybrid`` ranks them) sent over PCIe
+    and the rest, with the misses in flight, sent to the CPU pool, the layer's predicted time is
+    ``max(gpu, cpu)``: ``gpu`` is ``cpu_delay_s`` (when the pool is used) + ``max(hits' GPU time,
+    k * upload_s)`` + the uploaded experts' GPU time (they run once their copies have landed);
+    ``cpu`` is ``cpu_task_s`` + the CPU experts' time (0 when the pool is not used). Each miss left
+    to the CPU is not cached, so its next route misses again: it is charged ``r * (min(cpu_s,
+    upload_s + gpu_s) - gpu_s)`` (one-token costs), ``r`` being the layer's share of hits over its
+    last ``REUSE_STEPS`` steps or so (an integer moving average, to 1/``REUSE_SCALE``), the chance
+    that an expert just routed is routed again while it would still be cached. The ``k`` with the
+    least time plus charges is chosen, ties going to more uploads. So when the pool is slower than
+    uploading every miss, however few it takes, no miss goes to the CPU (in flight ones excepted).
+    Decode steps (no token counts) are looked up by (hits, misses, in flight, ``r``) once
+    computed. Deterministic given the cost model and the decisions: a simulator and an executor
+    replaying one trace decide alike.
+    """
+
+    def __init__(self, cost_model: CostModel, num_layers: int):
+        if len(cost_model.upload_s) != num_layers:
+            raise ValueError(f"cost_model has {len(cost_model.upload_s)} layers, the model {num_layers}")
+        self.costs = cost_model
+        one = [(cost_model.gpu_s(l, 1), cost_model.cpu_s(l, 1), cost_model.upload_s[l]) for l in range(num_layers)]
+        memos: dict[tuple[float, float, float], dict] = {}
+        self._one = one
+        self._memo = [memos.setdefault(c, {}) for c in one]  # layers of equal costs share answers
+        self._avg = [0] * num_layers  # per layer, the hit share's moving average, in 1/2**16
+        self.reuse = [0] * num_layers  # the same in 1/REUSE_SCALE (rounded down): the lookup key
+
+    def observe(self, layer: int, n_hits: int, n_experts: int) -> None:
+        """Fold a committed step's hit share into the layer's moving average over about
+        ``REUSE_STEPS`` steps (integers: the same on every machine)."""
+        a = self._avg[layer]
+        a += ((n_hits << 16) // n_experts - a) // REUSE_STEPS
+        self._avg[layer] = a
+        self.reuse[layer] = a * REUSE_SCALE >> 16
+
+    def uploads(self, step: Step, hits, eligible: list[int], n_busy: int, usage) -> int:
+        """PCIe misses among ``eligible`` (the step's misses not in flight) for ``step`` with
+        ``hits`` resident and ``n_busy`` misses in flight; ``usage``: the layer's decayed usage
+        (ranks misses of equal token count, as ``hybrid`` does)."""
+        layer, m = step.layer, len(eligible)
+        if step.counts is None:
+            key = (len(hits), m, n_busy, self.reuse[layer])
+            memo = self._memo[layer]
+            k = memo.get(key)
+            if k is None:
+                g, c, up = self._one[layer]
+                k = memo[key] = self.best(len(hits) * g, [g] * m, [c] * m, n_busy, n_busy * c, up, layer)
+            return k
+        cm, cnt = self.costs, dict(zip(step.experts, step.counts))
+        ranked = sorted(eligible, key=lambda e: (-cnt[e], -usage[e]))
+        busy = [e for e in step.experts if e not in hits and e not in eligible]
+        return self.best(sum([cm.gpu_s(layer, cnt[e]) for e in hits]),
+                         [cm.gpu_s(layer, cnt[e]) for e in ranked], [cm.cpu_s(layer, cnt[e]) for e in ranked],
+                         n_busy, sum([cm.cpu_s(layer, cnt[e]) for e in busy]), self._one[layer][2], layer)
+
+    def best(self, hits_s: float, gpu: list[float], cpu: list[float], n_busy: int, busy_s: float,
+             upload_s: float, layer: int) -> int:
+        """The ``k`` minimising ``max(gpu, cpu)`` + the CPU misses' reuse charge (see the class
+        docstring); ties: the larger."""
+        m = len(gpu)
+        task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
+        g, c, up = self._one[layer]
+        charge = self.reuse[layer] / REUSE_SCALE * max(min(c, up + g) - g, 0.0)  # per miss left uncached
+        rest = [0.0] * (m + 1)  # rest[k]: CPU time of misses k.. (suffix sums, exact per k)
+        for i in range(m - 1, -1, -1):
+            rest[i] = rest[i + 1] + cpu[i]
+        best_k, best_t, up_gpu = 0, float("inf"), 0.0
+        for k in range(m + 1):
+            on_cpu = k < m or n_busy > 0
+            d = delay if on_cpu else 0.0
+            t_gpu = d + (max(hits_s, k * upload_s) + up_gpu if k else hits_s)
+            t = max(t_gpu, task + busy_s + rest[k]) + (m - k) * charge if on_cpu else t_gpu
+            if t <= best_t:
+                best_k, best_t = k, t
+            if k < m:
+                up_gpu += gpu[k]
+        return best_k

@@ -1,14 +1,13 @@
 """``hybrid-cost``: ``hybrid`` whose miss split comes from a cost model (see ``HybridCostPolicy``)."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from ..cache import INFLIGHT, RESIDENT
 from ..core import Capacity, Decision, Geometry, Move, Step
 from ..costmodel import CostModel
 from ..profile import Profile
-from .hybrid import HybridConfig, HybridPolicy, _unused_residents
+from .hybrid import HybridConfig, HybridPolicy
 from .tuner import FloorTuner
 
 __all__ = ["HybridCostConfig", "HybridCostPolicy"]
@@ -109,7 +108,6 @@ class HybridCostPolicy(HybridPolicy):
 
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
                  cost_model: CostModel | None = None, config: HybridCostConfig = HybridCostConfig()):
-        self.admit = config.admit
         if cost_model is None:
             raise ValueError("policy 'hybrid-cost' needs cost_model= (scheduler.CostModel)")
         if len(cost_model.upload_s) != geometry.num_layers:
@@ -128,8 +126,6 @@ class HybridCostPolicy(HybridPolicy):
         self._planned = None  # (the last decision planned, its layer_time_s), read by commit
         self.committed_s = 0.0  # predicted expert time of the last committed decision
         super().__init__(geometry, capacity, profile, config)
-        # per layer, every expert from least to most recently used (never used first, by id)
-        self._lru = [OrderedDict.fromkeys(range(n)) for n in geometry.num_experts]
         self.tuner = None
         if len(floors) > 1:
             n_moe = len(geometry.moe_layers)  # shadows plan no more layer-steps than the live policy
@@ -294,26 +290,10 @@ class HybridCostPolicy(HybridPolicy):
         t = max(gpu + dl, cpu)
         return t, max(queued - t, 0.0)
 
-    def _admit(self, step: Step, hits, pcie: list[int], slots: list[int], cpu) -> Decision:
-        """``admit="recency"``: uploads beyond the free slots take the slots of the layer's least
-        recently used residents the step does not use; else ``hybrid``'s usage-gated admission."""
-        if self.admit != "recency":
-            return super()._admit(step, hits, pcie, slots, cpu)
-        layer, cache = step.layer, self.cache
-        need = len(pcie) - len(slots)
-        victims = _unused_residents(self._lru[layer], cache.state[layer], step.experts, need)
-        n_up = len(slots) + len(victims)
-        slots = list(slots) + [cache.slot[(layer, v)] for v in victims]
-        return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu,
-                        tuple((layer, v) for v in victims))
-
     def commit(self, d: Decision) -> None:
         """Commit ``d`` (see ``hybrid``); its predicted time (``layer_time_s``) is kept in
         ``committed_s``."""
         self.committed_s, self._queue_s = self.layer_time_s(d)
-        to_end = self._lru[d.step.layer].move_to_end
-        for e in d.step.experts:
-            to_end(e)
         super().commit(d)
         if self.tuner is not None:
             self.floor_256 = self.tuner.observe(d.step, self.floor_256)
