@@ -8,7 +8,7 @@ import numpy as np
 from scheduler import Step
 
 from .experts import ExecutorError
-from .gguf_io import ModelWeights
+from .gguf_model import ModelWeights
 from .xp import array_module, host as _host
 
 __all__ = ["expert_ffn", "NumpyExperts", "EngineExperts"]

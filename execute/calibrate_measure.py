@@ -140,7 +140,7 @@ def measure_cpu_pool(layers: list[LayerExperts], threads: int, counts=(1, 2, 3, 
     """``CpuExpertPool`` compute time per call of n cold experts (one token each): {n: stats}, the
     wall time of submit -> result beyond the compute (the two thread hand-offs), and its parts:
     submit -> worker start and worker end -> caller resumes (``CpuJob`` stamps)."""
-    from .cpu_experts import CpuExpertPool
+    from .cpu_pool import CpuExpertPool
 
     rng = np.random.default_rng(seed)
     hidden = layers[0].hidden
@@ -466,7 +466,7 @@ def measure_engine(cp, timer: GpuTimer, engine, layers, reps: int, seed: int) ->
 
 
 def measure_cpu_types(args, layers, rng) -> tuple[dict, dict]:
-    from .cpu_experts import CpuExpertPool
+    from .cpu_pool import CpuExpertPool
 
     def rate(lx_list, threads):
         with CpuExpertPool(threads, timeout_s=120) as pool:

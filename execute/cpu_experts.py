@@ -18,7 +18,7 @@ one of ``quant.CPU_QTYPES``. Float weights (F32, F16, BF16) are dotted with floa
 runs in two phases, gate+up then down, each split into equal runs of (expert group, row) work,
 one per thread.
 
-``CpuExpertPool`` runs calls on a team of native threads (Numba ``nogil`` functions that never
+``CpuExpertPool`` (``execute.cpu_pool``) runs calls on a team of native threads (Numba ``nogil`` functions that never
 take the GIL) fed through a ring of job descriptions; ``submit`` returns at once, ``CpuJob.result``
 waits at most ``timeout_s`` and raises ``ExecutorError`` on a stall or a failure (the pool is then
 marked broken): never a hang, never an abort. ``run_experts`` runs the same phases on the calling
@@ -49,7 +49,7 @@ from .cpu_simd import (bits32, choose_isa, comb256, dpbusd_isa, sign_abs, fma_cv
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
 
-__all__ = ["CpuExpertPool", "CpuJob", "run_experts", "tensor_views"]
+__all__ = ["run_experts", "tensor_views"]
 
 _Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16
 _MXFP4 = Q.MXFP4
@@ -669,15 +669,3 @@ def run_experts(layer: LayerExperts, experts: Sequence[int], x: np.ndarray, thre
     _moe(job, int(threads or numba.get_num_threads()))
     del keep
     return y
-
-
-_POOL_NAMES = ("CpuExpertPool", "CpuJob")
-
-
-def __getattr__(name: str):
-    """The pool (``execute.cpu_pool``) re-exported here, imported on first use: the pool imports
-    this module's kernels, so a module-level import would be a circle."""
-    if name in _POOL_NAMES:
-        from . import cpu_pool
-        return getattr(cpu_pool, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

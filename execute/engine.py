@@ -58,7 +58,7 @@ import numpy as np
 from scheduler.core import Capacity, Decision, Move
 from scheduler.drive import RunLayer
 
-from .cpu_experts import CpuExpertPool
+from .cpu_pool import CpuExpertPool
 from .experts import ExecutorError, LayerExperts
 
 __all__ = ["ExpertEngine", "LayerStats", "gather_pairs"]

@@ -14,7 +14,7 @@ tensor data memory-mapped; re-exported here); gguf-py is used for writing and as
 dequantization reference in tests.
 
 - :func:`read_model_info` reads metadata and the tensor table only (weights stay unread on disk).
-- :func:`load_model` memory-maps the file: dense weights are dequantized to float32 numpy arrays,
+- ``execute.gguf_model.load_model`` memory-maps the file: dense weights are dequantized to float32 numpy arrays,
   routed-expert weights stay raw GGUF blocks, as views on the map (no copy), in
   :class:`~execute.experts.LayerExperts`, when the expert kernels read their type; other expert
   types are dequantized to F16 at load (:func:`qtype_paths` says which path runs each type).
@@ -39,8 +39,6 @@ __all__ = [
     "GGUFFile",
     "ModelInfo",
     "TensorEntry",
-    "DenseLayer",
-    "ModelWeights",
     "EXPERT_QTYPES",
     "SUPPORTED_ARCHS",
     "qtype_name",
@@ -48,10 +46,8 @@ __all__ = [
     "block_shape",
     "read_model_info",
     "llamacpp_problems",
-    "load_model",
     "dequantize",
     "quantize",
-    "stored_matrix",
     "TensorSpec",
     "write_gguf",
     "read_tokenizer",
@@ -366,7 +362,7 @@ def llamacpp_problems(path: str | os.PathLike) -> list[str]:
 
 def qtype_paths(info: ModelInfo) -> dict[str, str]:
     """Which path runs each quant type present, by type name: the routed experts' types (CPU pool
-    kernel, GPU expert kernel, or dequantized to F16 at load, see :func:`load_model`: a run without
+    kernel, GPU expert kernel, or dequantized to F16 at load, see ``execute.gguf_model.load_model``: a run without
     a GPU loads with ``cpu_only``) and the
     dense tensors' (dequantized to float32 at load; F32, F16, BF16 and Q8_0 matrices are also
     read by the GPU's fused dense path as stored)."""
@@ -560,15 +556,3 @@ def read_tokenizer(path: str | os.PathLike) -> dict:
     if out["model"] is None or not out["tokens"]:
         raise GGUFError(f"{path}: no vocabulary (metadata keys 'tokenizer.ggml.model' and 'tokenizer.ggml.tokens' needed)")
     return out
-
-
-_MODEL_NAMES = ("DenseLayer", "ModelWeights", "load_model", "stored_matrix")
-
-
-def __getattr__(name: str):
-    """The weights readers live in ``execute.gguf_model`` (imported on first use: it imports this module)."""
-    if name in _MODEL_NAMES:
-        from . import gguf_model
-
-        return getattr(gguf_model, name)
-    raise AttributeError(f"module 'execute.gguf_io' has no attribute {name!r}")

@@ -1,8 +1,7 @@
 """A GGUF model's weights: dense weights as float32, routed experts as raw blocks on the memory map.
 
-Part of ``execute.gguf_io`` (which re-exports ``DenseLayer``, ``ModelWeights``, ``load_model`` and
-``stored_matrix`` and remains the one module that imports gguf). Shapes are numpy order (the
-reversed-dims trap: ``execute.gguf_io``'s docstring).
+Built on ``execute.gguf_io`` (the model's metadata and the one module that imports gguf). Shapes
+are numpy order (the reversed-dims trap: ``execute.gguf_io``'s docstring).
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ from .backends import EngineExperts, NumpyExperts, expert_ffn
 from .batch_route import merge_rows, route_rows
 from .driver import ChunkInput, RunResult, TokenInput, run
 from .experts import ExecutorError
-from .gguf_io import ModelWeights
+from .gguf_model import ModelWeights
 from .routing import Route, RouterPredictor, merge_step, route_weights, softmax_topk
 from .trace_inputs import check_trace, fold_trace, trace_batches, trace_inputs, trace_tokens
 from .xp import array_module, cuda_graphs_env, host as _host
@@ -119,7 +119,7 @@ class MoeModel:
         if parts[0][2] is None:
             return None
         if self.gd is not None:
-            from .gguf_io import stored_matrix
+            from .gguf_model import stored_matrix
             from .gpu_dense import stack_matrices
 
             m = stack_matrices([(stored_matrix(self.weights, l, k), v, p) for l, k, v, p in parts])

@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from .archs import rope_angles, yarn_mscale
-from .gguf_io import ModelWeights, dequantize
+from .gguf_io import dequantize
+from .gguf_model import ModelWeights
 
 __all__ = ["reference_forward"]
 

@@ -126,10 +126,10 @@ def check_shapes(weights) -> None:
 
 
 def load_checked(path: str | os.PathLike, allow_non_finite: bool = False, **kwargs):
-    """``gguf_io.load_model(path, **kwargs)`` after ``check_file`` (skipped by ``allow_non_finite``),
+    """``gguf_model.load_model(path, **kwargs)`` after ``check_file`` (skipped by ``allow_non_finite``),
     then ``check_shapes``; with the finite check skipped, dequantizing a non-finite tensor stays
     silent (no numpy warnings)."""
-    from .gguf_io import load_model
+    from .gguf_model import load_model
 
     if not allow_non_finite:
         check_file(path)

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         print(f"bench_dense: needs cupy and a CUDA device ({exc})", file=sys.stderr)
         return 2
     from execute import model as M
-    from execute.gguf_io import load_model
+    from execute.gguf_model import load_model
     from execute.synth import config_from_preset, synth_model
     from scheduler import Capacity
 

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     if not modes or any(m not in ("plain", "graph", "pipelined") for m in modes):
         ap.error(f"--modes: {args.modes!r}, expected a comma list of plain, graph, pipelined")
-    from execute.gguf_io import load_model
+    from execute.gguf_model import load_model
 
     weights = load_model(args.model)
     tokens = np.random.default_rng(args.seed).integers(weights.info.vocab, size=args.tokens + args.warmup).tolist()

@@ -7,7 +7,7 @@ temporary folder. Measured, best of ``--repeats`` (the GGUFReader once when ``--
 - ``gguf_reader_s``: ``gguf.GGUFReader(path)``, what ``read_model_info`` and ``load_model`` spent
   opening a file before they parsed it themselves (the ModelInfo built afterwards is the same code);
 - ``read_model_info_s``: ``gguf_io.read_model_info`` (header, metadata, tensor table);
-- ``load_model_s``: ``gguf_io.load_model`` (the same, plus the dense weights dequantized);
+- ``load_model_s``: ``gguf_model.load_model`` (the same, plus the dense weights dequantized);
 - ``read_tokenizer_s``: ``gguf_io.read_tokenizer`` (the vocabulary decoded into Python lists).
 
     python experiments/gguf_open_speed.py [--vocab 151936] [--repeats 3] [--out FILE.json]
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from execute import gguf_io, synth  # noqa: E402
+from execute import gguf_io, gguf_model, synth  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tokenizer_speed import _best  # noqa: E402  the same best-of-n timer
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         res["file_mib"] = path.stat().st_size / 2**20
         res["gguf_reader_s"] = _best(lambda: gguf.GGUFReader(path), 1)
         res["read_model_info_s"] = _best(lambda: gguf_io.read_model_info(path), a.repeats)
-        res["load_model_s"] = _best(lambda: gguf_io.load_model(path), a.repeats)
+        res["load_model_s"] = _best(lambda: gguf_model.load_model(path), a.repeats)
         res["read_tokenizer_s"] = _best(lambda: gguf_io.read_tokenizer(path), a.repeats)
     res["speedup"] = res["gguf_reader_s"] / res["read_model_info_s"]
     print(f"vocabulary of {a.vocab} ({res['file_mib']:.1f} MiB file): GGUFReader {res['gguf_reader_s']:.2f} s; "

@@ -169,7 +169,7 @@ def synth_case(folder: Path, arch: str, quant: str, mla: str, dense_quant: str, 
 def moelab_logits(path: Path, tokens) -> np.ndarray:
     """Logits ``(len(tokens), vocab)`` of moelab's executor (cpu policy, numpy experts)."""
     from execute import model as M
-    from execute.gguf_io import load_model
+    from execute.gguf_model import load_model
     from scheduler import Capacity, make_policy
 
     w = load_model(path)
@@ -186,7 +186,7 @@ def routing_gaps(path: Path, tokens) -> np.ndarray:
     between the last group kept and the first dropped. A gap within rounding (``NEAR_TIE``) lets
     llama.cpp, which rounds activations, pick other experts for that token."""
     from execute import reference as R
-    from execute.gguf_io import load_model
+    from execute.gguf_model import load_model
 
     gaps, select = [], R._select
 

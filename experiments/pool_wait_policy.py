@@ -61,6 +61,7 @@ def child(a) -> dict:
     import numba
 
     from execute import cpu_experts as C
+    from execute.cpu_pool import CpuExpertPool
     from execute.calibrate import build_layers
 
     steps = int(a.gap_us * _steps_per_us())  # the gap's Python work, fixed before any pool thread exists
@@ -71,7 +72,7 @@ def child(a) -> dict:
     numba.set_num_threads(a.threads)
     C.run_experts(layer, experts, x, a.threads, views)  # compile (cached) and start the team
     call, gap, pool = [], [], []
-    with C.CpuExpertPool(a.threads) as p:
+    with CpuExpertPool(a.threads) as p:
         p.warmup(layer)
         for _ in range(a.calls):
             gap.append(_busy(steps))

@@ -245,7 +245,7 @@ def _umask() -> int:
 
 
 def test_nan_weights_stop_the_run_naming_the_tensor(tmp_path, inputs):
-    from execute.gguf_io import load_model
+    from execute.gguf_model import load_model
 
     model = tmp_path / "nan.gguf"
     model.write_bytes(inputs["model"].read_bytes())

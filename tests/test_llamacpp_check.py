@@ -61,7 +61,7 @@ def test_check_without_a_build_exits_2(tmp_path, capsys):
 
 
 def test_moelab_side_matches_the_reference(tmp_path):
-    from execute.gguf_io import load_model
+    from execute.gguf_model import load_model
     from execute.reference import reference_forward
 
     path = lc.synth_case(tmp_path, "deepseek2", "Q4_K", "split", "F16", 3)

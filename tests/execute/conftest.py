@@ -105,7 +105,7 @@ def synth_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_weights(synth_path):
     """``tiny_weights(quant)`` -> loaded ModelWeights of a tiny model (cached per session)."""
-    from execute.gguf_io import load_model
+    from execute.gguf_model import load_model
 
     cache: dict = {}
 

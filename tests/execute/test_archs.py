@@ -10,7 +10,8 @@ import pytest
 
 from execute import model as M
 from execute.archs import ARCHS
-from execute.gguf_io import GGUFError, load_model, read_model_info, write_gguf
+from execute.gguf_io import GGUFError, read_model_info, write_gguf
+from execute.gguf_model import load_model
 from execute.reference import reference_forward
 from execute.synth import config_from_preset, metadata, synth_model, tensor_specs
 from scheduler import Capacity, make_policy

@@ -17,7 +17,7 @@ from execute.archs import ARCHS
 from execute.cli_replay import replay_main
 from execute.cli_run import run_main
 from execute.model_spec import model_spec
-from execute.gguf_io import load_model
+from execute.gguf_model import load_model
 from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, Step, Token, make_policy, replay
 from scheduler.audit import Audit

@@ -346,7 +346,7 @@ def test_replay_fields_override_the_one_call_figures(tmp_path):
 
 
 def test_cpu_job_stamps_are_ordered():
-    from execute.cpu_experts import CpuExpertPool
+    from execute.cpu_pool import CpuExpertPool
     from execute.experts import random_layer
     from execute import quant as Q
 

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from execute import cpu_pool
 from execute import quant as Q
-from execute.cpu_experts import CpuExpertPool, run_experts
+from execute.cpu_experts import run_experts
+from execute.cpu_pool import CpuExpertPool
 from execute.experts import ACTIVATIONS, ExecutorError, random_layer
 
 from .conftest import biased, biased_reference

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from execute import gguf_io, synth
+from execute import gguf_io, gguf_model, synth
 from execute.gguf_io import GGUFError, TensorSpec, qtype_value
 
 from .conftest import K_QUANTS, SMALL_QUANTS, tiny_config
@@ -102,7 +102,7 @@ def test_expert_type_without_a_kernel_is_dequantized_to_f16_at_load(tmp_path, rn
     paths = gguf_io.qtype_paths(info)
     assert paths["IQ2_XS"] == "experts: dequantized to F16 at load"
     assert paths["Q4_K"].startswith("experts: CPU kernel, GPU kernel")
-    w = gguf_io.load_model(path)
+    w = gguf_model.load_model(path)
     up, gate = w.experts[1].up, w.experts[1].gate
     assert up.qtype == Q.F16 and gate.qtype == Q.Q4_K and np.shares_memory(gate.data, w.reader.data)
     want = Q.dequantize(blocks["up"], qt, cfg.hidden).astype(np.float16)
@@ -148,7 +148,7 @@ def test_fused_gate_up_experts_split_into_gate_and_up(tmp_path):
     specs.append(TensorSpec("blk.0.ffn_gate_up_exps.weight", (e, 2 * f, h), qtype_value("Q8_0"), lambda: blocks))
     path = tmp_path / "fused.gguf"
     gguf_io.write_gguf(path, "qwen3moe", synth.metadata(cfg), specs)
-    w = gguf_io.load_model(path)
+    w = gguf_model.load_model(path)
     assert w.info.fused_gate_up and w.info.expert_bytes == (cfg.expert_bytes,)
     gate, up = w.experts[0].gate, w.experts[0].up
     assert gate.rows == up.rows == f and gate.cols == h
@@ -197,7 +197,7 @@ def test_mla_split_layout_reads_as_the_kv_b_it_was_cut_from(dense_quant, tmp_pat
     w = {}
     for mla in ("split", "kv_b"):
         cfg = synth.config_from_preset("tiny", arch="deepseek2", mla=mla, dense_quant=dense_quant)
-        w[mla] = gguf_io.load_model(synth.synth_model(tmp_path / f"{mla}.gguf", cfg))
+        w[mla] = gguf_model.load_model(synth.synth_model(tmp_path / f"{mla}.gguf", cfg))
     split, kv_b = w["split"], w["kv_b"]
     assert (split.info.num_kv_heads, kv_b.info.num_kv_heads) == (1, 4)
     for name in ("head_dim", "v_head_dim", "kv_lora_rank", "rope_dims"):
@@ -252,7 +252,7 @@ def test_mla_split_layout_that_does_not_fit_its_rank_is_named(tmp_path):
     path = tmp_path / "m.gguf"
     gguf_io.write_gguf(path, cfg.arch, meta, synth.tensor_specs(cfg))
     with pytest.raises(GGUFError, match=r"m\.gguf: blk\.0\.attn_k_b .* do not split into head_count 4 x kv_lora_rank 5"):
-        gguf_io.load_model(path)
+        gguf_model.load_model(path)
 
 
 @pytest.mark.parametrize("quant,down", [("Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("IQ4_XS", "Q5_K"), ("Q3_K", "IQ2_XXS")])
@@ -268,7 +268,7 @@ def test_mixed_type_files_run_on_the_cpu_kernels(quant, down, tmp_path, rng):
     cfg = tiny_config(quant, down_quant=down, num_layers=1, hidden=256, ffn=256)
     path = synth.synth_model(tmp_path / "mixed.gguf", cfg)
     assert set(gguf_io.qtype_paths(gguf_io.read_model_info(path))) >= {quant, down}
-    w = gguf_io.load_model(path, cpu_only=True)
+    w = gguf_model.load_model(path, cpu_only=True)
     layer = w.experts[0]
     want_down = Q.QTYPE_BY_NAME[down] if Q.QTYPE_BY_NAME[down] in Q.CPU_QTYPES else Q.F16
     assert (layer.gate.qtype, layer.down.qtype) == (Q.QTYPE_BY_NAME[quant], want_down)

@@ -12,7 +12,7 @@ from execute import model as M
 from execute import quant as Q
 from execute.archs import ARCHS, rope_angles
 from execute.experts import ExecutorError
-from execute.gguf_io import load_model
+from execute.gguf_model import load_model
 from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, make_policy
 from scheduler.audit import Audit

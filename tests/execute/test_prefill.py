@@ -212,7 +212,7 @@ def test_a_gpu_without_mma_keeps_every_step_on_the_engine(monkeypatch):
 @pytest.fixture(scope="module")
 def chunk_model(tmp_path_factory):
     """``chunk_model(arch, quant)`` -> ModelWeights of a tiny model (made once per module)."""
-    from execute.gguf_io import load_model
+    from execute.gguf_model import load_model
     from execute.synth import config_from_preset, synth_model
 
     root, made = tmp_path_factory.mktemp("prefill"), {}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from execute import model as M
-from execute.gguf_io import load_model
+from execute.gguf_model import load_model
 from scheduler import Capacity, make_policy
 
 from .conftest import cupy_or_skip, run_json

@@ -12,7 +12,8 @@ from execute import model as M
 from execute.archs import ARCHS
 from execute.cli_replay import replay_main
 from execute.cli_run import run_main
-from execute.gguf_io import load_model, write_gguf
+from execute.gguf_io import write_gguf
+from execute.gguf_model import load_model
 from scheduler import Capacity, make_policy, replay
 from scheduler.audit import Audit
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from execute import model as M
-from execute.gguf_io import load_model
+from execute.gguf_model import load_model
 from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, make_policy
 from scheduler.audit import Audit
