@@ -181,7 +181,9 @@ def generate(num_layers: int, num_experts: int, top_k: int, num_tokens: int, par
             if len(short):  # a topic too narrow to give k experts: complete with unused ids at random
                 keys = rng.random((len(short), E))
                 rows = sel[short]
-                np.put_along_axis(keys, np.where(rows >= 0, rows, 0), np.where(rows >= 0, 2.0, keys[:, :1]), 1)
+                used = np.nonzero(rows >= 0)
+                keys[used[0], rows[used]] = 2.0  # ids the row has sort last (one write per id, so a masked
+                # entry can never restore a used id's key, which gave a row the same expert twice)
                 fresh = np.argsort(keys, axis=1)[:, :k]
                 fill = np.cumsum(rows < 0, axis=1) - 1
                 sel[short] = np.where(rows >= 0, rows, np.take_along_axis(fresh, np.maximum(fill, 0), 1))

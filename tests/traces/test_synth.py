@@ -79,3 +79,14 @@ def test_million_token_trace_written_and_memory_mapped(tmp_path):
     assert isinstance(back.expert_ids.base, np.memmap) or isinstance(back.expert_ids, np.memmap)
     toks = list(back.tokens(start=999_990))
     assert len(toks) == 10 and all(len(tok.steps) == 48 for tok in toks)
+
+
+def test_rows_completed_from_a_narrow_topic_stay_distinct():
+    """A topic too narrow for k experts is completed with unused ids: never one the row has (a masked
+    entry once restored a used id's key, and a row listed that expert twice)."""
+    from traces.synth import SynthParams, generate
+
+    params = SynthParams(zipf_s=0.6, topic_concentration=0.035, topic_shift_prob=0.87, reuse_prob=0.48,
+                         reuse_lag_tokens=4.0, cross_layer=0.23)
+    for seed in range(3):
+        generate(24, 32, 8, 60, params, np.random.default_rng(seed)).validate()  # raises on a repeated id
