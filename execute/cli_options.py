@@ -32,6 +32,11 @@ def guard(fn, args) -> int:
     except (GGUFError, ExecutorError) as exc:
         print(f"moelab: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise
+    except OSError as exc:  # writing a result (an audit, a trace) onto a full disk: name the file
+        print(f"moelab: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
 
 
 def check_common(args, prog: str) -> None:

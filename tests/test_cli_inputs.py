@@ -129,17 +129,22 @@ def test_a_trace_of_more_experts_than_the_scheduler_takes_is_refused():
 
 
 def _full_disk():
-    """The child may write files of at most 4 KiB: a write past it fails as on a full disk (EFBIG)."""
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    """The child may write files of at most 2 KiB: a write past it fails as on a full disk (EFBIG)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
 
 
 def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(tmp_path):
     slots = ",".join(str(s) for s in range(40))
+    r = subprocess.run(CMD + ["model", "synth", "m.gguf", "--preset", "tiny", "--quant", "Q8_0", "--quiet"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
     runs = [(["trace", "synth", "s", "--preset", "granite"], "s"),
             (["simulate", "--tokens", "3", "--timeline", "tl.json"], "tl.json"),
             (["trace", "stats", "--slots", "8", "--out", "st"], "st/"),
             (["profile", "build", "p.strp"], "p.strp"),
-            (["model", "synth", "m.gguf", "--preset", "tiny", "--quant", "Q8_0"], "m.gguf"),
+            (["model", "synth", "m2.gguf", "--preset", "tiny", "--quant", "Q8_0"], "m2.gguf"),
+            (["run", "m.gguf", "-p", "hello there my friend", "-n", "8", "--backend", "numpy", "--audit", "a.jsonl"],
+             "a.jsonl"),
             (["sweep", "--tokens", "2", "--policies", "cpu", "--cache-slots", slots, "--out", "sw", "--jobs", "1",
               "--no-plots"], "sw/results.csv")]
     for argv, name in runs:
@@ -149,7 +154,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(tmp_path):
         line = _one_line(r.stderr)
         assert f" {name}" in line and "File too large" in line, line
     # the sweep keeps the rows it finished (it resumes from them) and its lock; nothing else is left
-    assert _tree(tmp_path) <= {"sw", "sw/results.csv", "sw/.sweep.lock"}
+    assert _tree(tmp_path) <= {"m.gguf", "sw", "sw/results.csv", "sw/.sweep.lock"}
 
 
 def test_a_second_sweep_into_a_busy_folder_is_refused(tmp_path):
