@@ -222,6 +222,9 @@ class GGUFFile:
         start = -(-pos // align) * align
         out = []
         for t in rows:
+            if t.data_offset % align:  # llama.cpp refuses it too: every tensor starts on the alignment
+                raise _Corrupt(f"tensor {t.name!r}: data offset {t.data_offset} is not a multiple of "
+                               f"general.alignment {align}")
             at = start + t.data_offset
             if at + t.nbytes > len(self._buf):
                 raise GGUFError(f"{self.path}: tensor data truncated: tensor {t.name!r}'s {t.nbytes} bytes at offset "

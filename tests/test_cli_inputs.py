@@ -372,3 +372,17 @@ def test_a_cpu_worker_that_dies_is_one_error_long_before_the_timeout(nan_models,
 def test_the_exit_statuses_are_documented():
     text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert "Exit status, the same for every command: 0 done; 2 bad input; 1 `sweep`" in text
+
+
+def test_a_misaligned_tensor_offset_is_refused(tmp_path, nan_models):
+    import struct
+
+    data = bytearray(nan_models["good"].read_bytes())
+    name = b"token_embd.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # its tensor-table entry
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    off_at = at + 4 + 8 * n_dims + 4
+    struct.pack_into("<Q", data, off_at, struct.unpack_from("<Q", data, off_at)[0] + 2)
+    (tmp_path / "m.gguf").write_bytes(bytes(data))
+    (rc, err), = _batch([["model", "info", "m.gguf"]], tmp_path)
+    assert rc == 2 and "tensor 'token_embd.weight': data offset" in _one_line(err) and "alignment 32" in err
