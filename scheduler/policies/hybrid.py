@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cache import INFLIGHT, RESIDENT
+from ..cache import ABSENT, INFLIGHT, RESIDENT
 from ..core import Capacity, Decision, Geometry, Move, Step
 from ..costmodel import CostModel
 from ..profile import Profile
@@ -192,7 +192,10 @@ class HybridPolicy(BasePolicy):
         cache = self.cache
         need = len(pcie) - len(slots)
         if self._lru is not None:
-            victims = _unused_residents(self._lru[layer], cache.state[layer], step.experts, need)
+            if self.swap_every:
+                victims = _unused_residents(self._lru[layer], cache.state[layer], step.experts, need)
+            else:
+                victims = _recent_victims(self._lru[layer], cache.state[layer], step.experts, need)
             n_up = len(slots) + len(victims)
             slots = list(slots) + [cache.slot[(layer, v)] for v in victims]
             return Decision(step, hits, tuple(pcie[:n_up]), tuple(slots), tuple(pcie[n_up:]), cpu,
@@ -222,9 +225,13 @@ class HybridPolicy(BasePolicy):
         if d.uploads:
             self._take_slots(d)
         if self._lru is not None:
-            to_end = self._lru[layer].move_to_end
+            order = self._lru[layer]
+            to_end = order.move_to_end
             for e in d.step.experts:
-                to_end(e)
+                if e in order:
+                    to_end(e)
+                else:  # dropped by _recent_victims while absent
+                    order[e] = None
         if self.share is not None:
             self.share.observe(layer, len(d.hits), len(d.step.experts))
         if self.rounding == "carry":
@@ -369,6 +376,25 @@ def _unused_residents(order, state, used, need: int) -> list[int]:
             out.append(v)
             if len(out) == need:
                 break
+    return out
+
+
+def _recent_victims(order, state, used, need: int) -> list[int]:
+    """``_unused_residents`` that drops the absent experts it passes from ``order``: with no swap
+    rounds an absent expert becomes resident or in flight only when a step routes it, which puts
+    it back at the end (``commit``), so the residents' order, and every answer, stay the same."""
+    out, gone = [], []
+    for v in order:
+        s = state[v]
+        if s == RESIDENT:
+            if v not in used:
+                out.append(v)
+                if len(out) == need:
+                    break
+        elif s == ABSENT:
+            gone.append(v)
+    for v in gone:
+        del order[v]
     return out
 
 

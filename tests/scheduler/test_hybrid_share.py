@@ -132,3 +132,22 @@ def test_recency_admission_evicts_the_least_recently_used_resident():
     replay(policy, [tok(0, [0, 1]), tok(1, [2, 0]), tok(2, [0, 1])], lag_tokens=0)  # 2 used longest ago
     d = policy.plan(Step(0, (4, 0)))
     assert d.uploads == (4,) and d.evictions == ((0, 2),)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(scenarios(batches=True), st.sampled_from(["hybrid", "hybrid-cost"]), st.integers(0, 2))
+def test_dropping_absent_experts_from_the_recency_order_changes_no_decision(monkeypatch, scenario, name, lag):
+    """Recency admission without swap rounds drops absent experts from its order as it scans it:
+    the decisions are those of a scan over every expert."""
+    from scheduler import Audit
+    from scheduler.policies import hybrid
+
+    geometry, capacity, tokens = scenario
+    n = geometry.num_layers
+    cm = CostModel((1e-5,) * n, (2e-6,) * n, (9e-5,) * n, (1e-5,) * n, (7e-5,) * n, 5e-6)
+    digest = lambda: replay(make_policy(name, geometry, capacity, cost_model=cm), tokens, lag_tokens=lag,
+                            audit=Audit(geometry, keep_log=True)).digest()
+    fast = digest()
+    with monkeypatch.context() as m:
+        m.setattr(hybrid, "_recent_victims", hybrid._unused_residents)
+        assert digest() == fast
