@@ -346,6 +346,11 @@ class CpuExpertPool:
         return v[1:]
 
     def _start(self) -> None:
+        # the team's loop is compiled here, on the caller's thread and outside any wait: with a cold
+        # Numba cache it compiles every kernel type (over a minute on a loaded 2-core host), time a
+        # result() timeout would otherwise count against the first call (a cache hit loads it)
+        _team_worker.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self.threads,
+                                                                self._spin_ns)))
         for t in range(self.threads):
             w = threading.Thread(target=_guarded_worker, name=f"moelab-cpu-experts-{t}", daemon=True,
                                  args=(self._ctrl, self._ring, t, self.threads, self._spin_ns, weakref.ref(self)))
