@@ -352,6 +352,7 @@ def test_a_cpu_worker_that_dies_is_one_error_long_before_the_timeout(nan_models,
             raise ZeroDivisionError("division by zero")
         return real(ctrl, ring, t, team, spin_ns)
 
+    dies.compile = real.compile  # the pool compiles the team's loop before starting it
     monkeypatch.setattr(cpu_pool, "_team_worker", dies)
     err, result = io.StringIO(), []
     argv = [str(nan_models["good"]), "--policy", "cpu", "--map", "--tokens", "4", "--threads", "2", "--timeout-s", "120",
