@@ -202,8 +202,9 @@ def test_a_gpu_without_mma_keeps_every_step_on_the_engine(monkeypatch):
         ids = np.tile(np.arange(K), (32, 1))
         d = types.SimpleNamespace(layer=0, step=Step(0, tuple(range(K)), None, (1.0,) * K))
         assert prefill.BatchedExperts(engine).takes(d, ids)
-        monkeypatch.setattr(cp.cuda, "Device", lambda *a: types.SimpleNamespace(compute_capability="75"))
-        old = prefill.BatchedExperts(engine)
+        with monkeypatch.context() as m:  # the capability faked for the construction only
+            m.setattr(cp.cuda, "Device", lambda *a: types.SimpleNamespace(compute_capability="75"))
+            old = prefill.BatchedExperts(engine)
         assert old._mm is None and not old.takes(d, ids)
     finally:
         engine.close()
