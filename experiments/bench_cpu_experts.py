@@ -5,8 +5,9 @@ pool's empty-call round trip and the host's streaming ceiling, all measured in o
 submit -> result, as the engine calls it, once per instruction-set path of its integer dot
 (``--isa``, default every path this host runs: vnni = vpdpbusd, avx2 = vpmaddubsw + vpmaddwd,
 plain; forced through MOELAB_CPU_ISA). ``old``: the kernels before the rewrite
-(experiments/cpu_experts_before.py: float32 activations, rows dotted block by block, two regions
-on Numba's OpenMP pool with passive waiting, called directly on this thread). Shapes: Qwen3-30B-A3B experts (hidden 2048, ffn 768). Call shapes: 1, 2
+(execute/cpu_experts_baseline.py: float32 activations, rows dotted block by block, two regions
+on Numba's OpenMP pool with passive waiting, called directly on this thread). Shapes:
+Qwen3-30B-A3B experts (hidden 2048, ffn 768). Call shapes: 1, 2
 and 8 experts x 1 token (decode) and 8 experts x 8 tokens (prefill: 64 pairs, each expert read
 once). Each type's layer has ``--experts`` distinct experts (copies of 4 random ones, each in its
 own memory) and calls rotate through them, so weights stream from DRAM rather than the L3.
@@ -33,14 +34,13 @@ T_START = time.perf_counter()
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numba  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-import cpu_experts_before as old  # noqa: E402
 from execute import cpu_experts as new  # noqa: E402
+from execute import cpu_experts_baseline as old  # noqa: E402
 from execute import cpu_simd  # noqa: E402
 from execute import quant as Q  # noqa: E402
 from execute.experts import ExpertTensor, LayerExperts, random_layer  # noqa: E402

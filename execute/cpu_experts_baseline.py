@@ -1,8 +1,8 @@
-"""The CPU expert kernels as they were before the int8 rewrite (execute/cpu_experts.py at commit
-586806d): float32 activations, each weight row dotted block by block in place (vectorized by LLVM:
-vpmovsxbd, vcvtdq2ps, vfmadd on ymm), two parallel regions on Numba's OpenMP pool per call. Kept
-only so that experiments/bench_cpu_experts.py can print old and new rates side by side in one
-run; the executor never imports it.
+"""The CPU expert kernels as they were before the int8 rewrite of ``cpu_experts``: float32
+activations, each weight row dotted block by block in place (vectorized by LLVM: vpmovsxbd,
+vcvtdq2ps, vfmadd on ymm), two parallel regions on Numba's OpenMP pool per call; Q8_0, Q4_0, Q4_K,
+Q6_K, MXFP4, F32, F16 and BF16. A baseline only: experiments/bench_cpu_experts.py prints its rates
+beside the current kernels' in one run; the executor never imports it.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import numba  # noqa: E402
 import numpy as np
 from numba import njit, prange
 
-from execute import quant as Q
-from execute.cpu_experts import _bits_f32, _half  # the same bit reinterpretations
-from execute.experts import ExpertTensor, LayerExperts
+from . import quant as Q
+from .cpu_experts import _bits_f32, _half  # the same bit reinterpretations
+from .experts import ExpertTensor, LayerExperts
 
 __all__ = ["run_experts", "tensor_views"]
 
