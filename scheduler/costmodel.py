@@ -27,6 +27,12 @@ class CostModel:
     which earlier copies queued on the link keep moving (None: 0);
     ``cpu_delay_s``: in a layer that uses the CPU pool, how much later its GPU work and uploads
     are queued (an executor submits the CPU job first; 0: no delay).
+
+    Hand-off terms (read by ``lookahead``/``oracle`` only; 0: left out, as before them):
+    ``cpu_copy_s``: in a layer that uses the CPU pool, the pool's result is ready this much later
+    than its work (the hidden state copied to the host and the result back); ``cpu_combine_s``: GPU
+    time after such a layer (the CPU result added in); ``gpu_batch_s``: fixed GPU cost of each batch
+    of experts (a layer's hits are one batch, its uploaded experts another, run once they land).
     """
 
     gpu_expert_s: tuple[float, ...]
@@ -39,6 +45,9 @@ class CostModel:
     cpu_read_s: tuple[float, ...] | None = None
     layer_s: tuple[float, ...] | None = None
     cpu_delay_s: float = 0.0
+    cpu_copy_s: float = 0.0
+    cpu_combine_s: float = 0.0
+    gpu_batch_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.upload_s)
@@ -53,15 +62,17 @@ class CostModel:
                 raise ValueError(f"CostModel.{name}: every entry must be a number >= 0")
         if self.cpu_task_s < 0:
             raise ValueError("CostModel.cpu_task_s: expected >= 0")
-        if not self.cpu_delay_s >= 0:
-            raise ValueError("CostModel.cpu_delay_s: expected >= 0")
+        for name in ("cpu_delay_s", "cpu_copy_s", "cpu_combine_s", "gpu_batch_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"CostModel.{name}: expected >= 0")
 
     def of_layers(self, layers) -> "CostModel":
         """The costs of ``layers`` only, in that order (layer ``layers[i]`` becomes layer ``i``)."""
         pick = lambda v: None if v is None else tuple(v[l] for l in layers)
         return CostModel(pick(self.gpu_expert_s), pick(self.gpu_token_s), pick(self.upload_s),
                          pick(self.cpu_expert_s), pick(self.cpu_token_s), self.cpu_task_s,
-                         pick(self.gpu_read_s), pick(self.cpu_read_s), pick(self.layer_s), self.cpu_delay_s)
+                         pick(self.gpu_read_s), pick(self.cpu_read_s), pick(self.layer_s), self.cpu_delay_s,
+                         self.cpu_copy_s, self.cpu_combine_s, self.gpu_batch_s)
 
     def gpu_s(self, layer: int, tokens: int) -> float:
         work = tokens * self.gpu_token_s[layer]

@@ -196,11 +196,16 @@ class Costs:
             task += (hc.cpu_submit_s + hc.cpu_start_s + hc.cpu_handoff_s + hc.cpu_return_s
                      + max(hc.cpu_combine_s - hc.layer_combine_s, 0.0))
             delay = hc.cpu_submit_s + hc.cpu_handoff_s  # the job is submitted before the GPU work is queued
+        # hand-off terms (CostModel's docstring): without the host lane, the hidden state's copies to
+        # and from the pool, the combine, and a launch per expert batch; with it, one batch, combine always
+        copy, comb, batch = (0.0, 0.0, 0.0) if self.host is not None else (2 * self.small_copy_s, self.combine_s,
+                                                                         self.expert_launch_s)
         return CostModel(
             gpu_expert_s=[0.0] * n, gpu_token_s=[self.gpu_expert_flop_s] * n, gpu_read_s=self.gpu_expert_s,
             upload_s=self.upload_s,
             cpu_expert_s=[0.0] * n, cpu_token_s=self.cpu_token_s, cpu_read_s=self.cpu_read_s,
-            cpu_task_s=task, layer_s=[d + self.route_s for d in self.dense_s], cpu_delay_s=delay)
+            cpu_task_s=task, layer_s=[d + self.route_s for d in self.dense_s], cpu_delay_s=delay,
+            cpu_copy_s=copy, cpu_combine_s=comb, gpu_batch_s=batch)
 
     # multi-token steps (counts given) ---------------------------------------------------------
     def dense(self, layer: int, ctx: int, num_tokens: int = 1) -> float:

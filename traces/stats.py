@@ -196,7 +196,8 @@ def default_cost_model(trace: Trace):
     pick = lambda v: None if v is None else (v[l],) * n
     return CostModel(pick(cm.gpu_expert_s), pick(cm.gpu_token_s), pick(cm.upload_s), pick(cm.cpu_expert_s),
                      pick(cm.cpu_token_s), cm.cpu_task_s, pick(cm.gpu_read_s), pick(cm.cpu_read_s),
-                     pick(cm.layer_s), cm.cpu_delay_s)
+                     pick(cm.layer_s), cm.cpu_delay_s, cm.cpu_copy_s, cm.cpu_combine_s,
+                     cm.gpu_batch_s)
 
 
 def _replay_rate(trace: Trace, name: str, slots: int, phase: str | None, seqs: list[list[int]],

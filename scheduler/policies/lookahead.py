@@ -46,6 +46,11 @@ from .predict import PredictConfig, PredictPolicy
 __all__ = ["LookaheadConfig", "LookaheadPolicy", "CostPlanner"]
 
 
+VALUES = ("forecast", "recency", "frequency")  # lookahead's value functions (LookaheadPolicy)
+AUDIT_DECAY = 1.0 - 1.0 / 64  # per audited step: the decay of the swap audit's score
+SHADOW_MEMORY = 64.0  # steps: the decay of the shadow caches' hit counts (values="adaptive")
+
+
 class _All:
     def __getitem__(self, i) -> bool:
         return True
@@ -72,8 +77,15 @@ class LookaheadConfig:
     slack: float = 0.0
     memory: float = 16.0
     reuse_weight: float = 0.25
+    fills: str = "frequency"
+    values: str = "forecast"
+    audit: bool = True
 
     def __post_init__(self) -> None:
+        if self.fills not in ("frequency", "values", "long"):
+            raise ValueError(f"lookahead fills: {self.fills!r}, expected 'frequency', 'long' or 'values'")
+        if self.values not in VALUES + ("adaptive",):
+            raise ValueError(f"lookahead values: {self.values!r}, expected one of {', '.join(VALUES)} or 'adaptive'")
         checks = {"confidence": 0.0 <= self.confidence <= 1.0, "margin": self.margin >= 0.0,
                   "max_prefetch": 0 <= self.max_prefetch <= MAX_FILLS_PER_TOKEN,
                   "fill_share": 0.0 <= self.fill_share <= 1.0, "slack": self.slack >= 0.0,
@@ -107,6 +119,9 @@ class CostPlanner(BasePolicy):
         self._ending = False  # plan_background was called: the next commit_background ends a token
         self._pf: set[tuple[int, int]] = set()  # prefetched, not yet seen by their layer's next step
         self._wrong: set[tuple[int, int]] = set()  # prefetched and not routed: first victims
+        # swap audit: each planned swap (issued or held back), scored at its layer's next step
+        self._trials: dict[str, dict[int, list[tuple[int, int]]]] = {"prefetch": {}, "fill": {}, "fill2": {}}
+        self._gain = {"prefetch": 0.0, "fill": 0.0}
         moe = geometry.moe_layers
         self.next_layer = {l: moe[(i + 1) % len(moe)] for i, l in enumerate(moe)}
         super().__init__(geometry, capacity, profile)
@@ -163,7 +178,9 @@ class CostPlanner(BasePolicy):
         v = self.value(layer, experts)
         elig.sort(key=lambda e: -v[e])  # stable: router rank breaks ties
         cm = self.costs
-        task, delay, up = cm.cpu_task_s, cm.cpu_delay_s, self.up_s[layer]
+        task, delay, up = cm.cpu_task_s + cm.cpu_copy_s, cm.cpu_delay_s, self.up_s[layer]
+        batch, comb = cm.gpu_batch_s, cm.cpu_combine_s
+        gpu_h = gpu + batch if hits else 0.0
         times, worth = [], [0.0]
         cpu_all = sum(ct[e] for e in elig) + sum(ct[e] for e in busy)
         g_up = cpu_up = 0.0
@@ -184,8 +201,10 @@ class CostPlanner(BasePolicy):
             on_cpu = n < len(elig) or busy
             dl = delay if on_cpu else 0.0
             cpu = task + rest if on_cpu else 0.0
-            link = max(queued, dl) + n * up + g_up if n else 0.0
-            times.append(max(gpu + dl, cpu, link, gpu + g_up + dl))
+            g_end = gpu_h + dl
+            if n:  # the uploaded experts run as one batch once they have all landed
+                g_end = max(g_end, max(queued, dl) + n * up) + batch + g_up
+            times.append(max(g_end, cpu) + comb if on_cpu else g_end)
         score = [t - wv for t, wv in zip(times, worth)]
         best = min(score)
         n = max(i for i, t in enumerate(score) if t <= best + self.config.slack * min(times) + 1e-15)
@@ -247,7 +266,30 @@ class CostPlanner(BasePolicy):
                 self._wrong.add(k)
         if self._wrong:
             self._wrong.difference_update((layer, e) for e in used)
+        trials = self._trials
+        tried = trials["prefetch"].pop(layer, None)
+        if tried:
+            self._gain["prefetch"] = self._gain["prefetch"] * AUDIT_DECAY + sum((e in used) - (v in used) for e, v in tried)
+        landed = trials["fill2"].pop(layer, None)  # a fill lands a token later: scored at the step after
+        tried = trials["fill"].pop(layer, None)  # its victim is lost from the next step on
+        if tried or landed:
+            self._gain["fill"] = (self._gain["fill"] * AUDIT_DECAY - sum(v in used for _, v in tried or ())
+                                  + sum((e in used) - (v in used) for e, v in landed or ()))
+        if tried:
+            trials["fill2"][layer] = tried
         self.learn(d.step)
+
+    def _swaps_ok(self, kind: str, moves: list[Move]) -> list[Move]:
+        """``moves`` less their swaps when the audit of ``kind`` says swaps lately lost more routes
+        than they gained; every swap planned is put on trial (scored at its layer's next step)."""
+        if not self.config.audit:
+            return moves
+        for m in moves:
+            if m.victim is not None and m.victim[0] == m.layer:
+                self._trials[kind].setdefault(m.layer, []).append((m.expert, m.victim[1]))
+        if self._gain[kind] >= 0.0:
+            return moves
+        return [m for m in moves if m.victim is None]
 
     # prefetch --------------------------------------------------------------------------------
     def plan_prefetch(self, step: Step) -> tuple[Move, ...]:
@@ -278,7 +320,8 @@ class CostPlanner(BasePolicy):
                 if gain < cfg.margin or len(moves) == room:
                     break
                 moves.append(Move(nl, e, cache.slot[key], key, gain))
-        return tuple(moves)
+        self._trials["prefetch"].pop(nl, None)
+        return tuple(self._swaps_ok("prefetch", moves))
 
     def plan_background(self) -> tuple[Move, ...]:
         """Fills while the link would idle (module docstring); marks the token's end."""
@@ -320,7 +363,7 @@ class CostPlanner(BasePolicy):
                 taken.add(key)
                 moves.append(Move(l, e, cache.slot[key], key, gain))
         moves.sort(key=lambda m: -m.gain)
-        return tuple(moves[:room])
+        return tuple(self._swaps_ok("fill", moves[:room]))
 
     def _ranked_fill(self, layer: int, f: np.ndarray) -> list[tuple[float, tuple[int, int]]]:
         """Residents of ``layer``'s pool by fill value, lowest first (released prefetches below)."""
@@ -351,9 +394,11 @@ class CostPlanner(BasePolicy):
 
 
 class LookaheadPolicy(CostPlanner):
-    """``lookahead`` with values learnt online by ``predict``'s statistics (module docstring):
-    ``value`` is the temporal forecast, ``next_value`` the cross-layer one, ``fill_value`` the
-    decayed frequency (routes per step)."""
+    """``lookahead`` with values learnt online (module docstring): ``value`` is the temporal
+    forecast of ``predict``'s statistics, the recency of each expert's last use, or its decayed
+    frequency (``values``; ``"adaptive"``: whichever of the three a shadow cache of each layer's
+    size, run on the same steps, would have hit most lately); ``next_value`` the cross-layer
+    forecast, ``fill_value`` the decayed frequency or the values (``fills``)."""
 
     name = "lookahead"
 
@@ -362,20 +407,68 @@ class LookaheadPolicy(CostPlanner):
         full = Capacity.per_layer(geometry, geometry.max_experts)
         # the forecaster: predict's statistics, fed every step; its own cache is never used
         self.forecaster = PredictPolicy(geometry, full, None, PredictConfig(memory=config.memory, max_prefetch=0))
+        L, E = geometry.num_layers, max(geometry.max_experts, 1)
+        self._clock = np.zeros(L)  # steps of each layer so far
+        self._last = np.full((L, E), -np.inf)  # the step of each expert's last use
+        self._freq = np.zeros((L, E))  # routes per step, decayed by 1 / SHADOW_MEMORY
+        modes = VALUES if config.values == "adaptive" else (config.values,)
+        self._modes = modes
+        self._shadow = [[set() for _ in modes] for _ in range(L)]
+        self._score = np.zeros(len(modes))
         super().__init__(geometry, capacity, profile, cost_model, config)
+        cap = self.cache
+        share = {p: sum(1 for l in geometry.moe_layers if cap.pool_of[l] == p) for p in set(cap.pool_of)}
+        self._cap = [cap.size[cap.pool_of[l]] // max(share[cap.pool_of[l]], 1) if cap.pool_of[l] >= 0 else 0
+                     for l in range(L)]
+
+    def _mode_value(self, mode: str, layer: int, experts) -> np.ndarray:
+        if mode == "forecast":
+            f = self.forecaster
+            return f.forecast(layer, f.prev[layer] if experts is None else experts)
+        if mode == "recency":
+            v = 1.0 / (1.0 + self._clock[layer] - self._last[layer])
+        else:
+            v = self._freq[layer].copy()
+        if experts is not None:
+            v[list(experts)] = 1.0 if mode == "recency" else v[list(experts)] + 1.0 / SHADOW_MEMORY
+        return v
+
+    def mode(self) -> str:
+        """The value function in use (``values``; adaptive: the best shadow's)."""
+        return self._modes[int(np.argmax(self._score))]
 
     def value(self, layer, experts=None):
-        f = self.forecaster
-        return f.forecast(layer, f.prev[layer] if experts is None else experts)
+        return self._mode_value(self.mode(), layer, experts)
 
     def next_value(self, step, layer):
         return self.forecaster.forecast_below(layer, step.experts)
 
     def fill_value(self, layer):
+        if self.config.fills == "values":
+            return self.value(layer)
+        if self.config.fills == "long":
+            return self._freq[layer].copy()
         return self.forecaster.frequency(layer)
 
     def learn(self, step):
-        self.forecaster.commit(Decision(step, step.experts))
+        layer, experts = step.layer, step.experts
+        if len(self._modes) > 1 and self._cap[layer]:
+            decay = 1.0 - 1.0 / SHADOW_MEMORY
+            cap = self._cap[layer]
+            for i, mode in enumerate(self._modes):
+                sh = self._shadow[layer][i]
+                miss = [e for e in experts if e not in sh]
+                self._score[i] = self._score[i] * decay + (len(experts) - len(miss))
+                if len(sh) + len(miss) > cap:
+                    v = self._mode_value(mode, layer, experts)
+                    out = sorted((e for e in sh if e not in experts), key=lambda e: (v[e], e))
+                    sh.difference_update(out[:len(sh) + len(miss) - cap])
+                sh.update(miss[:max(cap - len(sh), 0)])
+        self._clock[layer] += 1
+        self._last[layer, list(experts)] = self._clock[layer]
+        self._freq[layer] *= 1.0 - 1.0 / SHADOW_MEMORY
+        self._freq[layer, list(experts)] += 1.0 / SHADOW_MEMORY
+        self.forecaster.commit(Decision(step, experts))
 
     def end_token(self):
         self.forecaster.commit_background(())
