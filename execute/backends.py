@@ -164,7 +164,7 @@ class EngineExperts:
 
         if not token_graph_env() or any(w["shared"] is not None for w in model.layers):
             return None
-        if any(l is None or l.hidden != model.info.hidden for l in eng.layers):
+        if any(l is None or l.hidden != model.info.hidden for l in eng.layers) or eng.gpu.generic_layers:
             return None
         if not any(t is not None and t[2] > 0 for t in eng.gpu.slot_tables):  # no expert can be resident
             return None

@@ -213,7 +213,7 @@ class ExpertEngine:
         # with a GPU and MOELAB_HANDOFF=1, one token's CPU pairs are handed off through mapped
         # memory (execute.handoff; the pool's counters live there), else fetched and awaited
         self.handoff = None
-        if self.gpu is not None and os.environ.get("MOELAB_HANDOFF", "0") == "1":
+        if self.gpu is not None and not self.gpu.generic_layers and os.environ.get("MOELAB_HANDOFF", "0") == "1":
             from .handoff import Handoff
 
             self.handoff = Handoff(self.gpu.compute, timeout_s)

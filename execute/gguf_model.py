@@ -98,13 +98,14 @@ def _layer_experts(info: ModelInfo, l: int, reader: GGUFFile, tens: dict, names:
 
 def load_model(path: str | os.PathLike, cpu_only: bool = False) -> ModelWeights:
     """Memory-map a GGUF model: dense weights as float32, routed experts as raw blocks (no copy)
-    when every expert path reads their type (``quant.QTYPES``; ``quant.CPU_QTYPES`` with
-    ``cpu_only``: experts never run on the GPU), else dequantized to F16 at load. The returned
+    when every expert path reads their type (the CPU pool's ``quant.CPU_QTYPES`` that the GPU
+    expert path also reads, ``quant.GPU_EXPERT_QTYPES``; with ``cpu_only``, experts never run on
+    the GPU: every CPU type), else dequantized to F16 at load. The returned
     ``info.expert_bytes`` are the loaded experts' sizes (what moves), not the file's.
 
     Raises :class:`GGUFError` naming the file and the first tensor the architecture needs and the
     file lacks."""
-    keep = Q.CPU_QTYPES if cpu_only else Q.QTYPES
+    keep = Q.CPU_QTYPES if cpu_only else {t: q for t, q in Q.CPU_QTYPES.items() if t in Q.GPU_EXPERT_QTYPES}
     reader = GGUFFile(path)
     info = _info_from_reader(reader, str(path))
     tens = {t.name: t for t in reader.tensors}

@@ -35,6 +35,11 @@ resident experts can start before the uploads land) and ``moe1_down_combine``
 (:meth:`down_combine1`: down projection and the router-weighted sum in one launch, in the order of
 ``moe_combine``) write into an output reused once its holder has dropped it. Host addresses of
 expert rows are computed once per layer, so an upload is three ``cudaMemcpyAsync`` calls.
+
+A layer with a type ``gpu_kernels.cu`` does not read (another layout of ``quant.LAYOUTS``, e.g.
+Q5_K; ``generic_layers``) keeps it as stored too: its launches go to ``gpu_quant.cu``'s
+``qmoe_*`` kernels (same arguments and layout, weights decoded one by one: correct, slower); it
+runs block by block (no token graph: :meth:`routed_layer` refuses it; no mapped-memory hand-off).
 """
 from __future__ import annotations
 
@@ -215,7 +220,8 @@ class GpuExperts:
             raise ValueError("GpuExperts: no MoE layer")
         for l in moe:
             for t in (l.gate, l.up, l.down):
-                Q.row_bytes(t.qtype, t.cols, t.name or f"layer {l.layer}")
+                Q.row_bytes(t.qtype, t.cols, t.name or f"layer {l.layer}", Q.LAYOUTS)
+        self.generic_layers = frozenset(l.layer for l in moe if {l.gate.qtype, l.up.qtype, l.down.qtype} - Q.QTYPES.keys())
         self.set_capacity(capacity)
         self.scratch_bytes = max(pad_slot_bytes(l.expert_bytes) for l in moe)
         self.scratch = cp.empty(scratch_slots * self.scratch_bytes, cp.uint8)
@@ -243,6 +249,14 @@ class GpuExperts:
         self._ex = np.zeros(_EX_BYTES, np.uint8)  # the one-token pair table, passed by value
         self._k1_gate_up = Launch(_kernel("moe1_gate_up"), 13, self._ex)
         self._k1_down = Launch(_kernel("moe1_down_combine"), 10, self._ex)
+        # per layer: its (gate_up, down, gate_up1, down_combine1) launches, gpu_quant's for generic layers
+        self._kl = {l.layer: (self._k_gate_up, self._k_down, self._k1_gate_up, self._k1_down) for l in moe}
+        if self.generic_layers:
+            from .gpu_quant import kernel as qk
+
+            q = (Launch(qk("qmoe_gate_up"), 18), Launch(qk("qmoe_down"), 12), Launch(qk("qmoe1_gate_up"), 13, self._ex),
+                 Launch(qk("qmoe1_down_combine"), 10, self._ex))
+            self._kl.update((l, q) for l in self.generic_layers)
         self._k1r = None  # the token graph's launches (routed_layer), compiled on first use
         self._packs: dict[tuple[int, str], struct.Struct] = {}
         self._rows: dict[int, list | None] = {}
@@ -477,8 +491,8 @@ class GpuExperts:
         ``x`` (1, hidden) from ``as_input``; ``k`` pairs in all), on the compute stream."""
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, _, _, _, act, bias = self._consts[layer]
         h, _, _ = self._work(k, ffn, hidden)
-        self._k1_gate_up((-(-ffn // (_WARPS * _RPW)), picks), 32 * _WARPS, self.compute.ptr,
-                         x.data.ptr, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
+        self._kl[layer][2]((-(-ffn // (_WARPS * _RPW)), picks), 32 * _WARPS, self.compute.ptr,
+                           x.data.ptr, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
 
     def down_combine1(self, layer: int, k: int) -> cp.ndarray:
         """A new (1, hidden) output: ``sum_j weights[j] * down_j h[j]`` over the k pairs, summed in
@@ -486,8 +500,8 @@ class GpuExperts:
         hidden, ffn, _, _, _, _, _, _, off_d, qt_d, rb_d, _, bias = self._consts[layer]
         h, _, _ = self._work(k, ffn, hidden)
         out = self._output(1, hidden)
-        self._k1_down((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr,
-                      h, out.data.ptr, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
+        self._kl[layer][3]((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr,
+                           h, out.data.ptr, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
         return out
 
     def routed_layer(self, layer: int, route: int, table: int, halt: int, x: int, h: int, out: int, k: int) -> list:
@@ -496,6 +510,8 @@ class GpuExperts:
         come from the router's output at ``route`` and the layer's slot table row at ``table``;
         ``halt`` is the token's first missing layer; ``x`` the layer's normed input, ``h`` a
         (k, ffn) float32 work buffer the graph owns, ``out`` its (hidden,) output (device addresses)."""
+        if layer in self.generic_layers:
+            raise ExecutorError(f"layer {layer}: a type the token graph's kernels do not read; run it block by block")
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
         if self._k1r is None:
             self._k1r = (Launch(_kernel("moe1r_gate_up"), 18), Launch(_kernel("moe1r_down_combine"), 14))
@@ -613,12 +629,12 @@ class GpuExperts:
                 x: cp.ndarray, h: int, y: int) -> None:
         """moe_gate_up then moe_down over ``groups`` groups (h, y: device addresses)."""
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
-        s = self.compute.ptr
-        self._k_gate_up((-(-ffn // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
-                        d_base, d_gstart, d_order, d_rows, x.data.ptr, x.shape[1], h, ffn, hidden, _RPW,
-                        off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
-        self._k_down((-(-hidden // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
-                     d_base, d_gstart, d_order, h, y, ffn, hidden, _RPW, off_d, qt_d, rb_d, bias)
+        s, kl = self.compute.ptr, self._kl[layer]
+        kl[0]((-(-ffn // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
+              d_base, d_gstart, d_order, d_rows, x.data.ptr, x.shape[1], h, ffn, hidden, _RPW,
+              off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
+        kl[1]((-(-hidden // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
+              d_base, d_gstart, d_order, h, y, ffn, hidden, _RPW, off_d, qt_d, rb_d, bias)
 
     def run_groups(self, layer: int, meta: LayerMeta, g0: int, g1: int, x: cp.ndarray, pairs: int) -> None:
         """Expert kernels for groups ``g0 .. g1 - 1`` of ``meta`` into the work buffer ``y``

@@ -163,3 +163,146 @@ extern "C" __global__ void qmatmul(const uint8_t* __restrict__ W, int qt, int bw
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Expert kernels for layers with a type the arena's kernels (gpu_kernels.cu) do not read: the
+// same launches, arguments and expert layout as moe_gate_up, moe_down, moe1_gate_up and
+// moe1_down_combine there ([float32 biases] | gate | up | down at off_g, off_u, off_d of an
+// expert's base; rows of rb_* bytes), any layout per projection, each weight decoded by qw.
+// A warp computes one output row; lane l takes columns l, l + 32, ... of it (any row length).
+// g_block[qt] = (weights, bytes) of a block of type qt, uploaded by execute/gpu_quant.py.
+#define TB 4
+#define WARPS 4
+#define MAXK 32
+
+__constant__ int g_block[64][2];
+
+__device__ __forceinline__ float q_act(int act, float a, float b) {  // gpu_kernels.cu's expert_act
+    if (act == 1) {
+        a = fminf(a, 7.f);
+        b = fminf(fmaxf(b, -7.f), 7.f);
+        return a / (1.f + __expf(-1.702f * a)) * (b + 1.f);
+    }
+    return a / (1.f + __expf(-a)) * b;
+}
+
+__device__ __forceinline__ float q_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// acc[t] += row . x[tok[t] * ldx ..] for t < nt (lane partial sums)
+__device__ __forceinline__ void q_row_dot(int qt, const uint8_t* row, int cols, const float* x, long long ldx,
+                                          const int* tok, int nt, float* acc) {
+    int bw = g_block[qt][0], bb = g_block[qt][1];
+    for (int c = threadIdx.x & 31; c < cols; c += 32) {
+        float w = qw(qt, row + (long long)(c / bw) * bb, c % bw);
+        #pragma unroll
+        for (int t = 0; t < TB; t++)
+            if (t < nt) acc[t] += w * x[(long long)tok[t] * ldx + c];
+    }
+}
+
+// as moe_gate_up: h[pair, r] = act(gate_e x[xrow[pair]] + bg_e, up_e x[xrow[pair]] + bu_e).
+// grid (ceil(ffn / (WARPS * rows_per_warp)), groups), block 32 * WARPS.
+extern "C" __global__ void qmoe_gate_up(const unsigned long long* __restrict__ base, const int* __restrict__ gstart,
+                                        const int* __restrict__ order, const int* __restrict__ xrow,
+                                        const float* __restrict__ x, long long ldx, float* __restrict__ h,
+                                        int ffn, int hidden, int rows_per_warp, long long off_g,
+                                        int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u,
+                                        int act, int bias) {
+    int g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]);
+    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp;
+    for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
+        float bg = bias ? reinterpret_cast<const float*>(e)[r] : 0.f;
+        float bu = bias ? reinterpret_cast<const float*>(e)[ffn + r] : 0.f;
+        for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += TB) {
+            int nt = min(TB, gstart[g + 1] - p0), tok[TB];
+            for (int t = 0; t < TB; t++) tok[t] = t < nt ? xrow[order[p0 + t]] : 0;
+            float ag[TB] = {0.f, 0.f, 0.f, 0.f}, au[TB] = {0.f, 0.f, 0.f, 0.f};
+            q_row_dot(qt_g, e + off_g + (long long)r * rb_g, hidden, x, ldx, tok, nt, ag);
+            q_row_dot(qt_u, e + off_u + (long long)r * rb_u, hidden, x, ldx, tok, nt, au);
+            for (int t = 0; t < TB; t++) {
+                float a = q_sum(ag[t]) + bg, b = q_sum(au[t]) + bu;
+                if (lane == 0 && t < nt) h[(long long)order[p0 + t] * ffn + r] = q_act(act, a, b);
+            }
+        }
+    }
+}
+
+// as moe_down: y[pair, r] = down_e h[pair] + bd_e. grid (ceil(hidden / (WARPS * rows_per_warp)), groups).
+extern "C" __global__ void qmoe_down(const unsigned long long* __restrict__ base, const int* __restrict__ gstart,
+                                     const int* __restrict__ order, const float* __restrict__ h, float* __restrict__ y,
+                                     int ffn, int hidden, int rows_per_warp, long long off_d, int qt_d, long long rb_d,
+                                     int bias) {
+    int g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* bd = reinterpret_cast<const float*>(base[g]) + 2 * ffn;
+    const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]) + off_d;
+    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp;
+    for (int r = r0; r < min(r0 + rows_per_warp, hidden); r++) {
+        float b = bias ? bd[r] : 0.f;
+        for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += TB) {
+            int nt = min(TB, gstart[g + 1] - p0), tok[TB];
+            for (int t = 0; t < TB; t++) tok[t] = t < nt ? order[p0 + t] : 0;
+            float a[TB] = {0.f, 0.f, 0.f, 0.f};
+            q_row_dot(qt_d, e + (long long)r * rb_d, ffn, h, ffn, tok, nt, a);
+            for (int t = 0; t < TB; t++) {
+                float s = q_sum(a[t]) + b;
+                if (lane == 0 && t < nt) y[(long long)tok[t] * hidden + r] = s;
+            }
+        }
+    }
+}
+
+struct Experts1 {  // gpu_kernels.cu's one-token pair table, passed by value
+    unsigned long long base[MAXK];
+    float weight[MAXK];
+    int pick[MAXK];
+};
+
+// as moe1_gate_up: h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for j = pick[blockIdx.y].
+// grid (ceil(ffn / (WARPS * rows_per_warp)), pairs picked), block 32 * WARPS.
+extern "C" __global__ void qmoe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
+                                         int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
+                                         long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
+    int j = ex.pick[blockIdx.y], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint8_t* e = reinterpret_cast<const uint8_t*>(ex.base[j]);
+    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp, tok[TB] = {0, 0, 0, 0};
+    for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
+        float ag[TB] = {0.f, 0.f, 0.f, 0.f}, au[TB] = {0.f, 0.f, 0.f, 0.f};
+        q_row_dot(qt_g, e + off_g + (long long)r * rb_g, hidden, x, 0, tok, 1, ag);
+        q_row_dot(qt_u, e + off_u + (long long)r * rb_u, hidden, x, 0, tok, 1, au);
+        float a = q_sum(ag[0]), b = q_sum(au[0]);
+        if (bias) {
+            a += reinterpret_cast<const float*>(e)[r];
+            b += reinterpret_cast<const float*>(e)[ffn + r];
+        }
+        if (lane == 0) h[(long long)j * ffn + r] = q_act(act, a, b);
+    }
+}
+
+// as moe1_down_combine: out[r] = sum_j weight[j] * (down_j h[j] + bd_j)[r], j in order.
+// grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32.
+extern "C" __global__ void qmoe1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
+                                              int k, int ffn, int hidden, int rows_per_block, long long off_d,
+                                              int qt_d, long long rb_d, int bias) {
+    __shared__ float ys[MAXK][32];
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
+    const uint8_t* e = reinterpret_cast<const uint8_t*>(ex.base[j]);
+    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
+        int r = r0 + i;
+        float a[TB] = {0.f, 0.f, 0.f, 0.f};
+        q_row_dot(qt_d, e + off_d + (long long)r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
+        float s = q_sum(a[0]);
+        if (lane == 0) ys[j][i] = bias ? s + bd[r] : s;
+    }
+    __syncthreads();
+    int i = threadIdx.x;
+    if (i < rows_per_block && r0 + i < hidden) {
+        float s = 0.f;
+        for (int jj = 0; jj < k; jj++) s += ex.weight[jj] * ys[jj][i];
+        out[r0 + i] = s;
+    }
+}

@@ -7,6 +7,11 @@ and using it for up to 8 tokens at a time. It covers the types the expert arena'
 (``gpu_kernels.cu``) do not read, K, legacy and i-quants alike, as a correct reference path: the
 weights are decoded one by one, not at the memory bandwidth the arena's kernels reach. The
 i-quants' tables come from ``execute.iq_grids`` (the project's own copy) into constant memory.
+
+The same file holds the expert kernels of layers with such a type (``qmoe_gate_up``,
+``qmoe_down``, ``qmoe1_gate_up``, ``qmoe1_down_combine``: :func:`kernel`), launched by
+``gpu_experts.GpuExperts`` exactly as it launches ``gpu_kernels.cu``'s ``moe_*`` kernels, so such
+experts stay in their stored type in the arena and over PCIe.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import numpy as np
 from . import iq_grids as G
 from . import quant as Q
 
-__all__ = ["GPU_QUANT_QTYPES", "matmul"]
+__all__ = ["GPU_QUANT_QTYPES", "kernel", "matmul"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 _MODULE: cp.RawModule | None = None
@@ -34,11 +39,20 @@ def _module() -> cp.RawModule:
                   "g_iq2s": G.grid("IQ2_S").astype(np.uint8), "g_iq3xxs": G.grid("IQ3_XXS").astype(np.uint8),
                   "g_iq3s": G.grid("IQ3_S").astype(np.uint8), "g_iq1s": G.grid("IQ1_S").astype(np.int8),
                   "g_ksigns": G.KSIGNS, "g_iq4nl": G.IQ4_NL_VALUES}
+        blocks = np.zeros((64, 2), np.int32)  # g_block: (weights, bytes) of a block, by type id
+        for t, q in Q.LAYOUTS.items():
+            blocks[t] = (q.block_weights, q.block_bytes)
+        tables["g_block"] = blocks
         for name, arr in tables.items():  # sizes as declared in gpu_quant.cu
             flat = np.ascontiguousarray(arr).reshape(-1)
             cp.ndarray(flat.shape, flat.dtype, mod.get_global(name)).set(flat)
         _MODULE = mod
     return _MODULE
+
+
+def kernel(name: str) -> cp.RawKernel:
+    """A kernel of gpu_quant.cu (compiled, tables uploaded, on first use)."""
+    return _module().get_function(name)
 
 
 def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: cp.ndarray | None = None,

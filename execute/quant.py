@@ -2,8 +2,9 @@
 
 Ids are ``gguf.GGMLQuantizationType`` values (this module does not import gguf). ``LAYOUTS``
 holds every type below; ``QTYPES`` the ones both expert paths (CPU pool and GPU arena) read;
-``CPU_QTYPES`` the CPU pool's (a superset); ``GPU_DENSE_QTYPES`` those the GPU's fused dense path
-reads as stored. Little-endian; "lo/hi nibbles"
+``CPU_QTYPES`` the CPU pool's (a superset); ``GPU_EXPERT_QTYPES`` those the GPU expert path reads
+as stored (``QTYPES`` by the arena's kernels, the rest by gpu_quant's); ``GPU_DENSE_QTYPES`` those
+the GPU's fused dense path reads as stored. Little-endian; "lo/hi nibbles"
 means byte j's low nibble is weight j and its high nibble weight j + 16 (of a 32-weight group).
 
 ========  ===  =====  ===  =================================================================
@@ -70,6 +71,7 @@ __all__ = [
     "QTYPES",
     "CPU_QTYPES",
     "GPU_DENSE_QTYPES",
+    "GPU_EXPERT_QTYPES",
     "LAYOUTS",
     "QTYPE_BY_NAME",
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -116,6 +118,9 @@ QTYPES: dict[int, QuantType] = {t: LAYOUTS[t] for t in (F32, F16, Q4_0, Q8_0, Q4
 CPU_QTYPES: dict[int, QuantType] = {**QTYPES, **{t: LAYOUTS[t] for t in (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL,
                                                                           IQ4_XS)}}
 GPU_DENSE_QTYPES = (F32, F16, BF16, Q8_0)
+# expert types the GPU expert path reads as stored: QTYPES by the arena's kernels, every other layout
+# by gpu_quant's; a CPU type left out here is dequantized to F16 at load for runs that may use the GPU
+GPU_EXPERT_QTYPES = frozenset(LAYOUTS)
 QTYPE_BY_NAME: dict[str, int] = {q.name: q.qtype for q in LAYOUTS.values()}
 
 # float16 bit pattern -> float32, for kernels without a native half type (256 KiB)
