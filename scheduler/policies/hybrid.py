@@ -415,13 +415,15 @@ class CostShare:
 
     For ``k`` of the step's ``m`` eligible misses (ranked as ``hybrid`` ranks them) sent over PCIe
     and the rest, with the misses in flight, sent to the CPU pool, the layer's predicted time is
-    ``max(gpu, cpu)``: ``gpu`` is ``cpu_delay_s`` (when the pool is used) + ``max(hits' GPU time,
-    k * upload_s)`` + the uploaded experts' GPU time (they run once their copies have landed);
-    ``cpu`` is ``cpu_task_s`` + the CPU experts' time (0 when the pool is not used). Each miss left
-    to the CPU is not cached, so its next route misses again: it is charged ``r * (min(cpu_s,
-    upload_s + gpu_s) - gpu_s)`` (one-token costs), ``r`` being the layer's share of hits over its
-    last ``REUSE_STEPS`` steps or so (an integer moving average, to 1/``REUSE_SCALE``), the chance
-    that an expert just routed is routed again while it would still be cached. The ``k`` with the
+    ``max(gpu, cpu) + cpu_combine_s`` when the pool is used, else ``gpu``: ``gpu`` is
+    ``cpu_delay_s`` (when the pool is used) + ``max(hits' GPU time, k * upload_s)`` + the uploaded
+    experts' GPU time (they run as a batch once their copies have landed; a batch costs
+    ``gpu_batch_s`` more, hits included); ``cpu`` is ``cpu_task_s`` + ``cpu_copy_s`` + the CPU
+    experts' time. Each miss left to the CPU is not cached, so its next route misses again: it is
+    charged ``r * (min(cpu_s, upload_s + gpu_s) - gpu_s)`` (one-token costs), ``r`` being the
+    layer's share of hits over its last ``REUSE_STEPS`` steps or so (an integer moving average, to
+    1/``REUSE_SCALE``), the chance that an expert just routed is routed again while it would still
+    be cached. The ``k`` with the
     least time plus charges is chosen, ties going to more uploads. So when the pool is slower than
     uploading every miss, however few it takes, no miss goes to the CPU (in flight ones excepted).
     Decode steps (no token counts) are looked up by (hits, misses, in flight, ``r``) once
@@ -459,12 +461,13 @@ class CostShare:
             k = memo.get(key)
             if k is None:
                 g, c, up = self._one[layer]
-                k = memo[key] = self.best(len(hits) * g, [g] * m, [c] * m, n_busy, n_busy * c, up, layer)
+                hits_s = len(hits) * g + self.costs.gpu_batch_s if hits else 0.0
+                k = memo[key] = self.best(hits_s, [g] * m, [c] * m, n_busy, n_busy * c, up, layer)
             return k
         cm, cnt = self.costs, dict(zip(step.experts, step.counts))
         ranked = sorted(eligible, key=lambda e: (-cnt[e], -usage[e]))
         busy = [e for e in step.experts if e not in hits and e not in eligible]
-        return self.best(sum([cm.gpu_s(layer, cnt[e]) for e in hits]),
+        return self.best(sum([cm.gpu_s(layer, cnt[e]) for e in hits]) + (cm.gpu_batch_s if hits else 0.0),
                          [cm.gpu_s(layer, cnt[e]) for e in ranked], [cm.cpu_s(layer, cnt[e]) for e in ranked],
                          n_busy, sum([cm.cpu_s(layer, cnt[e]) for e in busy]), self._one[layer][2], layer)
 
@@ -473,7 +476,8 @@ class CostShare:
         """The ``k`` minimising ``max(gpu, cpu)`` + the CPU misses' reuse charge (see the class
         docstring); ties: the larger."""
         m = len(gpu)
-        task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
+        cm = self.costs
+        task, delay, batch, comb = cm.cpu_task_s + cm.cpu_copy_s, cm.cpu_delay_s, cm.gpu_batch_s, cm.cpu_combine_s
         g, c, up = self._one[layer]
         charge = self.reuse[layer] / REUSE_SCALE * max(min(c, up + g) - g, 0.0)  # per miss left uncached
         rest = [0.0] * (m + 1)  # rest[k]: CPU time of misses k.. (suffix sums, exact per k)
@@ -483,8 +487,8 @@ class CostShare:
         for k in range(m + 1):
             on_cpu = k < m or n_busy > 0
             d = delay if on_cpu else 0.0
-            t_gpu = d + (max(hits_s, k * upload_s) + up_gpu if k else hits_s)
-            t = max(t_gpu, task + busy_s + rest[k]) + (m - k) * charge if on_cpu else t_gpu
+            t_gpu = d + (max(hits_s, k * upload_s) + batch + up_gpu if k else hits_s)
+            t = max(t_gpu, task + busy_s + rest[k]) + comb + (m - k) * charge if on_cpu else t_gpu
             if t <= best_t:
                 best_k, best_t = k, t
             if k < m:
