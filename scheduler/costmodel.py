@@ -28,7 +28,7 @@ class CostModel:
     ``cpu_delay_s``: in a layer that uses the CPU pool, how much later its GPU work and uploads
     are queued (an executor submits the CPU job first; 0: no delay).
 
-    Hand-off terms (read by ``lookahead``/``oracle`` only; 0: left out, as before them):
+    Hand-off terms (read by ``lookahead``, ``oracle`` and ``hybrid``'s share; 0: left out, as before them):
     ``cpu_copy_s``: in a layer that uses the CPU pool, the pool's result is ready this much later
     than its work (the hidden state copied to the host and the result back); ``cpu_combine_s``: GPU
     time after such a layer (the CPU result added in); ``gpu_batch_s``: fixed GPU cost of each batch
