@@ -48,6 +48,7 @@ __all__ = ["LookaheadConfig", "LookaheadPolicy", "CostPlanner"]
 
 VALUES = ("forecast", "recency", "frequency")  # lookahead's value functions (LookaheadPolicy)
 AUDIT_DECAY = 1.0 - 1.0 / 64  # per audited step: the decay of the swap audit's score
+ADAPTIVE = ("recency", "frequency")  # values="adaptive" chooses between these
 SHADOW_MEMORY = 64.0  # steps: the decay of the shadow caches' hit counts (values="adaptive")
 
 
@@ -411,7 +412,7 @@ class LookaheadPolicy(CostPlanner):
         self._clock = np.zeros(L)  # steps of each layer so far
         self._last = np.full((L, E), -np.inf)  # the step of each expert's last use
         self._freq = np.zeros((L, E))  # routes per step, decayed by 1 / SHADOW_MEMORY
-        modes = VALUES if config.values == "adaptive" else (config.values,)
+        modes = ADAPTIVE if config.values == "adaptive" else (config.values,)
         self._modes = modes
         self._shadow = [[set() for _ in modes] for _ in range(L)]
         self._score = np.zeros(len(modes))
