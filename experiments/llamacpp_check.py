@@ -49,7 +49,9 @@ llama Q4_K's position 11 has a margin of 3e-3 of the top score (0.34 noises): ll
 other experts (NMSE 0.12 at that position; 1.0e-2 and top-1 11 of 12 over all positions, the row
 an older rule, a relative margin below 1e-3, failed; 1.3e-4 without it). Left out in all: 64 of
 672 positions by default, 82 of 768 with ``--dense-quant Q8_0 --mla split kv_b``, none with F32
-weights throughout.
+weights throughout. The rule is conservative: of the ties, llama.cpp routes 1 of 64 (default) and
+5 of 76 (Q8_0 dense, split layout) otherwise (position NMSE > 1e-2), all at ratios below 0.75;
+no position outside the rule is routed otherwise.
 
 Known limit, llama.cpp's (not the file's): a llama-cpp-python built with GCC 12 and
 ``GGML_NATIVE`` on an AMX CPU dies (SIGSEGV, no message) on the first matmul of two or more tokens
