@@ -38,7 +38,6 @@ from scheduler.core import Step, Token
 from scheduler.costs import Costs, ExecConfig
 from scheduler.hardware import Hardware, load_hardware
 from scheduler.models import ModelSpec, load_model
-from scheduler.policies.hybrid import HybridPolicy
 
 from .engine import Simulator
 
@@ -152,12 +151,10 @@ def _items(model: ModelSpec, row: str, cache_mib: float, num_tokens: int, seed: 
     elif row == "lru":  # one LRU shared by every MoE layer (all have the same layout)
         cap = Capacity.shared(g, [g.moe_layers], [cap.pools[0][1] * len(g.moe_layers)])
     elif fills is not None:
-        opts = {"adaptive": True, "miss_fraction": 0.0, "max_fills": fills}
+        opts = {"adaptive": True, "miss_fraction": 0.0, "max_fills": fills, "swap_while_filling": fills >= 512}
     ids = _routes(model, num_tokens, seed)
     tokens = _tokens(ids, list(g.moe_layers), PROMPT_TOKENS, PROMPT_TOKENS)
     pol = make_policy(policy, g, cap, **opts)
-    if fills is not None and fills < 512:
-        pol = _FillFirst(g, cap, config=pol.config)
     items = tuple(drive(pol, tokens, lag_tokens=0))
     hits = total = 0
     for it in items:
@@ -166,14 +163,6 @@ def _items(model: ModelSpec, row: str, cache_mib: float, num_tokens: int, seed: 
             hits += len(d.hits)
             total += len(d.step.experts)
     return items, hits / max(total, 1)
-
-
-class _FillFirst(HybridPolicy):
-    """The hybrid before its faster fill: no swap round while a slot is free (the seed: the
-    periodic swap round "now also runs while the cache fills" came with the faster fill)."""
-
-    def _swap_due(self) -> bool:
-        return super()._swap_due() and not any(self.cache.free)
 
 
 def simulate_row(hw: Hardware, model: ModelSpec, table: dict, row: str, seeds: int, scale: float) -> dict:

@@ -44,7 +44,9 @@ class HybridConfig:
 
     ``miss_frac_256`` in 0..256; ``swap_every`` (tokens, 0: no swap rounds) and ``max_moves`` >= 0;
     ``max_fills`` in 0..``MAX_FILLS_PER_TOKEN``; ``decay`` in (0, 1]; ``rounding`` "nearest" or
-    "carry" (see the module docstring); ``admit`` "usage" or "recency" (see ``HybridPolicy``).
+    "carry" (see the module docstring); ``admit`` "usage" or "recency" (see ``HybridPolicy``);
+    ``swap_while_filling`` False holds swap rounds back while a slot is free (the seed's hybrid
+    before its faster fill; the periodic round "also runs while the cache fills" came with it).
     None (the defaults): ``admit`` "recency" with a cost model, "usage" without; ``swap_every`` 0
     with "recency", 4 with "usage".
     """
@@ -60,6 +62,7 @@ class HybridConfig:
     admit_uploads: bool = True
     rounding: str = "nearest"
     admit: str | None = None
+    swap_while_filling: bool = True
 
     policy = "hybrid"  # the name errors give (not a field)
 
@@ -114,6 +117,7 @@ class HybridPolicy(BasePolicy):
         self.max_moves = config.max_moves
         self.gate, self.margin, self.decay = config.gate, config.margin, config.decay
         self.max_fills = config.max_fills
+        self.swap_while_filling = config.swap_while_filling
         # usage: one float64 buffer, read and bumped per step through memoryview rows (fast
         # from Python), decayed and ranked through a numpy view of the same memory.
         width = max(geometry.max_experts, 1)
@@ -272,7 +276,8 @@ class HybridPolicy(BasePolicy):
 
     # background ------------------------------------------------------------------------------
     def _swap_due(self) -> bool:
-        return bool(self.swap_every) and (self.tokens + 1) % self.swap_every == 0 and not self.background
+        return (bool(self.swap_every) and (self.tokens + 1) % self.swap_every == 0 and not self.background
+                and (self.swap_while_filling or not any(self.cache.free)))
 
     def plan_background(self) -> tuple[Move, ...]:
         cache = self.cache
