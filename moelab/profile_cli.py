@@ -9,23 +9,12 @@ import argparse
 import json
 import sys
 
-from scheduler.args import ArgumentParser
+from scheduler.args import ArgumentParser, int_at_least
 from scheduler.files import check_output
 from scheduler.profile import Profile, ProfileError, read_strp, write_strp
 
 __all__ = ["main"]
 
-
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v}")
-        return v
-    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,11 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="rank experts by routing count in a trace and write STRP v1")
     b.add_argument("paths", nargs="+", metavar="[TRACE] OUT", help="trace (default: the bundled one), output .strp")
     b.add_argument("--phase", choices=["prefill", "decode"], default=None, help="count only these rows")
-    b.add_argument("--slots", type=_at_least(0), default=None, help="slots field of the header (default: all ranked pairs)")
+    b.add_argument("--slots", type=int_at_least(0), default=None, help="slots field of the header (default: all ranked pairs)")
     b.add_argument("--trailer", choices=["freq", "rank", "none"], default="freq")
     s = sub.add_parser("show", help="print a profile's header and hottest experts")
     s.add_argument("path")
-    s.add_argument("--top", type=_at_least(0), default=10, help="hottest pairs to list (default 10)")
+    s.add_argument("--top", type=int_at_least(0), default=10, help="hottest pairs to list (default 10)")
     s.add_argument("--json", action="store_true")
     return ap
 

@@ -10,7 +10,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from scheduler import MISS_FRAC_256, POLICIES
-from scheduler.args import ArgumentParser
+from scheduler.args import ArgumentParser, int_at_least
 from scheduler.files import check_output
 
 from scheduler.hardware import HardwareError, hardware_presets, load_hardware
@@ -35,17 +35,6 @@ def _cache_mib(text: str):
     return v
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v}")
-        return v
-    return parse
-
 
 def _fraction(text: str) -> float:
     try:
@@ -63,14 +52,14 @@ def _common(ap: argparse.ArgumentParser) -> None:
                          "for a synthetic trace of the model's geometry")
     ap.add_argument("--phase", choices=("decode", "prefill", "all"), default="decode",
                     help="which trace rows to replay (default decode)")
-    ap.add_argument("--tokens", type=_int_at_least(1), default=None, help="replay at most N rows")
+    ap.add_argument("--tokens", type=int_at_least(1), default=None, help="replay at most N rows")
     ap.add_argument("--quant", default=None, help="expert quant type, overriding the model preset's (e.g. Q4_K)")
-    ap.add_argument("--synth-tokens", type=_int_at_least(1), default=DEFAULTS.synth_tokens,
+    ap.add_argument("--synth-tokens", type=int_at_least(1), default=DEFAULTS.synth_tokens,
                     help="rows of a synthetic trace")
-    ap.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of a synthetic trace")
+    ap.add_argument("--seed", type=int_at_least(0), default=0, help="seed of a synthetic trace")
     ap.add_argument("--no-adaptive", action="store_true", help="hybrid without background fills and swaps")
     ap.add_argument("--pageable", action="store_true", help="uploads from pageable (not pinned) host memory")
-    ap.add_argument("--lag-tokens", type=_int_at_least(0), default=1,
+    ap.add_argument("--lag-tokens", type=int_at_least(0), default=1,
                     help="tokens a background copy may overlap (default 1)")
 
 
@@ -90,7 +79,7 @@ def simulate_main(argv: list[str]) -> int:
                     help=f"one of {', '.join(POLICIES)} (default {DEFAULTS.policy}); static ranks by an oracle "
                          f"profile of the replayed rows, hybrid-cost splits from the simulator's costs")
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--cache-slots", type=_int_at_least(0), default=None, help="expert cache slots per MoE layer")
+    size.add_argument("--cache-slots", type=int_at_least(0), default=None, help="expert cache slots per MoE layer")
     size.add_argument("--cache-mib", type=_cache_mib, default=None,
                       help=f"expert cache budget in MiB, or 'auto' (default {DEFAULTS.cache_mib:g})")
     ap.add_argument("--miss-fraction", type=_fraction, default=None,
@@ -233,7 +222,7 @@ def sweep_main(argv: list[str]) -> int:
     ap.add_argument("--miss-fractions", type=_floats, default=[MISS_FRAC_256 / 256],
                     help="hybrid miss fractions, comma-separated")
     ap.add_argument("--out", default="sweep", help="output directory (results.csv and PNG plots; its parent must exist)")
-    ap.add_argument("--jobs", type=_int_at_least(1), default=os.cpu_count() or 1, help="local worker processes")
+    ap.add_argument("--jobs", type=int_at_least(1), default=os.cpu_count() or 1, help="local worker processes")
     ap.add_argument("--dask", default=None, metavar="ADDRESS", help="run on a Dask distributed scheduler instead")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.args import ArgumentParser
+from scheduler.args import ArgumentParser, int_at_least
 from scheduler.files import atomic_open, atomic_write, check_output
 
 from traces.format import MAX_EXPERTS, Trace, TraceError, check_trace_dest, load
@@ -35,17 +35,6 @@ def _slots(text: str) -> list[int]:
     return out
 
 
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v}")
-        return v
-    return parse
-
 
 def _load(path) -> "Trace":
     """The trace at ``path`` (None: the bundled one), every entry checked."""
@@ -59,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("format", choices=sorted(IMPORTERS))
     imp.add_argument("src")
     imp.add_argument("dest")
-    imp.add_argument("--layers", type=_at_least(1), help="layers (vllm, strata: when the file cannot tell)")
-    imp.add_argument("--experts", type=_at_least(1), help="experts per layer (vllm, strata)")
+    imp.add_argument("--layers", type=int_at_least(1), help="layers (vllm, strata: when the file cannot tell)")
+    imp.add_argument("--experts", type=int_at_least(1), help="experts per layer (vllm, strata)")
     imp.add_argument("--model", help="model name (vllm, strata)")
     imp.add_argument("--metadata", help="switch: capture-metadata.json (default: beside SRC)")
     imp.add_argument("--quiet", action="store_true", help="nothing on stderr but errors")
@@ -82,19 +71,19 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--phase", choices=("prefill", "decode"), default="decode")
     fit.add_argument("--slots", type=_slots, help="capacities to match (default k/2, k, 2k, 3k)")
     fit.add_argument("--reset-per-sequence", action="store_true")
-    fit.add_argument("--seed", type=_at_least(0), default=0)
+    fit.add_argument("--seed", type=int_at_least(0), default=0)
     fit.add_argument("--out", help="write the parameters as JSON here")
     fit.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     syn = sub.add_parser("synth", help="write a synthetic trace")
     syn.add_argument("dest")
     syn.add_argument("--preset", help="named preset (geometry + parameters); see traces.synth.PRESETS")
     syn.add_argument("--params", help="JSON file of parameters (from moelab trace fit)")
-    syn.add_argument("--layers", type=_at_least(1))
-    syn.add_argument("--experts", type=_at_least(1))
-    syn.add_argument("--top-k", type=_at_least(1))
-    syn.add_argument("--tokens", type=_at_least(1))
-    syn.add_argument("--seqs", type=_at_least(1))
-    syn.add_argument("--seed", type=_at_least(0), default=0)
+    syn.add_argument("--layers", type=int_at_least(1))
+    syn.add_argument("--experts", type=int_at_least(1))
+    syn.add_argument("--top-k", type=int_at_least(1))
+    syn.add_argument("--tokens", type=int_at_least(1))
+    syn.add_argument("--seqs", type=int_at_least(1))
+    syn.add_argument("--seed", type=int_at_least(0), default=0)
     syn.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     return p
 
