@@ -1,0 +1,204 @@
+"""Each stage of one prefill block timed on the GPU at a model's real shapes (``execute.prefill_stages``
+counts them; ``experiments/bench_prefill_stages.py`` runs this).
+
+:func:`time_stages` writes a one-block synthetic model (``execute.synth``, a preset's geometry,
+Q8_0 experts and dense matrices, a small vocabulary), loads it as ``moelab run --policy gpu`` does
+(every expert resident, the batched experts of ``execute.prefill`` when ``MOELAB_PREFILL`` allows),
+and times, on block 0 for a chunk of T tokens at position ``pos``:
+
+- the model's own pieces (``MoeModel._rms``, ``_proj``, ``_attention``, ``_route``) and the
+  experts' ``run_layer`` (batched, and the engine's grouped kernels) with the same decision;
+- references: a float16 cuBLAS product of the qkv shape (what the dense projection could cost)
+  and a device-to-device copy (the bandwidth ceiling);
+- one whole chunk through ``execute.driver.run`` (dense, routing, plan, experts, head).
+
+Each stage: ``warmup`` calls, then ``reps`` calls, each between two CUDA events on the stream its
+work runs on, the host's time to return from the call taken too; medians. ``device_ms`` of a stage
+with a host wait in it (``route``) includes the host's part.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .prefill_stages import ChunkShape, stage_costs
+
+__all__ = ["time_stages", "synth_block"]
+
+
+def synth_block(path: Path, preset: str = "qwen3-30b-a3b", vocab: int = 1024, seed: int = 0) -> Path:
+    """A one-block model of ``preset``'s geometry at ``path`` (Q8_0 experts and dense matrices)."""
+    from .synth import config_from_preset, synth_model
+
+    return synth_model(path, config_from_preset(preset, num_layers=1, vocab=vocab, dense_quant="Q8_0", seed=seed))
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while ((long long)(t - t0) < ns);
+}
+"""
+
+
+def _timer(fn, stream, warmup: int, reps: int, gated: bool = True) -> tuple[float, float, float | None, object]:
+    """Median device ms (events on ``stream`` around the call), host ms (until the call returns),
+    kernel ms (the same events with the stream held busy by a spin kernel while the host queues
+    the work, so that host gaps drop out; None when not ``gated``) of ``fn()``, and its last result."""
+    import cupy as cp
+
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    cp.cuda.Device().synchronize()
+    dev, host, kern = [], [], []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        t0 = time.perf_counter()
+        out = fn()
+        host.append(1e3 * (time.perf_counter() - t0))
+        b.record(stream)
+        b.synchronize()
+        dev.append(cp.cuda.get_elapsed_time(a, b))
+    if gated:
+        spin = cp.RawKernel(_SPIN, "spin")
+        hold = int(1e6 * (2.0 * max(host) + 1.0))  # ns: longer than the host takes to queue the work
+        for _ in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            with stream:
+                spin((1,), (1,), (np.int64(hold),))
+            a.record(stream)
+            out = fn()
+            b.record(stream)
+            b.synchronize()
+            kern.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(dev)), float(np.median(host)), float(np.median(kern)) if kern else None, out
+
+
+class _NoPrepare:
+    """A backend without ``prepare`` (its residents are up already; the CPU pool is never used)."""
+
+    def __init__(self, backend):
+        self._b = backend
+
+    def __getattr__(self, name):
+        if name == "prepare":
+            raise AttributeError(name)
+        return getattr(self._b, name)
+
+
+def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", reps: int = 20, warmup: int = 3,
+                workdir: str | None = None, threads: int = 4) -> dict:
+    """Rows ``{stage, device_ms, host_ms, MB, GFLOP, GB/s, TFLOP/s, note}`` and the setup's seconds
+    (module docstring); ``workdir`` holds the synthetic model (a temporary directory when None)."""
+    import cupy as cp
+
+    from scheduler import Capacity, make_policy
+    from scheduler.drive import RunLayer
+
+    from .backends import EngineExperts
+    from .batch_route import merge_rows
+    from .driver import ChunkInput, run
+    from .gguf_model import load_model
+    from .model import MoeModel
+
+    t_start = time.perf_counter()
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="moelab_stages_")
+        workdir = tmp.name
+    path = synth_block(Path(workdir) / f"{preset}-1block.gguf", preset)
+    t_synth = time.perf_counter()
+    weights = load_model(path)
+    info = weights.info
+    shape = ChunkShape(tokens, pos, info.hidden, info.num_heads, info.num_kv_heads, info.head_dim,
+                       info.num_experts[0], info.top_k, info.ffn)
+    geo = info.geometry()
+    cap = Capacity.per_layer(geo, list(geo.num_experts))
+    policy = make_policy("gpu", geo, cap)
+    backend = EngineExperts(weights, cap, threads, True, 60.0, pinned=True)
+    model = MoeModel(weights, use_gpu=True, max_tokens=pos + tokens + 1)
+    backend.engine.load_residents(dict(policy.cache.slot))  # not prepare(): no CPU pool (Numba) warmup
+    cp.cuda.Device().synchronize()
+    t_ready = time.perf_counter()
+    rows: list[dict] = []
+    costs = {s.name: s for s in stage_costs(shape)}
+    try:
+        rng = np.random.default_rng(0)
+        w = model.layers[0]
+        null = cp.cuda.get_current_stream()
+        x = cp.asarray(rng.standard_normal((tokens, info.hidden)).astype(np.float32))
+        o_in = cp.asarray(rng.standard_normal((tokens, info.num_heads * info.head_dim)).astype(np.float32) * 0.1)
+        model.pos = pos
+
+        def add(stage, fn, stream=null, cost=None, note="", gated=True):
+            d, h, k, out = _timer(fn, stream, warmup, reps, gated)
+            c = costs.get(cost or stage)
+            row = {"stage": stage, "device_ms": d, "kernel_ms": k, "host_ms": h, "note": note or (c.note if c else "")}
+            if c is not None:
+                best = k if k else d
+                row.update({"MB": c.bytes / 1e6, "GFLOP": c.flops / 1e9, "launches": c.launches,
+                            "GB/s": c.bytes / 1e6 / max(best, 1e-9), "TFLOP/s": c.flops / 1e9 / max(best, 1e-9)})
+            rows.append(row)
+            return out
+
+        h = add("attn_norm", lambda: model._rms(x, w["attn_norm"]))
+        add("qkv_proj", lambda: model._proj(h, w["wqkv"]))
+        add("attention_block", lambda: model._attention(0, h), note="qkv_proj + qk_norm_rope + attention + o_proj")
+        add("o_proj", lambda: model._proj(o_in, w["wo"]))
+        hn = add("ffn_norm", lambda: model._rms(x, w["ffn_norm"]))
+        add("router_proj", lambda: model._proj(hn, w["router"]))
+        ids, wts = add("route", lambda: model._route(0, hn, None), cost="route_host",
+                       note="router_proj + logits to the host + top-k (host wait inside)", gated=False)
+        step = add("step", lambda: merge_rows(0, ids, wts), note="merge_rows (host)", gated=False)
+        d = policy.plan(step)
+        policy.commit(d)
+        wf = wts.astype(np.float32)
+        gx = backend.engine.gpu
+        if backend.batched is not None and backend.batched.takes(d, ids):
+            add("experts_batched", lambda: backend.batched.run_layer(d, hn, ids, wf), gx.compute, cost="experts",
+                note="BatchedExperts.run_layer (pf_mm), device time on its stream")
+        item = RunLayer(None, step, d)
+        add("experts_engine", lambda: backend.engine.run_layer(item, hn, ids, wf), gx.compute, cost="experts",
+            note="ExpertEngine.run_layer (grouped kernels, MOELAB_PREFILL=0's path)")
+        # references
+        qkv_rows = (info.num_heads + 2 * info.num_kv_heads) * info.head_dim
+        a16 = cp.asarray(rng.standard_normal((tokens, info.hidden)), cp.float16)
+        b16 = cp.asarray(rng.standard_normal((qkv_rows, info.hidden)) * 0.02, cp.float16)
+        flops = 2.0 * tokens * qkv_rows * info.hidden
+        dms, hms, kms, _ = _timer(lambda: a16 @ b16.T, null, warmup, reps)
+        rows.append({"stage": "ref_f16_gemm_qkv", "device_ms": dms, "kernel_ms": kms, "host_ms": hms, "GFLOP": flops / 1e9,
+                     "TFLOP/s": flops / 1e9 / max(kms, 1e-9), "note": "cuBLAS f16 product of the qkv shape"})
+        src = cp.empty(1 << 30, cp.uint8)
+        dst = cp.empty_like(src)
+        dms, hms, _, _ = _timer(lambda: dst.__setitem__(slice(None), src), null, 1, 5, False)
+        rows.append({"stage": "ref_copy_1GiB", "device_ms": dms, "host_ms": hms, "MB": 2 * src.nbytes / 1e6,
+                     "GB/s": 2 * src.nbytes / 1e6 / max(dms, 1e-9), "note": "device-to-device copy (read + write)"})
+        del src, dst
+        # one whole chunk through the run loop (one block, the head of a small vocabulary)
+        chunk = tuple(int(t) for t in rng.integers(0, info.vocab, tokens))
+        walls = []
+        for r in range(warmup + max(reps // 4, 3)):
+            res = run(model, _NoPrepare(backend), policy, [ChunkInput(r, r, 0, "prefill", chunk)])
+            cp.cuda.Device().synchronize()
+            walls.append(res)
+        keep = walls[warmup:]
+        rows.append({"stage": "chunk_run_loop", "device_ms": None,
+                     "host_ms": 1e3 * float(np.median([r.wall_s for r in keep])),
+                     "note": "driver.run of one chunk: dense {:.3f} ms, experts {:.3f} ms, other {:.3f} ms (host clock)".format(
+                         *(1e3 * float(np.median([v(r) for r in keep])) for v in
+                           (lambda r: r.dense_s.sum(), lambda r: r.experts_s.sum(), lambda r: r.other_s)))})
+    finally:
+        backend.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return {"shape": dataclasses.asdict(shape), "rows": rows,
+            "setup_s": {"synth": t_synth - t_start, "load_and_prepare": t_ready - t_synth},
+            "prefill_env": os.environ.get("MOELAB_PREFILL", "1"), "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}
