@@ -233,6 +233,7 @@ class ExpertEngine:
             self._dense_waits = [cp.cuda.Event(disable_timing=True) for _ in range(4)]
             self._next_wait = 0
         self._pending: dict[int, tuple[tuple[Move, ...], object]] = {}
+        self._handed_back = False
         self._early: _Early | None = None
         self._max_k = 0
         if self.gpu is not None:
@@ -284,6 +285,7 @@ class ExpertEngine:
                 pick.append(j)
         if not pick:
             return
+        gx.after_caller()  # x may still be in the making on the caller's stream
         xd = gx.as_input(x)
         gx.pack1(bases, (), pick)
         gx.gate_up1(layer, xd, k, len(pick))
@@ -301,14 +303,16 @@ class ExpertEngine:
         lx = self.layers[layer]
         if lx is None:
             raise ExecutorError(f"layer {layer} has no experts")
+        if self.gpu is not None and (early is None or early.x is not x):
+            self.gpu.after_caller()  # x may still be in the making on the caller's stream
         if (self.gpu is not None and not d.cpu and not d.streams and not d.promotions and len(topk_ids) == 1
                 and isinstance(topk_ids, np.ndarray) and 1 <= topk_ids.shape[1] <= self._max_k
                 and getattr(x, "shape", None) == (1, lx.hidden) and np.shape(topk_weights) == topk_ids.shape):
-            return self._run_one(d, x, topk_ids, topk_weights, early, t0)
+            return self.hand_back(self._run_one(d, x, topk_ids, topk_weights, early, t0))
         if (self.handoff is not None and d.cpu and len(topk_ids) == 1 and isinstance(topk_ids, np.ndarray)
                 and 1 <= topk_ids.shape[1] <= self._max_k and getattr(x, "shape", None) == (1, lx.hidden)
                 and np.shape(topk_weights) == topk_ids.shape):  # CPU pairs handed off, no host wait
-            return self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0)
+            return self.hand_back(self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0))
         weights = np.asarray(topk_weights, np.float32)
         ids = np.asarray(topk_ids)
         if weights.shape != ids.shape or ids.ndim != 2 or x.shape != (weights.shape[0], lx.hidden):
@@ -333,7 +337,7 @@ class ExpertEngine:
             experts, tok, pair_of, n_gpu, _ = _pair_lists(d, ids)
         st.gpu_pairs += n_gpu
         st.cpu_pairs += len(experts) - n_gpu
-        return self._run_gpu(d, lx, x, experts, tok, pair_of, n_gpu, weights, t0)
+        return self.hand_back(self._run_gpu(d, lx, x, experts, tok, pair_of, n_gpu, weights, t0))
 
     def _run_one(self, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: "_Early | None", t0: float):
         """One token whose experts are all on the GPU (hits and uploads): the pair table goes by
@@ -531,11 +535,22 @@ class ExpertEngine:
         for e, s in zip(d.uploads, d.slots):
             self.slot_of[(layer, e)] = s
 
+    def hand_back(self, out):
+        """``out`` (a layer's output, on the compute stream) once the caller's current stream
+        waits on the device for the work queued so far: the caller reads ``out``, and frees and
+        reuses its input's memory, in its own stream's order (no host wait)."""
+        self.gpu.to_caller()
+        self._handed_back = True
+        return out
+
     def dense_after_experts(self) -> None:
         """Make the caller's current stream (the dense path's) wait on the device for the expert
-        work queued so far (no host wait)."""
+        work queued so far (no host wait); nothing to do right after ``run_layer`` (``hand_back``)."""
         import cupy as cp
 
+        if self._handed_back:
+            self._handed_back = False
+            return
         gx = self.gpu
         ev = self._dense_waits[self._next_wait]
         self._next_wait = (self._next_wait + 1) % len(self._dense_waits)

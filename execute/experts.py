@@ -106,7 +106,7 @@ class LayerExperts:
         for t, off in zip((self.gate, self.up, self.down), offs):
             need = 4 if t.qtype == Q.F32 else 1 if t.qtype == Q.MXFP4 else 2
             if off % need:
-                raise ValueError(f"{t.name or f'layer {self.layer}'}: {Q.QTYPES[t.qtype].name} would start at byte "
+                raise ValueError(f"{t.name or f'layer {self.layer}'}: {Q.LAYOUTS[t.qtype].name} would start at byte "
                                  f"{off} of an expert in GPU memory, not {need}-byte aligned (an odd-sized projection "
                                  "before it); use one type for all three projections")
         return offs

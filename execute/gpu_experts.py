@@ -14,6 +14,11 @@ Streams and ordering (all GPU-side, via events):
 - ``background``: fills and swaps (same rule), one completion event per batch.
 - ``compute``: expert kernels, promotions (device-to-device, scratch -> slot) and the combine;
   it waits only for the copy events of the experts it reads.
+- the caller's current stream: a layer (``run``, ``combine``, the engine's ``run_layer``) first
+  makes ``compute`` wait for it (``after_caller``: its input may still be being copied there), and
+  then makes it wait for ``compute`` (``to_caller``: the output is read, and the input's memory
+  freed and reused, in the caller's order); all three streams are non-blocking, so nothing else
+  orders them after the legacy default stream.
 
 Host weights are page-locked in place (``cudaHostRegister``) when ``pinned``; where that fails
 (e.g. a read-only mapping the driver refuses) uploads go through a small pinned staging ring.
@@ -46,6 +51,7 @@ from __future__ import annotations
 import struct
 import sys
 import time
+import weakref
 from importlib import resources
 from typing import NamedTuple, Sequence
 
@@ -56,6 +62,10 @@ from scheduler.core import Capacity, pad_slot_bytes
 
 from . import quant as Q
 from .experts import ACTIVATIONS, ExecutorError, LayerExperts
+from .gpu_host import Launch
+from .gpu_host import PinnedRing as _PinnedRing
+from .gpu_host import Staging as _Staging
+from .gpu_host import unregister as _unregister
 
 __all__ = ["GpuExperts", "Launch", "LayerMeta", "MAX_TOP_K", "copy_to_device", "gpu_available", "scratch_source"]
 
@@ -115,40 +125,6 @@ def _kernel(name: str):
     return f
 
 
-class Launch:
-    """A compiled kernel launched through ``cuLaunchKernel`` with a reusable argument block.
-
-    ``launch(grid, block, stream_ptr, *args)``: every argument is a Python int written to its own
-    64-bit slot (device pointers as addresses; an ``int`` parameter reads the slot's low 32 bits,
-    so int arguments must be >= 0; ``f32(x)`` gives a ``float`` parameter's bits). The driver
-    copies the values at launch, so the block is reused at once. ``nargs`` must match the kernel.
-    With ``blob`` (a uint8 array laid out as a struct parameter), the kernel's first parameter is
-    that struct, passed by value (its current bytes at each launch); ``args`` are the rest.
-    """
-
-    def __init__(self, kernel: cp.RawKernel, nargs: int, blob: np.ndarray | None = None):
-        self.func = kernel.kernel.ptr
-        self.nargs = nargs
-        self._vals = np.zeros(nargs, np.uint64)
-        ptrs = [self._vals.ctypes.data + 8 * i for i in range(nargs)]
-        self._blob = blob  # a by-value struct as the kernel's first parameter (kept alive here)
-        if blob is not None:
-            ptrs.insert(0, blob.ctypes.data)
-        self._params = np.array(ptrs, np.uint64)
-        self._params_ptr = int(self._params.ctypes.data)
-
-    @staticmethod
-    def f32(x: float) -> int:
-        """The bits of ``x`` as a float32, for a ``float`` kernel parameter."""
-        return int(np.float32(x).view(np.uint32))
-
-    def __call__(self, grid: tuple[int, int], block: int, stream_ptr: int, *args: int) -> None:
-        if len(args) != self.nargs:
-            raise ValueError(f"kernel launch: {len(args)} arguments, expected {self.nargs}")
-        self._vals[:] = args
-        cp.cuda.driver.launchKernel(self.func, grid[0], grid[1], 1, block, 1, 1, 0, stream_ptr, self._params_ptr, 0)
-
-
 class LayerMeta(NamedTuple):
     """Device addresses of one layer's kernel metadata (see :meth:`GpuExperts.layer_meta`)."""
 
@@ -160,50 +136,6 @@ class LayerMeta(NamedTuple):
     groups: int
     tokens: int
     k: int
-
-
-class _PinnedRing:
-    """Reusable page-locked host buffers; a buffer is reused only after its copy's event."""
-
-    def __init__(self, n: int, nbytes: int, device: bool = False):
-        self.bufs = [cp.cuda.alloc_pinned_memory(nbytes) for _ in range(n)]
-        self.arrays = [np.frombuffer(b, np.uint8, nbytes) for b in self.bufs]
-        self.ptrs = [b.ptr for b in self.bufs]
-        self.events: list[cp.cuda.Event | None] = [None] * n
-        self.device = [cp.empty(nbytes, cp.uint8) for _ in range(n)] if device else []
-        self.next = 0
-
-    def take(self) -> tuple[np.ndarray, int]:
-        i = self.next
-        self.next = (i + 1) % len(self.bufs)
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-        return self.arrays[i], i
-
-
-class _Staging:
-    """Grow-only pinned host buffer + float32 view, with an event guarding its last async copy."""
-
-    def __init__(self):
-        self.mem = None
-        self.f32 = np.empty(0, np.float32)
-        self.event = cp.cuda.Event(disable_timing=True)
-        self.pending = False
-
-    def view(self, rows: int, cols: int) -> np.ndarray:
-        """(rows, cols) float32 over the buffer, after its last async copy has finished."""
-        if self.pending:
-            self.event.synchronize()
-            self.pending = False
-        n = rows * cols
-        if n > self.f32.size:
-            self.mem = cp.cuda.alloc_pinned_memory(4 * max(n, 2 * self.f32.size))
-            self.f32 = np.frombuffer(self.mem, np.float32, self.mem.size() // 4)
-        return self.f32[:n].reshape(rows, cols)
-
-    def copied(self, stream_ptr: int) -> None:
-        _rt.eventRecord(self.event.ptr, stream_ptr)
-        self.pending = True
 
 
 class GpuExperts:
@@ -222,6 +154,7 @@ class GpuExperts:
             for t in (l.gate, l.up, l.down):
                 Q.row_bytes(t.qtype, t.cols, t.name or f"layer {l.layer}", Q.LAYOUTS)
         self.generic_layers = frozenset(l.layer for l in moe if {l.gate.qtype, l.up.qtype, l.down.qtype} - Q.QTYPES.keys())
+        self._consts = {l.layer: self._layer_consts(l) for l in moe}
         self.set_capacity(capacity)
         self.scratch_bytes = max(pad_slot_bytes(l.expert_bytes) for l in moe)
         self.scratch = cp.empty(scratch_slots * self.scratch_bytes, cp.uint8)
@@ -232,8 +165,22 @@ class GpuExperts:
         self.compute = cp.cuda.Stream(non_blocking=True)
         self.last_read = cp.cuda.Event(disable_timing=True)
         self.last_read.record(self.compute)
+        self._caller_ev, self._back_ev = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         self.registered: list[int] = []
+        # the registered arrays stay alive until unregistered: by close(), a failed __init__, or
+        # when this object is dropped (a range freed while registered would keep its stale pages
+        # and break later copies from new memory at those addresses)
+        self._pinned: list[np.ndarray] = []
+        self._unpin = weakref.finalize(self, _unregister, self.registered, self._pinned)
+        self._unpin.atexit = False
         self.staging: _PinnedRing | None = None
+        try:
+            self._setup(moe, pinned)
+        except BaseException:
+            self._unpin()
+            raise
+
+    def _setup(self, moe: list[LayerExperts], pinned: bool) -> None:
         # per layer with biases: (experts, 2 * ffn + hidden) float32, one expert's biases per row
         self._bias = {l.layer: np.ascontiguousarray(np.concatenate([l.gate_bias, l.up_bias, l.down_bias], axis=1))
                       for l in moe if l.has_bias}
@@ -261,7 +208,6 @@ class GpuExperts:
         self._packs: dict[tuple[int, str], struct.Struct] = {}
         self._rows: dict[int, list | None] = {}
         self._outs: dict[tuple[int, int], list[cp.ndarray]] = {}
-        self._consts = {l.layer: self._layer_consts(l) for l in moe}
         self._structs: dict[tuple[int, int, int], struct.Struct] = {}
         self._h = self._y = self._iota = None  # device work buffers, grown on demand
         self._x_host = _Staging()  # D2H of a layer's input for the CPU pool
@@ -275,9 +221,9 @@ class GpuExperts:
         """(hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias) of a
         layer's kernels (offsets from an expert's base, see the module docstring)."""
         off_g, off_u, off_d = l.device_offsets()
-        return (l.hidden, l.ffn, off_g, l.gate.qtype, Q.row_bytes(l.gate.qtype, l.hidden), off_u,
-                l.up.qtype, Q.row_bytes(l.up.qtype, l.hidden), off_d,
-                l.down.qtype, Q.row_bytes(l.down.qtype, l.ffn), ACTIVATIONS.index(l.activation), int(l.has_bias))
+        rb = [Q.row_bytes(t.qtype, t.cols, t.name or f"layer {l.layer}", Q.LAYOUTS) for t in (l.gate, l.up, l.down)]
+        return (l.hidden, l.ffn, off_g, l.gate.qtype, rb[0], off_u, l.up.qtype, rb[1], off_d, l.down.qtype, rb[2],
+                ACTIVATIONS.index(l.activation), int(l.has_bias))
 
     def set_capacity(self, capacity: Capacity) -> None:
         """(Re)allocate one arena per pool: slots x the pool's padded expert size. Contents are lost."""
@@ -312,6 +258,7 @@ class GpuExperts:
                 except cp.cuda.runtime.CUDARuntimeError:
                     continue
                 self.registered.append(ptr)
+                self._pinned.append(a)
                 break
         if len(self.registered) < len(arrays):
             self.staging = _PinnedRing(4, max(l.expert_bytes for l in moe))
@@ -320,9 +267,7 @@ class GpuExperts:
         """Unregister the host weights and drop the device buffers."""
         for s in (self.copy, self.background, self.compute):
             s.synchronize()
-        for ptr in self.registered:
-            cp.cuda.runtime.hostUnregister(ptr)
-        self.registered = []
+        self._unpin()
         self.arenas, self.scratch = [], None
         self._h = self._y = self._iota = None
 
@@ -426,6 +371,23 @@ class GpuExperts:
     def mark_read(self) -> None:
         """Record ``last_read`` after the work queued on the compute stream so far."""
         _rt.eventRecord(self.last_read.ptr, self.compute.ptr)
+
+    def after_caller(self) -> None:
+        """Make the compute stream wait for the work queued so far on the caller's current stream:
+        the copy or kernel that wrote a layer's input, the reads of an output it has dropped (the
+        compute stream is non-blocking: nothing orders it after the caller's stream otherwise)."""
+        cur = cp.cuda.get_current_stream().ptr
+        if cur != self.compute.ptr:
+            _rt.eventRecord(self._caller_ev.ptr, cur)
+            _rt.streamWaitEvent(self.compute.ptr, self._caller_ev.ptr)
+
+    def to_caller(self) -> None:
+        """Make the caller's current stream wait for the work queued so far on the compute stream:
+        an output read there, an input whose memory the caller frees and reuses in its order."""
+        cur = cp.cuda.get_current_stream().ptr
+        if cur != self.compute.ptr:
+            _rt.eventRecord(self._back_ev.ptr, self.compute.ptr)
+            _rt.streamWaitEvent(cur, self._back_ev.ptr)
 
     def all_done_event(self) -> cp.cuda.Event:
         """An event on the compute stream after everything queued on all three streams."""
@@ -609,6 +571,7 @@ class GpuExperts:
         gstart = np.cumsum([0] + [len(g) for g in groups.values()], dtype=np.int32)
         base = np.array([self.source_ptr(layer, s) for s in groups], np.uint64)
         rows = np.asarray(xrow, np.int32)
+        self.after_caller()
         for ev in wait:
             _rt.streamWaitEvent(self.compute.ptr, ev.ptr)
         d_base, d_gstart, d_order, d_rows = self._upload_meta(base, gstart, order, rows)
@@ -616,6 +579,7 @@ class GpuExperts:
         h, _, _ = self._work(n, lx.ffn, lx.hidden)
         self._launch(layer, len(groups), d_base, d_gstart, d_order, d_rows, x, h, out.data.ptr)
         self.mark_read()
+        self.to_caller()
         return out
 
     def as_input(self, x: cp.ndarray) -> cp.ndarray:
@@ -690,6 +654,7 @@ class GpuExperts:
     def combine(self, y: cp.ndarray, pair_of: np.ndarray, weights: np.ndarray) -> cp.ndarray:
         """out[t] = sum_j weights[t, j] * y[pair_of[t, j]] (j in order; -1 skipped), on compute."""
         t, k = pair_of.shape
+        self.after_caller()
         with self.compute:
             out = cp.empty((t, y.shape[1]), cp.float32)
             y = cp.ascontiguousarray(y, cp.float32)
@@ -697,4 +662,5 @@ class GpuExperts:
             return out
         d_pair, d_w = self._upload_meta(np.ascontiguousarray(pair_of, np.int32), np.ascontiguousarray(weights, np.float32))
         self._k_combine((t, 1), 256, self.compute.ptr, y.data.ptr, d_pair, d_w, out.data.ptr, k, y.shape[1])
+        self.to_caller()
         return out

@@ -182,6 +182,7 @@ class BatchedExperts:
         starts = np.concatenate([[0], np.cumsum(counts[:G])])
         d_base, d_row, d_n, d_g, d_tok, d_pair, d_w = gx._upload_meta(
             np.array(bases, np.uint64), trow, tn, tg, tok[:n_gpu], pair_of, w.reshape(-1))
+        gx.after_caller()  # x may still be in the making on the caller's stream
         x = gx.as_input(x)
         job = None
         if n_gpu < n_pairs:  # the CPU pool first: usually the layer's longest path
@@ -257,7 +258,7 @@ class BatchedExperts:
         st.uploads += len(d.uploads)
         st.streams += len(d.streams)
         st.host_queue_s += time.perf_counter() - t0
-        return out
+        return eng.hand_back(out)
 
     def _bases(self, d: Decision, layer: int, misses: tuple, slot_of) -> tuple[list[int], dict[int, int]]:
         """Device address of each GPU expert in decision order (hits: their slots; uploads: their

@@ -128,6 +128,22 @@ def cupy_or_skip():
     return cp
 
 
+_SPIN = r"""extern "C" __global__ void spin(long long ns) {
+    long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}"""
+
+
+def spin(cp, ms: float, stream=None) -> None:
+    """Keep ``stream`` (default: the current one) busy on the device for ``ms`` milliseconds, so
+    that what is queued on it next runs late: a missing wait between streams shows as stale data."""
+    import numpy as np
+
+    with stream or cp.cuda.get_current_stream():
+        cp.RawKernel(_SPIN, "spin")((1,), (1,), (np.int64(ms * 1e6),))
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """``models(arch)``: a tiny complete GGUF of that architecture (Q8_0 experts), made once."""

@@ -14,7 +14,7 @@ from scheduler.drive import AwaitBackground, RunLayer, StartBackground, drive
 from scheduler.policies import make_policy
 from scheduler.profile import Profile
 
-from .conftest import cupy_or_skip
+from .conftest import cupy_or_skip, spin
 
 HIDDEN, FFN, EXPERTS, TOP_K, LAYERS = 256, 256, 8, 2, 3
 
@@ -163,6 +163,41 @@ def test_every_policy_on_gpu_matches_reference(policy, rng, reference):
         check(results, layers, reference)
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["cpu", "lru", "hybrid"])
+def test_inputs_copied_late_on_the_callers_stream(policy, rng, reference):
+    """The caller's stream is kept busy before it queues each layer's input copy, and it reads each
+    output at once: the engine's reads of x (the CPU pool's fetch, the kernels) wait
+    for that copy, and the read of the output waits for the experts. (With the compute stream not
+    ordered after the caller's, the pool got a stale x: errors as large as the output itself.)"""
+    cp = cupy_or_skip()
+    layers, routing, tokens = scenario(rng, num_tokens=8)
+    geo = Geometry((EXPERTS,) * LAYERS, TOP_K, tuple(l.expert_bytes for l in layers))
+    options = {"miss_frac_256": 128, "swap_every": 2, "gate": 0.5, "margin": 0.1} if policy == "hybrid" else {}
+    pol = make_policy(policy, geo, Capacity.per_layer(geo, 3), **options)
+    engine = ExpertEngine(layers, pol.capacity, threads=2, use_gpu=True, scratch_slots=2)
+    results = []
+    try:
+        engine.load_residents(pol.cache.slot)
+        for item in drive(pol, tokens):
+            if isinstance(item, RunLayer):
+                ids, w = routing[(item.token.index, item.step.layer)]
+                x = rng.standard_normal((len(ids), HIDDEN)).astype(np.float32)
+                spin(cp, 5.0)  # the copy below lands 5 ms after it is queued
+                xd = cp.asarray(x)
+                results.append((item.step.layer, ids, w, x, engine.run_layer(item, xd, ids, w).get()))
+                del xd  # its memory is reused by the next input, in the caller's stream's order
+            elif isinstance(item, StartBackground):
+                engine.start_background(item.moves)
+            elif isinstance(item, AwaitBackground):
+                engine.await_background(item.moves)
+        engine.synchronize()
+    finally:
+        engine.close()
+    assert engine.stats.cpu_pairs > 0 if policy != "lru" else engine.stats.gpu_pairs > 0
+    check(results, layers, reference)
 
 
 def _replay_early(engine, policy, routing, tokens, early: bool, cp):

@@ -8,7 +8,7 @@ from execute import quant as Q
 from execute.experts import ACTIVATIONS, random_layer
 from scheduler.core import Capacity, Geometry
 
-from .conftest import biased, biased_reference, cupy_or_skip
+from .conftest import biased, biased_reference, cupy_or_skip, spin
 
 pytestmark = pytest.mark.gpu
 
@@ -110,6 +110,26 @@ def test_mixed_types_promote_and_combine(cp, rng, reference):
         out = gx.combine(y2, pair_of, w).get()
         want = np.stack([0.25 * ref[0] + 0.75 * ref[1], ref[1]])
         assert rel_err(out, want) < REL_ERR
+    finally:
+        gx.close()
+
+
+def test_run_waits_for_the_callers_stream_and_the_caller_for_it(cp, rng, reference):
+    """x copied late on the caller's stream (busy 5 ms) is read only once there; the output,
+    computed after 5 ms more on the compute stream, is read on the caller's stream at once."""
+    layer = random_layer(rng, 0, num_experts=3, hidden=256, ffn=512, qtype=Q.Q8_0)
+    gx = make([layer], slots=3)
+    try:
+        gx.begin_copies()
+        gx.upload(0, 2, 0)
+        ev = gx.copies_event()
+        for _ in range(3):
+            x = rng.standard_normal((2, 256)).astype(np.float32)
+            spin(cp, 5.0)
+            xd = cp.asarray(x)
+            spin(cp, 5.0, gx.compute)
+            y = gx.run(0, [0, 0], xd, [0, 1], wait=[ev]).get()
+            assert rel_err(y, reference(layer, [2, 2], x)) < REL_ERR
     finally:
         gx.close()
 
