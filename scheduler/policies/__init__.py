@@ -118,10 +118,10 @@ def make_policy(name: str, geometry: Geometry, capacity: Capacity, profile: Prof
         options["miss_frac_256"] = int(round(miss_fraction * 256))
     if name == "static" and profile is None and tokens is not None:
         profile = Profile.from_counts(route_counts(tokens, geometry))
-    if name == "belady":
+    if name == "belady":  # read once, as it goes: belady keeps the future compactly, not the steps
         if future is None and tokens is not None:
-            future = [s for t in tokens for s in t.steps]
-        return cls(geometry, capacity, profile, future=list(future or ()))
+            future = (s for t in tokens for s in t.steps)
+        return cls(geometry, capacity, profile, future=future or ())
     if name == "oracle":
         ends = None
         if future is None and tokens is not None:
