@@ -39,6 +39,7 @@ import cupy as cp
 import numpy as np
 
 from . import quant as Q
+from .kernel_variants import decode_kernels_env, kernel_name
 
 __all__ = ["GpuDense", "DecodeBlock", "Matrix", "device_matrix", "stack_matrices", "MAX_COLS", "KEPT_QTYPES"]
 
@@ -264,10 +265,11 @@ class GpuDense:
             raise ValueError(f"GpuDense top_k: {top_k}, expected 1..32 (the router kernel's limit)")
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.top_k = top_k
-        self._gemv = _Kernel("dense_gemv", 17)
+        self.kernels = decode_kernels_env()  # v1 or v2: see execute.kernel_variants
+        self._gemv = _Kernel(kernel_name("dense_gemv", self.kernels), 17)
         self._router = _Kernel("router_topk", 17)
         self._qk = _Kernel("qk_rope_kv", 15)
-        self._part = _Kernel("attn_partial", 12)
+        self._part = _Kernel(kernel_name("attn_partial", self.kernels), 12)
         self._reduce = _Kernel("attn_reduce", 7)
         self._dequant = _Kernel("dequant_rows", 7)
         qd = heads * head_dim

@@ -66,6 +66,7 @@ from .gpu_host import Launch
 from .gpu_host import PinnedRing as _PinnedRing
 from .gpu_host import Staging as _Staging
 from .gpu_host import unregister as _unregister
+from .kernel_variants import decode_kernels_env, kernel_name
 
 __all__ = ["GpuExperts", "Launch", "LayerMeta", "MAX_TOP_K", "copy_to_device", "gpu_available", "scratch_source"]
 
@@ -475,8 +476,10 @@ class GpuExperts:
         if layer in self.generic_layers:
             raise ExecutorError(f"layer {layer}: a type the token graph's kernels do not read; run it block by block")
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
-        if self._k1r is None:
-            self._k1r = (Launch(_kernel("moe1r_gate_up"), 18), Launch(_kernel("moe1r_down_combine"), 14))
+        if self._k1r is None:  # MOELAB_DECODE_KERNELS=v2: the *_v2 twins (same arguments and grids)
+            v = decode_kernels_env()
+            self._k1r = (Launch(_kernel(kernel_name("moe1r_gate_up", v)), 18),
+                         Launch(_kernel(kernel_name("moe1r_down_combine", v)), 14))
         gate_up, down = self._k1r
         a1 = (route, table, halt, layer, k, x, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
         a2 = (route, table, halt, layer, h, out, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)

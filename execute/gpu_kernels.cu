@@ -344,3 +344,181 @@ extern "C" __global__ void moe1r_down_combine(const float* __restrict__ route, c
         out[r0 + i] = s;
     }
 }
+
+// ---- v2 one-token kernels of the token graph (MOELAB_DECODE_KERNELS=v2) ----------------------
+// moe1r_gate_up_v2 / moe1r_down_combine_v2 take the arguments, grid and block of moe1r_gate_up /
+// moe1r_down_combine and compute the same sums in the same order per lane (so the same values up
+// to the compiler's fused multiply-adds). What differs is how the loads are issued: the weight
+// type is resolved once per launch (a template per type) instead of once per 4 weights, and a
+// row's units are read in batches of V2_IT iterations unrolled at compile time (loads guarded,
+// not branched), so a lane has all of a batch's loads in flight before its first use; gate and up
+// share each x load; moe1r_down_combine_v2 reads its block's two rows in the same batch; the
+// residency check is one warp's vote instead of one thread's loop.
+#define V2_IT 8
+
+// rows_dot_v2 (below) for Q8_0 in two phases: every weight load of the batch (scale and the lane's 4
+// quants, as 16-bit loads: a block is 34 bytes, so only 2-byte aligned), then x and the sums.
+template <int NR>
+__device__ __forceinline__ void rows_dot_q8_v2(const unsigned char* const* rows, int nr, int cols, const float* x,
+                                               float* acc) {
+    int lane = threadIdx.x & 31, quad = lane & 7, units = cols >> 5;
+    for (int ub = 0; ub < units; ub += 4 * V2_IT) {
+        unsigned short dq[V2_IT][NR], lo[V2_IT][NR], hi[V2_IT][NR];
+        #pragma unroll
+        for (int it = 0; it < V2_IT; it++) {
+            int u = min(ub + (lane >> 3) + 4 * it, units - 1);
+            #pragma unroll
+            for (int i = 0; i < NR; i++) {
+                const unsigned char* b = rows[i] + u * 34;
+                dq[it][i] = __ldg(reinterpret_cast<const unsigned short*>(b));
+                lo[it][i] = __ldg(reinterpret_cast<const unsigned short*>(b + 2 + 4 * quad));
+                hi[it][i] = __ldg(reinterpret_cast<const unsigned short*>(b + 4 + 4 * quad));
+            }
+        }
+        #pragma unroll
+        for (int it = 0; it < V2_IT; it++) {
+            int u = ub + (lane >> 3) + 4 * it;
+            bool on = u < units;
+            float4 xv = *reinterpret_cast<const float4*>(x + min(u, units - 1) * 32 + 4 * quad);
+            #pragma unroll
+            for (int i = 0; i < NR; i++) {
+                float d = h2f(dq[it][i]), w[4];
+                unsigned int q = (unsigned int)lo[it][i] | ((unsigned int)hi[it][i] << 16);
+                #pragma unroll
+                for (int n = 0; n < 4; n++) w[n] = d * (float)(signed char)(q >> (8 * n));
+                float v = w[0] * xv.x + w[1] * xv.y + w[2] * xv.z + w[3] * xv.w;
+                if (on && i < nr) acc[i] += v;
+            }
+        }
+    }
+}
+
+// acc[i] += row_i . x over units u = lane / 8 + 4 * it, for rows i < nr (NR >= nr; rows[i] valid
+// for every i < NR), in row_dot's order. The batch is branch-free: a lane past the row's units
+// loads its last unit again and adds nothing, so every load of a batch is issued before a use.
+template <int QT, int NR>
+__device__ __forceinline__ void rows_dot_v2(const unsigned char* const* rows, int nr, int cols, const float* x,
+                                            float* acc) {
+    if (QT == Q8_0) {
+        rows_dot_q8_v2<NR>(rows, nr, cols, x, acc);
+        return;
+    }
+    int lane = threadIdx.x & 31, quad = lane & 7, units = cols >> 5;
+    for (int ub = 0; ub < units; ub += 4 * V2_IT) {
+        #pragma unroll
+        for (int it = 0; it < V2_IT; it++) {
+            int u = ub + (lane >> 3) + 4 * it;
+            bool on = u < units;
+            int uc = on ? u : units - 1, c = uc * 32 + 4 * quad;
+            float4 xv = *reinterpret_cast<const float4*>(x + c);
+            #pragma unroll
+            for (int i = 0; i < NR; i++) {
+                float w[4];
+                dequant4(QT, rows[i], uc, quad, w);
+                float v = w[0] * xv.x + w[1] * xv.y + w[2] * xv.z + w[3] * xv.w;
+                if (on && i < nr) acc[i] += v;
+            }
+        }
+    }
+}
+
+// the weight type as a template argument: f<QT>() for the eight types dequant4 reads
+#define V2_DISPATCH(qt, CALL)                              \
+    switch (qt) {                                          \
+        case Q8_0: CALL(Q8_0); break;                      \
+        case Q4_0: CALL(Q4_0); break;                      \
+        case Q4_K: CALL(Q4_K); break;                      \
+        case Q6_K: CALL(Q6_K); break;                      \
+        case MXFP4: CALL(MXFP4); break;                    \
+        case F32: CALL(F32); break;                        \
+        case F16: CALL(F16); break;                        \
+        default: CALL(BF16); break;                        \
+    }
+
+// the first missing routed expert of this block's layer (warp 0 votes; k <= 32): nonzero when any
+__device__ __forceinline__ int routes_missing(const float* route, const unsigned long long* table, int k) {
+    __shared__ int missing;
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x;
+        bool miss = lane < k && route_base(route, table, lane) == 0ull;
+        unsigned int any = __ballot_sync(0xffffffffu, miss);
+        if (lane == 0) missing = any != 0u;
+    }
+    __syncthreads();
+    return missing;
+}
+
+// grid (ceil(ffn / (WARPS * rows_per_warp)), k), block 32 * WARPS (as moe1r_gate_up).
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe1r_gate_up_v2(
+        const float* __restrict__ route, const unsigned long long* __restrict__ table, int* halt, int layer, int k,
+        const float* __restrict__ x, float* __restrict__ h, int ffn, int hidden, int rows_per_warp, long long off_g,
+        int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
+    if (*(volatile int*)halt < layer) return;
+    if (routes_missing(route, table, k)) {
+        if (threadIdx.x == 0) atomicMin(halt, layer);
+        return;
+    }
+    int j = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
+    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp;
+    for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
+        float ag[1] = {0.f}, au[1] = {0.f};
+        const unsigned char* rg[1] = {e + off_g + r * rb_g};
+        const unsigned char* ru[1] = {e + off_u + r * rb_u};
+        if (qt_g == qt_u) {  // one loop over both rows: x read once, both rows' loads in flight
+            const unsigned char* both[2] = {rg[0], ru[0]};
+            float a2[2] = {0.f, 0.f};
+#define V2_GU(T) rows_dot_v2<T, 2>(both, 2, hidden, x, a2)
+            V2_DISPATCH(qt_g, V2_GU)
+#undef V2_GU
+            ag[0] = a2[0];
+            au[0] = a2[1];
+        } else {
+#define V2_G(T) rows_dot_v2<T, 1>(rg, 1, hidden, x, ag)
+#define V2_U(T) rows_dot_v2<T, 1>(ru, 1, hidden, x, au)
+            V2_DISPATCH(qt_g, V2_G)
+            V2_DISPATCH(qt_u, V2_U)
+#undef V2_G
+#undef V2_U
+        }
+        float a = warp_sum(ag[0]), b = warp_sum(au[0]);
+        if (bias) {
+            a += reinterpret_cast<const float*>(e)[r];
+            b += reinterpret_cast<const float*>(e)[ffn + r];
+        }
+        if (lane == 0) h[(long long)j * ffn + r] = expert_act(act, a, b);
+    }
+}
+
+// grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32 (as moe1r_down_combine).
+extern "C" __global__ void __launch_bounds__(32 * MAXK) moe1r_down_combine_v2(
+        const float* __restrict__ route, const unsigned long long* __restrict__ table, const int* halt, int layer,
+        const float* __restrict__ h, float* __restrict__ out, int k, int ffn, int hidden, int rows_per_block,
+        long long off_d, int qt_d, long long rb_d, int bias) {
+    __shared__ float ys[MAXK][32];
+    if (*(volatile const int*)halt <= layer) return;
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
+    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    const float* hj = h + (long long)j * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i += 2) {  // two rows per batch
+        int r = r0 + i, nr = min(2, min(rows_per_block - i, hidden - r));
+        const unsigned char* rows[2] = {e + off_d + r * rb_d, e + off_d + (r + nr - 1) * rb_d};
+        float a[2] = {0.f, 0.f};
+#define V2_D(T) rows_dot_v2<T, 2>(rows, nr, ffn, hj, a)
+        V2_DISPATCH(qt_d, V2_D)
+#undef V2_D
+        float s0 = warp_sum(a[0]), s1 = warp_sum(a[1]);
+        if (lane == 0) {
+            ys[j][i] = bias ? s0 + bd[r] : s0;
+            if (nr > 1) ys[j][i + 1] = bias ? s1 + bd[r + 1] : s1;
+        }
+    }
+    __syncthreads();
+    int i = threadIdx.x;
+    if (i < rows_per_block && r0 + i < hidden) {
+        float s = 0.f;
+        for (int jj = 0; jj < k; jj++) s += route[k + jj] * ys[jj][i];
+        out[r0 + i] = s;
+    }
+}

@@ -1,0 +1,33 @@
+"""Which one-token (decode) kernels the GPU path launches: ``MOELAB_DECODE_KERNELS``.
+
+``v1`` (the default): ``dense_gemv``, ``attn_partial``, ``moe1r_gate_up``, ``moe1r_down_combine``.
+``v2``: their ``*_v2`` twins (``dense_kernels.cu``, ``gpu_kernels.cu``), which take the same
+arguments and launch shapes and issue a batch of weight (or key) loads before their first use;
+the GEMVs and expert kernels sum in the same order as v1, the attention's online softmax is
+updated once per four keys. Read when launches are prepared (``GpuDense``'s construction, the
+token graph's first expert launches). No cupy here: CPU code and tests import it.
+"""
+from __future__ import annotations
+
+import os
+
+from .experts import ExecutorError
+
+__all__ = ["DECODE_KERNELS", "decode_kernels_env", "kernel_name"]
+
+DECODE_KERNELS = ("v1", "v2")
+
+
+def decode_kernels_env() -> str:
+    """``MOELAB_DECODE_KERNELS``: ``v1`` (unset or empty) or ``v2``; anything else is an error."""
+    v = os.environ.get("MOELAB_DECODE_KERNELS", "").strip() or "v1"
+    if v not in DECODE_KERNELS:
+        raise ExecutorError(f"environment variable MOELAB_DECODE_KERNELS: {v!r}, expected v1 or v2")
+    return v
+
+
+def kernel_name(base: str, variant: str) -> str:
+    """The name of ``base``'s kernel in ``variant`` (``v1``: ``base``; ``v2``: ``base_v2``)."""
+    if variant not in DECODE_KERNELS:
+        raise ValueError(f"kernel variant {variant!r}, expected one of {DECODE_KERNELS}")
+    return base if variant == "v1" else base + "_v2"
