@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.args import ArgumentParser
+from scheduler.args import ArgumentParser, int_at_least
 from scheduler.core import Capacity, Geometry
 from scheduler.files import OutputPathError, atomic_write, check_output
 
@@ -387,7 +387,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="CPU pool threads")
     ap.add_argument("--layers", type=int, default=4, help="MoE layers of random experts (cold-cache rotation)")
     add_shape_args(ap)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_at_least(0), default=0)
     ap.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     ap.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tests: a 16 MiB memory read
     return ap

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from scheduler.args import ArgumentParser
+from scheduler.args import ArgumentParser, int_at_least
 from scheduler.files import OutputPathError, check_output
 
 from .cli_options import Fail, guard
@@ -32,7 +32,7 @@ def _parser_model() -> argparse.ArgumentParser:
         s.add_argument(flag, dest=field, type=int, default=None, help=help_)
     s.add_argument("--quant", required=True, help="expert quant type: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K MXFP4")
     s.add_argument("--dense-quant", default=None, help="type of dense matrices: F16 (default), F32, BF16, Q8_0")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int_at_least(0), default=0)
     s.add_argument("--quiet", action="store_true", help="nothing on stderr but errors (no progress bar)")
     i = sub.add_parser("info", help="geometry, quant types and expert sizes (metadata and tensor table only)")
     i.add_argument("file")

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from scheduler.args import ArgumentParser
+from scheduler.args import ArgumentParser, int_at_least
 
 from .cli_options import Fail, build_capacity, check_common, cost_options, guard, make_backend, read_profile, wants_gpu
 
@@ -34,7 +34,7 @@ def _parser_replay() -> argparse.ArgumentParser:
     p.add_argument("--map", action="store_true", help="fold the trace's layers/experts onto the model's geometry")
     p.add_argument("--profile", default=None, help="STRP profile (static, hybrid pre-population)")
     p.add_argument("--lag-tokens", type=int, default=1, help="background copies complete this many tokens later")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random input token ids")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random input token ids")
     p.add_argument("--timeout-s", type=float, default=60.0, help="an expert step that takes longer is an error")
     p.add_argument("--backend", choices=("engine", "numpy"), default="engine",
                    help="experts on the expert engine (GPU kernels + Numba CPU pool), or numpy reference (cpu only)")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from scheduler import MISS_FRAC_256
-from scheduler.args import ArgumentParser
+from scheduler.args import ArgumentParser, int_at_least
 
 from .cli_generate import batch_positions, generate, prompt_ids, record_trace
 from .cli_options import Fail, check_common, guard, wants_gpu
@@ -30,7 +30,7 @@ def parser_run() -> argparse.ArgumentParser:
     p.add_argument("--cache-slots", type=int, default=None, help="GPU expert cache slots per layer (instead of MiB)")
     p.add_argument("--profile", default=None, help="STRP profile (static, hybrid pre-population)")
     p.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="sampling seed")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy, the default)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0: all)")
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the file's chat template")
