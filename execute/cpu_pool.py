@@ -351,6 +351,12 @@ class CpuExpertPool:
         # result() timeout would otherwise count against the first call (a cache hit loads it)
         _team_worker.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self.threads,
                                                                 self._spin_ns)))
+        # and what stopping the team calls from Python: a pool dropped without close() is stopped by
+        # a finalizer, which may run inside an import (the garbage collector's moment), where a
+        # first compile failed (a circular numba import) and left the team running
+        i64, ctrl = numba.typeof(0), numba.typeof(self._ctrl)
+        _publish.compile((ctrl, i64))
+        _wait_done.compile((ctrl, i64, i64, i64))
         for t in range(self.threads):
             w = threading.Thread(target=_guarded_worker, name=f"moelab-cpu-experts-{t}", daemon=True,
                                  args=(self._ctrl, self._ring, t, self.threads, self._spin_ns, weakref.ref(self)))
