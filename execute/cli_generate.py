@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli_options import Fail, build_capacity, cost_options, make_backend, read_profile, wants_gpu
+from .cli_options import Fail, build_capacity, context_limit, cost_options, make_backend, read_profile, wants_gpu
 
 __all__ = ["Generation", "generate", "run_policy", "prompt_ids", "record_trace", "batch_positions",
            "non_finite_tensor"]
@@ -127,14 +127,17 @@ def non_finite_tensor(weights) -> str | None:
     holding NaN or Inf, or None; read only once the output has been found non-finite."""
     import numpy as np
 
+    from .gguf_model import StoredDense
+
     named = [("token_embd", weights.token_embd)]
     for l, layer in enumerate(weights.layers):
         for field, v in vars(layer).items():
             for part, arr in (v.items() if isinstance(v, dict) else [("", v)]):
-                if isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
+                if isinstance(arr, StoredDense) or (isinstance(arr, np.ndarray) and arr.dtype.kind == "f"):
                     named.append((f"blk.{l}.{field}{'.' + part if part else ''}", arr))
     named += [("output_norm", weights.output_norm), ("output", weights.output)]
-    return next((name for name, arr in named if not np.isfinite(arr).all()), None)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return next((name for name, arr in named if not np.isfinite(np.asarray(arr)).all()), None)
 
 
 def batch_positions(route_log: list, gen: Generation) -> list:
@@ -180,16 +183,25 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
 
     info = weights.info
     need = len(prompt) + args.tokens + draft_len
-    if info.context_length and need > info.context_length:  # checked before anything is allocated
+    limit, what = context_limit(args, info)
+    if need > limit:  # checked before anything is allocated
         raise Fail(f"moelab run: the prompt ({len(prompt)} tokens) and -n {args.tokens}"
                    f"{f' with --speculative {draft_len}' if draft_len else ''} need {need} positions, more than "
-                   f"the model's context length {info.context_length}")
-    geometry = info.geometry()
-    capacity = build_capacity(args, geometry, "moelab run")
-    policy = run_policy(args, geometry, capacity)
+                   f"{what}")
+    from .first_token import Phases, precompile_kernels
+
+    ph = getattr(args, "phases", None) or Phases()
+    with ph.phase("policy_s"):
+        geometry = info.geometry()
+        capacity = build_capacity(args, geometry, "moelab run")
+        policy = run_policy(args, geometry, capacity)
     use_gpu = wants_gpu(args)
-    backend = make_backend(args, weights, use_gpu, capacity, "moelab run")
-    model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
+    with ph.phase("kernel_compile_s"):
+        precompile_kernels(use_gpu)
+    with ph.phase("backend_s"):
+        backend = make_backend(args, weights, use_gpu, capacity, "moelab run")
+    with ph.phase("dense_upload_s"):
+        model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
     if record:
         model.route_log = []
     if getattr(args, "router_predictor", False):
@@ -221,6 +233,12 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
     started = getattr(args, "started_at", None)
     first = getattr(gen, "first_token_at", None)
     out["first_token_s"] = first - started if started is not None and first is not None else None
+    for k, v in getattr(backend, "prepare_s", {}).items():
+        ph.add(k, v)
+    ph.add("prefill_s", prefill_s)
+    if first is not None and "prefill" in marks:
+        ph.add("first_sample_s", first - marks["prefill"])
+    out["first_token_breakdown"] = ph.breakdown(out["first_token_s"])
     out["speculative"] = draft_len
     if model.router_predictor is not None:
         out["router_predictor"] = model.router_predictor.summary()

@@ -14,7 +14,9 @@ from scheduler.files import OutputPathError, check_output
 from .experts import ExecutorError
 
 __all__ = ["Fail", "guard", "check_common", "build_capacity", "cost_options", "read_profile", "wants_gpu",
-           "make_backend"]
+           "make_backend", "DEFAULT_CONTEXT", "context_limit"]
+
+DEFAULT_CONTEXT = 4096  # positions a run may use when the file states no context length (llama.cpp's default)
 
 
 class Fail(Exception):
@@ -75,6 +77,19 @@ def check_common(args, prog: str) -> None:
             read_strp(args.profile)
         except (ValueError, OSError) as exc:
             raise Fail(f"{prog}: --profile: {exc}") from None
+
+
+def context_limit(args, info) -> tuple[int, str]:
+    """The positions a run may use (prompt and generated tokens) and the words naming where the
+    limit came from: ``--ctx`` when given, else the file's ``<arch>.context_length``, else
+    ``DEFAULT_CONTEXT``; checked before anything is allocated."""
+    if getattr(args, "ctx", None) is not None:
+        return args.ctx, f"--ctx {args.ctx}"
+    key = f"{info.arch}.context_length"
+    if info.context_length:
+        return info.context_length, f"the model's context length {info.context_length} ({key}; --ctx N overrides it)"
+    return DEFAULT_CONTEXT, (f"the default context {DEFAULT_CONTEXT}, as the file has no {key} "
+                             f"(--ctx N sets it)")
 
 
 def build_capacity(args, geometry, prog: str = "moelab replay"):

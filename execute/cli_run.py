@@ -40,6 +40,9 @@ def parser_run() -> argparse.ArgumentParser:
                    help="experts on the expert engine (GPU kernels and CPU pool), or the numpy reference (cpu only)")
     p.add_argument("--cpu-dense", action="store_true",
                    help="with --policy cpu, run the dense path on the CPU too (default: on the GPU when one is present)")
+    p.add_argument("--ctx", type=int_at_least(1), default=None, metavar="N",
+                   help="positions the prompt and generated tokens may use (default: the file's context length, "
+                        "or 4096 when it states none)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens run as one batch (default 512; 1: token by token)")
     p.add_argument("--speculative", type=int, default=0, metavar="N",
@@ -93,13 +96,21 @@ def run_figures(argv: list[str]) -> tuple[dict, list[int]]:
 
     import time
 
+    from .first_token import Phases
+
     args = parser_run().parse_args(argv)
     args.started_at = time.perf_counter()
+    args.phases = ph = Phases()
     try:
         check_run_args(args)
-        tok = Tokenizer.from_gguf(args.model)
-        out, gen, _, _ = generate(args, load_model(args.model), tok, prompt_ids(args, tok), args.speculative,
-                                   io.StringIO())
+        timings: dict = {}
+        weights = load_model(args.model, lazy_dense=True, timings=timings)
+        for k, v in timings.items():
+            ph.add(k, v)
+        with ph.phase("tokenizer_s"):
+            tok = Tokenizer.from_gguf(args.model)
+            prompt = prompt_ids(args, tok)
+        out, gen, _, _ = generate(args, weights, tok, prompt, args.speculative, io.StringIO())
     except Fail as exc:
         raise ExecutorError(str(exc)) from None
     return out, gen.generated
@@ -111,14 +122,24 @@ def _run(args) -> int:
     from .sampling import Sampler
     from .tokenizer import Tokenizer, TokenizerError
 
+    from .first_token import Phases
+
     check_run_args(args)
-    weights = load_checked(args.model, args.allow_non_finite, cpu_only=not wants_gpu(args))
-    try:
-        tok = Tokenizer.from_gguf(args.model)
-        Sampler(args.temp, args.seed, args.top_k)
-    except (TokenizerError, ValueError) as exc:
-        raise Fail(f"moelab run: {exc}") from None
-    prompt = prompt_ids(args, tok)
+    ph = getattr(args, "phases", None)
+    if ph is None:
+        args.phases = ph = Phases()
+    timings: dict = {}
+    # the projections stay stored until read: a GPU run's kernels read them so, never expanded
+    weights = load_checked(args.model, args.allow_non_finite, timings, cpu_only=not wants_gpu(args), lazy_dense=True)
+    for k, v in timings.items():
+        ph.add(k, v)
+    with ph.phase("tokenizer_s"):
+        try:
+            tok = Tokenizer.from_gguf(args.model)
+            Sampler(args.temp, args.seed, args.top_k)
+        except (TokenizerError, ValueError) as exc:
+            raise Fail(f"moelab run: {exc}") from None
+        prompt = prompt_ids(args, tok)
     out, gen, model, audit = generate(args, weights, tok, prompt, args.speculative, sys.stdout,
                                        record=bool(args.record_trace or args.audit))
     if args.compare:
@@ -172,8 +193,12 @@ def run_main(argv: list[str]) -> int:
     """``moelab run MODEL.gguf -p TEXT [-n N] [--policy P] ...``."""
     import time
 
+    from .first_token import Phases, process_age_s
+
     started = time.perf_counter()
+    age = process_age_s()  # process start -> here: interpreter start-up and imports
     args = parser_run().parse_args(argv)
     args.started_at = started
+    args.phases = Phases(age)
     return guard(_run, args)
 

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.args import ArgumentParser
+from scheduler.args import ArgumentParser, int_at_least
 
 from .cli_options import Fail as _Fail, build_capacity as _capacity, check_common as _check_common
 from .cli_options import cost_options as _cost_options, guard as _guard, make_backend as _backend
-from .cli_options import read_profile as _profile, wants_gpu as _use_gpu
+from .cli_options import context_limit as _context_limit, read_profile as _profile, wants_gpu as _use_gpu
 
 __all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing"]
 
@@ -112,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     text.add_argument("-p", "--prompt", default=None, help="text")
     p.add_argument("--policy", required=True, help="cpu, gpu, lru, freq-lru, static, hybrid, hybrid-cost")
     p.add_argument("--tokens", type=int, default=256, help="compare at most N positions of the text (default 256)")
+    p.add_argument("--ctx", type=int_at_least(1), default=None, metavar="N",
+                   help="positions the text may use (default: the file's context length, or 4096 when it states none)")
     p.add_argument("--batch", type=int, default=1,
                    help="tokens run as one batch (default 1: token by token, the decode path; >1: prefill chunks)")
     p.add_argument("--cache-mib", type=float, default=None, help="GPU expert cache budget, MiB")
@@ -221,10 +223,9 @@ def kld(args) -> dict:
         raise _Fail(f"{PROG}: {exc}") from None
     if len(ids) < 2:
         raise _Fail(f"{PROG}: the text encodes to {len(ids)} token(s); at least 2 are needed")
-    ctx = read_model_info(args.model).context_length
-    if ctx and len(ids) > ctx:
-        raise _Fail(f"{PROG}: the text is {len(ids)} tokens, more than the model's context length {ctx}; "
-                    f"give --tokens {ctx} or less")
+    ctx, what = _context_limit(args, read_model_info(args.model))
+    if len(ids) > ctx:
+        raise _Fail(f"{PROG}: the text is {len(ids)} tokens, more than {what}; give --tokens {ctx} or less")
     weights = load_checked(args.model, args.allow_non_finite)
     info = weights.info
     geometry = info.geometry()

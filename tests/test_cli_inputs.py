@@ -332,6 +332,31 @@ def test_the_context_length_is_enforced_before_the_work(tmp_path):
     assert "-n 100000000 need 100000" in results[0][1]
 
 
+def test_a_file_without_a_context_length_is_capped_at_the_default(tmp_path):
+    """No ``<arch>.context_length`` in the metadata: 4096 positions (--ctx N sets another), named in the error."""
+    from execute.cli_options import DEFAULT_CONTEXT
+
+    r = subprocess.run(CMD + ["model", "synth", "c.gguf", "--preset", "tiny", "--quant", "Q8_0", "--quiet"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = (tmp_path / "c.gguf").read_bytes()
+    assert data.count(b"qwen3moe.context_length") == 1  # the key renamed: the reader skips unknown keys
+    (tmp_path / "n.gguf").write_bytes(data.replace(b"qwen3moe.context_length", b"qwen3moe.context_lengtX"))
+    text = "hello world " * 2000
+    cases = [["run", "n.gguf", "-p", "hi", "-n", "100000000"], ["kld", "n.gguf", "--policy", "cpu", "-p", text,
+                                                               "--tokens", "100000"],
+             ["run", "n.gguf", "-p", "hi", "-n", "40", "--ctx", "30"], ["run", "c.gguf", "-p", "hi", "--ctx", "0"],
+             ["run", "n.gguf", "-p", "hi", "-n", "3", "--ctx", "64", "--backend", "numpy", "--quiet"]]
+    results = _batch(cases, tmp_path)
+    for argv, (rc, err) in zip(cases[:2], results):
+        line = _one_line(err)
+        assert rc == 2 and f"the default context {DEFAULT_CONTEXT}" in line and "qwen3moe.context_length" in line \
+            and "--ctx N" in line, (argv, err)
+    assert results[2][0] == 2 and "more than --ctx 30" in _one_line(results[2][1])
+    assert results[3][0] == 2 and "--ctx: expected an integer >= 1" in _one_line(results[3][1])
+    assert results[4] == (0, "")
+
+
 def test_calibrate_calls_measured_only_the_types_it_measured():
     from execute.calibrate import _efficiency_source
 
