@@ -4,31 +4,39 @@ Per step, with a :class:`~scheduler.costmodel.CostModel` (the simulator's timing
 calibration):
 
 - *split*: the step's misses are ranked by their value (below), highest first; the first ``n`` go
-  over PCIe and the rest to the CPU pool, with ``n`` the largest whose predicted layer time
-  ``max(gpu, link + uploaded experts' GPU work, cpu)``, less what the uploads are worth later,
-  is within ``slack`` (a share of the fastest split's time) of the best; an upload is worth
-  ``reuse_weight`` x (its value - its victim's, or 0) x one CPU expert's time. Misses still in flight go to the CPU. An upload beyond the free slots takes the slot of
+  over PCIe and the rest to the CPU pool, with ``n`` the one whose predicted layer time, less what
+  the uploads are worth later, is least (the largest ``n`` within ``slack``, a share of the fastest
+  split's time). The layer time is the simulator's: the hits as one GPU batch; the uploads after the
+  link's queue, then their own batch (``gpu_batch_s``); the pool's task, its experts and the hidden
+  state's copies (``cpu_copy_s``), then the combine (``cpu_combine_s``). An upload is worth
+  ``reuse_weight`` x (its value - its victim's, or 0) x one CPU expert's time, which grows with
+  ``n``, so with ``slack`` 0 the all-upload plan (``lru``'s) is never predicted faster than the one
+  chosen. Misses still in flight go to the CPU. An upload beyond the free slots takes the slot of
   the pool's resident of lowest value the step does not use, if the upload's value is at least
   that; otherwise it is streamed;
 - *prefetch* (``plan_prefetch``, after each step): the link is modelled as a queue (what the
-  policy put on it, draining while layers run, as ``hybrid-cost`` models it); the next MoE layer's
-  dense part is the window in which it would idle. At most ``floor(window / upload_s)`` (and
-  ``max_prefetch``) of the next layer's experts are prefetched, only those whose forecast value is
-  at least ``confidence``, into free slots or over residents worth at least ``margin`` less; so a
-  prefetch never delays the step it is for, by the model;
+  policy put on it, draining while layers run); the next MoE layer's dense part is the window in
+  which it would idle. At most ``floor(window / upload_s)`` (and ``max_prefetch``) of the next
+  layer's experts are prefetched, only those whose forecast value is at least ``confidence``, into
+  free slots or over residents worth at least ``margin`` less; so a prefetch never delays the step
+  it is for, by the model;
 - *release*: a prefetched expert that the next step of its layer does not route was forecast
   wrong: until it is routed it ranks below every other resident as a victim (the driver completes
   a prefetch before the next step is planned, so it cannot be stopped in flight; its slot is what
   is given back);
 - *fills* (``plan_background``, after each token): within ``fill_share`` of the time the link
-  idled in the token (its predicted time less the policy's copies), non-residents with a long-run
-  value take free slots, then replace residents of lower value (by ``margin`` x top_k /
-  experts, a share of a uniform expert's routes per step), best gains first.
+  idled in the token (its predicted time less the policy's copies), non-residents of highest fill
+  value take free slots, then replace residents of lower value (by ``margin`` x top_k / experts),
+  best gains first;
+- *audit* (``audit=True``): every swap the prefetch or the fills plan (issued or not) is scored at
+  the first step of its layer that it could serve (a fill lands a token later): +1 when its expert
+  is routed there, -1 for each step until then that routes its victim; the score decays over 64
+  audited steps. While a kind's score is negative its swaps are held back (its moves into free
+  slots still go) and still scored, so they come back once they would pay again.
 
 Values come from ``value`` / ``next_value`` / ``fill_value``; :class:`LookaheadPolicy` learns them
-online with ``predict``'s statistics (temporal forecast for keeping and admitting, cross-layer
-forecast for the prefetch, decayed frequency for fills), never from later steps; the ``oracle``
-policy (``oracle.py``) gives them from the future. Planning reads the state only.
+online, never from later steps; the ``oracle`` policy (``oracle.py``) gives them from the future.
+Planning (``plan``) reads the state only.
 """
 from __future__ import annotations
 
@@ -50,6 +58,7 @@ VALUES = ("forecast", "recency", "frequency")  # lookahead's value functions (Lo
 AUDIT_DECAY = 1.0 - 1.0 / 64  # per audited step: the decay of the swap audit's score
 ADAPTIVE = ("recency", "frequency")  # values="adaptive" chooses between these
 SHADOW_MEMORY = 64.0  # steps: the decay of the shadow caches' hit counts (values="adaptive")
+ADAPT_MARGIN = 0.05  # the second value function replaces the first only when its shadow hits this much more
 
 
 class _All:
@@ -66,20 +75,21 @@ class LookaheadConfig:
 
     ``confidence`` in [0, 1] (forecast routes at the next step to prefetch), ``margin`` >= 0,
     ``max_prefetch`` in 0..``MAX_FILLS_PER_TOKEN``, ``fill_share`` in [0, 1], ``slack`` >= 0,
-    ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0. The defaults are the
+    ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0, ``fills`` ("values" or
+    "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``. The defaults are the
     configuration chosen by leave-one-trace-out over ``simulate.evaluate``'s evaluation set
     (docs/POLICIES.md).
     """
 
-    confidence: float = 0.5
+    confidence: float = 0.3
     margin: float = 0.1
     max_prefetch: int = 8
-    fill_share: float = 0.5
+    fill_share: float = 1.0
     slack: float = 0.0
     memory: float = 16.0
     reuse_weight: float = 0.25
-    fills: str = "frequency"
-    values: str = "forecast"
+    fills: str = "values"
+    values: str = "adaptive"
     audit: bool = True
 
     def __post_init__(self) -> None:
@@ -117,6 +127,7 @@ class CostPlanner(BasePolicy):
         self._token_s = 0.0  # predicted time of the current token so far
         self._link_s = 0.0  # link time the policy used in it
         self._planned = None  # (decision, layer time, link work left)
+        self.split_times: list[float] = []
         self._ending = False  # plan_background was called: the next commit_background ends a token
         self._pf: set[tuple[int, int]] = set()  # prefetched, not yet seen by their layer's next step
         self._wrong: set[tuple[int, int]] = set()  # prefetched and not routed: first victims
@@ -206,6 +217,7 @@ class CostPlanner(BasePolicy):
             if n:  # the uploaded experts run as one batch once they have all landed
                 g_end = max(g_end, max(queued, dl) + n * up) + batch + g_up
             times.append(max(g_end, cpu) + comb if on_cpu else g_end)
+        self.split_times = times  # predicted layer time with the first n misses over PCIe (read by tests)
         score = [t - wv for t, wv in zip(times, worth)]
         best = min(score)
         n = max(i for i, t in enumerate(score) if t <= best + self.config.slack * min(times) + 1e-15)
@@ -396,10 +408,11 @@ class CostPlanner(BasePolicy):
 
 class LookaheadPolicy(CostPlanner):
     """``lookahead`` with values learnt online (module docstring): ``value`` is the temporal
-    forecast of ``predict``'s statistics, the recency of each expert's last use, or its decayed
-    frequency (``values``; ``"adaptive"``: whichever of the three a shadow cache of each layer's
-    size, run on the same steps, would have hit most lately); ``next_value`` the cross-layer
-    forecast, ``fill_value`` the decayed frequency or the values (``fills``)."""
+    forecast of ``predict``'s statistics, the recency of each expert's last use (1 / (1 + steps of
+    its layer since)), or its routes per step decayed over ``SHADOW_MEMORY`` steps (``values``;
+    ``"adaptive"``: recency unless frequency's shadow, a demand cache of the layer's size run on the
+    same steps, hit ``ADAPT_MARGIN`` more lately); ``next_value`` is predict's cross-layer forecast,
+    ``fill_value`` the values, or predict's decayed frequency (``fills``)."""
 
     name = "lookahead"
 
@@ -436,7 +449,9 @@ class LookaheadPolicy(CostPlanner):
 
     def mode(self) -> str:
         """The value function in use (``values``; adaptive: the best shadow's)."""
-        return self._modes[int(np.argmax(self._score))]
+        sc = self._score
+        best = int(np.argmax(sc))
+        return self._modes[best] if sc[best] > sc[0] * (1.0 + ADAPT_MARGIN) else self._modes[0]
 
     def value(self, layer, experts=None):
         return self._mode_value(self.mode(), layer, experts)

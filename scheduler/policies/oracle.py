@@ -16,7 +16,7 @@ forecasts, so it differs from the online policy only in what it knows:
   after the next token (earlier ones would still be in flight), soonest first, over residents
   used later.
 
-It is no proof of optimality: a test checks it against every online policy on the evaluation
+Its swaps are never held back (no audit: they are certain). It is no proof of optimality: a test checks it against every online policy on the evaluation
 traces (``simulate.evaluate``).
 """
 from __future__ import annotations

@@ -89,3 +89,97 @@ def test_a_wrong_prefetch_is_evicted_first():
     assert (1, 5) in pol._wrong and (1, 6) not in pol._wrong
     ranked = pol._ranked(1, np.ones(8))
     assert ranked[0][1] == (1, 5) and ranked[0][0] < 0
+
+
+@pytest.mark.parametrize("field,value", [("fills", "lru"), ("values", "belady")])
+def test_value_choices_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        LookaheadConfig(**{field: value})
+
+
+@pytest.mark.parametrize("values", ["recency", "frequency", "forecast", "adaptive"])
+def test_the_split_is_never_predicted_slower_than_uploading_every_miss(values):
+    """The chosen split's predicted layer time is at most the all-upload plan's (lru's), by the
+    same cost model, hand-off terms included."""
+    g, toks = _tokens(E=8, k=3)
+    cm = CostModel(gpu_expert_s=(1e-6,) * 4, gpu_token_s=(0.0,) * 4, upload_s=(70e-6,) * 4, cpu_expert_s=(47e-6,) * 4,
+                   cpu_token_s=(0.0,) * 4, cpu_task_s=20e-6, layer_s=(85e-6,) * 4, cpu_copy_s=22e-6,
+                   cpu_combine_s=6e-6, gpu_batch_s=18e-6)
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 3), cost_model=cm, values=values)
+    checked = 0
+    orig = pol.plan
+
+    def plan(step):
+        d = orig(step)
+        if d.uploads or d.streams or d.cpu:
+            n = len(d.uploads) + len(d.streams)
+            assert pol.split_times[n] <= pol.split_times[-1] + 1e-15
+            nonlocal checked
+            checked += 1
+        return d
+
+    pol.plan = plan
+    for _ in drive(pol, toks, 1):
+        pass
+    assert checked > 20
+
+
+def test_the_hand_off_is_priced():
+    """One miss: the pool's 67 us beats an upload's 89 us until the hidden state's copies (22 us)
+    are charged; then the miss is uploaded."""
+    from dataclasses import replace
+
+    from scheduler import Step
+
+    g = Geometry.uniform(1, 8, 1)
+    cm = CostModel(gpu_expert_s=(1e-6,), gpu_token_s=(0.0,), upload_s=(70e-6,), cpu_expert_s=(47e-6,),
+                   cpu_token_s=(0.0,), cpu_task_s=20e-6, layer_s=(85e-6,), gpu_batch_s=18e-6)
+    for copy, where in ((0.0, "cpu"), (22e-6, "uploads")):
+        pol = make_policy("lookahead", g, Capacity.per_layer(g, 2), cost_model=replace(cm, cpu_copy_s=copy),
+                          reuse_weight=0.0)
+        d = pol.plan(Step(0, (3,)))
+        assert getattr(d, where) == (3,)
+
+
+def test_the_audit_holds_back_swaps_that_lose_and_scores_them_still():
+    from scheduler import Move, Step
+
+    g = Geometry.uniform(2, 8, 1)
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 2), cost_model=_cm(2))
+    swap, fill = Move(1, 5, 0, (1, 3)), Move(1, 6, 1)
+    assert pol._swaps_ok("prefetch", [swap, fill]) == [swap, fill]  # no evidence yet: allowed
+    pol._trials["prefetch"].clear()
+    pol._gain["prefetch"] = -0.5  # swaps lately lost routes
+    assert pol._swaps_ok("prefetch", [swap, fill]) == [fill]  # held back, on trial
+    pol.commit(pol.plan(Step(1, (5,))))  # the held-back swap would have been right
+    assert pol._gain["prefetch"] > 0 and pol._swaps_ok("prefetch", [swap]) == [swap]
+    pol._trials["prefetch"].clear()
+    pol._gain["prefetch"] = 0.0
+    pol._swaps_ok("prefetch", [swap])
+    pol.commit(pol.plan(Step(1, (3,))))  # its victim was routed: a loss
+    assert pol._gain["prefetch"] < 0
+
+
+def test_adaptive_values_follow_the_shadow_that_hits():
+    """A layer of 2 slots: one hot expert among one-offs favours frequency (recency loses it);
+    then two experts in turn, long after, favour recency (frequency keeps the old hot one)."""
+    from scheduler import Step
+
+    g = Geometry.uniform(1, 64, 1)
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 2), cost_model=_cm(1), values="adaptive")
+
+    def feed(experts):
+        for e in experts:
+            d = pol.plan(Step(0, (e,)))
+            pol.commit(d)
+            for u in d.uploads:
+                pol.complete(0, u)
+            moves = pol.plan_background()
+            pol.commit_background(moves)
+            for m in moves:
+                pol.complete(m.layer, m.expert)
+
+    feed([x for i in range(30) for x in (0, 2 + 2 * i, 3 + 2 * i)])
+    assert pol.mode() == "frequency"
+    feed([62, 63] * 150)
+    assert pol.mode() == "recency"
