@@ -18,7 +18,8 @@ Streams and ordering (all GPU-side, via events):
   makes ``compute`` wait for it (``after_caller``: its input may still be being copied there), and
   then makes it wait for ``compute`` (``to_caller``: the output is read, and the input's memory
   freed and reused, in the caller's order); all three streams are non-blocking, so nothing else
-  orders them after the legacy default stream.
+  orders them after the legacy default stream. The parts of a layer (``gate_up1``,
+  ``down_combine1``, ``run_groups``, ``combine_meta``) leave both waits to their caller.
 
 Host weights are page-locked in place (``cudaHostRegister``) when ``pinned``; where that fails
 (e.g. a read-only mapping the driver refuses) uploads go through a small pinned staging ring.

@@ -132,8 +132,11 @@ def _both_paths(gx, layer, rng, reference, ref_fn=None):
     gx.compute_after_copies()
     gx.pack1([gx.source_ptr(layer.layer, src[e]) for e in ids], w, [0, 1, 2])
     xd = gx.as_input(cp.asarray(x[:1]))
+    gx.after_caller()  # the one-token calls leave the caller's stream to the caller
     gx.gate_up1(layer.layer, xd, len(ids), len(ids))
-    one = gx.down_combine1(layer.layer, len(ids)).get()
+    one = gx.down_combine1(layer.layer, len(ids))
+    gx.to_caller()
+    one = one.get()
     want = (np.asarray(w)[:, None] * ref_fn(ids, np.repeat(x[:1], 3, axis=0))).sum(axis=0, keepdims=True)
     assert rel_err(one, want) < REL_ERR
 

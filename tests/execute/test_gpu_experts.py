@@ -175,7 +175,9 @@ def test_layer_meta_groups_rounds_and_cpu_rows(cp, rng, reference):
         xin, cpu_out = gx.cpu_buffers(1, 256)
         cpu_out[:] = reference(layer, [3], x[[2]])
         gx.put_rows(y, 5, cpu_out)
-        out = gx.combine_meta(meta, y).get()
+        out = gx.combine_meta(meta, y)
+        gx.to_caller()  # the low-level calls leave the caller's stream to the caller
+        out = out.get()
         ref_pairs = reference(layer, experts, x[xrow])
         assert rel_err(y.get(), ref_pairs) < REL_ERR
         want = np.einsum("tk,tkh->th", w.astype(np.float64), ref_pairs[pair_of])
@@ -208,11 +210,13 @@ def test_one_token_kernels_match_reference(qtype, cp, rng, reference):
         x = rng.standard_normal((1, 512)).astype(np.float32)
         bases = [gx.source_ptr(0, s) for s in slots]
         xd = cp.asarray(x)
+        gx.after_caller()  # gate_up1 reads x on the compute stream
         gx.pack1(bases, [], [0, 1, 3])
         gx.gate_up1(0, xd, 4, 3)
         gx.pack1(bases, w.tolist(), [2])
         gx.gate_up1(0, xd, 4, 1)
         out = gx.down_combine1(0, 4)
+        gx.to_caller()
         ref = w.astype(np.float64) @ reference(layer, experts, np.repeat(x, 4, axis=0))
         assert out.shape == (1, 512) and rel_err(out.get()[0], ref) < REL_ERR
     finally:
@@ -232,8 +236,11 @@ def test_one_token_kernels_add_biases(activation, cp, rng):
         ref, _ = biased_reference(layer, [0, 3], np.repeat(x, 2, axis=0))
         w = np.array([0.75, 0.25], np.float32)
         gx.pack1([gx.source_ptr(0, 0), gx.source_ptr(0, 1)], w.tolist(), [0, 1])
-        gx.gate_up1(0, cp.asarray(x), 2, 2)
+        xd = cp.asarray(x)
+        gx.after_caller()
+        gx.gate_up1(0, xd, 2, 2)
         out = gx.down_combine1(0, 2)
+        gx.to_caller()
         assert rel_err(out.get()[0], w.astype(np.float64) @ ref) < REL_ERR
     finally:
         gx.close()
