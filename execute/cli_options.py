@@ -14,7 +14,7 @@ from scheduler.files import OutputPathError, check_output
 from .experts import ExecutorError
 
 __all__ = ["Fail", "guard", "check_common", "build_capacity", "cost_options", "read_profile", "wants_gpu",
-           "make_backend", "DEFAULT_CONTEXT", "context_limit"]
+           "make_backend", "DEFAULT_CONTEXT", "context_limit", "gpu_free_bytes", "check_gpu_room"]
 
 DEFAULT_CONTEXT = 4096  # positions a run may use when the file states no context length (llama.cpp's default)
 
@@ -92,7 +92,44 @@ def context_limit(args, info) -> tuple[int, str]:
                              f"(--ctx N sets it)")
 
 
+def gpu_free_bytes() -> tuple[int, int] | None:
+    """``(free, total)`` bytes of the current CUDA device's memory, or None without CuPy or a device
+    (the backend then says why it cannot run)."""
+    try:
+        import cupy as cp
+    except ImportError:
+        return None
+    try:
+        free, total = cp.cuda.runtime.memGetInfo()
+    except cp.cuda.runtime.CUDARuntimeError:
+        return None
+    return int(free), int(total)
+
+
+def check_gpu_room(cache_bytes: int, flag: str, prog: str) -> None:
+    """Refuse an expert cache larger than the GPU's free memory, before anything is allocated there
+    (the dense weights and buffers then need room too)."""
+    room = gpu_free_bytes() if cache_bytes else None
+    if room is not None and cache_bytes > room[0]:
+        free, total = room
+        raise Fail(f"{prog}: {flag}: the expert cache ({cache_bytes / 2**20:.0f} MiB) is more than the GPU's free "
+                   f"memory ({free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB); give a smaller cache")
+
+
 def build_capacity(args, geometry, prog: str = "moelab replay"):
+    """The expert cache the arguments ask for, refused when the GPU's free memory cannot hold it."""
+    capacity = _capacity(args, geometry, prog)
+    if args.cache_slots is not None:
+        flag = f"--cache-slots {args.cache_slots}"
+    elif args.cache_mib is not None:
+        flag = f"--cache-mib {args.cache_mib:g}"
+    else:
+        flag = f"--policy {args.policy} (every expert resident)"
+    check_gpu_room(capacity.slot_bytes(geometry), flag, prog)
+    return capacity
+
+
+def _capacity(args, geometry, prog: str):
     from scheduler import Capacity
     from scheduler.core import CapacityError
 

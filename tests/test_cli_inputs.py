@@ -357,6 +357,39 @@ def test_a_file_without_a_context_length_is_capped_at_the_default(tmp_path):
     assert results[4] == (0, "")
 
 
+def test_a_cache_larger_than_the_gpu_s_free_memory_is_refused_up_front(monkeypatch, capsys, nan_models):
+    """run, replay and kld check the cache against the device's free memory (stubbed here: 64 KiB
+    free of 8 GiB; the tiny model's 8 experts per layer are 0.1 MiB) before a backend is built."""
+    from execute import cli_generate, cli_options, cli_replay, kld
+    from execute.cli_replay import replay_main
+    from execute.cli_run import run_main
+
+    monkeypatch.setattr(cli_options, "gpu_free_bytes", lambda: (64 << 10, 8 << 30))
+    monkeypatch.setattr(kld, "gpu_missing", lambda: None)
+    for mod in (cli_generate, cli_replay, kld):
+        monkeypatch.setattr(mod, "make_backend" if mod is not kld else "_backend",
+                            lambda *a, **k: pytest.fail("a backend was built"))
+    model = str(nan_models["good"])
+    cases = [(run_main, [model, "-p", "hi", "--policy", "gpu"], "moelab run: --policy gpu (every expert resident)"),
+             (replay_main, [model, "--map", "--policy", "lru", "--cache-slots", "8"], "moelab replay: --cache-slots 8"),
+             (kld.main, [model, "-p", "hello there", "--policy", "lru", "--cache-mib", "0.1"], "moelab kld: --cache-mib 0.1")]
+    for main, argv, head in cases:
+        assert main(argv + ["--quiet"]) == 2, argv
+        line = _one_line(capsys.readouterr().err)
+        assert line.startswith(head) and "is more than the GPU's free memory (0 MiB of 8192 MiB)" in line, line
+    from scheduler import Geometry
+
+    g = Geometry.uniform(2, 8, 2, 1 << 20)  # 1 MiB experts
+    monkeypatch.setattr(cli_options, "gpu_free_bytes", lambda: (6 << 20, 8 << 30))
+    args = __import__("argparse").Namespace(cache_slots=3, cache_mib=None, policy="lru")
+    assert cli_options.build_capacity(args, g).slot_bytes(g) == 6 << 20  # exactly what is free
+    args.cache_slots = 4
+    with pytest.raises(cli_options.Fail, match="--cache-slots 4: the expert cache [(]8 MiB[)]"):
+        cli_options.build_capacity(args, g)
+    monkeypatch.setattr(cli_options, "gpu_free_bytes", lambda: None)  # no GPU: the backend says why later
+    assert cli_options.build_capacity(args, g).slot_bytes(g) == 8 << 20
+
+
 def test_calibrate_calls_measured_only_the_types_it_measured():
     from execute.calibrate import _efficiency_source
 
