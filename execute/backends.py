@@ -126,10 +126,16 @@ class EngineExperts:
 
     def prepare(self, policy) -> None:
         """Compile the CPU kernels (first use) and upload the experts the policy placed at
-        construction (profile pre-population, or all of them for ``gpu``)."""
+        construction (profile pre-population, or all of them for ``gpu``); ``prepare_s`` then holds
+        the seconds of each (``numba_warmup_s``, ``expert_upload_s``)."""
+        import time
+
+        t0 = time.perf_counter()
         if self._first is not None:
             self.engine.pool.warmup(self._first)
+        t1 = time.perf_counter()
         self.engine.load_residents(dict(policy.cache.slot))
+        self.prepare_s = {"numba_warmup_s": t1 - t0, "expert_upload_s": time.perf_counter() - t1}
 
     def begin_layer(self, layer: int, x, ids: np.ndarray) -> None:
         """Start the block's resident experts before the policy plans its step (the engine's early

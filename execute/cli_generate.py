@@ -127,14 +127,17 @@ def non_finite_tensor(weights) -> str | None:
     holding NaN or Inf, or None; read only once the output has been found non-finite."""
     import numpy as np
 
+    from .gguf_model import StoredDense
+
     named = [("token_embd", weights.token_embd)]
     for l, layer in enumerate(weights.layers):
         for field, v in vars(layer).items():
             for part, arr in (v.items() if isinstance(v, dict) else [("", v)]):
-                if isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
+                if isinstance(arr, StoredDense) or (isinstance(arr, np.ndarray) and arr.dtype.kind == "f"):
                     named.append((f"blk.{l}.{field}{'.' + part if part else ''}", arr))
     named += [("output_norm", weights.output_norm), ("output", weights.output)]
-    return next((name for name, arr in named if not np.isfinite(arr).all()), None)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return next((name for name, arr in named if not np.isfinite(np.asarray(arr)).all()), None)
 
 
 def batch_positions(route_log: list, gen: Generation) -> list:
@@ -185,12 +188,20 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
         raise Fail(f"moelab run: the prompt ({len(prompt)} tokens) and -n {args.tokens}"
                    f"{f' with --speculative {draft_len}' if draft_len else ''} need {need} positions, more than "
                    f"{what}")
-    geometry = info.geometry()
-    capacity = build_capacity(args, geometry, "moelab run")
-    policy = run_policy(args, geometry, capacity)
+    from .first_token import Phases, precompile_kernels
+
+    ph = getattr(args, "phases", None) or Phases()
+    with ph.phase("policy_s"):
+        geometry = info.geometry()
+        capacity = build_capacity(args, geometry, "moelab run")
+        policy = run_policy(args, geometry, capacity)
     use_gpu = wants_gpu(args)
-    backend = make_backend(args, weights, use_gpu, capacity, "moelab run")
-    model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
+    with ph.phase("kernel_compile_s"):
+        precompile_kernels(use_gpu)
+    with ph.phase("backend_s"):
+        backend = make_backend(args, weights, use_gpu, capacity, "moelab run")
+    with ph.phase("dense_upload_s"):
+        model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
     if record:
         model.route_log = []
     if getattr(args, "router_predictor", False):
@@ -222,6 +233,12 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
     started = getattr(args, "started_at", None)
     first = getattr(gen, "first_token_at", None)
     out["first_token_s"] = first - started if started is not None and first is not None else None
+    for k, v in getattr(backend, "prepare_s", {}).items():
+        ph.add(k, v)
+    ph.add("prefill_s", prefill_s)
+    if first is not None and "prefill" in marks:
+        ph.add("first_sample_s", first - marks["prefill"])
+    out["first_token_breakdown"] = ph.breakdown(out["first_token_s"])
     out["speculative"] = draft_len
     if model.router_predictor is not None:
         out["router_predictor"] = model.router_predictor.summary()

@@ -96,13 +96,21 @@ def run_figures(argv: list[str]) -> tuple[dict, list[int]]:
 
     import time
 
+    from .first_token import Phases
+
     args = parser_run().parse_args(argv)
     args.started_at = time.perf_counter()
+    args.phases = ph = Phases()
     try:
         check_run_args(args)
-        tok = Tokenizer.from_gguf(args.model)
-        out, gen, _, _ = generate(args, load_model(args.model), tok, prompt_ids(args, tok), args.speculative,
-                                   io.StringIO())
+        timings: dict = {}
+        weights = load_model(args.model, lazy_dense=True, timings=timings)
+        for k, v in timings.items():
+            ph.add(k, v)
+        with ph.phase("tokenizer_s"):
+            tok = Tokenizer.from_gguf(args.model)
+            prompt = prompt_ids(args, tok)
+        out, gen, _, _ = generate(args, weights, tok, prompt, args.speculative, io.StringIO())
     except Fail as exc:
         raise ExecutorError(str(exc)) from None
     return out, gen.generated
@@ -114,14 +122,24 @@ def _run(args) -> int:
     from .sampling import Sampler
     from .tokenizer import Tokenizer, TokenizerError
 
+    from .first_token import Phases
+
     check_run_args(args)
-    weights = load_checked(args.model, args.allow_non_finite, cpu_only=not wants_gpu(args))
-    try:
-        tok = Tokenizer.from_gguf(args.model)
-        Sampler(args.temp, args.seed, args.top_k)
-    except (TokenizerError, ValueError) as exc:
-        raise Fail(f"moelab run: {exc}") from None
-    prompt = prompt_ids(args, tok)
+    ph = getattr(args, "phases", None)
+    if ph is None:
+        args.phases = ph = Phases()
+    timings: dict = {}
+    # the projections stay stored until read: a GPU run's kernels read them so, never expanded
+    weights = load_checked(args.model, args.allow_non_finite, timings, cpu_only=not wants_gpu(args), lazy_dense=True)
+    for k, v in timings.items():
+        ph.add(k, v)
+    with ph.phase("tokenizer_s"):
+        try:
+            tok = Tokenizer.from_gguf(args.model)
+            Sampler(args.temp, args.seed, args.top_k)
+        except (TokenizerError, ValueError) as exc:
+            raise Fail(f"moelab run: {exc}") from None
+        prompt = prompt_ids(args, tok)
     out, gen, model, audit = generate(args, weights, tok, prompt, args.speculative, sys.stdout,
                                        record=bool(args.record_trace or args.audit))
     if args.compare:
@@ -175,8 +193,12 @@ def run_main(argv: list[str]) -> int:
     """``moelab run MODEL.gguf -p TEXT [-n N] [--policy P] ...``."""
     import time
 
+    from .first_token import Phases, process_age_s
+
     started = time.perf_counter()
+    age = process_age_s()  # process start -> here: interpreter start-up and imports
     args = parser_run().parse_args(argv)
     args.started_at = started
+    args.phases = Phases(age)
     return guard(_run, args)
 

@@ -16,7 +16,42 @@ from .experts import ExpertTensor, LayerExperts
 from .gguf_file import GGUFError, GGUFFile, TensorEntry
 from .gguf_io import ModelInfo, _expert_names, _info_from_reader
 
-__all__ = ["DenseLayer", "ModelWeights", "load_model", "stored_matrix"]
+__all__ = ["DenseLayer", "ModelWeights", "StoredDense", "load_model", "stored_matrix"]
+
+
+class StoredDense:
+    """A 2-D dense matrix left as the file stores it (rows of raw bytes on the memory map),
+    dequantized to float32 only when read: ``np.asarray(m)`` gives every row, ``m[rows]`` (an int, a
+    slice or an index array over the rows) only those. ``load_model(lazy_dense=True)`` gives the
+    large matrices this way, so a GPU run, whose kernels read them as stored, never expands them
+    (and a token's embedding costs one row). Nothing is cached: each read dequantizes again."""
+
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, raw: np.ndarray, qtype: int, shape: tuple[int, int]):
+        self.raw, self.qtype, self.shape = raw.reshape(shape[0], -1), qtype, (int(shape[0]), int(shape[1]))
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _rows(self, raw: np.ndarray) -> np.ndarray:
+        return Q.dequantize(raw, self.qtype, self.shape[1]).reshape(-1, self.shape[1])
+
+    def __array__(self, dtype=None, copy=None):
+        w = self._rows(self.raw)
+        return w if dtype is None else w.astype(dtype, copy=False)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, (int, np.integer)):
+            return self._rows(self.raw[idx])[0]
+        if isinstance(idx, slice) or (not isinstance(idx, tuple) and np.ndim(idx) == 1):
+            return self._rows(np.ascontiguousarray(self.raw[idx]))
+        return np.asarray(self)[idx]
 
 
 @dataclass(frozen=True)
@@ -76,8 +111,11 @@ def _expert_tensor(reader: GGUFFile, t: TensorEntry, part: str, ffn: int, keep) 
     return ExpertTensor(f16.view(np.uint8), Q.F16, rows, cols, name=name)
 
 
-def _dense(reader: GGUFFile, t: TensorEntry) -> np.ndarray:
-    """Tensor ``t`` dequantized to float32 in numpy order."""
+def _dense(reader: GGUFFile, t: TensorEntry, lazy: bool = False) -> np.ndarray | StoredDense:
+    """Tensor ``t`` dequantized to float32 in numpy order (``lazy``: a 2-D tensor of a block or
+    float type as a :class:`StoredDense`)."""
+    if lazy and len(t.shape) == 2 and t.qtype in Q.LAYOUTS:
+        return StoredDense(reader.raw(t), t.qtype, t.shape)
     if t.qtype in Q.LAYOUTS:
         return Q.dequantize(reader.raw(t), t.qtype, t.shape[-1]).reshape(t.shape)
     from .gguf_io import dequantize  # integer and float64 tensors: gguf-py's conversion
@@ -96,43 +134,64 @@ def _layer_experts(info: ModelInfo, l: int, reader: GGUFFile, tens: dict, names:
     return LayerExperts(l, *parts, **b, activation=info.spec.activation)
 
 
-def load_model(path: str | os.PathLike, cpu_only: bool = False) -> ModelWeights:
+def load_model(path: str | os.PathLike, cpu_only: bool = False, lazy_dense: bool = False,
+               timings: dict | None = None) -> ModelWeights:
     """Memory-map a GGUF model: dense weights as float32, routed experts as raw blocks (no copy)
     when every expert path reads their type (the CPU pool's ``quant.CPU_QTYPES`` that the GPU
     expert path also reads, ``quant.GPU_EXPERT_QTYPES``; with ``cpu_only``, experts never run on
     the GPU: every CPU type), else dequantized to F16 at load. The returned
     ``info.expert_bytes`` are the loaded experts' sizes (what moves), not the file's.
 
+    ``lazy_dense``: the embedding, the head and the blocks' projection matrices (q, k, v, output;
+    shared and dense FFNs) stay stored, as :class:`StoredDense` (norms, router, biases and MLA
+    weights are float32 arrays either way). ``timings``: a dict that receives the seconds spent
+    dequantizing dense tensors (``dense_dequantize_s``), converting experts to F16
+    (``expert_convert_s``) and the rest (``model_open_s``: parsing, mapping).
+
     Raises :class:`GGUFError` naming the file and the first tensor the architecture needs and the
     file lacks."""
+    import time
+
+    t_start = time.perf_counter()
+    spent = {"dense": 0.0, "experts": 0.0}
     keep = Q.CPU_QTYPES if cpu_only else {t: q for t, q in Q.CPU_QTYPES.items() if t in Q.GPU_EXPERT_QTYPES}
     reader = GGUFFile(path)
     info = _info_from_reader(reader, str(path))
     tens = {t.name: t for t in reader.tensors}
 
-    def need(name: str):
+    def need(name: str, lazy: bool = False):
         if name not in tens:
             raise GGUFError(f"{path}: tensor {name!r} missing ({info.arch} needs it)")
-        return _dense(reader, tens[name])
+        t0 = time.perf_counter()
+        v = _dense(reader, tens[name], lazy and lazy_dense)
+        spent["dense"] += time.perf_counter() - t0
+        return v
 
-    def opt(name: str):
-        return _dense(reader, tens[name]) if name in tens else None
+    def opt(name: str, lazy: bool = False):
+        return need(name, lazy) if name in tens else None
 
     layers, experts = [], []
     for l in range(info.num_layers):
         names = _expert_names(tens, l)
         layers.append(_dense_layer(info, l, names is not None, need, opt))
         if names:
+            t0 = time.perf_counter()
             experts.append(_layer_experts(info, l, reader, tens, names, layers[-1].expert_bias, keep))
+            spent["experts"] += time.perf_counter() - t0
         else:
             experts.append(None)
-    emb = need("token_embd.weight")
-    out = opt("output.weight")
+    emb = need("token_embd.weight", True)
+    out = opt("output.weight", True)
     sizes = tuple(0 if x is None else x.expert_bytes for x in experts)
     if sizes != info.expert_bytes:  # some experts were dequantized at load
         info = dataclasses.replace(info, expert_bytes=sizes)
-    return ModelWeights(info, emb, need("output_norm.weight"), emb if out is None else out,
-                        tuple(layers), tuple(experts), reader)
+    weights = ModelWeights(info, emb, need("output_norm.weight"), emb if out is None else out,
+                           tuple(layers), tuple(experts), reader)
+    if timings is not None:
+        timings["dense_dequantize_s"] = spent["dense"]
+        timings["expert_convert_s"] = spent["experts"]
+        timings["model_open_s"] = time.perf_counter() - t_start - spent["dense"] - spent["experts"]
+    return weights
 
 
 def _mla(info: ModelInfo, p: str, need, opt) -> dict:
@@ -159,7 +218,7 @@ def _dense_layer(info: ModelInfo, l: int, moe: bool, need, opt) -> DenseLayer:
     spec, p = info.spec, f"blk.{l}."
     shared = None
     if spec.shared != "none" and moe:
-        shared = {k: need(f"{p}ffn_{k}_shexp.weight") for k in ("gate", "up", "down")}
+        shared = {k: need(f"{p}ffn_{k}_shexp.weight", True) for k in ("gate", "up", "down")}
         shared["gate_inp"] = need(p + "ffn_gate_inp_shexp.weight").reshape(-1) if spec.shared == "gated" else None
     bias = {k: opt(f"{p}ffn_{k}_exps.bias") for k in ("gate", "up", "down")}
     bias = {k: v for k, v in bias.items() if v is not None}
@@ -170,12 +229,12 @@ def _dense_layer(info: ModelInfo, l: int, moe: bool, need, opt) -> DenseLayer:
     gqa = mla is None
     qk = spec.qk_norm != "none"
     return DenseLayer(
-        attn_norm=need(p + "attn_norm.weight"), wq=need(p + "attn_q.weight") if gqa else None,
-        wk=need(p + "attn_k.weight") if gqa else None, wv=need(p + "attn_v.weight") if gqa else None,
-        wo=need(p + "attn_output.weight"), q_norm=need(p + "attn_q_norm.weight") if qk else None,
+        attn_norm=need(p + "attn_norm.weight"), wq=need(p + "attn_q.weight", True) if gqa else None,
+        wk=need(p + "attn_k.weight", True) if gqa else None, wv=need(p + "attn_v.weight", True) if gqa else None,
+        wo=need(p + "attn_output.weight", True), q_norm=need(p + "attn_q_norm.weight") if qk else None,
         k_norm=need(p + "attn_k_norm.weight") if qk else None, ffn_norm=need(f"{p}{spec.ffn_norm}.weight"),
         router=need(p + "ffn_gate_inp.weight") if moe else None, shared=shared, expert_bias=bias or None,
-        dense_ffn=None if moe else {k: need(f"{p}ffn_{k}.weight") for k in ("gate", "up", "down")},
+        dense_ffn=None if moe else {k: need(f"{p}ffn_{k}.weight", True) for k in ("gate", "up", "down")},
         attn_bias={k: v for k, v in attn_bias.items() if v is not None} or None,
         sinks=need(p + "attn_sinks.weight") if spec.sinks else None,
         router_bias=opt(p + "ffn_gate_inp.bias") if moe else None,

@@ -125,15 +125,21 @@ def check_shapes(weights) -> None:
                             f"{info.num_kv_heads}, head_dim {info.head_dim}, vocab {info.vocab}) needs {expected}")
 
 
-def load_checked(path: str | os.PathLike, allow_non_finite: bool = False, **kwargs):
+def load_checked(path: str | os.PathLike, allow_non_finite: bool = False, timings: dict | None = None, **kwargs):
     """``gguf_model.load_model(path, **kwargs)`` after ``check_file`` (skipped by ``allow_non_finite``),
     then ``check_shapes``; with the finite check skipped, dequantizing a non-finite tensor stays
-    silent (no numpy warnings)."""
+    silent (no numpy warnings). ``timings``: a dict that receives ``finite_check_s`` and
+    ``load_model``'s timings."""
+    import time
+
     from .gguf_model import load_model
 
+    t0 = time.perf_counter()
     if not allow_non_finite:
         check_file(path)
+    if timings is not None:
+        timings["finite_check_s"] = time.perf_counter() - t0
     with np.errstate(over="ignore", invalid="ignore"):
-        weights = load_model(path, **kwargs)
+        weights = load_model(path, timings=timings, **kwargs)
     check_shapes(weights)
     return weights

@@ -1,0 +1,100 @@
+"""Where ``moelab run``'s time to first token goes: host-clock phases from the command's start to the
+first sampled token (``first_token_breakdown`` in ``moelab run --json``).
+
+Phases (seconds), in the order they run:
+
+- ``import_s``: process start to the command's start (Python start-up, imports); read from the
+  kernel's process start time (Linux), None elsewhere; it precedes ``first_token_s``'s clock and is
+  not part of it;
+- ``finite_check_s``: the NaN/Inf scan of the file's weights (``weights_check``; skipped by
+  ``--allow-non-finite``, or answered from the check cache for a file checked before);
+- ``model_open_s``: parsing the GGUF file and mapping it (expert tensors are views on the map);
+- ``dense_dequantize_s``: dense tensors expanded to float32 at load (the matrices a run reads as
+  stored stay stored: ``gguf_model.StoredDense``); ``expert_convert_s``: experts of a type no
+  expert kernel reads, converted to F16;
+- ``tokenizer_s``: the vocabulary read and the prompt encoded;
+- ``policy_s``: capacity and policy built;
+- ``kernel_compile_s``: the run's CuPy modules compiled by NVRTC, or loaded from CuPy's cache;
+- ``backend_s``: the expert backend built (GPU arenas and scratch, the expert weights page-locked
+  with ``cudaHostRegister``, the CPU pool's state);
+- ``dense_upload_s``: the model's dense weights put on their device in the kernels' layout (GPU: the
+  stored bytes split and copied; CPU: float32 arrays), the KV cache allocated;
+- ``numba_warmup_s``: the CPU expert kernels compiled, or loaded from Numba's cache, by one call;
+- ``expert_upload_s``: the experts the policy placed at construction uploaded (all of them for
+  ``gpu``);
+- ``prefill_s``: the prompt run; ``first_sample_s``: its logits to the host and the first token
+  sampled and printed;
+- ``other_s``: ``first_token_s`` minus the phases above (argument checks, bookkeeping).
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+__all__ = ["Phases", "process_age_s", "precompile_kernels", "PHASES"]
+
+PHASES = ("finite_check_s", "model_open_s", "dense_dequantize_s", "expert_convert_s", "tokenizer_s", "policy_s",
+          "kernel_compile_s", "backend_s", "dense_upload_s", "numba_warmup_s", "expert_upload_s", "prefill_s",
+          "first_sample_s")
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, from ``/proc`` (clock-tick resolution), or None."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time after boot
+        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - start, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class Phases:
+    """Host-clock seconds per phase of one command (names of :data:`PHASES`), summed over calls."""
+
+    def __init__(self, import_s: float | None = None):
+        self.import_s = import_s
+        self.s: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        if name not in PHASES:
+            raise ValueError(f"phase {name!r}: expected one of {', '.join(PHASES)}")
+        self.s[name] = self.s.get(name, 0.0) + max(float(seconds), 0.0)
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def breakdown(self, first_token_s: float | None) -> dict:
+        """Every phase (0.0 when it did not run), ``other_s`` (first_token_s minus them, None without a
+        first token) and ``import_s``."""
+        out = {name: self.s.get(name, 0.0) for name in PHASES}
+        out["other_s"] = None if first_token_s is None else max(first_token_s - sum(out.values()), 0.0)
+        out["import_s"] = self.import_s
+        return out
+
+
+def precompile_kernels(gpu: bool) -> None:
+    """Compile (or load from CuPy's cache) the CuPy modules a GPU run builds its launches from: the
+    dense path's, the expert arena's and, on GPUs with mma.sync (compute capability >= 8.0) when
+    ``MOELAB_PREFILL`` allows, the batched prefill's; modules of rarer paths compile when first used."""
+    if not gpu:
+        return
+    try:
+        import cupy as cp
+    except ImportError:  # the backend reports it, in its own words
+        return
+
+    from . import gpu_dense, gpu_experts
+
+    gpu_dense._function("dense_gemv")
+    gpu_experts._kernel("moe_gate_up")
+    from .prefill import _kernel, prefill_env
+
+    if int(cp.cuda.Device().compute_capability) >= 80 and prefill_env():
+        _kernel("pf_mm")

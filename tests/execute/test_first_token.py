@@ -1,0 +1,66 @@
+"""``moelab run --json``'s first_token_breakdown (host-clock phases up to the first token) and the
+stored dense matrices (``gguf_model.StoredDense``) a run loads instead of float32 copies."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from execute.cli_run import run_figures
+from execute.first_token import PHASES, Phases, process_age_s
+from execute.gguf_model import StoredDense, load_model
+
+from .conftest import run_json
+
+
+def test_breakdown_fields_sum_to_at_most_first_token_s(models, capsys):
+    _, fig = run_json(capsys, models(), "-p", "The cat sat", "-n", "3", "--policy", "cpu")
+    b = fig["first_token_breakdown"]
+    assert set(b) == set(PHASES) | {"other_s", "import_s"}
+    inside = sum(b[k] for k in PHASES)
+    assert all(b[k] >= 0 for k in PHASES) and b["other_s"] >= 0
+    assert inside <= fig["first_token_s"] + 1e-9
+    assert inside + b["other_s"] == pytest.approx(fig["first_token_s"])
+    assert b["prefill_s"] == pytest.approx(fig["prompt_s"])
+    for k in ("finite_check_s", "model_open_s", "tokenizer_s", "numba_warmup_s", "prefill_s", "first_sample_s"):
+        assert b[k] > 0, k  # each of these ran
+    assert b["import_s"] is None or b["import_s"] > 0
+    assert b["kernel_compile_s"] < 0.05 and b["expert_upload_s"] < 0.05  # no GPU: nothing compiled or uploaded
+
+
+def test_breakdown_in_run_figures_and_without_a_first_token(models):
+    fig, _ = run_figures([str(models()), "-p", "Hi", "-n", "0", "--threads", "1", "--backend", "numpy"])
+    b = fig["first_token_breakdown"]
+    assert fig["first_token_s"] is None and b["other_s"] is None and b["first_sample_s"] == 0.0
+    assert b["finite_check_s"] == 0.0 and b["prefill_s"] > 0  # run_figures skips the finite check
+
+
+def test_phases_reject_unknown_names_and_add_up():
+    ph = Phases(0.5)
+    ph.add("prefill_s", 1.0)
+    ph.add("prefill_s", 0.25)
+    with ph.phase("tokenizer_s"):
+        pass
+    with pytest.raises(ValueError, match="phase 'bogus'"):
+        ph.add("bogus", 1.0)
+    b = ph.breakdown(2.0)
+    assert b["prefill_s"] == 1.25 and b["import_s"] == 0.5 and b["other_s"] == pytest.approx(0.75 - b["tokenizer_s"])
+    age = process_age_s()
+    assert age is None or 0 < age < 1e6
+
+
+@pytest.mark.parametrize("dense_quant", ("Q8_0", "F16", "BF16", "F32"))
+def test_stored_dense_reads_as_the_float32_load(tmp_path, dense_quant):
+    from execute.synth import config_from_preset, synth_model
+
+    path = synth_model(tmp_path / "m.gguf", config_from_preset("tiny", dense_quant=dense_quant, seed=3))
+    eager, lazy = load_model(path), load_model(path, lazy_dense=True)
+    assert isinstance(lazy.token_embd, StoredDense) and isinstance(lazy.layers[0].wo, StoredDense)
+    for a, b in [(eager.token_embd, lazy.token_embd), (eager.output, lazy.output)] + [
+            (getattr(x, k), getattr(y, k)) for x, y in zip(eager.layers, lazy.layers) for k in ("wq", "wk", "wv", "wo")]:
+        assert b.shape == a.shape and b.ndim == 2 and len(b) == len(a)
+        assert np.array_equal(np.asarray(b), a) and np.array_equal(np.asarray(b, np.float16), a.astype(np.float16))
+        p = np.random.default_rng(0).permutation(len(a))
+        assert np.array_equal(b[p], a[p]) and np.array_equal(b[3], a[3]) and np.array_equal(b[-1], a[-1])
+        assert np.array_equal(b[1:5], a[1:5]) and np.array_equal(b[[2, 2, 0]], a[[2, 2, 0]])
+    assert np.array_equal(lazy.layers[0].router, eager.layers[0].router)  # small tensors stay arrays
+    assert isinstance(lazy.layers[0].attn_norm, np.ndarray)
