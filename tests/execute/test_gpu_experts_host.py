@@ -16,6 +16,7 @@ import pytest
 from execute import quant as Q
 from execute.experts import random_layer
 from scheduler.core import Capacity, Geometry
+from scheduler.policies import make_policy
 
 _MODULES = ("cupy", "execute.gpu_experts", "execute.gpu_host", "execute.gpu_quant")
 _ptrs = count(0x1000, 0x1000)
@@ -70,14 +71,18 @@ class _Handle:
 
 @pytest.fixture
 def fake_cupy():
-    """``execute.gpu_experts`` imported over a recording stand-in for cupy; every module this
-    replaces (and the package attributes) is put back afterwards."""
+    """``execute.gpu_experts`` imported over a recording stand-in for cupy. Every module that holds
+    the real cupy (or is imported during the test) is set aside and put back afterwards, with the
+    package's attributes, so no later test sees the stand-in."""
     import execute
 
-    saved = {k: sys.modules.get(k) for k in _MODULES}
-    attrs = {k: getattr(execute, k.split(".")[1], None) for k in _MODULES[1:]}
+    real = sys.modules.get("cupy")
+    before = dict(sys.modules)
+    held = {k for k, m in before.items() if k.startswith("execute.") and real is not None and m is not None
+            and any(v is real for v in vars(m).values())}
+    saved = {k: before[k] for k in held | set(_MODULES) if k in before}
     cp = mock.MagicMock(name="cupy")
-    cp.float32, cp.int32, cp.uint8, cp.uint64 = np.float32, np.int32, np.uint8, np.uint64
+    cp.float32, cp.int32, cp.uint8, cp.uint16, cp.uint64 = np.float32, np.int32, np.uint8, np.uint16, np.uint64
     cp.ndarray = _Dev
     cp.empty = cp.full = lambda shape, dtype=np.float32, *a, **k: _Dev(shape, dtype)
     cp.arange = lambda n, dtype=np.int32: _Dev(n, dtype)
@@ -88,24 +93,22 @@ def fake_cupy():
     cp.cuda.get_current_stream = lambda: null
     cp.cuda.runtime.CUDARuntimeError = RuntimeError
     cp.cuda.runtime.eventQuery.return_value = 0
-    for k in _MODULES[1:]:
+    for k in saved:
         sys.modules.pop(k, None)
     sys.modules["cupy"] = cp
     try:
         yield cp, importlib.import_module("execute.gpu_experts")
     finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-        for k, v in attrs.items():
-            name = k.split(".")[1]
-            if v is None:
-                if hasattr(execute, name):
+        for k in list(sys.modules):
+            if k == "cupy" or k in saved or (k.startswith("execute.") and k not in before):
+                m = sys.modules.pop(k)
+                name = k.partition(".")[2]
+                if k.startswith("execute.") and "." not in name and getattr(execute, name, None) is m:
                     delattr(execute, name)
-            else:
-                setattr(execute, name, v)
+        for k, m in saved.items():
+            sys.modules[k] = m
+            if k.startswith("execute.") and "." not in k.partition(".")[2]:
+                setattr(execute, k.partition(".")[2], m)
 
 
 def _make(G, layers, slots=2, **kw):
@@ -217,3 +220,90 @@ def test_run_orders_the_compute_stream_after_the_callers_stream_and_back(fake_cu
         gx.to_caller()
     assert not calls.mock_calls
     gx.close()
+
+
+@pytest.mark.parametrize("policy", ["cpu", "lru"])
+def test_engine_layers_order_the_compute_stream_after_the_callers_and_back(fake_cupy, rng, policy):
+    """ExpertEngine.run_layer (the CPU pool's input fetch, the kernels, the one-token path): the
+    compute stream waits for the caller's stream before the first read of x, and the caller's
+    stream waits for the compute stream after the layer's last launch or copy."""
+    cp, G = fake_cupy
+    cp.zeros = cp.empty
+    from execute.engine import ExpertEngine
+    from scheduler.drive import RunLayer, drive
+
+    from .test_engine import scenario
+
+    layers, routing, tokens = scenario(rng, num_tokens=3, batch=(1, 3))
+    geo = Geometry((8,) * 3, 2, tuple(l.expert_bytes for l in layers))
+    pol = make_policy(policy, geo, Capacity.per_layer(geo, 8 if policy == "lru" else 3))
+    engine = ExpertEngine(layers, pol.capacity, threads=1, use_gpu=True, scratch_slots=2)
+    gx = engine.gpu
+    calls = mock.Mock()
+    rt = cp.cuda.runtime
+    for name, m in (("record", rt.eventRecord), ("wait", rt.streamWaitEvent), ("copy", rt.memcpyAsync),
+                    ("launch", cp.cuda.driver.launchKernel)):
+        calls.attach_mock(m, name)
+    comp, runs = gx.compute.ptr, 0
+    try:
+        engine.load_residents(pol.cache.slot)
+        for item in drive(pol, tokens):
+            if not isinstance(item, RunLayer):
+                continue
+            ids, w = routing[(item.token.index, item.step.layer)]
+            x = _Dev((len(ids), 256))
+            calls.reset_mock()
+            engine.run_layer(item, x, ids, w)
+            seq = [(c[0], c.args) for c in calls.mock_calls]
+            first = next(i for i, (n, a) in enumerate(seq) if n == "launch" or (n == "copy" and x.data.ptr in a[:2]))
+            assert seq.index(("wait", (comp, gx._caller_ev.ptr))) < first
+            last = max(i for i, (n, a) in enumerate(seq) if n in ("launch", "copy") and a[-1 if n == "copy" else 8] == comp)
+            assert last < seq.index(("record", (gx._back_ev.ptr, comp))) < seq.index(("wait", (0, gx._back_ev.ptr)))
+            runs += 1
+        assert runs == 9 and (engine.stats.cpu_pairs > 0) == (policy == "cpu")
+    finally:
+        engine.close()
+
+
+def test_batched_prefill_orders_the_compute_stream_after_the_callers_and_back(fake_cupy, rng):
+    """BatchedExperts.run_layer, hybrid (CPU pairs fetched, GPU rounds): the same two waits."""
+    cp, G = fake_cupy
+    cp.zeros = cp.empty
+    cp.cuda.Device.return_value.compute_capability = "90"
+    from execute.engine import ExpertEngine
+    from execute.prefill import BatchedExperts
+    from scheduler.drive import RunLayer, drive
+
+    from .test_prefill import E, _scenario
+
+    layers = [random_layer(rng, l, E, 256, 128, Q.Q8_0) for l in range(2)]
+    routing, tokens = _scenario(rng, layers, (40, 24))
+    geo = Geometry((E,) * 2, 4, tuple(l.expert_bytes for l in layers))
+    pol = make_policy("hybrid", geo, Capacity.per_layer(geo, 4), miss_frac_256=128, swap_every=2, gate=0.5, margin=0.1)
+    engine = ExpertEngine(layers, pol.capacity, threads=1, use_gpu=True, scratch_slots=2)
+    gx, rt = engine.gpu, cp.cuda.runtime
+    batched = BatchedExperts(engine, batch_experts=2)
+    calls = mock.Mock()
+    for name, m in (("record", rt.eventRecord), ("wait", rt.streamWaitEvent), ("copy", rt.memcpyAsync),
+                    ("launch", cp.cuda.driver.launchKernel)):
+        calls.attach_mock(m, name)
+    comp, runs = gx.compute.ptr, 0
+    try:
+        engine.load_residents(pol.cache.slot)
+        for item in drive(pol, tokens):
+            if isinstance(item, RunLayer):
+                ids, w = routing[(item.token.index, item.step.layer)]
+                x = _Dev((len(ids), 256))
+                assert batched.takes(item.decision, ids)
+                calls.reset_mock()
+                batched.run_layer(item.decision, x, ids, w)
+                seq = [(c[0], c.args) for c in calls.mock_calls]
+                first = next(i for i, (n, a) in enumerate(seq)
+                             if (n == "launch" and x.data.ptr in a) or (n == "copy" and x.data.ptr in a[:2]))
+                assert seq.index(("wait", (comp, gx._caller_ev.ptr))) < first
+                last = max(i for i, (n, a) in enumerate(seq) if n in ("launch", "copy") and a[-1 if n == "copy" else 8] == comp)
+                assert last < seq.index(("record", (gx._back_ev.ptr, comp))) < seq.index(("wait", (0, gx._back_ev.ptr)))
+                runs += 1
+        assert runs == 4 and engine.stats.cpu_pairs > 0
+    finally:
+        engine.close()
