@@ -200,15 +200,18 @@ def copy_ceiling_gbps(nbytes: int = 1 << 30, trials: int = 5) -> float:
 def time_block(s: BlockShape, variants=("v1", "v2"), repeat: int = 4, reps: int = 10, trials: int = 5,
                seed: int = 0) -> dict:
     """Per variant: each kernel's median us per launch, and the whole block's; the copy ceiling;
-    the bytes; the dense launches' shapes; each variant's output distance to the first's."""
+    an empty kernel's us per launch in a chain of them (a graph node's floor); the bytes; the
+    dense launches' shapes; each variant's output distance to the first's."""
     import cupy as cp
 
     from .kernel_rig import Rig
 
     rng = np.random.default_rng(seed)
     ceiling = copy_ceiling_gbps()
+    noop = cp.RawKernel('extern "C" __global__ void noop() {}', "noop")
+    node_us = _time_graph(cp, [lambda st: noop((1,), (32,), ())] * s.blocks, repeat, reps, trials)
     rig = Rig(s, rng)
-    out = {"shape": asdict(s), "ceiling_gbps": ceiling, "bytes": kernel_bytes(s), "variants": {}}
+    out = {"shape": asdict(s), "ceiling_gbps": ceiling, "node_us": node_us, "bytes": kernel_bytes(s), "variants": {}}
     first = None
     try:
         for v in variants:
@@ -233,7 +236,8 @@ def summarize(result: dict) -> str:
     b, ceil = result["bytes"], result["ceiling_gbps"]
     names = list(result["variants"])
     out = [f"copy ceiling {ceil:.0f} GB/s (read + write); bytes per block {sum(b.values()) / 1e6:.1f} MB "
-           f"-> {sum(b.values()) / (ceil * 1e3):.1f} us at the ceiling"]
+           f"-> {sum(b.values()) / (ceil * 1e3):.1f} us at the ceiling; an empty kernel node in a chain of "
+           f"them: {result.get('node_us', float('nan')):.2f} us"]
     for v in names:
         r = result["variants"][v]
         rows = report_rows(r["kernel_us"], b, ceil, r["launches"])

@@ -60,12 +60,13 @@ def test_summarize_two_variants():
     b = KT.kernel_bytes(KT.BlockShape())
     v1 = {k: 10.0 for k in KT.KERNELS}
     v2 = {k: 5.0 for k in KT.KERNELS}
-    res = {"bytes": b, "ceiling_gbps": 4000.0, "variants": {
+    res = {"bytes": b, "ceiling_gbps": 4000.0, "node_us": 1.5, "variants": {
         "v1": {"kernel_us": v1, "block_us": 100.0, "launches": {}, "max_rel_diff_vs_first": 0.0},
         "v2": {"kernel_us": v2, "block_us": 50.0, "launches": {}, "max_rel_diff_vs_first": 1e-7}}}
     text = KT.summarize(res)
     assert "[v1] whole block in one graph: 100.00 us per block (kernels alone sum 80.00)" in text
     assert "v2 / v1 time: block 0.50; qkv 0.50" in text and "max rel diff 1.00e-07" in text
+    assert "an empty kernel node in a chain of them: 1.50 us" in text
 
 
 def test_decode_kernels_switch(monkeypatch):
