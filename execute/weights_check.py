@@ -8,7 +8,9 @@ reported naming the tensor, and for a routed-expert tensor the expert, so a dama
 with one line instead of a CPU worker dividing by NaN or a run printing text from NaN logits.
 
 The check reads each tensor once through the memory map (chunks of ``_CHUNK_BYTES``), no copy of
-a tensor is made; ``--allow-non-finite`` skips it for a user who wants to run anyway.
+a tensor is made; ``--allow-non-finite`` skips it for a user who wants to run anyway. A file found
+finite is remembered (``check_file``: its path, inode, size and times in a small cache file), so
+running the same unchanged file again costs no scan.
 """
 from __future__ import annotations
 
@@ -89,11 +91,68 @@ def first_non_finite(reader: GGUFFile) -> str | None:
     return None
 
 
+def _cache_file() -> str | None:
+    """Where files found finite are remembered: ``$MOELAB_CACHE_DIR`` (empty: nowhere), else
+    ``$XDG_CACHE_HOME/moelab`` or ``~/.cache/moelab``; ``finite_checked.json`` there."""
+    root = os.environ.get("MOELAB_CACHE_DIR")
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "moelab")
+    return os.path.join(root, "finite_checked.json") if root else None
+
+
+def _fingerprint(path) -> str:
+    """The file's identity and version: real path, device, inode, size, modification and change
+    times (ns); any write to the file changes it."""
+    st = os.stat(path)
+    return f"{os.path.realpath(path)}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+
+def _cached(key: str) -> bool:
+    import json
+
+    f = _cache_file()
+    try:
+        with open(f) as fh:
+            return key in json.load(fh)
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def _remember(key: str, keep: int = 64) -> None:
+    """Add ``key`` to the cache (the newest ``keep`` kept); any error leaves the cache as it was."""
+    import json
+    import tempfile
+
+    f = _cache_file()
+    if f is None:
+        return
+    try:
+        try:
+            with open(f) as fh:
+                keys = [k for k in json.load(fh) if isinstance(k, str) and k != key]
+        except (OSError, ValueError):
+            keys = []
+        os.makedirs(os.path.dirname(f), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(f), prefix=".finite_checked.")
+        with os.fdopen(fd, "w") as fh:
+            json.dump((keys + [key])[-keep:], fh)
+        os.replace(tmp, f)
+    except (OSError, TypeError, ValueError):
+        pass
+
+
 def check_file(path: str | os.PathLike) -> None:
-    """Raise NonFiniteWeights naming the tensor when ``path``'s weights hold NaN or Inf."""
+    """Raise NonFiniteWeights naming the tensor when ``path``'s weights hold NaN or Inf. A file found
+    finite is remembered by its fingerprint (path, inode, size, times; ``_cache_file``), so the next
+    run of the same unchanged file skips the scan (the whole file read: seconds for tens of GB)."""
+    key = _fingerprint(path)
+    if _cached(key):
+        return
     where = first_non_finite(GGUFFile(path))
     if where:
         raise NonFiniteWeights(f"{path}: {where}; the model cannot run on it ({ALLOW_FLAG} runs it anyway)")
+    _remember(key)
 
 
 def check_shapes(weights) -> None:

@@ -64,3 +64,43 @@ def test_stored_dense_reads_as_the_float32_load(tmp_path, dense_quant):
         assert np.array_equal(b[1:5], a[1:5]) and np.array_equal(b[[2, 2, 0]], a[[2, 2, 0]])
     assert np.array_equal(lazy.layers[0].router, eager.layers[0].router)  # small tensors stay arrays
     assert isinstance(lazy.layers[0].attn_norm, np.ndarray)
+
+
+def test_a_file_found_finite_is_not_scanned_again_until_it_changes(tmp_path, monkeypatch):
+    import json
+    import os
+
+    from execute import weights_check as W
+    from execute.synth import config_from_preset, synth_model
+
+    monkeypatch.setenv("MOELAB_CACHE_DIR", str(tmp_path / "cache"))
+    path = synth_model(tmp_path / "m.gguf", config_from_preset("tiny", seed=4))
+    scans = []
+    real = W.first_non_finite
+    monkeypatch.setattr(W, "first_non_finite", lambda r: scans.append(1) or real(r))
+    W.check_file(path)
+    W.check_file(path)
+    assert len(scans) == 1 and len(json.loads((tmp_path / "cache/finite_checked.json").read_text())) == 1
+    # a NaN written into the file (same size, same inode) changes its times: scanned again, found
+    from execute.gguf_file import GGUFFile
+
+    off = {t.name: t.data_offset for t in GGUFFile(path).tensors}["output_norm.weight"]
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(off + 8)
+        f.write(np.float32(np.nan).tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with pytest.raises(W.NonFiniteWeights, match="output_norm.weight"):
+        W.check_file(path)
+    with pytest.raises(W.NonFiniteWeights):
+        W.check_file(path)  # a failed check is never remembered
+    assert len(scans) == 3
+    (tmp_path / "cache/finite_checked.json").write_text("{not json")  # a damaged cache: scanned, rewritten
+    good = synth_model(tmp_path / "g.gguf", config_from_preset("tiny", seed=4))
+    W.check_file(good)
+    W.check_file(good)
+    assert len(scans) == 4
+    monkeypatch.setenv("MOELAB_CACHE_DIR", "")  # empty: no cache
+    W.check_file(good)
+    W.check_file(good)
+    assert len(scans) == 6
