@@ -115,21 +115,23 @@ def test_mixed_types_promote_and_combine(cp, rng, reference):
 
 
 def test_run_waits_for_the_callers_stream_and_the_caller_for_it(cp, rng, reference):
-    """x copied late on the caller's stream (busy 5 ms) is read only once there; the output,
-    computed after 5 ms more on the compute stream, is read on the caller's stream at once."""
+    """x copied late on the caller's stream (busy 5 ms) is read only once there; an output the
+    compute stream writes late (busy 20 ms) is read on the caller's stream only once written."""
     layer = random_layer(rng, 0, num_experts=3, hidden=256, ffn=512, qtype=Q.Q8_0)
     gx = make([layer], slots=3)
     try:
         gx.begin_copies()
         gx.upload(0, 2, 0)
         ev = gx.copies_event()
-        for _ in range(3):
+        for late in ("input", "output") * 2:
             x = rng.standard_normal((2, 256)).astype(np.float32)
-            spin(cp, 5.0)
+            if late == "input":
+                spin(cp, 5.0)
             xd = cp.asarray(x)
-            spin(cp, 5.0, gx.compute)
+            if late == "output":
+                spin(cp, 20.0, gx.compute)
             y = gx.run(0, [0, 0], xd, [0, 1], wait=[ev]).get()
-            assert rel_err(y, reference(layer, [2, 2], x)) < REL_ERR
+            assert rel_err(y, reference(layer, [2, 2], x)) < REL_ERR, late
     finally:
         gx.close()
 
