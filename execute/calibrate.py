@@ -36,7 +36,12 @@ a replay too the thread waits for the pool before each):
 
 ``--cpu-only`` (no GPU needed): measures the CPU pool, memory bandwidth, planning and polling, and
 writes them over the GPU and link fields of ``--base FILE`` (a hardware JSON), without executor
-host-lane costs. Whatever kernels ``execute/cpu_experts.py`` has at run time are what is measured.
+host-lane costs. Its pool timings rotate over a cold set of random experts bounded by
+``COLD_SET_BYTES`` (384 MiB: the model's shape, with fewer experts per layer where it is larger),
+the other quant types' layers by half as many bytes, and the memory read buffer
+(``MEM_READ_BYTES``, 512 MiB) is freed before the experts are built: at the default shape the
+process peaks under 1 GB. Whatever kernels ``execute/cpu_experts.py`` has at run time are what
+is measured.
 
 This module runs the command and writes the file (``measure_all`` -> ``hardware_json`` -> ``write_json``);
 the parts live in ``calibrate_measure`` (each part timed alone), ``calibrate_replay`` (the
@@ -59,11 +64,14 @@ from scheduler.args import ArgumentParser, int_at_least
 from scheduler.core import Capacity, Geometry
 from scheduler.files import OutputPathError, atomic_write, check_output
 
+from . import quant as Q
+
 # The measurements, fits and replays live in calibrate_measure, calibrate_fit and calibrate_replay;
 # their names are importable from here too, for scripts that take them with the command.
 from .calibrate_fit import (BETWEEN_MIN_LAYERS, POOL_MIN_CALLS, fit_line, fit_table, replay_between_fields,
                             replay_host_fields, replay_pool_fit, stats, unlogged_host_fields)
-from .calibrate_measure import (PHASES, PLAN_POLICIES, GpuTimer, build_layers, cpu_layer_parts, measure_cpu_mem_gbps,
+from .calibrate_measure import (MEM_READ_BYTES, PHASES, PLAN_POLICIES, GpuTimer, build_layers, cold_set_shape,
+                                cpu_layer_parts, measure_cpu_mem_gbps,
                                 measure_cpu_pool, measure_cpu_types, measure_dense, measure_engine,
                                 measure_gpu_basics, measure_gpu_experts, measure_link, measure_plan_s,
                                 measure_poll_s, synth_tokens)
@@ -157,7 +165,8 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
         eff[q] = min(4.0, max(1e-3, gbps / cpu_rate))
     src = {
         "cpu_threads": f"the engine's CPU pool threads (--threads {T})",
-        "cpu_mem_gbps": "measured: Numba parallel read of 1 GiB (median; at least the pool's Q8_0 rate)",
+        "cpu_mem_gbps": f"measured: Numba parallel read of {m.get('cpu_mem_bytes', 1 << 30) >> 20} MiB (median; "
+                        f"at least the pool's Q8_0 rate)",
         "cpu_thread_gbps": "measured: CpuExpertPool Q8_0 time per expert, slope over 1..8 cold experts per call "
                            "(the 8-expert call's mean per expert where noise makes the slope <= 0), / threads",
         "cpu_task_s": "measured: CpuExpertPool intercept of the same fit",
@@ -299,11 +308,20 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
 def _measure(args, stage, layers, gx, partial) -> dict:
     reps = 5 if args.quick else 11
     rng = np.random.default_rng(args.seed)
+    stage("host memory bandwidth")  # first: its buffer is freed before the experts are built
+    mem_bytes = MEM_READ_BYTES if not args.small else 1 << 24
+    cpu_mem = measure_cpu_mem_gbps(args.threads, mem_bytes)
     if layers is None:
-        stage(f"building {args.layers} x {args.experts} Q8_0 experts")
-        layers = build_layers(rng, args.layers, args.experts, args.hidden, args.ffn)
+        # --cpu-only: a bounded cold set (the pool's timings need experts out of cache, not the model's
+        # every expert); with a GPU: the model's shape, which the uploads and replays use
+        eb = 2 * args.ffn * Q.row_bytes(Q.Q8_0, args.hidden) + args.hidden * Q.row_bytes(Q.Q8_0, args.ffn)
+        n_layers, n_experts = (cold_set_shape(args.layers, args.experts, eb) if args.cpu_only
+                               else (args.layers, args.experts))
+        stage(f"building {n_layers} x {n_experts} Q8_0 experts")
+        layers = build_layers(rng, n_layers, n_experts, args.hidden, args.ffn)
     eb = layers[0].expert_bytes
-    geo = Geometry((args.experts,) * len(layers), args.top_k, (eb,) * len(layers))
+    num_layers = args.layers if args.cpu_only else len(layers)
+    geo = Geometry((args.experts,) * num_layers, args.top_k, (eb,) * num_layers)
     m = partial if partial is not None else {}
     m.update({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(), "threads": args.threads,
          "expert_bytes": eb, "quick": bool(args.quick), "cpu_name": cpu_model(),
@@ -313,8 +331,9 @@ def _measure(args, stage, layers, gx, partial) -> dict:
     tokens, _ = synth_tokens(len(layers), args.experts, args.top_k, 48, args.seed + 11)
     m["plan_s"] = measure_plan_s(geo, max(args.top_k, args.experts // 4), tokens)
     m["poll_s"] = measure_poll_s()
-    stage("host memory bandwidth")
-    m["cpu_mem"] = measure_cpu_mem_gbps(args.threads, 1 << 30 if not args.small else 1 << 24)
+    m["cpu_mem"], m["cpu_mem_bytes"] = cpu_mem, mem_bytes
+    m["cpu_cold_set"] = {"layers": len(layers), "experts": layers[0].num_experts,
+                         "bytes": sum(lx.num_experts * lx.expert_bytes for lx in layers)}
     stage("CPU pool")
     m["cpu_pool"] = measure_cpu_pool(layers, args.threads, reps=reps, seed=args.seed)
     if not args.quick:

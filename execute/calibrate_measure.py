@@ -24,12 +24,28 @@ from .calibrate_fit import fit_line, fit_table, stats
 from .experts import LayerExperts, random_layer
 from .standin import StandIn
 
-__all__ = ["PLAN_POLICIES", "SPIN_S", "PHASES", "build_layers", "synth_tokens", "measure_plan_s", "measure_poll_s",
+__all__ = ["PLAN_POLICIES", "SPIN_S", "PHASES", "COLD_SET_BYTES", "MEM_READ_BYTES", "cold_set_shape", "build_layers",
+           "synth_tokens", "measure_plan_s", "measure_poll_s",
            "measure_cpu_mem_gbps", "measure_cpu_pool", "measure_cpu_types", "GpuTimer", "measure_gpu_basics",
            "measure_link", "measure_gpu_experts", "measure_dense", "cpu_layer_parts", "measure_engine"]
 
 PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid", "hybrid-cost")
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
+# Host memory the CPU side holds at once, each many times a last-level cache (so reads come from
+# DRAM) and a small share of RAM: the experts the pool's calls rotate over (per other quant type:
+# half as many bytes, beside them), and the buffer of the memory read, freed before the experts
+# are built.
+COLD_SET_BYTES = 384 << 20
+MEM_READ_BYTES = 512 << 20
+
+
+def cold_set_shape(num_layers: int, num_experts: int, expert_bytes: int,
+                   budget: int = COLD_SET_BYTES) -> tuple[int, int]:
+    """``(layers, experts per layer)`` of the random experts the CPU pool is timed on: the model's
+    shape when it fits ``budget`` bytes, else fewer experts per layer (at least 8, the largest
+    call), then fewer layers (at least 1)."""
+    per_layer = max(8, min(num_experts, budget // max(1, num_layers * expert_bytes)))
+    return max(1, min(num_layers, budget // (per_layer * expert_bytes))), per_layer
 
 
 def build_layers(rng: np.random.Generator, num_layers: int, num_experts: int, hidden: int, ffn: int,
@@ -96,7 +112,7 @@ def measure_poll_s(reps: int = 200) -> dict:
     return stats(samples)
 
 
-def measure_cpu_mem_gbps(threads: int, nbytes: int = 1 << 30, reps: int = 5) -> dict:
+def measure_cpu_mem_gbps(threads: int, nbytes: int = MEM_READ_BYTES, reps: int = 5) -> dict:
     """Host memory read GB/s with a Numba parallel sum over ``nbytes`` of float32 (``threads`` threads)."""
     import numba
 
@@ -482,9 +498,23 @@ def measure_cpu_types(args, layers, rng) -> tuple[dict, dict]:
 
     quant = {}
     for qt in (Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.MXFP4, Q.F16):
-        name = Q.QTYPES[qt].name
-        lx = random_layer(rng, 0, 64, args.hidden, args.ffn, qt, exact=False)
-        quant[name] = rate([lx], args.threads)
+        eb = 2 * args.ffn * Q.row_bytes(qt, args.hidden) + args.hidden * Q.row_bytes(qt, args.ffn)
+        lx = _type_layer(rng, qt, max(16, cold_set_shape(1, 64, eb, COLD_SET_BYTES // 2)[1]), args.hidden, args.ffn)
+        quant[Q.QTYPES[qt].name] = rate([lx], args.threads)
         del lx
     threads = {t: rate(layers, t) for t in sorted({4, 8, 12, args.threads}) if t <= args.threads}
     return quant, threads
+
+
+def _type_layer(rng: np.random.Generator, qt: int, num_experts: int, hidden: int, ffn: int) -> LayerExperts:
+    """``random_layer`` of ``num_experts`` built 4 experts at a time into its final arrays: a float
+    type's float32 draw then never holds more than 4 experts."""
+    out = None
+    for i in range(0, num_experts, 4):
+        lx = random_layer(rng, 0, min(4, num_experts - i), hidden, ffn, qt, exact=False)
+        tensors = (lx.gate, lx.up, lx.down)
+        if out is None:
+            out = [(t, np.empty((num_experts,) + t.data.shape[1:], t.data.dtype)) for t in tensors]
+        for (_, dst), t in zip(out, tensors):
+            dst[i:i + len(t.data)] = t.data
+    return LayerExperts(0, *(replace(t, data=d) for t, d in out))

@@ -141,6 +141,32 @@ def test_cpu_only_command_writes_a_loadable_file(tmp_path):
     assert pool["start_s"]["median"] + pool["return_s"]["median"] <= pool["handoff_s"]["p90"] * 1.5
 
 
+def test_the_cold_set_is_the_model_s_shape_within_its_budget():
+    assert M.cold_set_shape(2, 16, 1 << 20) == (2, 16)  # 32 MiB: as given
+    assert M.cold_set_shape(4, 128, 5 << 20, 400 << 20) == (4, 20)  # fewer experts per layer
+    assert M.cold_set_shape(48, 128, 5 << 20, 400 << 20) == (10, 8)  # at least 8 a layer, then fewer layers
+    assert M.cold_set_shape(4, 128, 100 << 20, 400 << 20) == (1, 8)  # huge experts: one layer of the largest call
+
+
+def test_cpu_only_calibration_of_a_large_model_stays_in_bounded_memory(tmp_path):
+    """Qwen3-30B-A3B's shape (4 x 128 experts of 5 MB: 2.6 GB as the model has them): the pool is
+    timed on a cold set of COLD_SET_BYTES, so the process peaks well under 1 GB (2.7 GB before)."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys; from moelab.cli import main; rc = main(sys.argv[1:]); "
+            "print(rc, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    r = subprocess.run([sys.executable, "-c", code, "calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--quick",
+                        "--small", "--threads", "1", "--out", str(tmp_path / "hw.json"), "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    rc, max_kib = map(int, r.stdout.split()[-2:])
+    assert rc == 0, r.stderr
+    assert max_kib * 1024 < M.COLD_SET_BYTES + (400 << 20), max_kib
+    cal = json.loads((tmp_path / "hw.json").read_text())["_calibration"]
+    assert cal["shape"]["experts"] == 128 and cal["cpu_cold_set"]["bytes"] <= M.COLD_SET_BYTES
+    assert cal["cpu_cold_set"]["experts"] >= 8
+
+
 def test_cpu_only_without_base_is_an_error(capsys):
     assert C.main(["--cpu-only"]) == 2
     assert "--base" in capsys.readouterr().err
