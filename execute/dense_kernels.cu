@@ -535,3 +535,87 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial_v2(
         out[c] = c == 0 ? M : v;
     }
 }
+
+// router_topk's arguments, launch shape and ids; its weights' softmax sums may round otherwise.
+// The GEMV is dense_gemv_v2's (weights prefetched before the prologue); the last block's top k is
+// picked by warp 0 alone (k argmax rounds over the logits in shared memory, shuffles, no block
+// barriers; ties: lower id, as router_topk), and the softmax denominator over every expert is
+// warp 0's sum too.
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 4) router_topk_v2(
+        const unsigned char* w, const unsigned short* d, int qt, int rows, int cols,
+        const float* x, const float* norm, float eps, float* xn_out, const float* bias, float* logits,
+        int k, int gating, int norm_topk, float scale, int* counter, float* out) {
+    extern __shared__ float xs[];
+    __shared__ float red[32];
+    __shared__ int last;
+    int lane = threadIdx.x & 31, row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    bool live = row < rows;
+    uint4 pre[PRE];
+    unsigned short dpre[PRE];
+    if (live) {
+        int rb = stored_row_bytes(qt, cols), n = rb / 16;
+        const uint4* r = reinterpret_cast<const uint4*>(w + (u64)row * rb);
+        const unsigned short* dr = qt == Q8_0 ? d + (u64)row * (cols / 32) : nullptr;
+        #pragma unroll
+        for (int p = 0; p < PRE; p++) {
+            int i = min(lane + 32 * p, n - 1);
+            pre[p] = __ldg(r + i);
+            dpre[p] = dr ? __ldg(dr + (i >> 1)) : (unsigned short)0;
+        }
+    }
+    stage(x, nullptr, 0.f, nullptr, norm, eps, xn_out, cols, xs, red);
+    if (live) {
+        float s = warp_sum(row_dot_pre(w, d, qt, row, cols, xs, lane, pre, dpre));
+        if (lane == 0) logits[row] = s + (bias ? bias[row] : 0.f);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    float* lg = xs;  // rows logits, picked ones set to -inf
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) lg[i] = __ldcg(logits + i);
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    int ids = 0;          // lane j < k: the j-th pick
+    float picked = 0.f;   // its logit
+    for (int j = 0; j < k; j++) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int i = lane; i < rows; i += 32) {
+            float v = lg[i];
+            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (bi < 0 || bi >= rows) bi = 0;  // every logit -inf or NaN: take expert 0
+        if (lane == j) {
+            ids = bi;
+            picked = __ldcg(logits + bi);
+        }
+        __syncwarp();
+        if (lane == 0) lg[bi] = NEG_INF;
+        __syncwarp();
+    }
+    float m = __shfl_sync(0xffffffffu, picked, 0), z;
+    float e = lane < k ? expf(picked - m) : 0.f;
+    if (gating == 0) {  // softmax over every expert
+        float s = 0.f;
+        for (int i = lane; i < rows; i += 32) s += expf(__ldcg(logits + i) - m);
+        z = warp_sum(s);
+    } else {  // softmax over the k picks
+        z = warp_sum(e);
+    }
+    float wv = e / z, wsum = warp_sum(wv);
+    float div = norm_topk ? fmaxf(wsum, 6.103515625e-5f) : 1.f;
+    if (lane < k) {
+        out[lane] = __int_as_float(ids);
+        out[k + lane] = wv / div * scale;
+    }
+    if (lane == 0) *counter = 0;
+}

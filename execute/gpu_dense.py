@@ -267,7 +267,7 @@ class GpuDense:
         self.top_k = top_k
         self.kernels = decode_kernels_env()  # v1 or v2: see execute.kernel_variants
         self._gemv = _Kernel(kernel_name("dense_gemv", self.kernels), 17)
-        self._router = _Kernel("router_topk", 17)
+        self._router = _Kernel(kernel_name("router_topk", self.kernels), 17)
         self._qk = _Kernel("qk_rope_kv", 15)
         self._part = _Kernel(kernel_name("attn_partial", self.kernels), 12)
         self._reduce = _Kernel("attn_reduce", 7)

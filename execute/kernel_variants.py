@@ -1,10 +1,11 @@
 """Which one-token (decode) kernels the GPU path launches: ``MOELAB_DECODE_KERNELS``.
 
-``v1`` (the default): ``dense_gemv``, ``attn_partial``, ``moe1r_gate_up``, ``moe1r_down_combine``.
-``v2``: their ``*_v2`` twins (``dense_kernels.cu``, ``gpu_kernels.cu``), which take the same
-arguments and launch shapes and issue a batch of weight (or key) loads before their first use;
-the GEMVs and expert kernels sum in the same order as v1, the attention's online softmax is
-updated once per four keys. Read when launches are prepared (``GpuDense``'s construction, the
+``v1`` (the default): ``dense_gemv``, ``attn_partial``, ``router_topk``, ``moe1r_gate_up``,
+``moe1r_down_combine``. ``v2``: their ``*_v2`` twins (``dense_kernels.cu``, ``gpu_kernels.cu``),
+which take the same arguments and launch shapes and issue a batch of weight (or key) loads before
+their first use; the GEMVs, the router's logits and the expert kernels sum in the same order as
+v1 (the same ids), the router's softmax sums and the attention's online softmax (updated once per
+four keys) round otherwise. Read when launches are prepared (``GpuDense``'s construction, the
 token graph's first expert launches). No cupy here: CPU code and tests import it.
 """
 from __future__ import annotations

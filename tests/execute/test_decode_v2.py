@@ -1,8 +1,8 @@
 """MOELAB_DECODE_KERNELS=v2: each v2 one-token kernel against its v1 twin and the float64
 reference on the same inputs (experts of every arena type, gate and up of different types, biases,
-a missing expert; the dense GEMV of every stored type with its prologue and epilogue; the split
-attention over key counts around its 64-key chunks, with sinks), and the token graph of tiny
-models under v2 against v1 and the numpy model (needs CUDA)."""
+a missing expert; the dense GEMV of every stored type with its prologue and epilogue; the router's
+top k and weights; the split attention over key counts around its 64-key chunks, with sinks), and
+the token graph of tiny models under v2 against v1 and the numpy model (needs CUDA)."""
 from __future__ import annotations
 
 import dataclasses
@@ -155,6 +155,40 @@ def test_v2_gemv_matches_v1_and_numpy(qtype, rows, cols, monkeypatch):
         got.append(y.get())
     assert rel_err(got[0], want) < 1e-5 and rel_err(got[1], want) < 1e-5
     assert np.allclose(got[1], got[0], rtol=1e-6, atol=1e-6 * np.abs(got[0]).max())
+
+
+@pytest.mark.parametrize("gating, norm_topk", [(0, True), (0, False), (1, False)])
+@pytest.mark.parametrize("qtype, experts, k", [(Q.F32, 40, 6), (Q.F32, 128, 8), (Q.Q8_0, 256, 32)])
+def test_v2_router_picks_v1_ids(gating, norm_topk, qtype, experts, k, monkeypatch):
+    """The same ids as v1 (an exact tie: the lower id first) and weights within float32 rounding of
+    v1's and of ``route_weights``; the grid counter is reset for the next launch."""
+    cupy_or_skip()
+    import cupy as cp
+
+    from execute.gpu_dense import GpuDense, device_matrix
+
+    rng = np.random.default_rng(experts + gating)
+    raw = Q.quantize(rng.standard_normal((experts, 256)).astype(np.float32) * 0.05, qtype)
+    vals = Q.dequantize(raw, qtype, 256).reshape(experts, 256)
+    raw[7], vals[7] = raw[3], vals[3]
+    x, norm, bias = rng.standard_normal(256).astype(np.float32), np.ones(256, np.float32), np.zeros(experts, np.float32)
+    bias[[3, 7]] = 50.0
+    info = type("Info", (), dict(gating=("softmax", "softmax_topk")[gating], norm_topk=norm_topk, top_k=k,
+                                 expert_groups=1, expert_weights_scale=2.0))()
+    logits = vals.astype(np.float64) @ (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6)) + bias
+    r_ids, r_w = M.route_weights(info, logits)
+    m, got = device_matrix((raw, qtype), vals), []
+    for v in ("v1", "v2"):
+        monkeypatch.setenv("MOELAB_DECODE_KERNELS", v)
+        g = GpuDense(hidden=256, heads=8, kv_heads=2, head_dim=64, experts=experts, top_k=k)
+        for _ in range(1 if v == "v1" else 2):  # v2 twice: its grid counter was reset
+            ids, w = g.route(m, cp.asarray(x), cp.asarray(norm), 1e-6, cp.empty(256, cp.float32), cp.asarray(bias),
+                             gating, norm_topk, 2.0)
+            got.append((ids[0].tolist(), w[0]))
+    (i1, w1), (i2, w2), (i3, _) = got
+    assert i1 == i2 == i3 == r_ids.tolist() and i2[:2] == [3, 7]
+    np.testing.assert_allclose(w2, w1, rtol=1e-6)
+    np.testing.assert_allclose(w2, r_w, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lo, n_keys, sinks", [(0, 1, False), (0, 3, False), (0, 64, False), (0, 65, False),

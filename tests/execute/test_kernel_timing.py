@@ -17,7 +17,8 @@ from execute.experts import ExecutorError
 from execute.kernel_variants import decode_kernels_env, kernel_name
 
 ROOT = Path(__file__).resolve().parents[2]
-TWINS = {"gpu_kernels.cu": ("moe1r_gate_up", "moe1r_down_combine"), "dense_kernels.cu": ("dense_gemv", "attn_partial")}
+TWINS = {"gpu_kernels.cu": ("moe1r_gate_up", "moe1r_down_combine"), "dense_kernels.cu": ("dense_gemv", "attn_partial",
+                                                                                        "router_topk")}
 
 
 def test_bytes_of_the_qwen3_30b_block():
