@@ -256,13 +256,28 @@ def _dequantize_blocks(b: np.ndarray, qtype: int) -> np.ndarray:
     return quant_iq.dequantize_blocks(b, qtype)
 
 
+_DEQUANT_WEIGHTS = 1 << 19  # weights per piece of a large dequantize
+
+
 def dequantize(data: np.ndarray, qtype: int, cols: int) -> np.ndarray:
     """Raw blocks of any type in ``LAYOUTS`` (any shape, ``rows * row_bytes`` bytes in all) ->
     float32 (rows, cols)."""
     q = quant_type(qtype, "dequantize", LAYOUTS)
     row_bytes(qtype, cols, "dequantize", LAYOUTS)
-    w = _dequantize_blocks(_blocks(data, q), int(qtype))
-    return np.ascontiguousarray(w, dtype=np.float32).reshape(-1, cols)
+    b = _blocks(data, q)
+    step = max(1, _DEQUANT_WEIGHTS // q.block_weights)
+    if qtype in (F32, F16, BF16) or len(b) <= step:
+        w = _dequantize_blocks(b, int(qtype))
+        return np.ascontiguousarray(w, dtype=np.float32).reshape(-1, cols)
+    # in pieces of ~2 MB of output, whose temporaries stay in the caches (the same values)
+    out = np.empty((len(b), q.block_weights), np.float32)
+    for i in range(0, len(b), step):
+        j = min(i + step, len(b))
+        if qtype == Q8_0:  # d * q straight into the output
+            np.multiply(_f16(b[i:j, :2]), b[i:j, 2:].view(np.int8), out=out[i:j])
+        else:
+            out[i:j] = _dequantize_blocks(b[i:j], int(qtype)).reshape(j - i, -1)
+    return out.reshape(-1, cols)
 
 
 # byte offsets of each type's f16 scale fields, for random_blocks (IQ1_M's d is split, MXFP4 has an exponent)
