@@ -16,6 +16,23 @@ def _softmax_rows(v: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
+def _top_k(sel: np.ndarray, k: int) -> np.ndarray:
+    """``np.argsort(-sel, axis=1, kind="stable")[:, :k]`` (largest first, ties: lower id first)
+    without sorting whole rows: each row's k-th largest value by a partition, the ids above it and
+    the lowest-id ties at it (exactly k per row), then those k sorted. Rows with NaN take the sort."""
+    n = sel.shape[1]
+    if k >= n or not np.isfinite(sel).all():
+        return np.argsort(-sel, axis=1, kind="stable")[:, :k]
+    kth = -np.partition(-sel, k - 1, axis=1)[:, k - 1:k]  # (T, 1): the k-th largest value
+    above = sel > kth
+    tied = sel == kth
+    need = k - above.sum(axis=1, keepdims=True)  # >= 1: the k-th value itself is tied
+    pick = above | (tied & (np.cumsum(tied, axis=1) <= need))
+    cand = np.nonzero(pick)[1].reshape(len(sel), k)  # ids ascending in each row
+    order = np.argsort(-np.take_along_axis(sel, cand, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(cand, order, axis=1)
+
+
 def route_rows(info, logits: np.ndarray, exp_probs_b=None) -> tuple[np.ndarray, np.ndarray] | None:
     """Ids ``(T, k)`` int64 (rank order, ties: lower id first) and weights ``(T, k)`` float64 of
     every row of ``logits`` ``(T, experts)`` float64 (bias added), as ``route_weights`` gives them
@@ -29,7 +46,7 @@ def route_rows(info, logits: np.ndarray, exp_probs_b=None) -> tuple[np.ndarray, 
     else:  # softmax_topk: select on the logits, softmax over the selected ones
         probs = logits
     sel = probs if exp_probs_b is None else probs + exp_probs_b
-    ids = np.argsort(-sel, axis=1, kind="stable")[:, : info.top_k]
+    ids = _top_k(sel, info.top_k)
     w = np.take_along_axis(probs, ids, axis=1)
     if info.gating == "softmax_topk":
         w = _softmax_rows(w)

@@ -87,3 +87,21 @@ def test_time_stages_on_a_tiny_model(tmp_path):
         assert want in names
     assert "experts_batched" in names  # T >= 16, Q8_0, SiLU: the batched path takes the step
     assert all(r["device_ms"] is None or r["device_ms"] > 0 for r in res["rows"])
+
+
+def test_top_k_equals_the_stable_sort():
+    from execute.batch_route import _top_k
+
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        t, e = int(rng.integers(1, 120)), int(rng.choice([2, 8, 16, 128, 256]))
+        k = int(rng.integers(1, min(e, 12) + 1))
+        a = rng.standard_normal((t, e))
+        if trial % 3 == 0:
+            a = np.round(a * 2) / 2  # many ties, at the k-th value too
+        if trial % 7 == 0:
+            a[:] = 0.0
+        assert np.array_equal(_top_k(a, k), np.argsort(-a, axis=1, kind="stable")[:, :k]), (t, e, k)
+    a = rng.standard_normal((10, 16))
+    a[3, 5] = np.nan
+    assert np.array_equal(_top_k(a, 4), np.argsort(-a, axis=1, kind="stable")[:, :4])
