@@ -259,6 +259,11 @@ def test_engine_layers_order_the_compute_stream_after_the_callers_and_back(fake_
             assert seq.index(("wait", (comp, gx._caller_ev.ptr))) < first
             last = max(i for i, (n, a) in enumerate(seq) if n in ("launch", "copy") and a[-1 if n == "copy" else 8] == comp)
             assert last < seq.index(("record", (gx._back_ev.ptr, comp))) < seq.index(("wait", (0, gx._back_ev.ptr)))
+            calls.reset_mock()
+            engine.dense_after_experts()  # the backend's wait: already done by run_layer
+            assert not calls.mock_calls
+            engine.dense_after_experts()  # not right after a layer: waits
+            assert [c[0] for c in calls.mock_calls] == ["record", "wait"]
             runs += 1
         assert runs == 9 and (engine.stats.cpu_pairs > 0) == (policy == "cpu")
     finally:
