@@ -359,7 +359,7 @@ extern "C" __global__ void dequant_rows(const unsigned char* w, const unsigned s
     }
 }
 
-// ---- v2 one-token kernels (MOELAB_DECODE_KERNELS=v2) -------------------------------------------
+// ---- v2 one-token kernels (MOELAB_DECODE_KERNELS=v2, v3) ---------------------------------------
 // dense_gemv_v2 takes dense_gemv's arguments and launch shape and computes the same sums in the
 // same order; each warp issues its row's first PRE 16-byte loads per lane (and their Q8_0 scales)
 // before the block stages its input, so the prologue (x + add, the RMS norm, two barriers)
@@ -369,6 +369,21 @@ extern "C" __global__ void dequant_rows(const unsigned char* w, const unsigned s
 // math, differs from attn_partial's one key at a time).
 #define PRE 8
 #define KB 4
+
+// Programmatic dependent launch (v3 launches these kernels with it): wait for the grids this one
+// depends on (their writes visible), and let the next grid start its blocks (its prologue) early.
+// Both do nothing for a plain launch, or below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // bytes of one stored row of cols weights (Q8_0: its int8 quants; the scales are apart)
 __device__ __forceinline__ int stored_row_bytes(int qt, int cols) {
@@ -451,6 +466,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 4) dense_gemv_v2(
             dpre[p] = dr ? __ldg(dr + (i >> 1)) : (unsigned short)0;
         }
     }
+    pdl_trigger();
+    pdl_wait();  // the weights are in flight; the input and rec's add come from earlier grids
     if (rec) add = reinterpret_cast<const float*>(rec[REC_ADD]);
     stage(x, add, add_scale, x_out, norm, eps, xn_out, cols, xs, red);
     if (!live) return;
@@ -467,6 +484,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial_v2(
         int n_keys, float scale, float* part, const long long* rec) {
     __shared__ float sm[4][258];
     int h = blockIdx.x, s = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    pdl_trigger();
+    pdl_wait();  // q and this position's key come from earlier grids
     if (rec) {
         lo = (int)rec[REC_LO];
         n_keys = (int)rec[REC_KEYS];
@@ -563,6 +582,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 4) router_topk_v2(
             dpre[p] = dr ? __ldg(dr + (i >> 1)) : (unsigned short)0;
         }
     }
+    pdl_trigger();
+    pdl_wait();
     stage(x, nullptr, 0.f, nullptr, norm, eps, xn_out, cols, xs, red);
     if (live) {
         float s = warp_sum(row_dot_pre(w, d, qt, row, cols, xs, lane, pre, dpre));

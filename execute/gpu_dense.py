@@ -39,7 +39,8 @@ import cupy as cp
 import numpy as np
 
 from . import quant as Q
-from .kernel_variants import decode_kernels_env, kernel_name
+from .kernel_variants import decode_kernels_env, kernel_name, programmatic
+from .pdl_launch import launch_programmatic
 
 __all__ = ["GpuDense", "DecodeBlock", "Matrix", "device_matrix", "stack_matrices", "MAX_COLS", "KEPT_QTYPES"]
 
@@ -61,14 +62,25 @@ def _function(name: str):
     return _MODULE.get_function(name)
 
 
+def _launch(func: int, grid: tuple[int, int], block: int, shared: int, stream: int, params: int,
+            programmatic: bool) -> None:
+    if programmatic:
+        launch_programmatic(func, grid, block, shared, stream, params)
+    else:
+        cp.cuda.driver.launchKernel(func, grid[0], grid[1], 1, block, 1, 1, shared, stream, params, 0)
+
+
 class _Kernel:
     """A kernel launched through ``cuLaunchKernel`` with a reusable argument block: every argument
     a Python int in its own 64-bit slot (pointers as addresses, 0 for null; ``int`` parameters
-    read the low 32 bits, so they must be >= 0; ``float`` parameters take :func:`f32` bits)."""
+    read the low 32 bits, so they must be >= 0; ``float`` parameters take :func:`f32` bits).
+    ``programmatic``: launched with programmatic dependent launch instead (the kernel must wait for
+    its inputs itself: ``execute.pdl_launch``)."""
 
-    def __init__(self, name: str, nargs: int):
+    def __init__(self, name: str, nargs: int, programmatic: bool = False):
         self.func = _function(name).kernel.ptr
         self.nargs = nargs
+        self.programmatic = programmatic
         self._vals = np.zeros(nargs, np.uint64)
         self._params = np.array([self._vals.ctypes.data + 8 * i for i in range(nargs)], np.uint64)
         self._ptr = int(self._params.ctypes.data)
@@ -77,7 +89,7 @@ class _Kernel:
         if len(args) != self.nargs:
             raise ValueError(f"kernel launch: {len(args)} arguments, expected {self.nargs}")
         self._vals[:] = args
-        cp.cuda.driver.launchKernel(self.func, grid[0], grid[1], 1, block, 1, 1, shared, stream, self._ptr, 0)
+        _launch(self.func, grid, block, shared, stream, self._ptr, self.programmatic)
 
 
 class _Prepared:
@@ -93,8 +105,8 @@ class _Prepared:
         self.ptr = int(self._params.ctypes.data)
 
     def __call__(self, stream: int, grid_y: int = 0) -> None:
-        cp.cuda.driver.launchKernel(self.func, self.grid[0], grid_y or self.grid[1], 1, self.block, 1, 1, self.shared,
-                                    stream, self.ptr, 0)
+        _launch(self.func, (self.grid[0], grid_y or self.grid[1]), self.block, self.shared, stream, self.ptr,
+                self.kernel.programmatic)
 
     def variant(self, slots: dict[int, int], grid_y: int = 0) -> "_Prepared":
         """A copy with the argument ``slots`` (index -> value) replaced, and the grid's y when given."""
@@ -265,11 +277,12 @@ class GpuDense:
             raise ValueError(f"GpuDense top_k: {top_k}, expected 1..32 (the router kernel's limit)")
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.top_k = top_k
-        self.kernels = decode_kernels_env()  # v1 or v2: see execute.kernel_variants
-        self._gemv = _Kernel(kernel_name("dense_gemv", self.kernels), 17)
-        self._router = _Kernel(kernel_name("router_topk", self.kernels), 17)
+        v = self.kernels = decode_kernels_env()  # v1, v2 or v3: see execute.kernel_variants
+        pdl = programmatic(v)  # only kernels that wait for their inputs themselves (the v2 ones)
+        self._gemv = _Kernel(kernel_name("dense_gemv", v), 17, pdl)
+        self._router = _Kernel(kernel_name("router_topk", v), 17, pdl)
         self._qk = _Kernel("qk_rope_kv", 15)
-        self._part = _Kernel(kernel_name("attn_partial", self.kernels), 12)
+        self._part = _Kernel(kernel_name("attn_partial", v), 12, pdl)
         self._reduce = _Kernel("attn_reduce", 7)
         self._dequant = _Kernel("dequant_rows", 7)
         qd = heads * head_dim

@@ -345,7 +345,7 @@ extern "C" __global__ void moe1r_down_combine(const float* __restrict__ route, c
     }
 }
 
-// ---- v2 one-token kernels of the token graph (MOELAB_DECODE_KERNELS=v2) ----------------------
+// ---- v2 one-token kernels of the token graph (MOELAB_DECODE_KERNELS=v2, v3) ------------------
 // moe1r_gate_up_v2 / moe1r_down_combine_v2 take the arguments, grid and block of moe1r_gate_up /
 // moe1r_down_combine and compute the same sums in the same order per lane (so the same values up
 // to the compiler's fused multiply-adds). What differs is how the loads are issued: the weight
@@ -355,6 +355,15 @@ extern "C" __global__ void moe1r_down_combine(const float* __restrict__ route, c
 // share each x load; moe1r_down_combine_v2 reads its block's two rows in the same batch; the
 // residency check is one warp's vote instead of one thread's loop.
 #define V2_IT 8
+
+// Programmatic dependent launch: wait for the grids this one depends on; let the next grid (a
+// dense kernel v3 launches with it) start its blocks early. No-ops for a plain launch, or below sm_90.
+__device__ __forceinline__ void pdl_wait_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // rows_dot_v2 (below) for Q8_0 in two phases: every weight load of the batch (scale and the lane's 4
 // quants, as 16-bit loads: a block is 34 bytes, so only 2-byte aligned), then x and the sums.
@@ -453,6 +462,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe1r_gate_up_v2(
         const float* __restrict__ route, const unsigned long long* __restrict__ table, int* halt, int layer, int k,
         const float* __restrict__ x, float* __restrict__ h, int ffn, int hidden, int rows_per_warp, long long off_g,
         int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
+    pdl_wait_trigger();
     if (*(volatile int*)halt < layer) return;
     if (routes_missing(route, table, k)) {
         if (threadIdx.x == 0) atomicMin(halt, layer);
@@ -496,6 +506,7 @@ extern "C" __global__ void __launch_bounds__(32 * MAXK) moe1r_down_combine_v2(
         const float* __restrict__ h, float* __restrict__ out, int k, int ffn, int hidden, int rows_per_block,
         long long off_d, int qt_d, long long rb_d, int bias) {
     __shared__ float ys[MAXK][32];
+    pdl_wait_trigger();
     if (*(volatile const int*)halt <= layer) return;
     int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
     const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));

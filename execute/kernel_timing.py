@@ -197,7 +197,7 @@ def copy_ceiling_gbps(nbytes: int = 1 << 30, trials: int = 5) -> float:
     return 2 * a.nbytes / float(np.median(ts[1:])) / 1e9
 
 
-def time_block(s: BlockShape, variants=("v1", "v2"), repeat: int = 4, reps: int = 10, trials: int = 5,
+def time_block(s: BlockShape, variants=("v1", "v2", "v3"), repeat: int = 4, reps: int = 10, trials: int = 5,
                seed: int = 0) -> dict:
     """Per variant: each kernel's median us per launch, and the whole block's; the copy ceiling;
     an empty kernel's us per launch in a chain of them (a graph node's floor); the bytes; the

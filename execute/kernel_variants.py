@@ -5,8 +5,11 @@
 which take the same arguments and launch shapes and issue a batch of weight (or key) loads before
 their first use; the GEMVs, the router's logits and the expert kernels sum in the same order as
 v1 (the same ids), the router's softmax sums and the attention's online softmax (updated once per
-four keys) round otherwise. Read when launches are prepared (``GpuDense``'s construction, the
-token graph's first expert launches). No cupy here: CPU code and tests import it.
+four keys) round otherwise. ``v3``: the v2 kernels, and the dense ones (GEMVs, attention, router)
+launched with programmatic dependent launch (``execute.pdl_launch``), so each starts its blocks
+and prefetches its weights while the kernel before it drains. Read when launches are prepared
+(``GpuDense``'s construction, the token graph's first expert launches). No cupy here: CPU code and
+tests import it.
 """
 from __future__ import annotations
 
@@ -14,21 +17,28 @@ import os
 
 from .experts import ExecutorError
 
-__all__ = ["DECODE_KERNELS", "decode_kernels_env", "kernel_name"]
+__all__ = ["DECODE_KERNELS", "decode_kernels_env", "kernel_name", "programmatic"]
 
-DECODE_KERNELS = ("v1", "v2")
+DECODE_KERNELS = ("v1", "v2", "v3")
 
 
 def decode_kernels_env() -> str:
-    """``MOELAB_DECODE_KERNELS``: ``v1`` (unset or empty) or ``v2``; anything else is an error."""
+    """``MOELAB_DECODE_KERNELS``: ``v1`` (unset or empty), ``v2`` or ``v3``; anything else is an error."""
     v = os.environ.get("MOELAB_DECODE_KERNELS", "").strip() or "v1"
     if v not in DECODE_KERNELS:
-        raise ExecutorError(f"environment variable MOELAB_DECODE_KERNELS: {v!r}, expected v1 or v2")
+        raise ExecutorError(f"environment variable MOELAB_DECODE_KERNELS: {v!r}, expected v1, v2 or v3")
     return v
 
 
 def kernel_name(base: str, variant: str) -> str:
-    """The name of ``base``'s kernel in ``variant`` (``v1``: ``base``; ``v2``: ``base_v2``)."""
+    """The name of ``base``'s kernel in ``variant`` (``v1``: ``base``; ``v2``, ``v3``: ``base_v2``)."""
     if variant not in DECODE_KERNELS:
         raise ValueError(f"kernel variant {variant!r}, expected one of {DECODE_KERNELS}")
     return base if variant == "v1" else base + "_v2"
+
+
+def programmatic(variant: str) -> bool:
+    """Whether ``variant`` launches its dense one-token kernels with programmatic dependent launch."""
+    if variant not in DECODE_KERNELS:
+        raise ValueError(f"kernel variant {variant!r}, expected one of {DECODE_KERNELS}")
+    return variant == "v3"

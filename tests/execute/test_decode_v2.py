@@ -119,13 +119,14 @@ def test_v2_missing_expert_halts_the_layer(rng, monkeypatch):
 
 # dense ------------------------------------------------------------------------------------------
 def dense_pair(monkeypatch):
+    """GpuDense of v1, v2 and v3 (v3: the v2 kernels launched with programmatic dependent launch)."""
     from execute.gpu_dense import GpuDense
 
     out = []
-    for v in ("v1", "v2"):
+    for v in ("v1", "v2", "v3"):
         monkeypatch.setenv("MOELAB_DECODE_KERNELS", v)
         out.append(GpuDense(hidden=256, heads=8, kv_heads=2, head_dim=64, experts=40, top_k=6))
-    assert [g.kernels for g in out] == ["v1", "v2"]
+    assert [g.kernels for g in out] == ["v1", "v2", "v3"]
     return out
 
 
@@ -153,8 +154,9 @@ def test_v2_gemv_matches_v1_and_numpy(qtype, rows, cols, monkeypatch):
         g.gemv(m, cp.asarray(x), y, add=cp.asarray(add), add_scale=0.5, norm=cp.asarray(nw), eps=1e-5,
                bias=cp.asarray(bias), resid=y, out_scale=0.75)
         got.append(y.get())
-    assert rel_err(got[0], want) < 1e-5 and rel_err(got[1], want) < 1e-5
+    assert all(rel_err(g, want) < 1e-5 for g in got)
     assert np.allclose(got[1], got[0], rtol=1e-6, atol=1e-6 * np.abs(got[0]).max())
+    assert np.array_equal(got[2], got[1])  # v3: the same kernel, launched otherwise
 
 
 @pytest.mark.parametrize("gating, norm_topk", [(0, True), (0, False), (1, False)])
@@ -178,17 +180,18 @@ def test_v2_router_picks_v1_ids(gating, norm_topk, qtype, experts, k, monkeypatc
     logits = vals.astype(np.float64) @ (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6)) + bias
     r_ids, r_w = M.route_weights(info, logits)
     m, got = device_matrix((raw, qtype), vals), []
-    for v in ("v1", "v2"):
+    for v in ("v1", "v2", "v3"):
         monkeypatch.setenv("MOELAB_DECODE_KERNELS", v)
         g = GpuDense(hidden=256, heads=8, kv_heads=2, head_dim=64, experts=experts, top_k=k)
-        for _ in range(1 if v == "v1" else 2):  # v2 twice: its grid counter was reset
+        for _ in range(1 if v == "v1" else 2):  # twice: the grid counter was reset
             ids, w = g.route(m, cp.asarray(x), cp.asarray(norm), 1e-6, cp.empty(256, cp.float32), cp.asarray(bias),
                              gating, norm_topk, 2.0)
             got.append((ids[0].tolist(), w[0]))
-    (i1, w1), (i2, w2), (i3, _) = got
-    assert i1 == i2 == i3 == r_ids.tolist() and i2[:2] == [3, 7]
+    (i1, w1), (i2, w2) = got[:2]
+    assert all(i == r_ids.tolist() for i, _ in got) and i2[:2] == [3, 7]
     np.testing.assert_allclose(w2, w1, rtol=1e-6)
     np.testing.assert_allclose(w2, r_w, rtol=1e-5)
+    assert all(np.array_equal(w, w2) for _, w in got[1:])
 
 
 @pytest.mark.parametrize("lo, n_keys, sinks", [(0, 1, False), (0, 3, False), (0, 64, False), (0, 65, False),
@@ -237,10 +240,12 @@ def _token_graph_run(w, variant: str, tokens, monkeypatch):
     return np.stack(res.logits), model
 
 
+@pytest.mark.parametrize("variant", ["v2", "v3"])
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
-def test_v2_token_graph_matches_v1_and_numpy(arch, tmp_path, monkeypatch):
-    """Every expert resident (``gpu``): each token one graph of v2 kernels; logits within float32
-    rounding of v1's and the numpy model's, the same routes and greedy tokens."""
+def test_v2_token_graph_matches_v1_and_numpy(arch, variant, tmp_path, monkeypatch):
+    """Every expert resident (``gpu``): each token one graph of v2 kernels (v3: the dense ones
+    programmatically dependent on the kernel before); logits within float32 rounding of v1's and
+    the numpy model's, the same routes and greedy tokens."""
     cupy_or_skip()
     from execute.gguf_model import load_model
     from execute.synth import config_from_preset, synth_model
@@ -249,8 +254,8 @@ def test_v2_token_graph_matches_v1_and_numpy(arch, tmp_path, monkeypatch):
     w = load_model(synth_model(tmp_path / f"{arch}.gguf", cfg))
     tokens = np.random.default_rng(5).integers(w.info.vocab, size=70).tolist()  # cache 8 -> 128: two key chunks
     l1, m1 = _token_graph_run(w, "v1", tokens, monkeypatch)
-    l2, m2 = _token_graph_run(w, "v2", tokens, monkeypatch)
-    assert m2.token_graph is not None and m2.token_graph.complete == len(tokens) and m2.gd.kernels == "v2"
+    l2, m2 = _token_graph_run(w, variant, tokens, monkeypatch)
+    assert m2.token_graph is not None and m2.token_graph.complete == len(tokens) and m2.gd.kernels == variant
     ref_model = M.MoeModel(w, use_gpu=False, max_tokens=8)
     g = w.info.geometry()
     ref = M.run(ref_model, M.NumpyExperts(w), make_policy("cpu", g, Capacity.per_layer(g, 0)),

@@ -14,7 +14,8 @@ import pytest
 from execute import kernel_timing as KT
 from execute import quant as Q
 from execute.experts import ExecutorError
-from execute.kernel_variants import decode_kernels_env, kernel_name
+from execute.kernel_variants import decode_kernels_env, kernel_name, programmatic
+from execute.pdl_launch import PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttribute, LaunchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TWINS = {"gpu_kernels.cu": ("moe1r_gate_up", "moe1r_down_combine"), "dense_kernels.cu": ("dense_gemv", "attn_partial",
@@ -76,11 +77,24 @@ def test_decode_kernels_switch(monkeypatch):
     monkeypatch.setenv("MOELAB_DECODE_KERNELS", " v2 ")
     assert decode_kernels_env() == "v2"
     monkeypatch.setenv("MOELAB_DECODE_KERNELS", "fast")
-    with pytest.raises(ExecutorError, match="MOELAB_DECODE_KERNELS: 'fast', expected v1 or v2"):
+    with pytest.raises(ExecutorError, match="MOELAB_DECODE_KERNELS: 'fast', expected v1, v2 or v3"):
         decode_kernels_env()
     assert kernel_name("dense_gemv", "v1") == "dense_gemv" and kernel_name("dense_gemv", "v2") == "dense_gemv_v2"
-    with pytest.raises(ValueError, match="kernel variant 'v3'"):
-        kernel_name("dense_gemv", "v3")
+    assert kernel_name("dense_gemv", "v3") == "dense_gemv_v2"
+    assert [programmatic(v) for v in ("v1", "v2", "v3")] == [False, False, True]
+    with pytest.raises(ValueError, match="kernel variant 'v4'"):
+        kernel_name("dense_gemv", "v4")
+
+
+def test_launch_structs_match_cuda_h():
+    """CUlaunchAttribute: 4-byte id, 4 bytes of padding, a 64-byte union; CUlaunchConfig: seven
+    uints, then (8-aligned) the stream and attribute pointers and the count."""
+    import ctypes
+
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(LaunchConfig) == 56
+    assert (LaunchConfig.stream.offset, LaunchConfig.attrs.offset, LaunchConfig.num_attrs.offset) == (32, 40, 48)
+    assert PROGRAMMATIC_STREAM_SERIALIZATION == 6
 
 
 def _params(src: str, name: str) -> list[str]:
@@ -104,7 +118,7 @@ def test_bench_script_rejects_bad_arguments(capsys):
     spec = importlib.util.spec_from_file_location("bench_decode_kernels", ROOT / "experiments/bench_decode_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for argv, msg in [(["--variants", "v1,v3"], "--variants"), (["--dense-quant", "Q4_K"], "--dense-quant"),
+    for argv, msg in [(["--variants", "v1,v4"], "--variants"), (["--variants", "v2,v2"], "--variants"), (["--dense-quant", "Q4_K"], "--dense-quant"),
                       (["--trials", "0"], "--trials"), (["--top-k", "40"], "BlockShape.top_k")]:
         with pytest.raises(SystemExit) as e:
             mod.main(argv)

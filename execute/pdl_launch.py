@@ -1,0 +1,55 @@
+"""Kernel launches with programmatic dependent launch (``cuLaunchKernelEx`` with
+``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, sm_90): the launched grid may start
+while the grid before it on the stream still runs, once every block of that one has called
+``griddepcontrol.launch_dependents`` or exited; the kernel itself must call
+``griddepcontrol.wait`` before it reads anything an earlier grid writes (``dense_kernels.cu``'s
+v2 kernels do). Stream capture records the edge as a programmatic one in the graph. Used by
+``MOELAB_DECODE_KERNELS=v3`` (``execute.kernel_variants``). ctypes over the driver library; no
+cupy here.
+"""
+from __future__ import annotations
+
+import ctypes
+
+__all__ = ["LaunchAttribute", "LaunchConfig", "PROGRAMMATIC_STREAM_SERIALIZATION", "launch_programmatic"]
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (here its first int)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_launch = None
+
+
+def _driver():
+    global _launch
+    if _launch is None:
+        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        _launch = f
+    return _launch
+
+
+def launch_programmatic(func: int, grid: tuple[int, int], block: int, shared: int, stream: int, params: int) -> None:
+    """Launch ``func`` (a CUfunction) on ``stream`` with ``params`` (the address of its argument
+    pointer array, as for ``cuLaunchKernel``), programmatically dependent on the grid before it."""
+    attr = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+    cfg = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, shared, stream or None, ctypes.addressof(attr), 1)
+    err = _driver()(ctypes.addressof(cfg), func, params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch): CUDA error {err}")
