@@ -640,3 +640,61 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 4) router_topk_v2(
     }
     if (lane == 0) *counter = 0;
 }
+
+// qk_rope_kv and attn_reduce as they are, waiting for their inputs first (v3 launches them with
+// programmatic dependent launch too, so no node of the dense chain is a full barrier).
+extern "C" __global__ void qk_rope_kv_v2(const float* qkv, int nh, int nkv, int hd, const float* nw, int mode,
+                                         float eps, const float* cos, const float* sin, int pos, float* q_out,
+                                         float* kc, float* vc, int cache_n, const long long* rec) {
+    __shared__ float red[32];
+    __shared__ float v_s[1024];
+    pdl_trigger();
+    pdl_wait();
+    if (rec) pos = (int)rec[REC_POS];
+    int b = blockIdx.x, i = threadIdx.x;
+    bool on = i < hd;
+    if (b >= nh + nkv) {
+        int h = b - nh - nkv;
+        if (on) vc[((u64)h * cache_n + pos) * hd + i] = qkv[(u64)(nh + nkv) * hd + h * hd + i];
+        return;
+    }
+    float v = on ? qkv[b * hd + i] : 0.f;
+    if (mode == 1) {
+        float r = 1.f / sqrtf(block_sum(v * v, red) / (float)hd + eps);
+        if (on) v = v * r * nw[b * hd + i];
+    } else if (mode == 2) {
+        int lo = b < nh ? 0 : nh * hd, n = b < nh ? nh * hd : nkv * hd;
+        float ss = 0.f;
+        for (int j = i; j < n; j += blockDim.x) {
+            float u = qkv[lo + j];
+            ss += u * u;
+        }
+        float r = 1.f / sqrtf(block_sum(ss, red) / (float)n + eps);
+        if (on) v = v * r * nw[b * hd + i];
+    }
+    if (on) v_s[i] = v;
+    __syncthreads();
+    if (!on) return;
+    float o = v * cos[(u64)pos * hd + i] + v_s[(i + hd / 2) % hd] * sin[(u64)pos * hd + i];
+    if (b < nh) q_out[b * hd + i] = o;
+    else kc[((u64)(b - nh) * cache_n + pos) * hd + i] = o;
+}
+
+extern "C" __global__ void attn_reduce_v2(const float* part, int nh, int hd, int S, const float* sinks, float* o,
+                                          const long long* rec) {
+    pdl_trigger();
+    pdl_wait();
+    int h = blockIdx.x, c = threadIdx.x;
+    const float* p = part + (u64)h * S * (hd + 2);
+    int used = rec ? (int)((rec[REC_KEYS] + CHUNK - 1) / CHUNK) : S;
+    float M = sinks ? sinks[h] : NEG_INF;
+    for (int s = 0; s < used; s++) M = fmaxf(M, p[s * (hd + 2)]);
+    float L = sinks ? expf(sinks[h] - M) : 0.f, acc = 0.f;
+    for (int s = 0; s < used; s++) {
+        float m = p[s * (hd + 2)];
+        float f = m == NEG_INF ? 0.f : expf(m - M);
+        L += p[s * (hd + 2) + 1] * f;
+        acc += p[s * (hd + 2) + 2 + c] * f;
+    }
+    o[h * hd + c] = acc / L;
+}

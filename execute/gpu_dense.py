@@ -281,9 +281,9 @@ class GpuDense:
         pdl = programmatic(v)  # only kernels that wait for their inputs themselves (the v2 ones)
         self._gemv = _Kernel(kernel_name("dense_gemv", v), 17, pdl)
         self._router = _Kernel(kernel_name("router_topk", v), 17, pdl)
-        self._qk = _Kernel("qk_rope_kv", 15)
+        self._qk = _Kernel(kernel_name("qk_rope_kv", v), 15, pdl)
         self._part = _Kernel(kernel_name("attn_partial", v), 12, pdl)
-        self._reduce = _Kernel("attn_reduce", 7)
+        self._reduce = _Kernel(kernel_name("attn_reduce", v), 7, pdl)
         self._dequant = _Kernel("dequant_rows", 7)
         qd = heads * head_dim
         self.qkv = cp.empty(qd + 2 * kv_heads * head_dim, cp.float32)

@@ -1,15 +1,16 @@
 """Which one-token (decode) kernels the GPU path launches: ``MOELAB_DECODE_KERNELS``.
 
-``v1`` (the default): ``dense_gemv``, ``attn_partial``, ``router_topk``, ``moe1r_gate_up``,
-``moe1r_down_combine``. ``v2``: their ``*_v2`` twins (``dense_kernels.cu``, ``gpu_kernels.cu``),
-which take the same arguments and launch shapes and issue a batch of weight (or key) loads before
-their first use; the GEMVs, the router's logits and the expert kernels sum in the same order as
-v1 (the same ids), the router's softmax sums and the attention's online softmax (updated once per
-four keys) round otherwise. ``v3``: the v2 kernels, and the dense ones (GEMVs, attention, router)
-launched with programmatic dependent launch (``execute.pdl_launch``), so each starts its blocks
-and prefetches its weights while the kernel before it drains. Read when launches are prepared
-(``GpuDense``'s construction, the token graph's first expert launches). No cupy here: CPU code and
-tests import it.
+``v1`` (the default): ``dense_gemv``, ``qk_rope_kv``, ``attn_partial``, ``attn_reduce``,
+``router_topk``, ``moe1r_gate_up``, ``moe1r_down_combine``. ``v2``: their ``*_v2`` twins
+(``dense_kernels.cu``, ``gpu_kernels.cu``), which take the same arguments and launch shapes and
+issue a batch of weight (or key) loads before their first use (``qk_rope_kv_v2`` and
+``attn_reduce_v2`` are their twins' code, waiting for their inputs first); the GEMVs, the router's
+logits and the expert kernels sum in the same order as v1 (the same ids), the router's softmax
+sums and the attention's online softmax (updated once per four keys) round otherwise. ``v3``: the
+v2 kernels, the dense ones (all but the two expert kernels) launched with programmatic dependent
+launch (``execute.pdl_launch``), so each starts its blocks and prefetches its weights while the
+kernel before it drains. Read when launches are prepared (``GpuDense``'s construction, the token
+graph's first expert launches). No cupy here: CPU code and tests import it.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from execute.pdl_launch import PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttribut
 
 ROOT = Path(__file__).resolve().parents[2]
 TWINS = {"gpu_kernels.cu": ("moe1r_gate_up", "moe1r_down_combine"), "dense_kernels.cu": ("dense_gemv", "attn_partial",
-                                                                                        "router_topk")}
+                                                                                        "router_topk", "qk_rope_kv",
+                                                                                        "attn_reduce")}
 
 
 def test_bytes_of_the_qwen3_30b_block():
