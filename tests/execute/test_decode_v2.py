@@ -194,6 +194,28 @@ def test_v2_router_picks_v1_ids(gating, norm_topk, qtype, experts, k, monkeypatc
     assert all(np.array_equal(w, w2) for _, w in got[1:])
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_v2_qk_rope_kv_is_v1s(mode, monkeypatch):
+    """qk_rope_kv_v2 is qk_rope_kv's code after its wait: the same bits (v3 launched programmatically)."""
+    cupy_or_skip()
+    import cupy as cp
+
+    rng = np.random.default_rng(mode)
+    nh, nkv, hd, n, pos = 8, 2, 64, 16, 11
+    qkv = cp.asarray(rng.standard_normal((nh + 2 * nkv) * hd).astype(np.float32))
+    nw = cp.asarray((1 + 0.1 * rng.standard_normal((nh + nkv) * hd)).astype(np.float32))
+    cos, sin = (cp.asarray(rng.standard_normal((n, hd)).astype(np.float32)) for _ in range(2))
+    got = []
+    for g in dense_pair(monkeypatch):
+        kc, vc = cp.zeros((nkv, n, hd), cp.float32), cp.zeros((nkv, n, hd), cp.float32)
+        g.qkv[...] = qkv
+        g.qk_rope_kv(nw, mode, 1e-6, cos, sin, pos, kc, vc)
+        got.append((g.q.get(), kc.get(), vc.get()))
+    for q, k, v in got[1:]:
+        assert np.array_equal(q, got[0][0]) and np.array_equal(k, got[0][1]) and np.array_equal(v, got[0][2])
+    assert got[0][1][:, pos].any() and not got[0][1][:, :pos].any()
+
+
 @pytest.mark.parametrize("lo, n_keys, sinks", [(0, 1, False), (0, 3, False), (0, 64, False), (0, 65, False),
                                                (0, 300, False), (37, 200, True), (5, 17, True)])
 def test_v2_attention_matches_reference(lo, n_keys, sinks, monkeypatch):
