@@ -8,6 +8,7 @@ and times, on block 0 for a chunk of T tokens at position ``pos``:
 
 - the model's own pieces (``MoeModel._rms``, ``_proj``, ``_attention``, ``_route``) and the
   experts' ``run_layer`` (batched, and the engine's grouped kernels) with the same decision;
+- ``pf_mm`` and ``pf_mm2`` (``execute.prefill_mm2``) alone on the step's pairs, gate/up and down;
 - references: a float16 cuBLAS product of the qkv shape (what the dense projection could cost)
   and a device-to-device copy (the bandwidth ceiling);
 - one whole chunk through ``execute.driver.run`` (dense, routing, plan, experts, head), first the
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import quant as Q
 from .prefill_stages import ChunkShape, stage_costs
 
 __all__ = ["time_stages", "synth_block"]
@@ -190,6 +192,45 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
         item = RunLayer(None, step, d)
         add("experts_engine", lambda: backend.engine.run_layer(item, hn, ids, wf), gx.compute, cost="experts",
             note="ExpertEngine.run_layer (grouped kernels, MOELAB_PREFILL=0's path)")
+        # the product kernels alone on this step's pairs: pf_mm (BatchedExperts') against pf_mm2
+        from . import prefill_mm2 as M2
+        from .prefill import _kernel as pf_kernel, _tiles
+
+        lx = backend.engine.layers[0]
+        if M2.applies(lx) and int(cp.cuda.Device().compute_capability) >= 80:
+            order = list(d.hits)
+            rank = np.full(lx.num_experts, -1, np.int64)
+            rank[order] = np.arange(len(order))
+            counts = np.bincount(rank[ids.reshape(-1)], minlength=len(order))
+            trow, tn, tgr, _ = _tiles(counts)
+            tiles = tuple(cp.asarray(v) for v in (trow, tn, tgr))
+            base = cp.asarray(np.array([gx.source_ptr(0, backend.engine.slot_of[(0, e)]) for e in order], np.uint64))
+            R, H, F = int(counts.sum()), lx.hidden, lx.ffn
+            split = pf_kernel("pf_split")
+
+            def halves(v):
+                hi, lo, iv = cp.empty(v.shape, cp.uint16), cp.empty(v.shape, cp.uint16), cp.empty(len(v), cp.float32)
+                split((len(v),), (256,), (v, np.uint64(0), np.int32(v.shape[1]), hi, lo, iv))
+                return hi, lo, iv
+
+            a_in = halves(cp.asarray(rng.standard_normal((R, H)).astype(np.float32)))
+            h_in = halves(cp.asarray(rng.standard_normal((R, F)).astype(np.float32) * 0.1))
+            off_g, off_u, off_d = lx.device_offsets()
+            rb_h, rb_f = Q.row_bytes(Q.Q8_0, H), Q.row_bytes(Q.Q8_0, F)
+            outs = {}
+            for name, f in (("pf_mm", pf_kernel("pf_mm")), ("pf_mm2", M2.kernel())):
+                hf, y = cp.empty((R, F), cp.float32), cp.empty((R, H), cp.float32)
+                for mode, args, out, wbytes in ((0, (a_in, H, F, off_g, off_u, rb_h), hf, 2 * F * rb_h),
+                                                (1, (h_in, F, H, off_d, 0, rb_f), y, H * rb_f)):
+                    dm, hm, km, _ = _timer(lambda: M2.launch(f, base, tiles, args[0], *args[1:], mode, out), null,
+                                           warmup, reps)
+                    mb = len(trow) * wbytes / 1e6
+                    rows.append({"stage": f"{name}_{'gate_up' if mode == 0 else 'down'}", "device_ms": dm, "kernel_ms": km,
+                                 "host_ms": hm, "MB": mb, "GB/s": mb / max(km, 1e-9),
+                                 "note": f"{len(trow)} tiles, {R} pair rows; MB: the tiles' weight reads"})
+                outs[name] = (hf.get(), y.get())
+            same = all(np.array_equal(a, b) for a, b in zip(outs["pf_mm"], outs["pf_mm2"]))
+            rows[-1]["note"] += f"; pf_mm2 equals pf_mm bit for bit: {same}"
         # references
         qkv_rows = (info.num_heads + 2 * info.num_kv_heads) * info.head_dim
         a16 = cp.asarray(rng.standard_normal((tokens, info.hidden)), cp.float16)
