@@ -9,7 +9,7 @@ import sys
 from .cli_options import Fail, build_capacity, context_limit, cost_options, make_backend, read_profile, wants_gpu
 
 __all__ = ["Generation", "generate", "run_policy", "prompt_ids", "record_trace", "batch_positions",
-           "non_finite_tensor"]
+           "non_finite_tensor", "RunBar"]
 
 
 def run_policy(args, geometry, capacity):
@@ -122,6 +122,37 @@ class Generation:
                     return
 
 
+class RunBar:
+    """``moelab run``'s progress on stderr: a bar named ``run`` over the prompt's positions and then
+    the tokens to generate. When the text streams to a terminal, the text is the decode's progress:
+    the bar then covers the prompt only and is cleared before the first token is printed."""
+
+    def __init__(self, prompt: int, tokens: int, out, quiet: bool):
+        from tqdm import tqdm
+
+        self.prompt = prompt
+        self.prompt_only = out is sys.stdout and sys.stdout.isatty()
+        self.bar = tqdm(total=prompt + (0 if self.prompt_only else tokens), desc="run", unit="token",
+                        file=sys.stderr, disable=quiet, dynamic_ncols=True, leave=not self.prompt_only)
+
+    def update(self, positions: int, generated: int) -> None:
+        """After a batch: ``positions`` run so far (prompt included), ``generated`` tokens so far."""
+        if self.prompt_only and positions >= self.prompt:
+            self.bar.update(self.prompt - self.bar.n)
+            self.bar.close()
+            return
+        self.bar.update(min(positions, self.prompt) + generated - self.bar.n)
+
+    def close(self, generated: int | None) -> None:
+        """``generated``: the tokens generated, None when the run failed; the bar then shows 100%
+        (an end token may have stopped the run short of ``tokens``)."""
+        if generated is not None and not self.bar.disable and not self.prompt_only:
+            self.bar.update(self.prompt + generated - self.bar.n)
+            self.bar.total = self.bar.n
+            self.bar.refresh()
+        self.bar.close()
+
+
 def non_finite_tensor(weights) -> str | None:
     """The name of the first dense tensor of ``weights`` (in file order: embedding, blocks, head)
     holding NaN or Inf, or None; read only once the output has been found non-finite."""
@@ -211,11 +242,20 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
                       args.prefill_chunk, draft_len)
     gen.weights = weights  # to name a tensor with NaN/Inf when the output is not finite
     marks = {}
-    progress = lambda i: marks.setdefault("prefill", time.perf_counter()) if i == len(prompt) else None  # noqa: E731
+    bar = RunBar(len(prompt), args.tokens, stream, getattr(args, "quiet", False))
+
+    def progress(i: int) -> None:
+        if i == len(prompt):
+            marks.setdefault("prefill", time.perf_counter())
+        bar.update(i, len(gen.generated))
+
+    generated = None
     try:
         res = M.run(model, backend, policy, gen, args.lag_tokens, audit, progress=progress)
         end = time.perf_counter()  # before the backend closes: its closing is neither prompt nor decode
+        generated = len(gen.generated)
     finally:
+        bar.close(generated)
         backend.close()
     t0 = end - res.wall_s  # the run's clock starts after the backend's preparation (kernel compile, uploads)
     gen.out.write(gen.stream.flush() + "\n")

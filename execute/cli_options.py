@@ -14,7 +14,7 @@ from scheduler.files import OutputPathError, check_output
 from .experts import ExecutorError
 
 __all__ = ["Fail", "guard", "check_common", "build_capacity", "cost_options", "read_profile", "wants_gpu",
-           "make_backend", "DEFAULT_CONTEXT", "context_limit", "gpu_free_bytes", "check_gpu_room"]
+           "make_backend", "DEFAULT_CONTEXT", "context_limit", "gpu_free_bytes", "check_gpu_room", "cpu_kernels_cold"]
 
 DEFAULT_CONTEXT = 4096  # positions a run may use when the file states no context length (llama.cpp's default)
 
@@ -212,6 +212,24 @@ def make_backend(args, weights, use_gpu: bool, capacity, prog: str = "moelab rep
         if use_gpu:
             raise Fail(f"{prog}: --backend numpy runs only policy 'cpu'")
         return M.NumpyExperts(weights)
+    if not getattr(args, "quiet", False) and cpu_kernels_cold():  # the backend's prepare() compiles them
+        print(f"{prog}: compiling the CPU expert kernels (first run after an install or update, ~30-60 s)...",
+              file=sys.stderr, flush=True)
     return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s,
                            pinned=not args.pageable and args.policy != "cpu")
+
+
+def cpu_kernels_cold(dispatcher=None) -> bool:
+    """Whether the CPU pool's kernels will be compiled rather than loaded from Numba's on-disk cache:
+    the cache index of ``dispatcher`` (default: the pool's team loop, which compiles every kernel it
+    calls) is missing, of another Numba version, or older than its source. Reads Numba's cache
+    object, which is not a public API: False (nothing said) where this Numba keeps it otherwise."""
+    import pickle
+
+    if dispatcher is None:
+        from .cpu_pool import _team_worker as dispatcher
+    try:
+        return not dispatcher._cache._cache_file._load_index()
+    except (AttributeError, OSError, EOFError, ValueError, pickle.UnpicklingError):
+        return False
 

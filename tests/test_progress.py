@@ -44,7 +44,7 @@ CASES = [
     ("trace-import", ["trace", "import", "vllm", "{rec}", "t"], None),
     ("model-synth", ["model", "synth", "m2.gguf", "--quant", "Q8_0"], "model synth"),
     ("replay", ["replay", "{model}", "--policy", "cpu", "--map", "--tokens", "4", "--threads", "1"], "replay"),
-    ("run", ["run", "{model}", "-p", "hi", "-n", "2", "--threads", "1"], None),
+    ("run", ["run", "{model}", "-p", "hi", "-n", "2", "--threads", "1"], "run"),
     ("kld", ["kld", "{model}", "--policy", "cpu", "-p", "hello there", "--tokens", "8", "--threads", "1"], "kld"),
     ("calibrate", ["calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--quick", "--small", "--layers", "1",
                    "--experts", "8", "--top-k", "2", "--hidden", "256", "--ffn", "256", "--threads", "1",
@@ -67,6 +67,52 @@ def test_progress_on_stderr_and_quiet_silences_it(tmp_path, files, argv, bar):
     assert q.returncode == 0, q.stderr
     assert q.stderr == ""
     assert sorted(p.name for p in quiet.iterdir()) == sorted(p.name for p in loud.iterdir())  # same outputs
+
+
+def test_run_s_bar_covers_the_prompt_then_the_tokens_and_ends_full(tmp_path, files):
+    """Text to a pipe: the bar counts prompt positions, then generated tokens; it ends at 100% even
+    when an end token stops the run short of -n."""
+    r = moelab(["run", files["model"], "-p", "hello there", "-n", "50", "--threads", "1", "--json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout[r.stdout.rindex("\n{") + 1:])  # after the streamed text
+    n = out["prompt_tokens"] + out["generated"]
+    last = [s for s in r.stderr.replace("\r", "\n").splitlines() if s.strip()][-1]
+    assert last.startswith(f"run: 100%|") and f"| {n}/{n} " in last, last
+
+
+def test_a_cold_numba_cache_is_found_from_its_index(tmp_path, monkeypatch):
+    """No index, then one written by the first call; a changed source makes the index stale."""
+    import importlib
+
+    from execute.cli_options import cpu_kernels_cold
+
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    src = tmp_path / "moelab_cold_probe.py"
+    src.write_text("from numba import njit\n\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("moelab_cold_probe")
+    assert cpu_kernels_cold(mod.f)
+    assert mod.f(1) == 2  # compiled, and the index written
+    assert not cpu_kernels_cold(mod.f)
+    src.write_text(src.read_text() + "# changed\n")
+    sys.modules.pop("moelab_cold_probe")
+    assert cpu_kernels_cold(importlib.import_module("moelab_cold_probe").f)
+    sys.modules.pop("moelab_cold_probe")
+    assert not cpu_kernels_cold(object())  # not where this Numba keeps its cache: nothing said
+
+
+@pytest.mark.parametrize("cold, quiet", [(True, False), (True, True), (False, False)])
+def test_a_cold_cache_is_announced_before_the_compile(files, monkeypatch, capsys, cold, quiet):
+    from execute import cli_options
+    from execute.cli_run import run_main
+
+    monkeypatch.setattr(cli_options, "cpu_kernels_cold", lambda: cold)
+    assert run_main([str(files["model"]), "-p", "hi", "-n", "2", "--threads", "1"] + ["--quiet"] * quiet) == 0
+    err = capsys.readouterr().err
+    said = "moelab run: compiling the CPU expert kernels (first run after an install or update, ~30-60 s)..."
+    assert (said in err) == (cold and not quiet), err
+    if quiet:
+        assert err == ""
 
 
 def test_a_bad_input_with_quiet_still_says_why(tmp_path):
