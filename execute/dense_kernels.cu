@@ -368,7 +368,7 @@ extern "C" __global__ void dequant_rows(const unsigned char* w, const unsigned s
 // reducing any of them, and updates its online softmax once per round (the sums' order, not the
 // math, differs from attn_partial's one key at a time).
 #define PRE 8
-#define KB 4
+#define KB 8
 
 // Programmatic dependent launch (v3 launches these kernels with it): wait for the grids this one
 // depends on (their writes visible), and let the next grid start its blocks (its prologue) early.

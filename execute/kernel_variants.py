@@ -6,7 +6,7 @@
 issue a batch of weight (or key) loads before their first use (``qk_rope_kv_v2`` and
 ``attn_reduce_v2`` are their twins' code, waiting for their inputs first); the GEMVs, the router's
 logits and the expert kernels sum in the same order as v1 (the same ids), the router's softmax
-sums and the attention's online softmax (updated once per four keys) round otherwise. ``v3``: the
+sums and the attention's online softmax (updated once per eight keys) round otherwise. ``v3``: the
 v2 kernels, the dense ones (all but the two expert kernels) launched with programmatic dependent
 launch (``execute.pdl_launch``), so each starts its blocks and prefetches its weights while the
 kernel before it drains. Read when launches are prepared (``GpuDense``'s construction, the token

@@ -219,7 +219,7 @@ def test_v2_qk_rope_kv_is_v1s(mode, monkeypatch):
 @pytest.mark.parametrize("lo, n_keys, sinks", [(0, 1, False), (0, 3, False), (0, 64, False), (0, 65, False),
                                                (0, 300, False), (37, 200, True), (5, 17, True)])
 def test_v2_attention_matches_reference(lo, n_keys, sinks, monkeypatch):
-    """Key counts around the 64-key chunks and the 4 keys a warp reads per round."""
+    """Key counts around the 64-key chunks and the 8 keys a warp reads per round."""
     cupy_or_skip()
     import cupy as cp
 
