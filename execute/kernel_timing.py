@@ -15,7 +15,9 @@ measured in the same run (read + write bytes over time).
 
 Variants (``execute.kernel_variants``): the same weights and inputs run under each; the bench also
 reports how far each variant's block outputs are from the first's (a cheap check that they
-compute the same thing). Only the GPU functions import cupy.
+compute the same thing). Under v3 a kernel's launches overlap one another (programmatic dependent
+launch), so its times alone are lower bounds; the block's graph is the figure that counts. Only
+the GPU functions import cupy.
 """
 from __future__ import annotations
 
