@@ -2,7 +2,7 @@
 counts them; ``experiments/bench_prefill_stages.py`` runs this).
 
 :func:`time_stages` writes a one-block synthetic model (``execute.synth``, a preset's geometry,
-Q8_0 experts and dense matrices, a small vocabulary), loads it as ``moelab run --policy gpu`` does
+Q8_0 experts, F16 dense matrices as the peer benchmark's file has them, a small vocabulary), loads it as ``moelab run --policy gpu`` does
 (every expert resident, the batched experts of ``execute.prefill`` when ``MOELAB_PREFILL`` allows),
 and times, on block 0 for a chunk of T tokens at position ``pos``:
 
@@ -34,11 +34,14 @@ from .prefill_stages import ChunkShape, stage_costs
 __all__ = ["time_stages", "synth_block"]
 
 
-def synth_block(path: Path, preset: str = "qwen3-30b-a3b", vocab: int = 1024, seed: int = 0) -> Path:
-    """A one-block model of ``preset``'s geometry at ``path`` (Q8_0 experts and dense matrices)."""
+def synth_block(path: Path, preset: str = "qwen3-30b-a3b", vocab: int = 1024, seed: int = 0,
+                dense_quant: str = "F16") -> Path:
+    """A one-block model of ``preset``'s geometry at ``path`` (Q8_0 experts; dense matrices in
+    ``dense_quant``, F16 as in the peer benchmark's file)."""
     from .synth import config_from_preset, synth_model
 
-    return synth_model(path, config_from_preset(preset, num_layers=1, vocab=vocab, dense_quant="Q8_0", seed=seed))
+    return synth_model(path, config_from_preset(preset, num_layers=1, vocab=vocab, quant="Q8_0",
+                                                dense_quant=dense_quant, seed=seed))
 
 
 _SPIN = r"""
@@ -98,7 +101,7 @@ class _NoPrepare:
 
 
 def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", reps: int = 20, warmup: int = 3,
-                workdir: str | None = None, threads: int = 4) -> dict:
+                workdir: str | None = None, threads: int = 4, dense_quant: str = "F16") -> dict:
     """Rows ``{stage, device_ms, host_ms, MB, GFLOP, GB/s, TFLOP/s, note}`` and the setup's seconds
     (module docstring); ``workdir`` holds the synthetic model (a temporary directory when None)."""
     import cupy as cp
@@ -117,12 +120,13 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="moelab_stages_")
         workdir = tmp.name
-    path = synth_block(Path(workdir) / f"{preset}-1block.gguf", preset)
+    path = synth_block(Path(workdir) / f"{preset}-1block.gguf", preset, dense_quant=dense_quant)
     t_synth = time.perf_counter()
-    weights = load_model(path)
+    weights = load_model(path, lazy_dense=True)  # as moelab run loads it
     info = weights.info
     shape = ChunkShape(tokens, pos, info.hidden, info.num_heads, info.num_kv_heads, info.head_dim,
-                       info.num_experts[0], info.top_k, info.ffn)
+                       info.num_experts[0], info.top_k, info.ffn,
+                       dense_bytes_per_weight={"F32": 4.0, "F16": 2.0, "BF16": 2.0}.get(dense_quant, 34 / 32))
     geo = info.geometry()
     cap = Capacity.per_layer(geo, list(geo.num_experts))
     policy = make_policy("gpu", geo, cap)

@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="gpu", choices=("gpu", "cpu"), help="policy of the host-work measurement")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per GPU stage (default 20)")
     ap.add_argument("--gpu", action="store_true", help="time the stages on the GPU (needs cupy and a device)")
+    ap.add_argument("--dense-quant", default="F16", choices=("F16", "Q8_0", "BF16", "F32"),
+                    help="the synthetic model's dense matrices (default F16, as the peer benchmark's file)")
     ap.add_argument("--workdir", default=None, help="where the synthetic one-block model is written (default: a temporary dir)")
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.pos < 0 or args.reps < 1:
@@ -69,15 +71,18 @@ def main(argv=None) -> int:
     except OSError as exc:
         print(f"bench_prefill_stages: --out {args.out}: {exc}", file=sys.stderr)
         return 2
-    shape = ChunkShape(args.tokens, args.pos, **_PRESETS[args.preset])
+    bpw = {"F32": 4.0, "F16": 2.0, "BF16": 2.0}.get(args.dense_quant, 34 / 32)
+    shape = ChunkShape(args.tokens, args.pos, **_PRESETS[args.preset], dense_bytes_per_weight=bpw)
     counts = cost_rows(shape)
     host = host_costs(shape, layers=_LAYERS[args.preset], policy=args.policy)
     gpu = None
     if args.gpu:
         from execute.prefill_timing import time_stages
 
-        gpu = time_stages(args.tokens, args.pos, args.preset, reps=args.reps, workdir=args.workdir)
+        gpu = time_stages(args.tokens, args.pos, args.preset, reps=args.reps, workdir=args.workdir,
+                          dense_quant=args.dense_quant)
     config = {"preset": args.preset, "layers": _LAYERS[args.preset], "policy": args.policy, "reps": args.reps,
+              "dense_quant": args.dense_quant,
               "shape": dataclasses.asdict(shape),
               "command": "python experiments/bench_prefill_stages.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
