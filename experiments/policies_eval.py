@@ -37,10 +37,13 @@ ABOUT = {
     "hybrid-cost": "hybrid whose split comes from the cost model, its floor tuned online by shadow replays.",
     "predict": "Forecasts from transition counts learnt online; evicts by forecast, prefetches the next layer's "
                "likeliest experts after each step whatever the link is doing; every miss over PCIe.",
-    "lookahead": "predict's forecasts with the cost model: each miss to the CPU or the link, whichever gives the "
-                 "faster layer (plus what a cached upload is worth later); prefetch only into the link's idle "
-                 "window and only confident forecasts; a prefetch the route proves wrong is evicted first; "
-                 "fills within the link's idle time between tokens.",
+    "lookahead": "Online, with the cost model: each miss to the CPU or the link, whichever gives the faster "
+                 "layer by the simulator's terms (the pool's hand-off copies and each GPU batch included; never "
+                 "predicted slower than uploading every miss), plus what a cached upload is worth later; residents "
+                 "ranked by recency, frequency or predict's forecast (`values`; `adaptive`: whichever a shadow "
+                 "cache hit most lately); confident cross-layer prefetch only into the link's idle window; fills "
+                 "by the same ranking in the link's idle time between tokens; prefetch or fill swaps held back "
+                 "while an audit finds they lately cost more routes than they brought.",
     "static": "Residents fixed from the replayed trace's own routing counts (an oracle profile); misses on the CPU.",
     "belady": "Demand-only offline optimum for hits (knows the trace); every miss uploaded or streamed, no CPU.",
     "oracle": "The ceiling: lookahead's planner fed the future (Belady residency, prefetch of the next step's "
@@ -127,8 +130,7 @@ def render(res, chosen, cs, hardware, command) -> str:
             "- `oracle` is a ceiling by construction, not by proof: a test checks it against every online policy "
             "on the evaluation set; Belady's residency is optimal for hits, not for time.",
             "- The driver completes a prefetch before the next step is planned, so a wrong prefetch cannot be "
-            "stopped on the link; lookahead only evicts it first. Its link model (as hybrid-cost's) leaves out "
-            "the CPU hand-off copies, so it leans to the CPU where the two are close.",
+            "stopped on the link; lookahead only evicts it first (and its audit stops such swaps while they lose).",
             "- Every trace is priced with granite's expert sizes; synthetic traces come from one generator "
             "(`traces.synth`); the real traces are small (granite 192 decode rows, switch 215 rows).",
             "- hybrid and hybrid-cost run at their own defaults (their owner tunes them); predict's grid is small.",

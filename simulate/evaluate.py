@@ -141,8 +141,8 @@ def log_ratio(x: float | None, ref: float | None) -> float:
 BASELINES = ("lru", "freq-lru", "hybrid", "hybrid-cost", "static", "belady", "oracle")
 GRIDS = {
     "predict": ({}, {"max_prefetch": 0}, {"misses": "cpu"}),
-    "lookahead": tuple({"reuse_weight": w, "fill_share": f, "confidence": c}
-                       for w in (0.0, 0.25, 0.5) for f in (0.5, 1.0) for c in (0.5, 0.8)),
+    "lookahead": tuple({"values": v, "fill_share": f, "confidence": c}
+                       for v in ("recency", "adaptive", "forecast") for f in (1.0, 0.5) for c in (0.3, 0.8)),
 }
 OFFLINE = ("static", "belady", "oracle")  # they read the replayed tokens (oracle profile, future)
 
