@@ -144,9 +144,12 @@ class RunBar:
         self.bar.update(min(positions, self.prompt) + generated - self.bar.n)
 
     def close(self, generated: int | None) -> None:
-        """``generated``: the tokens generated, None when the run failed; the bar then shows 100%
-        (an end token may have stopped the run short of ``tokens``)."""
-        if generated is not None and not self.bar.disable and not self.prompt_only:
+        """``generated``: the tokens generated; the bar then shows 100% (an end token may have stopped
+        the run short of ``tokens``). None when the run failed: the bar is cleared, so that the
+        error is the one line left."""
+        if generated is None:
+            self.bar.leave = False
+        elif not self.bar.disable and not self.prompt_only:
             self.bar.update(self.prompt + generated - self.bar.n)
             self.bar.total = self.bar.n
             self.bar.refresh()

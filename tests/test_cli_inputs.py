@@ -46,7 +46,9 @@ def _batch(cases: list[list[str]], cwd: Path) -> list[tuple[object, str]]:
 
 
 def _one_line(stderr: str) -> str:
-    lines = [ln for ln in stderr.replace("\r", "\n").splitlines() if ln.strip()]
+    """The one line a terminal shows: a carriage return starts its line over (a cleared bar)."""
+    lines = [ln.rsplit("\r", 1)[-1] for ln in stderr.split("\n")]
+    lines = [ln for ln in lines if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("moelab"), stderr
     return lines[0]
 
