@@ -25,8 +25,12 @@ class Plan(NamedTuple):
     """One variant's launches (callables of a stream address)."""
 
     kernels: dict  # kernel name -> its launch for every block, in block order
-    block: list  # every block's launches chained as the token graph chains them
+    block: list  # (kernel name, launch): every block's launches chained as the token graph chains them
     shapes: dict  # dense kernel name -> "(grid x, grid y)xblock smem"
+
+    def chain(self, without: str = "") -> list:
+        """The block chain's launches, those of kernel ``without`` left out."""
+        return [f for name, f in self.block if name != without]
 
 
 def _matrix(rng: np.random.Generator, qt: int, rows: int, cols: int) -> Matrix:
@@ -104,7 +108,7 @@ class Rig:
         halt = int(self.halt.data.ptr)
         kernels = {name: [] for name in ("qkv", "qk_rope_kv", "attn_partial", "attn_reduce", "wo", "router",
                                          "gate_up", "down_combine")}
-        chain = [lambda st: cp.cuda.runtime.memsetAsync(halt, _HALT_NONE, 4, st)]
+        chain = [("halt", lambda st: cp.cuda.runtime.memsetAsync(halt, _HALT_NONE, 4, st))]
         x, shapes = gd.emb, {}
         for b in range(s.blocks):
             blk = gd.decode_block(x, self.cur[b], self.hn[b], self.wqkv[b], self.attn_norm[b], None, self.qk_norm[b],
@@ -117,7 +121,7 @@ class Rig:
                                       int(self.out[b].data.ptr), k)
             for name, f in zip(kernels, list(dense) + list(experts)):
                 kernels[name].append(f)
-            chain += list(dense) + list(experts)
+                chain.append((name, f))
             x = self.cur[b]
         for name, p in zip(kernels, dense):
             shapes[name] = f"({p.grid[0]},{p.grid[1]})x{p.block}" + (f" {p.shared}B" if p.shared else "")

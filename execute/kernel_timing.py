@@ -9,7 +9,8 @@ every block, ``repeat`` times over; its replays are timed with CUDA events (medi
 ``trials``), so a launch reads weights another launch did not just leave in L2 (blocks x bytes >>
 L2), and the time of a launch includes the gap between dependent graph nodes, as in the token's
 graph. The block's whole graph (its dense launches, router and experts, ``blocks`` blocks chained
-as the token graph chains them) is timed the same way. Each kernel's bytes (``kernel_bytes``: the
+as the token graph chains them) is timed the same way, and again with each kernel left out (the
+difference: that kernel's cost inside the graph, where its neighbours may overlap it). Each kernel's bytes (``kernel_bytes``: the
 weights and cache it must read) over its time gives GB/s, set against a device-to-device copy
 measured in the same run (read + write bytes over time).
 
@@ -115,9 +116,10 @@ def expert_launch_shapes(s: BlockShape) -> dict[str, str]:
 
 
 def report_rows(times_us: dict[str, float], nbytes: dict[str, int], ceiling_gbps: float,
-                launches: dict[str, str] | None = None) -> list[dict]:
-    """One row per timed kernel: MB, us, GB/s, share of the ceiling, us at the ceiling and the
-    time lost against it (kernels in ``KERNELS`` order, then any others)."""
+                launches: dict[str, str] | None = None, in_graph_us: dict[str, float] | None = None) -> list[dict]:
+    """One row per timed kernel: MB, us, GB/s, share of the ceiling, us at the ceiling, the time
+    lost against it, and (``in_graph_us``) what leaving it out of the block's graph saves (kernels
+    in ``KERNELS`` order, then any others)."""
     if ceiling_gbps <= 0:
         raise ValueError(f"ceiling_gbps: {ceiling_gbps}, expected > 0")
     rows = []
@@ -126,20 +128,22 @@ def report_rows(times_us: dict[str, float], nbytes: dict[str, int], ceiling_gbps
         ideal = b / (ceiling_gbps * 1e3)  # us
         gbps = b / (t * 1e3) if t > 0 else 0.0
         rows.append({"kernel": name, "launch": (launches or {}).get(name, ""), "mb": b / 1e6, "us": t,
-                     "gbps": gbps, "of_ceiling": gbps / ceiling_gbps, "ideal_us": ideal, "lost_us": t - ideal})
+                     "gbps": gbps, "of_ceiling": gbps / ceiling_gbps, "ideal_us": ideal, "lost_us": t - ideal,
+                     "in_graph_us": float((in_graph_us or {}).get(name, float("nan")))})
     return rows
 
 
 def format_table(rows: list[dict], title: str = "") -> str:
     """A fixed-width text table of ``report_rows`` with a total line."""
     out = [title] if title else []
-    out.append(f"{'kernel':<14}{'launch':>22}{'MB':>8}{'us':>9}{'GB/s':>8}{'ceil':>7}{'ideal us':>9}{'lost us':>9}")
+    out.append(f"{'kernel':<14}{'launch':>22}{'MB':>8}{'us':>9}{'GB/s':>8}{'ceil':>7}{'ideal us':>9}{'lost us':>9}"
+               f"{'in graph':>9}")
     for r in rows:
         out.append(f"{r['kernel']:<14}{r['launch']:>22}{r['mb']:8.2f}{r['us']:9.2f}{r['gbps']:8.0f}"
-                   f"{100 * r['of_ceiling']:6.0f}%{r['ideal_us']:9.2f}{r['lost_us']:9.2f}")
-    tot = {k: sum(r[k] for r in rows) for k in ("mb", "us", "ideal_us", "lost_us")}
+                   f"{100 * r['of_ceiling']:6.0f}%{r['ideal_us']:9.2f}{r['lost_us']:9.2f}{r['in_graph_us']:9.2f}")
+    tot = {k: sum(r[k] for r in rows) for k in ("mb", "us", "ideal_us", "lost_us", "in_graph_us")}
     out.append(f"{'sum':<14}{'':>22}{tot['mb']:8.2f}{tot['us']:9.2f}{'':>8}{'':>7}{tot['ideal_us']:9.2f}"
-               f"{tot['lost_us']:9.2f}")
+               f"{tot['lost_us']:9.2f}{tot['in_graph_us']:9.2f}")
     return "\n".join(out)
 
 
@@ -201,9 +205,10 @@ def copy_ceiling_gbps(nbytes: int = 1 << 30, trials: int = 5) -> float:
 
 def time_block(s: BlockShape, variants=("v1", "v2", "v3"), repeat: int = 4, reps: int = 10, trials: int = 5,
                seed: int = 0) -> dict:
-    """Per variant: each kernel's median us per launch, and the whole block's; the copy ceiling;
-    an empty kernel's us per launch in a chain of them (a graph node's floor); the bytes; the
-    dense launches' shapes; each variant's output distance to the first's."""
+    """Per variant: each kernel's median us per launch, and the whole block's; what leaving each
+    kernel out of the block's graph saves per block (its cost there, overlap included); the copy
+    ceiling; an empty kernel's us per launch in a chain of them (a graph node's floor); the bytes;
+    the dense launches' shapes; each variant's output distance to the first's."""
     import cupy as cp
 
     from .kernel_rig import Rig
@@ -219,13 +224,14 @@ def time_block(s: BlockShape, variants=("v1", "v2", "v3"), repeat: int = 4, reps
         for v in variants:
             with _variant(v):
                 plan = rig.plan()
-            block_us = _time_graph(cp, plan.block, 1, reps, trials) / s.blocks
+            block_us = _time_graph(cp, plan.chain(), 1, reps, trials) / s.blocks
             outputs = rig.outputs()
             times = {k: _time_graph(cp, plan.kernels[k], repeat, reps, trials) / s.blocks for k in KERNELS}
+            saved = {k: block_us - _time_graph(cp, plan.chain(k), 1, reps, trials) / s.blocks for k in KERNELS}
             diff = 0.0 if first is None else max(float(np.max(np.abs(o - f)) / (np.max(np.abs(f)) or 1.0))
                                                  for o, f in zip(outputs, first))
             first = outputs if first is None else first
-            out["variants"][v] = {"kernel_us": times, "block_us": block_us,
+            out["variants"][v] = {"kernel_us": times, "block_us": block_us, "in_graph_us": saved,
                                   "launches": {**plan.shapes, **expert_launch_shapes(s)}, "max_rel_diff_vs_first": diff}
     finally:
         rig.close()
@@ -242,7 +248,7 @@ def summarize(result: dict) -> str:
            f"them: {result.get('node_us', float('nan')):.2f} us"]
     for v in names:
         r = result["variants"][v]
-        rows = report_rows(r["kernel_us"], b, ceil, r["launches"])
+        rows = report_rows(r["kernel_us"], b, ceil, r["launches"], r.get("in_graph_us"))
         out += ["", format_table(rows, f"[{v}] each kernel alone, us per launch (median)"),
                 f"[{v}] whole block in one graph: {r['block_us']:.2f} us per block (kernels alone sum "
                 f"{sum(r['kernel_us'].values()):.2f}); outputs vs {names[0]}: max rel diff "

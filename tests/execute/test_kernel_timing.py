@@ -9,6 +9,7 @@ import subprocess
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from execute import kernel_timing as KT
@@ -46,7 +47,7 @@ def test_shape_errors_name_the_field(field, value, match):
 
 def test_report_rows_against_the_ceiling():
     rows = KT.report_rows({"wo": 10.0, "qkv": 4.0, "extra": 1.0}, {"qkv": 8_000_000, "wo": 16_000_000}, 4000.0,
-                          {"qkv": "(640,1)x256"})
+                          {"qkv": "(640,1)x256"}, {"qkv": 3.0, "wo": 9.0, "extra": 0.5})
     assert [r["kernel"] for r in rows] == ["qkv", "wo", "extra"]  # KERNELS order, then the rest
     qkv, wo, extra = rows
     assert qkv["gbps"] == pytest.approx(2000.0) and qkv["of_ceiling"] == pytest.approx(0.5)
@@ -54,7 +55,8 @@ def test_report_rows_against_the_ceiling():
     assert wo["gbps"] == pytest.approx(1600.0) and extra["mb"] == 0 and extra["lost_us"] == 1.0
     text = KT.format_table(rows, "title")
     assert text.splitlines()[0] == "title" and "(640,1)x256" in text
-    assert text.splitlines()[-1].split()[:3] == ["sum", "24.00", "15.00"]
+    assert text.splitlines()[-1].split() == ["sum", "24.00", "15.00", "6.00", "9.00", "12.50"]
+    assert qkv["in_graph_us"] == 3.0 and np.isnan(KT.report_rows({"qkv": 1.0}, {}, 1.0)[0]["in_graph_us"])
     with pytest.raises(ValueError, match="ceiling_gbps"):
         KT.report_rows({}, {}, 0.0)
 
@@ -64,7 +66,8 @@ def test_summarize_two_variants():
     v1 = {k: 10.0 for k in KT.KERNELS}
     v2 = {k: 5.0 for k in KT.KERNELS}
     res = {"bytes": b, "ceiling_gbps": 4000.0, "node_us": 1.5, "variants": {
-        "v1": {"kernel_us": v1, "block_us": 100.0, "launches": {}, "max_rel_diff_vs_first": 0.0},
+        "v1": {"kernel_us": v1, "block_us": 100.0, "launches": {}, "max_rel_diff_vs_first": 0.0,
+               "in_graph_us": {k: 9.0 for k in KT.KERNELS}},
         "v2": {"kernel_us": v2, "block_us": 50.0, "launches": {}, "max_rel_diff_vs_first": 1e-7}}}
     text = KT.summarize(res)
     assert "[v1] whole block in one graph: 100.00 us per block (kernels alone sum 80.00)" in text
