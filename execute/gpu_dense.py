@@ -57,7 +57,8 @@ _rt = cp.cuda.runtime
 def _function(name: str):
     global _MODULE
     if _MODULE is None:
-        src = resources.files(__package__).joinpath("dense_kernels.cu").read_text()
+        src = "\n".join(resources.files(__package__).joinpath(f).read_text()
+                        for f in ("dense_kernels.cu", "dense_kernels_v2.cu"))  # v2 uses v1's helpers
         _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
     return _MODULE.get_function(name)
 

@@ -2,7 +2,7 @@
 
 ``v1`` (the default): ``dense_gemv``, ``qk_rope_kv``, ``attn_partial``, ``attn_reduce``,
 ``router_topk``, ``moe1r_gate_up``, ``moe1r_down_combine``. ``v2``: their ``*_v2`` twins
-(``dense_kernels.cu``, ``gpu_kernels.cu``), which take the same arguments and launch shapes and
+(``dense_kernels_v2.cu``, ``gpu_kernels.cu``), which take the same arguments and launch shapes and
 issue a batch of weight (or key) loads before their first use (``qk_rope_kv_v2`` and
 ``attn_reduce_v2`` are their twins' code, waiting for their inputs first); the GEMVs, the router's
 logits and the expert kernels sum in the same order as v1 (the same ids), the router's softmax

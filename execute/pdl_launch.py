@@ -2,7 +2,7 @@
 ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, sm_90): the launched grid may start
 while the grid before it on the stream still runs, once every block of that one has called
 ``griddepcontrol.launch_dependents`` or exited; the kernel itself must call
-``griddepcontrol.wait`` before it reads anything an earlier grid writes (``dense_kernels.cu``'s
+``griddepcontrol.wait`` before it reads anything an earlier grid writes (``dense_kernels_v2.cu``'s
 v2 kernels do). Stream capture records the edge as a programmatic one in the graph. Used by
 ``MOELAB_DECODE_KERNELS=v3`` (``execute.kernel_variants``). ctypes over the driver library; no
 cupy here.

@@ -109,9 +109,15 @@ def _params(src: str, name: str) -> list[str]:
     return [" ".join(p.split()) for p in m.group(1).split(",")]
 
 
+def _source(cu: str) -> str:
+    """The source a kernel module compiles (gpu_dense compiles dense_kernels.cu with its v2 file)."""
+    files = [cu] + (["dense_kernels_v2.cu"] if cu == "dense_kernels.cu" else [])
+    return "\n".join(resources.files("execute").joinpath(f).read_text() for f in files)
+
+
 @pytest.mark.parametrize("cu", sorted(TWINS))
 def test_v2_kernels_take_their_twins_parameters(cu):
-    src = resources.files("execute").joinpath(cu).read_text()
+    src = _source(cu)
     for name in TWINS[cu]:
         assert _params(src, name + "_v2") == _params(src, name)
 
@@ -133,7 +139,8 @@ def test_bench_script_rejects_bad_arguments(capsys):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("cu", sorted(TWINS))
 def test_v2_kernels_build_for_sm90_without_spills(cu, tmp_path):
-    src = resources.files("execute").joinpath(cu)
+    src = tmp_path / cu
+    src.write_text(_source(cu))
     r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++14", "-c", str(src), "-o", str(tmp_path / "k.o"),
                         "--ptxas-options=-v"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
