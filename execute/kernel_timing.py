@@ -10,7 +10,9 @@ every block, ``repeat`` times over; its replays are timed with CUDA events (medi
 L2), and the time of a launch includes the gap between dependent graph nodes, as in the token's
 graph. The block's whole graph (its dense launches, router and experts, ``blocks`` blocks chained
 as the token graph chains them) is timed the same way, and again with each kernel left out (the
-difference: that kernel's cost inside the graph, where its neighbours may overlap it). Each kernel's bytes (``kernel_bytes``: the
+difference: that kernel's cost inside the graph, where its neighbours may overlap it). The KV
+caches of the blocks (``keys`` x 4 KB each at the default shape) stay in L2 when the attention
+runs alone, not in the token's graph: its cost inside the graph is the figure to read. Each kernel's bytes (``kernel_bytes``: the
 weights and cache it must read) over its time gives GB/s, set against a device-to-device copy
 measured in the same run (read + write bytes over time).
 
