@@ -237,6 +237,9 @@ def time_block(s: BlockShape, variants=("v1", "v2", "v3"), repeat: int = 4, reps
                                   "launches": {**plan.shapes, **expert_launch_shapes(s)}, "max_rel_diff_vs_first": diff}
     finally:
         rig.close()
+    from . import pdl_launch
+
+    out["programmatic_refused"] = pdl_launch.refused  # a CUDA error: v3 ran as plain launches
     return out
 
 
@@ -255,6 +258,9 @@ def summarize(result: dict) -> str:
                 f"[{v}] whole block in one graph: {r['block_us']:.2f} us per block (kernels alone sum "
                 f"{sum(r['kernel_us'].values()):.2f}); outputs vs {names[0]}: max rel diff "
                 f"{r['max_rel_diff_vs_first']:.2e}"]
+    if result.get("programmatic_refused") is not None:
+        out.append(f"programmatic dependent launch refused (CUDA error {result['programmatic_refused']}): "
+                   "v3 ran as plain launches")
     if len(names) > 1:
         base = result["variants"][names[0]]
         out.append("")

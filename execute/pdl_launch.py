@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["LaunchAttribute", "LaunchConfig", "PROGRAMMATIC_STREAM_SERIALIZATION", "launch_programmatic"]
+__all__ = ["LaunchAttribute", "LaunchConfig", "PROGRAMMATIC_STREAM_SERIALIZATION", "launch_programmatic", "refused"]
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 
@@ -33,6 +33,7 @@ class LaunchConfig(ctypes.Structure):
 
 
 _launch = None
+refused: int | None = None  # the CUDA error of the first launch the driver refused with the attribute
 
 
 def _driver():
@@ -47,9 +48,16 @@ def _driver():
 
 def launch_programmatic(func: int, grid: tuple[int, int], block: int, shared: int, stream: int, params: int) -> None:
     """Launch ``func`` (a CUfunction) on ``stream`` with ``params`` (the address of its argument
-    pointer array, as for ``cuLaunchKernel``), programmatically dependent on the grid before it."""
+    pointer array, as for ``cuLaunchKernelEx``), programmatically dependent on the grid before it.
+    Where the driver refuses the attribute, the same launch without it (a plain one: the kernel's
+    wait is then a no-op), and ``refused`` keeps the first error (tests check it stays None)."""
+    global refused
     attr = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
     cfg = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, shared, stream or None, ctypes.addressof(attr), 1)
     err = _driver()(ctypes.addressof(cfg), func, params, None)
     if err:
-        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch): CUDA error {err}")
+        refused = err if refused is None else refused
+        cfg.num_attrs = 0
+        err = _driver()(ctypes.addressof(cfg), func, params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx: CUDA error {err}")

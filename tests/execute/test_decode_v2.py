@@ -157,6 +157,9 @@ def test_v2_gemv_matches_v1_and_numpy(qtype, rows, cols, monkeypatch):
     assert all(rel_err(g, want) < 1e-5 for g in got)
     assert np.allclose(got[1], got[0], rtol=1e-6, atol=1e-6 * np.abs(got[0]).max())
     assert np.array_equal(got[2], got[1])  # v3: the same kernel, launched otherwise
+    from execute import pdl_launch
+
+    assert pdl_launch.refused is None  # the driver took the programmatic launches
 
 
 @pytest.mark.parametrize("gating, norm_topk", [(0, True), (0, False), (1, False)])
@@ -278,6 +281,9 @@ def test_v2_token_graph_matches_v1_and_numpy(arch, variant, tmp_path, monkeypatc
     l1, m1 = _token_graph_run(w, "v1", tokens, monkeypatch)
     l2, m2 = _token_graph_run(w, variant, tokens, monkeypatch)
     assert m2.token_graph is not None and m2.token_graph.complete == len(tokens) and m2.gd.kernels == variant
+    from execute import pdl_launch
+
+    assert pdl_launch.refused is None  # v3: the captures took the programmatic launches
     ref_model = M.MoeModel(w, use_gpu=False, max_tokens=8)
     g = w.info.geometry()
     ref = M.run(ref_model, M.NumpyExperts(w), make_policy("cpu", g, Capacity.per_layer(g, 0)),

@@ -72,7 +72,8 @@ def test_summarize_two_variants():
     text = KT.summarize(res)
     assert "[v1] whole block in one graph: 100.00 us per block (kernels alone sum 80.00)" in text
     assert "v2 / v1 time: block 0.50; qkv 0.50" in text and "max rel diff 1.00e-07" in text
-    assert "an empty kernel node in a chain of them: 1.50 us" in text
+    assert "an empty kernel node in a chain of them: 1.50 us" in text and "refused" not in text
+    assert "refused (CUDA error 801)" in KT.summarize({**res, "programmatic_refused": 801})
 
 
 def test_decode_kernels_switch(monkeypatch):
