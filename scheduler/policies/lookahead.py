@@ -31,8 +31,8 @@ calibration):
 - *audit* (``audit=True``): every swap the prefetch or the fills plan (issued or not) is scored at
   the first step of its layer that it could serve (a fill lands a token later): +1 when its expert
   is routed there, -1 for each step until then that routes its victim; the score decays over 64
-  audited steps. While a kind's score is negative its swaps are held back (its moves into free
-  slots still go) and still scored, so they come back once they would pay again.
+  audited steps. Until a kind's score is positive its swaps are held back (its moves into free
+  slots still go) and still scored, so they go once they have shown that they pay.
 
 Values come from ``value`` / ``next_value`` / ``fill_value``; :class:`LookaheadPolicy` learns them
 online, never from later steps; the ``oracle`` policy (``oracle.py``) gives them from the future.
@@ -56,6 +56,7 @@ __all__ = ["LookaheadConfig", "LookaheadPolicy", "CostPlanner"]
 
 VALUES = ("forecast", "recency", "frequency")  # lookahead's value functions (LookaheadPolicy)
 AUDIT_DECAY = 1.0 - 1.0 / 64  # per audited step: the decay of the swap audit's score
+AUDIT_MIN = 0.0  # swaps go only while the audit's score is above this (they have to prove themselves)
 ADAPTIVE = ("recency", "frequency")  # values="adaptive" chooses between these
 SHADOW_MEMORY = 64.0  # steps: the decay of the shadow caches' hit counts (values="adaptive")
 ADAPT_MARGIN = 0.05  # the second value function replaces the first only when its shadow hits this much more
@@ -293,14 +294,14 @@ class CostPlanner(BasePolicy):
         self.learn(d.step)
 
     def _swaps_ok(self, kind: str, moves: list[Move]) -> list[Move]:
-        """``moves`` less their swaps when the audit of ``kind`` says swaps lately lost more routes
-        than they gained; every swap planned is put on trial (scored at its layer's next step)."""
+        """``moves`` less their swaps unless the audit of ``kind`` says swaps lately brought more
+        routes than they lost; every swap planned is put on trial (module docstring: audit)."""
         if not self.config.audit:
             return moves
         for m in moves:
             if m.victim is not None and m.victim[0] == m.layer:
                 self._trials[kind].setdefault(m.layer, []).append((m.expert, m.victim[1]))
-        if self._gain[kind] >= 0.0:
+        if self._gain[kind] > AUDIT_MIN:
             return moves
         return [m for m in moves if m.victim is None]
 
@@ -429,6 +430,12 @@ class LookaheadPolicy(CostPlanner):
         self._modes = modes
         self._shadow = [[set() for _ in modes] for _ in range(L)]
         self._score = np.zeros(len(modes))
+        # fill shadows: each layer's top residents by the mode's values at a token's end, serving
+        # from the token after the next (a fill lands a token later); scored the same way
+        self._fshadow = [[set() for _ in modes] for _ in range(L)]
+        self._fpending = [[set() for _ in modes] for _ in range(L)]
+        self._fscore = np.zeros(len(modes))
+        self._admit = 1.0  # share of misses uploaded (decayed): how much the demand shadows count
         super().__init__(geometry, capacity, profile, cost_model, config)
         cap = self.cache
         share = {p: sum(1 for l in geometry.moe_layers if cap.pool_of[l] == p) for p in set(cap.pool_of)}
@@ -449,7 +456,7 @@ class LookaheadPolicy(CostPlanner):
 
     def mode(self) -> str:
         """The value function in use (``values``; adaptive: the best shadow's)."""
-        sc = self._score
+        sc = self._admit * self._score + (1.0 - self._admit) * self._fscore
         best = int(np.argmax(sc))
         return self._modes[best] if sc[best] > sc[0] * (1.0 + ADAPT_MARGIN) else self._modes[0]
 
@@ -480,11 +487,28 @@ class LookaheadPolicy(CostPlanner):
                     out = sorted((e for e in sh if e not in experts), key=lambda e: (v[e], e))
                     sh.difference_update(out[:len(sh) + len(miss) - cap])
                 sh.update(miss[:max(cap - len(sh), 0)])
+                self._fscore[i] = self._fscore[i] * decay + sum(e in self._fshadow[layer][i] for e in experts)
         self._clock[layer] += 1
         self._last[layer, list(experts)] = self._clock[layer]
         self._freq[layer] *= 1.0 - 1.0 / SHADOW_MEMORY
         self._freq[layer, list(experts)] += 1.0 / SHADOW_MEMORY
         self.forecaster.commit(Decision(step, experts))
 
+    def commit(self, d):
+        super().commit(d)
+        if d.uploads or d.streams or d.cpu:
+            up = len(d.uploads) + len(d.streams)
+            self._admit += (up / (up + len(d.cpu)) - self._admit) / SHADOW_MEMORY
+
     def end_token(self):
+        if len(self._modes) > 1:
+            for l in self.geometry.moe_layers:
+                cap = self._cap[l]
+                if not cap:
+                    continue
+                n = self.geometry.num_experts[l]
+                for i, mode in enumerate(self._modes):
+                    v = self._mode_value(mode, l, None)[:n]
+                    self._fshadow[l][i] = self._fpending[l][i]
+                    self._fpending[l][i] = set(np.argsort(-v, kind="stable")[:cap].tolist())
         self.forecaster.commit_background(())

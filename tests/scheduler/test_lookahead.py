@@ -147,10 +147,10 @@ def test_the_audit_holds_back_swaps_that_lose_and_scores_them_still():
     g = Geometry.uniform(2, 8, 1)
     pol = make_policy("lookahead", g, Capacity.per_layer(g, 2), cost_model=_cm(2))
     swap, fill = Move(1, 5, 0, (1, 3)), Move(1, 6, 1)
-    assert pol._swaps_ok("prefetch", [swap, fill]) == [swap, fill]  # no evidence yet: allowed
+    assert pol._swaps_ok("prefetch", [swap, fill]) == [fill]  # no evidence yet: held back, on trial
     pol._trials["prefetch"].clear()
     pol._gain["prefetch"] = -0.5  # swaps lately lost routes
-    assert pol._swaps_ok("prefetch", [swap, fill]) == [fill]  # held back, on trial
+    assert pol._swaps_ok("prefetch", [swap, fill]) == [fill]
     pol.commit(pol.plan(Step(1, (5,))))  # the held-back swap would have been right
     assert pol._gain["prefetch"] > 0 and pol._swaps_ok("prefetch", [swap]) == [swap]
     pol._trials["prefetch"].clear()
