@@ -224,12 +224,16 @@ def time_block(s: BlockShape, variants=("v1", "v2", "v3"), repeat: int = 4, reps
     first = None
     try:
         for v in variants:
-            with _variant(v):
-                plan = rig.plan()
-            block_us = _time_graph(cp, plan.chain(), 1, reps, trials) / s.blocks
-            outputs = rig.outputs()
-            times = {k: _time_graph(cp, plan.kernels[k], repeat, reps, trials) / s.blocks for k in KERNELS}
-            saved = {k: block_us - _time_graph(cp, plan.chain(k), 1, reps, trials) / s.blocks for k in KERNELS}
+            try:  # a variant that fails (a refused capture, say) is reported, the others still run
+                with _variant(v):
+                    plan = rig.plan()
+                block_us = _time_graph(cp, plan.chain(), 1, reps, trials) / s.blocks
+                outputs = rig.outputs()
+                times = {k: _time_graph(cp, plan.kernels[k], repeat, reps, trials) / s.blocks for k in KERNELS}
+                saved = {k: block_us - _time_graph(cp, plan.chain(k), 1, reps, trials) / s.blocks for k in KERNELS}
+            except Exception as exc:  # noqa: BLE001 - recorded in the result
+                out["variants"][v] = {"error": " ".join(f"{type(exc).__name__}: {exc}".split())}
+                continue
             diff = 0.0 if first is None else max(float(np.max(np.abs(o - f)) / (np.max(np.abs(f)) or 1.0))
                                                  for o, f in zip(outputs, first))
             first = outputs if first is None else first
@@ -247,7 +251,7 @@ def summarize(result: dict) -> str:
     """``time_block``'s result as text: one table per variant, then the whole block's graph time
     against the sum of its kernels alone, and each kernel's time relative to the first variant."""
     b, ceil = result["bytes"], result["ceiling_gbps"]
-    names = list(result["variants"])
+    names = [v for v, r in result["variants"].items() if "error" not in r]
     out = [f"copy ceiling {ceil:.0f} GB/s (read + write); bytes per block {sum(b.values()) / 1e6:.1f} MB "
            f"-> {sum(b.values()) / (ceil * 1e3):.1f} us at the ceiling; an empty kernel node in a chain of "
            f"them: {result.get('node_us', float('nan')):.2f} us"]
@@ -258,6 +262,7 @@ def summarize(result: dict) -> str:
                 f"[{v}] whole block in one graph: {r['block_us']:.2f} us per block (kernels alone sum "
                 f"{sum(r['kernel_us'].values()):.2f}); outputs vs {names[0]}: max rel diff "
                 f"{r['max_rel_diff_vs_first']:.2e}"]
+    out += [f"[{v}] failed: {r['error']}" for v, r in result["variants"].items() if "error" in r]
     if result.get("programmatic_refused") is not None:
         out.append(f"programmatic dependent launch refused (CUDA error {result['programmatic_refused']}): "
                    "v3 ran as plain launches")

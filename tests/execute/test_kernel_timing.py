@@ -74,6 +74,8 @@ def test_summarize_two_variants():
     assert "v2 / v1 time: block 0.50; qkv 0.50" in text and "max rel diff 1.00e-07" in text
     assert "an empty kernel node in a chain of them: 1.50 us" in text and "refused" not in text
     assert "refused (CUDA error 801)" in KT.summarize({**res, "programmatic_refused": 801})
+    failed = KT.summarize({**res, "variants": {**res["variants"], "v3": {"error": "CUDAError: capture"}}})
+    assert "[v3] failed: CUDAError: capture" in failed and "v3 / v1" not in failed
 
 
 def test_decode_kernels_switch(monkeypatch):
