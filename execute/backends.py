@@ -127,14 +127,18 @@ class EngineExperts:
     def prepare(self, policy) -> None:
         """Compile the CPU kernels (first use) and upload the experts the policy placed at
         construction (profile pre-population, or all of them for ``gpu``); ``prepare_s`` then holds
-        the seconds of each (``numba_warmup_s``, ``expert_upload_s``)."""
+        the seconds of each (``numba_warmup_s``, ``expert_upload_s``). When every expert is placed
+        on the GPU no step can have a CPU pair (hits only), so the CPU kernels are not compiled (a
+        cold Numba cache takes minutes; the pool would still compile on a first call)."""
         import time
 
+        placed = dict(policy.cache.slot)
+        every = sum(l.num_experts for l in self.engine.layers if l is not None)
         t0 = time.perf_counter()
-        if self._first is not None:
+        if self._first is not None and len(placed) < every:
             self.engine.pool.warmup(self._first)
         t1 = time.perf_counter()
-        self.engine.load_residents(dict(policy.cache.slot))
+        self.engine.load_residents(placed)
         self.prepare_s = {"numba_warmup_s": t1 - t0, "expert_upload_s": time.perf_counter() - t1}
 
     def begin_layer(self, layer: int, x, ids: np.ndarray) -> None:

@@ -104,3 +104,24 @@ def test_a_file_found_finite_is_not_scanned_again_until_it_changes(tmp_path, mon
     W.check_file(good)
     W.check_file(good)
     assert len(scans) == 6
+
+
+def test_prepare_compiles_the_cpu_kernels_only_when_a_cpu_pair_can_happen(models, monkeypatch):
+    from types import SimpleNamespace
+
+    from execute.backends import EngineExperts
+    from scheduler import Capacity
+
+    w = load_model(models())
+    geo = w.info.geometry()
+    b = EngineExperts(w, Capacity.per_layer(geo, 0), 1, False)
+    calls, loaded = [], []
+    monkeypatch.setattr(b.engine.pool, "warmup", lambda layer: calls.append(layer.layer))
+    monkeypatch.setattr(b.engine, "load_residents", lambda slots: loaded.append(len(slots)))
+    every = {(l, e): e for l, n in enumerate(geo.num_experts) for e in range(n)}
+    for slots, warmed in (({}, True), (dict(list(every.items())[:-1]), True), (every, False)):
+        calls.clear()
+        b.prepare(SimpleNamespace(cache=SimpleNamespace(slot=slots)))
+        assert bool(calls) == warmed and loaded[-1] == len(slots)
+        assert set(b.prepare_s) == {"numba_warmup_s", "expert_upload_s"}
+    b.close()
