@@ -132,7 +132,8 @@ def parse_moelab(stdout: str) -> dict:
 
 
 MOELAB_FIELDS = ("prompt_tokens", "prompt_tokens_per_s", "decode_tokens", "decode_tokens_per_s", "generated",
-                 "stopped_at_eos", "cache_mib", "hit_rate", "uploads", "upload_mib", "first_token_s")
+                 "stopped_at_eos", "cache_mib", "hit_rate", "uploads", "upload_mib", "first_token_s",
+                 "first_token_breakdown")
 
 
 def measure(args, cell: dict, prompt: str, log: Path) -> dict:
