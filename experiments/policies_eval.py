@@ -40,10 +40,10 @@ ABOUT = {
     "lookahead": "Online, with the cost model: each miss to the CPU or the link, whichever gives the faster "
                  "layer by the simulator's terms (the pool's hand-off copies and each GPU batch included; never "
                  "predicted slower than uploading every miss), plus what a cached upload is worth later; residents "
-                 "ranked by recency, frequency or predict's forecast (`values`; `adaptive`: whichever a shadow "
-                 "cache hit most lately); confident cross-layer prefetch only into the link's idle window; fills "
+                 "ranked by recency, frequency or predict's forecast (`values`; `adaptive`: recency unless frequency's "
+                 "shadow caches, run as the policy admits, hit 5% more lately); confident cross-layer prefetch only into the link's idle window; fills "
                  "by the same ranking in the link's idle time between tokens; prefetch or fill swaps held back "
-                 "while an audit finds they lately cost more routes than they brought.",
+                 "until an audit finds they lately brought more routes than they cost.",
     "static": "Residents fixed from the replayed trace's own routing counts (an oracle profile); misses on the CPU.",
     "belady": "Demand-only offline optimum for hits (knows the trace); every miss uploaded or streamed, no CPU.",
     "oracle": "The ceiling: lookahead's planner fed the future (Belady residency, prefetch of the next step's "
@@ -130,7 +130,7 @@ def render(res, chosen, cs, hardware, command) -> str:
             "- `oracle` is a ceiling by construction, not by proof: a test checks it against every online policy "
             "on the evaluation set; Belady's residency is optimal for hits, not for time.",
             "- The driver completes a prefetch before the next step is planned, so a wrong prefetch cannot be "
-            "stopped on the link; lookahead only evicts it first (and its audit stops such swaps while they lose).",
+            "stopped on the link; lookahead only evicts it first (and its audit holds such swaps back until they pay).",
             "- Every trace is priced with granite's expert sizes; synthetic traces come from one generator "
             "(`traces.synth`); the real traces are small (granite 192 decode rows, switch 215 rows).",
             "- hybrid and hybrid-cost run at their own defaults (their owner tunes them); predict's grid is small.",
