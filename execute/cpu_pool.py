@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from .cpu_experts import (J_FFN, J_H, J_HIDDEN, J_T0, J_T1, J_X, JOB_FIELDS, _bad_experts, _check_call, _chunk, _fill,
+from .cpu_experts import (J_FFN, J_H, J_HIDDEN, J_NG, J_T0, J_T1, J_X, JOB_FIELDS, _bad_experts, _check_call, _chunk, _fill,
                           _group, _layer_fields, _quantize_input, _Scratch, tensor_views)
 from .cpu_simd import atomic_add, atomic_load, atomic_store, futex_wait, futex_wake, now_ns, pause
 from .experts import ExecutorError, LayerExperts
@@ -28,56 +28,120 @@ __all__ = ["CpuExpertPool", "CpuJob"]
 # The pool's thread team. ctrl (int64) holds the team's counters, each on its own cache line
 # (a GPU hand-off places ctrl in host-mapped memory: the GPU writes _C_GATE and reads _C_DONE
 # and _C_BROKEN, see execute.handoff):
-(_C_GEN, _C_DONE, _C_FIN, _C_BAR, _C_SLEEP, _C_WAIT, _C_HOLD, _C_BSLEEP, _C_BROKEN,
+# (_C_FIN: workers out of calls so far; _C_HOLD: nonzero holds the next call, for tests; _C_SPARE*:
+# unused, the layout is shared with the GPU hand-off's kernels)
+(_C_GEN, _C_DONE, _C_FIN, _C_SPARE0, _C_SLEEP, _C_WAIT, _C_HOLD, _C_SPARE1, _C_BROKEN,
  _C_GATE) = (8 * k for k in range(10))
-_BARRIER_SPINS = 4000  # pause instructions (tens of microseconds) before a barrier sleeps
 CTRL_WORDS = _CTRL = 8 * 10
 # pool-only job fields after the kernels' (cpu_experts.JOB_FIELDS): the gate value a gated call
-# waits for in ctrl[_C_GATE] (0: none), how many workers have passed it, and the first one's stamp
-J_GATE, J_GSEEN, J_TG = JOB_FIELDS, JOB_FIELDS + 1, JOB_FIELDS + 2
-_RING_FIELDS = JOB_FIELDS + 3
+# waits for in ctrl[_C_GATE] (0: none), how many hands have passed it, and the first one's stamp;
+# the hands that may take part (see _phase_chunks); per phase, chunks claimed and chunks finished; waiters asleep on a
+# phase's finished count
+J_GATE, J_GSEEN, J_TG, J_HANDS = JOB_FIELDS, JOB_FIELDS + 1, JOB_FIELDS + 2, JOB_FIELDS + 3
+_PHASES = 5  # group the pairs (one chunk), quantize x, gate+up, quantize h, down
+J_CLAIM = JOB_FIELDS + 4
+J_PFIN = J_CLAIM + _PHASES
+J_PSLEEP = J_PFIN + _PHASES
+_RING_FIELDS = J_PSLEEP + 1
+_PER_PART = 16  # compute chunks per hand at most: a hand that is done waits a short chunk's time for the rest
+_MIN_ROWS = 16  # and rows per compute chunk at least (a claim is an atomic add on a shared line)
 _GATE_NAP_NS = 20_000  # a worker that has spun past spin_ns re-checks the gate this often
 _RING = 16  # job slots: calls submitted but not yet finished, at most
 _STOP = -1  # _C_GEN value that ends the workers
-_WAIT_SPIN_NS = 1_000_000  # result()'s spin when threads < cores (see CpuExpertPool)
+_FOREVER = 1 << 62  # a worker's deadline
+_WAIT_SPIN_NS = 1_000_000  # result()'s spin when the caller has a core (see CpuExpertPool)
 _DEAD_CHECK_S = 0.05  # a result() wait looks for a dead worker this often
 _ABANDONED: list = []  # arrays of calls a stalled team may still read (see CpuExpertPool._break)
 
 
 @njit(inline="always")
-def _barrier(ctrl, team, nbar):
-    """Wait until every worker has reached barrier ``nbar + 1`` (spinning, then on a futex: a
-    descheduled worker must not cost the others their cores); the new count."""
-    target = team * (nbar + 1)
-    if atomic_add(ctrl, _C_BAR, 1) == target - 1:
-        if atomic_load(ctrl, _C_BSLEEP):
-            futex_wake(ctrl, _C_BAR)
-        return nbar + 1
+def _phase_chunks(job, phase):
+    """Chunks of ``phase`` (compute phases: known once the pairs are grouped)."""
+    if phase == 0:
+        return 1
+    hands = job[J_HANDS]
+    if phase & 1:
+        return hands
+    work = job[J_NG] * (job[J_FFN] if phase == 2 else job[J_HIDDEN])
+    return min(max(work // _MIN_ROWS, hands), hands * _PER_PART)
+
+
+@njit(inline="always")
+def _run_chunk(job, phase, c, chunks):
+    if phase == 0:
+        job[J_T0] = now_ns()
+        _group(job)
+    elif phase == 1:
+        _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, c, chunks)
+    elif phase == 2:
+        _chunk(job, c, chunks, 0)
+    elif phase == 3:
+        _quantize_input(job, job[J_H], job[J_FFN], 2, 2, c, chunks)
+    else:
+        _chunk(job, c, chunks, 1)
+
+
+@njit(inline="always")
+def _wait_phase(job, phase, chunks, spin_ns, deadline):
+    """Wait until every chunk of ``phase`` has finished (spinning up to spin_ns, then on a futex: a
+    descheduled hand must not cost the others their cores); False at ``deadline`` (ns)."""
+    t0 = now_ns()
     spins = 0
     while True:
-        v = atomic_load(ctrl, _C_BAR)
-        if v >= target:
-            return nbar + 1
+        v = atomic_load(job, J_PFIN + phase)
+        if v >= chunks:
+            return True
         spins += 1
-        if spins < _BARRIER_SPINS:
+        if spins & 63 or now_ns() - t0 < spin_ns:
             pause()
             continue
-        atomic_add(ctrl, _C_BSLEEP, 1)
-        v = atomic_load(ctrl, _C_BAR)
-        if v < target:
-            futex_wait(ctrl, _C_BAR, v, 1_000_000)
-        atomic_add(ctrl, _C_BSLEEP, -1)
+        left = deadline - now_ns()
+        if left <= 0:
+            return False
+        atomic_add(job, J_PSLEEP, 1)
+        if atomic_load(job, J_PFIN + phase) == v:
+            futex_wait(job, J_PFIN + phase, v, min(left, 1_000_000))
+        atomic_add(job, J_PSLEEP, -1)
+
+
+@njit(nogil=True, cache=True)
+def _take_part(ctrl, job, seq, spin_ns, deadline):
+    """Take part in call ``seq``: once the previous call has finished (its scratch is then free),
+    claim chunks of each phase in turn until none is left, then wait for the phase's last one. The
+    participant that finishes the last chunk stamps and publishes the call. True once it is done,
+    False at ``deadline`` (ns; a worker's is _FOREVER)."""
+    while atomic_load(ctrl, _C_DONE) < seq - 1 or atomic_load(ctrl, _C_HOLD):
+        if now_ns() > deadline:
+            return False
+        pause()
+    if job[J_GATE] and not _wait_gate(ctrl, job, spin_ns, deadline):
+        return False
+    for phase in range(_PHASES):
+        chunks = _phase_chunks(job, phase)
+        while True:
+            c = atomic_add(job, J_CLAIM + phase, 1)
+            if c >= chunks:
+                break
+            _run_chunk(job, phase, c, chunks)
+            if atomic_add(job, J_PFIN + phase, 1) == chunks - 1:
+                if phase == _PHASES - 1:
+                    job[J_T1] = now_ns()
+                    atomic_store(ctrl, _C_DONE, seq)
+                    if atomic_load(ctrl, _C_WAIT):
+                        futex_wake(ctrl, _C_DONE)
+                if atomic_load(job, J_PSLEEP):
+                    futex_wake(job, J_PFIN + phase)
+        if not _wait_phase(job, phase, chunks, spin_ns, deadline):
+            return False
+    return True
 
 
 @njit(nogil=True, cache=True)
 def _team_worker(ctrl, ring, t, team, spin_ns):
-    """Worker t of ``team``: runs every published call (slots of ``ring`` in order), spinning up to
-    spin_ns for the next one, then sleeping on a futex. Once every worker has finished the previous
-    call (its scratch is then free), worker 0 groups the pairs while all quantize a part of x; a
-    barrier; gate+up; a barrier; all quantize a part of h; a barrier; down. The last worker to
-    finish a call stamps and publishes it."""
+    """Worker t of ``team`` worker threads: takes part in every published call (slots of ``ring``
+    in order), spinning up to spin_ns for the next one, then sleeping on a futex; counts itself out
+    of each call in ctrl[_C_FIN] (a ring slot is reused only once every worker has left it)."""
     seq = 0
-    nbar = 0
     while True:
         t0 = now_ns()
         spins = 0
@@ -93,33 +157,29 @@ def _team_worker(ctrl, ring, t, team, spin_ns):
         if atomic_load(ctrl, _C_GEN) == _STOP:
             return
         seq += 1
-        job = ring[seq % _RING]
-        while atomic_load(ctrl, _C_FIN) < team * (seq - 1) or (t == 0 and atomic_load(ctrl, _C_HOLD)):
-            pause()  # the previous call's scratch is free once every worker has finished it
-        if t == 0:
-            job[J_T0] = now_ns()
-            _group(job)
-        if job[J_GATE]:
-            _wait_gate(ctrl, job, spin_ns)
-        _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, t, team)
-        nbar = _barrier(ctrl, team, nbar)
-        _chunk(job, t, team, 0)
-        nbar = _barrier(ctrl, team, nbar)
-        _quantize_input(job, job[J_H], job[J_FFN], 2, 2, t, team)
-        nbar = _barrier(ctrl, team, nbar)
-        _chunk(job, t, team, 1)
-        if atomic_add(ctrl, _C_FIN, 1) == team * seq - 1:
-            job[J_T1] = now_ns()
-            atomic_store(ctrl, _C_DONE, seq)
-            if atomic_load(ctrl, _C_WAIT):
-                futex_wake(ctrl, _C_DONE)
+        _take_part(ctrl, ring[seq % _RING], seq, spin_ns, _FOREVER)
+        atomic_add(ctrl, _C_FIN, 1)
+
+
+@njit(nogil=True, cache=True)
+def _help(ctrl, ring, seq, spin_ns, timeout_ns):
+    """The caller's share while it waits for call ``seq``: takes part in the unfinished calls up to
+    ``seq``, in order; False after timeout_ns."""
+    deadline = now_ns() + timeout_ns
+    k = atomic_load(ctrl, _C_DONE) + 1
+    while k <= seq:
+        if not _take_part(ctrl, ring[k % _RING], k, spin_ns, deadline):
+            return False
+        k = max(k + 1, atomic_load(ctrl, _C_DONE) + 1)
+    return True
 
 
 @njit(inline="always")
-def _wait_gate(ctrl, job, spin_ns):
+def _wait_gate(ctrl, job, spin_ns, deadline):
     """Wait until ctrl[_C_GATE] reaches the call's gate (written by the GPU once the call's inputs
     are in place) or the pool is marked broken: spin up to spin_ns, then nap _GATE_NAP_NS at a
-    time (nobody can wake a futex from the GPU). The first worker through stamps J_TG."""
+    time (nobody can wake a futex from the GPU); False at ``deadline``. The first participant
+    through stamps J_TG."""
     gate = job[J_GATE]
     t0 = now_ns()
     spins = 0
@@ -131,9 +191,12 @@ def _wait_gate(ctrl, job, spin_ns):
         if spins & 63 or now_ns() - t0 < spin_ns:
             pause()
             continue
+        if now_ns() > deadline:
+            return False
         futex_wait(ctrl, _C_GATE, v, _GATE_NAP_NS)
     if atomic_add(job, J_GSEEN, 1) == 0:
         job[J_TG] = now_ns()
+    return True
 
 
 @njit(nogil=True, cache=True)
@@ -145,15 +208,17 @@ def _publish(ctrl, seq):
 
 
 @njit(nogil=True, cache=True)
-def _launch(ctrl, job, seq, e, x, y, num_experts, fixed, scratch, gate):
-    """Fill ``job`` (see cpu_experts._fill) and publish it as call ``seq``, gated on ctrl[_C_GATE]
-    >= ``gate`` (0: not gated); False, with nothing written or published, when an expert id is
-    out of range."""
+def _launch(ctrl, job, seq, e, x, y, num_experts, fixed, scratch, gate, hands):
+    """Fill ``job`` (see cpu_experts._fill) and publish it as call ``seq`` for ``hands`` hands
+    (see _phase_chunks), gated on ctrl[_C_GATE] >= ``gate`` (0: not gated); False, with nothing
+    written or published, when an expert id is out of range."""
     if not _fill(job, e, x, y, num_experts, fixed, scratch):
         return False
     job[J_GATE] = gate
     job[J_GSEEN] = 0
     job[J_TG] = 0
+    job[J_HANDS] = hands
+    job[J_CLAIM:_RING_FIELDS] = 0
     _publish(ctrl, seq)
     return True
 
@@ -175,6 +240,18 @@ def _wait_done(ctrl, seq, spin_ns, timeout_ns):
         if done < seq:
             futex_wait(ctrl, _C_DONE, done, 1_000_000)
         atomic_add(ctrl, _C_WAIT, -1)
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _wait_left(ctrl, seq, workers, timeout_ns):
+    """Wait until every worker has left call ``seq`` (its ring slot is then free); False after
+    timeout_ns."""
+    t0 = now_ns()
+    while atomic_load(ctrl, _C_FIN) < workers * seq:
+        if now_ns() - t0 > timeout_ns:
+            return False
+        pause()
     return True
 
 
@@ -243,7 +320,10 @@ class CpuJob:
             while True:  # in slices: a worker that died ends the wait within one
                 left = pool.timeout_s - (time.perf_counter() - self.submitted_s)
                 wait_ns = int(max(min(left, _DEAD_CHECK_S), 0.0) * 1e9)
-                if _wait_done(pool._ctrl, self._seq, pool._wait_spin_ns, wait_ns):
+                if pool._dead:
+                    pool._break(f"layer {self.layer}: {pool._dead}")
+                if (_help(pool._ctrl, pool._ring, self._seq, pool._wait_spin_ns, wait_ns)
+                        and _wait_done(pool._ctrl, self._seq, pool._wait_spin_ns, wait_ns)):
                     break
                 if pool._dead or left <= _DEAD_CHECK_S:
                     pool._break(f"layer {self.layer}: " + (pool._dead or f"CPU experts did not finish within "
@@ -270,24 +350,33 @@ class CpuJob:
 
 
 class CpuExpertPool:
-    """A team of ``threads`` native worker threads running the expert kernels.
+    """``threads`` hands running the expert kernels: native worker threads and the caller.
 
     The workers are Numba ``nogil`` functions on daemon threads: they never take the GIL. A call is
-    written into a slot of a ring of job descriptions and published through an atomic counter;
-    workers spin up to ``spin_us`` after each call for the next one (a hot team starts a call in
-    about a microsecond), then sleep on a futex (waking costs a system call and the scheduler's
-    latency). ``result()`` spins the same time (1 ms when ``threads`` leaves the caller a core),
-    then sleeps. ``spin_us`` defaults to the environment's ``MOELAB_POOL_SPIN_US``, else 2000 us
-    when ``threads`` leaves the caller a core and 100 us otherwise (``_default_spin_us``): a
-    decode step's GPU part between two CPU layers is longer than 100 us, and a team woken from
-    its futex costs the layer a wake-up of every worker. Inputs and outputs are read and
-    written in place (``out=`` e.g. page-locked memory): no copies. Calls are submitted from one
-    thread at a time (the engine's); results may be collected in any order.
+    written into a slot of a ring of job descriptions and published through an atomic counter; its
+    five phases (group the pairs, quantize x, gate+up, quantize h, down) are cut into chunks that
+    whoever takes part claims one at a time, so no hand waits for another to arrive. ``result()``
+    takes part too (the caller would otherwise only wait), which lets a team that would take every
+    core leave the caller one: ``threads`` - 1 workers when ``threads`` >= the host's cores, else
+    ``threads`` workers (``workers``). Workers spin up to ``spin_us`` after each call for the next
+    one (a hot team starts a call in about a microsecond), then sleep on a futex (waking costs a
+    system call and the scheduler's latency). ``result()``, its share done, spins as long (1 ms
+    when ``threads`` leaves a core free), then sleeps. ``spin_us`` defaults to the environment's
+    ``MOELAB_POOL_SPIN_US``, else 2000 us when ``threads`` leaves a core free and 100 us otherwise
+    (``_default_spin_us``): a decode step's GPU part between two CPU layers is longer than 100 us,
+    and a team woken from its futex costs the layer a wake-up of every worker, while a team on
+    every core that spins long takes the cores of whatever else runs between two calls.
+    A call the caller never collects still runs (the workers need no one else). Inputs and outputs
+    are read and written in place (``out=`` e.g. page-locked memory): no copies. Calls are
+    submitted from one thread at a time (the engine's); results may be collected in any order.
     """
 
     def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float | None = None,
                  ctrl: np.ndarray | None = None):
         cores = os.cpu_count() or 1
+        # the caller takes a share of the work in result(): a team that would take every core
+        # leaves it one (threads - 1 workers), and a team of fewer gets one more hand
+        self.workers = int(threads) - 1 if 1 < threads >= cores else int(threads)
         if spin_us is None:
             spin_us = _default_spin_us(threads < cores)
         if threads < 1 or threads > max(cores, numba.config.NUMBA_NUM_THREADS):
@@ -349,17 +438,18 @@ class CpuExpertPool:
         # the team's loop is compiled here, on the caller's thread and outside any wait: with a cold
         # Numba cache it compiles every kernel type (over a minute on a loaded 2-core host), time a
         # result() timeout would otherwise count against the first call (a cache hit loads it)
-        _team_worker.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self.threads,
+        _team_worker.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self.workers,
                                                                 self._spin_ns)))
+        _help.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self._spin_ns, 0)))
         # and what stopping the team calls from Python: a pool dropped without close() is stopped by
         # a finalizer, which may run inside an import (the garbage collector's moment), where a
         # first compile failed (a circular numba import) and left the team running
         i64, ctrl = numba.typeof(0), numba.typeof(self._ctrl)
         _publish.compile((ctrl, i64))
         _wait_done.compile((ctrl, i64, i64, i64))
-        for t in range(self.threads):
+        for t in range(self.workers):
             w = threading.Thread(target=_guarded_worker, name=f"moelab-cpu-experts-{t}", daemon=True,
-                                 args=(self._ctrl, self._ring, t, self.threads, self._spin_ns, weakref.ref(self)))
+                                 args=(self._ctrl, self._ring, t, self.workers, self._spin_ns, weakref.ref(self)))
             w.start()
             self._workers.append(w)
 
@@ -389,12 +479,15 @@ class CpuExpertPool:
         if seq - int(self._ctrl[_C_DONE]) > _RING and not _wait_done(self._ctrl, seq - _RING, self._spin_ns,
                                                                       int(self.timeout_s * 1e9)):
             self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
+        if seq > _RING and not _wait_left(self._ctrl, seq - _RING, self.workers, int(self.timeout_s * 1e9)):
+            self._break(f"layer {layer.layer}: the CPU expert team did not leave call {seq - _RING} within "
+                        f"{self.timeout_s} s")
         if self._tracked:
             self._tracked = [j for j in self._tracked if not j.poll()]
         arrays, scratch = self._scratch.fields(len(e), layer.hidden, layer.ffn)
         try:
             launched = _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch,
-                               seq if gated else 0)
+                               seq if gated else 0, self.workers + 1)
         except Exception as exc:  # reported by result(), like a bad argument
             job._error = exc
             return self._failed(job, gated)

@@ -162,6 +162,41 @@ def test_pool_queues_more_calls_than_its_ring(rng, reference):
             assert rel_err(job.result(), reference(layer, [k % 4, (k + 1) % 4], x)) < REL_ERR_INT8
 
 
+
+def test_the_caller_takes_a_share_and_the_workers_need_no_caller(rng, reference, monkeypatch):
+    """A team that would take every core leaves the caller one; result() takes part in the call
+    (here the only hand: the workers exit at once), and a call nobody collects still runs."""
+    import os
+    import time
+
+    cores = os.cpu_count() or 1
+    assert CpuExpertPool(threads=cores).workers == max(cores - 1, 1)
+    assert cores == 1 or CpuExpertPool(threads=cores - 1).workers == cores - 1
+    layer = random_layer(rng, 4, 4, 256, 256, Q.Q8_0)
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    ids = [3, 1, 1, 0, 2, 3, 3, 1]
+    def leaves(*args):
+        return None
+
+    leaves.compile = cpu_pool._team_worker.compile  # the pool compiles the team's loop before starting it
+    monkeypatch.setattr(cpu_pool, "_team_worker", leaves)
+    with CpuExpertPool(threads=2, timeout_s=60, spin_us=0) as pool:
+        jobs = [pool.submit(layer, ids[k:] + ids[:k], x) for k in range(3)]
+        assert all(w.join(10) or not w.is_alive() for w in pool._workers)
+        assert not jobs[0].done()  # no worker left: nothing ran
+        for k in (2, 0, 1):  # collecting the last one runs the earlier ones first
+            assert rel_err(jobs[k].result(), reference(layer, ids[k:] + ids[:k], x)) < REL_ERR_INT8
+    monkeypatch.undo()
+    with CpuExpertPool(threads=2, timeout_s=60, spin_us=0) as pool:
+        jobs = [pool.submit(layer, ids[k:] + ids[:k], x, track=True) for k in range(3)]
+        t0 = time.perf_counter()
+        while not all(j.poll() for j in jobs) and time.perf_counter() - t0 < 30:
+            time.sleep(0.001)
+        assert all(j.done() and j.started_s <= j.finished_s for j in jobs)
+        for k, job in enumerate(jobs):
+            assert rel_err(job.result(), reference(layer, ids[k:] + ids[:k], x)) < REL_ERR_INT8
+
+
 # Shapes for the property test: (hidden, ffn) multiples of each type's block
 BLOCK = {t: (256 if t in (Q.Q4_K, Q.Q6_K) else 32 if t not in FLOATS else 8) for t in ALL}
 
