@@ -42,6 +42,7 @@ from numba import njit, prange  # noqa: E402
 from execute import cpu_experts as new  # noqa: E402
 from execute import cpu_experts_baseline as old  # noqa: E402
 from execute import cpu_simd  # noqa: E402
+from execute.cpu_pool import CpuExpertPool  # noqa: E402
 from execute import quant as Q  # noqa: E402
 from execute.experts import ExpertTensor, LayerExperts, random_layer  # noqa: E402
 
@@ -132,7 +133,7 @@ def rates(layer: LayerExperts, shape: tuple, threads: int, reps: int, clock, rng
     out = []
     for isa in isas:
         os.environ["MOELAB_CPU_ISA"] = isa  # read when the pool's scratch is made
-        with new.CpuExpertPool(threads, timeout_s=120, spin_us=spin_us) as pool:  # its team spins between calls
+        with CpuExpertPool(threads, timeout_s=120, spin_us=spin_us) as pool:  # its team spins between calls
             tn = [_timed(lambda: pool.submit(layer, pairs, x).result(), clock) for pairs, x in work]
         out.append(nbytes / float(np.median(tn[1:])) / 1e9)
     return o, out
@@ -142,7 +143,7 @@ def empty_call_us(threads: int, reps: int, rng: np.random.Generator) -> float:
     """Median submit -> result round trip of a call with no pairs (the team's hand-off alone)."""
     layer = random_layer(rng, 0, 2, 256, 256, Q.Q8_0, exact=False)
     x = np.zeros((0, 256), np.float32)
-    with new.CpuExpertPool(threads, timeout_s=120) as pool:
+    with CpuExpertPool(threads, timeout_s=120) as pool:
         pool.submit(layer, [], x).result()
         ts = [_timed(lambda: pool.submit(layer, [], x).result()) for _ in range(reps)]
     return float(np.median(ts)) * 1e6
@@ -152,7 +153,7 @@ def first_call_s(rng: np.random.Generator) -> float:
     """Seconds from this script's start to the end of its first pool call (imports, Numba's cache
     or compilation, thread start)."""
     layer = random_layer(rng, 0, 2, 256, 256, Q.Q8_0, exact=False)
-    with new.CpuExpertPool(1, timeout_s=600) as pool:
+    with CpuExpertPool(1, timeout_s=600) as pool:
         pool.submit(layer, [0], np.ones((1, 256), np.float32)).result()
     return time.perf_counter() - T_START
 
