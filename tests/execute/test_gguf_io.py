@@ -255,10 +255,10 @@ def test_mla_split_layout_that_does_not_fit_its_rank_is_named(tmp_path):
         gguf_model.load_model(path)
 
 
-@pytest.mark.parametrize("quant,down", [("Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("IQ4_XS", "Q5_K"), ("Q3_K", "IQ2_XXS")])
+@pytest.mark.parametrize("quant,down", [("Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("IQ4_XS", "Q5_K"), ("Q3_K", "IQ2_XS")])
 def test_mixed_type_files_run_on_the_cpu_kernels(quant, down, tmp_path, rng):
     """Q4_K_M / Q5_K_M / UD-style files (a type per projection) load with cpu_only: every expert
-    tensor the CPU pool reads stays raw and goes through its kernel; the rest (IQ2_XXS here) is
+    tensor the CPU pool reads stays raw and goes through its kernel; the rest (IQ2_XS here) is
     dequantized to F16 at load; the kernels' outputs match gguf-py's dequantized weights."""
     from execute import quant as Q
     from execute.cpu_experts import run_experts
