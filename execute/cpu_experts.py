@@ -15,8 +15,9 @@ job field (``cpu_simd.choose_isa``: ``MOELAB_CPU_ISA``, else the host's best): `
 (``vpdpbusd``), ``avx2`` (``vpmaddubsw`` + ``vpmaddwd``, whose int16 pair sums need unsigned
 weight bytes <= 127: signed weights go through |w| and sign(x, w)) and ``plain``. Types: every
 one of ``quant.CPU_QTYPES``. Float weights (F32, F16, BF16) are dotted with float32 x. A call
-runs in two phases, gate+up then down, each split into equal runs of (expert group, row) work,
-one per thread.
+runs in two phases, gate+up then down, over the flat (expert group, row) work: ``run_experts``
+splits each into equal runs, one per thread; the pool into chunks its hands claim (``cpu_pool``).
+The lattice i-quants' dots are in ``execute.cpu_iq``.
 
 ``CpuExpertPool`` (``execute.cpu_pool``) runs calls on a team of native threads (Numba ``nogil`` functions that never
 take the GIL) fed through a ring of job descriptions; ``submit`` returns at once, ``CpuJob.result``
@@ -46,7 +47,7 @@ from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, comb256, dpbusd_isa, sign_abs, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
                        addr, load_nib32, load_u8, load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8,
                        lut16, nib_hi, nib_lo, vand, vor, vshl, vshr, xor80, zero_f32, zero_i32)
-from .cpu_iq import IQ_TABLES, dot_iq_xxs
+from .cpu_iq import IQ_TABLES, dot_iq_s, dot_iq_xxs
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
 
@@ -55,7 +56,8 @@ __all__ = ["run_experts", "tensor_views"]
 _Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16
 _MXFP4 = Q.MXFP4
 _Q4_1, _Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS = Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS
-_Q2_K, _Q3_K, _IQ2_XXS, _IQ3_XXS = Q.Q2_K, Q.Q3_K, Q.IQ2_XXS, Q.IQ3_XXS
+_Q2_K, _Q3_K = Q.Q2_K, Q.Q3_K
+_IQ2_XXS, _IQ3_XXS, _IQ2_XS, _IQ2_S, _IQ3_S = Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_S
 # code tables (lut16): bytes 0-15 MXFP4 code -> integer value + 12 (0..24, unsigned for dpbusd; the
 # 12 comes off through the sums); bytes 16-31 IQ4_NL/IQ4_XS code -> level (signed, see _sdot); from
 # byte 32 (_IQX) cpu_iq's sign table and grids
@@ -369,6 +371,9 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
         return _dot_iq4(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table, qt == _IQ4_XS)
     if qt == _IQ2_XXS or qt == _IQ3_XXS:
         return dot_iq_xxs(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table + _IQX, qt == _IQ3_XXS)
+    if qt == _IQ2_XS or qt == _IQ2_S or qt == _IQ3_S:
+        kind = 0 if qt == _IQ2_XS else 1 if qt == _IQ2_S else 2
+        return dot_iq_s(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table + _IQX, kind)
     if qt == _MXFP4:
         return _dot_mxfp4(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, table, isa)
     return _dot_float(qt, w, row * cols, x, i * cols, cols)

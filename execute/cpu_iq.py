@@ -1,12 +1,12 @@
-"""CPU row kernels of the lattice i-quants IQ2_XXS and IQ3_XXS, with integer dots.
+"""CPU row kernels of the lattice i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): integer dots.
 
-Per 32 weights both types store grid indices (IQ2_XXS: 4 bytes, 8 weights each; IQ3_XXS: 8
-bytes, 4 weights each) and one u32 whose four 7-bit fields index ``KSIGNS`` (eight signs each)
-and whose top nibble s scales the group: w = d (0.5 + s) / 4 (IQ3_XXS: / 2) * grid * sign. The
-grid values are unsigned bytes <= 62, so a group's dot is grid . (x with the signs applied): one
-gather of the 32 grid bytes, the signs as a 32-bit mask negating activation bytes (which avoid
--128), and the same integer dot as every other type (``cpu_simd.dpbusd_isa``: exact on the avx2
-path too, the weight bytes being <= 127), per activation level.
+Per 32 weights each type stores grid indices (IQ2_*: 4, 8 weights each; IQ3_*: 8, 4 weights
+each), 32 signs and one or two scales (see ``quant``'s layout table). The grid values are
+unsigned bytes <= 62, so a group's dot is grid . (x with the signs applied): one gather of the
+32 grid bytes, the signs as a 32-bit mask negating activation bytes (which avoid -128), and the
+same integer dot as every other type (``cpu_simd.dpbusd_isa``: exact on the avx2 path too, the
+weight bytes being <= 127), per activation level. IQ2_XS and IQ2_S scale each 16 weights: lanes
+0-3 and 4-7 of the dot take their own scale (``fma_cvt2``).
 
 ``IQ_TABLES`` (KSIGNS, then each grid as bytes) sits at ``cpu_experts``' code tables; the kernels
 take its address.
@@ -18,16 +18,22 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .cpu_simd import I8x32, comb256, dpbusd_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, load_u8, zero_f32, zero_i32
+from .cpu_simd import (I8x32, comb256, dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8x32, load_u8,
+                       zero_f32, zero_i32)
 from .iq_grids import KSIGNS, grid
 
-__all__ = ["IQ_TABLES", "dot_iq_xxs"]
+__all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s"]
 
-_KS, _G2 = 0, 128  # byte offsets in IQ_TABLES: KSIGNS, IQ2_XXS's grid (256 x 8), IQ3_XXS's (256 x 4)
+# byte offsets in IQ_TABLES: KSIGNS, then the grids as bytes: IQ2_XXS (256 x 8), IQ3_XXS (256 x 4),
+# IQ2_XS (512 x 8), IQ2_S (1024 x 8), IQ3_S (512 x 4)
+_KS, _G2 = 0, 128
 _G3 = _G2 + 256 * 8
-IQ_TABLES = np.concatenate([KSIGNS, grid("IQ2_XXS").astype(np.uint8).reshape(-1),
-                            grid("IQ3_XXS").astype(np.uint8).reshape(-1)])
-assert IQ_TABLES.size == _G3 + 256 * 4
+_G2XS = _G3 + 256 * 4
+_G2S = _G2XS + 512 * 8
+_G3S = _G2S + 1024 * 8
+IQ_TABLES = np.concatenate([KSIGNS] + [grid(n).astype(np.uint8).reshape(-1)
+                                       for n in ("IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ3_S")])
+assert IQ_TABLES.size == _G3S + 512 * 4
 
 
 def _gather(k: int, width: int):
@@ -58,6 +64,42 @@ def _gather(k: int, width: int):
 
 gather8x4 = _gather(4, 8)  # IQ2_XXS: four 8-byte grid entries
 gather4x8 = _gather(8, 4)  # IQ3_XXS: eight 4-byte grid entries
+
+
+def _gather_at(k: int, width: int):
+    """An intrinsic (table, i_0, .., i_{k-1}) -> I8x32: entries i_j (``width`` bytes each) of the
+    table at address ``table``, side by side."""
+    lane = ir.IntType(8 * width)
+    vec = ir.VectorType(lane, k)
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        t = context.cast(builder, args[0], sig.args[0], types.int64)
+        v = ir.Constant(vec, ir.Undefined)
+        for j in range(k):
+            off = builder.mul(context.cast(builder, args[1 + j], sig.args[1 + j], types.int64), ir.Constant(i64, width))
+            e = builder.load(builder.inttoptr(builder.add(t, off), ir.PointerType(lane)), align=1)
+            v = builder.insert_element(v, e, ir.Constant(ir.IntType(32), j))
+        return builder.bitcast(v, ir.VectorType(ir.IntType(8), 32))
+
+    def typer(args):
+        return I8x32(*args) if len(args) == k + 1 and all(isinstance(a, types.Integer) for a in args) else None
+
+    if k == 4:
+        @intrinsic
+        def gather(typingctx, table, i0, i1, i2, i3):
+            sig = typer((table, i0, i1, i2, i3))
+            return None if sig is None else (sig, codegen)
+    else:
+        @intrinsic
+        def gather(typingctx, table, i0, i1, i2, i3, i4, i5, i6, i7):
+            sig = typer((table, i0, i1, i2, i3, i4, i5, i6, i7))
+            return None if sig is None else (sig, codegen)
+    return gather
+
+
+gather8x4_at = _gather_at(4, 8)  # IQ2_XS, IQ2_S: four 8-byte entries of computed index
+gather4x8_at = _gather_at(8, 4)  # IQ3_S: eight 4-byte entries
 
 
 @intrinsic
@@ -121,3 +163,65 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xb, l2, isa, table, three):
             acc = fma_cvt(acc, v, db * load_f32(xd, xb + 8 * b + g))
     return hsum(acc)
 
+
+
+@njit(inline="always")
+def _dot32(q, xq, a, l2, bits, isa):
+    """The group's integer dot per lane: grid bytes q . activations at byte a (both levels) with
+    the signs ``bits`` applied."""
+    v = dpbusd_isa(isa, zero_i32(), q, neg_where(load_i8x32(xq, a), bits))
+    if l2:
+        v = comb256(v, dpbusd_isa(isa, zero_i32(), q, neg_where(load_i8x32(xq, a + l2), bits)))
+    return v
+
+
+@njit(inline="always")
+def _idx9(w, p, j):
+    """IQ2_XS: entry j's u16 at w + p: grid index (low 9 bits), KSIGNS index (high 7)."""
+    return np.int64(load_u8(w, p + 2 * j)) | (np.int64(load_u8(w, p + 2 * j + 1)) << 8)
+
+
+@njit(inline="always", fastmath=True)
+def dot_iq_s(w, o, nb, xq, xo, xd, xb, l2, isa, table, kind):
+    """Row from byte o of w (nb 32-weight groups) . the int8 activations: kind 0 IQ2_XS (74-byte
+    blocks: f16 d, u16 qs[32], u8 scales[8]), 1 IQ2_S (82: f16 d, u8 qs[32], u8 signs[32], u8
+    qh[8], u8 scales[8]), 2 IQ3_S (110: f16 d, u8 qs[64], u8 qh[8], u8 signs[32], u8 scales[4]);
+    ``table``: IQ_TABLES' address."""
+    acc = zero_f32()
+    bs = 74 if kind == 0 else 82 if kind == 1 else 110
+    for b in range(nb // 8):
+        p = o + bs * b
+        d = load_f16(w, p)
+        for g in range(8):
+            a = xo + 256 * b + 32 * g
+            x = load_f32(xd, xb + 8 * b + g)
+            if kind == 2:
+                qh = np.int64(load_u8(w, p + 66 + g))
+                i = p + 2 + 8 * g
+                q = gather4x8_at(table + _G3S, load_u8(w, i) | ((qh & 1) << 8), load_u8(w, i + 1) | ((qh & 2) << 7),
+                                 load_u8(w, i + 2) | ((qh & 4) << 6), load_u8(w, i + 3) | ((qh & 8) << 5),
+                                 load_u8(w, i + 4) | ((qh & 16) << 4), load_u8(w, i + 5) | ((qh & 32) << 3),
+                                 load_u8(w, i + 6) | ((qh & 64) << 2), load_u8(w, i + 7) | ((qh & 128) << 1))
+                sc = (np.int64(load_u8(w, p + 106 + g // 2)) >> (4 * (g % 2))) & 15
+                v = _dot32(q, xq, a, l2, _u32(w, p + 74 + 4 * g), isa)
+                acc = fma_cvt(acc, v, d * np.float32(1 + 2 * sc) * x)
+                continue
+            if kind == 0:
+                i = p + 2 + 8 * g
+                e0, e1, e2, e3 = _idx9(w, i, 0), _idx9(w, i, 1), _idx9(w, i, 2), _idx9(w, i, 3)
+                q = gather8x4_at(table + _G2XS, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
+                bits = (np.int64(load_u8(table, _KS + (e0 >> 9))) | (np.int64(load_u8(table, _KS + (e1 >> 9))) << 8)
+                        | (np.int64(load_u8(table, _KS + (e2 >> 9))) << 16)
+                        | (np.int64(load_u8(table, _KS + (e3 >> 9))) << 24))
+                sc = np.int64(load_u8(w, p + 66 + g))
+            else:
+                qh = np.int64(load_u8(w, p + 66 + g))
+                i = p + 2 + 4 * g
+                q = gather8x4_at(table + _G2S, load_u8(w, i) | ((qh & 3) << 8), load_u8(w, i + 1) | ((qh & 12) << 6),
+                                 load_u8(w, i + 2) | ((qh & 48) << 4), load_u8(w, i + 3) | ((qh & 192) << 2))
+                bits = _u32(w, p + 34 + 4 * g)
+                sc = np.int64(load_u8(w, p + 74 + g))
+            v = _dot32(q, xq, a, l2, bits, isa)
+            acc = fma_cvt2(acc, v, d * (np.float32(0.5) + np.float32(sc & 15)) * np.float32(0.25) * x,
+                           d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25) * x)
+    return hsum(acc)

@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     main_rows, core_rows = [], []
     for qt in types:
         name = Q.LAYOUTS[qt].name
-        per_expert = 2 * args.ffn * Q.row_bytes(qt, args.hidden) + args.hidden * Q.row_bytes(qt, args.ffn)
+        per_expert = (2 * args.ffn * Q.row_bytes(qt, args.hidden, "--types", Q.CPU_QTYPES)
+                      + args.hidden * Q.row_bytes(qt, args.ffn, "--types", Q.CPU_QTYPES))
         experts = args.experts or max(64, -(-2 * l3 // per_expert // 8) * 8)
         layer = big_layer(qt, experts, args.hidden, args.ffn, rng)
         for shape in SHAPES:

@@ -44,8 +44,8 @@ def rel_err(y, ref) -> float:
 
 @pytest.mark.parametrize("qtype", NEW, ids=[Q.LAYOUTS[t].name for t in NEW])
 def test_new_types_match_gguf_on_every_path(qtype, rng):
-    """Q4_1, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS against gguf-py's dequantizer and a float64 product;
-    the paths agree bit for bit (their integer dots are exact)."""
+    """Every type beyond the common ones (Q4_1 .. Q5_K, IQ2_XXS .. IQ4_XS) against gguf-py's
+    dequantizer and a float64 product; the paths agree bit for bit (their integer dots are exact)."""
     k = Q.LAYOUTS[qtype].block_weights
     hidden, ffn = (512, 256) if k == 256 else (160, 96)  # 32-weight types: 5- and 3-block rows, odd row starts
     layer = layer_of(rng, qtype, 4, hidden, ffn)

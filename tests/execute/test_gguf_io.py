@@ -89,7 +89,7 @@ def test_expert_type_without_a_kernel_is_dequantized_to_f16_at_load(tmp_path, rn
     from execute import quant as Q
 
     cfg = tiny_config("Q4_K")  # rows of 256
-    qt = Q.IQ2_XS  # no expert kernel reads it
+    qt = Q.IQ1_S  # no expert kernel reads it
     blocks = {}
 
     def make(shape):
@@ -100,7 +100,7 @@ def test_expert_type_without_a_kernel_is_dequantized_to_f16_at_load(tmp_path, rn
     info = gguf_io.read_model_info(path)
     assert info.expert_bytes[1] != info.expert_bytes[0]  # the file's sizes
     paths = gguf_io.qtype_paths(info)
-    assert paths["IQ2_XS"] == "experts: dequantized to F16 at load"
+    assert paths["IQ1_S"] == "experts: dequantized to F16 at load"
     assert paths["Q4_K"].startswith("experts: CPU kernel, GPU kernel")
     w = gguf_model.load_model(path)
     up, gate = w.experts[1].up, w.experts[1].gate
@@ -255,10 +255,10 @@ def test_mla_split_layout_that_does_not_fit_its_rank_is_named(tmp_path):
         gguf_model.load_model(path)
 
 
-@pytest.mark.parametrize("quant,down", [("Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("IQ4_XS", "Q5_K"), ("Q3_K", "IQ2_XS")])
+@pytest.mark.parametrize("quant,down", [("Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("IQ4_XS", "Q5_K"), ("Q3_K", "IQ1_S")])
 def test_mixed_type_files_run_on_the_cpu_kernels(quant, down, tmp_path, rng):
     """Q4_K_M / Q5_K_M / UD-style files (a type per projection) load with cpu_only: every expert
-    tensor the CPU pool reads stays raw and goes through its kernel; the rest (IQ2_XS here) is
+    tensor the CPU pool reads stays raw and goes through its kernel; the rest (IQ1_S here) is
     dequantized to F16 at load; the kernels' outputs match gguf-py's dequantized weights."""
     from execute import quant as Q
     from execute.cpu_experts import run_experts

@@ -56,7 +56,7 @@ def test_gate_keeps_gpu_read_cpu_types_raw(tmp_path):
     assert w.info.expert_bytes == gguf_io.read_model_info(path).expert_bytes  # what moves is what is stored
     paths = gguf_io.qtype_paths(gguf_io.read_model_info(path))
     assert paths["Q5_K"] == "experts: CPU kernel, GPU kernel decoding weight by weight (no token graph)"
-    iq = synth.synth_model(tmp_path / "iq.gguf", tiny_config("Q4_K", down_quant="IQ2_XS", num_layers=1,
+    iq = synth.synth_model(tmp_path / "iq.gguf", tiny_config("Q4_K", down_quant="IQ1_S", num_layers=1,
                                                              hidden=256, ffn=256))
     assert gguf_model.load_model(iq).experts[0].down.qtype == Q.F16
 
