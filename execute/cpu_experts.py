@@ -48,10 +48,13 @@ from .cpu_simd import (bits32, choose_isa, comb256, dpbusd_isa, sign_abs, fma_cv
                        addr, load_nib32, load_u8, load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8,
                        lut16, nib_hi, nib_lo, vand, vor, vshl, vshr, xor80, zero_f32, zero_i32)
 from .cpu_iq import IQ_TABLES, dot_iq_s, dot_iq_xxs
+from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
 
 __all__ = ["run_experts", "tensor_views"]
+
+drop_stale_kernel_caches()  # before any kernel here or in cpu_pool is loaded from Numba's cache
 
 _Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16
 _MXFP4 = Q.MXFP4

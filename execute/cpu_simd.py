@@ -590,3 +590,36 @@ def now_ns(typingctx):
         ns = builder.load(builder.gep(ts, [ir.Constant(_I32, 0), ir.Constant(_I32, 1)]))
         return builder.add(builder.mul(s, ir.Constant(_I64, 1_000_000_000)), ns)
     return types.int64(), codegen
+
+
+def drop_stale_kernel_caches(modules: tuple[str, ...] = ("cpu_simd", "cpu_iq", "cpu_experts", "cpu_pool")) -> bool:
+    """Numba keys a cached function on its own source file alone: a kernel cached in cpu_pool.py
+    would keep calling the old code of a changed cpu_experts.py. So the cache indexes of these
+    modules (this package's ``__pycache__``, or NUMBA_CACHE_DIR) are dropped whenever the digest
+    of their sources changes; True when they were. Called before any of their kernels runs."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from numba.core import config
+
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha1(b"".join((here / f"{m}.py").read_bytes() for m in modules)).hexdigest()
+    cache = Path(config.CACHE_DIR) / here.relative_to(here.anchor) if config.CACHE_DIR else here / "__pycache__"
+    stamp = cache / "moelab-kernels.sha1"
+    try:
+        if stamp.read_text() == digest:
+            return False
+    except OSError:
+        pass
+    try:
+        for m in modules:
+            for f in cache.glob(f"{m}.*.nbi"):
+                f.unlink(missing_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = stamp.with_suffix(f".{os.getpid()}")
+        tmp.write_text(digest)
+        tmp.replace(stamp)
+    except OSError:  # a read-only tree: Numba caches elsewhere (or not at all)
+        return False
+    return True
