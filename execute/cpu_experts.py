@@ -47,7 +47,7 @@ from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, comb256, dpbusd_isa, sign_abs, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
                        addr, load_nib32, load_u8, load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8,
                        lut16, nib_hi, nib_lo, vand, vor, vshl, vshr, xor80, zero_f32, zero_i32)
-from .cpu_iq import IQ_TABLES, dot_iq_s, dot_iq_xxs
+from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -60,7 +60,8 @@ _Q8_0, _Q4_0, _Q4_K, _Q6_K, _F32, _F16, _BF16 = Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, 
 _MXFP4 = Q.MXFP4
 _Q4_1, _Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS = Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS
 _Q2_K, _Q3_K = Q.Q2_K, Q.Q3_K
-_IQ2_XXS, _IQ3_XXS, _IQ2_XS, _IQ2_S, _IQ3_S = Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_S
+_IQ2_XXS, _IQ3_XXS, _IQ2_XS, _IQ2_S, _IQ3_S, _IQ1_S, _IQ1_M = (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_S,
+                                                               Q.IQ1_S, Q.IQ1_M)
 # code tables (lut16): bytes 0-15 MXFP4 code -> integer value + 12 (0..24, unsigned for dpbusd; the
 # 12 comes off through the sums); bytes 16-31 IQ4_NL/IQ4_XS code -> level (signed, see _sdot); from
 # byte 32 (_IQX) cpu_iq's sign table and grids
@@ -377,6 +378,8 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
     if qt == _IQ2_XS or qt == _IQ2_S or qt == _IQ3_S:
         kind = 0 if qt == _IQ2_XS else 1 if qt == _IQ2_S else 2
         return dot_iq_s(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table + _IQX, kind)
+    if qt == _IQ1_S or qt == _IQ1_M:
+        return dot_iq1(w, o, nb, xq, i * cols, xd, xs, xs16, i * nb, l2, isa, table + _IQX, qt == _IQ1_M)
     if qt == _MXFP4:
         return _dot_mxfp4(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, table, isa)
     return _dot_float(qt, w, row * cols, x, i * cols, cols)

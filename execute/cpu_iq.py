@@ -22,7 +22,7 @@ from .cpu_simd import (I8x32, comb256, dpbusd_isa, fma_cvt, fma_cvt2, hsum, load
                        zero_f32, zero_i32)
 from .iq_grids import KSIGNS, grid
 
-__all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s"]
+__all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
 
 # byte offsets in IQ_TABLES: KSIGNS, then the grids as bytes: IQ2_XXS (256 x 8), IQ3_XXS (256 x 4),
 # IQ2_XS (512 x 8), IQ2_S (1024 x 8), IQ3_S (512 x 4)
@@ -31,9 +31,12 @@ _G3 = _G2 + 256 * 8
 _G2XS = _G3 + 256 * 4
 _G2S = _G2XS + 512 * 8
 _G3S = _G2S + 1024 * 8
+_G1 = _G3S + 512 * 4  # IQ1_S/IQ1_M: 8 g + 8 (delta -1/8), then 8 g + 10 (delta +1/8), 2048 x 8 each
+_G1_PLUS = 2048  # entries from _G1 to the +1/8 table
 IQ_TABLES = np.concatenate([KSIGNS] + [grid(n).astype(np.uint8).reshape(-1)
-                                       for n in ("IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ3_S")])
-assert IQ_TABLES.size == _G3S + 512 * 4
+                                       for n in ("IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ3_S")]
+                           + [(8 * grid("IQ1_S") + k).astype(np.uint8).reshape(-1) for k in (8, 10)])
+assert IQ_TABLES.size == _G1 + 2 * 2048 * 8
 
 
 def _gather(k: int, width: int):
@@ -225,3 +228,71 @@ def dot_iq_s(w, o, nb, xq, xo, xd, xb, l2, isa, table, kind):
             acc = fma_cvt2(acc, v, d * (np.float32(0.5) + np.float32(sc & 15)) * np.float32(0.25) * x,
                            d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25) * x)
     return hsum(acc)
+
+
+@njit(inline="always")
+def _u16(w, p):
+    return np.int64(load_u8(w, p)) | (np.int64(load_u8(w, p + 1)) << 8)
+
+
+@njit(inline="always", fastmath=True)
+def _f16_bits(h):
+    """float16 bit pattern (an int) -> float32 (finite patterns; IQ1_M's scattered d)."""
+    e = (h >> 10) & 31
+    m = np.float32(h & 1023)
+    v = m * np.float32(2.0 ** -24) if e == 0 else (np.float32(1024.0) + m) * np.float32(2.0) ** np.float32(e - 25)
+    return -v if h & 0x8000 else v
+
+
+@njit(inline="always", fastmath=True)
+def dot_iq1(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, m):
+    """Row from byte o of w (nb 32-weight groups) . the int8 activations: IQ1_S (m False; 50-byte
+    blocks: f16 d, u8 qs[32], u16 qh[8]) or IQ1_M (56: u8 qs[32], u8 qh[16] a nibble per 8
+    weights, u16 scales[4] with d in their top nibbles). w = dl (g + delta), g in {-1, 0, 1} and
+    delta +-1/8, so 8 w / dl = u - 9 with u = 8 g + 9 + 8 delta in 0..18 (the tables): per 16 or
+    32 weights, dl / 8 (u . x - 9 sum x). ``table``: IQ_TABLES' address."""
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    t = table + _G1
+    for b in range(nb // 8):
+        if m:
+            p = o + 56 * b
+            sc0, sc1, sc2, sc3 = _u16(w, p + 48), _u16(w, p + 50), _u16(w, p + 52), _u16(w, p + 54)
+            d = _f16_bits((sc0 >> 12) | ((sc1 >> 12) << 4) | ((sc2 >> 12) << 8) | ((sc3 >> 12) << 12))
+        else:
+            p = o + 50 * b
+            d = load_f16(w, p)
+        for g in range(8):
+            a = xo + 256 * b + 32 * g
+            blk = xb + 8 * b + g
+            x = load_f32(xd, blk)
+            if m:
+                n0, n1 = np.int64(load_u8(w, p + 32 + 2 * g)), np.int64(load_u8(w, p + 33 + 2 * g))
+                k0, k1, k2, k3 = n0 & 15, n0 >> 4, n1 & 15, n1 >> 4
+                i = p + 4 * g
+                q = gather8x4_at(t, load_u8(w, i) | ((k0 & 7) << 8) | (0 if k0 & 8 else _G1_PLUS),
+                                 load_u8(w, i + 1) | ((k1 & 7) << 8) | (0 if k1 & 8 else _G1_PLUS),
+                                 load_u8(w, i + 2) | ((k2 & 7) << 8) | (0 if k2 & 8 else _G1_PLUS),
+                                 load_u8(w, i + 3) | ((k3 & 7) << 8) | (0 if k3 & 8 else _G1_PLUS))
+                sw = _u16(w, p + 48 + 2 * (g // 2)) >> (6 * (g % 2))  # 3-bit scales of weights 0-15, 16-31
+                d0 = d * np.float32(2 * (sw & 7) + 1)
+                d1 = d * np.float32(2 * ((sw >> 3) & 7) + 1)
+                v = dpbusd_isa(isa, zero_i32(), q, load_i8x32(xq, a))
+                if l2:
+                    v = comb256(v, dpbusd_isa(isa, zero_i32(), q, load_i8x32(xq, a + l2)))
+                acc = fma_cvt2(acc, v, d0 * np.float32(0.125) * x, d1 * np.float32(0.125) * x)
+                corr -= np.float32(1.125) * (d0 * load_f32(xs16, 2 * blk) + d1 * load_f32(xs16, 2 * blk + 1))
+                continue
+            qh = _u16(w, p + 34 + 2 * g)
+            plus = 0 if qh & 0x8000 else _G1_PLUS
+            i = p + 2 + 4 * g
+            q = gather8x4_at(t, load_u8(w, i) | ((qh & 7) << 8) | plus, load_u8(w, i + 1) | (((qh >> 3) & 7) << 8) | plus,
+                             load_u8(w, i + 2) | (((qh >> 6) & 7) << 8) | plus,
+                             load_u8(w, i + 3) | (((qh >> 9) & 7) << 8) | plus)
+            dl = d * np.float32(2 * ((qh >> 12) & 7) + 1)
+            v = dpbusd_isa(isa, zero_i32(), q, load_i8x32(xq, a))
+            if l2:
+                v = comb256(v, dpbusd_isa(isa, zero_i32(), q, load_i8x32(xq, a + l2)))
+            acc = fma_cvt(acc, v, dl * np.float32(0.125) * x)
+            corr -= np.float32(1.125) * dl * load_f32(xs, blk)
+    return hsum(acc) + corr

@@ -117,7 +117,7 @@ LAYOUTS: dict[int, QuantType] = {q.qtype: q for q in (
 QTYPES: dict[int, QuantType] = {t: LAYOUTS[t] for t in (F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, BF16, MXFP4)}
 CPU_QTYPES: dict[int, QuantType] = {**QTYPES, **{t: LAYOUTS[t] for t in (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL,
                                                                           IQ4_XS, IQ2_XXS, IQ3_XXS, IQ2_XS, IQ2_S,
-                                                                          IQ3_S)}}
+                                                                          IQ3_S, IQ1_S, IQ1_M)}}
 GPU_DENSE_QTYPES = (F32, F16, BF16, Q8_0)
 # expert types the GPU expert path reads as stored: QTYPES by the arena's kernels, every other layout
 # by gpu_quant's; a CPU type left out here is dequantized to F16 at load for runs that may use the GPU

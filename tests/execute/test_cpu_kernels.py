@@ -70,8 +70,11 @@ def test_paths_agree_bit_for_bit_at_the_extremes(qtype, rng):
         if q.block_weights > 1:  # every byte but the scales: 0x80, 0xFF, 0x7F or 0
             b = t.data.reshape(-1, q.block_bytes)
             scales = b[:, fields].copy()
+            d_nibbles = b[:, 49:56:2] & 0xF0  # IQ1_M: d's bits, in the top nibbles of the u16 scales
             b[:] = rng.choice(np.array([0x80, 0xFF, 0x7F, 0x00], np.uint8), b.shape)
             b[:, fields] = scales
+            if qtype == Q.IQ1_M:
+                b[:, 49:56:2] = (b[:, 49:56:2] & 0x0F) | d_nibbles
     x = np.where(rng.random((3, hidden)) < 0.5, -1.0, 1.0).astype(np.float32) * 3.0
     x[:, ::7] = 2.999  # second level at its clip
     ys = {isa: run_experts(layer, [0, 1, 1], x, threads=2, isa=isa) for isa in PATHS}

@@ -82,14 +82,15 @@ def _with_up_type(cfg, tmp_path, qtype: int, make):
     return path
 
 
-def test_expert_type_without_a_kernel_is_dequantized_to_f16_at_load(tmp_path, rng):
+def test_expert_type_without_a_kernel_is_dequantized_to_f16_at_load(tmp_path, rng, monkeypatch):
     """A Q4_K_M-style file mixing types per tensor: a type no expert kernel reads loads as F16
     (its weights rounded once), the others stay views on the map; info reports what moves, and
     qtype_paths says which path runs each type."""
     from execute import quant as Q
 
     cfg = tiny_config("Q4_K")  # rows of 256
-    qt = Q.IQ1_S  # no expert kernel reads it
+    qt = Q.IQ1_S  # no expert kernel reads it (here: every layout has a CPU kernel)
+    monkeypatch.setattr(Q, "CPU_QTYPES", {t: q for t, q in Q.CPU_QTYPES.items() if t != qt})
     blocks = {}
 
     def make(shape):
@@ -258,8 +259,8 @@ def test_mla_split_layout_that_does_not_fit_its_rank_is_named(tmp_path):
 @pytest.mark.parametrize("quant,down", [("Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("IQ4_XS", "Q5_K"), ("Q3_K", "IQ1_S")])
 def test_mixed_type_files_run_on_the_cpu_kernels(quant, down, tmp_path, rng):
     """Q4_K_M / Q5_K_M / UD-style files (a type per projection) load with cpu_only: every expert
-    tensor the CPU pool reads stays raw and goes through its kernel; the rest (IQ1_S here) is
-    dequantized to F16 at load; the kernels' outputs match gguf-py's dequantized weights."""
+    tensor the CPU pool reads stays raw and goes through its kernel (a type without one would be
+    dequantized to F16 at load); the kernels' outputs match gguf-py's dequantized weights."""
     from execute import quant as Q
     from execute.cpu_experts import run_experts
 

@@ -43,7 +43,7 @@ def test_expert_kernels_take_the_arena_kernels_arguments(name):
     assert f'qk("q{name}"), {nargs}' in src
 
 
-def test_gate_keeps_gpu_read_cpu_types_raw(tmp_path):
+def test_gate_keeps_gpu_read_cpu_types_raw(tmp_path, monkeypatch):
     """Every CPU type is kept as stored for runs that may use the GPU (the GPU expert path reads
     it); a type without a CPU kernel is still dequantized to F16 at load."""
     assert set(Q.QTYPES) <= Q.GPU_EXPERT_QTYPES and set(Q.CPU_QTYPES) <= Q.GPU_EXPERT_QTYPES
@@ -56,6 +56,7 @@ def test_gate_keeps_gpu_read_cpu_types_raw(tmp_path):
     assert w.info.expert_bytes == gguf_io.read_model_info(path).expert_bytes  # what moves is what is stored
     paths = gguf_io.qtype_paths(gguf_io.read_model_info(path))
     assert paths["Q5_K"] == "experts: CPU kernel, GPU kernel decoding weight by weight (no token graph)"
+    monkeypatch.setattr(Q, "CPU_QTYPES", {t: q for t, q in Q.CPU_QTYPES.items() if t != Q.IQ1_S})  # every layout has one
     iq = synth.synth_model(tmp_path / "iq.gguf", tiny_config("Q4_K", down_quant="IQ1_S", num_layers=1,
                                                              hidden=256, ffn=256))
     assert gguf_model.load_model(iq).experts[0].down.qtype == Q.F16
