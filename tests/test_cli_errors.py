@@ -226,9 +226,16 @@ def test_audit_file_has_the_usual_mode(tmp_path):
     assert stat.S_IMODE((tmp_path / "a.jsonl").stat().st_mode) == 0o640
 
 
-def test_synth_takes_the_geometry_from_a_fit(tmp_path):
-    r = moelab(["trace", "fit", "--out", "fit.json"], tmp_path)
-    assert r.returncode == 0, r.stderr
+def test_synth_takes_the_geometry_from_a_fit(tmp_path, monkeypatch):
+    import functools
+
+    from moelab import trace_cli
+    from traces import synth
+
+    # the command's own fit and writer, with a short search (the full one takes ~20 s)
+    monkeypatch.setattr(synth, "fit", functools.partial(synth.fit, num_random=2, passes=1))
+    monkeypatch.chdir(tmp_path)
+    assert trace_cli.main(["fit", "--out", "fit.json", "--quiet"]) == 0
     r = moelab(["trace", "synth", "s", "--params", "fit.json", "--tokens", "50"], tmp_path)
     assert r.returncode == 0, r.stderr
     t = traces.load(tmp_path / "s", check=True)

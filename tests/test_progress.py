@@ -152,7 +152,7 @@ def test_the_simulate_bar_counts_the_simulated_tokens(capsys):
 
 @pytest.mark.parametrize("argv, bar", [(["trace", "synth", "big", "--layers", "48", "--experts", "128", "--top-k", "8",
                                          "--tokens", "400000"], "trace synth"),
-                                        (["simulate", "--trace", "synth", "--synth-tokens", "100000"], "simulate")])
+                                        (["simulate", "--trace", "synth", "--synth-tokens", "20000"], "simulate")])
 def test_ctrl_c_during_a_bar_ends_with_the_interrupted_line(tmp_path, argv, bar):
     import os
     import signal
