@@ -31,13 +31,13 @@ class Config:
             raise ValueError("Config.label: expected a non-empty name")
 
 
-def fit_prompt(tokenizer, num_tokens: int) -> tuple[str, int]:
-    """The longest run of WORDS (repeated) that encodes to at most ``num_tokens`` tokens, and its
-    token count (a ValueError when not even one word fits)."""
-    best, lo, hi = ("", 0), 1, len(WORDS) + 2 * num_tokens
-    while lo <= hi:
+def fit_prompt(tokenizer, num_tokens: int, words=WORDS) -> tuple[str, int]:
+    """The longest run of ``words`` (repeated) that encodes to at most ``num_tokens`` tokens, and
+    its token count (a ValueError when not even one word fits)."""
+    best, lo, hi = ("", 0), 1, len(words) + 2 * num_tokens
+    while lo <= hi:  # token counts grow with the number of words
         mid = (lo + hi) // 2
-        text = " ".join(WORDS[i % len(WORDS)] for i in range(mid))
+        text = " ".join(words[i % len(words)] for i in range(mid))
         n = len(tokenizer.encode(text))
         if n <= num_tokens:
             best, lo = (text, n), mid + 1

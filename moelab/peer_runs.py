@@ -55,19 +55,12 @@ def budget_blocks(blocks: list[int], budget_bytes: int) -> int:
 def fit_prompt(tokenizer, max_tokens: int) -> tuple[str, int]:
     """The longest prefix of PROMPT_WORDS (repeated as needed) that encodes to at most
     ``max_tokens`` tokens, and its token count."""
-    best = ("", 0)
-    lo, hi = 1, len(PROMPT_WORDS) * (max_tokens // 8 + 2)
-    while lo <= hi:  # token counts grow with the number of words
-        mid = (lo + hi) // 2
-        text = " ".join(PROMPT_WORDS[i % len(PROMPT_WORDS)] for i in range(mid))
-        n = len(tokenizer.encode(text))
-        if n <= max_tokens:
-            best, lo = (text, n), mid + 1
-        else:
-            hi = mid - 1
-    if not best[1]:
-        raise Fail(f"bench: no prefix of the prompt fits {max_tokens} tokens")
-    return best
+    from execute.prompt_bench import fit_prompt as fit
+
+    try:
+        return fit(tokenizer, max_tokens, PROMPT_WORDS)
+    except ValueError:
+        raise Fail(f"bench: no prefix of the prompt fits {max_tokens} tokens") from None
 
 
 def cells(args, blocks: list[int], n_budget: int) -> list[dict]:
