@@ -339,6 +339,16 @@ class ExpertEngine:
         st.cpu_pairs += len(experts) - n_gpu
         return self.hand_back(self._run_gpu(d, lx, x, experts, tok, pair_of, n_gpu, weights, t0))
 
+    def one_token_start(self, d: Decision, topk_ids: np.ndarray, topk_weights) -> tuple[list, list, tuple]:
+        """A one-token step's routed ids and weights as lists and its layer's slot table
+        (pointer, stride, slots), after dropping the decision's evictions from ``slot_of``."""
+        for v in d.evictions:
+            self.slot_of.pop(v, None)
+        table = self.gpu.slot_tables[d.layer]
+        if table is None:
+            raise ExecutorError(f"layer {d.layer} has no cache pool; its experts cannot be on the GPU")
+        return topk_ids[0].tolist(), np.asarray(topk_weights, np.float32)[0].tolist(), table
+
     def _run_one(self, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: "_Early | None", t0: float):
         """One token whose experts are all on the GPU (hits and uploads): the pair table goes by
         value in the launches (no metadata copy); the uploads are queued, ``moe1_gate_up`` runs
@@ -346,14 +356,7 @@ class ExpertEngine:
         gx = self.gpu
         layer = d.layer
         slot_of = self.slot_of
-        ids = topk_ids[0].tolist()
-        weights = np.asarray(topk_weights, np.float32)[0].tolist()
-        for v in d.evictions:
-            slot_of.pop(v, None)
-        table = gx.slot_tables[layer]
-        if table is None:
-            raise ExecutorError(f"layer {layer} has no cache pool; its experts cannot be on the GPU")
-        ptr, stride, n_slots = table
+        ids, weights, (ptr, stride, n_slots) = self.one_token_start(d, topk_ids, topk_weights)
         hits = d.hits
         up = dict(zip(d.uploads, d.slots)) if d.uploads else None
         if early is not None and (early.layer != layer or early.x is not x or early.ids != ids):

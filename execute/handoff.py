@@ -248,14 +248,7 @@ class Handoff:
         layer = d.layer
         self.check(pool)
         slot_of = engine.slot_of
-        ids = topk_ids[0].tolist()
-        weights = np.asarray(topk_weights, np.float32)[0].tolist()
-        for v in d.evictions:
-            slot_of.pop(v, None)
-        table = gx.slot_tables[layer]
-        if table is None:
-            raise ExecutorError(f"layer {layer} has no cache pool; its experts cannot be on the GPU")
-        ptr, stride, n_slots = table
+        ids, weights, (ptr, stride, n_slots) = engine.one_token_start(d, topk_ids, topk_weights)
         up = dict(zip(d.uploads, d.slots))
         cpu = {e: i for i, e in enumerate(d.cpu)}
         streams = {e: gx.reserve_scratch() for e in d.streams}
