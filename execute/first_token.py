@@ -98,3 +98,7 @@ def precompile_kernels(gpu: bool) -> None:
 
     if int(cp.cuda.Device().compute_capability) >= 80 and prefill_env():
         _kernel("pf_mm")
+        from . import prefill_mm2
+
+        if prefill_mm2.mm_env() == 2:
+            prefill_mm2.kernel()

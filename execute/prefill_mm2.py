@@ -8,9 +8,9 @@ quants are turned into f16 exactly in registers). It applies to a layer whose ga
 Q8_0 with hidden and ffn multiples of 64 (every copy source then 4-byte aligned); other layers keep
 ``pf_mm``.
 
-``MOELAB_PREFILL_MM``: ``1`` (the default) keeps ``pf_mm`` everywhere, ``2`` selects ``pf_mm2``
-where it applies; another value is an error. (:func:`kernel_for` is what ``BatchedExperts`` is to
-ask per layer.)
+``MOELAB_PREFILL_MM``: ``2`` (the default) selects ``pf_mm2`` where it applies, ``1`` keeps ``pf_mm``
+everywhere (for comparison); another value is an error. ``BatchedExperts`` asks :func:`kernel_for`
+per layer.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ _MODULE = None
 
 
 def mm_env() -> int:
-    """``MOELAB_PREFILL_MM``: unset or 1 -> 1, 2 -> 2; another value is an ExecutorError."""
-    v = os.environ.get("MOELAB_PREFILL_MM", "1")
+    """``MOELAB_PREFILL_MM``: unset or 2 -> 2, 1 -> 1; another value is an ExecutorError."""
+    v = os.environ.get("MOELAB_PREFILL_MM", "2")
     if v not in ("1", "2"):
         raise ExecutorError(f"MOELAB_PREFILL_MM={v!r}: expected 1 (pf_mm) or 2 (pf_mm2 on Q8_0 layers)")
     return int(v)
@@ -52,8 +52,8 @@ def kernel():
 
 
 def kernel_for(lx) -> str:
-    """The product kernel a layer's prefill steps use: ``"pf_mm2"`` when ``MOELAB_PREFILL_MM=2`` and
-    :func:`applies`, else ``"pf_mm"``."""
+    """The product kernel a layer's prefill steps use: ``"pf_mm2"`` when :func:`applies` and
+    ``MOELAB_PREFILL_MM`` is 2 (the default), else ``"pf_mm"``."""
     return "pf_mm2" if mm_env() == 2 and applies(lx) else "pf_mm"
 
 

@@ -19,9 +19,10 @@ def test_switch_and_where_it_applies(monkeypatch):
     assert not applies(random_layer(rng, 0, 2, 128, 96, Q.Q8_0))  # ffn not a multiple of 64
     assert not applies(random_layer(rng, 0, 2, 96, 64, Q.Q8_0)) and not applies(None)
     monkeypatch.delenv("MOELAB_PREFILL_MM", raising=False)
+    assert mm_env() == 2 and kernel_for(q8) == "pf_mm2"  # the default
+    assert kernel_for(random_layer(rng, 0, 2, 128, 64, Q.Q4_0)) == "pf_mm"
+    monkeypatch.setenv("MOELAB_PREFILL_MM", "1")
     assert mm_env() == 1 and kernel_for(q8) == "pf_mm"
-    monkeypatch.setenv("MOELAB_PREFILL_MM", "2")
-    assert kernel_for(q8) == "pf_mm2" and kernel_for(random_layer(rng, 0, 2, 128, 64, Q.Q4_0)) == "pf_mm"
     monkeypatch.setenv("MOELAB_PREFILL_MM", "3")
     with pytest.raises(ExecutorError, match="MOELAB_PREFILL_MM='3'"):
         mm_env()
