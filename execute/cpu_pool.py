@@ -140,7 +140,9 @@ def _take_part(ctrl, job, seq, spin_ns, deadline):
 def _team_worker(ctrl, ring, t, team, spin_ns):
     """Worker t of ``team`` worker threads: takes part in every published call (slots of ``ring``
     in order), spinning up to spin_ns for the next one, then sleeping on a futex; counts itself out
-    of each call in ctrl[_C_FIN] (a ring slot is reused only once every worker has left it)."""
+    of each call in ctrl[_C_FIN] and in its own row of ``ring`` past the job slots,
+    ring[_RING + t, 0] (a ring slot is reused only once every worker has left it: a worker
+    descheduled inside a finished call may be far behind the others)."""
     seq = 0
     while True:
         t0 = now_ns()
@@ -158,6 +160,7 @@ def _team_worker(ctrl, ring, t, team, spin_ns):
             return
         seq += 1
         _take_part(ctrl, ring[seq % _RING], seq, spin_ns, _FOREVER)
+        atomic_store(ring[_RING + t], 0, seq)
         atomic_add(ctrl, _C_FIN, 1)
 
 
@@ -244,14 +247,16 @@ def _wait_done(ctrl, seq, spin_ns, timeout_ns):
 
 
 @njit(nogil=True, cache=True)
-def _wait_left(ctrl, seq, workers, timeout_ns):
-    """Wait until every worker has left call ``seq`` (its ring slot is then free); False after
-    timeout_ns."""
+def _wait_left(ring, seq, workers, timeout_ns):
+    """Wait until every worker has left call ``seq`` (its ring slot is then free): each one's own
+    count, not the team's sum (a fast worker may have left later calls while a slow one is still
+    inside ``seq``); False after timeout_ns."""
     t0 = now_ns()
-    while atomic_load(ctrl, _C_FIN) < workers * seq:
-        if now_ns() - t0 > timeout_ns:
-            return False
-        pause()
+    for t in range(workers):
+        while atomic_load(ring[_RING + t], 0) < seq:
+            if now_ns() - t0 > timeout_ns:
+                return False
+            pause()
     return True
 
 
@@ -395,7 +400,7 @@ class CpuExpertPool:
             raise ValueError(f"CpuExpertPool ctrl: expected C-contiguous int64 ({_CTRL},), got {ctrl.dtype} {ctrl.shape}")
         self._ctrl = np.zeros(_CTRL, np.int64) if ctrl is None else ctrl
         self._ctrl[:] = 0
-        self._ring = np.zeros((_RING, _RING_FIELDS), np.int64)
+        self._ring = np.zeros((_RING + self.workers, _RING_FIELDS), np.int64)  # job slots, then a row per worker
         self._tracked: list[CpuJob] = []  # calls submitted with track=True, not yet polled done
         self._seq = 0
         self._views: dict[int, tuple] = {}
@@ -479,7 +484,7 @@ class CpuExpertPool:
         if seq - int(self._ctrl[_C_DONE]) > _RING and not _wait_done(self._ctrl, seq - _RING, self._spin_ns,
                                                                       int(self.timeout_s * 1e9)):
             self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
-        if seq > _RING and not _wait_left(self._ctrl, seq - _RING, self.workers, int(self.timeout_s * 1e9)):
+        if seq > _RING and not _wait_left(self._ring, seq - _RING, self.workers, int(self.timeout_s * 1e9)):
             self._break(f"layer {layer.layer}: the CPU expert team did not leave call {seq - _RING} within "
                         f"{self.timeout_s} s")
         if self._tracked:

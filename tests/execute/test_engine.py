@@ -41,7 +41,7 @@ def scenario(rng, num_tokens=12, batch=(1, 1, 3)):
 def expected(layers, reference, ids, w, x):
     out = np.zeros((len(x), HIDDEN))
     for t in range(len(x)):
-        y = reference(layers, list(ids[t]), np.repeat(x[t:t + 1], TOP_K, axis=0))
+        y = reference(layers, list(ids[t]), np.repeat(x[t:t + 1], len(ids[t]), axis=0))
         out[t] = w[t].astype(np.float64) @ y
     return out
 
