@@ -81,8 +81,9 @@ class Phases:
 
 def precompile_kernels(gpu: bool) -> None:
     """Compile (or load from CuPy's cache) the CuPy modules a GPU run builds its launches from: the
-    dense path's, the expert arena's and, on GPUs with mma.sync (compute capability >= 8.0) when
-    ``MOELAB_PREFILL`` allows, the batched prefill's; modules of rarer paths compile when first used."""
+    dense path's (one token's; a chunk's when ``MOELAB_PREFILL_DENSE`` allows), the expert arena's
+    and, on GPUs with mma.sync (compute capability >= 8.0) when ``MOELAB_PREFILL`` allows, the
+    batched prefill's; modules of rarer paths compile when first used."""
     if not gpu:
         return
     try:
@@ -94,6 +95,10 @@ def precompile_kernels(gpu: bool) -> None:
 
     gpu_dense._function("dense_gemv")
     gpu_experts._kernel("moe_gate_up")
+    from . import prefill_dense
+
+    if prefill_dense.dense_env():
+        prefill_dense._kernel("pd_rmsnorm")
     from .prefill import _kernel, prefill_env
 
     if int(cp.cuda.Device().compute_capability) >= 80 and prefill_env():

@@ -20,7 +20,8 @@ decided and delivers the output, and the generator continues with the next block
 computed lazily, and decisions are exactly the scheduler's.
 
 Router: on the host in float64 from float32 logits, as ``execute.archs`` describes (ties: lower id
-first). With a route override (trace replay) the trace's ids replace the top-k; the trace's weights
+first); a GPU chunk's top-k and weights in float64 on the device (``execute.prefill_dense``, which
+also runs the chunk's norms, F16 projections and attention in few launches). With a route override (trace replay) the trace's ids replace the top-k; the trace's weights
 are used when it has them, else the router's own weights of those ids, computed the same way.
 
 RoPE of type ``norm`` (pairs (2i, 2i+1)) is run as ``neox`` (pairs (i, i + d/2)) on q and k rows
@@ -91,6 +92,11 @@ class MoeModel:
 
             self.gd = GpuDense(info.hidden, info.num_heads, max(info.num_kv_heads, 1), info.head_dim,
                                max(info.num_experts), min(info.top_k, 32))
+        self.pd = None  # the chunk's dense launches (execute.prefill_dense), MOELAB_PREFILL_DENSE=1
+        if use_gpu:
+            from .prefill_dense import ChunkDense, dense_env
+
+            self.pd = ChunkDense() if dense_env() else None
         self.layers = [self._dense_layer(i, l) for i, l in enumerate(weights.layers)]
         self.output_norm = self._dev(weights.output_norm)
         self.output = self._matrix([(None, "output", weights.output, None)])
@@ -243,7 +249,8 @@ class MoeModel:
     def _proj(self, x, m):
         """``x (T, in)`` times matrix ``m`` (``_matrix``) transposed -> ``(T, out)``."""
         if self.gd is not None and not hasattr(m, "__cuda_array_interface__"):
-            return self.gd.matmul(x, m)
+            y = self.pd.matmul(x, m) if self.pd is not None and x.shape[0] > 1 else None
+            return self.gd.matmul(x, m) if y is None else y
         return self._mv(x, m)
 
     @staticmethod
@@ -254,6 +261,10 @@ class MoeModel:
 
     def _rms(self, x, w):
         xp = self.xp
+        if self.pd is not None and x.ndim > 1 and x.shape[0] > 1:
+            y = self.pd.rms(x, w, self.info.rms_eps)
+            if y is not None:
+                return y
         return x * (1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + self.info.rms_eps)) * w
 
     def _rope(self, x, pos: int):
@@ -301,6 +312,10 @@ class MoeModel:
 
     def _attention(self, l: int, x):
         """GQA over the KV cache for ``x (T, hidden)`` at positions ``pos ..``; -> (T, hidden)."""
+        if self.pd is not None and x.shape[0] > 1:
+            y = self.pd.attention(self, l, x)
+            if y is not None:
+                return y
         info, w, pos, xp = self.info, self.layers[l], self.pos, self.xp
         nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
         t = x.shape[0]
@@ -348,6 +363,12 @@ class MoeModel:
         ``forced[t]`` (a Route or None) replaces token t's routing; a forced route with fewer than
         k experts is padded with its first expert at weight 0 (no contribution)."""
         w = self.layers[l]
+        free = forced is None or all(f is None for f in forced)
+        if self.pd is not None and len(hn) > 1 and free and self.pd.routes(self.info, w["exp_probs_b"]):
+            batch = self.pd.route(self._proj(hn, w["router"]), w["router_bias_dev"], self.info)
+            if batch is not None:  # None: a non-finite logit (the host's rule below)
+                self._route_len = [batch[0].shape[1]] * len(hn)
+                return batch
         logits = _host(self._proj(hn, w["router"])).astype(np.float64)  # (T, experts): the host needs the ids
         if w["router_bias"] is not None:
             logits = logits + w["router_bias"]

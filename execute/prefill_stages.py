@@ -13,6 +13,10 @@ A chunk of T tokens runs, per block (``execute.model.MoeModel.chunk_steps`` with
 - ``experts``: ``BatchedExperts.run_layer``: pair sort and metadata copy on the host, ``pf_split``,
   ``pf_mm`` gate/up, ``pf_split``, ``pf_mm`` down, ``moe_combine``.
 
+That is the CuPy path (``MOELAB_PREFILL_DENSE=0``); :func:`fused_costs` counts the default GPU path's
+stages that replace it (``execute.prefill_dense``: one launch per norm, F16 products on tensor cores,
+routing on the device, attention in four launches).
+
 :func:`stage_costs` counts each stage's kernel launches, device bytes and FLOPs at a geometry from
 the code as written (launch counts of the CuPy expressions are read off the code, so they are
 estimates within a launch or two); :func:`host_costs` measures, on any machine, the host-only work
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ChunkShape", "Stage", "stage_costs", "cost_rows", "expected_tiles", "host_costs", "table"]
+__all__ = ["ChunkShape", "Stage", "stage_costs", "fused_costs", "cost_rows", "expected_tiles", "host_costs", "table"]
 
 _Q8_BYTES = 34 / 32  # bytes per weight of Q8_0
 TILE_ROWS = 32  # execute.prefill's BM
@@ -121,6 +125,36 @@ def stage_costs(s: ChunkShape) -> list[Stage]:
               f"meta copy, pf_split, pf_mm g/u, pf_split, pf_mm down, combine; ~{tiles:.0f} tiles of 32 rows, "
               "FLOPs doubled by the hi/lo halves"),
         Stage("expert_residual", 3, 3 * 2 * act, 3.0 * t * h, 0, "out + 0.0 (no shared expert), rs*, x+"),
+    ]
+
+
+def fused_costs(s: ChunkShape) -> list[Stage]:
+    """The stages of the default GPU chunk path (``execute.prefill_dense``, F16 dense matrices) that
+    replace :func:`stage_costs`' CuPy expressions and float32-tile products, at ``s``."""
+    t, h, nh, nkv, hd = s.tokens, s.hidden, s.heads, s.kv_heads, s.head_dim
+    keys = s.pos + t
+    act = 4.0 * t * h
+    qkv_rows = (nh + 2 * nkv) * hd
+    scores = 4.0 * nh * t * keys
+
+    def f16(name: str, rows: int, cols: int) -> Stage:
+        # pf_split (read x, write hi, lo), two GEMMs (each: the f16 matrix and one half; y written,
+        # then read and written again), the row scale (read and write y)
+        return Stage(name, 4, 4.0 * t * cols + 4.0 * t * cols + 2 * (2.0 * rows * cols + 2.0 * t * cols)
+                     + 3 * 4.0 * t * rows + 8.0 * t * rows, 2 * 2.0 * t * rows * cols, 0,
+                     "pf_split halves, two cuBLAS f16 GEMMs into f32, row scale")
+
+    return [
+        Stage("attn_norm_fused", 1, 2 * act, 3.0 * t * h, 0, "pd_rmsnorm"),
+        f16("qkv_proj_f16", qkv_rows, h),
+        Stage("qk_rope_kv_fused", 1, 2 * 4.0 * t * qkv_rows, 8.0 * t * (nh + nkv) * hd, 0,
+              "pd_qk_rope_kv: q in the product's layout, K and V into the cache"),
+        Stage("attention_fused", 4, 4.0 * t * nh * hd + 3 * scores + 2 * 4.0 * nkv * keys * hd + 3 * 4.0 * t * nh * hd,
+              4.0 * nh * t * keys * hd, 0, "QK^T (cuBLAS), pd_softmax (scale, mask, sinks), PV (cuBLAS), o copy"),
+        f16("o_proj_f16", h, nh * hd),
+        Stage("ffn_norm_fused", 1, 2 * act, 3.0 * t * h, 0, "pd_rmsnorm"),
+        Stage("route_gpu", 3, 4.0 * t * s.experts + 12.0 * t * s.top_k, 0.0, 1,
+              "pd_route (float64 top-k and weights), one copy of ids + weights, one wait"),
     ]
 
 

@@ -6,13 +6,17 @@ Q8_0 experts, F16 dense matrices as the peer benchmark's file has them, a small 
 (every expert resident, the batched experts of ``execute.prefill`` when ``MOELAB_PREFILL`` allows),
 and times, on block 0 for a chunk of T tokens at position ``pos``:
 
-- the model's own pieces (``MoeModel._rms``, ``_proj``, ``_attention``, ``_route``) and the
-  experts' ``run_layer`` (batched, and the engine's grouped kernels) with the same decision;
+- the model's own pieces (``MoeModel._rms``, ``_proj``, ``_attention``, ``_route``) on the default
+  GPU chunk path (``execute.prefill_dense``: fused norms, F16 products on tensor cores, routing on
+  the device, fused attention launches) and, as ``*_cupy``, ``*_tile`` and ``route_host``, on the
+  CuPy path it replaced; the experts' ``run_layer`` (batched with ``pf_mm2`` and with ``pf_mm``, and
+  the engine's grouped kernels) with the same decision;
 - ``pf_mm`` and ``pf_mm2`` (``execute.prefill_mm2``) alone on the step's pairs, gate/up and down;
 - references: a float16 cuBLAS product of the qkv shape (what the dense projection could cost)
   and a device-to-device copy (the bandwidth ceiling);
 - one whole chunk through ``execute.driver.run`` (dense, routing, plan, experts, head), first the
-  process's first chunk (one-time costs: CuPy kernels loaded, cuBLAS set up), then warm.
+  process's first chunk (one-time costs: CuPy kernels loaded, cuBLAS set up), then warm, then warm
+  on the previous paths (``chunk_run_loop_old``: CuPy dense, ``pf_mm``).
 
 Each stage: ``warmup`` calls, then ``reps`` calls, each between two CUDA events on the stream its
 work runs on, the host's time to return from the call taken too; medians. ``device_ms`` of a stage
@@ -29,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from . import quant as Q
-from .prefill_stages import ChunkShape, stage_costs
+from .prefill_stages import ChunkShape, fused_costs, stage_costs
 
 __all__ = ["time_stages", "synth_block"]
 
@@ -136,7 +140,7 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
     cp.cuda.Device().synchronize()
     t_ready = time.perf_counter()
     rows: list[dict] = []
-    costs = {s.name: s for s in stage_costs(shape)}
+    costs = {s.name: s for s in stage_costs(shape) + fused_costs(shape)}
     try:
         rng = np.random.default_rng(0)
         w = model.layers[0]
@@ -162,6 +166,26 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
         rows.append({"stage": "chunk_run_loop", "device_ms": None,
                      "host_ms": 1e3 * float(np.median([r.wall_s for r in keep])),
                      "note": "driver.run of one chunk, warm: " + split(keep)})
+        # the same chunk on the previous paths: CuPy dense (no prefill_dense) and pf_mm experts
+        batched = backend.batched
+        mm2 = dict(batched._use_mm2) if batched is not None else {}
+        pd, model.pd = model.pd, None
+        if batched is not None:
+            batched._use_mm2 = {k: False for k in mm2}
+        try:
+            old = []
+            for r in range(warmup + max(reps // 4, 3)):
+                res = run(model, _NoPrepare(backend), policy, [ChunkInput(r, r, 0, "prefill", chunk)])
+                cp.cuda.Device().synchronize()
+                old.append(res)
+        finally:
+            model.pd = pd
+            if batched is not None:
+                batched._use_mm2 = mm2
+        old = old[warmup:]
+        rows.append({"stage": "chunk_run_loop_old", "device_ms": None,
+                     "host_ms": 1e3 * float(np.median([r.wall_s for r in old])),
+                     "note": "the same, MOELAB_PREFILL_DENSE=0 and MOELAB_PREFILL_MM=1's paths: " + split(old)})
         x = cp.asarray(rng.standard_normal((tokens, info.hidden)).astype(np.float32))
         o_in = cp.asarray(rng.standard_normal((tokens, info.num_heads * info.head_dim)).astype(np.float32) * 0.1)
         model.pos = pos
@@ -177,22 +201,64 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
             rows.append(row)
             return out
 
-        h = add("attn_norm", lambda: model._rms(x, w["attn_norm"]))
-        add("qkv_proj", lambda: model._proj(h, w["wqkv"]))
-        add("attention_block", lambda: model._attention(0, h), note="qkv_proj + qk_norm_rope + attention + o_proj")
-        add("o_proj", lambda: model._proj(o_in, w["wo"]))
-        hn = add("ffn_norm", lambda: model._rms(x, w["ffn_norm"]))
+        def cupy_path(fn):  # fn on the CuPy dense path (MOELAB_PREFILL_DENSE=0's)
+            def call():
+                pd, model.pd = model.pd, None
+                try:
+                    return fn()
+                finally:
+                    model.pd = pd
+            return call
+
+        fused = model.pd is not None
+        f16 = fused and getattr(w["wqkv"], "qt", None) == Q.F16
+        h = add("attn_norm", lambda: model._rms(x, w["attn_norm"]), cost="attn_norm_fused" if fused else None,
+                note="pd_rmsnorm (one launch)" if fused else "")
+        add("attn_norm_cupy", cupy_path(lambda: model._rms(x, w["attn_norm"])), cost="attn_norm")
+        add("qkv_proj", lambda: model._proj(h, w["wqkv"]), cost="qkv_proj_f16" if f16 else None,
+            note="f16 halves on tensor cores (cuBLAS)" if f16 else "")
+        add("qkv_proj_tile", cupy_path(lambda: model._proj(h, w["wqkv"])), cost="qkv_proj")
+        add("attention_block", lambda: model._attention(0, h),
+            note="qkv_proj + qk/rope/kv (pd_qk_rope_kv) + attention (cuBLAS, pd_softmax) + o_proj" if fused
+            else "qkv_proj + qk_norm_rope + attention + o_proj")
+        add("attention_block_cupy", cupy_path(lambda: model._attention(0, h)),
+            note="qkv_proj + qk_norm_rope + attention + o_proj, CuPy expressions and float32 tiles")
+        add("o_proj", lambda: model._proj(o_in, w["wo"]), cost="o_proj_f16" if f16 else None,
+            note="f16 halves on tensor cores (cuBLAS)" if f16 else "")
+        add("o_proj_tile", cupy_path(lambda: model._proj(o_in, w["wo"])), cost="o_proj")
+        hn = add("ffn_norm", lambda: model._rms(x, w["ffn_norm"]), cost="ffn_norm_fused" if fused else None,
+                 note="pd_rmsnorm (one launch)" if fused else "")
+        add("ffn_norm_cupy", cupy_path(lambda: model._rms(x, w["ffn_norm"])), cost="ffn_norm")
         add("router_proj", lambda: model._proj(hn, w["router"]))
-        ids, wts = add("route", lambda: model._route(0, hn, None), cost="route_host",
-                       note="router_proj + logits to the host + top-k (host wait inside)", gated=False)
+        add("router_proj_tile", cupy_path(lambda: model._proj(hn, w["router"])), cost="router_proj")
+        ids, wts = add("route", lambda: model._route(0, hn, None), cost="route_gpu" if fused else "route_host",
+                       note="router_proj + pd_route (float64 top-k on the device) + one copy of ids and weights "
+                       "(host wait inside)" if fused else "router_proj + logits to the host + top-k (host wait inside)",
+                       gated=False)
+        ids_h, wts_h = add("route_host", cupy_path(lambda: model._route(0, hn, None)),
+                           note="router_proj + logits to the host + top-k in float64 numpy (host wait inside)",
+                           gated=False)
+        rows[-1]["note"] += (f"; ids equal to the device's: {bool(np.array_equal(ids, ids_h))}, weights' largest "
+                             f"relative difference {float(np.max(np.abs(wts - wts_h) / np.maximum(np.abs(wts_h), 1e-300))):.1e}")
         step = add("step", lambda: merge_rows(0, ids, wts), note="merge_rows (host)", gated=False)
         d = policy.plan(step)
         policy.commit(d)
         wf = wts.astype(np.float32)
         gx = backend.engine.gpu
-        if backend.batched is not None and backend.batched.takes(d, ids):
-            add("experts_batched", lambda: backend.batched.run_layer(d, hn, ids, wf), gx.compute, cost="experts",
-                note="BatchedExperts.run_layer (pf_mm), device time on its stream")
+        if batched is not None and batched.takes(d, ids):
+            add("experts_batched", lambda: batched.run_layer(d, hn, ids, wf), gx.compute, cost="experts",
+                note=f"BatchedExperts.run_layer ({'pf_mm2' if batched._use_mm2.get(0) else 'pf_mm'}), device time "
+                "on its stream")
+
+            def pf_mm_layer():
+                keep, batched._use_mm2 = batched._use_mm2, {k: False for k in batched._use_mm2}
+                try:
+                    return batched.run_layer(d, hn, ids, wf)
+                finally:
+                    batched._use_mm2 = keep
+
+            add("experts_batched_pf_mm", pf_mm_layer, gx.compute, cost="experts",
+                note="BatchedExperts.run_layer with pf_mm (MOELAB_PREFILL_MM=1), device time on its stream")
         item = RunLayer(None, step, d)
         add("experts_engine", lambda: backend.engine.run_layer(item, hn, ids, wf), gx.compute, cost="experts",
             note="ExpertEngine.run_layer (grouped kernels, MOELAB_PREFILL=0's path)")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from execute.prefill_stages import ChunkShape, cost_rows, expected_tiles, host_costs, stage_costs, table
+from execute.prefill_stages import ChunkShape, cost_rows, expected_tiles, fused_costs, host_costs, stage_costs, table
 
 from .conftest import cupy_or_skip
 
@@ -28,6 +28,10 @@ def test_counts_at_a_small_geometry():
     assert st["attention"].flops == 4 * 4 * 4 * (2 + 4) * 16  # QK^T and PV over pos + T keys
     assert st["route_host"].host_waits == 1 and sum(x.host_waits for x in st.values()) == 1
     assert st["experts"].flops == 2 * 2 * (4 * 2) * 3 * 64 * 32  # hi/lo halves double the pairs' products
+    fused = {x.name: x for x in fused_costs(s)}
+    assert fused["qkv_proj_f16"].flops == 2 * st["qkv_proj"].flops  # two halves of the activations
+    assert fused["attn_norm_fused"].launches == fused["ffn_norm_fused"].launches == 1
+    assert fused["route_gpu"].host_waits == 1 and fused["attention_fused"].flops == st["attention"].flops
     rows = cost_rows(s)
     assert rows[-1]["launches"] == sum(x.launches for x in st.values())
     assert rows[-1]["MB"] == pytest.approx(sum(x.bytes for x in st.values()) / 1e6)
@@ -83,7 +87,8 @@ def test_time_stages_on_a_tiny_model(tmp_path):
 
     res = time_stages(tokens=32, preset="tiny", reps=3, warmup=1, workdir=str(tmp_path))
     names = [r["stage"] for r in res["rows"]]
-    for want in ("attn_norm", "qkv_proj", "attention_block", "route", "experts_engine", "chunk_run_loop"):
+    for want in ("attn_norm", "qkv_proj", "attention_block", "route", "experts_engine", "chunk_run_loop",
+                 "attn_norm_cupy", "qkv_proj_tile", "attention_block_cupy", "route_host", "chunk_run_loop_old"):
         assert want in names
     assert "experts_batched" in names  # T >= 16, Q8_0, SiLU: the batched path takes the step
     assert all(r["device_ms"] is None or r["device_ms"] > 0 for r in res["rows"])

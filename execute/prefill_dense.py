@@ -1,0 +1,215 @@
+"""The dense path of a prefill chunk (T > 1 tokens of a block) on the GPU in few launches
+(``prefill_dense.cu``), used by ``execute.model.MoeModel`` in place of its CuPy array expressions:
+
+- RMSNorm: one launch per norm (``pd_rmsnorm``) instead of seven elementwise/reduction kernels;
+- projections by F16 matrices: on tensor cores through cuBLAS (``cublasGemmEx``, f16 inputs, f32
+  accumulation and output). The activations enter as two f16 halves of each row scaled by a power of
+  two (``pf_split`` of ``execute.prefill``: hi = f16(x s), lo = f16(x s - hi), ~22 of float32's 24
+  bits), two products summed in f32, then times 1/s (compute capability >= 8.0); F32 matrices (a
+  router) are multiplied as stored (no tile copy); Q8_0 and BF16 keep ``GpuDense.matmul`` (float32
+  tiles);
+- routing: the router logits' top-k and weights on the device in float64 (``pd_route``; softmax and
+  softmax_topk gating, router bias, norm and scale as ``execute.batch_route.route_rows``), so only
+  ids (int32) and weights (float64) cross to the host, in one copy into pinned memory. The ids are
+  the host rule's (selection on the same float64 values, ties to the lower id); the weights agree
+  with it to float64 rounding (the sums' order differs). Expert groups, selection biases, sigmoid
+  gating and forced routes stay on the host; a chunk with a non-finite logit too;
+- GQA attention: q/k norm + RoPE + KV append in one launch that writes q in the product's layout
+  (``pd_qk_rope_kv``), the scores by one batched float32 cuBLAS product, the scale, causal/sliding
+  mask, sinks and softmax in one launch (``pd_softmax``), the values by one batched product.
+
+Numerics: float32 everywhere but the projections' ~22-bit activation halves and the float64
+routing; results agree with the CuPy path to float32 rounding (GPU tests). ``MOELAB_PREFILL_DENSE``
+= 0 keeps the CuPy path (for comparison), 1 (the default) takes this one; another value is an error.
+"""
+from __future__ import annotations
+
+import os
+from importlib import resources
+
+import numpy as np
+
+try:
+    import cupy as cp
+except ImportError:  # the switch reads without CuPy; ChunkDense needs it
+    cp = None
+
+from . import quant as Q
+from .experts import ExecutorError
+
+__all__ = ["ChunkDense", "dense_env"]
+
+_MODULE = None
+_CUDA_R_32F, _CUDA_R_16F = 0, 2  # cudaDataType
+_COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
+_GEMM_DEFAULT = -1
+_OP_N, _OP_T = 0, 1
+_PTR_HOST = 0  # CUBLAS_POINTER_MODE_HOST: alpha and beta read from host memory
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+_MAX_ROUTE_EXPERTS, _MAX_ROUTE_K = 2048, 64  # pd_route's shared memory and its top arrays
+
+
+def dense_env() -> bool:
+    """``MOELAB_PREFILL_DENSE``: unset or 1 -> True, 0 -> False; another value is an ExecutorError."""
+    v = os.environ.get("MOELAB_PREFILL_DENSE", "1")
+    if v not in ("0", "1"):
+        raise ExecutorError(f"MOELAB_PREFILL_DENSE={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def _kernel(name: str):
+    global _MODULE
+    if _MODULE is None:
+        src = resources.files(__package__).joinpath("prefill_dense.cu").read_text()
+        _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
+    return _MODULE.get_function(name)
+
+
+def _f32c(a):
+    return a if a.dtype == cp.float32 and a.flags.c_contiguous else cp.ascontiguousarray(a, cp.float32)
+
+
+class ChunkDense:
+    """Launches of the chunk's dense path (module docstring); every call runs on the current stream."""
+
+    def __init__(self):
+        self._rms = _kernel("pd_rmsnorm")
+        self._scale = _kernel("pd_scale_rows")
+        self._route = _kernel("pd_route")
+        self._qk = _kernel("pd_qk_rope_kv")
+        self._softmax = _kernel("pd_softmax")
+        self._split = None  # pf_split shares its module with mma.sync kernels (compute capability 8.0)
+        if int(cp.cuda.Device().compute_capability) >= 80:
+            from .prefill import _kernel as pf_kernel
+
+            self._split = pf_kernel("pf_split")
+        self._pinned, self._pinned_size = None, 0
+        self._done = cp.cuda.Event(disable_timing=True)
+
+    # RMSNorm ---------------------------------------------------------------------------------------
+    def rms(self, x, w, eps: float):
+        """``x * (1 / sqrt(mean(x^2, -1) + eps)) * w`` with ``w`` broadcast over x's leading dims
+        (``w.shape`` a suffix of ``x.shape``), float32; None when the shapes do not fit."""
+        if w is None or x.ndim < w.ndim or x.shape[x.ndim - w.ndim:] != w.shape or x.size == 0:
+            return None
+        cols = int(x.shape[-1])
+        x, w = _f32c(x), _f32c(w)
+        out = cp.empty(x.shape, cp.float32)
+        rows = x.size // cols
+        self._rms((rows,), (min(256, 32 * -(-cols // 32)),),
+                  (x, w, np.int32(w.size // cols), np.int32(cols), np.float32(eps), out))
+        return out
+
+    # projections -------------------------------------------------------------------------------------
+    def matmul(self, x, m):
+        """``x (T, cols)`` times Matrix ``m`` transposed -> ``(T, rows)`` float32 for F16 (tensor cores,
+        activation halves) and F32 matrices; None for other types (the caller's path)."""
+        if m.qt == Q.F32:
+            return _f32c(x) @ m.w.view(cp.float32).reshape(m.rows, m.cols).T
+        if m.qt != Q.F16 or self._split is None:
+            return None
+        x = _f32c(x)
+        t, k, n = int(x.shape[0]), m.cols, m.rows
+        hi, lo = cp.empty((t, k), cp.uint16), cp.empty((t, k), cp.uint16)
+        inv = cp.empty(t, cp.float32)
+        self._split((t,), (256,), (x, np.uint64(0), np.int32(k), hi, lo, inv))
+        y = cp.empty((t, n), cp.float32)
+        self._gemm(m, hi, t, y, _ZERO)
+        self._gemm(m, lo, t, y, _ONE)
+        self._scale((min(-(-y.size // 256), 4096),), (256,), (y, inv, np.int64(y.size), np.int32(n)))
+        return y
+
+    @staticmethod
+    def _gemm(m, a, t: int, y, beta: np.ndarray) -> None:
+        """y (t, rows) = a (t, cols) f16 . m (rows, cols) f16 transposed + beta y, f32 accumulation."""
+        from cupy_backends.cuda.libs import cublas
+
+        h = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(h, cp.cuda.get_current_stream().ptr)
+        mode = cublas.getPointerMode(h)
+        if mode != _PTR_HOST:
+            cublas.setPointerMode(h, _PTR_HOST)
+        try:  # column-major: y^T (rows, t) = m (cols, rows)^T . a^T (cols, t)
+            cublas.gemmEx(h, _OP_T, _OP_N, m.rows, t, m.cols, _ONE.ctypes.data, m.w.data.ptr, _CUDA_R_16F, m.cols,
+                          a.data.ptr, _CUDA_R_16F, m.cols, beta.ctypes.data, y.data.ptr, _CUDA_R_32F, m.rows,
+                          _COMPUTE_32F, _GEMM_DEFAULT)
+        finally:
+            if mode != _PTR_HOST:
+                cublas.setPointerMode(h, mode)
+
+    # routing ---------------------------------------------------------------------------------------
+    @staticmethod
+    def routes(info, exp_probs_b) -> bool:
+        """Whether :meth:`route` takes this model's routing (module docstring)."""
+        return (info.expert_groups <= 1 and info.gating in ("softmax", "softmax_topk") and exp_probs_b is None
+                and 1 <= info.top_k <= _MAX_ROUTE_K)
+
+    def route(self, logits, bias, info):
+        """Ids ``(T, k)`` int64 and weights ``(T, k)`` float64 of router ``logits`` ``(T, E)`` (device,
+        float32) plus ``bias`` (device float32 or None), after one copy to pinned memory and one wait;
+        None when a logit is not finite (the caller routes on the host)."""
+        logits = _f32c(logits)
+        t, e = (int(v) for v in logits.shape)
+        k = int(info.top_k)
+        if e > _MAX_ROUTE_EXPERTS or k > e:
+            return None
+        wb, ib = 8 * t * k, 4 * t * k  # weights (float64) first: 8-byte aligned
+        nbytes = wb + ib + 4
+        buf = cp.empty(nbytes, cp.uint8)
+        buf[wb + ib:].fill(0)
+        wts, ids = buf[:wb].view(cp.float64), buf[wb:wb + ib].view(cp.int32)
+        bad = buf[wb + ib:].view(cp.int32)
+        self._route((t,), (128,), (logits, bias if bias is not None else np.uint64(0), np.int32(e), np.int32(k),
+                                   np.int32(0 if info.gating == "softmax" else 1), np.int32(bool(info.norm_topk)),
+                                   np.float64(info.expert_weights_scale or 0.0), ids, wts, bad),
+                    shared_mem=8 * e + 8 * 32 + 4 * 32)
+        if self._pinned_size < nbytes:
+            self._pinned_size = max(nbytes, 1 << 16)
+            self._pinned = cp.cuda.alloc_pinned_memory(self._pinned_size)
+        host = np.frombuffer(self._pinned, np.uint8, nbytes)
+        s = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(self._pinned.ptr, buf.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToHost, s.ptr)
+        self._done.record(s)
+        self._done.synchronize()
+        if host[wb + ib:].view(np.int32)[0]:
+            return None
+        w = host[:wb].view(np.float64).reshape(t, k).copy()
+        ids_h = host[wb:wb + ib].view(np.int32).reshape(t, k).astype(np.int64)
+        return ids_h, w
+
+    # attention -------------------------------------------------------------------------------------
+    def attention(self, model, l: int, x):
+        """GQA attention of block ``l`` for ``x (T, hidden)`` at ``model.pos`` as ``MoeModel._attention``
+        computes it (KV cache written); None when this path does not take the model (MLA, head_dim
+        odd or over 1024, a q/k norm without the fused weight)."""
+        info, w, pos = model.info, model.layers[l], model.pos
+        nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
+        mode = {"none": 0, "head": 1, "full": 2}.get(model.spec.qk_norm)
+        if (model.mla or mode is None or hd % 2 or hd > 1024 or nkv < 1 or nh % nkv
+                or (mode and w.get("qk_weight") is None)):
+            return None
+        t = int(x.shape[0])
+        qkv = model._proj(x, w["wqkv"])  # (T, q + 2 kv)
+        if w["bqkv"] is not None:
+            qkv = qkv + w["bqkv"]
+        qkv = _f32c(qkv)
+        g = nh // nkv
+        kc, vc = model.k_cache[l], model.v_cache[l]
+        n = int(kc.shape[1])
+        q = cp.empty((nkv, t, g, hd), cp.float32)
+        self._qk((nh + 2 * nkv, t), (32 * -(-hd // 32),),
+                 (qkv, np.int32(t), np.int32(nh), np.int32(nkv), np.int32(hd),
+                  w["qk_weight"] if mode else np.uint64(0), np.int32(mode), np.float32(info.rms_eps),
+                  model.rope_cos, model.rope_sin, np.int32(pos), q, kc, vc, np.int32(n)))
+        swa = info.is_swa(l)
+        lo = max(0, pos + 1 - info.sliding_window) if swa else 0
+        keys, vals = kc[:, lo:pos + t], vc[:, lo:pos + t]  # (kv, keys, hd)
+        s = cp.ascontiguousarray(q.reshape(nkv, t * g, hd) @ keys.transpose(0, 2, 1))  # (kv, T g, keys)
+        sinks = w["sinks"]
+        self._softmax((nkv * t * g,), (128,),
+                      (s, np.int32(t), np.int32(g), np.int32(pos + t - lo), np.int32(lo), np.int32(pos),
+                       np.int32(info.sliding_window if swa else 0), np.float32(model.kq_scale),
+                       _f32c(sinks) if sinks is not None else np.uint64(0)))
+        o = (s @ vals).reshape(nkv, t, g, hd).transpose(1, 0, 2, 3).reshape(t, nh * hd)
+        y = model._proj(o, w["wo"])
+        return y if w["bo"] is None else y + w["bo"]
