@@ -249,7 +249,7 @@ class MoeModel:
     def _proj(self, x, m):
         """``x (T, in)`` times matrix ``m`` (``_matrix``) transposed -> ``(T, out)``."""
         if self.gd is not None and not hasattr(m, "__cuda_array_interface__"):
-            y = self.pd.matmul(x, m) if self.pd is not None and x.shape[0] > 1 else None
+            y = self.pd.matmul(x, m, self.gd) if self.pd is not None and x.shape[0] > 1 else None
             return self.gd.matmul(x, m) if y is None else y
         return self._mv(x, m)
 

@@ -85,6 +85,14 @@ __device__ __noinline__ double np_sum<0>(const double* a, int n) {
     return np_sum_leaf(a, n);
 }
 
+// y (rows, cols) *= sr[row] * sc[col] (powers of two: the halves' scales of the activation rows and
+// of the weight rows, which are y's columns)
+extern "C" __global__ void pd_scale_rows_cols(float* __restrict__ y, const float* __restrict__ sr,
+                                              const float* __restrict__ sc, long long n, int cols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = y[i] * sr[i / cols] * sc[i % cols];
+}
+
 // Routing of T rows of E router logits (one block per row, E <= 2048): l = logits + bias (float64);
 // gating 0 softmax: select the top k of p = softmax(l), weights p; gating 1 softmax_topk: select on
 // l, weights softmax of the selected l. Ties: the lower id first. Then norm: w / max(sum w, 2^-14);

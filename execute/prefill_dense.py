@@ -5,9 +5,12 @@
 - projections by F16 matrices: on tensor cores through cuBLAS (``cublasGemmEx``, f16 inputs, f32
   accumulation and output). The activations enter as two f16 halves of each row scaled by a power of
   two (``pf_split`` of ``execute.prefill``: hi = f16(x s), lo = f16(x s - hi), ~22 of float32's 24
-  bits), two products summed in f32, then times 1/s (compute capability >= 8.0); F32 matrices (a
-  router) are multiplied as stored (no tile copy); Q8_0 and BF16 keep ``GpuDense.matmul`` (float32
-  tiles);
+  bits), two products summed in f32, then times 1/s (compute capability >= 8.0). Q8_0 and BF16
+  matrices of at most 2^24 weights are dequantized per call and split into halves the same way, per
+  weight row (q d of Q8_0 has at most 19 significant bits, which its two halves carry but for
+  weights below 2^-24 of their row's largest): three products (hi.hi, lo.hi, hi.lo; the lo.lo term
+  is below the halves' rounding). F32 matrices (a router) are multiplied as stored (no tile copy);
+  larger Q8_0/BF16 matrices keep ``GpuDense.matmul`` (float32 tiles);
 - routing: the router logits' top-k and weights on the device in float64 (``pd_route``; softmax and
   softmax_topk gating, router bias, norm and scale as ``execute.batch_route.route_rows``), so only
   ids (int32) and weights (float64) cross to the host, in one copy into pinned memory. The ids are
@@ -46,6 +49,7 @@ _GEMM_DEFAULT = -1
 _OP_N, _OP_T = 0, 1
 _PTR_HOST = 0  # CUBLAS_POINTER_MODE_HOST: alpha and beta read from host memory
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+_MAX_SPLIT_WEIGHTS = 1 << 24  # a Q8_0/BF16 matrix split per call: two f16 copies and a float32 tile
 _MAX_ROUTE_EXPERTS, _MAX_ROUTE_K = 2048, 64  # pd_route's shared memory and its top arrays
 
 
@@ -75,6 +79,7 @@ class ChunkDense:
     def __init__(self):
         self._rms = _kernel("pd_rmsnorm")
         self._scale = _kernel("pd_scale_rows")
+        self._scale2 = _kernel("pd_scale_rows_cols")
         self._route = _kernel("pd_route")
         self._qk = _kernel("pd_qk_rope_kv")
         self._softmax = _kernel("pd_softmax")
@@ -101,27 +106,49 @@ class ChunkDense:
         return out
 
     # projections -------------------------------------------------------------------------------------
-    def matmul(self, x, m):
-        """``x (T, cols)`` times Matrix ``m`` transposed -> ``(T, rows)`` float32 for F16 (tensor cores,
-        activation halves) and F32 matrices; None for other types (the caller's path)."""
+    def _halves(self, v):
+        """(hi, lo, 1/s) of the rows of ``v`` (rows, cols) float32 (``pf_split``)."""
+        r, c = (int(n) for n in v.shape)
+        hi, lo = cp.empty((r, c), cp.uint16), cp.empty((r, c), cp.uint16)
+        inv = cp.empty(r, cp.float32)
+        self._split((r,), (256,), (v, np.uint64(0), np.int32(c), hi, lo, inv))
+        return hi, lo, inv
+
+    def matmul(self, x, m, gd=None):
+        """``x (T, cols)`` times Matrix ``m`` transposed -> ``(T, rows)`` float32, or None where the
+        caller's path stays (module docstring): F16 on tensor cores with the activation halves; Q8_0
+        and BF16 (with ``gd``, a GpuDense, and at most 2^24 weights) the same with the weights
+        dequantized once per call and split into halves too (per row by a power of two), three
+        products (hi hi, lo hi, hi lo); F32 as stored."""
         if m.qt == Q.F32:
             return _f32c(x) @ m.w.view(cp.float32).reshape(m.rows, m.cols).T
-        if m.qt != Q.F16 or self._split is None:
+        if self._split is None or not (m.qt == Q.F16 or (m.qt in (Q.Q8_0, Q.BF16) and gd is not None
+                                                         and m.rows * m.cols <= _MAX_SPLIT_WEIGHTS)):
             return None
         x = _f32c(x)
-        t, k, n = int(x.shape[0]), m.cols, m.rows
-        hi, lo = cp.empty((t, k), cp.uint16), cp.empty((t, k), cp.uint16)
-        inv = cp.empty(t, cp.float32)
-        self._split((t,), (256,), (x, np.uint64(0), np.int32(k), hi, lo, inv))
+        t, n = int(x.shape[0]), m.rows
+        xh, xl, xi = self._halves(x)
         y = cp.empty((t, n), cp.float32)
-        self._gemm(m, hi, t, y, _ZERO)
-        self._gemm(m, lo, t, y, _ONE)
-        self._scale((min(-(-y.size // 256), 4096),), (256,), (y, inv, np.int64(y.size), np.int32(n)))
+        grid = (min(-(-y.size // 256), 4096),)
+        if m.qt == Q.F16:
+            self._gemm(m.w, m, xh, t, y, _ZERO)
+            self._gemm(m.w, m, xl, t, y, _ONE)
+            self._scale(grid, (256,), (y, xi, np.int64(y.size), np.int32(n)))
+            return y
+        tile = cp.empty((m.rows, m.cols), cp.float32)
+        gd.dequant(m, 0, m.rows, tile)
+        wh, wl, wi = self._halves(tile)
+        del tile
+        self._gemm(wh, m, xh, t, y, _ZERO)
+        self._gemm(wh, m, xl, t, y, _ONE)
+        self._gemm(wl, m, xh, t, y, _ONE)
+        self._scale2(grid, (256,), (y, xi, wi, np.int64(y.size), np.int32(n)))
         return y
 
     @staticmethod
-    def _gemm(m, a, t: int, y, beta: np.ndarray) -> None:
-        """y (t, rows) = a (t, cols) f16 . m (rows, cols) f16 transposed + beta y, f32 accumulation."""
+    def _gemm(w, m, a, t: int, y, beta: np.ndarray) -> None:
+        """y (t, rows) = a (t, cols) f16 . w (rows, cols) f16 transposed + beta y, f32 accumulation
+        (``m`` gives rows and cols)."""
         from cupy_backends.cuda.libs import cublas
 
         h = cp.cuda.device.get_cublas_handle()
@@ -130,7 +157,7 @@ class ChunkDense:
         if mode != _PTR_HOST:
             cublas.setPointerMode(h, _PTR_HOST)
         try:  # column-major: y^T (rows, t) = m (cols, rows)^T . a^T (cols, t)
-            cublas.gemmEx(h, _OP_T, _OP_N, m.rows, t, m.cols, _ONE.ctypes.data, m.w.data.ptr, _CUDA_R_16F, m.cols,
+            cublas.gemmEx(h, _OP_T, _OP_N, m.rows, t, m.cols, _ONE.ctypes.data, w.data.ptr, _CUDA_R_16F, m.cols,
                           a.data.ptr, _CUDA_R_16F, m.cols, beta.ctypes.data, y.data.ptr, _CUDA_R_32F, m.rows,
                           _COMPUTE_32F, _GEMM_DEFAULT)
         finally:

@@ -211,12 +211,15 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
             return call
 
         fused = model.pd is not None
-        f16 = fused and getattr(w["wqkv"], "qt", None) == Q.F16
+        qt = getattr(w["wqkv"], "qt", None)
+        f16 = fused and qt == Q.F16
+        proj_note = {Q.F16: "f16 halves on tensor cores (cuBLAS)", Q.Q8_0: "weights and activations as f16 halves, "
+                  "three cuBLAS products", Q.BF16: "weights and activations as f16 halves, three cuBLAS products"}
         h = add("attn_norm", lambda: model._rms(x, w["attn_norm"]), cost="attn_norm_fused" if fused else None,
                 note="pd_rmsnorm (one launch)" if fused else "")
         add("attn_norm_cupy", cupy_path(lambda: model._rms(x, w["attn_norm"])), cost="attn_norm")
         add("qkv_proj", lambda: model._proj(h, w["wqkv"]), cost="qkv_proj_f16" if f16 else None,
-            note="f16 halves on tensor cores (cuBLAS)" if f16 else "")
+            note=proj_note.get(qt, "") if fused else "")
         add("qkv_proj_tile", cupy_path(lambda: model._proj(h, w["wqkv"])), cost="qkv_proj")
         add("attention_block", lambda: model._attention(0, h),
             note="qkv_proj + qk/rope/kv (pd_qk_rope_kv) + attention (cuBLAS, pd_softmax) + o_proj" if fused
@@ -224,7 +227,7 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
         add("attention_block_cupy", cupy_path(lambda: model._attention(0, h)),
             note="qkv_proj + qk_norm_rope + attention + o_proj, CuPy expressions and float32 tiles")
         add("o_proj", lambda: model._proj(o_in, w["wo"]), cost="o_proj_f16" if f16 else None,
-            note="f16 halves on tensor cores (cuBLAS)" if f16 else "")
+            note=proj_note.get(qt, "") if fused else "")
         add("o_proj_tile", cupy_path(lambda: model._proj(o_in, w["wo"])), cost="o_proj")
         hn = add("ffn_norm", lambda: model._rms(x, w["ffn_norm"]), cost="ffn_norm_fused" if fused else None,
                  note="pd_rmsnorm (one launch)" if fused else "")

@@ -55,9 +55,10 @@ def test_rmsnorm_matches_the_cupy_expression(pd, shape, wshape):
 
 
 @pytest.mark.gpu
-def test_f16_and_f32_products_match_the_tile_path(pd):
+def test_products_match_the_tile_path(pd, monkeypatch):
     import cupy as cp
 
+    from execute import prefill_dense
     from execute.gpu_dense import GpuDense, device_matrix
 
     gd = GpuDense(hidden=256, heads=8, kv_heads=2, head_dim=32, experts=40, top_k=6)
@@ -67,20 +68,26 @@ def test_f16_and_f32_products_match_the_tile_path(pd):
     x[5] *= 1e-4
     x[7] = 0.0
     xd = cp.asarray(x)
-    for qt in (Q.F16, Q.F32):
-        raw = Q.quantize(rng.standard_normal((203, 256)).astype(np.float32) * 0.05, qt)
+    for qt in (Q.F16, Q.F32, Q.Q8_0, Q.BF16):
+        v = rng.standard_normal((203, 256)).astype(np.float32) * 0.05
+        v[9] *= 1e-4  # a weight row of small values: its own power of two (Q8_0, BF16)
+        raw = Q.quantize(v, qt)
         vals = Q.dequantize(raw, qt, 256).reshape(203, 256)
         m = device_matrix((raw, qt), vals)
-        got = pd.matmul(xd, m).get()
+        assert m.qt == qt
+        got = pd.matmul(xd, m, gd).get()
         old = gd.matmul(xd, m).get()
         ref = x.astype(np.float64) @ vals.T.astype(np.float64)
         assert got.shape == (37, 203) and not got[7].any()
         for r in (0, 3, 5, 36):  # row by row: the scaled rows as exact as the others
             assert nmse(got[r], ref[r]) <= 1e-11 and nmse(old[r], ref[r]) <= 1e-11
+        assert nmse(got[:, 9], ref[:, 9]) <= 1e-11
         assert nmse(got, old) <= 1e-11
-    for qt in (Q.BF16, Q.Q8_0):  # the tile path's
-        raw = Q.quantize(rng.standard_normal((64, 256)).astype(np.float32), qt)
-        assert pd.matmul(xd, device_matrix((raw, qt), Q.dequantize(raw, qt, 256).reshape(64, 256))) is None
+        if qt in (Q.Q8_0, Q.BF16):  # without a GpuDense, or over the size limit: the tile path's
+            assert pd.matmul(xd, m) is None
+            monkeypatch.setattr(prefill_dense, "_MAX_SPLIT_WEIGHTS", 203 * 256 - 1)
+            assert pd.matmul(xd, m, gd) is None
+            monkeypatch.undo()
 
 
 @pytest.mark.gpu
