@@ -66,6 +66,5 @@ def merge_rows(layer: int, ids: np.ndarray, weights: np.ndarray) -> Step:
     experts = uniq[np.argsort(first, kind="stable")]
     size = int(uniq[-1]) + 1 if len(uniq) else 1
     counts = np.bincount(flat, minlength=size)[experts]
-    sums = np.zeros(size)
-    np.add.at(sums, flat, wf)
+    sums = np.bincount(flat, weights=wf, minlength=size)  # in index order from 0.0, as np.add.at
     return Step(layer, tuple(experts.tolist()), tuple(counts.tolist()), tuple(sums[experts].tolist()))
