@@ -1,18 +1,25 @@
 """experiments/policies_eval.py: a small version runs and writes a page of the committed one's
-structure (held-out summary separate from tuning, a table per trace family); bad input refused."""
+structure (held-out test families separate from the development set's tuning) and its run folder;
+the committed run's lookahead default is the dataclass's; bad input refused, nothing written."""
 from __future__ import annotations
 
+import csv
+import dataclasses
 import importlib.util
+import json
 import re
 from pathlib import Path
+
+from scheduler.policies import LookaheadConfig
 
 ROOT = Path(__file__).parents[1]
 _spec = importlib.util.spec_from_file_location("policies_eval", ROOT / "experiments" / "policies_eval.py")
 policies_eval = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(policies_eval)
 
-SECTIONS = ["# Policies", "## Method", "## Policies", "## Chosen configurations", "## Held-out summary (lookahead)",
-            "## Tables: real traces", "## Tables: synthetic traces", "## Known limits", "## Command"]
+SECTIONS = ["# Policies", "## Method", "## Policies", "## Chosen configuration", "## Held out: test families",
+            "## Tuning: development set", "## Known limits", "## Command"]
+RUN = ROOT / "docs" / "perf" / "policies_eval"
 
 
 def structure(text: str) -> tuple[list[str], list[str]]:
@@ -22,19 +29,38 @@ def structure(text: str) -> tuple[list[str], list[str]]:
 
 
 def test_small_run_matches_the_committed_structure(tmp_path):
-    out = tmp_path / "p.md"
-    assert policies_eval.main(["--tokens", "6", "--hardware", "rtx4060-laptop", "--out", str(out), "--quiet"]) == 0
+    out, run = tmp_path / "p.md", tmp_path / "run"
+    assert policies_eval.main(["--tokens", "4", "--hardware", "rtx4060-laptop", "--out", str(out),
+                               "--run-dir", str(run), "--quiet"]) == 0
     small = out.read_text()
     committed = (ROOT / "docs" / "POLICIES.md").read_text()
     for text in (small, committed):
         heads, paras = structure(text)
         assert heads == SECTIONS
         assert paras == list(policies_eval.ROWS)
-        assert "tuning: x lru" in text and "x max(lru, hybrid)" in text
-    assert "--tokens 6 --hardware rtx4060-laptop" in small
-    # lru's own rows read x1.00 everywhere
-    rows = [l for l in small.splitlines() if l.startswith("| lru |")]
-    assert rows and all(c.count("(x1.00)") == 2 for c in rows)
+        assert "Targets, held out:" in text and "Same targets, tuning:" in text and "grid held out" in text
+    assert "--tokens 4 --hardware rtx4060-laptop" in small
+    assert "](run/README.md)" in small
+    rows = list(csv.DictReader((run / "results.csv").open()))
+    sets = {r["set"] for r in rows}
+    assert sets == {"dev", "test"}
+    # the test families carry one lookahead configuration per run, lru reads x1.00 in the tables
+    test = [r for r in rows if r["set"] == "test" and r["policy"] == "lookahead"]
+    assert len(test) == 2 * len(policies_eval.TEST_FAMILIES)
+    lru_rows = [l for l in (run / "README.md").read_text().splitlines() if l.startswith("| lru |")]
+    assert lru_rows and all(l.count("(x1.00)") == 2 for l in lru_rows)
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["command"].endswith("--tokens 4 --hardware rtx4060-laptop") and cfg["test_seed"] == policies_eval.TEST_SEED
+
+
+def test_the_committed_default_is_the_dataclass_default():
+    """The run's choice on the development set is what LookaheadConfig() runs, and the page says it."""
+    cfg = json.loads((RUN / "config.json").read_text())
+    default = dataclasses.asdict(LookaheadConfig())
+    assert all(default[k] == v for k, v in cfg["lookahead_default"].items())
+    assert all(default[k] == v for k, v in cfg["lookahead_fixed"].items() if k in default)
+    assert "(the `LookaheadConfig` default)" in (ROOT / "docs" / "POLICIES.md").read_text()
+    assert [f[0] for f in cfg["test_families"]] == [f[0] for f in policies_eval.TEST_FAMILIES]
 
 
 def test_bad_input_refused(capsys, tmp_path):
@@ -42,4 +68,6 @@ def test_bad_input_refused(capsys, tmp_path):
     assert "--tokens" in capsys.readouterr().err
     assert policies_eval.main(["--hardware", "nope", "--out", str(tmp_path / "p.md")]) == 2
     assert "--hardware" in capsys.readouterr().err
+    assert policies_eval.main(["--run-dir", str(tmp_path / "no" / "run"), "--out", str(tmp_path / "p.md")]) == 2
+    assert "--run-dir" in capsys.readouterr().err
     assert not (tmp_path / "p.md").exists()

@@ -1,0 +1,97 @@
+"""Held-out evaluation of the tuned policy families: chosen on a development set, measured on test
+families that no tuning saw, against the targets below.
+
+``evaluate``: every baseline and every grid configuration runs on the development cases; each
+family's default is the configuration ``select`` chooses on all of them (its per-trace choice
+without the trace is kept for the tuning table); then the test cases run with every policy at its
+single default. ``TEST_FAMILIES`` are synthetic (``traces.synth``) with statistics that none of
+``SYNTH_FAMILIES`` has and their own seed.
+
+Targets (``verdict``), over each case, hardware preset and cache size: the tuned policy >= 1.0x
+max(lru, hybrid) everywhere and >= 1.2x lru on at least half; a median of >= 40% of the lru ->
+oracle tokens/s gap closed, >= 25% at the smaller cache. ``ceiling`` lists the runs where an
+online policy beats ``oracle``.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import numpy as np
+
+from scheduler.costs import DEFAULT_MODEL
+
+from .evaluate import BASELINES, Case, run_set, select, trace_model, view
+
+__all__ = ["TEST_SEED", "TEST_FAMILIES", "ONLINE", "held_out_cases", "evaluate", "verdict", "ceiling"]
+
+TEST_SEED = 1
+# (name, layers, experts, top-k, SynthParams fields): top-1..top-8, 8..128 experts, each with a
+# topic concentration, topic shift or reuse lag that the development families leave at the default
+TEST_FAMILIES = (
+    ("test k1 e8 strong-reuse low-cross", 12, 8, 1,
+     dict(zipf_s=0.5, reuse_prob=0.6, cross_layer=0.2, topic_concentration=2.0, reuse_lag_tokens=3.0)),
+    ("test k2 e8 weak-reuse mid-cross", 16, 8, 2, dict(zipf_s=0.3, reuse_prob=0.3, cross_layer=0.5, topic_shift_prob=0.05)),
+    ("test k2 e32 strong-reuse high-cross", 12, 32, 2,
+     dict(zipf_s=1.0, reuse_prob=0.55, cross_layer=0.8, topic_concentration=0.5, reuse_lag_tokens=1.5)),
+    ("test k6 e64 weak-reuse high-cross", 12, 64, 6,
+     dict(zipf_s=1.1, reuse_prob=0.25, cross_layer=0.7, topic_concentration=0.3, topic_shift_prob=0.1)),
+    ("test k4 e128 strong-reuse low-cross", 8, 128, 4,
+     dict(zipf_s=1.4, reuse_prob=0.65, cross_layer=0.05, topic_concentration=2.0, reuse_lag_tokens=4.0)),
+    ("test k8 e64 mid-reuse mid-cross", 12, 64, 8,
+     dict(zipf_s=0.7, reuse_prob=0.45, cross_layer=0.4, topic_shift_prob=0.2, reuse_lag_tokens=2.5)),
+)
+ONLINE = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead")
+
+
+def held_out_cases(num_tokens: int = 192, seed: int = TEST_SEED, families=TEST_FAMILIES, base: str = DEFAULT_MODEL) -> list[Case]:
+    """``families`` as cases of ``num_tokens`` decode rows in 3 sequences; caches of 1/4 and 1/2 of
+    the experts (at least top-k)."""
+    from traces import synth
+
+    out = []
+    for i, (name, L, E, k, p) in enumerate(families):
+        t = synth.generate(L, E, k, num_tokens, synth.SynthParams(**p), np.random.default_rng([seed, i]), num_seqs=3)
+        out.append(Case(name, "test", tuple(t.tokens()), trace_model(t, base), (max(k, E // 4), max(k, E // 2))))
+    return out
+
+
+def evaluate(dev: Sequence[Case], test: Sequence[Case], hardware: Sequence[str], grids: dict,
+             baselines=BASELINES + ("predict",), progress: Callable[[str], None] | None = None):
+    """(results, held, chosen): ``results`` {(case, hardware, slots, policy): measure} with each
+    family in ``grids`` at its default (the development set's choice) on every case; ``held`` the
+    development cases with each family at its choice without the case; ``chosen`` ``select``'s."""
+    res = run_set(dev, hardware, baselines=baselines, grids=grids, progress=progress)
+    chosen = select(res, dev, hardware, grids=grids)
+    results, held = view(res, chosen, False), view(res, chosen, True)
+    if test:
+        default = {n: (grids[n][i],) for n, (i, _) in chosen.items()}
+        res = run_set(test, hardware, baselines=baselines, grids=default, progress=progress)
+        results.update(view(res, {n: (0, {c.name: 0 for c in test}) for n in grids}, False))
+    return results, held, chosen
+
+
+def verdict(rows: Sequence[dict]) -> dict:
+    """The targets over ``simulate.evaluate.summary`` rows: runs, runs >= max(lru, hybrid), runs >=
+    1.2x lru, median gap closed, median at the smaller cache, and whether each target is met."""
+    ok = [r for r in rows if r["x_best"] is not None]
+    gaps = [r["gap"] for r in ok if r["gap"] is not None]
+    small = [r["gap"] for r in ok if r["gap"] is not None and r["smallest"]]
+    v = {"runs": len(ok), "best": sum(r["x_best"] >= 1.0 for r in ok), "x12": sum(r["x_lru"] >= 1.2 for r in ok),
+         "gap": statistics.median(gaps) if gaps else None, "gap_small": statistics.median(small) if small else None}
+    v["met"] = {"best": bool(ok) and v["best"] == len(ok), "x12": bool(ok) and 2 * v["x12"] >= len(ok),
+                "gap": (v["gap"] or 0.0) >= 0.4, "gap_small": (v["gap_small"] or 0.0) >= 0.25}
+    return v
+
+
+def ceiling(*results: dict, online=ONLINE) -> tuple[int, list[tuple]]:
+    """(runs checked, [(case, hardware, slots, policy)] where ``policy`` beats oracle)."""
+    n, bad = 0, []
+    for res in results:
+        for (c, h, s, p), r in res.items():
+            top = res.get((c, h, s, "oracle"))
+            if p in online and r is not None and top is not None:
+                n += 1
+                if r["tokens_per_s"] > top["tokens_per_s"] * (1 + 1e-9):
+                    bad.append((c, h, s, p))
+    return n, bad

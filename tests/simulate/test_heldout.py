@@ -1,0 +1,69 @@
+"""Held-out evaluation: the default is chosen on the development cases only and is the one run on
+the test cases; the targets are counted as stated; oracle stays a ceiling on the test families."""
+from __future__ import annotations
+
+import pytest
+
+from simulate.evaluate import measure, summary, synthetic_cases
+from simulate.heldout import ONLINE, TEST_FAMILIES, ceiling, evaluate, held_out_cases, verdict
+
+
+def _row(x_lru, x_best, gap, smallest):
+    return {"case": "c", "hardware": "h", "slots": 1, "smallest": smallest, "x_lru": x_lru, "x_best": x_best, "gap": gap}
+
+
+def test_verdict_counts_the_targets_at_their_bounds():
+    rows = [_row(1.2, 1.0, 0.4, True), _row(1.19, 1.0, 0.25, True), _row(1.5, 1.1, 0.6, False),
+            _row(1.0, 0.999, 0.0, False), _row(None, None, None, True)]  # the last: policy refused
+    v = verdict(rows)
+    assert (v["runs"], v["best"], v["x12"]) == (4, 3, 2)
+    assert v["gap"] == pytest.approx(0.325) and v["gap_small"] == pytest.approx(0.325)
+    assert v["met"] == {"best": False, "x12": True, "gap": False, "gap_small": True}
+    v = verdict([_row(1.3, 1.0, 0.5, True), _row(1.0, 1.0, 0.4, False)])
+    assert all(v["met"].values())
+
+
+def test_ceiling_names_a_run_above_oracle():
+    res = {("c", "h", 2, "oracle"): {"tokens_per_s": 100.0}, ("c", "h", 2, "lru"): {"tokens_per_s": 90.0},
+           ("c", "h", 2, "static"): {"tokens_per_s": 120.0}, ("c", "h", 2, "lookahead"): None}
+    assert ceiling(res) == (1, [])  # static is offline, a refused run is skipped
+    res["c", "h", 2, "hybrid"] = {"tokens_per_s": 100.5}
+    assert ceiling(res) == (2, [("c", "h", 2, "hybrid")])
+
+
+def test_held_out_cases_are_seeded_and_differ_from_the_development_set():
+    a, b = held_out_cases(8), held_out_cases(8)
+    assert [c.name for c in a] == [f[0] for f in TEST_FAMILIES]
+    assert all(x.tokens == y.tokens for x, y in zip(a, b))
+    assert held_out_cases(8, seed=5)[0].tokens != a[0].tokens
+    for c, (_, L, E, k, _) in zip(a, TEST_FAMILIES):
+        assert (c.model.num_layers, c.model.num_experts, c.model.top_k) == (L, E, k)
+        assert c.slots == (max(k, E // 4), max(k, E // 2)) and len(c.tokens) == 8
+    dev = {(c.model.num_layers, c.model.num_experts, c.model.top_k) for c in synthetic_cases(8)}
+    assert not dev & {(c.model.num_layers, c.model.num_experts, c.model.top_k) for c in a}
+
+
+def test_the_default_is_chosen_on_the_development_cases_and_run_on_the_test_cases():
+    dev, test = synthetic_cases(6)[:2], held_out_cases(6)[:1]
+    grids = {"lookahead": ({"values": "recency"}, {"values": "adaptive", "fill_share": 0.0})}
+    res, held, chosen = evaluate(dev, test, ["rtx4060-laptop"], grids, baselines=("lru", "hybrid", "oracle"))
+    default, per = chosen["lookahead"]
+    assert set(per) == {c.name for c in dev}
+    for c in test:
+        for s in c.slots:
+            r = measure(c.tokens, c.model, "rtx4060-laptop", "lookahead", s, grids["lookahead"][default])
+            assert res[c.name, "rtx4060-laptop", s, "lookahead"] == r
+    assert {k[0] for k in held} == {c.name for c in dev}
+    rows = summary(res, test, ["rtx4060-laptop"])
+    assert len(rows) == 2 and all(r["x_lru"] is not None for r in rows)
+
+
+def test_oracle_is_a_ceiling_on_the_test_families():
+    res = {}
+    for c in held_out_cases(12):
+        for h in ("h200-xeon16", "rtx4060-laptop"):
+            for s in c.slots:
+                for p in ONLINE + ("oracle",):
+                    res[c.name, h, s, p] = measure(c.tokens, c.model, h, p, s)
+    n, bad = ceiling(res)
+    assert n == len(TEST_FAMILIES) * 2 * 2 * len(ONLINE) and bad == []
