@@ -227,6 +227,8 @@ def _gpu_fields(m: dict, eb: int, src: dict) -> dict:
         "gpu_batch_s": max(batch_a, 0.0), "combine_s": med(ex["combine"]), "wait_poll_s": med(m["poll_s"]),
         "plan_s": plan,
     }
+    if "handoff" in en:  # the executor hands CPU experts off through mapped memory (MOELAB_HANDOFF)
+        executor["handoff_in_s"], executor["handoff_out_s"] = med(en["handoff"]["in"]), med(en["handoff"]["out"])
     src.update({
         "gpu_mem_bytes": "measured: cudaMemGetInfo total", "gpu_mem_gbps": "measured: 1 GiB device-to-device copy, (read + write) bytes / s",
         "gpu_tflops": "measured: fp16 8192^3 cupy.matmul", "launch_s": "measured: host time of a one-element cupy kernel",

@@ -397,7 +397,14 @@ def cpu_layer_parts(t_call: float, t_ret: float, d: dict, job) -> dict:
     stamps: plan (before anything is queued), submit (input fetch and row gather up to the submit),
     handoff (the submit's rest and the GIL hand-off), queue (GPU work queued while the pool runs),
     start (submit -> the pool starts), compute, ret (pool done -> caller resumes), combine (rows'
-    upload and combine queued)."""
+    upload and combine queued). A call handed off through mapped memory (``job.gated``: no host
+    wait) has plan (its submit and the input's put included) and queue; its start and end are
+    the hand-off's edges, measured on the GPU's clock (``handoff_in_s``/``handoff_out_s``), and its
+    compute is known once the call is done (0.0 before)."""
+    if getattr(job, "gated", False):
+        job.poll()
+        return {"plan": d["host_plan_s"], "submit": 0.0, "handoff": 0.0, "queue": d["host_queue_s"], "start": 0.0,
+                "compute": job.compute_s, "ret": 0.0, "combine": 0.0}
     t1 = t_call + d["host_plan_s"]
     return {"plan": d["host_plan_s"], "submit": job.submitted_s - t1,
             "handoff": t1 + d["input_wait_s"] - job.submitted_s, "queue": d["host_queue_s"],
@@ -478,6 +485,12 @@ def measure_engine(cp, timer: GpuTimer, engine, layers, reps: int, seed: int) ->
             out["cpu_layer"][n] = {k: stats(v) for k, v in parts.items()}
     finally:
         del engine.pool.submit
+    ho = engine.handoff
+    if ho is not None:  # the CPU layers went through the mapped-memory hand-off: its two edges
+        ho.collect(engine.stats, final=True)
+        e = np.array(ho.edges.last, np.float64).reshape(-1, 2)
+        if len(e):
+            out["handoff"] = {"in": stats(e[:, 0].tolist()), "out": stats(e[:, 1].tolist())}
     return out
 
 

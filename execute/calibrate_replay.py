@@ -87,6 +87,8 @@ def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None 
                         rec["gap_s"] = t_call - t_layer
                     if len(jobs) > n_jobs:
                         rec["parts"] = cpu_layer_parts(t0, t1, rec, jobs[-1])
+                        if jobs[-1].gated:  # handed off: its compute time is known once it is done
+                            rec["_job"] = jobs[-1]
                     layer_log.append(rec)
                     t_body = t_layer = time.perf_counter()  # from here: the logging is not counted
                     continue
@@ -105,6 +107,13 @@ def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None 
     finally:
         gc.enable()
         del engine.pool.submit
+    if layer_log is not None and any("_job" in r for r in layer_log):
+        engine.synchronize()
+        for r in layer_log:
+            job = r.pop("_job", None)
+            if job is not None:
+                job.poll()
+                r["parts"]["compute"] = job.compute_s
     return items, times, jobs
 
 

@@ -312,6 +312,7 @@ class CpuJob:
         self.finished_s = 0.0
         self.collected_s = 0.0
         self.gate_s = 0.0  # a gated call: when its first worker passed the gate
+        self.gated = False  # submitted gated: nobody waits for it on the host (see CpuExpertPool.submit)
 
     def done(self) -> bool:
         return self._error is not None or self._pool._ctrl[_C_DONE] >= self._seq
@@ -501,7 +502,7 @@ class CpuExpertPool:
             return self._failed(job, gated)
         done = int(self._ctrl[_C_DONE])
         self._inflight[:] = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays, layer, views))]
-        job._seq, job._out = seq, y
+        job._seq, job._out, job.gated = seq, y, gated
         self._seq = seq
         if track:
             self._tracked.append(job)

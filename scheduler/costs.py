@@ -81,7 +81,11 @@ class HostCosts:
     engine's plan takes ``plan_copy_s`` longer per copy of the previous layer); the GPU part queued
     (``gpu_queue_s``, or ``cpu_queue_s`` while the pool computes, + ``gpu_expert_s`` per further
     expert); with CPU experts the caller resumes ``cpu_return_s`` after the pool ends and queues the
-    rows and the combine (``cpu_combine_s``), else the combine (``layer_combine_s``)."""
+    rows and the combine (``cpu_combine_s``), else the combine (``layer_combine_s``). With the
+    mapped-memory hand-off (``handoff``: the hardware file has ``handoff_in_s``), a one-token
+    layer's CPU experts cost the host only ``cpu_submit_s`` (the gated submit and the input's put);
+    the pool starts ``handoff_in_s`` after the GPU has put the input, and the GPU's combine waits
+    until ``handoff_out_s`` after the pool ends; the host does not wait."""
 
     plan_s: float
     dense_s: float
@@ -103,6 +107,9 @@ class HostCosts:
     head_s: float = 0.0
     copy_round_s: float = 0.0
     plan_copy_s: float = 0.0
+    handoff: bool = False
+    handoff_in_s: float = 0.0
+    handoff_out_s: float = 0.0
 
     @classmethod
     def from_hardware(cls, hw: Hardware, policy: str) -> "HostCosts":
@@ -125,7 +132,8 @@ class HostCosts:
                    cpu_queue_s=ex.get("host_cpu_queue_s", queue), cpu_combine_s=g("host_cpu_combine_s") + half,
                    cpu_start_s=g("cpu_start_s"), cpu_return_s=g("cpu_return_s"),
                    head_s=ex.get("host_head_s", g("host_dense_s")), copy_round_s=g("host_copy_round_s"),
-                   plan_copy_s=g("host_plan_copy_s"))
+                   plan_copy_s=g("host_plan_copy_s"), handoff="handoff_in_s" in ex,
+                   handoff_in_s=g("handoff_in_s"), handoff_out_s=g("handoff_out_s"))
 
 
 class Costs:
@@ -193,9 +201,13 @@ class Costs:
         task, delay = self.cpu_task_s, 0.0
         if self.host is not None:  # with an executor block, a layer that uses the pool also holds the host thread
             hc = self.host
-            task += (hc.cpu_submit_s + hc.cpu_start_s + hc.cpu_handoff_s + hc.cpu_return_s
-                     + max(hc.cpu_combine_s - hc.layer_combine_s, 0.0))
-            delay = hc.cpu_submit_s + hc.cpu_handoff_s  # the job is submitted before the GPU work is queued
+            if hc.handoff:  # the GPU puts the input and waits for the rows; the host goes on
+                task += hc.cpu_submit_s + hc.handoff_in_s + hc.handoff_out_s
+                delay = hc.cpu_submit_s
+            else:
+                task += (hc.cpu_submit_s + hc.cpu_start_s + hc.cpu_handoff_s + hc.cpu_return_s
+                         + max(hc.cpu_combine_s - hc.layer_combine_s, 0.0))
+                delay = hc.cpu_submit_s + hc.cpu_handoff_s  # the job is submitted before the GPU work is queued
         # hand-off terms (CostModel's docstring): without the host lane, the hidden state's copies to
         # and from the pool, the combine, and a launch per expert batch; with it, one batch, combine always
         copy, comb, batch = (0.0, 0.0, 0.0) if self.host is not None else (2 * self.small_copy_s, self.combine_s,

@@ -41,6 +41,9 @@ EXECUTOR_KEYS = {
     "host_cpu_combine_s": "engine host time after the CPU result (its upload and the combine queued)",
     "cpu_start_s": "CPU job submitted -> pool worker starts computing",
     "cpu_return_s": "pool worker done -> the waiting caller resumes",
+    "handoff_in_s": "present when the executor hands one token's CPU experts off through host-mapped memory (no "
+                    "host wait): the GPU writes the call's input and gate -> the first pool worker through it",
+    "handoff_out_s": "hand-off: the pool's last output written -> the GPU's waiting combine kernel sees it",
     "host_head_s": "host time to issue the output head and sampling (host_dense_s where absent)",
     "gpu_batch_s": "GPU time of one expert batch beyond its bytes (metadata copy, two kernels)",
     "combine_s": "GPU time of the combine of a layer's expert outputs",

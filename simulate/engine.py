@@ -255,7 +255,10 @@ class Simulator:
         CPU experts the host waits for the pool (plus ``cpu_return_s``) and queues the rows'
         upload; the combine. The token ends when the head's sampled id is read back. The engine's
         plan takes ``plan_copy_s`` longer per copy the previous layer queued, and a layer with
-        copies pays ``copy_round_s`` once to open its copy round."""
+        copies pays ``copy_round_s`` once to open its copy round. With the mapped-memory hand-off
+        (``HostCosts.handoff``) a one-token layer's CPU experts are submitted gated, the GPU puts
+        their input after the dense part, the pool starts ``handoff_in_s`` later, the GPU's combine
+        waits until ``handoff_out_s`` after the pool ends, and the host never waits for the pool."""
         c, hc = self.costs, self.costs.host
         dense_s, kv_s, gexp, up_s, cpu_call, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
                                                         c.cpu_call_s, c.promote_s)
@@ -302,7 +305,17 @@ class Simulator:
                     h = ready + hc.wait_poll_s / 2
                 ready, mid = 0.0, True
                 h_lane = hc.plan_s + hc.dense_s + hc.readback_s + lp
-                if nc:
+                handoff = nc and hc.handoff and d.step.counts is None and tok.num_tokens == 1
+                if handoff:  # gated submit; the GPU puts the input after the dense part, the pool waits for it
+                    h += hc.cpu_submit_s
+                    g = max(g, h)
+                    c0 = max(p, g + hc.handoff_in_s)
+                    p = c0 + cpu_s
+                    cpu_busy += cpu_s
+                    h_lane += hc.cpu_submit_s
+                    if events is not None:
+                        events.append(("cpu", f"L{l} cpu x{nc}", c0, cpu_s))
+                elif nc:
                     h += hc.cpu_submit_s
                     c0 = max(p, h + hc.cpu_start_s)
                     p = c0 + cpu_s
@@ -330,7 +343,9 @@ class Simulator:
                     g = g0 + gx
                     if events is not None:
                         events.append(("gpu", f"L{l} experts x{n_gpu}", g0, gx))
-                if nc:
+                if handoff:  # the combine kernel waits for the pool's rows; the host does not
+                    g = max(g, p + hc.handoff_out_s)
+                elif nc:
                     h = max(h, p + hc.cpu_return_s) + hc.cpu_combine_s
                     g = max(g, h)
                 else:
