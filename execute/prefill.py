@@ -271,12 +271,16 @@ class BatchedExperts:
         """Device address of each GPU expert in decision order (hits: their slots; uploads: their
         new slots; streams: a staging buffer of their round's half), and the streams' buffers."""
         gx = self.gx
-        bases = []
-        for e in d.hits:
-            s = slot_of.get((layer, e))
-            if s is None:
-                raise ExecutorError(f"layer {layer}: hit on expert {e}, which this engine never loaded")
-            bases.append(gx.source_ptr(layer, s))
+        slots = [slot_of.get((layer, e)) for e in d.hits]
+        if None in slots:
+            e = d.hits[slots.index(None)]
+            raise ExecutorError(f"layer {layer}: hit on expert {e}, which this engine never loaded")
+        table = gx.slot_tables[layer]  # (arena address, slot bytes, slots) of the layer's pool
+        arr = np.array(slots, np.int64)
+        if table is not None and (not len(arr) or (arr.min() >= 0 and arr.max() < table[2])):
+            bases = (table[0] + arr * table[1]).tolist()  # as source_ptr, without a call per expert
+        else:
+            bases = [gx.source_ptr(layer, s) for s in slots]
         up = dict(zip(d.uploads, d.slots))
         stage_of: dict[int, int] = {}
         base = self._staging() if d.streams else 0
