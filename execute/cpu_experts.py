@@ -44,10 +44,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import quant as Q
-from .cpu_simd import (bits32, choose_isa, comb256, dpbusd_isa, sign_abs, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8, load_i8x32,
-                       addr, load_nib32, load_u8, load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8,
-                       lut16, nib_hi, nib_lo, vand, vor, vshl, vshr, xor80, zero_f32, zero_i32)
+from .cpu_simd import (bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
+                       load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
+from .cpu_kq import dot_q2_3k, dot_q4_k, dot_q6_k, idot as _idot, sdot as _sdot
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -102,35 +102,6 @@ def _e8m0(e):
 # activations from byte xo; xd, xs the activation blocks' scales and sums from block xb (xs16:
 # 16-weight sums, from 2 * xb); l2 the offset of the second activation level in xq (0: one level;
 # see _quantize).
-
-@njit(inline="always")
-def _dp(isa, acc, u, s):
-    """The integer dot on instruction-set path ``isa`` (cpu_simd.ISA_PATHS). The avx2 path is exact
-    for u <= 127 (every caller's unsigned weights: nibbles, 6-bit values, MXFP4 + 12; Q8_0 and
-    IQ4 go through _sdot)."""
-    return dpbusd_isa(isa, acc, u, s)
-
-
-@njit(inline="always")
-def _idot(q, xq, a, l2, isa):
-    """Per-lane integer dot of unsigned weight bytes q with the activation block at byte a of xq:
-    256 q.x1 + q.x2 with two levels (|lane| <= 4 * 255 * 127 * 257 < 2^31)."""
-    v = _dp(isa, zero_i32(), q, load_i8x32(xq, a))
-    if l2:
-        v = comb256(v, _dp(isa, zero_i32(), q, load_i8x32(xq, a + l2)))
-    return v
-
-
-@njit(inline="always")
-def _sdot(q, xq, a, l2, isa):
-    """_idot for signed weight bytes q (|q| <= 128): |q| . x sign(q) per level (activations avoid -128)."""
-    aq, s1 = sign_abs(q, load_i8x32(xq, a))
-    v = _dp(isa, zero_i32(), aq, s1)
-    if l2:
-        _, s2 = sign_abs(q, load_i8x32(xq, a + l2))
-        v = comb256(v, _dp(isa, zero_i32(), aq, s2))
-    return v
-
 
 @njit(inline="always", fastmath=True)
 def _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
@@ -213,128 +184,6 @@ def _dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table, isa):
     return hsum(acc) - np.float32(12.0) * corr
 
 
-@njit(inline="always")
-def _q4k_scale_min(w, p, s):
-    """6-bit scale and min of sub-block ``s`` (0..7) of the Q4_K block at byte ``p``."""
-    if s < 4:
-        return np.float32(load_u8(w, p + 4 + s) & 63), np.float32(load_u8(w, p + 8 + s) & 63)
-    sc = (load_u8(w, p + 8 + s) & 15) | ((load_u8(w, p + s) >> 6) << 4)
-    mn = (load_u8(w, p + 8 + s) >> 4) | ((load_u8(w, p + 4 + s) >> 6) << 4)
-    return np.float32(sc), np.float32(mn)
-
-
-@njit(inline="always", fastmath=True)
-def _dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2, isa, five):
-    """Q4_K (five False) and Q5_K (five: u8 qh[32] after the scales; bit s of qh[j] is the fifth
-    bit of weight 32 s + j)."""
-    acc0 = zero_f32()
-    acc1 = zero_f32()
-    corr = np.float32(0.0)
-    bs, qo = (176, 48) if five else (144, 16)
-    for b in range(nb // 8):
-        p = o + bs * b  # f16 d, f16 dmin, u8 scales[12], [u8 qh[32]], u8 qs[128]
-        d = load_f16(w, p)
-        dmin = load_f16(w, p + 2)
-        mins = np.float32(0.0)
-        for c in range(4):  # 32 bytes: low nibbles are sub-block 2c, high nibbles 2c + 1
-            q = load_i8x32(w, p + qo + 32 * c)
-            q0, q1 = nib_lo(q), nib_hi(q)
-            if five:
-                h = load_i8x32(w, p + 16)
-                q0 = vor(q0, vshl(vand(vshr(h, 2 * c), 1), 4))
-                q1 = vor(q1, vshl(vand(vshr(h, 2 * c + 1), 1), 4))
-            s = xb + 8 * b + 2 * c
-            sc0, m0 = _q4k_scale_min(w, p, 2 * c)
-            sc1, m1 = _q4k_scale_min(w, p, 2 * c + 1)
-            a = xo + 256 * b + 64 * c
-            acc0 = fma_cvt(acc0, _idot(q0, xq, a, l2, isa), d * sc0 * load_f32(xd, s))
-            acc1 = fma_cvt(acc1, _idot(q1, xq, a + 32, l2, isa), d * sc1 * load_f32(xd, s + 1))
-            mins += m0 * load_f32(xs, s) + m1 * load_f32(xs, s + 1)
-        corr += dmin * mins
-    return hsum(acc0) + hsum(acc1) - corr
-
-
-@njit(inline="always", fastmath=True)
-def _q6_part(acc, q, w, sp, dq, xq, a, l2, xd, xs16, s, isa):
-    """acc + dpbusd(q, activation block at a) scaled per 16 weights (i8 scales at sp, sp + 1);
-    and the block's offset term sum(scale * xs16)."""
-    s0 = np.float32(load_i8(w, sp))
-    s1 = np.float32(load_i8(w, sp + 1))
-    ds = dq * load_f32(xd, s)
-    acc = fma_cvt2(acc, _idot(q, xq, a, l2, isa), ds * s0, ds * s1)
-    return acc, s0 * load_f32(xs16, 2 * s) + s1 * load_f32(xs16, 2 * s + 1)
-
-
-@njit(inline="always", fastmath=True)
-def _dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa):
-    acc0 = zero_f32()
-    acc1 = zero_f32()
-    corr = np.float32(0.0)
-    for b in range(nb // 8):
-        p = o + 210 * b  # u8 ql[128], u8 qh[64], i8 scales[16], f16 d
-        d = load_f16(w, p + 208)
-        off = np.float32(0.0)
-        for hh in range(2):  # 128 weights: 32-weight groups g = 0..3 (activation block 4 hh + g)
-            ql0 = load_i8x32(w, p + 64 * hh)
-            ql1 = load_i8x32(w, p + 64 * hh + 32)
-            qh = load_i8x32(w, p + 128 + 32 * hh)
-            sp = p + 192 + 8 * hh  # scales of group g: sp + 2g (weights 0-15), sp + 2g + 1 (16-31)
-            s = xb + 8 * b + 4 * hh
-            a = xo + 256 * b + 128 * hh
-            acc0, t0 = _q6_part(acc0, vor(nib_lo(ql0), vshl(vand(qh, 3), 4)), w, sp, d, xq, a, l2, xd, xs16, s, isa)
-            acc1, t1 = _q6_part(acc1, vor(nib_lo(ql1), vshl(vand(qh, 12), 2)), w, sp + 2, d, xq, a + 32, l2, xd, xs16,
-                                s + 1, isa)
-            acc0, t2 = _q6_part(acc0, vor(nib_hi(ql0), vand(qh, 48)), w, sp + 4, d, xq, a + 64, l2, xd, xs16, s + 2,
-                                isa)
-            acc1, t3 = _q6_part(acc1, vor(nib_hi(ql1), vand(vshr(qh, 2), 48)), w, sp + 6, d, xq, a + 96, l2, xd, xs16,
-                                s + 3, isa)
-            off += t0 + t1 + t2 + t3
-        corr += d * off
-    return hsum(acc0) + hsum(acc1) - np.float32(32.0) * corr
-
-
-@njit(inline="always")
-def _q3k_scale(w, p, k):
-    """Q3_K's 6-bit scale k (0..15) of the block at byte p, minus 32: low 4 bits in byte k % 8
-    (high nibble for k >= 8), top 2 bits at bits 2 (k // 4) of byte 8 + k % 4."""
-    lo = (load_u8(w, p + 96 + k % 8) >> (4 * (k // 8))) & 15
-    hi = (load_u8(w, p + 104 + k % 4) >> (2 * (k // 4))) & 3
-    return np.float32((lo | (hi << 4)) - 32)
-
-
-@njit(inline="always", fastmath=True)
-def _dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
-    """Q2_K (three False; 84-byte blocks: u8 scales[16], u8 qs[64], f16 d, f16 dmin) and Q3_K
-    (110-byte blocks: u8 hmask[32], u8 qs[64], u8 scales[12], f16 d). Weight 128 h + 32 s + j:
-    2 low bits at bits 2 s of qs[32 h + j]; Q3_K's third bit at bit 4 h + s of hmask[j] (q - 4 when
-    it is clear). Scales per 16 weights, two per 32-weight dot (fma_cvt2)."""
-    acc = zero_f32()
-    corr = np.float32(0.0)
-    bs, qo = (110, 32) if three else (84, 16)
-    for b in range(nb // 8):
-        p = o + bs * b
-        d = load_f16(w, p + 108) if three else load_f16(w, p + 80)
-        dmin = np.float32(4.0) * d if three else load_f16(w, p + 82)
-        for h in range(2):
-            qv = load_i8x32(w, p + qo + 32 * h)
-            for s in range(4):
-                q = vand(vshr(qv, 2 * s), 3)
-                k = 8 * h + 2 * s  # the 16-weight sub-blocks k, k + 1
-                if three:
-                    q = vor(q, vshl(vand(vshr(load_i8x32(w, p), 4 * h + s), 1), 2))
-                    sa, sb = _q3k_scale(w, p, k), _q3k_scale(w, p, k + 1)
-                    ma, mb = sa, sb
-                else:
-                    ca, cb = load_u8(w, p + k), load_u8(w, p + k + 1)
-                    sa, sb = np.float32(ca & 15), np.float32(cb & 15)
-                    ma, mb = np.float32(ca >> 4), np.float32(cb >> 4)
-                blk = xb + 8 * b + 4 * h + s
-                ds = d * load_f32(xd, blk)
-                acc = fma_cvt2(acc, _idot(q, xq, xo + 256 * b + 128 * h + 32 * s, l2, isa), ds * sa, ds * sb)
-                corr += dmin * (ma * load_f32(xs16, 2 * blk) + mb * load_f32(xs16, 2 * blk + 1))
-    return hsum(acc) - corr
-
-
 @njit(inline="always", fastmath=True)
 def _dot_float(qt, w, o, x, xo, cols):
     """Row of a float tensor from element o (w: address of its F32 or F16/BF16 elements) . x[xo:xo + cols]."""
@@ -361,16 +210,16 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
     if qt == _Q8_0:
         return _dot_q8_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa)
     if qt == _Q4_K or qt == _Q5_K:
-        return _dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, qt == _Q5_K)
+        return dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, qt == _Q5_K)
     if qt == _Q6_K:
-        return _dot_q6_k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa)
+        return dot_q6_k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa)
     if qt == _Q4_0:
         return _dot_q4_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa)
     if qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:
         bs, hi = (20, 0) if qt == _Q4_1 else (22, 2) if qt == _Q5_0 else (24, 4)
         return _dot_q4_1(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, bs, hi)
     if qt == _Q2_K or qt == _Q3_K:
-        return _dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, qt == _Q3_K)
+        return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, qt == _Q3_K)
     if qt == _IQ4_NL or qt == _IQ4_XS:
         return _dot_iq4(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table, qt == _IQ4_XS)
     if qt == _IQ2_XXS or qt == _IQ3_XXS:
