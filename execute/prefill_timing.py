@@ -16,7 +16,8 @@ and times, on block 0 for a chunk of T tokens at position ``pos``:
   and a device-to-device copy (the bandwidth ceiling);
 - one whole chunk through ``execute.driver.run`` (dense, routing, plan, experts, head), first the
   process's first chunk (one-time costs: CuPy kernels loaded, cuBLAS set up), then warm, then warm
-  on the previous paths (``chunk_run_loop_old``: CuPy dense, ``pf_mm``).
+  on the previous paths (``chunk_run_loop_old``: CuPy dense, ``pf_mm``); one warm chunk under
+  ``cProfile`` names the host functions that take the most time (``host_profile``).
 
 Each stage: ``warmup`` calls, then ``reps`` calls, each between two CUDA events on the stream its
 work runs on, the host's time to return from the call taken too; medians. ``device_ms`` of a stage
@@ -35,7 +36,7 @@ import numpy as np
 from . import quant as Q
 from .prefill_stages import ChunkShape, fused_costs, stage_costs
 
-__all__ = ["time_stages", "synth_block"]
+__all__ = ["time_stages", "synth_block", "host_profile"]
 
 
 def synth_block(path: Path, preset: str = "qwen3-30b-a3b", vocab: int = 1024, seed: int = 0,
@@ -90,6 +91,21 @@ def _timer(fn, stream, warmup: int, reps: int, gated: bool = True) -> tuple[floa
             b.synchronize()
             kern.append(cp.cuda.get_elapsed_time(a, b))
     return float(np.median(dev)), float(np.median(host)), float(np.median(kern)) if kern else None, out
+
+
+def host_profile(fn, top: int = 15) -> dict[str, list[dict]]:
+    """The functions where ``fn()`` spends its host time (``cProfile``): the ``top`` by own time
+    (``"own"``) and by cumulative time (``"cumulative"``), each ``{function, calls, own_ms,
+    cumulative_ms}``."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    st = pstats.Stats(prof)
+    rows = [{"function": f"{Path(f).name}:{line}({name})", "calls": int(nc), "own_ms": 1e3 * tt, "cumulative_ms": 1e3 * ct}
+            for (f, line, name), (_, nc, tt, ct, _) in st.stats.items()]
+    return {k: sorted(rows, key=lambda r: -r[f"{k}_ms"])[:top] for k in ("own", "cumulative")}
 
 
 class _NoPrepare:
@@ -166,6 +182,7 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
         rows.append({"stage": "chunk_run_loop", "device_ms": None,
                      "host_ms": 1e3 * float(np.median([r.wall_s for r in keep])),
                      "note": "driver.run of one chunk, warm: " + split(keep)})
+        profile = host_profile(lambda: run(model, _NoPrepare(backend), policy, [ChunkInput(0, 0, 0, "prefill", chunk)]))
         # the same chunk on the previous paths: CuPy dense (no prefill_dense) and pf_mm experts
         batched = backend.batched
         mm2 = dict(batched._use_mm2) if batched is not None else {}
@@ -322,6 +339,6 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
         backend.close()
         if tmp is not None:
             tmp.cleanup()
-    return {"shape": dataclasses.asdict(shape), "rows": rows,
+    return {"shape": dataclasses.asdict(shape), "rows": rows, "host_profile": profile,
             "setup_s": {"synth": t_synth - t_start, "load_and_prepare": t_ready - t_synth},
             "prefill_env": os.environ.get("MOELAB_PREFILL", "1"), "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}

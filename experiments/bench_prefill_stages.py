@@ -46,6 +46,11 @@ def readme(config: dict, counts: list[dict], host: dict, gpu: dict | None) -> st
                   "bytes and FLOPs over kernel_ms.", "", table(gpu["rows"]), "",
                   f"Setup: synthetic model {gpu['setup_s']['synth']:.1f} s, load and upload "
                   f"{gpu['setup_s']['load_and_prepare']:.1f} s.", ""]
+        for key, rows in (gpu.get("host_profile") or {}).items():
+            lines += [f"## Host time of one warm chunk by function (cProfile, by {key} time)", "",
+                      "| function | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
+            lines += [f"| {r['function']} | {r['calls']} | {r['own_ms']:.3f} | {r['cumulative_ms']:.3f} |" for r in rows]
+            lines.append("")
     return "\n".join(lines)
 
 

@@ -110,3 +110,15 @@ def test_top_k_equals_the_stable_sort():
     a = rng.standard_normal((10, 16))
     a[3, 5] = np.nan
     assert np.array_equal(_top_k(a, 4), np.argsort(-a, axis=1, kind="stable")[:, :4])
+
+
+def test_host_profile_names_the_costly_function():
+    from execute.prefill_timing import host_profile
+
+    def slow():
+        return sum(i * i for i in range(200_000))
+
+    prof = host_profile(lambda: [slow() for _ in range(3)], top=5)
+    assert set(prof) == {"own", "cumulative"} and all(len(v) <= 5 for v in prof.values())
+    top = prof["cumulative"][:3]
+    assert any("(slow)" in r["function"] and r["calls"] == 3 and r["cumulative_ms"] > 0 for r in top)
