@@ -96,7 +96,13 @@ class MoeModel:
         if use_gpu:
             from .prefill_dense import ChunkDense, dense_env
 
-            self.pd = ChunkDense() if dense_env() else None
+            if dense_env():
+                try:
+                    self.pd = ChunkDense()
+                except Exception as exc:  # noqa: BLE001 - a module that does not build: one warning, CuPy path
+                    msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                    print(f"moelab: warning: the chunk dense kernels did not build ({msg}); prefill chunks run on "
+                          "CuPy expressions", file=sys.stderr)
         self.layers = [self._dense_layer(i, l) for i, l in enumerate(weights.layers)]
         self.output_norm = self._dev(weights.output_norm)
         self.output = self._matrix([(None, "output", weights.output, None)])
