@@ -88,8 +88,12 @@ def llama_command(args, cell: dict) -> list[str]:
 
 
 def moelab_command(args, cell: dict, prompt: str) -> list[str]:
+    """``moelab run`` of ``cell``; the first ``gpu`` run also records its routing as OUT/trace (every
+    policy routes the same greedy tokens: ``simulate.peer`` replays it to predict each row)."""
+    trace = Path(args.out) / "trace"
+    record = ["--record-trace", str(trace)] if cell.get("policy") == "gpu" and not trace.exists() else []
     return [*moelab_cmd(args), "run", str(args.model), "-p", prompt, "-n", str(args.tokens), "--raw",
-            "--threads", str(args.threads), *cell["extra"], "--json"]
+            "--threads", str(args.threads), *cell["extra"], *record, "--json"]
 
 
 def parse_llama(stdout: str, ncmoe: int) -> dict:

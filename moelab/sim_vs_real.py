@@ -37,11 +37,13 @@ def predict_peer_rows(result_path: str, hw_path: str, seeds: int = 3) -> int:
     try:
         hw = load_hardware(hw_path)
         result = load_result(Path(result_path))
-        rows = predict_peer(result, hw, seeds)
+        trace = Path(result_path).parent / "trace"
+        rows = predict_peer(result, hw, seeds, trace if trace.is_dir() else None)
     except (HardwareError, ValueError) as e:
         print(f"sim_vs_real: {e}", file=sys.stderr)
         return 2
     print(format_peer(rows, float(result["config"]["budget_mib"])))
+    print(f"routing: {'the run recorded, ' + str(trace) if trace.is_dir() else f'{seeds} synthetic traces (no trace recorded)'}")
     return 0
 
 

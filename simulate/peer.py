@@ -5,8 +5,10 @@ The benchmark runs ``moelab run`` on a synthetic GGUF of the ``qwen3-30b-a3b`` p
 config (``gpu``: every expert in VRAM; ``cpu``: every expert on the CPU pool), a prompt of
 ``prompt_tokens`` then ``decode_tokens`` generated. The prediction replays a synthetic trace of
 the same geometry under the same policy and cache size (the row's own ``cache_mib``, else the
-config's budget) on a hardware file, decode tokens/s averaged over ``seeds`` traces. Random
-weights do not route like a trained model: the measured hit rates are the check on the traces.
+config's budget) on a hardware file: the routing the benchmark recorded (``trace``: its first
+``gpu`` run's, every position of the prompt and the generation; greedy tokens route alike under
+every policy), else decode tokens/s averaged over ``seeds`` synthetic traces (random weights do
+not route like a trained model: the measured hit rates are then the check on the traces).
 """
 from __future__ import annotations
 
@@ -70,9 +72,10 @@ def _measured(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def predict_peer(result: dict, hw: Hardware, seeds: int = 3) -> list[dict]:
+def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None = None) -> list[dict]:
     """Per moelab row of ``result``: measured (median; None where every run failed) and predicted
-    decode tokens/s, hit rates, and the relative error."""
+    decode tokens/s, hit rates, and the relative error; ``trace``: the run's recorded routing
+    (prompt and generation, replayed once), else ``seeds`` synthetic traces."""
     cfg = result["config"]
     model = peer_model(cfg)
     out = []
@@ -80,9 +83,10 @@ def predict_peer(result: dict, hw: Hardware, seeds: int = 3) -> list[dict]:
         mib = e["cache_mib"] if e["cache_mib"] is not None else float(cfg["budget_mib"])
         n = e.get("decode_tokens", int(cfg.get("tokens", 64)) - 1)
         tps, hits = [], []
-        for seed in range(seeds):
+        for seed in range(1 if trace is not None else seeds):
             sc = SimConfig(model=model.name, hardware=hw.name, policy=e["policy"], cache_mib=mib if e["policy"] != "cpu"
-                           else 0.0, trace="synth", synth_tokens=n, seed=seed)
+                           else 0.0, trace="synth" if trace is None else str(trace), synth_tokens=n, seed=seed,
+                           phase="decode" if trace is None else "all")
             try:
                 s = run(sc, hardware=hw, model=model)[0].summary()
             except SimError as err:

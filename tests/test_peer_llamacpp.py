@@ -207,6 +207,9 @@ def test_bench_runs_interleaved_rounds_and_compares_each_policy_with_its_peer(ti
     assert best["peer"] == "best of -ncmoe 3, -ncmoe 4" and best["peer_cells"]["decode_tokens_per_s"] == "llama.cpp -ncmoe 3"
     assert comp["moelab lru"]["expert_bytes_vram"] == 2**20  # the fake's cache_mib: budget - 1
     assert comp["moelab gpu"]["expert_bytes_vram"] == sum(blocks)
+    recorded = [r["cell"] for r in res["rows"] if "--record-trace" in r["command"]]  # the routing, for simulate.peer
+    assert recorded and set(recorded) == {"moelab gpu"}
+    assert str(out / "trace") in next(r["command"] for r in res["rows"] if r["cell"] == "moelab gpu")
     readme = (out / "README.md").read_text()
     assert "| -ncmoe 0 |" in readme and "| best at budget (hybrid-cost / hybrid-cost) |" in readme
     assert "Incomplete" not in readme and "(build abc1234)" in readme

@@ -340,3 +340,26 @@ def test_peer_rows_are_predicted_from_a_hardware_file(capsys):
     assert rows[0]["predicted_tokens_per_s"] > rows[1]["predicted_tokens_per_s"] > 0
     text = peer.format_peer(rows, 4096)
     assert text.splitlines()[-1].startswith("rows within 15%: ") and "moelab cpu" in text
+
+
+def test_peer_rows_replay_the_routing_the_benchmark_recorded(tmp_path):
+    """With the run's recorded routing, the prediction replays it (prompt and generation) and the
+    hit rate is the trace's under the policy: every expert of the trace resident under ``gpu``, a
+    trace that routes every token to the same 8 experts misses them once under ``lru``."""
+    from scheduler.hardware import load_hardware
+    from simulate import peer
+    from traces import Trace
+
+    result = peer.load_result(ROOT / "docs" / "perf" / "peer_h200" / "budget-4096" / "result.json")
+    small = {**result, "rows": [r for r in result["rows"] if r["cell"] in ("moelab lru", "moelab gpu")]}
+    T, L, k = 12, 48, 8
+    ids = np.broadcast_to(np.arange(k, dtype=np.int32), (T, L, k)).copy()
+    phase = np.array([0] * 8 + [1] * 4, np.int8)
+    w = np.full((T, L, k), 1.0 / k, np.float32)
+    Trace("peer", (128,) * L, k, ids, np.zeros(T, np.int32), np.arange(T, dtype=np.int32), phase, w,
+          {"batches": [8, 1, 1, 1, 1], "prompt_tokens": 8}).save(str(tmp_path / "trace"))
+    rows = peer.predict_peer(small, load_hardware(ROOT / "docs" / "fidelity" / "h200-calibrated.json"),
+                             trace=tmp_path / "trace")
+    hits = {r["row"]: r["predicted_hit_rate"] for r in rows}
+    assert hits["moelab gpu"] == 1.0  # every routed pair of the trace (96) a hit; under lru the prompt's
+    assert hits["moelab lru"] == pytest.approx(1 - 8 / 96)  # batch misses its 8 experts once, then all hit
