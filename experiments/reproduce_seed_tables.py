@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     results = seeds.predict_tables(data, hosts, args.seeds, args.tokens_scale)
     cmd = "python experiments/reproduce_seed_tables.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (
         f" --tokens-scale {args.tokens_scale}" if args.tokens_scale != 1.0 else "") + " --out docs/SEED_TABLES.md"
-    text = seeds.report(data, hosts, results, args.seeds, cmd)
+    text = seeds.report(data, hosts, results, args.seeds, cmd, seeds.routing_checks(data, args.seeds))
     print(text, end="")
     if args.out:
         out = Path(args.out)

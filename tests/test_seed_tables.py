@@ -59,10 +59,31 @@ def test_a_fitted_parameter_reproduces_its_row():
     model = seeds.model_of(data, t["model"], t["quant"])
     hw = load_hardware("l4-colab")
     target = seeds.simulate_row(dataclasses.replace(hw, cpu_thread_gbps=3.0), model, small, "cpu", 1, 1.0)["tps"]
-    one = {**data, "shared": [], "machines": {"l4-colab": data["machines"]["l4-colab"]},
+    one = {**data, "shared": [], "stated": [], "machines": {"l4-colab": data["machines"]["l4-colab"]},
            "tables": [{**small, "rows": [{"row": "cpu", "tps": target, "fits": "cpu_thread_gbps"}]}]}
     hosts = seeds.derive_hosts(one, 1, 1.0)
     assert hosts["l4-colab"].cpu_thread_gbps == pytest.approx(3.0, rel=0.01)
+
+
+def test_a_mixed_type_file_charges_each_expert_its_share_of_the_file():
+    data = seeds.load_data(DATA)
+    nominal = seeds.model_of(data, "qwen3-coder-next", "IQ4_XS").expert_bytes(3)
+    assert seeds.model_of(data, "qwen3-coder-next", "IQ4_XS", 36).expert_bytes(3) < 0.95 * nominal
+    single = seeds.model_of(data, "qwen3.5-35b-a3b", "Q6_K")  # a single-type file: the estimate lands near its type
+    assert seeds.model_of(data, "qwen3.5-35b-a3b", "Q6_K", 27).expert_bytes(3) == pytest.approx(single.expert_bytes(3), rel=0.05)
+    with pytest.raises(ValueError, match="file_gib"):
+        seeds.model_of(data, "qwen3.5-35b-a3b", "Q6_K", 0.5)
+
+
+def test_a_stated_load_time_sets_the_pageable_rate_from_the_prompt_bytes():
+    data = seeds.load_data(DATA)
+    t = {"machine": "l4-colab", "model": "qwen3.5-35b-a3b", "quant": "IQ4_XS", "cache_mib": 1024, "tokens": 8,
+         "note": "", "rows": [{"row": "lru", "tps": 30.0, "fits": None}]}
+    st = {"machine": "l4-colab", "param": "pageable_gbps", "prompt_load_s": [1.0, 3.0], "cache_mib": 1024, "source": "x"}
+    one = {**data, "shared": [], "stated": [st], "tables": [t]}
+    loaded = seeds.prompt_load_bytes(one, "l4-colab", 1024, 1, 1.0)
+    assert loaded >= 1024 * 2**20 * 0.9  # the prompt touches more experts than the cache holds
+    assert seeds.derive_hosts(one, 1, 1.0)["l4-colab"].pageable_gbps == pytest.approx(loaded / 2.0 / 1e9, rel=1e-2)
 
 
 def test_a_split_round_trip_slows_cpu_rows_and_not_the_mailbox():
@@ -112,6 +133,11 @@ def test_committed_report_is_what_its_command_writes(tmp_path):
     (lambda d: d["tables"][0].update(machine="h100"), "tables[0].machine 'h100'"),
     (lambda d: d["tables"][1]["rows"][0].update(fits="cpu_thread_gbps"), "already fitted"),
     (lambda d: d["tables"][1]["rows"][0].update(fits="gpu_tflops"), "tables[1].rows[0].fits"),
+    (lambda d: d["tables"][5].update(file_gib=-1), "tables[5].file_gib"),
+    (lambda d: d["stated"][0].update(param="cpu_thread_gbps"), "stated[0].param"),
+    (lambda d: d["stated"][0].update(prompt_load_s=[1.5]), "stated[0]"),
+    (lambda d: d["tables"][3]["rows"][0].update(fits="pageable_gbps"), "already fitted"),
+    (lambda d: d["routing_stats"][0].update(published=98.6), "routing_stats[0]"),
 ])
 def test_bad_data_file_is_refused_before_any_work(tmp_path, capsys, edit, field):
     data = json.loads(DATA.read_text())
