@@ -19,9 +19,9 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .cpu_simd import (F32x8, I32x8, VF, _I8, _I32, _F32, _addr_args, _ptr, _splat, dpbusd_isa, fma_cvt, fma_cvt2,
-                       hsum, load_f16, load_i8x32, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
+                       hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
-__all__ = ["idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
+__all__ = ["idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
            "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi"]
 
 
@@ -288,3 +288,39 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
         acc0, acc1 = _q23_half(acc0, acc1, w, p, 0, fmul(s0, dup_lo(xdv)), xq, a, l2, isa, three)
         acc0, acc1 = _q23_half(acc0, acc1, w, p, 1, fmul(s1, dup_hi(xdv)), xq, a + 128, l2, isa, three)
     return hsum(fadd(acc0, acc1)) - hsum(cor)
+
+
+@njit(inline="always")
+def _iq4xs_scales(w, p):
+    """IQ4_XS's 8 six-bit scales (unsigned, one a byte) of the block at byte p: low nibble s of the
+    4 bytes scales_l at p + 4 (byte s // 2, high nibble for odd s), top 2 bits at bits 2 s of the
+    u16 scales_h at p + 2."""
+    x = load_u32(w, p + 4)
+    x = (x | (x << 16)) & 0x0000FFFF0000FFFF  # byte i -> byte 2 i
+    x = (x | (x << 8)) & 0x00FF00FF00FF00FF
+    lo = (x & 0x000F000F000F000F) | ((x << 4) & 0x0F000F000F000F00)  # nibble s -> byte s
+    y = load_u32(w, p + 2) & 0xFFFF
+    y = (y & 0xFF) | ((y & 0xFF00) << 24)  # 2-bit group s -> byte s (bits 0-1)
+    y = (y & 0x0000000F0000000F) | ((y & 0x000000F0000000F0) << 12)
+    y = (y & 0x0003000300030003) | ((y & 0x000C000C000C000C) << 6)
+    return lo | (y << 4)
+
+
+@njit(inline="always", fastmath=True)
+def dot_iq4_xs(w, o, nb, xq, xo, xd, xb, l2, isa, table):
+    """IQ4_XS (136-byte blocks: f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; 32-weight
+    sub-block s: 16 bytes of codes, low nibbles weights 0-15): w = d (scale - 32) level(code), the
+    levels signed bytes by lut16 from the 16 at ``table``."""
+    acc0 = zero_f32()
+    acc1 = zero_f32()
+    for b in range(nb // 8):
+        p = o + 136 * b
+        f = fmul(fmul(fadd(u8_f32x8(_iq4xs_scales(w, p)), np.float32(-32.0)), load_f32x8(xd, xb + 8 * b)),
+                 load_f16(w, p))
+        a = xo + 256 * b
+        for t in range(4):
+            v0 = sdot(lut16(load_nib32(w, p + 8 + 32 * t), table), xq, a + 64 * t, l2, isa)
+            v1 = sdot(lut16(load_nib32(w, p + 24 + 32 * t), table), xq, a + 64 * t + 32, l2, isa)
+            acc0 = fma_cvt(acc0, v0, lane(f, 2 * t))
+            acc1 = fma_cvt(acc1, v1, lane(f, 2 * t + 1))
+    return hsum(fadd(acc0, acc1))
