@@ -2,48 +2,63 @@
 
 ``matmul(w, qtype, rows, cols, x)`` computes ``y = x @ W.T`` for a device matrix ``W`` stored as
 GGUF blocks (``rows`` rows of ``quant.row_bytes`` bytes, any alignment) and device inputs ``x``
-``(n, cols)`` float32: one warp per row, each lane decoding one weight of each 32-weight chunk
-and using it for up to 8 tokens at a time. It covers the types the expert arena's kernels
-(``gpu_kernels.cu``) do not read, K, legacy and i-quants alike, as a correct reference path: the
-weights are decoded one by one, not at the memory bandwidth the arena's kernels reach. The
-i-quants' tables come from ``execute.iq_grids`` (the project's own copy) into constant memory.
+``(n, cols)`` float32. Quantized types: each lane decodes 32 weights at a time from aligned 32-bit
+loads into int8 quants and per-16 scales and offsets, and dots them with the inputs staged in
+shared memory as two int8 levels per 32 values (``dp4a``; x within max|x| / 65024 per value, relative
+error of a product ~1e-5, bound 2e-4 as the CPU pool's int8 path), up to 8 tokens per decoded
+chunk, 2 rows per warp (one token: ``qmatmul_q1``, fewer registers). Float types: weight by weight
+(``qmatmul_f``). The i-quants' tables come from ``execute.iq_grids`` (the project's own copy) into
+global memory (:func:`tables`).
 
-The same file holds the expert kernels of layers with such a type (``qmoe_gate_up``,
-``qmoe_down``, ``qmoe1_gate_up``, ``qmoe1_down_combine``: :func:`kernel`), launched by
-``gpu_experts.GpuExperts`` exactly as it launches ``gpu_kernels.cu``'s ``moe_*`` kernels, so such
-experts stay in their stored type in the arena and over PCIe.
+The same file holds the expert kernels of layers with a type the arena's kernels do not read
+(``qmoe_gate_up``, ``qmoe_down``, ``qmoe1_gate_up``, ``qmoe1_down_combine``: :func:`kernel`),
+launched by ``gpu_experts.GpuExperts`` exactly as it launches ``gpu_kernels.cu``'s ``moe_*``
+kernels, so such experts stay in their stored type in the arena and over PCIe. The one-token down
+projection reads float32 inputs (each warp its own expert's row of ``h``).
 """
 from __future__ import annotations
 
 from importlib import resources
+from typing import TYPE_CHECKING
 
-import cupy as cp
 import numpy as np
 
 from . import iq_grids as G
 from . import quant as Q
 
-__all__ = ["GPU_QUANT_QTYPES", "kernel", "matmul"]
+if TYPE_CHECKING:
+    import cupy as cp
+
+__all__ = ["FLOAT_QTYPES", "GPU_QUANT_QTYPES", "kernel", "matmul", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
+FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULE: cp.RawModule | None = None
 
 
+def tables() -> dict[str, np.ndarray]:
+    """The i-quant tables of gpu_quant.cu by global name, as the bytes it reads (grid rows as words;
+    IQ1 grid values g as the bytes 8 g + 1 and 8 g - 1, one table per delta sign)."""
+    iq1 = G.grid("IQ1_S").astype(np.int16) * 8
+    return {"g_iq2xxs": G.grid("IQ2_XXS").astype(np.uint8), "g_iq2xs": G.grid("IQ2_XS").astype(np.uint8),
+            "g_iq2s": G.grid("IQ2_S").astype(np.uint8), "g_iq3xxs": G.grid("IQ3_XXS").astype(np.uint8),
+            "g_iq3s": G.grid("IQ3_S").astype(np.uint8), "g_iq1p": (iq1 + 1).astype(np.int8),
+            "g_iq1n": (iq1 - 1).astype(np.int8), "g_iq4nl": G.IQ4_NL_VALUES, "g_ksigns": G.KSIGNS}
+
+
 def _module() -> cp.RawModule:
-    """gpu_quant.cu compiled once per process, its tables uploaded."""
+    """gpu_quant.cu compiled once per process (about a minute the first time; CuPy caches it), its
+    tables uploaded."""
     global _MODULE
     if _MODULE is None:
+        import cupy as cp
+
         src = resources.files(__package__).joinpath("gpu_quant.cu").read_text()
         mod = cp.RawModule(code=src, options=("-std=c++14",))
-        tables = {"g_iq2xxs": G.grid("IQ2_XXS").astype(np.uint8), "g_iq2xs": G.grid("IQ2_XS").astype(np.uint8),
-                  "g_iq2s": G.grid("IQ2_S").astype(np.uint8), "g_iq3xxs": G.grid("IQ3_XXS").astype(np.uint8),
-                  "g_iq3s": G.grid("IQ3_S").astype(np.uint8), "g_iq1s": G.grid("IQ1_S").astype(np.int8),
-                  "g_ksigns": G.KSIGNS, "g_iq4nl": G.IQ4_NL_VALUES}
         blocks = np.zeros((64, 2), np.int32)  # g_block: (weights, bytes) of a block, by type id
         for t, q in Q.LAYOUTS.items():
             blocks[t] = (q.block_weights, q.block_bytes)
-        tables["g_block"] = blocks
-        for name, arr in tables.items():  # sizes as declared in gpu_quant.cu
+        for name, arr in {**tables(), "g_block": blocks}.items():  # sizes as declared in gpu_quant.cu
             flat = np.ascontiguousarray(arr).reshape(-1)
             cp.ndarray(flat.shape, flat.dtype, mod.get_global(name)).set(flat)
         _MODULE = mod
@@ -59,7 +74,9 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
            stream: cp.cuda.Stream | None = None) -> cp.ndarray:
     """``x @ W.T``: ``w`` the device bytes of ``rows`` rows of ``qtype`` blocks, ``x`` device
     float32 ``(n, cols)``; float32 ``(n, rows)`` (into ``out`` when given), queued on ``stream``."""
-    q = Q.quant_type(qtype, "gpu_quant.matmul", Q.LAYOUTS)
+    import cupy as cp
+
+    Q.quant_type(qtype, "gpu_quant.matmul", Q.LAYOUTS)
     rb = Q.row_bytes(qtype, cols, "gpu_quant.matmul", Q.LAYOUTS)
     if w.dtype != cp.uint8 or w.size != rows * rb:
         raise ValueError(f"gpu_quant.matmul: w has {w.size} {w.dtype} elements, expected {rows * rb} uint8")
@@ -70,9 +87,12 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
     y = cp.empty((n, rows), cp.float32) if out is None else out
     if y.shape != (n, rows) or y.dtype != cp.float32 or not y.flags.c_contiguous:
         raise ValueError(f"gpu_quant.matmul: out must be C-contiguous float32 ({n}, {rows})")
-    kernel = _module().get_function("qmatmul")
-    args = (w, np.int32(qtype), np.int32(q.block_weights), np.int32(q.block_bytes), np.int32(rows), np.int32(cols),
-            np.int64(rb), x, np.int32(n), y)
+    args = (w, np.int32(qtype), np.int32(rows), np.int32(cols), np.int64(rb), x, np.int32(n), y)
     with stream or cp.cuda.get_current_stream():
-        kernel(((rows + 3) // 4,), (128,), args)
+        if qtype in FLOAT_QTYPES:
+            _module().get_function("qmatmul_f")(((rows + 3) // 4,), (128,), args)
+        elif n == 1:
+            _module().get_function("qmatmul_q1")(((rows + 7) // 8, 1), (128,), args)
+        else:
+            _module().get_function("qmatmul_q")(((rows + 7) // 8, (n + 7) // 8), (128,), args)
     return y

@@ -20,12 +20,14 @@ from execute import gguf_io, gguf_model, synth  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 GENERIC = sorted(set(Q.LAYOUTS) - set(Q.QTYPES))  # the types gpu_quant's expert kernels run
-REL_ERR = 1e-5
+# the qmoe_* kernels dot int8 inputs of two levels per 32 values (x within d / 512, d = max|x| /
+# 127: ~3e-5 relative on random blocks), the CPU pool's bound; the one-token down path is float32
+REL_ERR = 2e-4
 
 
 def _params(src: str, name: str) -> list[str]:
     """Parameter list of kernel ``name`` in CUDA source ``src``, whitespace and comments dropped."""
-    m = re.search(r'extern "C" __global__ void ' + name + r"\((.*?)\)\s*\{", src, re.S)
+    m = re.search(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?' + name + r"\((.*?)\)\s*\{", src, re.S)
     assert m, name
     text = re.sub(r"//[^\n]*", "", m.group(1)).replace("unsigned char", "uint8_t")
     return [" ".join(p.split()) for p in text.split(",")]
