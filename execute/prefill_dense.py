@@ -208,14 +208,14 @@ class ChunkDense:
     def attention(self, model, l: int, x):
         """GQA attention of block ``l`` for ``x (T, hidden)`` at ``model.pos`` as ``MoeModel._attention``
         computes it (KV cache written); None when this path does not take the model (MLA, head_dim
-        odd or over 1024, a q/k norm without the fused weight)."""
+        odd or over 1024, a q/k norm without the fused weight) or the chunk (over 65535 tokens)."""
         info, w, pos = model.info, model.layers[l], model.pos
         nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
         mode = {"none": 0, "head": 1, "full": 2}.get(model.spec.qk_norm)
-        if (model.mla or mode is None or hd % 2 or hd > 1024 or nkv < 1 or nh % nkv
+        t = int(x.shape[0])
+        if (model.mla or mode is None or hd % 2 or hd > 1024 or nkv < 1 or nh % nkv or t > 65535
                 or (mode and w.get("qk_weight") is None)):
             return None
-        t = int(x.shape[0])
         qkv = model._proj(x, w["wqkv"])  # (T, q + 2 kv)
         if w["bqkv"] is not None:
             qkv = qkv + w["bqkv"]
