@@ -1,7 +1,8 @@
 """Prompt-length sweep: prompt tokens/s and time to first token of ``moelab run`` for prompts of
 64, 256, 1024 and 4096 tokens (``--lengths``), every expert resident (``gpu``) and under expert
 budgets (``--budgets-mib``, policy ``--policy``), side by side in one process; ``--old`` adds each
-configuration on the previous prefill path (``MOELAB_PREFILL=0``, chunks of 32) for the ratio.
+configuration on the previous prefill path (``MOELAB_PREFILL=0``, ``MOELAB_PREFILL_DENSE=0``, chunks
+of 32) for the ratio.
 
 Writes ``rows.csv`` and ``result.json`` (rows + config), ``config.json``, ``README.md`` and
 ``prompt_sweep.png`` (when matplotlib is installed) into ``--out``. The logic is
@@ -37,8 +38,8 @@ def configs(args) -> list[Config]:
     out = [Config("gpu", ("--policy", "gpu"))]
     out += [Config(f"{args.policy} {b} MiB", ("--policy", args.policy, "--cache-mib", str(b))) for b in args.budgets]
     if args.old:
-        out += [Config(c.label + " (old path)", (*c.argv, "--prefill-chunk", "32"), {"MOELAB_PREFILL": "0"})
-                for c in list(out)]
+        old = {"MOELAB_PREFILL": "0", "MOELAB_PREFILL_DENSE": "0"}
+        out += [Config(c.label + " (old path)", (*c.argv, "--prefill-chunk", "32"), old) for c in list(out)]
     return out
 
 
