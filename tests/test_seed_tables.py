@@ -73,6 +73,12 @@ def test_a_mixed_type_file_charges_each_expert_its_share_of_the_file():
     assert seeds.model_of(data, "qwen3.5-35b-a3b", "Q6_K", 27).expert_bytes(3) == pytest.approx(single.expert_bytes(3), rel=0.05)
     with pytest.raises(ValueError, match="file_gib"):
         seeds.model_of(data, "qwen3.5-35b-a3b", "Q6_K", 0.5)
+    t = {"machine": "l4-colab", "tokens": 8, "cache_mib": 1024}
+    hw = load_hardware("l4-colab")  # on the CPU alone the mixed file costs its nominal type's time per weight
+    ud, nom = seeds.model_of(data, "qwen3-coder-next", "IQ4_XS", 36), seeds.model_of(data, "qwen3-coder-next", "IQ4_XS")
+    slow = dataclasses.replace(hw, cpu_thread_gbps=0.5)  # CPU-bound: the GPU's share is negligible
+    a, b = (seeds.simulate_row(slow, m, t, "cpu", 1, 1.0)["tps"] for m in (ud, nom))
+    assert a == pytest.approx(b, rel=0.01)
 
 
 def test_a_stated_load_time_sets_the_pageable_rate_from_the_prompt_bytes():
