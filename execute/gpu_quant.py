@@ -29,7 +29,7 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["FLOAT_QTYPES", "GPU_QUANT_QTYPES", "kernel", "matmul", "tables"]
+__all__ = ["FLOAT_QTYPES", "GPU_QUANT_QTYPES", "Experts", "kernel", "matmul", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
@@ -96,3 +96,69 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
         else:
             _module().get_function("qmatmul_q")(((rows + 7) // 8, (n + 7) // 8), (128,), args)
     return y
+
+
+
+class Experts:
+    """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
+    2 rows per block; one-token down: 2 rows per block, a warp per expert), for benchmarks and tests.
+
+    ``w``: device uint8 ``(E, expert_bytes)``, each expert gate | up | down (no biases; types
+    ``qtypes``, ``ffn`` x ``hidden`` / ``hidden`` x ``ffn`` rows of ``quant.row_bytes``). With
+    ``weights`` (``E`` floats, E <= 32): the one-token path, ``call(x)`` of ``x`` (1, hidden) gives
+    (1, hidden) = sum_e weights[e] * expert_e(x). Without: every one of ``tokens`` tokens through every
+    expert (the grouped path, ``E`` groups of ``tokens`` pairs), ``(E * tokens, hidden)`` expert-major.
+    Buffers and launches are made here; a call only launches (on the current stream)."""
+
+    def __init__(self, w: cp.ndarray, qtypes: tuple[int, int, int], ffn: int, hidden: int, tokens: int = 1,
+                 weights: np.ndarray | None = None):
+        import cupy as cp
+
+        from .gpu_host import Launch
+
+        names = ("gate", "up", "down")
+        rb = [Q.row_bytes(t, c, f"gpu_quant.Experts {n}", Q.LAYOUTS) for t, c, n in zip(qtypes, (hidden, hidden, ffn), names)]
+        if set(qtypes) & set(FLOAT_QTYPES):
+            raise ValueError(f"gpu_quant.Experts: qtypes {qtypes}: the qmoe kernels read quantized types only")
+        off_u, off_d = ffn * rb[0], ffn * (rb[0] + rb[1])
+        self.expert_bytes = off_d + hidden * rb[2]
+        if w.dtype != cp.uint8 or w.ndim != 2 or w.shape[1] != self.expert_bytes:
+            raise ValueError(f"gpu_quant.Experts: w has shape {w.shape} {w.dtype}, expected (E, {self.expert_bytes}) uint8")
+        num_e = w.shape[0]
+        self.w, self.hidden, self.tokens = w, hidden, tokens
+        bases = w.data.ptr + self.expert_bytes * np.arange(num_e, dtype=np.uint64)
+        gu = (ffn, hidden, 2, 0, qtypes[0], rb[0], off_u, qtypes[1], rb[1], 0, 0)
+        if weights is not None:
+            if len(weights) != num_e or num_e > 32 or tokens != 1:
+                raise ValueError(f"gpu_quant.Experts: the one-token path takes 1 token and E <= 32 weights, got {len(weights)}")
+            self._ex = np.zeros(16 * 32, np.uint8)  # Experts1: base[32] u64, weight[32] f32, pick[32] i32
+            self._ex[:8 * num_e] = bases.view(np.uint8)
+            self._ex[256:256 + 4 * num_e] = np.asarray(weights, np.float32).view(np.uint8)
+            self._ex[384:384 + 4 * num_e] = np.arange(num_e, dtype=np.int32).view(np.uint8)
+            self.h, self.out = cp.empty((num_e, ffn), cp.float32), cp.empty((1, hidden), cp.float32)
+            k1, k2 = Launch(kernel("qmoe1_gate_up"), 13, self._ex), Launch(kernel("qmoe1_down_combine"), 10, self._ex)
+            self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, x, self.h.data.ptr, *gu),
+                           lambda s, x: k2((-(-hidden // 2), 1), 32 * num_e, s, self.h.data.ptr, self.out.data.ptr,
+                                           num_e, ffn, hidden, 2, off_d, qtypes[2], rb[2], 0)]
+            return
+        self._meta = [cp.asarray(bases), cp.arange(0, (num_e + 1) * tokens, tokens, dtype=cp.int32),
+                      cp.arange(num_e * tokens, dtype=cp.int32)]
+        self._meta.append(self._meta[2] % tokens)  # x row of each pair
+        base, gstart, order, xrow = (a.data.ptr for a in self._meta)
+        self.h = cp.empty((num_e * tokens, ffn), cp.float32)
+        self.out = cp.empty((num_e * tokens, hidden), cp.float32)
+        k1, k2 = Launch(kernel("qmoe_gate_up"), 18), Launch(kernel("qmoe_down"), 12)
+        self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, base, gstart, order, xrow, x, hidden, self.h.data.ptr, *gu),
+                       lambda s, x: k2((-(-hidden // 8), num_e), 128, s, base, gstart, order, self.h.data.ptr,
+                                       self.out.data.ptr, ffn, hidden, 2, off_d, qtypes[2], rb[2], 0)]
+
+    def __call__(self, x: cp.ndarray) -> cp.ndarray:
+        """The output buffer (reused by the next call) for device float32 ``x`` (tokens, hidden)."""
+        import cupy as cp
+
+        if x.dtype != cp.float32 or x.shape != (self.tokens, self.hidden) or not x.flags.c_contiguous:
+            raise ValueError(f"gpu_quant.Experts: x must be C-contiguous float32 ({self.tokens}, {self.hidden})")
+        s = cp.cuda.get_current_stream().ptr
+        for call in self._calls:
+            call(s, x.data.ptr)
+        return self.out
