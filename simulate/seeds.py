@@ -133,6 +133,15 @@ def load_data(path: Path) -> dict:
                 if key in fitted:
                     raise ValueError(f"{where}.fits: {f} is already fitted by {fitted[key]}")
                 fitted[key] = f"tables[{i}].rows[{j}]"
+    for i, st in enumerate(data.get("stated", [])):
+        if not any(t["machine"] == st["machine"] and t["cache_mib"] == st["cache_mib"]
+                   and any(r["row"] == "lru" for r in t["rows"]) for t in data["tables"]):
+            raise ValueError(f"{path}: stated[{i}].cache_mib: no {st['machine']} table with an lru row and that cache")
+    for i, c in enumerate(data.get("routing_stats", [])):
+        try:
+            model_of(data, c.get("model", ""), c.get("quant", "Q8_0"))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: routing_stats[{i}].model: {e}") from None
     return data
 
 

@@ -144,6 +144,8 @@ def test_committed_report_is_what_its_command_writes(tmp_path):
     (lambda d: d["stated"][0].update(prompt_load_s=[1.5]), "stated[0]"),
     (lambda d: d["tables"][3]["rows"][0].update(fits="pageable_gbps"), "already fitted"),
     (lambda d: d["routing_stats"][0].update(published=98.6), "routing_stats[0]"),
+    (lambda d: d["routing_stats"][1].update(model="qwen9"), "routing_stats[1].model"),
+    (lambda d: d["stated"][0].update(cache_mib=4096), "stated[0].cache_mib"),
 ])
 def test_bad_data_file_is_refused_before_any_work(tmp_path, capsys, edit, field):
     data = json.loads(DATA.read_text())
