@@ -324,15 +324,21 @@ template <int QT> QD float dot_staged(const Dec& d, const uint32_t* x1, const ui
     return v;
 }
 
-// the chunk's dot with 32 float32 inputs at x
+// the chunk's dot with 32 float32 inputs at x (16-byte aligned)
 template <int QT> QD float dot_f(const Dec& d, const float* x) {
     float lo = 0.f, hi = 0.f, sl = 0.f, sh = 0.f;
     #pragma unroll
     for (int k = 0; k < 8; k++) {
         uint32_t u = d.q[k] ^ 0x80808080u;  // q + 128 as unsigned bytes
+#ifdef __CUDA_ARCH__
+        float4 x4 = __ldg(reinterpret_cast<const float4*>(x) + k);
+        float xs[4] = {x4.x, x4.y, x4.z, x4.w};
+#else
+        const float* xs = x + 4 * k;
+#endif
         #pragma unroll
         for (int i = 0; i < 4; i++) {
-            float xv = LDG(x + 4 * k + i);
+            float xv = xs[i];
             uint32_t bits = perm(u, 0x4b000000u, 0x7540u + i);  // 2^23 + q + 128 as a float
             float q;
 #ifdef __CUDA_ARCH__
@@ -378,6 +384,7 @@ template <int NT> __device__ void stage(uint4* buf, const float* __restrict__ x,
     float* dxs = reinterpret_cast<float*>(q2 + NT * KT / 4);
     float* s16 = dxs + NT * KT / 32;
     int lane = threadIdx.x & 31, l8 = lane & 7, nch = kt / 32, total = nt * nch;
+    #pragma unroll 4
     for (int c0 = (threadIdx.x >> 5) * 4; c0 < total; c0 += (blockDim.x >> 5) * 4) {
         int ch = c0 + (lane >> 3), t = ch / nch, c = ch % nch;
         bool on = ch < total;
@@ -661,7 +668,7 @@ template <int QT> __device__ __forceinline__ void row_dot_f(const uint8_t* row, 
 
 // as moe1_down_combine: out[r] = sum_j weight[j] * (down_j h[j] + bd_j)[r], j in order.
 // grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32.
-extern "C" __global__ void qmoe1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
+extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
                                               int k, int ffn, int hidden, int rows_per_block, long long off_d,
                                               int qt_d, long long rb_d, int bias) {
     __shared__ float ys[MAXK][32];
