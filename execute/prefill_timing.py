@@ -103,8 +103,8 @@ def host_profile(fn, top: int = 15) -> dict[str, list[dict]]:
     prof = cProfile.Profile()
     prof.runcall(fn)
     st = pstats.Stats(prof)
-    rows = [{"function": f"{Path(f).name}:{line}({name})", "calls": int(nc), "own_ms": 1e3 * tt, "cumulative_ms": 1e3 * ct}
-            for (f, line, name), (_, nc, tt, ct, _) in st.stats.items()]
+    rows = [{"function": f"{Path(f).name}:{line}({name})", "calls": int(nc), "own_ms": 1e3 * tt,
+             "cumulative_ms": 1e3 * ct} for (f, line, name), (_, nc, tt, ct, _) in st.stats.items()]
     return {k: sorted(rows, key=lambda r: -r[f"{k}_ms"])[:top] for k in ("own", "cumulative")}
 
 
