@@ -89,6 +89,7 @@ class ChunkDense:
 
             self._split = pf_kernel("pf_split")
         self._pinned, self._pinned_size = None, 0
+        self._route_buf = None
         self._done = cp.cuda.Event(disable_timing=True)
 
     # RMSNorm ---------------------------------------------------------------------------------------
@@ -182,7 +183,9 @@ class ChunkDense:
             return None
         wb, ib = 8 * t * k, 4 * t * k  # weights (float64) first: 8-byte aligned
         nbytes = wb + ib + 4
-        buf = cp.empty(nbytes, cp.uint8)
+        if self._route_buf is None or self._route_buf.size < nbytes:  # reused: each call waits for its copy
+            self._route_buf = cp.empty(max(nbytes, 1 << 16), cp.uint8)
+        buf = self._route_buf[:nbytes]
         buf[wb + ib:].fill(0)
         wts, ids = buf[:wb].view(cp.float64), buf[wb:wb + ib].view(cp.int32)
         bad = buf[wb + ib:].view(cp.int32)
