@@ -45,6 +45,7 @@ from .pdl_launch import launch_programmatic
 __all__ = ["GpuDense", "DecodeBlock", "Matrix", "device_matrix", "stack_matrices", "MAX_COLS", "KEPT_QTYPES"]
 
 _WARPS = 8  # warps per block of the GEMV kernels (one output row each)
+_V4_WARPS = 4  # warps per block of dense_gemv_v4 (MOELAB_DECODE_KERNELS=v4; 2 rows per warp up to 4 KB rows)
 _CHUNK = 64  # keys per block of decode attention (dense_kernels.cu CHUNK)
 MAX_COLS = 11776  # a GEMV stages its input (cols float32) in shared memory, under the 48 KiB default
 KEPT_QTYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
@@ -305,6 +306,19 @@ class GpuDense:
         self._capture_stream = None
         self.captures = 0  # calls of capture that made graphs
 
+    def _gemv_shape(self, m: Matrix) -> tuple[tuple[int, int], int]:
+        """Grid and block of a GEMV launch: one row per warp of 8; v4: 2 rows per warp of 4 when a
+        stored row holds at most 4 KB (a qkv or wo GEMV in one wave of blocks)."""
+        if self.kernels != "v4":
+            return (-(-m.rows // _WARPS), 1), 32 * _WARPS
+        row_bytes = m.cols * {Q.Q8_0: 1, Q.F32: 4}.get(m.qt, 2)
+        rpw = 2 if row_bytes <= 4096 else 1
+        return (-(-m.rows // (_V4_WARPS * rpw)), 1), 32 * _V4_WARPS
+
+    def _router_grid(self, m: Matrix) -> tuple[int, int]:
+        """The router's grid: one row per warp; v4: one row per block."""
+        return (m.rows if self.kernels == "v4" else -(-m.rows // _WARPS), 1)
+
     def decode_block(self, x, x_out, hn, wqkv: Matrix, attn_norm, bqkv, qk_weight, qk_mode: int, eps: float, cos, sin,
                      k_cache, v_cache, kq_scale: float, sinks, wo: Matrix, bo, rs: float, router: Matrix, ffn_norm,
                      router_bias, gating: int, norm_topk: bool, w_scale: float, max_keys: int = 0) -> DecodeBlock:
@@ -322,7 +336,7 @@ class GpuDense:
         if self._block_part.size < need:
             self._block_part = cp.empty(need, cp.float32)
         part_buf = self._block_part
-        qkv = _Prepared(self._gemv, (-(-wqkv.rows // _WARPS), 1), 32 * _WARPS, 4 * wqkv.cols,
+        qkv = _Prepared(self._gemv, *self._gemv_shape(wqkv), 4 * wqkv.cols,
                         (_ptr(wqkv.w), _ptr(wqkv.d), wqkv.qt, wqkv.rows, wqkv.cols, _ptr(x), 0, f32(rs), _ptr(x_out),
                          _ptr(attn_norm), f32(eps), 0, _ptr(bqkv), 0, f32(1.0), _ptr(self.qkv), 0))
         qk = _Prepared(self._qk, (nh + 2 * nkv, 1), 32 * -(-hd // 32), 0,
@@ -331,10 +345,10 @@ class GpuDense:
         part = _Prepared(self._part, (nh, 1), 128, 0, (_ptr(self.q), _ptr(k_cache), _ptr(v_cache), nh, nkv, hd, n, 0, 1,
                                                        f32(kq_scale), _ptr(part_buf), 0))
         reduce = _Prepared(self._reduce, (nh, 1), hd, 0, (_ptr(part_buf), nh, hd, 1, _ptr(sinks), _ptr(self.o), 0))
-        wo_l = _Prepared(self._gemv, (-(-wo.rows // _WARPS), 1), 32 * _WARPS, 4 * wo.cols,
+        wo_l = _Prepared(self._gemv, *self._gemv_shape(wo), 4 * wo.cols,
                          (_ptr(wo.w), _ptr(wo.d), wo.qt, wo.rows, wo.cols, _ptr(self.o), 0, 0, 0, 0, 0, 0, _ptr(bo),
                           _ptr(cur), f32(rs), _ptr(cur), 0))
-        rt = _Prepared(self._router, (-(-router.rows // _WARPS), 1), 32 * _WARPS, 4 * max(router.cols, router.rows),
+        rt = _Prepared(self._router, self._router_grid(router), 32 * _WARPS, 4 * max(router.cols, router.rows),
                        (_ptr(router.w), _ptr(router.d), router.qt, router.rows, router.cols, _ptr(cur), _ptr(ffn_norm),
                         f32(eps), _ptr(hn), _ptr(router_bias), _ptr(self.logits), k, gating, int(norm_topk),
                         f32(w_scale), _ptr(self._counter), _ptr(self._route_dev)))
@@ -366,7 +380,7 @@ class GpuDense:
     def decode_head(self, x, m: Matrix, norm, eps: float, rs: float, logit_scale: float) -> _Prepared:
         """The head's prepared GEMV: logits = m . rmsnorm(x + rs * add) / logit_scale; the caller sets
         slot 6 (add) and slot 15 (the logits) before each launch."""
-        return _Prepared(self._gemv, (-(-m.rows // _WARPS), 1), 32 * _WARPS, 4 * m.cols,
+        return _Prepared(self._gemv, *self._gemv_shape(m), 4 * m.cols,
                          (_ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), 0, f32(rs), 0, _ptr(norm), f32(eps), 0, 0,
                           0, f32(1.0 / logit_scale), 0, 0))
 
@@ -398,7 +412,7 @@ class GpuDense:
         """``y[r] = resid[r] + out_scale * (m[r] . v + bias[r])`` with ``v = x + add_scale * add``
         (written to ``x_out``), RMS-normed by ``norm`` when given (written to ``xn_out``); every
         optional operand may be None. ``resid`` may be ``y``; ``x_out`` must not be ``x``."""
-        self._gemv((-(-m.rows // _WARPS), 1), 32 * _WARPS, 4 * m.cols, self.stream(),
+        self._gemv(*self._gemv_shape(m), 4 * m.cols, self.stream(),
                    _ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), _ptr(add), f32(add_scale), _ptr(x_out),
                    _ptr(norm), f32(eps), _ptr(xn_out), _ptr(bias), _ptr(resid), f32(out_scale), _ptr(y), 0)
 
@@ -408,7 +422,7 @@ class GpuDense:
         their top-k on the device (``gating`` 0 softmax, 1 softmax_topk; ties: lower id); returns
         host ids ``(1, k)`` int64 and weights ``(1, k)`` float32 (copies) after one event wait."""
         k, s = self.top_k, self.stream()
-        self._router((-(-m.rows // _WARPS), 1), 32 * _WARPS, 4 * max(m.cols, m.rows), s,
+        self._router(self._router_grid(m), 32 * _WARPS, 4 * max(m.cols, m.rows), s,
                      _ptr(m.w), _ptr(m.d), m.qt, m.rows, m.cols, _ptr(x), _ptr(norm), f32(eps), _ptr(xn_out),
                      _ptr(bias), _ptr(self.logits), k, gating, int(norm_topk), f32(scale), _ptr(self._counter),
                      _ptr(self._route_dev))

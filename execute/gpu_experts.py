@@ -74,6 +74,7 @@ __all__ = ["GpuExperts", "Launch", "LayerMeta", "MAX_TOP_K", "copy_to_device", "
 _WARPS = 4
 _RPW = 2  # output rows per warp in moe_gate_up / moe_down / moe1_gate_up
 _RPB = 2  # output rows per block in moe1_down_combine (one warp per pair)
+_RPB_V4 = 4  # the same for moe1r_down_combine_v4 (MOELAB_DECODE_KERNELS=v4: one wave of blocks)
 MAX_TOP_K = 32  # MAXK of gpu_kernels.cu: the most pairs a one-token launch carries by value
 _EX_BYTES = 16 * MAX_TOP_K  # Experts1: base (u64), weight (f32), pick (i32), MAX_TOP_K each
 _OUT_RING = 16  # one-token outputs kept for reuse, per shape
@@ -116,12 +117,13 @@ def copy_to_device(dev: cp.ndarray, host: np.ndarray, stream_ptr: int) -> None:
 
 
 def _kernel(name: str):
-    """A kernel of gpu_kernels.cu (compiled once per process)."""
+    """A kernel of gpu_kernels.cu or expert_kernels_v4.cu (one module, compiled once per process)."""
     global _MODULE
     f = _FUNCS.get(name)
     if f is None:
         if _MODULE is None:
-            src = resources.files(__package__).joinpath("gpu_kernels.cu").read_text()
+            src = "\n".join(resources.files(__package__).joinpath(fn).read_text()
+                            for fn in ("gpu_kernels.cu", "expert_kernels_v4.cu"))  # v4 uses the helpers
             _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
         f = _FUNCS[name] = _MODULE.get_function(name)
     return f
@@ -477,14 +479,14 @@ class GpuExperts:
         if layer in self.generic_layers:
             raise ExecutorError(f"layer {layer}: a type the token graph's kernels do not read; run it block by block")
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
-        if self._k1r is None:  # MOELAB_DECODE_KERNELS=v2: the *_v2 twins (same arguments and grids)
+        if self._k1r is None:  # MOELAB_DECODE_KERNELS=v2..v4: the *_v2 / *_v4 twins (same arguments)
             v = decode_kernels_env()
             self._k1r = (Launch(_kernel(kernel_name("moe1r_gate_up", v)), 18),
-                         Launch(_kernel(kernel_name("moe1r_down_combine", v)), 14))
-        gate_up, down = self._k1r
+                         Launch(_kernel(kernel_name("moe1r_down_combine", v)), 14), _RPB_V4 if v == "v4" else _RPB)
+        gate_up, down, rpb = self._k1r
         a1 = (route, table, halt, layer, k, x, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
-        a2 = (route, table, halt, layer, h, out, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
-        g1, g2 = (-(-ffn // (_WARPS * _RPW)), k), (-(-hidden // _RPB), 1)
+        a2 = (route, table, halt, layer, h, out, k, ffn, hidden, rpb, off_d, qt_d, rb_d, bias)
+        g1, g2 = (-(-ffn // (_WARPS * _RPW)), k), (-(-hidden // rpb), 1)
         return [lambda s: gate_up(g1, 32 * _WARPS, s, *a1), lambda s: down(g2, 32 * k, s, *a2)]
 
     def _output(self, rows: int, cols: int) -> cp.ndarray:

@@ -457,25 +457,16 @@ __device__ __forceinline__ int routes_missing(const float* route, const unsigned
     return missing;
 }
 
-// grid (ceil(ffn / (WARPS * rows_per_warp)), k), block 32 * WARPS (as moe1r_gate_up).
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe1r_gate_up_v2(
-        const float* __restrict__ route, const unsigned long long* __restrict__ table, int* halt, int layer, int k,
-        const float* __restrict__ x, float* __restrict__ h, int ffn, int hidden, int rows_per_warp, long long off_g,
-        int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
-    pdl_wait_trigger();
-    if (*(volatile int*)halt < layer) return;
-    if (routes_missing(route, table, k)) {
-        if (threadIdx.x == 0) atomicMin(halt, layer);
-        return;
-    }
-    int j = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
-    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp;
+// this warp's gate/up rows r0 .. r0 + rows_per_warp - 1 of pair j (expert e), v2's loads (any types)
+__device__ __forceinline__ void gate_up_rows_v2(const unsigned char* e, int j, int r0, int ffn, int hidden,
+                                                int rows_per_warp, long long off_g, int qt_g, long long rb_g,
+                                                long long off_u, int qt_u, long long rb_u, int act, int bias,
+                                                const float* x, float* h, int lane) {
     for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
         float ag[1] = {0.f}, au[1] = {0.f};
         const unsigned char* rg[1] = {e + off_g + r * rb_g};
         const unsigned char* ru[1] = {e + off_u + r * rb_u};
-        if (qt_g == qt_u) {  // one loop over both rows: x read once, both rows' loads in flight
+        if (qt_g == qt_u) {
             const unsigned char* both[2] = {rg[0], ru[0]};
             float a2[2] = {0.f, 0.f};
 #define V2_GU(T) rows_dot_v2<T, 2>(both, 2, hidden, x, a2)
@@ -498,6 +489,23 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe1r_gate_up_v2(
         }
         if (lane == 0) h[(long long)j * ffn + r] = expert_act(act, a, b);
     }
+}
+
+// grid (ceil(ffn / (WARPS * rows_per_warp)), k), block 32 * WARPS (as moe1r_gate_up).
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe1r_gate_up_v2(
+        const float* __restrict__ route, const unsigned long long* __restrict__ table, int* halt, int layer, int k,
+        const float* __restrict__ x, float* __restrict__ h, int ffn, int hidden, int rows_per_warp, long long off_g,
+        int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
+    pdl_wait_trigger();
+    if (*(volatile int*)halt < layer) return;
+    if (routes_missing(route, table, k)) {
+        if (threadIdx.x == 0) atomicMin(halt, layer);
+        return;
+    }
+    int j = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
+    gate_up_rows_v2(e, j, (blockIdx.x * WARPS + warp) * rows_per_warp, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g,
+                    off_u, qt_u, rb_u, act, bias, x, h, lane);
 }
 
 // grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32 (as moe1r_down_combine).

@@ -111,10 +111,12 @@ def kernel_bytes(s: BlockShape) -> dict[str, int]:
     }
 
 
-def expert_launch_shapes(s: BlockShape) -> dict[str, str]:
+def expert_launch_shapes(s: BlockShape, variant: str = "v3") -> dict[str, str]:
     """The expert launches' grid x block as ``GpuExperts.routed_layer`` makes them (4 warps of 2
-    rows per block for gate/up; one warp per pair, 2 rows per block for down)."""
-    return {"gate_up": f"({-(-s.ffn // 8)},{s.top_k})x128", "down_combine": f"({-(-s.hidden // 2)},1)x{32 * s.top_k}"}
+    rows per block for gate/up; one warp per pair, 2 rows per block for down, 4 under v4)."""
+    rpb = 4 if variant == "v4" else 2
+    return {"gate_up": f"({-(-s.ffn // 8)},{s.top_k})x128",
+            "down_combine": f"({-(-s.hidden // rpb)},1)x{32 * s.top_k}"}
 
 
 def report_rows(times_us: dict[str, float], nbytes: dict[str, int], ceiling_gbps: float,
@@ -205,7 +207,7 @@ def copy_ceiling_gbps(nbytes: int = 1 << 30, trials: int = 5) -> float:
     return 2 * a.nbytes / float(np.median(ts[1:])) / 1e9
 
 
-def time_block(s: BlockShape, variants=("v1", "v2", "v3"), repeat: int = 4, reps: int = 10, trials: int = 5,
+def time_block(s: BlockShape, variants=("v1", "v2", "v3", "v4"), repeat: int = 4, reps: int = 10, trials: int = 5,
                seed: int = 0) -> dict:
     """Per variant: each kernel's median us per launch, and the whole block's; what leaving each
     kernel out of the block's graph saves per block (its cost there, overlap included); the copy
@@ -238,7 +240,7 @@ def time_block(s: BlockShape, variants=("v1", "v2", "v3"), repeat: int = 4, reps
                                                  for o, f in zip(outputs, first))
             first = outputs if first is None else first
             out["variants"][v] = {"kernel_us": times, "block_us": block_us, "in_graph_us": saved,
-                                  "launches": {**plan.shapes, **expert_launch_shapes(s)}, "max_rel_diff_vs_first": diff}
+                                  "launches": {**plan.shapes, **expert_launch_shapes(s, v)}, "max_rel_diff_vs_first": diff}
     finally:
         rig.close()
     from . import pdl_launch

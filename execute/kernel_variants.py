@@ -10,7 +10,12 @@ sums and the attention's online softmax (updated once per eight keys) round othe
 v2 kernels, the dense ones (all but the two expert kernels) launched with programmatic dependent
 launch (``execute.pdl_launch``), so each starts its blocks and prefetches its weights while the
 kernel before it drains: the default (on the H200, one qwen3-30b-a3b block in one graph: v1 134 us,
-v2 92, v3 91; ``experiments/bench_decode_kernels.py``). Read when launches are prepared (``GpuDense``'s construction, the token
+v2 92, v3 91; ``experiments/bench_decode_kernels.py``). ``v4``: v3 with the ``*_v4`` kernels where
+there is one (:data:`V4_KERNELS`), launched so that each is one wave of blocks with its weights in
+flight: the GEMV 2 rows per warp of 4 (rows up to 4 KB), every row's loads issued before the wait;
+the router one row per block, its top k by ranks; Q8_0 expert rows staged in shared memory by
+16-byte asynchronous copies, down 4 rows per block. The GEMV and expert sums are v1's, in v1's
+order; the router's logits are summed over a block (they round otherwise). Read when launches are prepared (``GpuDense``'s construction, the token
 graph's first expert launches). No cupy here: CPU code and tests import it.
 """
 from __future__ import annotations
@@ -19,23 +24,27 @@ import os
 
 from .experts import ExecutorError
 
-__all__ = ["DECODE_KERNELS", "decode_kernels_env", "kernel_name", "programmatic"]
+__all__ = ["DECODE_KERNELS", "V4_KERNELS", "decode_kernels_env", "kernel_name", "programmatic"]
 
-DECODE_KERNELS = ("v1", "v2", "v3")
+DECODE_KERNELS = ("v1", "v2", "v3", "v4")
+V4_KERNELS = ("dense_gemv", "router_topk", "moe1r_gate_up", "moe1r_down_combine")  # the others: v2's
 
 
 def decode_kernels_env() -> str:
-    """``MOELAB_DECODE_KERNELS``: ``v1``, ``v2`` or ``v3`` (unset or empty); anything else is an error."""
+    """``MOELAB_DECODE_KERNELS``: ``v1``, ``v2``, ``v3`` (unset or empty) or ``v4``; anything else is an error."""
     v = os.environ.get("MOELAB_DECODE_KERNELS", "").strip() or "v3"
     if v not in DECODE_KERNELS:
-        raise ExecutorError(f"environment variable MOELAB_DECODE_KERNELS: {v!r}, expected v1, v2 or v3")
+        raise ExecutorError(f"environment variable MOELAB_DECODE_KERNELS: {v!r}, expected v1, v2, v3 or v4")
     return v
 
 
 def kernel_name(base: str, variant: str) -> str:
-    """The name of ``base``'s kernel in ``variant`` (``v1``: ``base``; ``v2``, ``v3``: ``base_v2``)."""
+    """The name of ``base``'s kernel in ``variant`` (``v1``: ``base``; ``v2``, ``v3``: ``base_v2``;
+    ``v4``: ``base_v4`` for :data:`V4_KERNELS`, else ``base_v2``)."""
     if variant not in DECODE_KERNELS:
         raise ValueError(f"kernel variant {variant!r}, expected one of {DECODE_KERNELS}")
+    if variant == "v4" and base in V4_KERNELS:
+        return base + "_v4"
     return base if variant == "v1" else base + "_v2"
 
 
@@ -43,4 +52,4 @@ def programmatic(variant: str) -> bool:
     """Whether ``variant`` launches its dense one-token kernels with programmatic dependent launch."""
     if variant not in DECODE_KERNELS:
         raise ValueError(f"kernel variant {variant!r}, expected one of {DECODE_KERNELS}")
-    return variant == "v3"
+    return variant in ("v3", "v4")

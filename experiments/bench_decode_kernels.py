@@ -1,6 +1,6 @@
 """Each one-token decode kernel of one block timed alone, and the block's whole graph, on random
 weights of a model's shapes (``execute.kernel_timing``), for each kernel variant side by side
-(``MOELAB_DECODE_KERNELS``: v1 the default, v2, v3): us per launch, GB/s of the bytes it must read
+(``MOELAB_DECODE_KERNELS``: v1, v2, v3 the default, v4): us per launch, GB/s of the bytes it must read
 against a device copy measured in the same run, and the time lost against that ceiling.
 
 Defaults: the synthetic qwen3-30b-a3b block of the H200 peer runs (hidden 2048, 32 q / 4 kv heads
@@ -8,7 +8,7 @@ x 128, 128 experts top-8, ffn 768, F16 dense, F32 router, Q8_0 experts) at 256 k
 weights cycled so that a launch does not find its weights in L2. Writes
 ``--out``/bench_decode_kernels.json (config and result) and prints the tables. One GPU, ~30 s.
 
-    python experiments/bench_decode_kernels.py --keys 256 --variants v1,v2,v3 --out $OUT/decode_kernels
+    python experiments/bench_decode_kernels.py --keys 256 --variants v1,v2,v3,v4 --out $OUT/decode_kernels
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--dense-quant", default="F16", help="F32, F16, BF16 or Q8_0 (qkv and output rows)")
-    ap.add_argument("--variants", default="v1,v2,v3", help="comma list of v1, v2, v3 (the first is the base)")
+    ap.add_argument("--variants", default="v1,v2,v3,v4", help="comma list of v1..v4 (the first is the base)")
     ap.add_argument("--repeat", type=int, default=4, help="passes over the blocks in one graph")
     ap.add_argument("--reps", type=int, default=10, help="graph replays per trial")
     ap.add_argument("--trials", type=int, default=5, help="trials (the median is reported)")
@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_decode_kernels"))
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
-    if any(v not in ("v1", "v2", "v3") for v in variants) or len(set(variants)) != len(variants):
-        ap.error(f"--variants: {args.variants!r}, expected a comma list of distinct v1, v2, v3")
+    if any(v not in ("v1", "v2", "v3", "v4") for v in variants) or len(set(variants)) != len(variants):
+        ap.error(f"--variants: {args.variants!r}, expected a comma list of distinct v1, v2, v3, v4")
     if args.dense_quant.upper() not in _TYPES:
         ap.error(f"--dense-quant: {args.dense_quant!r}, expected F32, F16, BF16 or Q8_0")
     for f in ("repeat", "reps", "trials"):

@@ -67,7 +67,8 @@ def routed(layer, variant: str, ids, weights, x, monkeypatch, missing=()):
 
 
 def both(layer, ids, weights, x, monkeypatch, missing=()):
-    return [routed(layer, v, ids, weights, x, monkeypatch, missing) for v in ("v1", "v2")]
+    """v1, v2 and v4 (v4: Q8_0 rows staged in shared memory, down 4 rows per block)."""
+    return [routed(layer, v, ids, weights, x, monkeypatch, missing) for v in ("v1", "v2", "v4")]
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=[Q.QTYPES[t].name for t in ALL])
@@ -78,11 +79,12 @@ def test_v2_experts_match_v1_and_reference(qtype, rng, reference, monkeypatch):
     layer = random_layer(rng, 0, num_experts=10, hidden=1280, ffn=768, qtype=qtype)
     ids, w = [7, 2, 9, 2, 0], np.array([0.4, 0.25, 0.2, 0.1, 0.05], np.float32)
     x = rng.standard_normal(1280).astype(np.float32)
-    (y1, h1), (y2, h2) = both(layer, ids, w, x, monkeypatch)
+    (y1, h1), (y2, h2), (y4, h4) = both(layer, ids, w, x, monkeypatch)
     ref = w.astype(np.float64) @ reference(layer, ids, np.repeat(x[None], len(ids), axis=0))
-    assert h1 == h2 == _HALT_NONE
-    assert rel_err(y1, ref) < REL_ERR and rel_err(y2, ref) < REL_ERR
-    assert np.allclose(y2, y1, rtol=1e-6, atol=1e-6 * np.abs(y1).max())  # the same sums in the same order
+    assert h1 == h2 == h4 == _HALT_NONE
+    assert rel_err(y1, ref) < REL_ERR and rel_err(y2, ref) < REL_ERR and rel_err(y4, ref) < REL_ERR
+    for y in (y2, y4):  # the same sums in the same order
+        assert np.allclose(y, y1, rtol=1e-6, atol=1e-6 * np.abs(y1).max())
 
 
 def test_v2_gate_and_up_of_different_types(rng, reference, monkeypatch):
@@ -92,9 +94,8 @@ def test_v2_gate_and_up_of_different_types(rng, reference, monkeypatch):
     layer = dataclasses.replace(a, up=b.up)
     ids, w = [3, 1], np.array([0.7, 0.3], np.float32)
     x = rng.standard_normal(512).astype(np.float32)
-    (y1, _), (y2, _) = both(layer, ids, w, x, monkeypatch)
     ref = w.astype(np.float64) @ reference(layer, ids, np.repeat(x[None], 2, axis=0))
-    assert rel_err(y1, ref) < REL_ERR and rel_err(y2, ref) < REL_ERR
+    assert all(rel_err(y, ref) < REL_ERR for y, _ in both(layer, ids, w, x, monkeypatch))
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -104,9 +105,23 @@ def test_v2_experts_add_biases(activation, rng, monkeypatch):
     ids, w = [0, 3], np.array([0.75, 0.25], np.float32)
     x = (rng.standard_normal(256) * 6.0).astype(np.float32)
     ref, _ = biased_reference(layer, ids, np.repeat(x[None], 2, axis=0))
-    (y1, _), (y2, _) = both(layer, ids, w, x, monkeypatch)
     want = w.astype(np.float64) @ ref
-    assert rel_err(y1, want) < REL_ERR and rel_err(y2, want) < REL_ERR
+    assert all(rel_err(y, want) < REL_ERR for y, _ in both(layer, ids, w, x, monkeypatch))
+
+
+def test_v4_windows_and_unaligned_rows(rng, reference, monkeypatch):
+    """Q8_0 rows that do not fit v4's staging at once (hidden 2336: gate/up in windows of 64 and 9
+    units; 32 pairs: each warp of down has 52 16-byte chunks, windows of 4 and 1 units) and rows
+    that are not 16-byte aligned (gate/up rows of 73 blocks, 2482 bytes; down rows of 5, 170 bytes)."""
+    cupy_or_skip()
+    layer = random_layer(rng, 0, num_experts=32, hidden=2336, ffn=160, qtype=Q.Q8_0)
+    ids = rng.integers(0, 32, 32).tolist()
+    w = rng.uniform(0.0, 1.0, 32).astype(np.float32)
+    x = rng.standard_normal(2336).astype(np.float32)
+    (y1, _), (y2, _), (y4, h4) = both(layer, ids, w, x, monkeypatch)
+    ref = w.astype(np.float64) @ reference(layer, ids, np.repeat(x[None], len(ids), axis=0))
+    assert h4 == _HALT_NONE and rel_err(y4, ref) < REL_ERR
+    assert np.allclose(y4, y1, rtol=1e-6, atol=1e-6 * np.abs(y1).max())
 
 
 def test_v2_missing_expert_halts_the_layer(rng, monkeypatch):
@@ -119,21 +134,24 @@ def test_v2_missing_expert_halts_the_layer(rng, monkeypatch):
 
 # dense ------------------------------------------------------------------------------------------
 def dense_pair(monkeypatch):
-    """GpuDense of v1, v2 and v3 (v3: the v2 kernels launched with programmatic dependent launch)."""
+    """GpuDense of v1, v2, v3 and v4 (v3: the v2 kernels launched with programmatic dependent
+    launch; v4: v3 with dense_gemv_v4, 2 rows per warp of 4 up to 4 KB rows)."""
     from execute.gpu_dense import GpuDense
 
     out = []
-    for v in ("v1", "v2", "v3"):
+    for v in ("v1", "v2", "v3", "v4"):
         monkeypatch.setenv("MOELAB_DECODE_KERNELS", v)
         out.append(GpuDense(hidden=256, heads=8, kv_heads=2, head_dim=64, experts=40, top_k=6))
-    assert [g.kernels for g in out] == ["v1", "v2", "v3"]
+    assert [g.kernels for g in out] == ["v1", "v2", "v3", "v4"]
     return out
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0])
-@pytest.mark.parametrize("rows, cols", [(203, 256), (37, 4096), (9, 96)])
+@pytest.mark.parametrize("rows, cols", [(203, 256), (37, 4096), (9, 96), (45, 2048), (21, 11776)])
 def test_v2_gemv_matches_v1_and_numpy(qtype, rows, cols, monkeypatch):
-    """4096 columns: more 16-byte loads per lane than the prefetch holds; 96: fewer than one per lane."""
+    """4096 columns: more 16-byte loads per lane than the prefetch holds (F32: v4 one row per warp);
+    96: fewer than one per lane; 2048: v4's two rows per warp (F16: both rows' 8 loads per lane
+    prefetched; an odd row count: a warp with one row); 11776: the longest row (MAX_COLS)."""
     cupy_or_skip()
     import cupy as cp
 
@@ -155,7 +173,8 @@ def test_v2_gemv_matches_v1_and_numpy(qtype, rows, cols, monkeypatch):
                bias=cp.asarray(bias), resid=y, out_scale=0.75)
         got.append(y.get())
     assert all(rel_err(g, want) < 1e-5 for g in got)
-    assert np.allclose(got[1], got[0], rtol=1e-6, atol=1e-6 * np.abs(got[0]).max())
+    for g in (got[1], got[3]):  # v2, v4: v1's sums in v1's order
+        assert np.allclose(g, got[0], rtol=1e-6, atol=1e-6 * np.abs(got[0]).max())
     assert np.array_equal(got[2], got[1])  # v3: the same kernel, launched otherwise
     from execute import pdl_launch
 
@@ -183,7 +202,7 @@ def test_v2_router_picks_v1_ids(gating, norm_topk, qtype, experts, k, monkeypatc
     logits = vals.astype(np.float64) @ (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6)) + bias
     r_ids, r_w = M.route_weights(info, logits)
     m, got = device_matrix((raw, qtype), vals), []
-    for v in ("v1", "v2", "v3"):
+    for v in ("v1", "v2", "v3", "v4"):
         monkeypatch.setenv("MOELAB_DECODE_KERNELS", v)
         g = GpuDense(hidden=256, heads=8, kv_heads=2, head_dim=64, experts=experts, top_k=k)
         for _ in range(1 if v == "v1" else 2):  # twice: the grid counter was reset
@@ -194,7 +213,11 @@ def test_v2_router_picks_v1_ids(gating, norm_topk, qtype, experts, k, monkeypatc
     assert all(i == r_ids.tolist() for i, _ in got) and i2[:2] == [3, 7]
     np.testing.assert_allclose(w2, w1, rtol=1e-6)
     np.testing.assert_allclose(w2, r_w, rtol=1e-5)
-    assert all(np.array_equal(w, w2) for _, w in got[1:])
+    assert all(np.array_equal(w, w2) for _, w in got[1:5])  # v2, v3: the same kernel
+    w4 = got[5][1]  # v4: the logits summed over a block round otherwise
+    np.testing.assert_allclose(w4, w1, rtol=1e-5)
+    np.testing.assert_allclose(w4, r_w, rtol=1e-5)
+    assert np.array_equal(got[6][1], w4)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
@@ -265,7 +288,7 @@ def _token_graph_run(w, variant: str, tokens, monkeypatch):
     return np.stack(res.logits), model
 
 
-@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_v2_token_graph_matches_v1_and_numpy(arch, variant, tmp_path, monkeypatch):
     """Every expert resident (``gpu``): each token one graph of v2 kernels (v3: the dense ones

@@ -15,7 +15,7 @@ import pytest
 from execute import kernel_timing as KT
 from execute import quant as Q
 from execute.experts import ExecutorError
-from execute.kernel_variants import decode_kernels_env, kernel_name, programmatic
+from execute.kernel_variants import V4_KERNELS, decode_kernels_env, kernel_name, programmatic
 from execute.pdl_launch import PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttribute, LaunchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,13 +84,14 @@ def test_decode_kernels_switch(monkeypatch):
     monkeypatch.setenv("MOELAB_DECODE_KERNELS", " v2 ")
     assert decode_kernels_env() == "v2"
     monkeypatch.setenv("MOELAB_DECODE_KERNELS", "fast")
-    with pytest.raises(ExecutorError, match="MOELAB_DECODE_KERNELS: 'fast', expected v1, v2 or v3"):
+    with pytest.raises(ExecutorError, match="MOELAB_DECODE_KERNELS: 'fast', expected v1, v2, v3 or v4"):
         decode_kernels_env()
     assert kernel_name("dense_gemv", "v1") == "dense_gemv" and kernel_name("dense_gemv", "v2") == "dense_gemv_v2"
     assert kernel_name("dense_gemv", "v3") == "dense_gemv_v2"
-    assert [programmatic(v) for v in ("v1", "v2", "v3")] == [False, False, True]
-    with pytest.raises(ValueError, match="kernel variant 'v4'"):
-        kernel_name("dense_gemv", "v4")
+    assert kernel_name("moe1r_gate_up", "v4") == "moe1r_gate_up_v4" and kernel_name("qk_rope_kv", "v4") == "qk_rope_kv_v2"
+    assert [programmatic(v) for v in ("v1", "v2", "v3", "v4")] == [False, False, True, True]
+    with pytest.raises(ValueError, match="kernel variant 'v5'"):
+        kernel_name("dense_gemv", "v5")
 
 
 def test_launch_structs_match_cuda_h():
@@ -114,7 +115,7 @@ def _params(src: str, name: str) -> list[str]:
 
 def _source(cu: str) -> str:
     """The source a kernel module compiles (gpu_dense compiles dense_kernels.cu with its v2 file)."""
-    files = [cu] + (["dense_kernels_v2.cu"] if cu == "dense_kernels.cu" else [])
+    files = [cu] + {"dense_kernels.cu": ["dense_kernels_v2.cu"], "gpu_kernels.cu": ["expert_kernels_v4.cu"]}.get(cu, [])
     return "\n".join(resources.files("execute").joinpath(f).read_text() for f in files)
 
 
@@ -123,6 +124,8 @@ def test_v2_kernels_take_their_twins_parameters(cu):
     src = _source(cu)
     for name in TWINS[cu]:
         assert _params(src, name + "_v2") == _params(src, name)
+    for name in set(TWINS[cu]) & set(V4_KERNELS):
+        assert _params(src, name + "_v4") == _params(src, name)
 
 
 def test_bench_script_rejects_bad_arguments(capsys):
@@ -131,7 +134,7 @@ def test_bench_script_rejects_bad_arguments(capsys):
     spec = importlib.util.spec_from_file_location("bench_decode_kernels", ROOT / "experiments/bench_decode_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for argv, msg in [(["--variants", "v1,v4"], "--variants"), (["--variants", "v2,v2"], "--variants"), (["--dense-quant", "Q4_K"], "--dense-quant"),
+    for argv, msg in [(["--variants", "v1,v5"], "--variants"), (["--variants", "v2,v2"], "--variants"), (["--dense-quant", "Q4_K"], "--dense-quant"),
                       (["--trials", "0"], "--trials"), (["--top-k", "40"], "BlockShape.top_k")]:
         with pytest.raises(SystemExit) as e:
             mod.main(argv)
