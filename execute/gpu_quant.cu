@@ -455,6 +455,11 @@ __device__ __noinline__ void pass(const uint8_t* r0, const uint8_t* r1, const ui
                                   uint4* buf, float (*res)[TB]) {
     constexpr int KT = 8192 / NT;
     const uint8_t* rows[4] = {r0, r1, r2, r3};
+    long long nbytes = (long long)(cols / g_block[qt][0]) * g_block[qt][1];
+    for (int m = 0; m < 4; m++)  // the rows' bytes towards L2 while the inputs are staged
+        if (rows[m])
+            for (long long o = 128 * (threadIdx.x & 31); o < nbytes; o += 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[m] + o));
     float acc[4][NT];
     #pragma unroll
     for (int m = 0; m < 4; m++)
@@ -644,7 +649,7 @@ struct Experts1 {  // gpu_kernels.cu's one-token pair table, passed by value
 
 // as moe1_gate_up: h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for j = pick[blockIdx.y].
 // grid (ceil(ffn / (WARPS * rows_per_warp)), pairs picked), block 32 * WARPS.
-extern "C" __global__ void __launch_bounds__(128, 4) qmoe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
+extern "C" __global__ void __launch_bounds__(128, 5) qmoe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
                                          int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
                                          long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
     __shared__ uint4 buf[XS_WORDS];
@@ -675,6 +680,9 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Expe
     int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(ex.base[j]);
     const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++)  // every row's bytes towards L2 first
+        for (long long o = 128 * lane; o < rb_d; o += 32 * 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(e + off_d + (long long)(r0 + i) * rb_d + o));
     for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
         int r = r0 + i;
         float a = 0.f;
