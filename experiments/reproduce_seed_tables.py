@@ -2,8 +2,9 @@
 
 Machines: the ``rtx4060-laptop`` and ``l4-colab`` presets; models: the Qwen3.5-35B-A3B preset and
 the Qwen3-Coder-Next geometry of the data file. The method (configurations, engines, fill lag,
-which rows fit which parameter) is ``simulate.seeds``'s docstring and the report's Method section.
-The last line counts only the rows no parameter was fitted on.
+which rows fit which parameter, the rate taken from a stated load time, the routing checks) is
+``simulate.seeds``'s docstring and the report's Method section. The last line counts only the rows
+no parameter was fitted on.
 
     python experiments/reproduce_seed_tables.py [--seeds 3] [--tokens-scale 1.0] [--data experiments/seed_tables.json] [--out docs/SEED_TABLES.md]
 """
