@@ -399,9 +399,11 @@ template <int NT> __device__ void stage(uint4* buf, const float* __restrict__ x,
         for (int o = 1; o < 4; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         float d = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
         uint32_t w1 = 0, w2 = 0;
-        for (int i = 0; i < 4; i++) {
-            int a = __float2int_rn(v[i] * inv);
-            int b = max(-127, min(127, __float2int_rn((v[i] - d * (float)a) * inv * 256.f)));
+        for (int i = 0; i < 4; i++) {  // rounding by adding 1.5 * 2^23 (|values| <= 128): no conversions
+            float ra = fmaf(v[i], inv, 12582912.f);
+            int a = __float_as_int(ra) - 0x4b400000;
+            float rb = fmaf(fmaf(-d, ra - 12582912.f, v[i]), inv * 256.f, 12582912.f);
+            int b = max(-127, min(127, __float_as_int(rb) - 0x4b400000));
             w1 |= (uint32_t)(a & 255) << (8 * i);
             w2 |= (uint32_t)(b & 255) << (8 * i);
         }

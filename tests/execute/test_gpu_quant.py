@@ -135,7 +135,8 @@ MIXED = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K), (Q.IQ4_XS, Q.Q4_
 def test_expert_kernels_match_numpy_dequantize(qtypes, rng):
     """qmoe1_gate_up + qmoe1_down_combine (one token, 3 experts) and qmoe_gate_up + qmoe_down (11
     tokens through each: a pass of 8 and one of 3) against the float64 reference; 2304 inputs for
-    gate/up (one-token and batch tiles both split), 768 for down."""
+    gate/up (batch input tiles of 1024, 1024 and 256), 768 for down; mixed types: gate and up in
+    separate passes."""
     cp = pytest.importorskip("cupy")
     from execute.gpu_quant import Experts
 
