@@ -100,6 +100,16 @@ QD int dp4a(uint32_t a, uint32_t b, int c) {
     return c;
 #endif
 }
+QD float small_f(int i) {  // float(i) for |i| < 2^22 through the bits of 1.5 * 2^23 + i (no conversion)
+    uint32_t u = (uint32_t)(i + 0x4b400000);
+    float f;
+#ifdef __CUDA_ARCH__
+    f = __uint_as_float(u);
+#else
+    __builtin_memcpy(&f, &u, 4);
+#endif
+    return f - 12582912.0f;
+}
 QD uint32_t u8(const uint8_t* p) { return LDG(p); }
 QD uint32_t u16(const uint8_t* p) { return LDG(p) | (LDG(p + 1) << 8); }
 QD float f16(const uint8_t* p) { return h2f(u16(p)); }
@@ -314,11 +324,11 @@ template <int QT> QD float dot_staged(const Dec& d, const uint32_t* x1, const ui
         int a = 0, b = 0, c = 0, e = 0;
         for (int k = 0; k < 4; k++) { a = dp4a(d.q[k], x1[k], a); b = dp4a(d.q[k], x2[k], b); }
         for (int k = 4; k < 8; k++) { c = dp4a(d.q[k], x1[k], c); e = dp4a(d.q[k], x2[k], e); }
-        v = dxs * (d.a0 * (float)(a * 256 + b) + d.a1 * (float)(c * 256 + e));
-    } else {
+        v = dxs * (d.a0 * fmaf(small_f(a), 256.f, small_f(b)) + d.a1 * fmaf(small_f(c), 256.f, small_f(e)));
+    } else {  // level sums |a|, |b| <= 32 * 128 * 127 < 2^22
         int a = 0, b = 0;
         for (int k = 0; k < 8; k++) { a = dp4a(d.q[k], x1[k], a); b = dp4a(d.q[k], x2[k], b); }
-        v = dxs * d.a0 * (float)(a * 256 + b);
+        v = dxs * d.a0 * fmaf(small_f(a), 256.f, small_f(b));
     }
     if (qmin(QT)) v += d.b0 * s16[0] + d.b1 * s16[1];
     return v;
