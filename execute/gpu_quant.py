@@ -88,6 +88,8 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
     if y.shape != (n, rows) or y.dtype != cp.float32 or not y.flags.c_contiguous:
         raise ValueError(f"gpu_quant.matmul: out must be C-contiguous float32 ({n}, {rows})")
     args = (w, np.int32(qtype), np.int32(rows), np.int32(cols), np.int64(rb), x, np.int32(n), y)
+    if n == 0 or rows == 0:
+        return y
     with stream or cp.cuda.get_current_stream():
         if qtype in FLOAT_QTYPES:
             _module().get_function("qmatmul_f")(((rows + 3) // 4,), (128,), args)
@@ -126,7 +128,7 @@ class Experts:
             raise ValueError(f"gpu_quant.Experts: w has shape {w.shape} {w.dtype}, expected (E, {self.expert_bytes}) uint8")
         num_e = w.shape[0]
         self.w, self.hidden, self.tokens = w, hidden, tokens
-        bases = w.data.ptr + self.expert_bytes * np.arange(num_e, dtype=np.uint64)
+        bases = np.uint64(w.data.ptr) + np.uint64(self.expert_bytes) * np.arange(num_e, dtype=np.uint64)
         gu = (ffn, hidden, 2, 0, qtypes[0], rb[0], off_u, qtypes[1], rb[1], 0, 0)
         if weights is not None:
             if len(weights) != num_e or num_e > 32 or tokens != 1:
