@@ -8,7 +8,8 @@
 // as an offset), all of a warp's rows at once where they fit (else windows of W units, W a
 // multiple of 4), then every lane reads its units there exactly as row_dot reads them from global
 // memory: the same sums in the same order as v1 and v2 (the same bits). The copies of a block's
-// first window are issued before its residency checks. Any other type: the v2 code.
+// first window are issued before its residency checks (down's: before its wait). Any other type:
+// the v2 code.
 #define V4_GU_STG 2208  // uint4 of staging per gate/up block (4 warps x 552: 4 rows of 2048 Q8_0 weights)
 #define V4_DN_STG 1664  // uint4 of staging per down block, shared out over its warps (8 x 208)
 
@@ -164,15 +165,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 6) moe1r_gate_up_v4(
 
 // grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32 (as moe1r_down_combine; v4
 // launches it with 4 rows per block: 512 blocks at hidden 2048, one wave). Q8_0: warp j stages its
-// pair's rows four at a time (3.3 KB at ffn 768) in its share of the buffer.
+// pair's rows four at a time (3.3 KB at ffn 768) in its share of the buffer, the first four before
+// the wait: v4 launches it programmatically after moe1r_gate_up_v4, which lets it start only once
+// every block of that one has waited for the router (so the route is final here; h and halt are
+// not until the wait).
 extern "C" __global__ void __launch_bounds__(32 * MAXK) moe1r_down_combine_v4(
         const float* __restrict__ route, const unsigned long long* __restrict__ table, const int* halt, int layer,
         const float* __restrict__ h, float* __restrict__ out, int k, int ffn, int hidden, int rows_per_block,
         long long off_d, int qt_d, long long rb_d, int bias) {
     __shared__ float ys[MAXK][32];
     __shared__ uint4 stg[V4_DN_STG];
-    pdl_wait_trigger();
-    int hv = *(volatile const int*)halt;
     int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
     const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
     const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
@@ -181,13 +183,17 @@ extern "C" __global__ void __launch_bounds__(32 * MAXK) moe1r_down_combine_v4(
     uint4* buf = stg + j * cap;
     bool q8 = qt_d == Q8_0;
     const unsigned char* rows[4];
-    if (q8 && r0 < r1 && hv > layer) {  // the first four rows' copies, before anything else
+    if (q8 && r0 < r1 && e) {  // the first four rows' copies, before the wait (a missing expert: none)
         #pragma unroll
         for (int i = 0; i < 4; i++) rows[i] = e + off_d + min(r0 + i, r1 - 1) * rb_d;
         int w = q8_window(cap, 4, units);
         q8_stage<4>(rows, min(4, r1 - r0), 0, min(w, units), buf, q8_stride(w), lane);
     }
-    if (hv <= layer) return;  // nothing staged
+    pdl_wait_trigger();  // h and halt come from moe1r_gate_up_v4
+    if (*(volatile const int*)halt <= layer) {
+        cp_async_wait_all();  // no copy left in flight at exit
+        return;
+    }
     for (int i = 0; r0 + i < r1; i += 4) {  // four rows per batch
         int r = r0 + i, nr = min(4, r1 - r);
         float a[4] = {0.f, 0.f, 0.f, 0.f};

@@ -481,8 +481,10 @@ class GpuExperts:
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
         if self._k1r is None:  # MOELAB_DECODE_KERNELS=v2..v4: the *_v2 / *_v4 twins (same arguments)
             v = decode_kernels_env()
-            self._k1r = (Launch(_kernel(kernel_name("moe1r_gate_up", v)), 18),
-                         Launch(_kernel(kernel_name("moe1r_down_combine", v)), 14), _RPB_V4 if v == "v4" else _RPB)
+            v4 = v == "v4"  # v4: programmatic launches (down stages its weights before its wait)
+            self._k1r = (Launch(_kernel(kernel_name("moe1r_gate_up", v)), 18, programmatic=v4),
+                         Launch(_kernel(kernel_name("moe1r_down_combine", v)), 14, programmatic=v4),
+                         _RPB_V4 if v4 else _RPB)
         gate_up, down, rpb = self._k1r
         a1 = (route, table, halt, layer, k, x, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
         a2 = (route, table, halt, layer, h, out, k, ffn, hidden, rpb, off_d, qt_d, rb_d, bias)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from .pdl_launch import launch_programmatic
+
 __all__ = ["Launch", "PinnedRing", "Staging", "unregister"]
 
 _rt = cp.cuda.runtime
@@ -31,11 +33,14 @@ class Launch:
     copies the values at launch, so the block is reused at once. ``nargs`` must match the kernel.
     With ``blob`` (a uint8 array laid out as a struct parameter), the kernel's first parameter is
     that struct, passed by value (its current bytes at each launch); ``args`` are the rest.
+    ``programmatic``: launched with programmatic dependent launch (``execute.pdl_launch``; the
+    kernel waits for its inputs itself).
     """
 
-    def __init__(self, kernel: cp.RawKernel, nargs: int, blob: np.ndarray | None = None):
+    def __init__(self, kernel: cp.RawKernel, nargs: int, blob: np.ndarray | None = None, programmatic: bool = False):
         self.func = kernel.kernel.ptr
         self.nargs = nargs
+        self.programmatic = programmatic
         self._vals = np.zeros(nargs, np.uint64)
         ptrs = [self._vals.ctypes.data + 8 * i for i in range(nargs)]
         self._blob = blob  # a by-value struct as the kernel's first parameter (kept alive here)
@@ -53,7 +58,10 @@ class Launch:
         if len(args) != self.nargs:
             raise ValueError(f"kernel launch: {len(args)} arguments, expected {self.nargs}")
         self._vals[:] = args
-        cp.cuda.driver.launchKernel(self.func, grid[0], grid[1], 1, block, 1, 1, 0, stream_ptr, self._params_ptr, 0)
+        if self.programmatic:
+            launch_programmatic(self.func, grid, block, 0, stream_ptr, self._params_ptr)
+        else:
+            cp.cuda.driver.launchKernel(self.func, grid[0], grid[1], 1, block, 1, 1, 0, stream_ptr, self._params_ptr, 0)
 
 
 class PinnedRing:

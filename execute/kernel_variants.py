@@ -14,8 +14,9 @@ v2 92, v3 91; ``experiments/bench_decode_kernels.py``). ``v4``: v3 with the ``*_
 there is one (:data:`V4_KERNELS`), launched so that each is one wave of blocks with its weights in
 flight: the GEMV 2 rows per warp of 4 (rows up to 4 KB), every row's loads issued before the wait;
 the router one row per block, its top k by ranks; Q8_0 expert rows staged in shared memory by
-16-byte asynchronous copies, down 4 rows per block. The GEMV and expert sums are v1's, in v1's
-order; the router's logits are summed over a block (they round otherwise). Read when launches are prepared (``GpuDense``'s construction, the token
+16-byte asynchronous copies, down 4 rows per block; the two expert kernels launched with
+programmatic dependent launch too (down copies its rows while gate/up drains). The GEMV and expert
+sums are v1's, in v1's order; the router's logits are summed over a block (they round otherwise). Read when launches are prepared (``GpuDense``'s construction, the token
 graph's first expert launches). No cupy here: CPU code and tests import it.
 """
 from __future__ import annotations
@@ -49,7 +50,8 @@ def kernel_name(base: str, variant: str) -> str:
 
 
 def programmatic(variant: str) -> bool:
-    """Whether ``variant`` launches its dense one-token kernels with programmatic dependent launch."""
+    """Whether ``variant`` launches its dense one-token kernels with programmatic dependent launch
+    (v4: its expert kernels too, ``GpuExperts.routed_layer``)."""
     if variant not in DECODE_KERNELS:
         raise ValueError(f"kernel variant {variant!r}, expected one of {DECODE_KERNELS}")
     return variant in ("v3", "v4")
