@@ -345,8 +345,8 @@ extern "C" __global__ void attn_reduce_v2(const float* part, int nh, int hd, int
 // dense_gemv_v4 takes dense_gemv's arguments; its grid and block may be smaller: a warp computes
 // rpw = ceil(rows / warps launched) consecutive rows (v4 launches blocks of 4 warps, 2 rows per
 // warp when a row holds at most 4 KB), so a whole qkv or wo GEMV is one wave of blocks whose every
-// row is in flight (up to 16 16-byte loads per lane, 8 for Q8_0, issued before the launch's wait). Each row is summed in
-// row_dot's order (the same bits as dense_gemv). router_topk_v4 takes router_topk's arguments with
+// row is in flight (up to 16 16-byte loads per lane, 8 for Q8_0, issued before the launch's
+// wait). Each row is summed in row_dot's order (the same bits as dense_gemv). router_topk_v4 takes router_topk's arguments with
 // one row per block (grid rows): every thread's share of its row is loaded before the wait; a
 // block's sum over its threads, then the last block ranks the logits (one thread per expert
 // counts those above it: ties to the lower id, NaN as -inf) and warp 0 takes the softmax.
@@ -410,7 +410,7 @@ __device__ __forceinline__ void gemv_v4(const unsigned char* w, const unsigned s
         if (rl == 0 || two) {
             int row = r0 + rl;
             const uint4* r = reinterpret_cast<const uint4*>(w + (u64)row * rb);
-            const unsigned short* dr = d + (u64)row * (cols / 32);
+            const unsigned short* dr = QT == Q8_0 ? d + (u64)row * (cols / 32) : nullptr;
             float t = s[rl];
             #pragma unroll 4
             for (int i = lane + 32 * qn; i < n; i += 32)

@@ -30,14 +30,15 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// units per window for nr rows in cap uint4 (a multiple of 4, >= 4; cap >= nr * 10 assumed)
-__device__ __forceinline__ int q8_window(int cap, int nr, int units) {
-    int w = ((16 * cap / nr - 31) / 34) & ~3;
-    return min(max(w, 4), (units + 3) & ~3);
-}
-
 // uint4 per staged row of a w-unit window (its bytes plus up to 15 of misalignment)
 __device__ __forceinline__ int q8_stride(int w) { return (w * 34 + 15) / 16 + 1; }
+
+// units per window for nr rows in cap uint4: the most, a multiple of 4, >= 4 (cap >= nr * 10 assumed)
+__device__ __forceinline__ int q8_window(int cap, int nr, int units) {
+    int w = ((16 * cap / nr - 31) / 34) & ~3;  // nr * q8_stride(w) <= cap; w + 4 may fit too
+    if (nr * q8_stride(w + 4) <= cap) w += 4;
+    return min(max(w, 4), (units + 3) & ~3);
+}
 
 // issue the copies of units [u0, u0 + wn) of rows[0 .. nr) (nr <= NR) into buf (row i at buf + i * stride)
 template <int NR>
