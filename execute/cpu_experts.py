@@ -47,7 +47,7 @@ from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
-from .cpu_kq import dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, fadd, idot as _idot, sdot as _sdot
+from .cpu_kq import dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, idot as _idot, sdot as _sdot
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -103,59 +103,74 @@ def _e8m0(e):
 # 16-weight sums, from 2 * xb); l2 the offset of the second activation level in xq (0: one level;
 # see _quantize).
 
-# the 32-weight block types' kernel kinds (_blk32)
-_K_Q8_0, _K_Q4_0, _K_Q4_1, _K_Q5_0, _K_Q5_1, _K_MXFP4, _K_IQ4_NL = range(7)
+@njit(inline="always", fastmath=True)
+def _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb):
+        p = o + 34 * b  # f16 d, i8 qs[32]
+        d = load_f16(w, p)
+        if isa == 0:  # vpdpbusd: w + 128 unsigned, the 128 off through the sums
+            v = _idot(xor80(load_i8x32(w, p + 2)), xq, xo + 32 * b, l2, isa)
+            corr += d * load_f32(xs, xb + b)
+        else:  # vpmaddubsw's int16 pairs would overflow on w + 128: signed weights
+            v = _sdot(load_i8x32(w, p + 2), xq, xo + 32 * b, l2, isa)
+        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
+    return hsum(acc) - np.float32(128.0) * corr
 
 
 @njit(inline="always", fastmath=True)
-def _blk32(kind, w, p, xq, a, l2, isa, table):
-    """(v, d, c) of the 32-weight block at byte p against the activation block at byte a: its
-    integer dot v, weight scale d and offset coefficient c, w . x = d (v . scale of x) + c sum(x).
-    Q8_0: f16 d, i8 qs[32] (vpdpbusd: w + 128 unsigned, the 128 off through c; vpmaddubsw's int16
-    pairs would overflow on w + 128: signed weights); Q4_0: f16 d, u8 qs[16] (low nibbles weights
-    0-15, high 16-31; w = d (q - 8)); Q4_1 (20 bytes), Q5_0 (22, q - 16) and Q5_1 (24): f16 d,
-    [f16 m], [u32 qh], u8 qs[16]; MXFP4: u8 e, u8 qs[16] (codes -> value + 12 by lut16); IQ4_NL:
-    f16 d, 16 bytes of codes (-> signed levels by lut16)."""
-    if kind == _K_MXFP4:
+def _dot_q4_1(w, o, nb, xq, xo, xd, xs, xb, l2, isa, bs, hi):
+    """Q4_1 (bs 20, hi 0), Q5_0 (bs 22, hi 2: q - 16) and Q5_1 (bs 24, hi 4): f16 d, [f16 m],
+    [u32 qh at byte hi], u8 qs[16] (lo/hi nibbles); w = d q + m, or d (q - 16) without m."""
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb):
+        p = o + bs * b
+        d = load_f16(w, p)
+        q = load_nib32(w, p + bs - 16)
+        if hi:
+            q = vor(q, vshl(bits32(w, p + hi), 4))
+        acc = fma_cvt(acc, _idot(q, xq, xo + 32 * b, l2, isa), d * load_f32(xd, xb + b))
+        corr += (load_f16(w, p + 2) if bs != 22 else np.float32(-16.0) * d) * load_f32(xs, xb + b)
+    return hsum(acc) + corr
+
+
+@njit(inline="always", fastmath=True)
+def _dot_iq4_nl(w, o, nb, xq, xo, xd, xb, l2, isa, table):
+    """IQ4_NL (18-byte blocks: f16 d, 16 bytes of codes); codes -> signed levels by lut16."""
+    acc = zero_f32()
+    for b in range(nb):
+        p = o + 18 * b
+        v = _sdot(lut16(load_nib32(w, p + 2), table + _IQ4), xq, xo + 32 * b, l2, isa)
+        acc = fma_cvt(acc, v, load_f16(w, p) * load_f32(xd, xb + b))
+    return hsum(acc)
+
+
+@njit(inline="always", fastmath=True)
+def _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb):
+        p = o + 18 * b  # f16 d, u8 qs[16] (low nibbles: weights 0-15, high: 16-31)
+        d = load_f16(w, p)
+        v = _idot(load_nib32(w, p + 2), xq, xo + 32 * b, l2, isa)
+        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
+        corr += d * load_f32(xs, xb + b)
+    return hsum(acc) - np.float32(8.0) * corr
+
+
+@njit(inline="always", fastmath=True)
+def _dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table, isa):
+    acc = zero_f32()
+    corr = np.float32(0.0)
+    for b in range(nb):
+        p = o + 17 * b  # u8 e, u8 qs[16] (nibble codes, Q4_0's order)
         d = _e8m0(load_u8(w, p))
-        return _idot(lut16(load_nib32(w, p + 1), table), xq, a, l2, isa), d, np.float32(-12.0) * d
-    d = load_f16(w, p)
-    if kind == _K_Q8_0:
-        if isa == 0:
-            return _idot(xor80(load_i8x32(w, p + 2)), xq, a, l2, isa), d, np.float32(-128.0) * d
-        return _sdot(load_i8x32(w, p + 2), xq, a, l2, isa), d, np.float32(0.0)
-    if kind == _K_IQ4_NL:
-        return _sdot(lut16(load_nib32(w, p + 2), table + _IQ4), xq, a, l2, isa), d, np.float32(0.0)
-    if kind == _K_Q4_0:
-        return _idot(load_nib32(w, p + 2), xq, a, l2, isa), d, np.float32(-8.0) * d
-    bs = 20 if kind == _K_Q4_1 else 22 if kind == _K_Q5_0 else 24
-    q = load_nib32(w, p + bs - 16)
-    if kind != _K_Q4_1:
-        q = vor(q, vshl(bits32(w, p + bs - 20), 4))
-    return _idot(q, xq, a, l2, isa), d, np.float32(-16.0) * d if kind == _K_Q5_0 else load_f16(w, p + 2)
-
-
-@njit(inline="always", fastmath=True)
-def _dot_blocks32(kind, bs, w, o, nb, xq, xo, xd, xs, xb, l2, isa, table):
-    """Row of a 32-weight block type (``bs`` bytes a block) . the int8 activations: blocks in
-    pairs on two accumulators (two independent FMA chains), the offsets through the sums xs."""
-    acc0 = zero_f32()
-    acc1 = zero_f32()
-    c0 = np.float32(0.0)
-    c1 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        v, d, c = _blk32(kind, w, o + bs * b, xq, xo + 32 * b, l2, isa, table)
-        acc0 = fma_cvt(acc0, v, d * load_f32(xd, xb + b))
-        c0 += c * load_f32(xs, xb + b)
-        v, d, c = _blk32(kind, w, o + bs * b + bs, xq, xo + 32 * b + 32, l2, isa, table)
-        acc1 = fma_cvt(acc1, v, d * load_f32(xd, xb + b + 1))
-        c1 += c * load_f32(xs, xb + b + 1)
-    if nb % 2:
-        b = nb - 1
-        v, d, c = _blk32(kind, w, o + bs * b, xq, xo + 32 * b, l2, isa, table)
-        acc0 = fma_cvt(acc0, v, d * load_f32(xd, xb + b))
-        c0 += c * load_f32(xs, xb + b)
-    return hsum(fadd(acc0, acc1)) + (c0 + c1)
+        v = _idot(lut16(load_nib32(w, p + 1), table), xq, xo + 32 * b, l2, isa)
+        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
+        corr += d * load_f32(xs, xb + b)
+    return hsum(acc) - np.float32(12.0) * corr
 
 
 @njit(inline="always", fastmath=True)
@@ -181,12 +196,18 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
     activations xq, xd, xs, xs16, l2 (see _quantize) for quantized ones; isa: the integer dot's path."""
     o = row * rb
     nb = cols // 32
-    if qt == _Q4_K or qt == _Q5_K:
-        return dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, qt == _Q5_K)
+    if qt == _Q8_0:
+        return _dot_q8_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa)
+    if qt == _Q4_K:  # the type flags as constants: each variant compiled alone
+        return dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, False)
+    if qt == _Q5_K:
+        return dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, True)
     if qt == _Q6_K:
         return dot_q6_k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa)
-    if qt == _Q2_K or qt == _Q3_K:
-        return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, qt == _Q3_K)
+    if qt == _Q2_K:
+        return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, False)
+    if qt == _Q3_K:
+        return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, True)
     if qt == _IQ4_XS:
         return dot_iq4_xs(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table + _IQ4)
     if qt == _IQ2_XXS or qt == _IQ3_XXS:
@@ -196,20 +217,15 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
         return dot_iq_s(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table + _IQX, kind)
     if qt == _IQ1_S or qt == _IQ1_M:
         return dot_iq1(w, o, nb, xq, i * cols, xd, xs, xs16, i * nb, l2, isa, table + _IQX, qt == _IQ1_M)
-    if qt == _Q8_0:
-        return _dot_blocks32(_K_Q8_0, 34, w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
     if qt == _Q4_0:
-        return _dot_blocks32(_K_Q4_0, 18, w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
-    if qt == _Q4_1:
-        return _dot_blocks32(_K_Q4_1, 20, w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
-    if qt == _Q5_0:
-        return _dot_blocks32(_K_Q5_0, 22, w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
-    if qt == _Q5_1:
-        return _dot_blocks32(_K_Q5_1, 24, w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
-    if qt == _MXFP4:
-        return _dot_blocks32(_K_MXFP4, 17, w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
+        return _dot_q4_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa)
+    if qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:
+        bs, hi = (20, 0) if qt == _Q4_1 else (22, 2) if qt == _Q5_0 else (24, 4)
+        return _dot_q4_1(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, bs, hi)
     if qt == _IQ4_NL:
-        return _dot_blocks32(_K_IQ4_NL, 18, w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
+        return _dot_iq4_nl(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table)
+    if qt == _MXFP4:
+        return _dot_mxfp4(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, table, isa)
     return _dot_float(qt, w, row * cols, x, i * cols, cols)
 
 
