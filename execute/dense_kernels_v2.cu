@@ -351,6 +351,61 @@ extern "C" __global__ void attn_reduce_v2(const float* part, int nh, int hd, int
 // block's sum over its threads, then the last block ranks the logits (one thread per expert
 // counts those above it: ties to the lower id, NaN as -inf) and warp 0 takes the softmax.
 #define PRE4 16
+// stage (dense_kernels.cu) with its loads batched: SB elements per thread (x, add; then the norm)
+// issued before any is used, instead of one global latency per element; the same values in the
+// same order (the same bits). The norm (a weight) may have been prefetched (prefetch_norm).
+template <int SB>
+__device__ void stage_v4(const float* x, const float* add, float add_scale, float* x_out, const float* norm,
+                         float eps, float* xn_out, int cols, float* xs, float* red) {
+    int t = threadIdx.x, nt = blockDim.x;
+    bool first = blockIdx.x == 0;
+    float ss = 0.f;
+    for (int i0 = t; i0 < cols; i0 += SB * nt) {
+        float v[SB], a[SB];
+        #pragma unroll
+        for (int b = 0; b < SB; b++) {
+            int i = min(i0 + b * nt, cols - 1);
+            v[b] = x[i];
+            a[b] = add ? add[i] : 0.f;
+        }
+        #pragma unroll
+        for (int b = 0; b < SB; b++) {
+            int i = i0 + b * nt;
+            if (i < cols) {
+                float u = v[b];
+                if (add) u += add_scale * a[b];
+                if (first && x_out) x_out[i] = u;
+                xs[i] = u;
+                ss += u * u;
+            }
+        }
+    }
+    if (norm) {
+        float r = 1.f / sqrtf(block_sum(ss, red) / (float)cols + eps);
+        for (int i0 = t; i0 < cols; i0 += SB * nt) {
+            float g[SB];
+            #pragma unroll
+            for (int b = 0; b < SB; b++) g[b] = __ldg(norm + min(i0 + b * nt, cols - 1));
+            #pragma unroll
+            for (int b = 0; b < SB; b++) {
+                int i = i0 + b * nt;
+                if (i < cols) {
+                    float u = xs[i] * r * g[b];
+                    xs[i] = u;
+                    if (first && xn_out) xn_out[i] = u;
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// the norm's lines into L1 (a weight: before the launch's wait)
+__device__ __forceinline__ void prefetch_norm(const float* norm, int cols) {
+    if (norm)
+        for (int i = 32 * threadIdx.x; i < cols; i += 32 * blockDim.x)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(norm + i));
+}
 
 __device__ __forceinline__ float dot4f(uint4 q, const float* x) {  // row_dot's F32 order
     return __uint_as_float(q.x) * x[0] + __uint_as_float(q.y) * x[1] + __uint_as_float(q.z) * x[2] +
@@ -388,10 +443,11 @@ __device__ __forceinline__ void gemv_v4(const unsigned char* w, const unsigned s
             if (QT == Q8_0) dpre[p] = __ldg(d + (u64)(r0 + rl) * (cols / 32) + (i >> 1));
         }
     }
+    prefetch_norm(norm, cols);
     pdl_trigger();
     pdl_wait();  // the weights are in flight; the input and rec's add come from earlier grids
     if (rec) add = reinterpret_cast<const float*>(rec[REC_ADD]);
-    stage(x, add, add_scale, x_out, norm, eps, xn_out, cols, xs, red);
+    stage_v4<4>(x, add, add_scale, x_out, norm, eps, xn_out, cols, xs, red);  // (registers)
     if (nr <= 0) return;
     float s[2] = {0.f, 0.f};
     #pragma unroll
@@ -498,9 +554,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) router_topk_v4(
         #pragma unroll
         for (int p = 0; p < RPRE; p++) pre[p] = __ldg(r + min(t + nt * p, n - 1));
     }
+    prefetch_norm(norm, cols);
     pdl_trigger();
     pdl_wait();
-    stage(x, nullptr, 0.f, nullptr, norm, eps, xn_out, cols, xs, red);
+    stage_v4<8>(x, nullptr, 0.f, nullptr, norm, eps, xn_out, cols, xs, red);
     for (int row = ra; row < rz; row++) {
         const uint4* r = reinterpret_cast<const uint4*>(w + (u64)row * rb);
         const unsigned short* dr = qt == Q8_0 ? d + (u64)row * (cols / 32) : nullptr;
