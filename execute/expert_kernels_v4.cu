@@ -13,12 +13,24 @@
 #define V4_GU_STG 2208  // uint4 of staging per gate/up block (4 warps x 552: 4 rows of 2048 Q8_0 weights)
 #define V4_DN_STG 1664  // uint4 of staging per down block, shared out over its warps (8 x 208)
 
+// the shared-memory address of p (a pointer into shared memory)
+__device__ __forceinline__ unsigned int shared_addr(const void* p) {
+    unsigned int a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bits at shared-memory address a (2-aligned); volatile: kept after the copies' wait
+__device__ __forceinline__ unsigned short lds16(unsigned int a) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a));
+    return v;
+}
+
 // dst (shared memory) = src (global memory), 16 bytes, both 16-byte aligned; asynchronous from sm_80
 __device__ __forceinline__ void cp_async16(uint4* dst, const uint4* src) {
 #if __CUDA_ARCH__ >= 800
-    unsigned int a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_addr(dst)), "l"(src) : "memory");
 #else
     *dst = *src;
 #endif
@@ -61,19 +73,18 @@ template <int NR>
 __device__ __forceinline__ void q8_window_dot(const unsigned char* const* rows, int nr, int u0, int wn,
                                               const uint4* buf, int stride, const float* x, float* acc, int lane) {
     int quad = lane & 7;
-    const unsigned char* b[NR];
+    unsigned int b[NR];  // shared-memory addresses of the rows' first unit
     #pragma unroll
     for (int i = 0; i < NR; i++)
-        b[i] = reinterpret_cast<const unsigned char*>(buf + i * stride) + ((unsigned long long)(rows[i] + u0 * 34) & 15);
+        b[i] = shared_addr(buf + i * stride) + (unsigned int)((unsigned long long)(rows[i] + u0 * 34) & 15);
     for (int u = lane >> 3; u < wn; u += 4) {
         float4 xv = *reinterpret_cast<const float4*>(x + (u0 + u) * 32 + 4 * quad);
         #pragma unroll
         for (int i = 0; i < NR; i++) {
             if (i < nr) {
-                const unsigned char* p = b[i] + u * 34;
-                float d = h2f(*reinterpret_cast<const unsigned short*>(p));
-                unsigned int q = (unsigned int)*reinterpret_cast<const unsigned short*>(p + 2 + 4 * quad) |
-                                 ((unsigned int)*reinterpret_cast<const unsigned short*>(p + 4 + 4 * quad) << 16);
+                unsigned int p = b[i] + u * 34;
+                float d = h2f(lds16(p));
+                unsigned int q = (unsigned int)lds16(p + 2 + 4 * quad) | ((unsigned int)lds16(p + 4 + 4 * quad) << 16);
                 float w[4];
                 #pragma unroll
                 for (int n = 0; n < 4; n++) w[n] = d * (float)(signed char)(q >> (8 * n));
