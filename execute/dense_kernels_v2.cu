@@ -359,6 +359,17 @@ __device__ void stage_v4(const float* x, const float* add, float add_scale, floa
                          float eps, float* xn_out, int cols, float* xs, float* red) {
     int t = threadIdx.x, nt = blockDim.x;
     bool first = blockIdx.x == 0;
+#if __CUDA_ARCH__ >= 800
+    unsigned int xa;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(xa) : "l"(xs));
+    if (!add && !norm && !x_out && ((xa | (unsigned int)(u64)x | cols) & 15) == 0) {  // a plain copy
+        for (int c = t; c < cols / 4; c += nt)  // asynchronous 16-byte copies: no register per element
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(xa + 16 * c), "l"(x + 4 * c) : "memory");
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+        return;
+    }
+#endif
     float ss = 0.f;
     for (int i0 = t; i0 < cols; i0 += SB * nt) {
         float v[SB], a[SB];

@@ -181,6 +181,29 @@ def test_v2_gemv_matches_v1_and_numpy(qtype, rows, cols, monkeypatch):
     assert pdl_launch.refused is None  # the driver took the programmatic launches
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0])
+def test_v4_gemv_of_a_plain_input(qtype, monkeypatch):
+    """No add, norm or residual (wo's case): v4 copies the input to shared memory asynchronously."""
+    cupy_or_skip()
+    import cupy as cp
+
+    from execute.gpu_dense import device_matrix
+
+    rng = np.random.default_rng(7)
+    rows, cols = 300, 4096
+    raw = Q.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+    vals = Q.dequantize(raw, qtype, cols).reshape(rows, cols)
+    m, x = device_matrix((raw, qtype), vals), rng.standard_normal(cols).astype(np.float32)
+    want = vals.astype(np.float64) @ x
+    got = []
+    for g in dense_pair(monkeypatch):
+        y = cp.zeros(rows, cp.float32)
+        g.gemv(m, cp.asarray(x), y)
+        got.append(y.get())
+    assert all(rel_err(g, want) < 1e-5 for g in got)
+    assert np.allclose(got[3], got[0], rtol=1e-6, atol=1e-6 * np.abs(got[0]).max())
+
+
 @pytest.mark.parametrize("gating, norm_topk", [(0, True), (0, False), (1, False)])
 @pytest.mark.parametrize("qtype, experts, k", [(Q.F32, 40, 6), (Q.F32, 128, 8), (Q.Q8_0, 256, 32)])
 def test_v2_router_picks_v1_ids(gating, norm_topk, qtype, experts, k, monkeypatch):
