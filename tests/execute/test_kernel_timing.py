@@ -37,6 +37,12 @@ def test_bytes_of_the_qwen3_30b_block():
     assert q8["qkv"] == 5120 * 2048 + 5120 * 64 * 2 + 2 * 2048 * 4
 
 
+def test_expert_launch_shapes_per_variant():
+    s = KT.BlockShape()
+    assert KT.expert_launch_shapes(s) == {"gate_up": "(96,8)x128", "down_combine": "(1024,1)x256"}
+    assert KT.expert_launch_shapes(s, "v4")["down_combine"] == "(512,1)x256"  # 4 rows per block
+
+
 @pytest.mark.parametrize("field, value, match", [("heads", 30, "heads: 30"), ("head_dim", 512, "head_dim: 512"),
                                                  ("top_k", 40, "top_k: 40"), ("ffn", 100, "ffn: 100"),
                                                  ("dense_qtype", Q.Q4_K, "dense_qtype"), ("keys", 0, "keys: 0")])
