@@ -15,11 +15,12 @@ calibration):
   the pool's resident of lowest value the step does not use, if the upload's value is at least
   that; otherwise it is streamed;
 - *prefetch* (``plan_prefetch``, after each step): the link is modelled as a queue (what the
-  policy put on it, draining while layers run); the next MoE layer's dense part is the window in
-  which it would idle. At most ``floor(window / upload_s)`` (and ``max_prefetch``) of the next
-  layer's experts are prefetched, only those whose forecast value is at least ``confidence``, into
-  free slots or over residents worth at least ``margin`` less; so a prefetch never delays the step
-  it is for, by the model;
+  policy put on it, draining while layers run); the next MoE layer's dense part, less that queue,
+  is the window in which it would idle. Into it go, best first, at most ``max_prefetch`` of the
+  next layer's experts whose forecast value is at least ``confidence`` (into free slots or over
+  residents worth at least ``margin`` less), then fills held over from the last token's end (still
+  absent, their victims still resident and not routed since); the batch lands before the next
+  layer's routes are known, so by the model it delays nothing;
 - *release*: a prefetched expert that the next step of its layer does not route was forecast
   wrong: until it is routed it ranks below every other resident as a victim (the driver completes
   a prefetch before the next step is planned, so it cannot be stopped in flight; its slot is what
@@ -27,7 +28,13 @@ calibration):
 - *fills* (``plan_background``, after each token): within ``fill_share`` of the time the link
   idled in the token (its predicted time less the policy's copies), non-residents of highest fill
   value take free slots, then replace residents of lower value (by ``margin`` x top_k / experts),
-  best gains first;
+  best gains first. How many go at the token's end (``fill_window``): ``"priced"``, the most whose
+  predicted delay of the token just ended, replayed layer by layer with them queued on the link
+  ahead of it (each layer's split chosen again), is at most their worth, ``fill_price`` x the
+  share of fills routed at their layer's first step once landed (``HIT_MEMORY``) x one expert's
+  CPU time each; ``"demand"``, those that land before that token's first upload that its split
+  wanted with the link free; ``"idle"``, all. The rest are held over for the next token's layer
+  windows (prefetch, above), so demand uploads never queue behind them;
 - *audit* (``audit=True``): every swap the prefetch or the fills plan (issued or not) is scored at
   the first step of its layer that it could serve (a fill lands a token later): +1 when its expert
   is routed there, -1 for each step until then that routes its victim; the score decays over 64
@@ -60,6 +67,40 @@ AUDIT_MIN = 0.0  # swaps go only while the audit's score is above this (they hav
 ADAPTIVE = ("recency", "frequency")  # values="adaptive" chooses between these
 SHADOW_MEMORY = 64.0  # steps: the decay of the shadow caches' hit counts (values="adaptive")
 ADAPT_MARGIN = 0.05  # the second value function replaces the first only when its shadow hits this much more
+PRICED_MAX = 64  # fill_window="priced": fills per token end priced at most
+HIT_MEMORY = 32.0  # fills: the decay of the share routed at their layer's first step after they land
+
+
+def _split(rec, queued: float) -> tuple[int, list[float]]:
+    """(uploads, predicted layer time for each number of uploads) of a split record (``plan``)
+    with ``queued`` seconds of link work ahead of its copies: the least time less worth, the
+    most uploads within ``slack`` x the fastest."""
+    rows, comb, slack = rec
+    times, score = [], []
+    for pre, dl, link, post, cpu, on_cpu, wv in rows:
+        g = max(pre, (queued if queued > dl else dl) + link) + post if link else pre
+        t = (g if g > cpu else cpu) + comb if on_cpu else g
+        times.append(t)
+        score.append(t - wv)
+    best = min(score) + slack * min(times) + 1e-15
+    return max(i for i, x in enumerate(score) if x <= best), times
+
+
+def _replay(want, queue: float) -> float:
+    """Predicted time of a token's layers (``want``: their records) with ``queue`` seconds of
+    link work at its start, each layer's split chosen again."""
+    total = 0.0
+    for _, _, window, rec in want:
+        queued = queue - window if queue > window else 0.0
+        if isinstance(rec, float):  # every expert a hit
+            t = rec
+            queue = queued - t if queued > t else 0.0
+        else:
+            n, times = _split(rec, queued)
+            t = times[n]
+            queue = 0.0 if n else (queued - t if queued > t else 0.0)
+        total += window + t
+    return total
 
 
 class _All:
@@ -77,10 +118,12 @@ class LookaheadConfig:
     ``confidence`` in [0, 1] (forecast routes at the next step to prefetch), ``margin`` >= 0,
     ``max_prefetch`` in 0..``MAX_FILLS_PER_TOKEN``, ``fill_share`` in [0, 1], ``slack`` >= 0,
     ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0, ``fills`` ("values" or
-    "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``. ``values``, ``fill_share`` and
-    ``confidence`` default to the grid configuration that ``experiments/policies_eval.py`` chooses
-    on its development set; the other defaults and the module's constants were set by hand on that
-    set; the held-out figures are on test families that no tuning saw (docs/POLICIES.md).
+    "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``, ``fill_window`` ("priced",
+    "demand" or "idle"), ``fill_price`` >= 0. ``fill_window``, ``fill_price`` and ``values`` default
+    to the grid configuration (``simulate.heldout.LOOKAHEAD_GRID``) that
+    ``experiments/policies_eval.py`` chooses on its development set; the other defaults and the
+    module's constants were set by hand on that set; the held-out figures are on test families
+    that no tuning saw (docs/POLICIES.md).
     """
 
     confidence: float = 0.3
@@ -93,16 +136,21 @@ class LookaheadConfig:
     fills: str = "values"
     values: str = "adaptive"
     audit: bool = True
+    fill_window: str = "priced"
+    fill_price: float = 0.5
 
     def __post_init__(self) -> None:
         if self.fills not in ("frequency", "values", "long"):
             raise ValueError(f"lookahead fills: {self.fills!r}, expected 'frequency', 'long' or 'values'")
+        if self.fill_window not in ("demand", "priced", "idle"):
+            raise ValueError(f"lookahead fill_window: {self.fill_window!r}, expected 'demand', 'priced' or 'idle'")
         if self.values not in VALUES + ("adaptive",):
             raise ValueError(f"lookahead values: {self.values!r}, expected one of {', '.join(VALUES)} or 'adaptive'")
         checks = {"confidence": 0.0 <= self.confidence <= 1.0, "margin": self.margin >= 0.0,
                   "max_prefetch": 0 <= self.max_prefetch <= MAX_FILLS_PER_TOKEN,
                   "fill_share": 0.0 <= self.fill_share <= 1.0, "slack": self.slack >= 0.0,
-                  "memory": self.memory > 1.0, "reuse_weight": self.reuse_weight >= 0.0}
+                  "memory": self.memory > 1.0, "reuse_weight": self.reuse_weight >= 0.0,
+                  "fill_price": self.fill_price >= 0.0}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"lookahead {name}: {getattr(self, name)} out of range (see LookaheadConfig)")
@@ -136,6 +184,13 @@ class CostPlanner(BasePolicy):
         # swap audit: each planned swap (issued or held back), scored at its layer's next step
         self._trials: dict[str, dict[int, list[tuple[int, int]]]] = {"prefetch": {}, "fill": {}, "fill2": {}}
         self._gain = {"prefetch": 0.0, "fill": 0.0}
+        self._want: list[tuple[float, float]] = []  # this token: (layer start, link time its split wanted)
+        self._first = 0.0  # the last token's time until its first wanted upload (0: none yet)
+        self._spare: list[Move] = []  # fills planned at the last token's end that did not fit its window
+        self._spare_keys: set[tuple[int, int]] = set()  # of the batch in flight: fills, not prefetches
+        self._routed: set[tuple[int, int]] = set()  # routed in the current token
+        self._watch: dict[tuple[int, int], None] = {}  # fills not yet seen by a step of their layer
+        self._hit = 0.5  # share of fills routed at their layer's first step once landed (decayed)
         moe = geometry.moe_layers
         self.next_layer = {l: moe[(i + 1) % len(moe)] for i, l in enumerate(moe)}
         super().__init__(geometry, capacity, profile)
@@ -185,7 +240,7 @@ class CostPlanner(BasePolicy):
         gpu = sum(gt[e] for e in hits)
         if len(hits) == len(experts):
             d = Decision(step, experts)
-            self._planned = (d, gpu, max(queued - gpu, 0.0))
+            self._planned = (d, gpu, max(queued - gpu, 0.0), 0.0, gpu)
             return d
         busy = [e for e in experts if state[e] == INFLIGHT]
         elig = [e for e in experts if state[e] == ABSENT]
@@ -195,7 +250,7 @@ class CostPlanner(BasePolicy):
         task, delay, up = cm.cpu_task_s + cm.cpu_copy_s, cm.cpu_delay_s, self.up_s[layer]
         batch, comb = cm.gpu_batch_s, cm.cpu_combine_s
         gpu_h = gpu + batch if hits else 0.0
-        times, worth = [], [0.0]
+        rec, worth = [], 0.0  # per n: (GPU ready, CPU delay, link time, GPU after the copies, CPU end, pool used, worth)
         cpu_all = sum(ct[e] for e in elig) + sum(ct[e] for e in busy)
         g_up = cpu_up = 0.0
         # what an upload is worth later: its value over its victim's (free slots first), times
@@ -210,19 +265,15 @@ class CostPlanner(BasePolicy):
                 cpu_up += ct[e]
                 j = n - 1 - n_free
                 base = 0.0 if j < 0 else (max(vict[j], 0.0) if j < len(vict) else float(v[e]))
-                worth.append(worth[-1] + w * max(float(v[e]) - base, 0.0))
-            rest = cpu_all - cpu_up
-            on_cpu = n < len(elig) or busy
+                worth += w * max(float(v[e]) - base, 0.0)
+            on_cpu = bool(n < len(elig) or busy)
             dl = delay if on_cpu else 0.0
-            cpu = task + rest if on_cpu else 0.0
-            g_end = gpu_h + dl
-            if n:  # the uploaded experts run as one batch once they have all landed
-                g_end = max(g_end, max(queued, dl) + n * up) + batch + g_up
-            times.append(max(g_end, cpu) + comb if on_cpu else g_end)
+            rec.append((gpu_h + dl, dl, n * up, batch + g_up if n else 0.0,
+                        task + cpu_all - cpu_up if on_cpu else 0.0, on_cpu, worth))
+        rec = (tuple(rec), comb, self.config.slack)
+        n, times = _split(rec, queued)
         self.split_times = times  # predicted layer time with the first n misses over PCIe (read by tests)
-        score = [t - wv for t, wv in zip(times, worth)]
-        best = min(score)
-        n = max(i for i, t in enumerate(score) if t <= best + self.config.slack * min(times) + 1e-15)
+        n0 = _split(rec, 0.0)[0]  # the split it would want with the link free
         pcie, cpu_experts = elig[:n], elig[n:] + busy
         t = times[n]
         left = 0.0 if n else max(queued - t, 0.0)
@@ -241,7 +292,7 @@ class CostPlanner(BasePolicy):
                 else:
                     streams.append(e)
         d = Decision(step, hits, tuple(uploads), tuple(slots), tuple(streams), cpu, tuple(evictions))
-        self._planned = (d, t, left)
+        self._planned = (d, t, left, n0 * up, rec)
         return d
 
     def _ranked(self, layer: int, v: np.ndarray, used=()) -> list[tuple[float, tuple[int, int]]]:
@@ -265,13 +316,17 @@ class CostPlanner(BasePolicy):
 
     def commit(self, d: Decision) -> None:
         if self._planned is not None and self._planned[0] is d:
-            _, t, left = self._planned
+            _, t, left, want, rec = self._planned
         else:
-            t, left = 0.0, 0.0
+            t, left, want, rec = 0.0, 0.0, 0.0, 0.0
         self._planned = None
         layer = d.step.layer
+        if self._watch:
+            self._score_fills(layer, d.step.experts)
         self._take_slots(d)
         self._queue = left
+        self._want.append((self._token_s + self.layer_s[layer], want, self.layer_s[layer], rec))
+        self._routed.update((layer, e) for e in d.step.experts)
         self._token_s += self.layer_s[layer] + t
         self._link_s += (len(d.uploads) + len(d.streams)) * self.up_s[layer]
         used = set(d.step.experts)
@@ -294,6 +349,13 @@ class CostPlanner(BasePolicy):
             trials["fill2"][layer] = tried
         self.learn(d.step)
 
+    def _score_fills(self, layer: int, used) -> None:
+        """Fills of ``layer`` resident (or evicted) by now: the share routed, decayed."""
+        row = self.cache.state[layer]
+        for k in [k for k in self._watch if k[0] == layer and row[k[1]] != INFLIGHT]:
+            del self._watch[k]
+            self._hit += ((row[k[1]] == RESIDENT and k[1] in used) - self._hit) / HIT_MEMORY
+
     def _swaps_ok(self, kind: str, moves: list[Move]) -> list[Move]:
         """``moves`` less their swaps unless the audit of ``kind`` says swaps lately brought more
         routes than they lost; every swap planned is put on trial (module docstring: audit)."""
@@ -308,25 +370,39 @@ class CostPlanner(BasePolicy):
 
     # prefetch --------------------------------------------------------------------------------
     def plan_prefetch(self, step: Step) -> tuple[Move, ...]:
-        """The next layer's likeliest experts, within the link's idle window (module docstring)."""
+        """Within the next layer's idle window (the link's queue drained before its routes are
+        known): the next layer's likeliest experts, then fills held over from the last token's end
+        (module docstring)."""
         cfg = self.config
-        if not cfg.max_prefetch:
-            return ()
         nl = self.next_layer[step.layer]
+        window = self.layer_s[nl] - self._queue
+        moves: list[Move] = []
+        if cfg.max_prefetch and window > 0:
+            moves = self._prefetch(step, nl, window)
+        window -= sum(self.up_s[m.layer] for m in moves)
+        self._spare_keys = set()
+        if self._spare and window > 0:
+            fills = self._dispense(window, moves)
+            self._spare_keys = {(m.layer, m.expert) for m in fills}
+            moves += fills
+        return tuple(moves)
+
+    def _prefetch(self, step: Step, nl: int, window: float) -> list[Move]:
+        cfg = self.config
         cache = self.cache
         p = cache.pool_of[nl]
         if p < 0 or cache.size[p] == 0:
-            return ()
-        room = int((self.layer_s[nl] - self._queue) // self.up_s[nl]) if self.up_s[nl] > 0 else cfg.max_prefetch
+            return []
+        room = int(window // self.up_s[nl]) if self.up_s[nl] > 0 else cfg.max_prefetch
         room = min(room, cfg.max_prefetch)
         if room <= 0:
-            return ()
+            return []
         r = self.next_value(step, nl)
         n = self.geometry.num_experts[nl]
         row = cache.state[nl]
         cands = [e for e in np.argsort(-r[:n], kind="stable").tolist() if row[e] == ABSENT and r[e] >= cfg.confidence]
         if not cands:
-            return ()
+            return []
         free = cache.free_slots(nl, len(cands))
         moves = [Move(nl, e, s, None, float(r[e])) for e, s in zip(cands[:room], free)]
         if len(moves) < room and len(cands) > len(free):
@@ -336,12 +412,49 @@ class CostPlanner(BasePolicy):
                     break
                 moves.append(Move(nl, e, cache.slot[key], key, gain))
         self._trials["prefetch"].pop(nl, None)
-        return tuple(self._swaps_ok("prefetch", moves))
+        return self._swaps_ok("prefetch", moves)
+
+    def _dispense(self, window: float, taken: list[Move]) -> list[Move]:
+        """Held-over fills that still apply and fit ``window`` (seconds of link time), best first:
+        a fill's expert still absent, its slot still free (or another free one of its pool), its
+        victim still resident in that slot and not routed since the fills were planned."""
+        cache = self.cache
+        keys = {(m.layer, m.expert) for m in taken}
+        victims = {m.victim for m in taken if m.victim is not None}
+        used = {(cache.pool_of[m.layer], m.slot) for m in taken}
+        out: list[Move] = []
+        keep: list[Move] = []
+        for m in self._spare:
+            key, u = (m.layer, m.expert), self.up_s[m.layer]
+            if cache.state[m.layer][m.expert] != ABSENT or key in keys:
+                continue  # routed in (or prefetched) since: nothing to fill
+            p = cache.pool_of[m.layer]
+            if m.victim is None:
+                slot = next((s for s in reversed(cache.free[p]) if (p, s) not in used), None)
+                if slot is None:
+                    continue
+                m = Move(m.layer, m.expert, slot, None, m.gain)
+            elif (cache.slot.get(m.victim) != m.slot or m.victim in self._routed or m.victim in victims
+                  or cache.state[m.victim[0]][m.victim[1]] != RESIDENT):
+                continue
+            if u > window:
+                keep.append(m)
+                continue
+            window -= u
+            out.append(m)
+            keys.add(key)
+            used.add((p, m.slot))
+            if m.victim is not None:
+                victims.add(m.victim)
+        self._spare = keep
+        return out
 
     def plan_background(self) -> tuple[Move, ...]:
         """Fills while the link would idle (module docstring); marks the token's end."""
         self._ending = True
         share = self.config.fill_share
+        want, self._want = self._want, []
+        self._spare = []
         if not share:
             return ()
         cache = self.cache
@@ -378,7 +491,30 @@ class CostPlanner(BasePolicy):
                 taken.add(key)
                 moves.append(Move(l, e, cache.slot[key], key, gain))
         moves.sort(key=lambda m: -m.gain)
-        return tuple(self._swaps_ok("fill", moves[:room]))
+        moves = self._swaps_ok("fill", moves[:room])
+        mode = self.config.fill_window
+        if mode == "idle" or not moves:
+            return tuple(moves)
+        if mode == "demand":
+            # only what lands before the next token's first upload (the last token's, with the
+            # link free); the rest is held over for the next token's layer windows
+            first = min((t for t, w, _, _ in want if w > 0), default=budget + self._queue) - self._queue
+            n, spent = 0, 0.0
+            while n < len(moves) and spent + self.up_s[moves[n].layer] <= first:
+                spent += self.up_s[moves[n].layer]
+                n += 1
+        else:  # priced: the most fills whose predicted delay of the last token is at most their worth
+            q0 = self._queue
+            base = _replay(want, q0)
+            n, q, worth = 0, q0, 0.0
+            price = self.config.fill_price * self._hit
+            for i, m in enumerate(moves[:PRICED_MAX]):
+                q += self.up_s[m.layer]
+                worth += price * self.costs.cpu_s(m.layer, 1)
+                if _replay(want, q) - base <= worth + 1e-15:
+                    n = i + 1
+        self._spare = moves[n:]
+        return tuple(moves[:n])
 
     def _ranked_fill(self, layer: int, f: np.ndarray) -> list[tuple[float, tuple[int, int]]]:
         """Residents of ``layer``'s pool by fill value, lowest first (released prefetches below)."""
@@ -399,12 +535,17 @@ class CostPlanner(BasePolicy):
     def commit_background(self, moves: tuple[Move, ...]) -> None:
         super().commit_background(moves)
         self._queue += sum(self.up_s[m.layer] for m in moves)
+        if self.config.fill_window == "priced":
+            for m in moves:
+                if self._ending or (m.layer, m.expert) in self._spare_keys:
+                    self._watch[m.layer, m.expert] = None
         if self._ending:
             self._ending = False
             self._token_s = self._link_s = 0.0
+            self._routed = set()
             self.end_token()
         else:
-            self._pf.update((m.layer, m.expert) for m in moves)
+            self._pf.update(k for k in ((m.layer, m.expert) for m in moves) if k not in self._spare_keys)
             self._link_s += sum(self.up_s[m.layer] for m in moves)
 
 

@@ -36,7 +36,7 @@ __all__ = ["OraclePolicy", "ORACLE_CONFIG"]
 
 # certain prefetches only; any strict improvement; the link window is the only cap
 ORACLE_CONFIG = LookaheadConfig(confidence=1.0, margin=1e-12, max_prefetch=MAX_FILLS_PER_TOKEN, fill_share=1.0,
-                                slack=0.0, reuse_weight=0.0, audit=False)
+                                slack=0.0, reuse_weight=0.0, audit=False, fill_window="idle")
 
 
 class OraclePolicy(CostPlanner):
