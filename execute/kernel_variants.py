@@ -9,8 +9,8 @@ logits and the expert kernels sum in the same order as v1 (the same ids), the ro
 sums and the attention's online softmax (updated once per eight keys) round otherwise. ``v3``: the
 v2 kernels, the dense ones (all but the two expert kernels) launched with programmatic dependent
 launch (``execute.pdl_launch``), so each starts its blocks and prefetches its weights while the
-kernel before it drains: the default (on the H200, one qwen3-30b-a3b block in one graph: v1 134 us,
-v2 92, v3 91; ``experiments/bench_decode_kernels.py``). ``v4``: v3 with the ``*_v4`` kernels where
+kernel before it drains. ``v4`` (the default; on the H200, one qwen3-30b-a3b block in one graph:
+v1 136 us, v3 91, v4 66, ``experiments/bench_decode_kernels.py``): v3 with the ``*_v4`` kernels where
 there is one (:data:`V4_KERNELS`), launched so that each is one wave of blocks with its weights in
 flight: the GEMV 2 rows per warp of 4 (rows up to 4 KB), every row's loads issued before the wait;
 the router one row per block, its top k by ranks; Q8_0 expert rows staged in shared memory by
@@ -32,8 +32,8 @@ V4_KERNELS = ("dense_gemv", "router_topk", "moe1r_gate_up", "moe1r_down_combine"
 
 
 def decode_kernels_env() -> str:
-    """``MOELAB_DECODE_KERNELS``: ``v1``, ``v2``, ``v3`` (unset or empty) or ``v4``; anything else is an error."""
-    v = os.environ.get("MOELAB_DECODE_KERNELS", "").strip() or "v3"
+    """``MOELAB_DECODE_KERNELS``: ``v1``, ``v2``, ``v3`` or ``v4`` (unset or empty); anything else is an error."""
+    v = os.environ.get("MOELAB_DECODE_KERNELS", "").strip() or "v4"
     if v not in DECODE_KERNELS:
         raise ExecutorError(f"environment variable MOELAB_DECODE_KERNELS: {v!r}, expected v1, v2, v3 or v4")
     return v

@@ -86,7 +86,7 @@ def test_summarize_two_variants():
 
 def test_decode_kernels_switch(monkeypatch):
     monkeypatch.delenv("MOELAB_DECODE_KERNELS", raising=False)
-    assert decode_kernels_env() == "v3"
+    assert decode_kernels_env() == "v4"
     monkeypatch.setenv("MOELAB_DECODE_KERNELS", " v2 ")
     assert decode_kernels_env() == "v2"
     monkeypatch.setenv("MOELAB_DECODE_KERNELS", "fast")
