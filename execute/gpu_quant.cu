@@ -28,9 +28,11 @@ typedef unsigned long long u64;
 #ifdef __CUDA_ARCH__
 #define QD __device__ __forceinline__
 #define LDG(p) __ldg(p)
-#else  // host build of the decoders (a development check without a GPU)
+#define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
+#else  // host builds of the decoders and kernels (development checks without a GPU)
 #define QD inline
 #define LDG(p) (*(p))
+#define PREFETCH_L2(p) ((void)(p))
 #endif
 
 __device__ uint32_t g_iq2xxs[256 * 2];  // grid rows of 8 (IQ2) or 4 (IQ3) bytes, as words
@@ -471,7 +473,7 @@ __device__ __noinline__ void pass(const uint8_t* r0, const uint8_t* r1, const ui
     for (int m = 0; m < 4; m++)  // the rows' bytes towards L2 while the inputs are staged
         if (rows[m])
             for (long long o = 128 * (threadIdx.x & 31); o < nbytes; o += 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[m] + o));
+                PREFETCH_L2(rows[m] + o);
     float acc[4][NT];
     #pragma unroll
     for (int m = 0; m < 4; m++)
@@ -694,7 +696,7 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Expe
     const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
     for (int i = 0; i < rows_per_block && r0 + i < hidden; i++)  // every row's bytes towards L2 first
         for (long long o = 128 * lane; o < rb_d; o += 32 * 128)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(e + off_d + (long long)(r0 + i) * rb_d + o));
+            PREFETCH_L2(e + off_d + (long long)(r0 + i) * rb_d + o);
     for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
         int r = r0 + i;
         float a = 0.f;
