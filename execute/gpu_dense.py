@@ -59,7 +59,7 @@ def _function(name: str):
     global _MODULE
     if _MODULE is None:
         src = "\n".join(resources.files(__package__).joinpath(f).read_text()
-                        for f in ("dense_kernels.cu", "dense_kernels_v2.cu"))  # v2 uses v1's helpers
+                        for f in ("dense_kernels.cu", "dense_kernels_v2.cu", "dense_kernels_v4.cu"))  # v1's helpers
         _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
     return _MODULE.get_function(name)
 

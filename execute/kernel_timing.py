@@ -240,7 +240,8 @@ def time_block(s: BlockShape, variants=("v1", "v2", "v3", "v4"), repeat: int = 4
                                                  for o, f in zip(outputs, first))
             first = outputs if first is None else first
             out["variants"][v] = {"kernel_us": times, "block_us": block_us, "in_graph_us": saved,
-                                  "launches": {**plan.shapes, **expert_launch_shapes(s, v)}, "max_rel_diff_vs_first": diff}
+                                  "launches": {**plan.shapes, **expert_launch_shapes(s, v)},
+                                  "max_rel_diff_vs_first": diff}
     finally:
         rig.close()
     from . import pdl_launch

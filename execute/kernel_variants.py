@@ -13,11 +13,13 @@ kernel before it drains. ``v4`` (the default; on the H200, one qwen3-30b-a3b blo
 v1 136 us, v3 91, v4 66, ``experiments/bench_decode_kernels.py``): v3 with the ``*_v4`` kernels where
 there is one (:data:`V4_KERNELS`), launched so that each is one wave of blocks with its weights in
 flight: the GEMV 2 rows per warp of 4 (rows up to 4 KB), every row's loads issued before the wait;
-the router one row per block, its top k by ranks; Q8_0 expert rows staged in shared memory by
+the router one row per block, its top k by ranks; the attention's keys prefetched into L2 before
+its wait, 16 per warp in one round (hd <= 128); Q8_0 expert rows staged in shared memory by
 16-byte asynchronous copies, down 4 rows per block; the two expert kernels launched with
 programmatic dependent launch too (down copies its rows while gate/up drains). The GEMV and expert
-sums are v1's, in v1's order; the router's logits are summed over a block (they round otherwise). Read when launches are prepared (``GpuDense``'s construction, the token
-graph's first expert launches). No cupy here: CPU code and tests import it.
+sums are v1's, in v1's order; the router's logits are summed over a block (they round otherwise).
+Read when launches are prepared (``GpuDense``'s construction, the token graph's first expert
+launches). No cupy here: CPU code and tests import it.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from .experts import ExecutorError
 __all__ = ["DECODE_KERNELS", "V4_KERNELS", "decode_kernels_env", "kernel_name", "programmatic"]
 
 DECODE_KERNELS = ("v1", "v2", "v3", "v4")
-V4_KERNELS = ("dense_gemv", "router_topk", "moe1r_gate_up", "moe1r_down_combine")  # the others: v2's
+V4_KERNELS = ("dense_gemv", "attn_partial", "router_topk", "moe1r_gate_up", "moe1r_down_combine")  # else v2's
 
 
 def decode_kernels_env() -> str:
