@@ -11,8 +11,8 @@
 // IQ4_NL / IQ4_XS / MXFP4 their levels through a 16-entry byte table (__byte_perm).
 // Inputs are staged per thread block in shared memory as two int8 levels per 32 values (as the CPU
 // pool): d = max|x| / 127, q1 = round(x / d), q2 = round((x - d q1) 256 / d), so x = d / 256 (256 q1
-// + q2) within d / 512; the float sum of x per 16 values serves the offsets. A chunk's dot is then
-// 4 x 2 dp4a per level and token, exact in int32, scaled once per 16 weights (pass). Up to 8 tokens
+// + q2) within d / 512; the float sum of the staged values per 16 serves the offsets. A chunk's dot
+// is then 4 x 2 dp4a per level and token, exact in int32, scaled once per 16 weights (pass). Up to 8 tokens
 // share each decoded chunk; a warp decodes up to 4 rows (2 rows of gate and up) per chunk, issuing
 // their loads together.
 // The one-token down projection (qmoe1_down_combine: each warp its own input row) multiplies the
@@ -406,10 +406,8 @@ template <int NT> __device__ void stage(uint4* buf, const float* __restrict__ x,
             for (int i = 0; i < 4; i++) v[i] = p[i];
         }
         float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        float s = (v[0] + v[1]) + (v[2] + v[3]);
         for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        for (int o = 1; o < 4; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        float d = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
+        float d = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f, s = 0.f;
         uint32_t w1 = 0, w2 = 0;
         for (int i = 0; i < 4; i++) {  // rounding by adding 1.5 * 2^23 (|values| <= 128): no conversions
             float ra = fmaf(v[i], inv, 12582912.f);
@@ -418,7 +416,11 @@ template <int NT> __device__ void stage(uint4* buf, const float* __restrict__ x,
             int b = max(-127, min(127, __float_as_int(rb) - 0x4b400000));
             w1 |= (uint32_t)(a & 255) << (8 * i);
             w2 |= (uint32_t)(b & 255) << (8 * i);
+            // the sums serve the offsets b of w = a q + b: summing the staged values (not x) keeps a
+            // dot's error that of the weights w, not of the unsigned q
+            s += d * ((ra - 12582912.f) + fminf(fmaxf(rb - 12582912.f, -127.f), 127.f) * (1.f / 256.f));
         }
+        for (int o = 1; o < 4; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (on) {
             int wi = (t * KT + 32 * c) / 4 + l8;
             q1[wi] = w1;

@@ -52,14 +52,14 @@ def test_tables_fit_the_kernels_declarations():
 
 
 def _stage(x: np.ndarray):
-    """gpu_quant.cu's stage(): two int8 levels per 32 values, d / 256 and the sums per 16."""
+    """gpu_quant.cu's stage(): two int8 levels per 32 values, d / 256 and the staged values' sums per 16."""
     v = x.reshape(-1, 32).astype(np.float32)
     m = np.abs(v).max(axis=1, keepdims=True)
     d = m / np.float32(127)
     inv = np.where(m > 0, np.float32(127) / np.where(m > 0, m, 1), 0).astype(np.float32)
     q1 = np.rint(v * inv)
     q2 = np.clip(np.rint((v - d * q1) * inv * np.float32(256)), -127, 127)
-    s16 = v.reshape(-1, 2, 16).sum(axis=2, dtype=np.float32)
+    s16 = (d * (q1 + q2 / np.float32(256))).astype(np.float32).reshape(-1, 2, 16).sum(axis=2, dtype=np.float32)
     return q1.astype(np.int8), q2.astype(np.int8), (d / np.float32(256)).ravel(), s16
 
 
@@ -99,6 +99,74 @@ def test_chunk_decoders_on_the_host(qtype, host_decoders, rng):
     want = (ref * x).sum(axis=1)
     assert np.linalg.norm(got[:, 32] - want) <= REL_ERR * np.linalg.norm(want)
     assert np.linalg.norm(got[:, 33] - want) <= REL_ERR_INT8 * np.linalg.norm(want)
+
+
+@pytest.fixture(scope="module")
+def emulated_kernels(tmp_path_factory):
+    """gpu_quant.cu's kernels built for the host with the SIMT emulation of gpu_quant_simt.h (g++)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    exe = tmp_path_factory.mktemp("emu") / "emu"
+    here = Path(__file__).parent
+    src = f'-DGPU_QUANT_CU="{ROOT / "execute" / "gpu_quant.cu"}"'
+    subprocess.run(["g++", "-O1", "-std=c++17", "-pthread", f"-I{here}", src, "-o", str(exe), str(here / "gpu_quant_emu.cpp")],
+                   check=True, capture_output=True)
+    blocks = np.zeros((64, 2), np.int32)
+    for t, q in Q.LAYOUTS.items():
+        blocks[t] = (q.block_weights, q.block_bytes)
+    from execute.gpu_quant import tables
+
+    pre = b"".join(np.ascontiguousarray(a).tobytes() for a in tables().values()) + blocks.tobytes()
+    return lambda inp: subprocess.run([str(exe)], input=pre + inp, capture_output=True, check=True, timeout=600).stdout
+
+
+# the emulation is slow (a thread per CUDA thread, barriers for every shuffle): three types' matmul
+# by default, every type and the expert kernels with -m slow
+COMMON = (Q.Q4_K, Q.Q6_K, Q.IQ4_XS)
+EMULATED = [pytest.param(t, id=Q.LAYOUTS[t].name, marks=() if t in COMMON else pytest.mark.slow) for t in ALL]
+
+
+@pytest.mark.parametrize("qtype", EMULATED)
+def test_emulated_matmul_kernels(qtype, emulated_kernels, rng):
+    """qmatmul_q1 (1 token), qmatmul_q (11 tokens: passes of 8 and 3; 3 input tiles of 1024, 1024,
+    256) and qmatmul_f, emulated on the host, against the float64 reference (24 rows: 3 blocks)."""
+    rows, cols = 24, 2304
+    raw = Q.random_blocks(rng, qtype, rows, cols, scale=0.05)
+    w = Q.dequantize(raw, qtype, cols).astype(np.float64)
+    for n in (1, 11):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        ref = x.astype(np.float64) @ w.T
+        inp = np.array([0, qtype, rows, cols, n], np.int32).tobytes() + np.int64(raw.shape[1]).tobytes()
+        y = np.frombuffer(emulated_kernels(inp + raw.tobytes() + x.tobytes()), np.float32).reshape(n, rows)
+        bound = REL_ERR if qtype in FLOAT else REL_ERR_INT8
+        assert np.isfinite(y).all() and np.linalg.norm(y - ref) <= bound * np.linalg.norm(ref)
+
+
+EMULATED_EXPERTS = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtypes", EMULATED_EXPERTS, ids=["-".join(Q.LAYOUTS[t].name for t in m) for m in EMULATED_EXPERTS])
+def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
+    """qmoe1_gate_up + qmoe1_down_combine (one token, 2 experts) and qmoe_gate_up + qmoe_down (11
+    tokens through each), emulated on the host, against the float64 reference."""
+    num_e, ffn, hidden = 2, 256, 512
+    parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
+    w = np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1)
+    wts = np.array([0.6, 0.4], np.float32)
+    head = np.array(qtypes, np.int32).tobytes()
+    for tokens, mode in ((1, 1), (11, 2)):
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        ys = []
+        for e in range(num_e):
+            g, u, d = (Q.dequantize(p[e], t, c).astype(np.float64) for p, t, c in zip(parts, qtypes, (hidden, hidden, ffn)))
+            a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
+            ys.append((a / (1 + np.exp(-a)) * b) @ d.T)
+        ref = sum(float(wts[e]) * ys[e] for e in range(num_e)) if mode == 1 else np.concatenate(ys)
+        inp = (np.array([mode], np.int32).tobytes() + head + np.array([num_e, ffn, hidden, tokens], np.int32).tobytes()
+               + np.array([p.shape[2] for p in parts], np.int64).tobytes() + wts.tobytes() + w.tobytes() + x.tobytes())
+        y = np.frombuffer(emulated_kernels(inp), np.float32).reshape(ref.shape)
+        assert np.isfinite(y).all() and np.linalg.norm(y - ref) <= REL_ERR_INT8 * np.linalg.norm(ref)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,59 @@
+// gpu_quant.cu's kernels on the host (gpu_quant_simt.h), launched as gpu_quant.py launches them:
+// stdin = tables, g_block, mode; mode 0: qt, rows, cols, n, rb, W, X -> Y (n, rows);
+// mode 1 / 2: qt_g, qt_u, qt_d, E, ffn, hidden, T, rb x 3, weights, W, X -> the one-token output
+// (hidden) / every token through every expert (E * T, hidden). Build with -DGPU_QUANT_CU='"path"'.
+#include "gpu_quant_simt.h"
+#include <cstdio>
+#include <cstdlib>
+#include GPU_QUANT_CU
+uint32_t h_iq2xxs[512], h_iq2xs[1024], h_iq2s[2048], h_iq3xxs[256], h_iq3s[512], h_iq1p[4096], h_iq1n[4096], h_iq4nl[4];
+uint8_t h_ksigns[128];
+static void rd(void* p, size_t n) { if (fread(p, 1, n, stdin) != n) { fprintf(stderr, "short input\n"); exit(2); } }
+template <class T> T get() { T v; rd(&v, sizeof v); return v; }
+int main() {
+    rd(h_iq2xxs, sizeof h_iq2xxs); rd(h_iq2xs, sizeof h_iq2xs); rd(h_iq2s, sizeof h_iq2s); rd(h_iq3xxs, sizeof h_iq3xxs);
+    rd(h_iq3s, sizeof h_iq3s); rd(h_iq1p, sizeof h_iq1p); rd(h_iq1n, sizeof h_iq1n); rd(h_iq4nl, sizeof h_iq4nl); rd(h_ksigns, 128);
+    rd(g_block, sizeof g_block);
+    int mode = get<int>();
+    if (mode == 0) {
+        int qt = get<int>(), rows = get<int>(), cols = get<int>(), n = get<int>();
+        long long rb = get<long long>();
+        std::vector<uint8_t> W(rows * rb); rd(W.data(), W.size());
+        std::vector<float> X((size_t)n * cols), Y((size_t)n * rows, NAN); rd(X.data(), X.size() * 4);
+        const uint8_t* w = W.data(); const float* x = X.data(); float* y = Y.data();
+        if (qt == 0 || qt == 1 || qt == 30) launch({(unsigned)(rows + 3) / 4, 1, 1}, 128, [=] { qmatmul_f(w, qt, rows, cols, rb, x, n, y); });
+        else if (n == 1) launch({(unsigned)(rows + 7) / 8, 1, 1}, 128, [=] { qmatmul_q1(w, qt, rows, cols, rb, x, n, y); });
+        else launch({(unsigned)(rows + 7) / 8, (unsigned)(n + 7) / 8, 1}, 128, [=] { qmatmul_q(w, qt, rows, cols, rb, x, n, y); });
+        fwrite(Y.data(), 4, Y.size(), stdout);
+        return 0;
+    }
+    int qg = get<int>(), qu = get<int>(), qd = get<int>(), E = get<int>(), ffn = get<int>(), hidden = get<int>(), T = get<int>();
+    long long rg = get<long long>(), ru = get<long long>(), rdn = get<long long>();
+    long long off_u = ffn * rg, off_d = off_u + ffn * ru, eb = off_d + hidden * rdn;
+    std::vector<float> wts(E); rd(wts.data(), 4 * E);
+    std::vector<uint8_t> W(E * eb); rd(W.data(), W.size());
+    std::vector<float> X((size_t)T * hidden); rd(X.data(), X.size() * 4);
+    std::vector<unsigned long long> base(E);
+    for (int e = 0; e < E; e++) base[e] = (unsigned long long)(W.data() + e * eb);
+    const float* x = X.data();
+    if (mode == 1) {
+        Experts1 ex; memset(&ex, 0, sizeof ex);
+        for (int e = 0; e < E; e++) { ex.base[e] = base[e]; ex.weight[e] = wts[e]; ex.pick[e] = e; }
+        std::vector<float> h((size_t)E * ffn, NAN), out(hidden, NAN);
+        float* hp = h.data(); float* op = out.data();
+        launch({(unsigned)(ffn + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
+        launch({(unsigned)(hidden + 1) / 2, 1, 1}, 32 * E, [=] { qmoe1_down_combine(ex, hp, op, E, ffn, hidden, 2, off_d, qd, rdn, 0); });
+        fwrite(out.data(), 4, out.size(), stdout);
+        return 0;
+    }
+    std::vector<int> gstart(E + 1), order(E * T), xrow(E * T);
+    for (int e = 0; e <= E; e++) gstart[e] = e * T;
+    for (int p = 0; p < E * T; p++) { order[p] = p; xrow[p] = p % T; }
+    std::vector<float> h((size_t)E * T * ffn, NAN), y((size_t)E * T * hidden, NAN);
+    const unsigned long long* bp = base.data(); const int *gs = gstart.data(), *od = order.data(), *xr = xrow.data();
+    float* hp = h.data(); float* yp = y.data();
+    launch({(unsigned)(ffn + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe_gate_up(bp, gs, od, xr, x, hidden, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
+    launch({(unsigned)(hidden + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe_down(bp, gs, od, hp, yp, ffn, hidden, 2, off_d, qd, rdn, 0); });
+    fwrite(y.data(), 4, y.size(), stdout);
+    return 0;
+}
