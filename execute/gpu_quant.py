@@ -5,7 +5,7 @@ GGUF blocks (``rows`` rows of ``quant.row_bytes`` bytes, any alignment) and devi
 ``(n, cols)`` float32. Quantized types: each lane decodes 32 weights at a time from aligned 32-bit
 loads into int8 quants and per-16 scales and offsets, and dots them with the inputs staged in
 shared memory as two int8 levels per 32 values (``dp4a``; x within max|x| / 65024 per value, relative
-error of a product ~1e-5, bound 2e-4 as the CPU pool's int8 path), up to 8 tokens per decoded
+error of a product ~2e-5, bound 2e-4 as the CPU pool's int8 path), up to 8 tokens per decoded
 chunk, 2 rows per warp (one token: ``qmatmul_q1``, fewer registers). Float types: weight by weight
 (``qmatmul_f``). The i-quants' tables come from ``execute.iq_grids`` (the project's own copy) into
 global memory (:func:`tables`).
