@@ -46,20 +46,22 @@ extern "C" __global__ void handoff_put(const float* __restrict__ x, const int* _
 }
 
 // Wait (thread 0 of a block) until ctrl[done] >= seq: a block first looks at the device word
-// `relay` (set by whichever block saw the call done first), and every 16th look reads the mapped
-// done word itself (so no block depends on another being resident). Gives up when ctrl[broken]
-// is set or after timeout_ns: then err (mapped) = seq, ctrl[broken] = 1 (the pool's gates open,
-// later waits end at once) and false. The first block to see the call done stamps stamps[1].
+// `relay` (set by whichever block saw the call done first); block 0 reads the mapped done word
+// itself every 16th look, the others every 4096th (so no block depends on another being resident,
+// and a grid of a thousand blocks does not flood the link with reads of host memory: they queue
+// before the rows the kernel then reads from it). Gives up when ctrl[broken] is set or after
+// timeout_ns: then err (mapped) = seq, ctrl[broken] = 1 (the pool's gates open, later waits end
+// at once) and false. The first block to see the call done stamps stamps[1].
 __device__ bool ho_wait(const long long* ctrl, int done, int broken, long long seq, long long timeout_ns,
                         long long* relay, long long* err, long long* stamps) {
     __shared__ int ok;
     if (threadIdx.x == 0) {
         long long t0 = ho_now();
-        int r = -1;
+        int r = -1, every = blockIdx.x == 0 ? 15 : 4095;
         for (int it = 0; r < 0; it++) {
             if (*(volatile long long*)relay >= seq) {
                 r = 1;
-            } else if ((it & 15) == 0) {
+            } else if ((it & every) == 0) {
                 if (ho_acquire(ctrl + done) >= seq) {
                     if (atomicMax((unsigned long long*)relay, (unsigned long long)seq) < (unsigned long long)seq)
                         stamps[1] = ho_now();
