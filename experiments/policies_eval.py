@@ -1,13 +1,11 @@
 """Every scheduler policy on routing traces, simulated with the link and the CPU charged: lookahead's
 default chosen on a development set, then measured on test families that no tuning saw.
 
-Development set: the bundled granite trace's decode rows, the switch-base-8 test trace and the
-synthetic families of ``simulate.evaluate.synthetic_cases`` (seed 0); lookahead's design and
-constants were settled on it, its grid is chosen on it (leave-one-trace-out for the per-trace
-column, all traces for the default). Test set: ``TEST_FAMILIES``, synthetic traces of other
-statistics and seed ``TEST_SEED``, run once with every policy at its default. The logic lives in
-``simulate.evaluate``; this script runs it, writes RUN/config.json, RUN/results.csv, RUN/README.md
-(every table) and the reference page docs/POLICIES.md.
+Development set: granite's decode rows, the switch-base-8 test trace, ``synthetic_cases`` (seed 0)
+and ``retired_cases`` (the earlier test families); lookahead's grid is chosen on it (leave-one-
+trace-out per trace, all traces for the default). Test set: ``TEST_FAMILIES`` (seed ``TEST_SEED``),
+run once with every policy at its default. Logic in ``simulate.evaluate``/``simulate.heldout``; writes
+RUN/config.json, RUN/results.csv, RUN/README.md (every table) and docs/POLICIES.md.
 
     python experiments/policies_eval.py                                   # the committed run
     python experiments/policies_eval.py --tokens 12 --out /tmp/p.md --run-dir /tmp/run   # small
@@ -30,17 +28,19 @@ sys.path.insert(0, str(ROOT))
 from scheduler.files import atomic_open  # noqa: E402
 from scheduler.policies import LookaheadConfig  # noqa: E402
 from scheduler.policies import lookahead as la  # noqa: E402
-from simulate.evaluate import GRIDS, SYNTH_FAMILIES, Case, summary, synthetic_cases, trace_model  # noqa: E402
-from simulate.heldout import TEST_FAMILIES, TEST_SEED, ceiling, evaluate, held_out_cases, verdict  # noqa: E402
+from simulate.evaluate import SYNTH_FAMILIES, Case, summary, synthetic_cases, trace_model  # noqa: E402
+from simulate.heldout import (LOOKAHEAD_GRID, RETIRED_FAMILIES, RETIRED_SEED, TEST_FAMILIES, TEST_SEED,  # noqa: E402
+                              ceiling, evaluate, held_out_cases, retired_cases, verdict)
 from traces import load  # noqa: E402
 from traces.importers import import_trace  # noqa: E402
 
 SWITCH = ROOT / "tests" / "traces" / "data" / "switch-base-8" / "router-trace.v2.json"
 HARDWARE = ("h200-xeon16", "rtx4060-laptop")
 ROWS = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead", "static", "belady", "oracle")
-TUNED = {"lookahead": GRIDS["lookahead"]}  # predict runs at its dataclass default (tuned on granite)
-FIXED = {**{k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if k not in TUNED["lookahead"][0]},
-         **{k: getattr(la, k) for k in ("AUDIT_DECAY", "AUDIT_MIN", "SHADOW_MEMORY", "ADAPT_MARGIN")}}
+TUNED = {"lookahead": LOOKAHEAD_GRID}  # predict runs at its dataclass default (tuned on granite)
+FIXED = {**{k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if all(k not in g for g in LOOKAHEAD_GRID)},
+         **{k: getattr(la, k) for k in ("AUDIT_DECAY", "AUDIT_MIN", "SHADOW_MEMORY", "ADAPT_MARGIN", "PRICED_MAX",
+                                        "HIT_MEMORY")}}
 ABOUT = {
     "lru": "Every miss uploaded; the least recently used resident the step does not use evicted.",
     "freq-lru": "Every miss uploaded; the victim has the lowest routing count (halved every 16 steps).",
@@ -52,8 +52,10 @@ ABOUT = {
     "lookahead": "Each miss to the CPU or the link, whichever gives the faster layer by the cost model, plus what "
                  "a cached upload is worth later; residents ranked by recency or frequency (`adaptive`: the one "
                  "whose shadow cache hits more lately) or by forecast; confident cross-layer prefetch only into "
-                 "the link's idle window; fills in the link's idle time between tokens; swaps held back until an "
-                 "audit finds they lately brought more routes than they cost.",
+                 "the next layer's dense window; fills at a token's end only as many as the last token, replayed "
+                 "with them on the link, is predicted to absorb for their worth (`priced`; `demand`: only before "
+                 "its first wanted upload; `idle`: its idle time), the rest held over into the next token's layer "
+                 "windows; swaps held back until an audit finds they lately brought more routes than they cost.",
     "static": "Residents fixed from the replayed trace's own routing counts (an oracle profile); misses on the CPU.",
     "belady": "Demand-only offline optimum for hits (knows the trace); every miss uploaded, no CPU.",
     "oracle": "The ceiling: lookahead's planner fed the future (Belady residency, prefetch of the next step's "
@@ -66,7 +68,7 @@ def dev_cases(limit: int | None) -> list[Case]:
     sw = import_trace("switch", SWITCH)
     return ([Case("granite", "real", tuple(g.tokens("decode"))[:limit], trace_model(g), (8, 16)),
              Case("switch-base-8", "real", tuple(sw.tokens())[:limit], trace_model(sw), (2, 4))]
-            + synthetic_cases(limit or 192))
+            + synthetic_cases(limit or 192) + retired_cases(limit or 192))
 
 
 def cases(limit: int | None) -> list[Case]:
@@ -138,12 +140,14 @@ def render(tuned, held, chosen, dev, test, hardware, command, run_dir) -> tuple[
             ", at caches of 1/4 and 1/2 of the experts per layer (at least top-k). A *hit* is the "
             "simulator's (a prefetch that lands after its step could start is none). *Gap closed* = (tokens/s - lru) "
             "/ (oracle - lru).", "",
-            "- *Development set* (tuning): " + sets(dev) + ". lookahead's design and every fixed constant were "
-            f"settled on it; its grid ({len(TUNED['lookahead'])} configurations of `values`, `fill_share`, "
-            "`confidence`) is chosen on it by highest geometric-mean tokens/s over lru: on all its traces for the "
-            "default, on the other traces for each trace's *grid held out* column.",
-            f"- *Test set* (held out): synthetic families of other statistics, seed {TEST_SEED}: " + sets(test) +
-            ". Nothing was tuned on them; every policy runs at its single default.",
+            "- *Development set* (tuning): " + sets(dev) + f". The `dev` families are the earlier test families "
+            f"(seed {RETIRED_SEED}), development data since their results guided changes of lookahead. Its design and "
+            f"fixed constants were settled on this set; its grid ({len(TUNED['lookahead'])} configurations of "
+            "`fill_window`, `fill_price`, `values`) is chosen on it by highest geometric-mean tokens/s over lru: on all "
+            "its traces for the default, on the other traces for each trace's *grid held out* column.",
+            f"- *Test set* (held out): synthetic families of other geometries and statistics, seed {TEST_SEED}: " +
+            sets(test) + ". Defined before lookahead's last change and run once, by the committed run; every policy "
+            "at its single default.",
             "- The other policies run at their own defaults, not tuned here (predict's were tuned on granite, in the "
             "development set); static, belady and oracle read the trace they are scored on.", "", "## Policies", ""]
     page += [x for p in ROWS for x in (f"**{p}**. {ABOUT[p]}", "")]
@@ -168,14 +172,13 @@ def render(tuned, held, chosen, dev, test, hardware, command, run_dir) -> tuple[
              "- Not cross-validated: lookahead's fixed constants (" + ", ".join(f"`{k}`={v}" for k, v in FIXED.items())
              + ") were settled on the development set, so only the test set says how they generalize.",
              "- Every trace is priced with granite's expert sizes; 192 decode tokens per synthetic trace.",
-             "- Test results that guide a change of lookahead make these families development data; the next "
-             "held-out figures then need families of another seed and statistics.",
-             "- `oracle` is a ceiling by construction (Belady residency, which is optimal for hits, not for time), "
-             "checked on every run above, not proved.",
-             "- The driver completes a prefetch before the next step is planned, so a wrong prefetch cannot be "
-             "stopped on the link; lookahead only evicts it first.",
-             "- On h200-xeon16 the pool and the link cost about the same per miss, so lookahead's edge there is "
-             "residency alone; its forecasts are rarely confident enough to prefetch on synthetic traces.",
+             "- `priced` fills forecast the next token's link use by the last token's splits and price a fill's "
+             "worth by the share of fills routed at their layer's next step; neither is checked against the "
+             "simulator's actual delay here (the tests check the policy's own prediction).",
+             "- `oracle` is a ceiling by construction (Belady residency, which is optimal for hits, not for time; "
+             "its fills use all of the link's idle time), checked on every run above, not proved.",
+             "- Swaps pass an audit in routes over one step (a victim needed later still passes it); a wrong prefetch "
+             "cannot be stopped on the link (the driver completes it first), only evicted first.",
              "", "## Command", "", f"    {command}", ""]
     readme = ["# policies_eval run: every policy on every trace", "",
               "Cell: tokens/s (x lru), hit rate / demand hit rate, experts moved over PCIe per token; every "
@@ -230,7 +233,8 @@ def main(argv=None) -> int:
     for (c, h, s, p), r in tuned.items():
         w.writerow({"set": kind[c], "case": c, "hardware": h, "slots": s, "policy": p, **(r or {})})
     config = {"command": cmd, "hardware": hardware, "tokens": a.tokens, "test_seed": TEST_SEED, "dev_synthetic_seed": 0,
-              "dev_synthetic_families": [list(f) for f in SYNTH_FAMILIES], "test_families": [list(f) for f in TEST_FAMILIES],
+              "dev_synthetic_families": [list(f) for f in SYNTH_FAMILIES], "dev_retired_seed": RETIRED_SEED,
+              "dev_retired_families": [list(f) for f in RETIRED_FAMILIES], "test_families": [list(f) for f in TEST_FAMILIES],
               "lookahead_grid": list(TUNED["lookahead"]), "lookahead_default": TUNED["lookahead"][chosen["lookahead"][0]],
               "lookahead_fixed": FIXED,
               "targets_held_out": verdict(summary(tuned, test, hardware)),

@@ -5,7 +5,8 @@ families that no tuning saw, against the targets below.
 family's default is the configuration ``select`` chooses on all of them (its per-trace choice
 without the trace is kept for the tuning table); then the test cases run with every policy at its
 single default. ``TEST_FAMILIES`` are synthetic (``traces.synth``) with statistics that none of
-``SYNTH_FAMILIES`` has and their own seed.
+``SYNTH_FAMILIES`` or ``RETIRED_FAMILIES`` (the earlier test families, seed 1, development
+data since their results guided changes) has, and their own seed.
 
 Targets (``verdict``), over each case, hardware preset and cache size: the tuned policy >= 1.0x
 max(lru, hybrid) everywhere and >= 1.2x lru on at least half; a median of >= 40% of the lru ->
@@ -23,37 +24,63 @@ from scheduler.costs import DEFAULT_MODEL
 
 from .evaluate import BASELINES, Case, run_set, select, trace_model, view
 
-__all__ = ["TEST_SEED", "TEST_FAMILIES", "ONLINE", "held_out_cases", "evaluate", "verdict", "ceiling"]
+__all__ = ["LOOKAHEAD_GRID", "TEST_SEED", "TEST_FAMILIES", "RETIRED_SEED", "RETIRED_FAMILIES", "retired_cases", "ONLINE", "held_out_cases", "evaluate", "verdict", "ceiling"]
 
-TEST_SEED = 1
-# (name, layers, experts, top-k, SynthParams fields): top-1..top-8, 8..128 experts, each with a
-# topic concentration, topic shift or reuse lag that the development families leave at the default
+TEST_SEED = 2
+# (name, layers, experts, top-k, SynthParams fields): top-1..top-8, 16..128 experts, geometries and
+# statistics (skew, reuse, cross-layer correlation, topic concentration or shift, reuse lag) that
+# no development family has
 TEST_FAMILIES = (
-    ("test k1 e8 strong-reuse low-cross", 12, 8, 1,
+    ("test k1 e16 mid-reuse high-cross", 14, 16, 1,
+     dict(zipf_s=0.8, reuse_prob=0.45, cross_layer=0.85, topic_concentration=0.7, reuse_lag_tokens=2.0)),
+    ("test k2 e16 weak-reuse low-cross", 16, 16, 2, dict(zipf_s=0.6, reuse_prob=0.2, cross_layer=0.15, topic_shift_prob=0.03)),
+    ("test k4 e32 mid-reuse mid-cross", 12, 32, 4,
+     dict(zipf_s=1.2, reuse_prob=0.4, cross_layer=0.6, topic_concentration=0.4, reuse_lag_tokens=3.0)),
+    ("test k6 e128 strong-reuse mid-cross", 10, 128, 6, dict(zipf_s=1.0, reuse_prob=0.6, cross_layer=0.5, topic_shift_prob=0.05)),
+    ("test k8 e32 weak-reuse high-cross", 12, 32, 8,
+     dict(zipf_s=0.9, reuse_prob=0.3, cross_layer=0.9, topic_concentration=1.5, reuse_lag_tokens=1.5)),
+    ("test k8 e128 strong-reuse low-cross", 8, 128, 8,
+     dict(zipf_s=1.5, reuse_prob=0.55, cross_layer=0.2, topic_shift_prob=0.15, reuse_lag_tokens=5.0)),
+)
+# the earlier test families (seed 1): their results guided changes of lookahead, so they are
+# development data now
+RETIRED_SEED = 1
+RETIRED_FAMILIES = (
+    ("dev k1 e8 strong-reuse low-cross", 12, 8, 1,
      dict(zipf_s=0.5, reuse_prob=0.6, cross_layer=0.2, topic_concentration=2.0, reuse_lag_tokens=3.0)),
-    ("test k2 e8 weak-reuse mid-cross", 16, 8, 2, dict(zipf_s=0.3, reuse_prob=0.3, cross_layer=0.5, topic_shift_prob=0.05)),
-    ("test k2 e32 strong-reuse high-cross", 12, 32, 2,
+    ("dev k2 e8 weak-reuse mid-cross", 16, 8, 2, dict(zipf_s=0.3, reuse_prob=0.3, cross_layer=0.5, topic_shift_prob=0.05)),
+    ("dev k2 e32 strong-reuse high-cross", 12, 32, 2,
      dict(zipf_s=1.0, reuse_prob=0.55, cross_layer=0.8, topic_concentration=0.5, reuse_lag_tokens=1.5)),
-    ("test k6 e64 weak-reuse high-cross", 12, 64, 6,
+    ("dev k6 e64 weak-reuse high-cross", 12, 64, 6,
      dict(zipf_s=1.1, reuse_prob=0.25, cross_layer=0.7, topic_concentration=0.3, topic_shift_prob=0.1)),
-    ("test k4 e128 strong-reuse low-cross", 8, 128, 4,
+    ("dev k4 e128 strong-reuse low-cross", 8, 128, 4,
      dict(zipf_s=1.4, reuse_prob=0.65, cross_layer=0.05, topic_concentration=2.0, reuse_lag_tokens=4.0)),
-    ("test k8 e64 mid-reuse mid-cross", 12, 64, 8,
+    ("dev k8 e64 mid-reuse mid-cross", 12, 64, 8,
      dict(zipf_s=0.7, reuse_prob=0.45, cross_layer=0.4, topic_shift_prob=0.2, reuse_lag_tokens=2.5)),
 )
+# lookahead's grid, chosen among on the development set: how its fills use the link (module
+# docstring of scheduler.policies.lookahead) and its value function
+LOOKAHEAD_GRID = tuple({"fill_window": "priced", "fill_price": p, "values": v} for v in ("adaptive", "recency")
+                       for p in (0.5, 2.0)) + ({"fill_window": "demand"}, {"fill_window": "idle"})
 ONLINE = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead")
 
 
-def held_out_cases(num_tokens: int = 192, seed: int = TEST_SEED, families=TEST_FAMILIES, base: str = DEFAULT_MODEL) -> list[Case]:
-    """``families`` as cases of ``num_tokens`` decode rows in 3 sequences; caches of 1/4 and 1/2 of
-    the experts (at least top-k)."""
+def held_out_cases(num_tokens: int = 192, seed: int = TEST_SEED, families=TEST_FAMILIES, base: str = DEFAULT_MODEL,
+                   kind: str = "test") -> list[Case]:
+    """``families`` as cases (family ``kind``) of ``num_tokens`` decode rows in 3 sequences; caches
+    of 1/4 and 1/2 of the experts (at least top-k)."""
     from traces import synth
 
     out = []
     for i, (name, L, E, k, p) in enumerate(families):
         t = synth.generate(L, E, k, num_tokens, synth.SynthParams(**p), np.random.default_rng([seed, i]), num_seqs=3)
-        out.append(Case(name, "test", tuple(t.tokens()), trace_model(t, base), (max(k, E // 4), max(k, E // 2))))
+        out.append(Case(name, kind, tuple(t.tokens()), trace_model(t, base), (max(k, E // 4), max(k, E // 2))))
     return out
+
+
+def retired_cases(num_tokens: int = 192, base: str = DEFAULT_MODEL) -> list[Case]:
+    """``RETIRED_FAMILIES`` (seed ``RETIRED_SEED``), development cases now."""
+    return held_out_cases(num_tokens, RETIRED_SEED, RETIRED_FAMILIES, base, "synthetic")
 
 
 def evaluate(dev: Sequence[Case], test: Sequence[Case], hardware: Sequence[str], grids: dict,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from simulate.evaluate import measure, summary, synthetic_cases
-from simulate.heldout import ONLINE, TEST_FAMILIES, ceiling, evaluate, held_out_cases, verdict
+from simulate.heldout import (LOOKAHEAD_GRID, ONLINE, RETIRED_FAMILIES, TEST_FAMILIES, TEST_SEED, ceiling, evaluate,
+                              held_out_cases, retired_cases, verdict)
 
 
 def _row(x_lru, x_best, gap, smallest):
@@ -39,8 +40,19 @@ def test_held_out_cases_are_seeded_and_differ_from_the_development_set():
     for c, (_, L, E, k, _) in zip(a, TEST_FAMILIES):
         assert (c.model.num_layers, c.model.num_experts, c.model.top_k) == (L, E, k)
         assert c.slots == (max(k, E // 4), max(k, E // 2)) and len(c.tokens) == 8
-    dev = {(c.model.num_layers, c.model.num_experts, c.model.top_k) for c in synthetic_cases(8)}
-    assert not dev & {(c.model.num_layers, c.model.num_experts, c.model.top_k) for c in a}
+    shape = lambda cs: {(c.model.num_layers, c.model.num_experts, c.model.top_k) for c in cs}
+    retired = retired_cases(8)
+    assert [c.name for c in retired] == [f[0] for f in RETIRED_FAMILIES] and {c.family for c in retired} == {"synthetic"}
+    assert not (shape(synthetic_cases(8)) | shape(retired)) & shape(a)  # other geometries
+    assert not {str(f[4]) for f in RETIRED_FAMILIES} & {str(f[4]) for f in TEST_FAMILIES}  # other statistics
+    assert retired[0].tokens != held_out_cases(8, seed=TEST_SEED, families=RETIRED_FAMILIES)[0].tokens
+
+
+def test_the_grid_configurations_are_valid_and_distinct():
+    from scheduler.policies import LookaheadConfig
+
+    configs = [LookaheadConfig(**g) for g in LOOKAHEAD_GRID]
+    assert len(set(configs)) == len(configs) and LookaheadConfig() in configs
 
 
 def test_the_default_is_chosen_on_the_development_cases_and_run_on_the_test_cases():
