@@ -5,12 +5,13 @@ blocks, float64 reference from ``quant.dequantize``) and, for the quantized type
 expert kernels (2 experts of 256 x 512, the one-token path and 5 tokens through each); bound 1e-5
 for float types, 2e-4 for quantized ones (int8 inputs of two levels, as the CPU pool). Then GB/s
 of stored weights read per call (median of ``--reps`` calls timed with CUDA events, after a
-warm-up): ``matmul`` of ``--rows`` x ``--cols`` at 1 and 64 tokens, and the expert kernels as the
-engine launches them on ``--experts`` experts of ``--ffn`` x ``--hidden`` (gate, up) and
-``--hidden`` x ``--ffn`` (down): one token through all of them (qmoe1_gate_up + qmoe1_down_combine)
-and ``--tokens`` tokens through each (qmoe_gate_up + qmoe_down). Defaults: qwen3-30b-a3b's experts,
-8 per call. Needs cupy and a GPU; no pytest (the device machine has none). The first call
-compiles gpu_quant.cu (about a minute; CuPy caches it).
+warm-up), beside the card's copy rate measured in the same run (and each rate as its share):
+``matmul`` of ``--rows`` x ``--cols`` at 1 and 64 tokens, and the expert kernels as the engine
+launches them on ``--experts`` experts of ``--ffn`` x ``--hidden`` (gate, up) and ``--hidden`` x
+``--ffn`` (down): one token through all of them (qmoe1_gate_up + qmoe1_down_combine) and
+``--tokens`` tokens through each (qmoe_gate_up + qmoe_down). Defaults: qwen3-30b-a3b's experts, 8
+per call. Needs cupy and a GPU. The first call compiles gpu_quant.cu (about a minute; CuPy caches
+it).
 
     python experiments/gpu_quant_check.py --out gpu_quant.json
 
@@ -89,6 +90,12 @@ def timed(call, reps: int) -> float:
     return float(np.median(ts))
 
 
+def copy_gbps(reps: int) -> float:
+    """The card's device-to-device copy rate (bytes read + written per second, 1 GiB each way)."""
+    src, dst = cp.ones(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32)
+    return 2 * src.nbytes / timed(lambda: cp.copyto(dst, src), reps) / 1e9
+
+
 def matmul_gbps(qt: int, rows: int, cols: int, tokens: int, reps: int, rng: np.random.Generator) -> float:
     w = cp.asarray(Q.random_blocks(rng, qt, rows, cols, scale=0.05).reshape(-1))
     x = cp.asarray(rng.standard_normal((tokens, cols)).astype(np.float32))
@@ -129,7 +136,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows, bad = [], 0
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"matmul {a.rows} x {a.cols}; experts {a.experts} x ({a.ffn} x {a.hidden} x 3), 1 and {a.tokens} tokens ({dev})")
+    ceiling = copy_gbps(a.reps)
+    print(f"matmul {a.rows} x {a.cols}; experts {a.experts} x ({a.ffn} x {a.hidden} x 3), 1 and {a.tokens} tokens ({dev}); "
+          f"copy ceiling {ceiling:.0f} GB/s")
     print(f"{'type':8s}{'err 1':>9s}{'err 64':>9s}{'err e1':>9s}{'err eB':>9s}{'mm 1':>8s}{'mm 64':>8s}{'exp 1':>8s}"
           f"{'exp B':>8s}  GB/s")
     for qt in qtypes:
@@ -145,9 +154,11 @@ def main(argv=None) -> int:
         rows.append(row)
         cells = "".join(f"{v:9.1e}" for v in errs) + " " * 9 * (4 - len(errs))
         cells += "".join(f"{v:8.1f}" for v in rates) + " " * 8 * (4 - len(rates))
-        print(f"{Q.LAYOUTS[qt].name:8s}{cells}  {'ok' if ok else 'FAILED'}", flush=True)
+        share = " ".join(f"{v / ceiling:.2f}" for v in rates)
+        print(f"{Q.LAYOUTS[qt].name:8s}{cells}  {'ok' if ok else 'FAILED'}  of ceiling: {share}", flush=True)
     if a.out is not None:
-        a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "device": dev, "rows": rows}, indent=1))
+        a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "device": dev,
+                                     "copy_gbps": ceiling, "rows": rows}, indent=1))
     print(f"{len(rows) - bad}/{len(rows)} types within their bound")
     return 1 if bad else 0
 
