@@ -375,7 +375,7 @@ def qtype_paths(info: ModelInfo) -> dict[str, str]:
             if qt in Q.QTYPES:
                 parts.append("experts: CPU kernel, GPU kernel")
             elif qt in Q.CPU_QTYPES and qt in Q.GPU_EXPERT_QTYPES:
-                parts.append("experts: CPU kernel, GPU kernel decoding weight by weight (no token graph)")
+                parts.append("experts: CPU kernel, generic GPU kernel (no token graph)")
             elif qt in Q.CPU_QTYPES:
                 parts.append("experts: CPU kernel on host-only runs, else dequantized to F16 at load")
             else:

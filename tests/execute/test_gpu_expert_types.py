@@ -57,7 +57,7 @@ def test_gate_keeps_gpu_read_cpu_types_raw(tmp_path, monkeypatch):
     assert np.shares_memory(layer.gate.data, w.reader.data)
     assert w.info.expert_bytes == gguf_io.read_model_info(path).expert_bytes  # what moves is what is stored
     paths = gguf_io.qtype_paths(gguf_io.read_model_info(path))
-    assert paths["Q5_K"] == "experts: CPU kernel, GPU kernel decoding weight by weight (no token graph)"
+    assert paths["Q5_K"] == "experts: CPU kernel, generic GPU kernel (no token graph)"
     monkeypatch.setattr(Q, "CPU_QTYPES", {t: q for t, q in Q.CPU_QTYPES.items() if t != Q.IQ1_S})  # every layout has one
     iq = synth.synth_model(tmp_path / "iq.gguf", tiny_config("Q4_K", down_quant="IQ1_S", num_layers=1,
                                                              hidden=256, ffn=256))
