@@ -156,9 +156,12 @@ def test_cpu_only_calibration_of_a_large_model_stays_in_bounded_memory(tmp_path)
 
     code = ("import resource, sys; from moelab.cli import main; rc = main(sys.argv[1:]); "
             "print(rc, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-    r = subprocess.run([sys.executable, "-c", code, "calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--quick",
-                        "--small", "--threads", "1", "--out", str(tmp_path / "hw.json"), "--quiet"],
-                       capture_output=True, text=True, timeout=300)
+    args = ["calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--quick", "--small", "--threads", "1", "--out",
+            str(tmp_path / "hw.json"), "--quiet"]
+    # once to fill Numba's cache: a cold cache compiles every CPU kernel in this process (LLVM's
+    # memory, not the calibration's), then the run whose peak is measured
+    subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
     rc, max_kib = map(int, r.stdout.split()[-2:])
     assert rc == 0, r.stderr
     assert max_kib * 1024 < M.COLD_SET_BYTES + (400 << 20), max_kib
