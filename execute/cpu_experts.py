@@ -44,7 +44,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import quant as Q
-from .cpu_simd import (HAS_AVX2, HAS_VNNI, ISA_AVX2, ISA_PLAIN, ISA_VNNI, bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
+from .cpu_simd import (bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
 from .cpu_kq import dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, idot as _idot, sdot as _sdot
@@ -292,39 +292,10 @@ _AHEAD = 2  # rows prefetched ahead in _rows
 def _rows(job, k, e, r0, r1, x, cols, a, out, rows):
     """out[i * rows + r] = row r of expert e of projection k (0 gate, 1 up, 2 down) . input i, for
     rows r0..r1 - 1 and the pairs i of e's group (all addresses: x the (n, cols) float32 inputs,
-    a the base of their int8 form, see _scratch_fields; out float32), on the instruction-set path
-    J_ISA: one compiled copy of every type's dot per path, the path a constant in it (a run-time
-    path inside one copy left a branch around every integer dot of the larger kernels: 1.8x slower
-    rows). A path the host lacks is never chosen (choose_isa) and compiles as a stub."""
-    isa = job[J_ISA]
-    if isa == ISA_VNNI and HAS_VNNI:
-        _rows_vnni(job, k, e, r0, r1, x, cols, a, out, rows)
-    elif isa == ISA_AVX2 and HAS_AVX2:
-        _rows_avx2(job, k, e, r0, r1, x, cols, a, out, rows)
-    else:
-        _rows_plain(job, k, e, r0, r1, x, cols, a, out, rows)
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _rows_vnni(job, k, e, r0, r1, x, cols, a, out, rows):
-    _rows_on(job, k, e, r0, r1, x, cols, a, out, rows, ISA_VNNI)
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _rows_avx2(job, k, e, r0, r1, x, cols, a, out, rows):
-    _rows_on(job, k, e, r0, r1, x, cols, a, out, rows, ISA_AVX2)
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _rows_plain(job, k, e, r0, r1, x, cols, a, out, rows):
-    _rows_on(job, k, e, r0, r1, x, cols, a, out, rows, ISA_PLAIN)
-
-
-@njit(inline="always", fastmath=True)
-def _rows_on(job, k, e, r0, r1, x, cols, a, out, rows, isa):
-    """_rows on path ``isa`` (a constant at each call). Addresses, not arrays, so that Numba adds
-    no reference counting per row."""
-    qt, w, rb = job[J_QT + k], job[J_W + k], job[J_RB + k]
+    a the base of their int8 form, see _scratch_fields; out float32). The one compiled copy of
+    every type's dot; the instruction-set path J_ISA is a branch LLVM unswitches out of the loops.
+    Addresses, not arrays, so that Numba adds no reference counting per row."""
+    qt, w, rb, isa = job[J_QT + k], job[J_W + k], job[J_RB + k], job[J_ISA]
     order = numba.carray(ptr_i64(job[J_ORDER]), job[J_N])
     gstart = numba.carray(ptr_i64(job[J_GSTART]), job[J_N] + 1)
     g = a[0]
