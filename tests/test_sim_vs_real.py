@@ -336,7 +336,8 @@ def test_peer_rows_are_predicted_from_a_hardware_file(capsys):
     small = {**result, "rows": [r for r in result["rows"] if r["cell"] in ("moelab lru", "moelab cpu")]}
     rows = peer.predict_peer(small, load_hardware(ROOT / "docs" / "fidelity" / "h200-calibrated.json"), seeds=1)
     assert [r["row"] for r in rows] == ["moelab lru", "moelab cpu"]
-    assert rows[0]["measured_tokens_per_s"] == pytest.approx(68.9245, abs=1e-3)
+    lru = [r["decode_tokens_per_s"] for r in result["rows"] if r["cell"] == "moelab lru"]
+    assert rows[0]["measured_tokens_per_s"] == pytest.approx(float(np.median(lru)))
     assert rows[0]["predicted_tokens_per_s"] > rows[1]["predicted_tokens_per_s"] > 0
     text = peer.format_peer(rows, 4096)
     assert text.splitlines()[-1].startswith("rows within 15%: ") and "moelab cpu" in text
