@@ -34,7 +34,6 @@ default) on; another value is an error.
 """
 from __future__ import annotations
 
-import os
 import time
 from importlib import resources
 
@@ -47,6 +46,7 @@ from . import prefill_mm2
 from . import quant as Q
 from .experts import ExecutorError, LayerExperts
 from .gpu_experts import Launch
+from .xp import env_switch
 
 __all__ = ["BatchedExperts", "MIN_TOKENS", "TILE_ROWS", "prefill_env", "supported"]
 
@@ -62,10 +62,7 @@ _D2D = _rt.memcpyDeviceToDevice
 
 def prefill_env() -> bool:
     """``MOELAB_PREFILL``: unset or 1 -> True, 0 -> False; another value is an ExecutorError."""
-    v = os.environ.get("MOELAB_PREFILL", "1")
-    if v not in ("0", "1"):
-        raise ExecutorError(f"MOELAB_PREFILL={v!r}: expected 0 or 1")
-    return v == "1"
+    return env_switch("MOELAB_PREFILL")
 
 
 def _kernel(name: str):

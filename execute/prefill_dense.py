@@ -27,7 +27,6 @@ routing; results agree with the CuPy path to float32 rounding (GPU tests). ``MOE
 """
 from __future__ import annotations
 
-import os
 from importlib import resources
 
 import numpy as np
@@ -38,7 +37,7 @@ except ImportError:  # the switch reads without CuPy; ChunkDense needs it
     cp = None
 
 from . import quant as Q
-from .experts import ExecutorError
+from .xp import env_switch
 
 __all__ = ["ChunkDense", "dense_env"]
 
@@ -55,10 +54,7 @@ _MAX_ROUTE_EXPERTS, _MAX_ROUTE_K = 2048, 64  # pd_route's shared memory and its 
 
 def dense_env() -> bool:
     """``MOELAB_PREFILL_DENSE``: unset or 1 -> True, 0 -> False; another value is an ExecutorError."""
-    v = os.environ.get("MOELAB_PREFILL_DENSE", "1")
-    if v not in ("0", "1"):
-        raise ExecutorError(f"MOELAB_PREFILL_DENSE={v!r}: expected 0 or 1")
-    return v == "1"
+    return env_switch("MOELAB_PREFILL_DENSE")
 
 
 def _kernel(name: str):

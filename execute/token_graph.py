@@ -54,14 +54,9 @@ _HALT_NONE = 0x7F7F7F7F  # halt's value before a token (memset of 0x7f bytes): n
 def token_graph_env() -> bool:
     """The ``MOELAB_TOKEN_GRAPH`` environment variable: ``1`` (the default) runs a decode token as
     one graph when it can, ``0`` runs it block by block."""
-    import os
+    from .xp import env_switch
 
-    from .experts import ExecutorError
-
-    v = os.environ.get("MOELAB_TOKEN_GRAPH", "1").strip()
-    if v not in ("0", "1"):
-        raise ExecutorError(f"environment variable MOELAB_TOKEN_GRAPH: {v!r}, expected 0 or 1")
-    return v == "1"
+    return env_switch("MOELAB_TOKEN_GRAPH")
 
 
 class TokenGraph:

@@ -8,16 +8,22 @@ import numpy as np
 
 from .experts import ExecutorError
 
-__all__ = ["array_module", "cuda_graphs_env", "host"]
+__all__ = ["array_module", "cuda_graphs_env", "env_switch", "host"]
+
+
+def env_switch(name: str) -> bool:
+    """An on/off environment variable of the executor: unset or ``1`` -> True, ``0`` -> False;
+    anything else is an ExecutorError naming it."""
+    v = os.environ.get(name, "1").strip()
+    if v not in ("0", "1"):
+        raise ExecutorError(f"environment variable {name}: {v!r}, expected 0 or 1")
+    return v == "1"
 
 
 def cuda_graphs_env() -> bool:
     """The ``MOELAB_CUDA_GRAPHS`` environment variable: ``1`` (the default) lets the fused one-token
     path replay CUDA graphs, ``0`` keeps its plain launches."""
-    v = os.environ.get("MOELAB_CUDA_GRAPHS", "1").strip()
-    if v not in ("0", "1"):
-        raise ExecutorError(f"environment variable MOELAB_CUDA_GRAPHS: {v!r}, expected 0 or 1")
-    return v == "1"
+    return env_switch("MOELAB_CUDA_GRAPHS")
 
 
 def array_module(use_gpu: bool):

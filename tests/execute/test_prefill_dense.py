@@ -23,7 +23,7 @@ def test_switch(monkeypatch):
     monkeypatch.setenv("MOELAB_PREFILL_DENSE", "0")
     assert not dense_env()
     monkeypatch.setenv("MOELAB_PREFILL_DENSE", "on")
-    with pytest.raises(ExecutorError, match="MOELAB_PREFILL_DENSE='on': expected 0 or 1"):
+    with pytest.raises(ExecutorError, match="MOELAB_PREFILL_DENSE: 'on', expected 0 or 1"):
         dense_env()
 
 
