@@ -64,8 +64,7 @@ ABOUT = {
 
 
 def dev_cases(limit: int | None) -> list[Case]:
-    g = load(None)
-    sw = import_trace("switch", SWITCH)
+    g, sw = load(None), import_trace("switch", SWITCH)
     return ([Case("granite", "real", tuple(g.tokens("decode"))[:limit], trace_model(g), (8, 16)),
              Case("switch-base-8", "real", tuple(sw.tokens())[:limit], trace_model(sw), (2, 4))]
             + synthetic_cases(limit or 192) + retired_cases(limit or 192))

@@ -3,6 +3,7 @@ turns on the host lane; fits and statistics; the CPU-only command end to end."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -148,6 +149,7 @@ def test_the_cold_set_is_the_model_s_shape_within_its_budget():
     assert M.cold_set_shape(4, 128, 100 << 20, 400 << 20) == (1, 8)  # huge experts: one layer of the largest call
 
 
+@pytest.mark.slow  # a cold Numba cache of its own: the kernels compile once first (~80 s on 2 cores)
 def test_cpu_only_calibration_of_a_large_model_stays_in_bounded_memory(tmp_path):
     """Qwen3-30B-A3B's shape (4 x 128 experts of 5 MB: 2.6 GB as the model has them): the pool is
     timed on a cold set of COLD_SET_BYTES, so the process peaks well under 1 GB (2.7 GB before)."""
@@ -158,10 +160,12 @@ def test_cpu_only_calibration_of_a_large_model_stays_in_bounded_memory(tmp_path)
             "print(rc, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     args = ["calibrate", "--cpu-only", "--base", "rtx4060-laptop", "--quick", "--small", "--threads", "1", "--out",
             str(tmp_path / "hw.json"), "--quiet"]
-    # once to fill Numba's cache: a cold cache compiles every CPU kernel in this process (LLVM's
-    # memory, not the calibration's), then the run whose peak is measured
-    subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
-    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    # a Numba cache of its own, filled by a first run: compiling keeps LLVM's memory resident in
+    # that process (1.4 GB here), not the calibration's; a cache shared with the suite's other
+    # processes was found partly cold in the measured run. Then the run whose peak is measured.
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900, env=env)
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
     rc, max_kib = map(int, r.stdout.split()[-2:])
     assert rc == 0, r.stderr
     assert max_kib * 1024 < M.COLD_SET_BYTES + (400 << 20), max_kib
