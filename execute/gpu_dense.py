@@ -32,13 +32,13 @@ event.
 """
 from __future__ import annotations
 
-from importlib import resources
 from typing import NamedTuple, Sequence
 
 import cupy as cp
 import numpy as np
 
 from . import quant as Q
+from .gpu_host import cuda_module
 from .kernel_variants import decode_kernels_env, kernel_name, programmatic
 from .pdl_launch import launch_programmatic
 
@@ -51,17 +51,11 @@ MAX_COLS = 11776  # a GEMV stages its input (cols float32) in shared memory, und
 KEPT_QTYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
 _TILE_FLOATS = 1 << 24  # float32 scratch of a chunk's dequantized tile (64 MiB)
 _REC = 4  # a decode record: position, first key, number of keys, expert-output address (int64)
-_MODULE: cp.RawModule | None = None
 _rt = cp.cuda.runtime
 
 
 def _function(name: str):
-    global _MODULE
-    if _MODULE is None:
-        src = "\n".join(resources.files(__package__).joinpath(f).read_text()
-                        for f in ("dense_kernels.cu", "dense_kernels_v2.cu", "dense_kernels_v4.cu"))  # v1's helpers
-        _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
-    return _MODULE.get_function(name)
+    return cuda_module("dense_kernels.cu", "dense_kernels_v2.cu", "dense_kernels_v4.cu").get_function(name)  # v1's helpers
 
 
 def _launch(func: int, grid: tuple[int, int], block: int, shared: int, stream: int, params: int,

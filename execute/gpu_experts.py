@@ -53,7 +53,6 @@ import struct
 import sys
 import time
 import weakref
-from importlib import resources
 from typing import NamedTuple, Sequence
 
 import cupy as cp
@@ -63,7 +62,7 @@ from scheduler.core import Capacity, pad_slot_bytes
 
 from . import quant as Q
 from .experts import ACTIVATIONS, ExecutorError, LayerExperts
-from .gpu_host import Launch
+from .gpu_host import Launch, cuda_module
 from .gpu_host import PinnedRing as _PinnedRing
 from .gpu_host import Staging as _Staging
 from .gpu_host import unregister as _unregister
@@ -80,7 +79,6 @@ _EX_BYTES = 16 * MAX_TOP_K  # Experts1: base (u64), weight (f32), pick (i32), MA
 _OUT_RING = 16  # one-token outputs kept for reuse, per shape
 _NOT_READY = 600  # cudaErrorNotReady
 _SPIN_S = 2e-3  # wait() polls without sleeping this long before it sleeps between polls
-_MODULE: cp.RawModule | None = None
 _FUNCS: dict[str, object] = {}
 _rt = cp.cuda.runtime
 _H2D, _D2H, _D2D = _rt.memcpyHostToDevice, _rt.memcpyDeviceToHost, _rt.memcpyDeviceToDevice
@@ -118,14 +116,9 @@ def copy_to_device(dev: cp.ndarray, host: np.ndarray, stream_ptr: int) -> None:
 
 def _kernel(name: str):
     """A kernel of gpu_kernels.cu or expert_kernels_v4.cu (one module, compiled once per process)."""
-    global _MODULE
     f = _FUNCS.get(name)
     if f is None:
-        if _MODULE is None:
-            src = "\n".join(resources.files(__package__).joinpath(fn).read_text()
-                            for fn in ("gpu_kernels.cu", "expert_kernels_v4.cu"))  # v4 uses the helpers
-            _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
-        f = _FUNCS[name] = _MODULE.get_function(name)
+        f = _FUNCS[name] = cuda_module("gpu_kernels.cu", "expert_kernels_v4.cu").get_function(name)  # v4 uses the helpers
     return f
 
 

@@ -8,9 +8,22 @@ import numpy as np
 
 from .pdl_launch import launch_programmatic
 
-__all__ = ["Launch", "PinnedRing", "Staging", "unregister"]
+__all__ = ["Launch", "PinnedRing", "Staging", "cuda_module", "unregister"]
 
 _rt = cp.cuda.runtime
+_MODULES: dict[tuple[str, ...], cp.RawModule] = {}
+
+
+def cuda_module(*files: str) -> cp.RawModule:
+    """This package's CUDA sources ``files``, concatenated in that order (a later file may use an
+    earlier one's helpers) and compiled once per process."""
+    m = _MODULES.get(files)
+    if m is None:
+        from importlib import resources
+
+        src = "\n".join(resources.files(__package__).joinpath(f).read_text() for f in files)
+        m = _MODULES[files] = cp.RawModule(code=src, options=("-std=c++14",))
+    return m
 
 
 def unregister(ptrs: list[int], arrays: list[np.ndarray]) -> None:

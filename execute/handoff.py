@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from importlib import resources
 
 import cupy as cp
 import numpy as np
@@ -39,6 +38,7 @@ from . import cpu_pool as P
 from .cpu_simd import atomic_load, atomic_store, now_ns, pause
 from .experts import ExecutorError
 from .gpu_experts import MAX_TOP_K, Launch
+from .gpu_host import cuda_module
 
 __all__ = ["Edges", "Handoff", "bench_edges"]
 
@@ -51,17 +51,11 @@ _CLOCK = _STAMPS + 2 * _SLOTS  # GPU stamps of the clock pairing
 _ROUNDS = 64
 _WORDS = _CLOCK + _ROUNDS
 _RPB = 2  # output rows per block in handoff1_down_combine (as moe1_down_combine)
-_MODULE: cp.RawModule | None = None
 
 
 def _kernel(name: str):
     """A kernel of gpu_kernels.cu + handoff.cu (one module, compiled once per process)."""
-    global _MODULE
-    if _MODULE is None:
-        pkg = resources.files(__package__)
-        src = pkg.joinpath("gpu_kernels.cu").read_text() + "\n" + pkg.joinpath("handoff.cu").read_text()
-        _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
-    return _MODULE.get_function(name)
+    return cuda_module("gpu_kernels.cu", "handoff.cu").get_function(name)
 
 
 class _Mapped:

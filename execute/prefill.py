@@ -35,7 +35,6 @@ default) on; another value is an error.
 from __future__ import annotations
 
 import time
-from importlib import resources
 
 import cupy as cp
 import numpy as np
@@ -46,6 +45,7 @@ from . import prefill_mm2
 from . import quant as Q
 from .experts import ExecutorError, LayerExperts
 from .gpu_experts import Launch
+from .gpu_host import cuda_module
 from .xp import env_switch
 
 __all__ = ["BatchedExperts", "MIN_TOKENS", "TILE_ROWS", "prefill_env", "supported"]
@@ -55,7 +55,6 @@ TILE_ROWS = 32  # BM of prefill_kernels.cu
 _N_GATE, _N_DOWN = 64, 128  # output columns per block of pf_mm, modes 0 and 1
 _QTYPES = (Q.F16, Q.Q8_0, Q.Q4_0)
 _META_BYTES = 1 << 20  # GpuExperts' metadata buffer
-_MODULE: cp.RawModule | None = None
 _rt = cp.cuda.runtime
 _D2D = _rt.memcpyDeviceToDevice
 
@@ -66,11 +65,7 @@ def prefill_env() -> bool:
 
 
 def _kernel(name: str):
-    global _MODULE
-    if _MODULE is None:
-        src = resources.files(__package__).joinpath("prefill_kernels.cu").read_text()
-        _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
-    return _MODULE.get_function(name)
+    return cuda_module("prefill_kernels.cu").get_function(name)
 
 
 def supported(lx: LayerExperts | None) -> bool:

@@ -27,7 +27,6 @@ routing; results agree with the CuPy path to float32 rounding (GPU tests). ``MOE
 """
 from __future__ import annotations
 
-from importlib import resources
 
 import numpy as np
 
@@ -41,7 +40,6 @@ from .xp import env_switch
 
 __all__ = ["ChunkDense", "dense_env"]
 
-_MODULE = None
 _CUDA_R_32F, _CUDA_R_16F = 0, 2  # cudaDataType
 _COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
 _GEMM_DEFAULT = -1
@@ -58,11 +56,9 @@ def dense_env() -> bool:
 
 
 def _kernel(name: str):
-    global _MODULE
-    if _MODULE is None:
-        src = resources.files(__package__).joinpath("prefill_dense.cu").read_text()
-        _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
-    return _MODULE.get_function(name)
+    from .gpu_host import cuda_module
+
+    return cuda_module("prefill_dense.cu").get_function(name)
 
 
 def _f32c(a):

@@ -15,14 +15,12 @@ per layer.
 from __future__ import annotations
 
 import os
-from importlib import resources
 
 from . import quant as Q
 from .experts import ExecutorError
 
 __all__ = ["mm_env", "applies", "kernel", "kernel_for"]
 
-_MODULE = None
 
 
 def mm_env() -> int:
@@ -42,13 +40,9 @@ def applies(lx) -> bool:
 
 def kernel():
     """The compiled ``pf_mm2`` (a CuPy RawKernel function, compiled once per process)."""
-    global _MODULE
-    if _MODULE is None:
-        import cupy as cp
+    from .gpu_host import cuda_module
 
-        src = resources.files(__package__).joinpath("prefill_mm2.cu").read_text()
-        _MODULE = cp.RawModule(code=src, options=("-std=c++14",))
-    return _MODULE.get_function("pf_mm2")
+    return cuda_module("prefill_mm2.cu").get_function("pf_mm2")
 
 
 def kernel_for(lx) -> str:
