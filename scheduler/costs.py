@@ -85,7 +85,10 @@ class HostCosts:
     mapped-memory hand-off (``handoff``: the hardware file has ``handoff_in_s``), a one-token
     layer's CPU experts cost the host only ``cpu_submit_s`` (the gated submit and the input's put);
     the pool starts ``handoff_in_s`` after the GPU has put the input, and the GPU's combine waits
-    until ``handoff_out_s`` after the pool ends; the host does not wait."""
+    until ``handoff_out_s`` after the pool ends; the host does not wait. A decode token run as one
+    CUDA graph (``scheduler.graph``; the file has ``graph_block_s``) costs the GPU ``graph_block_s``
+    per block it completes, the host ``graph_token_s`` per token and ``graph_step_s`` per step the
+    graph computed (this policy's planning in place of ``gpu``'s, under which it was measured)."""
 
     plan_s: float
     dense_s: float
@@ -110,6 +113,9 @@ class HostCosts:
     handoff: bool = False
     handoff_in_s: float = 0.0
     handoff_out_s: float = 0.0
+    graph_block_s: float = 0.0  # token graph (0: the file has none; no graph lane)
+    graph_step_s: float = 0.0
+    graph_token_s: float = 0.0
 
     @classmethod
     def from_hardware(cls, hw: Hardware, policy: str) -> "HostCosts":
@@ -133,7 +139,10 @@ class HostCosts:
                    cpu_start_s=g("cpu_start_s"), cpu_return_s=g("cpu_return_s"),
                    head_s=ex.get("host_head_s", g("host_dense_s")), copy_round_s=g("host_copy_round_s"),
                    plan_copy_s=g("host_plan_copy_s"), handoff="handoff_in_s" in ex,
-                   handoff_in_s=g("handoff_in_s"), handoff_out_s=g("handoff_out_s"))
+                   handoff_in_s=g("handoff_in_s"), handoff_out_s=g("handoff_out_s"),
+                   graph_block_s=g("graph_block_s"),
+                   graph_step_s=max(g("graph_step_s") - plan.get("gpu", plan_s), 0.0) + plan_s,  # measured under gpu
+                   graph_token_s=g("graph_token_s"))
 
 
 class Costs:

@@ -49,6 +49,12 @@ EXECUTOR_KEYS = {
     "combine_s": "GPU time of the combine of a layer's expert outputs",
     "wait_poll_s": "host polling interval while it waits for a background copy (half is charged)",
     "plan_s": "scheduler time per layer step, per policy name (object)",
+    "graph_block_s": "token graph (execute.token_graph): GPU time of one block in the graph (dense part and the "
+                     "routed experts of one token), beyond the head",
+    "graph_step_s": "token graph: host time per step the graph computed (driver, planning under policy gpu, "
+                    "settling, audit); other policies add their plan_s difference to gpu's",
+    "graph_token_s": "token graph: host time per token tried as a graph beyond its steps (embedding, launch, "
+                     "read-back of its routes, sampling)",
 }
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 import simpy
@@ -42,6 +42,7 @@ import simpy
 from scheduler import Audit, AwaitBackground, EndToken, RunLayer, StartBackground
 
 from scheduler.costs import Costs
+from scheduler.graph import GraphBackoff, resident_at_launch
 
 __all__ = ["Simulator", "SimResult"]
 
@@ -88,12 +89,63 @@ class SimResult:
         }
 
 
-class Simulator:
-    """Runs driver items through the cost model; ``record=True`` keeps every span for a timeline."""
+class _GraphToken(NamedTuple):
+    """Put before a token's items when it tries the token graph: the graph completed the blocks
+    before ``blocks`` (all of them: the token), and was launched while the previous token's steps
+    were settled (``ahead``)."""
 
-    def __init__(self, costs: Costs, record: bool = False):
+    token: object
+    blocks: int
+    ahead: bool
+
+
+def graph_tokens(items, num_layers: int):
+    """``items`` with a ``_GraphToken`` before each decode token that tries the token graph, by the
+    executor's rule (``scheduler.graph``): one token's items are read ahead to find the first block
+    whose routed experts were not all resident at the launch (the decisions do not depend on
+    timing, so reading ahead changes none). A token launched ahead (the previous one completed in
+    the graph, same sequence, next position) is launched before the fills awaited at its start."""
+    gate = GraphBackoff()
+    buf: list = []
+    prev = None  # (seq, pos) of the previous token when the graph completed it
+    for item in items:
+        buf.append(item)
+        if type(item) is not EndToken:
+            continue
+        tok = item.token
+        one = tok.phase == "decode" and tok.num_tokens == 1
+        if one and all(it.step.counts is None for it in buf if type(it) is RunLayer) and gate.want():
+            ahead = prev == (tok.seq, tok.pos - 1)
+            arrived: set = set()
+            blocks, launched = num_layers, ahead
+            for it in buf:
+                k = type(it)
+                if k is RunLayer:
+                    launched = True
+                    if not resident_at_launch(it.decision, arrived):
+                        blocks = it.step.layer
+                        break
+                elif k is AwaitBackground and launched:
+                    arrived.update((m.layer, m.expert) for m in it.moves)
+            gate.done(blocks >= num_layers)
+            prev = (tok.seq, tok.pos) if blocks >= num_layers else None
+            yield _GraphToken(tok, blocks, ahead)
+        else:
+            prev = None
+        yield from buf
+        buf = []
+    yield from buf
+
+
+class Simulator:
+    """Runs driver items through the cost model; ``record=True`` keeps every span for a timeline.
+    ``token_graph``: decode tokens may run as one CUDA graph, as ``moelab run`` does (with a host
+    lane whose costs have ``graph_block_s``; ``scheduler.graph``)."""
+
+    def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False):
         self.costs = costs
         self.record = record
+        self.token_graph = token_graph
 
     def run(self, items: Iterable, audit: Audit | None = None) -> SimResult:
         """Simulate ``items`` (from ``scheduler.drive``); each is also fed to ``audit``."""
@@ -274,9 +326,39 @@ class Simulator:
         ready, mid = 0.0, False  # as in _process
         land: dict = {}
         late = 0
+        L = len(dense_s)
+        settle, whole, launch_next = -1, False, 0.0  # token graph: steps below settle were computed by it
+        if self.token_graph and hc.graph_block_s > 0:
+            items = graph_tokens(items, L)
+            cum_dense, cum_kv = np.concatenate(([0.0], np.cumsum(dense_s))), float(np.sum(kv_s))
         for item in items:
-            observe(item)
             kind = type(item)
+            if kind is _GraphToken:  # the graph on the GPU, the host waits for it (execute.token_graph)
+                m, pos1 = item.blocks, item.token.pos + 1
+                gg = (m * hc.graph_block_s + float(cum_dense[L] - cum_dense[min(m, L)]) + pos1 * cum_kv + c.head_s)
+                if item.ahead:
+                    g0 = max(g, launch_next)
+                else:
+                    h += hc.graph_token_s
+                    g0 = max(g, h)
+                g = g0 + gg
+                gpu_busy += gg
+                h = max(h, g)
+                whole = m >= L
+                if whole:  # its logits are final: sample, launch the next token, then settle these steps
+                    h += hc.graph_token_s
+                    launch_next = h
+                settle = m
+                tok_bound += max(gg, hc.graph_token_s + m * hc.graph_step_s)
+                if events is not None:
+                    events.append(("gpu", f"token graph {m}/{L} blocks", g0, gg))
+                continue
+            observe(item)
+            if kind is RunLayer and item.decision.step.layer < settle:  # computed by the graph: settled
+                h += hc.graph_step_s
+                prev_nu = 0
+                ready, mid = 0.0, True
+                continue
             if kind is RunLayer:
                 d = item.decision
                 tok = item.token
@@ -358,16 +440,21 @@ class Simulator:
                 tok_bound += max(gwork, pcopy, cpu_s, h_lane)
             elif kind is EndToken:
                 tok = item.token
-                h0 = h
-                g = max(g, h0) + c.head_s
-                gpu_busy += c.head_s
-                h = max(h0 + hc.head_s, g) + hc.readback_s
+                if whole:  # the head ran in the graph
+                    bounds.append(tok_bound)
+                else:
+                    h0 = h
+                    g = max(g, h0) + c.head_s
+                    gpu_busy += c.head_s
+                    h = max(h0 + hc.head_s, g) + hc.readback_s
+                    bounds.append(tok_bound + max(c.head_s, hc.head_s) + hc.readback_s)
                 tok_times.append(h - tok_start)
-                bounds.append(tok_bound + max(c.head_s, hc.head_s) + hc.readback_s)
                 decode.append(tok.phase == "decode")
                 if events is not None:
-                    events.append(("gpu", "head", g - c.head_s, c.head_s))
+                    if not whole:
+                        events.append(("gpu", "head", g - c.head_s, c.head_s))
                     events.append(("token", f"token {tok.index}", tok_start, h - tok_start))
+                settle, whole = -1, False
                 tok_start, tok_bound = h, 0.0
                 mid = False
                 yield env.timeout(h - env.now)

@@ -158,7 +158,8 @@ def simulate_config(c: dict, hw, model, tokens) -> tuple[dict, str]:
     from .run import SimConfig, run
 
     cfg = SimConfig(model=model.name, hardware=hw.name, policy=c["policy"], cache_slots=c["slots"],
-                    miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256)
+                    miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256,
+                    token_graph=False)  # the engine's trace replay runs no token graph
     result, _ = run(cfg, hardware=hw, model=model, tokens=tokens)
     ref = Audit(model.geometry(), keep_log=True, keep_records=False)
     pol = make_policy(c["policy"], model.geometry(), Capacity.per_layer(model.geometry(), c["slots"]),
@@ -286,7 +287,8 @@ def decompose(raw: dict, hw, tokens, model) -> list[dict]:
         f = token_features(c, model, tokens)
         meas = np.median(np.array([r["token_s"] for r in reps], np.float64), axis=0)
         cfg = SimConfig(model=model.name, hardware=hw.name, policy=c["policy"], cache_slots=c["slots"],
-                        miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256)
+                        miss_fraction=None if c["miss_frac_256"] is None else c["miss_frac_256"] / 256,
+                        token_graph=False)
         pred = run(cfg, hardware=hw, model=model, tokens=tokens)[0].token_s
         row = {"label": label, **{f"per_token_{k}": float(v) for k, v in zip(DECOMPOSE_TERMS[1:], f[:, 1:].mean(0))}}
         for side, t in (("measured", meas), ("predicted", pred)):

@@ -7,8 +7,12 @@ config (``gpu``: every expert in VRAM; ``cpu``: every expert on the CPU pool), a
 the same geometry under the same policy and cache size (the row's own ``cache_mib``, else the
 config's budget) on a hardware file: the routing the benchmark recorded (``trace``: its first
 ``gpu`` run's, every position of the prompt and the generation; greedy tokens route alike under
-every policy), else decode tokens/s averaged over ``seeds`` synthetic traces (random weights do
-not route like a trained model: the measured hit rates are then the check on the traces).
+every policy), in the batches the run stepped them in (the trace's ``meta.batches``: the prompt
+as ``moelab run``'s prefill chunks, then one token at a time), else decode tokens/s averaged over
+``seeds`` synthetic traces (random weights do not route like a trained model: the measured hit
+rates are then the check on the traces). Each row's policy is built as its command built it:
+``hybrid`` without ``--hardware`` takes the fixed PCIe share (``--miss-fraction``, else
+``MISS_FRAC_256`` / 256), not the cost model's.
 """
 from __future__ import annotations
 
@@ -18,10 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler import MISS_FRAC_256
 from scheduler.hardware import Hardware
 from scheduler.models import ModelSpec, load_model
 
-from .run import SimConfig, SimError, run
+from .run import SimConfig, SimError, load_tokens, run
+from .speculative import merge_rows
 
 __all__ = ["load_result", "peer_model", "predict_peer", "format_peer"]
 
@@ -63,12 +69,46 @@ def _measured(rows: list[dict]) -> dict[str, dict]:
         cell = r.get("cell", "")
         if not cell.startswith("moelab "):
             continue
-        e = out.setdefault(cell, {"policy": cell.split(" ", 1)[1], "decode": [], "cache_mib": None, "hit_rate": []})
+        e = out.setdefault(cell, {"policy": cell.split(" ", 1)[1], "decode": [], "cache_mib": None, "hit_rate": [],
+                                  "miss_fraction": None})
+        if e["policy"] == "hybrid" and e["miss_fraction"] is None:
+            e["miss_fraction"] = miss_fraction_of(r.get("command") or [])
         if r.get("decode_tokens_per_s"):
             e["decode"].append(float(r["decode_tokens_per_s"]))
             e["hit_rate"].append(float(r.get("hit_rate", 0.0)))
             e["cache_mib"] = r.get("cache_mib", e["cache_mib"])
             e["decode_tokens"] = int(r.get("decode_tokens", 63))
+    return out
+
+
+def miss_fraction_of(command: list[str]) -> float | None:
+    """``hybrid``'s fixed PCIe share as a ``moelab run`` command line sets it: ``--miss-fraction``,
+    else ``MISS_FRAC_256`` / 256 without ``--hardware``; None (the cost model's share) with it."""
+    args = [str(a) for a in command]
+    for i, a in enumerate(args):
+        if a == "--miss-fraction" and i + 1 < len(args):
+            return float(args[i + 1])
+        if a.startswith("--miss-fraction="):
+            return float(a.split("=", 1)[1])
+    if any(a == "--hardware" or a.startswith("--hardware=") for a in args):
+        return None
+    return MISS_FRAC_256 / 256
+
+
+def batched_tokens(tokens, batches) -> list:
+    """The trace's tokens grouped as the run stepped them (``batches``: rows per step, in order;
+    a step of several rows becomes one token of that many, as ``simulate.speculative.merge_rows``
+    builds it, in the phase of its first row); the rows past the batches one by one."""
+    rows = list(tokens)
+    out, i = [], 0
+    for n in batches:
+        n = int(n)
+        if n < 1 or i + n > len(rows):
+            raise ValueError(f"trace meta.batches: a batch of {n} rows at row {i} of {len(rows)}")
+        out.append(replace(rows[i], index=len(out)) if n == 1
+                   else replace(merge_rows(rows[i:i + n], len(out)), phase=rows[i].phase))
+        i += n
+    out.extend(replace(t, index=len(out) + j) for j, t in enumerate(rows[i:]))
     return out
 
 
@@ -79,6 +119,14 @@ def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None 
     cfg = result["config"]
     model = peer_model(cfg)
     out = []
+    recorded = None
+    if trace is not None:  # the recorded rows, stepped as the run stepped them
+        try:
+            recorded = load_tokens(SimConfig(model=model.name, trace=str(trace), phase="all"), model)
+        except SimError as err:
+            raise ValueError(str(err)) from None
+        batches = (recorded.trace.meta or {}).get("batches")
+        recorded = batched_tokens(recorded, batches) if batches else list(recorded)
     for cell, e in _measured(result["rows"]).items():
         mib = e["cache_mib"] if e["cache_mib"] is not None else float(cfg["budget_mib"])
         n = e.get("decode_tokens", int(cfg.get("tokens", 64)) - 1)
@@ -86,9 +134,9 @@ def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None 
         for seed in range(1 if trace is not None else seeds):
             sc = SimConfig(model=model.name, hardware=hw.name, policy=e["policy"], cache_mib=mib if e["policy"] != "cpu"
                            else 0.0, trace="synth" if trace is None else str(trace), synth_tokens=n, seed=seed,
-                           phase="decode" if trace is None else "all")
+                           phase="decode" if trace is None else "all", miss_fraction=e["miss_fraction"])
             try:
-                s = run(sc, hardware=hw, model=model)[0].summary()
+                s = run(sc, hardware=hw, model=model, tokens=recorded)[0].summary()
             except SimError as err:
                 raise ValueError(f"{cell}: {err}") from None
             tps.append(s["tokens_per_s"])

@@ -38,6 +38,9 @@ class SimConfig:
     ``miss_fraction`` is hybrid's share of distinct misses sent over PCIe (to 1/256).
     ``trace``: None = bundled granite trace, a path, or ``"synth"`` (``synth_tokens`` tokens for the
     model's geometry, from ``seed``). ``phase``: which trace rows run ("decode", "prefill", "all").
+    ``token_graph``: decode tokens may run as one CUDA graph, as ``moelab run`` does when any expert
+    can be resident (charged only with a hardware file that has the graph's costs; off for the
+    engine-only trace replay of ``experiments/sim_vs_real.py``).
     """
 
     model: str = DEFAULT_MODEL
@@ -56,6 +59,7 @@ class SimConfig:
     lag_tokens: int = 1
     pinned: bool = True
     context: int = 4096
+    token_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.cache_slots is not None and self.cache_slots < 0:
@@ -220,8 +224,10 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     except ValueError as e:
         raise SimError(f"policy {cfg.policy}: {e}") from None
     audit = Audit(geometry, keep_records=False)
-    result = Simulator(costs, record=record).run(drive(policy, tokens, cfg.lag_tokens), audit)
     slots = capacity.min_slots_per_layer(geometry) if cfg.policy != "gpu" else geometry.max_experts
+    # the executor's: some expert can be resident, and no shared expert (execute.backends.token_graph)
+    graph = cfg.token_graph and capacity.slot_bytes(geometry) > 0 and not model.shared_ffn
+    result = Simulator(costs, record=record, token_graph=graph).run(drive(policy, tokens, cfg.lag_tokens), audit)
     info = {"slots_per_layer": slots, "cache_mib": capacity.slot_bytes(geometry) / 2**20,
             "expert_bytes": model.expert_bytes(model.num_layers - 1), "num_experts": model.num_experts,
             "model_expert_mib": model.total_expert_bytes() / 2**20}
