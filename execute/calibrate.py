@@ -30,6 +30,10 @@ a replay too the thread waits for the pool before each):
   cached, every layer's ``run_layer`` phases, decision sizes and CPU job stamps logged and reduced
   by ``replay_host_fields``: the host thread is as fast as it is in a replay, between layers that
   share the machine with the CPU pool, not as in an isolated call;
+- token graph (``calibrate_graph``): decode tokens as one CUDA graph each, pipelined, under
+  ``gpu`` on synthetic models of the calibration's shape at 2 and 6 blocks: the device time of one
+  block in the graph and the host's time per step the graph computed and per token (fit over the
+  blocks), for the simulator's graph lane;
 - CPU pool (``CpuExpertPool`` via the engine, cold experts): time per call of 1..8 experts (fit:
   task + experts x bytes / GB/s), other quant types and thread counts (not with ``--quick``), and
   the host memory read bandwidth.
@@ -75,6 +79,7 @@ from .calibrate_measure import (MEM_READ_BYTES, PHASES, PLAN_POLICIES, GpuTimer,
                                 measure_cpu_pool, measure_cpu_types, measure_dense, measure_engine,
                                 measure_gpu_basics, measure_gpu_experts, measure_link, measure_plan_s,
                                 measure_poll_s, synth_tokens)
+from .calibrate_graph import measure_token_graph
 from .calibrate_replay import (HYBRID_96, REPLAY_CONFIGS, RUN_CONFIGS, RUN_PHASES, calibration_replay,
                                calibration_runs, decision_totals, replay_engine, replay_setup, replay_summary,
                                stats_delta)
@@ -184,6 +189,12 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
         hw.update(_gpu_fields(m, eb, src))
         if "engine_replay" in m:  # host lane and pool as a replay runs them, over the one-call figures
             hw = apply_replay(hw, m["engine_replay"], eb, T, src)
+        if (m.get("token_graph") or {}).get("fields"):
+            hw["executor"] = {**hw["executor"], **m["token_graph"]["fields"]}
+            src["executor.token_graph"] = ("measured: decode tokens as one CUDA graph each under gpu, pipelined, on "
+                                           "synthetic models of the calibration's shape and 2 and 6 blocks "
+                                           "(calibrate_graph): device time per token (CUDA events) and host time "
+                                           "less the wait for the graphs, fit over the blocks")
     elif not base:
         raise ValueError("hardware_json: no GPU measurements and no base hardware file for the GPU fields")
     hw["sources"] = {**(base or {}).get("sources", {}), **src}
@@ -297,7 +308,7 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
     """Every measurement (see the module docstring); reuses ``layers``/``gx`` when given. Results
     go into ``partial`` (a dict, also returned) as they come. Stages are shown on stderr unless
     ``args.quiet``."""
-    total = (layers is None) + 3 + (not args.quick) + (0 if args.cpu_only else 7)
+    total = (layers is None) + 3 + (not args.quick) + (0 if args.cpu_only else 8)
     stage = _Stages(total, getattr(args, "quiet", False))
     try:
         m = _measure(args, stage, layers, gx, partial)
@@ -376,12 +387,29 @@ def _measure(args, stage, layers, gx, partial) -> dict:
         stage("engine host costs in unlogged replays")
         m["calibration_runs"] = calibration_runs(cp, gx, layers, args)
         m["engine_replay"] = replay_summary(records, m["calibration_runs"])
+        stage("token graph")
+        m["token_graph"] = _token_graph(args, reps)
     finally:
         engine.synchronize()
         engine.pool.close()
         if own:
             gx.close()
     return m
+
+
+def _token_graph(args, reps: int) -> dict:
+    """``calibrate_graph.measure_token_graph`` on models written to a temporary folder; a failure
+    (a graph that cannot be captured here) is recorded, with a warning, and gives no graph fields."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="moelab-calibrate-") as tmp:
+            return measure_token_graph(args, Path(tmp), reps=max(3, reps // 2))
+    except Exception as exc:  # noqa: BLE001 - the rest of the calibration stands without the graph's fields
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"moelab calibrate: warning: token graph not measured ({msg}); the file has no graph fields",
+              file=sys.stderr)
+        return {"error": msg}
 
 
 def add_shape_args(ap: argparse.ArgumentParser) -> None:

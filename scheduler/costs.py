@@ -141,7 +141,8 @@ class HostCosts:
                    plan_copy_s=g("host_plan_copy_s"), handoff="handoff_in_s" in ex,
                    handoff_in_s=g("handoff_in_s"), handoff_out_s=g("handoff_out_s"),
                    graph_block_s=g("graph_block_s"),
-                   graph_step_s=max(g("graph_step_s") - plan.get("gpu", plan_s), 0.0) + plan_s,  # measured under gpu
+                   graph_step_s=(max(g("graph_step_s") - plan["gpu"], 0.0) + plan_s if "gpu" in plan  # measured
+                                 else g("graph_step_s")),  # under gpu: this policy's planning in place of gpu's
                    graph_token_s=g("graph_token_s"))
 
 

@@ -1,0 +1,102 @@
+"""The token graph lane (simulate.engine, scheduler.graph): decode tokens whose experts are all
+resident run as one CUDA graph, the host out of the loop but for one launch and read-back per
+token and the settling of each step; the next token is launched while the host settles."""
+from __future__ import annotations
+
+import pytest
+
+from scheduler import AwaitBackground, Decision, EndToken, Move, RunLayer, Step, Token
+from simulate import Costs, ExecConfig, Simulator
+from simulate.engine import _GraphToken, graph_tokens
+
+from .conftest import round_hardware, tiny_model
+
+US = 1e-6
+L = 4
+HOST = {"host_dense_s": 50 * US, "readback_s": 10 * US, "plan_s": {"gpu": 1 * US, "lru": 4 * US}}
+
+
+def token_items(index: int, misses: dict | None = None, pos: int | None = None) -> list:
+    """One decode token over L layers routed to experts (0, 1); ``misses`` {layer: expert}: uploaded."""
+    t = Token(index, 0, index if pos is None else pos, "decode", ())
+    out = []
+    for l in range(L):
+        s = Step(l, (0, 1))
+        e = (misses or {}).get(l)
+        d = (Decision(s, tuple(x for x in (0, 1) if x != e), uploads=(e,), slots=(2,)) if e is not None
+             else Decision(s, (0, 1)))
+        out.append(RunLayer(t, s, d))
+    return out + [EndToken(t)]
+
+
+def costs(graph: dict | None, policy: str = "gpu") -> Costs:
+    return Costs(tiny_model(num_layers=L), round_hardware(executor={**HOST, **(graph or {})}), ExecConfig(policy=policy))
+
+
+def times(c: Costs, items: list, graph: bool = True) -> list[float]:
+    return list(Simulator(c, token_graph=graph).run(iter(items)).token_s)
+
+
+def graph_s(c: Costs, pos: int, block: float) -> float:
+    return L * block + (pos + 1) * sum(c.kv_s_per_pos) + c.head_s
+
+
+@pytest.mark.parametrize("block_us, step_us", [(300, 3), (5, 30)])
+def test_all_resident_tokens_pipeline_the_settling_behind_the_next_graph(block_us, step_us):
+    """The next token's graph waits for this one's logits (read back, sampled, launched: the
+    per-token host cost), then runs while the host settles this token's steps."""
+    g = {"graph_block_s": block_us * US, "graph_step_s": step_us * US, "graph_token_s": 20 * US}
+    c = costs(g)
+    items = [it for i in range(6) for it in token_items(i)]
+    t = times(c, items)
+    for i in range(2, 6):
+        assert t[i] == pytest.approx(20 * US + max(graph_s(c, i, block_us * US), L * step_us * US), rel=1e-6)
+    # the first token is launched by the host and waited for, then settled: nothing overlaps
+    assert t[0] == pytest.approx(20 * US + graph_s(c, 0, block_us * US) + (20 + L * step_us) * US, rel=1e-6)
+
+
+def test_settled_steps_charge_the_policys_planning_in_place_of_gpus():
+    g = {"graph_block_s": 5 * US, "graph_step_s": 30 * US, "graph_token_s": 20 * US}  # host-bound
+    items = [it for i in range(4) for it in token_items(i)]
+    gpu, lru = times(costs(g, "gpu"), items), times(costs(g, "lru"), items)
+    assert lru[3] - gpu[3] == pytest.approx(L * 3 * US)  # lru plans 4 us a step, gpu 1
+
+
+def test_without_graph_costs_or_with_the_lane_off_the_host_lane_is_unchanged():
+    items = [it for i in range(3) for it in token_items(i)]
+    plain = times(costs(None), items)
+    g = {"graph_block_s": 5 * US, "graph_step_s": 3 * US, "graph_token_s": 20 * US}
+    assert times(costs(g), items, graph=False) == plain
+    assert times(costs(None), items, graph=True) == plain
+    assert sum(times(costs(g), items)) < sum(plain)
+
+
+def test_a_miss_halts_the_graph_and_backs_off():
+    """Token 0 misses at layer 2: the graph ran blocks 0-1 (and every block's dense part), the host
+    runs 2-3 block by block; token 1 skips the graph (back-off), token 2 tries it again."""
+    items = token_items(0, {2: 3}) + token_items(1, {1: 3}) + token_items(2)
+    marks = [it for it in graph_tokens(iter(items), L) if type(it) is _GraphToken]
+    assert [(m.token.index, m.blocks, m.ahead) for m in marks] == [(0, 2, False), (2, L, False)]
+    g = {"graph_block_s": 5 * US, "graph_step_s": 3 * US, "graph_token_s": 20 * US}
+    with_g, plain = times(costs(g), items), times(costs(None), items)
+    assert with_g[1] == pytest.approx(plain[1])  # block by block, as without the graph
+    assert with_g[0] > plain[0] - 2 * (50 + 10) * US  # the halted graph's wasted dense launches are paid
+
+
+def test_fills_awaited_after_a_launch_ahead_are_not_in_the_graph():
+    """A token launched ahead was launched before the fills awaited at its start: a hit on one of
+    them halts its graph; a token launched by the host sees them."""
+    fill = AwaitBackground((Move(1, 0, 2),))
+    items = token_items(0) + [fill] + token_items(1)
+    marks = [it for it in graph_tokens(iter(items), L) if type(it) is _GraphToken]
+    assert [(m.blocks, m.ahead) for m in marks] == [(L, False), (1, True)]
+    items = token_items(0, {0: 3}) + [fill] + token_items(1) + [fill] + token_items(2)
+    marks = [it for it in graph_tokens(iter(items), L) if type(it) is _GraphToken]
+    assert [(m.token.index, m.blocks, m.ahead) for m in marks] == [(0, 0, False), (2, L, False)]
+
+
+def test_batches_and_prefill_never_run_as_a_graph():
+    t = Token(0, 0, 0, "prefill", (), 8)
+    s = Step(0, (0, 1), (4, 4))
+    items = [RunLayer(t, s, Decision(s, (0, 1))), EndToken(t)]
+    assert not [it for it in graph_tokens(iter(items), L) if type(it) is _GraphToken]
