@@ -13,7 +13,7 @@ bytes and hits, the errors, Spearman and the targets. Writes ``OUT/raw.json`` (a
 ``--peer result.json`` (no GPU) prints the peer benchmark's moelab rows, predicted vs measured.
 
     python experiments/sim_vs_real.py --hardware docs/fidelity/h200-calibrated.json --layers 48 --budgets 2048,4096,12288 --out $OUT/svr
-    python experiments/sim_vs_real.py --hardware docs/fidelity/h200-calibrated.json --peer docs/perf/peer_h200/result.json
+    python experiments/sim_vs_real.py --hardware docs/fidelity/h200-calibrated.json --peer docs/perf/peer_h200/budget-*/result.json
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hardware", required=True, help="hardware JSON from moelab calibrate")
     ap.add_argument("--from", dest="from_dir", default=None, help="reuse DIR/raw.json's measurements (no GPU)")
-    ap.add_argument("--peer", default=None, help="a peer benchmark's result.json: predict its moelab rows (no GPU)")
+    ap.add_argument("--peer", nargs="+", default=None,
+                    help="peer benchmark result.json file(s): predict their moelab rows (no GPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", "sim_vs_real"), help="output folder (created)")
     ap.add_argument("--layers", type=int, default=16)
     add_shape_args(ap)

@@ -29,21 +29,29 @@ def runs_of(a: dict) -> list[dict]:
     return select(configs(a["experts"], budgets, a["layers"], eb), a.get("configs"))
 
 
-def predict_peer_rows(result_path: str, hw_path: str, seeds: int = 3) -> int:
-    """Print predicted vs measured per moelab row of a peer ``result.json``; 2 on bad input."""
+def predict_peer_rows(result_paths, hw_path: str, seeds: int = 3) -> int:
+    """Print predicted vs measured per moelab row of each peer ``result.json`` (a path or a list),
+    then, for several, the count within 15% over all of them; 2 on bad input (before any output)."""
     from scheduler.hardware import HardwareError, load_hardware
     from simulate.peer import format_peer, load_result, predict_peer
 
+    paths = [result_paths] if isinstance(result_paths, (str, Path)) else list(result_paths)
     try:
         hw = load_hardware(hw_path)
-        result = load_result(Path(result_path))
-        trace = Path(result_path).parent / "trace"
-        rows = predict_peer(result, hw, seeds, trace if trace.is_dir() else None)
+        results = [(p, load_result(Path(p))) for p in paths]
+        tables = []
+        for p, result in results:
+            trace = Path(p).parent / "trace"
+            tables.append((result, trace, predict_peer(result, hw, seeds, trace if trace.is_dir() else None)))
     except (HardwareError, ValueError) as e:
         print(f"sim_vs_real: {e}", file=sys.stderr)
         return 2
-    print(format_peer(rows, float(result["config"]["budget_mib"])))
-    print(f"routing: {'the run recorded, ' + str(trace) if trace.is_dir() else f'{seeds} synthetic traces (no trace recorded)'}")
+    for result, trace, rows in tables:
+        print(format_peer(rows, float(result["config"]["budget_mib"])))
+        print(f"routing: {'the run recorded, ' + str(trace) if trace.is_dir() else f'{seeds} synthetic traces (no trace recorded)'}")
+    if len(tables) > 1:
+        got = [r for _, _, rows in tables for r in rows if r["error"] is not None]
+        print(f"all budgets: rows within 15%: {sum(abs(r['error']) <= 0.15 for r in got)} of {len(got)} measured")
     return 0
 
 

@@ -344,9 +344,10 @@ def test_peer_rows_are_predicted_from_a_hardware_file(capsys):
 
 
 def test_peer_rows_replay_the_routing_the_benchmark_recorded(tmp_path):
-    """With the run's recorded routing, the prediction replays it (prompt and generation) and the
-    hit rate is the trace's under the policy: every expert of the trace resident under ``gpu``, a
-    trace that routes every token to the same 8 experts misses them once under ``lru``."""
+    """With the run's recorded routing, the prediction replays it (prompt and generation) in the
+    run's batches (``meta.batches``: the 8-token prompt is one step) and the hit rate is the
+    trace's under the policy: every expert of the trace resident under ``gpu``, a trace that routes
+    every token to the same 8 experts misses them once under ``lru``."""
     from scheduler.hardware import load_hardware
     from simulate import peer
     from traces import Trace
@@ -362,5 +363,5 @@ def test_peer_rows_replay_the_routing_the_benchmark_recorded(tmp_path):
     rows = peer.predict_peer(small, load_hardware(ROOT / "docs" / "fidelity" / "h200-calibrated.json"),
                              trace=tmp_path / "trace")
     hits = {r["row"]: r["predicted_hit_rate"] for r in rows}
-    assert hits["moelab gpu"] == 1.0  # every routed pair of the trace (96) a hit; under lru the prompt's
-    assert hits["moelab lru"] == pytest.approx(1 - 8 / 96)  # batch misses its 8 experts once, then all hit
+    assert hits["moelab gpu"] == 1.0  # every expert of every step a hit; under lru the prompt's one step
+    assert hits["moelab lru"] == pytest.approx(1 - 8 / 40)  # misses its 8 experts, the 4 decode steps' 32 hit
