@@ -236,6 +236,13 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
         backend = make_backend(args, weights, use_gpu, capacity, "moelab run")
     with ph.phase("dense_upload_s"):
         model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
+    with ph.phase("prefill_warmup_s"):  # as llama-bench's warm-up run: first uses before the clock
+        model.warm_up(min(len(prompt), args.prefill_chunk))
+        attach = getattr(backend, "token_graph", None)
+        if attach is not None and args.tokens > 1:
+            model.token_graph = attach(model)
+            if model.token_graph is not None:
+                model.token_graph.prepare()
     if record:
         model.route_log = []
     if getattr(args, "router_predictor", False):

@@ -19,6 +19,9 @@ Phases (seconds), in the order they run:
   with ``cudaHostRegister``, the CPU pool's state);
 - ``dense_upload_s``: the model's dense weights put on their device in the kernels' layout (GPU: the
   stored bytes split and copied; CPU: float32 arrays), the KV cache allocated;
+- ``prefill_warmup_s`` (GPU): the process's first uses of the chunk path paid on stand-in tokens
+  (one block and the head: library kernels loaded, cuBLAS set up) and the decode graphs captured,
+  so that the prompt and decode clocks start warm, as llama-bench's warm-up run does;
 - ``numba_warmup_s``: the CPU expert kernels compiled, or loaded from Numba's cache, by one call;
 - ``expert_upload_s``: the experts the policy placed at construction uploaded (all of them for
   ``gpu``);
@@ -35,8 +38,8 @@ from contextlib import contextmanager
 __all__ = ["Phases", "process_age_s", "precompile_kernels", "PHASES"]
 
 PHASES = ("finite_check_s", "model_open_s", "dense_dequantize_s", "expert_convert_s", "tokenizer_s", "policy_s",
-          "kernel_compile_s", "backend_s", "dense_upload_s", "numba_warmup_s", "expert_upload_s", "prefill_s",
-          "first_sample_s")
+          "kernel_compile_s", "backend_s", "dense_upload_s", "prefill_warmup_s", "numba_warmup_s", "expert_upload_s",
+          "prefill_s", "first_sample_s")
 
 
 def process_age_s() -> float | None:

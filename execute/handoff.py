@@ -92,6 +92,9 @@ class Edges:
         self.in_s = 0.0  # gate written (GPU) -> first worker through it (CPU)
         self.out_s = 0.0  # last output written (CPU) -> a waiting kernel sees the call done (GPU)
         self.last: deque = deque(maxlen=4096)  # (in_s, out_s) per call
+        # per call, host-clock seconds (perf_counter): (layer, seq, submitted, gate written by the
+        # GPU, first worker through the gate, team started, last output, call seen done by the GPU)
+        self.timeline: deque = deque(maxlen=4096)
 
 
 class Handoff:
@@ -197,6 +200,9 @@ class Handoff:
                 e.in_s += a
                 e.out_s += b
                 e.last.append((a, b))
+                e.timeline.append((job.layer, job._seq, job.submitted_s, (int(w[stamp]) - self.offset_ns) * 1e-9,
+                                   job.gate_s, job.started_s, job.finished_s,
+                                   (int(w[stamp + 1]) - self.offset_ns) * 1e-9))
             elif not final and newest - job._seq < _SLOTS // 2:
                 keep.append(item)
         self._pending = keep

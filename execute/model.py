@@ -473,6 +473,35 @@ class MoeModel:
             self.route_log.extend((self.pos + i, r) for i, r in enumerate(rows))
         self.pos += t
 
+    def warm_up(self, t: int) -> None:
+        """Pay a process's first-use costs of the GPU paths before a prompt is timed: the chunk dense
+        path of the first block and the head on ``t`` (> 1) stand-in tokens at position 0 (the
+        library kernels load, the cuBLAS handle and its per-shape choices, the memory pool grows),
+        and the one-token decode plans (their CUDA graphs captured), as a run's first chunk and first
+        decode token would. The sequence is untouched: only a new one (``pos`` 0) may be warmed, the
+        KV entries written are overwritten by the prompt's first chunk, and ``pos``, ``logits`` and
+        the routing stay as they were. No-op without a GPU, for ``t`` < 2, or mid-sequence."""
+        if self.gd is None or self.pos != 0:
+            return
+        xp, t = self.xp, min(int(t), self.k_cache[0].shape[1])
+        if t > 1:
+            info, w = self.info, self.layers[0]
+            x = xp.asarray(self.token_embd[np.arange(t) % info.vocab], dtype=xp.float32)
+            h = self._rms(x, w["attn_norm"])
+            x = x + (self._attention_mla(0, h) if self.mla else self._attention(0, h))
+            hn = self._rms(x, w["ffn_norm"])
+            if w["router"] is None:
+                x = x + self._ffn(w["dense_ffn"], hn)
+            else:
+                saved = getattr(self, "_route_len", None)
+                self._route(0, hn, None)
+                self._route_len = saved
+                x = x + self._shared(0, hn)
+            self._proj(self._rms(x[-1:], self.output_norm), self.output)
+        if self.fast and self._plans is None:
+            self._plans = self._decode_plans()
+        xp.cuda.get_current_stream().synchronize()
+
     def _predict_router(self, l: int, x, ids: np.ndarray) -> None:
         """The :class:`RouterPredictor` measurement at MoE block ``l``: its routing ``ids`` ``(T, k)``
         against the prediction made at block l - 1, then block l + 1's prediction (when it is a MoE

@@ -174,6 +174,15 @@ class TokenGraph:
         self._graph, self._exec, self._cache = graph, ge, self.model.k_cache[0]
         return True
 
+    def prepare(self) -> bool:
+        """Capture the graph now, before a run's clock starts, rather than at the first launch; False
+        when it cannot be built (a warning was printed, decode runs block by block)."""
+        if self.failed:
+            return False
+        if self._exec and self._cache is self.model.k_cache[0]:
+            return True
+        return self._build()
+
     # run -----------------------------------------------------------------------------------------
     def want(self) -> bool:
         """Whether the next token should try the graph (see the module docstring)."""
