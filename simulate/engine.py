@@ -24,7 +24,9 @@ cross-layer prefetch, started after an earlier layer) delays only the next layer
 its dense part: the executor computes the dense part and router before the driver waits. A hit
 on such a prefetch that lands after the step could have started counts as a *late hit*: the
 summary's ``hit_rate`` leaves it out (it was waited for, as a miss would be). With measured executor costs (``Costs.host``) the layer
-follows the executor's own order on a host lane instead (``_process_host``, docs/FIDELITY.md).
+follows the executor's own order on a host lane instead (``_process_host``, docs/FIDELITY.md);
+with ``token_graph`` and the graph's costs, a decode token whose experts are resident runs as one
+CUDA graph there (``graph_tokens``: ``scheduler.graph``'s rule).
 Analytic bound of a layer: max(GPU work, copy work, CPU
 work) with perfect overlap and no latency between them; of a token: the sum over its layers plus
 the per-token GPU work (output head).
