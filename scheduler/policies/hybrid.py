@@ -225,9 +225,14 @@ class HybridPolicy(BasePolicy):
         return Decision(step, hits, tuple(uploads), tuple(slots), tuple(streams), cpu, tuple(evictions))
 
     def commit(self, d: Decision) -> None:
-        layer = d.step.layer
         if d.uploads:
             self._take_slots(d)
+        self.observe(d)
+
+    def observe(self, d: Decision) -> None:
+        """``commit`` less the cache's change: recency, usage, the share's reuse and the token's
+        misses (a policy that shares this cache, ``lookahead``'s guard, commits ``d`` itself)."""
+        layer = d.step.layer
         if self._lru is not None:
             order = self._lru[layer]
             to_end = order.move_to_end
@@ -363,6 +368,20 @@ class HybridPolicy(BasePolicy):
     def commit_background(self, moves: tuple[Move, ...]) -> None:
         swap_round = self._swap_due()
         super().commit_background(moves)
+        self.observe_background(moves, swap_round)
+
+    def placed(self, keys) -> None:
+        """Experts made resident by another policy's moves on a shared cache (prefetch, fills):
+        kept in the recency order as its least recent, so they stay victims."""
+        if self._lru is not None:
+            for layer, e in keys:
+                order = self._lru[layer]
+                if e not in order:
+                    order[e] = None
+                    order.move_to_end(e, last=False)
+
+    def observe_background(self, moves: tuple[Move, ...], swap_round: bool = False) -> None:
+        """``commit_background`` less the cache's change (a token's end; see ``observe``)."""
         self.background.update((m.layer, m.expert) for m in moves)
         if swap_round:
             self._np *= self.decay

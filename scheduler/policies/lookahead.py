@@ -39,7 +39,10 @@ calibration):
   the first step of its layer that it could serve (a fill lands a token later): +1 when its expert
   is routed there, -1 for each step until then that routes its victim; the score decays over 64
   audited steps. Until a kind's score is positive its swaps are held back (its moves into free
-  slots still go) and still scored, so they go once they have shown that they pay.
+  slots still go) and still scored, so they go once they have shown that they pay;
+- *guard* (``guard_memory`` > 0, ``LookaheadPolicy``; ``guard.py``): a shadow ``hybrid`` priced by
+  the same model; while it is predicted faster (by ``guard_margin``) over the last
+  ``guard_memory`` tokens, the next ``guard_probe`` tokens follow hybrid's decisions on this cache.
 
 Values come from ``value`` / ``next_value`` / ``fill_value``; :class:`LookaheadPolicy` learns them
 online, never from later steps; the ``oracle`` policy (``oracle.py``) gives them from the future.
@@ -56,6 +59,7 @@ from ..core import Capacity, Decision, Geometry, Move, Step
 from ..costmodel import CostModel
 from ..profile import Profile
 from .base import MAX_FILLS_PER_TOKEN, BasePolicy
+from .guard import Guard
 from .predict import PredictConfig, PredictPolicy
 
 __all__ = ["LookaheadConfig", "LookaheadPolicy", "CostPlanner"]
@@ -119,8 +123,9 @@ class LookaheadConfig:
     ``max_prefetch`` in 0..``MAX_FILLS_PER_TOKEN``, ``fill_share`` in [0, 1], ``slack`` >= 0,
     ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0, ``fills`` ("values" or
     "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``, ``fill_window`` ("priced",
-    "demand" or "idle"), ``fill_price`` >= 0. ``fill_window``, ``fill_price`` and ``values`` default
-    to the grid configuration (``simulate.heldout.LOOKAHEAD_GRID``) that
+    "demand" or "idle"), ``fill_price`` >= 0, ``guard_memory`` 0 (no guard) or > 1 (tokens),
+    ``guard_margin`` in [0, 1), ``guard_probe`` >= 1 (tokens). The guard's fields default to the grid
+    configuration (``simulate.heldout.LOOKAHEAD_GRID``) that
     ``experiments/policies_eval.py`` chooses on its development set; the other defaults and the
     module's constants were set by hand on that set; the held-out figures are on test families
     that no tuning saw (docs/POLICIES.md).
@@ -138,6 +143,9 @@ class LookaheadConfig:
     audit: bool = True
     fill_window: str = "priced"
     fill_price: float = 0.5
+    guard_memory: float = 16.0
+    guard_margin: float = 0.0
+    guard_probe: int = 32
 
     def __post_init__(self) -> None:
         if self.fills not in ("frequency", "values", "long"):
@@ -150,7 +158,8 @@ class LookaheadConfig:
                   "max_prefetch": 0 <= self.max_prefetch <= MAX_FILLS_PER_TOKEN,
                   "fill_share": 0.0 <= self.fill_share <= 1.0, "slack": self.slack >= 0.0,
                   "memory": self.memory > 1.0, "reuse_weight": self.reuse_weight >= 0.0,
-                  "fill_price": self.fill_price >= 0.0}
+                  "fill_price": self.fill_price >= 0.0, "guard_memory": self.guard_memory == 0.0 or self.guard_memory > 1.0,
+                  "guard_margin": 0.0 <= self.guard_margin < 1.0, "guard_probe": self.guard_probe >= 1}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"lookahead {name}: {getattr(self, name)} out of range (see LookaheadConfig)")
@@ -193,6 +202,7 @@ class CostPlanner(BasePolicy):
         self._hit = 0.5  # share of fills routed at their layer's first step once landed (decayed)
         moe = geometry.moe_layers
         self.next_layer = {l: moe[(i + 1) % len(moe)] for i, l in enumerate(moe)}
+        self.guard: Guard | None = None  # lookahead's: hybrid's decisions while its own moves do not pay
         super().__init__(geometry, capacity, profile)
 
     # values (subclasses) ---------------------------------------------------------------------
@@ -231,6 +241,10 @@ class CostPlanner(BasePolicy):
                 {e: cm.cpu_s(layer, n) for e, n in zip(step.experts, step.counts)})
 
     def plan(self, step: Step) -> Decision:
+        if self.guard is not None and self.guard.active:
+            d, t, left = self.guard.plan(step, self._queue)
+            self._planned = (d, t, left, 0.0, t)
+            return d
         layer, cache = step.layer, self.cache
         state = cache.state[layer]
         experts = step.experts
@@ -324,6 +338,8 @@ class CostPlanner(BasePolicy):
         if self._watch:
             self._score_fills(layer, d.step.experts)
         self._take_slots(d)
+        if self.guard is not None:
+            self.guard.step(d)
         self._queue = left
         self._want.append((self._token_s + self.layer_s[layer], want, self.layer_s[layer], rec))
         self._routed.update((layer, e) for e in d.step.experts)
@@ -374,6 +390,9 @@ class CostPlanner(BasePolicy):
         known): the next layer's likeliest experts, then fills held over from the last token's end
         (module docstring)."""
         cfg = self.config
+        if self.guard is not None and self.guard.active:
+            self._spare_keys = set()
+            return ()
         nl = self.next_layer[step.layer]
         window = self.layer_s[nl] - self._queue
         moves: list[Move] = []
@@ -455,6 +474,8 @@ class CostPlanner(BasePolicy):
         share = self.config.fill_share
         want, self._want = self._want, []
         self._spare = []
+        if self.guard is not None and self.guard.active:
+            return self.guard.follow.plan_background()
         if not share:
             return ()
         cache = self.cache
@@ -516,6 +537,11 @@ class CostPlanner(BasePolicy):
         self._spare = moves[n:]
         return tuple(moves[:n])
 
+    def complete(self, layer: int, expert: int) -> None:
+        super().complete(layer, expert)
+        if self.guard is not None:
+            self.guard.complete(layer, expert)
+
     def _ranked_fill(self, layer: int, f: np.ndarray) -> list[tuple[float, tuple[int, int]]]:
         """Residents of ``layer``'s pool by fill value, lowest first (released prefetches below)."""
         cache = self.cache
@@ -534,6 +560,8 @@ class CostPlanner(BasePolicy):
 
     def commit_background(self, moves: tuple[Move, ...]) -> None:
         super().commit_background(moves)
+        if self.guard is not None:
+            self.guard.moved(moves, self._ending)
         self._queue += sum(self.up_s[m.layer] for m in moves)
         if self.config.fill_window == "priced":
             for m in moves:
@@ -541,6 +569,8 @@ class CostPlanner(BasePolicy):
                     self._watch[m.layer, m.expert] = None
         if self._ending:
             self._ending = False
+            if self.guard is not None:
+                self.guard.end_token(self._token_s)
             self._token_s = self._link_s = 0.0
             self._routed = set()
             self.end_token()
@@ -579,6 +609,9 @@ class LookaheadPolicy(CostPlanner):
         self._fscore = np.zeros(len(modes))
         self._admit = 1.0  # share of misses uploaded (decayed): how much the demand shadows count
         super().__init__(geometry, capacity, profile, cost_model, config)
+        if config.guard_memory:
+            self.guard = Guard(geometry, capacity, cost_model, self.cache, profile, config.guard_memory,
+                               config.guard_margin, config.guard_probe)
         cap = self.cache
         share = {p: sum(1 for l in geometry.moe_layers if cap.pool_of[l] == p) for p in set(cap.pool_of)}
         self._cap = [cap.size[cap.pool_of[l]] // max(share[cap.pool_of[l]], 1) if cap.pool_of[l] >= 0 else 0

@@ -1,0 +1,111 @@
+"""lookahead's guard: it prices decisions as lookahead's split does, follows hybrid's decisions on
+lookahead's own cache (no prefetch) only while its shadow hybrid is predicted faster, then plans
+again; its fields are checked."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler import Capacity, Geometry, drive, make_policy
+from scheduler.costmodel import CostModel
+from scheduler.policies import LookaheadConfig
+from scheduler.policies.guard import decision_time
+from traces import synth
+
+
+def _cm(n: int, up: float = 70e-6, cpu: float = 40e-6) -> CostModel:
+    return CostModel(gpu_expert_s=(1e-6,) * n, gpu_token_s=(0.0,) * n, upload_s=(up,) * n, cpu_expert_s=(cpu,) * n,
+                     cpu_token_s=(0.0,) * n, cpu_task_s=20e-6, layer_s=(150e-6,) * n, cpu_delay_s=3e-6,
+                     cpu_copy_s=5e-6, cpu_combine_s=2e-6, gpu_batch_s=4e-6)
+
+
+def _tokens(L=4, E=16, k=2, T=40, seed=0):
+    t = synth.generate(L, E, k, T, synth.SynthParams(reuse_prob=0.5, cross_layer=0.5), np.random.default_rng(seed))
+    return Geometry.uniform(L, E, k), list(t.tokens())
+
+
+@pytest.mark.parametrize("field,value", [("guard_memory", 0.5), ("guard_margin", 1.0), ("guard_probe", 0)])
+def test_guard_fields_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        LookaheadConfig(**{field: value})
+
+
+def test_decision_time_is_lookaheads_own_prediction():
+    g, toks = _tokens()
+    cm = _cm(g.num_layers)
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 4), cost_model=cm, guard_memory=0.0)
+    assert pol.guard is None
+    seen = 0
+    plan = pol.plan
+
+    def checked(step):
+        queued = max(pol._queue - cm.layer_s[step.layer], 0.0)
+        d = plan(step)
+        t, left = decision_time(cm, d, queued)
+        assert t == pytest.approx(pol._planned[1], rel=1e-12, abs=1e-15)
+        assert left == pytest.approx(pol._planned[2], rel=1e-12, abs=1e-15)
+        nonlocal seen
+        seen += 1
+        return d
+
+    pol.plan = checked
+    for _ in drive(pol, toks, 1):
+        pass
+    assert seen == sum(len(t.steps) for t in toks)
+
+
+def test_while_following_the_decisions_are_hybrids_on_the_same_cache():
+    g, toks = _tokens()
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 4), cost_model=_cm(g.num_layers), guard_probe=3)
+    guard = pol.guard
+    assert guard.follow.cache is pol.cache and guard.shadow.cache is not pol.cache
+    plan, followed = pol.plan, []
+
+    def checked(step):
+        d = plan(step)
+        if guard.active:
+            assert d == guard.follow.plan(step)  # hybrid's plan on this cache (side-effect free)
+            followed.append(d)
+        return d
+
+    pol.plan = checked
+    n = 0
+    for item in drive(pol, toks, 1):
+        if type(item).__name__ == "EndToken":
+            n += 1
+            if n == 10:
+                guard.left = 3  # as if the shadow had been predicted faster
+                guard.own, guard.other = 1.0, 1.0
+        elif type(item).__name__ == "StartBackground" and guard.active and n < 13:
+            assert all(m.victim is None for m in item.moves)  # hybrid's fills only, no prefetch
+        pol.cache.check()
+    assert guard.followed >= 3 and len(followed) >= 3 * g.num_layers
+
+
+def test_the_guard_follows_only_when_the_shadow_is_predicted_faster():
+    g, toks = _tokens()
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 4), cost_model=_cm(g.num_layers), guard_memory=4.0,
+                      guard_margin=0.1, guard_probe=5)
+    guard = pol.guard
+    for _ in range(4):
+        guard.end_token(1.0)  # the shadow's tokens: its own prediction of these (empty) tokens, 0 s
+        assert guard.left == 0  # the first guard_memory tokens are measured only
+    guard.end_token(1.0)
+    assert guard.left == 5 and guard.other < guard.own * 0.9
+    for _ in range(5):
+        guard.end_token(0.0)
+    assert guard.left == 0 and guard.followed == 5
+    guard.own = guard.other = 0.0
+    guard.end_token(0.0)  # equal: plans on
+    assert guard.left == 0
+
+
+def test_with_a_slow_cpu_the_guard_never_follows():
+    """With the CPU pool far slower than the link, hybrid and lookahead both upload every miss:
+    the shadow is never predicted faster than lookahead by the margin, so it never follows."""
+    g, toks = _tokens(T=24)
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 4), cost_model=_cm(g.num_layers, up=10e-6, cpu=1e-3),
+                      guard_margin=0.05)
+    for _ in drive(pol, toks, 1):
+        pass
+    assert pol.guard.followed == 0
