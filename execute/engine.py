@@ -16,12 +16,12 @@ policy placed at construction (profile pre-population; all experts for ``gpu``).
 
 Per layer, the engine gathers the (expert, token) pairs by destination, in decision order:
 GPU pairs (hits, uploads, streams) first, then CPU pairs. When there are CPU pairs the layer input
-is copied to pinned host memory (an event, no stream sync); the layer's kernel metadata goes up in
-one copy; the uploads and streams are queued on the copy stream, the kernels for the GPU pairs
-wait only for those copies, and promotions follow on the compute stream. Then the CPU pairs are
-submitted (inputs from the fetched copy) and awaited, their outputs copied up, and every token's
-pairs combined with the router weights in one kernel. Without a GPU only decisions with CPU work
-alone are accepted.
+is copied to pinned host memory (an event, no stream sync) and the CPU pairs are submitted at once
+(inputs from the fetched copy); then the layer's kernel metadata goes up in one copy, the uploads
+and streams are queued on the copy stream, the kernels for the GPU pairs wait only for those
+copies, and promotions follow on the compute stream. Then the CPU pairs are awaited, their
+outputs copied up, and every token's pairs combined with the router weights in one kernel.
+Without a GPU only decisions with CPU work alone are accepted.
 
 One token whose experts are all on the GPU (hits and uploads, the decode step of ``gpu`` and
 ``lru``) takes a shorter path: no pair gathering and no metadata copy. The token's pair table
@@ -427,35 +427,37 @@ class ExpertEngine:
 
     def _run_gpu(self, d: Decision, lx: LayerExperts, x, experts: list, tok: list, pair_of: list, n_gpu: int,
                  weights: np.ndarray, t0: float):
-        """GPU pairs on the GPU, the rest on the CPU pool (input fetched to pinned memory first,
-        the job submitted before the GPU work is queued), then the combine; no host sync but the
-        wait for the CPU pool's input."""
+        """GPU pairs on the GPU, the rest on the CPU pool (input fetched to pinned memory and the
+        job submitted first, then the GPU pairs' tables built and their work queued), then the
+        combine; no host sync but the wait for the CPU pool's input."""
         gx = self.gpu
         layer = d.layer
         st = self.stats
         n_pairs = len(experts)
         x = gx.as_input(x)
-        fetched = gx.fetch_input(x) if n_gpu < n_pairs else None
+        job = None
+        st.host_plan_s += time.perf_counter() - t0
+        if n_gpu < n_pairs:
+            # the CPU pool is the layer's longest path: its input is fetched and its call submitted
+            # before anything else is prepared (the GPU pairs' tables are built while it computes),
+            # and the GIL handed on at once (sleep(0) releases it) rather than after the
+            # interpreter's switch interval
+            xh, ev = gx.fetch_input(x)
+            t1 = time.perf_counter()
+            gx.wait(ev, "copy of the layer input for the CPU pool")
+            buffers = gx.cpu_buffers(n_pairs - n_gpu, lx.hidden)
+            job = self._cpu(lx, experts[n_gpu:], tok[n_gpu:], xh, buffers)
+            time.sleep(0)
+            st.input_wait_s += time.perf_counter() - t1
+        t1 = time.perf_counter()
         for v in d.evictions:
             self.slot_of.pop(v, None)
         bases, gstart, round_end, scratch = self._groups(d, experts, n_gpu)
         meta = gx.layer_meta(bases, gstart, tok[:n_gpu], pair_of, weights.ravel().tolist(), weights.shape[1])
         y = gx.pair_outputs(layer, n_pairs)
-        t1 = time.perf_counter()
-        st.host_plan_s += t1 - t0
-        job = None
-        if fetched is not None:
-            # the CPU pool is the layer's longest path: start it before queueing the GPU work,
-            # and hand the GIL to its worker at once (sleep(0) releases it) rather than after
-            # the interpreter's switch interval
-            xh, ev = fetched
-            gx.wait(ev, "copy of the layer input for the CPU pool")
-            buffers = gx.cpu_buffers(n_pairs - n_gpu, lx.hidden)
-            job = self._cpu(lx, experts[n_gpu:], tok[n_gpu:], xh, buffers)
-            time.sleep(0)
-            t3 = time.perf_counter()
-            st.input_wait_s += t3 - t1
-            t1 = t3
+        t3 = time.perf_counter()
+        st.host_plan_s += t3 - t1
+        t1 = t3
         self._gpu_rounds(d, meta, round_end, scratch, x, n_pairs)
         t2 = time.perf_counter()
         st.host_queue_s += t2 - t1
