@@ -15,7 +15,8 @@ the steps of the blocks the graph completed (their decisions are settled, not ru
 ``ExpertEngine.settle_layer``) and runs the rest block by block from ``halt``. Under ``gpu``
 every expert is resident and the graph always completes. For a policy whose cache holds part of
 the model, an incomplete token costs the wasted dense launches, so after an incomplete token the
-graph is tried again only after a back-off (1, 2, 4 .. 64 tokens; 0 again after a complete one).
+graph is tried again only after a back-off (``scheduler.graph.GraphBackoff``, the simulator's
+rule too: 1, 2, 4 .. 64 tokens; 0 again after a complete one).
 
 Pipelining. When a token's graph completes, its logits are final before the host has planned,
 settled or audited any of its steps. ``steps`` then asks ``ahead`` (set by the run loop,
@@ -41,13 +42,14 @@ import time
 import cupy as cp
 import numpy as np
 
+from scheduler.graph import GraphBackoff
+
 from .driver import settled_steps
 from .gpu_experts import copy_to_device
 
 __all__ = ["TokenGraph", "token_graph_env"]
 
 _rt = cp.cuda.runtime
-_MAX_SKIP = 64
 _HALT_NONE = 0x7F7F7F7F  # halt's value before a token (memset of 0x7f bytes): no block missed
 
 
@@ -93,8 +95,7 @@ class TokenGraph:
         self._exec = 0
         self._graph = None
         self._cache = None  # the KV cache the graph was captured for
-        self.skip = 0  # tokens to run block by block before the next try
-        self._backoff = 1
+        self.gate = GraphBackoff()  # whether the next token tries the graph (scheduler.graph's rule)
         self.failed = False  # a capture failed: never again for this model
         self.tokens = self.complete = 0
         self._gd = gd
@@ -188,10 +189,7 @@ class TokenGraph:
         """Whether the next token should try the graph (see the module docstring)."""
         if self.failed:
             return False
-        if self.skip:
-            self.skip -= 1
-            return False
-        return True
+        return self.gate.want()
 
     def launch(self, pos: int) -> bool:
         """Launch the token at ``pos`` (its embedding already queued into ``gd.emb`` on the current
@@ -239,12 +237,8 @@ class TokenGraph:
         ids = r[:, :k].view(np.int32).astype(np.int64)
         wts = r[:, k:].copy()
         self.tokens += 1
-        if m == L:
-            self.complete += 1
-            self._backoff = 1
-        else:
-            self.skip = self._backoff
-            self._backoff = min(2 * self._backoff, _MAX_SKIP)
+        self.complete += m == L
+        self.gate.done(m == L)
         return m, ids, wts
 
     def run(self, pos: int) -> tuple[int, np.ndarray, np.ndarray]:

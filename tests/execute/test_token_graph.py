@@ -13,6 +13,7 @@ from execute import model as M
 from execute.gguf_model import load_model
 from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, make_policy
+from scheduler import graph as scheduler_graph
 from scheduler.audit import Audit
 
 from .conftest import cupy_or_skip
@@ -56,9 +57,7 @@ def test_token_graph_gives_the_block_by_block_bits(weights, arch, policy, slots,
     cupy_or_skip()
     w = weights(arch)
     tokens = np.random.default_rng(5).integers(w.info.vocab, size=40).tolist()  # the cache grows 8 -> 64
-    from execute import token_graph
-
-    monkeypatch.setattr(token_graph, "_MAX_SKIP", 0)  # try the graph on (almost) every token
+    monkeypatch.setattr(scheduler_graph, "MAX_SKIP", 0)  # try the graph on (almost) every token
     plain, m0, a0, _ = _run(w, policy, slots, tokens, False, monkeypatch)
     got, m1, a1, st = _run(w, policy, slots, tokens, True, monkeypatch)
     assert m0.token_graph is None and m1.token_graph is not None
@@ -94,9 +93,7 @@ def _greedy(first: int, n: int, out: list):
 def test_pipelined_graphs_give_the_block_by_block_tokens(weights, policy, slots, lag, monkeypatch):
     cupy_or_skip()
     w = weights("qwen3moe")
-    from execute import token_graph
-
-    monkeypatch.setattr(token_graph, "_MAX_SKIP", 0)
+    monkeypatch.setattr(scheduler_graph, "MAX_SKIP", 0)
     off, on = [], []
     plain, m0, a0, _ = _run(w, policy, slots, _greedy(7, 40, off), False, monkeypatch, lag)
     got, m1, a1, st = _run(w, policy, slots, _greedy(7, 40, on), True, monkeypatch, lag)
