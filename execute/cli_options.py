@@ -212,7 +212,8 @@ def make_backend(args, weights, use_gpu: bool, capacity, prog: str = "moelab rep
         if use_gpu:
             raise Fail(f"{prog}: --backend numpy runs only policy 'cpu'")
         return M.NumpyExperts(weights)
-    if not getattr(args, "quiet", False) and cpu_kernels_cold():  # the backend's prepare() compiles them
+    # the backend's prepare() compiles them, unless every expert goes to the GPU (policy gpu)
+    if not getattr(args, "quiet", False) and args.policy != "gpu" and cpu_kernels_cold():
         print(f"{prog}: compiling the CPU expert kernels (first run after an install or update, ~30-60 s)...",
               file=sys.stderr, flush=True)
     return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s,
@@ -223,11 +224,14 @@ def cpu_kernels_cold(dispatcher=None) -> bool:
     """Whether the CPU pool's kernels will be compiled rather than loaded from Numba's on-disk cache:
     the cache index of ``dispatcher`` (default: the pool's team loop, which compiles every kernel it
     calls) is missing, of another Numba version, or older than its source. Reads Numba's cache
-    object, which is not a public API: False (nothing said) where this Numba keeps it otherwise."""
+    object, which is not a public API: False (nothing said) where this Numba keeps it otherwise.
+    False as well once this process has compiled or loaded them."""
     import pickle
 
     if dispatcher is None:
         from .cpu_pool import _team_worker as dispatcher
+    if getattr(dispatcher, "signatures", None):
+        return False
     try:
         return not dispatcher._cache._cache_file._load_index()
     except (AttributeError, OSError, EOFError, ValueError, pickle.UnpicklingError):
