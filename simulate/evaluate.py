@@ -60,7 +60,8 @@ def measure(tokens: Sequence, model: ModelSpec, hw: Hardware | str, policy: str,
             options: dict | None = None, lag_tokens: int = 1, profile=None) -> dict | None:
     """Simulate ``policy`` (a ``make_policy`` name and its ``options``) over ``tokens`` (a list of
     scheduler tokens of ``model``'s geometry) with ``slots`` per layer on ``hw``: hit rate, demand hit
-    rate, experts moved per token, tokens/s and late hits; None when the policy refuses the capacity."""
+    rate, experts moved per token, tokens/s and late hits (lookahead's: ``followed``, the share of
+    tokens its guard followed hybrid); None when the policy refuses the capacity."""
     hw = load_hardware(hw) if isinstance(hw, str) else hw
     geometry = model.geometry()
     costs = Costs(model, hw, ExecConfig(policy=policy))
@@ -74,6 +75,9 @@ def measure(tokens: Sequence, model: ModelSpec, hw: Hardware | str, policy: str,
     s = res.summary()
     out = audit.rates()
     out.update(hit_rate=s["hit_rate"], late_hits=s["late_hits"], tokens_per_s=s["tokens_per_s"])
+    guard = getattr(pol, "guard", None)
+    if guard is not None:  # lookahead's: the share of tokens it followed hybrid
+        out["followed"] = guard.followed / max(len(tokens), 1)
     return out
 
 
@@ -196,7 +200,7 @@ def view(res: dict, chosen: dict, held_out: bool) -> dict:
 
 def summary(res: dict, cases: Sequence[Case], hardware: Sequence[str], policy: str = "lookahead") -> list[dict]:
     """Per case, hardware and cache size: ``policy``'s tokens/s over lru and over max(lru, hybrid),
-    and the share of the lru -> oracle tokens/s gap it closes (``res``: a ``view``)."""
+    oracle's over lru, and the share of the lru -> oracle tokens/s gap it closes (``res``: a ``view``)."""
     rows = []
     for c in cases:
         for h in hardware:
@@ -205,6 +209,7 @@ def summary(res: dict, cases: Sequence[Case], hardware: Sequence[str], policy: s
                 lru, best = t["lru"], max(x for x in (t["lru"], t["hybrid"]) if x is not None)
                 rows.append({"case": c.name, "hardware": h, "slots": s, "smallest": i == 0,
                              "x_lru": t[policy] / lru if lru and t[policy] else None,
+                             "oracle_x_lru": t["oracle"] / lru if lru and t["oracle"] else None,
                              "x_best": t[policy] / best if best and t[policy] else None,
                              "gap": gap_closed(t[policy], lru, t["oracle"]) if lru and t[policy] and t["oracle"] else None})
     return rows

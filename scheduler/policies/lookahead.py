@@ -125,10 +125,10 @@ class LookaheadConfig:
     "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``, ``fill_window`` ("priced",
     "demand" or "idle"), ``fill_price`` >= 0, ``guard_memory`` 0 (no guard) or > 1 (tokens),
     ``guard_margin`` in [0, 1), ``guard_probe`` >= 1 (tokens). The guard's fields default to the grid
-    configuration (``simulate.heldout.LOOKAHEAD_GRID``) that
-    ``experiments/policies_eval.py`` chooses on its development set; the other defaults and the
-    module's constants were set by hand on that set; the held-out figures are on test families
-    that no tuning saw (docs/POLICIES.md).
+    configuration (``simulate.heldout.LOOKAHEAD_GRID``) that ``experiments/policies_eval.py``
+    chooses on its development set; ``fill_window``, ``fill_price`` and ``values`` to an earlier
+    grid's choice there; the other defaults and the module's constants were set by hand on that set;
+    the held-out figures are on test families that no tuning saw (docs/POLICIES.md).
     """
 
     confidence: float = 0.3
@@ -143,8 +143,8 @@ class LookaheadConfig:
     audit: bool = True
     fill_window: str = "priced"
     fill_price: float = 0.5
-    guard_memory: float = 16.0
-    guard_margin: float = 0.0
+    guard_memory: float = 32.0
+    guard_margin: float = 0.01
     guard_probe: int = 32
 
     def __post_init__(self) -> None:

@@ -92,6 +92,9 @@ def test_trace_model_fits_any_geometry():
     assert moe_only(t) is t
     assert measure(tuple(t.tokens()), m, "h200-xeon16", "lru", 1) is None  # lru needs top_k slots
     assert measure(tuple(t.tokens()), m, "h200-xeon16", "oracle", 1)["tokens_per_s"] > 0
+    r = measure(tuple(t.tokens()), m, "h200-xeon16", "lookahead", 2)  # its guard's share of tokens followed
+    assert 0.0 <= r["followed"] <= 1.0 and "followed" not in measure(tuple(t.tokens()), m, "h200-xeon16", "lru", 2)
+    assert "followed" not in measure(tuple(t.tokens()), m, "h200-xeon16", "lookahead", 2, {"guard_memory": 0.0})
 
 
 def _online_below_oracle(cases, hardware):
