@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     results = seeds.predict_tables(data, hosts, args.seeds, args.tokens_scale)
     cmd = "python experiments/reproduce_seed_tables.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (
         f" --tokens-scale {args.tokens_scale}" if args.tokens_scale != 1.0 else "") + " --out docs/SEED_TABLES.md"
-    text = seeds.report(data, hosts, results, args.seeds, cmd, seeds.routing_checks(data, args.seeds))
+    text = seeds.report(data, hosts, results, args.seeds, cmd, seeds.routing_checks(data, args.seeds),
+                        seeds.bounds(data, hosts, args.seeds, args.tokens_scale, results))
     print(text, end="")
     if args.out:
         out = Path(args.out)

@@ -102,6 +102,23 @@ def test_a_split_round_trip_slows_cpu_rows_and_not_the_mailbox():
     assert seeds.simulate_row(slow, model, t, "hybrid", 1, 1.0) == seeds.simulate_row(hw, model, t, "hybrid", 1, 1.0)
 
 
+def test_bounds_free_uploads_lift_the_hybrid_and_cpu_moe_is_the_tables_own_row():
+    data = seeds.load_data(DATA)
+    t = {**data["tables"][0], "tokens": 12}
+    one = {**data, "tables": [t]}
+    hosts = {m: load_hardware(m) for m in data["machines"]}
+    res = seeds.predict_tables(one, hosts, 1, 1.0)
+    (b,) = seeds.bounds(one, hosts, 1, 1.0, res)
+    pred = {r["row"]: r["predicted"] for r in res[0]["rows"]}
+    assert set(b["free"]) == {"hybrid-slow-fill"} and b["free"]["hybrid-slow-fill"] > pred["hybrid-slow-fill"]
+    assert b["cpu"] == pred["cpu"]
+    no_cpu = {**t, "rows": [r for r in t["rows"] if r["row"] != "cpu"]}  # computed where the table lacks the row
+    res2 = seeds.predict_tables({**data, "tables": [no_cpu]}, hosts, 1, 1.0)
+    assert seeds.bounds({**data, "tables": [no_cpu]}, hosts, 1, 1.0, res2)[0]["cpu"] == pytest.approx(pred["cpu"])
+    line = seeds._bound_line(b, {"hybrid-slow-fill": 1e3, "cpu": 1.0, "lru": 1.0})
+    assert line.startswith("Bounds: ") and "above this bound" in line and "below it" not in line
+
+
 def test_small_run_has_the_committed_structure_and_rows(tmp_path):
     out = tmp_path / "seed.md"
     assert _script().main(["--seeds", "1", "--tokens-scale", "0.05", "--out", str(out)]) == 0
