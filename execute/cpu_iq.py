@@ -18,8 +18,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .cpu_simd import (I8x32, comb256, dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_f32, load_i8x32, load_u8,
-                       zero_f32, zero_i32)
+from .cpu_kq import (acc_dots, acc_dots16, block_scratch, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
+                     nibbles8, store_i8x32, u8_f32x8, zip_hi, zip_lo)
+from .cpu_simd import I8x32, hsum, load_f16, load_u8, store_f32, zero_f32
 from .iq_grids import KSIGNS, grid
 
 __all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
@@ -106,22 +107,19 @@ gather4x8_at = _gather_at(8, 4)  # IQ3_S: eight 4-byte entries
 
 
 @intrinsic
-def neg_where(typingctx, x, bits):
-    """x with byte j negated where bit j of ``bits`` is set (x must avoid -128)."""
-    if x != I8x32 or not isinstance(bits, types.Integer):
+def sign_off(typingctx, q, bits):
+    """64 + q (byte j) negated where bit j of ``bits`` is set: signed grid bytes (|q| <= 62) as
+    unsigned 2..126, for an unsigned x signed dot (the 64 comes off through the activation sums)."""
+    if q != I8x32 or not isinstance(bits, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        v32 = ir.VectorType(i32, 32)
-        b = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), i32)
-        s = builder.insert_element(ir.Constant(v32, ir.Undefined), b, ir.Constant(i32, 0))
-        s = builder.shuffle_vector(s, s, ir.Constant(v32, [0] * 32))
-        hit = builder.icmp_unsigned("!=", builder.and_(s, ir.Constant(v32, [1 << j for j in range(32)])),
-                                    ir.Constant(v32, None))
-        zero = ir.Constant(ir.VectorType(ir.IntType(8), 32), None)
-        return builder.select(hit, builder.sub(zero, args[0]), args[0])
-    return I8x32(x, bits), codegen
+        b = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), ir.IntType(32))
+        neg = builder.bitcast(b, ir.VectorType(ir.IntType(1), 32))
+        v32 = ir.VectorType(ir.IntType(8), 32)
+        c64 = ir.Constant(v32, [64] * 32)
+        return builder.select(neg, builder.sub(c64, args[0]), builder.add(c64, args[0]))
+    return I8x32(q, bits), codegen
 
 
 @njit(inline="always")
@@ -138,44 +136,40 @@ def _u32(w, p):
             | (np.int64(load_u8(w, p + 3)) << 24))
 
 
+@njit(inline="always")
+def _xxs(table, w, p, g, three):
+    """Group g of an IQ2_XXS/IQ3_XXS block at byte p: its weights as sign_off bytes and its scale
+    (0.5 + the u32's top 4 bits) / 4 (IQ2_XXS) or / 2 (IQ3_XXS), to multiply d by."""
+    if three:
+        q = gather4x8(table + _G3, w, p + 2 + 8 * g)
+        sb = _u32(w, p + 66 + 4 * g)
+        return sign_off(q, _signs(table, sb)), (np.float32(0.5) + np.float32(sb >> 28)) * np.float32(0.5)
+    q = gather8x4(table + _G2, w, p + 2 + 8 * g)
+    sb = _u32(w, p + 6 + 8 * g)
+    return sign_off(q, _signs(table, sb)), (np.float32(0.5) + np.float32(sb >> 28)) * np.float32(0.25)
+
+
 @njit(inline="always", fastmath=True)
-def dot_iq_xxs(w, o, nb, xq, xo, xd, xb, l2, isa, table, three):
+def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations (see cpu_experts._quantize):
     IQ2_XXS (three False; 66-byte blocks: f16 d, per group u32 grid indices, u32 signs + scale) or
     IQ3_XXS (98-byte blocks: f16 d, u8 qs[64], u32 signs + scale per group); ``table``:
-    IQ_TABLES' address."""
+    IQ_TABLES' address. A block's 8 dots behind one branch on the path (cpu_simd.dots)."""
     acc = zero_f32()
+    cor = zero_f32()
+    buf = block_scratch()
     bs = 98 if three else 66
     for b in range(nb // 8):
         p = o + bs * b
-        d = load_f16(w, p)
         for g in range(8):
-            if three:
-                q = gather4x8(table + _G3, w, p + 2 + 8 * g)
-                sb = _u32(w, p + 66 + 4 * g)
-                db = d * (np.float32(0.5) + np.float32(sb >> 28)) * np.float32(0.5)
-            else:
-                q = gather8x4(table + _G2, w, p + 2 + 8 * g)
-                sb = _u32(w, p + 6 + 8 * g)
-                db = d * (np.float32(0.5) + np.float32(sb >> 28)) * np.float32(0.25)
-            bits = _signs(table, sb)
-            a = xo + 256 * b + 32 * g
-            v = dpbusd_isa(isa, zero_i32(), q, neg_where(load_i8x32(xq, a), bits))
-            if l2:
-                v = comb256(v, dpbusd_isa(isa, zero_i32(), q, neg_where(load_i8x32(xq, a + l2), bits)))
-            acc = fma_cvt(acc, v, db * load_f32(xd, xb + 8 * b + g))
-    return hsum(acc)
-
-
-
-@njit(inline="always")
-def _dot32(q, xq, a, l2, bits, isa):
-    """The group's integer dot per lane: grid bytes q . activations at byte a (both levels) with
-    the signs ``bits`` applied."""
-    v = dpbusd_isa(isa, zero_i32(), q, neg_where(load_i8x32(xq, a), bits))
-    if l2:
-        v = comb256(v, dpbusd_isa(isa, zero_i32(), q, neg_where(load_i8x32(xq, a + l2), bits)))
-    return v
+            q, sg = _xxs(table, w, p, g, three)
+            store_i8x32(buf, 32 * g, q)
+            store_f32(buf + 256, g, sg)
+        f = fmul(load_f32x8(buf + 256, 0), load_f16(w, p))
+        blk = xb + 8 * b
+        acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b, l2), fmul(f, load_f32x8(xd, blk)))
+        cor = fadd(cor, fmul(f, load_f32x8(xs, blk)))
+    return hsum(acc) - np.float32(64.0) * hsum(cor)
 
 
 @njit(inline="always")
@@ -184,50 +178,63 @@ def _idx9(w, p, j):
     return np.int64(load_u8(w, p + 2 * j)) | (np.int64(load_u8(w, p + 2 * j + 1)) << 8)
 
 
+@njit(inline="always")
+def _grp_s(table, w, p, g, kind):
+    """Group g's weights as sign_off bytes: IQ2_XS (kind 0), IQ2_S (1), IQ3_S (2)."""
+    if kind == 2:
+        qh = np.int64(load_u8(w, p + 66 + g))
+        i = p + 2 + 8 * g
+        q = gather4x8_at(table + _G3S, load_u8(w, i) | ((qh & 1) << 8), load_u8(w, i + 1) | ((qh & 2) << 7),
+                         load_u8(w, i + 2) | ((qh & 4) << 6), load_u8(w, i + 3) | ((qh & 8) << 5),
+                         load_u8(w, i + 4) | ((qh & 16) << 4), load_u8(w, i + 5) | ((qh & 32) << 3),
+                         load_u8(w, i + 6) | ((qh & 64) << 2), load_u8(w, i + 7) | ((qh & 128) << 1))
+        return sign_off(q, _u32(w, p + 74 + 4 * g))
+    if kind == 0:
+        i = p + 2 + 8 * g
+        e0, e1, e2, e3 = _idx9(w, i, 0), _idx9(w, i, 1), _idx9(w, i, 2), _idx9(w, i, 3)
+        q = gather8x4_at(table + _G2XS, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
+        bits = (np.int64(load_u8(table, _KS + (e0 >> 9))) | (np.int64(load_u8(table, _KS + (e1 >> 9))) << 8)
+                | (np.int64(load_u8(table, _KS + (e2 >> 9))) << 16) | (np.int64(load_u8(table, _KS + (e3 >> 9))) << 24))
+        return sign_off(q, bits)
+    qh = np.int64(load_u8(w, p + 66 + g))
+    i = p + 2 + 4 * g
+    q = gather8x4_at(table + _G2S, load_u8(w, i) | ((qh & 3) << 8), load_u8(w, i + 1) | ((qh & 12) << 6),
+                     load_u8(w, i + 2) | ((qh & 48) << 4), load_u8(w, i + 3) | ((qh & 192) << 2))
+    return sign_off(q, _u32(w, p + 34 + 4 * g))
+
+
 @njit(inline="always", fastmath=True)
-def dot_iq_s(w, o, nb, xq, xo, xd, xb, l2, isa, table, kind):
+def dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, kind):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations: kind 0 IQ2_XS (74-byte
     blocks: f16 d, u16 qs[32], u8 scales[8]), 1 IQ2_S (82: f16 d, u8 qs[32], u8 signs[32], u8
     qh[8], u8 scales[8]), 2 IQ3_S (110: f16 d, u8 qs[64], u8 qh[8], u8 signs[32], u8 scales[4]);
-    ``table``: IQ_TABLES' address."""
+    ``table``: IQ_TABLES' address. IQ2_XS/IQ2_S scale each 16 weights (d (0.5 + nibble) / 4, low
+    nibble first), IQ3_S each 32 (d (1 + 2 nibble))."""
     acc = zero_f32()
+    cor = zero_f32()
+    buf = block_scratch()
     bs = 74 if kind == 0 else 82 if kind == 1 else 110
     for b in range(nb // 8):
         p = o + bs * b
         d = load_f16(w, p)
         for g in range(8):
-            a = xo + 256 * b + 32 * g
-            x = load_f32(xd, xb + 8 * b + g)
-            if kind == 2:
-                qh = np.int64(load_u8(w, p + 66 + g))
-                i = p + 2 + 8 * g
-                q = gather4x8_at(table + _G3S, load_u8(w, i) | ((qh & 1) << 8), load_u8(w, i + 1) | ((qh & 2) << 7),
-                                 load_u8(w, i + 2) | ((qh & 4) << 6), load_u8(w, i + 3) | ((qh & 8) << 5),
-                                 load_u8(w, i + 4) | ((qh & 16) << 4), load_u8(w, i + 5) | ((qh & 32) << 3),
-                                 load_u8(w, i + 6) | ((qh & 64) << 2), load_u8(w, i + 7) | ((qh & 128) << 1))
-                sc = (np.int64(load_u8(w, p + 106 + g // 2)) >> (4 * (g % 2))) & 15
-                v = _dot32(q, xq, a, l2, _u32(w, p + 74 + 4 * g), isa)
-                acc = fma_cvt(acc, v, d * np.float32(1 + 2 * sc) * x)
-                continue
-            if kind == 0:
-                i = p + 2 + 8 * g
-                e0, e1, e2, e3 = _idx9(w, i, 0), _idx9(w, i, 1), _idx9(w, i, 2), _idx9(w, i, 3)
-                q = gather8x4_at(table + _G2XS, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
-                bits = (np.int64(load_u8(table, _KS + (e0 >> 9))) | (np.int64(load_u8(table, _KS + (e1 >> 9))) << 8)
-                        | (np.int64(load_u8(table, _KS + (e2 >> 9))) << 16)
-                        | (np.int64(load_u8(table, _KS + (e3 >> 9))) << 24))
-                sc = np.int64(load_u8(w, p + 66 + g))
-            else:
-                qh = np.int64(load_u8(w, p + 66 + g))
-                i = p + 2 + 4 * g
-                q = gather8x4_at(table + _G2S, load_u8(w, i) | ((qh & 3) << 8), load_u8(w, i + 1) | ((qh & 12) << 6),
-                                 load_u8(w, i + 2) | ((qh & 48) << 4), load_u8(w, i + 3) | ((qh & 192) << 2))
-                bits = _u32(w, p + 34 + 4 * g)
-                sc = np.int64(load_u8(w, p + 74 + g))
-            v = _dot32(q, xq, a, l2, bits, isa)
-            acc = fma_cvt2(acc, v, d * (np.float32(0.5) + np.float32(sc & 15)) * np.float32(0.25) * x,
-                           d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25) * x)
-    return hsum(acc)
+            store_i8x32(buf, 32 * g, _grp_s(table, w, p, g, kind))
+        v = dots(isa, buf, xq, xo + 256 * b, l2)
+        blk = xb + 8 * b
+        xdv = load_f32x8(xd, blk)
+        if kind == 2:
+            f = fmul(fadd(fmul(u8_f32x8(nibbles8(load_u32(w, p + 106))), np.float32(2.0)), np.float32(1.0)), d)
+            acc = acc_dots(acc, v, fmul(f, xdv))
+            cor = fadd(cor, fmul(f, load_f32x8(xs, blk)))
+        else:
+            sc = load_u64(w, p + 66 if kind == 0 else p + 74)
+            dq = d * np.float32(0.25)
+            lo = fmul(fadd(u8_f32x8(sc & 0x0F0F0F0F0F0F0F0F), np.float32(0.5)), dq)
+            hi = fmul(fadd(u8_f32x8((sc >> 4) & 0x0F0F0F0F0F0F0F0F), np.float32(0.5)), dq)
+            f0, f1 = zip_lo(lo, hi), zip_hi(lo, hi)  # per 16 weights: groups 0-3, 4-7
+            acc = acc_dots16(acc, v, fmul(f0, dup_lo(xdv)), fmul(f1, dup_hi(xdv)))
+            cor = fadd(cor, fadd(fmul(f0, load_f32x8(xs16, 2 * blk)), fmul(f1, load_f32x8(xs16, 2 * blk + 8))))
+    return hsum(acc) - np.float32(64.0) * hsum(cor)
 
 
 @njit(inline="always")
@@ -244,15 +251,39 @@ def _f16_bits(h):
     return -v if h & 0x8000 else v
 
 
+@njit(inline="always")
+def _grp1(t, w, p, g, m):
+    """IQ1_S (m False) / IQ1_M group g: its bytes u = 8 g + 9 + 8 delta from the tables at t, and
+    its scale(s) as odd integers (IQ1_S: one; IQ1_M: weights 0-15, 16-31)."""
+    if m:
+        n0, n1 = np.int64(load_u8(w, p + 32 + 2 * g)), np.int64(load_u8(w, p + 33 + 2 * g))
+        k0, k1, k2, k3 = n0 & 15, n0 >> 4, n1 & 15, n1 >> 4
+        i = p + 4 * g
+        q = gather8x4_at(t, load_u8(w, i) | ((k0 & 7) << 8) | (0 if k0 & 8 else _G1_PLUS),
+                         load_u8(w, i + 1) | ((k1 & 7) << 8) | (0 if k1 & 8 else _G1_PLUS),
+                         load_u8(w, i + 2) | ((k2 & 7) << 8) | (0 if k2 & 8 else _G1_PLUS),
+                         load_u8(w, i + 3) | ((k3 & 7) << 8) | (0 if k3 & 8 else _G1_PLUS))
+        sw = _u16(w, p + 48 + 2 * (g // 2)) >> (6 * (g % 2))  # 3-bit scales of weights 0-15, 16-31
+        return q, np.float32(2 * (sw & 7) + 1), np.float32(2 * ((sw >> 3) & 7) + 1)
+    qh = _u16(w, p + 34 + 2 * g)
+    plus = 0 if qh & 0x8000 else _G1_PLUS
+    i = p + 2 + 4 * g
+    q = gather8x4_at(t, load_u8(w, i) | ((qh & 7) << 8) | plus, load_u8(w, i + 1) | (((qh >> 3) & 7) << 8) | plus,
+                     load_u8(w, i + 2) | (((qh >> 6) & 7) << 8) | plus, load_u8(w, i + 3) | (((qh >> 9) & 7) << 8) | plus)
+    s = np.float32(2 * ((qh >> 12) & 7) + 1)
+    return q, s, s
+
+
 @njit(inline="always", fastmath=True)
-def dot_iq1(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, m):
+def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations: IQ1_S (m False; 50-byte
     blocks: f16 d, u8 qs[32], u16 qh[8]) or IQ1_M (56: u8 qs[32], u8 qh[16] a nibble per 8
     weights, u16 scales[4] with d in their top nibbles). w = dl (g + delta), g in {-1, 0, 1} and
-    delta +-1/8, so 8 w / dl = u - 9 with u = 8 g + 9 + 8 delta in 0..18 (the tables): per 16 or
-    32 weights, dl / 8 (u . x - 9 sum x). ``table``: IQ_TABLES' address."""
+    delta +-1/8, so 8 w / dl = u - 9 with u = 8 g + 9 + 8 delta in 0..18 (the tables): per 16
+    weights, dl / 8 (u . x - 9 sum x). ``table``: IQ_TABLES' address."""
     acc = zero_f32()
-    corr = np.float32(0.0)
+    cor = zero_f32()
+    buf = block_scratch()
     t = table + _G1
     for b in range(nb // 8):
         if m:
@@ -263,36 +294,16 @@ def dot_iq1(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, m):
             p = o + 50 * b
             d = load_f16(w, p)
         for g in range(8):
-            a = xo + 256 * b + 32 * g
-            blk = xb + 8 * b + g
-            x = load_f32(xd, blk)
-            if m:
-                n0, n1 = np.int64(load_u8(w, p + 32 + 2 * g)), np.int64(load_u8(w, p + 33 + 2 * g))
-                k0, k1, k2, k3 = n0 & 15, n0 >> 4, n1 & 15, n1 >> 4
-                i = p + 4 * g
-                q = gather8x4_at(t, load_u8(w, i) | ((k0 & 7) << 8) | (0 if k0 & 8 else _G1_PLUS),
-                                 load_u8(w, i + 1) | ((k1 & 7) << 8) | (0 if k1 & 8 else _G1_PLUS),
-                                 load_u8(w, i + 2) | ((k2 & 7) << 8) | (0 if k2 & 8 else _G1_PLUS),
-                                 load_u8(w, i + 3) | ((k3 & 7) << 8) | (0 if k3 & 8 else _G1_PLUS))
-                sw = _u16(w, p + 48 + 2 * (g // 2)) >> (6 * (g % 2))  # 3-bit scales of weights 0-15, 16-31
-                d0 = d * np.float32(2 * (sw & 7) + 1)
-                d1 = d * np.float32(2 * ((sw >> 3) & 7) + 1)
-                v = dpbusd_isa(isa, zero_i32(), q, load_i8x32(xq, a))
-                if l2:
-                    v = comb256(v, dpbusd_isa(isa, zero_i32(), q, load_i8x32(xq, a + l2)))
-                acc = fma_cvt2(acc, v, d0 * np.float32(0.125) * x, d1 * np.float32(0.125) * x)
-                corr -= np.float32(1.125) * (d0 * load_f32(xs16, 2 * blk) + d1 * load_f32(xs16, 2 * blk + 1))
-                continue
-            qh = _u16(w, p + 34 + 2 * g)
-            plus = 0 if qh & 0x8000 else _G1_PLUS
-            i = p + 2 + 4 * g
-            q = gather8x4_at(t, load_u8(w, i) | ((qh & 7) << 8) | plus, load_u8(w, i + 1) | (((qh >> 3) & 7) << 8) | plus,
-                             load_u8(w, i + 2) | (((qh >> 6) & 7) << 8) | plus,
-                             load_u8(w, i + 3) | (((qh >> 9) & 7) << 8) | plus)
-            dl = d * np.float32(2 * ((qh >> 12) & 7) + 1)
-            v = dpbusd_isa(isa, zero_i32(), q, load_i8x32(xq, a))
-            if l2:
-                v = comb256(v, dpbusd_isa(isa, zero_i32(), q, load_i8x32(xq, a + l2)))
-            acc = fma_cvt(acc, v, dl * np.float32(0.125) * x)
-            corr -= np.float32(1.125) * dl * load_f32(xs, blk)
-    return hsum(acc) + corr
+            q, s0, s1 = _grp1(t, w, p, g, m)
+            store_i8x32(buf, 32 * g, q)
+            store_f32(buf + 256, 2 * g, s0)
+            store_f32(buf + 256, 2 * g + 1, s1)
+        v = dots(isa, buf, xq, xo + 256 * b, l2)
+        dq = d * np.float32(0.125)
+        f0 = fmul(load_f32x8(buf + 256, 0), dq)  # per 16 weights
+        f1 = fmul(load_f32x8(buf + 256, 8), dq)
+        blk = xb + 8 * b
+        xdv = load_f32x8(xd, blk)
+        acc = acc_dots16(acc, v, fmul(f0, dup_lo(xdv)), fmul(f1, dup_hi(xdv)))
+        cor = fadd(cor, fadd(fmul(f0, load_f32x8(xs16, 2 * blk)), fmul(f1, load_f32x8(xs16, 2 * blk + 8))))
+    return hsum(acc) - np.float32(9.0) * hsum(cor)

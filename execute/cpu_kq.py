@@ -16,13 +16,14 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_simd import (F32x8, I32x8, VF, _I8, _I32, _F32, _addr_args, _ptr, _splat, dpbusd_isa, fma_cvt, fma_cvt2,
-                       hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
+from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _ptr, _splat,
+                       ISA_AVX2, ISA_PATHS, ISA_PLAIN, ISA_VNNI, dpbusd_isa, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
-__all__ = ["idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
-           "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi"]
+__all__ = ["dots", "sdots", "dot_q3_k", "block_scratch", "store_i8x32", "acc_dots", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
+           "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi", "zip_lo", "zip_hi", "nibbles8"]
 
 
 @intrinsic
@@ -128,10 +129,167 @@ def _dup(half: int):
     return make
 
 
+def _zip(half: int):
+    def make(typingctx, a, b):
+        if a != F32x8 or b != F32x8:
+            return None
+
+        def codegen(context, builder, sig, args):
+            idx = [4 * half + j // 2 + (8 if j % 2 else 0) for j in range(8)]
+            return builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(_I32, 8), idx))
+        return F32x8(a, b), codegen
+    return make
+
+
+zip_lo = intrinsic(_zip(0))
+zip_lo.__doc__ = "[a0, b0, a1, b1, a2, b2, a3, b3] (scales of 16 weights, two per 32-value block)."
+zip_hi = intrinsic(_zip(1))
+zip_hi.__doc__ = "[a4, b4, a5, b5, a6, b6, a7, b7]."
 dup_lo = intrinsic(_dup(0))
 dup_lo.__doc__ = "[v0, v0, v1, v1, v2, v2, v3, v3] (a scale per 32 values against scales per 16)."
 dup_hi = intrinsic(_dup(1))
 dup_hi.__doc__ = "[v4, v4, v5, v5, v6, v6, v7, v7]."
+
+
+def _is_tuple_of(t, vt, n=None) -> bool:
+    return isinstance(t, types.UniTuple) and t.dtype == vt and (n is None or t.count == n)
+
+
+def _dots_codegen(signed: bool):
+    def codegen(context, builder, sig, args):
+        isa, xq, a, l2 = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (0, 2, 3, 4))
+        qa = None if isinstance(sig.args[1], types.UniTuple) else context.cast(builder, args[1], sig.args[1], types.int64)
+        zero = ir.Constant(V32, None)
+
+        def load(base, k):
+            p = builder.add(base, ir.Constant(ir.IntType(64), 32 * k))
+            return builder.load(builder.inttoptr(p, ir.PointerType(V32)), align=1)
+
+        q = ([builder.extract_value(args[1], k) for k in range(8)] if isinstance(sig.args[1], types.UniTuple)
+             else [load(qa, k) for k in range(8)])
+        x1a, x2a = builder.add(xq, a), builder.add(builder.add(xq, a), l2)
+        fn = builder.function
+        blocks = [fn.append_basic_block(f"dots_{p}") for p in ISA_PATHS]
+        done = fn.append_basic_block("dots_done")
+        sw = builder.switch(isa, blocks[ISA_PLAIN])
+        sw.add_case(ir.Constant(isa.type, ISA_VNNI), blocks[ISA_VNNI])
+        sw.add_case(ir.Constant(isa.type, ISA_AVX2), blocks[ISA_AVX2])
+        outs = []
+        for path, blk in enumerate(blocks):  # activations loaded in each path next to their dots (registers)
+            builder.position_at_end(blk)
+            dp = _ISA_CODEGEN[path]
+            vs = []
+            for k in range(8):
+                u, x1, x2 = q[k], load(x1a, k), load(x2a, k)
+                if signed:  # |w| and the activations' signs
+                    neg = builder.icmp_signed("<", u, zero)
+                    keep = builder.icmp_signed("!=", u, zero)
+                    x1, x2 = (builder.select(neg, builder.sub(zero, x), builder.select(keep, x, zero)) for x in (x1, x2))
+                    u = builder.select(neg, builder.sub(zero, u), u)
+                v = dp(builder, ir.Constant(V8, None), u, x1)
+                vs.append(dp(builder, builder.shl(v, ir.Constant(V8, [8] * 8)), u, x2))
+            outs.append((vs, builder.block))
+            builder.branch(done)
+        builder.position_at_end(done)
+        res = []
+        for k in range(8):
+            phi = builder.phi(V8)
+            for vs, blk in outs:
+                phi.add_incoming(vs[k], blk)
+            res.append(phi)
+        return context.make_tuple(builder, sig.return_type, res)
+    return codegen
+
+
+def _dots(signed: bool):
+    def make(typingctx, isa, q, xq, a, l2):
+        if not (all(isinstance(t, types.Integer) for t in (isa, xq, a, l2))
+                and (isinstance(q, types.Integer) or _is_tuple_of(q, I8x32, 8))):
+            return None
+        return types.UniTuple(I32x8, 8)(isa, q, xq, a, l2), _dots_codegen(signed)
+    return make
+
+
+@intrinsic
+def block_scratch(typingctx):
+    """The address of 320 bytes on the kernel's stack (one allocation in its entry block): a block's 8
+    weight vectors (bytes 0-255, for dots) and 16 float32 (from byte 256)."""
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(cgutils.alloca_once(builder, ir.ArrayType(_I8, 320)), ir.IntType(64))
+    return types.int64(), codegen
+
+
+@intrinsic
+def store_i8x32(typingctx, base, off, v):
+    """Bytes base + off .. base + off + 31 = v."""
+    if not _addr_args(base, off) or v != I8x32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _ptr(context, builder, sig, args[:2], V32), align=1)
+        return context.get_dummy_value()
+    return types.none(base, off, v), codegen
+
+
+dots = intrinsic(_dots(False))
+dots.__doc__ = """Per k < 8: 256 (q_k . x1) + q_k . x2 per int32 lane, q_k = q[k] (a tuple of 8 vectors) or the 32
+weight bytes at address q + 32 k (block_scratch), x1 the 32 activation bytes at xq + a + 32 k
+and x2 those l2 bytes on (the second level); dpbusd with q unsigned (<= 127 for the avx2 path), on
+path ``isa`` with one branch for all k: a block's dots behind one switch, so each path's
+instructions run alone without a copy of the kernel per path."""
+sdots = intrinsic(_dots(True))
+sdots.__doc__ = "dots for signed weight bytes q (|q| <= 128) through |q| and x sign(q) (x avoids -128)."
+
+
+@intrinsic
+def acc_dots(typingctx, acc, v, f):
+    """acc + sum_k float(v[k]) * f[k] (one factor per dot, lanes of f): products summed as a tree,
+    so a block adds one step to the accumulator's dependency chain."""
+    if acc != F32x8 or not _is_tuple_of(v, I32x8) or f != F32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        n = sig.args[1].count
+        idx = ir.VectorType(_I32, 8)
+        terms = [builder.fmul(builder.sitofp(builder.extract_value(args[1], k), VF),
+                              builder.shuffle_vector(args[2], args[2], ir.Constant(idx, [k] * 8)))
+                 for k in range(n)]
+        return builder.fadd(args[0], _opaque(builder, _tree_add(builder, terms)))
+    return F32x8(acc, v, f), codegen
+
+
+@intrinsic
+def acc_dots16(typingctx, acc, v, f0, f1):
+    """acc + sum_k float(v[k]) * [g x4, h x4] with (g, h) lanes (2k, 2k + 1) of f0 for k < 4, of f1
+    (2k - 8, 2k - 7) for k >= 4: a scale per 16 weights (lanes 0-3 of a dot: its first 16)."""
+    if acc != F32x8 or not _is_tuple_of(v, I32x8, 8) or f0 != F32x8 or f1 != F32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        idx = ir.VectorType(_I32, 8)
+        terms = []
+        for k in range(8):
+            f = args[2] if k < 4 else args[3]
+            j = 2 * (k % 4)
+            g = builder.shuffle_vector(f, f, ir.Constant(idx, [j] * 4 + [j + 1] * 4))
+            terms.append(builder.fmul(builder.sitofp(builder.extract_value(args[1], k), VF), g))
+        return builder.fadd(args[0], _opaque(builder, _tree_add(builder, terms)))
+    return F32x8(acc, v, f0, f1), codegen
+
+
+def _opaque(builder, v):
+    """v through an empty asm statement: LLVM cannot reassociate across it, so a block's sum joins the
+    accumulator (a loop-carried chain) in one add, not as a chain of FMAs (Numba's fastmath flags
+    every add as reassociable)."""
+    return builder.asm(ir.FunctionType(VF, [VF]), "", "=v,0", [v], side_effect=False)
+
+
+def _tree_add(builder, terms):
+    """The sum of terms, pairwise."""
+    while len(terms) > 1:
+        terms = [builder.fadd(terms[i], terms[i + 1]) if i + 1 < len(terms) else terms[i]
+                 for i in range(0, len(terms), 2)]
+    return terms[0]
 
 
 @njit(inline="always")
@@ -170,6 +328,17 @@ def _bit_to(h, k, to):
     return vand(h, 1 << to)
 
 
+@njit(inline="always")
+def _q45(w, p, qo, h, c, five):
+    """Sub-blocks 2c and 2c + 1 of a Q4_K/Q5_K block: 32 bytes of nibbles (and Q5_K's fifth bits)."""
+    q = load_i8x32(w, p + qo + 32 * c)
+    q0, q1 = nib_lo(q), nib_hi(q)
+    if five:
+        q0 = vor(q0, _bit_to(h, 2 * c, 4))
+        q1 = vor(q1, _bit_to(h, 2 * c + 1, 4))
+    return q0, q1
+
+
 @njit(inline="always", fastmath=True)
 def dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2, isa, five):
     """Q4_K (five False; 144-byte blocks: f16 d, f16 dmin, u8 scales[12], u8 qs[128]) and Q5_K
@@ -177,9 +346,9 @@ def dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2, isa, five):
     The 12 scale bytes as three words lo, mid, hi: sub-block s < 4 has scale lo_s & 63 and min
     mid_s & 63; s >= 4 has scale hi_t & 15 | (lo_t >> 6) << 4 and min hi_t >> 4 | (mid_t >> 6) << 4
     (t = s - 4, x_t byte t of word x); w = d scale q - dmin min."""
-    acc0 = zero_f32()  # even and odd sub-blocks: two chains of FMAs
-    acc1 = zero_f32()
+    acc = zero_f32()
     cor = zero_f32()
+    buf = block_scratch()  # a block's 8 weight vectors, staged for dots
     bs, qo = (176, 48) if five else (144, 16)
     for b in range(nb // 8):
         p = o + bs * b
@@ -191,15 +360,11 @@ def dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2, isa, five):
         cor = fadd(cor, fmul(fmul(u8_f32x8(mn), load_f32x8(xs, blk)), load_f16(w, p + 2)))
         h = load_i8x32(w, p + 16)  # Q5_K's fifth bits (Q4_K: unused)
         for c in range(4):  # 32 bytes: low nibbles are sub-block 2c, high nibbles 2c + 1
-            q = load_i8x32(w, p + qo + 32 * c)
-            q0, q1 = nib_lo(q), nib_hi(q)
-            if five:
-                q0 = vor(q0, _bit_to(h, 2 * c, 4))
-                q1 = vor(q1, _bit_to(h, 2 * c + 1, 4))
-            a = xo + 256 * b + 64 * c
-            acc0 = fma_cvt(acc0, idot(q0, xq, a, l2, isa), lane(f, 2 * c))
-            acc1 = fma_cvt(acc1, idot(q1, xq, a + 32, l2, isa), lane(f, 2 * c + 1))
-    return hsum(fadd(acc0, acc1)) - hsum(cor)
+            q0, q1 = _q45(w, p, qo, h, c, five)
+            store_i8x32(buf, 64 * c, q0)
+            store_i8x32(buf, 64 * c + 32, q1)
+        acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b, l2), f)
+    return hsum(acc) - hsum(cor)
 
 
 @njit(inline="always", fastmath=True)
@@ -291,14 +456,55 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
 
 
 @njit(inline="always")
+def _q3(w, p, j):
+    """Group j of a Q3_K block (half j // 4, s = j % 4): 2 low bits at bits 2 s of qs[32 h + j'], the
+    third at bit 4 h + s of hmask[j']."""
+    h, s = j // 4, j % 4
+    q = vand(vshr(load_i8x32(w, p + 32 + 32 * h), 2 * s), 3)
+    return vor(q, _bit_to(load_i8x32(w, p), 4 * h + s, 2))
+
+
+@njit(inline="always", fastmath=True)
+def dot_q3_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa):
+    """Q3_K (110-byte blocks: u8 hmask[32], u8 qs[64], u8 scales[12], f16 d; w = d (scale - 32) (q -
+    4), q - 4 when the third bit is clear; 6-bit scale k: low 4 bits in byte k % 8 of the first 8
+    (high nibble for k >= 8), top 2 bits at bits 2 (k // 4) of byte 8 + k % 4): a block's 8 groups
+    staged (block_scratch), their dots behind one branch on the path."""
+    acc = zero_f32()
+    cor = zero_f32()
+    buf = block_scratch()
+    for b in range(nb // 8):
+        p = o + 110 * b
+        d = load_f16(w, p + 108)
+        lo, hi = load_u64(w, p + 96), load_u32(w, p + 104)
+        h0 = (hi & _M2) | (((hi >> 2) & _M2) << 32)
+        h1 = ((hi >> 4) & _M2) | (((hi >> 6) & _M2) << 32)
+        s0 = fadd(u8_f32x8((lo & _M4X8) | (h0 << 4)), np.float32(-32.0))
+        s1 = fadd(u8_f32x8(((lo >> 4) & _M4X8) | (h1 << 4)), np.float32(-32.0))
+        blk = xb + 8 * b
+        xdv = fmul(load_f32x8(xd, blk), d)
+        cor = fadd(cor, fmul(fadd(fmul(s0, load_f32x8(xs16, 2 * blk)), fmul(s1, load_f32x8(xs16, 2 * blk + 8))),
+                             np.float32(4.0) * d))
+        for j in range(8):
+            store_i8x32(buf, 32 * j, _q3(w, p, j))
+        acc = acc_dots16(acc, dots(isa, buf, xq, xo + 256 * b, l2), fmul(s0, dup_lo(xdv)), fmul(s1, dup_hi(xdv)))
+    return hsum(acc) - hsum(cor)
+
+
+@njit(inline="always")
+def nibbles8(x):
+    """The 8 nibbles of a 32-bit x one a byte (nibble s -> byte s: byte i's low nibble s = 2 i)."""
+    x = (x | (x << 16)) & 0x0000FFFF0000FFFF  # byte i -> byte 2 i
+    x = (x | (x << 8)) & 0x00FF00FF00FF00FF
+    return (x & 0x000F000F000F000F) | ((x << 4) & 0x0F000F000F000F00)
+
+
+@njit(inline="always")
 def _iq4xs_scales(w, p):
     """IQ4_XS's 8 six-bit scales (unsigned, one a byte) of the block at byte p: low nibble s of the
     4 bytes scales_l at p + 4 (byte s // 2, high nibble for odd s), top 2 bits at bits 2 s of the
     u16 scales_h at p + 2."""
-    x = load_u32(w, p + 4)
-    x = (x | (x << 16)) & 0x0000FFFF0000FFFF  # byte i -> byte 2 i
-    x = (x | (x << 8)) & 0x00FF00FF00FF00FF
-    lo = (x & 0x000F000F000F000F) | ((x << 4) & 0x0F000F000F000F00)  # nibble s -> byte s
+    lo = nibbles8(load_u32(w, p + 4))
     y = load_u32(w, p + 2) & 0xFFFF
     y = (y & 0xFF) | ((y & 0xFF00) << 24)  # 2-bit group s -> byte s (bits 0-1)
     y = (y & 0x0000000F0000000F) | ((y & 0x000000F0000000F0) << 12)
@@ -311,16 +517,13 @@ def dot_iq4_xs(w, o, nb, xq, xo, xd, xb, l2, isa, table):
     """IQ4_XS (136-byte blocks: f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; 32-weight
     sub-block s: 16 bytes of codes, low nibbles weights 0-15): w = d (scale - 32) level(code), the
     levels signed bytes by lut16 from the 16 at ``table``."""
-    acc0 = zero_f32()
-    acc1 = zero_f32()
+    acc = zero_f32()
+    buf = block_scratch()
     for b in range(nb // 8):
         p = o + 136 * b
         f = fmul(fmul(fadd(u8_f32x8(_iq4xs_scales(w, p)), np.float32(-32.0)), load_f32x8(xd, xb + 8 * b)),
                  load_f16(w, p))
-        a = xo + 256 * b
-        for t in range(4):
-            v0 = sdot(lut16(load_nib32(w, p + 8 + 32 * t), table), xq, a + 64 * t, l2, isa)
-            v1 = sdot(lut16(load_nib32(w, p + 24 + 32 * t), table), xq, a + 64 * t + 32, l2, isa)
-            acc0 = fma_cvt(acc0, v0, lane(f, 2 * t))
-            acc1 = fma_cvt(acc1, v1, lane(f, 2 * t + 1))
-    return hsum(fadd(acc0, acc1))
+        for j in range(8):
+            store_i8x32(buf, 32 * j, lut16(load_nib32(w, p + 8 + 16 * j), table))
+        acc = acc_dots(acc, sdots(isa, buf, xq, xo + 256 * b, l2), f)
+    return hsum(acc)

@@ -592,6 +592,16 @@ def now_ns(typingctx):
     return types.int64(), codegen
 
 
+def kernel_cache_subpath() -> str:
+    """Where under NUMBA_CACHE_DIR Numba keeps this package's kernels (its own naming: the folder's
+    name and the SHA1 of its path)."""
+    import os
+
+    from numba.core.caching import UserProvidedCacheLocator
+
+    return UserProvidedCacheLocator.get_suitable_cache_subpath(os.path.abspath(__file__))
+
+
 def drop_stale_kernel_caches(modules: tuple[str, ...] = ("cpu_simd", "cpu_kq", "cpu_iq", "cpu_experts", "cpu_pool")) -> bool:
     """Numba keys a cached function on its own source file alone: a kernel cached in cpu_pool.py
     would keep calling the old code of a changed cpu_experts.py. So the cache indexes of these
@@ -605,7 +615,7 @@ def drop_stale_kernel_caches(modules: tuple[str, ...] = ("cpu_simd", "cpu_kq", "
 
     here = Path(__file__).resolve().parent
     digest = hashlib.sha1(b"".join((here / f"{m}.py").read_bytes() for m in modules)).hexdigest()
-    cache = Path(config.CACHE_DIR) / here.relative_to(here.anchor) if config.CACHE_DIR else here / "__pycache__"
+    cache = Path(config.CACHE_DIR) / kernel_cache_subpath() if config.CACHE_DIR else here / "__pycache__"
     stamp = cache / "moelab-kernels.sha1"
     try:
         if stamp.read_text() == digest:

@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="pool threads for the main table (default: cores - 1)")
     p.add_argument("--per-core", default="1,2", help="comma-separated thread counts of the old-vs-new table ('' skips)")
-    p.add_argument("--types", default=",".join(TYPES), help="comma-separated quant types")
+    p.add_argument("--types", default=",".join(TYPES), help="comma-separated quant types ('all': every CPU type)")
+    p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated call shapes")
     p.add_argument("--isa", default=",".join(cpu_simd.host_isas()), help="comma-separated integer-dot paths "
                    f"(default: this host's, {','.join(cpu_simd.host_isas())}; the first is the 'new' of the last line)")
     p.add_argument("--experts", type=int, default=0,
@@ -176,15 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the figures and arguments here (JSON)")
     args = p.parse_args(argv)
     try:
-        types = [Q.QTYPE_BY_NAME[t] for t in args.types.split(",")]
+        types = (sorted(Q.CPU_QTYPES) if args.types == "all" else [Q.QTYPE_BY_NAME[t] for t in args.types.split(",")])
+        shapes = [next(s for s in SHAPES if s[0] == name) for name in args.shapes.split(",")]
         per_core = [int(t) for t in args.per_core.split(",") if t.strip()]
         isas = args.isa.split(",")
         for isa in isas:
             cpu_simd.choose_isa(isa, "--isa")
         for qt in types:
             Q.quant_type(qt, "--types", Q.CPU_QTYPES)
-    except (ValueError, KeyError) as exc:
-        p.error(f"--types/--per-core/--isa: {exc}")
+    except (ValueError, KeyError, StopIteration) as exc:
+        p.error(f"--types/--shapes/--per-core/--isa: {exc!r}; shapes are {', '.join(s[0] for s in SHAPES)}")
     limit = max(os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS)
     if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS or any(not 1 <= t <= limit for t in per_core):
         p.error(f"--threads/--per-core: expected 1..{numba.config.NUMBA_NUM_THREADS}")
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                       + args.hidden * Q.row_bytes(qt, args.ffn, "--types", Q.CPU_QTYPES))
         experts = args.experts or max(64, -(-2 * l3 // per_expert // 8) * 8)
         layer = big_layer(qt, experts, args.hidden, args.ffn, rng)
-        for shape in SHAPES:
+        for shape in shapes:
             o, ns = rates(layer, shape, args.threads, args.reps, time.perf_counter, rng, isas)
             main_rows += [(name, shape[0], isa, o, n) for isa, n in zip(isas, ns)]
             log(f"  {name} {shape[0]} {args.threads} threads: old {o:.2f} new " + " ".join(

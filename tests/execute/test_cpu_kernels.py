@@ -118,13 +118,11 @@ def test_each_path_compiles_its_instructions():
 def test_a_changed_kernel_source_drops_the_cached_kernels(tmp_path, monkeypatch):
     """Numba keys a cached kernel on its own file: the indexes of every kernel module go when the
     digest of their sources changes (a pool loop cached in cpu_pool.py must not keep old kernels)."""
-    from pathlib import Path
 
     from numba.core import config
 
     monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
-    here = Path(cpu_simd.__file__).resolve().parent
-    cache = tmp_path / here.relative_to(here.anchor)
+    cache = tmp_path / cpu_simd.kernel_cache_subpath()
     cache.mkdir(parents=True)
     pool, rows, other = (cache / n for n in ("cpu_pool._team_worker-1.py311.nbi", "cpu_experts._rows-1.py311.nbi",
                                              "quant.other-1.py311.nbi"))
