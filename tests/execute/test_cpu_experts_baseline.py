@@ -1,5 +1,7 @@
 """execute.cpu_experts_baseline (the float32 kernels bench_cpu_experts compares against) computes
-what the current kernels compute, on every type it reads."""
+what the current kernels compute, on every type it reads. Marked slow: the baseline is a benchmark
+reference the executor never imports, and its cold Numba compile is a minute of the default suite
+(``python -m pytest -m slow tests/execute/test_cpu_experts_baseline.py`` runs it)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +13,8 @@ from execute.cpu_experts import run_experts
 from execute.experts import random_layer
 
 from .conftest import biased, biased_reference
+
+pytestmark = pytest.mark.slow
 
 TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16)
 
