@@ -2,11 +2,11 @@
 
 Per 32 weights each type stores grid indices (IQ2_*: 4, 8 weights each; IQ3_*: 8, 4 weights
 each), 32 signs and one or two scales (see ``quant``'s layout table). The grid values are
-unsigned bytes <= 62, so a group's dot is grid . (x with the signs applied): one gather of the
-32 grid bytes, the signs as a 32-bit mask negating activation bytes (which avoid -128), and the
-same integer dot as every other type (``cpu_simd.dpbusd_isa``: exact on the avx2 path too, the
-weight bytes being <= 127), per activation level. IQ2_XS and IQ2_S scale each 16 weights: lanes
-0-3 and 4-7 of the dot take their own scale (``fma_cvt2``).
+unsigned bytes <= 62: a group's 32 grid bytes are gathered by its indices and its signs applied
+to them as 64 +- grid (``sign_off``: unsigned 2..126, so the avx2 path's int16 pair sums stay
+exact), the 64 taken off through the activation sums. A block's 8 groups are staged on the stack
+and dotted behind one branch on the instruction-set path (``cpu_kq.dots``, both activation
+levels); IQ2_XS, IQ2_S and IQ1_* scale each 16 weights (``acc_dots16``).
 
 ``IQ_TABLES`` (KSIGNS, then each grid as bytes) sits at ``cpu_experts``' code tables; the kernels
 take its address.

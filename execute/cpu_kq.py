@@ -4,12 +4,14 @@ Each 256-weight block stores 8 or 16 small integer scales (and Q2_K, Q4_K, Q5_K 
 packed into a few bytes. The kernels read those bytes as one or two 64-bit words, spread them
 into one scale per byte with shifts and masks, and turn 8 of them at a time into a float32
 vector multiplied by the 8 activation blocks' scales and the block's ``d``: one vector of the
-float factors of the block's eight 32-weight integer dots. The dots are the common ones
-(``_idot``: unsigned weight bytes against the int8 activations, both levels); each is converted
-and accumulated with its lane of that vector (``lane``; Q2_K, Q3_K, Q6_K scale each 16 weights:
-two lanes, ``fma_cvt2``). Mins and offsets come off once per block as a vector product with the
-activations' block sums. Also here: the float32 vector operations that work needs, and the
-integer dots shared with ``execute.cpu_experts``.
+float factors of the block's eight 32-weight integer dots (unsigned weight bytes against the int8
+activations, both levels). Q4_K, Q5_K and Q3_K stage the block's 8 weight vectors on the
+stack (``block_scratch``) and run the 8 dots behind one branch on the instruction-set path
+(``dots``), their products summed pairwise into the accumulator (``acc_dots``; per-16 scales
+``acc_dots16``); Q2_K, Q6_K and IQ4_XS, whose decode is a few instructions, branch per dot
+(``idot``, ``sdot``) and accumulate each with its lane(s) of that vector (``fma_cvt``, ``fma_cvt2``). Mins and offsets come off once per
+block as a vector product with the activations' block sums. Also here: the float32 vector
+operations that work needs, and the integer dots shared with ``execute.cpu_experts``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _ptr, _splat,
-                       ISA_AVX2, ISA_PATHS, ISA_PLAIN, ISA_VNNI, dpbusd_isa, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
+                       ISA_AVX2, ISA_PATHS, ISA_PLAIN, ISA_VNNI, dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
 __all__ = ["dots", "sdots", "dot_q3_k", "block_scratch", "store_i8x32", "acc_dots", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
            "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi", "zip_lo", "zip_hi", "nibbles8"]
@@ -157,16 +159,14 @@ def _is_tuple_of(t, vt, n=None) -> bool:
 
 def _dots_codegen(signed: bool):
     def codegen(context, builder, sig, args):
-        isa, xq, a, l2 = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (0, 2, 3, 4))
-        qa = None if isinstance(sig.args[1], types.UniTuple) else context.cast(builder, args[1], sig.args[1], types.int64)
+        isa, qa, xq, a, l2 = (context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args))
         zero = ir.Constant(V32, None)
 
         def load(base, k):
             p = builder.add(base, ir.Constant(ir.IntType(64), 32 * k))
             return builder.load(builder.inttoptr(p, ir.PointerType(V32)), align=1)
 
-        q = ([builder.extract_value(args[1], k) for k in range(8)] if isinstance(sig.args[1], types.UniTuple)
-             else [load(qa, k) for k in range(8)])
+        q = [load(qa, k) for k in range(8)]
         x1a, x2a = builder.add(xq, a), builder.add(builder.add(xq, a), l2)
         fn = builder.function
         blocks = [fn.append_basic_block(f"dots_{p}") for p in ISA_PATHS]
@@ -203,8 +203,7 @@ def _dots_codegen(signed: bool):
 
 def _dots(signed: bool):
     def make(typingctx, isa, q, xq, a, l2):
-        if not (all(isinstance(t, types.Integer) for t in (isa, xq, a, l2))
-                and (isinstance(q, types.Integer) or _is_tuple_of(q, I8x32, 8))):
+        if not all(isinstance(t, types.Integer) for t in (isa, q, xq, a, l2)):
             return None
         return types.UniTuple(I32x8, 8)(isa, q, xq, a, l2), _dots_codegen(signed)
     return make
@@ -232,8 +231,8 @@ def store_i8x32(typingctx, base, off, v):
 
 
 dots = intrinsic(_dots(False))
-dots.__doc__ = """Per k < 8: 256 (q_k . x1) + q_k . x2 per int32 lane, q_k = q[k] (a tuple of 8 vectors) or the 32
-weight bytes at address q + 32 k (block_scratch), x1 the 32 activation bytes at xq + a + 32 k
+dots.__doc__ = """Per k < 8: 256 (q_k . x1) + q_k . x2 per int32 lane, q_k the 32 weight bytes at address q + 32 k
+(block_scratch), x1 the 32 activation bytes at xq + a + 32 k
 and x2 those l2 bytes on (the second level); dpbusd with q unsigned (<= 127 for the avx2 path), on
 path ``isa`` with one branch for all k: a block's dots behind one switch, so each path's
 instructions run alone without a copy of the kernel per path."""
@@ -517,13 +516,16 @@ def dot_iq4_xs(w, o, nb, xq, xo, xd, xb, l2, isa, table):
     """IQ4_XS (136-byte blocks: f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; 32-weight
     sub-block s: 16 bytes of codes, low nibbles weights 0-15): w = d (scale - 32) level(code), the
     levels signed bytes by lut16 from the 16 at ``table``."""
-    acc = zero_f32()
-    buf = block_scratch()
+    acc0 = zero_f32()
+    acc1 = zero_f32()
     for b in range(nb // 8):
         p = o + 136 * b
         f = fmul(fmul(fadd(u8_f32x8(_iq4xs_scales(w, p)), np.float32(-32.0)), load_f32x8(xd, xb + 8 * b)),
                  load_f16(w, p))
-        for j in range(8):
-            store_i8x32(buf, 32 * j, lut16(load_nib32(w, p + 8 + 16 * j), table))
-        acc = acc_dots(acc, sdots(isa, buf, xq, xo + 256 * b, l2), f)
-    return hsum(acc)
+        a = xo + 256 * b
+        for t in range(4):
+            v0 = sdot(lut16(load_nib32(w, p + 8 + 32 * t), table), xq, a + 64 * t, l2, isa)
+            v1 = sdot(lut16(load_nib32(w, p + 24 + 32 * t), table), xq, a + 64 * t + 32, l2, isa)
+            acc0 = fma_cvt(acc0, v0, lane(f, 2 * t))
+            acc1 = fma_cvt(acc1, v1, lane(f, 2 * t + 1))
+    return hsum(fadd(acc0, acc1))
