@@ -21,8 +21,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _ptr, _splat,
-                       ISA_AVX2, ISA_PATHS, ISA_PLAIN, ISA_VNNI, dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
+from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat,
+                       dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
 __all__ = ["dots", "sdots", "dot_q3_k", "block_scratch", "store_i8x32", "acc_dots", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
            "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi", "zip_lo", "zip_hi", "nibbles8"]
@@ -168,12 +168,7 @@ def _dots_codegen(signed: bool):
 
         q = [load(qa, k) for k in range(8)]
         x1a, x2a = builder.add(xq, a), builder.add(builder.add(xq, a), l2)
-        fn = builder.function
-        blocks = [fn.append_basic_block(f"dots_{p}") for p in ISA_PATHS]
-        done = fn.append_basic_block("dots_done")
-        sw = builder.switch(isa, blocks[ISA_PLAIN])
-        sw.add_case(ir.Constant(isa.type, ISA_VNNI), blocks[ISA_VNNI])
-        sw.add_case(ir.Constant(isa.type, ISA_AVX2), blocks[ISA_AVX2])
+        blocks, done = _isa_branches(builder, isa, "dots")
         outs = []
         for path, blk in enumerate(blocks):  # activations loaded in each path next to their dots (registers)
             builder.position_at_end(blk)

@@ -245,15 +245,22 @@ def choose_isa(name: str | None = None, what: str = "MOELAB_CPU_ISA") -> int:
     return ISA_PATHS.index(name)
 
 
-def _dp_switch(builder, isa, acc, u, s):
-    """The dot on path ``isa`` (an i64 at run time): a three-way branch LLVM folds or unswitches
-    where ``isa`` is loop-invariant, so each path's instructions run alone."""
+def _isa_branches(builder, isa, name: str) -> tuple[list, object]:
+    """A three-way branch on ``isa`` (an i64 at run time; plain by default): the basic blocks
+    ``{name}_<path>`` in ``ISA_PATHS`` order and ``{name}_done``, which the paths must end in."""
     fn = builder.function
-    blocks = [fn.append_basic_block(f"dp_{n}") for n in ISA_PATHS]
-    done = fn.append_basic_block("dp_done")
+    blocks = [fn.append_basic_block(f"{name}_{n}") for n in ISA_PATHS]
+    done = fn.append_basic_block(f"{name}_done")
     sw = builder.switch(isa, blocks[ISA_PLAIN])
     sw.add_case(ir.Constant(isa.type, ISA_VNNI), blocks[ISA_VNNI])
     sw.add_case(ir.Constant(isa.type, ISA_AVX2), blocks[ISA_AVX2])
+    return blocks, done
+
+
+def _dp_switch(builder, isa, acc, u, s):
+    """The dot on path ``isa`` (an i64 at run time): a three-way branch LLVM folds or unswitches
+    where ``isa`` is loop-invariant, so each path's instructions run alone."""
+    blocks, done = _isa_branches(builder, isa, "dp")
     out = []
     for k, blk in enumerate(blocks):
         builder.position_at_end(blk)
