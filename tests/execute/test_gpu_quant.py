@@ -65,9 +65,8 @@ def _stage(x: np.ndarray):
 
 @pytest.fixture(scope="module")
 def host_decoders(tmp_path_factory):
-    """gpu_quant.cu's decoders built for the host by nvcc (where it is installed)."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed")
+    """gpu_quant.cu's decoders built for the host by nvcc."""
+    assert shutil.which("nvcc"), "nvcc (the CUDA toolkit) builds gpu_quant.cu's decoders for the host"
     d = tmp_path_factory.mktemp("hostcheck")
     harness = (Path(__file__).parent / "gpu_quant_host.cu").read_text()
     (d / "h.cu").write_text(harness.replace("GPU_QUANT_CU", str(ROOT / "execute" / "gpu_quant.cu")))
@@ -104,8 +103,7 @@ def test_chunk_decoders_on_the_host(qtype, host_decoders, rng):
 @pytest.fixture(scope="module")
 def emulated_kernels(tmp_path_factory):
     """gpu_quant.cu's kernels built for the host with the SIMT emulation of gpu_quant_simt.h (g++)."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not installed")
+    assert shutil.which("g++"), "g++ builds gpu_quant.cu's kernels with the SIMT emulation for the host"
     exe = tmp_path_factory.mktemp("emu") / "emu"
     here = Path(__file__).parent
     src = f'-DGPU_QUANT_CU="{ROOT / "execute" / "gpu_quant.cu"}"'
