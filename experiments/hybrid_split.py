@@ -3,7 +3,7 @@ hardware and cache budget: qwen3-30b-a3b on a synthetic trace, and the bundled (
 trace on its own model where a budget leaves experts off the GPU. ``hybrid`` is the cost-model
 share (the default with a hardware file); ``hybrid f=44`` the seed's fixed 44/256.
 
-    python experiments/hybrid_split.py [--out docs/perf/hybrid_split] [--tokens 512] [--docs docs/SIMULATOR.md]
+    python experiments/hybrid_split.py [--out docs/perf/hybrid_split] [--tokens 512] [--docs FILE.md]
 
 Writes OUT/config.json, OUT/results.csv, OUT/README.md (the table and this command) and
 OUT/hybrid_split.png; with --docs, replaces the section between the hybrid_split markers there.
