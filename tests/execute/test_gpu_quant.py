@@ -155,11 +155,7 @@ def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
     head = np.array(qtypes, np.int32).tobytes()
     for tokens, mode in ((1, 1), (11, 2)):
         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
-        ys = []
-        for e in range(num_e):
-            g, u, d = (Q.dequantize(p[e], t, c).astype(np.float64) for p, t, c in zip(parts, qtypes, (hidden, hidden, ffn)))
-            a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
-            ys.append((a / (1 + np.exp(-a)) * b) @ d.T)
+        ys = _expert_outputs64(parts, qtypes, x, ffn, hidden)
         ref = sum(float(wts[e]) * ys[e] for e in range(num_e)) if mode == 1 else np.concatenate(ys)
         inp = (np.array([mode], np.int32).tobytes() + head + np.array([num_e, ffn, hidden, tokens], np.int32).tobytes()
                + np.array([p.shape[2] for p in parts], np.int64).tobytes() + wts.tobytes() + w.tobytes() + x.tobytes())
@@ -182,6 +178,17 @@ def test_matmul_matches_numpy_dequantize(qtype, tokens, rng):
     assert y.shape == (tokens, rows) and np.isfinite(y).all()
     bound = REL_ERR if qtype in FLOAT else REL_ERR_INT8
     assert np.linalg.norm(y - ref) <= bound * np.linalg.norm(ref)
+
+
+def _expert_outputs64(parts, qtypes, x, ffn, hidden) -> list:
+    """Each expert's unweighted float64 output (silu(x g^T) * (x u^T)) d^T on the rows of x, from
+    gguf's dequantized gate, up and down blocks ``parts``."""
+    ys = []
+    for e in range(parts[0].shape[0]):
+        g, u, d = (Q.dequantize(p[e], t, c).astype(np.float64) for p, t, c in zip(parts, qtypes, (hidden, hidden, ffn)))
+        a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
+        ys.append((a / (1 + np.exp(-a)) * b) @ d.T)
+    return ys
 
 
 def _expert_parts(rng, qtypes, num_e, ffn, hidden):
@@ -210,11 +217,7 @@ def test_expert_kernels_match_numpy_dequantize(qtypes, rng):
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
     w = cp.asarray(np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1))
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
-    ys = []
-    for e in range(num_e):
-        g, u, d = (Q.dequantize(p[e], t, c).astype(np.float64) for p, t, c in zip(parts, qtypes, (hidden, hidden, ffn)))
-        a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
-        ys.append((a / (1 + np.exp(-a)) * b) @ d.T)
+    ys = _expert_outputs64(parts, qtypes, x, ffn, hidden)
     wts = np.array([0.5, 0.3, 0.2], np.float32)
     one = cp.asnumpy(Experts(w, qtypes, ffn, hidden, weights=wts)(cp.asarray(x[:1])))
     ref1 = sum(float(wts[e]) * ys[e][:1] for e in range(num_e))
