@@ -439,15 +439,13 @@ class ExpertEngine:
         st.host_plan_s += time.perf_counter() - t0
         if n_gpu < n_pairs:
             # the CPU pool is the layer's longest path: its input is fetched and its call submitted
-            # before anything else is prepared (the GPU pairs' tables are built while it computes),
-            # and the GIL handed on at once (sleep(0) releases it) rather than after the
-            # interpreter's switch interval
+            # before anything else is prepared (the GPU pairs' tables are built while it computes;
+            # the pool's workers are native threads that never take the GIL)
             xh, ev = gx.fetch_input(x)
             t1 = time.perf_counter()
             gx.wait(ev, "copy of the layer input for the CPU pool")
             buffers = gx.cpu_buffers(n_pairs - n_gpu, lx.hidden)
             job = self._cpu(lx, experts[n_gpu:], tok[n_gpu:], xh, buffers)
-            time.sleep(0)
             st.input_wait_s += time.perf_counter() - t1
         t1 = time.perf_counter()
         for v in d.evictions:

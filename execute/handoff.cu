@@ -51,12 +51,14 @@ extern "C" __global__ void handoff_put(const float* __restrict__ x, const int* _
 // and a grid of a thousand blocks does not flood the link with reads of host memory: they queue
 // before the rows the kernel then reads from it). Gives up when ctrl[broken] is set or after
 // timeout_ns: then err (mapped) = seq, ctrl[broken] = 1 (the pool's gates open, later waits end
-// at once) and false. The first block to see the call done stamps stamps[1].
+// at once) and false. Block 0 stamps stamps[2] when it starts waiting; the first block to see the
+// call done stamps stamps[1].
 __device__ bool ho_wait(const long long* ctrl, int done, int broken, long long seq, long long timeout_ns,
                         long long* relay, long long* err, long long* stamps) {
     __shared__ int ok;
     if (threadIdx.x == 0) {
         long long t0 = ho_now();
+        if (blockIdx.x == 0) stamps[2] = t0;
         int r = -1, every = blockIdx.x == 0 ? 15 : 4095;
         for (int it = 0; r < 0; it++) {
             if (*(volatile long long*)relay >= seq) {

@@ -46,8 +46,8 @@ _MAPPED_PORTABLE = 2 | 1  # cudaHostAllocMapped | cudaHostAllocPortable
 # words after the pool's counters: the error word, the clock ping and pong, the stamp ring
 _ERR, _PING, _PONG = P.CTRL_WORDS, P.CTRL_WORDS + 8, P.CTRL_WORDS + 16
 _STAMPS = P.CTRL_WORDS + 24
-_SLOTS = 64  # stamp pairs (put, seen-done) per call, by seq % _SLOTS
-_CLOCK = _STAMPS + 2 * _SLOTS  # GPU stamps of the clock pairing
+_SLOTS = 64  # stamp triples (put, seen done, wait started) per call, by seq % _SLOTS
+_CLOCK = _STAMPS + 3 * _SLOTS  # GPU stamps of the clock pairing
 _ROUNDS = 64
 _WORDS = _CLOCK + _ROUNDS
 _RPB = 2  # output rows per block in handoff1_down_combine (as moe1_down_combine)
@@ -93,7 +93,8 @@ class Edges:
         self.out_s = 0.0  # last output written (CPU) -> a waiting kernel sees the call done (GPU)
         self.last: deque = deque(maxlen=4096)  # (in_s, out_s) per call
         # per call, host-clock seconds (perf_counter): (layer, seq, submitted, gate written by the
-        # GPU, first worker through the gate, team started, last output, call seen done by the GPU)
+        # GPU, first worker through the gate, team started, last output, call seen done by the GPU,
+        # the GPU's waiting kernel started: its block 0's first look; 0.0 if not stamped)
         self.timeline: deque = deque(maxlen=4096)
 
 
@@ -138,8 +139,8 @@ class Handoff:
     # the kernels -----------------------------------------------------------------------------
     def _slot(self, seq: int) -> int:
         s = seq % _SLOTS
-        self.words[_STAMPS + 2 * s:_STAMPS + 2 * s + 2] = 0
-        return _STAMPS + 2 * s
+        self.words[_STAMPS + 3 * s:_STAMPS + 3 * s + 3] = 0
+        return _STAMPS + 3 * s
 
     def put(self, x_ptr: int, rows_ptr: int, n: int, hidden: int, xin_dev: int, job) -> None:
         """Queue ``handoff_put``: ``xin[i] = x[rows[i]]`` (``rows_ptr`` 0: row 0) for the gated
@@ -161,14 +162,14 @@ class Handoff:
         blob[:8 * k].view(np.uint64)[:] = bases
         blob[8 * MAX_TOP_K:8 * MAX_TOP_K + 4 * k].view(np.float32)[:] = weights
         blob[12 * MAX_TOP_K:12 * MAX_TOP_K + 4 * k].view(np.int32)[:] = cpu_row
-        stamp = _STAMPS + 2 * (job._seq % _SLOTS)
+        stamp = _STAMPS + 3 * (job._seq % _SLOTS)
         self._k_down1((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr, h, out, k, ffn, hidden, _RPB, off_d, qt_d,
                       rb_d, bias, self._dev, P._C_DONE, P._C_BROKEN, job._seq, self.wait_timeout_ns,
                       self._relay.data.ptr, self._dev + 8 * _ERR, self._dev + 8 * stamp, yout_dev)
 
     def get(self, y_ptr: int, yout_dev: int, n: int, hidden: int, job) -> None:
         """Queue ``handoff_get``: ``y[i] = yout[i]`` for the job's n rows once it is done."""
-        stamp = _STAMPS + 2 * (job._seq % _SLOTS)
+        stamp = _STAMPS + 3 * (job._seq % _SLOTS)
         grid = min(-(-n * hidden // 256), 64)
         self._k_get((grid, 1), 256, self.compute.ptr, self._dev, P._C_DONE, P._C_BROKEN, job._seq,
                     self.wait_timeout_ns, self._relay.data.ptr, self._dev + 8 * _ERR, self._dev + 8 * stamp,
@@ -202,7 +203,8 @@ class Handoff:
                 e.last.append((a, b))
                 e.timeline.append((job.layer, job._seq, job.submitted_s, (int(w[stamp]) - self.offset_ns) * 1e-9,
                                    job.gate_s, job.started_s, job.finished_s,
-                                   (int(w[stamp + 1]) - self.offset_ns) * 1e-9))
+                                   (int(w[stamp + 1]) - self.offset_ns) * 1e-9,
+                                   (int(w[stamp + 2]) - self.offset_ns) * 1e-9 if w[stamp + 2] else 0.0))
             elif not final and newest - job._seq < _SLOTS // 2:
                 keep.append(item)
         self._pending = keep
@@ -329,11 +331,15 @@ class Handoff:
         st.handoff_out_s += self.edges.out_s - e_out
 
 
-def bench_edges(threads: int, rows: int, hidden: int, ffn: int, calls: int, busy_us: float, seed: int = 0) -> dict:
+def bench_edges(threads: int, rows: int, hidden: int, ffn: int, calls: int, busy_us: float, seed: int = 0,
+                ahead: int = 0) -> dict:
     """Both edges of the hand-off, per call, on a random Q8_0 layer: each call is posted gated,
     then ``handoff_put`` (after ``busy_us`` of GPU work, so the team is waiting before its gate
-    opens), ``handoff_get``, and a stream synchronize. Returns the clock pairing's round trip and
-    offset and the per-call edges (seconds)."""
+    opens) and ``handoff_get``; the host then waits until at most ``ahead`` calls are in flight
+    (0: a stream synchronize after every call; an engine decoding runs ahead of the GPU).
+    Returns the clock pairing's round trip and offset, the per-call edges (seconds) and, per
+    call, when the GPU's waiting kernel started relative to the last output (negative: it was
+    waiting before the pool finished)."""
     from .experts import random_layer
 
     rng = np.random.default_rng(seed)
@@ -341,6 +347,7 @@ def bench_edges(threads: int, rows: int, hidden: int, ffn: int, calls: int, busy
     stream = cp.cuda.Stream(non_blocking=True)
     ho = Handoff(stream, 10.0)
     pool = P.CpuExpertPool(threads, 10.0, ctrl=ho.ctrl)
+    flight: deque = deque()
     try:
         pool.warmup(layer)
         ho.clock_offset()
@@ -356,15 +363,19 @@ def bench_edges(threads: int, rows: int, hidden: int, ffn: int, calls: int, busy
                 spin((1, 1), 32, stream.ptr, int(busy_us * 1e3))
             ho.put(x.data.ptr, 0, rows, hidden, xin_dev, job)
             ho.get(y.data.ptr, yout_dev, rows, hidden, job)
-            stream.synchronize()
+            flight.append(stream.record())
+            while len(flight) > ahead:
+                flight.popleft().synchronize()
             ho.check(pool)
             ho.harvest()
+        stream.synchronize()
         ho.harvest(final=True)
         want = np.asarray(job.result())
         got = y.get()
     finally:
         pool.close()
     e = np.array(ho.edges.last)
+    started = [t[8] - t[6] for t in ho.edges.timeline if t[8]]
     return {"round_trip_s": ho.round_trip_ns * 1e-9, "offset_ns": ho.offset_ns, "calls": len(e),
             "in_s": e[:, 0].tolist() if len(e) else [], "out_s": e[:, 1].tolist() if len(e) else [],
-            "rows_equal": bool(np.array_equal(want, got))}
+            "wait_started_s": started, "rows_equal": bool(np.array_equal(want, got))}

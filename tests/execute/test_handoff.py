@@ -82,3 +82,13 @@ def test_bench_edges_rows_arrive_intact():
 
     r = bench_edges(threads=2, rows=3, hidden=256, ffn=256, calls=12, busy_us=50)
     assert r["rows_equal"] and r["calls"] > 0 and r["round_trip_s"] > 0
+
+
+@pytest.mark.gpu
+def test_bench_edges_ahead_keeps_rows_and_stamps_the_wait():
+    cupy_or_skip()
+    from execute.handoff import bench_edges
+
+    r = bench_edges(threads=2, rows=3, hidden=256, ffn=256, calls=24, busy_us=20, ahead=4)
+    assert r["rows_equal"] and r["calls"] > 0
+    assert len(r["wait_started_s"]) == r["calls"]  # block 0 stamps its first look at every call
