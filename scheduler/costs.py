@@ -199,18 +199,28 @@ class Costs:
             self.head_s = fixed + model.head_bytes() / gbw  # GPU part; read-back on the host lane
 
     def cost_model(self):
-        """These costs as a ``scheduler.CostModel`` (for ``hybrid-cost``), in the roofline form
-        the simulator charges: per expert, weights read once or compute per token, whichever is
-        longer (``gpu_experts``/``cpu_experts``; one token gives the decode costs); ``layer_s`` is
-        a decode layer's dense part at empty context and its router read-back. The pool stays
-        linear here (``CostModel`` has no per-count term): ``cpu_call_factor`` is left out, as are
-        the host's copy-round and plan-per-copy costs (not part of ``upload_s`` before either)."""
-        from .costmodel import CostModel
+        """These costs as a ``scheduler.CostModel`` (for ``hybrid-cost``, ``hybrid``'s share,
+        ``lookahead`` and ``oracle``), in the roofline form the simulator charges: per expert,
+        weights read once or compute per token, whichever is longer (``gpu_experts``/
+        ``cpu_experts``; one token gives the decode costs); the pool's ``cpu_call_factor``;
+        ``layer_s`` is a decode layer's dense part at empty context and its router read-back.
+        With an executor block, ``lane`` holds the host thread's costs (``HostCosts``) so that
+        ``CostModel.step_s`` charges a layer as ``simulate.engine`` does; ``cpu_task_s`` and
+        ``cpu_delay_s`` then also summarise them for the policies that price without the lane
+        (the pool's task and the host's CPU hand-off costs; the submit and GIL hand-off)."""
+        from .costmodel import CostModel, LaneCosts
 
         n = len(self.expert_bytes)
-        task, delay = self.cpu_task_s, 0.0
+        task, delay, lane = self.cpu_task_s, 0.0, None
         if self.host is not None:  # with an executor block, a layer that uses the pool also holds the host thread
             hc = self.host
+            lane = LaneCosts(pool_task_s=self.cpu_task_s, submit_s=hc.cpu_submit_s, start_s=hc.cpu_start_s,
+                             handoff_s=hc.cpu_handoff_s, return_s=hc.cpu_return_s, combine_s=hc.cpu_combine_s,
+                             cpu_queue_s=hc.cpu_queue_s, gpu_queue_s=hc.gpu_queue_s, expert_queue_s=hc.gpu_expert_s,
+                             copy_round_s=hc.copy_round_s, copy_s=hc.copy_s, plan_copy_s=hc.plan_copy_s,
+                             layer_combine_s=hc.layer_combine_s, batch_s=self.expert_launch_s,
+                             gpu_combine_s=self.combine_s, handoff=hc.handoff, handoff_in_s=hc.handoff_in_s,
+                             handoff_out_s=hc.handoff_out_s)
             if hc.handoff:  # the GPU puts the input and waits for the rows; the host goes on
                 task += hc.cpu_submit_s + hc.handoff_in_s + hc.handoff_out_s
                 delay = hc.cpu_submit_s
@@ -227,7 +237,8 @@ class Costs:
             upload_s=self.upload_s,
             cpu_expert_s=[0.0] * n, cpu_token_s=self.cpu_token_s, cpu_read_s=self.cpu_read_s,
             cpu_task_s=task, layer_s=[d + self.route_s for d in self.dense_s], cpu_delay_s=delay,
-            cpu_copy_s=copy, cpu_combine_s=comb, gpu_batch_s=batch)
+            cpu_copy_s=copy, cpu_combine_s=comb, gpu_batch_s=batch,
+            cpu_call_factor=tuple(sorted(self.cpu_call_factor.items())), lane=lane)
 
     # multi-token steps (counts given) ---------------------------------------------------------
     def dense(self, layer: int, ctx: int, num_tokens: int = 1) -> float:

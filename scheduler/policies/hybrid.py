@@ -438,21 +438,18 @@ class CostShare:
     """``hybrid``'s PCIe share from a cost model: how many of a step's misses go over PCIe.
 
     For ``k`` of the step's ``m`` eligible misses (ranked as ``hybrid`` ranks them) sent over PCIe
-    and the rest, with the misses in flight, sent to the CPU pool, the layer's predicted time is
-    ``max(gpu, cpu) + cpu_combine_s`` when the pool is used, else ``gpu``: ``gpu`` is
-    ``cpu_delay_s`` (when the pool is used) + ``max(hits' GPU time, k * upload_s)`` + the uploaded
-    experts' GPU time (they run as a batch once their copies have landed; a batch costs
-    ``gpu_batch_s`` more, hits included); ``cpu`` is ``cpu_task_s`` + ``cpu_copy_s`` + the CPU
-    experts' time. Each miss left to the CPU is not cached, so its next route misses again: it is
-    charged ``r * (min(cpu_s, upload_s + gpu_s) - gpu_s)`` (one-token costs), ``r`` being the
-    layer's share of hits over its last ``REUSE_STEPS`` steps or so (an integer moving average, to
-    1/``REUSE_SCALE``), the chance that an expert just routed is routed again while it would still
-    be cached. The ``k`` with the
-    least time plus charges is chosen, ties going to more uploads. So when the pool is slower than
-    uploading every miss, however few it takes, no miss goes to the CPU (in flight ones excepted).
-    Decode steps (no token counts) are looked up by (hits, misses, in flight, ``r``) once
-    computed. Deterministic given the cost model and the decisions: a simulator and an executor
-    replaying one trace decide alike.
+    and the rest, with the misses in flight, sent to the CPU pool in one call, the layer's
+    predicted time is the cost model's (``CostModel.step_s``: the link, the GPU batches, the
+    pool's call with its fixed costs and, with a hardware file's executor costs, the host thread,
+    in the order the simulator charges them). Each miss left to the CPU is not cached, so its next
+    route misses again: it is charged ``r * (min(cpu_s, upload_s + gpu_s) - gpu_s)`` (one-token
+    costs), ``r`` being the layer's share of hits over its last ``REUSE_STEPS`` steps or so (an
+    integer moving average, to 1/``REUSE_SCALE``), the chance that an expert just routed is routed
+    again while it would still be cached. The ``k`` with the least time plus charges is chosen,
+    ties going to more uploads. So when the pool is slower than uploading every miss, however few
+    it takes, no miss goes to the CPU (in flight ones excepted). Decode steps (no token counts)
+    are looked up by (hits, misses, in flight, ``r``) once computed. Deterministic given the cost
+    model and the decisions: a simulator and an executor replaying one trace decide alike.
     """
 
     def __init__(self, cost_model: CostModel, num_layers: int):
@@ -484,24 +481,23 @@ class CostShare:
             memo = self._memo[layer]
             k = memo.get(key)
             if k is None:
-                g, c, up = self._one[layer]
-                hits_s = len(hits) * g + self.costs.gpu_batch_s if hits else 0.0
-                k = memo[key] = self.best(hits_s, [g] * m, [c] * m, n_busy, n_busy * c, up, layer)
+                g, c, _ = self._one[layer]
+                k = memo[key] = self.best(layer, len(hits) * g, len(hits), [g] * m, [c] * m, n_busy, n_busy * c)
             return k
         cm, cnt = self.costs, dict(zip(step.experts, step.counts))
         ranked = sorted(eligible, key=lambda e: (-cnt[e], -usage[e]))
         busy = [e for e in step.experts if e not in hits and e not in eligible]
-        return self.best(sum([cm.gpu_s(layer, cnt[e]) for e in hits]) + (cm.gpu_batch_s if hits else 0.0),
+        return self.best(layer, sum([cm.gpu_s(layer, cnt[e]) for e in hits]), len(hits),
                          [cm.gpu_s(layer, cnt[e]) for e in ranked], [cm.cpu_s(layer, cnt[e]) for e in ranked],
-                         n_busy, sum([cm.cpu_s(layer, cnt[e]) for e in busy]), self._one[layer][2], layer)
+                         n_busy, sum([cm.cpu_s(layer, cnt[e]) for e in busy]), one_token=False)
 
-    def best(self, hits_s: float, gpu: list[float], cpu: list[float], n_busy: int, busy_s: float,
-             upload_s: float, layer: int) -> int:
-        """The ``k`` minimising ``max(gpu, cpu)`` + the CPU misses' reuse charge (see the class
-        docstring); ties: the larger."""
+    def best(self, layer: int, hits_s: float, n_hits: int, gpu: list[float], cpu: list[float], n_busy: int,
+             busy_s: float, one_token: bool = True) -> int:
+        """The ``k`` minimising the layer's time (``CostModel.step_s``; ``hits_s``: the
+        ``n_hits`` hits' GPU seconds; ``gpu``/``cpu``: each ranked miss's) + the CPU misses'
+        reuse charge (see the class docstring); ties: the larger."""
         m = len(gpu)
         cm = self.costs
-        task, delay, batch, comb = cm.cpu_task_s + cm.cpu_copy_s, cm.cpu_delay_s, cm.gpu_batch_s, cm.cpu_combine_s
         g, c, up = self._one[layer]
         charge = self.reuse[layer] / REUSE_SCALE * max(min(c, up + g) - g, 0.0)  # per miss left uncached
         rest = [0.0] * (m + 1)  # rest[k]: CPU time of misses k.. (suffix sums, exact per k)
@@ -509,10 +505,8 @@ class CostShare:
             rest[i] = rest[i + 1] + cpu[i]
         best_k, best_t, up_gpu = 0, float("inf"), 0.0
         for k in range(m + 1):
-            on_cpu = k < m or n_busy > 0
-            d = delay if on_cpu else 0.0
-            t_gpu = d + (max(hits_s, k * upload_s) + batch + up_gpu if k else hits_s)
-            t = max(t_gpu, task + busy_s + rest[k]) + comb + (m - k) * charge if on_cpu else t_gpu
+            pool = cm.pool_s(busy_s + rest[k], m - k + n_busy)
+            t = cm.step_s(layer, hits_s, n_hits, up_gpu, k, pool, 0.0, one_token)[0] + (m - k) * charge
             if t <= best_t:
                 best_k, best_t = k, t
             if k < m:

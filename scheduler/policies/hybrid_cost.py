@@ -7,7 +7,7 @@ from ..cache import INFLIGHT, RESIDENT
 from ..core import Capacity, Decision, Geometry, Move, Step
 from ..costmodel import CostModel
 from ..profile import Profile
-from .hybrid import HybridConfig, HybridPolicy
+from .hybrid import REUSE_SCALE, REUSE_STEPS, HybridConfig, HybridPolicy
 from .tuner import FloorTuner
 
 __all__ = ["HybridCostConfig", "HybridCostPolicy"]
@@ -22,7 +22,8 @@ class HybridCostConfig(HybridConfig):
     ``tune_every`` >= 1 (tokens' worth of routes per window); ``hysteresis`` in [0, 1);
     ``shadow_layers`` >= 1; ``tune_duty`` in (0, 1]; ``tune_warmup`` >= 0 (windows);
     ``admit`` "recency" or "usage". ``swap_every`` None: 0 (no swap rounds) with "recency", 4 with
-    "usage". ``rounding`` must be "nearest" (the floor is rounded to nearest).
+    "usage". ``rounding`` must be "nearest" (the floor is rounded to nearest). ``reuse_charge``: price
+    each CPU miss its lost reuse (see ``HybridCostPolicy``).
     """
 
     swap_every: int | None = None
@@ -33,6 +34,7 @@ class HybridCostConfig(HybridConfig):
     tune_duty: float = 0.25
     tune_warmup: int = 16
     admit: str = "recency"
+    reuse_charge: bool = True
 
     policy = "hybrid-cost"
 
@@ -63,13 +65,20 @@ class HybridCostConfig(HybridConfig):
 class HybridCostPolicy(HybridPolicy):
     """``hybrid`` whose miss split comes from a cost model instead of a fixed fraction.
 
-    Per step: the hits' GPU time is counted first; in-flight misses go to the CPU. Of the other
-    misses, ranked by token count (more first), then decayed usage (higher first), then router
-    rank, the first ``round(n * floor_256 / 256)`` (half up) go over PCIe (the *floor*); each of
-    the rest goes where the layer's time ``max(gpu, pcie, cpu)`` grows least: over PCIe to the GPU
-    (upload + GPU compute) or to the CPU pool (its per-layer task cost paid once); ties go to the
-    CPU, which moves no bytes. Misses of equal token count cost the same, so the greedy fixes how
-    many of each count go over PCIe and the most used of them are the ones sent (and admitted).
+    Per step: the hits stay on the GPU; in-flight misses go to the CPU. The other misses are
+    ranked by token count (more first), then decayed usage (higher first), then router rank; the
+    first ``k`` go over PCIe and the rest to the CPU pool, where ``k`` is chosen exactly: every
+    ``k`` from ``round(n * floor_256 / 256)`` (half up; the *floor*) to ``n`` is priced by the cost
+    model's layer time (``CostModel.step_s``: the link, the GPU batch, the pool's call with its
+    fixed costs once and, with a hardware file's executor costs, the host thread that issues
+    them, in the order the simulator charges them), and the least wins, ties going to fewer
+    uploads (the CPU moves no bytes). With ``reuse_charge`` (the default) each miss left to the CPU
+    is also charged the reuse it loses, as ``hybrid``'s ``CostShare`` charges it (the layer's hit
+    share over its last ``REUSE_STEPS`` steps or so, to 1/``REUSE_SCALE``, times a one-token
+    miss's cost over a hit's); the predicted time (``layer_time_s``) leaves the charge out. An
+    expert with many tokens is worth uploading; one with a single token is often cheaper on the
+    CPU (HybriMoE, Fiddler); a share of uploads beyond that buys future hits, which the charge
+    and the floor's shadows price.
 
     The link is modelled as a queue: background copies (fills and swaps) committed after a token
     are queued on it, and drain while layers run (``CostModel.layer_s`` of each layer's other
@@ -90,9 +99,7 @@ class HybridCostPolicy(HybridPolicy):
     counts), at a step (in the duty cycle, at the end of that step's token): the live floor
     moves to the shadow predicted fastest, if it beats the
     current floor's shadow by more than ``hysteresis`` (a fraction); then every sum is halved, so
-    earlier windows weigh less. A single candidate fixes the floor. An expert with many tokens
-    is worth uploading; one with a single token is often cheaper on the CPU (HybriMoE, Fiddler); a
-    share of uploads beyond that buys future hits, which the shadows price.
+    earlier windows weigh less. A single candidate fixes the floor.
 
     Caching (``admit``): with ``"recency"`` (the default) a PCIe miss beyond the free slots always
     takes the slot of the layer's least recently used resident the step does not use (within a
@@ -104,7 +111,6 @@ class HybridCostPolicy(HybridPolicy):
     """
 
     name = "hybrid-cost"
-    _shortcut = True  # skip the greedy where it provably sends every miss (tests compare without)
 
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
                  cost_model: CostModel | None = None, config: HybridCostConfig = HybridCostConfig()):
@@ -124,6 +130,11 @@ class HybridCostPolicy(HybridPolicy):
         self._gpu_tab: list[list[float]] = [[] for _ in range(geometry.num_layers)]  # see _tables
         self._cpu_tab: list[list[float]] = [[] for _ in range(geometry.num_layers)]
         self._planned = None  # (the last decision planned, its layer_time_s), read by commit
+        self.reuse_charge = config.reuse_charge
+        self._hit_avg = [0] * geometry.num_layers  # per layer, the hit share's moving average, in 1/2**16
+        memos: dict = {}  # decode splits with no link queue, shared by layers of equal costs
+        self._memo = [memos.setdefault((self._gpu1[l], self._cpu1[l], cost_model.upload_s[l]), {})
+                      for l in range(geometry.num_layers)]
         self.committed_s = 0.0  # predicted expert time of the last committed decision
         super().__init__(geometry, capacity, profile, config)
         self.tuner = None
@@ -154,58 +165,45 @@ class HybridCostPolicy(HybridPolicy):
         layer = step.layer
         state = self.cache.state[layer]
         experts, counts = step.experts, step.counts
+        one = counts is None
         misses = [e for e in experts if state[e] != RESIDENT]
         queued = self._queue_s - self._layer_s[layer]
         queued = queued if queued > 0.0 else 0.0
-        if counts is None:
+        if one:
             gpu_s, cpu_s = self._gpu1[layer], self._cpu1[layer]
         else:
             gt, ct = self._tables(layer, max(counts))
+            cnt = dict(zip(experts, counts))
         if not misses:
-            t = len(experts) * gpu_s if counts is None else sum([gt[c] for c in counts])
+            hits_s = len(experts) * gpu_s if one else sum([gt[c] for c in counts])
             d = Decision(step, experts)
-            self._planned = (d, t, queued - t if queued > t else 0.0)
+            self._planned = (d, *self.costs.step_s(layer, hits_s, len(experts), 0.0, 0, 0.0, queued, one))
             return d
         hits = tuple([e for e in experts if state[e] == RESIDENT])
         eligible = [e for e in misses if state[e] != INFLIGHT]
-        task = self.costs.cpu_task_s
-        if counts is None:
-            gpu = len(hits) * gpu_s
-            n_busy = len(misses) - len(eligible)  # in flight: on the CPU
-            cpu_t = task + n_busy * cpu_s if n_busy else 0.0
-        else:
-            cnt = dict(zip(experts, counts))
-            gpu = sum([gt[cnt[e]] for e in hits])
-            busy = [ct[cnt[e]] for e in misses if state[e] == INFLIGHT]
-            cpu_t = task + sum(busy) if busy else 0.0
-        delay = self.costs.cpu_delay_s  # with the pool in use, GPU work and copies are queued this late
-        if not eligible:
-            t = max(gpu + delay, cpu_t)
-            d = Decision(step, hits, cpu=tuple(misses))
-            self._planned = (d, t, queued - t if queued > t else 0.0)
-            return d
+        n_busy = len(misses) - len(eligible)  # in flight: on the CPU
         u = self._u[layer]
         if len(eligible) > 1:  # more used first; stable, so router rank breaks ties
-            eligible.sort(key=u.__getitem__ if counts is None else (lambda e: (cnt[e], u[e])), reverse=True)
+            eligible.sort(key=u.__getitem__ if one else (lambda e: (cnt[e], u[e])), reverse=True)
         n_floor = (len(eligible) * self.floor_256 + 128) >> 8
-        up_s = self.costs.upload_s[layer]
-        link = queued + n_floor * up_s
-        if counts is None:
-            gpu += n_floor * gpu_s
-            pcie, gpu, link, cpu_t = self._split_decode(eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s,
-                                                        queued)
+        charge = self._charge(layer)
+        if one:
+            key = (len(hits), len(eligible), n_busy, n_floor, charge)
+            memo = self._memo[layer] if queued == 0.0 else None
+            got = memo.get(key) if memo is not None else None
+            if got is None:
+                m = len(eligible)
+                got = self._split(layer, len(hits) * gpu_s, len(hits), [gpu_s] * m, [cpu_s] * m, n_busy,
+                                  n_busy * cpu_s, n_floor, queued, True, charge)
+                if memo is not None:
+                    memo[key] = got
         else:
-            gpu += sum([gt[cnt[e]] for e in eligible[:n_floor]])
-            pcie, gpu, link, cpu_t = self._split_counts(eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s,
-                                                        queued)
-        dl = delay if cpu_t else 0.0
-        if pcie:
-            t, left = max(gpu + dl, cpu_t, link + max(dl - queued, 0.0)), 0.0
-            cpu = tuple([e for e in misses if e not in pcie])
-        else:
-            t = max(gpu + dl, cpu_t)
-            left = queued - t if queued > t else 0.0
-            cpu = tuple(misses)
+            busy_s = sum([ct[cnt[e]] for e in misses if state[e] == INFLIGHT])
+            got = self._split(layer, sum([gt[cnt[e]] for e in hits]), len(hits), [gt[cnt[e]] for e in eligible],
+                              [ct[cnt[e]] for e in eligible], n_busy, busy_s, n_floor, queued, False, charge)
+        n_up, t, left = got
+        pcie = eligible[:n_up]
+        cpu = tuple([e for e in misses if e not in pcie]) if n_up else tuple(misses)
         slots = self.cache.free_slots(layer, len(pcie))
         n_slot = len(slots)
         if n_slot < len(pcie) and self.admit_uploads:
@@ -215,85 +213,59 @@ class HybridCostPolicy(HybridPolicy):
         self._planned = (d, t, left)
         return d
 
-    def _split_decode(self, eligible, n_floor, gpu, link, cpu_t, gpu_s, cpu_s, up_s, queued):
-        """The greedy past the floor when every miss has one token (all cost the same, so the
-        first ones sent are the most used); returns (PCIe misses, gpu, link, cpu times).
-        ``link``: the link's end (``queued`` background work, then the uploads); with the pool in
-        use, the GPU work and the uploads start ``cpu_delay_s`` late."""
-        n_up = n_floor
-        task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
-        if self._shortcut and not cpu_t:  # the pool's first expert dearer than every miss sent: all go
-            g_all, l_all = gpu, link
-            for _ in range(len(eligible) - n_floor):
-                g_all += gpu_s
-                l_all += up_s
-            if task + cpu_s > max(g_all, l_all):
-                return eligible, g_all, l_all, cpu_t
-        lag = max(delay - queued, 0.0)  # the uploads' delay behind the queue when the pool is used
-        for _ in range(len(eligible) - n_floor):
-            g_gpu, g_link = gpu + gpu_s, link + up_s
-            c_cpu = cpu_t + cpu_s + (0.0 if cpu_t else task)
-            dg, dk = (delay, lag) if cpu_t else (0.0, 0.0)
-            if max(g_gpu + dg, g_link + dk, cpu_t) < max(gpu + delay, link + lag if n_up else 0.0, c_cpu):
-                gpu, link, n_up = g_gpu, g_link, n_up + 1
-            else:
-                cpu_t = c_cpu
-        return eligible[:n_up], gpu, link, cpu_t
+    def _split(self, layer: int, hits_s: float, num_hits: int, gpu: list[float], cpu: list[float], n_busy: int,
+               busy_s: float, n_floor: int, queued: float, one: bool, charge: float = 0.0) -> tuple[int, float, float]:
+        """How many of the ranked eligible misses (GPU and CPU seconds ``gpu``/``cpu`` each) go
+        over PCIe: every ``k`` from ``n_floor`` to all is priced by ``CostModel.step_s`` (the
+        first ``k`` uploaded, the rest with the ``n_busy`` in-flight misses in one pool call);
+        the least time wins, ties going to fewer uploads. Returns (k, its time, link work left)."""
+        cm = self.costs
+        m = len(gpu)
+        rest = [0.0] * (m + 1)  # rest[k]: CPU seconds of misses k.. (suffix sums)
+        for i in range(m - 1, -1, -1):
+            rest[i] = rest[i + 1] + cpu[i]
+        up = sum(gpu[:n_floor])
+        best = None
+        for k in range(n_floor, m + 1):
+            n_cpu = m - k + n_busy
+            t, left = cm.step_s(layer, hits_s, num_hits, up, k, cm.pool_s(busy_s + rest[k], n_cpu), queued, one)
+            c = t + (m - k) * charge
+            if best is None or c < best[3]:
+                best = (k, t, left, c)
+            if k < m:
+                up += gpu[k]
+        return best[:3]
 
-    def _split_counts(self, eligible, cnt, n_floor, gpu, link, cpu_t, gt, ct, up_s, queued):
-        """The greedy past the floor with token counts: it fixes how many misses of each count
-        go over PCIe, and the most used of that count are sent; returns as ``_split_decode``."""
-        n_up = n_floor
-        task, delay = self.costs.cpu_task_s, self.costs.cpu_delay_s
-        if self._shortcut and not cpu_t and n_floor < len(eligible):  # as in _split_decode, cheapest count
-            g_all, l_all, cheapest = gpu, link, min([ct[cnt[e]] for e in eligible[n_floor:]])
-            for e in eligible[n_floor:]:
-                g_all += gt[cnt[e]]
-                l_all += up_s
-            if task + cheapest > max(g_all, l_all):
-                return eligible, g_all, l_all, cpu_t
-        lag = max(delay - queued, 0.0)
-        sent: dict[int, int] = {}  # token count -> how many of the greedy's misses go over PCIe
-        for e in eligible[n_floor:]:
-            c = cnt[e]
-            g_gpu, g_link = gpu + gt[c], link + up_s
-            c_cpu = cpu_t + ct[c] + (0.0 if cpu_t else task)
-            dg, dk = (delay, lag) if cpu_t else (0.0, 0.0)
-            if max(g_gpu + dg, g_link + dk, cpu_t) < max(gpu + delay, link + lag if n_up else 0.0, c_cpu):
-                sent[c] = sent.get(c, 0) + 1
-                gpu, link, n_up = g_gpu, g_link, n_up + 1
-            else:
-                cpu_t = c_cpu
-        pcie = eligible[:n_floor]
-        for e in eligible[n_floor:]:
-            c = cnt[e]
-            if sent.get(c):
-                sent[c] -= 1
-                pcie.append(e)
-        return pcie, gpu, link, cpu_t
+    def _charge(self, layer: int) -> float:
+        """``reuse_charge``: what leaving one miss uncached costs the layer later (``hybrid``'s
+        ``CostShare`` charge: the layer's recent hit share times a one-token miss's cost over a hit's)."""
+        if not self.reuse_charge:
+            return 0.0
+        r = self._hit_avg[layer] * REUSE_SCALE >> 16
+        g, c, up = self._gpu1[layer], self._cpu1[layer], self.costs.upload_s[layer]
+        return r / REUSE_SCALE * max(min(c, up + g) - g, 0.0)
 
     def layer_time_s(self, d: Decision) -> tuple[float, float]:
-        """Predicted expert time of decision ``d`` by the cost model (waiting for the link's queue
-        when it uploads), and the link work still queued when the layer ends."""
+        """Predicted expert time of decision ``d`` by the cost model (``CostModel.step_s``), and
+        the link work still queued when the layer ends."""
         if self._planned is not None and self._planned[0] is d:
             return self._planned[1], self._planned[2]
         cm = self.costs
         layer = d.step.layer
         cnt = dict(zip(d.step.experts, d.step.counts)) if d.step.counts is not None else None
         queued = max(self._queue_s - self._layer_s[layer], 0.0)
-        gpu = sum(cm.gpu_s(layer, cnt[e] if cnt else 1) for e in d.hits + d.uploads + d.streams)
-        cpu = cm.cpu_task_s + sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in d.cpu) if d.cpu else 0.0
-        n_up = len(d.uploads) + len(d.streams)
-        dl = cm.cpu_delay_s if d.cpu else 0.0
-        if n_up:
-            return max(gpu + dl, cpu, max(queued, dl) + n_up * cm.upload_s[layer]), 0.0
-        t = max(gpu + dl, cpu)
-        return t, max(queued - t, 0.0)
+        up = d.uploads + d.streams
+        hits_s = sum(cm.gpu_s(layer, cnt[e] if cnt else 1) for e in d.hits)
+        up_s = sum(cm.gpu_s(layer, cnt[e] if cnt else 1) for e in up)
+        pool = cm.pool_s(sum(cm.cpu_s(layer, cnt[e] if cnt else 1) for e in d.cpu), len(d.cpu))
+        return cm.step_s(layer, hits_s, len(d.hits), up_s, len(up), pool, queued, cnt is None)
 
     def commit(self, d: Decision) -> None:
         """Commit ``d`` (see ``hybrid``); its predicted time (``layer_time_s``) is kept in
         ``committed_s``."""
         self.committed_s, self._queue_s = self.layer_time_s(d)
+        a = self._hit_avg[d.step.layer]
+        self._hit_avg[d.step.layer] = a + ((len(d.hits) << 16) // len(d.step.experts) - a) // REUSE_STEPS
         super().commit(d)
         if self.tuner is not None:
             self.floor_256 = self.tuner.observe(d.step, self.floor_256)
