@@ -9,6 +9,7 @@ from scheduler import Step
 
 from .experts import ExecutorError
 from .gguf_model import ModelWeights
+from .load_plan import fast_load_env
 from .xp import array_module, host as _host
 
 __all__ = ["expert_ffn", "NumpyExperts", "EngineExperts"]
@@ -111,7 +112,13 @@ class EngineExperts:
 
         from .engine import ExpertEngine
 
-        self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s, pinned=pinned)
+        # MOELAB_FAST_LOAD: the host expert weights are registered by start_prepare's background load
+        self._gpu = None
+        if use_gpu and pinned and fast_load_env():
+            from .gpu_experts import GpuExperts
+
+            self._gpu = GpuExperts(weights.experts, capacity, pinned=True, timeout_s=timeout_s, defer_pin=True)
+        self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s, pinned=pinned, gpu=self._gpu)
         self.batched = None  # multi-token steps on tensor cores (execute.prefill), GPU only
         if use_gpu:
             from .prefill import BatchedExperts, prefill_env
@@ -123,6 +130,13 @@ class EngineExperts:
         # nothing from BLAS threads, so they are limited to one while this backend lives (chunks
         # of prefill lose some dense speed on the host by this; on a GPU the dense path is cupy).
         self._blas = threadpool_limits(limits=1, user_api="blas")
+
+    def start_prepare(self, policy) -> None:
+        """Start, on a background thread, what :meth:`prepare` waits for: the host expert weights
+        page-locked and the experts the policy placed at construction uploaded (``MOELAB_FAST_LOAD``;
+        otherwise nothing: ``prepare`` does it all)."""
+        if self._gpu is not None and self._gpu.deferred:
+            self._gpu.start_load(dict(policy.cache.slot))
 
     def prepare(self, policy) -> None:
         """Compile the CPU kernels (first use) and upload the experts the policy placed at
@@ -138,7 +152,11 @@ class EngineExperts:
         if self._first is not None and len(placed) < every:
             self.engine.pool.warmup(self._first)
         t1 = time.perf_counter()
+        if self.engine.gpu is not None:
+            self.engine.gpu.settle()  # a background load finished (or the weights registered) here
         self.engine.load_residents(placed)
+        if self.engine.gpu is not None:
+            self.engine.gpu.filled.clear()  # load_residents consumed those of this placement
         self.prepare_s = {"numba_warmup_s": t1 - t0, "expert_upload_s": time.perf_counter() - t1}
 
     def begin_layer(self, layer: int, x, ids: np.ndarray) -> None:
@@ -188,4 +206,6 @@ class EngineExperts:
 
     def close(self) -> None:
         self.engine.close()
+        if self._gpu is not None:  # built here and handed to the engine, which leaves it open
+            self._gpu.close()
         self._blas.restore_original_limits()

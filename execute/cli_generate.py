@@ -234,6 +234,8 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
         precompile_kernels(use_gpu)
     with ph.phase("backend_s"):
         backend = make_backend(args, weights, use_gpu, capacity, "moelab run")
+        if hasattr(backend, "start_prepare"):  # expert weights registered and uploaded meanwhile
+            backend.start_prepare(policy)
     with ph.phase("dense_upload_s"):
         model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(prompt) + args.tokens + draft_len)
     with ph.phase("prefill_warmup_s"):  # as llama-bench's warm-up run: first uses before the clock

@@ -235,9 +235,12 @@ def device_matrix(stored: tuple[np.ndarray, int] | None, values: np.ndarray, per
     return stack_matrices([(stored, values, perm)])
 
 
-def stack_matrices(parts) -> Matrix | None:
+def stack_matrices(parts, staged=None) -> Matrix | None:
     """Matrices ``(stored, values, perm)`` stacked by rows into one (as ``device_matrix``); when
-    their stored types differ, or one is not kept, all of them go to F16."""
+    their stored types differ, or one is not kept, all of them go to F16. With ``staged`` (an
+    ``execute.gpu_upload.Staged`` on the current stream) stored rows are copied straight into
+    their place on the device and a Q8_0 matrix is split there: the same bytes, no host copy but
+    a permutation's gather."""
     cols = {int(v.shape[1]) for _, v, _ in parts}
     if len(cols) != 1 or not _convertible(next(iter(cols))):
         return None
@@ -247,7 +250,9 @@ def stack_matrices(parts) -> Matrix | None:
     if len(qts) == 1 and next(iter(qts)) in KEPT_QTYPES:
         qt = next(iter(qts))
         for (raw, _), v, p in parts:
-            raws.append(raw if p is None else raw[p])
+            raws.append(raw if p is None or _identity(p, raw.shape[0]) else raw[p])
+        if staged is not None:
+            return _staged_matrix(qt, raws, c, staged)
         raw = np.concatenate(raws) if len(raws) > 1 else np.ascontiguousarray(raws[0])
     else:
         qt = Q.F16
@@ -260,6 +265,27 @@ def stack_matrices(parts) -> Matrix | None:
         w = cp.asarray(np.ascontiguousarray(blk[:, :, 2:]).reshape(rows, c))
         return Matrix(qt, rows, c, w, d)
     return Matrix(qt, rows, c, cp.asarray(np.ascontiguousarray(raw)), None)
+
+
+def _identity(perm, rows: int) -> bool:
+    perm = np.asarray(perm)
+    return perm.shape == (rows,) and bool((perm == np.arange(rows)).all())
+
+
+def _staged_matrix(qt: int, raws: list[np.ndarray], c: int, staged) -> Matrix:
+    """Stored rows ``raws`` (uint8 ``(rows_i, row_bytes)`` each) stacked on the device through
+    ``staged``; Q8_0 split into quants and scales by two device copies on the current stream."""
+    rows, rb = sum(int(r.shape[0]) for r in raws), int(raws[0].shape[1])
+    raw = cp.empty((rows, rb), cp.uint8)
+    r0 = 0
+    for r in raws:
+        staged.put(raw.data.ptr + r0 * rb, r)
+        r0 += int(r.shape[0])
+    if qt != Q.Q8_0:
+        return Matrix(qt, rows, c, raw, None)
+    blk = raw.reshape(rows, c // 32, 34)
+    d = cp.ascontiguousarray(blk[:, :, :2]).view(cp.uint16).reshape(rows, c // 32)
+    return Matrix(qt, rows, c, cp.ascontiguousarray(blk[:, :, 2:]).reshape(rows, c), d)
 
 
 class GpuDense:

@@ -22,7 +22,8 @@ Streams and ordering (all GPU-side, via events):
   ``down_combine1``, ``run_groups``, ``combine_meta``) leave both waits to their caller.
 
 Host weights are page-locked in place (``cudaHostRegister``) when ``pinned``; where that fails
-(e.g. a read-only mapping the driver refuses) uploads go through a small pinned staging ring.
+(e.g. a read-only mapping the driver refuses) uploads go through a small pinned staging ring;
+``defer_pin`` leaves both to :meth:`start_load` (on a background thread, with a placement's upload).
 
 Kernels (``gpu_kernels.cu``) read the quantized weights directly: ``moe_gate_up`` and
 ``moe_down`` cover all of a layer's GPU (expert, token) pairs in one launch each; ``moe_combine``
@@ -66,6 +67,7 @@ from .gpu_host import Launch, cuda_module
 from .gpu_host import PinnedRing as _PinnedRing
 from .gpu_host import Staging as _Staging
 from .gpu_host import unregister as _unregister
+from .gpu_upload import ExpertLoad, register
 from .kernel_variants import decode_kernels_env, kernel_name
 
 __all__ = ["GpuExperts", "Launch", "LayerMeta", "MAX_TOP_K", "copy_to_device", "gpu_available", "scratch_source"]
@@ -139,7 +141,7 @@ class GpuExperts:
     """Slot arenas, scratch buffers, copy streams and the expert kernels for a model's MoE layers."""
 
     def __init__(self, layers: Sequence[LayerExperts | None], capacity: Capacity, scratch_slots: int = 16,
-                 pinned: bool = True, timeout_s: float = 30.0):
+                 pinned: bool = True, timeout_s: float = 30.0, defer_pin: bool = False):
         if scratch_slots < 1:
             raise ValueError(f"GpuExperts scratch_slots: {scratch_slots}, expected >= 1")
         self.layers = list(layers)
@@ -152,6 +154,9 @@ class GpuExperts:
                 Q.row_bytes(t.qtype, t.cols, t.name or f"layer {l.layer}", Q.LAYOUTS)
         self.generic_layers = frozenset(l.layer for l in moe if {l.gate.qtype, l.up.qtype, l.down.qtype} - Q.QTYPES.keys())
         self._consts = {l.layer: self._layer_consts(l) for l in moe}
+        self._load = None  # the background ExpertLoad, until settled
+        self.filled: dict[tuple[int, int], int] = {}  # (layer, slot) -> expert, put there by the load
+        self._defer = moe if pinned and defer_pin else None  # host weights still to register
         self.set_capacity(capacity)
         self.scratch_bytes = max(pad_slot_bytes(l.expert_bytes) for l in moe)
         self.scratch = cp.empty(scratch_slots * self.scratch_bytes, cp.uint8)
@@ -181,7 +186,7 @@ class GpuExperts:
         # per layer with biases: (experts, 2 * ffn + hidden) float32, one expert's biases per row
         self._bias = {l.layer: np.ascontiguousarray(np.concatenate([l.gate_bias, l.up_bias, l.down_bias], axis=1))
                       for l in moe if l.has_bias}
-        if pinned:
+        if pinned and self._defer is None:
             self._pin(moe)
         self._meta = _PinnedRing(16, 1 << 20, device=True)
         self._meta_events = [cp.cuda.Event(disable_timing=True) for _ in range(16)]
@@ -224,6 +229,9 @@ class GpuExperts:
 
     def set_capacity(self, capacity: Capacity) -> None:
         """(Re)allocate one arena per pool: slots x the pool's padded expert size. Contents are lost."""
+        if self._load is not None:
+            self.settle()
+        self.filled.clear()
         self.pool_of = capacity.pool_of_layer(len(self.layers))
         self.slot_bytes: list[int] = []
         self.arenas: list[cp.ndarray] = []
@@ -246,22 +254,35 @@ class GpuExperts:
         return [self._bias[l.layer]] + parts if l.layer in self._bias else parts
 
     def _pin(self, moe: list[LayerExperts]) -> None:
-        arrays = [a for l in moe for a in self._host_parts(l)]
-        for a in arrays:
-            ptr, size = a.ctypes.data, a.nbytes
-            for flags in (0, 8):  # default, then cudaHostRegisterReadOnly
-                try:
-                    cp.cuda.runtime.hostRegister(ptr, size, flags)
-                except cp.cuda.runtime.CUDARuntimeError:
-                    continue
-                self.registered.append(ptr)
-                self._pinned.append(a)
-                break
-        if len(self.registered) < len(arrays):
+        if not all([register(self, a) for l in moe for a in self._host_parts(l)]):
             self.staging = _PinnedRing(4, max(l.expert_bytes for l in moe))
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the host weights wait for :meth:`start_load` (``defer_pin``, not started yet)."""
+        return self._defer is not None and self._load is None
+
+    def start_load(self, slots) -> None:
+        """With ``defer_pin``: register the host weights and upload ``slots`` {(layer, expert): slot}
+        on a background thread; :meth:`settle` (or the first copy) finishes it. ``filled`` then holds
+        the slots it filled: a first upload of the same expert into one is skipped."""
+        if not self.deferred:
+            raise ExecutorError("start_load: the host weights are already registered, or a load runs")
+        self._load = ExpertLoad(self, slots)
+
+    def settle(self) -> None:
+        """Finish the background load (its errors raised here), or register deferred host weights
+        now; a no-op otherwise. Every copy from the host weights settles first."""
+        load, moe, self._load, self._defer = self._load, self._defer, None, None
+        if load is not None:
+            load.finish(moe)
+        elif moe is not None:
+            self._pin(moe)
 
     def close(self) -> None:
         """Unregister the host weights and drop the device buffers."""
+        if self._load is not None:  # not settled: its errors go unraised
+            self._load.abandon()
         for s in (self.copy, self.background, self.compute):
             s.synchronize()
         self._unpin()
@@ -300,6 +321,8 @@ class GpuExperts:
         return rows
 
     def _copy_expert(self, layer: int, expert: int, dst: int, stream: cp.cuda.Stream) -> None:
+        if self._load is not None or self._defer is not None:
+            self.settle()
         rows = self._host_rows(layer) if self.staging is None else None
         if rows is not None:
             if not 0 <= expert < self.layers[layer].num_experts:
@@ -334,6 +357,10 @@ class GpuExperts:
 
     def upload(self, layer: int, expert: int, slot: int, stream: cp.cuda.Stream | None = None) -> None:
         """Queue host -> slot ``slot`` of the layer's pool (call ``begin_copies`` first)."""
+        if self.filled or self._load is not None:
+            self.settle()
+            if self.filled.pop((layer, slot), None) == expert:
+                return  # put there by the background load, and nothing has written the slot since
         self._copy_expert(layer, expert, self._slot_ptr(layer, slot), stream or self.copy)
 
     def reserve_scratch(self) -> int:
@@ -395,6 +422,7 @@ class GpuExperts:
     def promote(self, layer: int, scratch_idx: int, slot: int) -> None:
         """Device-to-device copy of scratch buffer ``scratch_idx`` into ``slot`` (compute stream)."""
         n = self.layers[layer].expert_bytes
+        self.filled.pop((layer, slot), None)
         _rt.memcpyAsync(self._slot_ptr(layer, slot), self.source_ptr(layer, scratch_source(scratch_idx)),
                         n, _D2D, self.compute.ptr)
 

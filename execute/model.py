@@ -43,6 +43,7 @@ from .batch_route import merge_rows, route_rows
 from .driver import ChunkInput, RunResult, TokenInput, run
 from .experts import ExecutorError
 from .gguf_model import ModelWeights
+from .load_plan import fast_load_env
 from .routing import Route, RouterPredictor, merge_step, route_weights, softmax_topk
 from .trace_inputs import check_trace, fold_trace, trace_batches, trace_inputs, trace_tokens
 from .xp import array_module, cuda_graphs_env, host as _host
@@ -103,9 +104,19 @@ class MoeModel:
                     msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
                     print(f"moelab: warning: the chunk dense kernels did not build ({msg}); prefill chunks run on "
                           "CuPy expressions", file=sys.stderr)
-        self.layers = [self._dense_layer(i, l) for i, l in enumerate(weights.layers)]
-        self.output_norm = self._dev(weights.output_norm)
-        self.output = self._matrix([(None, "output", weights.output, None)])
+        self._staged = None  # the dense matrices' staging ring while they go up (MOELAB_FAST_LOAD)
+        if use_gpu and fast_load_env():
+            from .gpu_upload import Staged
+
+            self._staged = Staged(xp.cuda.get_current_stream().ptr)
+        try:
+            self.layers = [self._dense_layer(i, l) for i, l in enumerate(weights.layers)]
+            self.output_norm = self._dev(weights.output_norm)
+            self.output = self._matrix([(None, "output", weights.output, None)])
+        finally:
+            if self._staged is not None:
+                self._staged.close()
+                self._staged = None
         factor = info.rope_factor if info.rope_scaling == "yarn" else 1.0
         self.kq_scale = info.attn_scale or 1.0 / np.sqrt(info.head_dim)
         if self.mla:  # llama.cpp: rope magnitude 1, kq scaled by mscale^2 (DeepSeek's YaRN)
@@ -134,7 +145,7 @@ class MoeModel:
             from .gguf_model import stored_matrix
             from .gpu_dense import stack_matrices
 
-            m = stack_matrices([(stored_matrix(self.weights, l, k), v, p) for l, k, v, p in parts])
+            m = stack_matrices([(stored_matrix(self.weights, l, k), v, p) for l, k, v, p in parts], self._staged)
             if m is not None:
                 return m
         vals = [v if p is None else v[p] for _, _, v, p in parts]
