@@ -15,16 +15,19 @@ Phases (seconds), in the order they run:
 - ``tokenizer_s``: the vocabulary read and the prompt encoded;
 - ``policy_s``: capacity and policy built;
 - ``kernel_compile_s``: the run's CuPy modules compiled by NVRTC, or loaded from CuPy's cache;
-- ``backend_s``: the expert backend built (GPU arenas and scratch, the expert weights page-locked
-  with ``cudaHostRegister``, the CPU pool's state);
+- ``backend_s``: the expert backend built (GPU arenas and scratch, the CPU pool's state); with
+  ``MOELAB_FAST_LOAD`` (the default) a background thread starts here that page-locks the expert
+  weights (``cudaHostRegister``) and uploads the experts the policy placed, overlapping the phases
+  up to ``expert_upload_s``; without it the weights are page-locked here;
 - ``dense_upload_s``: the model's dense weights put on their device in the kernels' layout (GPU: the
-  stored bytes split and copied; CPU: float32 arrays), the KV cache allocated;
+  stored bytes copied, through pinned staging buffers with ``MOELAB_FAST_LOAD``, Q8_0 split; CPU:
+  float32 arrays), the KV cache allocated;
 - ``prefill_warmup_s`` (GPU): the process's first uses of the chunk path paid on stand-in tokens
   (one block and the head: library kernels loaded, cuBLAS set up) and the decode graphs captured,
   so that the prompt and decode clocks start warm, as llama-bench's warm-up run does;
 - ``numba_warmup_s``: the CPU expert kernels compiled, or loaded from Numba's cache, by one call;
 - ``expert_upload_s``: the experts the policy placed at construction uploaded (all of them for
-  ``gpu``);
+  ``gpu``); with ``MOELAB_FAST_LOAD``, the wait for the background load that remains;
 - ``prefill_s``: the prompt run; ``first_sample_s``: its logits to the host and the first token
   sampled and printed;
 - ``other_s``: ``first_token_s`` minus the phases above (argument checks, bookkeeping).
