@@ -58,8 +58,8 @@ __device__ bool ho_wait(const long long* ctrl, int done, int broken, long long s
     __shared__ int ok;
     if (threadIdx.x == 0) {
         long long t0 = ho_now();
-        if (blockIdx.x == 0) stamps[2] = t0;
-        int r = -1, every = blockIdx.x == 0 ? 15 : 4095;
+        if (blockIdx.x == 0 && !*(volatile long long*)(stamps + 2)) stamps[2] = t0;  // the call's first wait
+        int r = -1, every = gridDim.x == 1 ? 0 : blockIdx.x == 0 ? 15 : 4095;
         for (int it = 0; r < 0; it++) {
             if (*(volatile long long*)relay >= seq) {
                 r = 1;
@@ -86,8 +86,17 @@ __device__ bool ho_wait(const long long* ctrl, int done, int broken, long long s
     return ok;
 }
 
+// One block waits (ho_wait, reading the mapped done word at every look) until the call is done:
+// queued before a copy of the call's rows to device memory, so that the kernels after it read
+// them there (reads of mapped host memory cost the link a round trip each). grid 1, block 32.
+extern "C" __global__ void handoff_wait(const long long* ctrl, int done, int broken, long long seq,
+                                        long long timeout_ns, long long* relay, long long* err, long long* stamps) {
+    ho_wait(ctrl, done, broken, seq, timeout_ns, relay, err, stamps);
+}
+
 // One-token layer with CPU pairs: moe1_down_combine where pair j with base[j] == 0 is computed by
-// the CPU pool, its unweighted output row pick[j] of `ycpu` (mapped); the sum is in j order as
+// the CPU pool, its unweighted output row pick[j] of `ycpu` (device memory, copied after
+// handoff_wait; its ho_wait then returns at the first look); the sum is in j order as
 // moe_combine's. grid ceil(hidden / rows_per_block), block 32 * k.
 extern "C" __global__ void handoff1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
                                                  int k, int ffn, int hidden, int rows_per_block, long long off_d,

@@ -118,6 +118,8 @@ class Handoff:
         self._k_get = Launch(_kernel("handoff_get"), 11)
         self._blob = np.zeros(16 * MAX_TOP_K, np.uint8)  # Experts1: base, weight, pick (the CPU row)
         self._k_down1 = Launch(_kernel("handoff1_down_combine"), 19, self._blob)
+        self._k_wait = Launch(_kernel("handoff_wait"), 8)
+        self._ydev = cp.empty(0, cp.float32)  # the CPU rows of a one-token call, copied from yout
         self.offset_ns: int | None = None  # GPU clock - host clock
         self.edges = Edges()
         self._pending: list = []  # [job, stamp index, CPU times counted] whose edges are not read yet
@@ -152,20 +154,29 @@ class Handoff:
         self._pending.append([job, stamp, False])
 
     def down_combine1(self, bases: list, weights: list, cpu_row: list, h: int, out: int, consts: tuple,
-                      yout_dev: int, job) -> None:
-        """Queue ``handoff1_down_combine`` for one token's k pairs: ``bases[j]`` 0 marks a CPU
-        pair, whose output is row ``cpu_row[j]`` of ``yout``; ``consts``: GpuExperts' layer
-        constants."""
+                      yout: np.ndarray, job) -> None:
+        """Queue, for one token's k pairs, ``handoff_wait``, a copy of the call's rows ``yout``
+        (mapped) to device memory, and ``handoff1_down_combine``: ``bases[j]`` 0 marks a CPU pair,
+        whose output is row ``cpu_row[j]`` of ``yout``; ``consts``: GpuExperts' layer constants.
+        The rows go by one copy: read by the combine's blocks from mapped memory, two floats per
+        block and pair, they cost the link thousands of round trips."""
         hidden, ffn, _, _, _, _, _, _, off_d, qt_d, rb_d, _, bias = consts
         k = len(bases)
+        stamp = _STAMPS + 3 * (job._seq % _SLOTS)
+        wait = (self._dev, P._C_DONE, P._C_BROKEN, job._seq, self.wait_timeout_ns, self._relay.data.ptr,
+                self._dev + 8 * _ERR, self._dev + 8 * stamp)
+        self._k_wait((1, 1), 32, self.compute.ptr, *wait)
+        if self._ydev.size < yout.size:
+            with self.compute:
+                self._ydev = cp.empty(max(yout.size, 2 * self._ydev.size), cp.float32)
+        cp.cuda.runtime.memcpyAsync(self._ydev.data.ptr, yout.ctypes.data, yout.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.compute.ptr)
         blob = self._blob
         blob[:8 * k].view(np.uint64)[:] = bases
         blob[8 * MAX_TOP_K:8 * MAX_TOP_K + 4 * k].view(np.float32)[:] = weights
         blob[12 * MAX_TOP_K:12 * MAX_TOP_K + 4 * k].view(np.int32)[:] = cpu_row
-        stamp = _STAMPS + 3 * (job._seq % _SLOTS)
         self._k_down1((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr, h, out, k, ffn, hidden, _RPB, off_d, qt_d,
-                      rb_d, bias, self._dev, P._C_DONE, P._C_BROKEN, job._seq, self.wait_timeout_ns,
-                      self._relay.data.ptr, self._dev + 8 * _ERR, self._dev + 8 * stamp, yout_dev)
+                      rb_d, bias, *wait, self._ydev.data.ptr)
 
     def get(self, y_ptr: int, yout_dev: int, n: int, hidden: int, job) -> None:
         """Queue ``handoff_get``: ``y[i] = yout[i]`` for the job's n rows once it is done."""
@@ -307,7 +318,7 @@ class Handoff:
             gx.gate_up1(layer, xd, len(ids), len(rest))
         h, _, _ = gx._work(len(ids), lx.ffn, lx.hidden)
         out = gx._output(1, lx.hidden)
-        self.down_combine1(bases, weights, rows, h, out.data.ptr, gx._consts[layer], yout_dev, job)
+        self.down_combine1(bases, weights, rows, h, out.data.ptr, gx._consts[layer], yout, job)
         for v in d.retired:
             slot_of.pop(v, None)
         for e, s in zip(d.promotions, d.promotion_slots):
