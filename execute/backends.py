@@ -112,13 +112,21 @@ class EngineExperts:
 
         from .engine import ExpertEngine
 
-        # MOELAB_FAST_LOAD: the host expert weights are registered by start_prepare's background load
+        # MOELAB_FAST_LOAD: the host expert weights are registered on a background thread from here
+        # on (the engine's import of the CPU pool meanwhile), the placement given by start_prepare
         self._gpu = None
         if use_gpu and pinned and fast_load_env():
             from .gpu_experts import GpuExperts
 
             self._gpu = GpuExperts(weights.experts, capacity, pinned=True, timeout_s=timeout_s, defer_pin=True)
-        self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s, pinned=pinned, gpu=self._gpu)
+            self._gpu.start_load()
+        try:
+            self.engine = ExpertEngine(weights.experts, capacity, threads, use_gpu, timeout_s, pinned=pinned,
+                                       gpu=self._gpu)
+        except BaseException:
+            if self._gpu is not None:
+                self._gpu.close()
+            raise
         self.batched = None  # multi-token steps on tensor cores (execute.prefill), GPU only
         if use_gpu:
             from .prefill import BatchedExperts, prefill_env
@@ -132,10 +140,10 @@ class EngineExperts:
         self._blas = threadpool_limits(limits=1, user_api="blas")
 
     def start_prepare(self, policy) -> None:
-        """Start, on a background thread, what :meth:`prepare` waits for: the host expert weights
-        page-locked and the experts the policy placed at construction uploaded (``MOELAB_FAST_LOAD``;
-        otherwise nothing: ``prepare`` does it all)."""
-        if self._gpu is not None and self._gpu.deferred:
+        """Have the background load (``MOELAB_FAST_LOAD``: the host expert weights being page-locked)
+        upload the experts the policy placed at construction as well; :meth:`prepare` waits for it
+        (without this call, or the switch, ``prepare`` uploads them itself)."""
+        if self._gpu is not None:
             self._gpu.start_load(dict(policy.cache.slot))
 
     def prepare(self, policy) -> None:

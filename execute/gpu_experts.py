@@ -229,7 +229,7 @@ class GpuExperts:
 
     def set_capacity(self, capacity: Capacity) -> None:
         """(Re)allocate one arena per pool: slots x the pool's padded expert size. Contents are lost."""
-        if self._load is not None:
+        if self._load is not None and self._load.placed:  # its copies write the arenas
             self.settle()
         self.filled.clear()
         self.pool_of = capacity.pool_of_layer(len(self.layers))
@@ -257,18 +257,17 @@ class GpuExperts:
         if not all([register(self, a) for l in moe for a in self._host_parts(l)]):
             self.staging = _PinnedRing(4, max(l.expert_bytes for l in moe))
 
-    @property
-    def deferred(self) -> bool:
-        """Whether the host weights wait for :meth:`start_load` (``defer_pin``, not started yet)."""
-        return self._defer is not None and self._load is None
-
-    def start_load(self, slots) -> None:
-        """With ``defer_pin``: register the host weights and upload ``slots`` {(layer, expert): slot}
-        on a background thread; :meth:`settle` (or the first copy) finishes it. ``filled`` then holds
-        the slots it filled: a first upload of the same expert into one is skipped."""
-        if not self.deferred:
-            raise ExecutorError("start_load: the host weights are already registered, or a load runs")
-        self._load = ExpertLoad(self, slots)
+    def start_load(self, slots=None) -> None:
+        """With ``defer_pin``: register the host weights on a background thread (the first call starts
+        it) and upload ``slots`` {(layer, expert): slot}, given once by this call or a later one, as
+        their layers are registered; :meth:`settle` (or the first copy) finishes it. ``filled`` then
+        holds the slots it filled: a first upload of the same expert into one is skipped."""
+        if self._load is None:
+            if self._defer is None:
+                raise ExecutorError("start_load: the host weights are registered already")
+            self._load = ExpertLoad(self)
+        if slots is not None:
+            self._load.place(slots)
 
     def settle(self) -> None:
         """Finish the background load (its errors raised here), or register deferred host weights

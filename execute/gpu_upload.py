@@ -119,19 +119,15 @@ class Staged:
 
 
 class ExpertLoad:
-    """Register the host expert weights of ``gx`` (a ``GpuExperts``) and upload ``slots``
-    ``{(layer, expert): slot}``, on a background thread (started at once)."""
+    """Register the host expert weights of ``gx`` (a ``GpuExperts``) on a background thread, started
+    at once, and upload the placement :meth:`place` gives (copies start when it is given; none when
+    :meth:`finish` comes first)."""
 
-    def __init__(self, gx, slots: Mapping[tuple[int, int], int]):
+    def __init__(self, gx):
         self.gx = gx
-        self.runs = slot_runs(slots)
-        for r in self.runs:
-            lx = gx.layers[r.layer] if 0 <= r.layer < len(gx.layers) else None
-            if lx is None or r.expert < 0 or r.expert + r.count > lx.num_experts:
-                raise ExecutorError(f"pre-placed experts {r.expert}..{r.expert + r.count - 1} of layer {r.layer}: "
-                                    "no such MoE layer or expert")
-            gx._slot_ptr(r.layer, r.slot)  # range checks, before anything starts
-            gx._slot_ptr(r.layer, r.slot + r.count - 1)
+        self.runs: list[Run] = []
+        self.placed = False
+        self._placed = threading.Event()
         self.left: list[Run] = []  # runs of layers whose weights could not all be registered
         self.nbytes = 0
         self.error: BaseException | None = None
@@ -140,17 +136,34 @@ class ExpertLoad:
         self._thread = threading.Thread(target=self._main, name="moelab-expert-load", daemon=True)
         self._thread.start()
 
+    def place(self, slots: Mapping[tuple[int, int], int]) -> None:
+        """Upload ``slots`` ``{(layer, expert): slot}`` (checked here) as their layers are registered."""
+        if self.placed:
+            raise ExecutorError("ExpertLoad.place: the placement was given already")
+        gx, runs = self.gx, slot_runs(slots)
+        for r in runs:
+            lx = gx.layers[r.layer] if 0 <= r.layer < len(gx.layers) else None
+            if lx is None or r.expert < 0 or r.expert + r.count > lx.num_experts:
+                raise ExecutorError(f"pre-placed experts {r.expert}..{r.expert + r.count - 1} of layer {r.layer}: "
+                                    "no such MoE layer or expert")
+            gx._slot_ptr(r.layer, r.slot)  # range checks, before anything is copied
+            gx._slot_ptr(r.layer, r.slot + r.count - 1)
+        self.runs, self.placed = runs, True
+        self._placed.set()
+
     def _main(self) -> None:
         try:
             _rt.setDevice(self._device)
-            gx, queued = self.gx, []
-            by_layer: dict[int, list[Run]] = {}
-            for r in self.runs:
-                by_layer.setdefault(r.layer, []).append(r)
+            gx, queued, by_layer = self.gx, [], None
             for lx in gx.layers:
                 if lx is None:
                     continue
                 ok = all([register(gx, a) for a in gx._host_parts(lx)])
+                if by_layer is None:  # the arenas are not touched before the placement is given
+                    self._placed.wait()
+                    by_layer = {}
+                    for r in self.runs:
+                        by_layer.setdefault(r.layer, []).append(r)
                 runs = by_layer.get(lx.layer, [])
                 rows = gx._host_rows(lx.layer) if ok and runs else None
                 if rows is None:
@@ -182,14 +195,17 @@ class ExpertLoad:
 
     def abandon(self) -> None:
         """Wait for the thread and its copies, its error left unraised (the GpuExperts closes)."""
+        self._placed.set()  # without a placement: nothing more to copy
         self.join()
         self.stream.synchronize()
 
     def finish(self, moe) -> None:
         """Join the thread and wait for its copies (each at most the GpuExperts' ``timeout_s``),
-        raise its error, mark the slots it filled; where registration failed, copy that layer's
+        raise its error (an empty placement when none was given), mark the slots it filled; where registration failed, copy that layer's
         experts through the staging ring (created as ``GpuExperts`` does) and wait for them."""
         gx = self.gx
+        if not self.placed:
+            self.place({})
         if not self.join(gx.timeout_s):
             raise ExecutorError(f"registering and uploading the expert weights did not finish within {gx.timeout_s} s")
         if self.error is not None:

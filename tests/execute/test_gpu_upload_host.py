@@ -98,14 +98,14 @@ def test_background_load_writes_what_per_expert_uploads_write(mem_cupy, rng):
     ref = _make(G, layers, slots=[6, 0, 7])
     fast = _make(G, layers, slots=[6, 0, 7], defer_pin=True)
     try:
-        assert cp.cuda.runtime.hostRegister.call_count == 6 and fast.deferred  # only ref's registered
+        assert cp.cuda.runtime.hostRegister.call_count == 6 and not fast.registered  # only ref's registered
         ref.begin_copies()
         for (l, e), s in PLACED.items():
             ref.upload(l, e, s)
         n_ref = len(copies)
         fast.start_load(PLACED)
         fast.settle()
-        assert not fast.deferred and fast.staging is None and len(fast.registered) == 6
+        assert fast.staging is None and len(fast.registered) == 6
         assert _arenas(fast) == _arenas(ref) and fast.bytes_uploaded == ref.bytes_uploaded
         assert len(copies) - n_ref < n_ref  # runs: one strided copy per projection
         assert fast.filled == {(l, s): e for (l, e), s in PLACED.items()}
@@ -150,8 +150,8 @@ def test_the_first_copy_settles_a_deferred_registration_and_close_waits_for_a_lo
     gx = _make(G, layers, slots=[6, 0, 7], defer_pin=True)
     gx.begin_copies()
     gx.upload(2, 1, 0)  # no start_load: registered now, then copied
-    assert not gx.deferred and len(gx.registered) == 6 and bytes(gx.arenas[gx.pool_of[2]][:16]) != bytes(16)
-    with pytest.raises(G.ExecutorError, match="start_load"):
+    assert len(gx.registered) == 6 and bytes(gx.arenas[gx.pool_of[2]][:16]) != bytes(16)
+    with pytest.raises(G.ExecutorError, match="registered already"):
         gx.start_load({})
     gx.close()
     un = cp.cuda.runtime.hostUnregister
@@ -160,6 +160,8 @@ def test_the_first_copy_settles_a_deferred_registration_and_close_waits_for_a_lo
     with pytest.raises(G.ExecutorError, match="experts 7..8 of layer 0"):
         gx.start_load({(0, 7): 0, (0, 8): 1})
     gx.start_load(PLACED)
+    with pytest.raises(G.ExecutorError, match="given already"):
+        gx.start_load(PLACED)
     gx.close()  # joins the thread before the arenas go
     assert sorted(c.args[0] for c in un.call_args_list) == sorted(
         a.ctypes.data for l in layers if l is not None for a in (l.gate.data, l.up.data, l.down.data))
@@ -221,3 +223,64 @@ def test_staged_matrices_are_the_host_path_bytes(mem_cupy, qt):
         assert bytes(dev.d) == bytes(host.d)
     else:
         assert dev.d is None and host.d is None
+
+
+def test_registration_starts_before_the_placement_and_survives_a_new_capacity(mem_cupy, rng):
+    """The engine's construction re-sizes the arenas (set_capacity) while the load registers: no
+    copy has been made yet, so nothing waits; the placement given afterwards lands in the new
+    arenas. Settled without a placement, the load only registers; closed, it does not hang."""
+    cp, G, copies = mem_cupy
+    layers = _layers(rng)
+    geo = Geometry((8, 0, 8), 2, (layers[0].expert_bytes, 0, layers[2].expert_bytes))
+    ref = _make(G, layers, slots=[6, 0, 7])
+    fast = _make(G, layers, slots=[2, 0, 2], defer_pin=True)
+    try:
+        fast.start_load()
+        fast.set_capacity(Capacity.per_layer(geo, [6, 0, 7]))
+        assert fast._load is not None  # not settled by the new capacity
+        fast.start_load(PLACED)
+        fast.settle()
+        ref.begin_copies()
+        for (l, e), s in PLACED.items():
+            ref.upload(l, e, s)
+        assert _arenas(fast) == _arenas(ref) and len(fast.registered) == 6
+    finally:
+        ref.close()
+        fast.close()
+    gx = _make(G, layers, slots=[6, 0, 7], defer_pin=True)
+    gx.start_load()
+    n = len(copies)
+    gx.settle()
+    assert len(gx.registered) == 6 and len(copies) == n and not gx.filled
+    gx.close()
+    gx = _make(G, layers, slots=[6, 0, 7], defer_pin=True)
+    gx.start_load()
+    gx.close()
+
+
+def test_engine_backend_ends_prepared_alike_with_the_fast_load_on_and_off(mem_cupy, rng, monkeypatch):
+    """EngineExperts: registration from construction, the policy's placement from start_prepare,
+    prepare waits; the arenas, the residency and the bytes counted are those of the serial path."""
+    import types
+
+    cp, G, copies = mem_cupy
+    B = importlib.import_module("execute.backends")
+    layers = _layers(rng)
+    geo = Geometry((8, 0, 8), 2, (layers[0].expert_bytes, 0, layers[2].expert_bytes))
+    cap = Capacity.per_layer(geo, [8, 0, 8])
+    weights = types.SimpleNamespace(experts=layers, info=types.SimpleNamespace(expert_bias=False, path="m"))
+    monkeypatch.setenv("MOELAB_PREFILL", "0")
+    from scheduler.policies import make_policy
+
+    out = {}
+    for fast in "01":
+        monkeypatch.setenv("MOELAB_FAST_LOAD", fast)
+        b = B.EngineExperts(weights, cap, 1, True)
+        assert (b.engine.gpu._load is not None) == (fast == "1")
+        policy = make_policy("gpu", geo, cap)
+        b.start_prepare(policy)
+        b.prepare(policy)
+        out[fast] = (_arenas(b.engine.gpu), dict(b.engine.slot_of), b.engine.gpu.bytes_uploaded)
+        assert not b.engine.gpu.filled and b.engine.slot_of == dict(policy.cache.slot)
+        b.close()
+    assert out["0"] == out["1"]
