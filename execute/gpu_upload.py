@@ -10,14 +10,16 @@ recorded behind its copies, so the host fills one buffer while the copy engine d
 and no host-side concatenation or Q8_0 split (done on the device).
 
 :class:`ExpertLoad`: a ``GpuExperts``' expert weights page-locked in place (``cudaHostRegister``,
-as ``GpuExperts`` does when built) and a placement uploaded, layer by layer, on one background
-thread and a private non-blocking stream, while the caller goes on (the dense upload, the
+as ``GpuExperts`` does when built), layer by layer, on one background thread from the backend's
+construction on, and the placement given later (:meth:`ExpertLoad.place`) uploaded on a private
+non-blocking stream, while the caller goes on (the engine's imports, the dense upload, the
 warm-up). A layer's runs (``load_plan.slot_runs``) are one ``cudaMemcpy2DAsync`` per projection
-from the registered expert stack into consecutive slots; registering a layer overlaps the copies
-of the previous ones; at most two layers' copies are queued at a time, so copies other threads
-queue meanwhile wait behind little. ``finish`` joins the thread, raises what it raised and waits
-for the copies; the experts of a layer it could not register are then copied through the staging
-ring, as ``GpuExperts`` does without registration.
+from the registered expert stack into consecutive slots. Registration never waits for copies:
+after each layer the thread queues the copies of the layers registered so far while fewer than two
+layers' copies are in the stream (so that copies other threads queue meanwhile wait behind
+little), and the rest once every layer is registered. ``finish`` joins the thread, raises what it
+raised and waits for the copies; the experts of a layer it could not register are then copied
+through the staging ring, as ``GpuExperts`` does without registration.
 """
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ class ExpertLoad:
         self.placed = False
         self._placed = threading.Event()
         self.left: list[Run] = []  # runs of layers whose weights could not all be registered
+        self._by_layer: dict[int, list[Run]] | None = None
         self.nbytes = 0
         self.error: BaseException | None = None
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -154,39 +157,52 @@ class ExpertLoad:
     def _main(self) -> None:
         try:
             _rt.setDevice(self._device)
-            gx, queued, by_layer = self.gx, [], None
-            for lx in gx.layers:
-                if lx is None:
-                    continue
-                ok = all([register(gx, a) for a in gx._host_parts(lx)])
-                if by_layer is None:  # the arenas are not touched before the placement is given
-                    self._placed.wait()
-                    by_layer = {}
-                    for r in self.runs:
-                        by_layer.setdefault(r.layer, []).append(r)
-                runs = by_layer.get(lx.layer, [])
-                rows = gx._host_rows(lx.layer) if ok and runs else None
-                if rows is None:
-                    self.left += runs
-                    continue
-                if len(queued) >= 2:  # keep at most two layers' copies in the queue
-                    queued.pop(0).synchronize()
-                pitch = gx.slot_bytes[gx.pool_of[lx.layer]]
-                for r in runs:
-                    dst, off = gx._slot_ptr(r.layer, r.slot), 0
-                    for base, stride, n in rows:
-                        src = base + r.expert * stride
-                        if r.count == 1:
-                            _rt.memcpyAsync(dst + off, src, n, _H2D, self.stream.ptr)
-                        else:
-                            _rt.memcpy2DAsync(dst + off, pitch, src, stride, n, r.count, _H2D, self.stream.ptr)
-                        off += n
-                    self.nbytes += off * r.count
-                ev = cp.cuda.Event(disable_timing=True)
-                ev.record(self.stream)
-                queued.append(ev)
+            pending, queued = [], []
+            for lx in self.gx.layers:
+                if lx is not None:
+                    pending.append((lx.layer, all([register(self.gx, a) for a in self.gx._host_parts(lx)])))
+                    if self._placed.is_set():  # copies of the layers registered so far, as the queue has room
+                        self._issue(pending, queued, block=False)
+            self._placed.wait()
+            self._issue(pending, queued, block=True)
         except BaseException as exc:  # noqa: BLE001 - raised again by finish(), in the caller's thread
             self.error = exc
+
+    def _issue(self, pending: list, queued: list, block: bool) -> None:
+        """Queue the copies of ``pending`` (layer, registered) in order, at most two layers' copies in
+        the stream at a time (``block``: wait for room, else return when there is none)."""
+        gx = self.gx
+        if self._by_layer is None:
+            self._by_layer = {}
+            for r in self.runs:
+                self._by_layer.setdefault(r.layer, []).append(r)
+        while pending:
+            while queued and queued[0].done:
+                queued.pop(0)
+            if len(queued) >= 2:
+                if not block:
+                    return
+                queued.pop(0).synchronize()
+            layer, ok = pending.pop(0)
+            runs = self._by_layer.get(layer, [])
+            rows = gx._host_rows(layer) if ok and runs else None
+            if rows is None:
+                self.left += runs
+                continue
+            pitch = gx.slot_bytes[gx.pool_of[layer]]
+            for r in runs:
+                dst, off = gx._slot_ptr(layer, r.slot), 0
+                for base, stride, n in rows:
+                    src = base + r.expert * stride
+                    if r.count == 1:
+                        _rt.memcpyAsync(dst + off, src, n, _H2D, self.stream.ptr)
+                    else:
+                        _rt.memcpy2DAsync(dst + off, pitch, src, stride, n, r.count, _H2D, self.stream.ptr)
+                    off += n
+                self.nbytes += off * r.count
+            ev = cp.cuda.Event(disable_timing=True)
+            ev.record(self.stream)
+            queued.append(ev)
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Wait for the thread (at most ``timeout_s``); True when it has ended."""

@@ -37,6 +37,7 @@ class _Event(_Handle):
     """An event that logs its records and waits: ('record', ptr) / ('sync', ptr)."""
 
     log: list = []
+    done = False  # never seen done without a wait: the load's queue is throttled by its waits
 
     def record(self, stream=None):
         _Event.log.append(("record", self.ptr))
