@@ -216,9 +216,10 @@ class ExpertLoad:
         self.stream.synchronize()
 
     def finish(self, moe) -> None:
-        """Join the thread and wait for its copies (each at most the GpuExperts' ``timeout_s``),
-        raise its error (an empty placement when none was given), mark the slots it filled; where registration failed, copy that layer's
-        experts through the staging ring (created as ``GpuExperts`` does) and wait for them."""
+        """Give an empty placement if none was given, join the thread and wait for its copies (each
+        at most the GpuExperts' ``timeout_s``), raise its error, mark the slots it filled; where
+        registration failed, copy that layer's experts through the staging ring (created as
+        ``GpuExperts`` does) and wait for them."""
         gx = self.gx
         if not self.placed:
             self.place({})
