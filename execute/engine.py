@@ -210,10 +210,10 @@ class ExpertEngine:
             from .gpu_experts import GpuExperts
 
             self.gpu = GpuExperts(self.layers, capacity, scratch_slots, pinned, timeout_s)
-        # with a GPU and MOELAB_HANDOFF=1, one token's CPU pairs are handed off through mapped
-        # memory (execute.handoff; the pool's counters live there), else fetched and awaited
+        # with a GPU, one token's CPU pairs are handed off through mapped memory (execute.handoff;
+        # the pool's counters live there); MOELAB_HANDOFF=0: fetched and awaited by the host
         self.handoff = None
-        if self.gpu is not None and not self.gpu.generic_layers and os.environ.get("MOELAB_HANDOFF", "0") == "1":
+        if self.gpu is not None and not self.gpu.generic_layers and os.environ.get("MOELAB_HANDOFF", "1") != "0":
             from .handoff import Handoff
 
             self.handoff = Handoff(self.gpu.compute, timeout_s)

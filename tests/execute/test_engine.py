@@ -166,6 +166,15 @@ def test_every_policy_on_gpu_matches_reference(policy, rng, reference):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["hybrid", "cpu"])
+def test_cpu_pairs_awaited_by_the_host_match_reference(policy, rng, reference, monkeypatch):
+    """MOELAB_HANDOFF=0: one token's CPU pairs fetched, submitted and awaited by the host (the
+    synchronized path; the default hands them off through mapped memory)."""
+    monkeypatch.setenv("MOELAB_HANDOFF", "0")
+    test_every_policy_on_gpu_matches_reference(policy, rng, reference)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["cpu", "lru", "hybrid"])
 def test_inputs_copied_late_on_the_callers_stream(policy, rng, reference):
     """The caller's stream is kept busy before it queues each layer's input copy, and it reads each
