@@ -9,7 +9,7 @@ thread that issues them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["CostModel", "LaneCosts"]
 
@@ -29,7 +29,10 @@ class LaneCosts:
     the GPU's combine (``gpu_combine_s``) ends the layer. ``handoff``: one-token layers hand the
     pool's input and rows over through mapped memory instead: the pool starts ``handoff_in_s``
     after the submit, the combine waits until ``handoff_out_s`` after the pool ends, the host does
-    not wait.
+    not wait. ``lead_s`` (per layer; empty: 0): how long the host's part of what follows the layer
+    (the next layer's planning and the issue of its dense part beyond the GPU's, or the head's)
+    holds the GPU back, counted from the host's end of the layer: the layer ends for the next one
+    at the later of the GPU's end and the host's end plus this lead.
     """
 
     pool_task_s: float = 0.0
@@ -50,10 +53,15 @@ class LaneCosts:
     handoff: bool = False
     handoff_in_s: float = 0.0
     handoff_out_s: float = 0.0
+    lead_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lead_s", tuple(float(x) for x in self.lead_s))
         for name, v in vars(self).items():
-            if name != "handoff" and not v >= 0:
+            if name == "lead_s":
+                if not all(x >= 0 for x in v):
+                    raise ValueError("LaneCosts.lead_s: every entry must be a number >= 0")
+            elif name != "handoff" and not v >= 0:
                 raise ValueError(f"LaneCosts.{name}: {v}, expected a number >= 0")
 
 
@@ -125,14 +133,18 @@ class CostModel:
         object.__setattr__(self, "_factor", dict(factor))
         if self.lane is not None and not isinstance(self.lane, LaneCosts):
             raise ValueError("CostModel.lane: expected a LaneCosts or None")
+        if self.lane is not None and self.lane.lead_s and len(self.lane.lead_s) != n:
+            raise ValueError(f"CostModel.lane.lead_s: {len(self.lane.lead_s)} entries, expected {n} (one per layer)")
 
     def of_layers(self, layers) -> "CostModel":
         """The costs of ``layers`` only, in that order (layer ``layers[i]`` becomes layer ``i``)."""
         pick = lambda v: None if v is None else tuple(v[l] for l in layers)
+        lane = self.lane if self.lane is None or not self.lane.lead_s else replace(self.lane,
+                                                                                  lead_s=pick(self.lane.lead_s))
         return CostModel(pick(self.gpu_expert_s), pick(self.gpu_token_s), pick(self.upload_s),
                          pick(self.cpu_expert_s), pick(self.cpu_token_s), self.cpu_task_s,
                          pick(self.gpu_read_s), pick(self.cpu_read_s), pick(self.layer_s), self.cpu_delay_s,
-                         self.cpu_copy_s, self.cpu_combine_s, self.gpu_batch_s, self.cpu_call_factor, self.lane)
+                         self.cpu_copy_s, self.cpu_combine_s, self.gpu_batch_s, self.cpu_call_factor, lane)
 
     def gpu_s(self, layer: int, tokens: int) -> float:
         work = tokens * self.gpu_token_s[layer]
@@ -209,5 +221,6 @@ class CostModel:
         else:
             h += ln.layer_combine_s
         g += ln.gpu_combine_s
+        h += ln.lead_s[layer] if ln.lead_s else 0.0
         end = (g if g > h else h) + num_up * ln.plan_copy_s  # the next layer plans around these copies
         return end, (0.0 if num_up or queued_s <= end else queued_s - end)

@@ -214,13 +214,17 @@ class Costs:
         task, delay, lane = self.cpu_task_s, 0.0, None
         if self.host is not None:  # with an executor block, a layer that uses the pool also holds the host thread
             hc = self.host
+            # what holds the GPU back after a layer's host part: the next layer's plan and dense
+            # issue beyond its GPU time (at empty context), after the last layer the head's issue
+            lead = [hc.plan_s + max(hc.dense_s - self.dense_s[l + 1], 0.0) for l in range(n - 1)]
+            lead.append(max(hc.head_s - self.head_s, 0.0))
             lane = LaneCosts(pool_task_s=self.cpu_task_s, submit_s=hc.cpu_submit_s, start_s=hc.cpu_start_s,
                              handoff_s=hc.cpu_handoff_s, return_s=hc.cpu_return_s, combine_s=hc.cpu_combine_s,
                              cpu_queue_s=hc.cpu_queue_s, gpu_queue_s=hc.gpu_queue_s, expert_queue_s=hc.gpu_expert_s,
                              copy_round_s=hc.copy_round_s, copy_s=hc.copy_s, plan_copy_s=hc.plan_copy_s,
                              layer_combine_s=hc.layer_combine_s, batch_s=self.expert_launch_s,
                              gpu_combine_s=self.combine_s, handoff=hc.handoff, handoff_in_s=hc.handoff_in_s,
-                             handoff_out_s=hc.handoff_out_s)
+                             handoff_out_s=hc.handoff_out_s, lead_s=lead)
             if hc.handoff:  # the GPU puts the input and waits for the rows; the host goes on
                 task += hc.cpu_submit_s + hc.handoff_in_s + hc.handoff_out_s
                 delay = hc.cpu_submit_s

@@ -18,12 +18,14 @@ CALIBRATED = "docs/fidelity/h200-calibrated.json"
 
 
 def hardware(kind: str):
-    """The calibrated H200 with no planning or host dense time (so that the next layer starts
-    exactly when this one ends), with the mapped-memory hand-off, or the preset (no host lane)."""
+    """The calibrated H200 (its host's planning and dense issue longer than the GPU's dense part
+    with ``slow_host``), with the mapped-memory hand-off, or the preset (no host lane)."""
     if kind == "preset":
         return load_hardware("h200-xeon16")
     hw = load_hardware(CALIBRATED)
-    ex = dict(hw.executor, plan_s={"hybrid-cost": 0.0}, host_dense_s=0.0)
+    ex = dict(hw.executor)
+    if kind == "slow_host":
+        ex.update(plan_s={"hybrid-cost": 2e-4}, host_dense_s=3e-4)
     if kind == "handoff":
         ex.update(handoff_in_s=21e-6, handoff_out_s=34e-6)
     return replace(hw, executor=ex)
@@ -36,7 +38,7 @@ def token_s(costs: Costs, d: Decision) -> float:
     return float(Simulator(costs).run(items).token_s[0])
 
 
-@pytest.mark.parametrize("kind", ["preset", "calibrated", "handoff"])
+@pytest.mark.parametrize("kind", ["preset", "calibrated", "slow_host", "handoff"])
 def test_step_s_is_the_simulators_layer_time(kind):
     model = tiny_model(num_layers=2, num_experts=16, top_k=8, hidden=2048, expert_ffn=768, expert_quant="Q8_0")
     costs = Costs(model, hardware(kind), ExecConfig(policy="hybrid-cost"))
@@ -53,4 +55,5 @@ def test_step_s_is_the_simulators_layer_time(kind):
         t, left = cm.step_s(0, n_hits * g, n_hits, n_up * g, n_up, cm.pool_s(n_cpu * c, n_cpu))
         assert left == 0.0
         offsets.append(token_s(costs, d) - t)  # the rest of the token: the same for every split
-    assert max(offsets) - min(offsets) < 1e-9 * max(offsets)
+    # the same to a nanosecond: the lead leaves out the next layer's KV read (one position here)
+    assert max(offsets) - min(offsets) < 1e-9
