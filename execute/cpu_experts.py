@@ -64,7 +64,7 @@ _IQ2_XXS, _IQ3_XXS, _IQ2_XS, _IQ2_S, _IQ3_S, _IQ1_S, _IQ1_M = (Q.IQ2_XXS, Q.IQ3_
                                                                Q.IQ1_S, Q.IQ1_M)
 # code tables (lut16): bytes 0-15 MXFP4 code -> integer value + 12 (0..24, unsigned for dpbusd; the
 # 12 comes off through the sums); bytes 16-31 IQ4_NL/IQ4_XS code -> level (signed, see _sdot); from
-# byte 32 (_IQX) cpu_iq's sign table and grids
+# byte 32 (_IQX) cpu_iq's grids
 _TABLES = np.concatenate([(Q.MXFP4_VALUES + 12).astype(np.uint8), IQ4_NL_VALUES.view(np.uint8), IQ_TABLES])
 _IQX = 32
 _IQ4 = 16  # offset of the IQ4 table

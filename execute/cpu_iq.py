@@ -1,14 +1,19 @@
-"""CPU row kernels of the lattice i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): integer dots.
+"""CPU row kernels of the lattice and IQ1 i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M): integer dots.
 
-Per 32 weights each type stores grid indices (IQ2_*: 4, 8 weights each; IQ3_*: 8, 4 weights
-each), 32 signs and one or two scales (see ``quant``'s layout table). The grid values are
-unsigned bytes <= 62: a group's 32 grid bytes are gathered by its indices and its signs applied
-to them as 64 +- grid (``sign_off``: unsigned 2..126, so the avx2 path's int16 pair sums stay
-exact), the 64 taken off through the activation sums. A block's 8 groups are staged on the stack
+Per 32 weights each type stores grid indices (IQ2_*, IQ1_*: 4, 8 weights each; IQ3_*: 8, 4
+weights each), 32 signs and one or two scales (see ``quant``'s layout table). The grid values are
+unsigned bytes <= 62, stored in the tables as 64 + grid: a group's 32 bytes are gathered by its
+indices (one load per entry) and its signs applied as one masked subtract, 128 - (64 + grid) where
+the sign bit is set (``sign_off``: unsigned 2..126, so the avx2 path's int16 pair sums stay exact),
+the 64 taken off through the activation sums. What can be decoded for a whole block at once is, in
+vectors, before its groups are gathered: the KSIGNS bytes of IQ2_XXS, IQ3_XXS and IQ2_XS (the
+7-bit index and its parity, ``ksigns``), the grid byte offsets of IQ2_XS, IQ2_S, IQ3_S and IQ1_*
+(``grid_index_*``, staged on the stack) and the scales. A block's 8 groups are staged on the stack
 and dotted behind one branch on the instruction-set path (``cpu_kq.dots``, both activation
-levels); IQ2_XS, IQ2_S and IQ1_* scale each 16 weights (``acc_dots16``).
+levels); IQ2_XS, IQ2_S and IQ1_* scale each 16 weights (``acc_dots16``). What bounds them is the
+gather: about one cycle per 8-byte grid entry.
 
-``IQ_TABLES`` (KSIGNS, then each grid as bytes) sits at ``cpu_experts``' code tables; the kernels
+``IQ_TABLES`` (each grid as bytes) sits at ``cpu_experts``' code tables; the kernels
 take its address.
 """
 from __future__ import annotations
@@ -16,26 +21,26 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cpu_kq import (acc_dots, acc_dots16, block_scratch, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
                      nibbles8, store_i8x32, u8_f32x8, zip_hi, zip_lo)
-from .cpu_simd import I8x32, hsum, load_f16, load_u8, store_f32, zero_f32
-from .iq_grids import KSIGNS, grid
+from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, hsum, load_f16, load_u8, zero_f32
+from .iq_grids import grid
 
 __all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
 
-# byte offsets in IQ_TABLES: KSIGNS, then the grids as bytes: IQ2_XXS (256 x 8), IQ3_XXS (256 x 4),
+# byte offsets in IQ_TABLES: the grids as bytes + 64 (see sign_off): IQ2_XXS (256 x 8), IQ3_XXS (256 x 4),
 # IQ2_XS (512 x 8), IQ2_S (1024 x 8), IQ3_S (512 x 4)
-_KS, _G2 = 0, 128
+_G2 = 0
 _G3 = _G2 + 256 * 8
 _G2XS = _G3 + 256 * 4
 _G2S = _G2XS + 512 * 8
 _G3S = _G2S + 1024 * 8
-_G1 = _G3S + 512 * 4  # IQ1_S/IQ1_M: 8 g + 8 (delta -1/8), then 8 g + 10 (delta +1/8), 2048 x 8 each
-_G1_PLUS = 2048  # entries from _G1 to the +1/8 table
-IQ_TABLES = np.concatenate([KSIGNS] + [grid(n).astype(np.uint8).reshape(-1)
-                                       for n in ("IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ3_S")]
+_G1 = _G3S + 512 * 4  # IQ1_S/IQ1_M: 8 g + 8 (delta -1/8), then 8 g + 10 (delta +1/8; entry 2048 on), 2048 x 8 each
+IQ_TABLES = np.concatenate([(grid(n) + 64).astype(np.uint8).reshape(-1)
+                            for n in ("IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ3_S")]
                            + [(8 * grid("IQ1_S") + k).astype(np.uint8).reshape(-1) for k in (8, 10)])
 assert IQ_TABLES.size == _G1 + 2 * 2048 * 8
 
@@ -70,83 +75,86 @@ gather8x4 = _gather(4, 8)  # IQ2_XXS: four 8-byte grid entries
 gather4x8 = _gather(8, 4)  # IQ3_XXS: eight 4-byte grid entries
 
 
-def _gather_at(k: int, width: int):
-    """An intrinsic (table, i_0, .., i_{k-1}) -> I8x32: entries i_j (``width`` bytes each) of the
-    table at address ``table``, side by side."""
-    lane = ir.IntType(8 * width)
-    vec = ir.VectorType(lane, k)
-
-    def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        t = context.cast(builder, args[0], sig.args[0], types.int64)
-        v = ir.Constant(vec, ir.Undefined)
-        for j in range(k):
-            off = builder.mul(context.cast(builder, args[1 + j], sig.args[1 + j], types.int64), ir.Constant(i64, width))
-            e = builder.load(builder.inttoptr(builder.add(t, off), ir.PointerType(lane)), align=1)
-            v = builder.insert_element(v, e, ir.Constant(ir.IntType(32), j))
-        return builder.bitcast(v, ir.VectorType(ir.IntType(8), 32))
-
-    def typer(args):
-        return I8x32(*args) if len(args) == k + 1 and all(isinstance(a, types.Integer) for a in args) else None
-
-    if k == 4:
-        @intrinsic
-        def gather(typingctx, table, i0, i1, i2, i3):
-            sig = typer((table, i0, i1, i2, i3))
-            return None if sig is None else (sig, codegen)
-    else:
-        @intrinsic
-        def gather(typingctx, table, i0, i1, i2, i3, i4, i5, i6, i7):
-            sig = typer((table, i0, i1, i2, i3, i4, i5, i6, i7))
-            return None if sig is None else (sig, codegen)
-    return gather
-
-
-gather8x4_at = _gather_at(4, 8)  # IQ2_XS, IQ2_S: four 8-byte entries of computed index
-gather4x8_at = _gather_at(8, 4)  # IQ3_S: eight 4-byte entries
-
-
 @intrinsic
 def sign_off(typingctx, q, bits):
-    """64 + q (byte j) negated where bit j of ``bits`` is set: signed grid bytes (|q| <= 62) as
-    unsigned 2..126, for an unsigned x signed dot (the 64 comes off through the activation sums)."""
+    """q (byte j: 64 + a grid byte, the tables' form) as 128 - q where bit j of ``bits`` is set: the
+    signed grid bytes (|grid| <= 62) as unsigned 2..126, for an unsigned x signed dot (the 64
+    comes off through the activation sums); one masked subtract."""
     if q != I8x32 or not isinstance(bits, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
         b = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), ir.IntType(32))
         neg = builder.bitcast(b, ir.VectorType(ir.IntType(1), 32))
-        v32 = ir.VectorType(ir.IntType(8), 32)
-        c64 = ir.Constant(v32, [64] * 32)
-        return builder.select(neg, builder.sub(c64, args[0]), builder.add(c64, args[0]))
+        c128 = ir.Constant(ir.VectorType(ir.IntType(8), 32), [128] * 32)
+        return builder.select(neg, builder.sub(c128, args[0]), args[0])
     return I8x32(q, bits), codegen
 
 
-@njit(inline="always")
-def _signs(table, b):
-    """The 32 sign bits of a group from its u32 ``b`` (four 7-bit KSIGNS indices)."""
-    return (np.int64(load_u8(table, _KS + (b & 127))) | (np.int64(load_u8(table, _KS + ((b >> 7) & 127))) << 8)
-            | (np.int64(load_u8(table, _KS + ((b >> 14) & 127))) << 16)
-            | (np.int64(load_u8(table, _KS + ((b >> 21) & 127))) << 24))
+def _words(stride: int):
+    """An intrinsic (w, off) -> I32x8: the 8 u32 at w + off + stride k (stride 4 or 8 bytes)."""
+    n = 8 * stride // 4
+
+    @intrinsic
+    def words(typingctx, w, off):
+        if not (isinstance(w, types.Integer) and isinstance(off, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            a = builder.add(*(context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args)))
+            v = builder.load(builder.inttoptr(a, ir.PointerType(ir.VectorType(i32, n))), align=1)
+            if n == 8:
+                return v
+            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 8), list(range(0, n, n // 8))))
+        return I32x8(w, off), codegen
+    return words
 
 
-@njit(inline="always")
-def _u32(w, p):
-    return (np.int64(load_u8(w, p)) | (np.int64(load_u8(w, p + 1)) << 8) | (np.int64(load_u8(w, p + 2)) << 16)
-            | (np.int64(load_u8(w, p + 3)) << 24))
+words4 = _words(4)  # IQ3_XXS: 8 contiguous sign words
+words8 = _words(8)  # IQ2_XXS: the second u32 of each 8-byte group
 
 
-@njit(inline="always")
-def _xxs(table, w, p, g, three):
-    """Group g of an IQ2_XXS/IQ3_XXS block at byte p: its weights as sign_off bytes and its scale
-    (0.5 + the u32's top 4 bits) / 4 (IQ2_XXS) or / 2 (IQ3_XXS), to multiply d by."""
-    if three:
-        q = gather4x8(table + _G3, w, p + 2 + 8 * g)
-        sb = _u32(w, p + 66 + 4 * g)
-        return sign_off(q, _signs(table, sb)), (np.float32(0.5) + np.float32(sb >> 28)) * np.float32(0.5)
-    q = gather8x4(table + _G2, w, p + 2 + 8 * g)
-    sb = _u32(w, p + 6 + 8 * g)
-    return sign_off(q, _signs(table, sb)), (np.float32(0.5) + np.float32(sb >> 28)) * np.float32(0.25)
+@intrinsic
+def ksigns(typingctx, v):
+    """Per u32 lane: its four 7-bit fields (bits 7 k ..) as KSIGNS bytes (the field and its
+    parity in bit 7), byte k: the sign bits of weights 8 k .. 8 k + 7 of the lane's group."""
+    if v != I32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        def c(x):
+            return ir.Constant(V8, [x] * 8)
+        u = args[0]
+        f = [builder.and_(builder.lshr(u, c(7 * k)) if k else u, c(127)) for k in range(4)]
+        s = builder.or_(builder.or_(f[0], builder.shl(f[1], c(8))), builder.or_(builder.shl(f[2], c(16)), builder.shl(f[3], c(24))))
+        q = builder.xor(s, builder.lshr(s, c(4)))  # parity into bit 0 of each byte (see the docstring)
+        q = builder.xor(q, builder.lshr(q, c(2)))
+        q = builder.xor(q, builder.lshr(q, c(1)))
+        return builder.or_(s, builder.shl(builder.and_(q, c(0x01010101)), c(7)))
+    return I32x8(v), codegen
+
+
+@intrinsic
+def top4_f32(typingctx, v):
+    """float(u >> 28) per u32 lane."""
+    if v != I32x8:
+        return None
+    return F32x8(v), lambda context, builder, sig, args: builder.uitofp(
+        builder.lshr(args[0], ir.Constant(V8, [28] * 8)), VF)
+
+
+@intrinsic
+def store_i32x8(typingctx, base, off, v):
+    """The 32 bytes at base + off = v."""
+    if not (isinstance(base, types.Integer) and isinstance(off, types.Integer)) or v != I32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = builder.add(*(context.cast(builder, x, t, types.int64) for x, t in zip(args[:2], sig.args[:2])))
+        builder.store(args[2], builder.inttoptr(a, ir.PointerType(V8)), align=1)
+        return context.get_dummy_value()
+    return types.none(base, off, v), codegen
 
 
 @njit(inline="always", fastmath=True)
@@ -154,53 +162,143 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations (see cpu_experts._quantize):
     IQ2_XXS (three False; 66-byte blocks: f16 d, per group u32 grid indices, u32 signs + scale) or
     IQ3_XXS (98-byte blocks: f16 d, u8 qs[64], u32 signs + scale per group); ``table``:
-    IQ_TABLES' address. A block's 8 dots behind one branch on the path (cpu_simd.dots)."""
+    IQ_TABLES' address. A block's 8 sign words are decoded together (``ksigns``: sign bytes with
+    their parity, staged after the weights), its scales (0.5 + top 4 bits) / 4 (IQ2_XXS) or / 2
+    as one vector; its 8 dots behind one branch on the path (cpu_kq.dots)."""
     acc = zero_f32()
     cor = zero_f32()
     buf = block_scratch()
     bs = 98 if three else 66
     for b in range(nb // 8):
         p = o + bs * b
+        u = words4(w, p + 66) if three else words8(w, p + 6)
+        store_i32x8(buf, 256, ksigns(u))
         for g in range(8):
-            q, sg = _xxs(table, w, p, g, three)
-            store_i8x32(buf, 32 * g, q)
-            store_f32(buf + 256, g, sg)
-        f = fmul(load_f32x8(buf + 256, 0), load_f16(w, p))
+            if three:
+                q = gather4x8(table + _G3, w, p + 2 + 8 * g)
+            else:
+                q = gather8x4(table + _G2, w, p + 2 + 8 * g)
+            store_i8x32(buf, 32 * g, sign_off(q, load_u32(buf, 256 + 4 * g)))
+        f = fmul(fadd(top4_f32(u), np.float32(0.5)), load_f16(w, p) * (np.float32(0.5) if three else np.float32(0.25)))
         blk = xb + 8 * b
         acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b, l2), fmul(f, load_f32x8(xd, blk)))
         cor = fadd(cor, fmul(f, load_f32x8(xs, blk)))
     return hsum(acc) - np.float32(64.0) * hsum(cor)
 
 
-@njit(inline="always")
-def _idx9(w, p, j):
-    """IQ2_XS: entry j's u16 at w + p: grid index (low 9 bits), KSIGNS index (high 7)."""
-    return np.int64(load_u8(w, p + 2 * j)) | (np.int64(load_u8(w, p + 2 * j + 1)) << 8)
+_IDX = 288  # scratch bytes: 0-255 a block's weights, 256-287 its sign words, from _IDX its grid offsets (u16)
+_I16 = ir.IntType(16)
 
 
-@njit(inline="always")
-def _grp_s(table, w, p, g, kind):
-    """Group g's weights as sign_off bytes: IQ2_XS (kind 0), IQ2_S (1), IQ3_S (2)."""
-    if kind == 2:
-        qh = np.int64(load_u8(w, p + 66 + g))
-        i = p + 2 + 8 * g
-        q = gather4x8_at(table + _G3S, load_u8(w, i) | ((qh & 1) << 8), load_u8(w, i + 1) | ((qh & 2) << 7),
-                         load_u8(w, i + 2) | ((qh & 4) << 6), load_u8(w, i + 3) | ((qh & 8) << 5),
-                         load_u8(w, i + 4) | ((qh & 16) << 4), load_u8(w, i + 5) | ((qh & 32) << 3),
-                         load_u8(w, i + 6) | ((qh & 64) << 2), load_u8(w, i + 7) | ((qh & 128) << 1))
-        return sign_off(q, _u32(w, p + 74 + 4 * g))
-    if kind == 0:
-        i = p + 2 + 8 * g
-        e0, e1, e2, e3 = _idx9(w, i, 0), _idx9(w, i, 1), _idx9(w, i, 2), _idx9(w, i, 3)
-        q = gather8x4_at(table + _G2XS, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
-        bits = (np.int64(load_u8(table, _KS + (e0 >> 9))) | (np.int64(load_u8(table, _KS + (e1 >> 9))) << 8)
-                | (np.int64(load_u8(table, _KS + (e2 >> 9))) << 16) | (np.int64(load_u8(table, _KS + (e3 >> 9))) << 24))
-        return sign_off(q, bits)
-    qh = np.int64(load_u8(w, p + 66 + g))
-    i = p + 2 + 4 * g
-    q = gather8x4_at(table + _G2S, load_u8(w, i) | ((qh & 3) << 8), load_u8(w, i + 1) | ((qh & 12) << 6),
-                     load_u8(w, i + 2) | ((qh & 48) << 4), load_u8(w, i + 3) | ((qh & 192) << 2))
-    return sign_off(q, _u32(w, p + 34 + 4 * g))
+def _cv(n: int, vals, t=_I16):
+    """A constant vector of n lanes of type t (vals: one value or a list)."""
+    return ir.Constant(ir.VectorType(t, n), vals if isinstance(vals, list) else [vals] * n)
+
+
+def _grid_index_codegen(kind: int):
+    """Codegen of grid_index for kind 0 IQ2_XS, 1 IQ2_S, 2 IQ3_S, 3 IQ1_S, 4 IQ1_M."""
+    def codegen(context, builder, sig, args):
+        w, p, buf = (context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args))
+        i64 = ir.IntType(64)
+
+        def at(base, off):
+            return builder.add(base, ir.Constant(i64, off))
+
+        def load(a, n, t=ir.IntType(8)):
+            return builder.load(builder.inttoptr(a, ir.PointerType(ir.VectorType(t, n))), align=1)
+
+        def store(v, a):
+            builder.store(v, builder.inttoptr(a, ir.PointerType(v.type)), align=1)
+
+        def spread(v, n, per):  # lane j of the result: lane j // per of v
+            return builder.shuffle_vector(v, v, _cv(n, [j // per for j in range(n)], ir.IntType(32)))
+
+        wp = builder.add(w, p)
+        if kind == 0:  # u16 entries: grid index (9 bits), KSIGNS index (7 bits)
+            e = load(at(wp, 2), 32, _I16)
+            store(builder.shl(builder.and_(e, _cv(32, 511)), _cv(32, 3)), at(buf, _IDX))
+            sg = builder.lshr(e, _cv(32, 9))
+            q = builder.xor(sg, builder.lshr(sg, _cv(32, 4)))
+            q = builder.xor(q, builder.lshr(q, _cv(32, 2)))
+            q = builder.xor(q, builder.lshr(q, _cv(32, 1)))
+            sg = builder.or_(sg, builder.shl(builder.and_(q, _cv(32, 1)), _cv(32, 7)))
+            store(builder.trunc(sg, ir.VectorType(ir.IntType(8), 32)), at(buf, 256))
+            return context.get_dummy_value()
+        n, width = (64, 4) if kind == 2 else (32, 8)
+        qs = builder.zext(load(at(wp, 2 if kind != 4 else 0), n), ir.VectorType(_I16, n))
+        if kind == 1:  # 2 bits of qh[j // 4] at 2 (j % 4)
+            hb = spread(builder.zext(load(at(wp, 66), 8), ir.VectorType(_I16, 8)), 32, 4)
+            hi = builder.and_(builder.lshr(hb, _cv(32, [2 * (j % 4) for j in range(32)])), _cv(32, 3))
+        elif kind == 2:  # bit j % 8 of qh[j // 8]
+            hb = spread(builder.zext(load(at(wp, 66), 8), ir.VectorType(_I16, 8)), 64, 8)
+            hi = builder.and_(builder.lshr(hb, _cv(64, [j % 8 for j in range(64)])), _cv(64, 1))
+        elif kind == 3:  # 3 bits of the u16 qh[j // 4] at 3 (j % 4); its bit 15 clear: the +1/8 table
+            hw = spread(load(at(wp, 34), 8, _I16), 32, 4)
+            hi = builder.and_(builder.lshr(hw, _cv(32, [3 * (j % 4) for j in range(32)])), _cv(32, 7))
+            plus = builder.shl(builder.lshr(builder.xor(hw, _cv(32, 0x8000)), _cv(32, 15)), _cv(32, 11))
+            hi = builder.or_(hi, builder.lshr(plus, _cv(32, 8)))
+        else:  # IQ1_M: nibble j of qh (byte j // 2, high for odd j): 3 bits, bit 3 clear: the +1/8 table
+            hb = spread(builder.zext(load(at(wp, 32), 16), ir.VectorType(_I16, 16)), 32, 2)
+            k = builder.and_(builder.lshr(hb, _cv(32, [4 * (j % 2) for j in range(32)])), _cv(32, 15))
+            hi = builder.xor(k, _cv(32, 8))  # bits 0-2 the index's, bit 3 set for the +1/8 table
+        idx = builder.or_(qs, builder.shl(hi, _cv(n, 8)))
+        store(builder.shl(idx, _cv(n, 3 if width == 8 else 2)), at(buf, _IDX))
+        return context.get_dummy_value()
+    return codegen
+
+
+def _grid_index(kind: int):
+    @intrinsic
+    def grid_index(typingctx, w, p, buf):
+        if not all(isinstance(a, types.Integer) for a in (w, p, buf)):
+            return None
+        return types.none(w, p, buf), _grid_index_codegen(kind)
+    return grid_index
+
+
+grid_index_2xs, grid_index_2s, grid_index_3s, grid_index_1s, grid_index_1m = (_grid_index(k) for k in range(5))
+grid_index_2xs.__doc__ = """A block's grid byte offsets (u16, scratch from _IDX) and, for IQ2_XS, its sign bytes (KSIGNS
+of each entry's 7-bit index, from byte 256); likewise IQ2_S, IQ3_S (offsets of 4-byte entries) and
+IQ1_S/IQ1_M (from the -1/8 table, 2048 entries on for +1/8)."""
+
+
+def _gather_off(k: int, width: int):
+    """An intrinsic (table, buf, off) -> I8x32: the k entries of ``width`` bytes at table + the u16
+    byte offsets at buf + off, side by side."""
+    lane = ir.IntType(8 * width)
+    vec = ir.VectorType(lane, k)
+
+    @intrinsic
+    def gather(typingctx, table, buf, off):
+        if not all(isinstance(a, types.Integer) for a in (table, buf, off)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            t, ba, oa = (context.cast(builder, a, s, types.int64) for a, s in zip(args, sig.args))
+            i64 = ir.IntType(64)
+            base = builder.add(ba, oa)
+            v = ir.Constant(vec, ir.Undefined)
+            for j in range(k):
+                ip = builder.inttoptr(builder.add(base, ir.Constant(i64, 2 * j)), ir.PointerType(_I16))
+                idx = builder.zext(builder.load(ip, align=2), i64)
+                e = builder.load(builder.inttoptr(builder.add(t, idx), ir.PointerType(lane)), align=1)
+                v = builder.insert_element(v, e, ir.Constant(ir.IntType(32), j))
+            return builder.bitcast(v, ir.VectorType(ir.IntType(8), 32))
+        return I8x32(table, buf, off), codegen
+    return gather
+
+
+gather8x4_off = _gather_off(4, 8)
+gather4x8_off = _gather_off(8, 4)
+
+
+@intrinsic
+def iq_scratch(typingctx):
+    """The address of 512 bytes on the kernel's stack (one allocation in its entry block): a block's
+    weights (0-255), sign words (256-287), grid offsets (from _IDX), 32 float32 (from 448)."""
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(cgutils.alloca_once(builder, ir.ArrayType(ir.IntType(8), 512)), ir.IntType(64))
+    return types.int64(), codegen
 
 
 @njit(inline="always", fastmath=True)
@@ -212,13 +310,30 @@ def dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, kind):
     nibble first), IQ3_S each 32 (d (1 + 2 nibble))."""
     acc = zero_f32()
     cor = zero_f32()
-    buf = block_scratch()
+    buf = iq_scratch()
     bs = 74 if kind == 0 else 82 if kind == 1 else 110
     for b in range(nb // 8):
         p = o + bs * b
         d = load_f16(w, p)
+        if kind == 0:  # offsets and sign bytes staged for the block, then each group gathered and signed
+            grid_index_2xs(w, p, buf)
+        elif kind == 1:
+            grid_index_2s(w, p, buf)
+        else:
+            grid_index_3s(w, p, buf)
         for g in range(8):
-            store_i8x32(buf, 32 * g, _grp_s(table, w, p, g, kind))
+            if kind == 2:
+                q = gather4x8_off(table + _G3S, buf, _IDX + 16 * g)
+                sb = p + 74 + 4 * g
+            elif kind == 1:
+                q = gather8x4_off(table + _G2S, buf, _IDX + 8 * g)
+                sb = p + 34 + 4 * g
+            else:
+                q = gather8x4_off(table + _G2XS, buf, _IDX + 8 * g)
+            if kind == 0:
+                store_i8x32(buf, 32 * g, sign_off(q, load_u32(buf, 256 + 4 * g)))
+            else:
+                store_i8x32(buf, 32 * g, sign_off(q, load_u32(w, sb)))
         v = dots(isa, buf, xq, xo + 256 * b, l2)
         blk = xb + 8 * b
         xdv = load_f32x8(xd, blk)
@@ -251,27 +366,39 @@ def _f16_bits(h):
     return -v if h & 0x8000 else v
 
 
-@njit(inline="always")
-def _grp1(t, w, p, g, m):
-    """IQ1_S (m False) / IQ1_M group g: its bytes u = 8 g + 9 + 8 delta from the tables at t, and
-    its scale(s) as odd integers (IQ1_S: one; IQ1_M: weights 0-15, 16-31)."""
-    if m:
-        n0, n1 = np.int64(load_u8(w, p + 32 + 2 * g)), np.int64(load_u8(w, p + 33 + 2 * g))
-        k0, k1, k2, k3 = n0 & 15, n0 >> 4, n1 & 15, n1 >> 4
-        i = p + 4 * g
-        q = gather8x4_at(t, load_u8(w, i) | ((k0 & 7) << 8) | (0 if k0 & 8 else _G1_PLUS),
-                         load_u8(w, i + 1) | ((k1 & 7) << 8) | (0 if k1 & 8 else _G1_PLUS),
-                         load_u8(w, i + 2) | ((k2 & 7) << 8) | (0 if k2 & 8 else _G1_PLUS),
-                         load_u8(w, i + 3) | ((k3 & 7) << 8) | (0 if k3 & 8 else _G1_PLUS))
-        sw = _u16(w, p + 48 + 2 * (g // 2)) >> (6 * (g % 2))  # 3-bit scales of weights 0-15, 16-31
-        return q, np.float32(2 * (sw & 7) + 1), np.float32(2 * ((sw >> 3) & 7) + 1)
-    qh = _u16(w, p + 34 + 2 * g)
-    plus = 0 if qh & 0x8000 else _G1_PLUS
-    i = p + 2 + 4 * g
-    q = gather8x4_at(t, load_u8(w, i) | ((qh & 7) << 8) | plus, load_u8(w, i + 1) | (((qh >> 3) & 7) << 8) | plus,
-                     load_u8(w, i + 2) | (((qh >> 6) & 7) << 8) | plus, load_u8(w, i + 3) | (((qh >> 9) & 7) << 8) | plus)
-    s = np.float32(2 * ((qh >> 12) & 7) + 1)
-    return q, s, s
+def _iq1_scales(m: bool):
+    """An intrinsic (w, p) -> (f0, f1): the odd integer scales 2 s + 1 of a block's 16 half-groups
+    (16 weights each; f0 groups 0-3, f1 groups 4-7, two lanes per group) as float32: IQ1_S's 3-bit
+    s at bit 12 of each group's u16 qh (p + 34, both halves), IQ1_M's 16 at bits 3 k of the
+    u16 scales[k // 4] (p + 48)."""
+    @intrinsic
+    def scales(typingctx, w, p):
+        if not (isinstance(w, types.Integer) and isinstance(p, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = builder.add(*(context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args)))
+            a = builder.add(a, ir.Constant(ir.IntType(64), 48 if m else 34))
+            n = 4 if m else 8
+            h = builder.load(builder.inttoptr(a, ir.PointerType(ir.VectorType(_I16, n))), align=1)
+            i32 = ir.IntType(32)
+            if m:
+                h = builder.shuffle_vector(h, h, _cv(16, [k // 4 for k in range(16)], i32))
+                sh = _cv(16, [3 * (k % 4) for k in range(16)])
+            else:
+                h = builder.shuffle_vector(h, h, _cv(16, [k // 2 for k in range(16)], i32))
+                sh = _cv(16, 12)
+            v = builder.and_(builder.lshr(h, sh), _cv(16, 7))
+            v = builder.or_(builder.shl(v, _cv(16, 1)), _cv(16, 1))
+            f = builder.uitofp(v, ir.VectorType(ir.FloatType(), 16))
+            lo = builder.shuffle_vector(f, f, _cv(8, list(range(8)), i32))
+            hi = builder.shuffle_vector(f, f, _cv(8, list(range(8, 16)), i32))
+            return context.make_tuple(builder, sig.return_type, (lo, hi))
+        return types.UniTuple(F32x8, 2)(w, p), codegen
+    return scales
+
+
+iq1s_scales, iq1m_scales = _iq1_scales(False), _iq1_scales(True)
 
 
 @njit(inline="always", fastmath=True)
@@ -283,25 +410,26 @@ def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m):
     weights, dl / 8 (u . x - 9 sum x). ``table``: IQ_TABLES' address."""
     acc = zero_f32()
     cor = zero_f32()
-    buf = block_scratch()
+    buf = iq_scratch()
     t = table + _G1
     for b in range(nb // 8):
         if m:
             p = o + 56 * b
             sc0, sc1, sc2, sc3 = _u16(w, p + 48), _u16(w, p + 50), _u16(w, p + 52), _u16(w, p + 54)
             d = _f16_bits((sc0 >> 12) | ((sc1 >> 12) << 4) | ((sc2 >> 12) << 8) | ((sc3 >> 12) << 12))
+            grid_index_1m(w, p, buf)
+            s0, s1 = iq1m_scales(w, p)
         else:
             p = o + 50 * b
             d = load_f16(w, p)
+            grid_index_1s(w, p, buf)
+            s0, s1 = iq1s_scales(w, p)
         for g in range(8):
-            q, s0, s1 = _grp1(t, w, p, g, m)
-            store_i8x32(buf, 32 * g, q)
-            store_f32(buf + 256, 2 * g, s0)
-            store_f32(buf + 256, 2 * g + 1, s1)
+            store_i8x32(buf, 32 * g, gather8x4_off(t, buf, _IDX + 8 * g))
         v = dots(isa, buf, xq, xo + 256 * b, l2)
         dq = d * np.float32(0.125)
-        f0 = fmul(load_f32x8(buf + 256, 0), dq)  # per 16 weights
-        f1 = fmul(load_f32x8(buf + 256, 8), dq)
+        f0 = fmul(s0, dq)  # per 16 weights
+        f1 = fmul(s1, dq)
         blk = xb + 8 * b
         xdv = load_f32x8(xd, blk)
         acc = acc_dots16(acc, v, fmul(f0, dup_lo(xdv)), fmul(f1, dup_hi(xdv)))
