@@ -135,6 +135,8 @@ class HybridCostPolicy(HybridPolicy):
         self._planned = None  # (the last decision planned, its layer_time_s), read by commit
         self.reuse_charge = config.reuse_charge
         self._hit_avg = [0] * geometry.num_layers  # per layer, the hit share's moving average, in 1/2**16
+        self._per_reuse = [max(min(c, u + g) - g, 0.0) / REUSE_SCALE
+                           for g, c, u in zip(self._gpu1, self._cpu1, cost_model.upload_s)]
         memos: dict = {}  # decode splits with no link queue, shared by layers of equal costs
         self._memo = [memos.setdefault((self._gpu1[l], self._cpu1[l], cost_model.upload_s[l]), {})
                       for l in range(geometry.num_layers)]
@@ -241,12 +243,11 @@ class HybridCostPolicy(HybridPolicy):
 
     def _charge(self, layer: int) -> float:
         """``reuse_charge``: what leaving one miss uncached costs the layer later (``hybrid``'s
-        ``CostShare`` charge: the layer's recent hit share times a one-token miss's cost over a hit's)."""
+        ``CostShare`` charge: the layer's recent hit share, to 1/``REUSE_SCALE``, times a one-token
+        miss's cost over a hit's)."""
         if not self.reuse_charge:
             return 0.0
-        r = self._hit_avg[layer] * REUSE_SCALE >> 16
-        g, c, up = self._gpu1[layer], self._cpu1[layer], self.costs.upload_s[layer]
-        return r / REUSE_SCALE * max(min(c, up + g) - g, 0.0)
+        return (self._hit_avg[layer] * REUSE_SCALE >> 16) * self._per_reuse[layer]
 
     def layer_time_s(self, d: Decision) -> tuple[float, float]:
         """Predicted expert time of decision ``d`` by the cost model (``CostModel.step_s``), and
