@@ -8,16 +8,23 @@ one token later (the driver's default lag). Over a decayed window of ``memory`` 
 shadow's predicted time is below the policy's by more than ``margin`` (a share), the policy's
 prefetches, fills, swaps and split are not earning their link time (the first ``memory`` tokens are
 only measured: from cold caches, uploads that pay later look slow), and for the next ``probe``
-tokens it *follows*: a second ``hybrid`` that shares the policy's cache (and has observed every
-step it committed) makes each step's decision and each token's fills; no prefetch, no held-over
-fills. Then the policy plans again and is measured again. Everything is read from the past and
-the cost model: no clock, deterministic, so a simulator and an executor decide alike.
+tokens it *follows* hybrid, with no prefetch and no held-over fills of its own. Following has
+two stages. While the policy's cache holds other experts than the shadow's, a second ``hybrid``
+that shares the policy's cache (and has observed every step it committed) makes each step's
+decision and each token's fills, its first victims the residents the shadow's cache lacks (so its
+uploads bring the cache to the shadow's, at no link time beyond hybrid's own). Once both caches
+hold the same experts, in flight alike (``aligned``), the policy takes the shadow's own
+decisions and fills, in its own slots: from then on it moves and runs exactly what ``hybrid``
+alone would, so a backend charges both alike. Then the policy plans again and is measured again.
+Everything is read from the past and the cost model: no clock, deterministic, so a simulator and
+an executor decide alike.
 """
 from __future__ import annotations
 
 from collections import deque
 
-from ..core import Decision
+from ..cache import ABSENT, RESIDENT
+from ..core import Decision, Move
 from ..costmodel import CostModel
 from .hybrid import HybridPolicy
 
@@ -55,7 +62,9 @@ class Guard:
         self.layer_s = cost_model.layer_s or (0.0,) * geometry.num_layers
         self.shadow = HybridPolicy(geometry, capacity, profile, cost_model=cost_model)
         self.follow = HybridPolicy(geometry, capacity, None, cost_model=cost_model)
-        self.follow.cache = cache  # decides on the policy's cache; the policy commits
+        self.follow.cache = self.cache = cache  # decides on the policy's cache; the policy commits
+        self._mirror = None  # (decision, the shadow's) while it mirrors the shadow
+        self._bg: tuple | None = None  # the shadow's fills planned at a followed token's end
         self.decay = 1.0 - 1.0 / memory
         self.margin, self.probe = margin, probe
         self._queue = 0.0  # the shadow's link work left
@@ -71,17 +80,72 @@ class Guard:
     def active(self) -> bool:
         return self.left > 0
 
+    def aligned(self) -> bool:
+        """The policy's cache holds what the shadow's does, in flight alike (slots aside)."""
+        a, b = self.cache, self.shadow.cache
+        return a.inflight == b.inflight and a.slot.keys() == b.slot.keys()
+
     def plan(self, d_step, queue: float) -> tuple[Decision, float, float]:
-        """The follower's decision for ``d_step`` and its (time, link left) by ``decision_time``."""
-        d = self.follow.plan(d_step)
+        """The decision for ``d_step`` while following and its (time, link left) by
+        ``decision_time``: the shadow's own, in this cache's slots, when the caches are aligned;
+        else the follower's on this cache."""
+        self._mirror = None
+        if self.aligned():
+            s = self.shadow.plan(d_step)
+            d = self._slots(s)
+            if d is not None:
+                self._mirror = (d, s)
+        if self._mirror is None:
+            self._demote(d_step.layer)
+            d = self.follow.plan(d_step)
         queued = max(queue - self.layer_s[d_step.layer], 0.0)
         return (d,) + decision_time(self.costs, d, queued)
 
+    def _demote(self, layer: int) -> None:
+        """The layer's residents that the shadow's cache lacks become the follower's first victims
+        (least recent first), so its uploads bring this cache to the shadow's."""
+        order = self.follow._lru[layer] if self.follow._lru is not None else None
+        if order is None:
+            return
+        mine, its = self.cache.state[layer], self.shadow.cache.state[layer]
+        for e in reversed([e for e in order if mine[e] == RESIDENT and its[e] == ABSENT]):
+            order.move_to_end(e, last=False)
+
+    def _slots(self, s: Decision) -> Decision | None:
+        """The shadow's decision ``s`` with this cache's slots (None if it does not carry over)."""
+        if s.promotions or s.retired:
+            return None
+        n_free = len(s.uploads) - len(s.evictions)
+        slots = self.cache.free_slots(s.step.layer, n_free)
+        return s._replace(slots=tuple(slots) + tuple(self.cache.slot[v] for v in s.evictions))
+
+    def plan_background(self) -> tuple[Move, ...]:
+        """A followed token's end: the shadow's fills in this cache's slots when the caches are
+        aligned, else the follower's."""
+        if not self.aligned():
+            return self.follow.plan_background()
+        self._bg = self.shadow.plan_background()
+        return self._moves(self._bg)
+
+    def _moves(self, moves) -> tuple[Move, ...]:
+        """The shadow's background ``moves`` in this cache's slots."""
+        cache, out, taken = self.cache, [], {}
+        for m in moves:
+            if m.victim is None:
+                p = cache.pool_of[m.layer]
+                taken[p] = taken.get(p, 0) + 1
+                out.append(m._replace(slot=cache.free[p][-taken[p]]))
+            else:
+                out.append(m._replace(slot=cache.slot[m.victim]))
+        return tuple(out)
+
     def step(self, d: Decision) -> None:
-        """The policy committed ``d``: the follower observes it, the shadow plans its own."""
+        """The policy committed ``d``: the follower observes it; the shadow commits its own (the
+        one mirrored, or its plan now)."""
         self.follow.observe(d)
         sh, layer = self.shadow, d.step.layer
-        s = sh.plan(d.step)
+        s = self._mirror[1] if self._mirror is not None and self._mirror[0] is d else sh.plan(d.step)
+        self._mirror = None
         sh.commit(s)
         t, self._queue = decision_time(self.costs, s, max(self._queue - self.layer_s[layer], 0.0))
         self._token_s += self.layer_s[layer] + t
@@ -101,7 +165,8 @@ class Guard:
         """A token ended with ``own_s`` predicted seconds for the policy: the shadow's fills, the
         comparison, and whether the next tokens follow."""
         sh = self.shadow
-        moves = sh.plan_background()
+        moves = sh.plan_background() if self._bg is None else self._bg
+        self._bg = None
         sh.commit_background(moves)
         self._queue += sum(self.costs.upload_s[m.layer] for m in moves)
         self._pending.append(moves)

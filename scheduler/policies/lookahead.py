@@ -42,7 +42,8 @@ calibration):
   slots still go) and still scored, so they go once they have shown that they pay;
 - *guard* (``guard_memory`` > 0, ``LookaheadPolicy``; ``guard.py``): a shadow ``hybrid`` priced by
   the same model; while it is predicted faster (by ``guard_margin``) over the last
-  ``guard_memory`` tokens, the next ``guard_probe`` tokens follow hybrid's decisions on this cache.
+  ``guard_memory`` tokens, the next ``guard_probe`` tokens follow hybrid (on this cache, evicting
+  first what hybrid's lacks; once it holds hybrid's experts, exactly hybrid's decisions).
 
 Values come from ``value`` / ``next_value`` / ``fill_value``; :class:`LookaheadPolicy` learns them
 online, never from later steps; the ``oracle`` policy (``oracle.py``) gives them from the future.
@@ -475,7 +476,7 @@ class CostPlanner(BasePolicy):
         want, self._want = self._want, []
         self._spare = []
         if self.guard is not None and self.guard.active:
-            return self.guard.follow.plan_background()
+            return self.guard.plan_background()
         if not share:
             return ()
         cache = self.cache

@@ -109,3 +109,52 @@ def test_with_a_slow_cpu_the_guard_never_follows():
     for _ in drive(pol, toks, 1):
         pass
     assert pol.guard.followed == 0
+
+
+def _record(pol, toks, follow_from=None):
+    """Per token: its decisions and background moves, slots left out (a cache's own numbering),
+    and what the cache holds (and has in flight) at its end; from token ``follow_from`` on, the
+    guard follows to the end."""
+    out, cur = [], []
+    for item in drive(pol, toks, 1):
+        kind = type(item).__name__
+        if kind == "RunLayer":
+            d = item.decision
+            cur.append((d.step.layer, d.hits, d.uploads, d.streams, d.cpu, d.evictions))
+        elif kind == "StartBackground":
+            cur.append(tuple((m.layer, m.expert, m.victim) for m in item.moves))
+        elif kind == "EndToken":
+            out.append((tuple(cur), frozenset(pol.cache.slot), frozenset(pol.cache.inflight)))
+            cur = []
+            if follow_from is not None and len(out) == follow_from:
+                pol.guard.left = 10 ** 6
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_following_brings_the_cache_to_hybrids_then_decides_exactly_as_hybrid(seed):
+    """Forced to follow from token 10 on, lookahead's cache comes to hold what a hybrid run alone
+    holds, and from the next token on every decision and background move is that hybrid's (so a
+    backend charges both alike); while it is not there yet, each eviction takes a resident that
+    hybrid's cache lacks whenever the step leaves one."""
+    g, toks = _tokens(L=6, E=32, k=4, T=48, seed=seed)
+    cm = _cm(g.num_layers)
+    alone = _record(make_policy("hybrid", g, Capacity.per_layer(g, 8), cost_model=cm), toks)
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 8), cost_model=cm)
+    guard, plan, checked = pol.guard, pol.plan, []
+
+    def evicts_the_shadows_misfits_first(step):
+        d = plan(step)
+        if guard.active and d.evictions and not guard.aligned():
+            mine, its = pol.cache.state[step.layer], guard.shadow.cache.state[step.layer]
+            misfits = {e for e in range(g.num_experts[step.layer]) if mine[e] == 2 and its[e] == 0} - set(step.experts)
+            assert all(v[1] in misfits for v in d.evictions[:len(misfits)])
+            checked.append(len(misfits))
+        return d
+
+    pol.plan = evicts_the_shadows_misfits_first
+    mine = _record(pol, toks, follow_from=10)
+    assert guard.followed >= 30 and any(checked)
+    held = next(i for i in range(10, len(toks)) if mine[i][1:] == alone[i][1:])
+    assert held < 40
+    assert [m[0] for m in mine[held + 1:]] == [a[0] for a in alone[held + 1:]]
