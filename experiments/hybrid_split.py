@@ -1,14 +1,11 @@
-"""Simulated decode tokens/s of hybrid's and hybrid-cost's miss split against lru and cpu: a
-development set (what hybrid-cost's knobs were chosen on) and a held-out set (reported, never
-tuned on). ``hybrid`` is the cost-model share (the default with a hardware file); ``hybrid f=44``
-the seed's fixed 44/256 (the peer benchmark's ``hybrid``, run without a hardware file).
+"""Simulated decode tokens/s of hybrid's and hybrid-cost's miss split against lru and cpu, on a
+development set (what hybrid-cost's knobs were chosen on) and a held-out set (never tuned on).
 
 Development: qwen3-30b-a3b on synthetic traces (the preset's fitted parameters, ``--seeds`` seeds
-of ``--tokens`` tokens, tokens/s averaged) at 2, 4 and 12 GiB, and the bundled granite trace's
-decode rows on its own model at 1, 1.5 and 2 GiB, on ``--dev-hardware``. Held out: the routing the
-peer benchmark recorded on the H200 (``--peer``: each result.json with its ``trace`` folder; the
-prompt and the generation replayed as the run stepped them, ``simulate.peer``) at the budget's
-cache size, on ``--held-out-hardware``.
+of ``--tokens`` tokens, averaged) at 2, 4 and 12 GiB and the bundled granite trace's decode rows at
+1, 1.5 and 2 GiB, on ``--dev-hardware``. Held out: the routing the peer benchmark recorded on the
+H200 (``--peer``: result.json files with their ``trace`` folder, replayed as ``simulate.peer``
+does) at each budget's cache size, on ``--held-out-hardware``.
 
     python experiments/hybrid_split.py [--out docs/perf/hybrid_split] [--tokens 512] [--seeds 3] [--docs FILE.md]
 
@@ -40,7 +37,7 @@ FIELDS = ("set", "model", "trace", "hardware", "cache_mib", "policy", "tokens_pe
           "uploads", "vs_lru", "vs_cpu", "error")
 
 
-def _policy(policy: str) -> tuple[str, float | None]:
+def _policy(policy: str) -> tuple[str, float | None]:  # "hybrid f=44": hybrid at 44/256
     return (policy.split(" f=")[0], int(policy.split(" f=")[1]) / 256) if " f=" in policy else (policy, None)
 
 
@@ -50,9 +47,9 @@ def _summary(row: dict, runs) -> dict:
         ss = [f() for f in runs]
     except SimError as e:
         return {**row, "error": str(e).split(";")[0]}
-    mean = lambda k: sum(s[k] for s in ss) / len(ss)
+    mean = lambda *ks: sum(s[k] for s in ss for k in ks) / len(ss)
     return {**row, "tokens_per_s": mean("tokens_per_s"), "hit_rate": mean("hit_rate"),
-            "cpu_experts": mean("cpu_experts"), "uploads": mean("uploads") + mean("streams"), "error": ""}
+            "cpu_experts": mean("cpu_experts"), "uploads": mean("uploads", "streams"), "error": ""}
 
 
 def simulate_row(model: str, trace: str | None, hardware: str, mib: float, policy: str, tokens: int,
@@ -137,9 +134,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
     panels = list(dict.fromkeys((r["set"], r["model"], r["hardware"]) for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    cols = 2
-    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(5.2 * cols, 3.2 * -(-len(panels) // cols)),
-                             squeeze=False)
+    n = -(-len(panels) // 2)
+    fig, axes = plt.subplots(n, 2, figsize=(10.4, 3.2 * n), squeeze=False)
     for ax, panel in zip(axes.ravel(), panels):
         sel = [r for r in rows if (r["set"], r["model"], r["hardware"]) == panel]
         mibs = list(dict.fromkeys(r["cache_mib"] for r in sel))
@@ -150,8 +146,7 @@ def plot(rows: list[dict], path: Path) -> None:
                    0.8 / len(policies), label=p)
         ax.set_xticks(range(len(mibs)), [f"{m:g}" for m in mibs])
         ax.set_title(f"{panel[0]}: {panel[1]}\n{panel[2]}", fontsize=8)
-        ax.set_xlabel("cache MiB")
-        ax.set_ylabel("simulated tokens/s")
+        ax.set(xlabel="cache MiB", ylabel="simulated tokens/s")
     for ax in axes.ravel()[len(panels):]:
         ax.axis("off")
     axes[0][0].legend(fontsize=7)
@@ -166,8 +161,16 @@ def readme(rows: list[dict], config: dict, command: str) -> str:
              "host thread charged); in brackets the ratio to `lru` and to `cpu` of the same line. `hybrid`: the "
              "share from the hardware's cost model (the default with a hardware file); "
              f"`hybrid f={MISS_FRAC_256}`: the seed's fixed {MISS_FRAC_256}/256 (the peer benchmark's `hybrid`, "
-             "run without a hardware file). Both cost-model policies price a split with `CostModel.step_s`, the "
-             "simulator's own layer timing; `hybrid-cost` tries every number of PCIe misses from its floor up.", ""]
+             "run without a hardware file).", "",
+             "Method: both cost-model policies price a split with `CostModel.step_s`, the simulator's own layer "
+             "timing built from the hardware file's fields (`Costs.cost_model`: link, GPU batches, the pool's "
+             "call with its fixed cost once and `cpu_call_factor`, and with an executor block the host thread's "
+             "submit, GIL hand-off, return, combine and queueing in the engine's order; a test holds it equal to "
+             "the simulator's layer time). Per step they try every number `k` of the ranked misses sent over "
+             "PCIe (the rest, with those in flight, in one pool call) and keep the least time plus, for each "
+             "miss left to the CPU, the reuse it loses (the layer's recent hit share times a one-token miss's "
+             "cost over a hit's); `hybrid` breaks ties towards uploads, `hybrid-cost` towards the CPU and also "
+             "queues its uploads behind background copies still on the link.", ""]
     for name, about in (("development", f"what hybrid-cost's defaults (`reuse_charge`, `floors_256`) were chosen on: "
                          f"qwen3-30b-a3b on synthetic traces fitted to the preset ({config['seeds']} seeds of "
                          f"{config['tokens']} tokens, tokens/s averaged); the bundled granite trace's decode rows (at "
@@ -181,9 +184,12 @@ def readme(rows: list[dict], config: dict, command: str) -> str:
         bad = failures(sel)
         parts += [f"## {name.capitalize()} set", "", about, "", table(sel), "",
                   "Slower than lru or cpu: " + ("; ".join(bad) + "." if bad else "none."), ""]
-    parts += ["A calibrated hardware file charges each policy its own planning time per layer step on the host "
-              "(`executor.plan_s`, measured by `moelab calibrate` for the code it ran); a change to a policy's "
-              "code changes it only once the file is measured again.", "", f"Command: `{command}`", ""]
+    parts += ["Limits: a calibrated file charges each policy its own planning time per layer step on the host "
+              "(`executor.plan_s`, measured by `moelab calibrate` for the code it ran: hybrid-cost's with its old "
+              "floor tuner), so a change to a policy's code shows only once the file is measured again; it is "
+              "most of hybrid-cost's gap to lru on granite, whose host is the bottleneck. The peer traces hold 63 "
+              "decode tokens each (a prompt of 256 before them); the laptop preset has no executor block (no host "
+              "lane).", "", f"Command: `{command}`", ""]
     return "\n".join(parts)
 
 
@@ -197,17 +203,14 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", nargs="*", default=list(PEER), help="peer benchmark result.json files (held out)")
     ap.add_argument("--docs", default=None, help="a Markdown file whose hybrid_split section gets the tables")
     args = ap.parse_args(argv)
-    for flag, v in (("--tokens", args.tokens), ("--seeds", args.seeds)):
-        if v < 1:
-            print(f"hybrid_split: {flag} {v}: expected >= 1", file=sys.stderr)
-            return 2
-    dev_hw = [h for h in args.dev_hardware.split(",") if h]
-    held_hw = [h for h in args.held_out_hardware.split(",") if h]
+    dev_hw, held_hw = ([h for h in a.split(",") if h] for a in (args.dev_hardware, args.held_out_hardware))
     docs = Path(args.docs) if args.docs else None
-    if docs is not None and (not docs.is_file() or BEGIN not in docs.read_text() or END not in docs.read_text()):
-        print(f"hybrid_split: --docs {docs}: expected a file with the hybrid_split markers", file=sys.stderr)
-        return 2
-    try:
+    try:  # every input checked before the first simulation
+        for flag, v in (("--tokens", args.tokens), ("--seeds", args.seeds)):
+            if v < 1:
+                raise ValueError(f"{flag} {v}: expected >= 1")
+        if docs is not None and (not docs.is_file() or BEGIN not in docs.read_text() or END not in docs.read_text()):
+            raise ValueError(f"--docs {docs}: expected a file with the hybrid_split markers")
         for h in dev_hw + held_hw:
             load_hardware(h)
         for p in args.peer:

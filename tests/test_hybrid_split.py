@@ -38,7 +38,7 @@ PEER_2048 = "docs/perf/peer_h200/budget-2048/result.json"
 
 def test_small_run_writes_its_files_and_the_docs_section(tmp_path):
     docs = tmp_path / "SIM.md"
-    docs.write_text(f"# Sim\n\n## Miss split\n\n{hybrid_split.BEGIN}\nold\n{hybrid_split.END}\n\n## After\n")
+    docs.write_text(f"# Sim\n\n## Miss split\n\n{hybrid_split.BEGIN}\nOLD SECTION\n{hybrid_split.END}\n\n## After\n")
     out = tmp_path / "out"
     argv = ["--out", str(out), "--tokens", "8", "--seeds", "1", "--dev-hardware", "rtx4060-laptop",
             "--held-out-hardware", "rtx4060-laptop", "--peer", str(ROOT / PEER_2048), "--docs", str(docs)]
@@ -54,7 +54,7 @@ def test_small_run_writes_its_files_and_the_docs_section(tmp_path):
     held = {r["policy"]: r for r in rows if r["set"] == "held-out"}
     assert all(not r["error"] and float(r["tokens_per_s"]) > 0 for r in held.values())
     text = docs.read_text()
-    assert "old" not in text and text.startswith("# Sim") and text.endswith("## After\n")
+    assert "OLD SECTION" not in text and text.startswith("# Sim") and text.endswith("## After\n")
     assert "## Development set" in text and "## Held-out set" in text
     assert "| qwen3-30b-a3b / synth | rtx4060-laptop | 12288 | does not fit" in text
     assert "--tokens 8 --seeds 1 --dev-hardware rtx4060-laptop" in (out / "README.md").read_text()
