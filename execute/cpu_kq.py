@@ -7,8 +7,9 @@ vector multiplied by the 8 activation blocks' scales and the block's ``d``: one 
 float factors of the block's eight 32-weight integer dots (unsigned weight bytes against the int8
 activations, both levels). Q4_K, Q5_K and Q3_K stage the block's 8 weight vectors on the
 stack (``block_scratch``) and run the 8 dots behind one branch on the instruction-set path
-(``dots``), their products summed pairwise into the accumulator (``acc_dots``; per-16 scales
-``acc_dots16``); Q2_K, Q6_K and IQ4_XS, whose decode is a few instructions, branch per dot
+(``dots``); each dot's lanes are summed as integers, the 8 sums (16 with a scale per 16 weights)
+gathered in one vector by pairwise adds, converted once and multiplied by the factors
+(``acc_dots``, ``acc_dots16``), joining the accumulator in one add; Q2_K, Q6_K and IQ4_XS, whose decode is a few instructions, branch per dot
 (``idot``, ``sdot``) and accumulate each with its lane(s) of that vector (``fma_cvt``, ``fma_cvt2``). Mins and offsets come off once per
 block as a vector product with the activations' block sums. Also here: the float32 vector
 operations that work needs, and the integer dots shared with ``execute.cpu_experts``.
@@ -235,39 +236,51 @@ sdots = intrinsic(_dots(True))
 sdots.__doc__ = "dots for signed weight bytes q (|q| <= 128) through |q| and x sign(q) (x avoids -128)."
 
 
+def _hadd(builder, a, b):
+    """[a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] (int32 lanes; vphaddd's order)."""
+    idx = ir.VectorType(_I32, 8)
+    lo = builder.shuffle_vector(a, b, ir.Constant(idx, [0, 2, 8, 10, 4, 6, 12, 14]))
+    hi = builder.shuffle_vector(a, b, ir.Constant(idx, [1, 3, 9, 11, 5, 7, 13, 15]))
+    return builder.add(lo, hi)
+
+
+def _sums4(builder, v, k):
+    """Dots k .. k + 3 of v summed per half: [s_k, .., s_k+3 over lanes 0-3 | the same over lanes 4-7]."""
+    return _hadd(builder, _hadd(builder, v[k], v[k + 1]), _hadd(builder, v[k + 2], v[k + 3]))
+
+
 @intrinsic
 def acc_dots(typingctx, acc, v, f):
-    """acc + sum_k float(v[k]) * f[k] (one factor per dot, lanes of f): products summed as a tree,
-    so a block adds one step to the accumulator's dependency chain."""
-    if acc != F32x8 or not _is_tuple_of(v, I32x8) or f != F32x8:
+    """acc + float(sum of v[k]'s lanes) * f[k] per lane k (one factor per dot): the 8 dots summed
+    across lanes as integers (exact: |sum| < 2^31 for the kernels' bytes) in one vector, so a
+    block costs one conversion and one multiply, joining the accumulator in one add."""
+    if acc != F32x8 or not _is_tuple_of(v, I32x8, 8) or f != F32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        n = sig.args[1].count
         idx = ir.VectorType(_I32, 8)
-        terms = [builder.fmul(builder.sitofp(builder.extract_value(args[1], k), VF),
-                              builder.shuffle_vector(args[2], args[2], ir.Constant(idx, [k] * 8)))
-                 for k in range(n)]
-        return builder.fadd(args[0], _opaque(builder, _tree_add(builder, terms)))
+        v = [builder.extract_value(args[1], k) for k in range(8)]
+        a, b = _sums4(builder, v, 0), _sums4(builder, v, 4)
+        s = builder.add(builder.shuffle_vector(a, b, ir.Constant(idx, [0, 1, 2, 3, 8, 9, 10, 11])),
+                        builder.shuffle_vector(a, b, ir.Constant(idx, [4, 5, 6, 7, 12, 13, 14, 15])))
+        return builder.fadd(args[0], _opaque(builder, builder.fmul(builder.sitofp(s, VF), args[2])))
     return F32x8(acc, v, f), codegen
 
 
 @intrinsic
 def acc_dots16(typingctx, acc, v, f0, f1):
     """acc + sum_k float(v[k]) * [g x4, h x4] with (g, h) lanes (2k, 2k + 1) of f0 for k < 4, of f1
-    (2k - 8, 2k - 7) for k >= 4: a scale per 16 weights (lanes 0-3 of a dot: its first 16)."""
+    (2k - 8, 2k - 7) for k >= 4: a scale per 16 weights (lanes 0-3 of a dot: its first 16); each
+    half of each dot summed as integers first (see acc_dots): two conversions and multiplies."""
     if acc != F32x8 or not _is_tuple_of(v, I32x8, 8) or f0 != F32x8 or f1 != F32x8:
         return None
 
     def codegen(context, builder, sig, args):
-        idx = ir.VectorType(_I32, 8)
-        terms = []
-        for k in range(8):
-            f = args[2] if k < 4 else args[3]
-            j = 2 * (k % 4)
-            g = builder.shuffle_vector(f, f, ir.Constant(idx, [j] * 4 + [j + 1] * 4))
-            terms.append(builder.fmul(builder.sitofp(builder.extract_value(args[1], k), VF), g))
-        return builder.fadd(args[0], _opaque(builder, _tree_add(builder, terms)))
+        idx = ir.Constant(ir.VectorType(_I32, 8), [0, 2, 4, 6, 1, 3, 5, 7])
+        v = [builder.extract_value(args[1], k) for k in range(8)]
+        terms = [builder.fmul(builder.sitofp(_sums4(builder, v, k), VF), builder.shuffle_vector(f, f, idx))
+                 for k, f in ((0, args[2]), (4, args[3]))]
+        return builder.fadd(args[0], _opaque(builder, builder.fadd(*terms)))
     return F32x8(acc, v, f0, f1), codegen
 
 
