@@ -159,6 +159,12 @@ class CostModel:
         return self.cpu_expert_s[layer] + work
 
 
+    def decode_key(self, layer: int) -> tuple[float, ...]:
+        """What ``step_s`` reads of ``layer`` for one-token experts: layers with equal keys decide
+        decode steps alike (policies share their memos between them)."""
+        lead = self.lane.lead_s[layer] if self.lane is not None and self.lane.lead_s else 0.0
+        return self.gpu_s(layer, 1), self.cpu_s(layer, 1), self.upload_s[layer], lead
+
     def pool_s(self, work_s: float, num_experts: int) -> float:
         """The pool's time for one call on ``num_experts`` experts whose own times sum to
         ``work_s``: its task cost, then the work, times ``cpu_call_factor`` for that count (0:

@@ -457,9 +457,9 @@ class CostShare:
             raise ValueError(f"cost_model has {len(cost_model.upload_s)} layers, the model {num_layers}")
         self.costs = cost_model
         one = [(cost_model.gpu_s(l, 1), cost_model.cpu_s(l, 1), cost_model.upload_s[l]) for l in range(num_layers)]
-        memos: dict[tuple[float, float, float], dict] = {}
+        memos: dict[tuple[float, ...], dict] = {}
         self._one = one
-        self._memo = [memos.setdefault(c, {}) for c in one]  # layers of equal costs share answers
+        self._memo = [memos.setdefault(cost_model.decode_key(l), {}) for l in range(num_layers)]  # equal costs: shared
         self._avg = [0] * num_layers  # per layer, the hit share's moving average, in 1/2**16
         self.reuse = [0] * num_layers  # the same in 1/REUSE_SCALE (rounded down): the lookup key
 

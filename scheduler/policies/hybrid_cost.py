@@ -138,7 +138,7 @@ class HybridCostPolicy(HybridPolicy):
         self._per_reuse = [max(min(c, u + g) - g, 0.0) / REUSE_SCALE
                            for g, c, u in zip(self._gpu1, self._cpu1, cost_model.upload_s)]
         memos: dict = {}  # decode splits with no link queue, shared by layers of equal costs
-        self._memo = [memos.setdefault((self._gpu1[l], self._cpu1[l], cost_model.upload_s[l]), {})
+        self._memo = [memos.setdefault(cost_model.decode_key(l), {})
                       for l in range(geometry.num_layers)]
         self.committed_s = 0.0  # predicted expert time of the last committed decision
         super().__init__(geometry, capacity, profile, config)

@@ -511,3 +511,40 @@ def test_a_pool_cheaper_than_the_link_takes_the_misses():
     assert policy.layer_time_s(d)[0] < 0.75 * every  # all over PCIe: 800 us of link, then the batch
     one = policy.plan(Step(0, (5,)))  # a lone miss: the pool's fixed costs outweigh one upload
     assert one.streams == (5,) and not one.cpu
+
+
+class _NoMemo(dict):
+    """A memo that keeps nothing: every decode split is computed afresh."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+@pytest.mark.parametrize("name", ["hybrid", "hybrid-cost"])
+def test_decode_memos_change_no_decision(name):
+    """Layers of equal costs share their decode answers, but not layers whose host lead differs
+    (the last layer's is the head's): the decisions equal those computed afresh at every step."""
+    from scheduler import CostModel
+    from scheduler.audit import Audit
+    from scheduler.costmodel import LaneCosts
+
+    L, E = 4, 16
+    g = Geometry.uniform(L, E, 4, 10)
+    lane = LaneCosts(pool_task_s=0.3, submit_s=0.5, start_s=0.1, handoff_s=0.2, return_s=0.4, combine_s=0.3,
+                     copy_s=0.05, batch_s=0.2, gpu_combine_s=0.05, lead_s=(0.1, 0.1, 0.1, 3.0))
+    cm = CostModel((0.0,) * L, (0.0,) * L, (1.0,) * L, (0.6,) * L, (0.0,) * L, gpu_read_s=(0.1,) * L, lane=lane)
+    rng = np.random.default_rng(3)
+    tokens = [Token(i, 0, i, "decode", tuple(Step(l, tuple(int(e) for e in rng.choice(E, 4, replace=False)))
+                                             for l in range(L))) for i in range(40)]
+
+    def log(fresh):
+        policy = make_policy(name, g, Capacity.per_layer(g, 5), cost_model=cm)
+        holder = policy.share if name == "hybrid" else policy
+        if fresh:
+            holder._memo = [_NoMemo() for _ in range(L)]
+        audit = Audit(g, keep_log=True)
+        replay(policy, tokens, audit=audit)
+        return audit.digest(), audit.totals["cpu"]
+
+    got, want = log(False), log(True)
+    assert got == want and want[1] > 0  # and the pool is used
