@@ -47,7 +47,7 @@ from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
-from .cpu_kq import dot_iq4_xs, dot_q2_3k, dot_q3_k, dot_q4_k, dot_q6_k, idot as _idot, sdot as _sdot
+from .cpu_kq import dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, idot as _idot, sdot as _sdot
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -207,7 +207,7 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
     if qt == _Q2_K:
         return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, False)
     if qt == _Q3_K:
-        return dot_q3_k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa)
+        return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, True)
     if qt == _IQ4_XS:
         return dot_iq4_xs(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table + _IQ4)
     if qt == _IQ2_XXS or qt == _IQ3_XXS:

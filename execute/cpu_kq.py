@@ -5,11 +5,11 @@ packed into a few bytes. The kernels read those bytes as one or two 64-bit words
 into one scale per byte with shifts and masks, and turn 8 of them at a time into a float32
 vector multiplied by the 8 activation blocks' scales and the block's ``d``: one vector of the
 float factors of the block's eight 32-weight integer dots (unsigned weight bytes against the int8
-activations, both levels). Q4_K, Q5_K and Q3_K stage the block's 8 weight vectors on the
+activations, both levels). Q4_K, Q5_K, Q3_K and Q2_K stage the block's 8 weight vectors on the
 stack (``block_scratch``) and run the 8 dots behind one branch on the instruction-set path
 (``dots``); each dot's lanes are summed as integers, the 8 sums (16 with a scale per 16 weights)
 gathered in one vector by pairwise adds, converted once and multiplied by the factors
-(``acc_dots``, ``acc_dots16``), joining the accumulator in one add; Q2_K, Q6_K and IQ4_XS, whose decode is a few instructions, branch per dot
+(``acc_dots``, ``acc_dots16``), joining the accumulator in one add; Q6_K and IQ4_XS, whose decode is a few instructions, branch per dot
 (``idot``, ``sdot``) and accumulate each with its lane(s) of that vector (``fma_cvt``, ``fma_cvt2``). Mins and offsets come off once per
 block as a vector product with the activations' block sums. Also here: the float32 vector
 operations that work needs, and the integer dots shared with ``execute.cpu_experts``.
@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat,
                        dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
-__all__ = ["dots", "sdots", "dot_q3_k", "block_scratch", "store_i8x32", "acc_dots", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
+__all__ = ["dots", "sdots", "block_scratch", "store_i8x32", "acc_dots", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
            "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi", "zip_lo", "zip_hi", "nibbles8"]
 
 
@@ -408,21 +408,15 @@ def dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa):
     return hsum(fadd(acc0, acc1)) - np.float32(32.0) * hsum(cor)
 
 
-@njit(inline="always", fastmath=True)
-def _q23_half(acc0, acc1, w, p, h, f, xq, a, l2, isa, three):
-    """128 weights of a Q2_K/Q3_K block (half h): 2 low bits at bits 2 s of qs[32 h + j] (Q3_K:
-    the third at bit 4 h + s of hmask[j]); f: the half's 8 scale factors."""
-    qv = load_i8x32(w, p + (32 if three else 16) + 32 * h)
-    hm = load_i8x32(w, p)
-    for t in range(2):  # 32-weight groups s = 2t (into acc0) and 2t + 1 (acc1)
-        s = 2 * t
-        q0, q1 = vand(vshr(qv, 2 * s), 3), vand(vshr(qv, 2 * s + 2), 3)
-        if three:
-            q0 = vor(q0, _bit_to(hm, 4 * h + s, 2))
-            q1 = vor(q1, _bit_to(hm, 4 * h + s + 1, 2))
-        acc0 = fma_cvt2(acc0, idot(q0, xq, a + 32 * s, l2, isa), lane(f, 2 * s), lane(f, 2 * s + 1))
-        acc1 = fma_cvt2(acc1, idot(q1, xq, a + 32 * s + 32, l2, isa), lane(f, 2 * s + 2), lane(f, 2 * s + 3))
-    return acc0, acc1
+@njit(inline="always")
+def _q23(w, p, j, three):
+    """Group j of a Q2_K/Q3_K block (half h = j // 4, s = j % 4): 2 low bits at bits 2 s of qs[32 h
+    + j'] (qs at p + 16 for Q2_K, p + 32 for Q3_K), Q3_K's third at bit 4 h + s of hmask[j'] (p)."""
+    h, s = j // 4, j % 4
+    q = vand(vshr(load_i8x32(w, p + (32 if three else 16) + 32 * h), 2 * s), 3)
+    if three:
+        q = vor(q, _bit_to(load_i8x32(w, p), 4 * h + s, 2))
+    return q
 
 
 @njit(inline="always", fastmath=True)
@@ -431,10 +425,11 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
     f16 dmin; w = d scale q - dmin min) and Q3_K (110: u8 hmask[32], u8 qs[64], u8 scales[12], f16
     d; w = d (scale - 32) (q - 4), q - 4 when the third bit is clear). Q3_K's 6-bit scale k: low 4
     bits in byte k % 8 of the first 8 (high nibble for k >= 8), top 2 bits at bits 2 (k // 4) of
-    byte 8 + k % 4."""
-    acc0 = zero_f32()
-    acc1 = zero_f32()
+    byte 8 + k % 4. A block's 8 groups staged (block_scratch), their dots behind one branch on the
+    path, a scale per 16 weights (acc_dots16)."""
+    acc = zero_f32()
     cor = zero_f32()
+    buf = block_scratch()
     for b in range(nb // 8):
         if three:
             p = o + 110 * b
@@ -456,44 +451,8 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
         blk = xb + 8 * b
         xdv = fmul(load_f32x8(xd, blk), d)
         cor = fadd(cor, fmul(fadd(fmul(m0, load_f32x8(xs16, 2 * blk)), fmul(m1, load_f32x8(xs16, 2 * blk + 8))), dmin))
-        a = xo + 256 * b
-        acc0, acc1 = _q23_half(acc0, acc1, w, p, 0, fmul(s0, dup_lo(xdv)), xq, a, l2, isa, three)
-        acc0, acc1 = _q23_half(acc0, acc1, w, p, 1, fmul(s1, dup_hi(xdv)), xq, a + 128, l2, isa, three)
-    return hsum(fadd(acc0, acc1)) - hsum(cor)
-
-
-@njit(inline="always")
-def _q3(w, p, j):
-    """Group j of a Q3_K block (half j // 4, s = j % 4): 2 low bits at bits 2 s of qs[32 h + j'], the
-    third at bit 4 h + s of hmask[j']."""
-    h, s = j // 4, j % 4
-    q = vand(vshr(load_i8x32(w, p + 32 + 32 * h), 2 * s), 3)
-    return vor(q, _bit_to(load_i8x32(w, p), 4 * h + s, 2))
-
-
-@njit(inline="always", fastmath=True)
-def dot_q3_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa):
-    """Q3_K (110-byte blocks: u8 hmask[32], u8 qs[64], u8 scales[12], f16 d; w = d (scale - 32) (q -
-    4), q - 4 when the third bit is clear; 6-bit scale k: low 4 bits in byte k % 8 of the first 8
-    (high nibble for k >= 8), top 2 bits at bits 2 (k // 4) of byte 8 + k % 4): a block's 8 groups
-    staged (block_scratch), their dots behind one branch on the path."""
-    acc = zero_f32()
-    cor = zero_f32()
-    buf = block_scratch()
-    for b in range(nb // 8):
-        p = o + 110 * b
-        d = load_f16(w, p + 108)
-        lo, hi = load_u64(w, p + 96), load_u32(w, p + 104)
-        h0 = (hi & _M2) | (((hi >> 2) & _M2) << 32)
-        h1 = ((hi >> 4) & _M2) | (((hi >> 6) & _M2) << 32)
-        s0 = fadd(u8_f32x8((lo & _M4X8) | (h0 << 4)), np.float32(-32.0))
-        s1 = fadd(u8_f32x8(((lo >> 4) & _M4X8) | (h1 << 4)), np.float32(-32.0))
-        blk = xb + 8 * b
-        xdv = fmul(load_f32x8(xd, blk), d)
-        cor = fadd(cor, fmul(fadd(fmul(s0, load_f32x8(xs16, 2 * blk)), fmul(s1, load_f32x8(xs16, 2 * blk + 8))),
-                             np.float32(4.0) * d))
         for j in range(8):
-            store_i8x32(buf, 32 * j, _q3(w, p, j))
+            store_i8x32(buf, 32 * j, _q23(w, p, j, three))
         acc = acc_dots16(acc, dots(isa, buf, xq, xo + 256 * b, l2), fmul(s0, dup_lo(xdv)), fmul(s1, dup_hi(xdv)))
     return hsum(acc) - hsum(cor)
 
