@@ -47,7 +47,8 @@ from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
-from .cpu_kq import dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, idot as _idot, sdot as _sdot
+from .cpu_kq import (acc_dots, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8_18, fadd, fmul,
+                     idot as _idot, load_f32x8, sdot as _sdot, store_i8x32)
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -149,15 +150,27 @@ def _dot_iq4_nl(w, o, nb, xq, xo, xd, xb, l2, isa, table):
 
 @njit(inline="always", fastmath=True)
 def _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
+    """Q4_0 (18-byte blocks: f16 d, u8 qs[16], low nibbles weights 0-15): w = d (q - 8). Eight
+    blocks at a time staged (cpu_kq.block_scratch), their dots behind one branch on the path and
+    their d as one vector; a row's last nb % 8 blocks one by one."""
     acc = zero_f32()
+    cor = zero_f32()
+    buf = block_scratch()
+    for b8 in range(nb // 8):
+        p = o + 144 * b8
+        for k in range(8):
+            store_i8x32(buf, 32 * k, load_nib32(w, p + 18 * k + 2))
+        dv = f16x8_18(w, p)
+        blk = xb + 8 * b8
+        acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b8, l2), fmul(dv, load_f32x8(xd, blk)))
+        cor = fadd(cor, fmul(dv, load_f32x8(xs, blk)))
     corr = np.float32(0.0)
-    for b in range(nb):
-        p = o + 18 * b  # f16 d, u8 qs[16] (low nibbles: weights 0-15, high: 16-31)
+    for b in range(nb - nb % 8, nb):
+        p = o + 18 * b
         d = load_f16(w, p)
-        v = _idot(load_nib32(w, p + 2), xq, xo + 32 * b, l2, isa)
-        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
+        acc = fma_cvt(acc, _idot(load_nib32(w, p + 2), xq, xo + 32 * b, l2, isa), d * load_f32(xd, xb + b))
         corr += d * load_f32(xs, xb + b)
-    return hsum(acc) - np.float32(8.0) * corr
+    return hsum(acc) - np.float32(8.0) * (hsum(cor) + corr)
 
 
 @njit(inline="always", fastmath=True)

@@ -64,6 +64,29 @@ def load_u32(typingctx, base, off):
     return types.int64(base, off), codegen
 
 
+def _f16x8(stride: int):
+    """An intrinsic (w, off) -> F32x8: the float16 at w + off + stride k, k < 8, as float32."""
+    @intrinsic
+    def f16x8(typingctx, base, off):
+        if not _addr_args(base, off):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = builder.ptrtoint(_ptr(context, builder, sig, args, _I8), ir.IntType(64))
+            h = ir.HalfType()
+            v = ir.Constant(ir.VectorType(h, 8), ir.Undefined)
+            for k in range(8):
+                p = builder.inttoptr(builder.add(a, ir.Constant(ir.IntType(64), stride * k)), ir.PointerType(h))
+                v = builder.insert_element(v, builder.load(p, align=1), ir.Constant(_I32, k))
+            return builder.fpext(v, VF)
+        return F32x8(base, off), codegen
+    return f16x8
+
+
+f16x8_18 = _f16x8(18)
+f16x8_18.__doc__ = "The d of 8 consecutive 18-byte blocks (Q4_0, IQ4_NL) from byte off, as float32."
+
+
 @intrinsic
 def shl8(typingctx, v):
     """v * 256 per int32 lane."""
