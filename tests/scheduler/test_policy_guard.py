@@ -63,8 +63,9 @@ def test_while_following_the_decisions_are_hybrids_on_the_same_cache():
 
     def checked(step):
         d = plan(step)
-        if guard.active:
-            assert d == guard.follow.plan(step)  # hybrid's plan on this cache (side-effect free)
+        if guard.active:  # hybrid's plan on this cache (side-effect free), or the shadow's own once aligned
+            want = guard.shadow.plan(step) if guard.aligned() else guard.follow.plan(step)
+            assert d._replace(slots=()) == want._replace(slots=())
             followed.append(d)
         return d
 
