@@ -8,7 +8,8 @@ the sign bit is set (``sign_off``: unsigned 2..126, so the avx2 path's int16 pai
 the 64 taken off through the activation sums. What can be decoded for a whole block at once is, in
 vectors, before its groups are gathered: the KSIGNS bytes of IQ2_XXS, IQ3_XXS and IQ2_XS (the
 7-bit index and its parity, ``ksigns``), the grid byte offsets of IQ2_XS, IQ2_S, IQ3_S and IQ1_*
-(``grid_index_*``, staged on the stack) and the scales. A block's 8 groups are staged on the stack
+(``grid_index_*``) and the scales, the staged sign bytes and offsets one block ahead of their
+loads (``iq_scratch``). A block's 8 groups are staged on the stack
 and dotted behind one branch on the instruction-set path (``cpu_kq.dots``, both activation
 levels); IQ2_XS, IQ2_S and IQ1_* scale each 16 weights (``acc_dots16``). What bounds them is the
 gather: about one cycle per 8-byte grid entry.
@@ -24,7 +25,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_kq import (acc_dots, acc_dots16, block_scratch, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
+from .cpu_kq import (acc_dots, acc_dots16, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
                      nibbles8, store_i8x32, u8_f32x8, zip_hi, zip_lo)
 from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, hsum, load_f16, load_u8, zero_f32
 from .iq_grids import grid
@@ -157,6 +158,12 @@ def store_i32x8(typingctx, base, off, v):
     return types.none(base, off, v), codegen
 
 
+@njit(inline="always")
+def _xxs_signs(w, p, sl, three):
+    """The KSIGNS bytes of the IQ2_XXS/IQ3_XXS block at byte p, at sl + 256."""
+    store_i32x8(sl, 256, ksigns(words4(w, p + 66) if three else words8(w, p + 6)))
+
+
 @njit(inline="always", fastmath=True)
 def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations (see cpu_experts._quantize):
@@ -167,18 +174,23 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
     as one vector; its 8 dots behind one branch on the path (cpu_kq.dots)."""
     acc = zero_f32()
     cor = zero_f32()
-    buf = block_scratch()
+    buf = iq_scratch()
     bs = 98 if three else 66
-    for b in range(nb // 8):
+    n = nb // 8
+    if n:
+        _xxs_signs(w, o, buf, three)
+    for b in range(n):
         p = o + bs * b
+        sl = buf + _SLOT * (b & 1)
+        if b + 1 < n:  # the next block's sign bytes, a block ahead of their loads (see iq_scratch)
+            _xxs_signs(w, p + bs, buf + _SLOT * ((b + 1) & 1), three)
         u = words4(w, p + 66) if three else words8(w, p + 6)
-        store_i32x8(buf, 256, ksigns(u))
         for g in range(8):
             if three:
                 q = gather4x8(table + _G3, w, p + 2 + 8 * g)
             else:
                 q = gather8x4(table + _G2, w, p + 2 + 8 * g)
-            store_i8x32(buf, 32 * g, sign_off(q, load_u32(buf, 256 + 4 * g)))
+            store_i8x32(buf, 32 * g, sign_off(q, load_u32(sl, 256 + 4 * g)))
         f = fmul(fadd(top4_f32(u), np.float32(0.5)), load_f16(w, p) * (np.float32(0.5) if three else np.float32(0.25)))
         blk = xb + 8 * b
         acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b, l2), fmul(f, load_f32x8(xd, blk)))
@@ -186,7 +198,8 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
     return hsum(acc) - np.float32(64.0) * hsum(cor)
 
 
-_IDX = 288  # scratch bytes: 0-255 a block's weights, 256-287 its sign words, from _IDX its grid offsets (u16)
+_IDX = 288  # scratch bytes (iq_scratch): 0-255 a block's weights, 256-287 its sign words, from _IDX its grid offsets (u16)
+_SLOT = 160  # bytes from one slot of sign words and offsets to the next
 _I16 = ir.IntType(16)
 
 
@@ -294,11 +307,24 @@ gather4x8_off = _gather_off(8, 4)
 
 @intrinsic
 def iq_scratch(typingctx):
-    """The address of 512 bytes on the kernel's stack (one allocation in its entry block): a block's
-    weights (0-255), sign words (256-287), grid offsets (from _IDX), 32 float32 (from 448)."""
+    """The address of 576 bytes on the kernel's stack (one allocation in its entry block): a block's
+    weights (0-255), then two slots of _SLOT bytes, each a block's sign words (from 256) and grid
+    offsets (from _IDX). A block's slot is written one block ahead of its loads: a load of a few
+    bytes from a vector store still in flight may wait for the store to complete (store-to-load
+    forwarding fails), stalling the block; a block later the store has completed."""
     def codegen(context, builder, sig, args):
-        return builder.ptrtoint(cgutils.alloca_once(builder, ir.ArrayType(ir.IntType(8), 512)), ir.IntType(64))
+        return builder.ptrtoint(cgutils.alloca_once(builder, ir.ArrayType(ir.IntType(8), 256 + 2 * _SLOT)), ir.IntType(64))
     return types.int64(), codegen
+
+
+@njit(inline="always")
+def _index_s(w, p, sl, kind):
+    if kind == 0:
+        grid_index_2xs(w, p, sl)
+    elif kind == 1:
+        grid_index_2s(w, p, sl)
+    else:
+        grid_index_3s(w, p, sl)
 
 
 @njit(inline="always", fastmath=True)
@@ -312,26 +338,26 @@ def dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, kind):
     cor = zero_f32()
     buf = iq_scratch()
     bs = 74 if kind == 0 else 82 if kind == 1 else 110
-    for b in range(nb // 8):
+    n = nb // 8
+    if n:
+        _index_s(w, o, buf, kind)
+    for b in range(n):
         p = o + bs * b
         d = load_f16(w, p)
-        if kind == 0:  # offsets and sign bytes staged for the block, then each group gathered and signed
-            grid_index_2xs(w, p, buf)
-        elif kind == 1:
-            grid_index_2s(w, p, buf)
-        else:
-            grid_index_3s(w, p, buf)
+        sl = buf + _SLOT * (b & 1)
+        if b + 1 < n:  # the next block's offsets (and sign bytes), a block ahead of their loads
+            _index_s(w, p + bs, buf + _SLOT * ((b + 1) & 1), kind)
         for g in range(8):
             if kind == 2:
-                q = gather4x8_off(table + _G3S, buf, _IDX + 16 * g)
+                q = gather4x8_off(table + _G3S, sl, _IDX + 16 * g)
                 sb = p + 74 + 4 * g
             elif kind == 1:
-                q = gather8x4_off(table + _G2S, buf, _IDX + 8 * g)
+                q = gather8x4_off(table + _G2S, sl, _IDX + 8 * g)
                 sb = p + 34 + 4 * g
             else:
-                q = gather8x4_off(table + _G2XS, buf, _IDX + 8 * g)
+                q = gather8x4_off(table + _G2XS, sl, _IDX + 8 * g)
             if kind == 0:
-                store_i8x32(buf, 32 * g, sign_off(q, load_u32(buf, 256 + 4 * g)))
+                store_i8x32(buf, 32 * g, sign_off(q, load_u32(sl, 256 + 4 * g)))
             else:
                 store_i8x32(buf, 32 * g, sign_off(q, load_u32(w, sb)))
         v = dots(isa, buf, xq, xo + 256 * b, l2)
@@ -401,6 +427,14 @@ def _iq1_scales(m: bool):
 iq1s_scales, iq1m_scales = _iq1_scales(False), _iq1_scales(True)
 
 
+@njit(inline="always")
+def _index_1(w, p, sl, m):
+    if m:
+        grid_index_1m(w, p, sl)
+    else:
+        grid_index_1s(w, p, sl)
+
+
 @njit(inline="always", fastmath=True)
 def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations: IQ1_S (m False; 50-byte
@@ -412,20 +446,24 @@ def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m):
     cor = zero_f32()
     buf = iq_scratch()
     t = table + _G1
-    for b in range(nb // 8):
+    bs = 56 if m else 50
+    n = nb // 8
+    if n:
+        _index_1(w, o, buf, m)
+    for b in range(n):
+        p = o + bs * b
+        sl = buf + _SLOT * (b & 1)
+        if b + 1 < n:  # the next block's offsets, a block ahead of their loads
+            _index_1(w, p + bs, buf + _SLOT * ((b + 1) & 1), m)
         if m:
-            p = o + 56 * b
             sc0, sc1, sc2, sc3 = _u16(w, p + 48), _u16(w, p + 50), _u16(w, p + 52), _u16(w, p + 54)
             d = _f16_bits((sc0 >> 12) | ((sc1 >> 12) << 4) | ((sc2 >> 12) << 8) | ((sc3 >> 12) << 12))
-            grid_index_1m(w, p, buf)
             s0, s1 = iq1m_scales(w, p)
         else:
-            p = o + 50 * b
             d = load_f16(w, p)
-            grid_index_1s(w, p, buf)
             s0, s1 = iq1s_scales(w, p)
         for g in range(8):
-            store_i8x32(buf, 32 * g, gather8x4_off(t, buf, _IDX + 8 * g))
+            store_i8x32(buf, 32 * g, gather8x4_off(t, sl, _IDX + 8 * g))
         v = dots(isa, buf, xq, xo + 256 * b, l2)
         dq = d * np.float32(0.125)
         f0 = fmul(s0, dq)  # per 16 weights
