@@ -111,7 +111,9 @@ class FloorTuner:
         due: dict[int, list[Move]] = {}
         for j, l in enumerate(self.layers):
             sh._np[j] = live._np[l, :width]
-            sh._lru[j] = OrderedDict(live._lru[l])
+            sh._hit_avg[j] = live._hit_avg[l]
+            if live._lru is not None:  # admit="recency"
+                sh._lru[j] = OrderedDict(live._lru[l])
             p = cache.pool_of[l]
             if p < 0:
                 continue

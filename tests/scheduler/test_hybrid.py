@@ -379,6 +379,7 @@ def test_fresh_shadows_start_from_the_live_cache_usage_and_copies_in_flight():
         assert {e for k, e in sh.cache.inflight if k == j} == {e for k, e in live.cache.inflight if k == l}
         assert sh.usage[j].tolist() == live.usage[l].tolist()
         assert list(sh._lru[j]) == list(live._lru[l])
+        assert sh._hit_avg[j] == live._hit_avg[l]  # the reuse charge's hit share
     assert sh.tokens == live.tokens
     due = {(m.layer, m.expert): t for t, s, ms in tuner.pending if s is sh for m in ms}
     assert set(due) == {(j, e) for j, l in enumerate(tuner.layers) for k, e in live.cache.inflight if k == l}
@@ -548,3 +549,15 @@ def test_decode_memos_change_no_decision(name):
 
     got, want = log(False), log(True)
     assert got == want and want[1] > 0  # and the pool is used
+
+
+def test_floor_tuner_runs_with_usage_admission():
+    """admit="usage" keeps no recency order: fresh shadows start without one (they used to fail)."""
+    g = Geometry.uniform(4, 16, 2, 10)
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 4), cost_model=costs(layers=4), admit="usage",
+                         floors_256=(0, 128), shadow_layers=2, tune_every=1, tune_duty=0.5, tune_warmup=0)
+    rng = np.random.default_rng(4)
+    tokens = [tok(i, *[rng.choice(16, 2, replace=False).tolist() for _ in range(4)]) for i in range(16)]
+    replay(policy, tokens)
+    assert policy._lru is None and len(policy.tuner.history) > 2
+    policy.cache.check()
