@@ -29,7 +29,7 @@ __all__ = ["PLAN_POLICIES", "SPIN_S", "PHASES", "COLD_SET_BYTES", "MEM_READ_BYTE
            "measure_cpu_mem_gbps", "measure_cpu_pool", "measure_cpu_types", "GpuTimer", "measure_gpu_basics",
            "measure_link", "measure_gpu_experts", "measure_dense", "cpu_layer_parts", "measure_engine"]
 
-PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid", "hybrid-cost")
+PLAN_POLICIES = ("cpu", "gpu", "lru", "freq-lru", "static", "hybrid", "hybrid-cost", "predict", "lookahead")
 SPIN_S = 0.004  # how long the spin kernel holds a stream while work is queued behind it
 # Host memory the CPU side holds at once, each many times a last-level cache (so reads come from
 # DRAM) and a small share of RAM: the experts the pool's calls rotate over (per other quant type:
@@ -76,10 +76,10 @@ def measure_plan_s(geometry: Geometry, slots: int, tokens, policies=PLAN_POLICIE
                    cost_model=None) -> dict:
     """Scheduler time per layer step (``drive`` alone, no backend) for each policy: {name: stats}.
 
-    ``hybrid-cost`` prices its decisions with ``cost_model`` (default: qwen3-30b-a3b's on the
-    h200-xeon16 preset, its layers repeated to ``geometry``'s count: the planning work is what is
-    timed here, not the quality of its split)."""
-    if "hybrid-cost" in policies and cost_model is None:
+    ``hybrid-cost`` and ``lookahead`` price their decisions with ``cost_model`` (default:
+    qwen3-30b-a3b's on the h200-xeon16 preset, its layers repeated to ``geometry``'s count: the
+    planning work is what is timed here, not the quality of its split)."""
+    if {"hybrid-cost", "lookahead"} & set(policies) and cost_model is None:
         from scheduler.costs import Costs
         from scheduler.hardware import load_hardware
         from scheduler.models import load_model
