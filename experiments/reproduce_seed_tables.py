@@ -7,10 +7,15 @@ which rows fit which parameter, the rate taken from a stated load time, the rout
 no parameter was fitted on.
 
     python experiments/reproduce_seed_tables.py [--seeds 3] [--tokens-scale 1.0] [--data experiments/seed_tables.json] [--out docs/SEED_TABLES.md]
+    python experiments/reproduce_seed_tables.py --fit-routing   # the routing grid against routing_stats, best first
+
+The data file's ``routing`` (the synthetic routing's parameters) is the first line ``--fit-routing``
+prints: chosen on the published routing statistics, none of them a table row.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -28,6 +33,8 @@ def main(argv=None) -> int:
                     help="fraction of each row's published token count to simulate (tests use less)")
     ap.add_argument("--data", default=str(DATA), help="the published figures (JSON)")
     ap.add_argument("--out", default=None, help="also write the markdown report here")
+    ap.add_argument("--fit-routing", action="store_true",
+                    help="print the routing grid's RMS error against the data file's routing_stats (best first) and stop")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         print(f"error: --seeds {args.seeds}, expected >= 1", file=sys.stderr)
@@ -43,6 +50,20 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.fit_routing:
+        if args.out:
+            print("error: --fit-routing writes no report; drop --out", file=sys.stderr)
+            return 2
+        try:
+            grid = seeds.fit_routing(data, args.seeds)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("rms | " + " | ".join(c["about"] for c in data["routing_stats"]) + " | parameters")
+        print("published | " + " | ".join(f"{c['published']:.3f}" for c in data["routing_stats"]) + " |")
+        for g in grid:
+            print(f"{g['rms']:.4f} | " + " | ".join(f"{v:.3f}" for v in g["simulated"]) + f" | {json.dumps(g['params'])}")
+        return 0
     hosts = seeds.derive_hosts(data, args.seeds, args.tokens_scale)
     results = seeds.predict_tables(data, hosts, args.seeds, args.tokens_scale)
     cmd = "python experiments/reproduce_seed_tables.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (

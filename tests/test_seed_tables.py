@@ -10,6 +10,7 @@ import re
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scheduler.hardware import load_hardware
@@ -92,6 +93,32 @@ def test_a_stated_load_time_sets_the_pageable_rate_from_the_prompt_bytes():
     assert seeds.derive_hosts(one, 1, 1.0)["l4-colab"].pageable_gbps == pytest.approx(loaded / 2.0 / 1e9, rel=1e-2)
 
 
+def test_prompt_and_generation_are_two_topics_and_a_shorter_run_is_a_prefix():
+    data = seeds.load_data(DATA)
+    model = seeds.model_of(data, "qwen3.5-35b-a3b", "Q6_K")
+    p = seeds.routing_of(data)
+    short, long = seeds._routes(model, 80, 0, p), seeds._routes(model, 160, 0, p)
+    assert short.shape == (seeds.PROMPT_TOKENS + 80, model.num_layers, model.top_k)
+    assert (short == long[: len(short)]).all()  # the 80-token row's trace is the start of the 160-token row's
+    from traces import synth  # the prompt is one sequence, the generation the next, over one popularity
+    t = synth.generate(model.num_layers, model.num_experts, model.top_k, 320, p, np.random.default_rng(0), num_seqs=2)
+    assert (long[seeds.PROMPT_TOKENS:] == t.expert_ids[160:]).all() and (long[:seeds.PROMPT_TOKENS] == t.expert_ids[:63]).all()
+
+
+def test_routing_fit_ranks_the_grid_by_its_error_on_the_routing_statistics():
+    data = seeds.load_data(DATA)
+    stat = {**data["routing_stats"][0], "tokens": 90}
+    one = {**data, "routing_stats": [stat]}
+    grid = seeds.fit_routing(one, 1, {"zipf_s": (0.4, 2.0)})
+    assert [g["params"]["zipf_s"] for g in grid] == [0.4, 2.0]  # a steep popularity touches far fewer pairs
+    for g in grid:
+        assert g["rms"] == pytest.approx(abs(g["simulated"][0] - stat["published"]))
+    again = seeds.routing_checks(one, 1, dataclasses.replace(seeds.routing_of(one), zipf_s=2.0))
+    assert again[0]["simulated"] == grid[1]["simulated"][0]
+    with pytest.raises(ValueError, match="routing_stats"):
+        seeds.fit_routing({**data, "routing_stats": []}, 1)
+
+
 def test_a_split_round_trip_slows_cpu_rows_and_not_the_mailbox():
     data = seeds.load_data(DATA)
     t = {**data["tables"][0], "tokens": 12}
@@ -163,6 +190,9 @@ def test_committed_report_is_what_its_command_writes(tmp_path):
     (lambda d: d["routing_stats"][0].update(published=98.6), "routing_stats[0]"),
     (lambda d: d["routing_stats"][1].update(model="qwen9"), "routing_stats[1].model"),
     (lambda d: d["stated"][0].update(cache_mib=4096), "stated[0].cache_mib"),
+    (lambda d: d["routing"].update(zipf=0.5), "routing: unknown field(s) ['zipf']"),
+    (lambda d: d["routing"].update(zipf_s=-1.0), "routing: SynthParams.zipf_s"),
+    (lambda d: d["routing"].pop("source"), "routing: expected"),
 ])
 def test_bad_data_file_is_refused_before_any_work(tmp_path, capsys, edit, field):
     data = json.loads(DATA.read_text())
