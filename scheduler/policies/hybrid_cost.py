@@ -141,6 +141,11 @@ class HybridCostPolicy(HybridPolicy):
         self._memo = [memos.setdefault(cost_model.decode_key(l), {})
                       for l in range(geometry.num_layers)]
         self.committed_s = 0.0  # predicted expert time of the last committed decision
+        # this token so far: predicted time (dense parts and expert steps), the demand copies' link
+        # time, and whether a step ran several tokens (see plan_background)
+        self._tok_s = self._tok_link_s = 0.0
+        self._tok_batch = False
+        self._up_mean = sum(cost_model.upload_s[l] for l in geometry.moe_layers) / max(len(geometry.moe_layers), 1)
         super().__init__(geometry, capacity, profile, config)
         self.tuner = None
         if len(floors) > 1:
@@ -268,11 +273,32 @@ class HybridCostPolicy(HybridPolicy):
         """Commit ``d`` (see ``hybrid``); its predicted time (``layer_time_s``) is kept in
         ``committed_s``."""
         self.committed_s, self._queue_s = self.layer_time_s(d)
+        layer = d.step.layer
+        self._tok_s += self._layer_s[layer] + self.committed_s
+        self._tok_link_s += (len(d.uploads) + len(d.streams)) * self.costs.upload_s[layer]
+        self._tok_batch |= d.step.counts is not None
         a = self._hit_avg[d.step.layer]
         self._hit_avg[d.step.layer] = a + ((len(d.hits) << 16) // len(d.step.experts) - a) // REUSE_STEPS
         super().commit(d)
         if self.tuner is not None:
             self.floor_256 = self.tuner.observe(d.step, self.floor_256)
+
+    def plan_background(self) -> tuple[Move, ...]:
+        """``hybrid``'s fills and swaps, with at most as many fills as the link could have carried
+        in the idle time of the token just planned (its predicted time less its demand copies and
+        the link work still queued), so that copies queued after a token do not hold the next
+        token's misses back; none after a step of several tokens (a prompt chunk: its idle link
+        time says nothing of a decode token's, and a burst of fills there delays the first decode
+        tokens; free slots are filled during decode instead)."""
+        spare = 0.0 if self._tok_batch else self._tok_s - self._tok_link_s - self._queue_s
+        cap = int(spare / self._up_mean) if self._up_mean > 0 else self.max_fills
+        self._tok_s = self._tok_link_s = 0.0
+        self._tok_batch = False
+        full, self.max_fills = self.max_fills, min(self.max_fills, max(cap, 0))
+        try:
+            return super().plan_background()
+        finally:
+            self.max_fills = full
 
     def commit_background(self, moves: tuple[Move, ...]) -> None:
         token = self.tokens

@@ -360,8 +360,11 @@ def test_floor_tuner_rests_between_windows_after_its_warmup():
 
 
 def test_fresh_shadows_start_from_the_live_cache_usage_and_copies_in_flight():
+    from dataclasses import replace
+
     g = Geometry.uniform(4, 16, 2, 10)
-    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 8), cost_model=costs(layers=4),
+    cm = replace(costs(layers=4), layer_s=(5.0,) * 4)  # dense parts long enough for a token's fills
+    policy = make_policy("hybrid-cost", g, Capacity.per_layer(g, 8), cost_model=cm,
                          floors_256=(0, 128), shadow_layers=2, tune_every=1, tune_duty=0.5, tune_warmup=0)
     rng = np.random.default_rng(2)
     tokens = [tok(i, *[rng.choice(16, 2, replace=False).tolist() for _ in range(4)]) for i in range(9)]
@@ -561,3 +564,26 @@ def test_floor_tuner_runs_with_usage_admission():
     replay(policy, tokens)
     assert policy._lru is None and len(policy.tuner.history) > 2
     policy.cache.check()
+
+
+def test_hybrid_cost_fills_only_what_the_link_could_carry_in_a_decode_token():
+    """Fills after a one-token token: at most the link's idle time in it over an upload's; after
+    a prompt chunk (a step of several tokens): none (they would delay the first decode tokens)."""
+    from scheduler import CostModel
+
+    g = Geometry.uniform(1, 16, 2, 10)
+
+    def policy(layer_s):  # the CPU (0.2 s an expert) beats the link (1.0 s): misses go there, slots stay free
+        cm = CostModel((0.1,), (0.0,), (1.0,), (0.2,), (0.0,), layer_s=(layer_s,))
+        return make_policy("hybrid-cost", g, Capacity.per_layer(g, 8), cost_model=cm)
+
+    def after(p, step):
+        d = p.plan(step)
+        assert d.cpu == step.experts
+        p.commit(d)
+        return p.plan_background()
+
+    assert after(policy(0.0), Step(0, (1, 2))) == ()  # idle link time 0.4 s: no upload fits
+    assert sorted(m.expert for m in after(policy(3.0), Step(0, (1, 2)))) == [1, 2]  # 3.4 s: both fit
+    assert len(after(policy(1.0), Step(0, (1, 2)))) == 1  # 1.4 s: one fits
+    assert after(policy(3.0), Step(0, (1, 2), (3, 1))) == ()  # a prompt chunk: none
