@@ -47,8 +47,8 @@ from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
-from .cpu_kq import (acc_dots, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8_18, fadd, fmul,
-                     idot as _idot, load_f32x8, sdot as _sdot, store_i8x32)
+from .cpu_kq import (acc_dots, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8, fadd, fmul,
+                     idot as _idot, load_f32x8, sdot as _sdot, sdots, store_i8x32)
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -120,28 +120,54 @@ def _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
     return hsum(acc) - np.float32(128.0) * corr
 
 
+@njit(inline="always")
+def _q45_0(w, p, bs, hi):
+    """The 32 weights of a Q4_1/Q5_0/Q5_1 block at byte p as bytes: nibbles | fifth bits << 4."""
+    q = load_nib32(w, p + bs - 16)
+    if hi:
+        q = vor(q, vshl(bits32(w, p + hi), 4))
+    return q
+
+
 @njit(inline="always", fastmath=True)
 def _dot_q4_1(w, o, nb, xq, xo, xd, xs, xb, l2, isa, bs, hi):
     """Q4_1 (bs 20, hi 0), Q5_0 (bs 22, hi 2: q - 16) and Q5_1 (bs 24, hi 4): f16 d, [f16 m],
-    [u32 qh at byte hi], u8 qs[16] (lo/hi nibbles); w = d q + m, or d (q - 16) without m."""
+    [u32 qh at byte hi], u8 qs[16] (lo/hi nibbles); w = d q + m, or d (q - 16) without m. Eight
+    blocks at a time as Q4_0's, the rest one by one."""
     acc = zero_f32()
+    cor = zero_f32()
+    buf = block_scratch()
+    for b8 in range(nb // 8):
+        p = o + 8 * bs * b8
+        for k in range(8):
+            store_i8x32(buf, 32 * k, _q45_0(w, p + bs * k, bs, hi))
+        dv = f16x8(w, p, bs)
+        blk = xb + 8 * b8
+        acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b8, l2), fmul(dv, load_f32x8(xd, blk)))
+        mv = fmul(dv, np.float32(-16.0)) if bs == 22 else f16x8(w, p + 2, bs)
+        cor = fadd(cor, fmul(mv, load_f32x8(xs, blk)))
     corr = np.float32(0.0)
-    for b in range(nb):
+    for b in range(nb - nb % 8, nb):
         p = o + bs * b
         d = load_f16(w, p)
-        q = load_nib32(w, p + bs - 16)
-        if hi:
-            q = vor(q, vshl(bits32(w, p + hi), 4))
-        acc = fma_cvt(acc, _idot(q, xq, xo + 32 * b, l2, isa), d * load_f32(xd, xb + b))
+        acc = fma_cvt(acc, _idot(_q45_0(w, p, bs, hi), xq, xo + 32 * b, l2, isa), d * load_f32(xd, xb + b))
         corr += (load_f16(w, p + 2) if bs != 22 else np.float32(-16.0) * d) * load_f32(xs, xb + b)
-    return hsum(acc) + corr
+    return hsum(acc) + hsum(cor) + corr
 
 
 @njit(inline="always", fastmath=True)
 def _dot_iq4_nl(w, o, nb, xq, xo, xd, xb, l2, isa, table):
-    """IQ4_NL (18-byte blocks: f16 d, 16 bytes of codes); codes -> signed levels by lut16."""
+    """IQ4_NL (18-byte blocks: f16 d, 16 bytes of codes); codes -> signed levels by lut16. Eight
+    blocks at a time as Q4_0's (signed weights: cpu_kq.sdots), the rest one by one."""
     acc = zero_f32()
-    for b in range(nb):
+    buf = block_scratch()
+    for b8 in range(nb // 8):
+        p = o + 144 * b8
+        for k in range(8):
+            store_i8x32(buf, 32 * k, lut16(load_nib32(w, p + 18 * k + 2), table + _IQ4))
+        f = fmul(f16x8(w, p, 18), load_f32x8(xd, xb + 8 * b8))
+        acc = acc_dots(acc, sdots(isa, buf, xq, xo + 256 * b8, l2), f)
+    for b in range(nb - nb % 8, nb):
         p = o + 18 * b
         v = _sdot(lut16(load_nib32(w, p + 2), table + _IQ4), xq, xo + 32 * b, l2, isa)
         acc = fma_cvt(acc, v, load_f16(w, p) * load_f32(xd, xb + b))
@@ -160,7 +186,7 @@ def _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
         p = o + 144 * b8
         for k in range(8):
             store_i8x32(buf, 32 * k, load_nib32(w, p + 18 * k + 2))
-        dv = f16x8_18(w, p)
+        dv = f16x8(w, p, 18)
         blk = xb + 8 * b8
         acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b8, l2), fmul(dv, load_f32x8(xd, blk)))
         cor = fadd(cor, fmul(dv, load_f32x8(xs, blk)))

@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat,
                        dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
-__all__ = ["dots", "sdots", "block_scratch", "store_i8x32", "acc_dots", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
+__all__ = ["dots", "sdots", "f16x8", "block_scratch", "store_i8x32", "acc_dots", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
            "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi", "zip_lo", "zip_hi", "nibbles8"]
 
 
@@ -64,27 +64,22 @@ def load_u32(typingctx, base, off):
     return types.int64(base, off), codegen
 
 
-def _f16x8(stride: int):
-    """An intrinsic (w, off) -> F32x8: the float16 at w + off + stride k, k < 8, as float32."""
-    @intrinsic
-    def f16x8(typingctx, base, off):
-        if not _addr_args(base, off):
-            return None
+@intrinsic
+def f16x8(typingctx, base, off, stride):
+    """The float16 at base + off + stride k, k < 8, as float32 (the d of 8 consecutive blocks)."""
+    if not (_addr_args(base, off) and isinstance(stride, types.Integer)):
+        return None
 
-        def codegen(context, builder, sig, args):
-            a = builder.ptrtoint(_ptr(context, builder, sig, args, _I8), ir.IntType(64))
-            h = ir.HalfType()
-            v = ir.Constant(ir.VectorType(h, 8), ir.Undefined)
-            for k in range(8):
-                p = builder.inttoptr(builder.add(a, ir.Constant(ir.IntType(64), stride * k)), ir.PointerType(h))
-                v = builder.insert_element(v, builder.load(p, align=1), ir.Constant(_I32, k))
-            return builder.fpext(v, VF)
-        return F32x8(base, off), codegen
-    return f16x8
-
-
-f16x8_18 = _f16x8(18)
-f16x8_18.__doc__ = "The d of 8 consecutive 18-byte blocks (Q4_0, IQ4_NL) from byte off, as float32."
+    def codegen(context, builder, sig, args):
+        a = builder.ptrtoint(_ptr(context, builder, sig, args[:2], _I8), ir.IntType(64))
+        st = context.cast(builder, args[2], sig.args[2], types.int64)
+        h = ir.HalfType()
+        v = ir.Constant(ir.VectorType(h, 8), ir.Undefined)
+        for k in range(8):
+            p = builder.inttoptr(builder.add(a, builder.mul(st, ir.Constant(ir.IntType(64), k))), ir.PointerType(h))
+            v = builder.insert_element(v, builder.load(p, align=1), ir.Constant(_I32, k))
+        return builder.fpext(v, VF)
+    return F32x8(base, off, stride), codegen
 
 
 @intrinsic

@@ -58,14 +58,14 @@ def test_new_types_match_gguf_on_every_path(qtype, rng):
 
 
 # types whose rows are read a block group at a time with state carried from one group to the next:
-# Q4_0 eight blocks at a time and then the rest one by one, the grid i-quants' staged offsets and
-# signs written one block ahead into two alternating slots
-STAGED = [Q.Q4_0, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M]
+# the 32-weight types eight blocks at a time and then the rest one by one, the grid i-quants' staged
+# offsets and signs written one block ahead into two alternating slots
+STAGED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M]
 
 
 @pytest.mark.parametrize("qtype", STAGED, ids=[Q.LAYOUTS[t].name for t in STAGED])
 def test_long_rows_of_the_staged_kernels(qtype, rng):
-    """Rows of 11 and 19 Q4_0 blocks (8 + 3, 16 + 3) and of 3 and 5 i-quant blocks (each slot
+    """Rows of 11 and 19 32-weight blocks (8 + 3, 16 + 3) and of 3 and 5 i-quant blocks (each slot
     written more than once) against gguf-py's dequantizer; the paths agree bit for bit."""
     hidden, ffn = (352, 608) if Q.LAYOUTS[qtype].block_weights == 32 else (768, 1280)
     layer = layer_of(rng, qtype, 2, hidden, ffn)
