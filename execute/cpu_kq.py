@@ -9,10 +9,13 @@ activations, both levels). Q4_K, Q5_K, Q3_K and Q2_K stage the block's 8 weight 
 stack (``block_scratch``) and run the 8 dots behind one branch on the instruction-set path
 (``dots``); each dot's lanes are summed as integers, the 8 sums (16 with a scale per 16 weights)
 gathered in one vector by pairwise adds, converted once and multiplied by the factors
-(``acc_dots``, ``acc_dots16``), joining the accumulator in one add; Q6_K and IQ4_XS, whose decode is a few instructions, branch per dot
-(``idot``, ``sdot``) and accumulate each with its lane(s) of that vector (``fma_cvt``, ``fma_cvt2``). Mins and offsets come off once per
-block as a vector product with the activations' block sums. Also here: the float32 vector
-operations that work needs, and the integer dots shared with ``execute.cpu_experts``.
+(``acc_dots``, ``acc_dots16``), joining the accumulator in one add; Q6_K and IQ4_XS, whose
+decode is a few instructions, branch per dot (``idot``, ``sdot``) and accumulate each with its
+lane(s) of that vector (``fma_cvt``, ``fma_cvt2``; staging them measured no faster). Mins and
+offsets come off once per block as a vector product with the activations' block sums. Also here:
+the float32 vector operations that work needs, and the integer dots and staging shared with
+``execute.cpu_experts``, whose 32-weight types Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL run eight blocks
+at a time the same way (``dots``, ``sdots`` for signed weights; their d by ``f16x8``).
 """
 from __future__ import annotations
 
