@@ -23,11 +23,12 @@ Routing: ``traces.synth`` with the data file's ``routing`` parameters, chosen on
 routing statistics (``routing_stats``, none of them a table row) by ``fit_routing``; the prompt
 and the generation are two sequences of one trace (one per-layer popularity, a topic each).
 
-Every upload is a pageable copy (both builds upload from the host buffers the CPU computes from).
+Every upload is a pageable copy (both builds upload from the host buffers the CPU computes from)
+of three tensors (``EXPERT_TENSORS``), each paying ``copy_latency_s``.
 A table with ``file_gib`` (a file whose experts mix quant types) charges each expert its share of
 the file's bytes (``model_of``). A ``stated`` entry sets a machine's pageable rate from the seed's
 stated prompt-time load of upstream's cache: the bytes the prompt uploads in the simulated ``lru``
-rows over the stated seconds. Fitted parameters are found by bisection on the simulated rate of
+rows over the stated seconds less those uploads' fixed costs. Fitted parameters are found by bisection on the simulated rate of
 their row, with the others at their current values, in ``FIT_ORDER``, twice over; a parameter in
 the file's ``shared`` list is fitted on one machine and used on every machine.
 """
@@ -72,6 +73,7 @@ FIT_PARAMS = {
 }
 FIT_ORDER = tuple(FIT_PARAMS)
 PROMPT_TOKENS = 63  # the published runs' prompt
+EXPERT_TENSORS = 3  # a GGUF MoE layer's expert tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps): copies per upload
 PROMPT_LOADS = {"lru"}  # configurations whose cache loads during the prompt (untimed), as the seed states
 TOLERANCE = 0.15
 
@@ -254,6 +256,9 @@ def simulate_row(hw: Hardware, model: ModelSpec, table: dict, row: str, seeds: i
         hw = dataclasses.replace(hw, cpu_quant_efficiency={**eff, q: eff.get(q, 1.0) * ratio})
     # uploads are pageable; rows without uploads copy only activations, through pinned buffers
     costs = Costs(model, hw, ExecConfig(pinned=row in ("full", "cpu"), policy=policy, engine=engine))
+    # llama.cpp holds a layer's experts in three tensors (gate, up, down): an expert's upload is three
+    # copies, each paying the copy's fixed cost (Costs charges one per expert)
+    costs.upload_s = [u + (EXPERT_TENSORS - 1) * hw.copy_latency_s for u in costs.upload_s]
     sim = Simulator(costs)
     g = model.geometry()
     tps, hits = [], []
@@ -281,10 +286,10 @@ def _fit_rows(data: dict) -> list[tuple[str, dict, dict]]:
     return sorted(rows, key=lambda x: FIT_ORDER.index(x[0]))
 
 
-def prompt_load_bytes(data: dict, machine: str, cache_mib: float, seeds: int, scale: float) -> float:
-    """Mean bytes upstream's cache uploads during the prompt in the ``lru`` rows of ``machine``'s
-    tables with ``cache_mib`` (the same synthetic traces as the rows)."""
-    out = []
+def prompt_load(data: dict, machine: str, cache_mib: float, seeds: int, scale: float) -> tuple[float, float]:
+    """Mean bytes and experts upstream's cache uploads during the prompt in the ``lru`` rows of
+    ``machine``'s tables with ``cache_mib`` (the same synthetic traces as the rows)."""
+    out, count = [], []
     for t in data["tables"]:
         if t["machine"] != machine or t["cache_mib"] != cache_mib or not any(r["row"] == "lru" for r in t["rows"]):
             continue
@@ -292,11 +297,13 @@ def prompt_load_bytes(data: dict, machine: str, cache_mib: float, seeds: int, sc
         n_tok = max(8, int(round(t["tokens"] * scale)))
         for seed in range(seeds):
             items, _ = _items(model, "lru", float(cache_mib), n_tok, seed, routing_of(data))
-            out.append(sum(model.expert_bytes(it.decision.step.layer) * len(it.decision.uploads) for it in items
-                           if getattr(it, "decision", None) is not None and it.token.phase == "prefill"))
+            ups = [(it.decision.step.layer, len(it.decision.uploads)) for it in items
+                   if getattr(it, "decision", None) is not None and it.token.phase == "prefill"]
+            out.append(sum(model.expert_bytes(l) * n for l, n in ups))
+            count.append(sum(n for _, n in ups))
     if not out:
         raise ValueError(f"stated: no {machine} table with an lru row and a {cache_mib} MiB cache")
-    return float(np.mean(out))
+    return float(np.mean(out)), float(np.mean(count))
 
 
 def derive_hosts(data: dict, seeds: int, scale: float, presets: dict | None = None) -> dict[str, Hardware]:
@@ -306,7 +313,11 @@ def derive_hosts(data: dict, seeds: int, scale: float, presets: dict | None = No
     hosts = {m: (presets or {}).get(m) or load_hardware(m) for m in data["machines"]}
     for st in data.get("stated", []):
         secs = float(np.mean(st["prompt_load_s"]))
-        rate = prompt_load_bytes(data, st["machine"], st["cache_mib"], seeds, scale) / secs / 1e9
+        loaded, experts = prompt_load(data, st["machine"], st["cache_mib"], seeds, scale)
+        fixed = experts * EXPERT_TENSORS * hosts[st["machine"]].copy_latency_s  # each copy's fixed cost
+        if fixed >= secs:
+            raise ValueError(f"stated: {experts:.0f} expert uploads' fixed costs leave no time of {secs} s for their bytes")
+        rate = loaded / (secs - fixed) / 1e9
         hosts[st["machine"]] = dataclasses.replace(hosts[st["machine"]], pageable_gbps=float(f"{rate:.3g}"))
     routing = routing_of(data)
     for _ in range(2):  # the fits depend on each other weakly: a second pass settles them
@@ -484,7 +495,8 @@ _METHOD = (
     "the first generated token. Fill lag, as the seed describes it: upstream uploads every miss before the layer's "
     "experts run; the hybrid uploads the experts that missed right after the token that missed them, before the next "
     "token (`lag_tokens=0`), at most 512 per token (16 before its faster fill, whose swap rounds waited for the cache "
-    "to fill). Every upload is a pageable copy. The UD file's experts mix quant types: each is charged its share of "
+    "to fill). Every upload is a pageable copy of three tensors (GGUF keeps a layer's experts in three: gate, up, "
+    "down), each paying the preset's `copy_latency_s`. The UD file's experts mix quant types: each is charged its share of "
     "the file's stated size less the non-expert weights (`file_gib`; the same estimate lands within 5% of the nominal "
     "type's bytes on the single-type files) on the GPU and the link, and the nominal type's CPU time (the CPU's "
     "i-quant kernels take about the same time per weight whatever the type).\n\n"
@@ -497,7 +509,7 @@ _METHOD = (
     "the fraction moelab's calibration measured on the H200; `split_sync_s` from llama.cpp's `-ncmoe` rows measured "
     "on the H200 machine; `mailbox_s` an estimate; the presets' `sources` say so); the L4's pageable rate from the "
     "seed's stated prompt-time load of upstream's cache (1.5-1.8 s on the 16 GB tables: the bytes the simulated "
-    "prompt loads, over 1.65 s; `stated` in the data file); and the parameters fitted on the rows marked in the `fits` "
+    "prompt loads, over 1.65 s less their copies' fixed costs; `stated` in the data file); and the parameters fitted on the rows marked in the `fits` "
     "column, each by bisection on its row's simulated rate (`simulate.seeds.derive_hosts`). A fitted row reproduces "
     "itself and is not counted. Error = predicted / published - 1. Each table's bounds line (`simulate.seeds.bounds`) "
     "gives its hybrid rows with every upload free (the most the hybrid reaches on that CPU rate and routing) and "
@@ -525,7 +537,7 @@ _LIMITS = (
     "types are not published; sub-4-bit i-quants cost a CPU more per weight than IQ4_XS in published CPU "
     "benchmarks (about 1.4x for IQ3_XXS), which, with an IQ4_XS/IQ3_XXS mix matching the file's bytes, adds about "
     "a sixth to the CPU time: short of what these rows need, so the model keeps the nominal type's time.\n"
-    "- The L4's 5000 MiB cache row (33.5 t/s, 7% above `--cpu-moe`) needs 3.7 GB/s of pageable upload at the "
+    "- The L4's 5000 MiB cache row (33.5 t/s, 7% above `--cpu-moe`) needs 3.9 GB/s of pageable upload at the "
     "hit rates these traces give (about those the seed's tester measured: 88.5% at 5.75 GB); fitted there instead of "
     "taken from the stated load time, that rate leaves upstream's cache on the Qwen3-Coder-Next 16 GB tables 23% and "
     "30% slow, and 9 of 18 predicted rows within 15%.\n"

@@ -88,9 +88,13 @@ def test_a_stated_load_time_sets_the_pageable_rate_from_the_prompt_bytes():
          "note": "", "rows": [{"row": "lru", "tps": 30.0, "fits": None}]}
     st = {"machine": "l4-colab", "param": "pageable_gbps", "prompt_load_s": [1.0, 3.0], "cache_mib": 1024, "source": "x"}
     one = {**data, "shared": [], "stated": [st], "tables": [t]}
-    loaded = seeds.prompt_load_bytes(one, "l4-colab", 1024, 1, 1.0)
+    loaded, experts = seeds.prompt_load(one, "l4-colab", 1024, 1, 1.0)
     assert loaded >= 1024 * 2**20 * 0.9  # the prompt touches more experts than the cache holds
-    assert seeds.derive_hosts(one, 1, 1.0)["l4-colab"].pageable_gbps == pytest.approx(loaded / 2.0 / 1e9, rel=1e-2)
+    fixed = experts * 3 * load_hardware("l4-colab").copy_latency_s  # three tensor copies per expert
+    assert 0 < fixed < 0.5
+    assert seeds.derive_hosts(one, 1, 1.0)["l4-colab"].pageable_gbps == pytest.approx(loaded / (2.0 - fixed) / 1e9, rel=1e-2)
+    with pytest.raises(ValueError, match="leave no time"):  # seconds the copies' fixed costs alone exceed
+        seeds.derive_hosts({**one, "stated": [{**st, "prompt_load_s": [fixed / 2, fixed / 2]}]}, 1, 1.0)
 
 
 def test_prompt_and_generation_are_two_topics_and_a_shorter_run_is_a_prefix():
@@ -117,6 +121,21 @@ def test_routing_fit_ranks_the_grid_by_its_error_on_the_routing_statistics():
     assert again[0]["simulated"] == grid[1]["simulated"][0]
     with pytest.raises(ValueError, match="routing_stats"):
         seeds.fit_routing({**data, "routing_stats": []}, 1)
+
+
+def test_an_upload_is_three_tensor_copies_each_with_its_fixed_cost():
+    data = seeds.load_data(DATA)
+    t = {**data["tables"][3], "tokens": 12}
+    model = seeds.model_of(data, t["model"], t["quant"])
+    hw = load_hardware("l4-colab")
+    # fixed costs that dominate every step: one more millisecond per copy adds three per expert upload
+    base, more = (seeds.simulate_row(dataclasses.replace(hw, copy_latency_s=x), model, t, "lru", 1, 1.0,
+                                     seeds.routing_of(data))["tps"] for x in (1e-3, 2e-3))
+    items, _ = seeds._items(model, "lru", float(t["cache_mib"]), 12, 0, seeds.routing_of(data))
+    ups = sum(len(it.decision.uploads) for it in items if getattr(it, "decision", None) is not None
+              and it.token.phase == "decode")
+    added = 12 / more - 12 / base  # seconds over the 12 generated tokens
+    assert ups and added == pytest.approx(ups * 3e-3 + 12e-3, rel=0.01)  # and each token's sampled id read back
 
 
 def test_a_split_round_trip_slows_cpu_rows_and_not_the_mailbox():
