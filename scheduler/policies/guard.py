@@ -4,20 +4,20 @@ The guard runs a *shadow* ``hybrid`` (its own cache, the same cost model) on the
 sees and prices both, token by token, with the policy's own timing model (``decision_time``, the
 one ``lookahead``'s split uses: hits as one GPU batch, uploads after the link's queue, the CPU
 pool's task and combine; background moves queue on the link). The shadow's background copies land
-one token later (the driver's default lag). Over a decayed window of ``memory`` tokens, when the
-shadow's predicted time is below the policy's by more than ``margin`` (a share), the policy's
-prefetches, fills, swaps and split are not earning their link time (the first ``memory`` tokens are
-only measured: from cold caches, uploads that pay later look slow), and for the next ``probe``
-tokens it *follows* hybrid, with no prefetch and no held-over fills of its own. Following has
-two stages. While the policy's cache holds other experts than the shadow's, a second ``hybrid``
-that shares the policy's cache (and has observed every step it committed) makes each step's
-decision and each token's fills, its first victims the residents the shadow's cache lacks (so its
-uploads bring the cache to the shadow's, at no link time beyond hybrid's own). Once both caches
-hold the same experts, in flight alike (``aligned``), the policy takes the shadow's own
-decisions and fills, in its own slots: from then on it moves and runs exactly what ``hybrid``
-alone would, so a backend charges both alike. Then the policy plans again and is measured again.
-Everything is read from the past and the cost model: no clock, deterministic, so a simulator and
-an executor decide alike.
+one token later (the driver's default lag). At each token's end, before its fills (``decide``),
+over a decayed window of ``memory`` tokens: when the shadow's predicted time is below the policy's
+by more than ``margin`` (a share), the policy's prefetches, fills, swaps and split are not earning
+their link time (the first ``memory`` tokens are only measured: from cold caches, uploads that pay
+later look slow), and from that token's fills on, for ``probe`` tokens, it *follows* hybrid, with
+no prefetch and no held-over fills of its own. Following has two stages. While the policy's cache
+holds other experts than the shadow's, a second ``hybrid`` that shares the policy's cache (and has
+observed every step it committed) makes each step's decision and each token's fills, its first
+victims the residents the shadow's cache lacks (so its uploads bring the cache to the shadow's, at
+no link time beyond hybrid's own). Once both caches hold the same experts, in flight alike
+(``aligned``), the policy takes the shadow's own decisions and fills, in its own slots: from then
+on it moves and runs exactly what ``hybrid`` alone would, so a backend charges both alike. Then the
+policy plans again and is measured again. Everything is read from the past and the cost model: no
+clock, deterministic, so a simulator and an executor decide alike.
 """
 from __future__ import annotations
 
@@ -161,9 +161,21 @@ class Guard:
     def complete(self, layer: int, expert: int) -> None:
         self.follow.background.discard((layer, expert))
 
-    def end_token(self, own_s: float) -> None:
-        """A token ended with ``own_s`` predicted seconds for the policy: the shadow's fills, the
-        comparison, and whether the next tokens follow."""
+    def decide(self, own_s: float) -> None:
+        """A token's steps ended with ``own_s`` predicted seconds for the policy: the comparison,
+        and whether the next tokens follow (decided before the token's fills, so they are the
+        fills of whichever plans the next token)."""
+        self.own = self.own * self.decay + own_s
+        self.other = self.other * self.decay + self._token_s
+        self.tokens += 1
+        if self.left:
+            self.left -= 1
+            self.followed += 1
+        elif self.tokens > self.memory and self.other < self.own * (1.0 - self.margin):
+            self.left = self.probe
+
+    def end_token(self) -> None:
+        """A token ended (after ``decide`` and the policy's fills): the shadow's fills."""
         sh = self.shadow
         moves = sh.plan_background() if self._bg is None else self._bg
         self._bg = None
@@ -173,12 +185,4 @@ class Guard:
         while len(self._pending) > 1:  # committed a token earlier: landed before the next starts
             for m in self._pending.popleft():
                 sh.complete(m.layer, m.expert)
-        self.own = self.own * self.decay + own_s
-        self.other = self.other * self.decay + self._token_s
         self._token_s = 0.0
-        self.tokens += 1
-        if self.left:
-            self.left -= 1
-            self.followed += 1
-        elif self.tokens > self.memory and self.other < self.own * (1.0 - self.margin):
-            self.left = self.probe

@@ -475,8 +475,10 @@ class CostPlanner(BasePolicy):
         share = self.config.fill_share
         want, self._want = self._want, []
         self._spare = []
-        if self.guard is not None and self.guard.active:
-            return self.guard.plan_background()
+        if self.guard is not None:
+            self.guard.decide(self._token_s)
+            if self.guard.active:
+                return self.guard.plan_background()
         if not share:
             return ()
         cache = self.cache
@@ -571,7 +573,7 @@ class CostPlanner(BasePolicy):
         if self._ending:
             self._ending = False
             if self.guard is not None:
-                self.guard.end_token(self._token_s)
+                self.guard.end_token()
             self._token_s = self._link_s = 0.0
             self._routed = set()
             self.end_token()

@@ -89,15 +89,15 @@ def test_the_guard_follows_only_when_the_shadow_is_predicted_faster():
                       guard_margin=0.1, guard_probe=5)
     guard = pol.guard
     for _ in range(4):
-        guard.end_token(1.0)  # the shadow's tokens: its own prediction of these (empty) tokens, 0 s
+        guard.decide(1.0)  # the shadow's tokens: its own prediction of these (empty) tokens, 0 s
         assert guard.left == 0  # the first guard_memory tokens are measured only
-    guard.end_token(1.0)
+    guard.decide(1.0)
     assert guard.left == 5 and guard.other < guard.own * 0.9
     for _ in range(5):
-        guard.end_token(0.0)
+        guard.decide(0.0)
     assert guard.left == 0 and guard.followed == 5
     guard.own = guard.other = 0.0
-    guard.end_token(0.0)  # equal: plans on
+    guard.decide(0.0)  # equal: plans on
     assert guard.left == 0
 
 
@@ -159,3 +159,37 @@ def test_following_brings_the_cache_to_hybrids_then_decides_exactly_as_hybrid(se
     held = next(i for i in range(10, len(toks)) if mine[i][1:] == alone[i][1:])
     assert held < 40
     assert [m[0] for m in mine[held + 1:]] == [a[0] for a in alone[held + 1:]]
+
+
+def _token_end_fills(pol, toks, starts=()):
+    """{token: the background moves started at its end}; the guard follows 3 tokens from each
+    token end in ``starts`` (decided there, before the fills)."""
+    guard, decide = pol.guard, pol.guard.decide
+
+    def forced(own_s):
+        decide(own_s)
+        if guard.tokens - 1 in starts:
+            guard.left = 3
+
+    guard.decide = forced
+    out, n, last = {}, 0, None
+    for item in drive(pol, toks, 1):
+        kind = type(item).__name__
+        if kind == "EndToken":
+            if last is not None:
+                out[n] = last.moves
+            n += 1
+        last = item if kind == "StartBackground" else None
+    return out
+
+
+def test_the_token_where_following_starts_ends_with_hybrids_fills():
+    """The guard decides before a token's fills: where it starts to follow, the fills are hybrid's
+    (into free slots only: none here), not the swaps lookahead plans there when it plans on."""
+    g, toks = _tokens(L=6, E=32, k=4, T=40, seed=1)
+    make = lambda: make_policy("lookahead", g, Capacity.per_layer(g, 8), cost_model=_cm(g.num_layers))
+    own = _token_end_fills(make(), toks)
+    starts = [n for n in sorted(own) if n > 8 and any(m.victim is not None for m in own[n])][:2]
+    assert len(starts) == 2  # lookahead's own swaps at those token ends
+    followed = _token_end_fills(make(), toks, starts)
+    assert all(m.victim is None for n in starts for m in followed.get(n, ()))
