@@ -436,7 +436,7 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
                   "| statistic | published | synthetic |", "|---|---:|---:|"]
         lines += [f"| {c['about']} | {c['published']:.1%} | {c['simulated']:.1%} |" for c in checks]
         lines.append("")
-    predicted, fitted, speedups = [], [], []
+    predicted, fitted, speedups, outside = [], [], [], []
     for i, res in enumerate(results):
         t = res["table"]
         lines += [f"## {data['machines'][t['machine']]['about']}: {t['note']}", "",
@@ -454,6 +454,9 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
                           f"{s['predicted']:.2f}x (error {s['error']:+.1%}, sign {'right' if s['sign_right'] else 'WRONG'})."]
         if bound_rows:
             lines += ["", _bound_line(bound_rows[i], {r["row"]: r["published"] for r in res["rows"]})]
+            b = bound_rows[i]
+            outside += [(r, t) for r in res["rows"] if not r["fits"] and r["row"] in b["free"]
+                        and not b["cpu"] <= r["published"] <= b["free"][r["row"]]]
         lines.append("")
     within = [x for x in predicted if abs(x[0]["error"]) <= TOLERANCE]
     per_machine = {m: (sum(1 for r, t in within if t["machine"] == m), sum(1 for r, t in predicted if t["machine"] == m))
@@ -463,8 +466,13 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
     lines += ["## Errors", "",
               f"- Predicted rows (no parameter fitted on them) within {TOLERANCE:.0%}: {len(within)} of {len(predicted)} ("
               + ", ".join(f"{m} {a} of {b}" for m, (a, b) in per_machine.items()) + f"); {len(fitted)} rows fitted a "
-              "parameter and are not counted.",
-              f"- Hybrid / cache speedup: sign right in {signs} of {len(speedups)} tables; errors "
+              "parameter and are not counted."]
+    if bound_rows:
+        lines.append(f"- Outside their table's bounds (no modelled cost gives them): {len(outside)} of the predicted rows ("
+                     + (", ".join(f"{t['machine']} {t['model']} {t['tokens']} tokens {r['label']}" for r, t in outside)
+                        or "none") + f"); within {TOLERANCE:.0%}: "
+                     f"{sum(1 for r, _ in within if all(r is not o for o, _ in outside))} of the {len(predicted) - len(outside)} others.")
+    lines += [f"- Hybrid / cache speedup: sign right in {signs} of {len(speedups)} tables; errors "
               + ", ".join(f"{s['error']:+.0%}" for s, _ in speedups)
               + (f" (largest {abs(worst[0]['error']):.0%})." if worst else "."), "",
               "## Left out of the data file", ""]

@@ -163,6 +163,9 @@ def test_bounds_free_uploads_lift_the_hybrid_and_cpu_moe_is_the_tables_own_row()
     assert seeds.bounds({**data, "tables": [no_cpu]}, hosts, 1, 1.0, res2)[0]["cpu"] == pytest.approx(pred["cpu"])
     line = seeds._bound_line(b, {"hybrid-slow-fill": 1e3, "cpu": 1.0, "lru": 1.0})
     assert line.startswith("Bounds: ") and "above this bound" in line and "below it" not in line
+    for free, n in ((1e3, 0), (1e-3, 1)):  # the Errors section counts the predicted rows outside their bounds
+        text = seeds.report(one, hosts, res, 1, "cmd", (), [{"free": {"hybrid-slow-fill": free}, "cpu": 0.0}])
+        assert f"- Outside their table's bounds (no modelled cost gives them): {n} of the predicted rows" in text
 
 
 def test_small_run_has_the_committed_structure_and_rows(tmp_path):
