@@ -138,6 +138,17 @@ def test_an_upload_is_three_tensor_copies_each_with_its_fixed_cost():
     assert ups and added == pytest.approx(ups * 3e-3 + 12e-3, rel=0.01)  # and each token's sampled id read back
 
 
+def test_fit_routing_flag_prints_the_grid_and_refuses_an_out_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(seeds, "fit_routing", lambda data, n: [
+        {"params": {"zipf_s": 0.5}, "simulated": [0.9] * len(data["routing_stats"]), "rms": 0.01}])
+    assert _script().main(["--fit-routing"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("rms | ") and out[1].startswith("published | ") and out[2] == (
+        "0.0100 | " + " | ".join(["0.900"] * len(seeds.load_data(DATA)["routing_stats"])) + ' | {"zipf_s": 0.5}')
+    assert _script().main(["--fit-routing", "--out", str(tmp_path / "x.md")]) == 2
+    assert "--fit-routing writes no report" in capsys.readouterr().err and not (tmp_path / "x.md").exists()
+
+
 def test_a_split_round_trip_slows_cpu_rows_and_not_the_mailbox():
     data = seeds.load_data(DATA)
     t = {**data["tables"][0], "tokens": 12}
