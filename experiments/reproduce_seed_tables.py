@@ -7,7 +7,7 @@ which rows fit which parameter, the rate taken from a stated load time, the rout
 no parameter was fitted on.
 
     python experiments/reproduce_seed_tables.py [--seeds 3] [--tokens-scale 1.0] [--data experiments/seed_tables.json] [--out docs/SEED_TABLES.md]
-    python experiments/reproduce_seed_tables.py --fit-routing   # the routing grid against routing_stats, best first
+    python experiments/reproduce_seed_tables.py --fit-routing --seeds 5   # the routing grid against routing_stats, best first
 
 The data file's ``routing`` (the synthetic routing's parameters) is the first line ``--fit-routing``
 prints: chosen on the published routing statistics, none of them a table row.
