@@ -93,7 +93,8 @@ def sign_off(typingctx, q, bits):
 
 
 def _words(stride: int):
-    """An intrinsic (w, off) -> I32x8: the 8 u32 at w + off + stride k (stride 4 or 8 bytes)."""
+    """An intrinsic (w, off) -> I32x8: the 8 u32 at w + off + stride k (stride 4), or the second u32
+    of each of the 8 8-byte groups from w + off (stride 8): reads exactly 32 or 64 bytes."""
     n = 8 * stride // 4
 
     @intrinsic
@@ -107,13 +108,13 @@ def _words(stride: int):
             v = builder.load(builder.inttoptr(a, ir.PointerType(ir.VectorType(i32, n))), align=1)
             if n == 8:
                 return v
-            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 8), list(range(0, n, n // 8))))
+            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 8), list(range(1, n, 2))))
         return I32x8(w, off), codegen
     return words
 
 
 words4 = _words(4)  # IQ3_XXS: 8 contiguous sign words
-words8 = _words(8)  # IQ2_XXS: the second u32 of each 8-byte group
+words8 = _words(8)  # IQ2_XXS: the second u32 of each 8-byte group (signs and scale)
 
 
 @intrinsic
@@ -161,7 +162,7 @@ def store_i32x8(typingctx, base, off, v):
 @njit(inline="always")
 def _xxs_signs(w, p, sl, three):
     """The KSIGNS bytes of the IQ2_XXS/IQ3_XXS block at byte p, at sl + 256."""
-    store_i32x8(sl, 256, ksigns(words4(w, p + 66) if three else words8(w, p + 6)))
+    store_i32x8(sl, 256, ksigns(words4(w, p + 66) if three else words8(w, p + 2)))
 
 
 @njit(inline="always", fastmath=True)
@@ -184,7 +185,7 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
         sl = buf + _SLOT * (b & 1)
         if b + 1 < n:  # the next block's sign bytes, a block ahead of their loads (see iq_scratch)
             _xxs_signs(w, p + bs, buf + _SLOT * ((b + 1) & 1), three)
-        u = words4(w, p + 66) if three else words8(w, p + 6)
+        u = words4(w, p + 66) if three else words8(w, p + 2)
         for g in range(8):
             if three:
                 q = gather4x8(table + _G3, w, p + 2 + 8 * g)
