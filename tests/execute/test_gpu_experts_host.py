@@ -70,11 +70,14 @@ class _Handle:
 
 
 @pytest.fixture
-def fake_cupy():
+def fake_cupy(monkeypatch):
     """``execute.gpu_experts`` imported over a recording stand-in for cupy. Every module that holds
     the real cupy (or is imported during the test) is set aside and put back afterwards, with the
-    package's attributes, so no later test sees the stand-in."""
+    package's attributes, so no later test sees the stand-in. The stand-in maps no host memory:
+    engines built over it take the synchronized CPU path (MOELAB_HANDOFF=0)."""
     import execute
+
+    monkeypatch.setenv("MOELAB_HANDOFF", "0")
 
     real = sys.modules.get("cupy")
     before = dict(sys.modules)
