@@ -340,7 +340,7 @@ class GpuExperts:
                 src = row.ctypes.data
             else:
                 buf, i = self.staging.take()
-                buf[:n] = row
+                buf[:n] = row.reshape(-1).view(np.uint8)  # a part's rows may be float (F32/F16/BF16)
                 src = buf.ctypes.data
             _rt.memcpyAsync(dst + off, src, n, _H2D, stream.ptr)
             if self.staging is not None:
