@@ -46,9 +46,10 @@ IQ_TABLES = np.concatenate([(grid(n) + 64).astype(np.uint8).reshape(-1)
 assert IQ_TABLES.size == _G1 + 2 * 2048 * 8
 
 
-def _gather(k: int, width: int):
+def _gather(k: int, width: int, offsets: bool = False):
     """An intrinsic (table, w, p) -> I8x32: the ``k`` entries of ``width`` bytes of the table at
-    address ``table`` indexed by the k bytes at address w + p, side by side."""
+    address ``table``, side by side, indexed by the k bytes at address w + p (entry numbers), or
+    with ``offsets`` by the k u16 at w + p (byte offsets into the table)."""
     lane = ir.IntType(8 * width)
     vec = ir.VectorType(lane, k)
 
@@ -63,8 +64,12 @@ def _gather(k: int, width: int):
             base = builder.add(wa, pa)
             v = ir.Constant(vec, ir.Undefined)
             for j in range(k):
-                idx = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, j)), ir.PointerType(ir.IntType(8))))
-                off = builder.mul(builder.zext(idx, i64), ir.Constant(i64, width))
+                if offsets:
+                    ip = builder.inttoptr(builder.add(base, ir.Constant(i64, 2 * j)), ir.PointerType(_I16))
+                    off = builder.zext(builder.load(ip, align=2), i64)
+                else:
+                    idx = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, j)), ir.PointerType(ir.IntType(8))))
+                    off = builder.mul(builder.zext(idx, i64), ir.Constant(i64, width))
                 e = builder.load(builder.inttoptr(builder.add(t, off), ir.PointerType(lane)), align=1)
                 v = builder.insert_element(v, e, ir.Constant(ir.IntType(32), j))
             return builder.bitcast(v, ir.VectorType(ir.IntType(8), 32))
@@ -276,34 +281,8 @@ of each entry's 7-bit index, from byte 256); likewise IQ2_S, IQ3_S (offsets of 4
 IQ1_S/IQ1_M (from the -1/8 table, 2048 entries on for +1/8)."""
 
 
-def _gather_off(k: int, width: int):
-    """An intrinsic (table, buf, off) -> I8x32: the k entries of ``width`` bytes at table + the u16
-    byte offsets at buf + off, side by side."""
-    lane = ir.IntType(8 * width)
-    vec = ir.VectorType(lane, k)
-
-    @intrinsic
-    def gather(typingctx, table, buf, off):
-        if not all(isinstance(a, types.Integer) for a in (table, buf, off)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            t, ba, oa = (context.cast(builder, a, s, types.int64) for a, s in zip(args, sig.args))
-            i64 = ir.IntType(64)
-            base = builder.add(ba, oa)
-            v = ir.Constant(vec, ir.Undefined)
-            for j in range(k):
-                ip = builder.inttoptr(builder.add(base, ir.Constant(i64, 2 * j)), ir.PointerType(_I16))
-                idx = builder.zext(builder.load(ip, align=2), i64)
-                e = builder.load(builder.inttoptr(builder.add(t, idx), ir.PointerType(lane)), align=1)
-                v = builder.insert_element(v, e, ir.Constant(ir.IntType(32), j))
-            return builder.bitcast(v, ir.VectorType(ir.IntType(8), 32))
-        return I8x32(table, buf, off), codegen
-    return gather
-
-
-gather8x4_off = _gather_off(4, 8)
-gather4x8_off = _gather_off(8, 4)
+gather8x4_off = _gather(4, 8, offsets=True)  # the grid entries at u16 byte offsets staged per block
+gather4x8_off = _gather(8, 4, offsets=True)
 
 
 @intrinsic
