@@ -1,7 +1,7 @@
 """experiments/policies_eval.py: a small version runs and writes a page of the committed one's
-structure (a short reference: the held-out table, the targets; the rest in the run folder) and its
-run folder; every run says where 1.2x lru is out of oracle's reach; the committed run's lookahead
-default is the dataclass's; bad input refused, nothing written."""
+structure (a short reference: the targets on the development set and on each held-out seed apart;
+the rest in the run folder) and its run folder; every run says where 1.2x lru is out of oracle's
+reach; the committed run's lookahead default is the dataclass's; bad input refused, nothing written."""
 from __future__ import annotations
 
 import csv
@@ -18,10 +18,11 @@ _spec = importlib.util.spec_from_file_location("policies_eval", ROOT / "experime
 policies_eval = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(policies_eval)
 
-SECTIONS = ["# Policies", "## Method", "## Held out: test families", "## Known limits", "## Command"]
+SECTIONS = ["# Policies", "## Method", "## Targets", "## Known limits", "## Command"]
 RUN_SECTIONS = ["# policies_eval run: every policy on every trace", "## Policies", "## Chosen configuration",
-                "## Held out: test families", "## Development set", "## Every policy", "### Test set (held out)",
-                "### Development set"]
+                "## Held out: seed 3", "## Held out: seed 4", "## Development set", "## Every policy",
+                "### Held out, seed 3", "### Held out, seed 4", "### Development set"]
+COLUMNS = "| target | development (tuning) | held out, seed 3 | held out, seed 4 |"
 RUN = ROOT / "docs" / "perf" / "policies_eval"
 
 
@@ -39,26 +40,28 @@ def test_small_run_matches_the_committed_structure(tmp_path, monkeypatch):
                                "--run-dir", str(run), "--quiet"]) == 0
     small = out.read_text()
     committed = (ROOT / "docs" / "POLICIES.md").read_text()
-    for text, readme in ((small, (run / "README.md").read_text()), (committed, (RUN / "README.md").read_text())):
+    for text, folder, n_hw in ((small, run, 1), (committed, RUN, len(policies_eval.HARDWARE))):
+        readme = (folder / "README.md").read_text()
         assert structure(text)[0] == SECTIONS and len(text) < 10_000  # a few screens
-        assert "Targets, held out:" in text and "Development set (tuning" in text
+        assert COLUMNS in text and COLUMNS in readme  # the development set's figures apart from each seed's
         heads, paras = structure(readme)
         assert heads == RUN_SECTIONS and paras == list(policies_eval.ROWS) and "grid held out" in readme
-        for row in [l for l in text.splitlines() if l.startswith("| test ")]:  # oracle / lru, and its reach
+        held = [l for l in readme.splitlines() if l.startswith(("| test ", "| held "))]
+        assert len(held) == 2 * n_hw * sum(len(f) for _, f in policies_eval.HELD)
+        for row in held:  # oracle / lru, and its reach
             oracle = float(row.split(" | ")[9].split()[0])
             assert (oracle < 1.2) == ("1.2x out of reach" in row)
     assert "--tokens 4 --hardware rtx4060-laptop" in small
     assert "](run/README.md)" in small
     rows = list(csv.DictReader((run / "results.csv").open()))
-    sets = {r["set"] for r in rows}
-    assert sets == {"dev", "test"}
-    # the test families carry one lookahead configuration per run, lru reads x1.00 in the tables
-    test = [r for r in rows if r["set"] == "test" and r["policy"] == "lookahead"]
-    assert len(test) == 2 * len(policies_eval.TEST_FAMILIES)
+    assert {r["set"] for r in rows} == {"dev", "test3", "test4"}
+    # each held-out family carries one lookahead configuration per run, lru reads x1.00 in the tables
+    for seed, fams in policies_eval.HELD:
+        assert len([r for r in rows if r["set"] == f"test{seed}" and r["policy"] == "lookahead"]) == 2 * len(fams)
     lru_rows = [l for l in (run / "README.md").read_text().splitlines() if l.startswith("| lru |")]
     assert lru_rows and all(l.count("(x1.00)") == 2 for l in lru_rows)
     cfg = json.loads((run / "config.json").read_text())
-    assert cfg["command"].endswith("--tokens 4 --hardware rtx4060-laptop") and cfg["test_seed"] == policies_eval.TEST_SEED
+    assert cfg["command"].endswith("--tokens 4 --hardware rtx4060-laptop") and cfg["test_seeds"] == [3, 4]
 
 
 def test_the_committed_default_is_the_dataclass_default():
@@ -68,7 +71,8 @@ def test_the_committed_default_is_the_dataclass_default():
     assert all(default[k] == v for k, v in cfg["lookahead_default"].items())
     assert all(default[k] == v for k, v in cfg["lookahead_fixed"].items() if k in default)
     assert "(the `LookaheadConfig` default)" in (RUN / "README.md").read_text()
-    assert [f[0] for f in cfg["test_families"]] == [f[0] for f in policies_eval.TEST_FAMILIES]
+    for seed, fams in policies_eval.HELD:
+        assert [f[0] for f in cfg["test_families"][str(seed)]] == [f[0] for f in fams]
 
 
 def test_bad_input_refused(capsys, tmp_path):
