@@ -10,10 +10,12 @@ go as follows (``handoff.cu``):
    (after ``__threadfence_system``); the pool's workers, which picked the call up at once and
    grouped its pairs, spin on that word (then nap; a GPU cannot wake a futex) and compute;
 3. the pool's last worker writes the rows into ``yout`` and then ``ctrl[_C_DONE] = seq``;
-4. a kernel queued after the layer's GPU work (``handoff1_down_combine`` for one token: the GPU
-   pairs' down projection and the router-weighted sum in rank order, as ``moe1_down_combine``;
-   ``handoff_get`` for a batch: the rows into the pair buffer before ``moe_combine``) waits for
-   ``ctrl[_C_DONE] >= seq`` and reads the rows from ``yout``.
+4. for one token, ``handoff_wait`` (one block) queued after the layer's GPU work waits for
+   ``ctrl[_C_DONE] >= seq``, one copy moves the rows from ``yout`` to device memory, and
+   ``handoff1_down_combine`` adds the GPU pairs' down projections and the rows, router-weighted
+   in rank order as ``moe1_down_combine`` (read from mapped memory by each of its blocks, the rows
+   would cost the link a round trip per two floats); ``handoff_get`` (the microbenchmark's) waits
+   and reads the rows from ``yout`` itself, coalesced.
 
 A wait gives up after ``wait_timeout_s`` (1 s at most) or when the pool is marked broken: it then
 writes the call's number into a mapped error word and marks the pool broken itself (the pool's
