@@ -439,9 +439,9 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
     predicted, fitted, speedups, outside = [], [], [], []
     for i, res in enumerate(results):
         t = res["table"]
-        lines += [f"## {data['machines'][t['machine']]['about']}: {t['note']}", "",
-                  f"Preset `{t['machine']}`, model `{t['model']}` experts {t['quant']}, {t['cache_mib']} MiB cache, "
-                  f"{t['tokens']} tokens published ({res['simulated_tokens']} simulated).", "",
+        lines += [f"## {t['machine']}: {t['model']} {t['quant']}, {t['cache_mib']} MiB cache, {t['tokens']} tokens", "",
+                  f"{data['machines'][t['machine']]['about']}; {t['note']} ({res['simulated_tokens']} tokens "
+                  "simulated).", "",
                   "| row | published t/s | predicted | error | hit rate | fits |", "|---|---:|---:|---:|---:|---|"]
         for r in res["rows"]:
             (fitted if r["fits"] else predicted).append((r, t))
@@ -474,10 +474,9 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
                      f"{sum(1 for r, _ in within if all(r is not o for o, _ in outside))} of the {len(predicted) - len(outside)} others.")
     lines += [f"- Hybrid / cache speedup: sign right in {signs} of {len(speedups)} tables; errors "
               + ", ".join(f"{s['error']:+.0%}" for s, _ in speedups)
-              + (f" (largest {abs(worst[0]['error']):.0%})." if worst else "."), "",
-              "## Left out of the data file", ""]
-    lines += [f"- {x['rows']}: {x['why']}." for x in data["left_out"]]
-    lines += ["", "## Known limits", "", _LIMITS, "",
+              + (f" (largest {abs(worst[0]['error']):.0%})." if worst else "."),
+              f"- Left out: {len(data['left_out'])} groups of published rows with no matching configuration (their "
+              "reasons: `left_out` in the data file).", "", "## Known limits", "", _LIMITS, "",
               f"predicted rows within {TOLERANCE:.0%}: {len(within)} of {len(predicted)}; fitted: {len(fitted)}"]
     return "\n".join(lines) + "\n"
 
@@ -492,68 +491,34 @@ def _bound_line(b: dict, pub: dict) -> str:
 
 
 _METHOD = (
-    "Each published row (`experiments/seed_tables.json`: `source` names the systems and machines, `rows_measured` "
-    "what each configuration measured) is replayed on synthetic traces of its model's geometry ({seeds} seeds, mean "
-    "reported) under the policy and engine of its configuration (`simulate.seeds.ROWS`): `--cpu-moe` = policy `cpu` "
-    "and upstream's cache = `lru` over one pool shared by all MoE layers, both on the `llama.cpp` engine (captured "
-    "graphs, one graph-split round trip per layer); the pull request's hybrid = `hybrid` with every miss on the CPU, "
-    "its slots from the same shared budget, on the `mailbox` engine (captured graphs, one mapped-flag hand-off each "
-    "way per layer). Upstream's cache loads during the {prompt}-token prompt, which the published generation rate "
-    "leaves out (the seed says so): the prompt's tokens run through it untimed. The hybrid's cache starts empty at "
-    "the first generated token. Fill lag, as the seed describes it: upstream uploads every miss before the layer's "
-    "experts run; the hybrid uploads the experts that missed right after the token that missed them, before the next "
-    "token (`lag_tokens=0`), at most 512 per token (16 before its faster fill, whose swap rounds waited for the cache "
-    "to fill). Every upload is a pageable copy of three tensors (GGUF keeps a layer's experts in three: gate, up, "
-    "down), each paying the preset's `copy_latency_s`. The UD file's experts mix quant types: each is charged its share of "
-    "the file's stated size less the non-expert weights (`file_gib`; the same estimate lands within 5% of the nominal "
-    "type's bytes on the single-type files) on the GPU and the link, and the nominal type's CPU time (the CPU's "
-    "i-quant kernels take about the same time per weight whatever the type).\n\n"
-    "Routing: `traces.synth` with the data file's `routing` (popularity skew `zipf_s` and topic width "
-    "`topic_concentration`; the other fields its defaults), the grid point whose simulated routing statistics lie "
-    "nearest the published ones below (`--fit-routing --seeds 5` prints the grid; none of the statistics is a table row). The "
-    "prompt and the generation are two sequences of one trace: one per-layer popularity, a topic each (a prompt is "
-    "not the text it asks for).\n\n"
-    "Host figures: the presets' spec-sheet derived numbers (`gpu_mem_gbps` = 0.88 x the GPU's specified bandwidth, "
-    "the fraction moelab's calibration measured on the H200; `split_sync_s` from llama.cpp's `-ncmoe` rows measured "
-    "on the H200 machine; `mailbox_s` an estimate; the presets' `sources` say so); the L4's pageable rate from the "
-    "seed's stated prompt-time load of upstream's cache (1.5-1.8 s on the 16 GB tables: the bytes the simulated "
-    "prompt loads, over 1.65 s less their copies' fixed costs; `stated` in the data file); and the parameters fitted on the rows marked in the `fits` "
-    "column, each by bisection on its row's simulated rate (`simulate.seeds.derive_hosts`). A fitted row reproduces "
-    "itself and is not counted. Error = predicted / published - 1. Each table's bounds line (`simulate.seeds.bounds`) "
-    "gives its hybrid rows with every upload free (the most the hybrid reaches on that CPU rate and routing) and "
-    "`--cpu-moe` on the table's file (the hybrid with no hits): a published hybrid row outside them is one the "
-    "modelled costs cannot give, whatever the link.")
+    "Each row of `experiments/seed_tables.json` (`source`: systems and machines) is replayed on {seeds} synthetic "
+    "traces of its model's geometry (mean reported) under its configuration's policy and engine "
+    "(`simulate.seeds.ROWS`): `--cpu-moe` = `cpu` and upstream's cache = `lru` over one shared pool, on the "
+    "`llama.cpp` engine (captured graphs, a graph-split round trip per layer); the pull request's hybrid = `hybrid` "
+    "with every miss on the CPU and its slots from the same budget, on the `mailbox` engine (a mapped-flag hand-off "
+    "each way per layer). Upstream's cache loads during the {prompt}-token prompt, untimed as in the published rates; "
+    "the hybrid's cache starts empty and fills right after the token that missed (at most 512 per token, 16 before "
+    "its faster fill). An upload is a pageable copy of three tensors, each paying `copy_latency_s`; the UD file's "
+    "experts are charged their share of its stated size and the nominal type's CPU time.\n\n"
+    "Routing: `traces.synth` with the data file's `routing`, the grid point nearest the published routing "
+    "statistics below (`--fit-routing --seeds 5`; none is a table row); prompt and generation a topic each. Hosts: "
+    "the presets' spec-sheet numbers (their `sources`), the L4's pageable rate from the seed's stated prompt-time "
+    "load, and the parameters fitted on the rows marked in `fits` (bisection, `simulate.seeds.derive_hosts`): a "
+    "fitted row is not counted. Error = predicted / published - 1. A table's bounds line gives its hybrid rows with "
+    "every upload free and `--cpu-moe` on its file: a published hybrid row outside them is one no modelled cost gives.")
 
 _LIMITS = (
-    "- No recorded routing of these models exists here. The synthetic routing matches the published routing "
-    "statistics above within about 2 points, but not the published runs' warm-up: upstream's cache runs tokens "
-    "257-1024 at about 57 and 50 t/s against 37.8 and 38.5 over tokens 1-256 (the 256- and 1024-token rows of the "
-    "16 GB tables), and the hybrid about 2 s longer at the start than upstream's cache on Qwen3-Coder-Next (the "
-    "seed), while in these traces, the generation a topic of its own, upstream's cache is slow over about the first "
-    "64 tokens only. So the 256-token "
-    "rows of those tables come out fast and the 1024-token rows close. The same warm-up decides the sign of the "
-    "1024-token tables' hybrid / cache speedups (published 0.99x and 0.91x: a sign that needs the two rows within "
-    "1% and 9%). The stated load time is read as all load: the seed's totals (21.8 s for upstream's 1024 tokens at "
-    "50.5 t/s) leave about 1.5 s for prompt and load together, so the load alone may be shorter and the rate higher.\n"
-    "- The laptop's hybrid rows lie above their tables' bounds: with every upload free, the CPU rate of upstream's "
-    "`--cpu-moe` row and the synthetic hit rate still leave them short (and the laptop reached 46-47 t/s at 1024 "
-    "tokens). The pull request also changed the CPU's one-token-per-expert kernel (row chunking, tuned on that "
-    "laptop) by an amount the seed does not give; these rows need that gain, or more hits than these traces give, "
-    "so they cannot be predicted from the `--cpu-moe` row. They stay counted, as misses.\n"
-    "- The L4's Qwen3-Coder-Next rows before the faster fill (21.1 and 32.7 t/s; tokens 257-1024 at about 40 t/s) "
-    "are slower than the described costs allow: the 256-token row lies below the predicted `--cpu-moe` rate of the "
-    "same file (its bounds line), though the hybrid serves part of the routes from the GPU. The UD file's expert "
-    "types are not published; sub-4-bit i-quants cost a CPU more per weight than IQ4_XS in published CPU "
-    "benchmarks (about 1.4x for IQ3_XXS), which, with an IQ4_XS/IQ3_XXS mix matching the file's bytes, adds about "
-    "a sixth to the CPU time: short of what these rows need, so the model keeps the nominal type's time.\n"
-    "- The L4's 5000 MiB cache row (33.5 t/s, 7% above `--cpu-moe`) needs 3.8 GB/s of pageable upload at the "
-    "hit rates these traces give (about those the seed's tester measured: 88.5% at 5.75 GB); fitted there instead of "
-    "taken from the stated load time, that rate leaves upstream's cache on the Qwen3-Coder-Next 16 GB tables 22% and "
-    "27% slow, 9 of 18 predicted rows within 15% and both 1024-token signs wrong.\n"
-    "- The laptop's Qwen3-Coder-Next rows are one round each; its non-hybrid rows varied by up to about 5 t/s "
-    "between rounds (published), about 25% of those rows. Its `--cpu-moe` rows imply 1.13x the time per token for "
-    "1.5x the expert bytes, which no per-byte CPU rate reproduces.\n"
-    "- One pageable rate serves upstream's on-demand uploads (sorted, consecutive misses merged) and the hybrid's "
-    "fills and swaps; the swap rounds use the runtime's published parameters (every 4 tokens, at most 96 moves), "
-    "which the seed does not state for the pull request.\n"
-    "- The laptop has no row with every weight on the GPU: its graph cost is the L4's.")
+    "- No recorded routing of these models exists here: the synthetic routing matches the published statistics "
+    "within about 2 points but not the published runs' warm-up (upstream's cache runs tokens 257-1024 at about 57 "
+    "and 50 t/s against 38 over tokens 1-256; in these traces it is slow over the first ~64 tokens only), so the "
+    "16 GB tables' 256-token rows come out fast, and the same warm-up decides their 1024-token speedups' signs "
+    "(published 0.99x and 0.91x).\n"
+    "- The laptop's hybrid rows lie above their bounds: they need the pull request's CPU kernel gain (not given in "
+    "the seed) or more hits than these traces give. They stay counted, as misses.\n"
+    "- The L4's Qwen3-Coder-Next 256-token row before the faster fill lies below `--cpu-moe` on the same file; the "
+    "UD file's expert types are not published (a sub-4-bit mix would add about a sixth to the CPU time, short of it).\n"
+    "- The L4's 5000 MiB cache row needs 3.8 GB/s of pageable upload; fitted there instead of taken from the stated "
+    "load time, that rate leaves 9 of 18 predicted rows within 15% and both 1024-token signs wrong.\n"
+    "- The laptop's Qwen3-Coder-Next rows are one round each (its non-hybrid rows varied by ~25% between rounds); "
+    "the swap rounds use the runtime's published parameters (every 4 tokens, at most 96 moves); the laptop's graph "
+    "cost is the L4's.")
