@@ -284,6 +284,10 @@ class HybridPolicy(BasePolicy):
         return (bool(self.swap_every) and (self.tokens + 1) % self.swap_every == 0 and not self.background
                 and (self.swap_while_filling or not any(self.cache.free)))
 
+    def fill_cap(self) -> int:
+        """Fills this token's ``plan_background`` may plan at most (``max_fills``)."""
+        return self.max_fills
+
     def plan_background(self) -> tuple[Move, ...]:
         cache = self.cache
         free_left = [len(f) for f in cache.free]
@@ -293,8 +297,9 @@ class HybridPolicy(BasePolicy):
             u = self._u
             cands = [k for k in self.missed if k not in cache.slot and cache.pool_of[k[0]] >= 0]
             cands.sort(key=lambda k: -u[k[0]][k[1]])
+            cap = self.fill_cap()
             for k in cands:
-                if len(fills) == self.max_fills:
+                if len(fills) >= cap:
                     break
                 p = cache.pool_of[k[0]]
                 if free_left[p] == 0:

@@ -283,22 +283,25 @@ class HybridCostPolicy(HybridPolicy):
         if self.tuner is not None:
             self.floor_256 = self.tuner.observe(d.step, self.floor_256)
 
+    def fill_cap(self) -> int:
+        """At most as many fills as the link could have carried in the idle time of the token just
+        planned (its predicted time less its demand copies and the link work still queued), so that
+        copies queued after a token do not hold the next token's misses back; none after a step of
+        several tokens (a prompt chunk: its idle link time says nothing of a decode token's, and a
+        burst of fills there delays the first decode tokens; free slots are filled during decode)."""
+        if self._tok_batch:
+            return 0
+        if self._up_mean <= 0:
+            return self.max_fills
+        spare = self._tok_s - self._tok_link_s - self._queue_s
+        return min(self.max_fills, max(int(spare / self._up_mean), 0))
+
     def plan_background(self) -> tuple[Move, ...]:
-        """``hybrid``'s fills and swaps, with at most as many fills as the link could have carried
-        in the idle time of the token just planned (its predicted time less its demand copies and
-        the link work still queued), so that copies queued after a token do not hold the next
-        token's misses back; none after a step of several tokens (a prompt chunk: its idle link
-        time says nothing of a decode token's, and a burst of fills there delays the first decode
-        tokens; free slots are filled during decode instead)."""
-        spare = 0.0 if self._tok_batch else self._tok_s - self._tok_link_s - self._queue_s
-        cap = int(spare / self._up_mean) if self._up_mean > 0 else self.max_fills
+        """``hybrid``'s fills (at most ``fill_cap``) and swaps; this token's sums start over."""
+        moves = super().plan_background()
         self._tok_s = self._tok_link_s = 0.0
         self._tok_batch = False
-        full, self.max_fills = self.max_fills, min(self.max_fills, max(cap, 0))
-        try:
-            return super().plan_background()
-        finally:
-            self.max_fills = full
+        return moves
 
     def commit_background(self, moves: tuple[Move, ...]) -> None:
         token = self.tokens
