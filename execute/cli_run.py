@@ -125,6 +125,10 @@ def _run(args) -> int:
     from .first_token import Phases
 
     check_run_args(args)
+    if args.policy != "cpu" and args.backend == "engine" and gpu_init_env():
+        from .first_token import GpuInit
+
+        args.gpu_init = GpuInit()  # the CUDA context made while the file is opened and read
     ph = getattr(args, "phases", None)
     if ph is None:
         args.phases = ph = Phases()
@@ -201,4 +205,12 @@ def run_main(argv: list[str]) -> int:
     args.started_at = started
     args.phases = Phases(age)
     return guard(_run, args)
+
+
+def gpu_init_env() -> bool:
+    """``MOELAB_GPU_INIT``: 1 (the default) starts the CUDA context on a thread at the command's
+    start (``execute.first_token.GpuInit``); 0 leaves it to the first CUDA call."""
+    from .xp import env_switch
+
+    return env_switch("MOELAB_GPU_INIT")
 

@@ -8,6 +8,8 @@
 - :class:`ChunkPacker`: copies of any size cut into pieces packed into fixed-size staging buffers
   used in turn (a copy larger than a buffer spans several; small ones share one), each piece at an
   aligned offset, so that a buffer is filled, sent and reused as a whole.
+  :meth:`ChunkPacker.add_rows` packs whole rows (experts' parts going to slots of another pitch),
+  so that each piece is one strided copy out of its buffer.
 - :func:`split_range`: a piece's bytes split among copy threads at aligned boundaries.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Mapping, NamedTuple
 
 from .xp import env_switch
 
-__all__ = ["ChunkPacker", "Piece", "Run", "fast_load_env", "slot_runs", "split_range"]
+__all__ = ["ChunkPacker", "Piece", "RowPiece", "Run", "fast_load_env", "slot_runs", "split_range"]
 
 
 def fast_load_env() -> bool:
@@ -61,6 +63,16 @@ class Piece(NamedTuple):
     nbytes: int
 
 
+class RowPiece(NamedTuple):
+    """Rows ``row .. row + rows - 1`` of a copy, placed back to back in staging buffer ``buffer``
+    (as :class:`Piece`) from ``buffer_offset``."""
+
+    row: int
+    rows: int
+    buffer: int
+    buffer_offset: int
+
+
 class ChunkPacker:
     """Packs copies into staging buffers of ``chunk_bytes``: :meth:`add` returns the pieces of the
     next copy. Pieces start at multiples of ``align`` within a buffer; a buffer is left for the
@@ -85,6 +97,23 @@ class ChunkPacker:
             out.append(Piece(c, off, self.buffer, self.fill, n))
             off += n
             self.fill += -(-n // self.align) * self.align
+        return out
+
+    def add_rows(self, rows: int, row_bytes: int) -> list[RowPiece]:
+        """Pieces of whole rows of the next copy (``rows`` rows of ``row_bytes``, at most a buffer
+        each): as many rows as fit the current buffer's room, then the next buffers'."""
+        if rows < 0 or not 0 < row_bytes <= self.chunk_bytes:
+            raise ValueError(f"ChunkPacker.add_rows: {rows} rows of {row_bytes} bytes, expected rows >= 0 and "
+                             f"0 < row_bytes <= {self.chunk_bytes}")
+        out, r = [], 0
+        self.copies += 1
+        while r < rows:
+            if self.chunk_bytes - self.fill < row_bytes:
+                self.buffer, self.fill = self.buffer + 1, 0
+            n = min(rows - r, (self.chunk_bytes - self.fill) // row_bytes)
+            out.append(RowPiece(r, n, self.buffer, self.fill))
+            r += n
+            self.fill += -(-n * row_bytes // self.align) * self.align
         return out
 
 

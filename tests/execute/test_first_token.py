@@ -125,3 +125,38 @@ def test_prepare_compiles_the_cpu_kernels_only_when_a_cpu_pair_can_happen(models
         assert bool(calls) == warmed and loaded[-1] == len(slots)
         assert set(b.prepare_s) == {"numba_warmup_s", "expert_upload_s"}
     b.close()
+
+
+def test_gpu_init_makes_the_context_and_cublas_on_a_thread_and_keeps_errors(monkeypatch):
+    import sys
+    import threading
+    import types
+
+    from execute.first_token import GpuInit
+
+    calls = []
+    rt = types.SimpleNamespace(free=lambda p: calls.append(("free", p, threading.current_thread().name)))
+    cp = types.ModuleType("cupy")
+    cp.cuda = types.SimpleNamespace(runtime=rt)
+    blas = types.ModuleType("cupy_backends.cuda.libs.cublas")
+    blas.create = lambda: calls.append(("create",)) or 7
+    blas.destroy = lambda h: calls.append(("destroy", h))
+    for name in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["cupy_backends.cuda.libs"].cublas = blas
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.cublas", blas)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    g = GpuInit()
+    assert g.join(10) and g.error is None and g.done_s is not None
+    assert calls == [("free", 0, "moelab-gpu-init"), ("create",), ("destroy", 7)]
+    rt.free = lambda p: (_ for _ in ()).throw(RuntimeError("no device"))
+    g = GpuInit()
+    assert g.join(10) and isinstance(g.error, RuntimeError) and "no device" in str(g.error)
+
+
+def test_gpu_init_switch_is_checked(models, monkeypatch, capsys):
+    from execute.cli_run import run_main
+
+    monkeypatch.setenv("MOELAB_GPU_INIT", "2")
+    assert run_main([str(models()), "-p", "hi", "-n", "1", "--policy", "gpu"]) == 2
+    assert "MOELAB_GPU_INIT" in capsys.readouterr().err

@@ -96,3 +96,21 @@ def test_fast_load_switch(monkeypatch):
     monkeypatch.setenv("MOELAB_FAST_LOAD", "yes")
     with pytest.raises(ExecutorError, match="MOELAB_FAST_LOAD"):
         fast_load_env()
+
+
+def test_chunk_packer_rows_fit_whole_in_one_buffer_and_tile_the_copy():
+    p = ChunkPacker(1024, align=64)
+    p.add(100)  # a byte copy first: rows start at the next aligned offset
+    placed = []
+    for rows, rb in [(7, 300), (1, 1024), (0, 8), (11, 64), (3, 1000)]:
+        pieces = p.add_rows(rows, rb)
+        assert sum(q.rows for q in pieces) == rows and [q.row for q in pieces] == [
+            sum(q.rows for q in pieces[:i]) for i in range(len(pieces))]
+        for q in pieces:
+            assert q.rows >= 1 and q.buffer_offset % 64 == 0 and q.buffer_offset + q.rows * rb <= 1024
+            placed.append((q.buffer, q.buffer_offset, q.buffer_offset + q.rows * rb))
+    assert placed[0] == (0, 128, 728)  # two rows of 300 after the 100-byte copy's 128
+    for (b1, s1, e1), (b2, s2, e2) in zip(placed, placed[1:]):  # in order, never overlapping
+        assert b2 > b1 or (b2 == b1 and s2 >= e1)
+    with pytest.raises(ValueError, match="row_bytes"):
+        p.add_rows(2, 1025)
