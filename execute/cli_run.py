@@ -124,11 +124,13 @@ def _run(args) -> int:
 
     from .first_token import Phases
 
-    check_run_args(args)
     if args.policy != "cpu" and args.backend == "engine" and gpu_init_env():
         from .first_token import GpuInit
 
-        args.gpu_init = GpuInit()  # the CUDA context made while the file is opened and read
+        # the CUDA context made while the arguments are checked (--threads imports numba), the
+        # file is opened and the vocabulary read
+        args.gpu_init = GpuInit()
+    check_run_args(args)
     ph = getattr(args, "phases", None)
     if ph is None:
         args.phases = ph = Phases()
