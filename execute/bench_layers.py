@@ -248,6 +248,7 @@ def measure_rates(cp, layers, gx, pool, dense: Dense, reps: int = 6) -> dict:
                                                                   list(range(k + 1)), [0] * k, list(range(k)),
                                                                   [1.0 / k] * k, k))
     gx.wait(gx.all_done_event())
+    out["host_us"].update(driver_call_us(cp, gx, dense, min(3, n_slots)))
     gpu_gbps = k * eb / (out["gpu_us"]["experts"] * 1e-6) / 1e9
     # CPU pool: k experts per call, rotating layers so L3 does not serve them (0: not measured)
     cpu_gbps = 0.0
@@ -278,6 +279,40 @@ def measure_rates(cp, layers, gx, pool, dense: Dense, reps: int = 6) -> dict:
     return out
 
 
+def driver_call_us(cp, gx, dense: Dense, n: int) -> dict:
+    """Host us per call of what a layer step queues: a step's copy of ``n`` experts (one batched
+    driver call, where the driver has it, and one call per part), one part's copy, an event
+    record, a stream wait, a one-thread kernel launch (NaN: not available)."""
+    rt, b = cp.cuda.runtime, gx._batch
+    ev = cp.cuda.Event(disable_timing=True)
+    row = gx._host_rows(0)
+    out = {}
+
+    def copy_in(batched: bool) -> None:
+        fn = b._fn
+        if not batched:
+            b._fn = None
+        try:
+            gx.copy_in(0, list(range(n)), list(range(n)))
+        finally:
+            b._fn = fn
+
+    out[f"copy_in_{n}_batched"] = host_us(lambda: copy_in(True), 20) if b.batched else float("nan")
+    gx.wait(gx.all_done_event())
+    out[f"copy_in_{n}_per_part"] = host_us(lambda: copy_in(False), 20)
+    gx.wait(gx.all_done_event())
+    if row is not None:
+        dst = gx.source_ptr(0, 0)
+        out["memcpy_one_part"] = host_us(lambda: rt.memcpyAsync(dst, row[0][0], row[0][2], rt.memcpyHostToDevice,
+                                                                 gx.copy.ptr), 20)
+    out["event_record"] = host_us(lambda: rt.eventRecord(ev.ptr, gx.compute.ptr))
+    out["stream_wait_event"] = host_us(lambda: rt.streamWaitEvent(gx.copy.ptr, ev.ptr))
+    out["launch_1thread"] = host_us(lambda: dense.spin((1, 1), 1, gx.compute.ptr, 0))
+    out["batch_refused"] = b.refused or 0
+    gx.wait(gx.all_done_event())
+    return out
+
+
 def bound_s(decisions, eb: int, rates: dict) -> tuple[float, float]:
     """(bound of these decisions, ideal-split bound with the same hits), in seconds."""
     g, p, c, dn = rates["gpu_gbps"] * 1e9, rates["upload_gbps"] * 1e9, rates["cpu_gbps"] * 1e9, rates["dense_s_per_layer"]
@@ -293,8 +328,8 @@ def bound_s(decisions, eb: int, rates: dict) -> tuple[float, float]:
 
 HOST_PHASES = ("dense", "run_layer", "background")
 NO_CPU = {"gpu", "lru", "freq-lru"}  # policies that never compute an expert on the CPU
-ENGINE_PHASES = ("host_early_s", "host_plan_s", "host_queue_s", "input_wait_s", "cpu_wait_s", "host_combine_s",
-                 "background_wait_s")
+ENGINE_PHASES = ("host_early_s", "host_plan_s", "host_submit_s", "host_queue_s", "input_wait_s", "cpu_wait_s",
+                 "host_combine_s", "background_wait_s")
 
 
 def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense, gx, rates, options,
@@ -422,7 +457,9 @@ def report(results: list[dict], rates: dict) -> tuple[str, dict | None]:
     w(f"\none call, us{'':<14}{'host':>10}{'device':>10}\n")
     for name in rates["gpu_us"]:
         w(f"{name:<26}{rates['host_us'][name]:10.1f}{rates['gpu_us'][name]:10.1f}\n")
-    w(f"{'layer_meta':<26}{rates['host_us']['layer_meta']:10.1f}{'':>10}\n")
+    for name, v in rates["host_us"].items():
+        if name not in rates["gpu_us"] and isinstance(v, float):
+            w(f"{name:<26}{v:10.1f}{'':>10}\n")
     e = rates["dense_rel_err"]
     w(f"dense stand-in rel. error vs float64: fused {e['fused_vs_f64']:.1e}, cupy ops {e['cupy_ops_vs_f64']:.1e}\n")
     w(f"one-token expert path vs grouped kernels + combine: rel. difference {e['experts1_vs_grouped']:.1e}\n")

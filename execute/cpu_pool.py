@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Sequence
 
 import numba
@@ -402,14 +403,14 @@ class CpuExpertPool:
         self._ctrl = np.zeros(_CTRL, np.int64) if ctrl is None else ctrl
         self._ctrl[:] = 0
         self._ring = np.zeros((_RING + self.workers, _RING_FIELDS), np.int64)  # job slots, then a row per worker
-        self._tracked: list[CpuJob] = []  # calls submitted with track=True, not yet polled done
+        self._tracked: deque[CpuJob] = deque()  # calls submitted with track=True, not yet polled done (in order)
         self._seq = 0
         self._views: dict[int, tuple] = {}
         self._scratch = _Scratch()
         self._broken: str | None = None
         self._dead: str | None = None  # a team worker's exception (see _guarded_worker)
         self._workers: list[threading.Thread] = []
-        self._inflight: list[tuple[int, tuple]] = []  # (seq, arrays the team reads) until seq is done
+        self._inflight: deque[tuple[int, tuple]] = deque()  # (seq, arrays the team reads) until seq is done
         # a pool dropped without close(): its team finishes the calls, then stops
         weakref.finalize(self, _stop_team, self._ctrl, self._inflight, self.timeout_s)
 
@@ -488,8 +489,9 @@ class CpuExpertPool:
         if seq > _RING and not _wait_left(self._ring, seq - _RING, self.workers, int(self.timeout_s * 1e9)):
             self._break(f"layer {layer.layer}: the CPU expert team did not leave call {seq - _RING} within "
                         f"{self.timeout_s} s")
-        if self._tracked:
-            self._tracked = [j for j in self._tracked if not j.poll()]
+        tracked = self._tracked  # calls finish in order: stamp the done ones from the oldest on
+        while tracked and tracked[0].poll():
+            tracked.popleft()
         arrays, scratch = self._scratch.fields(len(e), layer.hidden, layer.ffn)
         try:
             launched = _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch,
@@ -500,8 +502,10 @@ class CpuExpertPool:
         if not launched:
             job._error = _bad_experts(layer)
             return self._failed(job, gated)
-        done = int(self._ctrl[_C_DONE])
-        self._inflight[:] = [k for k in self._inflight if k[0] > done] + [(seq, (e, x, y, arrays, layer, views))]
+        done, inflight = int(self._ctrl[_C_DONE]), self._inflight
+        while inflight and inflight[0][0] <= done:
+            inflight.popleft()
+        inflight.append((seq, (e, x, y, arrays, layer, views)))
         job._seq, job._out, job.gated = seq, y, gated
         self._seq = seq
         if track:

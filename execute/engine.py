@@ -84,6 +84,7 @@ class LayerStats:
     graph_steps: int = 0  # steps a token's graph computed (settle_layer)
     settled_moves: int = 0  # of those, steps whose decision still moved experts
     host_early_s: float = 0.0  # host time in begin_layer (its kernels queued)
+    host_submit_s: float = 0.0  # of host_plan_s, the CPU pool's submit of a handed-off call
     handoff_calls: int = 0  # CPU calls handed off through mapped memory whose edges were measured
     handoff_in_s: float = 0.0  # their gate written (GPU) -> first CPU worker through it
     handoff_out_s: float = 0.0  # their last CPU output -> the GPU's waiting kernel sees it
@@ -308,11 +309,11 @@ class ExpertEngine:
         if (self.gpu is not None and not d.cpu and not d.streams and not d.promotions and len(topk_ids) == 1
                 and isinstance(topk_ids, np.ndarray) and 1 <= topk_ids.shape[1] <= self._max_k
                 and getattr(x, "shape", None) == (1, lx.hidden) and np.shape(topk_weights) == topk_ids.shape):
-            return self.hand_back(self._run_one(d, x, topk_ids, topk_weights, early, t0))
+            return self.hand_back(self._run_one(d, x, topk_ids, topk_weights, early, t0), read=True)
         if (self.handoff is not None and d.cpu and len(topk_ids) == 1 and isinstance(topk_ids, np.ndarray)
                 and 1 <= topk_ids.shape[1] <= self._max_k and getattr(x, "shape", None) == (1, lx.hidden)
                 and np.shape(topk_weights) == topk_ids.shape):  # CPU pairs handed off, no host wait
-            return self.hand_back(self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0))
+            return self.hand_back(self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0), read=True)
         weights = np.asarray(topk_weights, np.float32)
         ids = np.asarray(topk_ids)
         if weights.shape != ids.shape or ids.ndim != 2 or x.shape != (weights.shape[0], lx.hidden):
@@ -383,16 +384,12 @@ class ExpertEngine:
         t1 = time.perf_counter()
         st.host_plan_s += t1 - t0
         if up is not None:
-            gx.begin_copies()
-            for e, s in up.items():
-                gx.upload(layer, e, s)
-            gx.compute_after_copies()
+            gx.copy_in(layer, d.uploads, d.slots)
             st.uploads += len(up)
         gx.pack1(bases, weights, rest)
         if rest:
             gx.gate_up1(layer, xd, len(ids), len(rest))
         out = gx.down_combine1(layer, len(ids))
-        gx.mark_read()
         for v in d.retired:
             slot_of.pop(v, None)
         if up is not None:
@@ -538,11 +535,15 @@ class ExpertEngine:
         for e, s in zip(d.uploads, d.slots):
             self.slot_of[(layer, e)] = s
 
-    def hand_back(self, out):
+    def hand_back(self, out, read: bool = False):
         """``out`` (a layer's output, on the compute stream) once the caller's current stream
         waits on the device for the work queued so far: the caller reads ``out``, and frees and
-        reuses its input's memory, in its own stream's order (no host wait)."""
-        self.gpu.to_caller()
+        reuses its input's memory, in its own stream's order (no host wait). ``read``: the step
+        has not marked its reads yet; ``last_read`` is recorded there, and is the caller's event."""
+        if read:
+            self.gpu.end_step()
+        else:
+            self.gpu.to_caller()
         self._handed_back = True
         return out
 

@@ -14,34 +14,30 @@ Streams and ordering (all GPU-side, via events):
 - ``background``: fills and swaps (same rule), one completion event per batch.
 - ``compute``: expert kernels, promotions (device-to-device, scratch -> slot) and the combine;
   it waits only for the copy events of the experts it reads.
-- the caller's current stream: a layer (``run``, ``combine``, the engine's ``run_layer``) first
-  makes ``compute`` wait for it (``after_caller``: its input may still be being copied there), and
-  then makes it wait for ``compute`` (``to_caller``: the output is read, and the input's memory
-  freed and reused, in the caller's order); all three streams are non-blocking, so nothing else
-  orders them after the legacy default stream. The parts of a layer (``gate_up1``,
-  ``down_combine1``, ``run_groups``, ``combine_meta``) leave both waits to their caller.
+- the caller's current stream: a layer first makes ``compute`` wait for it (``after_caller``: its
+  input may still be in the making there), then makes it wait for ``compute`` (``to_caller``, or
+  ``end_step`` with ``last_read`` as the event: the output is read, and the input's memory reused,
+  in the caller's order); the streams are non-blocking (nothing orders them after the legacy
+  default stream). The parts of a layer (``gate_up1``, ...) leave both waits to their caller.
 
-Host weights are page-locked in place (``cudaHostRegister``) when ``pinned``; where that fails
-(e.g. a read-only mapping the driver refuses) uploads go through a small pinned staging ring;
-``defer_pin`` leaves both to :meth:`start_load` (on a background thread, with a placement's upload).
+Host weights are page-locked in place (``cudaHostRegister``) when ``pinned``, else (refused) staged
+through a pinned ring; ``defer_pin`` leaves both to :meth:`start_load` (a background thread).
 
 Kernels (``gpu_kernels.cu``) read the quantized weights directly: ``moe_gate_up`` and
 ``moe_down`` cover all of a layer's GPU (expert, token) pairs in one launch each; ``moe_combine``
 sums the router-weighted pair outputs per token in a fixed order.
 
-Host cost per layer is kept to a few calls into the driver: kernels are launched with
-``cuLaunchKernel`` through a reusable argument block (:class:`Launch`), a layer's kernel metadata
-(expert addresses, group starts, token rows, ``pair_of`` and router weights) is packed into one
-pinned buffer and sent in one copy (:meth:`GpuExperts.layer_meta`), and the intermediate and
-per-pair buffers (``h``, ``y``, CPU staging) are allocated once and grown when a layer needs more.
+Host cost per layer is kept to a few driver calls: kernels go through ``cuLaunchKernel`` with a
+reusable argument block (:class:`Launch`; one token's per layer, ``gpu_step.FixedLaunch``), a
+layer's kernel metadata in one pinned copy (:meth:`GpuExperts.layer_meta`), a step's uploads in
+one batched copy (:meth:`GpuExperts.copy_in`); work buffers are allocated once and grown.
 
 One token (decode) needs no metadata copy at all: its pair table (each routed expert's address
 and router weight, at most ``MAX_TOP_K``) is a struct passed by value in the launch
 (:meth:`GpuExperts.pack1`); ``moe1_gate_up`` (:meth:`gate_up1`, any subset of the pairs, so the
 resident experts can start before the uploads land) and ``moe1_down_combine``
 (:meth:`down_combine1`: down projection and the router-weighted sum in one launch, in the order of
-``moe_combine``) write into an output reused once its holder has dropped it. Host addresses of
-expert rows are computed once per layer, so an upload is three ``cudaMemcpyAsync`` calls.
+``moe_combine``) write into an output reused once its holder has dropped it.
 
 A layer with a type ``gpu_kernels.cu`` does not read (another layout of ``quant.LAYOUTS``, e.g.
 Q5_K; ``generic_layers``) keeps it as stored too: its launches go to ``gpu_quant.cu``'s
@@ -67,6 +63,9 @@ from .gpu_host import Launch, cuda_module
 from .gpu_host import PinnedRing as _PinnedRing
 from .gpu_host import Staging as _Staging
 from .gpu_host import unregister as _unregister
+from .gpu_step import FREE_REFS as _FREE_REFS
+from .gpu_step import CopyBatch, FixedLaunch, queue_copies
+from .gpu_step import pack1 as _pack1
 from .gpu_upload import ExpertLoad, register
 from .kernel_variants import decode_kernels_env, kernel_name
 
@@ -84,18 +83,6 @@ _SPIN_S = 2e-3  # wait() polls without sleeping this long before it sleeps betwe
 _FUNCS: dict[str, object] = {}
 _rt = cp.cuda.runtime
 _H2D, _D2H, _D2D = _rt.memcpyHostToDevice, _rt.memcpyDeviceToHost, _rt.memcpyDeviceToDevice
-
-
-def _free_refs() -> int:
-    """``sys.getrefcount`` of an object only a list holds, seen from a loop over the list as
-    ``GpuExperts._output`` loops (the count depends on the interpreter's reference borrowing)."""
-    ring = [object()]
-    for a in ring:
-        return sys.getrefcount(a)
-    return 0
-
-
-_FREE_REFS = _free_refs()
 
 
 def gpu_available() -> bool:
@@ -207,7 +194,12 @@ class GpuExperts:
                  Launch(qk("qmoe1_down_combine"), 10, self._ex))
             self._kl.update((l, q) for l in self.generic_layers)
         self._k1r = None  # the token graph's launches (routed_layer), compiled on first use
-        self._packs: dict[tuple[int, str], struct.Struct] = {}
+        self._ones: dict[int, tuple[FixedLaunch, FixedLaunch]] = {}  # see _one
+        wf = max(l.ffn for l in moe)
+        with self.compute:  # one token's (k, ffn) gate/up outputs, k <= MAX_TOP_K (never regrown)
+            self._h1 = cp.empty(MAX_TOP_K * wf, cp.float32)
+        self.h1 = self._h1.data.ptr
+        self._batch = CopyBatch()
         self._rows: dict[int, list | None] = {}
         self._outs: dict[tuple[int, int], list[cp.ndarray]] = {}
         self._structs: dict[tuple[int, int, int], struct.Struct] = {}
@@ -362,6 +354,12 @@ class GpuExperts:
                 return  # put there by the background load, and nothing has written the slot since
         self._copy_expert(layer, expert, self._slot_ptr(layer, slot), stream or self.copy)
 
+    def copy_in(self, layer: int, experts: Sequence[int], slots: Sequence[int], streamed: Sequence[int] = (),
+                scratch: Sequence[int] = ()) -> None:
+        """A step's copies, after every queued expert kernel: ``experts`` into ``slots``, ``streamed``
+        into scratch buffers ``scratch``; the compute stream waits for them (``gpu_step.queue_copies``)."""
+        queue_copies(self, layer, experts, slots, streamed, scratch)
+
     def reserve_scratch(self) -> int:
         """The next scratch buffer (round-robin), without copying anything into it."""
         k = self._next_scratch
@@ -412,6 +410,14 @@ class GpuExperts:
             _rt.eventRecord(self._back_ev.ptr, self.compute.ptr)
             _rt.streamWaitEvent(cur, self._back_ev.ptr)
 
+    def end_step(self) -> None:
+        """``mark_read`` and ``to_caller`` by one event: ``last_read`` after the work queued on the
+        compute stream so far, and the caller's current stream waits for it."""
+        _rt.eventRecord(self.last_read.ptr, self.compute.ptr)
+        cur = cp.cuda.get_current_stream().ptr
+        if cur != self.compute.ptr:
+            _rt.streamWaitEvent(cur, self.last_read.ptr)
+
     def all_done_event(self) -> cp.cuda.Event:
         """An event on the compute stream after everything queued on all three streams."""
         for s in (self.copy, self.background):
@@ -456,38 +462,43 @@ class GpuExperts:
         return self._h.data.ptr, self._y.data.ptr, self._iota.data.ptr
 
     # one token, metadata by value ------------------------------------------------------------
-    def _pack(self, n: int, code: str) -> struct.Struct:
-        f = self._packs.get((n, code))
-        if f is None:
-            f = self._packs[(n, code)] = struct.Struct(f"<{n}{code}")
-        return f
+    def _one(self, layer: int) -> tuple[FixedLaunch, FixedLaunch]:
+        """The layer's ``moe1_gate_up`` and ``moe1_down_combine`` launches (built on first use;
+        their constants set, the pair table ``_ex`` by value, ``h`` the one-token buffer ``h1``)."""
+        one = self._ones.get(layer)
+        if one is None:
+            hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
+            kl = self._kl[layer]
+            one = self._ones[layer] = (
+                FixedLaunch(kl[2].func, (0, self.h1, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias),
+                            -(-ffn // (_WARPS * _RPW)), self._ex),
+                FixedLaunch(kl[3].func, (self.h1, 0, 0, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias), -(-hidden // _RPB),
+                            self._ex))
+        return one
 
     def pack1(self, bases: Sequence[int], weights: Sequence[float], pick: Sequence[int]) -> None:
         """Write the pair table the next ``gate_up1`` / ``down_combine1`` launches pass by value:
         ``bases[j]`` / ``weights[j]`` of the token's j-th routed expert (k <= MAX_TOP_K) and the
-        pairs ``pick`` the next ``gate_up1`` covers. The driver copies it at each launch, so it
-        may be rewritten at once."""
-        ex = self._ex
-        self._pack(len(bases), "Q").pack_into(ex, 0, *bases)
-        self._pack(len(weights), "f").pack_into(ex, 8 * MAX_TOP_K, *weights)
-        self._pack(len(pick), "i").pack_into(ex, 12 * MAX_TOP_K, *pick)
+        pairs ``pick`` the next ``gate_up1`` covers (entries past each list zeroed). The driver
+        copies it at each launch, so it may be rewritten at once."""
+        _pack1(self._ex, bases, weights, pick)
 
     def gate_up1(self, layer: int, x: cp.ndarray, k: int, picks: int) -> None:
-        """``h[j] = act(gate_j x, up_j x)`` for the first ``picks`` pairs of ``pick`` (one token:
+        """``h1[j] = act(gate_j x, up_j x)`` for the first ``picks`` pairs of ``pick`` (one token:
         ``x`` (1, hidden) from ``as_input``; ``k`` pairs in all), on the compute stream."""
-        hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, _, _, _, act, bias = self._consts[layer]
-        h, _, _ = self._work(k, ffn, hidden)
-        self._kl[layer][2]((-(-ffn // (_WARPS * _RPW)), picks), 32 * _WARPS, self.compute.ptr,
-                           x.data.ptr, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
+        gu = self._one(layer)[0]
+        gu.vals[0] = x.data.ptr
+        gu.launch(picks, 32 * _WARPS, self.compute.ptr)
 
     def down_combine1(self, layer: int, k: int) -> cp.ndarray:
-        """A new (1, hidden) output: ``sum_j weights[j] * down_j h[j]`` over the k pairs, summed in
-        j order as ``moe_combine`` does (one launch; ``h`` from ``gate_up1``)."""
-        hidden, ffn, _, _, _, _, _, _, off_d, qt_d, rb_d, _, bias = self._consts[layer]
-        h, _, _ = self._work(k, ffn, hidden)
-        out = self._output(1, hidden)
-        self._kl[layer][3]((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr,
-                           h, out.data.ptr, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
+        """A new (1, hidden) output: ``sum_j weights[j] * down_j h1[j]`` over the k pairs, summed in
+        j order as ``moe_combine`` does (one launch; ``h1`` from ``gate_up1``)."""
+        dc = self._one(layer)[1]
+        out = self._output(1, self._consts[layer][0])
+        v = dc.vals
+        v[1] = out.data.ptr
+        v[2] = k
+        dc.launch(1, 32 * k, self.compute.ptr)
         return out
 
     def routed_layer(self, layer: int, route: int, table: int, halt: int, x: int, h: int, out: int, k: int) -> list:
@@ -555,12 +566,10 @@ class GpuExperts:
 
     def layer_meta(self, bases: Sequence[int], gstart: Sequence[int], xrow: Sequence[int],
                    pair_of: Sequence[int], weights: Sequence[float], k: int) -> LayerMeta:
-        """Send one layer's kernel metadata in one copy on the compute stream.
-
-        ``bases``: (G,) expert addresses, ``gstart``: (G + 1,) absolute first pair of each group
-        (pairs of a group are contiguous; pair ids index ``h`` and ``y``), ``xrow``: row of x of
-        each GPU pair, ``pair_of`` / ``weights``: (T * k,) flat, for the combine.
-        """
+        """Send one layer's kernel metadata in one copy on the compute stream: ``bases`` (G,) expert
+        addresses, ``gstart`` (G + 1,) absolute first pair of each group (a group's pairs are
+        contiguous; pair ids index ``h`` and ``y``), ``xrow`` the row of x of each GPU pair,
+        ``pair_of`` / ``weights`` (T * k,) flat, for the combine."""
         g, p, tk = len(bases), len(xrow), len(pair_of)
         fmt = self._structs.get((g, p, tk))
         if fmt is None:
@@ -576,13 +585,9 @@ class GpuExperts:
     # kernels ---------------------------------------------------------------------------------
     def run(self, layer: int, sources: Sequence[int], x: cp.ndarray, xrow: Sequence[int],
             wait: Sequence[cp.cuda.Event] = (), out: cp.ndarray | None = None) -> cp.ndarray:
-        """Expert outputs for pairs i: ``y[i] = expert(sources[i]) applied to x[xrow[i]]``.
-
-        ``sources[i]`` is a slot (>= 0) or ``scratch_source(k)``; pairs with equal sources share
-        one read of the weights. The compute stream first waits for ``wait`` (the copies these
-        experts need). Returns ``out`` (or a new array): (len(sources), hidden) float32, written
-        on the compute stream.
-        """
+        """Pairs i: ``y[i] = expert(sources[i]) applied to x[xrow[i]]``, ``sources[i]`` a slot (>= 0)
+        or ``scratch_source(k)`` (equal sources share a read of the weights), on the compute stream
+        after ``wait`` (the copies these experts need): ``out`` (or new), (len(sources), hidden) float32."""
         lx = self.layers[layer]
         n = len(sources)
         if out is None:

@@ -125,7 +125,8 @@ class Handoff:
         self.offset_ns: int | None = None  # GPU clock - host clock
         self._started = False  # the first one-token call has warmed the pool and paired the clocks
         self.edges = Edges()
-        self._pending: list = []  # [job, stamp index, CPU times counted] whose edges are not read yet
+        self._pending: deque = deque()  # [job, stamp index, CPU times counted] whose edges are not read yet
+        self._counted = 0  # of those, how many (the oldest) have their CPU times counted
         self._reported = False
 
     # buffers ---------------------------------------------------------------------------------
@@ -197,17 +198,22 @@ class Handoff:
     def harvest(self, final: bool = False) -> list:
         """The calls that have finished since the last harvest. The edges of a finished call
         are added to ``edges`` once both its GPU stamps are written; a call stays pending until
-        then unless ``final`` or more than ``_SLOTS / 2`` calls old (dropped unmeasured)."""
-        if not self._pending:
-            return []
-        keep, done = [], []
-        newest = self._pending[-1][0]._seq
+        then unless ``final`` or more than ``_SLOTS / 2`` calls old (dropped unmeasured), and so
+        do the calls after it."""
+        pend, done = self._pending, []
+        if not pend:
+            return done
+        # calls finish in order: the uncounted ones follow the counted ones, and a harvest looks
+        # only at the calls done since the last one and at the oldest ones
+        i = self._counted
+        while i < len(pend) and pend[i][0].poll():
+            pend[i][2] = True
+            done.append(pend[i][0])
+            i += 1
+        newest = pend[-1][0]._seq
         e, w = self.edges, self.words
-        for item in self._pending:
-            job, stamp, counted = item
-            if not counted and job.poll():
-                done.append(job)
-                item[2] = counted = True
+        while pend:
+            job, stamp, counted = pend[0]
             if counted and w[stamp] and w[stamp + 1] and self.offset_ns is not None:
                 a = (job.gate_s * 1e9 - (int(w[stamp]) - self.offset_ns)) * 1e-9
                 b = ((int(w[stamp + 1]) - self.offset_ns) - job.finished_s * 1e9) * 1e-9
@@ -220,8 +226,10 @@ class Handoff:
                                    (int(w[stamp + 1]) - self.offset_ns) * 1e-9,
                                    (int(w[stamp + 2]) - self.offset_ns) * 1e-9 if w[stamp + 2] else 0.0))
             elif not final and newest - job._seq < _SLOTS // 2:
-                keep.append(item)
-        self._pending = keep
+                break
+            pend.popleft()
+            i = max(i - 1, 0)
+        self._counted = i
         return done
 
     def clock_offset(self, rounds: int = _ROUNDS, strict: bool = True) -> int | None:
@@ -305,7 +313,9 @@ class Handoff:
             pool.warmup(lx)
             self.clock_offset(strict=False)
         xin, yout, xin_dev, yout_dev = self.buffers(len(cpu), lx.hidden)
+        ts = time.perf_counter()
         job = pool.submit(lx, d.cpu, xin, out=yout, gated=True, track=True)
+        st.host_submit_s += time.perf_counter() - ts
         self.put(xd.data.ptr, 0, len(cpu), lx.hidden, xin_dev, job)
         st.steps += 1
         st.gpu_pairs += len(ids) - len(cpu)
@@ -313,26 +323,19 @@ class Handoff:
         t1 = time.perf_counter()
         st.host_plan_s += t1 - t0
         if up or streams:
-            gx.begin_copies()
-            for e, s in up.items():
-                gx.upload(layer, e, s)
-            for e, k in streams.items():
-                gx.stream_to(layer, e, k)
-            gx.compute_after_copies()
+            gx.copy_in(layer, d.uploads, d.slots, list(streams), list(streams.values()))
             st.uploads += len(up)
             st.streams += len(streams)
         if rest:
             gx.pack1(bases, weights, rest)
             gx.gate_up1(layer, xd, len(ids), len(rest))
-        h, _, _ = gx._work(len(ids), lx.ffn, lx.hidden)
         out = gx._output(1, lx.hidden)
-        self.down_combine1(bases, weights, rows, h, out.data.ptr, gx._consts[layer], yout, job)
+        self.down_combine1(bases, weights, rows, gx.h1, out.data.ptr, gx._consts[layer], yout, job)
         for v in d.retired:
             slot_of.pop(v, None)
         for e, s in zip(d.promotions, d.promotion_slots):
             gx.promote(layer, streams[e], s)
             slot_of[(layer, e)] = s
-        gx.mark_read()
         for e, s in up.items():
             slot_of[(layer, e)] = s
         self.collect(st)

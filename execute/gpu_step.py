@@ -1,0 +1,194 @@
+"""The host side of one token's expert step, kept to few Python operations and driver calls.
+
+:class:`FixedLaunch`: a kernel launch whose argument block is built once (per layer and kernel)
+and of which a call rewrites only the slots that change (the input, the output, the pair count):
+no argument tuple is converted per launch.
+
+:class:`CopyBatch`: a step's host -> device copies (an expert is one copy per part: gate, up,
+down, and its biases where it has them) queued by one driver call, ``cuMemcpyBatchAsync`` (CUDA
+12.8 drivers and later; its 13.0 form ``cuMemcpyBatchAsync_v2`` where exported), looked up in the
+driver library at run time. Without it (an older driver, no driver library, ``MOELAB_BATCH_COPY=0``,
+or a first batch the driver refuses: ``refused`` keeps its error), the same copies go one
+``cudaMemcpyAsync`` each, in the same order. Every copy of a batch is stream-ordered (the copies
+of a batch may run in any order among themselves: they write distinct slots).
+
+:func:`pack1`: the one-token pair table (``Experts1`` of gpu_kernels.cu: bases, weights, picks)
+written by one ``struct.pack_into`` per layout.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import sys
+import types
+
+import cupy as cp
+import numpy as np
+
+from .experts import ExecutorError
+
+__all__ = ["CopyBatch", "FREE_REFS", "FixedLaunch", "pack1", "queue_copies"]
+
+_rt = cp.cuda.runtime
+_H2D = _rt.memcpyHostToDevice
+_launch_kernel = cp.cuda.driver.launchKernel
+_ACCESS_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+_MAX_K = 32  # MAXK of gpu_kernels.cu
+
+
+class FixedLaunch:
+    """``func`` (a CUfunction address) with argument values ``args`` (64-bit slots, as
+    ``gpu_host.Launch``'s) and, with ``blob``, a by-value struct as the first parameter (its bytes
+    at each launch). ``vals`` is the argument block: a caller writes the slots that change
+    (``vals[i] = v``) and calls ``launch(grid_y, block, stream_ptr)``; ``grid_x`` is fixed."""
+
+    __slots__ = ("func", "vals", "grid_x", "_params", "ptr")
+
+    def __init__(self, func: int, args, grid_x: int, blob: np.ndarray | None = None):
+        self.func = int(func)
+        self.vals = np.array(args, np.uint64)
+        self.grid_x = int(grid_x)
+        ptrs = [self.vals.ctypes.data + 8 * i for i in range(len(args))]
+        if blob is not None:
+            ptrs.insert(0, blob.ctypes.data)
+        self._params = np.array(ptrs, np.uint64)
+        self.ptr = int(self._params.ctypes.data)
+
+    def launch(self, grid_y: int, block: int, stream_ptr: int) -> None:
+        _launch_kernel(self.func, self.grid_x, grid_y, 1, block, 1, 1, 0, stream_ptr, self.ptr, 0)
+
+
+_PACKS: dict[tuple[int, int, int], struct.Struct] = {}
+
+
+def pack1(ex: np.ndarray, bases, weights, pick) -> None:
+    """Write ``Experts1`` into ``ex`` (uint8, 16 * MAXK bytes) in one call: ``bases`` at 0,
+    ``weights`` at 8 * MAXK, ``pick`` at 12 * MAXK; the bases and weights past their lists are
+    zeroed, the picks past it left as they were (the kernels read the first k bases and weights
+    and the first ``picks`` picks only)."""
+    nb, nw, npk = len(bases), len(weights), len(pick)
+    f = _PACKS.get((nb, nw, npk))
+    if f is None:
+        f = _PACKS[(nb, nw, npk)] = struct.Struct(f"<{nb}Q{8 * (_MAX_K - nb)}x{nw}f{4 * (_MAX_K - nw)}x{npk}i")
+    f.pack_into(ex, 0, *bases, *weights, *pick)
+
+
+def _driver_batch():
+    """(function, takes failIdx) of the driver's cuMemcpyBatchAsync, or (None, False)."""
+    if os.environ.get("MOELAB_BATCH_COPY", "1") == "0" or not isinstance(cp, types.ModuleType):
+        return None, False  # off, or a stand-in cupy (tests): no driver behind it
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None, False
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for name, fail_idx in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+        f = getattr(lib, name, None)
+        if f is None:
+            continue
+        f.argtypes = [vp, vp, vp, sz, vp, vp, sz] + ([vp] if fail_idx else []) + [vp]
+        f.restype = ctypes.c_int
+        return f, fail_idx
+    return None, False
+
+
+class CopyBatch:
+    """Host -> device copies gathered by ``add`` and queued by ``flush`` on a stream (see the
+    module docstring). ``batches`` / ``copies`` count the driver calls and copies queued."""
+
+    refused: int | None = None  # the CUDA error of a first batch the driver refused (then one by one)
+
+    def __init__(self, capacity: int = 4 * 2 * _MAX_K):
+        self.capacity = capacity
+        self._a = np.zeros((3, capacity), np.uint64)  # dst, src, size
+        self._addr = [int(self._a[i].ctypes.data) for i in range(3)]
+        self._attrs = np.zeros(6, np.uint32)  # CUmemcpyAttributes: order, src hint, dst hint, flags
+        self._attrs[0] = _ACCESS_STREAM
+        self._idx = np.zeros(1, np.uint64)
+        self._fail = np.zeros(1, np.uint64)
+        self._fn, self._fail_idx = _driver_batch()
+        self.dst: list[int] = []
+        self.src: list[int] = []
+        self.size: list[int] = []
+        self.batches = self.copies = 0
+
+    @property
+    def batched(self) -> bool:
+        """Whether ``flush`` queues its copies by one driver call."""
+        return self._fn is not None
+
+    def add(self, dst: int, rows, expert: int) -> int:
+        """Gather the copies of one expert: ``rows`` = [(host base, row stride, row bytes)] per
+        part (``GpuExperts._host_rows``), the parts laid out from ``dst`` on; returns its bytes."""
+        off = 0
+        d, s, z = self.dst, self.src, self.size
+        for base, stride, n in rows:
+            d.append(dst + off)
+            s.append(base + expert * stride)
+            z.append(n)
+            off += n
+        return off
+
+    def flush(self, stream_ptr: int) -> None:
+        """Queue the gathered copies on ``stream_ptr`` (not the legacy default stream) and forget them."""
+        n = len(self.dst)
+        if not n:
+            return
+        d, s, z = self.dst, self.src, self.size
+        self.dst, self.src, self.size = [], [], []
+        self.copies += n
+        fn = self._fn
+        if fn is not None and n <= self.capacity:
+            a = self._a
+            a[0, :n] = d
+            a[1, :n] = s
+            a[2, :n] = z
+            x = self._addr
+            args = (x[0], x[1], x[2], n, self._attrs.ctypes.data, self._idx.ctypes.data, 1)
+            err = fn(*args, self._fail.ctypes.data, stream_ptr) if self._fail_idx else fn(*args, stream_ptr)
+            if not err:
+                self.batches += 1
+                return
+            if self.batches:  # it worked before: a real failure
+                raise ExecutorError(f"cuMemcpyBatchAsync: CUDA error {err}")
+            CopyBatch.refused = err  # refused at once: copies one by one from now on
+            self._fn = None
+        for i in range(n):
+            _rt.memcpyAsync(d[i], s[i], z[i], _H2D, stream_ptr)
+
+
+def queue_copies(gx, layer: int, experts, slots, streamed, scratch) -> None:
+    """``GpuExperts.copy_in``: the copy stream waits for ``last_read``, the copies are gathered
+    into ``gx``'s CopyBatch (or go as ``upload`` / ``stream_to`` while the host rows are staged,
+    not yet registered or being loaded), then the compute stream waits for the copy stream."""
+    _rt.streamWaitEvent(gx.copy.ptr, gx.last_read.ptr)
+    rows = None
+    if gx.staging is None and not gx.filled and gx._load is None and gx._defer is None:
+        rows = gx._host_rows(layer)
+    if rows is None:
+        for e, s in zip(experts, slots):
+            gx.upload(layer, e, s)
+        for e, k in zip(streamed, scratch):
+            gx.stream_to(layer, e, k)
+    else:
+        b, n = gx._batch, gx.layers[layer].num_experts
+        dst = [gx._slot_ptr(layer, s) for s in slots] + [gx.source_ptr(layer, -1 - k) for k in scratch]
+        for e, d in zip(list(experts) + list(streamed), dst):
+            if not 0 <= e < n:
+                raise ExecutorError(f"layer {layer}: expert {e} out of range")
+            gx.bytes_uploaded += b.add(d, rows, e)
+        b.flush(gx.copy.ptr)
+    gx.compute_after_copies()
+
+
+def _free_refs() -> int:
+    """``sys.getrefcount`` of an object only a list holds, seen from a loop over the list as
+    ``GpuExperts._output`` loops (the count depends on the interpreter's reference borrowing)."""
+    ring = [object()]
+    for a in ring:
+        return sys.getrefcount(a)
+    return 0
+
+
+FREE_REFS = _free_refs()
