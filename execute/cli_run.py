@@ -146,6 +146,9 @@ def _run(args) -> int:
         except (TokenizerError, ValueError) as exc:
             raise Fail(f"moelab run: {exc}") from None
         prompt = prompt_ids(args, tok)
+    init = getattr(args, "gpu_init", None)
+    if init is not None:  # the chunk path's library work on the model's shapes, meanwhile
+        init.warm(weights.info, min(len(prompt), args.prefill_chunk), len(prompt) + args.tokens + args.speculative)
     out, gen, model, audit = generate(args, weights, tok, prompt, args.speculative, sys.stdout,
                                        record=bool(args.record_trace or args.audit))
     if args.compare:

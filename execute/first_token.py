@@ -36,6 +36,9 @@ Phases (seconds), in the order they run:
 GPU: the CUDA context is created (``cudaFree(0)``, which CuPy calls without the GIL) and cuBLAS
 initialised on a thread while the main thread imports, maps the file and reads the vocabulary;
 the main thread's first CUDA call then finds them made (``policy_s`` shrinks by what overlapped).
+Given the model's shapes (:meth:`GpuInit.warm`), the thread then runs the chunk path's library
+work on zeros (``prefill_dense.warm_library``) while the weights go up, which the warm-up would
+otherwise pay first.
 """
 from __future__ import annotations
 
@@ -130,12 +133,23 @@ class GpuInit:
     context (or create it) as usual. Errors are kept in :attr:`error`, never raised: the main
     thread's own first CUDA call reports them in its words."""
 
-    def __init__(self, cublas: bool = True):
+    def __init__(self, cublas: bool = True, wait_s: float = 30.0):
         self.error: BaseException | None = None
         self.done_s: float | None = None  # perf_counter when the thread ended
-        self._cublas = cublas
+        self.warmed = False
+        self._cublas, self._wait_s = cublas, wait_s
+        self._job = None
+        self._given = threading.Event()
         self._thread = threading.Thread(target=self._main, name="moelab-gpu-init", daemon=True)
         self._thread.start()
+
+    def warm(self, info, tokens: int, cache_len: int) -> None:
+        """Once the context is made, run the chunk path's library work for a model of ``info`` on
+        ``tokens`` tokens (``prefill_dense.warm_library``; GQA models with the chunk dense path);
+        given at most once, ignored after the thread has ended."""
+        if self._job is None and not info.spec.attn == "mla":
+            self._job = (info, int(tokens), int(cache_len))
+        self._given.set()
 
     def _main(self) -> None:
         try:
@@ -146,6 +160,12 @@ class GpuInit:
                 from cupy_backends.cuda.libs import cublas
 
                 cublas.destroy(cublas.create())  # the library's one-time set-up (this thread's handle dropped)
+            if self._given.wait(self._wait_s) and self._job is not None:
+                from .prefill_dense import dense_env, warm_library
+
+                if dense_env() and int(cp.cuda.Device().compute_capability) >= 80:
+                    warm_library(*self._job)
+                    self.warmed = True
         except BaseException as exc:  # noqa: BLE001 - kept; the main thread's own call reports it
             self.error = exc
         finally:

@@ -38,7 +38,7 @@ except ImportError:  # the switch reads without CuPy; ChunkDense needs it
 from . import quant as Q
 from .xp import env_switch
 
-__all__ = ["ChunkDense", "dense_env"]
+__all__ = ["ChunkDense", "dense_env", "warm_library"]
 
 _CUDA_R_32F, _CUDA_R_16F = 0, 2  # cudaDataType
 _COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
@@ -59,6 +59,38 @@ def _kernel(name: str):
     from .gpu_host import cuda_module
 
     return cuda_module("prefill_dense.cu").get_function(name)
+
+
+def warm_library(info, t: int, cache_len: int) -> None:
+    """The library side of a chunk's first run for a GQA model of ``info``'s shapes on ``t`` tokens
+    (a KV cache of ``cache_len`` positions), on zeros on a private stream: cuBLAS's products of the
+    projections' shapes (f16, as :meth:`ChunkDense._gemm`) and of the router's and attention's
+    (float32, batched) and the CuPy element-wise kernels around them, so that their first uses
+    (cuBLAS's set-up, kernel loads) are paid on the thread that calls this, e.g. while the main
+    thread loads weights (``execute.first_token.GpuInit``). Nothing is kept; the results are
+    discarded. The chunk path's own kernels (``prefill_dense.cu``) are not touched."""
+    nh, nkv, hd, hidden = int(info.num_heads), max(int(info.num_kv_heads), 1), int(info.head_dim), int(info.hidden)
+    t = max(int(t), 2)
+    n = max(int(cache_len), t)
+    experts = max(max(info.num_experts), 1)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for rows, cols in ((nh * hd + 2 * nkv * hd, hidden), (hidden, nh * hd)):
+            w, a = cp.zeros((rows, cols), cp.float16), cp.zeros((t, cols), cp.float16)
+            y = cp.empty((t, rows), cp.float32)
+            shape = type("Shape", (), {"rows": rows, "cols": cols})
+            ChunkDense._gemm(w, shape, a, t, y, _ZERO)
+            ChunkDense._gemm(w, shape, a, t, y, _ONE)
+        x = cp.zeros((t, hidden), cp.float32)
+        x = x + np.float32(1.0) * (x @ cp.zeros((experts, hidden), cp.float32).T)[:, :1]
+        g = max(nh // nkv, 1)
+        q = cp.zeros((nkv, t, g, hd), cp.float32)
+        keys = cp.zeros((nkv, n, hd), cp.float32)[:, :t]  # the cache's layout: a slice of n positions
+        sc = cp.ascontiguousarray(q.reshape(nkv, t * g, hd) @ keys.transpose(0, 2, 1))
+        o = (sc @ keys).reshape(nkv, t, g, hd).transpose(1, 0, 2, 3).reshape(t, nh * hd)
+        _f32c(o.astype(cp.float64))
+    s.synchronize()
+    cp.get_default_memory_pool().free_all_blocks(stream=s)
 
 
 def _f32c(a):

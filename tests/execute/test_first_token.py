@@ -146,9 +146,23 @@ def test_gpu_init_makes_the_context_and_cublas_on_a_thread_and_keeps_errors(monk
     sys.modules["cupy_backends.cuda.libs"].cublas = blas
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.cublas", blas)
     monkeypatch.setitem(sys.modules, "cupy", cp)
+    cp.cuda.Device = lambda: types.SimpleNamespace(compute_capability="90")
+    import execute.prefill_dense as PD
+
+    monkeypatch.setattr(PD, "warm_library", lambda *a: calls.append(("warm", *a[1:], threading.current_thread().name)))
+    info = types.SimpleNamespace(spec=types.SimpleNamespace(attn="gqa"))
     g = GpuInit()
-    assert g.join(10) and g.error is None and g.done_s is not None
-    assert calls == [("free", 0, "moelab-gpu-init"), ("create",), ("destroy", 7)]
+    g.warm(info, 256, 300)
+    g.warm(info, 1, 1)  # once only
+    assert g.join(10) and g.error is None and g.done_s is not None and g.warmed
+    assert calls == [("free", 0, "moelab-gpu-init"), ("create",), ("destroy", 7), ("warm", 256, 300, "moelab-gpu-init")]
+    calls.clear()
+    monkeypatch.setenv("MOELAB_PREFILL_DENSE", "0")  # no chunk dense path: nothing to warm
+    g = GpuInit()
+    g.warm(info, 256, 300)
+    assert g.join(10) and g.error is None and not g.warmed and ("warm", 256, 300, "moelab-gpu-init") not in calls
+    g = GpuInit(wait_s=0.0)  # no shapes given: the thread ends after the context
+    assert g.join(10) and g.error is None and not g.warmed
     rt.free = lambda p: (_ for _ in ()).throw(RuntimeError("no device"))
     g = GpuInit()
     assert g.join(10) and isinstance(g.error, RuntimeError) and "no device" in str(g.error)
