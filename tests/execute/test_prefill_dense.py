@@ -206,3 +206,18 @@ def test_chunks_with_the_path_on_and_off(arch, dense_quant, arch_weights, monkey
     w_on = np.array([wt for _, row in log_on for r in row for wt in r[2]])
     w_off = np.array([wt for _, row in log_off for r in row for wt in r[2]])
     np.testing.assert_allclose(w_on, w_off, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_warm_library_runs_the_shapes_of_a_model_and_leaves_nothing(models):
+    """The start-up thread's warm work (GpuInit) on a model's shapes runs on its own stream and
+    leaves the caller's current stream as it was."""
+    cp = cupy_or_skip()
+    from execute.gguf_model import load_model
+    from execute.prefill_dense import warm_library
+
+    info = load_model(models()).info
+    cur = cp.cuda.get_current_stream()
+    warm_library(info, 40, 64)
+    warm_library(info, 1, 1)  # fewer than two tokens: run as two
+    assert cp.cuda.get_current_stream() == cur
