@@ -1,11 +1,11 @@
 """Every scheduler policy on routing traces, simulated with the link and the CPU charged: lookahead's
-default chosen on a development set, then measured on held-out families that no tuning saw.
+and hybrid-cost's defaults chosen on a development set, then measured on held-out families.
 
 Development set: granite's decode rows, switch-base-8's test trace, ``synthetic_cases`` (seed 0),
-``retired_cases`` (seeds 1, 2); lookahead's grid is chosen on it. Held out: ``TEST_FAMILIES`` (seed 3)
-and ``SEED4_FAMILIES`` (seed 4), every policy at its default, reported apart. Logic in
-``simulate.evaluate``/``simulate.heldout``; writes RUN/config.json, RUN/results.csv, RUN/README.md
-(every table) and docs/POLICIES.md (method, the targets per set, limits, command).
+``retired_cases`` (seeds 1, 2); the grids (lookahead's guard, hybrid-cost's ``PREFETCH_GRID``) are
+chosen on it. Held out: ``TEST_FAMILIES`` (seed 3) and ``SEED4_FAMILIES`` (seed 4), every policy at its
+default, reported apart. Logic in ``simulate.evaluate``/``simulate.heldout``; writes RUN/config.json,
+RUN/results.csv, RUN/README.md and docs/POLICIES.md (method, the targets per set, limits, command).
 
     python experiments/policies_eval.py                                   # the committed run
     python experiments/policies_eval.py --tokens 12 --out /tmp/p.md --run-dir /tmp/run   # small
@@ -29,7 +29,8 @@ from scheduler.files import atomic_open  # noqa: E402
 from scheduler.hardware import load_hardware  # noqa: E402
 from scheduler.policies import LookaheadConfig  # noqa: E402
 from scheduler.policies import lookahead as la  # noqa: E402
-from simulate.evaluate import SYNTH_FAMILIES, Case, summary, synthetic_cases, trace_model  # noqa: E402
+from scheduler.policies.prefetch import PREFETCH_GRID  # noqa: E402
+from simulate.evaluate import BASELINES, SYNTH_FAMILIES, Case, summary, synthetic_cases, trace_model  # noqa: E402
 from simulate.heldout import (ABOUT, LOOKAHEAD_GRID, RETIRED, TEST_FAMILIES, TEST_SEED, ceiling, evaluate,  # noqa: E402
                               held_out_cases, retired_cases, verdict)
 from traces import load  # noqa: E402
@@ -50,7 +51,7 @@ SEED4_FAMILIES = tuple((n, L, E, k, dict(zip(_P, p))) for n, L, E, k, *p in (
     ("held k6 e24 steep strong-reuse fast-drift", 16, 24, 6, 2.2, 0.65, 0.5, 1.0, 0.35, 1.2),
     ("held k8 e160 flat-topics no-cross", 8, 160, 8, 0.6, 0.35, 0.0, 0.1, 0.01, 4.0)))
 HELD = ((TEST_SEED, TEST_FAMILIES), (SEED4, SEED4_FAMILIES))
-TUNED = {"lookahead": LOOKAHEAD_GRID}  # predict runs at its dataclass default (tuned on granite)
+TUNED = {"lookahead": LOOKAHEAD_GRID, "hybrid-cost": PREFETCH_GRID}  # predict: its dataclass default
 FIXED = {**{k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if all(k not in g for g in LOOKAHEAD_GRID)},
          **{k: getattr(la, k) for k in ("AUDIT_DECAY", "AUDIT_MIN", "SHADOW_MEMORY", "ADAPT_MARGIN", "PRICED_MAX",
                                         "HIT_MEMORY")}}
@@ -167,8 +168,12 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple
     below = lambda rows: "; ".join(f"{r['case']} {r['hardware']} {r['slots']} ({r['x_best']:.3f})" for r in sorted(
         (r for r in rows if r["x_best"] is not None and r["x_best"] < 1.0), key=lambda r: r["x_best"])) or "none"
     labels = [("development (tuning)", dev_rows)] + [(f"held out, seed {s}", rows[s]) for s in tests]
+    hc = [(l, summary(tuned, cs, hardware, "hybrid-cost")) for l, cs in [("development (tuning)", dev)]
+          + [(f"held out, seed {s}", tests[s]) for s in tests]]
     page += targets_table(labels, hardware) + ["", "Below 1.0x max(lru, hybrid): " + "; ".join(
-        f"{l}: {below(r)}" for l, r in labels) + ".", "", ceil, "", "## Known limits", "",
+        f"{l}: {below(r)}" for l, r in labels) + ".", "", f"`hybrid-cost` with its prefetch setting chosen on the "
+        f"development set (`{TUNED['hybrid-cost'][chosen['hybrid-cost'][0]]}`; scheduler/policies/prefetch.py), the "
+        "same targets:", ""] + targets_table(hc, hardware) + ["", ceil, "", "## Known limits", "",
         "- Every held-out family is synthetic, from the generator (`traces.synth`) of the development set's; the "
         "two real traces are development data. Every trace is priced with granite's expert sizes.",
         "- lookahead's fixed constants (" + ", ".join(f"`{k}`={v}" for k, v in FIXED.items()) + ") were set on "
@@ -183,7 +188,9 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple
     readme += ["## Chosen configuration", "", f"lookahead: `{cfg}` ({'the' if same else 'not the'} `LookaheadConfig` "
                "default) of the grid " + "; ".join(f"#{i} `{g}`" for i, g in enumerate(TUNED["lookahead"])) +
                "; per development trace without it: " + "; ".join(f"{c} #{i}" for c, i in per_trace)
-               + ".", ""]
+               + ".", "", "hybrid-cost: " + "; ".join(f"#{i} `{g}`" for i, g in enumerate(TUNED["hybrid-cost"])) +
+               f"; chosen #{chosen['hybrid-cost'][0]}; per development trace without it: "
+               + "; ".join(f"{c} #{i}" for c, i in chosen["hybrid-cost"][1].items()) + ".", ""]
     readme += [x for seed in tests for x in [f"## Held out: seed {seed}", ""] + run_table(rows[seed], tuned) + [""]]
     readme += ["## Development set", "", "Chosen with each trace in; the last column: the grid's choice without "
                "the trace (lookahead / lru).", ""] + run_table(dev_rows, tuned, ("grid held out", loto_cell))
@@ -205,9 +212,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.tokens is not None and a.tokens < 4:
         return print(f"--tokens: {a.tokens}, expected >= 4 (synthetic traces have 3 sequences)", file=sys.stderr) or 2
-    hardware = [h for h in a.hardware.split(",") if h]
     try:
-        [load_hardware(h) for h in hardware]
+        hardware = [h for h in a.hardware.split(",") if h and load_hardware(h)]
     except ValueError as e:
         return print(f"--hardware: {e}", file=sys.stderr) or 2
     out, run_dir = Path(a.out), Path(a.run_dir)
@@ -217,7 +223,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     dev, tests = dev_cases(a.tokens), held_cases(a.tokens)
     log = None if a.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    tuned, held, chosen = evaluate(dev, [c for cs in tests.values() for c in cs], hardware, TUNED, progress=log)
+    tuned, held, chosen = evaluate(dev, [c for cs in tests.values() for c in cs], hardware, TUNED,
+                                   tuple(b for b in BASELINES + ("predict",) if b not in TUNED), progress=log)
     cmd = ("python experiments/policies_eval.py" + (f" --tokens {a.tokens}" if a.tokens else "")
            + (f" --hardware {a.hardware}" if tuple(hardware) != HARDWARE else ""))
     shown = os.path.relpath(run_dir.resolve(), out.resolve().parent)
@@ -230,14 +237,14 @@ def main(argv=None) -> int:
     kind = {c.name: f"test{seed}" for seed, cs in tests.items() for c in cs} | {c.name: "dev" for c in dev}
     for (c, h, s, p), r in tuned.items():
         w.writerow({"set": kind[c], "case": c, "hardware": h, "slots": s, "policy": p, **(r or {})})
+    ver = lambda cs, p="lookahead": verdict(summary(tuned, cs, hardware, p))
     config = {"command": cmd, "hardware": hardware, "tokens": a.tokens, "test_seeds": [seed for seed, _ in HELD],
               "dev_synthetic_seed": 0, "dev_synthetic_families": [list(f) for f in SYNTH_FAMILIES],
               "dev_retired": [[seed, [list(f) for f in fams]] for seed, fams in RETIRED],
-              "test_families": {seed: [list(f) for f in fams] for seed, fams in HELD},
-              "lookahead_grid": list(TUNED["lookahead"]), "lookahead_fixed": FIXED,
-              "lookahead_default": TUNED["lookahead"][chosen["lookahead"][0]],
-              "targets_held_out": {s: verdict(summary(tuned, cs, hardware)) for s, cs in tests.items()},
-              "targets_tuning": verdict(summary(tuned, dev, hardware))}
+              "test_families": {seed: [list(f) for f in fams] for seed, fams in HELD}, "lookahead_fixed": FIXED,
+              **{f"{n.replace('-', '_')}_{k}": v for n, g in TUNED.items() for k, v in (
+                  ("grid", list(g)), ("default", g[chosen[n][0]]),
+                  ("targets_held_out", {s: ver(cs, n) for s, cs in tests.items()}), ("targets_tuning", ver(dev, n)))}}
     for path, text in ((run_dir / "config.json", json.dumps(config, indent=1) + "\n"), (run_dir / "results.csv",
                        buf.getvalue()), (run_dir / "README.md", readme), (out, page)):
         with atomic_open(path) as f:

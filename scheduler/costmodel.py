@@ -32,7 +32,10 @@ class LaneCosts:
     not wait. ``lead_s`` (per layer; empty: 0): how long the host's part of what follows the layer
     (the next layer's planning and the issue of its dense part beyond the GPU's, or the head's)
     holds the GPU back, counted from the host's end of the layer: the layer ends for the next one
-    at the later of the GPU's end and the host's end plus this lead.
+    at the later of the GPU's end and the host's end plus this lead. ``decide_s``: what the host
+    adds between the next layer's dense part and its decision beyond ``CostModel.layer_s`` (the
+    router read-back past the route copy, the engine's plan); read only by ``hybrid-cost``'s
+    prefetch window (``scheduler.policies.prefetch``).
     """
 
     pool_task_s: float = 0.0
@@ -54,6 +57,7 @@ class LaneCosts:
     handoff_in_s: float = 0.0
     handoff_out_s: float = 0.0
     lead_s: tuple[float, ...] = ()
+    decide_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lead_s", tuple(float(x) for x in self.lead_s))

@@ -224,7 +224,8 @@ class Costs:
                              copy_round_s=hc.copy_round_s, copy_s=hc.copy_s, plan_copy_s=hc.plan_copy_s,
                              layer_combine_s=hc.layer_combine_s, batch_s=self.expert_launch_s,
                              gpu_combine_s=self.combine_s, handoff=hc.handoff, handoff_in_s=hc.handoff_in_s,
-                             handoff_out_s=hc.handoff_out_s, lead_s=lead)
+                             handoff_out_s=hc.handoff_out_s, lead_s=lead,
+                             decide_s=max(hc.readback_s + hc.layer_plan_s - self.route_s, 0.0))
             if hc.handoff:  # the GPU puts the input and waits for the rows; the host goes on
                 task += hc.cpu_submit_s + hc.handoff_in_s + hc.handoff_out_s
                 delay = hc.cpu_submit_s

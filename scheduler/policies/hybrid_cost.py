@@ -8,6 +8,8 @@ from ..core import Capacity, Decision, Geometry, Move, Step
 from ..costmodel import CostModel
 from ..profile import Profile
 from .hybrid import REUSE_SCALE, REUSE_STEPS, HybridConfig, HybridPolicy
+from .prefetch import LinkPrefetch
+from .base import BasePolicy
 from .tuner import FloorTuner
 
 __all__ = ["HybridCostConfig", "HybridCostPolicy"]
@@ -26,7 +28,10 @@ class HybridCostConfig(HybridConfig):
     ``shadow_layers`` >= 1; ``tune_duty`` in (0, 1]; ``tune_warmup`` >= 0 (windows);
     ``admit`` "recency" or "usage". ``swap_every`` None: 0 (no swap rounds) with "recency", 4 with
     "usage". ``rounding`` must be "nearest" (the floor is rounded to nearest). ``reuse_charge``: price
-    each CPU miss its lost reuse (see ``HybridCostPolicy``).
+    each CPU miss its lost reuse (see ``HybridCostPolicy``). ``prefetch``: most experts copied into
+    each next layer's idle link window (0: no prefetch; ``scheduler.policies.prefetch``), those of
+    forecast chance >= ``prefetch_confidence`` (in [0, 1]); a swap needs its victim less likely by
+    ``prefetch_margin`` (>= 0); the forecast's memory ``prefetch_memory`` (> 1, steps).
     """
 
     swap_every: int | None = None
@@ -38,6 +43,11 @@ class HybridCostConfig(HybridConfig):
     tune_warmup: int = 16
     admit: str = "recency"
     reuse_charge: bool = True
+    prefetch: int = 0
+    prefetch_confidence: float = 0.5
+    prefetch_margin: float = 0.1
+    prefetch_memory: float = 8.0
+    prefetch_fills: bool = False
 
     policy = "hybrid-cost"
 
@@ -62,6 +72,14 @@ class HybridCostConfig(HybridConfig):
             raise ValueError(f"hybrid-cost tune_duty: {self.tune_duty}, expected in (0, 1]")
         if not self.tune_warmup >= 0:
             raise ValueError(f"hybrid-cost tune_warmup: {self.tune_warmup}, expected >= 0")
+        if not 0 <= self.prefetch <= 64:
+            raise ValueError(f"hybrid-cost prefetch: {self.prefetch}, expected 0..64")
+        if not 0.0 <= self.prefetch_confidence <= 1.0:
+            raise ValueError(f"hybrid-cost prefetch_confidence: {self.prefetch_confidence}, expected in [0, 1]")
+        if not self.prefetch_margin >= 0.0:
+            raise ValueError(f"hybrid-cost prefetch_margin: {self.prefetch_margin}, expected >= 0")
+        if not self.prefetch_memory > 1.0:
+            raise ValueError(f"hybrid-cost prefetch_memory: {self.prefetch_memory}, expected > 1")
         super().__post_init__()
 
 
@@ -147,6 +165,10 @@ class HybridCostPolicy(HybridPolicy):
         self._tok_batch = False
         self._up_mean = sum(cost_model.upload_s[l] for l in geometry.moe_layers) / max(len(geometry.moe_layers), 1)
         super().__init__(geometry, capacity, profile, config)
+        self.prefetcher = None if not (config.prefetch or config.prefetch_fills) else LinkPrefetch(
+            self, config.prefetch, config.prefetch_confidence, config.prefetch_margin, config.prefetch_memory,
+            config.prefetch_fills)
+        self._prefetching = False  # the next commit_background commits a prefetch, not a token's end
         self.tuner = None
         if len(floors) > 1:
             n_moe = len(geometry.moe_layers)  # shadows plan no more layer-steps than the live policy
@@ -280,8 +302,19 @@ class HybridCostPolicy(HybridPolicy):
         a = self._hit_avg[d.step.layer]
         self._hit_avg[d.step.layer] = a + ((len(d.hits) << 16) // len(d.step.experts) - a) // REUSE_STEPS
         super().commit(d)
+        if self.prefetcher is not None:
+            self.prefetcher.learn(d.step)
         if self.tuner is not None:
             self.floor_256 = self.tuner.observe(d.step, self.floor_256)
+
+    def plan_prefetch(self, step: Step) -> tuple[Move, ...]:
+        """With ``prefetch``: the next layer's likely experts in its idle link window, after a
+        one-token step (``scheduler.policies.prefetch``); else none."""
+        if self.prefetcher is None:
+            return ()
+        moves = self.prefetcher.plan(step, self._queue_s)
+        self._prefetching = bool(moves)
+        return moves
 
     def fill_cap(self) -> int:
         """At most as many fills as the link could have carried in the idle time of the token just
@@ -301,9 +334,19 @@ class HybridCostPolicy(HybridPolicy):
         moves = super().plan_background()
         self._tok_s = self._tok_link_s = 0.0
         self._tok_batch = False
+        self._prefetching = False
+        if self.prefetcher is not None:
+            self.prefetcher.end_token()
         return moves
 
     def commit_background(self, moves: tuple[Move, ...]) -> None:
+        if self._prefetching:  # a prefetch inside the token: on the cache and the link, not a token's end
+            self._prefetching = False
+            BasePolicy.commit_background(self, moves)
+            link = self.prefetcher.committed(moves)
+            self._queue_s += link
+            self._tok_link_s += link
+            return
         token = self.tokens
         super().commit_background(moves)
         up = self.costs.upload_s
