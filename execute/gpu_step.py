@@ -108,6 +108,8 @@ class CopyBatch:
         self._idx = np.zeros(1, np.uint64)
         self._fail = np.zeros(1, np.uint64)
         self._fn, self._fail_idx = _driver_batch()
+        self._consts = (self._attrs.ctypes.data, self._idx.ctypes.data, 1)
+        self._packs: dict[int, struct.Struct] = {}  # n -> the three rows of _a in one pack
         self.dst: list[int] = []
         self.src: list[int] = []
         self.size: list[int] = []
@@ -140,12 +142,13 @@ class CopyBatch:
         self.copies += n
         fn = self._fn
         if fn is not None and n <= self.capacity:
-            a = self._a
-            a[0, :n] = d
-            a[1, :n] = s
-            a[2, :n] = z
+            f = self._packs.get(n)
+            if f is None:
+                pad = 8 * (self.capacity - n)
+                f = self._packs[n] = struct.Struct(f"<{n}Q{pad}x{n}Q{pad}x{n}Q")
+            f.pack_into(self._a, 0, *d, *s, *z)
             x = self._addr
-            args = (x[0], x[1], x[2], n, self._attrs.ctypes.data, self._idx.ctypes.data, 1)
+            args = (x[0], x[1], x[2], n, *self._consts)
             err = fn(*args, self._fail.ctypes.data, stream_ptr) if self._fail_idx else fn(*args, stream_ptr)
             if not err:
                 self.batches += 1

@@ -41,6 +41,7 @@ from .cpu_simd import atomic_load, atomic_store, now_ns, pause
 from .experts import ExecutorError
 from .gpu_experts import MAX_TOP_K, Launch
 from .gpu_host import cuda_module
+from .gpu_step import pack1
 
 __all__ = ["Edges", "Handoff", "bench_edges"]
 
@@ -114,6 +115,7 @@ class Handoff:
         self._dev = self._words.dev
         self._io: list[_Mapped] = []  # grown xin | yout buffers, kept until close
         self._io_rows = self._io_width = 0
+        self._views: dict[tuple[int, int], tuple] = {}  # buffers() by (rows, hidden), for the newest buffer
         self._relay = cp.zeros(1, cp.int64)
         self._counter = cp.zeros(1, cp.uint32)
         self._k_put = Launch(_kernel("handoff_put"), 10)
@@ -133,14 +135,20 @@ class Handoff:
     def buffers(self, rows: int, hidden: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """(xin, yout) host views (rows, hidden) float32 and their device addresses. Growing
         keeps the old buffers (calls in flight may still use them)."""
+        v = self._views.get((rows, hidden))
+        if v is not None:
+            return v
         if rows > self._io_rows or hidden > self._io_width:
             self._io_rows, self._io_width = max(rows, 2 * self._io_rows, 8), max(hidden, self._io_width)
             self._io.append(_Mapped(8 * self._io_rows * self._io_width))
+            self._views.clear()
         m = self._io[-1]
         n = rows * hidden
         half = 4 * self._io_rows * self._io_width
         f = m.host.view(np.float32)
-        return (f[:n].reshape(rows, hidden), f[half // 4:half // 4 + n].reshape(rows, hidden), m.dev, m.dev + half)
+        v = self._views[(rows, hidden)] = (f[:n].reshape(rows, hidden), f[half // 4:half // 4 + n].reshape(rows, hidden),
+                                           m.dev, m.dev + half)
+        return v
 
     # the kernels -----------------------------------------------------------------------------
     def _slot(self, seq: int) -> int:
@@ -175,10 +183,7 @@ class Handoff:
                 self._ydev = cp.empty(max(yout.size, 2 * self._ydev.size), cp.float32)
         cp.cuda.runtime.memcpyAsync(self._ydev.data.ptr, yout.ctypes.data, yout.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, self.compute.ptr)
-        blob = self._blob
-        blob[:8 * k].view(np.uint64)[:] = bases
-        blob[8 * MAX_TOP_K:8 * MAX_TOP_K + 4 * k].view(np.float32)[:] = weights
-        blob[12 * MAX_TOP_K:12 * MAX_TOP_K + 4 * k].view(np.int32)[:] = cpu_row
+        pack1(self._blob, bases, weights, cpu_row)
         self._k_down1((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr, h, out, k, ffn, hidden, _RPB, off_d, qt_d,
                       rb_d, bias, *wait, self._ydev.data.ptr)
 
