@@ -5,12 +5,10 @@ Development: qwen3-30b-a3b on synthetic traces (the preset's fitted parameters, 
 of ``--tokens`` tokens, averaged) at 2, 4 and 12 GiB and the bundled granite trace's decode rows at
 1, 1.5 and 2 GiB, on ``--dev-hardware``. Held out: the routing the peer benchmark recorded on the
 H200 (``--peer``: result.json files with their ``trace`` folder, replayed as ``simulate.peer``
-does) at each budget's cache size, on ``--held-out-hardware``.
+does) at each budget's cache size, on ``--held-out-hardware``. Writes OUT/config.json,
+OUT/results.csv, OUT/README.md, OUT/hybrid_split.png; --docs FILE: its hybrid_split section too.
 
     python experiments/hybrid_split.py [--out docs/perf/hybrid_split] [--tokens 512] [--seeds 3] [--docs FILE.md]
-
-Writes OUT/config.json, OUT/results.csv, OUT/README.md (the tables and this command) and
-OUT/hybrid_split.png; with --docs, replaces the section between the hybrid_split markers there.
 """
 from __future__ import annotations
 
@@ -33,12 +31,15 @@ POLICIES = ("lru", "cpu", f"hybrid f={MISS_FRAC_256}", "hybrid", "hybrid-cost")
 # (model, trace, budgets in MiB): granite's trace holds 2304 MiB of experts, so only budgets below
 DEV_SETS = (("qwen3-30b-a3b", "synth", (2048, 4096, 12288)), ("granite-3.0-1b-a400m", None, (1024, 1536, 2048)))
 BEGIN, END = "<!-- hybrid_split: begin (experiments/hybrid_split.py writes this section) -->", "<!-- hybrid_split: end -->"
-FIELDS = ("set", "model", "trace", "hardware", "cache_mib", "policy", "tokens_per_s", "hit_rate", "cpu_experts",
-          "uploads", "vs_lru", "vs_cpu", "error")
+FIELDS = ("set", "model", "trace", "hardware", "cache_mib", "policy", "tokens_per_s", "hit_rate", "cpu_experts", "uploads",
+          "vs_lru", "vs_cpu", "error")
 
 
-def _policy(policy: str) -> tuple[str, float | None]:  # "hybrid f=44": hybrid at 44/256
-    return (policy.split(" f=")[0], int(policy.split(" f=")[1]) / 256) if " f=" in policy else (policy, None)
+def _policy(policy: str) -> tuple[str, float | None, dict]:
+    """"hybrid f=44": hybrid at 44/256; "hybrid-cost prefetch=0": a config field (an int)."""
+    name, *kv = policy.split()
+    opts = {k: int(v) for k, v in (x.split("=") for x in kv)}
+    return name, (opts.pop("f") / 256 if "f" in opts else None), opts
 
 
 def _summary(row: dict, runs) -> dict:
@@ -56,13 +57,14 @@ def simulate_row(model: str, trace: str | None, hardware: str, mib: float, polic
                  seeds: int = 1) -> dict:
     """A development row: tokens/s, hit rate, CPU experts and uploads (means over ``seeds``
     synthetic traces, or the bundled trace once), or the error that kept it from running."""
-    name, frac = _policy(policy)
+    name, frac, opts = _policy(policy)
     cfg = lambda s: SimConfig(model=model, hardware=hardware, policy=name, cache_mib=0.0 if name == "cpu" else mib,
                               miss_fraction=frac, trace=trace, synth_tokens=tokens, seed=s,
                               tokens=None if trace == "synth" else tokens)
     row = {"set": "development", "model": model, "trace": trace or "bundled granite", "hardware": Path(hardware).stem,
            "cache_mib": mib, "policy": policy}
-    return _summary(row, [lambda s=s: run(cfg(s))[0].summary() for s in range(seeds if trace == "synth" else 1)])
+    return _summary(row, [lambda s=s: run(cfg(s), options=opts)[0].summary()
+                          for s in range(seeds if trace == "synth" else 1)])
 
 
 def peer_rows(result_path: str, hardware: list[str]) -> list[dict]:
@@ -78,12 +80,12 @@ def peer_rows(result_path: str, hardware: list[str]) -> list[dict]:
     for hw_name in hardware:
         hw = load_hardware(hw_name)
         for policy in POLICIES:
-            name, frac = _policy(policy)
+            name, frac, opts = _policy(policy)
             cfg = SimConfig(model=model.name, hardware=hw.name, policy=name, cache_mib=0.0 if name == "cpu" else mib,
                             trace=str(trace), phase="all", miss_fraction=frac)
             row = {"set": "held-out", "model": model.name, "trace": f"peer {result['config']['budget_mib']:g} MiB",
                    "hardware": Path(hw_name).stem, "cache_mib": mib, "policy": policy}
-            out.append(_summary(row, [lambda: run(cfg, hardware=hw, model=model, tokens=tokens)[0].summary()]))
+            out.append(_summary(row, [lambda: run(cfg, hardware=hw, model=model, tokens=tokens, options=opts)[0].summary()]))
     return out
 
 
@@ -226,13 +228,11 @@ def main(argv=None) -> int:
     rows = with_ratios(rows + [r for p in args.peer for r in peer_rows(p, held_hw)])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"tokens": args.tokens, "seeds": args.seeds, "dev_hardware": dev_hw, "held_out_hardware": held_hw,
-              "policies": list(POLICIES), "dev_sets": [[m, tr, list(mibs)] for m, tr, mibs in DEV_SETS],
-              "peer": list(args.peer)}
+    config = {"tokens": args.tokens, "seeds": args.seeds, "dev_hardware": dev_hw, "held_out_hardware": held_hw, "policies":
+              list(POLICIES), "dev_sets": [[m, tr, list(mibs)] for m, tr, mibs in DEV_SETS], "peer": list(args.peer)}
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, FIELDS)
-        w.writeheader()
+        (w := csv.DictWriter(f, FIELDS)).writeheader()
         w.writerows({k: r.get(k, "") for k in FIELDS} for r in rows)
     command = "python experiments/hybrid_split.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     text = readme(rows, config, command)

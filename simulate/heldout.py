@@ -85,7 +85,8 @@ ABOUT = {
     "freq-lru": "Every miss uploaded; the victim has the lowest routing count (halved every 16 steps).",
     "hybrid": "A share of a step's distinct misses over PCIe (the cost model's), the rest on the CPU pool; fills "
               "after each token by decayed usage.",
-    "hybrid-cost": "hybrid whose split comes from the cost model, its floor tuned online by shadow replays.",
+    "hybrid-cost": "hybrid whose split comes from the cost model (each miss to the link or the CPU, whichever makes the "
+                   "layer faster); with `prefetch`, the next layer's likely experts copied in the link's idle window.",
     "predict": "Forecasts from transition counts learnt online; evicts by forecast, prefetches the next layer's "
                "likeliest experts whatever the link is doing; every miss over PCIe (its dataclass default).",
     "lookahead": "Each miss to the CPU or the link, whichever gives the faster layer by the cost model, plus what "

@@ -207,15 +207,16 @@ def build_capacity(cfg: SimConfig, model: ModelSpec, hw: Hardware) -> Capacity:
 
 
 def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
-        model: ModelSpec | None = None, tokens=None) -> tuple[SimResult, dict]:
-    """Simulate ``cfg``; returns the result and a dict of derived facts (slots, MiB, bytes)."""
+        model: ModelSpec | None = None, tokens=None, options: dict | None = None) -> tuple[SimResult, dict]:
+    """Simulate ``cfg``; returns the result and a dict of derived facts (slots, MiB, bytes).
+    ``options``: the policy family's config fields (``make_policy``), beside the config's."""
     model = model or _model(cfg)
     hw = hardware or load_hardware(cfg.hardware)
     if tokens is None:
         tokens = load_tokens(cfg, model)
     geometry = model.geometry()
     capacity = build_capacity(cfg, model, hw)
-    options = {"adaptive": cfg.adaptive} if cfg.policy == "hybrid" else {}
+    options = {**({"adaptive": cfg.adaptive} if cfg.policy == "hybrid" else {}), **(options or {})}
     costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=cfg.policy))
     cost_model = costs.cost_model() if cfg.policy in ("hybrid", "hybrid-cost", "lookahead", "oracle") else None
     try:  # static: the replayed tokens' own counts (an oracle); belady: every step, held

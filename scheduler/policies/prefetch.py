@@ -67,10 +67,13 @@ class LinkPrefetch:
         self.r_weight = np.ones(L)  # per layer: the weight of its next step
         self.co_n = np.zeros((L, E))  # per layer l and expert e: weighted one-token steps routing e at l
         self.co = np.zeros((L, E, E))  # ... and of them, those followed by each expert at the next layer
-        self._co_flat = self.co.reshape(-1)
+        self._co_mv = memoryview(self.co.reshape(-1))
         self._co_rows = self.co.reshape(L * E, E)
         self.weight = np.ones(L)  # per layer, the weight of its next co-activation step
-        self.prev = None  # this token's last one-token step: (layer, experts, their flat rows of co)
+        # the rows as memoryviews: a step's few experts are updated faster from Python
+        self._rrow = [memoryview(self.recur[l]) for l in range(L)]
+        self._nrow = [memoryview(self.co_n[l]) for l in range(L)]
+        self.prev = None  # this token's last one-token step: (layer, experts, its block's offset in co)
         self.E = E
         cm = owner.costs
         ln = cm.lane
@@ -97,26 +100,31 @@ class LinkPrefetch:
         """A committed step: recurrence, co-activation with this token's previous step, the
         audit's score and the release of wrong guesses at its layer."""
         layer, experts = step.layer, step.experts
-        ex = np.array(experts)
-        w = self.r_weight[layer]
-        if step.counts is None:
-            self.recur[layer, ex] += w
+        w = float(self.r_weight[layer])
+        if step.counts is None:  # a handful of experts: Python on memoryviews beats numpy's calls
+            row = self._rrow[layer]
+            for e in experts:
+                row[e] += w
             prev = self.prev
             if prev is not None and self.next_layer.get(prev[0]) == layer:
-                pl, pe, rows = prev
-                cw = self.weight[pl]
-                self.co_n[pl, pe] += cw
-                self._co_flat[rows + ex] += cw
+                pl, pe, base = prev
+                cw = float(self.weight[pl])
+                row, co, E = self._nrow[pl], self._co_mv, self.E
+                for e in pe:
+                    row[e] += cw
+                    r = base + e * E
+                    for f in experts:
+                        co[r + f] += cw
                 cw *= self.grow
                 if cw > RESCALE:
                     self.co_n[pl] /= cw
                     self.co[pl] /= cw
                     cw = 1.0
                 self.weight[pl] = cw
-            self.prev = (layer, ex, ((layer * self.E + ex) * self.E)[:, None])
+            self.prev = (layer, experts, layer * self.E * self.E)
         else:  # a prompt chunk: each expert's share of its tokens
             c = np.asarray(step.counts, dtype=np.float64)
-            self.recur[layer, ex] += w * np.minimum(c * (self.owner.geometry.top_k / c.sum()), 1.0)
+            self.recur[layer, list(experts)] += w * np.minimum(c * (self.owner.geometry.top_k / c.sum()), 1.0)
             self.prev = None
         w *= self.grow
         if w > RESCALE:
@@ -168,12 +176,12 @@ class LinkPrefetch:
         """(max_experts,) chance of each expert of ``nl`` to be routed at its next step, after a
         step of ``layer`` routing ``experts`` (module docstring)."""
         p = self.recurrence(nl)
-        prev = self.prev
-        ex = prev[1] if prev is not None and prev[0] == layer else np.array(experts)
-        n = self.co_n[layer, ex]
-        if n.max() > 0.0:
-            co = self._co_rows[layer * self.E + ex]
-            co /= (n + self.weight[layer])[:, None]
+        row = self._nrow[layer]
+        n = [row[e] for e in experts]
+        if max(n) > 0.0:
+            w, E = float(self.weight[layer]), self.E
+            co = self._co_rows[[layer * E + e for e in experts]]
+            co /= np.array([x + w for x in n])[:, None]
             np.maximum(p, co.max(axis=0), out=p)
         return p
 
@@ -205,10 +213,18 @@ class LinkPrefetch:
         f = self.forecast(step.layer, nl, step.experts)
         n = owner.geometry.num_experts[nl]
         row = cache.state[nl]
-        idx = np.flatnonzero((f[:n] >= self.confidence) & (cache._view[nl, :n] == ABSENT))
-        if not len(idx):
-            return []
-        cands = idx[np.argsort(-f[idx], kind="stable")][:room].tolist()
+        absent = cache._view[nl, :n] == ABSENT
+        if room == 1:  # the likeliest absent expert (the first of equals), if likely enough
+            g = np.where(absent, f[:n], -1.0)
+            e = int(g.argmax())
+            if g[e] < self.confidence:
+                return []
+            cands = [e]
+        else:
+            idx = np.flatnonzero((f[:n] >= self.confidence) & absent)
+            if not len(idx):
+                return []
+            cands = idx[np.argsort(-f[idx], kind="stable")][:room].tolist()
         free = cache.free_slots(nl, len(cands))
         moves = [Move(nl, e, s, None, float(f[e])) for e, s in zip(cands, free)]
         rest = cands[len(free):]
