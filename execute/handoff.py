@@ -116,6 +116,7 @@ class Handoff:
         self._io: list[_Mapped] = []  # grown xin | yout buffers, kept until close
         self._io_rows = self._io_width = 0
         self._views: dict[tuple[int, int], tuple] = {}  # buffers() by (rows, hidden), for the newest buffer
+        self._host_ptr: dict[int, int] = {}  # id of a yout view there -> its host address
         self._relay = cp.zeros(1, cp.int64)
         self._counter = cp.zeros(1, cp.uint32)
         self._k_put = Launch(_kernel("handoff_put"), 10)
@@ -142,12 +143,14 @@ class Handoff:
             self._io_rows, self._io_width = max(rows, 2 * self._io_rows, 8), max(hidden, self._io_width)
             self._io.append(_Mapped(8 * self._io_rows * self._io_width))
             self._views.clear()
+            self._host_ptr.clear()
         m = self._io[-1]
         n = rows * hidden
         half = 4 * self._io_rows * self._io_width
         f = m.host.view(np.float32)
         v = self._views[(rows, hidden)] = (f[:n].reshape(rows, hidden), f[half // 4:half // 4 + n].reshape(rows, hidden),
                                            m.dev, m.dev + half)
+        self._host_ptr[id(v[1])] = v[1].ctypes.data
         return v
 
     # the kernels -----------------------------------------------------------------------------
@@ -181,7 +184,8 @@ class Handoff:
         if self._ydev.size < yout.size:
             with self.compute:
                 self._ydev = cp.empty(max(yout.size, 2 * self._ydev.size), cp.float32)
-        cp.cuda.runtime.memcpyAsync(self._ydev.data.ptr, yout.ctypes.data, yout.nbytes,
+        src = self._host_ptr.get(id(yout)) or yout.ctypes.data
+        cp.cuda.runtime.memcpyAsync(self._ydev.data.ptr, src, yout.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, self.compute.ptr)
         pack1(self._blob, bases, weights, cpu_row)
         self._k_down1((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr, h, out, k, ffn, hidden, _RPB, off_d, qt_d,
