@@ -7,8 +7,7 @@ chosen on it. Held out: ``TEST_FAMILIES`` (seed 3) and ``SEED4_FAMILIES`` (seed 
 default, reported apart. Logic in ``simulate.evaluate``/``simulate.heldout``; writes RUN/config.json,
 RUN/results.csv, RUN/README.md and docs/POLICIES.md (method, the targets per set, limits, command).
 
-    python experiments/policies_eval.py                                   # the committed run
-    python experiments/policies_eval.py --tokens 12 --out /tmp/p.md --run-dir /tmp/run   # small
+    python experiments/policies_eval.py [--tokens 12 --out /tmp/p.md --run-dir /tmp/run]   # committed [small]
 """
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ SWITCH = ROOT / "tests" / "traces" / "data" / "switch-base-8" / "router-trace.v2
 HARDWARE = ("h200-xeon16", "rtx4060-laptop")
 ROWS = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead", "static", "belady", "oracle")
 SEED4 = 4
-# the second held-out set, fixed before any run of it: geometries and statistics no other family has;
-# (name, layers, experts, top-k, then the SynthParams fields _P)
+# the second held-out set, fixed before any run of it (name, layers, experts, top-k, the SynthParams fields _P)
 _P = ("zipf_s", "reuse_prob", "cross_layer", "topic_concentration", "topic_shift_prob", "reuse_lag_tokens")
 SEED4_FAMILIES = tuple((n, L, E, k, dict(zip(_P, p))) for n, L, E, k, *p in (
     ("held k1 e32 steep long-lag", 18, 32, 1, 1.6, 0.5, 0.4, 1.0, 0.01, 5.0),
@@ -52,9 +50,8 @@ SEED4_FAMILIES = tuple((n, L, E, k, dict(zip(_P, p))) for n, L, E, k, *p in (
     ("held k8 e160 flat-topics no-cross", 8, 160, 8, 0.6, 0.35, 0.0, 0.1, 0.01, 4.0)))
 HELD = ((TEST_SEED, TEST_FAMILIES), (SEED4, SEED4_FAMILIES))
 TUNED = {"lookahead": LOOKAHEAD_GRID, "hybrid-cost": PREFETCH_GRID}  # predict: its dataclass default
-FIXED = {**{k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if all(k not in g for g in LOOKAHEAD_GRID)},
-         **{k: getattr(la, k) for k in ("AUDIT_DECAY", "AUDIT_MIN", "SHADOW_MEMORY", "ADAPT_MARGIN", "PRICED_MAX",
-                                        "HIT_MEMORY")}}
+FIXED = {k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if all(k not in g for g in LOOKAHEAD_GRID)}
+FIXED |= {k: getattr(la, k) for k in "AUDIT_DECAY AUDIT_MIN SHADOW_MEMORY ADAPT_MARGIN PRICED_MAX HIT_MEMORY".split()}
 
 
 def dev_cases(limit: int | None) -> list[Case]:
@@ -68,8 +65,7 @@ def held_cases(limit: int | None) -> dict[int, list[Case]]:
     return {seed: held_out_cases(limit or 192, seed, fams) for seed, fams in HELD}
 
 
-def cases(limit: int | None) -> list[Case]:
-    """Every set (the slow oracle-ceiling test reads them)."""
+def cases(limit: int | None) -> list[Case]:  # every set (the slow oracle-ceiling test reads them)
     return dev_cases(limit) + [c for cs in held_cases(limit).values() for c in cs]
 
 
@@ -168,8 +164,7 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple
     below = lambda rows: "; ".join(f"{r['case']} {r['hardware']} {r['slots']} ({r['x_best']:.3f})" for r in sorted(
         (r for r in rows if r["x_best"] is not None and r["x_best"] < 1.0), key=lambda r: r["x_best"])) or "none"
     labels = [("development (tuning)", dev_rows)] + [(f"held out, seed {s}", rows[s]) for s in tests]
-    hc = [(l, summary(tuned, cs, hardware, "hybrid-cost")) for l, cs in [("development (tuning)", dev)]
-          + [(f"held out, seed {s}", tests[s]) for s in tests]]
+    hc = [(l, summary(tuned, cs, hardware, "hybrid-cost")) for (l, _), cs in zip(labels, [dev, *tests.values()])]
     page += targets_table(labels, hardware) + ["", "Below 1.0x max(lru, hybrid): " + "; ".join(
         f"{l}: {below(r)}" for l, r in labels) + ".", "", f"`hybrid-cost` with its prefetch setting chosen on the "
         f"development set (`{TUNED['hybrid-cost'][chosen['hybrid-cost'][0]]}`; scheduler/policies/prefetch.py), the "
@@ -184,13 +179,12 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple
         "it is below 1.2x lru that target is out of reach.", "", "## Command", "", f"    {command}", ""]
     readme = ["# policies_eval run: every policy on every trace", "", "Summary and method: docs/POLICIES.md.", "",
               "## Policies", ""] + [x for p in ROWS for x in (f"**{p}**. {ABOUT[p]}", "")]
-    per_trace = chosen["lookahead"][1].items()
+    per_trace, hcg, (hci, hc_held) = chosen["lookahead"][1].items(), TUNED["hybrid-cost"], chosen["hybrid-cost"]
     readme += ["## Chosen configuration", "", f"lookahead: `{cfg}` ({'the' if same else 'not the'} `LookaheadConfig` "
                "default) of the grid " + "; ".join(f"#{i} `{g}`" for i, g in enumerate(TUNED["lookahead"])) +
                "; per development trace without it: " + "; ".join(f"{c} #{i}" for c, i in per_trace)
-               + ".", "", "hybrid-cost: " + "; ".join(f"#{i} `{g}`" for i, g in enumerate(TUNED["hybrid-cost"])) +
-               f"; chosen #{chosen['hybrid-cost'][0]}; per development trace without it: "
-               + "; ".join(f"{c} #{i}" for c, i in chosen["hybrid-cost"][1].items()) + ".", ""]
+               + ".", "", "hybrid-cost: " + "; ".join(f"#{i} `{g}`" for i, g in enumerate(hcg)) + f"; chosen #{hci}; "
+               "per development trace without it: " + "; ".join(f"{c} #{i}" for c, i in hc_held.items()) + ".", ""]
     readme += [x for seed in tests for x in [f"## Held out: seed {seed}", ""] + run_table(rows[seed], tuned) + [""]]
     readme += ["## Development set", "", "Chosen with each trace in; the last column: the grid's choice without "
                "the trace (lookahead / lru).", ""] + run_table(dev_rows, tuned, ("grid held out", loto_cell))
@@ -249,8 +243,7 @@ def main(argv=None) -> int:
                        buf.getvalue()), (run_dir / "README.md", readme), (out, page)):
         with atomic_open(path) as f:
             f.write(text)
-    log and log(f"wrote {out} and {run_dir} in {time.perf_counter() - t0:.0f} s")
-    return 0
+    return log and log(f"wrote {out} and {run_dir} in {time.perf_counter() - t0:.0f} s") or 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """experiments/policies_eval.py: a small version runs and writes a page of the committed one's
 structure (a short reference: the targets on the development set and on each held-out seed apart;
 the rest in the run folder) and its run folder; every run says where 1.2x lru is out of oracle's
-reach; the committed run's lookahead default is the dataclass's; bad input refused, nothing written."""
+reach; the committed run's lookahead and hybrid-cost defaults are the dataclasses'; bad input refused,
+nothing written."""
 from __future__ import annotations
 
 import csv
@@ -11,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from scheduler.policies import LookaheadConfig
+from scheduler.policies import HybridCostConfig, LookaheadConfig
 
 ROOT = Path(__file__).parents[1]
 _spec = importlib.util.spec_from_file_location("policies_eval", ROOT / "experiments" / "policies_eval.py")
@@ -71,6 +72,8 @@ def test_the_committed_default_is_the_dataclass_default():
     assert all(default[k] == v for k, v in cfg["lookahead_default"].items())
     assert all(default[k] == v for k, v in cfg["lookahead_fixed"].items() if k in default)
     assert "(the `LookaheadConfig` default)" in (RUN / "README.md").read_text()
+    hc = dataclasses.asdict(HybridCostConfig())  # hybrid-cost's prefetch: the grid's choice
+    assert all(hc[k] == v for k, v in cfg["hybrid_cost_default"].items())
     for seed, fams in policies_eval.HELD:
         assert [f[0] for f in cfg["test_families"][str(seed)]] == [f[0] for f in fams]
 
