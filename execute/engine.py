@@ -305,16 +305,17 @@ class ExpertEngine:
         lx = self.layers[layer]
         if lx is None:
             raise ExecutorError(f"layer {layer} has no experts")
-        if self.gpu is not None and (early is None or early.x is not x):
-            self.gpu.after_caller()  # x may still be in the making on the caller's stream
-        if (self.gpu is not None and not d.cpu and not d.streams and not d.promotions and len(topk_ids) == 1
-                and isinstance(topk_ids, np.ndarray) and 1 <= topk_ids.shape[1] <= self._max_k
-                and getattr(x, "shape", None) == (1, lx.hidden) and np.shape(topk_weights) == topk_ids.shape):
-            return self.hand_back(self._run_one(d, x, topk_ids, topk_weights, early, t0), read=True)
-        if (self.handoff is not None and d.cpu and len(topk_ids) == 1 and isinstance(topk_ids, np.ndarray)
-                and 1 <= topk_ids.shape[1] <= self._max_k and getattr(x, "shape", None) == (1, lx.hidden)
-                and np.shape(topk_weights) == topk_ids.shape):  # CPU pairs handed off, no host wait
-            return self.hand_back(self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0), read=True)
+        gx = self.gpu
+        if gx is not None:
+            if early is None or early.x is not x:
+                gx.after_caller()  # x may still be in the making on the caller's stream
+            if (len(topk_ids) == 1 and isinstance(topk_ids, np.ndarray) and 1 <= topk_ids.shape[1] <= self._max_k
+                    and getattr(x, "shape", None) == (1, lx.hidden) and np.shape(topk_weights) == topk_ids.shape):
+                if not d.cpu and not d.streams and not d.promotions:
+                    return self.hand_back(self._run_one(d, x, topk_ids, topk_weights, early, t0), read=True)
+                if self.handoff is not None and d.cpu:  # CPU pairs handed off, no host wait
+                    return self.hand_back(self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0),
+                                          read=True)
         weights = np.asarray(topk_weights, np.float32)
         ids = np.asarray(topk_ids)
         if weights.shape != ids.shape or ids.ndim != 2 or x.shape != (weights.shape[0], lx.hidden):
