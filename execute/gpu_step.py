@@ -176,11 +176,22 @@ def queue_copies(gx, layer: int, experts, slots, streamed, scratch) -> None:
             gx.stream_to(layer, e, k)
     else:
         b, n = gx._batch, gx.layers[layer].num_experts
-        dst = [gx._slot_ptr(layer, s) for s in slots] + [gx.source_ptr(layer, -1 - k) for k in scratch]
-        for e, d in zip(list(experts) + list(streamed), dst):
+        table = gx.slot_tables[layer] if slots else None
+        ptr, stride, n_slots = table if table is not None else (0, 0, 0)
+        for e, s in zip(experts, slots):  # checked before anything is gathered
+            if not 0 <= s < n_slots:
+                gx._slot_ptr(layer, s)  # raises: no pool, or the slot out of range
             if not 0 <= e < n:
                 raise ExecutorError(f"layer {layer}: expert {e} out of range")
-            gx.bytes_uploaded += b.add(d, rows, e)
+        for e in streamed:
+            if not 0 <= e < n:
+                raise ExecutorError(f"layer {layer}: expert {e} out of range")
+        total = 0
+        for e, s in zip(experts, slots):
+            total += b.add(ptr + s * stride, rows, e)
+        for e, k in zip(streamed, scratch):
+            total += b.add(gx.source_ptr(layer, -1 - k), rows, e)
+        gx.bytes_uploaded += total
         b.flush(gx.copy.ptr)
     gx.compute_after_copies()
 

@@ -95,7 +95,10 @@ def test_a_refused_first_batch_goes_one_copy_per_part_from_then_on(fake_cupy, rn
         gx.copy_in(0, [2], [0])
         assert len(drv.batches) == 1 and len(_copies(cp, gx.copy.ptr)) == 6
         with pytest.raises(G.ExecutorError, match="out of range"):
-            gx.copy_in(0, [6], [0])
+            gx.copy_in(0, [2, 6], [0, 1])  # nothing of a refused step is left to copy later
+        with pytest.raises(G.ExecutorError, match="out of range"):
+            gx.copy_in(0, [2], [3])
+        assert not gx._batch.dst and len(_copies(cp, gx.copy.ptr)) == 6
     finally:
         gx.close()
 
