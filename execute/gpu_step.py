@@ -164,10 +164,11 @@ class CopyBatch:
 def queue_copies(gx, layer: int, experts, slots, streamed, scratch) -> None:
     """``GpuExperts.copy_in``: the copy stream waits for ``last_read``, the copies are gathered
     into ``gx``'s CopyBatch (or go as ``upload`` / ``stream_to`` while the host rows are staged,
-    not yet registered or being loaded), then the compute stream waits for the copy stream."""
+    not yet registered or being loaded), then the compute stream waits for the copy stream. As
+    ``upload``, an upload into a slot the background load filled with the same expert is skipped."""
     _rt.streamWaitEvent(gx.copy.ptr, gx.last_read.ptr)
     rows = None
-    if gx.staging is None and not gx.filled and gx._load is None and gx._defer is None:
+    if gx.staging is None and gx._load is None and gx._defer is None:
         rows = gx._host_rows(layer)
     if rows is None:
         for e, s in zip(experts, slots):
@@ -186,8 +187,10 @@ def queue_copies(gx, layer: int, experts, slots, streamed, scratch) -> None:
         for e in streamed:
             if not 0 <= e < n:
                 raise ExecutorError(f"layer {layer}: expert {e} out of range")
-        total = 0
+        filled, total = gx.filled, 0
         for e, s in zip(experts, slots):
+            if filled and filled.pop((layer, s), None) == e:
+                continue  # put there by the background load, and nothing has written the slot since
             total += b.add(ptr + s * stride, rows, e)
         for e, k in zip(streamed, scratch):
             total += b.add(gx.source_ptr(layer, -1 - k), rows, e)

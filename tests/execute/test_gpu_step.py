@@ -175,3 +175,20 @@ def test_gpu_a_steps_copies_fill_the_slots_and_scratch_with_the_experts_bytes(rn
         assert gx._batch.batches <= 1 and gx._batch.copies == 18
     finally:
         gx.close()
+
+
+def test_copy_in_skips_what_the_background_load_put_in_a_slot(fake_cupy, rng):
+    """As ``upload``: an expert the start-up load put in a slot nothing has written since is not
+    copied again; the slots a step writes leave ``filled``."""
+    cp, G = fake_cupy
+    gx = _make(G, _layers(rng), slots=3)
+    try:
+        gx.filled.update({(0, 1): 3, (0, 0): 5, (1, 2): 4})
+        cp.cuda.runtime.memcpyAsync.reset_mock()
+        gx.copy_in(0, [3, 2], [1, 0])  # 3 is in slot 1 already; slot 0 held 5, now 2
+        srcs = [s for _, s, _ in _copies(cp, gx.copy.ptr)]
+        rows = gx._host_rows(0)
+        assert srcs == [base + 2 * stride for base, stride, _ in rows]
+        assert gx.filled == {(1, 2): 4}
+    finally:
+        gx.close()
