@@ -33,6 +33,7 @@ of single calls); :func:`write_outputs` writes ``bench_executor.{json,csv,png}``
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import json
 import os
@@ -370,33 +371,43 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
                 engine.begin_layer(step.layer, x, state["ids"])
             yield step
 
-    for item in drive(pol, (replace(t, steps=forward(t)) for t in tokens)):
-        if isinstance(item, RunLayer):
-            b = pc()
-            state["x"] = engine.run_layer(item, state["x"], state["ids"], state["w"])
-            if sync:
-                gx.compute.synchronize()
-            if timed:
-                host["run_layer"] += pc() - b
-                decisions.append(item.decision)
-                hits += len(item.decision.hits)
-                routed += len(item.step.experts)
-        elif isinstance(item, StartBackground):
-            a = pc()
-            engine.start_background(item.moves)
-            if timed:
-                host["background"] += pc() - a
-                bg_bytes += len(item.moves) * eb
-        elif isinstance(item, AwaitBackground):
-            a = pc()
-            engine.await_background(item.moves)
-            if timed:
-                host["background"] += pc() - a
-        elif isinstance(item, EndToken) and item.token.index == args.warmup - 1:
-            engine.synchronize()
-            timed, t0, up0 = True, pc(), gx.bytes_uploaded
-            stats0 = {k: v for k, v in vars(engine.stats).items() if k != "per_layer_cpu_s"}
-            state["x"] = x0
+    gc_s = [0.0, 0.0]  # garbage collector's time while timed (it pauses whichever phase runs)
+
+    def gc_clock(phase, info):
+        if timed:
+            gc_s[phase == "stop"] += pc()
+
+    gc.callbacks.append(gc_clock)
+    try:
+        for item in drive(pol, (replace(t, steps=forward(t)) for t in tokens)):
+            if isinstance(item, RunLayer):
+                b = pc()
+                state["x"] = engine.run_layer(item, state["x"], state["ids"], state["w"])
+                if sync:
+                    gx.compute.synchronize()
+                if timed:
+                    host["run_layer"] += pc() - b
+                    decisions.append(item.decision)
+                    hits += len(item.decision.hits)
+                    routed += len(item.step.experts)
+            elif isinstance(item, StartBackground):
+                a = pc()
+                engine.start_background(item.moves)
+                if timed:
+                    host["background"] += pc() - a
+                    bg_bytes += len(item.moves) * eb
+            elif isinstance(item, AwaitBackground):
+                a = pc()
+                engine.await_background(item.moves)
+                if timed:
+                    host["background"] += pc() - a
+            elif isinstance(item, EndToken) and item.token.index == args.warmup - 1:
+                engine.synchronize()
+                timed, t0, up0 = True, pc(), gx.bytes_uploaded
+                stats0 = {k: v for k, v in vars(engine.stats).items() if k != "per_layer_cpu_s"}
+                state["x"] = x0
+    finally:
+        gc.callbacks.remove(gc_clock)
     engine.synchronize()
     wall = pc() - t0
     n = args.tokens
@@ -407,6 +418,7 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
     breakdown = {f"{k}_us": v * per_layer for k, v in host.items()}
     breakdown.update({f"{k[:-2]}_us": st[k] * per_layer for k in ENGINE_PHASES})
     breakdown["wall_us"] = wall * per_layer
+    breakdown["gc_us"] = (gc_s[1] - gc_s[0]) * per_layer
     calls = max(st.get("handoff_calls", 0), 1)  # the hand-off's edges, per CPU call handed off
     breakdown["handoff_in_us"] = st.get("handoff_in_s", 0.0) * 1e6 / calls
     breakdown["handoff_out_us"] = st.get("handoff_out_s", 0.0) * 1e6 / calls
