@@ -65,10 +65,12 @@ _IQ2_XXS, _IQ3_XXS, _IQ2_XS, _IQ2_S, _IQ3_S, _IQ1_S, _IQ1_M = (Q.IQ2_XXS, Q.IQ3_
                                                                Q.IQ1_S, Q.IQ1_M)
 # code tables (lut16): bytes 0-15 MXFP4 code -> integer value + 12 (0..24, unsigned for dpbusd; the
 # 12 comes off through the sums); bytes 16-31 IQ4_NL/IQ4_XS code -> level (signed, see _sdot); from
-# byte 32 (_IQX) cpu_iq's grids
-_TABLES = np.concatenate([(Q.MXFP4_VALUES + 12).astype(np.uint8), IQ4_NL_VALUES.view(np.uint8), IQ_TABLES])
+# byte 32 (_IQX) cpu_iq's grids; then (_IQ4U) IQ4 code -> level + 128 (unsigned, the vnni path)
+_TABLES = np.concatenate([(Q.MXFP4_VALUES + 12).astype(np.uint8), IQ4_NL_VALUES.view(np.uint8), IQ_TABLES,
+                          IQ4_NL_VALUES.view(np.uint8) ^ 0x80])
 _IQX = 32
 _IQ4 = 16  # offset of the IQ4 table
+_IQ4U = _IQX + IQ_TABLES.size  # the IQ4 levels + 128 (unsigned, the vnni path's)
 
 
 @intrinsic
@@ -156,22 +158,31 @@ def _dot_q4_1(w, o, nb, xq, xo, xd, xs, xb, l2, isa, bs, hi):
 
 
 @njit(inline="always", fastmath=True)
-def _dot_iq4_nl(w, o, nb, xq, xo, xd, xb, l2, isa, table):
-    """IQ4_NL (18-byte blocks: f16 d, 16 bytes of codes); codes -> signed levels by lut16. Eight
-    blocks at a time as Q4_0's (signed weights: cpu_kq.sdots), the rest one by one."""
+def _dot_iq4_nl(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table):
+    """IQ4_NL (18-byte blocks: f16 d, 16 bytes of codes); codes -> levels by lut16. Eight blocks at
+    a time as Q4_0's, the rest one by one: on the vnni path the levels + 128 as unsigned bytes, the
+    128 off through the sums xs; on the others (int16 pair sums) the signed levels (cpu_kq.sdots)."""
     acc = zero_f32()
+    cor = zero_f32()
     buf = block_scratch()
     for b8 in range(nb // 8):
         p = o + 144 * b8
-        for k in range(8):
-            store_i8x32(buf, 32 * k, lut16(load_nib32(w, p + 18 * k + 2), table + _IQ4))
-        f = fmul(f16x8(w, p, 18), load_f32x8(xd, xb + 8 * b8))
-        acc = acc_dots(acc, sdots(isa, buf, xq, xo + 256 * b8, l2), f)
+        dv = f16x8(w, p, 18)
+        f = fmul(dv, load_f32x8(xd, xb + 8 * b8))
+        if isa == 0:
+            for k in range(8):
+                store_i8x32(buf, 32 * k, lut16(load_nib32(w, p + 18 * k + 2), table + _IQ4U))
+            acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b8, l2), f)
+            cor = fadd(cor, fmul(dv, load_f32x8(xs, xb + 8 * b8)))
+        else:
+            for k in range(8):
+                store_i8x32(buf, 32 * k, lut16(load_nib32(w, p + 18 * k + 2), table + _IQ4))
+            acc = acc_dots(acc, sdots(isa, buf, xq, xo + 256 * b8, l2), f)
     for b in range(nb - nb % 8, nb):
         p = o + 18 * b
         v = _sdot(lut16(load_nib32(w, p + 2), table + _IQ4), xq, xo + 32 * b, l2, isa)
         acc = fma_cvt(acc, v, load_f16(w, p) * load_f32(xd, xb + b))
-    return hsum(acc)
+    return hsum(acc) - np.float32(128.0) * hsum(cor)
 
 
 @njit(inline="always", fastmath=True)
@@ -248,7 +259,7 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
     if qt == _Q3_K:
         return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, True)
     if qt == _IQ4_XS:
-        return dot_iq4_xs(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table + _IQ4)
+        return dot_iq4_xs(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table + _IQ4, table + _IQ4U)
     if qt == _IQ2_XXS or qt == _IQ3_XXS:
         return dot_iq_xxs(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table + _IQX, qt == _IQ3_XXS)
     if qt == _IQ2_XS or qt == _IQ2_S or qt == _IQ3_S:
@@ -262,7 +273,7 @@ def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
         bs, hi = (20, 0) if qt == _Q4_1 else (22, 2) if qt == _Q5_0 else (24, 4)
         return _dot_q4_1(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, bs, hi)
     if qt == _IQ4_NL:
-        return _dot_iq4_nl(w, o, nb, xq, i * cols, xd, i * nb, l2, isa, table)
+        return _dot_iq4_nl(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
     if qt == _MXFP4:
         return _dot_mxfp4(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, table, isa)
     return _dot_float(qt, w, row * cols, x, i * cols, cols)

@@ -9,10 +9,13 @@ activations, both levels). Q4_K, Q5_K, Q3_K and Q2_K stage the block's 8 weight 
 stack (``block_scratch``) and run the 8 dots behind one branch on the instruction-set path
 (``dots``); each dot's lanes are summed as integers, the 8 sums (16 with a scale per 16 weights)
 gathered in one vector by pairwise adds, converted once and multiplied by the factors
-(``acc_dots``, ``acc_dots16``), joining the accumulator in one add; Q6_K and IQ4_XS, whose
-decode is a few instructions, branch per dot (``idot``, ``sdot``) and accumulate each with its
-lane(s) of that vector (``fma_cvt``, ``fma_cvt2``; staging them measured no faster). Mins and
-offsets come off once per block as a vector product with the activations' block sums. Also here:
+(``acc_dots``, ``acc_dots16``: blends and one in-lane shuffle per pair of vectors, not vphaddd,
+whose two shuffles each made the shuffle port the bound on Intel cores), joining the accumulator in
+one add; Q6_K, whose decode is a few instructions, branches per dot (``idot``) and accumulates each
+with its lanes of that vector (``fma_cvt2``; staging it measured no faster). IQ4_XS stages its
+levels + 128 (unsigned) on the vnni path; on the others (int16 pair sums) it dots its signed levels
+one by one (``sdot``). Mins and offsets come off once per block as a vector product with the
+activations' block sums. Also here:
 the float32 vector operations that work needs, and the integer dots and staging shared with
 ``execute.cpu_experts``, whose 32-weight types Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL run eight blocks
 at a time the same way (``dots``, ``sdots`` for signed weights; their d by ``f16x8``).
@@ -76,12 +79,20 @@ def f16x8(typingctx, base, off, stride):
     def codegen(context, builder, sig, args):
         a = builder.ptrtoint(_ptr(context, builder, sig, args[:2], _I8), ir.IntType(64))
         st = context.cast(builder, args[2], sig.args[2], types.int64)
-        h = ir.HalfType()
-        v = ir.Constant(ir.VectorType(h, 8), ir.Undefined)
-        for k in range(8):
-            p = builder.inttoptr(builder.add(a, builder.mul(st, ir.Constant(ir.IntType(64), k))), ir.PointerType(h))
-            v = builder.insert_element(v, builder.load(p, align=1), ir.Constant(_I32, k))
-        return builder.fpext(v, VF)
+        i64 = ir.IntType(64)
+        words = []
+        for half in range(2):  # 4 float16 packed in a 64-bit register (scalar ports), then 2 moves to a vector
+            u = None
+            for k in range(4 * half, 4 * half + 4):
+                p = builder.inttoptr(builder.add(a, builder.mul(st, ir.Constant(i64, k))), ir.PointerType(ir.IntType(16)))
+                e = builder.zext(builder.load(p, align=1), i64)
+                e = builder.shl(e, ir.Constant(i64, 16 * (k % 4))) if k % 4 else e
+                u = e if u is None else builder.or_(u, e)
+            words.append(u)
+        v = ir.Constant(ir.VectorType(i64, 2), ir.Undefined)
+        for j, u in enumerate(words):
+            v = builder.insert_element(v, u, ir.Constant(_I32, j))
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), VF)
     return F32x8(base, off, stride), codegen
 
 
@@ -257,17 +268,22 @@ sdots = intrinsic(_dots(True))
 sdots.__doc__ = "dots for signed weight bytes q (|q| <= 128) through |q| and x sign(q) (x avoids -128)."
 
 
-def _hadd(builder, a, b):
-    """[a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] (int32 lanes; vphaddd's order)."""
+def _pairs(builder, a, b, width):
+    """Adjacent groups of ``width`` int32 lanes summed, a's sums in the even groups, b's in the odd:
+    [a0+a1, b0+b1, a2+a3, b2+b3 ..] for width 1, [a01+a23, b01+b23, a45+a67, b45+b67] (two lanes
+    each) for width 2. Two blends (any vector port) and one in-lane shuffle, where vphaddd takes two
+    shuffles: the shuffle port bounds the staged kernels on Intel cores."""
     idx = ir.VectorType(_I32, 8)
-    lo = builder.shuffle_vector(a, b, ir.Constant(idx, [0, 2, 8, 10, 4, 6, 12, 14]))
-    hi = builder.shuffle_vector(a, b, ir.Constant(idx, [1, 3, 9, 11, 5, 7, 13, 15]))
-    return builder.add(lo, hi)
+    g = [(j // width) % 2 for j in range(8)]  # 1: lane j holds b's term in place
+    x = builder.shuffle_vector(a, b, ir.Constant(idx, [j + 8 * g[j] for j in range(8)]))
+    y = builder.shuffle_vector(a, b, ir.Constant(idx, [(j ^ width) + 8 * g[j] for j in range(8)]))
+    y = builder.asm(ir.FunctionType(V8, [V8]), "", "=v,0", [y], side_effect=False)  # else LLVM forms vphaddd again
+    return builder.add(x, y)
 
 
 def _sums4(builder, v, k):
     """Dots k .. k + 3 of v summed per half: [s_k, .., s_k+3 over lanes 0-3 | the same over lanes 4-7]."""
-    return _hadd(builder, _hadd(builder, v[k], v[k + 1]), _hadd(builder, v[k + 2], v[k + 3]))
+    return _pairs(builder, _pairs(builder, v[k], v[k + 1], 1), _pairs(builder, v[k + 2], v[k + 3], 1), 2)
 
 
 @intrinsic
@@ -500,20 +516,32 @@ def _iq4xs_scales(w, p):
 
 
 @njit(inline="always", fastmath=True)
-def dot_iq4_xs(w, o, nb, xq, xo, xd, xb, l2, isa, table):
+def dot_iq4_xs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, tableu):
     """IQ4_XS (136-byte blocks: f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; 32-weight
-    sub-block s: 16 bytes of codes, low nibbles weights 0-15): w = d (scale - 32) level(code), the
-    levels signed bytes by lut16 from the 16 at ``table``."""
+    sub-block s: 16 bytes of codes, low nibbles weights 0-15): w = d (scale - 32) level(code). On
+    the vnni path the levels + 128 as unsigned bytes by lut16 from the 16 at ``tableu``, a block's 8
+    dots staged (dots) and the 128 off through the activation sums xs; on the others (whose int16
+    pair sums would overflow on bytes > 127) the signed levels from ``table``, dot by dot (sdot)."""
     acc0 = zero_f32()
     acc1 = zero_f32()
+    cor = zero_f32()
+    buf = block_scratch()
     for b in range(nb // 8):
         p = o + 136 * b
-        f = fmul(fmul(fadd(u8_f32x8(_iq4xs_scales(w, p)), np.float32(-32.0)), load_f32x8(xd, xb + 8 * b)),
-                 load_f16(w, p))
+        sc = fadd(u8_f32x8(_iq4xs_scales(w, p)), np.float32(-32.0))
+        blk = xb + 8 * b
+        f = fmul(fmul(sc, load_f32x8(xd, blk)), load_f16(w, p))
         a = xo + 256 * b
-        for t in range(4):
-            v0 = sdot(lut16(load_nib32(w, p + 8 + 32 * t), table), xq, a + 64 * t, l2, isa)
-            v1 = sdot(lut16(load_nib32(w, p + 24 + 32 * t), table), xq, a + 64 * t + 32, l2, isa)
-            acc0 = fma_cvt(acc0, v0, lane(f, 2 * t))
-            acc1 = fma_cvt(acc1, v1, lane(f, 2 * t + 1))
-    return hsum(fadd(acc0, acc1))
+        if isa == 0:
+            for t in range(4):
+                store_i8x32(buf, 64 * t, lut16(load_nib32(w, p + 8 + 32 * t), tableu))
+                store_i8x32(buf, 64 * t + 32, lut16(load_nib32(w, p + 24 + 32 * t), tableu))
+            acc0 = acc_dots(acc0, dots(isa, buf, xq, a, l2), f)
+            cor = fadd(cor, fmul(fmul(sc, load_f32x8(xs, blk)), load_f16(w, p)))
+        else:
+            for t in range(4):
+                v0 = sdot(lut16(load_nib32(w, p + 8 + 32 * t), table), xq, a + 64 * t, l2, isa)
+                v1 = sdot(lut16(load_nib32(w, p + 24 + 32 * t), table), xq, a + 64 * t + 32, l2, isa)
+                acc0 = fma_cvt(acc0, v0, lane(f, 2 * t))
+                acc1 = fma_cvt(acc1, v1, lane(f, 2 * t + 1))
+    return hsum(fadd(acc0, acc1)) - np.float32(128.0) * hsum(cor)

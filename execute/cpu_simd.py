@@ -118,16 +118,17 @@ def load_i8x32(typingctx, base, off):
 
 @intrinsic
 def load_nib32(typingctx, base, off):
-    """16 bytes at base + off -> 32 nibbles: lane j < 16 is byte j & 15, lane 16 + j is byte j >> 4."""
+    """16 bytes at base + off -> 32 nibbles: lane j < 16 is byte j & 15, lane 16 + j is byte j >> 4
+    (the 16 bytes loaded into both halves, the upper shifted: no cross-half shuffle)."""
     if not _addr_args(base, off):
         return None
 
     def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(_I8, 16)
+        v16, v64 = ir.VectorType(_I8, 16), ir.VectorType(ir.IntType(64), 4)
         q = builder.load(_ptr(context, builder, sig, args, v16), align=1)
-        lo = builder.and_(q, ir.Constant(v16, [15] * 16))
-        hi = builder.lshr(q, ir.Constant(v16, [4] * 16))
-        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+        q = builder.bitcast(builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2)), v64)
+        q = builder.lshr(q, ir.Constant(v64, [0, 0, 4, 4]))  # the copy in the upper half shifted (vpsrlvq)
+        return builder.and_(builder.bitcast(q, V32), ir.Constant(V32, [15] * 32))
     return I8x32(base, off), codegen
 
 
