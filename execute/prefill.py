@@ -239,6 +239,7 @@ class BatchedExperts:
             self._split((n_pairs, 1), 256, s, hf.data.ptr, 0, F, hh.data.ptr, hl.data.ptr, hi.data.ptr)
             mm((-(-H // _N_DOWN), nt), 128, s, d_base, d_row, d_n, d_g, hh.data.ptr, hl.data.ptr, hi.data.ptr, F, H,
                off_d, 0, rb_d, qt_d, 1, y.data.ptr)
+        gx.mark_read()  # a copy queued before run_layer waits for these reads of the slots
         self.rounds += 1
         return pair_of
 
