@@ -112,16 +112,16 @@ QD float small_f(int i) {  // float(i) for |i| < 2^22 through the bits of 1.5 * 
 #endif
     return f - 12582912.0f;
 }
-QD uint32_t u8(const uint8_t* p) { return LDG(p); }
-QD uint32_t u16(const uint8_t* p) { return LDG(p) | (LDG(p + 1) << 8); }
+QD uint32_t u8(const uint8_t* p) { return *p; }  // weight bytes: plain loads (global or shared memory)
+QD uint32_t u16(const uint8_t* p) { return p[0] | (p[1] << 8); }
 QD float f16(const uint8_t* p) { return h2f(u16(p)); }
 // N words of the 4 N bytes at p (any alignment): N + 1 aligned loads, funnel-shifted
 template <int N> QD void ldw(const uint8_t* p, uint32_t* w) {
     u64 a = (u64)p;
     const uint32_t* q = (const uint32_t*)(a & ~3ull);
     uint32_t s = (uint32_t)(a & 3) * 8, v[N + 1];
-    for (int i = 0; i < N; i++) v[i] = LDG(q + i);
-    v[N] = s ? LDG(q + N) : 0u;  // only when the bytes reach into that word
+    for (int i = 0; i < N; i++) v[i] = q[i];
+    v[N] = s ? q[N] : 0u;  // only when the bytes reach into that word
     for (int i = 0; i < N; i++) w[i] = fshr(v[i], v[i + 1], s);
 }
 QD uint32_t ld1(const uint8_t* p) {
@@ -378,6 +378,17 @@ template <int QT> QD float dot_f(const Dec& d, const float* x) {
     case 29: F<29>(__VA_ARGS__); break; case 39: F<39>(__VA_ARGS__); break;                                \
     }
 
+#define DISPATCH_R(r, qt, F, ...)                                                                                 \
+    switch (qt) {                                                                                                 \
+    case 2: r = F<2>(__VA_ARGS__); break; case 3: r = F<3>(__VA_ARGS__); break; case 6: r = F<6>(__VA_ARGS__); break; \
+    case 7: r = F<7>(__VA_ARGS__); break; case 8: r = F<8>(__VA_ARGS__); break; case 10: r = F<10>(__VA_ARGS__); break; \
+    case 11: r = F<11>(__VA_ARGS__); break; case 12: r = F<12>(__VA_ARGS__); break; case 13: r = F<13>(__VA_ARGS__); break; \
+    case 14: r = F<14>(__VA_ARGS__); break; case 16: r = F<16>(__VA_ARGS__); break; case 17: r = F<17>(__VA_ARGS__); break; \
+    case 18: r = F<18>(__VA_ARGS__); break; case 19: r = F<19>(__VA_ARGS__); break; case 20: r = F<20>(__VA_ARGS__); break; \
+    case 21: r = F<21>(__VA_ARGS__); break; case 22: r = F<22>(__VA_ARGS__); break; case 23: r = F<23>(__VA_ARGS__); break; \
+    case 29: r = F<29>(__VA_ARGS__); break; case 39: r = F<39>(__VA_ARGS__); break;                                  \
+    }
+
 #ifndef MOELAB_HOST_CHECK  // the kernels (the host check builds the decoders alone)
 // ---------------------------------------------------------------------------------------------
 // Staged inputs: up to NT tokens x KT = 8192 / NT columns of a block's shared buffer (XS_WORDS
@@ -389,8 +400,7 @@ template <int QT> QD float dot_f(const Dec& d, const float* x) {
 #define MAXK 32
 
 // stage x[tok[t] * ldx + k0 .. + kt] for t < nt (all threads of the block; 8 lanes per 32 values)
-template <int NT> __device__ void stage(uint4* buf, const float* __restrict__ x, long long ldx, const int* tok, int nt, int k0, int kt) {
-    constexpr int KT = 8192 / NT;
+template <int NT, int KT = 8192 / NT> __device__ void stage(uint4* buf, const float* __restrict__ x, long long ldx, const int* tok, int nt, int k0, int kt) {
     uint32_t* q1 = reinterpret_cast<uint32_t*>(buf);
     uint32_t* q2 = q1 + NT * KT / 4;
     float* dxs = reinterpret_cast<float*>(q2 + NT * KT / 4);
@@ -503,6 +513,141 @@ __device__ __noinline__ void pass(const uint8_t* r0, const uint8_t* r1, const ui
         }
 }
 
+// ---------------------------------------------------------------------------------------------
+// One-token kernels (qmatmul_q1, qmoe1_gate_up, qmoe1_down_combine). Weight rows are copied to
+// shared memory first, in the 16-byte words that cover them (cp.async: every copy of a tile issued
+// at once, 16 bytes per lane, coalesced, any row alignment), then decoded there by dec32; the
+// inputs are staged meanwhile. Gate/up and matmul: a warp owns 2 rows (of each matrix), a
+// block of 4 warps stages one input tile of X1_COLS columns for them all (stage), the lanes split
+// the tile's 32-weight chunks and dot them with dp4a (dot_staged), one shuffle reduction per row
+// at the end. Tiles shrink below X1_COLS when a warp's rows would not fit its W1_BYTES / 4.
+#define W1_BYTES 28672
+#define X1_COLS 2048
+#define X1_WORDS (X1_COLS * 19 / 8 / 16)
+#define D1_BYTES 16384  // the one-token down projection's weight tiles, split between its warps
+
+__device__ __forceinline__ void cp16(void* s, const void* g) {  // 16 bytes global -> shared, asynchronously
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(s)), "l"(g));
+#else
+    __builtin_memcpy(s, g, 16);
+#endif
+}
+__device__ __forceinline__ void cp_wait() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+// bytes of the shared slot for the cover of kt columns of a qt row: n bytes at any offset mod 16
+__device__ __forceinline__ int slot_bytes(int qt, int kt) { return ((kt / g_block[qt][0]) * g_block[qt][1] + 31) & ~15; }
+// copies the 16-byte words covering [p, p + n) to s (16-byte aligned) by lanes lane, lane + 32, ...;
+// returns where p's bytes lie in s
+__device__ __forceinline__ const uint8_t* stage_row(uint8_t* s, const uint8_t* p, int n, int lane) {
+    const uint8_t* a = reinterpret_cast<const uint8_t*>((u64)p & ~15ull);
+    int words = (int)(((u64)p + n + 15 - (u64)a) >> 4);
+    for (int i = lane; i < words; i += 32) cp16(s + 16 * i, a + 16 * i);
+    return s + ((u64)p & 15);
+}
+// the largest tile (<= cap, a multiple of step, at least step) whose nrows slots of qa (and of qb) fit budget
+__device__ __forceinline__ int fit_cols(int cols, int cap, int step, int qa, int qb, int nrows, int budget) {
+    int kt = min(cols, cap) / step * step;
+    while (kt > step && nrows * (slot_bytes(qa, kt) + (qb >= 0 ? slot_bytes(qb, kt) : 0)) > budget) kt -= step;
+    return max(kt, step);
+}
+
+// acc[m] += row m . staged input, chunks lane, lane + 32, ... of nch (row m in shared memory at s[m], m < nm)
+// (a call per type and tile: each type's registers allocated apart, no spills across the dispatch)
+template <int QT> __device__ __noinline__ float2 rows1_tile(const uint8_t* s0, const uint8_t* s1, int nm, const uint4* xb, int nch) {
+    constexpr int SUB = qbw(QT) / 32, BB = qbb(QT);
+    const uint4* q1 = xb;
+    const uint4* q2 = xb + X1_COLS / 16;
+    const float* dxs = reinterpret_cast<const float*>(xb + X1_COLS / 8);
+    const float2* s16 = reinterpret_cast<const float2*>(dxs + X1_COLS / 32);
+    float2 acc = {0.f, 0.f};
+    for (int c = threadIdx.x & 31; c < nch; c += 32) {
+        Dec d0, d1;
+        dec32<QT>(s0 + (c / SUB) * BB, c % SUB, d0);
+        if (nm > 1) dec32<QT>(s1 + (c / SUB) * BB, c % SUB, d1);
+        uint4 a0 = q1[2 * c], a1 = q1[2 * c + 1], b0 = q2[2 * c], b1 = q2[2 * c + 1];
+        uint32_t x1[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w}, x2[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+        float2 sv = s16[c];
+        float ss[2] = {sv.x, sv.y}, ds = dxs[c];
+        acc.x += dot_staged<QT>(d0, x1, x2, ds, ss);
+        if (nm > 1) acc.y += dot_staged<QT>(d1, x1, x2, ds, ss);
+    }
+    return acc;
+}
+
+// One token through nr <= 2 WARPS rows of matrix a (and the same rows of b when qb >= 0): rows
+// start at pa + r rb_a (pb + r rb_b), r < nr; warp w takes rows 2 w, 2 w + 1. Returns in every lane
+// of warp w: res[0..1] = rows of a, res[2..3] = rows of b. All threads of the block call it.
+__device__ void gemv1(const uint8_t* pa, long long rba, int qa, const uint8_t* pb, long long rbb, int qb, int nr,
+                      int cols, const float* __restrict__ x, uint4* wbuf, uint4* xbuf, float* res) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, w0 = 2 * warp, mine = max(0, min(2, nr - w0));
+    int step = max(g_block[qa][0], qb >= 0 ? g_block[qb][0] : 1);
+    int kt = fit_cols(cols, X1_COLS, step, qa, qb, 2, W1_BYTES / WARPS);
+    int sa = slot_bytes(qa, kt), sb = qb >= 0 ? slot_bytes(qb, kt) : 0;
+    uint8_t* my = reinterpret_cast<uint8_t*>(wbuf) + warp * (W1_BYTES / WARPS);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    int tok[1] = {0};
+    for (int k0 = 0; k0 < cols; k0 += kt) {
+        int n = min(kt, cols - k0);
+        long long oa = (long long)(k0 / g_block[qa][0]) * g_block[qa][1];
+        long long ob = qb >= 0 ? (long long)(k0 / g_block[qb][0]) * g_block[qb][1] : 0;
+        int na = (n / g_block[qa][0]) * g_block[qa][1], nb = qb >= 0 ? (n / g_block[qb][0]) * g_block[qb][1] : 0;
+        __syncthreads();  // the previous tile is consumed
+        const uint8_t *s0 = my, *s1 = my, *s2 = my, *s3 = my;
+        if (mine > 0) {
+            s0 = stage_row(my, pa + w0 * rba + oa, na, lane);
+            if (qb >= 0) s2 = stage_row(my + 2 * sa, pb + w0 * rbb + ob, nb, lane);
+        }
+        if (mine > 1) {
+            s1 = stage_row(my + sa, pa + (w0 + 1) * rba + oa, na, lane);
+            if (qb >= 0) s3 = stage_row(my + 2 * sa + sb, pb + (w0 + 1) * rbb + ob, nb, lane);
+        }
+        stage<1, X1_COLS>(xbuf, x, 0, tok, 1, k0, n);
+        cp_wait();
+        __syncthreads();
+        if (mine) {
+            float2 v = {0.f, 0.f}, u = {0.f, 0.f};
+            DISPATCH_R(v, qa, rows1_tile, s0, s1, mine, xbuf, n / 32)
+            if (qb >= 0) DISPATCH_R(u, qb, rows1_tile, s2, s3, mine, xbuf, n / 32)
+            acc[0] += v.x; acc[1] += v.y; acc[2] += u.x; acc[3] += u.y;
+        }
+    }
+    for (int m = 0; m < 4; m++) {
+        float v = acc[m];
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        res[m] = v;
+    }
+}
+
+// down rows of one expert (per warp): acc0/acc1 += rows 0/1 (shared memory s0, s1) . h (float32), tasks (row, chunk) by lane
+template <int QT> __device__ __noinline__ float2 down1_tile(const uint8_t* s0, const uint8_t* s1, int nm, const float* hx, int nch) {
+    constexpr int SUB = qbw(QT) / 32, BB = qbb(QT);
+    float2 acc = {0.f, 0.f};
+    for (int t = threadIdx.x & 31; t < nm * nch; t += 32) {
+        int m = t >= nch, c = t - m * nch;
+        Dec d;
+        dec32<QT>((m ? s1 : s0) + (c / SUB) * BB, c % SUB, d);
+        float v = dot_f<QT>(d, hx + 32 * c);
+        if (m) acc.y += v; else acc.x += v;
+    }
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(128, 6) qmatmul_q1(const uint8_t* __restrict__ W, int qt, int rows, int cols, long long rb,
+                                                               const float* __restrict__ X, int n, float* __restrict__ Y) {
+    __shared__ __align__(16) uint4 wbuf[W1_BYTES / 16];
+    __shared__ __align__(16) uint4 xbuf[X1_WORDS];
+    int r0 = blockIdx.x * 2 * WARPS, r = r0 + 2 * (threadIdx.x >> 5);
+    float res[4];
+    gemv1(W + (long long)r0 * rb, rb, qt, 0, 0, -1, min(2 * WARPS, rows - r0), cols, X, wbuf, xbuf, res);
+    if ((threadIdx.x & 31) == 0)
+        for (int m = 0; m < 2; m++)
+            if (r + m < rows) Y[r + m] = res[m];
+}
+
 // Y[t][r] = W[r] . X[t], quantized W: grid (ceil(rows / 8), ceil(n / NT)), block 128
 template <int NT> __device__ void matmul_rows(const uint8_t* __restrict__ W, int qt, int rows, int cols, long long rb,
                                               const float* __restrict__ X, int n, float* __restrict__ Y, uint4* buf) {
@@ -522,12 +667,6 @@ extern "C" __global__ void qmatmul_q(const uint8_t* __restrict__ W, int qt, int 
                                      const float* __restrict__ X, int n, float* __restrict__ Y) {
     __shared__ uint4 buf[XS_WORDS];
     matmul_rows<TB>(W, qt, rows, cols, rb, X, n, Y, buf);
-}
-
-extern "C" __global__ void qmatmul_q1(const uint8_t* __restrict__ W, int qt, int rows, int cols, long long rb,
-                                      const float* __restrict__ X, int n, float* __restrict__ Y) {
-    __shared__ uint4 buf[XS_WORDS];
-    matmul_rows<1>(W, qt, rows, cols, rb, X, n, Y, buf);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -578,84 +717,266 @@ __device__ __forceinline__ float q_act(int act, float a, float b) {  // gpu_kern
     return a / (1.f + __expf(-a)) * b;
 }
 
-// h[orow[t], r] = act(gate_e x[tok[t]] + bg, up_e x[tok[t]] + bu) for the warp's rows r0 + 2i, r0 + 2i + 1
-template <int NT> __device__ void gate_up_rows(const uint8_t* e, const float* x, long long ldx, const int* tok, const int* orow, int nt,
-                             float* h, int ffn, int hidden, int r0, int r1, long long off_g, int qt_g, long long rb_g,
-                             long long off_u, int qt_u, long long rb_u, int act, int bias, int rpw, uint4* buf) {
-    for (int rr = 0; rr < rpw; rr += 2) {  // uniform over the block: every warp stages together
-        int r = r0 + rr;
-        const uint8_t* g0 = r < r1 ? e + off_g + (long long)r * rb_g : 0;
-        const uint8_t* g1 = r + 1 < r1 && rr + 1 < rpw ? e + off_g + (long long)(r + 1) * rb_g : 0;
-        const uint8_t* u0 = g0 ? e + off_u + (long long)r * rb_u : 0;
-        const uint8_t* u1 = g1 ? e + off_u + (long long)(r + 1) * rb_u : 0;
-        float res[4][TB], ru[4][TB];
-        bool same = qt_g == qt_u;  // one pass over gate and up rows, else a pass each
-        for (int p = 0; p < (same ? 1 : 2); p++)
-            pass<NT>(p ? u0 : g0, p ? u1 : g1, same ? u0 : 0, same ? u1 : 0, p ? qt_u : qt_g, hidden, x, ldx, tok, nt, buf,
-                     p ? ru : res);
-        if (!same)
-            for (int m = 0; m < 2; m++)
-                for (int t = 0; t < TB; t++) res[m + 2][t] = ru[m][t];
-        if ((threadIdx.x & 31) == 0)
-            for (int m = 0; m < 2; m++) {
-                const uint8_t* gm = m ? g1 : g0;
-                if (!gm) continue;
-                float bg = bias ? reinterpret_cast<const float*>(e)[r + m] : 0.f;
-                float bu = bias ? reinterpret_cast<const float*>(e)[ffn + r + m] : 0.f;
-                for (int t = 0; t < nt; t++) h[(long long)orow[t] * ffn + r + m] = q_act(act, res[m][t] + bg, res[m + 2][t] + bu);
+// ---------------------------------------------------------------------------------------------
+// Batched expert kernels (qmoe_gate_up, qmoe_down) on tensor cores. The weights of a K tile of
+// KB columns are decoded once per pass of up to NB tokens into shared memory as exact f16 quants
+// (pairs in k order) beside their scales and offsets per 16 (a0, a1, b0, b1); the tokens' inputs
+// are staged as two f16 halves, hi = f16(x s) and lo = f16(x s - hi), s = 2^-e per 32 values (|x s|
+// < 1, so lo keeps x to ~22 bits), beside 1 / s and the sums of x per 16. mma.m16n8k16 (f32
+// accumulation) multiplies 16 rows by 8 tokens per 16 weights, hi and lo into one accumulator, and
+// each 32-weight chunk's two sums are scaled once: acc += (a0 C0 + a1 C1) / s + b0 S0 + b1 S1. A
+// block covers 16 MT rows (gate_up: 8 MT rows of gate and the same of up, an m-tile = 8 of each,
+// so a lane holds a row's gate and up sums together); the grid's other blocks return. Warp w
+// computes n-tiles w, w + 4, .. (8 tokens each) of every m-tile. qmoe_gate_up / qmoe_down take
+// (MT, NB) = (QMOE_MT, QMOE_NB); the _m<MT>n<NB> variants the others (same arguments; measured side
+// by side by experiments/gpu_quant_check.py).
+#define KB 128
+#define XROW (KB + 4)  // words per staged token: KB / 2 hi and lo pair words per 32, padded (banks)
+#ifndef QMOE_MT  // (-D: host checks of the other tilings)
+#define QMOE_MT 4
+#define QMOE_NB 32
+#endif
+
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint32_t* b) {  // c += A (16 x 16 f16) B (16 x 8 f16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ uint32_t f2h2(float lo, float hi) {  // f16 pair (lo in the low half), round to nearest
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ uint32_t q2h2(uint32_t w, int i) {  // int8 bytes 2 i, 2 i + 1 of w as an f16 pair (exact)
+    uint32_t u = __byte_perm(w ^ 0x80808080u, 0x64646464u, i ? 0x4342u : 0x4140u), r;  // 1024 + q + 128
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(u), "r"(0x64806480u));
+    return r;
+}
+#else
+void mma16816(float* c, const uint32_t* a, const uint32_t* b);  // the host emulation's (tests)
+uint32_t f2h(float f);
+inline uint32_t f2h2(float lo, float hi) { return f2h(lo) | (f2h(hi) << 16); }
+inline uint32_t q2h2(uint32_t w, int i) {
+    return f2h((float)(int8_t)(w >> (16 * i))) | (f2h((float)(int8_t)(w >> (16 * i + 8))) << 16);
+}
+#endif
+__device__ __forceinline__ float h2lo(uint32_t p) { return h2f(p & 0xffffu); }
+__device__ __forceinline__ float h2hi(uint32_t p) { return h2f(p >> 16); }
+
+// decodes chunk c of row m (pointer p, type qt) into the A tile record (16 pair words, a0 a1 b0 b1)
+template <int QT> __device__ __noinline__ void dec_rec(const uint8_t* row, int c, uint32_t* rec) {
+    constexpr int SUB = qbw(QT) / 32, BB = qbb(QT);
+    Dec d;
+    dec32<QT>(row + (long long)(c / SUB) * BB, c % SUB, d);
+    #pragma unroll
+    for (int k = 0; k < 8; k++) {
+        rec[2 * k] = q2h2(d.q[k], 0);
+        rec[2 * k + 1] = q2h2(d.q[k], 1);
+    }
+    float* f = reinterpret_cast<float*>(rec + 16);
+    f[0] = d.a0; f[1] = d.a1;
+    f[2] = qmin(QT) ? d.b0 : 0.f; f[3] = qmin(QT) ? d.b1 : 0.f;
+}
+
+// stages the inputs of tokens t < nt (rows xr[t] of x, ldx apart; columns k0 .. k0 + n) for the mma:
+// 8 lanes per 32 values, every load of the thread issued before the first use
+template <int NB> __device__ __forceinline__ void stage_h(uint32_t* xs, float* dsc, float* s16, const float* __restrict__ x,
+                                                         long long ldx, const int* xr, int nt, int k0, int n) {
+    constexpr int IT = NB * (KB / 32) / (4 * WARPS);  // chunks per warp, 4 at a time
+    int lane = threadIdx.x & 31, l8 = lane & 7;
+    float v[IT][4];
+    #pragma unroll
+    for (int it = 0; it < IT; it++) {
+        int ch = (it * WARPS + (threadIdx.x >> 5)) * 4 + (lane >> 3), t = ch / (KB / 32), c = ch % (KB / 32);
+        for (int i = 0; i < 4; i++) v[it][i] = 0.f;
+        if (t < nt && 32 * c < n) {
+            float4 f = *reinterpret_cast<const float4*>(x + (long long)xr[t] * ldx + k0 + 32 * c + 4 * l8);
+            v[it][0] = f.x; v[it][1] = f.y; v[it][2] = f.z; v[it][3] = f.w;
+        }
+    }
+    #pragma unroll
+    for (int it = 0; it < IT; it++) {
+        int ch = (it * WARPS + (threadIdx.x >> 5)) * 4 + (lane >> 3), t = ch / (KB / 32), c = ch % (KB / 32);
+        float m = fmaxf(fmaxf(fabsf(v[it][0]), fabsf(v[it][1])), fmaxf(fabsf(v[it][2]), fabsf(v[it][3])));
+        for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        // s = 2^-e with m s in [0.5, 1) (m < 2^-120 or inf/nan: s = 1)
+        int e = (int)((__float_as_int(m) >> 23) & 255) - 126;
+        if (e < -120 || e > 120) e = 0;
+        float s = __int_as_float((127 - e) << 23), hi[4], lo[4];
+        for (int i = 0; i < 4; i++) {
+            hi[i] = h2lo(f2h2(v[it][i] * s, 0.f));
+            lo[i] = v[it][i] * s - hi[i];
+        }
+        float sum = (v[it][0] + v[it][1]) + (v[it][2] + v[it][3]);
+        for (int o = 1; o < 4; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        uint32_t* w = xs + t * XROW + 32 * c;  // lane l8 holds k pairs 2 l8, 2 l8 + 1 of the chunk
+        w[2 * l8] = f2h2(hi[0], hi[1]);
+        w[2 * l8 + 1] = f2h2(hi[2], hi[3]);
+        w[16 + 2 * l8] = f2h2(lo[0], lo[1]);
+        w[16 + 2 * l8 + 1] = f2h2(lo[2], lo[3]);
+        if (l8 == 0) dsc[t * (KB / 32) + c] = __int_as_float((127 + e) << 23);
+        if ((l8 & 3) == 0) s16[t * (KB / 16) + 2 * c + (l8 >> 2)] = sum;
+    }
+}
+
+// Rows of a block: gate_up (two matrices): row m < 16 MT = m-tile m / 16, within it m % 16 < 8 the
+// gate row r0 + 8 (m / 16) + m % 16, else the up row r0 + 8 (m / 16) + m % 16 - 8; down: row r0 + m.
+struct Rows {
+    const uint8_t* p[2];  // first row of the block in each matrix
+    long long rb[2];
+    int qt[2], two, nrows;  // rows of each matrix in the block (<= 8 MT with two, else <= 16 MT)
+};
+
+// acc[j][mt][i]: n-tile w + 4 j of every m-tile, for the pass's nt tokens (xr: their input rows); K = cols
+template <int MT, int NB>
+__device__ void mma_pass(const Rows& R, int cols, const float* __restrict__ x, long long ldx, const int* xr, int nt,
+                         uint32_t* As, uint32_t* xs, float* dsc, float* s16, float (*acc)[MT][4]) {
+    constexpr int MB = 16 * MT, NJ = NB / (8 * WARPS);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    for (int mat = 0; mat <= R.two; mat++) {  // the block's rows towards L2: the tiles' decodes then read L2
+        long long nbytes = R.nrows * R.rb[mat];
+        for (long long o = 128 * threadIdx.x; o < nbytes; o += 128 * blockDim.x) PREFETCH_L2(R.p[mat] + o);
+    }
+    for (int j = 0; j < NJ; j++)
+        for (int mt = 0; mt < MT; mt++)
+            for (int i = 0; i < 4; i++) acc[j][mt][i] = 0.f;
+    for (int k0 = 0; k0 < cols; k0 += KB) {
+        int n = min(KB, cols - k0);
+        __syncthreads();  // the previous tile is consumed
+        for (int task = threadIdx.x; task < MB * (KB / 32); task += blockDim.x) {
+            int m = task % MB, c = task / MB, mat = 0, r = m;
+            if (R.two) { mat = (m & 15) >= 8; r = 8 * (m >> 4) + (m & 7); }
+            uint32_t* rec = As + (c * MB + m) * 20;
+            if (r < R.nrows && 32 * c < n) {
+                const uint8_t* row = R.p[mat] + r * R.rb[mat];
+                int cc = k0 / 32 + c;
+                DISPATCH(R.qt[mat], dec_rec, row, cc, rec)
+            } else {
+                for (int i = 0; i < 20; i++) rec[i] = 0u;
             }
+        }
+        stage_h<NB>(xs, dsc, s16, x, ldx, xr, nt, k0, n);
+        __syncthreads();
+        #pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            int t0 = 8 * (warp + WARPS * j);
+            if (t0 >= nt) continue;
+            for (int c = 0; c < n / 32; c++) {
+                uint32_t bh[2][2], bl[2][2];
+                const uint32_t* xw = xs + (t0 + g) * XROW + 32 * c + q;
+                for (int h = 0; h < 2; h++) {
+                    bh[h][0] = xw[8 * h]; bh[h][1] = xw[8 * h + 4];
+                    bl[h][0] = xw[16 + 8 * h]; bl[h][1] = xw[16 + 8 * h + 4];
+                }
+                int tn = t0 + 2 * q;  // this lane's two tokens (columns of C)
+                float d0 = dsc[tn * (KB / 32) + c], d1 = dsc[(tn + 1) * (KB / 32) + c];
+                float2 s0 = reinterpret_cast<const float2*>(s16)[tn * (KB / 32) + c];
+                float2 s1 = reinterpret_cast<const float2*>(s16)[(tn + 1) * (KB / 32) + c];
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    const uint32_t* ra = As + (c * MB + 16 * mt + g) * 20;  // row g; row g + 8 at + 160
+                    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+                    uint32_t a[4];
+                    a[0] = ra[q]; a[1] = ra[160 + q]; a[2] = ra[q + 4]; a[3] = ra[164 + q];
+                    mma16816(c0, a, bh[0]);
+                    mma16816(c0, a, bl[0]);
+                    a[0] = ra[q + 8]; a[1] = ra[168 + q]; a[2] = ra[q + 12]; a[3] = ra[172 + q];
+                    mma16816(c1, a, bh[1]);
+                    mma16816(c1, a, bl[1]);
+                    float4 sa = reinterpret_cast<const float4*>(ra + 16)[0], sb = reinterpret_cast<const float4*>(ra + 176)[0];
+                    float* ac = acc[j][mt];
+                    ac[0] += d0 * (sa.x * c0[0] + sa.y * c1[0]) + sa.z * s0.x + sa.w * s0.y;
+                    ac[1] += d1 * (sa.x * c0[1] + sa.y * c1[1]) + sa.z * s1.x + sa.w * s1.y;
+                    ac[2] += d0 * (sb.x * c0[2] + sb.y * c1[2]) + sb.z * s0.x + sb.w * s0.y;
+                    ac[3] += d1 * (sb.x * c0[3] + sb.y * c1[3]) + sb.z * s1.x + sb.w * s1.y;
+                }
+            }
+        }
     }
 }
 
 // as moe_gate_up: h[pair, r] = act(gate_e x[xrow[pair]] + bg_e, up_e x[xrow[pair]] + bu_e).
-// grid (ceil(ffn / (WARPS * rows_per_warp)), groups), block 32 * WARPS.
-extern "C" __global__ void __launch_bounds__(128, 4) qmoe_gate_up(const unsigned long long* __restrict__ base, const int* __restrict__ gstart,
-                                        const int* __restrict__ order, const int* __restrict__ xrow,
-                                        const float* __restrict__ x, long long ldx, float* __restrict__ h,
-                                        int ffn, int hidden, int rows_per_warp, long long off_g,
-                                        int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u,
-                                        int act, int bias) {
-    __shared__ uint4 buf[XS_WORDS];
-    int g = blockIdx.y, warp = threadIdx.x >> 5;
+// grid (ceil(ffn / (WARPS * rows_per_warp)), groups), block 32 * WARPS: the block whose rows hold
+// row s (s a multiple of 8 MT) computes rows s .. s + 8 MT - 1 (mma_pass), the others return.
+#define GATE_UP_ARGS const unsigned long long* __restrict__ base, const int* __restrict__ gstart, const int* __restrict__ order, \
+    const int* __restrict__ xrow, const float* __restrict__ x, long long ldx, float* __restrict__ h, int ffn, int hidden,        \
+    int rows_per_warp, long long off_g, int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias
+#define DOWN_ARGS const unsigned long long* __restrict__ base, const int* __restrict__ gstart, const int* __restrict__ order, \
+    const float* __restrict__ h, float* __restrict__ y, int ffn, int hidden, int rows_per_warp, long long off_d, int qt_d,   \
+    long long rb_d, int bias
+#define SMEM_MMA(MT, NB)                                        \
+    __shared__ __align__(16) uint32_t As[(KB / 32) * 16 * MT * 20]; \
+    __shared__ __align__(16) uint32_t xs[NB * XROW];            \
+    __shared__ __align__(16) float dsc[NB * KB / 32], s16[NB * KB / 16];
+
+template <int MT, int NB> __device__ void gate_up_mma(GATE_UP_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
+    constexpr int RB = 8 * MT, NJ = NB / (8 * WARPS);
+    int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]);
-    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp, r1 = min(r0 + rows_per_warp, ffn);
-    for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += TB) {
-        int nt = min(TB, gstart[g + 1] - p0), tok[TB], orow[TB];
-        for (int t = 0; t < TB; t++) {
-            orow[t] = order[p0 + (t < nt ? t : 0)];
-            tok[t] = xrow[orow[t]];
+    for (int s = (blockIdx.x * rl + RB - 1) / RB * RB; s < (blockIdx.x + 1) * rl && s < ffn; s += RB) {
+        Rows R = {{e + off_g + s * rb_g, e + off_u + s * rb_u}, {rb_g, rb_u}, {qt_g, qt_u}, 1, min(RB, ffn - s)};
+        for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += NB) {
+            int nt = min(NB, gstart[g + 1] - p0), xr[NB];
+            for (int t = 0; t < NB; t++) xr[t] = xrow[order[p0 + (t < nt ? t : 0)]];
+            float acc[NJ][MT][4];
+            mma_pass<MT, NB>(R, hidden, x, ldx, xr, nt, As, xs, dsc, s16, acc);
+            for (int j = 0; j < NJ; j++) {
+                int tn = 8 * (warp + WARPS * j) + 2 * (lane & 3);
+                for (int mt = 0; mt < MT; mt++) {
+                    int r = s + 8 * mt + (lane >> 2);
+                    if (r >= ffn) continue;
+                    float bg = bias ? reinterpret_cast<const float*>(e)[r] : 0.f, bu = bias ? reinterpret_cast<const float*>(e)[ffn + r] : 0.f;
+                    for (int i = 0; i < 2; i++)
+                        if (tn + i < nt) h[(long long)order[p0 + tn + i] * ffn + r] = q_act(act, acc[j][mt][i] + bg, acc[j][mt][2 + i] + bu);
+                }
+            }
         }
-        gate_up_rows<TB>(e, x, ldx, tok, orow, nt, h, ffn, hidden, r0, r1, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias,
-                     rows_per_warp, buf);
     }
 }
 
-// as moe_down: y[pair, r] = down_e h[pair] + bd_e. grid (ceil(hidden / (WARPS * rows_per_warp)), groups).
-extern "C" __global__ void __launch_bounds__(128, 4) qmoe_down(const unsigned long long* __restrict__ base, const int* __restrict__ gstart,
-                                     const int* __restrict__ order, const float* __restrict__ h, float* __restrict__ y,
-                                     int ffn, int hidden, int rows_per_warp, long long off_d, int qt_d, long long rb_d,
-                                     int bias) {
-    __shared__ uint4 buf[XS_WORDS];
-    int g = blockIdx.y, warp = threadIdx.x >> 5;
+// as moe_down: y[pair, r] = down_e h[pair] + bd_e. grid (ceil(hidden / (WARPS * rows_per_warp)), groups):
+// the block whose rows hold row s (a multiple of 16 MT) computes rows s .. s + 16 MT - 1, the others return.
+template <int MT, int NB> __device__ void down_mma(DOWN_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
+    constexpr int RB = 16 * MT, NJ = NB / (8 * WARPS);
+    int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const float* bd = reinterpret_cast<const float*>(base[g]) + 2 * ffn;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]) + off_d;
-    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp, r1 = min(r0 + rows_per_warp, hidden);
-    for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += TB) {
-        int nt = min(TB, gstart[g + 1] - p0), tok[TB];
-        for (int t = 0; t < TB; t++) tok[t] = order[p0 + (t < nt ? t : 0)];
-        for (int rr = 0; rr < rows_per_warp; rr += 2) {
-            int r = r0 + rr;
-            bool two = r + 1 < r1 && rr + 1 < rows_per_warp;
-            float res[4][TB];
-            pass<TB>(r < r1 ? e + (long long)r * rb_d : 0, two ? e + (long long)(r + 1) * rb_d : 0, 0, 0, qt_d, ffn, h, ffn,
-                  tok, nt, buf, res);
-            if ((threadIdx.x & 31) == 0)
-                for (int m = 0; m < 2; m++)
-                    if (r + m < r1 && (m == 0 || two))
-                        for (int t = 0; t < nt; t++) y[(long long)tok[t] * hidden + r + m] = res[m][t] + (bias ? bd[r + m] : 0.f);
+    for (int s = (blockIdx.x * rl + RB - 1) / RB * RB; s < (blockIdx.x + 1) * rl && s < hidden; s += RB) {
+        Rows R = {{e + s * rb_d, e + s * rb_d}, {rb_d, rb_d}, {qt_d, qt_d}, 0, min(RB, hidden - s)};
+        for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += NB) {
+            int nt = min(NB, gstart[g + 1] - p0), xr[NB];
+            for (int t = 0; t < NB; t++) xr[t] = order[p0 + (t < nt ? t : 0)];
+            float acc[NJ][MT][4];
+            mma_pass<MT, NB>(R, ffn, h, ffn, xr, nt, As, xs, dsc, s16, acc);
+            for (int j = 0; j < NJ; j++) {
+                int tn = 8 * (warp + WARPS * j) + 2 * (lane & 3);
+                for (int mt = 0; mt < MT; mt++)
+                    for (int hf = 0; hf < 2; hf++) {
+                        int r = s + 16 * mt + (lane >> 2) + 8 * hf;
+                        if (r >= hidden) continue;
+                        for (int i = 0; i < 2; i++)
+                            if (tn + i < nt) y[(long long)xr[tn + i] * hidden + r] = acc[j][mt][2 * hf + i] + (bias ? bd[r] : 0.f);
+                    }
+            }
         }
     }
 }
+
+#define QMOE_MMA(SUFFIX, MT, NB)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) qmoe_gate_up##SUFFIX(GATE_UP_ARGS) {                         \
+        SMEM_MMA(MT, NB)                                                                                           \
+        gate_up_mma<MT, NB>(base, gstart, order, xrow, x, ldx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g,   \
+                            off_u, qt_u, rb_u, act, bias, As, xs, dsc, s16);                                       \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) qmoe_down##SUFFIX(DOWN_ARGS) {                               \
+        SMEM_MMA(MT, NB)                                                                                           \
+        down_mma<MT, NB>(base, gstart, order, h, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, As, xs, dsc, s16); \
+    }
+QMOE_MMA(, QMOE_MT, QMOE_NB)
+QMOE_MMA(_m1n32, 1, 32)
+QMOE_MMA(_m2n32, 2, 32)
+QMOE_MMA(_m2n64, 2, 64)
 
 struct Experts1 {  // gpu_kernels.cu's one-token pair table, passed by value
     unsigned long long base[MAXK];
@@ -663,52 +984,78 @@ struct Experts1 {  // gpu_kernels.cu's one-token pair table, passed by value
     int pick[MAXK];
 };
 
-// as moe1_gate_up: h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for j = pick[blockIdx.y].
+// as moe1_gate_up: h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for j = pick[blockIdx.y], rows
+// blockIdx.x WARPS rows_per_warp .. + WARPS rows_per_warp in groups of 2 WARPS (gemv1).
 // grid (ceil(ffn / (WARPS * rows_per_warp)), pairs picked), block 32 * WARPS.
-extern "C" __global__ void __launch_bounds__(128, 5) qmoe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
+extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
                                          int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
                                          long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
-    __shared__ uint4 buf[XS_WORDS];
+    __shared__ __align__(16) uint4 wbuf[W1_BYTES / 16];
+    __shared__ __align__(16) uint4 xbuf[X1_WORDS];
     int j = ex.pick[blockIdx.y], warp = threadIdx.x >> 5;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(ex.base[j]);
-    int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp, r1 = min(r0 + rows_per_warp, ffn);
-    int tok[TB] = {0, 0, 0, 0, 0, 0, 0, 0}, orow[TB] = {j, j, j, j, j, j, j, j};
-    gate_up_rows<1>(e, x, 0, tok, orow, 1, h, ffn, hidden, r0, r1, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias,
-                 rows_per_warp, buf);
-}
-
-// a lane's share of row . x (float32 inputs), chunks lane, lane + 32, ...
-template <int QT> __device__ __forceinline__ void row_dot_f(const uint8_t* row, int cols, const float* x, float& acc) {
-    constexpr int SUB = qbw(QT) / 32, BB = qbb(QT);
-    for (int c = threadIdx.x & 31; c < cols / 32; c += 32) {
-        Dec d;
-        dec32<QT>(row + (long long)(c / SUB) * BB, c % SUB, d);
-        acc += dot_f<QT>(d, x + 32 * c);
+    int q0 = blockIdx.x * WARPS * rows_per_warp, q1 = min(q0 + WARPS * rows_per_warp, ffn);
+    for (int g0 = q0; g0 < q1; g0 += 2 * WARPS) {  // uniform over the block
+        float res[4];
+        gemv1(e + off_g + g0 * rb_g, rb_g, qt_g, e + off_u + g0 * rb_u, rb_u, qt_u, min(2 * WARPS, q1 - g0), hidden, x,
+              wbuf, xbuf, res);
+        int r = g0 + 2 * warp;
+        if ((threadIdx.x & 31) == 0)
+            for (int m = 0; m < 2; m++)
+                if (r + m < q1) {
+                    float bg = bias ? reinterpret_cast<const float*>(e)[r + m] : 0.f;
+                    float bu = bias ? reinterpret_cast<const float*>(e)[ffn + r + m] : 0.f;
+                    h[(long long)j * ffn + r + m] = q_act(act, res[m] + bg, res[2 + m] + bu);
+                }
     }
 }
 
-// as moe1_down_combine: out[r] = sum_j weight[j] * (down_j h[j] + bd_j)[r], j in order.
+// as moe1_down_combine: out[r] = sum_j weight[j] * (down_j h[j] + bd_j)[r], j in order. Warp j
+// copies its expert's rows, 2 at a time, to its D1_BYTES / k bytes of shared memory (column tiles
+// when they do not fit) and dots them with float32 h (dot_f), lanes over (row, chunk) pairs.
 // grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32.
 extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
                                               int k, int ffn, int hidden, int rows_per_block, long long off_d,
                                               int qt_d, long long rb_d, int bias) {
+    __shared__ __align__(16) uint4 wbuf[D1_BYTES / 16];
     __shared__ float ys[MAXK][32];
     int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
+    int rows = min(rows_per_block, hidden - r0), budget = (D1_BYTES / k) & ~15;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(ex.base[j]);
     const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
-    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++)  // every row's bytes towards L2 first
-        for (long long o = 128 * lane; o < rb_d; o += 32 * 128)
-            PREFETCH_L2(e + off_d + (long long)(r0 + i) * rb_d + o);
-    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
-        int r = r0 + i;
-        float a = 0.f;
-        DISPATCH(qt_d, row_dot_f, e + off_d + (long long)r * rb_d, ffn, h + (long long)j * ffn, a)
-        for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        if (lane == 0) ys[j][i] = bias ? a + bd[r] : a;
+    const float* hj = h + (long long)j * ffn;
+    uint8_t* my = reinterpret_cast<uint8_t*>(wbuf) + j * budget;
+    int bw = g_block[qt_d][0], bb = g_block[qt_d][1];
+    int kt = fit_cols(ffn, ffn, bw, qt_d, -1, 2, budget), sl = slot_bytes(qt_d, kt);
+    for (int i = 0; i < rows; i += 2) {
+        int nm = min(2, rows - i);
+        const uint8_t* row = e + off_d + (long long)(r0 + i) * rb_d;
+        float a0 = 0.f, a1 = 0.f;
+        for (int k0 = 0; k0 < ffn; k0 += kt) {
+            int n = min(kt, ffn - k0), nbytes = (n / bw) * bb;
+            long long o = (long long)(k0 / bw) * bb;
+            __syncwarp();  // the previous tile is consumed
+            const uint8_t* s0 = stage_row(my, row + o, nbytes, lane);
+            const uint8_t* s1 = nm > 1 ? stage_row(my + sl, row + rb_d + o, nbytes, lane) : s0;
+            cp_wait();
+            __syncwarp();
+            float2 v = {0.f, 0.f};
+            DISPATCH_R(v, qt_d, down1_tile, s0, s1, nm, hj + k0, n / 32)
+            a0 += v.x;
+            a1 += v.y;
+        }
+        for (int o = 16; o; o >>= 1) {
+            a0 += __shfl_xor_sync(0xffffffffu, a0, o);
+            a1 += __shfl_xor_sync(0xffffffffu, a1, o);
+        }
+        if (lane == 0) {
+            ys[j][i] = bias ? a0 + bd[r0 + i] : a0;
+            if (nm > 1) ys[j][i + 1] = bias ? a1 + bd[r0 + i + 1] : a1;
+        }
     }
     __syncthreads();
     int i = threadIdx.x;
-    if (i < rows_per_block && r0 + i < hidden) {
+    if (i < rows) {
         float s = 0.f;
         for (int jj = 0; jj < k; jj++) s += ex.weight[jj] * ys[jj][i];
         out[r0 + i] = s;

@@ -2,19 +2,23 @@
 
 ``matmul(w, qtype, rows, cols, x)`` computes ``y = x @ W.T`` for a device matrix ``W`` stored as
 GGUF blocks (``rows`` rows of ``quant.row_bytes`` bytes, any alignment) and device inputs ``x``
-``(n, cols)`` float32. Quantized types: each lane decodes 32 weights at a time from aligned 32-bit
-loads into int8 quants and per-16 scales and offsets, and dots them with the inputs staged in
-shared memory as two int8 levels per 32 values (``dp4a``; x within max|x| / 65024 per value, relative
-error of a product ~2e-5, bound 2e-4 as the CPU pool's int8 path), up to 8 tokens per decoded
-chunk, 2 rows per warp (one token: ``qmatmul_q1``, fewer registers). Float types: weight by weight
-(``qmatmul_f``). The i-quants' tables come from ``execute.iq_grids`` (the project's own copy) into
-global memory (:func:`tables`).
+``(n, cols)`` float32. Quantized types: a lane decodes 32 weights at a time into int8 quants and
+per-16 scales and offsets (``dec32``). One token (``qmatmul_q1``): a warp's 2 rows are first copied
+to shared memory in the 16-byte words that cover them (``cp.async``, every copy of a tile in
+flight at once), the input staged meanwhile as two int8 levels per 32 values (x within
+max|x| / 65024 per value, relative error of a product ~2e-5, bound 2e-4 as the CPU pool's int8
+path), then decoded there and dotted by ``dp4a``. Batches (``qmatmul_q``): up to 8 tokens per
+decoded chunk. Float types: weight by weight (``qmatmul_f``). The i-quants' tables come from
+``execute.iq_grids`` (the project's own copy) into global memory (:func:`tables`).
 
 The same file holds the expert kernels of layers with a type the arena's kernels do not read
 (``qmoe_gate_up``, ``qmoe_down``, ``qmoe1_gate_up``, ``qmoe1_down_combine``: :func:`kernel`),
 launched by ``gpu_experts.GpuExperts`` exactly as it launches ``gpu_kernels.cu``'s ``moe_*``
-kernels, so such experts stay in their stored type in the arena and over PCIe. The one-token down
-projection reads float32 inputs (each warp its own expert's row of ``h``).
+kernels, so such experts stay in their stored type in the arena and over PCIe. One token: gate and
+up as ``qmatmul_q1`` (2 rows of each per warp), the down projection a warp per expert on float32
+``h`` from its rows in shared memory. Batches (``qmoe_gate_up``, ``qmoe_down``): tensor cores
+(``mma.m16n8k16``) on the tile's quants decoded to exact f16 once per 32 tokens and inputs as two
+f16 halves, each 32 weights' sums scaled in float32 (relative error of a product ~1e-7).
 """
 from __future__ import annotations
 
@@ -29,11 +33,12 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["FLOAT_QTYPES", "GPU_QUANT_QTYPES", "Experts", "kernel", "matmul", "tables"]
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "Experts", "kernel", "matmul", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULE: cp.RawModule | None = None
+BATCH_VARIANTS = ("_m1n32", "_m2n32", "_m2n64")  # qmoe_gate_up / qmoe_down with other tiles (gpu_quant.cu)
 
 
 def tables() -> dict[str, np.ndarray]:
@@ -103,7 +108,8 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
 
 class Experts:
     """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
-    2 rows per block; one-token down: 2 rows per block, a warp per expert), for benchmarks and tests.
+    2 rows per block; one-token down: 2 rows per block, a warp per expert), for benchmarks and tests
+    (``variant``: one of ``BATCH_VARIANTS``, the batched kernels with other tiles).
 
     ``w``: device uint8 ``(E, expert_bytes)``, each expert gate | up | down (no biases; types
     ``qtypes``, ``ffn`` x ``hidden`` / ``hidden`` x ``ffn`` rows of ``quant.row_bytes``). With
@@ -113,7 +119,7 @@ class Experts:
     Buffers and launches are made here; a call only launches (on the current stream)."""
 
     def __init__(self, w: cp.ndarray, qtypes: tuple[int, int, int], ffn: int, hidden: int, tokens: int = 1,
-                 weights: np.ndarray | None = None):
+                 weights: np.ndarray | None = None, variant: str = ""):
         import cupy as cp
 
         from .gpu_host import Launch
@@ -149,7 +155,9 @@ class Experts:
         base, gstart, order, xrow = (a.data.ptr for a in self._meta)
         self.h = cp.empty((num_e * tokens, ffn), cp.float32)
         self.out = cp.empty((num_e * tokens, hidden), cp.float32)
-        k1, k2 = Launch(kernel("qmoe_gate_up"), 18), Launch(kernel("qmoe_down"), 12)
+        if variant and variant not in BATCH_VARIANTS:
+            raise ValueError(f"gpu_quant.Experts: variant {variant!r}, expected one of {BATCH_VARIANTS}")
+        k1, k2 = Launch(kernel("qmoe_gate_up" + variant), 18), Launch(kernel("qmoe_down" + variant), 12)
         self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, base, gstart, order, xrow, x, hidden, self.h.data.ptr, *gu),
                        lambda s, x: k2((-(-hidden // 8), num_e), 128, s, base, gstart, order, self.h.data.ptr,
                                        self.out.data.ptr, ffn, hidden, 2, off_d, qtypes[2], rb[2], 0)]

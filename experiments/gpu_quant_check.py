@@ -10,8 +10,10 @@ warm-up), beside the card's copy rate measured in the same run (and each rate as
 launches them on ``--experts`` experts of ``--ffn`` x ``--hidden`` (gate, up) and ``--hidden`` x
 ``--ffn`` (down): one token through all of them (qmoe1_gate_up + qmoe1_down_combine) and
 ``--tokens`` tokens through each (qmoe_gate_up + qmoe_down). Defaults: qwen3-30b-a3b's experts, 8
-per call. Needs cupy and a GPU. The first call compiles gpu_quant.cu (about a minute; CuPy caches
-it).
+per call. ``--variants`` adds the batched call's rate with gpu_quant.cu's other tilings of
+``qmoe_gate_up`` / ``qmoe_down`` (``gpu_quant.BATCH_VARIANTS``), measured beside the default. Needs
+cupy and a GPU. The first call compiles gpu_quant.cu (about a minute;
+CuPy caches it).
 
     python experiments/gpu_quant_check.py --out gpu_quant.json
 
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
 from execute import quant as Q  # noqa: E402
-from execute.gpu_quant import FLOAT_QTYPES, Experts, matmul  # noqa: E402
+from execute.gpu_quant import BATCH_VARIANTS, FLOAT_QTYPES, Experts, matmul  # noqa: E402
 
 REL_ERR, REL_ERR_INT8 = 1e-5, 2e-4
 
@@ -59,8 +61,9 @@ def expert_weights(qt: int, num_e: int, ffn: int, hidden: int, rng: np.random.Ge
     return out
 
 
-def expert_errs(qt: int, rng: np.random.Generator) -> tuple[float, float]:
-    num_e, ffn, hidden, tokens = 2, 256, 512, 5
+def expert_errs(qt: int, rng: np.random.Generator, variants: tuple[str, ...] = ()) -> list[float]:
+    """Errors of the one-token call, the batched call and the batched call of each of ``variants``."""
+    num_e, ffn, hidden, tokens = 2, 256, 512, 37  # batches: a pass of 32 tokens and one of 5
     parts = expert_weights(qt, num_e, ffn, hidden, rng)
     w = cp.asarray(np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1))
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
@@ -71,9 +74,12 @@ def expert_errs(qt: int, rng: np.random.Generator) -> tuple[float, float]:
         ys.append((a / (1 + np.exp(-a)) * b) @ d.T)
     wts = np.array([0.7, 0.3], np.float32)
     one = Experts(w, (qt, qt, qt), ffn, hidden, weights=wts)(cp.asarray(x[:1]))
-    batch = Experts(w, (qt, qt, qt), ffn, hidden, tokens=tokens)(cp.asarray(x))
     ref1 = sum(float(wts[e]) * ys[e][:1] for e in range(num_e))
-    return rel(cp.asnumpy(one), ref1), rel(cp.asnumpy(batch), np.concatenate(ys))
+    errs = [rel(cp.asnumpy(one), ref1)]
+    for v in ("", *variants):
+        batch = Experts(w, (qt, qt, qt), ffn, hidden, tokens=tokens, variant=v)(cp.asarray(x))
+        errs.append(rel(cp.asnumpy(batch), np.concatenate(ys)))
+    return errs
 
 
 def timed(call, reps: int) -> float:
@@ -103,14 +109,18 @@ def matmul_gbps(qt: int, rows: int, cols: int, tokens: int, reps: int, rng: np.r
     return w.nbytes / timed(lambda: matmul(w, qt, rows, cols, x, out=y), reps) / 1e9
 
 
-def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> tuple[float, float]:
+def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> list[float]:
+    """GB/s of the one-token call, the batched call and the batched call of each of ``a.variants``."""
     parts = expert_weights(qt, a.experts, a.ffn, a.hidden, rng)
     w = cp.asarray(np.concatenate([p.reshape(a.experts, -1) for p in parts], axis=1))
     one = Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=np.full(a.experts, 1 / a.experts, np.float32))
-    batch = Experts(w, (qt, qt, qt), a.ffn, a.hidden, tokens=a.tokens)
     x1 = cp.asarray(rng.standard_normal((1, a.hidden)).astype(np.float32))
     xb = cp.asarray(rng.standard_normal((a.tokens, a.hidden)).astype(np.float32))
-    return w.nbytes / timed(lambda: one(x1), a.reps) / 1e9, w.nbytes / timed(lambda: batch(xb), a.reps) / 1e9
+    rates = [w.nbytes / timed(lambda: one(x1), a.reps) / 1e9]
+    for v in ("", *a.variants):
+        batch = Experts(w, (qt, qt, qt), a.ffn, a.hidden, tokens=a.tokens, variant=v)
+        rates.append(w.nbytes / timed(lambda: batch(xb), a.reps) / 1e9)
+    return rates
 
 
 def main(argv=None) -> int:
@@ -123,8 +133,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens through each expert in the batched call")
     p.add_argument("--types", default="", help="comma-separated type names (default: all)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--variants", action="store_true", help=f"also time the batched kernels' variants {BATCH_VARIANTS}")
     p.add_argument("--out", type=Path, help="also write the rows here (JSON)")
     a = p.parse_args(argv)
+    a.variants = BATCH_VARIANTS if a.variants else ()
     if a.rows < 1 or a.cols < 256 or a.cols % 256 or a.reps < 1 or a.tokens < 1:
         p.error("--rows >= 1, --cols a multiple of 256, --reps >= 1, --tokens >= 1")
     if not 1 <= a.experts <= 32 or a.ffn % 256 or a.hidden % 256 or a.ffn < 256 or a.hidden < 256:
@@ -140,23 +152,25 @@ def main(argv=None) -> int:
     print(f"matmul {a.rows} x {a.cols}; experts {a.experts} x ({a.ffn} x {a.hidden} x 3), 1 and {a.tokens} tokens ({dev}); "
           f"copy ceiling {ceiling:.0f} GB/s")
     print(f"{'type':8s}{'err 1':>9s}{'err 64':>9s}{'err e1':>9s}{'err eB':>9s}{'mm 1':>8s}{'mm 64':>8s}{'exp 1':>8s}"
-          f"{'exp B':>8s}  GB/s")
+          f"{'exp B':>8s}" + "".join(f"{v:>8s}" for v in a.variants) + "  GB/s")
+    vkeys = [f"expert_batch{v}" for v in a.variants]
     for qt in qtypes:
         quant = qt not in FLOAT_QTYPES
-        errs = [matmul_err(qt, 1, rng), matmul_err(qt, 64, rng)] + (list(expert_errs(qt, rng)) if quant else [])
+        errs = [matmul_err(qt, 1, rng), matmul_err(qt, 64, rng)] + (expert_errs(qt, rng, a.variants) if quant else [])
         rates = [matmul_gbps(qt, a.rows, a.cols, 1, a.reps, rng), matmul_gbps(qt, a.rows, a.cols, 64, a.reps, rng)]
-        rates += list(expert_gbps(qt, a, rng)) if quant else []
+        rates += expert_gbps(qt, a, rng) if quant else []
         ok = max(errs) <= (REL_ERR_INT8 if quant else REL_ERR)
         bad += not ok
-        keys = ("err_1", "err_64", "err_expert_1", "err_expert_batch")
-        row = {"type": Q.LAYOUTS[qt].name, **dict(zip(keys, errs)),
-               **dict(zip(("gbps_1", "gbps_64", "gbps_expert_1", "gbps_expert_batch"), rates)), "ok": ok}
+        keys = ["1", "64", "expert_1", "expert_batch", *vkeys]
+        row = {"type": Q.LAYOUTS[qt].name, **{f"err_{k}": v for k, v in zip(keys, errs)},
+               **{f"gbps_{k}": v for k, v in zip(keys, rates)}, "ok": ok}
         rows.append(row)
-        cells = "".join(f"{v:9.1e}" for v in errs) + " " * 9 * (4 - len(errs))
-        cells += "".join(f"{v:8.1f}" for v in rates) + " " * 8 * (4 - len(rates))
+        cells = "".join(f"{v:9.1e}" for v in errs[:4]) + " " * 9 * (4 - len(errs[:4]))
+        cells += "".join(f"{v:8.1f}" for v in rates) + " " * 8 * (4 + len(vkeys) - len(rates))
         share = " ".join(f"{v / ceiling:.2f}" for v in rates)
         print(f"{Q.LAYOUTS[qt].name:8s}{cells}  {'ok' if ok else 'FAILED'}  of ceiling: {share}", flush=True)
     if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "device": dev,
                                      "copy_gbps": ceiling, "rows": rows}, indent=1))
     print(f"{len(rows) - bad}/{len(rows)} types within their bound")

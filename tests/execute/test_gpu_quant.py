@@ -225,3 +225,30 @@ def test_expert_kernels_match_numpy_dequantize(qtypes, rng):
     batch = cp.asnumpy(Experts(w, qtypes, ffn, hidden, tokens=tokens)(cp.asarray(x)))
     ref = np.concatenate(ys)
     assert np.isfinite(batch).all() and np.linalg.norm(batch - ref) <= REL_ERR_INT8 * np.linalg.norm(ref)
+
+
+
+BATCHED = [((Q.Q4_K, Q.Q4_K, Q.Q4_K), 768, 1024), ((Q.Q5_K, Q.Q5_K, Q.Q6_K), 768, 1024), ((Q.IQ4_XS,) * 3, 768, 1024),
+           ((Q.Q3_K,) * 3, 768, 1024), ((Q.IQ2_XXS, Q.IQ2_XXS, Q.MXFP4), 768, 1024), ((Q.Q4_0, Q.Q5_1, Q.Q8_0), 352, 480)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["", "_m1n32", "_m2n32", "_m2n64"])
+@pytest.mark.parametrize("case", BATCHED, ids=["-".join(Q.LAYOUTS[t].name for t in m[0]) for m in BATCHED])
+def test_batched_expert_kernels_on_tensor_cores(case, variant, rng):
+    """qmoe_gate_up + qmoe_down and their other tilings on 70 tokens through each of 2 experts (passes
+    of 32 or 64 tokens and a partial one; inputs scaled per token by up to e^4 either way; the legacy
+    case: partial 128-column tiles and a partial block of down rows): f16 quants and two f16 input
+    halves on tensor cores keep a product within REL_ERR of the float64 reference."""
+    cp = pytest.importorskip("cupy")
+    from execute.gpu_quant import BATCH_VARIANTS, Experts
+
+    assert variant == "" or variant in BATCH_VARIANTS
+    qtypes, ffn, hidden = case
+    num_e, tokens = 2, 70
+    parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
+    w = cp.asarray(np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1))
+    x = (rng.standard_normal((tokens, hidden)) * np.exp(rng.uniform(-4, 4, (tokens, 1)))).astype(np.float32)
+    ref = np.concatenate(_expert_outputs64(parts, qtypes, x, ffn, hidden))
+    y = cp.asnumpy(Experts(w, qtypes, ffn, hidden, tokens=tokens, variant=variant)(cp.asarray(x)))
+    assert np.isfinite(y).all() and np.linalg.norm(y - ref) <= REL_ERR * np.linalg.norm(ref)
