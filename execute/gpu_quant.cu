@@ -538,6 +538,23 @@ __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
+__device__ __forceinline__ void cp_commit() {  // closes a group of copies
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_wait_but_one() {  // every group but the last closed one is done
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+#endif
+}
+// the 16-byte words covering [p, p + n), counted from p's aligned word
+__device__ __forceinline__ int cover_words(const uint8_t* p, int n) { return (int)(((u64)p + n + 15 - ((u64)p & ~15ull)) >> 4); }
+// copies words w0 .. w1 - 1 of those from p's aligned word to s (lanes lane, lane + 32, ..)
+__device__ __forceinline__ void stage_words(uint8_t* s, const uint8_t* p, int w0, int w1, int lane) {
+    const uint8_t* a = reinterpret_cast<const uint8_t*>((u64)p & ~15ull);
+    for (int i = w0 + lane; i < w1; i += 32) cp16(s + 16 * i, a + 16 * i);
+}
 // bytes of the shared slot for the cover of kt columns of a qt row: n bytes at any offset mod 16
 __device__ __forceinline__ int slot_bytes(int qt, int kt) { return ((kt / g_block[qt][0]) * g_block[qt][1] + 31) & ~15; }
 // copies the 16-byte words covering [p, p + n) to s (16-byte aligned) by lanes lane, lane + 32, ...;
@@ -555,16 +572,16 @@ __device__ __forceinline__ int fit_cols(int cols, int cap, int step, int qa, int
     return max(kt, step);
 }
 
-// acc[m] += row m . staged input, chunks lane, lane + 32, ... of nch (row m in shared memory at s[m], m < nm)
+// row m . staged input over chunks c0 + lane, c0 + lane + 32, .. < nch (row m in shared memory at s_m, m < nm)
 // (a call per type and tile: each type's registers allocated apart, no spills across the dispatch)
-template <int QT> __device__ __noinline__ float2 rows1_tile(const uint8_t* s0, const uint8_t* s1, int nm, const uint4* xb, int nch) {
+template <int QT> __device__ __noinline__ float2 rows1_tile(const uint8_t* s0, const uint8_t* s1, int nm, const uint4* xb, int c0, int nch) {
     constexpr int SUB = qbw(QT) / 32, BB = qbb(QT);
     const uint4* q1 = xb;
     const uint4* q2 = xb + X1_COLS / 16;
     const float* dxs = reinterpret_cast<const float*>(xb + X1_COLS / 8);
     const float2* s16 = reinterpret_cast<const float2*>(dxs + X1_COLS / 32);
     float2 acc = {0.f, 0.f};
-    for (int c = threadIdx.x & 31; c < nch; c += 32) {
+    for (int c = c0 + (threadIdx.x & 31); c < nch; c += 32) {
         Dec d0, d1;
         dec32<QT>(s0 + (c / SUB) * BB, c % SUB, d0);
         if (nm > 1) dec32<QT>(s1 + (c / SUB) * BB, c % SUB, d1);
@@ -591,28 +608,42 @@ __device__ void gemv1(const uint8_t* pa, long long rba, int qa, const uint8_t* p
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     int tok[1] = {0};
     for (int k0 = 0; k0 < cols; k0 += kt) {
-        int n = min(kt, cols - k0);
+        int n = min(kt, cols - k0), nh = n / 2 / step * step;  // copied in two groups: columns < nh, the rest
         long long oa = (long long)(k0 / g_block[qa][0]) * g_block[qa][1];
         long long ob = qb >= 0 ? (long long)(k0 / g_block[qb][0]) * g_block[qb][1] : 0;
         int na = (n / g_block[qa][0]) * g_block[qa][1], nb = qb >= 0 ? (n / g_block[qb][0]) * g_block[qb][1] : 0;
+        int ha = (nh / g_block[qa][0]) * g_block[qa][1], hb = qb >= 0 ? (nh / g_block[qb][0]) * g_block[qb][1] : 0;
+        const uint8_t* r[4] = {pa + w0 * rba + oa, pa + (w0 + 1) * rba + oa, pb + w0 * rbb + ob, pb + (w0 + 1) * rbb + ob};
+        uint8_t* d[4] = {my, my + sa, my + 2 * sa, my + 2 * sa + sb};
         __syncthreads();  // the previous tile is consumed
-        const uint8_t *s0 = my, *s1 = my, *s2 = my, *s3 = my;
-        if (mine > 0) {
-            s0 = stage_row(my, pa + w0 * rba + oa, na, lane);
-            if (qb >= 0) s2 = stage_row(my + 2 * sa, pb + w0 * rbb + ob, nb, lane);
+        #pragma unroll
+        for (int part = 0; part < 2; part++) {
+            #pragma unroll
+            for (int m = 0; m < 4; m++)
+                if (m % 2 < mine && (m < 2 || qb >= 0)) {
+                    int h = m < 2 ? ha : hb, all = m < 2 ? na : nb;
+                    stage_words(d[m], r[m], part ? cover_words(r[m], h) : 0, cover_words(r[m], part ? all : h), lane);
+                }
+            cp_commit();
         }
-        if (mine > 1) {
-            s1 = stage_row(my + sa, pa + (w0 + 1) * rba + oa, na, lane);
-            if (qb >= 0) s3 = stage_row(my + 2 * sa + sb, pb + (w0 + 1) * rbb + ob, nb, lane);
-        }
+        const uint8_t *s0 = my + ((u64)r[0] & 15), *s1 = my + sa + ((u64)r[1] & 15);
+        const uint8_t *s2 = my + 2 * sa + ((u64)r[2] & 15), *s3 = my + 2 * sa + sb + ((u64)r[3] & 15);
         stage<1, X1_COLS>(xbuf, x, 0, tok, 1, k0, n);
-        cp_wait();
+        cp_wait_but_one();
         __syncthreads();
-        if (mine) {
-            float2 v = {0.f, 0.f}, u = {0.f, 0.f};
-            DISPATCH_R(v, qa, rows1_tile, s0, s1, mine, xbuf, n / 32)
-            if (qb >= 0) DISPATCH_R(u, qb, rows1_tile, s2, s3, mine, xbuf, n / 32)
-            acc[0] += v.x; acc[1] += v.y; acc[2] += u.x; acc[3] += u.y;
+        #pragma unroll
+        for (int part = 0; part < 2; part++) {
+            if (part) {  // the rest of the warp's own rows
+                cp_wait();
+                __syncwarp();
+            }
+            if (mine) {
+                int c0 = part ? nh / 32 : 0, c1 = part ? n / 32 : nh / 32;
+                float2 v = {0.f, 0.f}, u = {0.f, 0.f};
+                DISPATCH_R(v, qa, rows1_tile, s0, s1, mine, xbuf, c0, c1)
+                if (qb >= 0) DISPATCH_R(u, qb, rows1_tile, s2, s3, mine, xbuf, c0, c1)
+                acc[0] += v.x; acc[1] += v.y; acc[2] += u.x; acc[3] += u.y;
+            }
         }
     }
     for (int m = 0; m < 4; m++) {
