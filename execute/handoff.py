@@ -314,7 +314,7 @@ class Handoff:
                 bases.append(ptr + s * stride)
                 if j not in picked:
                     rest.append(j)
-        if len(cpu) != sum(b == 0 for b in bases):
+        if len(cpu) != bases.count(0):
             raise ExecutorError(f"layer {layer}: CPU experts {sorted(set(cpu) - set(ids))} are not routed")
         xd = early.xd if early is not None else gx.as_input(x)
         if not self._started:  # first call: the team started and warm, the clocks paired (or the edges unmeasured)
