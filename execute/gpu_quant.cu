@@ -876,7 +876,7 @@ __device__ void mma_pass(const Rows& R, int cols, const float* __restrict__ x, l
         int n = min(KB, cols - k0);
         __syncthreads();  // the previous tile is consumed
         for (int task = threadIdx.x; task < MB * (KB / 32); task += blockDim.x) {
-            int m = task % MB, c = task / MB, mat = 0, r = m;
+            int m = task / (KB / 32), c = task % (KB / 32), mat = 0, r = m;  // a row's chunks on adjacent lanes
             if (R.two) { mat = (m & 15) >= 8; r = 8 * (m >> 4) + (m & 7); }
             uint32_t* rec = As + (c * MB + m) * 20;
             if (r < R.nrows && 32 * c < n) {
