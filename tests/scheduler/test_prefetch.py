@@ -8,6 +8,7 @@ import pytest
 
 from scheduler import Audit, Capacity, CostModel, Geometry, RunLayer, StartBackground, Step, Token, drive, make_policy, replay
 from scheduler.policies import HybridCostConfig
+from scheduler.policies.prefetch import PREFETCH_GRID
 
 
 def costs(n: int, upload: float = 1e-5, layer: float = 2.5e-5) -> CostModel:
@@ -35,6 +36,12 @@ def policy(g, slots, cm, **options):
                        **{"prefetch": 4, "prefetch_confidence": 0.3, **options})
 
 
+def test_the_default_is_a_grid_entry():
+    cfg = HybridCostConfig()
+    assert {"prefetch": cfg.prefetch, "prefetch_fills": cfg.prefetch_fills,
+            "prefetch_confidence": cfg.prefetch_confidence} in PREFETCH_GRID
+
+
 @pytest.mark.parametrize("field,value", [("prefetch", -1), ("prefetch", 65), ("prefetch_confidence", 1.5),
                                          ("prefetch_margin", -0.1), ("prefetch_memory", 1.0)])
 def test_bad_options_name_the_field(field, value):
@@ -58,7 +65,7 @@ def test_prefetches_fit_the_idle_window_and_land_before_their_step():
 def test_learnt_pattern_is_prefetched_and_used():
     g = Geometry.uniform(4, 8, 1)
     toks = tokens(np.random.default_rng(1), 80, 4, 8, 1)
-    base = replay(make_policy("hybrid-cost", g, Capacity.per_layer(g, 3), cost_model=costs(4)), toks,
+    base = replay(make_policy("hybrid-cost", g, Capacity.per_layer(g, 3), cost_model=costs(4), prefetch=0), toks,
                   audit=Audit(g)).summary()
     pol = policy(g, 3, costs(4))
     got = replay(pol, toks, audit=Audit(g)).summary()
