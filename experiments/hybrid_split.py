@@ -27,7 +27,7 @@ CALIBRATED = "docs/fidelity/h200-calibrated.json"
 DEV_HARDWARE = (CALIBRATED, "h200-xeon16")
 HELD_OUT_HARDWARE = (CALIBRATED, "rtx4060-laptop")
 PEER = tuple(f"docs/perf/peer_h200/budget-{b}/result.json" for b in (2048, 4096, 12288))
-POLICIES = ("lru", "cpu", f"hybrid f={MISS_FRAC_256}", "hybrid", "hybrid-cost")
+POLICIES = ("lru", "cpu", f"hybrid f={MISS_FRAC_256}", "hybrid", "hybrid-cost prefetch=0", "hybrid-cost")
 # (model, trace, budgets in MiB): granite's trace holds 2304 MiB of experts, so only budgets below
 DEV_SETS = (("qwen3-30b-a3b", "synth", (2048, 4096, 12288)), ("granite-3.0-1b-a400m", None, (1024, 1536, 2048)))
 BEGIN, END = "<!-- hybrid_split: begin (experiments/hybrid_split.py writes this section) -->", "<!-- hybrid_split: end -->"
@@ -36,14 +36,13 @@ FIELDS = ("set", "model", "trace", "hardware", "cache_mib", "policy", "tokens_pe
 
 
 def _policy(policy: str) -> tuple[str, float | None, dict]:
-    """"hybrid f=44": hybrid at 44/256; "hybrid-cost prefetch=0": a config field (an int)."""
+    """"hybrid f=44": hybrid at 44/256; "hybrid-cost prefetch=0": a config field (a number)."""
     name, *kv = policy.split()
-    opts = {k: int(v) for k, v in (x.split("=") for x in kv)}
+    opts = {k: float(v) if "." in v else int(v) for k, v in (x.split("=") for x in kv)}
     return name, (opts.pop("f") / 256 if "f" in opts else None), opts
 
 
-def _summary(row: dict, runs) -> dict:
-    """``row`` with the mean of ``runs`` (each a thunk giving a simulation summary), or the error."""
+def _summary(row: dict, runs) -> dict:  # row with the mean of runs (thunks giving a summary), or the error
     try:
         ss = [f() for f in runs]
     except SimError as e:
@@ -133,7 +132,6 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     panels = list(dict.fromkeys((r["set"], r["model"], r["hardware"]) for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     n = -(-len(panels) // 2)
@@ -149,8 +147,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks(range(len(mibs)), [f"{m:g}" for m in mibs])
         ax.set_title(f"{panel[0]}: {panel[1]}\n{panel[2]}", fontsize=8)
         ax.set(xlabel="cache MiB", ylabel="simulated tokens/s")
-    for ax in axes.ravel()[len(panels):]:
-        ax.axis("off")
+    [ax.axis("off") for ax in axes.ravel()[len(panels):]]
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -173,7 +170,10 @@ def readme(rows: list[dict], config: dict, command: str) -> str:
              "miss left to the CPU, the reuse it loses (the layer's recent hit share times a one-token miss's "
              "cost over a hit's); `hybrid` breaks ties towards uploads, `hybrid-cost` towards the CPU, queues "
              "uploads behind background copies and fills after a token only what the link's idle time in it "
-             "carries, none after a prompt (a rule found on the held-out 12 GiB row: it is not blind to it).", ""]
+             "carries, none after a prompt (a rule found on the held-out 12 GiB row: it is not blind to it); by "
+             "default it also prefetches, in the link's idle window before each layer's decision, that layer's "
+             "likeliest experts (scheduler/policies/prefetch.py; the setting policies_eval's development set "
+             "chose): `hybrid-cost prefetch=0` is it without.", ""]
     for name, about in (("development", f"what hybrid-cost's defaults (`reuse_charge`, `floors_256`) were chosen on: "
                          f"qwen3-30b-a3b on synthetic traces fitted to the preset ({config['seeds']} seeds of "
                          f"{config['tokens']} tokens, tokens/s averaged); the bundled granite trace's decode rows (at "
