@@ -47,8 +47,8 @@ from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
-from .cpu_kq import (acc_dots, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8, fadd, fmul,
-                     idot as _idot, load_f32x8, sdot as _sdot, sdots, store_i8x32)
+from .cpu_kq import (acc_dots, acc_dots_x16lo, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8, fadd, fmul,
+                     idot as _idot, load_f32x8, load_nib32_x16, sdot as _sdot, sdots, store_i8x32)
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -189,17 +189,24 @@ def _dot_iq4_nl(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table):
 def _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
     """Q4_0 (18-byte blocks: f16 d, u8 qs[16], low nibbles weights 0-15): w = d (q - 8). Eight
     blocks at a time staged (cpu_kq.block_scratch), their dots behind one branch on the path and
-    their d as one vector; a row's last nb % 8 blocks one by one."""
+    their d as one vector (on the vnni path the high nibbles masked in place, 16 q, no shift:
+    cpu_kq.acc_dots_x16lo); a row's last nb % 8 blocks one by one."""
     acc = zero_f32()
     cor = zero_f32()
     buf = block_scratch()
     for b8 in range(nb // 8):
         p = o + 144 * b8
-        for k in range(8):
-            store_i8x32(buf, 32 * k, load_nib32(w, p + 18 * k + 2))
         dv = f16x8(w, p, 18)
         blk = xb + 8 * b8
-        acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b8, l2), fmul(dv, load_f32x8(xd, blk)))
+        f = fmul(dv, load_f32x8(xd, blk))
+        if isa == 0:  # high nibbles left in place (16 q <= 240: vpdpbusd's bytes are unsigned), see acc_dots_x16lo
+            for k in range(8):
+                store_i8x32(buf, 32 * k, load_nib32_x16(w, p + 18 * k + 2))
+            acc = acc_dots_x16lo(acc, dots(isa, buf, xq, xo + 256 * b8, l2), fmul(f, np.float32(0.0625)))
+        else:
+            for k in range(8):
+                store_i8x32(buf, 32 * k, load_nib32(w, p + 18 * k + 2))
+            acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b8, l2), f)
         cor = fadd(cor, fmul(dv, load_f32x8(xs, blk)))
     corr = np.float32(0.0)
     for b in range(nb - nb % 8, nb):

@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat,
                        dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
-__all__ = ["dots", "sdots", "f16x8", "block_scratch", "store_i8x32", "acc_dots", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
+__all__ = ["dots", "sdots", "f16x8", "block_scratch", "store_i8x32", "acc_dots", "acc_dots_x16lo", "load_nib32_x16", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
            "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi", "zip_lo", "zip_hi", "nibbles8"]
 
 
@@ -114,6 +114,21 @@ def _bytes_f32(signed: bool):
             return (builder.sitofp if signed else builder.uitofp)(b, VF)
         return F32x8(u), codegen
     return make
+
+
+@intrinsic
+def nib8_f32(typingctx, base, off, hi):
+    """The low (hi 0) or high (hi 4) nibbles of the 8 bytes at base + off as float32 (one zero-extending
+    load for both: LLVM merges the two calls' loads)."""
+    if not (_addr_args(base, off) and isinstance(hi, (types.Integer, types.IntegerLiteral))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = builder.zext(builder.load(_ptr(context, builder, sig, args[:2], ir.VectorType(_I8, 8)), align=1), V8)
+        sh = context.cast(builder, args[2], sig.args[2], types.int32)
+        b = builder.lshr(b, _splat(builder, sh, V8))
+        return builder.uitofp(builder.and_(b, ir.Constant(V8, [15] * 8)), VF)
+    return F32x8(base, off, hi), codegen
 
 
 u8_f32x8 = intrinsic(_bytes_f32(False))
@@ -305,6 +320,40 @@ def acc_dots(typingctx, acc, v, f):
 
 
 @intrinsic
+def acc_dots_x16lo(typingctx, acc, v, f):
+    """acc_dots with lanes 0-3 of each dot (its first 16 weights) times 16 before the halves are added:
+    for weights whose second 16 are high nibbles left in place (16 q: one mask, no shift, vnni only);
+    f carries the 1/16 (exact: the result is acc_dots' bit for bit)."""
+    if acc != F32x8 or not _is_tuple_of(v, I32x8, 8) or f != F32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        idx = ir.VectorType(_I32, 8)
+        v = [builder.extract_value(args[1], k) for k in range(8)]
+        a, b = _sums4(builder, v, 0), _sums4(builder, v, 4)
+        lo = builder.shuffle_vector(a, b, ir.Constant(idx, [0, 1, 2, 3, 8, 9, 10, 11]))
+        s = builder.add(builder.shl(lo, ir.Constant(V8, [4] * 8)),
+                        builder.shuffle_vector(a, b, ir.Constant(idx, [4, 5, 6, 7, 12, 13, 14, 15])))
+        return builder.fadd(args[0], _opaque(builder, builder.fmul(builder.sitofp(s, VF), args[2])))
+    return F32x8(acc, v, f), codegen
+
+
+@intrinsic
+def load_nib32_x16(typingctx, base, off):
+    """16 bytes at base + off -> lane j < 16: byte j & 15, lane 16 + j: byte j & 0xF0 (16 times its
+    high nibble, left in place: see acc_dots_x16lo)."""
+    if not _addr_args(base, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I8, 16)
+        q = builder.load(_ptr(context, builder, sig, args, v16), align=1)
+        q = builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
+        return builder.and_(q, ir.Constant(V32, [15] * 16 + [0xF0] * 16))
+    return I8x32(base, off), codegen
+
+
+@intrinsic
 def acc_dots16(typingctx, acc, v, f0, f1):
     """acc + sum_k float(v[k]) * [g x4, h x4] with (g, h) lanes (2k, 2k + 1) of f0 for k < 4, of f1
     (2k - 8, 2k - 7) for k >= 4: a scale per 16 weights (lanes 0-3 of a dot: its first 16); each
@@ -482,9 +531,8 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
             p = o + 84 * b
             d = load_f16(w, p + 80)
             dmin = load_f16(w, p + 82)
-            c0, c1 = load_u64(w, p), load_u64(w, p + 8)
-            s0, s1 = u8_f32x8(c0 & _M4X8), u8_f32x8(c1 & _M4X8)
-            m0, m1 = u8_f32x8((c0 >> 4) & _M4X8), u8_f32x8((c1 >> 4) & _M4X8)
+            s0, s1 = nib8_f32(w, p, 0), nib8_f32(w, p + 8, 0)
+            m0, m1 = nib8_f32(w, p, 4), nib8_f32(w, p + 8, 4)
         blk = xb + 8 * b
         xdv = fmul(load_f32x8(xd, blk), d)
         cor = fadd(cor, fmul(fadd(fmul(m0, load_f32x8(xs16, 2 * blk)), fmul(m1, load_f32x8(xs16, 2 * blk + 8))), dmin))
