@@ -177,6 +177,8 @@ class HybridCostPolicy(HybridPolicy):
         self.prefetcher = None if not (config.prefetch or config.prefetch_fills) else LinkPrefetch(
             self, config.prefetch, config.prefetch_confidence, config.prefetch_margin, config.prefetch_memory,
             config.prefetch_fills)
+        if self.prefetcher is not None and not self.prefetcher.able:  # no window holds a copy: it would never move
+            self.prefetcher = None
         self._prefetching = False  # the next commit_background commits a prefetch, not a token's end
         self.tuner = None
         if len(floors) > 1:

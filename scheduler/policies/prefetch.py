@@ -84,6 +84,9 @@ class LinkPrefetch:
         self.span = [layer_s[self.next_layer[l]] + lead[l] + extra if l in self.next_layer else 0.0
                      for l in range(L)]
         self.issue_s = ln.copy_s if ln is not None else 0.0
+        # whether any layer's window can ever hold one copy (else the owner drops the prefetch: no move)
+        least = min((self.up_s[l] for l in moe), default=0.0) + self.issue_s
+        self.able = least <= 0.0 or any(sp >= least for sp in self.span)
         self.trials: dict[int, list[tuple[int, int]]] = {}  # layer -> planned swaps (expert, victim)
         self.gain = 0.0
         self.fills = fills
