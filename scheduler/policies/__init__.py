@@ -1,7 +1,8 @@
 """The policies, picked by name from ``POLICIES`` and built by ``make_policy``.
 
 One file per family: ``simple`` (cpu, gpu, lru, freq-lru, static), ``hybrid``, ``hybrid_cost``
-with its floor tuner (``tuner``), ``belady``, ``predict``, ``lookahead`` and ``oracle``; ``base`` holds what they share. Each
+with its floor tuner (``tuner``) and its prefetch (``prefetch``), ``belady``, ``predict``, ``lookahead`` and
+``oracle``; ``base`` holds what they share. Each
 policy is a plain class over a :class:`~scheduler.cache.Cache` that follows ``core.Policy``; a
 family with knobs has a frozen config dataclass (``HybridConfig``, ...) whose errors name the
 field, and every default is written once, there.
