@@ -10,8 +10,9 @@ policy and engine of its configuration:
   experts (``split_sync_s`` per layer);
 - ``lru``: upstream's cache, one LRU shared by every MoE layer, every miss uploaded before the
   layer's experts run; the host reads the route at every layer (a split, ``split_sync_s``). The
-  cache loads during the prompt, which the published generation rate leaves out: the prompt's
-  tokens run through the cache untimed;
+  published runs process their 63-token prompt as one batch, and upstream's cache serves batches
+  of more than 32 tokens read-only: the prompt streams the experts it routes to without keeping
+  them, so the cache starts empty at the first generated token, as the hybrid's does;
 - ``hybrid`` / ``hybrid-slow-fill``: the pull request's hybrid with adaptive fill: hits on the
   GPU, every miss on the CPU, the two meeting through the device mailbox (``mailbox_s`` each way,
   no host synchronisation); the cache (upstream's one budget, shared by the layers) starts empty
@@ -27,10 +28,12 @@ Every upload is a pageable copy (both builds upload from the host buffers the CP
 of three tensors (``EXPERT_TENSORS``), each paying ``copy_latency_s``.
 A table with ``file_gib`` (a file whose experts mix quant types) charges each expert its share of
 the file's bytes (``model_of``). A ``stated`` entry sets a machine's pageable rate from the seed's
-stated prompt-time load of upstream's cache: the bytes the prompt uploads in the simulated ``lru``
-rows over the stated seconds less those uploads' fixed costs. Fitted parameters are found by bisection on the simulated rate of
-their row, with the others at their current values, in ``FIT_ORDER``, twice over; a parameter in
-the file's ``shared`` list is fitted on one machine and used on every machine.
+stated prompt-time load of upstream's cache: the bytes of the distinct experts the prompt's batch
+routes to (each streamed once; ``prompt_load``) over the stated seconds less those uploads' fixed
+costs. The fitted parameters are solved jointly, each row's simulated rate meeting its published
+one (Newton's method in log values, ``_solve_joint``: a row may depend on its machine's other
+fitted parameters more than on its own); a parameter in the file's ``shared`` list is fitted on
+one machine and used on every machine.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ from traces.synth import SynthParams
 from .engine import Simulator
 
 __all__ = ["ROWS", "FIT_PARAMS", "FIT_ORDER", "PROMPT_TOKENS", "load_data", "model_of", "simulate_row",
-           "derive_hosts", "predict_tables", "bounds", "TOLERANCE", "routing_of", "fit_routing", "ROUTING_GRID"]
+           "derive_hosts", "predict_tables", "bounds", "warmups", "TOLERANCE", "routing_of", "fit_routing", "ROUTING_GRID"]
 
 # configuration -> (label, policy, engine, fills per token (hybrid) or None)
 ROWS = {
@@ -64,17 +67,17 @@ ROWS = {
     "hybrid": ("hybrid + adaptive", "hybrid", "mailbox", 512),
     "hybrid-slow-fill": ("hybrid + adaptive, 16 fills/token", "hybrid", "mailbox", 16),
 }
-# parameter -> (direction of the rate as it grows, lower bound, upper bound)
+# parameter -> (lower bound, upper bound) of its fit
 FIT_PARAMS = {
-    "graph_kernel_s": (-1, 1e-8, 1e-3),
-    "split_sync_s": (-1, 1e-7, 5e-3),
-    "pageable_gbps": (+1, 0.2, 100.0),
-    "cpu_thread_gbps": (+1, 0.05, 100.0),
+    "graph_kernel_s": (1e-8, 1e-3),
+    "split_sync_s": (1e-7, 5e-3),
+    "mailbox_s": (1e-7, 1e-3),
+    "pageable_gbps": (0.2, 100.0),
+    "cpu_thread_gbps": (0.05, 100.0),
 }
 FIT_ORDER = tuple(FIT_PARAMS)
 PROMPT_TOKENS = 63  # the published runs' prompt
 EXPERT_TENSORS = 3  # a GGUF MoE layer's expert tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps): copies per upload
-PROMPT_LOADS = {"lru"}  # configurations whose cache loads during the prompt (untimed), as the seed states
 TOLERANCE = 0.15
 
 
@@ -205,12 +208,12 @@ def _routes(model: ModelSpec, num_tokens: int, seed: int, params: SynthParams = 
     return ids
 
 
-def _tokens(ids: np.ndarray, moe: list[int], first: int, prompt: int) -> list[Token]:
-    """Tokens from row ``first`` on; rows before ``prompt`` are prompt tokens (untimed)."""
+def _tokens(ids: np.ndarray, moe: list[int], first: int) -> list[Token]:
+    """The generated tokens: rows from ``first`` (the prompt's length) on, one token each."""
     out = []
     for n in range(first, len(ids)):
         steps = tuple(Step(l, tuple(int(e) for e in ids[n, l])) for l in moe)
-        out.append(Token(n - first, 0, n, "prefill" if n < prompt else "decode", steps))
+        out.append(Token(n - first, 0, n, "decode", steps))
     return out
 
 
@@ -231,7 +234,7 @@ def _items(model: ModelSpec, row: str, cache_mib: float, num_tokens: int, seed: 
         if fills is not None:
             opts = {"adaptive": True, "miss_fraction": 0.0, "max_fills": fills, "swap_while_filling": fills >= 512}
     ids = _routes(model, num_tokens, seed, params)
-    tokens = _tokens(ids, list(g.moe_layers), 0 if row in PROMPT_LOADS else PROMPT_TOKENS, PROMPT_TOKENS)
+    tokens = _tokens(ids, list(g.moe_layers), PROMPT_TOKENS)  # every cache starts empty (the module docstring)
     pol = make_policy(policy, g, cap, **opts)
     items = tuple(drive(pol, tokens, lag_tokens=0))
     hits = total = 0
@@ -269,15 +272,29 @@ def simulate_row(hw: Hardware, model: ModelSpec, table: dict, row: str, seeds: i
     return {"tps": float(np.mean(tps)), "hit_rate": float(np.mean(hits))}
 
 
-def _solve(f, target: float, lo: float, hi: float, sign: int) -> float:
-    """x in [lo, hi] with f(x) ~= target, f monotone in direction ``sign`` (bisection in log x)."""
-    for _ in range(28):
-        mid = math.sqrt(lo * hi)
-        if (f(mid) < target) == (sign > 0):
-            lo = mid
-        else:
-            hi = mid
-    return math.sqrt(lo * hi)
+def _solve_joint(rate, targets: list[float], x0: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                 depends: np.ndarray, tol: float = 2e-4, iterations: int = 16) -> np.ndarray:
+    """Parameters (log values ``x``, within [``lo``, ``hi``]) at which ``rate(x, i)`` meets every
+    ``targets[i]``: Newton's method on log(rate / target) with a forward-difference Jacobian,
+    entry (i, j) only where ``depends[i, j]`` (row i's machine holds parameter j), steps at most
+    a factor e per parameter."""
+    x = x0.copy()
+    n = len(targets)
+    f = lambda x, i: math.log(rate(x, i) / targets[i])
+    for _ in range(iterations):
+        F = np.array([f(x, i) for i in range(n)])
+        if np.max(np.abs(F)) < tol:
+            break
+        J = np.zeros((n, n))
+        for j in range(n):
+            xj = x.copy()
+            xj[j] += 0.02
+            for i in range(n):
+                if depends[i, j]:
+                    J[i, j] = (f(xj, i) - F[i]) / 0.02
+        dx = np.linalg.lstsq(J, -F, rcond=None)[0]
+        x = np.clip(x + np.clip(dx, -1.0, 1.0), lo, hi)
+    return x
 
 
 def _fit_rows(data: dict) -> list[tuple[str, dict, dict]]:
@@ -287,8 +304,9 @@ def _fit_rows(data: dict) -> list[tuple[str, dict, dict]]:
 
 
 def prompt_load(data: dict, machine: str, cache_mib: float, seeds: int, scale: float) -> tuple[float, float]:
-    """Mean bytes and experts upstream's cache uploads during the prompt in the ``lru`` rows of
-    ``machine``'s tables with ``cache_mib`` (the same synthetic traces as the rows)."""
+    """Mean bytes and count of the distinct (layer, expert) pairs the prompt routes to (its batch
+    streams each once) in ``machine``'s tables with an ``lru`` row and ``cache_mib`` (the same
+    synthetic traces as the rows)."""
     out, count = [], []
     for t in data["tables"]:
         if t["machine"] != machine or t["cache_mib"] != cache_mib or not any(r["row"] == "lru" for r in t["rows"]):
@@ -296,9 +314,8 @@ def prompt_load(data: dict, machine: str, cache_mib: float, seeds: int, scale: f
         model = model_of(data, t["model"], t["quant"], t.get("file_gib"))
         n_tok = max(8, int(round(t["tokens"] * scale)))
         for seed in range(seeds):
-            items, _ = _items(model, "lru", float(cache_mib), n_tok, seed, routing_of(data))
-            ups = [(it.decision.step.layer, len(it.decision.uploads)) for it in items
-                   if getattr(it, "decision", None) is not None and it.token.phase == "prefill"]
+            ids = _routes(model, n_tok, seed, routing_of(data))[:PROMPT_TOKENS]
+            ups = [(l, len(np.unique(ids[:, l]))) for l in model.geometry().moe_layers]
             out.append(sum(model.expert_bytes(l) * n for l, n in ups))
             count.append(sum(n for _, n in ups))
     if not out:
@@ -320,17 +337,30 @@ def derive_hosts(data: dict, seeds: int, scale: float, presets: dict | None = No
         rate = loaded / (secs - fixed) / 1e9
         hosts[st["machine"]] = dataclasses.replace(hosts[st["machine"]], pageable_gbps=float(f"{rate:.3g}"))
     routing = routing_of(data)
-    for _ in range(2):  # the fits depend on each other weakly: a second pass settles them
-        for param, t, r in _fit_rows(data):
-            m = t["machine"]
-            model = model_of(data, t["model"], t["quant"], t.get("file_gib"))
-            sign, lo, hi = FIT_PARAMS[param]
-            base = hosts[m]
-            x = _solve(lambda v: simulate_row(dataclasses.replace(base, **{param: v}), model, t, r["row"], seeds,
-                                              scale, routing)["tps"], r["tps"], lo, hi, sign)
-            x = float(f"{x:.3g}")
-            for name in (data["machines"] if param in data["shared"] else [m]):
-                hosts[name] = dataclasses.replace(hosts[name], **{param: x})
+    fits = _fit_rows(data)
+    if not fits:
+        return hosts
+    # one unknown per fitting row: its parameter on its machine, or on every machine when shared
+    owners = [data["machines"] if p in data["shared"] else [t["machine"]] for p, t, _ in fits]
+    models = [model_of(data, t["model"], t["quant"], t.get("file_gib")) for _, t, _ in fits]
+    depends = np.array([[t["machine"] in owners[j] for j in range(len(fits))] for _, t, _ in fits])
+
+    def at(x) -> dict[str, Hardware]:
+        out = dict(hosts)
+        for (p, _, _), names, v in zip(fits, owners, x):
+            for name in names:
+                out[name] = dataclasses.replace(out[name], **{p: float(math.exp(v))})
+        return out
+
+    def rate(x, i: int) -> float:
+        p, t, r = fits[i]
+        return simulate_row(at(x)[t["machine"]], models[i], t, r["row"], seeds, scale, routing)["tps"]
+
+    x0 = np.array([math.log(getattr(hosts[t["machine"]], p)) for p, t, _ in fits])
+    lo = np.log([FIT_PARAMS[p][0] for p, _, _ in fits])
+    hi = np.log([FIT_PARAMS[p][1] for p, _, _ in fits])
+    x = _solve_joint(rate, [r["tps"] for _, _, r in fits], x0, lo, hi, depends)
+    hosts = at(np.log([float(f"{math.exp(v):.3g}") for v in x]))
     return hosts
 
 
@@ -352,7 +382,7 @@ def predict_tables(data: dict, hosts: dict[str, Hardware], seeds: int, scale: fl
             pub = by[h]["published"] / by["lru"]["published"]
             pred = by[h]["predicted"] / by["lru"]["predicted"]
             speedup = {"row": h, "published": pub, "predicted": pred, "error": pred / pub - 1,
-                       "sign_right": (pub > 1) == (pred > 1)}
+                       "sign_right": (pub > 1) == (pred > 1), "fitted": bool(by[h]["fits"] and by["lru"]["fits"])}
         out.append({"table": t, "rows": rows, "speedup": speedup,
                     "simulated_tokens": max(8, int(round(t["tokens"] * scale)))})
     return out
@@ -430,7 +460,7 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
     for m, h in hosts.items():
         lines.append(f"| {m} | {h.gpu_mem_gbps:.1f} | {h.graph_kernel_s * 1e6:.2f} us | {h.split_sync_s * 1e6:.0f} us | "
                      f"{h.mailbox_s * 1e6:.0f} us | {h.cpu_thread_gbps:.2f} | {h.pageable_gbps:.2f} |")
-    lines.append("")
+    lines += ["", "Machines: " + "; ".join(f"{m}, {v['about']}" for m, v in data["machines"].items()) + ".", ""]
     if checks:
         lines += ["Routing: the synthetic traces against published routing statistics (none of them a table row):", "",
                   "| statistic | published | synthetic |", "|---|---:|---:|"]
@@ -440,8 +470,7 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
     for i, res in enumerate(results):
         t = res["table"]
         lines += [f"## {t['machine']}: {t['model']} {t['quant']}, {t['cache_mib']} MiB cache, {t['tokens']} tokens", "",
-                  f"{data['machines'][t['machine']]['about']}; {t['note']} ({res['simulated_tokens']} tokens "
-                  "simulated).", "",
+                  f"{t['note']} ({res['simulated_tokens']} tokens simulated).", "",
                   "| row | published t/s | predicted | error | hit rate | fits |", "|---|---:|---:|---:|---:|---|"]
         for r in res["rows"]:
             (fitted if r["fits"] else predicted).append((r, t))
@@ -449,9 +478,12 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
                          f"{r['hit_rate']:.1%} | {r['fits'] or ''} |")
         s = res["speedup"]
         if s:
-            speedups.append((s, t))
+            if not s["fitted"]:
+                speedups.append((s, t))
+            how = ("both rows fitted: not counted" if s["fitted"] else
+                   f"error {s['error']:+.1%}, sign {'right' if s['sign_right'] else 'WRONG'}")
             lines += ["", f"Hybrid / cache ({ROWS[s['row']][0]}): published {s['published']:.2f}x, predicted "
-                          f"{s['predicted']:.2f}x (error {s['error']:+.1%}, sign {'right' if s['sign_right'] else 'WRONG'})."]
+                          f"{s['predicted']:.2f}x ({how})."]
         if bound_rows:
             lines += ["", _bound_line(bound_rows[i], {r["row"]: r["published"] for r in res["rows"]})]
             b = bound_rows[i]
@@ -472,13 +504,43 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
                      + (", ".join(f"{t['machine']} {t['model']} {t['tokens']} tokens {r['label']}" for r, t in outside)
                         or "none") + f"); within {TOLERANCE:.0%}: "
                      f"{sum(1 for r, _ in within if all(r is not o for o, _ in outside))} of the {len(predicted) - len(outside)} others.")
-    lines += [f"- Hybrid / cache speedup: sign right in {signs} of {len(speedups)} tables; errors "
+    ws = warmups(results)
+    if ws:
+        lines += ["- Warm-up: t/s over the shorter run's tokens and over those after it, published / predicted:", "",
+                  "| table | row | early | later |", "|---|---|---:|---:|"]
+        lines += [f"| {w['machine']} {w['model']} {w['quant']}, {w['split']} / {w['tokens']} | {w['label']} | "
+                  f"{w['published'][0]:.1f} / {w['predicted'][0]:.1f} | {w['published'][1]:.1f} / {w['predicted'][1]:.1f} |"
+                  for w in ws]
+        lines.append("")
+    lines += [f"- Hybrid / cache speedup (tables with a predicted row of the two): sign right in {signs} of "
+              f"{len(speedups)}; errors "
               + ", ".join(f"{s['error']:+.0%}" for s, _ in speedups)
               + (f" (largest {abs(worst[0]['error']):.0%})." if worst else "."),
               f"- Left out: {len(data['left_out'])} groups of published rows with no matching configuration (their "
               "reasons: `left_out` in the data file).", "", "## Known limits", "", _LIMITS, "",
               f"predicted rows within {TOLERANCE:.0%}: {len(within)} of {len(predicted)}; fitted: {len(fitted)}"]
     return "\n".join(lines) + "\n"
+
+
+def warmups(results: list[dict]) -> list[dict]:
+    """Each row that two tables of one machine, model, quant and cache give at two lengths: its
+    rate over the shorter run's tokens and over the tokens after them, published and predicted
+    (from the two runs' rates: the later tokens' time is the longer run's less the shorter's)."""
+    out = []
+    for a, b in itertools.combinations(results, 2):
+        ta, tb = a["table"], b["table"]
+        if any(ta[k] != tb[k] for k in ("machine", "model", "quant", "cache_mib")) or ta["tokens"] == tb["tokens"]:
+            continue
+        (short, n), (long, m) = sorted(((a, ta["tokens"]), (b, tb["tokens"])), key=lambda x: x[1])
+        by = {r["row"]: r for r in long["rows"]}
+        for r in short["rows"]:
+            if r["row"] in by:
+                later = lambda k: (m - n) / (m / by[r["row"]][k] - n / r[k])
+                out.append({"machine": ta["machine"], "model": ta["model"], "quant": ta["quant"],
+                            "cache_mib": ta["cache_mib"], "label": r["label"], "split": n, "tokens": m,
+                            "published": (r["published"], later("published")),
+                            "predicted": (r["predicted"], later("predicted"))})
+    return out
 
 
 def _bound_line(b: dict, pub: dict) -> str:
@@ -491,34 +553,37 @@ def _bound_line(b: dict, pub: dict) -> str:
 
 
 _METHOD = (
-    "Each row of `experiments/seed_tables.json` (`source`: systems and machines) is replayed on {seeds} synthetic "
-    "traces of its model's geometry (mean reported) under its configuration's policy and engine "
-    "(`simulate.seeds.ROWS`): `--cpu-moe` = `cpu` and upstream's cache = `lru` over one shared pool, on the "
-    "`llama.cpp` engine (captured graphs, a graph-split round trip per layer); the pull request's hybrid = `hybrid` "
-    "with every miss on the CPU and its slots from the same budget, on the `mailbox` engine (a mapped-flag hand-off "
-    "each way per layer). Upstream's cache loads during the {prompt}-token prompt, untimed as in the published rates; "
-    "the hybrid's cache starts empty and fills right after the token that missed (at most 512 per token, 16 before "
-    "its faster fill). An upload is a pageable copy of three tensors, each paying `copy_latency_s`; the UD file's "
-    "experts are charged their share of its stated size and the nominal type's CPU time.\n\n"
-    "Routing: `traces.synth` with the data file's `routing`, the grid point nearest the published routing "
-    "statistics below (`--fit-routing --seeds 5`; none is a table row); prompt and generation a topic each. Hosts: "
-    "the presets' spec-sheet numbers (their `sources`), the L4's pageable rate from the seed's stated prompt-time "
-    "load, and the parameters fitted on the rows marked in `fits` (bisection, `simulate.seeds.derive_hosts`): a "
-    "fitted row is not counted. Error = predicted / published - 1. A table's bounds line gives its hybrid rows with "
-    "every upload free and `--cpu-moe` on its file: a published hybrid row outside them is one no modelled cost gives.")
+    "Each row of `experiments/seed_tables.json` is replayed on {seeds} synthetic traces of its model's geometry "
+    "(mean reported) under its configuration's policy and engine (`simulate.seeds.ROWS`): `--cpu-moe` = `cpu` and "
+    "upstream's cache = `lru` over one shared pool on the `llama.cpp` engine (captured graphs, a graph-split round "
+    "trip per layer); the pull request's hybrid = `hybrid`, every miss on the CPU, its slots from the same budget, "
+    "on the `mailbox` engine (a mapped-flag hand-off each way per layer). Both caches start empty at the first "
+    "generated token: the {prompt}-token prompt is one batch, which upstream's cache serves read-only (over 32 "
+    "tokens); the hybrid fills right after the token that missed (at most 512 per token, 16 before its faster "
+    "fill), before the next token. An upload is a pageable copy of three tensors, each paying `copy_latency_s`; the"
+    " UD file's experts are charged their share of its size and the nominal type's CPU time.\n\n"
+    "Routing: `traces.synth` at the grid point nearest the published routing statistics below (`--fit-routing "
+    "--seeds 5`; none is a table row); prompt and generation a topic each. Hosts: the presets' spec-sheet numbers "
+    "(their `sources`); the L4's pageable rate from the seed's stated prompt time (the bytes of the distinct "
+    "experts the prompt routes to over 1.65 s); the parameters in `fits`, solved jointly on their rows "
+    "(`simulate.seeds.derive_hosts`), which are then not counted. The laptop's graph split per layer is fitted on "
+    "its hybrid row, which has none, through the CPU and upload rates it shares with its `--cpu-moe` and cache rows"
+    " (the L4's is llama.cpp's on the H200 host); the mailbox hand-off on the L4's longest hybrid run, for both "
+    "machines. Error = predicted / published - 1. A bounds line gives a table's hybrid rows with every upload free "
+    "and `--cpu-moe` on its file: a published hybrid row outside them is one no modelled cost gives.")
 
 _LIMITS = (
-    "- No recorded routing of these models exists here: the synthetic routing matches the published statistics "
-    "within about 2 points but not the published runs' warm-up (upstream's cache runs tokens 257-1024 at about 57 "
-    "and 50 t/s against 38 over tokens 1-256; in these traces it is slow over the first ~64 tokens only), so the "
-    "16 GB tables' 256-token rows come out fast, and the same warm-up decides their 1024-token speedups' signs "
-    "(published 0.99x and 0.91x).\n"
-    "- The laptop's hybrid rows lie above their bounds: they need the pull request's CPU kernel gain (not given in "
-    "the seed) or more hits than these traces give. They stay counted, as misses.\n"
-    "- The L4's Qwen3-Coder-Next 256-token row before the faster fill lies below `--cpu-moe` on the same file; the "
-    "UD file's expert types are not published (a sub-4-bit mix would add about a sixth to the CPU time, short of it).\n"
-    "- The L4's 5000 MiB cache row needs 3.8 GB/s of pageable upload; fitted there instead of taken from the stated "
-    "load time, that rate leaves 9 of 18 predicted rows within 15% and both 1024-token signs wrong.\n"
-    "- The laptop's Qwen3-Coder-Next rows are one round each (its non-hybrid rows varied by ~25% between rounds); "
-    "the swap rounds use the runtime's published parameters (every 4 tokens, at most 96 moves); the laptop's graph "
-    "cost is the L4's.")
+    "- No recorded routing of these models exists here: the synthetic routing meets the published statistics but "
+    "not the published hybrid's warm-up (Warm-up table: its first 256 tokens at 58% of its later rate, simulated "
+    "nearer it), so the 16 GB tables' 256-token hybrid rows come out fast, and a speedup published at 0.99x can land "
+    "above 1.\n"
+    "- The L4's Qwen3-Coder-Next slow-fill 256-token row lies below `--cpu-moe` on its file: the synthetic routing "
+    "gives that fill more hits than the row allows. The L4's 5000 MiB cache row comes out fast at the stated "
+    "pageable rate, which the 16 GB cache rows follow.\n"
+    "- Fitted values (hosts table): the laptop's pageable rate is at its pinned estimate (80% of its x8 link); its "
+    "graph split is 15-30x llama.cpp's on the H200 host (17-34 us), and the mailbox 14-28x moelab's own mapped-flag "
+    "hand-off there (1.2, 2.5 us, docs/fidelity/h200-calibrated.json): each absorbs what a split or hand-off costs "
+    "these builds beyond the modelled terms. The laptop's preset keeps its earlier CPU and upload rates, on which "
+    "other experiments ran.\n"
+    "- The laptop's Qwen3-Coder-Next rows are one round each (non-hybrid rounds varied by up to ~5 t/s, the seed "
+    "says); swap rounds use the runtime's published parameters (every 4 tokens, at most 96 moves).")

@@ -66,6 +66,23 @@ def test_a_fitted_parameter_reproduces_its_row():
     assert hosts["l4-colab"].cpu_thread_gbps == pytest.approx(3.0, rel=0.01)
 
 
+def test_coupled_fits_are_solved_jointly_where_a_row_does_not_depend_on_its_own_parameter():
+    # the hybrid row has no graph split, yet fits the split: through the cpu row's per-thread rate
+    data = seeds.load_data(DATA)
+    t = {**data["tables"][0], "tokens": 12}
+    model = seeds.model_of(data, t["model"], t["quant"])
+    true = dataclasses.replace(load_hardware("rtx4060-laptop"), split_sync_s=3e-4, cpu_thread_gbps=7.0)
+    rows = [{"row": r, "tps": seeds.simulate_row(true, model, t, r, 1, 1.0, seeds.routing_of(data))["tps"], "fits": f}
+            for r, f in (("cpu", "cpu_thread_gbps"), ("hybrid-slow-fill", "split_sync_s"))]
+    assert seeds.simulate_row(dataclasses.replace(true, split_sync_s=1e-5), model, t, "hybrid-slow-fill", 1, 1.0,
+                              seeds.routing_of(data)) == seeds.simulate_row(true, model, t, "hybrid-slow-fill", 1, 1.0,
+                                                                            seeds.routing_of(data))
+    one = {**data, "shared": [], "stated": [], "machines": {"rtx4060-laptop": data["machines"]["rtx4060-laptop"]},
+           "tables": [{**t, "rows": rows}]}
+    h = seeds.derive_hosts(one, 1, 1.0)["rtx4060-laptop"]
+    assert h.split_sync_s == pytest.approx(3e-4, rel=0.02) and h.cpu_thread_gbps == pytest.approx(7.0, rel=0.02)
+
+
 def test_a_mixed_type_file_charges_each_expert_its_share_of_the_file():
     data = seeds.load_data(DATA)
     nominal = seeds.model_of(data, "qwen3-coder-next", "IQ4_XS").expert_bytes(3)
@@ -89,7 +106,11 @@ def test_a_stated_load_time_sets_the_pageable_rate_from_the_prompt_bytes():
     st = {"machine": "l4-colab", "param": "pageable_gbps", "prompt_load_s": [1.0, 3.0], "cache_mib": 1024, "source": "x"}
     one = {**data, "shared": [], "stated": [st], "tables": [t]}
     loaded, experts = seeds.prompt_load(one, "l4-colab", 1024, 1, 1.0)
-    assert loaded >= 1024 * 2**20 * 0.9  # the prompt touches more experts than the cache holds
+    model = seeds.model_of(data, t["model"], t["quant"])  # the prompt's batch streams each expert it routes to once
+    ids = seeds._routes(model, 8, 0, seeds.routing_of(data))[: seeds.PROMPT_TOKENS]
+    moe = list(model.geometry().moe_layers)
+    assert experts == sum(len(np.unique(ids[:, l])) for l in moe) > seeds.PROMPT_TOKENS * model.top_k / 2
+    assert loaded == pytest.approx(experts * model.expert_bytes(moe[0]))
     fixed = experts * 3 * load_hardware("l4-colab").copy_latency_s  # three tensor copies per expert
     assert 0 < fixed < 0.5
     assert seeds.derive_hosts(one, 1, 1.0)["l4-colab"].pageable_gbps == pytest.approx(loaded / (2.0 - fixed) / 1e9, rel=1e-2)
@@ -161,7 +182,7 @@ def test_a_split_round_trip_slows_cpu_rows_and_not_the_mailbox():
 
 def test_bounds_free_uploads_lift_the_hybrid_and_cpu_moe_is_the_tables_own_row():
     data = seeds.load_data(DATA)
-    t = {**data["tables"][0], "tokens": 12}
+    t = {**data["tables"][1], "tokens": 12}  # the laptop's Qwen3-Coder-Next table: no row fitted
     one = {**data, "tables": [t]}
     hosts = {m: load_hardware(m) for m in data["machines"]}
     res = seeds.predict_tables(one, hosts, 1, 1.0)
@@ -236,3 +257,31 @@ def test_bad_data_file_is_refused_before_any_work(tmp_path, capsys, edit, field)
     err = capsys.readouterr()
     assert field in err.err and str(bad) in err.err and len(err.err.strip().splitlines()) == 1
     assert err.out == "" and not out.exists()
+
+
+def test_warmups_split_a_row_given_at_two_lengths_into_its_early_and_later_rates():
+    t = {"machine": "l4-colab", "model": "m", "quant": "Q6_K", "cache_mib": 16384}
+    row = lambda pub, pred: {"row": "lru", "label": "cache", "published": pub, "predicted": pred}
+    res = [{"table": {**t, "tokens": 256}, "rows": [row(40.0, 32.0)]},
+           {"table": {**t, "tokens": 1024}, "rows": [row(50.0, 40.0)]},
+           {"table": {**t, "cache_mib": 4096, "tokens": 1024}, "rows": [row(10.0, 10.0)]}]  # another cache: no pair
+    (w,) = seeds.warmups(res)
+    assert (w["split"], w["tokens"], w["label"]) == (256, 1024, "cache")
+    assert w["published"] == pytest.approx((40.0, 768 / (1024 / 50 - 256 / 40)))
+    assert w["predicted"] == pytest.approx((32.0, 768 / (1024 / 40 - 256 / 32)))
+    assert 256 / 40 + 768 / w["published"][1] == pytest.approx(1024 / 50)  # the two parts add up to the long run
+
+
+def test_a_speedup_whose_two_rows_are_both_fitted_is_shown_and_not_counted():
+    data = seeds.load_data(DATA)
+    t = {**data["tables"][0], "tokens": 12}  # the laptop's lru and hybrid rows both fit a parameter
+    assert all(r["fits"] for r in t["rows"])
+    hosts = {m: load_hardware(m) for m in data["machines"]}
+    res = seeds.predict_tables({**data, "tables": [t]}, hosts, 1, 1.0)
+    assert res[0]["speedup"]["fitted"]
+    text = seeds.report({**data, "tables": [t]}, hosts, res, 1, "cmd")
+    assert "(both rows fitted: not counted)." in text and "sign right in 0 of 0;" in text
+    one = {**t, "rows": [{**r, "fits": None if r["row"] == "lru" else r["fits"]} for r in t["rows"]]}
+    res = seeds.predict_tables({**data, "tables": [one]}, hosts, 1, 1.0)
+    assert not res[0]["speedup"]["fitted"] and "sign right in 1 of 1;" in seeds.report({**data, "tables": [one]}, hosts,
+                                                                                       res, 1, "cmd")
