@@ -575,11 +575,10 @@ _METHOD = (
 _LIMITS = (
     "- No recorded routing of these models exists here: the synthetic routing meets the published statistics but "
     "not the published hybrid's warm-up (Warm-up table: its first 256 tokens at 58% of its later rate, simulated "
-    "nearer it), so the 16 GB tables' 256-token hybrid rows come out fast, and a speedup published at 0.99x can land "
-    "above 1.\n"
+    "nearer it), so the 16 GB tables' 256-token hybrid rows come out fast.\n"
     "- The L4's Qwen3-Coder-Next slow-fill 256-token row lies below `--cpu-moe` on its file: the synthetic routing "
     "gives that fill more hits than the row allows. The L4's 5000 MiB cache row comes out fast at the stated "
-    "pageable rate, which the 16 GB cache rows follow.\n"
+    "pageable rate, which the 16 GB cache rows follow, and takes its table's speedup (published 1.37x) below 1.\n"
     "- Fitted values (hosts table): the laptop's pageable rate is at its pinned estimate (80% of its x8 link); its "
     "graph split is 15-30x llama.cpp's on the H200 host (17-34 us), and the mailbox 14-28x moelab's own mapped-flag "
     "hand-off there (1.2, 2.5 us, docs/fidelity/h200-calibrated.json): each absorbs what a split or hand-off costs "
