@@ -20,16 +20,19 @@ def costs(n: int) -> CostModel:  # windows of two uploads: the prefetch moves on
     return CostModel((1e-6,) * n, (1e-6,) * n, (1e-5,) * n, (1e-6,) * n, (5e-5,) * n, 5e-6, layer_s=(2.5e-5,) * n)
 
 
-def run_both(w, use_gpu: bool, slots: int = 3, limit: int = 40):
+def run_gpu(w, policy: str, slots: int, limit: int = 40):
+    """The GPU engine over granite's routes folded to ``w`` with ``policy`` (hybrid-cost with the
+    prefetch, or cpu); (result, audit, policy, the scheduler replay's digest)."""
     trace = M.fold_trace(traces.load(), w.info)
     g = Geometry(w.info.num_experts, trace.top_k, w.info.expert_bytes)
     cap = Capacity.per_layer(g, slots)
-    make = lambda: make_policy("hybrid-cost", g, cap, cost_model=costs(g.num_layers), **OPTIONS)
+    opts = {"cost_model": costs(g.num_layers), **OPTIONS} if policy == "hybrid-cost" else {}
+    make = lambda: make_policy(policy, g, cap, **opts)
     audit = Audit(g, keep_log=True)
-    backend = M.EngineExperts(w, cap, 2, True, 120) if use_gpu else M.NumpyExperts(w)
+    backend = M.EngineExperts(w, cap, 2, True, 120)
     pol = make()
     try:
-        res = M.run(M.Qwen3Moe(w, use_gpu=use_gpu), backend, pol, M.trace_inputs(trace, w.info, limit=limit),
+        res = M.run(M.Qwen3Moe(w, use_gpu=True), backend, pol, M.trace_inputs(trace, w.info, limit=limit),
                     audit=audit, keep_logits=True)
     finally:
         backend.close()
@@ -73,8 +76,8 @@ def bench_run_audit(bench, policy, tokens, geometry, model, audit):
 def test_prefetch_on_the_gpu_engine(tiny_weights):
     pytest.importorskip("cupy")
     w = tiny_weights("Q8_0")
-    ref, *_ = run_both(w, use_gpu=False)
-    res, audit, pol, want = run_both(w, use_gpu=True)
+    ref, *_ = run_gpu(w, "cpu", 0)
+    res, audit, pol, want = run_gpu(w, "hybrid-cost", 3)
     assert pol.prefetcher.moved > 0 and audit.digest() == want
-    a, b = np.stack(ref.logits), np.stack(res.logits)
+    a, b = np.stack(res.logits), np.stack(ref.logits)
     assert float(((a - b) ** 2).sum() / (b ** 2).sum()) <= 1e-4
