@@ -3,9 +3,8 @@
 Per 32 weights each type stores grid indices (IQ2_*, IQ1_*: 4, 8 weights each; IQ3_*: 8, 4
 weights each), 32 signs and one or two scales (see ``quant``'s layout table). The grid values are
 unsigned bytes <= 62, stored in the tables as 64 + grid: a group's 32 bytes are gathered by its
-indices (one load per entry; IQ2_XXS and IQ3_XXS copy a block's entries to the stack through
-scalar registers a block ahead, ``copy8x4``) and its signs applied as one masked subtract,
-128 - (64 + grid) where the sign bit is set (``sign_off``: unsigned 2..126, so the avx2 path's int16 pair sums stay exact),
+indices (one load per entry) and its signs applied as one masked subtract, 128 - (64 + grid) where
+the sign bit is set (``sign_off``: unsigned 2..126, so the avx2 path's int16 pair sums stay exact),
 the 64 taken off through the activation sums. What can be decoded for a whole block at once is, in
 vectors, before its groups are gathered: the KSIGNS bytes of IQ2_XXS, IQ3_XXS and IQ2_XS (the
 7-bit index and its parity, ``ksigns``), the grid byte offsets of IQ2_XS, IQ2_S, IQ3_S and IQ1_*
@@ -28,7 +27,7 @@ from numba.extending import intrinsic
 
 from .cpu_kq import (acc_dots, acc_dots16, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
                      nibbles8, store_i8x32, u8_f32x8, zip_hi, zip_lo)
-from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, hsum, load_f16, load_i8x32, load_u8, zero_f32
+from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, hsum, load_f16, load_u8, zero_f32
 from .iq_grids import grid
 
 __all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
@@ -78,36 +77,8 @@ def _gather(k: int, width: int, offsets: bool = False):
     return gather
 
 
-def _copy_entries(width: int):
-    """An intrinsic (table, w, p, dst) -> None: the 32 bytes of a group's grid entries (``width`` bytes
-    each, indexed by the 32 // width bytes at address w + p) copied to address dst through scalar
-    registers (4-byte entries two to a 64-bit store): loads and stores, where building the vector
-    in registers takes a shuffle per entry (the shuffle port bounds these kernels on Intel cores)."""
-    @intrinsic
-    def copy(typingctx, table, w, p, dst):
-        if not all(isinstance(a, types.Integer) for a in (table, w, p, dst)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            t, wa, pa, da = (context.cast(builder, a, s, types.int64) for a, s in zip(args, sig.args))
-            i64 = ir.IntType(64)
-            base = builder.add(wa, pa)
-
-            def entry(j):
-                idx = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, j)), ir.PointerType(ir.IntType(8))))
-                off = builder.mul(builder.zext(idx, i64), ir.Constant(i64, width))
-                e = builder.load(builder.inttoptr(builder.add(t, off), ir.PointerType(ir.IntType(8 * width))), align=1)
-                return builder.zext(e, i64)
-            for j in range(4):
-                v = entry(j) if width == 8 else builder.or_(entry(2 * j), builder.shl(entry(2 * j + 1), ir.Constant(i64, 32)))
-                builder.store(v, builder.inttoptr(builder.add(da, ir.Constant(i64, 8 * j)), ir.PointerType(i64)), align=1)
-            return context.get_dummy_value()
-        return types.none(table, w, p, dst), codegen
-    return copy
-
-
-copy8x4 = _copy_entries(8)  # IQ2_XXS: four 8-byte grid entries
-copy4x8 = _copy_entries(4)  # IQ3_XXS: eight 4-byte grid entries
+gather8x4 = _gather(4, 8)  # IQ2_XXS: four 8-byte grid entries
+gather4x8 = _gather(8, 4)  # IQ3_XXS: eight 4-byte grid entries
 
 
 @intrinsic
@@ -194,15 +165,9 @@ def store_i32x8(typingctx, base, off, v):
 
 
 @njit(inline="always")
-def _xxs_stage(w, p, buf, s, three, table):
-    """The IQ2_XXS/IQ3_XXS block at byte p staged in slot s (see iq_scratch): its KSIGNS bytes at
-    256 + _SLOT s, its 256 grid bytes at _RAW + 256 s."""
-    store_i32x8(buf + _SLOT * s, 256, ksigns(words4(w, p + 66) if three else words8(w, p + 2)))
-    for g in range(8):
-        if three:
-            copy4x8(table + _G3, w, p + 2 + 8 * g, buf + _RAW + 256 * s + 32 * g)
-        else:
-            copy8x4(table + _G2, w, p + 2 + 8 * g, buf + _RAW + 256 * s + 32 * g)
+def _xxs_signs(w, p, sl, three):
+    """The KSIGNS bytes of the IQ2_XXS/IQ3_XXS block at byte p, at sl + 256."""
+    store_i32x8(sl, 256, ksigns(words4(w, p + 66) if three else words8(w, p + 2)))
 
 
 @njit(inline="always", fastmath=True)
@@ -219,16 +184,19 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
     bs = 98 if three else 66
     n = nb // 8
     if n:
-        _xxs_stage(w, o, buf, 0, three, table)
+        _xxs_signs(w, o, buf, three)
     for b in range(n):
         p = o + bs * b
         sl = buf + _SLOT * (b & 1)
-        raw = buf + _RAW + 256 * (b & 1)
-        if b + 1 < n:  # the next block's sign bytes and grid bytes, a block ahead of their loads (see iq_scratch)
-            _xxs_stage(w, p + bs, buf, (b + 1) & 1, three, table)
+        if b + 1 < n:  # the next block's sign bytes, a block ahead of their loads (see iq_scratch)
+            _xxs_signs(w, p + bs, buf + _SLOT * ((b + 1) & 1), three)
         u = words4(w, p + 66) if three else words8(w, p + 2)
         for g in range(8):
-            store_i8x32(buf, 32 * g, sign_off(load_i8x32(raw, 32 * g), load_u32(sl, 256 + 4 * g)))
+            if three:
+                q = gather4x8(table + _G3, w, p + 2 + 8 * g)
+            else:
+                q = gather8x4(table + _G2, w, p + 2 + 8 * g)
+            store_i8x32(buf, 32 * g, sign_off(q, load_u32(sl, 256 + 4 * g)))
         f = fmul(fadd(top4_f32(u), np.float32(0.5)), load_f16(w, p) * (np.float32(0.5) if three else np.float32(0.25)))
         blk = xb + 8 * b
         acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b, l2), fmul(f, load_f32x8(xd, blk)))
@@ -238,7 +206,6 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
 
 _IDX = 288  # scratch bytes (iq_scratch): 0-255 a block's weights, 256-287 its sign words, from _IDX its grid offsets (u16)
 _SLOT = 160  # bytes from one slot of sign words and offsets to the next
-_RAW = 256 + 2 * _SLOT  # two slots of 256 grid bytes (IQ2_XXS, IQ3_XXS)
 _I16 = ir.IntType(16)
 
 
@@ -320,14 +287,13 @@ gather4x8_off = _gather(8, 4, offsets=True)
 
 @intrinsic
 def iq_scratch(typingctx):
-    """The address of 1088 bytes on the kernel's stack (one allocation in its entry block): a block's
+    """The address of 576 bytes on the kernel's stack (one allocation in its entry block): a block's
     weights (0-255), then two slots of _SLOT bytes, each a block's sign words (from 256) and grid
-    offsets (from _IDX), then (_RAW) two slots of a block's 256 grid bytes (IQ2_XXS, IQ3_XXS). A
-    block's slot is written one block ahead of its loads: a load from stores still in flight may
-    wait for them to complete (store-to-load forwarding fails: a few bytes from a vector store, a
-    vector over several scalar stores), stalling the block; a block later they have completed."""
+    offsets (from _IDX). A block's slot is written one block ahead of its loads: a load of a few
+    bytes from a vector store still in flight may wait for the store to complete (store-to-load
+    forwarding fails), stalling the block; a block later the store has completed."""
     def codegen(context, builder, sig, args):
-        return builder.ptrtoint(cgutils.alloca_once(builder, ir.ArrayType(ir.IntType(8), _RAW + 2 * 256)), ir.IntType(64))
+        return builder.ptrtoint(cgutils.alloca_once(builder, ir.ArrayType(ir.IntType(8), 256 + 2 * _SLOT)), ir.IntType(64))
     return types.int64(), codegen
 
 

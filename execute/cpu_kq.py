@@ -9,9 +9,9 @@ activations, both levels). Q4_K, Q5_K, Q3_K and Q2_K stage the block's 8 weight 
 stack (``block_scratch``) and run the 8 dots behind one branch on the instruction-set path
 (``dots``); each dot's lanes are summed as integers, the 8 sums (16 with a scale per 16 weights)
 gathered in one vector by pairwise adds, converted once and multiplied by the factors
-(``acc_dots``, ``acc_dots16``: blends and one in-lane shuffle per pair of vectors, not vphaddd,
-whose two shuffles each made the shuffle port the bound on Intel cores), joining the accumulator in
-one add; Q6_K, whose decode is a few instructions, branches per dot (``idot``) and accumulates each
+(``acc_dots``, ``acc_dots16``: a blend and one shuffle per pair of vectors, not vphaddd's two
+shuffles: llvm-mca's Ice Lake server model puts these loops on the shuffle port), joining the
+accumulator in one add; Q6_K, whose decode is a few instructions, branches per dot (``idot``) and accumulates each
 with its lanes of that vector (``fma_cvt2``; staging it measured no faster). IQ4_XS stages its
 levels + 128 (unsigned) on the vnni path; on the others (int16 pair sums) it dots its signed levels
 one by one (``sdot``). Mins and offsets come off once per block as a vector product with the
@@ -286,8 +286,8 @@ sdots.__doc__ = "dots for signed weight bytes q (|q| <= 128) through |q| and x s
 def _pairs(builder, a, b, width):
     """Adjacent groups of ``width`` int32 lanes summed, a's sums in the even groups, b's in the odd:
     [a0+a1, b0+b1, a2+a3, b2+b3 ..] for width 1, [a01+a23, b01+b23, a45+a67, b45+b67] (two lanes
-    each) for width 2. Two blends (any vector port) and one in-lane shuffle, where vphaddd takes two
-    shuffles: the shuffle port bounds the staged kernels on Intel cores."""
+    each) for width 2. One blend (any vector port) and one shuffle, where vphaddd takes two shuffles
+    (llvm-mca's Ice Lake server model puts the staged kernels on the shuffle port)."""
     idx = ir.VectorType(_I32, 8)
     g = [(j // width) % 2 for j in range(8)]  # 1: lane j holds b's term in place
     x = builder.shuffle_vector(a, b, ir.Constant(idx, [j + 8 * g[j] for j in range(8)]))
