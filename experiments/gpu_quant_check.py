@@ -4,8 +4,8 @@ Per type: relative error ‖y - ref‖ / ‖ref‖ of ``matmul`` at 1 and 64 tok
 blocks, float64 reference from ``quant.dequantize``) and, for the quantized types, of the ``qmoe_*``
 expert kernels (2 experts of 256 x 512, the one-token path and 5 tokens through each); bound 1e-5
 for float types, 2e-4 for quantized ones (int8 inputs of two levels, as the CPU pool). Then GB/s
-of stored weights read per call (median of ``--reps`` calls timed with CUDA events, after a
-warm-up), beside the card's copy rate measured in the same run (and each rate as its share):
+of stored weights read per call (``--reps`` calls in one CUDA graph, its median time over 5
+launches: the kernels' time without the host's launch overhead), beside the card's copy rate measured in the same run (and each rate as its share):
 ``matmul`` of ``--rows`` x ``--cols`` at 1 and 64 tokens, and the expert kernels as the engine
 launches them on ``--experts`` experts of ``--ffn`` x ``--hidden`` (gate, up) and ``--hidden`` x
 ``--ffn`` (down): one token through all of them (qmoe1_gate_up + qmoe1_down_combine) and
@@ -83,8 +83,30 @@ def expert_errs(qt: int, rng: np.random.Generator, variants: tuple[str, ...] = (
 
 
 def timed(call, reps: int) -> float:
-    """Median seconds of ``call()`` over ``reps`` calls, after one warm-up."""
+    """Seconds of one ``call()`` on the GPU: ``reps`` calls captured in one CUDA graph, the graph's
+    median time over 5 launches / ``reps`` (no host launch overhead; plain events around each call
+    where capture fails), after one warm-up call."""
     call()
+    try:
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            for _ in range(reps):
+                call()
+            g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        ts = []
+        for _ in range(5):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            g.launch(s)
+            b.record(s)
+            b.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / reps)
+        return float(np.median(ts))
+    except Exception as e:  # noqa: BLE001 (capture unsupported: time each call)
+        print(f"(graph capture failed: {e}; timing calls one by one)", flush=True)
     ts = []
     for _ in range(reps):
         a, b = cp.cuda.Event(), cp.cuda.Event()
@@ -117,6 +139,10 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
     x1 = cp.asarray(rng.standard_normal((1, a.hidden)).astype(np.float32))
     xb = cp.asarray(rng.standard_normal((a.tokens, a.hidden)).astype(np.float32))
     rates = [w.nbytes / timed(lambda: one(x1), a.reps) / 1e9]
+    for k in one._calls:  # the one-token launches alone (gate/up, down): microseconds, printed
+        print(f"  one-token launch: {1e6 * timed(lambda: k(cp.cuda.get_current_stream().ptr, x1.data.ptr), a.reps):.1f} us",
+              end="", flush=True)
+    print()
     for v in ("", *a.variants):
         batch = Experts(w, (qt, qt, qt), a.ffn, a.hidden, tokens=a.tokens, variant=v)
         rates.append(w.nbytes / timed(lambda: batch(xb), a.reps) / 1e9)
