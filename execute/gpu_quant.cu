@@ -764,8 +764,8 @@ __device__ __forceinline__ float q_act(int act, float a, float b) {  // gpu_kern
 #define KB 128
 #define XROW (KB + 4)  // words per staged token: KB / 2 hi and lo pair words per 32, padded (banks)
 #ifndef QMOE_MT  // (-D: host checks of the other tilings)
-#define QMOE_MT 4
-#define QMOE_NB 32
+#define QMOE_MT 2
+#define QMOE_NB 64
 #endif
 
 #ifdef __CUDA_ARCH__
@@ -1007,7 +1007,7 @@ template <int MT, int NB> __device__ void down_mma(DOWN_ARGS, uint32_t* As, uint
 QMOE_MMA(, QMOE_MT, QMOE_NB)
 QMOE_MMA(_m1n32, 1, 32)
 QMOE_MMA(_m2n32, 2, 32)
-QMOE_MMA(_m2n64, 2, 64)
+QMOE_MMA(_m4n32, 4, 32)
 
 struct Experts1 {  // gpu_kernels.cu's one-token pair table, passed by value
     unsigned long long base[MAXK];

@@ -17,7 +17,7 @@ launched by ``gpu_experts.GpuExperts`` exactly as it launches ``gpu_kernels.cu``
 kernels, so such experts stay in their stored type in the arena and over PCIe. One token: gate and
 up as ``qmatmul_q1`` (2 rows of each per warp), the down projection a warp per expert on float32
 ``h`` from its rows in shared memory. Batches (``qmoe_gate_up``, ``qmoe_down``): tensor cores
-(``mma.m16n8k16``) on the tile's quants decoded to exact f16 once per 32 tokens and inputs as two
+(``mma.m16n8k16``) on the tile's quants decoded to exact f16 once per 64 tokens and inputs as two
 f16 halves, each 32 weights' sums scaled in float32 (relative error of a product ~1e-7).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "Experts", "ker
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULE: cp.RawModule | None = None
-BATCH_VARIANTS = ("_m1n32", "_m2n32", "_m2n64")  # qmoe_gate_up / qmoe_down with other tiles (gpu_quant.cu)
+BATCH_VARIANTS = ("_m1n32", "_m2n32", "_m4n32")  # qmoe_gate_up / qmoe_down with other tiles (gpu_quant.cu)
 
 
 def tables() -> dict[str, np.ndarray]:

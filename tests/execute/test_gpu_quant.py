@@ -233,7 +233,7 @@ BATCHED = [((Q.Q4_K, Q.Q4_K, Q.Q4_K), 768, 1024), ((Q.Q5_K, Q.Q5_K, Q.Q6_K), 768
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "_m1n32", "_m2n32", "_m2n64"])
+@pytest.mark.parametrize("variant", ["", "_m1n32", "_m2n32", "_m4n32"])
 @pytest.mark.parametrize("case", BATCHED, ids=["-".join(Q.LAYOUTS[t].name for t in m[0]) for m in BATCHED])
 def test_batched_expert_kernels_on_tensor_cores(case, variant, rng):
     """qmoe_gate_up + qmoe_down and their other tilings on 70 tokens through each of 2 experts (passes
