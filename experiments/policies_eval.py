@@ -143,8 +143,7 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple
     page = ["# Policies", "", "Scheduler policies simulated with the link and the CPU charged (tokens/s), on routing "
             "that lookahead was not tuned on. Written by `experiments/policies_eval.py` (logic in "
             f"`simulate/evaluate.py`, `simulate/heldout.py`); what each policy does, every run's table: "
-            f"[{run_dir}]({run_dir}/README.md).",
-            "", "## Method", "",
+            f"[{run_dir}]({run_dir}/README.md).", "", "## Method", "",
             "- Each trace runs from a cold cache (driver lag 1) on the `granite-3.0-1b-a400m` preset reshaped to its "
             "geometry, on " + ", ".join(f"`{h}`" for h in hardware) + ", with caches of 1/4 and 1/2 of the experts "
             "per layer (at least top-k). A *hit* is the simulator's: a prefetch landing after its step could start is "
@@ -168,7 +167,8 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple
     page += targets_table(labels, hardware) + ["", "Below 1.0x max(lru, hybrid): " + "; ".join(
         f"{l}: {below(r)}" for l, r in labels) + ".", "", f"`hybrid-cost` with its prefetch setting chosen on the "
         f"development set (`{TUNED['hybrid-cost'][chosen['hybrid-cost'][0]]}`; scheduler/policies/prefetch.py), the "
-        "same targets:", ""] + targets_table(hc, hardware) + ["", ceil, "", "## Known limits", "",
+        "same targets (simulated; off by default, `HybridCostConfig`: the executor on the H200 ran slower with it, "
+        "docs/PERF.md):", ""] + targets_table(hc, hardware) + ["", ceil, "", "## Known limits", "",
         "- Every held-out family is synthetic, from the generator (`traces.synth`) of the development set's; the "
         "two real traces are development data. Every trace is priced with granite's expert sizes.",
         "- lookahead's fixed constants (" + ", ".join(f"`{k}`={v}" for k, v in FIXED.items()) + ") were set on "

@@ -32,8 +32,10 @@ class HybridCostConfig(HybridConfig):
     each next layer's idle link window (0: no prefetch; ``scheduler.policies.prefetch``), those of
     forecast chance >= ``prefetch_confidence`` (in [0, 1]); a swap needs its victim less likely by
     ``prefetch_margin`` (>= 0); the forecast's memory ``prefetch_memory`` (> 1, steps);
-    ``prefetch_fills``: held-over recurrence swaps in later windows too. The prefetch defaults are
-    ``PREFETCH_GRID``'s entry that ``experiments/policies_eval.py`` chooses on its development set.
+    ``prefetch_fills``: held-over recurrence swaps in later windows too. The prefetch's settings are
+    ``PREFETCH_GRID``'s entry that ``experiments/policies_eval.py`` chooses on its development set,
+    except ``prefetch`` itself, 0 (off): the executor on the H200 ran slower with it than the
+    simulator charges (docs/POLICIES.md).
     """
 
     swap_every: int | None = None
@@ -45,7 +47,7 @@ class HybridCostConfig(HybridConfig):
     tune_warmup: int = 16
     admit: str = "recency"
     reuse_charge: bool = True
-    prefetch: int = 4
+    prefetch: int = 0
     prefetch_confidence: float = 0.3
     prefetch_margin: float = 0.1
     prefetch_memory: float = 8.0
@@ -132,7 +134,7 @@ class HybridCostPolicy(HybridPolicy):
     rounds are then off unless ``swap_every`` is given, since they refill by usage what recency
     evicted. ``"usage"``: ``hybrid``'s admission and swap rounds. Fills are ``hybrid``'s.
 
-    Prefetch (``prefetch`` > 0, the default; ``scheduler.policies.prefetch``): after each one-token
+    Prefetch (``prefetch`` > 0; off by default; ``scheduler.policies.prefetch``): after each one-token
     step, the next MoE layer's likeliest absent experts (recurrence and co-activation learnt online)
     are copied only in the link's idle window before that layer's decision (its dense part and
     router read-back, less the link's queue), into free slots or over the layer's least recently used
