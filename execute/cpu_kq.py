@@ -301,6 +301,19 @@ def _sums4(builder, v, k):
     return _pairs(builder, _pairs(builder, v[k], v[k + 1], 1), _pairs(builder, v[k + 2], v[k + 3], 1), 2)
 
 
+def _acc_lane_sums(builder, args, lo_shift: int):
+    """acc (args[0]) + float(the 8 dots of args[1] summed across lanes, lanes 0-3 of each shifted left
+    by lo_shift first) * args[2]: acc_dots' and acc_dots_x16lo's body."""
+    idx = ir.VectorType(_I32, 8)
+    v = [builder.extract_value(args[1], k) for k in range(8)]
+    a, b = _sums4(builder, v, 0), _sums4(builder, v, 4)
+    lo = builder.shuffle_vector(a, b, ir.Constant(idx, [0, 1, 2, 3, 8, 9, 10, 11]))
+    if lo_shift:
+        lo = builder.shl(lo, ir.Constant(V8, [lo_shift] * 8))
+    s = builder.add(lo, builder.shuffle_vector(a, b, ir.Constant(idx, [4, 5, 6, 7, 12, 13, 14, 15])))
+    return builder.fadd(args[0], _opaque(builder, builder.fmul(builder.sitofp(s, VF), args[2])))
+
+
 @intrinsic
 def acc_dots(typingctx, acc, v, f):
     """acc + float(sum of v[k]'s lanes) * f[k] per lane k (one factor per dot): the 8 dots summed
@@ -310,12 +323,7 @@ def acc_dots(typingctx, acc, v, f):
         return None
 
     def codegen(context, builder, sig, args):
-        idx = ir.VectorType(_I32, 8)
-        v = [builder.extract_value(args[1], k) for k in range(8)]
-        a, b = _sums4(builder, v, 0), _sums4(builder, v, 4)
-        s = builder.add(builder.shuffle_vector(a, b, ir.Constant(idx, [0, 1, 2, 3, 8, 9, 10, 11])),
-                        builder.shuffle_vector(a, b, ir.Constant(idx, [4, 5, 6, 7, 12, 13, 14, 15])))
-        return builder.fadd(args[0], _opaque(builder, builder.fmul(builder.sitofp(s, VF), args[2])))
+        return _acc_lane_sums(builder, args, 0)
     return F32x8(acc, v, f), codegen
 
 
@@ -328,13 +336,7 @@ def acc_dots_x16lo(typingctx, acc, v, f):
         return None
 
     def codegen(context, builder, sig, args):
-        idx = ir.VectorType(_I32, 8)
-        v = [builder.extract_value(args[1], k) for k in range(8)]
-        a, b = _sums4(builder, v, 0), _sums4(builder, v, 4)
-        lo = builder.shuffle_vector(a, b, ir.Constant(idx, [0, 1, 2, 3, 8, 9, 10, 11]))
-        s = builder.add(builder.shl(lo, ir.Constant(V8, [4] * 8)),
-                        builder.shuffle_vector(a, b, ir.Constant(idx, [4, 5, 6, 7, 12, 13, 14, 15])))
-        return builder.fadd(args[0], _opaque(builder, builder.fmul(builder.sitofp(s, VF), args[2])))
+        return _acc_lane_sums(builder, args, 4)
     return F32x8(acc, v, f), codegen
 
 
