@@ -27,9 +27,15 @@ REL_ERR = 2e-4
 
 def _params(src: str, name: str) -> list[str]:
     """Parameter list of kernel ``name`` in CUDA source ``src``, whitespace and comments dropped."""
-    m = re.search(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?' + name + r"\((.*?)\)\s*\{", src, re.S)
+    m = re.search(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?' + name + r"(?:##SUFFIX)?\((.*?)\)\s*\{",
+                  src, re.S)
     assert m, name
-    text = re.sub(r"//[^\n]*", "", m.group(1)).replace("unsigned char", "uint8_t")
+    text = m.group(1).strip()
+    if re.fullmatch(r"\w+", text):  # a macro's parameter list (kernels stamped out per tiling)
+        d = re.search(r"#define " + text + r" (.*?)(?<!\\)\n", src, re.S)
+        assert d, text
+        text = d.group(1).replace("\\\n", " ")
+    text = re.sub(r"//[^\n]*", "", text).replace("unsigned char", "uint8_t")
     return [" ".join(p.split()) for p in text.split(",")]
 
 
