@@ -25,7 +25,8 @@ def experts_reference(layer: LayerExperts, experts, x: np.ndarray) -> np.ndarray
         u = gguf_dequant(layer.up.data[e], layer.up.qtype, layer.hidden)
         d = gguf_dequant(layer.down.data[e], layer.down.qtype, layer.ffn)
         a = g @ xi
-        out[i] = d @ (a / (1 + np.exp(-a)) * (u @ xi))
+        with np.errstate(over="ignore"):  # exp(-a) = inf for a << 0: silu(a) = -0.0, as it should
+            out[i] = d @ (a / (1 + np.exp(-a)) * (u @ xi))
     return out
 
 

@@ -19,10 +19,12 @@ ALL = sorted(Q.QTYPES)
 FLOATS = (Q.F32, Q.F16, Q.BF16)
 # relative error bound (norm of the error / norm of the reference): float weights are dotted with
 # float32 inputs (exact dequantization, float32 accumulation: ~1e-7); quantized weights with two
-# int8 levels of the inputs (|error| <= scale / 512 per input: ~5e-5 measured, NMSE ~2e-9, well
-# inside NMSE 1e-4)
+# int8 levels of the inputs (|error| <= scale / 512 per input: ~5e-5 measured on 8 experts, NMSE
+# ~2e-9, well inside NMSE 1e-4; one expert's output, where the products cancel more, up to 3.2e-4:
+# Q4_K, hidden 768, ffn 512, found by the property test below, the same before and after the
+# kernels' staged dots)
 REL_ERR = 1e-5
-REL_ERR_INT8 = 2e-4
+REL_ERR_INT8 = 5e-4
 
 
 def rel_err(y, ref):
