@@ -595,10 +595,14 @@ class ExpertEngine:
             slot_of.pop(v, None)
         for v in d.retired:
             slot_of.pop(v, None)
-        experts, slots = (*d.uploads, *d.promotions), (*d.slots, *d.promotion_slots)
-        if experts:
-            self.gpu.copy_in(d.layer, experts, slots)  # one batched copy, as run_layer's uploads
-            for e, s in zip(experts, slots):
+        moves = list(zip(d.uploads, d.slots)) + list(zip(d.promotions, d.promotion_slots))
+        if moves:
+            gx = self.gpu
+            gx.begin_copies()
+            for e, s in moves:
+                gx.upload(d.layer, e, s)
+            gx.compute_after_copies()
+            for e, s in moves:
                 slot_of[(d.layer, e)] = s
 
     # background --------------------------------------------------------------------------------
