@@ -169,11 +169,8 @@ class EngineExperts:
 
     def begin_layer(self, layer: int, x, ids: np.ndarray) -> None:
         """Start the block's resident experts before the policy plans its step (the engine's early
-        start: one token, GPU only; a chunk's on the batched path with ``MOELAB_PREFILL_EARLY``;
-        the decisions are unchanged)."""
+        start: one token, GPU only; the decisions are unchanged)."""
         self.engine.begin_layer(layer, x, ids)
-        if self.batched is not None and np.ndim(ids) == 2 and len(ids) > 1:
-            self.batched.begin(layer, x, ids)
 
     def run_layer(self, item, x, ids: np.ndarray, weights: np.ndarray):
         """The step's (expert, token) pairs on the engine: x ``(T, hidden)``, ids and weights

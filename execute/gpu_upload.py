@@ -20,17 +20,9 @@ layers' copies are in the stream (so that copies other threads queue meanwhile w
 little), and the rest once every layer is registered. ``finish`` joins the thread, raises what it
 raised and waits for the copies; the experts of a layer it could not register are then copied
 through the staging ring, as ``GpuExperts`` does without registration.
-
-``STAGE_FULL`` (module constant, off): when the arenas can hold every expert, the thread first
-waits for the placement, and a placement of every expert registers nothing and goes up through a
-:class:`Staged` ring of its own (``put_rows``: a run's rows of a projection packed into a buffer,
-one strided copy each) filled by several threads. Measured on an H200 host (4-block qwen3-30b-a3b
-Q8_0 file, 2.45 GiB of experts): registration 31 GB/s (0.083 s), the staged copy from the memory
-map 5-6 GB/s (0.47 s with 8 threads), so registration stays the default.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,9 +40,6 @@ __all__ = ["ExpertLoad", "Staged", "register"]
 _rt = cp.cuda.runtime
 _H2D = _rt.memcpyHostToDevice
 _THREAD_MIN = 4 << 20  # pieces from this size are copied by several threads
-STAGE_FULL = False  # True: a placement of every expert goes up through staging buffers, unregistered
-_STAGE_CHUNK = 64 << 20
-_STAGE_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 def register(gx, a: np.ndarray) -> bool:
@@ -95,28 +84,6 @@ class Staged:
             self._fill(buf[p.buffer_offset:p.buffer_offset + p.nbytes], flat[p.offset:p.offset + p.nbytes])
             _rt.memcpyAsync(dst + p.offset, buf.ctypes.data + p.buffer_offset, p.nbytes, _H2D, self.stream_ptr)
         self.nbytes += flat.nbytes
-
-    def put_rows(self, dst: int, dpitch: int, rows: np.ndarray) -> None:
-        """Queue the rows of ``rows`` (2-D; each row C-contiguous) to ``dst + i * dpitch``: whole rows
-        packed into a buffer go up as one strided copy (rows longer than a buffer: one ``put``
-        each)."""
-        h = rows.shape[0]
-        rows = rows.reshape(h, -1).view(np.uint8) if h else rows
-        n = rows.shape[1] if h else 0
-        if not h or not n:
-            return
-        if n > self._packer.chunk_bytes:
-            for i in range(h):
-                self.put(dst + i * dpitch, rows[i])
-            return
-        for p in self._packer.add_rows(h, n):
-            if p.buffer != self._cur:
-                self._switch(p.buffer)
-            buf = self._bufs[p.buffer % len(self._bufs)]
-            view = buf[p.buffer_offset:p.buffer_offset + p.rows * n].reshape(p.rows, n)
-            self._fill(view, rows[p.row:p.row + p.rows])
-            _rt.memcpy2DAsync(dst + p.row * dpitch, dpitch, view.ctypes.data, n, n, p.rows, _H2D, self.stream_ptr)
-        self.nbytes += h * n
 
     def _switch(self, buffer: int) -> None:
         n = len(self._bufs)
@@ -174,9 +141,8 @@ class ExpertLoad:
         self.nbytes = 0
         self.error: BaseException | None = None
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.staged = False  # every expert placed: copied through staging buffers, none registered
         self._stop = False
-        self.stamps: dict[str, float] = {}  # perf_counter marks of the thread (start, placed, registered, queued)
+        self.stamps: dict[str, float] = {}  # perf_counter marks of the thread (start, registered, queued)
         self._device = _rt.getDevice()
         self._thread = threading.Thread(target=self._main, name="moelab-expert-load", daemon=True)
         self._thread.start()
@@ -200,15 +166,6 @@ class ExpertLoad:
         try:
             _rt.setDevice(self._device)
             self.stamps["start"] = time.perf_counter()
-            if STAGE_FULL and self._could_hold_all():  # the placement decides how the weights go up
-                self._placed.wait()
-                self.stamps["placed"] = time.perf_counter()
-                if self._stop:
-                    return
-                if self._full():
-                    self.staged = True
-                    self._stage_all()
-                    return
             pending, queued = [], []
             for lx in self.gx.layers:
                 if self._stop:
@@ -224,39 +181,6 @@ class ExpertLoad:
             self.error = exc
         finally:
             self.stamps["queued"] = time.perf_counter()
-
-    def _could_hold_all(self) -> bool:
-        """Whether every MoE layer has a slot for each of its experts (a placement may fill them all)."""
-        gx = self.gx
-        return all(gx.pool_of[l.layer] >= 0 and gx._slots[gx.pool_of[l.layer]] >= l.num_experts
-                   for l in gx.layers if l is not None)
-
-    def _full(self) -> bool:
-        """Whether the placement holds every expert of every MoE layer (its runs hold each once)."""
-        return sum(r.count for r in self.runs) == sum(l.num_experts for l in self.gx.layers if l is not None)
-
-    def _stage_all(self) -> None:
-        """Every expert goes up through a ring of pinned buffers filled by several threads, nothing
-        registered: no later copy comes from the host weights, and page-locking them costs more
-        than copying them once (and holds the driver against the dense upload meanwhile)."""
-        gx, by_layer = self.gx, {}
-        for r in self.runs:
-            by_layer.setdefault(r.layer, []).append(r)
-        st = Staged(self.stream.ptr, _STAGE_CHUNK, buffers=3, threads=_STAGE_THREADS)
-        try:
-            for lx in gx.layers:
-                if lx is None or self._stop:
-                    continue
-                parts, pitch = gx._host_parts(lx), gx.slot_bytes[gx.pool_of[lx.layer]]
-                for r in by_layer.get(lx.layer, []):
-                    dst, off = gx._slot_ptr(lx.layer, r.slot), 0
-                    for a in parts:
-                        rows = a[r.expert:r.expert + r.count]
-                        st.put_rows(dst + off, pitch, rows)
-                        off += rows[0].nbytes
-                    self.nbytes += off * r.count
-        finally:
-            st.close()
 
     def _issue(self, pending: list, queued: list, block: bool) -> None:
         """Queue the copies of ``pending`` (layer, registered) in order, at most two layers' copies in

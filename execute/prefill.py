@@ -64,17 +64,6 @@ def prefill_env() -> bool:
     return env_switch("MOELAB_PREFILL")
 
 
-def early_env() -> bool:
-    """``MOELAB_PREFILL_EARLY``: 1 starts a chunk step whose routed experts are all resident as
-    soon as its routing is known (:meth:`BatchedExperts.begin`), 0 (the default) when it is run."""
-    import os
-
-    v = os.environ.get("MOELAB_PREFILL_EARLY", "0").strip()
-    if v not in ("0", "1"):
-        raise ExecutorError(f"environment variable MOELAB_PREFILL_EARLY: {v!r}, expected 0 or 1")
-    return v == "1"
-
-
 def _kernel(name: str):
     return cuda_module("prefill_kernels.cu").get_function(name)
 
@@ -126,9 +115,6 @@ class BatchedExperts:
         self._free = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
         self._bufs: dict[str, cp.ndarray] = {}
         self.rounds = 0  # GPU rounds run (counters for reports)
-        self.early = early_env()
-        self._begun = None  # (layer, ids, experts, pair_of) of a step started by begin()
-        self.begun = 0  # steps finished from an early start (counters for reports)
 
     def takes(self, d: Decision, ids) -> bool:
         """Whether this step runs here: T >= MIN_TOKENS tokens, a supported layer, metadata that
@@ -155,94 +141,6 @@ class BatchedExperts:
         return int(self._stage.data.ptr)
 
     # one layer ---------------------------------------------------------------------------------
-    def begin(self, layer: int, x, topk_ids) -> None:
-        """With ``MOELAB_PREFILL_EARLY``: start the products of a chunk step (T >= MIN_TOKENS) whose
-        routed experts are all resident, before the policy plans it; :meth:`run_layer` with the same
-        ids finishes it (the combine) when the decision is those experts as hits and nothing else,
-        and otherwise runs the step anew (what was started is overwritten in stream order). The
-        experts go in order of first appearance: each pair's row is the same whatever the grouping."""
-        self._begun = None
-        if not self.early:
-            return
-        ids = np.asarray(topk_ids)
-        lx = self.engine.layers[layer] if 0 <= layer < len(self.engine.layers) else None
-        if ids.ndim != 2 or len(ids) < MIN_TOKENS or not self._ok.get(layer, False) or lx is None:
-            return
-        if getattr(x, "shape", None) != (len(ids), lx.hidden):
-            return
-        experts = tuple(dict.fromkeys(ids.reshape(-1).tolist()))
-        slot_of = self.engine.slot_of
-        pairs, g = ids.size, len(experts)
-        if any((layer, e) not in slot_of for e in experts) or 8 * g + 12 * (pairs + g) + 12 * pairs + 256 >= _META_BYTES:
-            return
-        pair_of = self._products(layer, lx, x, ids, experts, slot_of)
-        self._begun = (layer, topk_ids, experts, pair_of)
-
-    def _finish_begun(self, d: Decision, topk_ids, w: np.ndarray):
-        """The output of the step :meth:`begin` started, when ``d`` is exactly its experts as hits;
-        else None (dropped)."""
-        b, self._begun = self._begun, None
-        if b is None or b[0] != d.layer or b[1] is not topk_ids:
-            return None
-        if d.uploads or d.streams or d.cpu or d.evictions or d.promotions or d.retired or set(d.hits) != set(b[2]):
-            return None
-        gx, lx = self.gx, self.engine.layers[d.layer]
-        T, k = w.shape
-        H = lx.hidden
-        d_pair, d_w = gx._upload_meta(b[3], w.reshape(-1))
-        y = self._buf("y", T * k * H, cp.float32)
-        with gx.compute:
-            out = cp.empty((T, H), cp.float32)
-        gx._k_combine((T, 1), 256, gx.compute.ptr, y.data.ptr, d_pair, d_w, out.data.ptr, k, H)
-        gx.mark_read()
-        self.begun += 1
-        return out
-
-    def _products(self, layer: int, lx, x, ids: np.ndarray, experts, slot_of) -> np.ndarray:
-        """Hits-only products of a step (begin): metadata up, pf_split, gate/up, pf_split, down into
-        the ``y`` buffer on the compute stream; -> pair_of (the combine's pair table)."""
-        gx = self.gx
-        T, k = ids.shape
-        H, F = lx.hidden, lx.ffn
-        rank = np.full(lx.num_experts, -1, np.int64)
-        rank[list(experts)] = np.arange(len(experts))
-        r = rank[ids.reshape(-1)]
-        order = np.argsort(r, kind="stable")
-        counts = np.bincount(r, minlength=len(experts))
-        n_pairs = T * k
-        tok = (order // k).astype(np.int32)
-        pair_of = np.empty(n_pairs, np.int32)
-        pair_of[order] = np.arange(n_pairs, dtype=np.int32)
-        table = gx.slot_tables[layer]
-        arr = np.array([slot_of[(layer, e)] for e in experts], np.int64)
-        if table is not None and arr.min() >= 0 and arr.max() < table[2]:
-            bases = (table[0] + arr * table[1]).tolist()
-        else:
-            bases = [gx.source_ptr(layer, int(s)) for s in arr]
-        trow, tn, tg, tend = _tiles(counts)
-        d_base, d_row, d_n, d_g, d_tok = gx._upload_meta(np.array(bases, np.uint64), trow, tn, tg, tok)
-        gx.after_caller()  # x may still be in the making on the caller's stream
-        x = gx.as_input(x)
-        s = gx.compute.ptr
-        ah, al = self._buf("xh", n_pairs * H, cp.uint16), self._buf("xl", n_pairs * H, cp.uint16)
-        hf, ai = self._buf("hf", n_pairs * F, cp.float32), self._buf("xi", n_pairs, cp.float32)
-        hh, hl = self._buf("hh", n_pairs * F, cp.uint16), self._buf("hl", n_pairs * F, cp.uint16)
-        hi = self._buf("hi", n_pairs, cp.float32)
-        y = self._buf("y", n_pairs * H, cp.float32)
-        self._split((n_pairs, 1), 256, s, x.data.ptr, d_tok, H, ah.data.ptr, al.data.ptr, ai.data.ptr)
-        _, _, off_g, qt_g, rb_g, off_u, _, _, off_d, qt_d, rb_d, _, _ = gx._consts[layer]
-        mm = self._mm2 if self._use_mm2[layer] else self._mm
-        nt = int(tend[-1]) if len(tend) else 0
-        if nt:
-            mm((-(-F // _N_GATE), nt), 128, s, d_base, d_row, d_n, d_g, ah.data.ptr, al.data.ptr, ai.data.ptr, H, F,
-               off_g, off_u, rb_g, qt_g, 0, hf.data.ptr)
-            self._split((n_pairs, 1), 256, s, hf.data.ptr, 0, F, hh.data.ptr, hl.data.ptr, hi.data.ptr)
-            mm((-(-H // _N_DOWN), nt), 128, s, d_base, d_row, d_n, d_g, hh.data.ptr, hl.data.ptr, hi.data.ptr, F, H,
-               off_d, 0, rb_d, qt_d, 1, y.data.ptr)
-        gx.mark_read()  # a copy queued before run_layer waits for these reads of the slots
-        self.rounds += 1
-        return pair_of
-
     def run_layer(self, d: Decision, x, topk_ids, topk_weights):
         """Run ``d`` for x ``(T, hidden)`` (cupy float32), ids and weights ``(T, k)``; -> ``(T, hidden)``
         on the compute stream (as ``ExpertEngine.run_layer``)."""
@@ -257,14 +155,6 @@ class BatchedExperts:
         if w.shape != ids.shape or getattr(x, "shape", None) != (T, H):
             raise ValueError(f"layer {layer}: x {getattr(x, 'shape', None)}, topk_ids {ids.shape}, topk_weights "
                              f"{w.shape}: expected (T, {H}), (T, k), (T, k)")
-        if self._begun is not None:
-            out = self._finish_begun(d, topk_ids, w)
-            if out is not None:
-                st = eng.stats
-                st.steps += 1
-                st.gpu_pairs += T * k
-                st.host_queue_s += time.perf_counter() - t0
-                return eng.hand_back(out)
         slot_of = eng.slot_of
         for v in d.evictions:
             slot_of.pop(v, None)

@@ -11,7 +11,7 @@ import pytest
 
 from execute import quant as Q
 from execute.batch_route import merge_rows, route_rows
-from execute.experts import ExecutorError, random_layer
+from execute.experts import random_layer
 from execute.routing import merge_step, route_weights
 from scheduler.core import Capacity, Geometry, Step, Token
 from scheduler.drive import AwaitBackground, RunLayer, StartBackground, drive
@@ -306,40 +306,6 @@ def test_prefill_chunks_through_the_model_match_the_engine_path(chunk_model, arc
     assert a_new.digest() == a_old.digest()
     assert np.isfinite(new).all()
     assert float(((new - old) ** 2).sum() / (old ** 2).sum()) <= 1e-8
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy,slots", (("gpu", 8), ("lru", 2), ("hybrid", 3)))
-def test_an_early_started_chunk_gives_the_same_bits_and_decisions(chunk_model, policy, slots, monkeypatch):
-    """MOELAB_PREFILL_EARLY=1: chunk steps whose experts are all resident start at their routing
-    (BatchedExperts.begin) and are finished by run_layer; the logits are those of the late start
-    bit for bit and the decisions the same; under gpu every chunk step is started early."""
-    cupy_or_skip()
-    from execute import prefill as P
-
-    finished = []
-    real = P.BatchedExperts._finish_begun
-
-    def count(self, d, ids, w):
-        out = real(self, d, ids, w)
-        finished.append(out is not None)
-        return out
-
-    monkeypatch.setattr(P.BatchedExperts, "_finish_begun", count)
-    w = chunk_model("qwen3moe", "Q8_0")
-    runs = {}
-    for early in "01":
-        monkeypatch.setenv("MOELAB_PREFILL_EARLY", early)
-        finished.clear()
-        runs[early] = _model_run(w, policy, slots, True, monkeypatch) + (list(finished),)
-    (old, a_old, _, f_old), (new, a_new, _, f_new) = runs["0"], runs["1"]
-    assert not f_old and a_new.digest() == a_old.digest() and np.array_equal(new, old)
-    n_chunk_steps = 2 * w.info.num_layers
-    if policy == "gpu":
-        assert f_new == [True] * n_chunk_steps
-    monkeypatch.setenv("MOELAB_PREFILL_EARLY", "2")
-    with pytest.raises(ExecutorError, match="MOELAB_PREFILL_EARLY"):
-        P.early_env()
 
 
 # the prompt sweep's library (no GPU: policy cpu) ---------------------------------------------------
