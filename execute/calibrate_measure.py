@@ -311,12 +311,13 @@ def _meta(gx, n: int):
 
 
 def measure_gpu_experts(cp, timer: GpuTimer, gx, layers, reps: int) -> dict:
-    """Expert uploads, GPU expert batches (metadata copy + kernels, as the engine queues them) and
-    the combine, through ``GpuExperts``; host time of each per-layer call."""
+    """Expert uploads, GPU expert batches (metadata copy + kernels, as the engine queues them), the
+    one-token path (``gate_up1`` + ``down_combine1``, 1..8 experts) and the combine, through
+    ``GpuExperts``; host time of each per-layer call."""
     hidden = layers[0].hidden
     with gx.compute:
         x1 = gx.as_input(cp.asarray(np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)))
-    out = {"upload": {}, "upload_host": {}, "batch": {}, "calls_host": {}}
+    out = {"upload": {}, "upload_host": {}, "batch": {}, "one": {}, "calls_host": {}}
     L = len(layers)
     for n in (1, 2, 4, 8):
         def up(n=n):
@@ -341,6 +342,13 @@ def measure_gpu_experts(cp, timer: GpuTimer, gx, layers, reps: int) -> dict:
     gx.pair_outputs(0, 16)  # work buffers for up to 16 pairs
     for n in (1, 2, 4, 8, 12, 16):
         out["batch"][n] = timer.gpu(gx.compute, lambda n=n: gx.run_groups(0, _meta(gx, n), 0, n, x1, n), reps)
+    bases = [gx.source_ptr(0, s) for s in range(8)]
+    for n in (1, 2, 4, 8):  # the one-token path (the pair table by value, down and combine in one launch)
+        def one(n=n):
+            gx.pack1(bases[:n], [1.0 / n] * n, list(range(n)))
+            gx.gate_up1(0, x1, n, n)
+            gx.down_combine1(0, n)
+        out["one"][n] = timer.gpu(gx.compute, one, reps)
     meta8 = _meta(gx, 8)
     y8 = gx.pair_outputs(0, 8)
     out["combine"] = timer.gpu(gx.compute, lambda: gx.combine_meta(meta8, y8), reps)

@@ -63,6 +63,7 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
     import cupy as cp
 
     from .calibrate import StandIn, build_layers, calibration_replay, calibration_runs, synth_tokens, write_json
+    from .calibrate_measure import GpuTimer, measure_gpu_experts
     from .gpu_experts import GpuExperts
     from scheduler import Capacity, Geometry
 
@@ -85,6 +86,11 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
         dense_err = max(float(np.linalg.norm(y.get() - ry) / np.linalg.norm(ry)),
                         float(np.linalg.norm(logits.get() - rl) / np.linalg.norm(rl)))
     log(f"dense stand-in relative error vs float64: {dense_err:.1e}")
+    gx.begin_copies()  # the session's GPU expert tables (calibrate.measure_gpu_experts reads slots 0..15)
+    for e in range(16):
+        gx.upload(0, e, e)
+    gx.wait(gx.copies_event())
+    experts = measure_gpu_experts(cp, GpuTimer(cp), gx, layers, 5)
     for c in (runs[0], runs[-1]):  # warm-up: kernels compiled, pools started (not recorded)
         replay_executor(cp, c, layers, gx, dense, warm, geo, args.threads, make_policy_of)
     for _ in range(args.warmup_rounds):  # the machine settles (clocks, caches, page tables): not recorded
@@ -92,7 +98,8 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
             replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads, make_policy_of)
     log(f"{args.warmup_rounds} warm-up round(s) done")
     raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dense_rel_err": dense_err, "runs": [], "failed": []}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dense_rel_err": dense_err, "runs": [], "failed": [],
+           "gpu_experts": experts}
     raw["calibration_records"], raw["calibration_runs"] = [], []
     for rep in range(args.repeats):  # interleaved, every other round in reverse: drift spreads over configs
         if args.host_calibration == "session":  # the calibration workload, in this process, this round
@@ -122,13 +129,21 @@ def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:
     in this session (``raw["calibration_records"]``: the calibration workload of ``moelab
     calibrate``, its own trace, run in the same process before each round, logged per layer; and
     where recorded ``raw["calibration_runs"]``: the same trace unlogged, whose aggregates set the
-    GPU-only layers' fields); written to ``out/hardware-session.json``. The checked runs
-    (``raw["runs"]``) are not read."""
-    from .calibrate import apply_replay, replay_summary, write_json
+    GPU-only layers' fields); where recorded (``raw["gpu_experts"]``) the GPU expert fields
+    (batch, one-token path, combine) from the session's own tables. Written to
+    ``out/hardware-session.json``. The checked runs (``raw["runs"]``) are not read."""
+    from .calibrate import apply_replay, expert_gpu_fields, replay_summary, write_json
 
     hw = json.loads(Path(hw_file).read_text())
+    src = hw.setdefault("sources", {})
+    if raw.get("gpu_experts"):  # efficiencies against the file's GPU bandwidth
+        fields, q8 = expert_gpu_fields(raw["gpu_experts"], raw["expert_bytes"], hw["gpu_mem_gbps"],
+                                       int(raw["args"].get("top_k", 8)), src)
+        hw["executor"] = {**hw.get("executor", {}), **fields}
+        hw.setdefault("gpu_quant_efficiency", {})["Q8_0"] = q8
+        src["executor.gpu_experts"] = "measured in this session: sim_vs_real's GPU expert tables (expert_gpu_fields)"
     summary = replay_summary(raw["calibration_records"], raw.get("calibration_runs"))
-    hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], hw.setdefault("sources", {}))
+    hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], src)
     hw["_about"] = f"{hw.get('_about', '')}; host lane and CPU pool from sim_vs_real's session calibration replays"
     hw.setdefault("_calibration", {})["session_replay"] = summary
     out.mkdir(parents=True, exist_ok=True)

@@ -189,6 +189,10 @@ class Costs:
         self.token_s = (model.head_bytes() / gbw + cfg.dense_kernels * kernel  # output head, norm, sampling
                         + hw.copy_latency_s)  # sampled id read back
         self.host: HostCosts | None = None
+        # a one-token step of hits and uploads only, on the executor's one-token path: None = a
+        # batch and its combine; else GPU time one_s + one_expert_s[layer] per expert (executor block)
+        self.one_s: float | None = None
+        self.one_expert_s: list[float] = []
         if hw.executor:  # measured executor costs replace the launch counts (docs/FIDELITY.md)
             ex = hw.executor
             self.host = HostCosts.from_hardware(hw, cfg.policy)
@@ -196,6 +200,9 @@ class Costs:
             self.dense_s = [fixed + model.dense_bytes(l) / gbw for l in range(L)]
             self.expert_launch_s = ex.get("gpu_batch_s", 0.0)
             self.combine_s = ex.get("combine_s", 0.0)
+            if "gpu_one_s" in ex:  # the one-token path: its two launches, the combine among them
+                scale = ex.get("gpu_one_expert_scale", 1.0)
+                self.one_s, self.one_expert_s = ex["gpu_one_s"], [scale * e for e in self.gpu_expert_s]
             self.head_s = fixed + model.head_bytes() / gbw  # GPU part; read-back on the host lane
 
     def cost_model(self):

@@ -55,7 +55,13 @@ EXECUTOR_KEYS = {
                     "settling, audit); other policies add their plan_s difference to gpu's",
     "graph_token_s": "token graph: host time per token tried as a graph beyond its steps (embedding, launch, "
                      "read-back of its routes, sampling)",
+    "gpu_one_s": "GPU time of a one-token step's experts on the one-token path (hits and uploads only: gate/up, "
+                 "then down and the combine in one launch) beyond its experts' bytes; where absent such a step "
+                 "is charged as a batch (gpu_batch_s) and its combine (combine_s)",
+    "gpu_one_expert_scale": "that path's GPU time per expert / a batch's (gpu_quant_efficiency's) (a ratio, "
+                            "not seconds)",
 }
+RATIO_KEYS = ("gpu_one_expert_scale",)  # executor keys that are ratios in (0, 4], not seconds
 
 
 class HardwareError(ValueError):
@@ -159,6 +165,10 @@ def _check_executor(table) -> dict:
             if not isinstance(v, dict) or not v:
                 raise ValueError("executor.plan_s: expected an object of policy name -> seconds")
             out[k] = {str(p): _seconds(f"executor.plan_s.{p}", x) for p, x in v.items()}
+        elif k in RATIO_KEYS:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 4:
+                raise ValueError(f"executor.{k}: {v!r}, expected a ratio in (0, 4]")
+            out[k] = float(v)
         else:
             out[k] = _seconds(f"executor.{k}", v)
     return out

@@ -312,11 +312,15 @@ class Simulator:
         copies pays ``copy_round_s`` once to open its copy round. With the mapped-memory hand-off
         (``HostCosts.handoff``) a one-token layer's CPU experts are submitted gated, the GPU puts
         their input after the dense part, the pool starts ``handoff_in_s`` later, the GPU's combine
-        waits until ``handoff_out_s`` after the pool ends, and the host never waits for the pool."""
+        waits until ``handoff_out_s`` after the pool ends, and the host never waits for the pool.
+        A one-token step of hits and uploads only takes the engine's one-token path
+        (``engine._run_one``): with ``Costs.one_s`` its experts cost the GPU ``one_s`` +
+        ``one_expert_s`` each, the combine included."""
         c, hc = self.costs, self.costs.host
         dense_s, kv_s, gexp, up_s, cpu_call, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
                                                         c.cpu_call_s, c.promote_s)
         batch, combine = c.expert_launch_s, c.combine_s
+        one_s, one_e = c.one_s, c.one_expert_s
         observe = audit.observe
         events = [] if self.record else None
         pending: deque = deque()
@@ -366,11 +370,15 @@ class Simulator:
                 tok = item.token
                 l = d.step.layer
                 h += hc.plan_s
+                comb = combine
                 if d.step.counts is None and tok.num_tokens == 1:
                     gd = dense_s[l] + (tok.pos + 1) * kv_s[l]
                     n_gpu = len(d.hits) + len(d.uploads) + len(d.streams)
-                    gx = batch + n_gpu * gexp[l] if n_gpu else 0.0
                     nc = len(d.cpu)
+                    if one_s is not None and n_gpu and not (nc or d.streams or d.promotions):  # engine._run_one
+                        gx, comb = one_s + n_gpu * one_e[l], 0.0
+                    else:
+                        gx = batch + n_gpu * gexp[l] if n_gpu else 0.0
                     cpu_s = cpu_call(l, nc)
                     nu = len(d.uploads) + len(d.streams)
                 else:
@@ -436,8 +444,8 @@ class Simulator:
                     h += hc.layer_combine_s
                     h_lane += hc.layer_combine_s
                 pro_s = len(d.promotions) * promo_s[l]
-                g += combine + pro_s
-                gwork = gd + gx + combine + pro_s
+                g += comb + pro_s
+                gwork = gd + gx + comb + pro_s
                 gpu_busy += gwork
                 tok_bound += max(gwork, pcopy, cpu_s, h_lane)
             elif kind is EndToken:

@@ -700,3 +700,38 @@ def test_pool_rate_survives_a_noisy_fit():
     hw = C.hardware_json(m, "noisy", base)
     assert hw["cpu_thread_gbps"] == pytest.approx(1_000_000 / (2e-4 / 8) / 1e9 / 2)
     assert hw["cpu_task_s"] == 0.0
+
+
+def test_expert_fields_fit_a_one_token_step_s_counts_and_the_one_token_path():
+    """The batch bends above top_k experts: the fit keeps to 1..top_k; the one-token path's line
+    gives gpu_one_s and its per-expert time over the batch's."""
+    eb, gbps = 5_013_504, 4000.0
+    bent = {n: st(40e-6 + 4e-6 * n + (30e-6 * (n - 8) if n > 8 else 0.0)) for n in (1, 2, 4, 8, 12, 16)}
+    ex = {"batch": bent, "combine": st(8e-6), "one": {n: st(20e-6 + 3e-6 * n) for n in (1, 2, 4, 8)}}
+    src: dict = {}
+    f, q8 = C.expert_gpu_fields(ex, eb, gbps, 8, src)
+    assert f["gpu_batch_s"] == pytest.approx(40e-6) and f["combine_s"] == 8e-6
+    assert q8 == pytest.approx(eb / 4e-6 / 1e9 / gbps)
+    assert f["gpu_one_s"] == pytest.approx(20e-6) and f["gpu_one_expert_scale"] == pytest.approx(0.75)
+    assert "executor.one_token" in src
+    f16, _ = C.expert_gpu_fields(ex, eb, gbps, 16, {})  # a top-16 model: every count
+    assert f16["gpu_batch_s"] < 40e-6
+    old, _ = C.expert_gpu_fields({"batch": bent, "combine": st(8e-6)}, eb, gbps, 8, {})
+    assert "gpu_one_s" not in old  # files measured before the one-token path: a batch and its combine
+
+
+def test_refit_rewrites_a_calibrated_file_from_its_measurements(tmp_path, capsys):
+    m = fake_measurements()
+    m["experts"]["one"] = {n: st(15e-6 + 2e-6 * n) for n in (1, 2, 4, 8)}
+    old = C.hardware_json(m, "box")
+    old["executor"]["gpu_batch_s"] = 1e-3  # as an older version's fit might have left it
+    del old["executor"]["gpu_one_s"]
+    src, out = tmp_path / "old.json", tmp_path / "new.json"
+    C.write_json(src, old)
+    assert C.main(["--refit", str(src), "--out", str(out), "--quiet"]) == 0
+    new = json.loads(out.read_text())
+    assert new["name"] == "box" and new["executor"]["gpu_batch_s"] == pytest.approx(20e-6)
+    assert new["executor"]["gpu_one_s"] == pytest.approx(15e-6) and "refit" in new["_about"]
+    C.write_json(src, {k: v for k, v in old.items() if k != "_calibration"})
+    assert C.main(["--refit", str(src), "--out", str(tmp_path / "x.json")]) == 2
+    assert "--refit" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
