@@ -22,6 +22,12 @@ and times, on block 0 for a chunk of T tokens at position ``pos``:
 Each stage: ``warmup`` calls, then ``reps`` calls, each between two CUDA events on the stream its
 work runs on, the host's time to return from the call taken too; medians. ``device_ms`` of a stage
 with a host wait in it (``route``) includes the host's part.
+
+:func:`chunk_profile` times whole chunks of a given model file (every block, as ``moelab run
+--policy gpu`` runs its prompt, audit included): the first chunk after ``MoeModel.warm_up`` (the
+prompt of a run), warm chunks, the host clock per block split as the driver splits it, Python's
+garbage collections meanwhile (``gc.callbacks``), the same with the objects made so far frozen
+(``gc.freeze``), and one warm chunk under ``cProfile``.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import numpy as np
 from . import quant as Q
 from .prefill_stages import ChunkShape, fused_costs, stage_costs
 
-__all__ = ["time_stages", "synth_block", "host_profile"]
+__all__ = ["chunk_profile", "time_stages", "synth_block", "host_profile"]
 
 
 def synth_block(path: Path, preset: str = "qwen3-30b-a3b", vocab: int = 1024, seed: int = 0,
@@ -342,3 +348,95 @@ def time_stages(tokens: int = 256, pos: int = 0, preset: str = "qwen3-30b-a3b", 
     return {"shape": dataclasses.asdict(shape), "rows": rows, "host_profile": profile,
             "setup_s": {"synth": t_synth - t_start, "load_and_prepare": t_ready - t_synth},
             "prefill_env": os.environ.get("MOELAB_PREFILL", "1"), "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+
+
+class _GcClock:
+    """Collections and their host seconds per generation while installed (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.n, self.s, self._t = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            g = int(info.get("generation", 0))
+            self.n[g] += 1
+            self.s[g] += time.perf_counter() - self._t
+
+    def __enter__(self):
+        import gc
+
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+
+        gc.callbacks.remove(self)
+
+
+def chunk_profile(path, tokens: int = 256, reps: int = 5, threads: int = 4, top: int = 25) -> dict:
+    """Chunks of ``tokens`` random ids at position 0 through ``execute.driver.run`` on the model at
+    ``path`` with every expert resident (policy ``gpu``, an audit as ``moelab run`` keeps): rows
+    ``{case, wall_ms, per_block_ms, dense_ms, experts_ms, other_ms, gc}`` for the first chunk after
+    the warm-up, ``reps`` warm chunks (medians), the same after ``gc.freeze()``; and the cProfile of
+    one warm chunk (:func:`host_profile`)."""
+    import gc
+
+    import cupy as cp
+
+    from scheduler import Capacity, make_policy
+    from scheduler.audit import Audit
+
+    from .backends import EngineExperts
+    from .driver import ChunkInput, run
+    from .gguf_model import load_model
+    from .model import MoeModel
+
+    t0 = time.perf_counter()
+    weights = load_model(path, lazy_dense=True)
+    info = weights.info
+    geo = info.geometry()
+    cap = Capacity.per_layer(geo, list(geo.num_experts))
+    policy = make_policy("gpu", geo, cap)
+    backend = EngineExperts(weights, cap, threads, True, 60.0, pinned=True)
+    rows: list[dict] = []
+    try:
+        model = MoeModel(weights, use_gpu=True, max_tokens=tokens + 1)
+        backend.engine.load_residents(dict(policy.cache.slot))
+        model.warm_up(tokens)
+        cp.cuda.Device().synchronize()
+        t_ready = time.perf_counter()
+        chunk = tuple(int(t) for t in np.random.default_rng(0).integers(0, info.vocab, tokens))
+        blocks = info.num_layers
+
+        def once(r: int):
+            audit = Audit(geo, profile_residents=policy.cache.slot.keys(), keep_log=True, record_routes=True)
+            with _GcClock() as g:
+                res = run(model, _NoPrepare(backend), policy, [ChunkInput(r, r, 0, "prefill", chunk)], audit=audit)
+                cp.cuda.Device().synchronize()
+            return res, g
+
+        def row(case: str, runs) -> dict:
+            med = lambda f: float(np.median([f(r) for r, _ in runs]))  # noqa: E731
+            wall = 1e3 * med(lambda r: r.wall_s)
+            return {"case": case, "runs": len(runs), "wall_ms": wall, "per_block_ms": wall / blocks,
+                    "tokens_per_s": tokens / wall * 1e3, "dense_ms": 1e3 * med(lambda r: r.dense_s.sum()),
+                    "experts_ms": 1e3 * med(lambda r: r.experts_s.sum()), "other_ms": 1e3 * med(lambda r: r.other_s),
+                    "gc_collections": [int(np.median([g.n[i] for _, g in runs])) for i in range(3)],
+                    "gc_ms": [1e3 * float(np.median([g.s[i] for _, g in runs])) for i in range(3)]}
+
+        rows.append(row("first_chunk_after_warm_up", [once(0)]))
+        rows.append(row("warm", [once(1 + r) for r in range(reps)]))
+        gc.freeze()
+        try:
+            rows.append(row("warm_gc_frozen", [once(1 + reps + r) for r in range(reps)]))
+        finally:
+            gc.unfreeze()
+        profile = host_profile(lambda: once(0), top=top)
+    finally:
+        backend.close()
+    return {"model": str(path), "blocks": blocks, "tokens": tokens, "rows": rows, "host_profile": profile,
+            "gc_objects": len(gc.get_objects()), "setup_s": t_ready - t0,
+            "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}

@@ -8,6 +8,10 @@ Writes ``result.json`` (rows + config), ``config.json`` and ``README.md`` (the t
 
     python experiments/bench_prefill_stages.py --out /tmp/stages              # counts + host work (any machine)
     python experiments/bench_prefill_stages.py --out $OUT/stages --gpu        # + GPU timings (~30-60 s)
+    python experiments/bench_prefill_stages.py --out $OUT/chunks --model M.gguf  # whole chunks of a file's blocks
+
+``--model`` (GPU) runs ``execute.prefill_timing.chunk_profile`` instead: whole chunks of every block of
+the file (first after the warm-up, warm, warm with the heap frozen), garbage collections, cProfile.
 """
 from __future__ import annotations
 
@@ -54,6 +58,37 @@ def readme(config: dict, counts: list[dict], host: dict, gpu: dict | None) -> st
     return "\n".join(lines)
 
 
+def _cell(v) -> str:
+    if isinstance(v, list):
+        return " / ".join(_cell(x) for x in v)
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def chunks_main(args, argv) -> int:
+    if not args.model.is_file():
+        print(f"bench_prefill_stages: --model {args.model}: no such file", file=sys.stderr)
+        return 2
+    from execute.prefill_timing import chunk_profile
+
+    res = chunk_profile(args.model, tokens=args.tokens, reps=args.reps)
+    res["command"] = "python experiments/bench_prefill_stages.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (args.out / "result.json").write_text(json.dumps(res, indent=2) + "\n")
+    keys = ("case", "runs", "wall_ms", "per_block_ms", "tokens_per_s", "dense_ms", "experts_ms", "other_ms",
+            "gc_collections", "gc_ms")
+    lines = [f"# Whole chunks of {res['tokens']} tokens, {res['blocks']} blocks of `{args.model.name}` ({res['device']})", "",
+             f"Command: `{res['command']}`; {res['gc_objects']} objects tracked by the collector.", "",
+             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_cell(r[k]) for k in keys) + " |" for r in res["rows"]]
+    for key, rows in res["host_profile"].items():
+        lines += ["", f"## One warm chunk by function (cProfile, by {key} time)", "",
+                  "| function | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['function']} | {r['calls']} | {r['own_ms']:.3f} | {r['cumulative_ms']:.3f} |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    (args.out / "README.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -66,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-quant", default="F16", choices=("F16", "Q8_0", "BF16", "F32"),
                     help="the synthetic model's dense matrices (default F16, as the peer benchmark's file)")
     ap.add_argument("--workdir", default=None, help="where the synthetic one-block model is written (default: a temporary dir)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="time whole chunks of this GGUF file's blocks instead (needs cupy and a device)")
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.pos < 0 or args.reps < 1:
         print(f"bench_prefill_stages: --tokens {args.tokens}, --pos {args.pos}, --reps {args.reps}: expected "
@@ -76,6 +113,8 @@ def main(argv=None) -> int:
     except OSError as exc:
         print(f"bench_prefill_stages: --out {args.out}: {exc}", file=sys.stderr)
         return 2
+    if args.model is not None:
+        return chunks_main(args, argv)
     bpw = {"F32": 4.0, "F16": 2.0, "BF16": 2.0}.get(args.dense_quant, 34 / 32)
     shape = ChunkShape(args.tokens, args.pos, **_PRESETS[args.preset], dense_bytes_per_weight=bpw)
     counts = cost_rows(shape)
