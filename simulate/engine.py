@@ -139,15 +139,24 @@ def graph_tokens(items, num_layers: int):
     yield from buf
 
 
+BACKGROUND_WAITS = ("host", "device")  # how the executor waits for awaited background copies
+
+
 class Simulator:
     """Runs driver items through the cost model; ``record=True`` keeps every span for a timeline.
     ``token_graph``: decode tokens may run as one CUDA graph, as ``moelab run`` does (with a host
-    lane whose costs have ``graph_block_s``; ``scheduler.graph``)."""
+    lane whose costs have ``graph_block_s``; ``scheduler.graph``). ``background_wait`` (host lane
+    only): "host", the host blocks until awaited background copies land (polling, half of
+    ``wait_poll_s`` charged); "device", the GPU's next expert work waits for them and the host
+    goes on."""
 
-    def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False):
+    def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False, background_wait: str = "host"):
+        if background_wait not in BACKGROUND_WAITS:
+            raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
         self.costs = costs
         self.record = record
         self.token_graph = token_graph
+        self.background_wait = background_wait
 
     def run(self, items: Iterable, audit: Audit | None = None) -> SimResult:
         """Simulate ``items`` (from ``scheduler.drive``); each is also fed to ``audit``."""
@@ -330,6 +339,7 @@ class Simulator:
         gpu_busy = copy_busy = cpu_busy = 0.0
         tok_start = tok_bound = 0.0
         ready, mid = 0.0, False  # as in _process
+        device_wait = self.background_wait == "device"
         land: dict = {}
         late = 0
         L = len(dense_s)
@@ -392,9 +402,13 @@ class Simulator:
                 lp = hc.layer_plan_s + prev_nu * hc.plan_copy_s  # the previous layer's copies in flight
                 prev_nu = nu
                 h = max(h0 + hc.dense_s, g) + hc.readback_s + lp
+                wait_g = 0.0  # device wait: the layer's experts start after the awaited copies
                 if ready > h:
                     late += sum(1 for e in d.hits if land.get((l, e), 0.0) > h)
-                    h = ready + hc.wait_poll_s / 2
+                    if device_wait:
+                        wait_g = ready
+                    else:
+                        h = ready + hc.wait_poll_s / 2
                 ready, mid = 0.0, True
                 h_lane = hc.plan_s + hc.dense_s + hc.readback_s + lp
                 handoff = nc and hc.handoff and d.step.counts is None and tok.num_tokens == 1
@@ -431,7 +445,7 @@ class Simulator:
                     q = (hc.cpu_queue_s if nc else hc.gpu_queue_s) + (n_gpu - 1) * hc.gpu_expert_s
                     h += q
                     h_lane += q
-                    g0 = max(g, h, cf if nu else 0.0)
+                    g0 = max(g, h, cf if nu else 0.0, wait_g)
                     g = g0 + gx
                     if events is not None:
                         events.append(("gpu", f"L{l} experts x{n_gpu}", g0, gx))
@@ -485,6 +499,8 @@ class Simulator:
                 done = pending.popleft()
                 if mid:
                     ready = max(ready, done)
+                elif device_wait:
+                    g = max(g, done)
                 elif done > h:
                     if events is not None:
                         events.append(("token", "await background", h, done - h))

@@ -1,0 +1,54 @@
+"""Awaited background copies on the host lane: the host blocks until they land ("host"), or the
+GPU's next expert work waits for them while the host goes on ("device")."""
+from __future__ import annotations
+
+import pytest
+
+from scheduler import Audit, AwaitBackground, Decision, EndToken, Move, RunLayer, StartBackground, Step, Token
+from simulate import Costs, ExecConfig, Hardware, ModelSpec, Simulator
+
+EX = {"host_dense_s": 20e-6, "dense_fixed_s": 0.0, "readback_s": 10e-6, "host_gpu_layer_s": 30e-6,
+      "host_gpu_expert_s": 0.0, "host_copy_s": 5e-6, "gpu_batch_s": 10e-6, "combine_s": 2e-6, "wait_poll_s": 40e-6,
+      "plan_s": {"x": 1e-6}, "host_layer_plan_s": 10e-6, "host_layer_combine_s": 0.0, "host_head_s": 10e-6}
+
+
+def costs() -> Costs:
+    hw = Hardware(name="r", gpu_name="g", gpu_mem_bytes=2**30, gpu_mem_gbps=1000.0, gpu_tflops=100.0, launch_s=1e-6,
+                  pcie_h2d_gbps=10.0, pageable_gbps=5.0, copy_latency_s=0.0, cpu_name="c", cpu_threads=1,
+                  cpu_mem_gbps=100.0, cpu_thread_gbps=20.0, cpu_task_s=0.0, executor=EX)
+    model = ModelSpec(name="t", num_layers=2, num_experts=4, top_k=1, hidden=1000, expert_ffn=500, num_heads=4,
+                      num_kv_heads=2, head_dim=8, vocab=1000, expert_quant="F16", dense_quant="F16",
+                      kv_elem_bytes=1, kv_elems_per_token=1)
+    return Costs(model, hw, ExecConfig(policy="x"))
+
+
+def items():
+    """Layer 0 hits expert 0; a fill of (1, 2) starts (300 us over the link) and is awaited
+    before layer 1, which then hits it."""
+    s0, s1 = Step(0, (0,)), Step(1, (2,))
+    t = Token(0, 0, 0, "decode", (s0, s1))
+    moves = (Move(1, 2, 0),)
+    return [RunLayer(t, s0, Decision(s0, (0,))), StartBackground(t, moves), AwaitBackground(moves),
+            RunLayer(t, s1, Decision(s1, (2,))), EndToken(t)]
+
+
+def run(wait: str, record: bool = False):
+    c = costs()
+    return Simulator(c, record=record, background_wait=wait).run(items(), Audit(c.model.geometry()))
+
+
+def test_the_device_wait_frees_the_host_and_the_gpu_still_waits_for_the_copy():
+    host, device = run("host"), run("device", record=True)
+    assert device.token_s[0] < host.token_s[0]
+    land = 3e6 / 10e9  # one F16 expert of 3 MB over 10 GB/s, started at the first layer's end at the latest
+    experts = [e for e in device.events if e[0] == "gpu" and e[1].startswith("L1 experts")]
+    assert len(experts) == 1 and experts[0][2] >= land
+    # host: after the copy, half a poll, then the experts queued (20 us) before they start; device:
+    # queued while the copy runs, so they start as it lands
+    queue = EX["host_gpu_layer_s"] - EX["host_layer_plan_s"]
+    assert host.token_s[0] - device.token_s[0] == pytest.approx(EX["wait_poll_s"] / 2 + queue, abs=1e-9)
+
+
+def test_an_unknown_wait_is_refused():
+    with pytest.raises(ValueError, match="background_wait"):
+        Simulator(costs(), background_wait="sometimes")
