@@ -101,6 +101,30 @@ class _Early(NamedTuple):
     xd: object
     ids: list
     pick: list
+    bases: list  # the slot address of each picked pair (0 for the others)
+    got: tuple  # the picked experts, in routed order
+    rest: list  # the pairs not picked
+
+
+def _early_bases(early: _Early, d: Decision, up: dict | None, ptr: int, stride: int, n_slots: int):
+    """``_run_one``'s (bases, rest) from what ``begin_layer`` found, when the decision keeps it: its
+    hits are the early-started experts in routed order (as policies list them), its uploads the
+    other routed experts, into slots in range, and it evicts none of its hits. Else None: the
+    caller's loop over the pairs decides (and raises for a decision that does not fit)."""
+    got, rest = early.got, early.rest
+    if d.hits != got or (up is None) != (not rest) or any(v[1] in got for v in d.evictions if v[0] == d.layer):
+        return None
+    if up is None:
+        return early.bases, ()
+    if len(up) != len(rest):
+        return None
+    bases, ids = list(early.bases), early.ids
+    for j in rest:
+        s = up.get(ids[j])
+        if s is None or not 0 <= s < n_slots:
+            return None
+        bases[j] = ptr + s * stride
+    return bases, rest
 
 
 class _Residency(dict):
@@ -279,19 +303,22 @@ class ExpertEngine:
             return
         ptr, stride, _ = table
         slot_of = self.slot_of
-        bases, pick = [0] * k, []
+        bases, pick, got, rest = [0] * k, [], [], []
         for j, e in enumerate(ids):
             s = slot_of.get((layer, e))
             if s is not None:
                 bases[j] = ptr + s * stride
                 pick.append(j)
+                got.append(e)
+            else:
+                rest.append(j)
         if not pick:
             return
         gx.after_caller()  # x may still be in the making on the caller's stream
         xd = gx.as_input(x)
         gx.pack1(bases, (), pick)
         gx.gate_up1(layer, xd, k, len(pick))
-        self._early = _Early(layer, x, xd, ids, pick)
+        self._early = _Early(layer, x, xd, ids, pick, bases, tuple(got), rest)
         st = self.stats
         st.early_pairs += len(pick)
         st.host_early_s += time.perf_counter() - t0
@@ -365,8 +392,9 @@ class ExpertEngine:
         if early is not None and (early.layer != layer or early.x is not x or early.ids != ids):
             early = None  # begun for another step: run every pair here
         picked = early.pick if early is not None else ()
-        bases, rest = [], []
-        for j, e in enumerate(ids):
+        fast = early is not None and _early_bases(early, d, up, ptr, stride, n_slots)
+        bases, rest = fast or ([], [])
+        for j, e in enumerate(() if fast else ids):
             if up is not None and e in up:  # (an early-started expert uploaded anew runs again)
                 s = up[e]
                 if not 0 <= s < n_slots:

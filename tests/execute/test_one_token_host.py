@@ -1,0 +1,92 @@
+"""The one-token step's pair table from what ``begin_layer`` found (``engine._early_bases``), on
+the host: where it answers, it gives the addresses and pairs the full loop over the routed
+experts gives; a decision that does not keep the early start (other hits, an early expert
+uploaded anew or evicted, a slot out of range) gets None, and the full loop decides."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from execute.engine import _early_bases, _Early
+from scheduler.core import Decision, Step
+
+PTR, STRIDE, SLOTS, LAYER = 1 << 20, 4096, 6, 3
+
+
+def _begin(ids: list, slot_of: dict) -> _Early:
+    """``begin_layer``'s record for ``ids`` with residency ``slot_of`` (expert -> slot)."""
+    bases, pick, got, rest = [0] * len(ids), [], [], []
+    for j, e in enumerate(ids):
+        if e in slot_of:
+            bases[j] = PTR + slot_of[e] * STRIDE
+            pick.append(j)
+            got.append(e)
+        else:
+            rest.append(j)
+    return _Early(LAYER, None, None, ids, pick, bases, tuple(got), rest)
+
+
+def _loop(ids: list, slot_of: dict, d: Decision, picked: list) -> tuple[list, list]:
+    """``_run_one``'s loop over the routed experts (the reference)."""
+    up = dict(zip(d.uploads, d.slots))
+    bases, rest = [], []
+    for j, e in enumerate(ids):
+        if e in up:
+            s = up[e]
+            rest.append(j)
+        else:
+            s = slot_of[e]
+            assert e in d.hits
+            if j not in picked:
+                rest.append(j)
+        bases.append(PTR + s * STRIDE)
+    return bases, rest
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_early_table_equals_the_full_loop(data):
+    """A decision as lru and hybrid make them (hits in routed order, the others uploaded into free
+    slots or evicted residents' slots): the same bases and pairs as the loop."""
+    k = data.draw(st.integers(1, 6))
+    ids = data.draw(st.lists(st.integers(0, 15), min_size=k, max_size=k, unique=True))
+    resident = data.draw(st.lists(st.sampled_from(ids), unique=True))
+    others = [e for e in range(16) if e not in ids]
+    held = data.draw(st.lists(st.sampled_from(others), unique=True, max_size=SLOTS - len(resident)))
+    slot_of = dict(zip(resident + held, np.random.default_rng(k).permutation(SLOTS).tolist()))
+    early = _begin(ids, slot_of)
+    misses = [e for e in ids if e not in resident]
+    free = [s for s in range(SLOTS) if s not in slot_of.values()]
+    n_free = min(len(free), len(misses))
+    victims = held[:len(misses) - n_free]
+    if len(victims) < len(misses) - n_free:
+        return  # no room for this step's uploads: not a decision lru makes
+    slots = free[:n_free] + [slot_of[v] for v in victims]
+    d = Decision(Step(LAYER, tuple(ids)), tuple(early.got), tuple(misses), tuple(slots),
+                 evictions=tuple((LAYER, v) for v in victims))
+    up = dict(zip(d.uploads, d.slots)) or None
+    for v in victims:
+        del slot_of[v]
+    got = _early_bases(early, d, up, PTR, STRIDE, SLOTS)
+    assert got is not None
+    assert (list(got[0]), list(got[1])) == _loop(ids, slot_of, d, early.pick)
+
+
+def test_a_decision_that_breaks_the_early_start_goes_to_the_full_loop():
+    ids = [5, 2, 7]
+    early = _begin(ids, {5: 0, 7: 1})
+    step = Step(LAYER, tuple(ids))
+
+    def fast(d):
+        return _early_bases(early, d, dict(zip(d.uploads, d.slots)) or None, PTR, STRIDE, SLOTS)
+
+    assert fast(Decision(step, (5, 7), (2,), (4,))) == ([PTR, PTR + 4 * STRIDE, PTR + STRIDE], [1])
+    assert fast(Decision(step, (7, 5), (2,), (4,))) is None  # hits in another order
+    assert fast(Decision(step, (7,), (5, 2), (3, 4))) is None  # an early expert uploaded anew
+    assert fast(Decision(step, (5, 7), (2,), (SLOTS,))) is None  # a slot out of range
+    assert fast(Decision(step, (5, 7), (2,), (1,), evictions=((LAYER, 7),))) is None  # a hit evicted
+    assert fast(Decision(step, (5, 7))) is None  # a routed expert neither resident nor uploaded
+    all_hits = _begin(ids, {5: 0, 2: 2, 7: 1})
+    d = Decision(step, tuple(ids))
+    assert _early_bases(all_hits, d, None, PTR, STRIDE, SLOTS) == (all_hits.bases, ())
