@@ -52,8 +52,8 @@ from scheduler.profile import Profile
 from . import quant as Q
 from .experts import LayerExperts, random_layer
 
-__all__ = ["Dense", "FALLBACK_PARAMS", "HOST_PHASES", "NO_CPU", "bound_s", "build_layers", "label", "make_trace",
-           "measure_rates", "report", "run_policy", "warmup_profile", "write_outputs"]
+__all__ = ["Dense", "FALLBACK_PARAMS", "HOST_PHASES", "NO_CPU", "bound_s", "build_layers", "engine_variant", "label",
+           "make_trace", "measure_rates", "report", "run_policy", "warmup_profile", "write_outputs"]
 
 # fitted with traces.synth.signature to the published 48x128 top-8 LRU hit rates (see module docstring)
 FALLBACK_PARAMS = dict(zipf_s=0.6, topic_concentration=0.3, reuse_prob=0.3, reuse_lag_tokens=2.0)
@@ -333,25 +333,41 @@ ENGINE_PHASES = ("host_early_s", "host_plan_s", "host_submit_s", "host_queue_s",
                  "host_combine_s", "background_wait_s")
 
 
+def engine_variant(text: str) -> dict:
+    """``ExpertEngine`` options from ``WAIT:PUT:ROWS`` (e.g. ``device:early:copy``, the defaults):
+    ``background_wait``, ``handoff_put`` and ``handoff_rows``; ValueError naming what is wrong."""
+    from .engine import BACKGROUND_WAITS
+    from .engine import HANDOFF_PUTS as PUTS
+    from .engine import HANDOFF_ROWS as ROWS
+
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in BACKGROUND_WAITS or parts[1] not in PUTS or parts[2] not in ROWS:
+        raise ValueError(f"engine variant {text!r}: expected WAIT:PUT:ROWS with WAIT in {'|'.join(BACKGROUND_WAITS)}, "
+                         f"PUT in {'|'.join(PUTS)}, ROWS in {'|'.join(ROWS)}")
+    return dict(zip(("background_wait", "handoff_put", "handoff_rows"), parts))
+
+
 def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense, gx, rates, options,
-               sync: bool = False) -> dict:
+               sync: bool = False, variant: str | None = None) -> dict:
     """One policy over the trace. As in a forward pass, each layer's dense part runs and the
     engine's ``begin_layer`` starts the resident experts (unless ``--no-early``) before the driver
     plans the step; ``sync`` waits for the layer's GPU work after ``run_layer``, as the model's
-    next router read-back does (then the host phases hold no back-pressure from the GPU queue)."""
+    next router read-back does (then the host phases hold no back-pressure from the GPU queue).
+    ``variant``: the engine's ``WAIT:PUT:ROWS`` (:func:`engine_variant`; None: its defaults)."""
     from .engine import ExpertEngine
 
     if name == "gpu":  # every expert resident: the arena holds the whole model
         cap = Capacity.per_layer(geo, args.experts)
     pol = make_policy(name, geo, cap, profile=profile, **options)
-    engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
+    engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx,
+                          **(engine_variant(variant) if variant else {}))
     engine.load_residents(pol.cache.slot)
     rng = np.random.default_rng(args.seed + 7)
     with gx.compute:
         x0 = cp.asarray(rng.standard_normal((1, args.hidden)).astype(np.float32))
     eb = layers[0].expert_bytes
     timed, decisions = False, []
-    hits = routed = bg_bytes = 0
+    hits = routed = bg_bytes = bg_moves = 0
     host = dict.fromkeys(HOST_PHASES, 0.0)
     t0 = up0 = stats0 = None
     state = {"x": x0, "ids": None, "w": None}
@@ -396,6 +412,7 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
                 if timed:
                     host["background"] += pc() - a
                     bg_bytes += len(item.moves) * eb
+                    bg_moves += len(item.moves)
             elif isinstance(item, AwaitBackground):
                 a = pc()
                 engine.await_background(item.moves)
@@ -424,6 +441,7 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
     breakdown["handoff_out_us"] = st.get("handoff_out_s", 0.0) * 1e6 / calls
     return {
         "policy": name, "options": options, "profile": profile is not None, "sync": sync, "early": early,
+        "variant": variant, "background_moves": bg_moves,
         "early_pairs": st.get("early_pairs", 0), "tokens": n, "wall_s": wall,
         "tokens_per_s": n / wall, "hit_rate": hits / max(routed, 1), "uploaded_gb": (gx.bytes_uploaded - up0) / 1e9,
         "background_gb": bg_bytes / 1e9, "cpu_pairs": st["cpu_pairs"], "gpu_pairs": st["gpu_pairs"],
@@ -440,6 +458,8 @@ def label(r: dict) -> str:
         s += f" f={r['options']['miss_frac_256']}"
     if r["policy"] == "hybrid" and r["profile"]:
         s += " +prof"
+    if r.get("variant"):
+        s += " " + r["variant"]
     return s
 
 

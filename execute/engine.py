@@ -11,6 +11,9 @@ Calling it from a forward pass (one MoE layer of a step of T tokens)::
 
 and for the other items: ``StartBackground`` -> ``engine.start_background(item.moves)``,
 ``AwaitBackground`` -> ``engine.await_background(item.moves)``; ``EndToken`` needs nothing.
+Background copies go on their own stream; a batch waits for the queued kernels only when it
+overwrites a slot that has held an expert, and by default the host never waits for one: the
+compute stream does, on the device, when the driver makes them resident (``background_wait``).
 Before the first item, ``engine.load_residents(policy.cache.slot)`` uploads the experts a
 policy placed at construction (profile pre-population; all experts for ``gpu``).
 
@@ -62,7 +65,17 @@ from scheduler.drive import RunLayer
 from .cpu_pool import CpuExpertPool
 from .experts import ExecutorError, LayerExperts
 
-__all__ = ["ExpertEngine", "LayerStats", "gather_pairs"]
+__all__ = ["BACKGROUND_WAITS", "ExpertEngine", "HANDOFF_PUTS", "HANDOFF_ROWS", "LayerStats", "gather_pairs"]
+
+# how ``await_background`` waits for a batch of background copies: "device" (the compute stream
+# waits for its event; the host goes on) or "host" (the host blocks on the event)
+BACKGROUND_WAITS = ("device", "host")
+# where the hand-off's handoff_put runs: "early" (a stream of its own, as soon as the layer's
+# input is ready) or "compute" (after the early-started expert kernels)
+HANDOFF_PUTS = ("early", "compute")
+# how a one-token call's CPU rows reach device memory: "copy" (handoff_wait, then a copy on the
+# compute stream) or "kernel" (handoff_get waits and reads them; no copy engine)
+HANDOFF_ROWS = ("copy", "kernel")
 
 
 @dataclass
@@ -136,13 +149,20 @@ class _Residency(dict):
     def __init__(self, table: np.ndarray | None = None, slot_tables=()):
         super().__init__()
         self.table, self.slot_tables, self.dirty = table, slot_tables, True
+        self.held: set[int] = set()  # device addresses of the slots that have held an expert
 
     def __setitem__(self, key, slot) -> None:
         super().__setitem__(key, slot)
         if self.table is not None and self.slot_tables[key[0]] is not None:
             ptr, stride, _ = self.slot_tables[key[0]]
-            self.table[key] = ptr + slot * stride
+            self.table[key] = a = ptr + slot * stride
+            self.held.add(a)
             self.dirty = True
+
+    def fresh(self, layer: int, slot: int) -> bool:
+        """Whether the slot has never held an expert (no kernel queued so far can read it)."""
+        t = self.slot_tables[layer] if self.table is not None else None
+        return t is not None and t[0] + slot * t[1] not in self.held
 
     def __delitem__(self, key) -> None:
         super().__delitem__(key)
@@ -222,7 +242,11 @@ class ExpertEngine:
     """Runs MoE layers as the scheduler decides: GPU kernels + copies, and the CPU pool."""
 
     def __init__(self, layers: Sequence[LayerExperts | None], capacity: Capacity, threads: int, use_gpu: bool,
-                 timeout_s: float = 30.0, scratch_slots: int = 16, pinned: bool = True, gpu=None):
+                 timeout_s: float = 30.0, scratch_slots: int = 16, pinned: bool = True, gpu=None,
+                 background_wait: str = "device", handoff_put: str = "early", handoff_rows: str = "copy"):
+        if background_wait not in BACKGROUND_WAITS:
+            raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
+        self.background_wait = background_wait
         self.layers = list(layers)
         self.use_gpu = bool(use_gpu)
         self.timeout_s = float(timeout_s)
@@ -242,7 +266,7 @@ class ExpertEngine:
         if self.gpu is not None and not self.gpu.generic_layers and os.environ.get("MOELAB_HANDOFF", "1") != "0":
             from .handoff import Handoff
 
-            self.handoff = Handoff(self.gpu.compute, timeout_s)
+            self.handoff = Handoff(self.gpu.compute, timeout_s, put=handoff_put, rows=handoff_rows)
         self.pool = CpuExpertPool(threads, timeout_s, ctrl=None if self.handoff is None else self.handoff.ctrl)
         self.slot_of: dict[tuple[int, int], int] = _Residency()
         self.table_dev = None  # (layers, max experts) uint64 device addresses, see _Residency
@@ -316,6 +340,8 @@ class ExpertEngine:
             return
         gx.after_caller()  # x may still be in the making on the caller's stream
         xd = gx.as_input(x)
+        if self.handoff is not None:
+            self.handoff.mark_input()  # a hand-off's input copy need not wait for these kernels
         gx.pack1(bases, (), pick)
         gx.gate_up1(layer, xd, k, len(pick))
         self._early = _Early(layer, x, xd, ids, pick, bases, tuple(got), rest)
@@ -635,29 +661,42 @@ class ExpertEngine:
 
     # background --------------------------------------------------------------------------------
     def start_background(self, moves: tuple[Move, ...]) -> None:
-        """Queue fills and swaps on the background stream (after the kernels that read victims)."""
+        """Queue fills and swaps on the background stream. A batch that overwrites a slot which has
+        held an expert (a swap's victim, a slot freed earlier) first waits for ``last_read`` (the
+        kernels queued so far); fills into slots that never held one wait for nothing."""
         if not moves:
             return
         self._need_gpu("background fills and swaps")
         gx = self.gpu
-        gx.begin_copies(gx.background)
+        res = self.slot_of
+        if self.background_wait == "host" or any(m.victim is not None or not res.fresh(m.layer, m.slot)
+                                                 for m in moves):
+            gx.begin_copies(gx.background)
         for m in moves:
             if m.victim is not None:
-                self.slot_of.pop(m.victim, None)
+                res.pop(m.victim, None)
             gx.upload(m.layer, m.expert, m.slot, gx.background)
         self._pending[id(moves)] = (moves, gx.copies_event(gx.background))
 
     def await_background(self, moves: tuple[Move, ...]) -> None:
-        """Block until ``moves`` are copied (ExecutorError after the timeout); they become hits."""
+        """Make ``moves`` resident (they become hits) once copied: with ``background_wait``
+        "device" the compute stream (every expert kernel, and the token graph, which waits for
+        it) waits for their copies on the device and ``last_read`` is recorded after that wait
+        (a later copy into one of their slots waits for them); "host" blocks the host until they
+        are copied (ExecutorError after the timeout)."""
         if not moves:
             return
         try:
             _, ev = self._pending.pop(id(moves))
         except KeyError:
             raise ExecutorError("await_background: these moves were never started") from None
-        t0 = time.perf_counter()
-        self.gpu.wait(ev, "background copy")
-        self.stats.background_wait_s += time.perf_counter() - t0
+        if self.background_wait == "device":
+            self.gpu.compute.wait_event(ev)
+            self.gpu.mark_read()
+        else:
+            t0 = time.perf_counter()
+            self.gpu.wait(ev, "background copy")
+            self.stats.background_wait_s += time.perf_counter() - t0
         for m in moves:
             self.slot_of[(m.layer, m.expert)] = m.slot
 

@@ -11,7 +11,7 @@ Streams and ordering (all GPU-side, via events):
 - ``copy``: on-demand uploads (a step's uploads and streams). Before a batch of copies the copy
   stream waits for ``last_read`` (the event after the most recent expert kernels), so a copy never
   overwrites a slot or scratch buffer a queued kernel still reads.
-- ``background``: fills and swaps (same rule), one completion event per batch.
+- ``background``: fills and swaps, one event per batch (when they wait: ``ExpertEngine``'s).
 - ``compute``: expert kernels, promotions (device-to-device, scratch -> slot) and the combine;
   it waits only for the copy events of the experts it reads.
 - the caller's current stream: a layer first makes ``compute`` wait for it (``after_caller``: its

@@ -5,7 +5,9 @@ host memory, beside the calls' input rows ``xin`` and output rows ``yout``. A la
 go as follows (``handoff.cu``):
 
 1. the host submits a *gated* call to the pool (``CpuExpertPool.submit(..., gated=True)``, call
-   number ``seq``) and queues ``handoff_put`` on the compute stream; it does not wait;
+   number ``seq``) and queues ``handoff_put``; it does not wait. The put runs on a stream of its
+   own as soon as the layer's input is ready on the compute stream (``x_ready``, recorded before
+   the early-started expert kernels), so the CPU starts beside those kernels, not after them;
 2. ``handoff_put`` copies the pairs' input rows into ``xin``, then writes ``ctrl[_C_GATE] = seq``
    (after ``__threadfence_system``); the pool's workers, which picked the call up at once and
    grouped its pairs, spin on that word (then nap; a GPU cannot wake a futex) and compute;
@@ -38,6 +40,8 @@ from numba import njit
 
 from . import cpu_pool as P
 from .cpu_simd import atomic_load, atomic_store, now_ns, pause
+from .engine import HANDOFF_PUTS as PUTS
+from .engine import HANDOFF_ROWS as ROWS
 from .experts import ExecutorError
 from .gpu_experts import MAX_TOP_K, Launch
 from .gpu_host import cuda_module
@@ -45,6 +49,8 @@ from .gpu_step import pack1
 
 __all__ = ["Edges", "Handoff", "bench_edges"]
 
+
+_rt = cp.cuda.runtime
 _MAPPED_PORTABLE = 2 | 1  # cudaHostAllocMapped | cudaHostAllocPortable
 # words after the pool's counters: the error word, the clock ping and pong, the stamp ring
 _ERR, _PING, _PONG = P.CTRL_WORDS, P.CTRL_WORDS + 8, P.CTRL_WORDS + 16
@@ -105,8 +111,18 @@ class Handoff:
     """Mapped memory, kernels and bookkeeping of the hand-off for one engine (see the module
     docstring); ``ctrl`` is the array to build the engine's ``CpuExpertPool`` over."""
 
-    def __init__(self, compute: cp.cuda.Stream, timeout_s: float):
+    def __init__(self, compute: cp.cuda.Stream, timeout_s: float, put: str = "early", rows: str = "copy"):
+        if put not in PUTS:
+            raise ValueError(f"put: {put!r}, expected one of {', '.join(PUTS)}")
+        if rows not in ROWS:
+            raise ValueError(f"rows: {rows!r}, expected one of {', '.join(ROWS)}")
+        self.rows_by_kernel = rows == "kernel"
         self.compute = compute
+        # "early": handoff_put runs on its own stream as soon as the layer's input is ready on the
+        # compute stream (x_ready), beside the early-started expert kernels queued after it
+        self._side = cp.cuda.Stream(non_blocking=True) if put == "early" else None
+        self.x_ready = cp.cuda.Event(disable_timing=True)
+        self._put_done = cp.cuda.Event(disable_timing=True)
         self.wait_timeout_ns = int(min(timeout_s, 1.0) * 1e9)
         self._words = _Mapped(8 * _WORDS)
         self.words = self._words.host.view(np.int64)
@@ -159,34 +175,53 @@ class Handoff:
         self.words[_STAMPS + 3 * s:_STAMPS + 3 * s + 3] = 0
         return _STAMPS + 3 * s
 
+    def mark_input(self) -> None:
+        """Record ``x_ready`` after the work queued on the compute stream so far: the next
+        ``put`` (with ``put`` "early") waits for it alone, not for work queued after it."""
+        _rt.eventRecord(self.x_ready.ptr, self.compute.ptr)
+
     def put(self, x_ptr: int, rows_ptr: int, n: int, hidden: int, xin_dev: int, job) -> None:
         """Queue ``handoff_put``: ``xin[i] = x[rows[i]]`` (``rows_ptr`` 0: row 0) for the gated
-        ``job``'s n rows, then its gate."""
+        ``job``'s n rows, then its gate; on the compute stream, or (``put`` "early") on its own
+        stream after ``x_ready``, with the compute stream waiting for it before its next work.
+        ``x_ready`` comes after every earlier call's wait for its CPU rows, so ``xin`` is free."""
         stamp = self._slot(job._seq)
         grid = min(-(-n * hidden // 256), 128)
-        self._k_put((grid, 1), 256, self.compute.ptr, x_ptr, rows_ptr, n, hidden, xin_dev, self._dev, P._C_GATE,
+        s = self.compute.ptr
+        if self._side is not None:
+            s = self._side.ptr
+            _rt.streamWaitEvent(s, self.x_ready.ptr)
+        self._k_put((grid, 1), 256, s, x_ptr, rows_ptr, n, hidden, xin_dev, self._dev, P._C_GATE,
                     job._seq, self._counter.data.ptr, self._dev + 8 * stamp)
+        if self._side is not None:
+            _rt.eventRecord(self._put_done.ptr, s)
         self._pending.append([job, stamp, False])
 
     def down_combine1(self, bases: list, weights: list, cpu_row: list, h: int, out: int, consts: tuple,
-                      yout: np.ndarray, job) -> None:
-        """Queue, for one token's k pairs, ``handoff_wait``, a copy of the call's rows ``yout``
-        (mapped) to device memory, and ``handoff1_down_combine``: ``bases[j]`` 0 marks a CPU pair,
-        whose output is row ``cpu_row[j]`` of ``yout``; ``consts``: GpuExperts' layer constants.
-        The rows go by one copy: read by the combine's blocks from mapped memory, two floats per
-        block and pair, they cost the link thousands of round trips."""
+                      yout: np.ndarray, job, yout_dev: int) -> None:
+        """Queue, for one token's k pairs, ``handoff_wait`` and a copy of the call's rows ``yout``
+        (mapped; device address ``yout_dev``) to device memory (or, with ``rows`` "kernel",
+        ``handoff_get``, which waits and reads them), then ``handoff1_down_combine``: ``bases[j]``
+        0 marks a CPU pair, whose output is row ``cpu_row[j]`` of ``yout``; ``consts``: GpuExperts'
+        layer constants. The rows go to device memory first: read by the combine's blocks from
+        mapped memory, two floats per block and pair, they cost the link thousands of round trips."""
         hidden, ffn, _, _, _, _, _, _, off_d, qt_d, rb_d, _, bias = consts
         k = len(bases)
         stamp = _STAMPS + 3 * (job._seq % _SLOTS)
         wait = (self._dev, P._C_DONE, P._C_BROKEN, job._seq, self.wait_timeout_ns, self._relay.data.ptr,
                 self._dev + 8 * _ERR, self._dev + 8 * stamp)
-        self._k_wait((1, 1), 32, self.compute.ptr, *wait)
+        if self._side is not None:  # x is read and the gate written before anything after this
+            _rt.streamWaitEvent(self.compute.ptr, self._put_done.ptr)
         if self._ydev.size < yout.size:
             with self.compute:
                 self._ydev = cp.empty(max(yout.size, 2 * self._ydev.size), cp.float32)
-        src = self._host_ptr.get(id(yout)) or yout.ctypes.data
-        cp.cuda.runtime.memcpyAsync(self._ydev.data.ptr, src, yout.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, self.compute.ptr)
+        if self.rows_by_kernel:
+            self._k_get((min(-(-yout.size // 256), 64), 1), 256, self.compute.ptr, *wait, yout_dev,
+                        self._ydev.data.ptr, yout.size)
+        else:
+            self._k_wait((1, 1), 32, self.compute.ptr, *wait)
+            src = self._host_ptr.get(id(yout)) or yout.ctypes.data
+            _rt.memcpyAsync(self._ydev.data.ptr, src, yout.nbytes, _rt.memcpyHostToDevice, self.compute.ptr)
         pack1(self._blob, bases, weights, cpu_row)
         self._k_down1((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr, h, out, k, ffn, hidden, _RPB, off_d, qt_d,
                       rb_d, bias, *wait, self._ydev.data.ptr)
@@ -316,7 +351,11 @@ class Handoff:
                     rest.append(j)
         if len(cpu) != bases.count(0):
             raise ExecutorError(f"layer {layer}: CPU experts {sorted(set(cpu) - set(ids))} are not routed")
-        xd = early.xd if early is not None else gx.as_input(x)
+        if early is not None:
+            xd = early.xd  # x_ready was recorded before its kernels (ExpertEngine.begin_layer)
+        else:
+            xd = gx.as_input(x)
+            self.mark_input()
         if not self._started:  # first call: the team started and warm, the clocks paired (or the edges unmeasured)
             self._started = True
             pool.warmup(lx)
@@ -339,7 +378,7 @@ class Handoff:
             gx.pack1(bases, weights, rest)
             gx.gate_up1(layer, xd, len(ids), len(rest))
         out = gx._output(1, lx.hidden)
-        self.down_combine1(bases, weights, rows, gx.h1, out.data.ptr, gx._consts[layer], yout, job)
+        self.down_combine1(bases, weights, rows, gx.h1, out.data.ptr, gx._consts[layer], yout, job, yout_dev)
         for v in d.retired:
             slot_of.pop(v, None)
         for e, s in zip(d.promotions, d.promotion_slots):
@@ -376,7 +415,7 @@ def bench_edges(threads: int, rows: int, hidden: int, ffn: int, calls: int, busy
     rng = np.random.default_rng(seed)
     layer = random_layer(rng, 0, 8, hidden, ffn, 8)  # Q8_0
     stream = cp.cuda.Stream(non_blocking=True)
-    ho = Handoff(stream, 10.0)
+    ho = Handoff(stream, 10.0, put="compute")  # each put after its busy kernel
     pool = P.CpuExpertPool(threads, 10.0, ctrl=ho.ctrl)
     flight: deque = deque()
     try:

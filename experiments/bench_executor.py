@@ -11,7 +11,8 @@ once per ``--miss-fracs`` value; ``gpu`` runs with every expert resident (~31 GB
 shape), whatever ``--cache-mib``. ``--no-early`` turns off the engine's early start of resident
 experts; ``--sync layer`` waits for each layer's GPU work after ``run_layer``, as the model's next
 router read-back does (without it a GPU-bound run charges the queue's back-pressure to whichever
-host phase waits).
+host phase waits). ``--engine-variants`` runs hybrid once per engine variant (how background
+copies are waited for, where the hand-off's input copy runs, how its CPU rows come back).
 
 Method, bound and breakdown: ``execute.bench_layers``. Prints the results, hybrid / best non-hybrid
 and a per-layer host-time breakdown (hand-off edge columns included); writes
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from execute.bench_layers import (NO_CPU, Dense, build_layers, label, make_trace, measure_rates, report, run_policy,
-                                  warmup_profile, write_outputs)
+from execute.bench_layers import (NO_CPU, Dense, build_layers, engine_variant, label, make_trace, measure_rates, report,
+                                  run_policy, warmup_profile, write_outputs)
 from scheduler.core import Capacity, Geometry
 
 
@@ -57,6 +58,9 @@ def parse(argv):
                     help="wait for each layer's GPU work after run_layer (as the model's router read-back "
                          "does): none, layer, or both (each policy run twice)")
     ap.add_argument("--no-early", action="store_true", help="no early start of resident experts (begin_layer)")
+    ap.add_argument("--engine-variants", default="",
+                    help="hybrid runs once per engine variant WAIT:PUT:ROWS (comma list; e.g. host:compute:copy, "
+                         "device:early:copy = the defaults); empty: the defaults, unlabelled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_executor"))
     args = ap.parse_args(argv)
@@ -70,11 +74,18 @@ def parse(argv):
         ap.error(f"--distinct-layers: expected 1..{args.layers}, got {args.distinct_layers}")
     if args.hidden % 8 or args.warmup < 1 or args.tokens < 1:
         ap.error("--hidden must be a multiple of 8; --warmup and --tokens at least 1")
-    return args, fracs
+    variants = [v for v in args.engine_variants.split(",") if v] or [None]
+    for v in variants:
+        if v is not None:
+            try:
+                engine_variant(v)
+            except ValueError as exc:
+                ap.error(f"--engine-variants: {exc}")
+    return args, fracs, variants
 
 
 def main(argv=None) -> int:
-    args, fracs = parse(argv)
+    args, fracs, variants = parse(argv)
     import cupy as cp
 
     from execute.cpu_pool import CpuExpertPool
@@ -107,15 +118,16 @@ def main(argv=None) -> int:
         with CpuExpertPool(args.threads, timeout_s=120) as pool:
             rates = measure_rates(cp, layers, gx, pool, dense)
     log("rates: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items() if isinstance(v, float)))
-    runs = [(p, {}, profile if p == "static" else None) for p in args.policies.split(",") if p != "hybrid"]
+    runs = [(p, {}, profile if p == "static" else None, None) for p in args.policies.split(",") if p != "hybrid"]
     if "hybrid" in args.policies.split(","):
         hp = profile if args.hybrid_profile == "warmup" else None
-        runs += [("hybrid", {"miss_frac_256": f}, hp) for f in fracs]
+        runs += [("hybrid", {"miss_frac_256": f}, hp, v) for f in fracs for v in variants]
     results = []
     syncs = {"none": (False,), "layer": (True,), "both": (False, True)}[args.sync]
-    for name, options, prof in runs:
+    for name, options, prof, variant in runs:
         for sync in syncs:
-            r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options, sync)
+            r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options, sync,
+                           variant)
             results.append(r)
             pl = r["per_layer_us"]
             log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound "
