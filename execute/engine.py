@@ -11,9 +11,7 @@ Calling it from a forward pass (one MoE layer of a step of T tokens)::
 
 and for the other items: ``StartBackground`` -> ``engine.start_background(item.moves)``,
 ``AwaitBackground`` -> ``engine.await_background(item.moves)``; ``EndToken`` needs nothing.
-Background copies go on their own stream; a batch waits for the queued kernels only when it
-overwrites a slot that has held an expert, and by default the host never waits for one: the
-compute stream does, on the device, when the driver makes them resident (``background_wait``).
+Background copies: the host never waits for them (the compute stream does; ``await_background``).
 Before the first item, ``engine.load_residents(policy.cache.slot)`` uploads the experts a
 policy placed at construction (profile pre-population; all experts for ``gpu``).
 
@@ -33,22 +31,18 @@ One token whose experts are all on the GPU (hits and uploads, the decode step of
 launch (two launches per layer with fixed per-layer argument blocks, plus one batched copy of its
 uploads, ``GpuExperts.copy_in``); one event marks the step's reads and hands the output back.
 
-Early start. A forward pass may call ``engine.begin_layer(layer, x, topk_ids)`` as soon as the
-routing is known, before the driver plans the step; ``run_layer`` then finishes it. For a
-single token, ``begin_layer`` queues the gate/up kernels of the routed experts that are resident
-now. No decision can change their outcome: a step's hits are exactly the experts resident when
-it starts, and no eviction made for a step removes an expert the step uses (``scheduler.core``),
-so whatever the policy decides, these experts are read from the slots they are in now, and
-copies into other slots (this step's uploads) do not touch them. The engine's residency
-(``slot_of``) is the policy's: it follows the same decisions and moves, and uploads, promotions
-and background moves enter it when the driver passes their completion back. The scheduler still
-plans every step from the same routing and nothing flows from the engine to the policy, so the
-decision log is identical with or without early starts; should a decision not list an early
-expert as a hit (a policy breaking the invariant), the early work is dropped and every pair runs
-again after the decision.
-
-The engine follows residency only to know which slot holds an expert (from the decisions and
-moves it executes); all choices are the policy's.
+Early start. A forward pass may call ``engine.begin_layer(layer, x, topk_ids)`` as soon as the routing is
+known, before the driver plans the step; ``run_layer`` then finishes it. For a single token,
+``begin_layer`` queues the gate/up kernels of the routed experts that are resident now. No decision can
+change their outcome: a step's hits are exactly the experts resident when it starts, and no eviction made
+for a step removes an expert the step uses (``scheduler.core``), so whatever the policy decides, these
+experts are read from the slots they are in now, and copies into other slots (this step's uploads) do not
+touch them. The engine's residency (``slot_of``) is the policy's: it follows the same decisions and moves,
+and uploads, promotions and background moves enter it when the driver passes their completion back. The
+scheduler still plans every step from the same routing and nothing flows from the engine to the policy, so
+the decision log is identical with or without early starts; should a decision not list an early expert as
+a hit (a policy breaking the invariant), the early work is dropped and every pair runs again after the
+decision. All choices are the policy's.
 """
 from __future__ import annotations
 
@@ -67,15 +61,9 @@ from .experts import ExecutorError, LayerExperts
 
 __all__ = ["BACKGROUND_WAITS", "ExpertEngine", "HANDOFF_PUTS", "HANDOFF_ROWS", "LayerStats", "gather_pairs"]
 
-# how ``await_background`` waits for a batch of background copies: "device" (the compute stream
-# waits for its event; the host goes on) or "host" (the host blocks on the event)
-BACKGROUND_WAITS = ("device", "host")
-# where the hand-off's handoff_put runs: "early" (a stream of its own, as soon as the layer's
-# input is ready) or "compute" (after the early-started expert kernels)
-HANDOFF_PUTS = ("early", "compute")
-# how a one-token call's CPU rows reach device memory: "copy" (handoff_wait, then a copy on the
-# compute stream) or "kernel" (handoff_get waits and reads them; no copy engine)
-HANDOFF_ROWS = ("copy", "kernel")
+BACKGROUND_WAITS = ("device", "host")  # await_background: the compute stream waits / the host blocks
+HANDOFF_PUTS = ("early", "compute")  # handoff_put: own stream after the input / after early kernels
+HANDOFF_ROWS = ("copy", "kernel")  # a call's CPU rows to the device: handoff_wait + copy / handoff_get
 
 
 @dataclass
@@ -661,9 +649,8 @@ class ExpertEngine:
 
     # background --------------------------------------------------------------------------------
     def start_background(self, moves: tuple[Move, ...]) -> None:
-        """Queue fills and swaps on the background stream. A batch that overwrites a slot which has
-        held an expert (a swap's victim, a slot freed earlier) first waits for ``last_read`` (the
-        kernels queued so far); fills into slots that never held one wait for nothing."""
+        """Queue fills and swaps on the background stream, after ``last_read`` (the kernels queued so
+        far) unless every move fills a slot that never held an expert (no kernel can read it)."""
         if not moves:
             return
         self._need_gpu("background fills and swaps")
@@ -679,11 +666,9 @@ class ExpertEngine:
         self._pending[id(moves)] = (moves, gx.copies_event(gx.background))
 
     def await_background(self, moves: tuple[Move, ...]) -> None:
-        """Make ``moves`` resident (they become hits) once copied: with ``background_wait``
-        "device" the compute stream (every expert kernel, and the token graph, which waits for
-        it) waits for their copies on the device and ``last_read`` is recorded after that wait
-        (a later copy into one of their slots waits for them); "host" blocks the host until they
-        are copied (ExecutorError after the timeout)."""
+        """Make ``moves`` resident (hits) once copied: "device" (``background_wait``): the compute
+        stream, which the token graph waits for, waits for them, and ``last_read`` after that (a
+        later copy into their slots waits too); "host": the host blocks (ExecutorError at timeout)."""
         if not moves:
             return
         try:
