@@ -735,3 +735,30 @@ def test_refit_rewrites_a_calibrated_file_from_its_measurements(tmp_path, capsys
     C.write_json(src, {k: v for k, v in old.items() if k != "_calibration"})
     assert C.main(["--refit", str(src), "--out", str(tmp_path / "x.json")]) == 2
     assert "--refit" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_expert_tables_measure_the_batch_and_the_one_token_path():
+    """measure_gpu_experts on the device (as calibrate and sim_vs_real call it) gives every table,
+    and its fields load into a hardware file's executor block."""
+    cp = cupy_or_skip()
+    from scheduler import Capacity, Geometry
+
+    from execute.gpu_experts import GpuExperts
+
+    layers = M.build_layers(np.random.default_rng(0), 2, 32, 256, 256, distinct=2)
+    eb = layers[0].expert_bytes
+    geo = Geometry((32, 32), 8, (eb, eb))
+    gx = GpuExperts(layers, Capacity.per_layer(geo, 24), scratch_slots=16, pinned=True, timeout_s=60)
+    try:
+        gx.begin_copies()
+        for e in range(16):
+            gx.upload(0, e, e)
+        gx.wait(gx.copies_event())
+        ex = M.measure_gpu_experts(cp, M.GpuTimer(cp), gx, layers, 2)
+    finally:
+        gx.close()
+    assert set(ex["one"]) == {1, 2, 4, 8} and all(v["median"] > 0 for v in ex["one"].values())
+    assert set(ex["batch"]) == {1, 2, 4, 8, 12, 16}
+    fields, q8 = C.expert_gpu_fields(ex, eb, 3000.0, 8, {})
+    assert q8 > 0 and {"gpu_batch_s", "combine_s", "gpu_one_s", "gpu_one_expert_scale"} <= set(fields)
