@@ -86,11 +86,15 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
         dense_err = max(float(np.linalg.norm(y.get() - ry) / np.linalg.norm(ry)),
                         float(np.linalg.norm(logits.get() - rl) / np.linalg.norm(rl)))
     log(f"dense stand-in relative error vs float64: {dense_err:.1e}")
-    gx.begin_copies()  # the session's GPU expert tables (calibrate.measure_gpu_experts reads slots 0..15)
-    for e in range(16):
-        gx.upload(0, e, e)
-    gx.wait(gx.copies_event())
-    experts = measure_gpu_experts(cp, GpuTimer(cp), gx, layers, 5)
+    experts = None
+    try:  # the session's GPU expert tables (calibrate.measure_gpu_experts reads slots 0..15)
+        gx.begin_copies()
+        for e in range(16):
+            gx.upload(0, e, e)
+        gx.wait(gx.copies_event())
+        experts = measure_gpu_experts(cp, GpuTimer(cp), gx, layers, 5)
+    except Exception as e:  # noqa: BLE001 -- the check runs on with the file's GPU expert fields
+        log(f"GPU expert tables not measured ({e!r}): the hardware file's fields are used")
     for c in (runs[0], runs[-1]):  # warm-up: kernels compiled, pools started (not recorded)
         replay_executor(cp, c, layers, gx, dense, warm, geo, args.threads, make_policy_of)
     for _ in range(args.warmup_rounds):  # the machine settles (clocks, caches, page tables): not recorded
