@@ -8,7 +8,7 @@ import numpy as np
 
 from scheduler import Step
 
-__all__ = ["route_rows", "merge_rows"]
+__all__ = ["route_rows", "merge_rows", "stable_order"]
 
 
 def _softmax_rows(v: np.ndarray) -> np.ndarray:
@@ -57,13 +57,24 @@ def route_rows(info, logits: np.ndarray, exp_probs_b=None) -> tuple[np.ndarray, 
     return ids.astype(np.int64, copy=False), w
 
 
+def stable_order(a: np.ndarray) -> np.ndarray:
+    """``np.argsort(a, kind="stable")`` of 1-D integers; values in 0..32767 sort as int16 (numpy's
+    radix sort: a few times faster than the merge sort of wider integers, the same order)."""
+    if len(a) and a.dtype.kind in "iu" and int(a.min()) >= 0 and int(a.max()) < 1 << 15:
+        a = a.astype(np.int16)
+    return np.argsort(a, kind="stable")
+
+
 def merge_rows(layer: int, ids: np.ndarray, weights: np.ndarray) -> Step:
     """``merge_step(layer, ids, weights)`` of a batch of T > 1 tokens with k experts each: distinct
     experts in order of first appearance, tokens per expert, weights summed in token order."""
     flat = np.asarray(ids).reshape(-1)
     wf = np.asarray(weights, np.float64).reshape(-1)
-    uniq, first = np.unique(flat, return_index=True)
-    experts = uniq[np.argsort(first, kind="stable")]
+    order = stable_order(flat)
+    s = flat[order]
+    starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1]))) if len(s) else np.zeros(0, np.int64)
+    uniq = s[starts]
+    experts = uniq[np.argsort(order[starts])]  # by first appearance (distinct positions)
     size = int(uniq[-1]) + 1 if len(uniq) else 1
     counts = np.bincount(flat, minlength=size)[experts]
     sums = np.bincount(flat, weights=wf, minlength=size)  # in index order from 0.0, as np.add.at

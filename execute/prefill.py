@@ -43,6 +43,7 @@ from scheduler.core import Decision, pad_slot_bytes
 
 from . import prefill_mm2
 from . import quant as Q
+from .batch_route import stable_order
 from .experts import ExecutorError, LayerExperts
 from .gpu_experts import Launch
 from .gpu_host import cuda_module
@@ -168,7 +169,7 @@ class BatchedExperts:
         if (r < 0).any():
             missing = sorted(set(flat[r < 0].tolist()))
             raise ExecutorError(f"layer {layer}: routed experts {missing} are not in the decision")
-        order = np.argsort(r, kind="stable")
+        order = stable_order(r)
         counts = np.bincount(r, minlength=len(experts))
         n_pairs, n_hit, G = T * k, len(d.hits), len(gpu_experts)
         n_gpu = int(counts[:G].sum())

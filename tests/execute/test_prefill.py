@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from execute import quant as Q
-from execute.batch_route import merge_rows, route_rows
+from execute.batch_route import merge_rows, route_rows, stable_order
 from execute.experts import random_layer
 from execute.routing import merge_step, route_weights
 from scheduler.core import Capacity, Geometry, Step, Token
@@ -41,6 +41,24 @@ def test_route_rows_equal_route_weights_row_by_row(gating, norm, scale, experts)
 def test_route_rows_leaves_expert_groups_to_the_caller():
     info = types.SimpleNamespace(gating="sigmoid", norm_topk=True, expert_weights_scale=0.0, expert_groups=4, top_k=2)
     assert route_rows(info, np.zeros((3, 8)), None) is None
+
+
+def test_stable_order_is_the_stable_argsort():
+    rng = np.random.default_rng(5)
+    for a in (rng.integers(0, 128, 2048), rng.integers(0, 40000, 999), rng.integers(-5, 6, 300).astype(np.int32),
+              rng.integers(0, 4, 17).astype(np.uint8), np.zeros(0, np.int64), np.array([32767, 0, 32767, 1])):
+        assert np.array_equal(stable_order(a), np.argsort(a, kind="stable"))
+
+
+def test_merge_rows_is_merge_step_on_wide_ids_and_repeats():
+    """Expert ids past int16's range and a row that repeats its first expert (a forced route padded
+    to k): the same Step as merge_step's."""
+    rng = np.random.default_rng(6)
+    for n_experts in (8, 128, 70000):
+        ids = np.stack([rng.choice(n_experts, 4, replace=False) for _ in range(33)])
+        ids[3, 2:] = ids[3, 0]
+        w = rng.dirichlet(np.ones(4), size=33)
+        assert merge_rows(1, ids, w) == merge_step(1, ids, w)
 
 
 def test_merge_rows_order_counts_and_sums():
