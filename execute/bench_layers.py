@@ -456,6 +456,8 @@ def label(r: dict) -> str:
     s = r["policy"] + (" sync" if r.get("sync") else "")
     if "miss_frac_256" in r["options"]:
         s += f" f={r['options']['miss_frac_256']}"
+    if "max_fills" in r["options"]:
+        s += f" fills<={r['options']['max_fills']}"
     if r["policy"] == "hybrid" and r["profile"]:
         s += " +prof"
     if r.get("variant"):
@@ -467,9 +469,12 @@ def report(results: list[dict], rates: dict) -> tuple[str, dict | None]:
     """The printed tables, and {'ratio', 'hybrid', 'best'} (None without both kinds of runs)."""
     out = io.StringIO()
     w = out.write
-    w(f"\n{'policy':<22}{'tok/s':>8}{'hits':>7}{'up GB':>8}{'cpu pairs':>10}{'bound':>8}{'%bound':>8}{'ideal':>8}\n")
+    n = max([22] + [len(label(r)) + 1 for r in results])
+    w(f"\n{'policy':<{n}}{'tok/s':>8}{'hits':>7}{'up GB':>8}{'bg moves':>9}{'cpu pairs':>10}{'bound':>8}{'%bound':>8}"
+      f"{'ideal':>8}\n")
     for r in results:
-        w(f"{label(r):<22}{r['tokens_per_s']:8.1f}{r['hit_rate']:7.3f}{r['uploaded_gb']:8.2f}{r['cpu_pairs']:10d}"
+        w(f"{label(r):<{n}}{r['tokens_per_s']:8.1f}{r['hit_rate']:7.3f}{r['uploaded_gb']:8.2f}"
+          f"{r.get('background_moves', 0):9d}{r['cpu_pairs']:10d}"
           f"{r['bound_tokens_per_s']:8.1f}{100 * r['tokens_per_s'] / r['bound_tokens_per_s']:7.0f}%"
           f"{r['ideal_split_bound_tokens_per_s']:8.1f}\n")
     best = max((r for r in results if r["policy"] != "hybrid"), key=lambda r: r["tokens_per_s"], default=None)
@@ -480,12 +485,13 @@ def report(results: list[dict], rates: dict) -> tuple[str, dict | None]:
         w(f"hybrid / best non-hybrid: {summary['ratio']:.2f}x ({label(hyb)} {hyb['tokens_per_s']:.1f} vs "
           f"{label(best)} {best['tokens_per_s']:.1f} tok/s); hybrid at "
           f"{100 * hyb['tokens_per_s'] / hyb['ideal_split_bound_tokens_per_s']:.0f}% of the ideal-split bound\n")
-    cols = [r for r in results if r is best or r is hyb or r["policy"] in ("lru", "cpu", "gpu")]
+    cols = [r for r in results if r is best or r is hyb or r["policy"] in ("lru", "cpu", "gpu") or r.get("variant")]
     cols = list({id(r): r for r in cols}.values())
+    cw = max([14] + [len(label(r)) + 1 for r in cols])
     w(f"\nper layer, us (host clock around each call; engine phases inside run_layer)\n{'phase':<18}")
-    w("".join(f"{label(r):>14}" for r in cols) + "\n")
+    w("".join(f"{label(r):>{cw}}" for r in cols) + "\n")
     for key in cols[0]["per_layer_us"] if cols else ():
-        w(f"{key[:-3]:<18}" + "".join(f"{r['per_layer_us'][key]:14.1f}" for r in cols) + "\n")
+        w(f"{key[:-3]:<18}" + "".join(f"{r['per_layer_us'][key]:{cw}.1f}" for r in cols) + "\n")
     w(f"\none call, us{'':<14}{'host':>10}{'device':>10}\n")
     for name in rates["gpu_us"]:
         w(f"{name:<26}{rates['host_us'][name]:10.1f}{rates['gpu_us'][name]:10.1f}\n")

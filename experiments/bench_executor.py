@@ -58,6 +58,7 @@ def parse(argv):
                     help="wait for each layer's GPU work after run_layer (as the model's router read-back "
                          "does): none, layer, or both (each policy run twice)")
     ap.add_argument("--no-early", action="store_true", help="no early start of resident experts (begin_layer)")
+    ap.add_argument("--max-fills", default="", help="hybrid max_fills values to run (comma list; empty: its default)")
     ap.add_argument("--engine-variants", default="",
                     help="hybrid runs once per engine variant WAIT:PUT:ROWS (comma list; e.g. host:compute:copy, "
                          "device:early:copy = the defaults); empty: the defaults, unlabelled")
@@ -68,6 +69,10 @@ def parse(argv):
         fracs = [int(f) for f in args.miss_fracs.split(",")]
     except ValueError:
         ap.error(f"--miss-fracs: expected integers 0..256 separated by commas, got {args.miss_fracs!r}")
+    try:
+        args.fill_caps = [int(f) for f in args.max_fills.split(",") if f] or [None]
+    except ValueError:
+        ap.error(f"--max-fills: expected integers separated by commas, got {args.max_fills!r}")
     if not all(0 <= f <= 256 for f in fracs):
         ap.error(f"--miss-fracs: expected integers 0..256, got {args.miss_fracs!r}")
     if not 1 <= args.distinct_layers <= args.layers:
@@ -121,7 +126,8 @@ def main(argv=None) -> int:
     runs = [(p, {}, profile if p == "static" else None, None) for p in args.policies.split(",") if p != "hybrid"]
     if "hybrid" in args.policies.split(","):
         hp = profile if args.hybrid_profile == "warmup" else None
-        runs += [("hybrid", {"miss_frac_256": f}, hp, v) for f in fracs for v in variants]
+        runs += [("hybrid", {"miss_frac_256": f} | ({} if m is None else {"max_fills": m}), hp, v)
+                 for f in fracs for m in args.fill_caps for v in variants]
     results = []
     syncs = {"none": (False,), "layer": (True,), "both": (False, True)}[args.sync]
     for name, options, prof, variant in runs:
