@@ -158,6 +158,24 @@ def test_session_hardware_takes_the_host_lane_and_pool_from_the_recorded_replays
     assert got.cpu_task_s == pytest.approx(150e-6) and got.cpu_thread_gbps * 15 == pytest.approx(5_013_504 / 200e-6 / 1e9)
     assert got.executor["readback_s"] == hw.executor["readback_s"]  # fields the replay does not measure are kept
     assert "session_replay" in json.loads(path.read_text())["_calibration"]
+    assert "gpu_one_s" not in got.executor  # no session GPU tables recorded: the file's fields
+
+
+def test_session_hardware_takes_the_gpu_expert_fields_from_the_session_tables(tmp_path):
+    from simulate import load_hardware
+
+    from tests.execute.test_calibrate import replay_records, st
+
+    raw, hw, model, hwp = fake_recording(tmp_path)
+    raw["calibration_records"] = replay_records(np.random.default_rng(3))
+    raw["expert_bytes"], raw["args"]["threads"], raw["args"]["top_k"] = 5_013_504, 15, 8
+    raw["gpu_experts"] = {"batch": {str(n): st(30e-6 + 4e-6 * n) for n in (1, 2, 4, 8, 16)}, "combine": st(6e-6),
+                          "one": {str(n): st(18e-6 + 2e-6 * n) for n in (1, 2, 4, 8)}}
+    got = load_hardware(ex.session_hardware(hwp, raw, tmp_path / "out"))
+    assert got.executor["gpu_batch_s"] == pytest.approx(30e-6) and got.executor["combine_s"] == pytest.approx(6e-6)
+    assert got.executor["gpu_one_s"] == pytest.approx(18e-6)
+    assert got.executor["gpu_one_expert_scale"] == pytest.approx(0.5)
+    assert 5_013_504 / (got.gpu_gbps("Q8_0") * 1e9) == pytest.approx(4e-6)  # the batch's per-expert time
 
 
 def test_select_picks_labels_in_table_order_and_names_unknown_ones():
