@@ -3,6 +3,8 @@ reusable argument block, page-locked host buffers guarded by events, and the unr
 page-locked (``cudaHostRegister``) host ranges."""
 from __future__ import annotations
 
+import struct
+
 import cupy as cp
 import numpy as np
 
@@ -41,8 +43,8 @@ class Launch:
     """A compiled kernel launched through ``cuLaunchKernel`` with a reusable argument block.
 
     ``launch(grid, block, stream_ptr, *args)``: every argument is a Python int written to its own
-    64-bit slot (device pointers as addresses; an ``int`` parameter reads the slot's low 32 bits,
-    so int arguments must be >= 0; ``f32(x)`` gives a ``float`` parameter's bits). The driver
+    64-bit slot as a signed 64-bit value (device pointers as addresses, below 2**63; an ``int``
+    parameter reads the slot's low 32 bits; ``f32(x)`` gives a ``float`` parameter's bits). The driver
     copies the values at launch, so the block is reused at once. ``nargs`` must match the kernel.
     With ``blob`` (a uint8 array laid out as a struct parameter), the kernel's first parameter is
     that struct, passed by value (its current bytes at each launch); ``args`` are the rest.
@@ -55,6 +57,8 @@ class Launch:
         self.nargs = nargs
         self.programmatic = programmatic
         self._vals = np.zeros(nargs, np.uint64)
+        self._view = memoryview(self._vals).cast("B")  # written by one pack (a numpy slice assignment costs more)
+        self._pack = struct.Struct(f"<{nargs}q").pack_into  # signed: an int parameter may be negative
         ptrs = [self._vals.ctypes.data + 8 * i for i in range(nargs)]
         self._blob = blob  # a by-value struct as the kernel's first parameter (kept alive here)
         if blob is not None:
@@ -70,7 +74,7 @@ class Launch:
     def __call__(self, grid: tuple[int, int], block: int, stream_ptr: int, *args: int) -> None:
         if len(args) != self.nargs:
             raise ValueError(f"kernel launch: {len(args)} arguments, expected {self.nargs}")
-        self._vals[:] = args
+        self._pack(self._view, 0, *args)
         if self.programmatic:
             launch_programmatic(self.func, grid, block, 0, stream_ptr, self._params_ptr)
         else:

@@ -103,6 +103,7 @@ class CopyBatch:
         self.capacity = capacity
         self._a = np.zeros((3, capacity), np.uint64)  # dst, src, size
         self._addr = [int(self._a[i].ctypes.data) for i in range(3)]
+        self._view = memoryview(self._a).cast("B")  # packed into (cheaper than packing into the array)
         self._attrs = np.zeros(6, np.uint32)  # CUmemcpyAttributes: order, src hint, dst hint, flags
         self._attrs[0] = _ACCESS_STREAM
         self._idx = np.zeros(1, np.uint64)
@@ -146,7 +147,7 @@ class CopyBatch:
             if f is None:
                 pad = 8 * (self.capacity - n)
                 f = self._packs[n] = struct.Struct(f"<{n}Q{pad}x{n}Q{pad}x{n}Q")
-            f.pack_into(self._a, 0, *d, *s, *z)
+            f.pack_into(self._view, 0, *d, *s, *z)
             x = self._addr
             args = (x[0], x[1], x[2], n, *self._consts)
             err = fn(*args, self._fail.ctypes.data, stream_ptr) if self._fail_idx else fn(*args, stream_ptr)
