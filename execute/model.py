@@ -53,6 +53,11 @@ __all__ = ["MoeModel", "Qwen3Moe", "Route", "TokenInput", "ChunkInput", "RunResu
            "array_module", "cuda_graphs_env", "softmax_topk", "route_weights", "expert_ffn", "RouterPredictor"]
 
 
+def _residual(x, rs: np.float32, y):
+    """``x + rs * y``; ``x + y`` when ``rs`` is 1 (the same values, one launch fewer on the GPU)."""
+    return x + y if rs == 1 else x + rs * y
+
+
 def _rope_perm(n_heads: int, hd: int, lo: int, rd: int) -> np.ndarray:
     """Row order that turns pairs (2i, 2i+1) of dims lo..lo+rd of each head into (i, i + rd/2)."""
     head = np.arange(hd)
@@ -457,10 +462,10 @@ class MoeModel:
         for l in range(info.num_layers):
             w = self.layers[l]
             h = self._rms(x, w["attn_norm"])
-            x = x + rs * (self._attention_mla(l, h) if self.mla else self._attention(l, h))
+            x = _residual(x, rs, self._attention_mla(l, h) if self.mla else self._attention(l, h))
             hn = self._rms(x, w["ffn_norm"])
             if w["router"] is None:
-                x = x + rs * self._ffn(w["dense_ffn"], hn)
+                x = _residual(x, rs, self._ffn(w["dense_ffn"], hn))
                 continue
             forced = None if routes is None else [None if r is None else r[l] for r in routes]
             tids, twts = self._route(l, hn, forced)
@@ -476,7 +481,8 @@ class MoeModel:
             yield step
             if self._out is None:
                 raise ExecutorError(f"block {l}: no expert output was delivered for the step")
-            x = x + rs * (xp.asarray(self._out) + self._shared(l, hn))
+            y = xp.asarray(self._out)
+            x = _residual(x, rs, y if w["shared"] is None else y + self._shared(l, hn))
         xs = x if all_logits else x[-1:]
         self.chunk_logits = self._proj(self._rms(xs, self.output_norm), self.output) / np.float32(info.logit_scale)
         self.logits = self.chunk_logits[-1]  # (vocab,)
