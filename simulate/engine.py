@@ -146,11 +146,13 @@ class Simulator:
     """Runs driver items through the cost model; ``record=True`` keeps every span for a timeline.
     ``token_graph``: decode tokens may run as one CUDA graph, as ``moelab run`` does (with a host
     lane whose costs have ``graph_block_s``; ``scheduler.graph``). ``background_wait`` (host lane
-    only): "host", the host blocks until awaited background copies land (polling, half of
-    ``wait_poll_s`` charged); "device", the GPU's next expert work waits for them and the host
-    goes on."""
+    only), as ``execute.engine.ExpertEngine``'s: "device" (its default), the GPU's next expert work
+    waits for awaited background copies and the host goes on, and a batch with a swap waits for the
+    GPU work queued before it; "host", the host blocks until they land (polling, half of
+    ``wait_poll_s`` charged) and every batch waits for the GPU work queued before it."""
 
-    def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False, background_wait: str = "host"):
+    def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False,
+                 background_wait: str = "device"):
         if background_wait not in BACKGROUND_WAITS:
             raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
         self.costs = costs
@@ -482,8 +484,9 @@ class Simulator:
                 tok_start, tok_bound = h, 0.0
                 mid = False
                 yield env.timeout(h - env.now)
-            elif kind is StartBackground:
-                cs = max(cf, h)
+            elif kind is StartBackground:  # a batch that may overwrite a slot read by queued kernels waits for them
+                kernels = not device_wait or any(m.victim is not None for m in item.moves)
+                cs = max(cf, h, g) if kernels else max(cf, h)
                 n = len(item.moves)
                 h += n * hc.copy_s
                 p_bg = 0.0
@@ -497,10 +500,8 @@ class Simulator:
                 pending.append(cf)
             elif kind is AwaitBackground:
                 done = pending.popleft()
-                if mid:
+                if mid or device_wait:  # device: the next layer's experts wait, whether or not inside a token
                     ready = max(ready, done)
-                elif device_wait:
-                    g = max(g, done)
                 elif done > h:
                     if events is not None:
                         events.append(("token", "await background", h, done - h))

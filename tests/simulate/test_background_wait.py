@@ -1,5 +1,5 @@
-"""Awaited background copies on the host lane: the host blocks until they land ("host"), or the
-GPU's next expert work waits for them while the host goes on ("device")."""
+"""Awaited background copies on the host lane, as the executor waits for them: the GPU's next
+expert work waits while the host goes on ("device", the default), or the host blocks ("host")."""
 from __future__ import annotations
 
 import pytest
@@ -38,15 +38,30 @@ def run(wait: str, record: bool = False):
 
 
 def test_the_device_wait_frees_the_host_and_the_gpu_still_waits_for_the_copy():
-    host, device = run("host"), run("device", record=True)
-    assert device.token_s[0] < host.token_s[0]
-    land = 3e6 / 10e9  # one F16 expert of 3 MB over 10 GB/s, started at the first layer's end at the latest
-    experts = [e for e in device.events if e[0] == "gpu" and e[1].startswith("L1 experts")]
-    assert len(experts) == 1 and experts[0][2] >= land
-    # host: after the copy, half a poll, then the experts queued (20 us) before they start; device:
-    # queued while the copy runs, so they start as it lands
+    host, device = run("host", record=True), run("device", record=True)
+    span = lambda r, lane, name: next(e for e in r.events if e[0] == lane and e[1].startswith(name))
+    land = 3e6 / 10e9  # one F16 expert of 3 MB over 10 GB/s
+    # device: a fill into a fresh slot starts as the host issues it; layer 1's experts start as it lands
+    c = span(device, "copy", "background")
+    assert span(device, "gpu", "L1 experts")[2] == pytest.approx(c[2] + land)
+    # host: the batch waits for the GPU work queued before it (layer 0's experts and combine), the
+    # host for the copy (half a poll), then queues layer 1's experts (20 us) before they start
+    l0 = span(host, "gpu", "L0 experts")
+    c = span(host, "copy", "background")
+    assert c[2] == pytest.approx(l0[2] + l0[3] + EX["combine_s"])
     queue = EX["host_gpu_layer_s"] - EX["host_layer_plan_s"]
-    assert host.token_s[0] - device.token_s[0] == pytest.approx(EX["wait_poll_s"] / 2 + queue, abs=1e-9)
+    assert span(host, "gpu", "L1 experts")[2] == pytest.approx(c[2] + land + EX["wait_poll_s"] / 2 + queue)
+    assert device.token_s[0] < host.token_s[0]
+
+
+def test_a_swap_waits_for_the_queued_kernels_on_the_device_too():
+    its = items()
+    moves = (Move(1, 2, 0, victim=(1, 3)),)
+    its[1], its[2] = StartBackground(its[0].token, moves), AwaitBackground(moves)
+    c = costs()
+    r = Simulator(c, record=True, background_wait="device").run(its, Audit(c.model.geometry()))
+    l0 = next(e for e in r.events if e[1].startswith("L0 experts"))
+    assert next(e for e in r.events if e[0] == "copy")[2] == pytest.approx(l0[2] + l0[3] + EX["combine_s"])
 
 
 def test_an_unknown_wait_is_refused():
