@@ -33,12 +33,14 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "Experts", "kernel", "matmul", "tables"]
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_VARIANTS", "Experts", "kernel", "kernel_info", "matmul",
+           "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
-_MODULE: cp.RawModule | None = None
+_MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 BATCH_VARIANTS = ("_m1n32", "_m2n32", "_m4n32")  # qmoe_gate_up / qmoe_down with other tiles (gpu_quant.cu)
+ONE_VARIANTS = ("_g",)  # qmoe1_gate_up / qmoe1_down_combine reading weights from global memory directly
 
 
 def tables() -> dict[str, np.ndarray]:
@@ -51,28 +53,41 @@ def tables() -> dict[str, np.ndarray]:
             "g_iq1n": (iq1 - 1).astype(np.int8), "g_iq4nl": G.IQ4_NL_VALUES, "g_ksigns": G.KSIGNS}
 
 
-def _module() -> cp.RawModule:
-    """gpu_quant.cu compiled once per process (about a minute the first time; CuPy caches it), its
-    tables uploaded."""
-    global _MODULE
-    if _MODULE is None:
+def _module(defines: tuple[str, ...] = ()) -> cp.RawModule:
+    """gpu_quant.cu compiled once per process and set of ``-D`` ``defines`` (about a minute the
+    first time; CuPy caches it), its tables uploaded."""
+    mod = _MODULES.get(defines)
+    if mod is None:
         import cupy as cp
 
         src = resources.files(__package__).joinpath("gpu_quant.cu").read_text()
-        mod = cp.RawModule(code=src, options=("-std=c++14",))
+        mod = cp.RawModule(code=src, options=("-std=c++14", *(f"-D{d}" for d in defines)))
         blocks = np.zeros((64, 2), np.int32)  # g_block: (weights, bytes) of a block, by type id
         for t, q in Q.LAYOUTS.items():
             blocks[t] = (q.block_weights, q.block_bytes)
         for name, arr in {**tables(), "g_block": blocks}.items():  # sizes as declared in gpu_quant.cu
             flat = np.ascontiguousarray(arr).reshape(-1)
             cp.ndarray(flat.shape, flat.dtype, mod.get_global(name)).set(flat)
-        _MODULE = mod
-    return _MODULE
+        _MODULES[defines] = mod
+    return mod
 
 
-def kernel(name: str) -> cp.RawKernel:
-    """A kernel of gpu_quant.cu (compiled, tables uploaded, on first use)."""
-    return _module().get_function(name)
+def kernel(name: str, defines: tuple[str, ...] = ()) -> cp.RawKernel:
+    """A kernel of gpu_quant.cu (compiled, tables uploaded, on first use); ``defines`` (``-D``
+    flags, e.g. ``GQ_ONLY=12``: a module that reads that type alone) give another module."""
+    return _module(defines).get_function(name)
+
+
+def kernel_info(name: str, block: int, defines: tuple[str, ...] = ()) -> dict[str, int]:
+    """Registers, local (stack) bytes per thread, static shared bytes, and resident blocks per SM
+    of ``block`` threads (the driver's occupancy) of a gpu_quant.cu kernel."""
+    import cupy as cp
+
+    k = kernel(name, defines)
+    a = k.attributes
+    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, block, 0)
+    return {"regs": a["num_regs"], "local_bytes": a["local_size_bytes"], "smem_bytes": a["shared_size_bytes"],
+            "blocks_per_sm": per_sm}
 
 
 def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: cp.ndarray | None = None,
@@ -109,7 +124,8 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
 class Experts:
     """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
     2 rows per block; one-token down: 2 rows per block, a warp per expert), for benchmarks and tests
-    (``variant``: one of ``BATCH_VARIANTS``, the batched kernels with other tiles).
+    (``variant``: one of ``BATCH_VARIANTS``, the batched kernels with other tiles, or of
+    ``ONE_VARIANTS``, the one-token kernels read otherwise; ``defines``: the module's ``-D`` flags).
 
     ``w``: device uint8 ``(E, expert_bytes)``, each expert gate | up | down (no biases; types
     ``qtypes``, ``ffn`` x ``hidden`` / ``hidden`` x ``ffn`` rows of ``quant.row_bytes``). With
@@ -119,7 +135,7 @@ class Experts:
     Buffers and launches are made here; a call only launches (on the current stream)."""
 
     def __init__(self, w: cp.ndarray, qtypes: tuple[int, int, int], ffn: int, hidden: int, tokens: int = 1,
-                 weights: np.ndarray | None = None, variant: str = ""):
+                 weights: np.ndarray | None = None, variant: str = "", defines: tuple[str, ...] = ()):
         import cupy as cp
 
         from .gpu_host import Launch
@@ -144,7 +160,10 @@ class Experts:
             self._ex[256:256 + 4 * num_e] = np.asarray(weights, np.float32).view(np.uint8)
             self._ex[384:384 + 4 * num_e] = np.arange(num_e, dtype=np.int32).view(np.uint8)
             self.h, self.out = cp.empty((num_e, ffn), cp.float32), cp.empty((1, hidden), cp.float32)
-            k1, k2 = Launch(kernel("qmoe1_gate_up"), 13, self._ex), Launch(kernel("qmoe1_down_combine"), 10, self._ex)
+            if variant and variant not in ONE_VARIANTS:
+                raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, expected one of {ONE_VARIANTS}")
+            k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex)
+            k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex)
             self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, x, self.h.data.ptr, *gu),
                            lambda s, x: k2((-(-hidden // 2), 1), 32 * num_e, s, self.h.data.ptr, self.out.data.ptr,
                                            num_e, ffn, hidden, 2, off_d, qtypes[2], rb[2], 0)]
@@ -157,7 +176,7 @@ class Experts:
         self.out = cp.empty((num_e * tokens, hidden), cp.float32)
         if variant and variant not in BATCH_VARIANTS:
             raise ValueError(f"gpu_quant.Experts: variant {variant!r}, expected one of {BATCH_VARIANTS}")
-        k1, k2 = Launch(kernel("qmoe_gate_up" + variant), 18), Launch(kernel("qmoe_down" + variant), 12)
+        k1, k2 = Launch(kernel("qmoe_gate_up" + variant, defines), 18), Launch(kernel("qmoe_down" + variant, defines), 12)
         self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, base, gstart, order, xrow, x, hidden, self.h.data.ptr, *gu),
                        lambda s, x: k2((-(-hidden // 8), num_e), 128, s, base, gstart, order, self.h.data.ptr,
                                        self.out.data.ptr, ffn, hidden, 2, off_d, qtypes[2], rb[2], 0)]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
 from execute import quant as Q  # noqa: E402
-from execute.gpu_quant import BATCH_VARIANTS, FLOAT_QTYPES, Experts, matmul  # noqa: E402
+from execute.gpu_quant import BATCH_VARIANTS, FLOAT_QTYPES, ONE_VARIANTS, Experts, kernel_info, matmul  # noqa: E402
 
 REL_ERR, REL_ERR_INT8 = 1e-5, 2e-4
 
@@ -73,9 +73,9 @@ def expert_errs(qt: int, rng: np.random.Generator, variants: tuple[str, ...] = (
         a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
         ys.append((a / (1 + np.exp(-a)) * b) @ d.T)
     wts = np.array([0.7, 0.3], np.float32)
-    one = Experts(w, (qt, qt, qt), ffn, hidden, weights=wts)(cp.asarray(x[:1]))
     ref1 = sum(float(wts[e]) * ys[e][:1] for e in range(num_e))
-    errs = [rel(cp.asnumpy(one), ref1)]
+    errs = [rel(cp.asnumpy(Experts(w, (qt, qt, qt), ffn, hidden, weights=wts, variant=v)(cp.asarray(x[:1]))), ref1)
+            for v in ("", *ONE_VARIANTS)]
     for v in ("", *variants):
         batch = Experts(w, (qt, qt, qt), ffn, hidden, tokens=tokens, variant=v)(cp.asarray(x))
         errs.append(rel(cp.asnumpy(batch), np.concatenate(ys)))
@@ -85,14 +85,17 @@ def expert_errs(qt: int, rng: np.random.Generator, variants: tuple[str, ...] = (
 def timed(call, reps: int) -> float:
     """Seconds of one ``call()`` on the GPU: ``reps`` calls captured in one CUDA graph, the graph's
     median time over 5 launches / ``reps`` (no host launch overhead; plain events around each call
-    where capture fails), after one warm-up call."""
-    call()
+    where capture fails), after one warm-up call. A list of calls: taken in turn (weights in copies
+    that together outgrow the L2 cache, so a call reads memory, not what the call before left)."""
+    calls = call if isinstance(call, list) else [call]
+    for c in calls:
+        c()
     try:
         s = cp.cuda.Stream(non_blocking=True)
         with s:
             s.begin_capture()
-            for _ in range(reps):
-                call()
+            for i in range(reps):
+                calls[i % len(calls)]()
             g = s.end_capture()
         g.launch(s)
         s.synchronize()
@@ -108,20 +111,22 @@ def timed(call, reps: int) -> float:
     except Exception as e:  # noqa: BLE001 (capture unsupported: time each call)
         print(f"(graph capture failed: {e}; timing calls one by one)", flush=True)
     ts = []
-    for _ in range(reps):
+    for i in range(reps):
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record()
-        call()
+        calls[i % len(calls)]()
         b.record()
         b.synchronize()
         ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
     return float(np.median(ts))
 
 
-def copy_gbps(reps: int) -> float:
-    """The card's device-to-device copy rate (bytes read + written per second, 1 GiB each way)."""
+def copy_gbps(reps: int) -> tuple[float, float]:
+    """The card's device-to-device copy rate (bytes read + written per second, 1 GiB each way): a
+    copy (a graph's memcpy node) and an element-wise kernel (x * 1)."""
     src, dst = cp.ones(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32)
-    return 2 * src.nbytes / timed(lambda: cp.copyto(dst, src), reps) / 1e9
+    return (2 * src.nbytes / timed(lambda: cp.copyto(dst, src), reps) / 1e9,
+            2 * src.nbytes / timed(lambda: cp.multiply(src, 1.0, out=dst), reps) / 1e9)
 
 
 def matmul_gbps(qt: int, rows: int, cols: int, tokens: int, reps: int, rng: np.random.Generator) -> float:
@@ -132,21 +137,37 @@ def matmul_gbps(qt: int, rows: int, cols: int, tokens: int, reps: int, rng: np.r
 
 
 def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> list[float]:
-    """GB/s of the one-token call, the batched call and the batched call of each of ``a.variants``."""
+    """GB/s of the one-token call, the batched call and the batched call of each of ``a.variants``
+    (``a.copies`` copies of the experts' weights, taken in turn). Prints each one-token launch
+    alone (us) for the default kernels, ``ONE_VARIANTS``, and with ``a.only`` the same compiled in
+    a module of type ``qt`` alone."""
     parts = expert_weights(qt, a.experts, a.ffn, a.hidden, rng)
-    w = cp.asarray(np.concatenate([p.reshape(a.experts, -1) for p in parts], axis=1))
-    one = Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=np.full(a.experts, 1 / a.experts, np.float32))
+    w1 = np.concatenate([p.reshape(a.experts, -1) for p in parts], axis=1)
+    ws = [cp.asarray(np.roll(w1, i, axis=0)) for i in range(a.copies)]
+    wts = np.full(a.experts, 1 / a.experts, np.float32)
     x1 = cp.asarray(rng.standard_normal((1, a.hidden)).astype(np.float32))
     xb = cp.asarray(rng.standard_normal((a.tokens, a.hidden)).astype(np.float32))
-    rates = [w.nbytes / timed(lambda: one(x1), a.reps) / 1e9]
-    for k in one._calls:  # the one-token launches alone (gate/up, down): microseconds, printed
-        print(f"  one-token launch: {1e6 * timed(lambda: k(cp.cuda.get_current_stream().ptr, x1.data.ptr), a.reps):.1f} us",
-              end="", flush=True)
-    print()
-    for v in ("", *a.variants):
-        batch = Experts(w, (qt, qt, qt), a.ffn, a.hidden, tokens=a.tokens, variant=v)
-        rates.append(w.nbytes / timed(lambda: batch(xb), a.reps) / 1e9)
+    rates, nb = [], ws[0].nbytes
+    for v, d in [(v, ()) for v in ("", *ONE_VARIANTS)] + [(v, (f"GQ_ONLY={qt}",)) for v in ("", *ONE_VARIANTS) if a.only]:
+        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=v, defines=d) for w in ws]
+        us = [1e6 * timed([lambda o=o, k=k: o._calls[k](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones],
+                          a.reps) for k in (0, 1)]
+        t = timed([lambda o=o: o(x1) for o in ones], a.reps)
+        rates += [nb / t / 1e9] if not d else []
+        print(f"  one token{v or ' (default)'}{' ' + d[0] if d else ''}: gate/up {us[0]:.1f} us, down {us[1]:.1f} us, "
+              f"{nb / t / 1e9:.0f} GB/s", flush=True)
+    for v in () if a.one else ("", *a.variants):
+        batch = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, tokens=a.tokens, variant=v) for w in ws]
+        rates.append(nb / timed([lambda b=b: b(xb) for b in batch], a.reps) / 1e9)
     return rates
+
+
+def occupancy() -> None:
+    """Registers, stack bytes, shared bytes and resident blocks per SM of the expert kernels."""
+    for name, block in [("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256), ("qmoe_gate_up", 128), ("qmoe_down", 128),
+                        ("qmatmul_q1", 128)] + [(n + v, b) for v in ONE_VARIANTS for n, b in
+                                                (("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256))]:
+        print(f"  {name} x{block}: {kernel_info(name, block)}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -160,11 +181,15 @@ def main(argv=None) -> int:
     p.add_argument("--types", default="", help="comma-separated type names (default: all)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", action="store_true", help=f"also time the batched kernels' variants {BATCH_VARIANTS}")
+    p.add_argument("--one", action="store_true", help="time the one-token expert calls only (no matmul, no batches)")
+    p.add_argument("--only", action="store_true", help="also time them compiled in a module of the type alone")
+    p.add_argument("--copies", type=int, default=4, help="copies of the experts' weights timed in turn (beyond L2)")
+    p.add_argument("--occupancy", action="store_true", help="print the expert kernels' registers and blocks per SM")
     p.add_argument("--out", type=Path, help="also write the rows here (JSON)")
     a = p.parse_args(argv)
     a.variants = BATCH_VARIANTS if a.variants else ()
-    if a.rows < 1 or a.cols < 256 or a.cols % 256 or a.reps < 1 or a.tokens < 1:
-        p.error("--rows >= 1, --cols a multiple of 256, --reps >= 1, --tokens >= 1")
+    if a.rows < 1 or a.cols < 256 or a.cols % 256 or a.reps < 1 or a.tokens < 1 or a.copies < 1:
+        p.error("--rows >= 1, --cols a multiple of 256, --reps >= 1, --tokens >= 1, --copies >= 1")
     if not 1 <= a.experts <= 32 or a.ffn % 256 or a.hidden % 256 or a.ffn < 256 or a.hidden < 256:
         p.error("--experts in 1..32, --ffn and --hidden multiples of 256")
     names = [t for t in a.types.split(",") if t]
@@ -174,31 +199,33 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows, bad = [], 0
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    ceiling = copy_gbps(a.reps)
-    print(f"matmul {a.rows} x {a.cols}; experts {a.experts} x ({a.ffn} x {a.hidden} x 3), 1 and {a.tokens} tokens ({dev}); "
-          f"copy ceiling {ceiling:.0f} GB/s")
-    print(f"{'type':8s}{'err 1':>9s}{'err 64':>9s}{'err e1':>9s}{'err eB':>9s}{'mm 1':>8s}{'mm 64':>8s}{'exp 1':>8s}"
-          f"{'exp B':>8s}" + "".join(f"{v:>8s}" for v in a.variants) + "  GB/s")
-    vkeys = [f"expert_batch{v}" for v in a.variants]
+    copy, ceiling = copy_gbps(a.reps)
+    print(f"matmul {a.rows} x {a.cols}; experts {a.experts} x ({a.ffn} x {a.hidden} x 3) in {a.copies} copies, 1 and "
+          f"{a.tokens} tokens ({dev}); copy ceiling {ceiling:.0f} GB/s (element-wise; memcpy {copy:.0f})")
+    if a.occupancy:
+        occupancy()
+    ekeys = ["expert_1", *(f"expert_1{v}" for v in ONE_VARIANTS)] + ([] if a.one else
+                                                                     ["expert_batch", *(f"expert_batch{v}" for v in a.variants)])
+    ekeys = [k.replace("expert_", "e") for k in ekeys]
+    keys = ["mm1", "mm64", *ekeys] if not a.one else ekeys
+    print(f"{'type':8s}" + "".join(f"{'err ' + k:>10s}" for k in ["mm1", "mm64", *ekeys[:1 + len(ONE_VARIANTS)], "eB"])
+          + "".join(f"{k:>10s}" for k in keys) + "  GB/s")
     for qt in qtypes:
         quant = qt not in FLOAT_QTYPES
         errs = [matmul_err(qt, 1, rng), matmul_err(qt, 64, rng)] + (expert_errs(qt, rng, a.variants) if quant else [])
-        rates = [matmul_gbps(qt, a.rows, a.cols, 1, a.reps, rng), matmul_gbps(qt, a.rows, a.cols, 64, a.reps, rng)]
+        rates = [] if a.one else [matmul_gbps(qt, a.rows, a.cols, t, a.reps, rng) for t in (1, 64)]
         rates += expert_gbps(qt, a, rng) if quant else []
         ok = max(errs) <= (REL_ERR_INT8 if quant else REL_ERR)
         bad += not ok
-        keys = ["1", "64", "expert_1", "expert_batch", *vkeys]
-        row = {"type": Q.LAYOUTS[qt].name, **{f"err_{k}": v for k, v in zip(keys, errs)},
-               **{f"gbps_{k}": v for k, v in zip(keys, rates)}, "ok": ok}
+        row = {"type": Q.LAYOUTS[qt].name, "errs": errs, **{f"gbps_{k}": v for k, v in zip(keys, rates)}, "ok": ok}
         rows.append(row)
-        cells = "".join(f"{v:9.1e}" for v in errs[:4]) + " " * 9 * (4 - len(errs[:4]))
-        cells += "".join(f"{v:8.1f}" for v in rates) + " " * 8 * (4 + len(vkeys) - len(rates))
         share = " ".join(f"{v / ceiling:.2f}" for v in rates)
-        print(f"{Q.LAYOUTS[qt].name:8s}{cells}  {'ok' if ok else 'FAILED'}  of ceiling: {share}", flush=True)
+        print(f"{Q.LAYOUTS[qt].name:8s}" + "".join(f"{v:10.1e}" for v in errs) + "".join(f"{v:10.1f}" for v in rates)
+              + f"  {'ok' if ok else 'FAILED'}  of ceiling: {share}", flush=True)
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "device": dev,
-                                     "copy_gbps": ceiling, "rows": rows}, indent=1))
+        a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "device": dev, "copy_gbps": copy,
+                                     "elementwise_gbps": ceiling, "rows": rows}, indent=1))
     print(f"{len(rows) - bad}/{len(rows)} types within their bound")
     return 1 if bad else 0
 

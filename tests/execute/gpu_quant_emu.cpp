@@ -1,7 +1,7 @@
 // gpu_quant.cu's kernels on the host (gpu_quant_simt.h), launched as gpu_quant.py launches them:
 // stdin = tables, g_block, mode; mode 0: qt, rows, cols, n, rb, W, X -> Y (n, rows);
 // mode 1 / 2: qt_g, qt_u, qt_d, E, ffn, hidden, T, rb x 3, weights, W, X -> the one-token output
-// (hidden) / every token through every expert (E * T, hidden). Build with -DGPU_QUANT_CU='"path"'.
+// (hidden) / every token through every expert (E * T, hidden); mode 3: mode 1 by the _g kernels. Build with -DGPU_QUANT_CU='"path"'.
 #include "gpu_quant_simt.h"
 #include <cstdio>
 #include <cstdlib>
@@ -36,13 +36,19 @@ int main() {
     std::vector<unsigned long long> base(E);
     for (int e = 0; e < E; e++) base[e] = (unsigned long long)(W.data() + e * eb);
     const float* x = X.data();
-    if (mode == 1) {
+    if (mode == 1 || mode == 3) {
         Experts1 ex; memset(&ex, 0, sizeof ex);
         for (int e = 0; e < E; e++) { ex.base[e] = base[e]; ex.weight[e] = wts[e]; ex.pick[e] = e; }
         std::vector<float> h((size_t)E * ffn, NAN), out(hidden, NAN);
         float* hp = h.data(); float* op = out.data();
-        launch({(unsigned)(ffn + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
-        launch({(unsigned)(hidden + 1) / 2, 1, 1}, 32 * E, [=] { qmoe1_down_combine(ex, hp, op, E, ffn, hidden, 2, off_d, qd, rdn, 0); });
+        unsigned gu = (unsigned)(ffn + 7) / 8, dc = (unsigned)(hidden + 1) / 2;
+        if (mode == 1) {
+            launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
+            launch({dc, 1, 1}, 32 * E, [=] { qmoe1_down_combine(ex, hp, op, E, ffn, hidden, 2, off_d, qd, rdn, 0); });
+        } else {
+            launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up_g(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
+            launch({dc, 1, 1}, 32 * E, [=] { qmoe1_down_combine_g(ex, hp, op, E, ffn, hidden, 2, off_d, qd, rdn, 0); });
+        }
         fwrite(out.data(), 4, out.size(), stdout);
         return 0;
     }

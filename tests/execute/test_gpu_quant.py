@@ -143,24 +143,38 @@ def test_emulated_matmul_kernels(qtype, emulated_kernels, rng):
 EMULATED_EXPERTS = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("qtypes", EMULATED_EXPERTS, ids=["-".join(Q.LAYOUTS[t].name for t in m) for m in EMULATED_EXPERTS])
-def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
-    """qmoe1_gate_up + qmoe1_down_combine (one token, 2 experts) and qmoe_gate_up + qmoe_down (11
-    tokens through each), emulated on the host, against the float64 reference."""
+def _emulate_experts(emulated_kernels, rng, qtypes, modes):
+    """The expert kernels of ``modes`` (gpu_quant_emu.cpp: 1 one token, 2 batches of 11 tokens, 3
+    one token by the _g kernels) on 2 experts, emulated on the host, against the float64 reference."""
     num_e, ffn, hidden = 2, 256, 512
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
     w = np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1)
     wts = np.array([0.6, 0.4], np.float32)
     head = np.array(qtypes, np.int32).tobytes()
-    for tokens, mode in ((1, 1), (11, 2)):
+    for mode in modes:
+        tokens = 11 if mode == 2 else 1
         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
         ys = _expert_outputs64(parts, qtypes, x, ffn, hidden)
-        ref = sum(float(wts[e]) * ys[e] for e in range(num_e)) if mode == 1 else np.concatenate(ys)
+        ref = np.concatenate(ys) if mode == 2 else sum(float(wts[e]) * ys[e] for e in range(num_e))
         inp = (np.array([mode], np.int32).tobytes() + head + np.array([num_e, ffn, hidden, tokens], np.int32).tobytes()
                + np.array([p.shape[2] for p in parts], np.int64).tobytes() + wts.tobytes() + w.tobytes() + x.tobytes())
         y = np.frombuffer(emulated_kernels(inp), np.float32).reshape(ref.shape)
-        assert np.isfinite(y).all() and np.linalg.norm(y - ref) <= REL_ERR_INT8 * np.linalg.norm(ref)
+        assert np.isfinite(y).all() and np.linalg.norm(y - ref) <= REL_ERR_INT8 * np.linalg.norm(ref), f"mode {mode}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtypes", EMULATED_EXPERTS, ids=["-".join(Q.LAYOUTS[t].name for t in m) for m in EMULATED_EXPERTS])
+def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
+    """qmoe1_gate_up + qmoe1_down_combine (one token), their _g twins, and qmoe_gate_up + qmoe_down
+    (11 tokens through each), emulated on the host, against the float64 reference."""
+    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2))
+
+
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K,) * 3, (Q.Q4_K, Q.Q5_K, Q.Q6_K)], ids=["Q4_K", "Q4_K-Q5_K-Q6_K"])
+def test_emulated_direct_one_token_kernels(qtypes, emulated_kernels, rng):
+    """The one-token _g kernels (gate and up of one type in one body; mixed types by matrix),
+    emulated on the host, against the float64 reference."""
+    _emulate_experts(emulated_kernels, rng, qtypes, (3,))
 
 
 @pytest.mark.gpu
@@ -206,12 +220,12 @@ MIXED = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K), (Q.IQ4_XS, Q.Q4_
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtypes", MIXED, ids=["-".join(Q.LAYOUTS[t].name for t in m) for m in MIXED])
 def test_expert_kernels_match_numpy_dequantize(qtypes, rng):
-    """qmoe1_gate_up + qmoe1_down_combine (one token, 3 experts) and qmoe_gate_up + qmoe_down (11
-    tokens through each: a pass of 8 and one of 3) against the float64 reference; 2304 inputs for
+    """qmoe1_gate_up + qmoe1_down_combine and their ONE_VARIANTS (one token, 3 experts) and
+    qmoe_gate_up + qmoe_down (11 tokens through each: a pass of 8 and one of 3) against the float64 reference; 2304 inputs for
     gate/up (batch input tiles of 1024, 1024 and 256), 768 for down; mixed types: gate and up in
     separate passes."""
     cp = pytest.importorskip("cupy")
-    from execute.gpu_quant import Experts
+    from execute.gpu_quant import ONE_VARIANTS, Experts
 
     num_e, ffn, hidden, tokens = 3, 768, 2304, 11
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
@@ -219,9 +233,10 @@ def test_expert_kernels_match_numpy_dequantize(qtypes, rng):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ys = _expert_outputs64(parts, qtypes, x, ffn, hidden)
     wts = np.array([0.5, 0.3, 0.2], np.float32)
-    one = cp.asnumpy(Experts(w, qtypes, ffn, hidden, weights=wts)(cp.asarray(x[:1])))
     ref1 = sum(float(wts[e]) * ys[e][:1] for e in range(num_e))
-    assert np.isfinite(one).all() and np.linalg.norm(one - ref1) <= REL_ERR_INT8 * np.linalg.norm(ref1)
+    for v in ("", *ONE_VARIANTS):
+        one = cp.asnumpy(Experts(w, qtypes, ffn, hidden, weights=wts, variant=v)(cp.asarray(x[:1])))
+        assert np.isfinite(one).all() and np.linalg.norm(one - ref1) <= REL_ERR_INT8 * np.linalg.norm(ref1), v
     batch = cp.asnumpy(Experts(w, qtypes, ffn, hidden, tokens=tokens)(cp.asarray(x)))
     ref = np.concatenate(ys)
     assert np.isfinite(batch).all() and np.linalg.norm(batch - ref) <= REL_ERR_INT8 * np.linalg.norm(ref)
