@@ -13,13 +13,25 @@ every token (GPU stubbed): execute.driver.run over the trace's routes as settled
 ExpertEngine.settle_layer carrying out each decision (its copies not queued). ``gpu`` runs with
 every expert resident.
 
+``--base REV``: the decision loop alone of lru, hybrid, static, gpu and cpu under the scheduler (and
+traces) of git revision REV and under this tree, each in its own process, alternated ``--repeats``
+times on the same trace; prints both speeds, their ratio and whether the decisions are the same
+(a digest of every decision).
+
 Usage: python experiments/bench_scheduler.py [--tokens N] [--slots S] [--repeats R] [--hardware H] [--json]
+       python experiments/bench_scheduler.py --base REV [--tokens N] [--slots S] [--repeats R]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -78,6 +90,63 @@ def executor_loop(policy, tokens: list[Token], geometry: Geometry, model: _Graph
     run(model, backend, policy, inputs, audit=Audit(geometry))
 
 
+BASE_POLICIES = ("lru", "hybrid", "static", "gpu", "cpu")
+
+
+def decide_only(args) -> dict:
+    """Per policy of BASE_POLICIES: layer-steps decided per second (best of ``--repeats``, the
+    decision loop alone) and a digest of every decision, under whichever scheduler imports."""
+    tokens = synthetic_tokens(args.tokens, args.seed)
+    geometry = Geometry.uniform(48, 128, 8, 5_000_000)
+    capacity, full = Capacity.per_layer(geometry, args.slots), Capacity.per_layer(geometry, 128)
+    counts = np.zeros((48, 128))
+    for t in tokens:
+        for s in t.steps:
+            counts[s.layer, list(s.experts)] += 1
+    profile, steps, out = Profile.from_counts(counts), sum(len(t.steps) for t in tokens), {}
+    for name in BASE_POLICIES:
+        options = {"profile": profile} if name == "static" else {}
+        best, digest = float("inf"), hashlib.sha256()
+        for r in range(args.repeats):
+            policy = make_policy(name, geometry, full if name == "gpu" else capacity, **options)
+            t0 = time.process_time()
+            for _ in drive(policy, tokens):
+                pass
+            best = min(best, time.process_time() - t0)
+        for item in drive(make_policy(name, geometry, full if name == "gpu" else capacity, **options), tokens):
+            d = getattr(item, "decision", None)
+            digest.update(repr((type(item).__name__, tuple(d)[1:] if d is not None else getattr(item, "moves", ()))).encode())
+        out[name] = {"layer_steps_per_s": steps / best, "digest": digest.hexdigest()[:16]}
+    return out
+
+
+def compare_base(args) -> None:
+    """``--base``: decide_only under REV's scheduler and this tree's, alternated in child processes."""
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", args.base, "scheduler", "traces"], cwd=repo, capture_output=True)
+        if archive.returncode:
+            sys.exit(f"--base: git archive {args.base!r} failed: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        trees, best, digests = {"base": tmp, "this": str(repo)}, {}, {}
+        cmd = [sys.executable, __file__, "--decide-only", "--repeats", "1", "--tokens", str(args.tokens),
+               "--slots", str(args.slots), "--seed", str(args.seed)]
+        for _ in range(args.repeats):
+            for tree, path in trees.items():
+                env = dict(os.environ, PYTHONPATH=path)
+                res = json.loads(subprocess.run(cmd, env=env, capture_output=True, check=True, text=True).stdout)
+                for name, r in res.items():
+                    best[tree, name] = max(best.get((tree, name), 0.0), r["layer_steps_per_s"])
+                    digests[tree, name] = r["digest"]
+    print(f"decision loop, layer-steps/s ({args.tokens} tokens x 48 layers, top-8, {args.slots} slots/layer), "
+          f"best of {args.repeats} alternated runs, one core (process CPU time)")
+    print(f"  {'policy':<8} {args.base[:12]:>12} {'this tree':>12} {'ratio':>7}  same decisions")
+    for name in BASE_POLICIES:
+        b, t = best["base", name], best["this", name]
+        same = "yes" if digests["base", name] == digests["this", name] else "NO"
+        print(f"  {name:<8} {b:>12,.0f} {t:>12,.0f} {t / b:>6.2f}x  {same}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2000)
@@ -86,7 +155,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hardware", default="h200-xeon16", help="hardware preset or file for hybrid-cost's cost model")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--base", help="git revision whose scheduler to time beside this tree's")
+    ap.add_argument("--decide-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tokens < 1 or args.repeats < 1 or not 8 <= args.slots <= 128:
+        ap.error("--tokens and --repeats must be >= 1, --slots in 8..128")
+    if args.decide_only:
+        print(json.dumps(decide_only(args)))
+        return
+    if args.base:
+        compare_base(args)
+        return
     from simulate import load_hardware, load_model
     from scheduler.costs import Costs
 
