@@ -270,14 +270,11 @@ class HybridPolicy(BasePolicy):
         return row[np.argsort(self._np[layer][row], kind="stable")].tolist()
 
     def _rank_all_residents(self) -> None:
-        """Refresh every layer's admission ranking (after a swap round)."""
-        width = self._np.shape[1]
-        vi = np.flatnonzero(self._valid & self.cache.resident_mask)
-        vl, ve = vi // width, vi % width
-        o = _by_layer_then(vl, self._np.ravel()[vi])
-        vl, ve = vl[o], ve[o]
-        bounds = np.searchsorted(vl, np.arange(len(self._cold) + 1))
-        self._cold = [ve[bounds[l]:bounds[l + 1]].tolist() for l in range(len(self._cold))]
+        """Refresh every layer's admission ranking (after a swap round): one stable sort per row
+        of the usage with every non-resident at +inf, the residents' part of each row kept."""
+        mask = self._valid & self.cache.resident_mask
+        order = np.argsort(np.where(mask, self._np, np.inf), axis=1, kind="stable")
+        self._cold = [order[l, :n].tolist() for l, n in enumerate(mask.sum(axis=1).tolist())]
 
     # background ------------------------------------------------------------------------------
     def _swap_due(self) -> bool:
@@ -361,7 +358,10 @@ class HybridPolicy(BasePolicy):
         gain = cu - vu[np.minimum(vidx, max(len(vu) - 1, 0))] if len(vu) else np.zeros(len(cu))
         ok &= gain >= self.margin
         sel = np.flatnonzero(ok)
-        swaps = [(-float(gain[i]), int(cl[i]), int(ce[i]), None, int(ve[vidx[i]])) for i in sel]
+        if len(sel) > self.max_moves:  # only a swap among the best max_moves by (gain, layer, expert) can be kept
+            sel = sel[np.lexsort((ce[sel], cl[sel], -gain[sel]))[: self.max_moves]]
+        swaps = list(zip((-gain[sel]).tolist(), cl[sel].tolist(), ce[sel].tolist(), [None] * len(sel),
+                         ve[vidx[sel]].tolist()))
         moves = []
         for g, l, e, s, v in sorted(fills + swaps)[: self.max_moves]:
             if v is None:
