@@ -6,7 +6,8 @@ layers on a model preset reshaped to the trace's geometry (``trace_model``: the 
 and dense sizes, the trace's layer count, experts and top-k), so traces of any model are priced by
 the same hardware. It reports the simulator's hit rate (a prefetch that lands after its step could
 start is no hit: ``SimResult.late_hits``), the demand hit rate (``traces.stats.DemandAudit``),
-experts moved over PCIe per token and simulated tokens/s.
+experts moved over PCIe per token, simulated tokens/s and the policy's planning time per layer step
+(the CPU time of ``drive``'s work while the simulator consumes it: compare within one run).
 
 ``cross_validate``: each policy family has a grid of configurations; for each trace, the
 configuration chosen on the *other* traces (highest geometric mean of tokens/s over ``lru``, over
@@ -16,6 +17,7 @@ on all traces is the family's default.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
@@ -60,8 +62,9 @@ def measure(tokens: Sequence, model: ModelSpec, hw: Hardware | str, policy: str,
             options: dict | None = None, lag_tokens: int = 1, profile=None) -> dict | None:
     """Simulate ``policy`` (a ``make_policy`` name and its ``options``) over ``tokens`` (a list of
     scheduler tokens of ``model``'s geometry) with ``slots`` per layer on ``hw``: hit rate, demand hit
-    rate, experts moved per token, tokens/s and late hits (lookahead's: ``followed``, the share of
-    tokens its guard followed hybrid); None when the policy refuses the capacity."""
+    rate, experts moved per token, tokens/s, late hits, ``plan_us`` (the policy's own work per layer
+    step, CPU microseconds in ``drive``) and lookahead's ``followed`` (the share of tokens its
+    guard followed hybrid); None when the policy refuses the capacity."""
     hw = load_hardware(hw) if isinstance(hw, str) else hw
     geometry = model.geometry()
     costs = Costs(model, hw, ExecConfig(policy=policy))
@@ -71,14 +74,28 @@ def measure(tokens: Sequence, model: ModelSpec, hw: Hardware | str, policy: str,
     except CapacityError:
         return None
     audit = DemandAudit(geometry, keep_records=False)
-    res = Simulator(costs).run(drive(pol, tokens, lag_tokens), audit)
+    spent = [0.0]
+    res = Simulator(costs).run(_timed(drive(pol, tokens, lag_tokens), spent), audit)
     s = res.summary()
     out = audit.rates()
-    out.update(hit_rate=s["hit_rate"], late_hits=s["late_hits"], tokens_per_s=s["tokens_per_s"])
+    out.update(hit_rate=s["hit_rate"], late_hits=s["late_hits"], tokens_per_s=s["tokens_per_s"],
+               plan_us=1e6 * spent[0] / max(sum(len(t.steps) for t in tokens), 1))
     guard = getattr(pol, "guard", None)
     if guard is not None:  # lookahead's: the share of tokens it followed hybrid
         out["followed"] = guard.followed / max(len(tokens), 1)
     return out
+
+
+def _timed(items, spent: list):
+    """``items`` (``drive``'s generator) with the CPU time spent producing them, the policy's own
+    work (plan, commit, completions, background and prefetch moves), added to ``spent[0]``."""
+    while True:
+        t = time.process_time()
+        item = next(items, None)
+        spent[0] += time.process_time() - t
+        if item is None:
+            return
+        yield item
 
 
 @dataclass(frozen=True)

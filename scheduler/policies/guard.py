@@ -9,7 +9,9 @@ over a decayed window of ``memory`` tokens: when the shadow's predicted time is 
 by more than ``margin`` (a share), the policy's prefetches, fills, swaps and split are not earning
 their link time (the first ``memory`` tokens are only measured: from cold caches, uploads that pay
 later look slow), and from that token's fills on, for ``probe`` tokens, it *follows* hybrid, with
-no prefetch and no held-over fills of its own. Following has two stages. While the policy's cache
+no prefetch and no held-over fills of its own. Following that starts again within ``memory`` tokens
+of the last ending lasts ``backoff`` times as long as the last (each return to its own planning
+costs the tokens it takes the decayed comparison to see the loss again); else ``probe``. Following has two stages. While the policy's cache
 holds other experts than the shadow's, a second ``hybrid`` that shares the policy's cache (and has
 observed every step it committed) makes each step's decision and each token's fills, its first
 victims the residents the shadow's cache lacks (so its uploads bring the cache to the shadow's, at
@@ -57,7 +59,7 @@ class Guard:
     """The shadow, the follower and the decayed comparison of the module docstring."""
 
     def __init__(self, geometry, capacity, cost_model: CostModel, cache, profile, memory: float, margin: float,
-                 probe: int):
+                 probe: int, backoff: float = 1.0):
         self.costs = cost_model
         self.layer_s = cost_model.layer_s or (0.0,) * geometry.num_layers
         self.shadow = HybridPolicy(geometry, capacity, profile, cost_model=cost_model)
@@ -66,7 +68,9 @@ class Guard:
         self._mirror = None  # (decision, the shadow's) while it mirrors the shadow
         self._bg: tuple | None = None  # the shadow's fills planned at a followed token's end
         self.decay = 1.0 - 1.0 / memory
-        self.margin, self.probe = margin, probe
+        self.margin, self.probe, self.backoff = margin, probe, backoff
+        self._span = 0.0  # the last following's length (tokens)
+        self._ended = -1  # the token count when the last following ended (-1: none yet)
         self._queue = 0.0  # the shadow's link work left
         self._token_s = 0.0  # the shadow's predicted time of the current token
         self._pending: deque = deque()  # the shadow's background batches not yet landed
@@ -171,8 +175,12 @@ class Guard:
         if self.left:
             self.left -= 1
             self.followed += 1
+            if not self.left:
+                self._ended = self.tokens
         elif self.tokens > self.memory and self.other < self.own * (1.0 - self.margin):
-            self.left = self.probe
+            again = self._ended >= 0 and self.tokens - self._ended <= self.memory
+            self._span = self._span * self.backoff if again else float(self.probe)
+            self.left = int(round(self._span))
 
     def end_token(self) -> None:
         """A token ended (after ``decide`` and the policy's fills): the shadow's fills."""

@@ -125,11 +125,11 @@ class LookaheadConfig:
     ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0, ``fills`` ("values" or
     "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``, ``fill_window`` ("priced",
     "demand" or "idle"), ``fill_price`` >= 0, ``guard_memory`` 0 (no guard) or > 1 (tokens),
-    ``guard_margin`` in [0, 1), ``guard_probe`` >= 1 (tokens). The guard's fields default to the grid
-    configuration (``simulate.heldout.LOOKAHEAD_GRID``) that ``experiments/policies_eval.py``
-    chooses on its development set; ``fill_window``, ``fill_price`` and ``values`` to an earlier
-    grid's choice there; the other defaults and the module's constants were set by hand on that set;
-    the held-out figures are on test families that no tuning saw (docs/POLICIES.md).
+    ``guard_margin`` in [0, 1), ``guard_probe`` >= 1 (tokens), ``guard_backoff`` >= 1 (guard.py). The
+    guard's fields default to the grid configuration (``simulate.heldout.LOOKAHEAD_GRID``) that
+    ``experiments/policies_eval.py`` chooses on its development set; ``fill_window``, ``fill_price``
+    and ``values`` to an earlier grid's choice there; the other defaults and the module's constants
+    were set by hand on that set; the held-out figures are on test families no tuning saw.
     """
 
     confidence: float = 0.3
@@ -147,6 +147,7 @@ class LookaheadConfig:
     guard_memory: float = 32.0
     guard_margin: float = 0.01
     guard_probe: int = 32
+    guard_backoff: float = 1.0
 
     def __post_init__(self) -> None:
         if self.fills not in ("frequency", "values", "long"):
@@ -160,7 +161,8 @@ class LookaheadConfig:
                   "fill_share": 0.0 <= self.fill_share <= 1.0, "slack": self.slack >= 0.0,
                   "memory": self.memory > 1.0, "reuse_weight": self.reuse_weight >= 0.0,
                   "fill_price": self.fill_price >= 0.0, "guard_memory": self.guard_memory == 0.0 or self.guard_memory > 1.0,
-                  "guard_margin": 0.0 <= self.guard_margin < 1.0, "guard_probe": self.guard_probe >= 1}
+                  "guard_margin": 0.0 <= self.guard_margin < 1.0, "guard_probe": self.guard_probe >= 1,
+                  "guard_backoff": self.guard_backoff >= 1.0}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"lookahead {name}: {getattr(self, name)} out of range (see LookaheadConfig)")
@@ -595,8 +597,10 @@ class LookaheadPolicy(CostPlanner):
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
                  cost_model: CostModel | None = None, config: LookaheadConfig = LookaheadConfig()):
         full = Capacity.per_layer(geometry, geometry.max_experts)
-        # the forecaster: predict's statistics, fed every step; its own cache is never used
+        # the forecaster: predict's statistics, fed every step (only where prefetch, fills or values
+        # read it); its own cache is never used
         self.forecaster = PredictPolicy(geometry, full, None, PredictConfig(memory=config.memory, max_prefetch=0))
+        self._forecast = bool(config.max_prefetch) or config.fills == "frequency" or config.values == "forecast"
         L, E = geometry.num_layers, max(geometry.max_experts, 1)
         self._clock = np.zeros(L)  # steps of each layer so far
         self._last = np.full((L, E), -np.inf)  # the step of each expert's last use
@@ -614,7 +618,7 @@ class LookaheadPolicy(CostPlanner):
         super().__init__(geometry, capacity, profile, cost_model, config)
         if config.guard_memory:
             self.guard = Guard(geometry, capacity, cost_model, self.cache, profile, config.guard_memory,
-                               config.guard_margin, config.guard_probe)
+                               config.guard_margin, config.guard_probe, config.guard_backoff)
         cap = self.cache
         share = {p: sum(1 for l in geometry.moe_layers if cap.pool_of[l] == p) for p in set(cap.pool_of)}
         self._cap = [cap.size[cap.pool_of[l]] // max(share[cap.pool_of[l]], 1) if cap.pool_of[l] >= 0 else 0
@@ -670,7 +674,8 @@ class LookaheadPolicy(CostPlanner):
         self._last[layer, list(experts)] = self._clock[layer]
         self._freq[layer] *= 1.0 - 1.0 / SHADOW_MEMORY
         self._freq[layer, list(experts)] += 1.0 / SHADOW_MEMORY
-        self.forecaster.commit(Decision(step, experts))
+        if self._forecast:
+            self.forecaster.commit(Decision(step, experts))
 
     def commit(self, d):
         super().commit(d)
@@ -689,4 +694,5 @@ class LookaheadPolicy(CostPlanner):
                     v = self._mode_value(mode, l, None)[:n]
                     self._fshadow[l][i] = self._fpending[l][i]
                     self._fpending[l][i] = set(np.argsort(-v, kind="stable")[:cap].tolist())
-        self.forecaster.commit_background(())
+        if self._forecast:
+            self.forecaster.commit_background(())

@@ -115,10 +115,6 @@ class PredictPolicy(BasePolicy):
         self.freq_stored = np.zeros((L, E))
         self.trans, self.seen = np.zeros((L, E, E)), np.zeros((L, E))
         self.cross, self.cseen = np.zeros((L, E, E)), np.zeros((L, E))
-        # row a of a layer's forecast, (counts[a] + prior * (freq + persist * [b == a] for the
-        # temporal one)) / (seen[a] + prior) in true units, refreshed when the statistics change
-        self.trans_rows, self.cross_rows = np.zeros((L, E, E)), np.zeros((L, E, E))
-        self.trans_rows[:] = self.persist * np.eye(E)  # nothing learnt: an expert recurs
         self.prev: list[tuple[int, ...]] = [()] * L  # each layer's last committed experts
         self.above: tuple[int, ...] = ()  # experts of the last committed step (any layer)
         self._unlearnt: list[tuple] = []  # (layer, experts, its prev, the step above) this token
@@ -131,23 +127,31 @@ class PredictPolicy(BasePolicy):
         """The layer's decayed routes per step, (max_experts,) (a fresh array)."""
         return self.freq_stored[layer] * self.scale[layer]
 
-    def _mix(self, rows: np.ndarray, layer: int, experts) -> np.ndarray:
+    def _mix(self, counts: np.ndarray, seen: np.ndarray, layer: int, experts, persist: float) -> np.ndarray:
+        """The mean over ``experts`` (rows a) of (counts[a] + prior * (freq + persist * [b == a]))
+        / (seen[a] + prior), in true units; only the rows asked for are computed (nothing learnt:
+        the temporal rows say an expert recurs, the cross-layer rows are 0)."""
         idx = list(experts)
         if not idx:
             return self.frequency(layer)
-        q = rows[idx].sum(axis=0)  # (E,)
+        s = self.scale[layer]
+        num = counts[layer, idx] * s + (self.prior * s) * self.freq_stored[layer]  # (n, E)
+        if persist:
+            num[np.arange(len(idx)), idx] += self.prior * persist
+        num /= (seen[layer, idx] * s + self.prior)[:, None]
+        q = num.sum(axis=0)  # (E,)
         q *= 1.0 / len(idx)
         return q
 
     def forecast(self, layer: int, experts) -> np.ndarray:
         """Temporal forecast: expected routes of each expert at ``layer``'s next step after one
         that routed ``experts`` (a fresh (max_experts,) array; reads the statistics only)."""
-        return self._mix(self.trans_rows[layer], layer, experts)
+        return self._mix(self.trans, self.seen, layer, experts, self.persist)
 
     def forecast_below(self, layer: int, experts) -> np.ndarray:
         """Cross-layer forecast: expected routes of each expert at ``layer`` in a token whose
         previous MoE step routed ``experts``."""
-        return self._mix(self.cross_rows[layer], layer, experts)
+        return self._mix(self.cross, self.cseen, layer, experts, 0.0)
 
     # steps -----------------------------------------------------------------------------------
     def plan(self, step: Step) -> Decision:
@@ -243,38 +247,25 @@ class PredictPolicy(BasePolicy):
             steps = rest
 
     def _learn_group(self, group: list[tuple]) -> None:
+        """Each step of ``group`` (distinct layers) decays its layer (one number, ``scale``) and
+        adds its routes: k entries of ``freq`` and ``seen``, k x k of ``counts`` per statistic."""
         arrays = (self.freq_stored, self.trans, self.seen, self.cross, self.cseen)
-        E, keep, n = self.freq_stored.shape[1], 1.0 - 1.0 / self.memory, len(group)
-        layers = [st[0] for st in group]
-        inc = np.empty(n)
-        for i, l in enumerate(layers):
+        keep = 1.0 - 1.0 / self.memory
+        for l, now, prev, above in group:
             s = self.scale[l] * keep
             if s < 1e-200:  # rescale before the stored values overflow
                 for a in arrays:
                     a[l] *= s
                 s = 1.0
             self.scale[l] = s
-            inc[i] = 1.0 / s
-
-        def onehot(col: int) -> np.ndarray:  # (n, E): the experts of each step's field ``col``
-            m = np.zeros(n * E)
-            m[[i * E + e for i, st in enumerate(group) for e in st[col]]] = 1.0
-            return m.reshape(n, E)
-
-        now, prev, above = onehot(1), onehot(2), onehot(3)
-        w = inc[:, None]
-        self.freq_stored[layers] += (w / self.memory) * now
-        for counts, seen, before in ((self.trans, self.seen, prev), (self.cross, self.cseen, above)):
-            seen[layers] += w * before
-            counts[layers] += (w * before)[:, :, None] * now[:, None, :]  # (n, E, E)
-        s = np.asarray([self.scale[l] for l in layers])[:, None]  # (n, 1)
-        f = (self.prior * s) * self.freq_stored[layers]  # (n, E): prior * true frequency
-        eye = (self.prior * self.persist) * np.eye(f.shape[1])
-        for counts, seen, rows, own in ((self.trans, self.seen, self.trans_rows, eye),
-                                        (self.cross, self.cseen, self.cross_rows, 0.0)):
-            num = counts[layers] * s[:, :, None] + f[:, None, :] + own  # (n, E, E)
-            num /= (seen[layers] * s + self.prior)[:, :, None]
-            rows[layers] = num
+            w = 1.0 / s
+            now = list(now)
+            self.freq_stored[l, now] += w / self.memory
+            for counts, seen, before in ((self.trans, self.seen, prev), (self.cross, self.cseen, above)):
+                if before:
+                    before = list(before)
+                    seen[l, before] += w
+                    counts[l][np.ix_(before, now)] += w
 
     # prefetch --------------------------------------------------------------------------------
     def plan_prefetch(self, step: Step) -> tuple[Move, ...]:

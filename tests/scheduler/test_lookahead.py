@@ -270,3 +270,28 @@ def test_priced_fills_cost_the_last_token_no_more_than_their_worth():
 
         _replay_tokens(pol, toks, check)
         assert sum(sent) > 0  # free-slot fills into an idle link cost nothing, even at price 0
+
+
+def test_the_guard_follows_longer_each_time_it_is_called_back_soon():
+    """guard_backoff: following that starts again within guard_memory tokens of the last ending lasts
+    backoff times the last; after guard_memory tokens of its own planning, guard_probe again."""
+    g, _ = _tokens()
+    with pytest.raises(ValueError, match="guard_backoff"):
+        LookaheadConfig(guard_backoff=0.5)
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 4), cost_model=_cm(g.num_layers), guard_memory=4.0,
+                      guard_margin=0.1, guard_probe=3, guard_backoff=2.0)
+    guard, spans = pol.guard, []
+    for _ in range(40):
+        was = guard.left
+        guard.decide(1.0)  # the shadow predicts 0 s a token: always faster
+        if guard.left and not was:
+            spans.append(guard.left)
+    assert spans[:3] == [3, 6, 12]
+    guard.own = guard.other = 0.0
+    while guard.left:
+        guard.decide(0.0)
+    for _ in range(5):  # longer than guard_memory planning its own, not slower
+        guard.decide(0.0)
+        assert guard.left == 0
+    guard.decide(1.0)
+    assert guard.left == 3
