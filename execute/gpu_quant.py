@@ -19,9 +19,13 @@ up as ``qmatmul_q1`` (2 rows of each per warp), the down projection a warp per e
 ``h`` from its rows in shared memory. Batches (``qmoe_gate_up``, ``qmoe_down``): tensor cores
 (``mma.m16n8k16``) on the tile's quants decoded to exact f16 once per 64 tokens and inputs as two
 f16 halves, each 32 weights' sums scaled in float32 (relative error of a product ~1e-7).
+``ONE_VARIANTS``: the one-token kernels reading weights straight from global memory, the type
+dispatched once per kernel (``qmoe1_*_g``). The source lies in ``gpu_quant.cu`` and the four
+``gpu_quant_*.cu`` parts it includes (:func:`source` inlines them).
 """
 from __future__ import annotations
 
+import re
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
     import cupy as cp
 
 __all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_VARIANTS", "Experts", "kernel", "kernel_info", "matmul",
-           "tables"]
+           "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
@@ -53,6 +57,14 @@ def tables() -> dict[str, np.ndarray]:
             "g_iq1n": (iq1 - 1).astype(np.int8), "g_iq4nl": G.IQ4_NL_VALUES, "g_ksigns": G.KSIGNS}
 
 
+def source() -> str:
+    """gpu_quant.cu with its parts (``#include "gpu_quant_*.cu"`` lines) inlined: the text NVRTC
+    compiles (and CuPy's cache keys on)."""
+    root = resources.files(__package__)
+    return re.sub(r'^#include "(gpu_quant_\w+\.cu)"$', lambda m: root.joinpath(m.group(1)).read_text(),
+                  root.joinpath("gpu_quant.cu").read_text(), flags=re.M)
+
+
 def _module(defines: tuple[str, ...] = ()) -> cp.RawModule:
     """gpu_quant.cu compiled once per process and set of ``-D`` ``defines`` (about a minute the
     first time; CuPy caches it), its tables uploaded."""
@@ -60,8 +72,7 @@ def _module(defines: tuple[str, ...] = ()) -> cp.RawModule:
     if mod is None:
         import cupy as cp
 
-        src = resources.files(__package__).joinpath("gpu_quant.cu").read_text()
-        mod = cp.RawModule(code=src, options=("-std=c++14", *(f"-D{d}" for d in defines)))
+        mod = cp.RawModule(code=source(), options=("-std=c++14", *(f"-D{d}" for d in defines)))
         blocks = np.zeros((64, 2), np.int32)  # g_block: (weights, bytes) of a block, by type id
         for t, q in Q.LAYOUTS.items():
             blocks[t] = (q.block_weights, q.block_bytes)
@@ -81,13 +92,15 @@ def kernel(name: str, defines: tuple[str, ...] = ()) -> cp.RawKernel:
 def kernel_info(name: str, block: int, defines: tuple[str, ...] = ()) -> dict[str, int]:
     """Registers, local (stack) bytes per thread, static shared bytes, and resident blocks per SM
     of ``block`` threads (the driver's occupancy) of a gpu_quant.cu kernel."""
-    import cupy as cp
+    import ctypes
 
     k = kernel(name, defines)
     a = k.attributes
-    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, block, 0)
+    n = ctypes.c_int(-1)
+    ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(n), ctypes.c_void_p(k.kernel.ptr), ctypes.c_int(block), ctypes.c_size_t(0))
     return {"regs": a["num_regs"], "local_bytes": a["local_size_bytes"], "smem_bytes": a["shared_size_bytes"],
-            "blocks_per_sm": per_sm}
+            "blocks_per_sm": n.value}
 
 
 def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: cp.ndarray | None = None,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from execute import quant as Q
+from execute.gpu_quant import source as gpu_quant_source
 from execute.experts import ExpertTensor, LayerExperts
 
 from .conftest import biased, biased_reference, cupy_or_skip, tiny_config
@@ -43,7 +44,7 @@ def _params(src: str, name: str) -> list[str]:
 def test_expert_kernels_take_the_arena_kernels_arguments(name):
     """GpuExperts launches qmoe_* with the argument blocks it builds for moe_*: same parameters."""
     arena = (ROOT / "execute" / "gpu_kernels.cu").read_text()
-    generic = (ROOT / "execute" / "gpu_quant.cu").read_text()
+    generic = gpu_quant_source()
     assert _params(generic, "q" + name) == _params(arena, name)
     nargs = {"moe_gate_up": 18, "moe_down": 12, "moe1_gate_up": 13, "moe1_down_combine": 10}[name]
     assert len(_params(arena, name)) == nargs + name.startswith("moe1")  # + the by-value pair table

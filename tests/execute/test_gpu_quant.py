@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from execute import quant as Q
+from execute.gpu_quant import source as gpu_quant_source
 
 ROOT = Path(__file__).parents[2]
 ALL = sorted(Q.LAYOUTS)
@@ -29,7 +30,7 @@ def test_kernels_decode_every_layout():
     the float types weight by weight; its block constants agree with quant.LAYOUTS."""
     from execute.gpu_quant import FLOAT_QTYPES
 
-    src = (ROOT / "execute" / "gpu_quant.cu").read_text()
+    src = gpu_quant_source()
     assert set(FLOAT_QTYPES) == set(FLOAT)
     assert {int(c) for c in re.findall(r"case (\d+): return", src)} == set(FLOAT)
     assert {int(c) for c in re.findall(r"C\((\d+)\)", src)} == set(QUANT)
@@ -42,7 +43,7 @@ def test_tables_fit_the_kernels_declarations():
     bytes without borrows only then)."""
     from execute.gpu_quant import tables
 
-    src = (ROOT / "execute" / "gpu_quant.cu").read_text()
+    src = gpu_quant_source()
     for name, arr in tables().items():
         m = re.search(r"(uint32_t|uint8_t) " + name + r"\[([0-9 *]+)\];", src)
         assert m, name
