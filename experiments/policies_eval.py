@@ -17,6 +17,7 @@ import dataclasses
 import io
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,24 +31,13 @@ from scheduler.policies import LookaheadConfig  # noqa: E402
 from scheduler.policies import lookahead as la  # noqa: E402
 from scheduler.policies.prefetch import PREFETCH_GRID  # noqa: E402
 from simulate.evaluate import BASELINES, SYNTH_FAMILIES, Case, summary, synthetic_cases, trace_model  # noqa: E402
-from simulate.heldout import (ABOUT, LOOKAHEAD_GRID, RETIRED, TEST_FAMILIES, TEST_SEED, ceiling, evaluate,  # noqa: E402
-                              held_out_cases, retired_cases, verdict)
+from simulate.heldout import (ABOUT, LITE, LOOKAHEAD_GRID, RETIRED, SEED4, SEED4_FAMILIES, TEST_FAMILIES,  # noqa: E402
+                              TEST_SEED, ceiling, evaluate, grid_summary, held_out_cases, retired_cases, verdict)
 from traces import load  # noqa: E402
 from traces.importers import import_trace  # noqa: E402
 
-SWITCH = ROOT / "tests" / "traces" / "data" / "switch-base-8" / "router-trace.v2.json"
-HARDWARE = ("h200-xeon16", "rtx4060-laptop")
+SWITCH, HARDWARE = ROOT / "tests" / "traces" / "data" / "switch-base-8" / "router-trace.v2.json", ("h200-xeon16", "rtx4060-laptop")
 ROWS = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead", "static", "belady", "oracle")
-SEED4 = 4
-# the second held-out set, fixed before any run of it (name, layers, experts, top-k, the SynthParams fields _P)
-_P = ("zipf_s", "reuse_prob", "cross_layer", "topic_concentration", "topic_shift_prob", "reuse_lag_tokens")
-SEED4_FAMILIES = tuple((n, L, E, k, dict(zip(_P, p))) for n, L, E, k, *p in (
-    ("held k1 e32 steep long-lag", 18, 32, 1, 1.6, 0.5, 0.4, 1.0, 0.01, 5.0),
-    ("held k2 e48 mid-reuse drift", 14, 48, 2, 0.9, 0.45, 0.65, 0.6, 0.15, 2.0),
-    ("held k3 e12 flat strong-reuse", 24, 12, 3, 0.3, 0.75, 0.35, 1.0, 0.01, 2.0),
-    ("held k5 e80 weak-reuse very-high-cross", 10, 80, 5, 1.3, 0.15, 0.98, 2.5, 0.01, 2.0),
-    ("held k6 e24 steep strong-reuse fast-drift", 16, 24, 6, 2.2, 0.65, 0.5, 1.0, 0.35, 1.2),
-    ("held k8 e160 flat-topics no-cross", 8, 160, 8, 0.6, 0.35, 0.0, 0.1, 0.01, 4.0)))
 HELD = ((TEST_SEED, TEST_FAMILIES), (SEED4, SEED4_FAMILIES))
 TUNED = {"lookahead": LOOKAHEAD_GRID, "hybrid-cost": PREFETCH_GRID}  # predict: its dataclass default
 FIXED = {k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if all(k not in g for g in LOOKAHEAD_GRID)}
@@ -61,7 +51,7 @@ def dev_cases(limit: int | None) -> list[Case]:
             + synthetic_cases(limit or 192) + retired_cases(limit or 192))
 
 
-def held_cases(limit: int | None) -> dict[int, list[Case]]:
+def held_cases(limit: int | None) -> dict[int, list[Case]]:  # {seed: its cases}
     return {seed: held_out_cases(limit or 192, seed, fams) for seed, fams in HELD}
 
 
@@ -126,7 +116,7 @@ def full_tables(res, cs, hardware) -> list[str]:
     return out
 
 
-def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple[str, str]:
+def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> tuple[str, str]:
     """(docs/POLICIES.md: method, the targets per set, limits, command; RUN/README.md: the rest)."""
     cfg = TUNED["lookahead"][chosen["lookahead"][0]]
     same = all(getattr(LookaheadConfig(), k) == v for k, v in cfg.items())
@@ -151,24 +141,32 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple
             "(lookahead - lru) / (oracle - lru); `oracle` (lookahead's planner fed the future) is the ceiling.",
             f"- *Development set*: granite, switch-base-8, {len(dev) - 2} synthetic families (seeds 0-2; 1 and 2 "
             "were earlier test sets). lookahead's design, constants and guard were settled there, and its default "
-            f"chosen there among {len(TUNED['lookahead'])} guard settings by geometric-mean tokens/s over lru.",
+            f"chosen there among {len(TUNED['lookahead'])} configurations by geometric-mean tokens/s over lru.",
             f"- *Held out, seed {TEST_SEED}*: {sets(tests[TEST_SEED])}. Run after each change of lookahead; its "
             "misses of the first target (where lookahead followed hybrid) were inspected to make following exact.",
             f"- *Held out, seed {SEED4}*: {sets(tests[SEED4])}. Fixed before any run of it, run once after the "
             "default was chosen.",
             "- *Guard*: lookahead prices a shadow `hybrid` with its own timing model; while the shadow is predicted "
             "faster it follows hybrid (no prefetch or fills of its own), evicting first what hybrid's cache lacks, "
-            "and once both caches hold the same experts it makes exactly hybrid's decisions and moves.",
+            "and once both caches hold the same experts it makes exactly hybrid's decisions and moves; called back "
+            "within `guard_memory` tokens of its last following, it follows `guard_backoff` times as long.",
             "", "## Targets", ""]
     below = lambda rows: "; ".join(f"{r['case']} {r['hardware']} {r['slots']} ({r['x_best']:.3f})" for r in sorted(
         (r for r in rows if r["x_best"] is not None and r["x_best"] < 1.0), key=lambda r: r["x_best"])) or "none"
     labels = [("development (tuning)", dev_rows)] + [(f"held out, seed {s}", rows[s]) for s in tests]
     hc = [(l, summary(tuned, cs, hardware, "hybrid-cost")) for (l, _), cs in zip(labels, [dev, *tests.values()])]
+    grid = grid_summary(raw, dev, hardware, "lookahead", TUNED["lookahead"])
+    lite, top = grid[TUNED["lookahead"].index(LITE)], grid[chosen["lookahead"][0]]
+    us = lambda p: statistics.median(r["plan_us"] for k, r in tuned.items() if k[3] == p and r is not None)
+    plan = ("Planning, the policy's own CPU time per layer step (`drive`'s work; median over the run, on a shared "
+            "machine): " + ", ".join(f"`{p}` {us(p):.0f} us" for p in ROWS) + f". lookahead's cheap form (`{LITE}`) "
+            f"keeps {100 * (lite[1] - 1) / (top[1] - 1):.0f}% of its gain over lru on the development set (x{lite[1]:.4f}"
+            f" against x{top[1]:.4f}) at {lite[4]:.0f} against {top[4]:.0f} us (every configuration: the run's README).")
     page += targets_table(labels, hardware) + ["", "Below 1.0x max(lru, hybrid): " + "; ".join(
         f"{l}: {below(r)}" for l, r in labels) + ".", "", f"`hybrid-cost` with its prefetch setting chosen on the "
         f"development set (`{TUNED['hybrid-cost'][chosen['hybrid-cost'][0]]}`; scheduler/policies/prefetch.py), the "
         "same targets (simulated; off by default, `HybridCostConfig`: the executor on the H200 ran slower with it, "
-        "docs/PERF.md):", ""] + targets_table(hc, hardware) + ["", ceil, "", "## Known limits", "",
+        "docs/PERF.md):", ""] + targets_table(hc, hardware) + ["", ceil, "", plan, "", "## Known limits", "",
         "- Every held-out family is synthetic, from the generator (`traces.synth`) of the development set's; the "
         "two real traces are development data. Every trace is priced with granite's expert sizes.",
         "- lookahead's fixed constants (" + ", ".join(f"`{k}`={v}" for k, v in FIXED.items()) + ") were set on "
@@ -184,7 +182,10 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir) -> tuple
                "default) of the grid " + "; ".join(f"#{i} `{g}`" for i, g in enumerate(TUNED["lookahead"])) +
                "; per development trace without it: " + "; ".join(f"{c} #{i}" for c, i in per_trace)
                + ".", "", "hybrid-cost: " + "; ".join(f"#{i} `{g}`" for i, g in enumerate(hcg)) + f"; chosen #{hci}; "
-               "per development trace without it: " + "; ".join(f"{c} #{i}" for c, i in hc_held.items()) + ".", ""]
+               "per development trace without it: " + "; ".join(f"{c} #{i}" for c, i in hc_held.items()) + ".", "",
+               "lookahead's grid on the development set:", "", "| # | configuration | tokens/s over lru (geometric "
+               "mean) | >= max(lru, hybrid) | planning, CPU us per layer step (median) |", "|---" * 5 + "|"]
+    readme += [f"| {i} | `{g}` | {x:.4f} | {b} of {n} | {t:.0f} |" for i, (g, x, b, n, t) in enumerate(grid)] + [""]
     readme += [x for seed in tests for x in [f"## Held out: seed {seed}", ""] + run_table(rows[seed], tuned) + [""]]
     readme += ["## Development set", "", "Chosen with each trace in; the last column: the grid's choice without "
                "the trace (lookahead / lru).", ""] + run_table(dev_rows, tuned, ("grid held out", loto_cell))
@@ -218,14 +219,14 @@ def main(argv=None) -> int:
     dev, tests = dev_cases(a.tokens), held_cases(a.tokens)
     log = None if a.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     tuned, held, chosen = evaluate(dev, [c for cs in tests.values() for c in cs], hardware, TUNED,
-                                   tuple(b for b in BASELINES + ("predict",) if b not in TUNED), progress=log)
+                                   tuple(b for b in BASELINES + ("predict",) if b not in TUNED), log, raw := {})
     cmd = ("python experiments/policies_eval.py" + (f" --tokens {a.tokens}" if a.tokens else "")
            + (f" --hardware {a.hardware}" if tuple(hardware) != HARDWARE else ""))
     shown = os.path.relpath(run_dir.resolve(), out.resolve().parent)
-    page, readme = render(tuned, held, chosen, dev, tests, hardware, cmd, shown)
+    page, readme = render(tuned, held, chosen, dev, tests, hardware, cmd, shown, raw)
     run_dir.mkdir(exist_ok=True)
     fields = ("set", "case", "hardware", "slots", "policy", "tokens_per_s", "hit_rate", "demand_hit_rate",
-              "moved_per_token", "late_hits")
+              "moved_per_token", "late_hits", "plan_us")
     w = csv.DictWriter(buf := io.StringIO(), fields, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     kind = {c.name: f"test{seed}" for seed, cs in tests.items() for c in cs} | {c.name: "dev" for c in dev}

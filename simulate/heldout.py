@@ -15,6 +15,7 @@ online policy beats ``oracle``.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Callable, Sequence
 
@@ -24,7 +25,8 @@ from scheduler.costs import DEFAULT_MODEL
 
 from .evaluate import BASELINES, Case, run_set, select, trace_model, view
 
-__all__ = ["LOOKAHEAD_GRID", "TEST_SEED", "TEST_FAMILIES", "RETIRED", "RETIRED_FAMILIES", "retired_cases", "ONLINE", "ABOUT", "held_out_cases", "evaluate", "verdict", "ceiling"]
+__all__ = ["LOOKAHEAD_GRID", "LITE", "SEED4", "SEED4_FAMILIES", "TEST_SEED", "TEST_FAMILIES", "RETIRED", "RETIRED_FAMILIES", "retired_cases", "ONLINE", "ABOUT", "held_out_cases", "evaluate", "verdict", "ceiling",
+           "grid_summary"]
 
 TEST_SEED = 3
 # (name, layers, experts, top-k, SynthParams fields): geometries (top-3, 24 or 96 experts, 20 layers)
@@ -74,11 +76,24 @@ RETIRED = (
     )),
 )
 RETIRED_FAMILIES = tuple(f for _, fams in RETIRED for f in fams)
+# the second held-out set, fixed before any run of it (name, layers, experts, top-k, the SynthParams fields _P)
+SEED4 = 4
+_P = ("zipf_s", "reuse_prob", "cross_layer", "topic_concentration", "topic_shift_prob", "reuse_lag_tokens")
+SEED4_FAMILIES = tuple((n, L, E, k, dict(zip(_P, p))) for n, L, E, k, *p in (
+    ("held k1 e32 steep long-lag", 18, 32, 1, 1.6, 0.5, 0.4, 1.0, 0.01, 5.0),
+    ("held k2 e48 mid-reuse drift", 14, 48, 2, 0.9, 0.45, 0.65, 0.6, 0.15, 2.0),
+    ("held k3 e12 flat strong-reuse", 24, 12, 3, 0.3, 0.75, 0.35, 1.0, 0.01, 2.0),
+    ("held k5 e80 weak-reuse very-high-cross", 10, 80, 5, 1.3, 0.15, 0.98, 2.5, 0.01, 2.0),
+    ("held k6 e24 steep strong-reuse fast-drift", 16, 24, 6, 2.2, 0.65, 0.5, 1.0, 0.35, 1.2),
+    ("held k8 e160 flat-topics no-cross", 8, 160, 8, 0.6, 0.35, 0.0, 0.1, 0.01, 4.0)))
 # lookahead's grid, chosen among on the development set: its guard (scheduler.policies.guard):
-# the window it compares over (tokens, 0: no guard), the margin, the tokens it then follows hybrid
-LOOKAHEAD_GRID = tuple({"guard_memory": m, "guard_margin": g, "guard_probe": p}
-                       for m, g, p in ((32.0, 0.01, 32), (0.0, 0.0, 32), (16.0, 0.0, 32), (16.0, 0.02, 32),
-                                       (32.0, 0.005, 16), (48.0, 0.005, 32)))
+# the window it compares over (tokens, 0: no guard), the margin, the tokens it then follows
+# hybrid, the backoff; and LITE, the cheap form (no guard, recency values, no prefetch: no
+# forecaster, no shadows), there for its cost against its gain
+LITE = {"guard_memory": 0.0, "values": "recency", "max_prefetch": 0}
+LOOKAHEAD_GRID = tuple({"guard_memory": m, "guard_margin": g, "guard_probe": p, "guard_backoff": b}
+                       for m, g, p, b in ((32.0, 0.01, 32, 2.0), (32.0, 0.01, 32, 1.0), (0.0, 0.0, 32, 1.0),
+                                          (16.0, 0.02, 32, 2.0), (32.0, 0.005, 16, 2.0))) + (LITE,)
 # one paragraph per policy, for the reports
 ABOUT = {
     "lru": "Every miss uploaded; the least recently used resident the step does not use evicted.",
@@ -124,11 +139,15 @@ def retired_cases(num_tokens: int = 192, base: str = DEFAULT_MODEL) -> list[Case
 
 
 def evaluate(dev: Sequence[Case], test: Sequence[Case], hardware: Sequence[str], grids: dict,
-             baselines=BASELINES + ("predict",), progress: Callable[[str], None] | None = None):
+             baselines=BASELINES + ("predict",), progress: Callable[[str], None] | None = None,
+             raw: dict | None = None):
     """(results, held, chosen): ``results`` {(case, hardware, slots, policy): measure} with each
     family in ``grids`` at its default (the development set's choice) on every case; ``held`` the
-    development cases with each family at its choice without the case; ``chosen`` ``select``'s."""
+    development cases with each family at its choice without the case; ``chosen`` ``select``'s.
+    ``raw`` (a dict) receives every development run, each grid entry labelled ``name#i``."""
     res = run_set(dev, hardware, baselines=baselines, grids=grids, progress=progress)
+    if raw is not None:
+        raw.update(res)
     chosen = select(res, dev, hardware, grids=grids)
     results, held = view(res, chosen, False), view(res, chosen, True)
     if test:
@@ -162,3 +181,17 @@ def ceiling(*results: dict, online=ONLINE) -> tuple[int, list[tuple]]:
                 if r["tokens_per_s"] > top["tokens_per_s"] * (1 + 1e-9):
                     bad.append((c, h, s, p))
     return n, bad
+
+
+def grid_summary(raw: dict, cases: Sequence[Case], hardware: Sequence[str], name: str, grid) -> list[tuple]:
+    """Per entry of family ``name``'s ``grid`` over ``cases`` in ``raw`` (``evaluate``'s): (entry,
+    geometric-mean tokens/s over lru, runs >= max(lru, hybrid), runs, median ``plan_us``)."""
+    keys = [(c.name, h, s) for c in cases for h in hardware for s in c.slots]
+    out = []
+    for i, g in enumerate(grid):
+        rs = [(raw[k + (f"{name}#{i}",)], raw[k + ("lru",)], raw[k + ("hybrid",)]) for k in keys]
+        rs = [(r, a["tokens_per_s"], b["tokens_per_s"]) for r, a, b in rs if r and a and b]
+        geo = math.exp(sum(math.log(r["tokens_per_s"] / a) for r, a, _ in rs) / len(rs)) if rs else math.nan
+        out.append((g, geo, sum(r["tokens_per_s"] >= max(a, b) for r, a, b in rs), len(rs),
+                    statistics.median(r["plan_us"] for r, _, _ in rs) if rs else math.nan))
+    return out

@@ -11,8 +11,8 @@ their link time (the first ``memory`` tokens are only measured: from cold caches
 later look slow), and from that token's fills on, for ``probe`` tokens, it *follows* hybrid, with
 no prefetch and no held-over fills of its own. Following that starts again within ``memory`` tokens
 of the last ending lasts ``backoff`` times as long as the last (each return to its own planning
-costs the tokens it takes the decayed comparison to see the loss again); else ``probe``. Following has two stages. While the policy's cache
-holds other experts than the shadow's, a second ``hybrid`` that shares the policy's cache (and has
+costs the tokens it takes the decayed comparison to see the loss again); else ``probe``.
+Following has two stages. While the policy's cache holds other experts than the shadow's, a second ``hybrid`` that shares the policy's cache (and has
 observed every step it committed) makes each step's decision and each token's fills, its first
 victims the residents the shadow's cache lacks (so its uploads bring the cache to the shadow's, at
 no link time beyond hybrid's own). Once both caches hold the same experts, in flight alike

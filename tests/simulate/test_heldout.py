@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from simulate.evaluate import measure, summary, synthetic_cases
-from simulate.heldout import (LOOKAHEAD_GRID, ONLINE, RETIRED_FAMILIES, TEST_FAMILIES, TEST_SEED, ceiling, evaluate,
-                              held_out_cases, retired_cases, verdict)
+from simulate.heldout import (LITE, LOOKAHEAD_GRID, ONLINE, RETIRED_FAMILIES, TEST_FAMILIES, TEST_SEED, ceiling,
+                              evaluate, grid_summary, held_out_cases, retired_cases, verdict)
 
 
 def _row(x_lru, x_best, gap, smallest):
@@ -52,7 +52,20 @@ def test_the_grid_configurations_are_valid_and_distinct():
     from scheduler.policies import LookaheadConfig
 
     configs = [LookaheadConfig(**g) for g in LOOKAHEAD_GRID]
-    assert len(set(configs)) == len(configs) and LookaheadConfig() in configs
+    assert len(set(configs)) == len(configs) and LookaheadConfig() in configs and LITE in LOOKAHEAD_GRID
+
+
+def test_grid_summary_counts_each_entry_against_lru_and_hybrid():
+    run = lambda tps, us=1.0: {"tokens_per_s": tps, "plan_us": us}
+    case = synthetic_cases(4)[0]
+    raw = {}
+    for s, (lru, hyb, a, b) in zip(case.slots, ((100.0, 110.0, 121.0, 100.0), (100.0, 90.0, 100.0, 81.0))):
+        raw.update({(case.name, "h", s, "lru"): run(lru), (case.name, "h", s, "hybrid"): run(hyb),
+                    (case.name, "h", s, "x#0"): run(a, 5.0), (case.name, "h", s, "x#1"): run(b, 3.0)})
+    (g0, geo0, best0, n0, us0), (_, geo1, best1, _, _) = grid_summary(raw, [case], ["h"], "x", ({"a": 0}, {"a": 1}))
+    assert g0 == {"a": 0} and n0 == 2 and us0 == 5.0
+    assert geo0 == pytest.approx(1.1) and best0 == 2  # 1.21 and 1.0: at or above max(lru, hybrid) both times
+    assert geo1 == pytest.approx(0.9) and best1 == 0
 
 
 def test_the_default_is_chosen_on_the_development_cases_and_run_on_the_test_cases():
