@@ -19,7 +19,8 @@
   gating and forced routes stay on the host; a chunk with a non-finite logit too;
 - GQA attention: q/k norm + RoPE + KV append in one launch that writes q in the product's layout
   (``pd_qk_rope_kv``), the scores by one batched float32 cuBLAS product, the scale, causal/sliding
-  mask, sinks and softmax in one launch (``pd_softmax``), the values by one batched product.
+  mask, sinks and softmax in one launch (``pd_softmax``), the values by one batched product (both
+  batched products called on cuBLAS directly, ``cublasGemmStridedBatchedEx`` on the cache in place).
 
 Numerics: float32 everywhere but the projections' ~22-bit activation halves and the float64
 routing; results agree with the CuPy path to float32 rounding (GPU tests). ``MOELAB_PREFILL_DENSE``
@@ -65,7 +66,7 @@ def warm_library(info, t: int, cache_len: int) -> None:
     """The library side of a chunk's first run for a GQA model of ``info``'s shapes on ``t`` tokens
     (a KV cache of ``cache_len`` positions), on zeros on a private stream: cuBLAS's products of the
     projections' shapes (f16, as :meth:`ChunkDense._gemm`) and of the router's and attention's
-    (float32, batched) and the CuPy element-wise kernels around them, so that their first uses
+    (float32; batched as :meth:`ChunkDense._bgemm`) and the CuPy element-wise kernels around them, so that their first uses
     (cuBLAS's set-up, kernel loads) are paid on the thread that calls this, e.g. while the main
     thread loads weights (``execute.first_token.GpuInit``). Nothing is kept; the results are
     discarded. The chunk path's own kernels (``prefill_dense.cu``) are not touched."""
@@ -85,9 +86,14 @@ def warm_library(info, t: int, cache_len: int) -> None:
         x = x + np.float32(1.0) * (x @ cp.zeros((experts, hidden), cp.float32).T)[:, :1]
         g = max(nh // nkv, 1)
         q = cp.zeros((nkv, t, g, hd), cp.float32)
-        keys = cp.zeros((nkv, n, hd), cp.float32)[:, :t]  # the cache's layout: a slice of n positions
-        sc = cp.ascontiguousarray(q.reshape(nkv, t * g, hd) @ keys.transpose(0, 2, 1))
-        o = (sc @ keys).reshape(nkv, t, g, hd).transpose(1, 0, 2, 3).reshape(t, nh * hd)
+        kc = cp.zeros((nkv, n, hd), cp.float32)  # the cache's layout: the first t of n positions
+        sc = cp.empty((nkv, t * g, t), cp.float32)
+        ChunkDense._bgemm(_OP_T, t, t * g, hd, kc.data.ptr, hd, n * hd, q.data.ptr, hd, t * g * hd, sc.data.ptr, t,
+                          t * g * t, nkv)
+        o = cp.empty((nkv, t, g, hd), cp.float32)
+        ChunkDense._bgemm(_OP_N, hd, t * g, t, kc.data.ptr, hd, n * hd, sc.data.ptr, t, t * g * t, o.data.ptr, hd,
+                          t * g * hd, nkv)
+        o = o.transpose(1, 0, 2, 3).reshape(t, nh * hd)
         _f32c(o.astype(cp.float64))
     s.synchronize()
     cp.get_default_memory_pool().free_all_blocks(stream=s)
@@ -189,6 +195,27 @@ class ChunkDense:
             if mode != _PTR_HOST:
                 cublas.setPointerMode(h, mode)
 
+    @staticmethod
+    def _bgemm(op_a: int, m: int, n: int, k: int, a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int,
+               c: int, ldc: int, stride_c: int, batch: int) -> None:
+        """``batch`` float32 products in cuBLAS's column-major terms, C (m, n) = op_a(A) B (B not
+        transposed; addresses and strides in elements of 4 bytes): row-major ``c[i] = b[i] . a[i]^T``
+        (op T) or ``b[i] . a[i]`` (op N), as CuPy's batched matmul, without its dispatch."""
+        from cupy_backends.cuda.libs import cublas
+
+        h = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(h, cp.cuda.get_current_stream().ptr)
+        mode = cublas.getPointerMode(h)
+        if mode != _PTR_HOST:
+            cublas.setPointerMode(h, _PTR_HOST)
+        try:
+            cublas.gemmStridedBatchedEx(h, op_a, _OP_N, m, n, k, _ONE.ctypes.data, a, _CUDA_R_32F, lda, stride_a,
+                                        b, _CUDA_R_32F, ldb, stride_b, _ZERO.ctypes.data, c, _CUDA_R_32F, ldc,
+                                        stride_c, batch, _COMPUTE_32F, _GEMM_DEFAULT)
+        finally:
+            if mode != _PTR_HOST:
+                cublas.setPointerMode(h, mode)
+
     # routing ---------------------------------------------------------------------------------------
     @staticmethod
     def routes(info, exp_probs_b) -> bool:
@@ -210,7 +237,7 @@ class ChunkDense:
         if self._route_buf is None or self._route_buf.size < nbytes:  # reused: each call waits for its copy
             self._route_buf = cp.empty(max(nbytes, 1 << 16), cp.uint8)
         buf = self._route_buf[:nbytes]
-        buf[wb + ib:].fill(0)
+        cp.cuda.runtime.memsetAsync(buf.data.ptr + wb + ib, 0, 4, cp.cuda.get_current_stream().ptr)
         wts, ids = buf[:wb].view(cp.float64), buf[wb:wb + ib].view(cp.int32)
         bad = buf[wb + ib:].view(cp.int32)
         self._route((t,), (128,), (logits, bias if bias is not None else np.uint64(0), np.int32(e), np.int32(k),
@@ -257,13 +284,18 @@ class ChunkDense:
                   model.rope_cos, model.rope_sin, np.int32(pos), q, kc, vc, np.int32(n)))
         swa = info.is_swa(l)
         lo = max(0, pos + 1 - info.sliding_window) if swa else 0
-        keys, vals = kc[:, lo:pos + t], vc[:, lo:pos + t]  # (kv, keys, hd)
-        s = cp.ascontiguousarray(q.reshape(nkv, t * g, hd) @ keys.transpose(0, 2, 1))  # (kv, T g, keys)
+        nk = pos + t - lo
+        s = cp.empty((nkv, t * g, nk), cp.float32)  # (kv, T g, keys) = q . keys^T per kv head
+        self._bgemm(_OP_T, nk, t * g, hd, kc.data.ptr + 4 * lo * hd, hd, n * hd, q.data.ptr, hd, t * g * hd,
+                    s.data.ptr, nk, t * g * nk, nkv)
         sinks = w["sinks"]
         self._softmax((nkv * t * g,), (128,),
                       (s, np.int32(t), np.int32(g), np.int32(pos + t - lo), np.int32(lo), np.int32(pos),
                        np.int32(info.sliding_window if swa else 0), np.float32(model.kq_scale),
                        _f32c(sinks) if sinks is not None else np.uint64(0)))
-        o = (s @ vals).reshape(nkv, t, g, hd).transpose(1, 0, 2, 3).reshape(t, nh * hd)
+        o = cp.empty((nkv, t, g, hd), cp.float32)  # (kv, T g, hd) = s . values per kv head
+        self._bgemm(_OP_N, hd, t * g, nk, vc.data.ptr + 4 * lo * hd, hd, n * hd, s.data.ptr, nk, t * g * nk,
+                    o.data.ptr, hd, t * g * hd, nkv)
+        o = o.transpose(1, 0, 2, 3).reshape(t, nh * hd)
         y = model._proj(o, w["wo"])
         return y if w["bo"] is None else y + w["bo"]
