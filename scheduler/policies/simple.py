@@ -100,24 +100,27 @@ class LruPolicy(_UploadEveryMiss):
     """Upstream's cache: every miss uploaded, least-recently-used resident evicted.
 
     One LRU order per pool; a step's experts become most recent together (in router-rank order).
+    The orders' keys are ``layer * width + expert`` (ints hash and compare faster than pairs).
     """
 
     name = "lru"
 
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None):
         self.order: list[OrderedDict] = [OrderedDict() for _ in capacity.pools]
+        self.width = max(geometry.max_experts, 1)
         super().__init__(geometry, capacity, profile)
 
     def _admitted(self, key):
-        self.order[self.cache.pool_of[key[0]]][key] = None
+        self.order[self.cache.pool_of[key[0]]][key[0] * self.width + key[1]] = None
 
     def _evicted(self, key):
-        del self.order[self.cache.pool_of[key[0]]][key]
+        del self.order[self.cache.pool_of[key[0]]][key[0] * self.width + key[1]]
 
     def _victims(self, layer, need, used):
         out = []
-        state = self.cache.state
-        for key in self.order[self.cache.pool_of[layer]]:
+        state, width = self.cache.state, self.width
+        for k in self.order[self.cache.pool_of[layer]]:
+            key = divmod(k, width)
             if (key[0] == layer and key[1] in used) or state[key[0]][key[1]] != RESIDENT:
                 continue
             out.append(key)
@@ -128,16 +131,17 @@ class LruPolicy(_UploadEveryMiss):
     def _touch(self, layer, d):
         order = self.order[self.cache.pool_of[layer]]
         to_end = order.move_to_end
+        base = layer * self.width
         if not d.uploads:
             for e in d.hits:
-                to_end((layer, e))
+                to_end(base + e)
             return
         for e in d.step.experts:
-            key = (layer, e)
-            if key in order:
-                to_end(key)
+            k = base + e
+            if k in order:
+                to_end(k)
             elif e in d.uploads:
-                order[key] = None
+                order[k] = None
 
 
 @dataclass(frozen=True)
