@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from execute.engine import _early_bases, _Early
+
+from .test_gpu_experts_host import fake_cupy  # noqa: F401  (the fixture)
 from scheduler.core import Decision, Step
 
 PTR, STRIDE, SLOTS, LAYER = 1 << 20, 4096, 6, 3
@@ -90,3 +92,58 @@ def test_a_decision_that_breaks_the_early_start_goes_to_the_full_loop():
     all_hits = _begin(ids, {5: 0, 2: 2, 7: 1})
     d = Decision(step, tuple(ids))
     assert _early_bases(all_hits, d, None, PTR, STRIDE, SLOTS) == (all_hits.bases, ())
+
+
+def _calls(cp, batch_calls: list) -> dict:
+    rt = cp.cuda.runtime
+    return {"record": rt.eventRecord.call_count, "wait": rt.streamWaitEvent.call_count,
+            "launch": cp.cuda.driver.launchKernel.call_count, "memcpy": rt.memcpyAsync.call_count,
+            "batch": len(batch_calls)}
+
+
+def test_driver_calls_of_a_one_token_step(fake_cupy, rng):
+    """The driver calls a one-token step makes, early start included (a stand-in cupy counts
+    them): all hits: the caller's event and the compute stream's wait, two launches, one event
+    and the caller's wait; with an upload: the copy stream's wait, one batched copy, its event and
+    the compute stream's wait, and the uploaded pair's gate/up launch besides."""
+    import dataclasses
+
+    from execute import quant as Q
+    from execute.engine import ExpertEngine
+    from execute.experts import random_layer
+    from scheduler.core import Capacity, Geometry
+    from scheduler.drive import RunLayer
+
+    from .test_gpu_experts_host import _Dev
+
+    cp, G = fake_cupy
+    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
+    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
+    geo = Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers))
+    cap = Capacity.per_layer(geo, 4)
+    gx = G.GpuExperts(layers, cap, scratch_slots=2)
+    batches: list = []
+    gx._batch._fn, gx._batch._fail_idx = (lambda *a: batches.append(a) or 0), False
+    engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+    try:
+        engine.load_residents({(1, 3): 0, (1, 5): 1})
+        x, w = _Dev((1, 256)), np.array([[0.6, 0.4]], np.float32)
+        cp.cuda.runtime.reset_mock()
+        cp.cuda.driver.launchKernel.reset_mock()
+
+        def step(ids, d):
+            a = np.array([ids])
+            before = _calls(cp, batches)
+            engine.begin_layer(1, x, a)
+            engine.run_layer(RunLayer(None, d.step, d), x, a, w)
+            return {k: v - before[k] for k, v in _calls(cp, batches).items()}
+
+        s = Step(1, (3, 5))
+        assert step([3, 5], Decision(s, (3, 5))) == {"record": 2, "wait": 2, "launch": 2, "memcpy": 0, "batch": 0}
+        s = Step(1, (3, 6))
+        assert step([3, 6], Decision(s, (3,), (6,), (2,))) == {"record": 3, "wait": 4, "launch": 3, "memcpy": 0,
+                                                                 "batch": 1}
+        assert engine.slot_of[(1, 6)] == 2 and engine.stats.early_pairs == 3
+    finally:
+        engine.close()
+        gx.close()
