@@ -34,6 +34,9 @@ class LaunchConfig(ctypes.Structure):
 
 _launch = None
 refused: int | None = None  # the CUDA error of the first launch the driver refused with the attribute
+_ATTR = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)  # read by the driver at each launch
+_CONFIGS: dict[tuple[int, int, int, int, int], tuple[LaunchConfig, int]] = {}
+_MAX_CONFIGS = 4096  # distinct (grid, block, shared, stream) kept; past it the cache starts afresh
 
 
 def _driver():
@@ -46,18 +49,34 @@ def _driver():
     return _launch
 
 
+def _config(grid: tuple[int, int], block: int, shared: int, stream: int) -> tuple[LaunchConfig, int]:
+    """A ``CUlaunchConfig`` with the attribute, and its address, built once per launch shape and
+    stream (building the two structures cost more than the launch's other host work)."""
+    key = (grid[0], grid[1], block, shared, stream)
+    c = _CONFIGS.get(key)
+    if c is None:
+        if len(_CONFIGS) >= _MAX_CONFIGS:
+            _CONFIGS.clear()
+        cfg = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, shared, stream or None, ctypes.addressof(_ATTR), 1)
+        c = _CONFIGS[key] = (cfg, ctypes.addressof(cfg))
+    return c
+
+
 def launch_programmatic(func: int, grid: tuple[int, int], block: int, shared: int, stream: int, params: int) -> None:
     """Launch ``func`` (a CUfunction) on ``stream`` with ``params`` (the address of its argument
     pointer array, as for ``cuLaunchKernelEx``), programmatically dependent on the grid before it.
     Where the driver refuses the attribute, the same launch without it (a plain one: the kernel's
     wait is then a no-op), and ``refused`` keeps the first error (tests check it stays None)."""
     global refused
-    attr = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
-    cfg = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, shared, stream or None, ctypes.addressof(attr), 1)
-    err = _driver()(ctypes.addressof(cfg), func, params, None)
+    cfg, ptr = _config(grid, block, shared, stream)
+    launch = _launch or _driver()
+    err = launch(ptr, func, params, None)
     if err:
         refused = err if refused is None else refused
         cfg.num_attrs = 0
-        err = _driver()(ctypes.addressof(cfg), func, params, None)
+        try:
+            err = launch(ptr, func, params, None)
+        finally:
+            cfg.num_attrs = 1
     if err:
         raise RuntimeError(f"cuLaunchKernelEx: CUDA error {err}")
