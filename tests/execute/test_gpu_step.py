@@ -143,6 +143,29 @@ def test_one_token_launches_carry_the_layer_constants_and_h1(fake_cupy, rng):
         gx.close()
 
 
+
+def test_a_launch_writes_its_arguments_into_the_block_the_driver_reads(fake_cupy):
+    """gpu_host.Launch: each argument in its own 64-bit slot of the block whose slot addresses the
+    driver gets (a negative int in two's complement: an int parameter reads it right); a wrong
+    argument count is refused before anything is launched."""
+    cp, _ = fake_cupy
+    from execute.gpu_host import Launch
+
+    kernel = cp.RawKernel()
+    launch = Launch(kernel, 4)
+    driver = cp.cuda.driver.launchKernel
+    driver.reset_mock()
+    launch((3, 2), 64, 77, 0x7F00_0000_1000, 5, -1, Launch.f32(0.5))
+    (args,) = [c.args for c in driver.call_args_list]
+    assert args[:9] == (launch.func, 3, 2, 1, 64, 1, 1, 0, 77)
+    slots = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * 4).from_address(args[9]))
+    vals = [int(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * 1).from_address(int(a)))[0]) for a in slots]
+    assert vals == [0x7F00_0000_1000, 5, 2**64 - 1, int(np.float32(0.5).view(np.uint32))]
+    assert np.int32(np.uint64(vals[2]).astype(np.uint32).view(np.int32)) == -1
+    with pytest.raises(ValueError, match="3 arguments, expected 4"):
+        launch((1, 1), 32, 0, 1, 2, 3)
+    assert driver.call_count == 1
+
 @pytest.mark.gpu
 def test_gpu_a_steps_copies_fill_the_slots_and_scratch_with_the_experts_bytes(rng):
     """On the device: copy_in (one batched call where the driver has it, else one per part) puts
