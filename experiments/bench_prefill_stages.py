@@ -65,9 +65,6 @@ def _cell(v) -> str:
 
 
 def chunks_main(args, argv) -> int:
-    if not args.model.is_file():
-        print(f"bench_prefill_stages: --model {args.model}: no such file", file=sys.stderr)
-        return 2
     from execute.prefill_timing import chunk_profile
 
     res = chunk_profile(args.model, tokens=args.tokens, reps=args.reps)
@@ -107,6 +104,9 @@ def main(argv=None) -> int:
     if args.tokens < 1 or args.pos < 0 or args.reps < 1:
         print(f"bench_prefill_stages: --tokens {args.tokens}, --pos {args.pos}, --reps {args.reps}: expected "
               "tokens >= 1, pos >= 0, reps >= 1", file=sys.stderr)
+        return 2
+    if args.model is not None and not args.model.is_file():
+        print(f"bench_prefill_stages: --model {args.model}: no such file", file=sys.stderr)
         return 2
     try:
         args.out.mkdir(parents=True, exist_ok=True)

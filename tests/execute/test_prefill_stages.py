@@ -94,6 +94,37 @@ def test_time_stages_on_a_tiny_model(tmp_path):
     assert all(r["device_ms"] is None or r["device_ms"] > 0 for r in res["rows"])
 
 
+@pytest.mark.gpu
+def test_chunk_profile_on_a_tiny_model(tmp_path):
+    cupy_or_skip()
+    from execute.prefill_timing import chunk_profile
+    from execute.synth import config_from_preset, synth_model
+
+    path = synth_model(tmp_path / "tiny.gguf", config_from_preset("tiny", num_layers=2, quant="Q8_0"))
+    res = chunk_profile(path, tokens=32, reps=2)
+    assert [r["case"] for r in res["rows"]] == ["first_chunk_after_warm_up", "warm", "warm_gc_frozen"]
+    assert res["blocks"] == 2 and all(r["wall_ms"] > 0 and len(r["gc_ms"]) == 3 for r in res["rows"])
+    assert set(res["host_profile"]) == {"own", "cumulative"}
+
+
+def test_the_gc_clock_counts_collections_by_generation():
+    import gc
+
+    from execute.prefill_timing import _GcClock
+
+    with _GcClock() as g:
+        gc.collect(1)
+        gc.collect(2)
+    gc.collect()
+    assert g.n[1] >= 1 and g.n[2] >= 1 and all(s >= 0 for s in g.s) and g not in gc.callbacks
+
+
+def test_bench_stages_refuses_a_missing_model(tmp_path):
+    bad = subprocess.run([sys.executable, str(ROOT / "experiments/bench_prefill_stages.py"), "--out", str(tmp_path / "c"),
+                          "--model", str(tmp_path / "none.gguf")], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "none.gguf" in bad.stderr and not (tmp_path / "c").exists()
+
+
 def test_top_k_equals_the_stable_sort():
     from execute.batch_route import _top_k
 
