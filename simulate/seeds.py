@@ -12,13 +12,16 @@ policy and engine of its configuration:
   layer's experts run; the host reads the route at every layer (a split, ``split_sync_s``). The
   published runs process their 63-token prompt as one batch, and upstream's cache serves batches
   of more than 32 tokens read-only: the prompt streams the experts it routes to without keeping
-  them, so the cache starts empty at the first generated token, as the hybrid's does;
+  them, so the cache starts empty at the first generated token;
 - ``hybrid`` / ``hybrid-slow-fill``: the pull request's hybrid with adaptive fill: hits on the
   GPU, every miss on the CPU, the two meeting through the device mailbox (``mailbox_s`` each way,
   no host synchronisation); the cache (upstream's one budget, shared by the layers) starts empty
-  at the first generated token and the experts that missed are uploaded right after the token
-  that missed them (at most 512, or 16 before the faster fill, while slots are free), before the
-  next token runs (``drive(lag_tokens=0)``).
+  before the faster fill; with it (``PROMPT_FILL`` fills per token) the experts the prompt routed
+  to are uploaded after the prompt, most routed first while slots are free, before the first
+  generated token (the seed: the hybrid "uploads the experts after the prompt", about 2 s on
+  Qwen3-Coder-Next; ``prompt_fill``). Then the experts that missed are uploaded right after the
+  token that missed them (at most 512, or 16 before the faster fill, while slots are free),
+  before the next token runs (``drive(lag_tokens=0)``).
 
 Routing: ``traces.synth`` with the data file's ``routing`` parameters, chosen on its published
 routing statistics (``routing_stats``, none of them a table row) by ``fit_routing``; the prompt
@@ -46,8 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler import Audit, Capacity, drive, make_policy
-from scheduler.core import Step, Token
+from scheduler import Audit, AwaitBackground, Capacity, StartBackground, drive, make_policy
+from scheduler.core import Move, Step, Token
+from scheduler.profile import Profile
 from scheduler.costs import Costs, ExecConfig
 from scheduler.hardware import Hardware, load_hardware
 from scheduler.models import ModelSpec, load_model, quant_bytes
@@ -77,6 +81,7 @@ FIT_PARAMS = {
 }
 FIT_ORDER = tuple(FIT_PARAMS)
 PROMPT_TOKENS = 63  # the published runs' prompt
+PROMPT_FILL = 512  # fills per token from which the hybrid uploads the prompt's experts after it (the faster fill)
 EXPERT_TENSORS = 3  # a GGUF MoE layer's expert tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps): copies per upload
 TOLERANCE = 0.15
 
@@ -235,8 +240,13 @@ def _items(model: ModelSpec, row: str, cache_mib: float, num_tokens: int, seed: 
             opts = {"adaptive": True, "miss_fraction": 0.0, "max_fills": fills, "swap_while_filling": fills >= 512}
     ids = _routes(model, num_tokens, seed, params)
     tokens = _tokens(ids, list(g.moe_layers), PROMPT_TOKENS)  # every cache starts empty (the module docstring)
-    pol = make_policy(policy, g, cap, **opts)
+    profile = prompt_fill(ids, g) if fills is not None and fills >= PROMPT_FILL else None
+    pol = make_policy(policy, g, cap, profile=profile, **opts)
+    # the prompt's experts (the profile's residents), uploaded before the first generated token
+    moves = tuple(Move(l, e, pol.cache.slot[l, e]) for l, e in pol.residents()) if profile is not None else ()
     items = tuple(drive(pol, tokens, lag_tokens=0))
+    if moves:
+        items = (StartBackground(tokens[0], moves), AwaitBackground(moves)) + items
     hits = total = 0
     for it in items:
         d = getattr(it, "decision", None)
@@ -244,6 +254,16 @@ def _items(model: ModelSpec, row: str, cache_mib: float, num_tokens: int, seed: 
             hits += len(d.hits)
             total += len(d.step.experts)
     return items, hits / max(total, 1)
+
+
+def prompt_fill(ids: np.ndarray, g) -> Profile:
+    """The faster fill's start (the seed: the hybrid "uploads the experts after the prompt"): the
+    experts the prompt routed to, most routed first, as the profile the cache starts from (its free
+    slots take them in that order); ``_items`` charges their uploads before the first token."""
+    counts = np.zeros((g.num_layers, g.max_experts))
+    for l in g.moe_layers:
+        np.add.at(counts[l], ids[:PROMPT_TOKENS, l].ravel(), 1)
+    return Profile.from_counts(counts)
 
 
 def simulate_row(hw: Hardware, model: ModelSpec, table: dict, row: str, seeds: int, scale: float,
@@ -557,10 +577,12 @@ _METHOD = (
     "(mean reported) under its configuration's policy and engine (`simulate.seeds.ROWS`): `--cpu-moe` = `cpu` and "
     "upstream's cache = `lru` over one shared pool on the `llama.cpp` engine (captured graphs, a graph-split round "
     "trip per layer); the pull request's hybrid = `hybrid`, every miss on the CPU, its slots from the same budget, "
-    "on the `mailbox` engine (a mapped-flag hand-off each way per layer). Both caches start empty at the first "
-    "generated token: the {prompt}-token prompt is one batch, which upstream's cache serves read-only (over 32 "
-    "tokens); the hybrid fills right after the token that missed (at most 512 per token, 16 before its faster "
-    "fill), before the next token. An upload is a pageable copy of three tensors, each paying `copy_latency_s`; the"
+    "on the `mailbox` engine (a mapped-flag hand-off each way per layer). Upstream's cache starts empty at the "
+    "first generated token: the {prompt}-token prompt is one batch, which it serves read-only (over 32 tokens). The "
+    "hybrid with the faster fill uploads the experts the prompt routed to (most routed first, while slots are free) "
+    "before the first generated token, as the seed describes (\"it uploads the experts after the prompt\"); before "
+    "it, the hybrid starts empty. Each then fills right after the token that missed (at most 512 per token, 16 "
+    "before the faster fill), before the next token. An upload is a pageable copy of three tensors, each paying `copy_latency_s`; the"
     " UD file's experts are charged their share of its size and the nominal type's CPU time.\n\n"
     "Routing: `traces.synth` at the grid point nearest the published routing statistics below (`--fit-routing "
     "--seeds 5`; none is a table row); prompt and generation a topic each. Hosts: the presets' spec-sheet numbers "
@@ -573,16 +595,16 @@ _METHOD = (
     "and `--cpu-moe` on its file: a published hybrid row outside them is one no modelled cost gives.")
 
 _LIMITS = (
-    "- No recorded routing of these models exists here: the synthetic routing meets the published statistics but "
-    "not the published hybrid's warm-up (Warm-up table: its first 256 tokens at 58% of its later rate, simulated "
-    "nearer it), so the 16 GB tables' 256-token hybrid rows come out fast.\n"
+    "- No recorded routing of these models exists here: the synthetic routing meets the published statistics. The "
+    "faster fill's warm-up (its first 256 tokens at 58% of its later rate) is simulated with the prompt's experts "
+    "uploaded before the first token (Warm-up table); which of them the real fill takes first is not published.\n"
     "- The L4's Qwen3-Coder-Next slow-fill 256-token row lies below `--cpu-moe` on its file: the synthetic routing "
     "gives that fill more hits than the row allows. The L4's 5000 MiB cache row comes out fast at the stated "
     "pageable rate, which the 16 GB cache rows follow, and takes its table's speedup (published 1.37x) below 1.\n"
-    "- Fitted values (hosts table): the laptop's pageable rate is at its pinned estimate (80% of its x8 link); its "
-    "graph split is 15-30x llama.cpp's on the H200 host (17-34 us), and the mailbox 14-28x moelab's own mapped-flag "
-    "hand-off there (1.2, 2.5 us, docs/fidelity/h200-calibrated.json): each absorbs what a split or hand-off costs "
-    "these builds beyond the modelled terms. The laptop's preset keeps its earlier CPU and upload rates, on which "
+    "- Fitted values (hosts table): the laptop's pageable rate under its pinned estimate (12.5 GB/s, 80% of its x8 "
+    "link); its graph split is an order of magnitude above llama.cpp's on the H200 host (17-34 us), and "
+    "the mailbox above moelab's own mapped-flag hand-off there (1.2, 2.5 us, docs/fidelity/h200-calibrated.json): "
+    "each absorbs what a split or hand-off costs these builds beyond the modelled terms. The laptop's preset keeps its earlier CPU and upload rates, on which "
     "other experiments ran.\n"
     "- The laptop's Qwen3-Coder-Next rows are one round each (non-hybrid rounds varied by up to ~5 t/s, the seed "
     "says); swap rounds use the runtime's published parameters (every 4 tokens, at most 96 moves).")

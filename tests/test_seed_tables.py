@@ -285,3 +285,29 @@ def test_a_speedup_whose_two_rows_are_both_fitted_is_shown_and_not_counted():
     res = seeds.predict_tables({**data, "tables": [one]}, hosts, 1, 1.0)
     assert not res[0]["speedup"]["fitted"] and "sign right in 1 of 1;" in seeds.report({**data, "tables": [one]}, hosts,
                                                                                        res, 1, "cmd")
+
+
+def test_the_faster_fill_uploads_the_prompt_s_experts_before_the_first_token():
+    from scheduler import AwaitBackground, StartBackground
+
+    data = seeds.load_data(DATA)
+    model = seeds.model_of(data, "qwen3.5-35b-a3b", "IQ4_XS")
+    routing = seeds.routing_of(data)
+    ids = seeds._routes(model, 8, 0, routing)
+    moe = list(model.geometry().moe_layers)
+    prompt = {(l, int(e)) for l in moe for e in np.unique(ids[: seeds.PROMPT_TOKENS, l])}
+    for mib, full in ((50_000.0, False), (500.0, True)):  # room for every prompt expert; a cache they overflow
+        items, _ = seeds._items(model, "hybrid", mib, 8, 0, routing)
+        assert type(items[0]) is StartBackground and type(items[1]) is AwaitBackground
+        moved = [(m.layer, m.expert) for m in items[0].moves]
+        assert len(set(moved)) == len(moved) and set(moved) <= prompt
+        assert (len(moved) < len(prompt)) == full
+        if full:  # the most routed first
+            count = lambda p: int((ids[: seeds.PROMPT_TOKENS, p[0]] == p[1]).sum())
+            assert min(map(count, moved)) >= max(count(p) for p in prompt - set(moved))
+    slow, _ = seeds._items(model, "hybrid-slow-fill", 50_000.0, 8, 0, routing)
+    assert type(slow[0]) is not StartBackground  # before the faster fill the hybrid starts empty
+    hw = load_hardware("l4-colab")
+    t = {"cache_mib": 50_000.0, "tokens": 8}
+    fast = seeds.simulate_row(hw, model, t, "hybrid", 1, 1.0, routing)
+    assert fast["tps"] < seeds.simulate_row(hw, model, t, "hybrid-slow-fill", 1, 1.0, routing)["tps"]
