@@ -88,12 +88,12 @@ SEED4_FAMILIES = tuple((n, L, E, k, dict(zip(_P, p))) for n, L, E, k, *p in (
     ("held k8 e160 flat-topics no-cross", 8, 160, 8, 0.6, 0.35, 0.0, 0.1, 0.01, 4.0)))
 # lookahead's grid, chosen among on the development set: its guard (scheduler.policies.guard):
 # the window it compares over (tokens, 0: no guard), the margin, the tokens it then follows
-# hybrid, the backoff; and LITE, the cheap form (no guard, recency values, no prefetch: no
-# forecaster, no shadows), there for its cost against its gain
-LITE = {"guard_memory": 0.0, "values": "recency", "max_prefetch": 0}
+# hybrid, the backoff; and LITE, the cheap form (recency values, no prefetch: no forecaster, no
+# value shadows), with its guard and without, there for their cost against their gain
+LITE = {"values": "recency", "max_prefetch": 0}
 LOOKAHEAD_GRID = tuple({"guard_memory": m, "guard_margin": g, "guard_probe": p, "guard_backoff": b}
                        for m, g, p, b in ((32.0, 0.01, 32, 2.0), (32.0, 0.01, 32, 1.0), (0.0, 0.0, 32, 1.0),
-                                          (16.0, 0.02, 32, 2.0), (32.0, 0.005, 16, 2.0))) + (LITE,)
+                                          (16.0, 0.02, 32, 2.0))) + (LITE, {**LITE, "guard_memory": 0.0})
 # one paragraph per policy, for the reports
 ABOUT = {
     "lru": "Every miss uploaded; the least recently used resident the step does not use evicted.",
