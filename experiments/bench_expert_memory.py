@@ -39,6 +39,10 @@ def main(argv=None) -> int:
         ap.error(f"--n {args.n}: expected <= --experts {args.experts}")
     if args.hidden % 32 or args.ffn % 32:
         ap.error("--hidden and --ffn: expected multiples of 32 (Q8_0 blocks)")
+    import numba
+
+    if args.threads > numba.config.NUMBA_NUM_THREADS:
+        ap.error(f"--threads {args.threads}: expected <= {numba.config.NUMBA_NUM_THREADS} (this machine's CPU pool)")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
