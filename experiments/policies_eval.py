@@ -65,8 +65,7 @@ def targets_table(sets: list[tuple[str, list[dict]]], hardware) -> list[str]:
     vs = [(verdict(rows), rows) for _, rows in sets]
     pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"
     mark = lambda v, k: "met" if v["met"][k] else "**missed**"
-    per = lambda rows: ", ".join(f"{h} {pct(verdict([r for r in rows if r['hardware'] == h])['gap'])}"
-                                 for h in hardware)
+    per = lambda rows: ", ".join(f"{h} {pct(verdict([r for r in rows if r['hardware'] == h])['gap'])}" for h in hardware)
     reach = lambda rows: sum((r["oracle_x_lru"] or 0) >= 1.2 for r in rows)
     cells = ((">= 1.0x max(lru, hybrid), every run", lambda v, rows: f"{v['best']} of {v['runs']} ({mark(v, 'best')})"),
              (">= 1.2x lru, at least half the runs", lambda v, rows: f"{v['x12']} of {v['runs']} ({mark(v, 'x12')}; "
@@ -126,8 +125,7 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
     loto_cell = lambda r: "n/a" if (x := loto[r["case"], r["hardware"], r["slots"]]) is None else f"{x:.3f}"
     n, bad = ceiling(tuned, held)
     la = [r for (c, h, s, p), r in tuned.items() if p == "lookahead" and r is not None]
-    sets = lambda cs: "; ".join(f"{c.name} ({c.model.num_layers}x{c.model.num_experts} top-{c.model.top_k})"
-                                for c in cs)
+    sets = lambda cs: "; ".join(f"{c.name} ({c.model.num_layers}x{c.model.num_experts} top-{c.model.top_k})" for c in cs)
     ceil = (f"Ceiling: oracle >= every online policy on {n - len(bad)} of {n} runs"
             + (f"; below on {', '.join(' '.join(map(str, b)) for b in bad)}." if bad else "."))
     page = ["# Policies", "", "Scheduler policies simulated with the link and the CPU charged (tokens/s), on routing "
@@ -173,7 +171,9 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
         "- lookahead's fixed constants (" + ", ".join(f"`{k}`={v}" for k, v in FIXED.items()) + ") were set on "
         "the development set (by hand, or by an earlier grid), not cross-validated.",
         "- The guard compares predictions (its timing model), not the simulator's times, only after its first "
-        "`guard_memory` tokens, and assumes the driver's default lag for the shadow's fills.",
+        "`guard_memory` tokens, and assumes the driver's default lag for the shadow's fills. Losses below its "
+        "`guard_margin` go unseen: on top-1 and top-2 runs with the fast link, wrong cross-layer prefetches and "
+        "frequency values (the cheap form has neither); where it follows hybrid, the tokens it measures and probes.",
         "- `oracle` (Belady residency: optimal for hits, not time) is checked on every run, not proved; where "
         "it is below 1.2x lru that target is out of reach.", "", "## Command", "", f"    {command}", ""]
     readme = ["# policies_eval run: every policy on every trace", "", "Summary and method: docs/POLICIES.md.", "",

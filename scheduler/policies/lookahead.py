@@ -108,12 +108,12 @@ def _replay(want, queue: float) -> float:
     return total
 
 
-class _All:
-    def __getitem__(self, i) -> bool:
-        return True
-
-
-_ALL = _All()
+def _absent(scores: np.ndarray, row, ok=None) -> list[int]:
+    """Experts by ``scores``, highest first (stable), that are ABSENT in ``row`` (a cache state row)
+    and, if given, true in ``ok`` (a bool array); numpy over the row's bytes."""
+    order = np.argsort(-scores, kind="stable")
+    keep = np.frombuffer(row, np.uint8)[order] == ABSENT
+    return order[keep if ok is None else keep & ok[order]].tolist()
 
 
 @dataclass(frozen=True)
@@ -223,9 +223,9 @@ class CostPlanner(BasePolicy):
         """(max_experts,) long-run worth of each expert of ``layer`` for background fills."""
         raise NotImplementedError
 
-    def fillable(self, layer: int):
-        """Which experts of ``layer`` a fill may bring in (indexable by expert; all by default)."""
-        return _ALL
+    def fillable(self, layer: int) -> np.ndarray | None:
+        """Which experts of ``layer`` a fill may bring in (a bool array; None, the default: all)."""
+        return None
 
     def learn(self, step: Step) -> None:
         """A step was committed (statistics may change)."""
@@ -422,7 +422,7 @@ class CostPlanner(BasePolicy):
         r = self.next_value(step, nl)
         n = self.geometry.num_experts[nl]
         row = cache.state[nl]
-        cands = [e for e in np.argsort(-r[:n], kind="stable").tolist() if row[e] == ABSENT and r[e] >= cfg.confidence]
+        cands = _absent(r[:n], row, r[:n] >= cfg.confidence)
         if not cands:
             return []
         free = cache.free_slots(nl, len(cands))
@@ -501,8 +501,7 @@ class CostPlanner(BasePolicy):
             f = self.fill_value(l)
             row = cache.state[l]
             n = self.geometry.num_experts[l]
-            ok = self.fillable(l)
-            cands = [e for e in np.argsort(-f[:n], kind="stable").tolist() if row[e] == ABSENT and ok[e]]
+            cands = _absent(f[:n], row, self.fillable(l))
             if not cands:
                 continue
             free = [s for s in cache.free_slots(l, len(cands))]
