@@ -498,9 +498,9 @@ def dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa):
 
 @intrinsic
 def q2_powers(typingctx):
-    """[1, 1, 1/4, 1/4, 1/16, 1/16, 1/64, 1/64]: per 16 weights of Q2_K groups 0-3 (or 4-7), the
-    inverse of the 4^s their bits are read at when left in place (see dot_q2_3k)."""
-    return F32x8(), lambda context, builder, sig, args: ir.Constant(VF, [4.0 ** -(j // 2) for j in range(8)])
+    """[1, 1, 1/4, 1/4, 1/16, 1/16, 1/16, 1/16]: per 16 weights of Q2_K groups 0-3 (or 4-7), the
+    inverse of the power of 2 their bits are read at (see dot_q2_3k)."""
+    return F32x8(), lambda context, builder, sig, args: ir.Constant(VF, [4.0 ** -min(j // 2, 2) for j in range(8)])
 
 
 @njit(inline="always")
@@ -521,9 +521,9 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
     d; w = d (scale - 32) (q - 4), q - 4 when the third bit is clear). Q3_K's 6-bit scale k: low 4
     bits in byte k % 8 of the first 8 (high nibble for k >= 8), top 2 bits at bits 2 (k // 4) of
     byte 8 + k % 4. A block's 8 groups staged (block_scratch), their dots behind one branch on the
-    path, a scale per 16 weights (acc_dots16). On the vnni path Q2_K's 2-bit groups are masked in
-    place (group s of a byte read as 4^s q: no shift), their factors times 4^-s (exact: a power of
-    2 scales an integer's conversion and a product without changing their rounding)."""
+    path, a scale per 16 weights (acc_dots16). Q2_K's 2-bit groups s < 3 are masked in place (read
+    as 4^s q: no shift), s = 3 as 16 q (every byte <= 127, as the avx2 path needs), their factors
+    scaled back (exact: a power of 2 changes the rounding of no conversion or product)."""
     acc = zero_f32()
     cor = zero_f32()
     buf = block_scratch()
@@ -548,13 +548,14 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
         xdv = fmul(load_f32x8(xd, blk), d)
         cor = fadd(cor, fmul(fadd(fmul(m0, load_f32x8(xs16, 2 * blk)), fmul(m1, load_f32x8(xs16, 2 * blk + 8))), dmin))
         f0, f1 = fmul(s0, dup_lo(xdv)), fmul(s1, dup_hi(xdv))
-        if isa == 0 and not three:  # Q2_K's bits masked in place, 4^s q <= 192 (unsigned bytes: vnni only)
-            for j in range(8):
-                store_i8x32(buf, 32 * j, vand(load_i8x32(w, p + 16 + 32 * (j // 4)), 3 << (2 * (j % 4))))
-            f0, f1 = fmul(f0, q2_powers()), fmul(f1, q2_powers())  # exact: powers of 2
-        else:
+        if three:
             for j in range(8):
                 store_i8x32(buf, 32 * j, _q23(w, p, j, three))
+        else:  # groups 0-2 of each 32 bytes masked in place (4^s q), group 3 shifted to 16 q (<= 48)
+            for j in range(8):
+                q = load_i8x32(w, p + 16 + 32 * (j // 4))
+                store_i8x32(buf, 32 * j, vand(vshr(q, 2), 0x30) if j % 4 == 3 else vand(q, 3 << (2 * (j % 4))))
+            f0, f1 = fmul(f0, q2_powers()), fmul(f1, q2_powers())  # exact: powers of 2
         acc = acc_dots16(acc, dots(isa, buf, xq, xo + 256 * b, l2), f0, f1)
     return hsum(acc) - hsum(cor)
 
