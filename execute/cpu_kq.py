@@ -498,19 +498,23 @@ def dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa):
 
 @intrinsic
 def q2_powers(typingctx):
-    """[1, 1, 1/4, 1/4, 1/16, 1/16, 1/16, 1/16]: per 16 weights of Q2_K groups 0-3 (or 4-7), the
-    inverse of the power of 2 their bits are read at (see dot_q2_3k)."""
+    """[1, 1, 1/4, 1/4, 1/16, 1/16, 1/16, 1/16]: per 16 weights of Q2_K/Q3_K groups 0-3 (or 4-7),
+    the inverse of the power of 2 their bits are read at (see _q23)."""
     return F32x8(), lambda context, builder, sig, args: ir.Constant(VF, [4.0 ** -min(j // 2, 2) for j in range(8)])
 
 
 @njit(inline="always")
 def _q23(w, p, j, three):
-    """Group j of a Q2_K/Q3_K block (half h = j // 4, s = j % 4): 2 low bits at bits 2 s of qs[32 h
-    + j'] (qs at p + 16 for Q2_K, p + 32 for Q3_K), Q3_K's third at bit 4 h + s of hmask[j'] (p)."""
+    """Group j of a Q2_K/Q3_K block (half h = j // 4, s = j % 4) as 2^e q, e = 2 s for s < 3, 4 for
+    s = 3 (<= 16 * 7 = 112: unsigned bytes <= 127, as the avx2 path needs): 2 low bits at bits 2 s
+    of qs[32 h + j'] (qs at p + 16 for Q2_K, p + 32 for Q3_K), masked in place (s < 3) or shifted
+    to bit 4 (s = 3), Q3_K's third at bit 4 h + s of hmask[j'] (p), moved to bit e + 2."""
     h, s = j // 4, j % 4
-    q = vand(vshr(load_i8x32(w, p + (32 if three else 16) + 32 * h), 2 * s), 3)
+    e = min(2 * s, 4)
+    q = load_i8x32(w, p + (32 if three else 16) + 32 * h)
+    q = vand(vshr(q, 2), 0x30) if s == 3 else vand(q, 3 << e)
     if three:
-        q = vor(q, _bit_to(load_i8x32(w, p), 4 * h + s, 2))
+        q = vor(q, _bit_to(load_i8x32(w, p), 4 * h + s, e + 2))
     return q
 
 
@@ -521,9 +525,9 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
     d; w = d (scale - 32) (q - 4), q - 4 when the third bit is clear). Q3_K's 6-bit scale k: low 4
     bits in byte k % 8 of the first 8 (high nibble for k >= 8), top 2 bits at bits 2 (k // 4) of
     byte 8 + k % 4. A block's 8 groups staged (block_scratch), their dots behind one branch on the
-    path, a scale per 16 weights (acc_dots16). Q2_K's 2-bit groups s < 3 are masked in place (read
-    as 4^s q: no shift), s = 3 as 16 q (every byte <= 127, as the avx2 path needs), their factors
-    scaled back (exact: a power of 2 changes the rounding of no conversion or product)."""
+    path, a scale per 16 weights (acc_dots16). Groups read with their low bits in place where they
+    fit (2^e q, see _q23: fewer shifts), the factors times 2^-e (exact: a power of 2 changes the
+    rounding of no conversion or product)."""
     acc = zero_f32()
     cor = zero_f32()
     buf = block_scratch()
@@ -547,15 +551,10 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
         blk = xb + 8 * b
         xdv = fmul(load_f32x8(xd, blk), d)
         cor = fadd(cor, fmul(fadd(fmul(m0, load_f32x8(xs16, 2 * blk)), fmul(m1, load_f32x8(xs16, 2 * blk + 8))), dmin))
-        f0, f1 = fmul(s0, dup_lo(xdv)), fmul(s1, dup_hi(xdv))
-        if three:
-            for j in range(8):
-                store_i8x32(buf, 32 * j, _q23(w, p, j, three))
-        else:  # groups 0-2 of each 32 bytes masked in place (4^s q), group 3 shifted to 16 q (<= 48)
-            for j in range(8):
-                q = load_i8x32(w, p + 16 + 32 * (j // 4))
-                store_i8x32(buf, 32 * j, vand(vshr(q, 2), 0x30) if j % 4 == 3 else vand(q, 3 << (2 * (j % 4))))
-            f0, f1 = fmul(f0, q2_powers()), fmul(f1, q2_powers())  # exact: powers of 2
+        for j in range(8):
+            store_i8x32(buf, 32 * j, _q23(w, p, j, three))
+        f0 = fmul(fmul(s0, dup_lo(xdv)), q2_powers())  # the 2^-e of each group (exact: powers of 2)
+        f1 = fmul(fmul(s1, dup_hi(xdv)), q2_powers())
         acc = acc_dots16(acc, dots(isa, buf, xq, xo + 256 * b, l2), f0, f1)
     return hsum(acc) - hsum(cor)
 
