@@ -207,14 +207,18 @@ def _is_tuple_of(t, vt, n=None) -> bool:
 
 def _dots_codegen(signed: bool):
     def codegen(context, builder, sig, args):
-        isa, qa, xq, a, l2 = (context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args))
+        isa, xq, a, l2 = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (0, 2, 3, 4))
+        qa = None if isinstance(sig.args[1], types.UniTuple) else context.cast(builder, args[1], sig.args[1], types.int64)
         zero = ir.Constant(V32, None)
 
         def load(base, k):
             p = builder.add(base, ir.Constant(ir.IntType(64), 32 * k))
             return builder.load(builder.inttoptr(p, ir.PointerType(V32)), align=1)
 
-        q = [load(qa, k) for k in range(8)]
+        if isinstance(sig.args[1], types.UniTuple):  # the 8 vectors themselves (registers)
+            q = [builder.extract_value(args[1], k) for k in range(8)]
+        else:
+            q = [load(qa, k) for k in range(8)]
         x1a, x2a = builder.add(xq, a), builder.add(builder.add(xq, a), l2)
         blocks, done = _isa_branches(builder, isa, "dots")
         outs = []
@@ -246,7 +250,8 @@ def _dots_codegen(signed: bool):
 
 def _dots(signed: bool):
     def make(typingctx, isa, q, xq, a, l2):
-        if not all(isinstance(t, types.Integer) for t in (isa, q, xq, a, l2)):
+        if not (all(isinstance(t, types.Integer) for t in (isa, xq, a, l2))
+                and (isinstance(q, types.Integer) or _is_tuple_of(q, I8x32, 8))):
             return None
         return types.UniTuple(I32x8, 8)(isa, q, xq, a, l2), _dots_codegen(signed)
     return make
@@ -551,11 +556,11 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
         blk = xb + 8 * b
         xdv = fmul(load_f32x8(xd, blk), d)
         cor = fadd(cor, fmul(fadd(fmul(m0, load_f32x8(xs16, 2 * blk)), fmul(m1, load_f32x8(xs16, 2 * blk + 8))), dmin))
-        for j in range(8):
-            store_i8x32(buf, 32 * j, _q23(w, p, j, three))
+        q = (_q23(w, p, 0, three), _q23(w, p, 1, three), _q23(w, p, 2, three), _q23(w, p, 3, three),
+             _q23(w, p, 4, three), _q23(w, p, 5, three), _q23(w, p, 6, three), _q23(w, p, 7, three))
         f0 = fmul(fmul(s0, dup_lo(xdv)), q2_powers())  # the 2^-e of each group (exact: powers of 2)
         f1 = fmul(fmul(s1, dup_hi(xdv)), q2_powers())
-        acc = acc_dots16(acc, dots(isa, buf, xq, xo + 256 * b, l2), f0, f1)
+        acc = acc_dots16(acc, dots(isa, q, xq, xo + 256 * b, l2), f0, f1)
     return hsum(acc) - hsum(cor)
 
 
