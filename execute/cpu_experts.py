@@ -138,14 +138,14 @@ def _dot_q4_1(w, o, nb, xq, xo, xd, xs, xb, l2, isa, bs, hi):
     blocks at a time as Q4_0's, the rest one by one."""
     acc = zero_f32()
     cor = zero_f32()
-    buf = block_scratch()
     for b8 in range(nb // 8):
         p = o + 8 * bs * b8
-        for k in range(8):
-            store_i8x32(buf, 32 * k, _q45_0(w, p + bs * k, bs, hi))
+        q = (_q45_0(w, p, bs, hi), _q45_0(w, p + bs, bs, hi), _q45_0(w, p + 2 * bs, bs, hi), _q45_0(w, p + 3 * bs, bs, hi),
+             _q45_0(w, p + 4 * bs, bs, hi), _q45_0(w, p + 5 * bs, bs, hi), _q45_0(w, p + 6 * bs, bs, hi),
+             _q45_0(w, p + 7 * bs, bs, hi))  # the 8 blocks' bytes, to the dots in registers
         dv = f16x8(w, p, bs)
         blk = xb + 8 * b8
-        acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b8, l2), fmul(dv, load_f32x8(xd, blk)))
+        acc = acc_dots(acc, dots(isa, q, xq, xo + 256 * b8, l2), fmul(dv, load_f32x8(xd, blk)))
         mv = fmul(dv, np.float32(-16.0)) if bs == 22 else f16x8(w, p + 2, bs)
         cor = fadd(cor, fmul(mv, load_f32x8(xs, blk)))
     corr = np.float32(0.0)
