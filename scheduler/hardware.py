@@ -60,8 +60,10 @@ EXECUTOR_KEYS = {
                  "is charged as a batch (gpu_batch_s) and its combine (combine_s)",
     "gpu_one_expert_scale": "that path's GPU time per expert / a batch's (gpu_quant_efficiency's) (a ratio, "
                             "not seconds)",
+    "cpu_mapped_factor": "CPU pool time of a call on experts read through a file's memory map (as moelab run reads "
+                         "a GGUF file) / on the calibration's anonymous buffers (a ratio; simulate.peer applies it)",
 }
-RATIO_KEYS = ("gpu_one_expert_scale",)  # executor keys that are ratios in (0, 4], not seconds
+RATIO_KEYS = ("gpu_one_expert_scale", "cpu_mapped_factor")  # executor keys that are ratios in (0, 4], not seconds
 
 
 class HardwareError(ValueError):

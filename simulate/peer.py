@@ -12,7 +12,9 @@ as ``moelab run``'s prefill chunks, then one token at a time), else decode token
 ``seeds`` synthetic traces (random weights do not route like a trained model: the measured hit
 rates are then the check on the traces). Each row's policy is built as its command built it:
 ``hybrid`` without ``--hardware`` takes the fixed PCIe share (``--miss-fraction``, else
-``MISS_FRAC_256`` / 256), not the cost model's.
+``MISS_FRAC_256`` / 256), not the cost model's. The run reads its experts through the file's
+memory map: where the hardware file measured it, the pool's calls take ``cpu_mapped_factor``
+times their time on the calibration's anonymous buffers (``mapped_pool``).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from scheduler.models import ModelSpec, load_model
 from .run import SimConfig, SimError, load_tokens, run
 from .speculative import merge_rows
 
-__all__ = ["load_result", "peer_model", "predict_peer", "format_peer"]
+__all__ = ["load_result", "peer_model", "predict_peer", "format_peer", "mapped_pool"]
 
 
 def load_result(path: Path) -> dict:
@@ -95,6 +97,17 @@ def miss_fraction_of(command: list[str]) -> float | None:
     return MISS_FRAC_256 / 256
 
 
+def mapped_pool(hw: Hardware) -> Hardware:
+    """``hw`` with its CPU pool as ``moelab run`` drives it on a GGUF file's memory map: every pool
+    call ``executor.cpu_mapped_factor`` times as long (task and rates scaled); ``hw`` where the
+    file has no such factor."""
+    f = (hw.executor or {}).get("cpu_mapped_factor")
+    if not f:
+        return hw
+    return replace(hw, cpu_task_s=hw.cpu_task_s * f, cpu_thread_gbps=hw.cpu_thread_gbps / f,
+                   cpu_mem_gbps=hw.cpu_mem_gbps / f)
+
+
 def batched_tokens(tokens, batches) -> list:
     """The trace's tokens grouped as the run stepped them (``batches``: rows per step, in order;
     a step of several rows becomes one token of that many, as ``simulate.speculative.merge_rows``
@@ -118,6 +131,7 @@ def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None 
     (prompt and generation, replayed once), else ``seeds`` synthetic traces."""
     cfg = result["config"]
     model = peer_model(cfg)
+    hw = mapped_pool(hw)
     out = []
     recorded = None
     if trace is not None:  # the recorded rows, stepped as the run stepped them
