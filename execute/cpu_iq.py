@@ -9,10 +9,11 @@ the 64 taken off through the activation sums. What can be decoded for a whole bl
 vectors, before its groups are gathered: the KSIGNS bytes of IQ2_XXS, IQ3_XXS and IQ2_XS (the
 7-bit index and its parity, ``ksigns``), the grid byte offsets of IQ2_XS, IQ2_S, IQ3_S and IQ1_*
 (``grid_index_*``) and the scales, the staged sign bytes and offsets one block ahead of their
-loads (``iq_scratch``). A block's 8 groups are staged on the stack
-and dotted behind one branch on the instruction-set path (``cpu_kq.dots``, both activation
-levels); IQ2_XS, IQ2_S and IQ1_* scale each 16 weights (``acc_dots16``). What bounds them is the
-gather: about one cycle per 8-byte grid entry.
+loads (``iq_scratch``). A block's 8 groups go to the dots in registers, behind one branch on the
+instruction-set path (``cpu_kq.dots``, both activation levels); IQ2_XS, IQ2_S and IQ1_* scale
+each 16 weights (``acc_dots16``). What bounds them is the gather: two loads (index, entry) per
+8-byte grid entry and the inserts that join four entries in a vector (llvm-mca's Ice Lake server
+model puts IQ2_XXS's block at ~56 cycles, on the load ports).
 
 ``IQ_TABLES`` (each grid as bytes) sits at ``cpu_experts``' code tables; the kernels
 take its address.
@@ -26,7 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cpu_kq import (acc_dots, acc_dots16, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
-                     nibbles8, store_i8x32, u8_f32x8, zip_hi, zip_lo)
+                     nibbles8, u8_f32x8, zip_hi, zip_lo)
 from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, hsum, load_f16, load_u8, zero_f32
 from .iq_grids import grid
 
@@ -166,8 +167,18 @@ def store_i32x8(typingctx, base, off, v):
 
 @njit(inline="always")
 def _xxs_signs(w, p, sl, three):
-    """The KSIGNS bytes of the IQ2_XXS/IQ3_XXS block at byte p, at sl + 256."""
-    store_i32x8(sl, 256, ksigns(words4(w, p + 66) if three else words8(w, p + 2)))
+    """The KSIGNS bytes of the IQ2_XXS/IQ3_XXS block at byte p, at sl + _SIGNS."""
+    store_i32x8(sl, _SIGNS, ksigns(words4(w, p + 66) if three else words8(w, p + 2)))
+
+
+@njit(inline="always")
+def _xxs_group(w, p, sl, table, g, three):
+    """Group g of the IQ2_XXS/IQ3_XXS block at byte p: its grid bytes gathered, signs applied."""
+    if three:
+        q = gather4x8(table + _G3, w, p + 2 + 8 * g)
+    else:
+        q = gather8x4(table + _G2, w, p + 2 + 8 * g)
+    return sign_off(q, load_u32(sl, _SIGNS + 4 * g))
 
 
 @njit(inline="always", fastmath=True)
@@ -191,20 +202,18 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
         if b + 1 < n:  # the next block's sign bytes, a block ahead of their loads (see iq_scratch)
             _xxs_signs(w, p + bs, buf + _SLOT * ((b + 1) & 1), three)
         u = words4(w, p + 66) if three else words8(w, p + 2)
-        for g in range(8):
-            if three:
-                q = gather4x8(table + _G3, w, p + 2 + 8 * g)
-            else:
-                q = gather8x4(table + _G2, w, p + 2 + 8 * g)
-            store_i8x32(buf, 32 * g, sign_off(q, load_u32(sl, 256 + 4 * g)))
+        q = (_xxs_group(w, p, sl, table, 0, three), _xxs_group(w, p, sl, table, 1, three),
+             _xxs_group(w, p, sl, table, 2, three), _xxs_group(w, p, sl, table, 3, three),
+             _xxs_group(w, p, sl, table, 4, three), _xxs_group(w, p, sl, table, 5, three),
+             _xxs_group(w, p, sl, table, 6, three), _xxs_group(w, p, sl, table, 7, three))
         f = fmul(fadd(top4_f32(u), np.float32(0.5)), load_f16(w, p) * (np.float32(0.5) if three else np.float32(0.25)))
         blk = xb + 8 * b
-        acc = acc_dots(acc, dots(isa, buf, xq, xo + 256 * b, l2), fmul(f, load_f32x8(xd, blk)))
+        acc = acc_dots(acc, dots(isa, q, xq, xo + 256 * b, l2), fmul(f, load_f32x8(xd, blk)))
         cor = fadd(cor, fmul(f, load_f32x8(xs, blk)))
     return hsum(acc) - np.float32(64.0) * hsum(cor)
 
 
-_IDX = 288  # scratch bytes (iq_scratch): 0-255 a block's weights, 256-287 its sign words, from _IDX its grid offsets (u16)
+_SIGNS, _IDX = 0, 32  # scratch bytes of a slot (iq_scratch): 0-31 a block's sign words, from _IDX its grid offsets (u16)
 _SLOT = 160  # bytes from one slot of sign words and offsets to the next
 _I16 = ir.IntType(16)
 
@@ -241,7 +250,7 @@ def _grid_index_codegen(kind: int):
             q = builder.xor(q, builder.lshr(q, _cv(32, 2)))
             q = builder.xor(q, builder.lshr(q, _cv(32, 1)))
             sg = builder.or_(sg, builder.shl(builder.and_(q, _cv(32, 1)), _cv(32, 7)))
-            store(builder.trunc(sg, ir.VectorType(ir.IntType(8), 32)), at(buf, 256))
+            store(builder.trunc(sg, ir.VectorType(ir.IntType(8), 32)), at(buf, _SIGNS))
             return context.get_dummy_value()
         n, width = (64, 4) if kind == 2 else (32, 8)
         qs = builder.zext(load(at(wp, 2 if kind != 4 else 0), n), ir.VectorType(_I16, n))
@@ -277,7 +286,7 @@ def _grid_index(kind: int):
 
 grid_index_2xs, grid_index_2s, grid_index_3s, grid_index_1s, grid_index_1m = (_grid_index(k) for k in range(5))
 grid_index_2xs.__doc__ = """A block's grid byte offsets (u16, scratch from _IDX) and, for IQ2_XS, its sign bytes (KSIGNS
-of each entry's 7-bit index, from byte 256); likewise IQ2_S, IQ3_S (offsets of 4-byte entries) and
+of each entry's 7-bit index, from _SIGNS); likewise IQ2_S, IQ3_S (offsets of 4-byte entries) and
 IQ1_S/IQ1_M (from the -1/8 table, 2048 entries on for +1/8)."""
 
 
@@ -287,13 +296,12 @@ gather4x8_off = _gather(8, 4, offsets=True)
 
 @intrinsic
 def iq_scratch(typingctx):
-    """The address of 576 bytes on the kernel's stack (one allocation in its entry block): a block's
-    weights (0-255), then two slots of _SLOT bytes, each a block's sign words (from 256) and grid
-    offsets (from _IDX). A block's slot is written one block ahead of its loads: a load of a few
+    """The address of 320 bytes on the kernel's stack (one allocation in its entry block): two slots
+    of _SLOT bytes, each a block's sign words (from _SIGNS) and grid offsets (from _IDX). A block's slot is written one block ahead of its loads: a load of a few
     bytes from a vector store still in flight may wait for the store to complete (store-to-load
     forwarding fails), stalling the block; a block later the store has completed."""
     def codegen(context, builder, sig, args):
-        return builder.ptrtoint(cgutils.alloca_once(builder, ir.ArrayType(ir.IntType(8), 256 + 2 * _SLOT)), ir.IntType(64))
+        return builder.ptrtoint(cgutils.alloca_once(builder, ir.ArrayType(ir.IntType(8), 2 * _SLOT)), ir.IntType(64))
     return types.int64(), codegen
 
 
@@ -305,6 +313,16 @@ def _index_s(w, p, sl, kind):
         grid_index_2s(w, p, sl)
     else:
         grid_index_3s(w, p, sl)
+
+
+@njit(inline="always")
+def _s_group(w, p, sl, table, g, kind):
+    """Group g of the IQ2_XS/IQ2_S/IQ3_S block at byte p (offsets and IQ2_XS's signs staged at sl)."""
+    if kind == 2:
+        return sign_off(gather4x8_off(table + _G3S, sl, _IDX + 16 * g), load_u32(w, p + 74 + 4 * g))
+    if kind == 1:
+        return sign_off(gather8x4_off(table + _G2S, sl, _IDX + 8 * g), load_u32(w, p + 34 + 4 * g))
+    return sign_off(gather8x4_off(table + _G2XS, sl, _IDX + 8 * g), load_u32(sl, _SIGNS + 4 * g))
 
 
 @njit(inline="always", fastmath=True)
@@ -327,20 +345,10 @@ def dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, kind):
         sl = buf + _SLOT * (b & 1)
         if b + 1 < n:  # the next block's offsets (and sign bytes), a block ahead of their loads
             _index_s(w, p + bs, buf + _SLOT * ((b + 1) & 1), kind)
-        for g in range(8):
-            if kind == 2:
-                q = gather4x8_off(table + _G3S, sl, _IDX + 16 * g)
-                sb = p + 74 + 4 * g
-            elif kind == 1:
-                q = gather8x4_off(table + _G2S, sl, _IDX + 8 * g)
-                sb = p + 34 + 4 * g
-            else:
-                q = gather8x4_off(table + _G2XS, sl, _IDX + 8 * g)
-            if kind == 0:
-                store_i8x32(buf, 32 * g, sign_off(q, load_u32(sl, 256 + 4 * g)))
-            else:
-                store_i8x32(buf, 32 * g, sign_off(q, load_u32(w, sb)))
-        v = dots(isa, buf, xq, xo + 256 * b, l2)
+        q = (_s_group(w, p, sl, table, 0, kind), _s_group(w, p, sl, table, 1, kind), _s_group(w, p, sl, table, 2, kind),
+             _s_group(w, p, sl, table, 3, kind), _s_group(w, p, sl, table, 4, kind), _s_group(w, p, sl, table, 5, kind),
+             _s_group(w, p, sl, table, 6, kind), _s_group(w, p, sl, table, 7, kind))
+        v = dots(isa, q, xq, xo + 256 * b, l2)
         blk = xb + 8 * b
         xdv = load_f32x8(xd, blk)
         if kind == 2:
@@ -442,9 +450,10 @@ def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m):
         else:
             d = load_f16(w, p)
             s0, s1 = iq1s_scales(w, p)
-        for g in range(8):
-            store_i8x32(buf, 32 * g, gather8x4_off(t, sl, _IDX + 8 * g))
-        v = dots(isa, buf, xq, xo + 256 * b, l2)
+        q = (gather8x4_off(t, sl, _IDX), gather8x4_off(t, sl, _IDX + 8), gather8x4_off(t, sl, _IDX + 16),
+             gather8x4_off(t, sl, _IDX + 24), gather8x4_off(t, sl, _IDX + 32), gather8x4_off(t, sl, _IDX + 40),
+             gather8x4_off(t, sl, _IDX + 48), gather8x4_off(t, sl, _IDX + 56))
+        v = dots(isa, q, xq, xo + 256 * b, l2)
         dq = d * np.float32(0.125)
         f0 = fmul(s0, dq)  # per 16 weights
         f1 = fmul(s1, dq)
