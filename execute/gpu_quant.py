@@ -14,13 +14,15 @@ decoded chunk. Float types: weight by weight (``qmatmul_f``). The i-quants' tabl
 The same file holds the expert kernels of layers with a type the arena's kernels do not read
 (``qmoe_gate_up``, ``qmoe_down``, ``qmoe1_gate_up``, ``qmoe1_down_combine``: :func:`kernel`),
 launched by ``gpu_experts.GpuExperts`` exactly as it launches ``gpu_kernels.cu``'s ``moe_*``
-kernels, so such experts stay in their stored type in the arena and over PCIe. One token: gate and
-up as ``qmatmul_q1`` (2 rows of each per warp), the down projection a warp per expert on float32
-``h`` from its rows in shared memory. Batches (``qmoe_gate_up``, ``qmoe_down``): tensor cores
-(``mma.m16n8k16``) on the tile's quants decoded to exact f16 once per 64 tokens and inputs as two
-f16 halves, each 32 weights' sums scaled in float32 (relative error of a product ~1e-7).
-``ONE_VARIANTS``: the one-token kernels reading weights straight from global memory, the type
-dispatched once per kernel (``qmoe1_*_g``). The source lies in ``gpu_quant.cu`` and the four
+kernels, so such experts stay in their stored type in the arena and over PCIe. One token: the
+lanes decode their chunks of a warp's 2 gate and 2 up rows straight from global memory (the rows
+prefetched to L2 while the block stages the input as ``qmatmul_q1`` does), the type dispatched once
+per kernel to a body compiled for it; the down projection a warp per expert on float32 ``h``.
+``ONE_VARIANTS`` (``_s``): the former kernels, a warp's rows first copied to shared memory as
+``qmatmul_q1``'s (measured beside them by ``experiments/gpu_quant_check.py``). Batches
+(``qmoe_gate_up``, ``qmoe_down``): tensor cores (``mma.m16n8k16``) on the tile's quants decoded to
+exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums scaled in float32
+(relative error of a product ~1e-7). The source lies in ``gpu_quant.cu`` and the four
 ``gpu_quant_*.cu`` parts it includes (:func:`source` inlines them).
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 BATCH_VARIANTS = ("_m1n32", "_m2n32", "_m4n32")  # qmoe_gate_up / qmoe_down with other tiles (gpu_quant.cu)
-ONE_VARIANTS = ("_g",)  # qmoe1_gate_up / qmoe1_down_combine reading weights from global memory directly
+ONE_VARIANTS = ("_s",)  # qmoe1_gate_up / qmoe1_down_combine copying the rows to shared memory first
 
 
 def tables() -> dict[str, np.ndarray]:
@@ -138,7 +140,7 @@ class Experts:
     """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
     2 rows per block; one-token down: 2 rows per block, a warp per expert), for benchmarks and tests
     (``variant``: one of ``BATCH_VARIANTS``, the batched kernels with other tiles, or of
-    ``ONE_VARIANTS``, the one-token kernels read otherwise; ``defines``: the module's ``-D`` flags).
+    ``ONE_VARIANTS``, the former one-token kernels; ``defines``: the module's ``-D`` flags).
 
     ``w``: device uint8 ``(E, expert_bytes)``, each expert gate | up | down (no biases; types
     ``qtypes``, ``ffn`` x ``hidden`` / ``hidden`` x ``ffn`` rows of ``quant.row_bytes``). With

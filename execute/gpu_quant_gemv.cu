@@ -128,7 +128,7 @@ __device__ __noinline__ void pass(const uint8_t* r0, const uint8_t* r1, const ui
 }
 
 // ---------------------------------------------------------------------------------------------
-// One-token kernels (qmatmul_q1, qmoe1_gate_up, qmoe1_down_combine). Weight rows are copied to
+// One-token kernels (qmatmul_q1, qmoe1_gate_up_s, qmoe1_down_combine_s). Weight rows are copied to
 // shared memory first, in the 16-byte words that cover them (cp.async: every copy of a tile issued
 // at once, 16 bytes per lane, coalesced, any row alignment), then decoded there by dec32; the
 // inputs are staged meanwhile. Gate/up and matmul: a warp owns 2 rows (of each matrix), a

@@ -1,5 +1,5 @@
-// gpu_quant.cu, part 4 of 4: the one-token expert kernels (qmoe1_gate_up, qmoe1_down_combine and
-// their direct _g twins).
+// gpu_quant.cu, part 4 of 4: the one-token expert kernels (qmoe1_gate_up, qmoe1_down_combine: weights
+// read from global memory directly; their _s twins: rows copied to shared memory first).
 struct Experts1 {  // gpu_kernels.cu's one-token pair table, passed by value
     unsigned long long base[MAXK];
     float weight[MAXK];
@@ -9,7 +9,7 @@ struct Experts1 {  // gpu_kernels.cu's one-token pair table, passed by value
 // as moe1_gate_up: h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for j = pick[blockIdx.y], rows
 // blockIdx.x WARPS rows_per_warp .. + WARPS rows_per_warp in groups of 2 WARPS (gemv1).
 // grid (ceil(ffn / (WARPS * rows_per_warp)), pairs picked), block 32 * WARPS.
-extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
+extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_s(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
                                          int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
                                          long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
     __shared__ __align__(16) uint4 wbuf[W1_BYTES / 16];
@@ -36,7 +36,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up(const Experts
 // copies its expert's rows, 2 at a time, to its D1_BYTES / k bytes of shared memory (column tiles
 // when they do not fit) and dots them with float32 h (dot_f), lanes over (row, chunk) pairs.
 // grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32.
-extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
+extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_s(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
                                               int k, int ffn, int hidden, int rows_per_block, long long off_d,
                                               int qt_d, long long rb_d, int bias) {
     __shared__ __align__(16) uint4 wbuf[D1_BYTES / 16];
@@ -85,11 +85,11 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Expe
 }
 
 // ---------------------------------------------------------------------------------------------
-// One-token kernels, direct (the _g variants: same arguments and grids as qmoe1_gate_up /
-// qmoe1_down_combine): the lanes decode their chunks straight from global memory (a warp's rows
-// first prefetched to L2 while the input is staged), no weight copies in shared memory and no wait
-// on them; the type is dispatched once at the kernel's entry to a body compiled for it (no calls
-// inside: gate and up of one type; other pairs of types take the per-matrix calls).
+// One-token kernels, direct (qmoe1_gate_up, qmoe1_down_combine; the arguments and grids of their
+// staged _s twins above): the lanes decode their chunks straight from global memory (a warp's
+// rows first prefetched to L2 while the input is staged), no weight copies in shared memory and
+// no wait on them; the type is dispatched once at the kernel's entry to a body compiled for it
+// (no calls inside: gate and up of one type; other pairs of types take the per-matrix calls).
 __device__ __forceinline__ void prefetch_rows(const uint8_t* p, long long rb, int nm, long long nbytes, int lane) {
     for (int m = 0; m < nm; m++)
         for (long long o = 128 * lane; o < nbytes + 128; o += 32 * 128) PREFETCH_L2(p + m * rb + min(o, nbytes - 1));
@@ -148,7 +148,7 @@ template <int QT> __device__ __forceinline__ void gate_up1_g(const uint8_t* pg, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 4) qmoe1_gate_up_g(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
+extern "C" __global__ void __launch_bounds__(128, 4) qmoe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
                                          int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
                                          long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
     __shared__ __align__(16) uint4 xbuf[X1_WORDS];
@@ -193,7 +193,7 @@ template <int QT> __device__ __forceinline__ void down1_g(const uint8_t* row, lo
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_g(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
+extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
                                               int k, int ffn, int hidden, int rows_per_block, long long off_d,
                                               int qt_d, long long rb_d, int bias) {
     __shared__ float ys[MAXK][32];

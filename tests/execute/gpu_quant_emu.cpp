@@ -1,7 +1,7 @@
 // gpu_quant.cu's kernels on the host (gpu_quant_simt.h), launched as gpu_quant.py launches them:
 // stdin = tables, g_block, mode; mode 0: qt, rows, cols, n, rb, W, X -> Y (n, rows);
 // mode 1 / 2: qt_g, qt_u, qt_d, E, ffn, hidden, T, rb x 3, weights, W, X -> the one-token output
-// (hidden) / every token through every expert (E * T, hidden); mode 3: mode 1 by the _g kernels. Build with -DGPU_QUANT_CU='"path"'.
+// (hidden) / every token through every expert (E * T, hidden); mode 3: mode 1 by the _s kernels. Build with -DGPU_QUANT_CU='"path"'.
 #include "gpu_quant_simt.h"
 #include <cstdio>
 #include <cstdlib>
@@ -46,8 +46,8 @@ int main() {
             launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
             launch({dc, 1, 1}, 32 * E, [=] { qmoe1_down_combine(ex, hp, op, E, ffn, hidden, 2, off_d, qd, rdn, 0); });
         } else {
-            launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up_g(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
-            launch({dc, 1, 1}, 32 * E, [=] { qmoe1_down_combine_g(ex, hp, op, E, ffn, hidden, 2, off_d, qd, rdn, 0); });
+            launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up_s(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
+            launch({dc, 1, 1}, 32 * E, [=] { qmoe1_down_combine_s(ex, hp, op, E, ffn, hidden, 2, off_d, qd, rdn, 0); });
         }
         fwrite(out.data(), 4, out.size(), stdout);
         return 0;

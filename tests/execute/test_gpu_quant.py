@@ -146,7 +146,7 @@ EMULATED_EXPERTS = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)]
 
 def _emulate_experts(emulated_kernels, rng, qtypes, modes):
     """The expert kernels of ``modes`` (gpu_quant_emu.cpp: 1 one token, 2 batches of 11 tokens, 3
-    one token by the _g kernels) on 2 experts, emulated on the host, against the float64 reference."""
+    one token by the _s kernels) on 2 experts, emulated on the host, against the float64 reference."""
     num_e, ffn, hidden = 2, 256, 512
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
     w = np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1)
@@ -166,16 +166,16 @@ def _emulate_experts(emulated_kernels, rng, qtypes, modes):
 @pytest.mark.slow
 @pytest.mark.parametrize("qtypes", EMULATED_EXPERTS, ids=["-".join(Q.LAYOUTS[t].name for t in m) for m in EMULATED_EXPERTS])
 def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
-    """qmoe1_gate_up + qmoe1_down_combine (one token), their _g twins, and qmoe_gate_up + qmoe_down
+    """qmoe1_gate_up + qmoe1_down_combine (one token), their _s twins, and qmoe_gate_up + qmoe_down
     (11 tokens through each), emulated on the host, against the float64 reference."""
     _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K,) * 3, (Q.Q4_K, Q.Q5_K, Q.Q6_K)], ids=["Q4_K", "Q4_K-Q5_K-Q6_K"])
-def test_emulated_direct_one_token_kernels(qtypes, emulated_kernels, rng):
-    """The one-token _g kernels (gate and up of one type in one body; mixed types by matrix),
-    emulated on the host, against the float64 reference."""
-    _emulate_experts(emulated_kernels, rng, qtypes, (3,))
+def test_emulated_one_token_kernels(qtypes, emulated_kernels, rng):
+    """The one-token kernels (gate and up of one type in one body; mixed types by matrix) and their
+    _s twins, emulated on the host, against the float64 reference."""
+    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3))
 
 
 @pytest.mark.gpu
