@@ -334,17 +334,15 @@ ENGINE_PHASES = ("host_early_s", "host_plan_s", "host_submit_s", "host_queue_s",
 
 
 def engine_variant(text: str) -> dict:
-    """``ExpertEngine`` options from ``WAIT:PUT:ROWS`` (e.g. ``device:early:copy``, the defaults):
-    ``background_wait``, ``handoff_put`` and ``handoff_rows``; ValueError naming what is wrong."""
-    from .engine import BACKGROUND_WAITS
-    from .engine import HANDOFF_PUTS as PUTS
-    from .engine import HANDOFF_ROWS as ROWS
+    """``ExpertEngine`` options from ``WAIT:PUT`` (``device:early``, the defaults, or the former
+    ``host:compute``): ``background_wait`` and ``handoff_put``; ValueError naming what is wrong."""
+    from .engine import BACKGROUND_WAITS, HANDOFF_PUTS
 
     parts = text.split(":")
-    if len(parts) != 3 or parts[0] not in BACKGROUND_WAITS or parts[1] not in PUTS or parts[2] not in ROWS:
-        raise ValueError(f"engine variant {text!r}: expected WAIT:PUT:ROWS with WAIT in {'|'.join(BACKGROUND_WAITS)}, "
-                         f"PUT in {'|'.join(PUTS)}, ROWS in {'|'.join(ROWS)}")
-    return dict(zip(("background_wait", "handoff_put", "handoff_rows"), parts))
+    if len(parts) != 2 or parts[0] not in BACKGROUND_WAITS or parts[1] not in HANDOFF_PUTS:
+        raise ValueError(f"engine variant {text!r}: expected WAIT:PUT with WAIT in {'|'.join(BACKGROUND_WAITS)}, "
+                         f"PUT in {'|'.join(HANDOFF_PUTS)}")
+    return dict(zip(("background_wait", "handoff_put"), parts))
 
 
 def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense, gx, rates, options,
@@ -353,7 +351,7 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
     engine's ``begin_layer`` starts the resident experts (unless ``--no-early``) before the driver
     plans the step; ``sync`` waits for the layer's GPU work after ``run_layer``, as the model's
     next router read-back does (then the host phases hold no back-pressure from the GPU queue).
-    ``variant``: the engine's ``WAIT:PUT:ROWS`` (:func:`engine_variant`; None: its defaults)."""
+    ``variant``: the engine's ``WAIT:PUT`` (:func:`engine_variant`; None: its defaults)."""
     from .engine import ExpertEngine
 
     if name == "gpu":  # every expert resident: the arena holds the whole model

@@ -59,11 +59,10 @@ from scheduler.drive import RunLayer
 from .cpu_pool import CpuExpertPool
 from .experts import ExecutorError, LayerExperts
 
-__all__ = ["BACKGROUND_WAITS", "ExpertEngine", "HANDOFF_PUTS", "HANDOFF_ROWS", "LayerStats", "gather_pairs"]
+__all__ = ["BACKGROUND_WAITS", "ExpertEngine", "HANDOFF_PUTS", "LayerStats", "gather_pairs"]
 
 BACKGROUND_WAITS = ("device", "host")  # await_background: the compute stream waits / the host blocks
 HANDOFF_PUTS = ("early", "compute")  # handoff_put: own stream after the input / after early kernels
-HANDOFF_ROWS = ("copy", "kernel")  # a call's CPU rows to the device: handoff_wait + copy / handoff_get
 
 
 @dataclass
@@ -231,7 +230,7 @@ class ExpertEngine:
 
     def __init__(self, layers: Sequence[LayerExperts | None], capacity: Capacity, threads: int, use_gpu: bool,
                  timeout_s: float = 30.0, scratch_slots: int = 16, pinned: bool = True, gpu=None,
-                 background_wait: str = "device", handoff_put: str = "early", handoff_rows: str = "copy"):
+                 background_wait: str = "device", handoff_put: str = "early"):
         if background_wait not in BACKGROUND_WAITS:
             raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
         self.background_wait = background_wait
@@ -254,7 +253,7 @@ class ExpertEngine:
         if self.gpu is not None and not self.gpu.generic_layers and os.environ.get("MOELAB_HANDOFF", "1") != "0":
             from .handoff import Handoff
 
-            self.handoff = Handoff(self.gpu.compute, timeout_s, put=handoff_put, rows=handoff_rows)
+            self.handoff = Handoff(self.gpu.compute, timeout_s, put=handoff_put)
         self.pool = CpuExpertPool(threads, timeout_s, ctrl=None if self.handoff is None else self.handoff.ctrl)
         self.slot_of: dict[tuple[int, int], int] = _Residency()
         self.table_dev = None  # (layers, max experts) uint64 device addresses, see _Residency

@@ -41,7 +41,6 @@ from numba import njit
 from . import cpu_pool as P
 from .cpu_simd import atomic_load, atomic_store, now_ns, pause
 from .engine import HANDOFF_PUTS as PUTS
-from .engine import HANDOFF_ROWS as ROWS
 from .experts import ExecutorError
 from .gpu_experts import MAX_TOP_K, Launch
 from .gpu_host import cuda_module
@@ -111,12 +110,9 @@ class Handoff:
     """Mapped memory, kernels and bookkeeping of the hand-off for one engine (see the module
     docstring); ``ctrl`` is the array to build the engine's ``CpuExpertPool`` over."""
 
-    def __init__(self, compute: cp.cuda.Stream, timeout_s: float, put: str = "early", rows: str = "copy"):
+    def __init__(self, compute: cp.cuda.Stream, timeout_s: float, put: str = "early"):
         if put not in PUTS:
             raise ValueError(f"put: {put!r}, expected one of {', '.join(PUTS)}")
-        if rows not in ROWS:
-            raise ValueError(f"rows: {rows!r}, expected one of {', '.join(ROWS)}")
-        self.rows_by_kernel = rows == "kernel"
         self.compute = compute
         # "early": handoff_put runs on its own stream as soon as the layer's input is ready on the
         # compute stream (x_ready), beside the early-started expert kernels queued after it
@@ -198,13 +194,12 @@ class Handoff:
         self._pending.append([job, stamp, False])
 
     def down_combine1(self, bases: list, weights: list, cpu_row: list, h: int, out: int, consts: tuple,
-                      yout: np.ndarray, job, yout_dev: int) -> None:
-        """Queue, for one token's k pairs, ``handoff_wait`` and a copy of the call's rows ``yout``
-        (mapped; device address ``yout_dev``) to device memory (or, with ``rows`` "kernel",
-        ``handoff_get``, which waits and reads them), then ``handoff1_down_combine``: ``bases[j]``
-        0 marks a CPU pair, whose output is row ``cpu_row[j]`` of ``yout``; ``consts``: GpuExperts'
-        layer constants. The rows go to device memory first: read by the combine's blocks from
-        mapped memory, two floats per block and pair, they cost the link thousands of round trips."""
+                      yout: np.ndarray, job) -> None:
+        """Queue, for one token's k pairs, ``handoff_wait``, a copy of the call's rows ``yout``
+        (mapped) to device memory, and ``handoff1_down_combine``: ``bases[j]`` 0 marks a CPU pair,
+        whose output is row ``cpu_row[j]`` of ``yout``; ``consts``: GpuExperts' layer constants.
+        The rows go by one copy: read by the combine's blocks from mapped memory, two floats per
+        block and pair, they cost the link thousands of round trips."""
         hidden, ffn, _, _, _, _, _, _, off_d, qt_d, rb_d, _, bias = consts
         k = len(bases)
         stamp = _STAMPS + 3 * (job._seq % _SLOTS)
@@ -215,13 +210,9 @@ class Handoff:
         if self._ydev.size < yout.size:
             with self.compute:
                 self._ydev = cp.empty(max(yout.size, 2 * self._ydev.size), cp.float32)
-        if self.rows_by_kernel:
-            self._k_get((min(-(-yout.size // 256), 64), 1), 256, self.compute.ptr, *wait, yout_dev,
-                        self._ydev.data.ptr, yout.size)
-        else:
-            self._k_wait((1, 1), 32, self.compute.ptr, *wait)
-            src = self._host_ptr.get(id(yout)) or yout.ctypes.data
-            _rt.memcpyAsync(self._ydev.data.ptr, src, yout.nbytes, _rt.memcpyHostToDevice, self.compute.ptr)
+        self._k_wait((1, 1), 32, self.compute.ptr, *wait)
+        src = self._host_ptr.get(id(yout)) or yout.ctypes.data
+        _rt.memcpyAsync(self._ydev.data.ptr, src, yout.nbytes, _rt.memcpyHostToDevice, self.compute.ptr)
         pack1(self._blob, bases, weights, cpu_row)
         self._k_down1((-(-hidden // _RPB), 1), 32 * k, self.compute.ptr, h, out, k, ffn, hidden, _RPB, off_d, qt_d,
                       rb_d, bias, *wait, self._ydev.data.ptr)
@@ -378,7 +369,7 @@ class Handoff:
             gx.pack1(bases, weights, rest)
             gx.gate_up1(layer, xd, len(ids), len(rest))
         out = gx._output(1, lx.hidden)
-        self.down_combine1(bases, weights, rows, gx.h1, out.data.ptr, gx._consts[layer], yout, job, yout_dev)
+        self.down_combine1(bases, weights, rows, gx.h1, out.data.ptr, gx._consts[layer], yout, job)
         for v in d.retired:
             slot_of.pop(v, None)
         for e, s in zip(d.promotions, d.promotion_slots):

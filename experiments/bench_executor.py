@@ -12,7 +12,7 @@ shape), whatever ``--cache-mib``. ``--no-early`` turns off the engine's early st
 experts; ``--sync layer`` waits for each layer's GPU work after ``run_layer``, as the model's next
 router read-back does (without it a GPU-bound run charges the queue's back-pressure to whichever
 host phase waits). ``--engine-variants`` runs hybrid once per engine variant (how background
-copies are waited for, where the hand-off's input copy runs, how its CPU rows come back).
+copies are waited for, where the hand-off's input copy runs).
 
 Method, bound and breakdown: ``execute.bench_layers``. Prints the results, hybrid / best non-hybrid
 and a per-layer host-time breakdown (hand-off edge columns included); writes
@@ -60,8 +60,8 @@ def parse(argv):
     ap.add_argument("--no-early", action="store_true", help="no early start of resident experts (begin_layer)")
     ap.add_argument("--max-fills", default="", help="hybrid max_fills values to run (comma list; empty: its default)")
     ap.add_argument("--engine-variants", default="",
-                    help="hybrid runs once per engine variant WAIT:PUT:ROWS (comma list; e.g. host:compute:copy, "
-                         "device:early:copy = the defaults); empty: the defaults, unlabelled")
+                    help="hybrid runs once per engine variant WAIT:PUT (comma list; device:early = the defaults, "
+                         "host:compute = the former path); empty: the defaults, unlabelled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_executor"))
     args = ap.parse_args(argv)
