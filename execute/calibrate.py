@@ -189,6 +189,11 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
         hw.update(_gpu_fields(m, eb, src))
         if "engine_replay" in m:  # host lane and pool as a replay runs them, over the one-call figures
             hw = apply_replay(hw, m["engine_replay"], eb, T, src)
+        ratio = (m.get("cpu_mapped") or {}).get("ratio")
+        if ratio:
+            hw["executor"] = {**hw["executor"], "cpu_mapped_factor": min(max(float(ratio), 0.01), 4.0)}
+            src["executor.cpu_mapped_factor"] = ("measured: the pool's 8-expert call on the experts through a file's "
+                                                 "memory map / on the calibration's buffers (calibrate_memory)")
         if (m.get("token_graph") or {}).get("fields"):
             hw["executor"] = {**hw["executor"], **m["token_graph"]["fields"]}
             src["executor.token_graph"] = ("measured: decode tokens as one CUDA graph each under gpu, pipelined, on "
@@ -330,7 +335,7 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
     """Every measurement (see the module docstring); reuses ``layers``/``gx`` when given. Results
     go into ``partial`` (a dict, also returned) as they come. Stages are shown on stderr unless
     ``args.quiet``."""
-    total = (layers is None) + 3 + (not args.quick) + (0 if args.cpu_only else 8)
+    total = (layers is None) + 3 + 2 * (not args.quick) + (0 if args.cpu_only else 8)
     stage = _Stages(total, getattr(args, "quiet", False))
     try:
         m = _measure(args, stage, layers, gx, partial)
@@ -374,6 +379,8 @@ def _measure(args, stage, layers, gx, partial) -> dict:
     if not args.quick:
         stage("CPU pool: quant types and thread counts")
         m["cpu_quant"], m["cpu_threads_q8"] = measure_cpu_types(args, layers, rng)
+        stage("CPU pool on a memory-mapped file")
+        m["cpu_mapped"] = _mapped_pool(args, layers)
     if args.cpu_only:
         return m
     import cupy as cp
@@ -417,6 +424,23 @@ def _measure(args, stage, layers, gx, partial) -> dict:
         if own:
             gx.close()
     return m
+
+
+def _mapped_pool(args, layers) -> dict:
+    """``calibrate_memory.measure_pool_memory`` on two of the layers (a file in a temporary folder);
+    a failure is recorded, with a warning, and gives no ``cpu_mapped_factor``."""
+    import tempfile
+
+    from .calibrate_memory import measure_pool_memory
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="moelab-calibrate-") as tmp:
+            return measure_pool_memory(layers[:2], args.threads, Path(tmp) / "experts.bin", rounds=3,
+                                       seed=args.seed)
+    except Exception as exc:  # noqa: BLE001 - the rest of the calibration stands without the factor
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"moelab calibrate: warning: the pool on a memory-mapped file not measured ({msg})", file=sys.stderr)
+        return {"error": msg}
 
 
 def _token_graph(args, reps: int) -> dict:

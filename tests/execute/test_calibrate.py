@@ -762,3 +762,17 @@ def test_gpu_expert_tables_measure_the_batch_and_the_one_token_path():
     assert set(ex["batch"]) == {1, 2, 4, 8, 12, 16}
     fields, q8 = C.expert_gpu_fields(ex, eb, 3000.0, 8, {})
     assert q8 > 0 and {"gpu_batch_s", "combine_s", "gpu_one_s", "gpu_one_expert_scale"} <= set(fields)
+
+
+def test_the_pool_on_a_mapped_file_gives_the_factor_the_peer_rows_use(tmp_path):
+    from simulate import load_hardware
+
+    m = fake_measurements()
+    m["cpu_mapped"] = {"ratio": 1.3}
+    path = tmp_path / "hw.json"
+    C.write_json(path, C.hardware_json(m, "box"))
+    hw = load_hardware(path)
+    assert hw.executor["cpu_mapped_factor"] == pytest.approx(1.3)
+    assert "executor.cpu_mapped_factor" in json.loads(path.read_text())["sources"]
+    m["cpu_mapped"] = {"error": "no room"}  # not measured: no factor
+    assert "cpu_mapped_factor" not in C.hardware_json(m, "box")["executor"]
