@@ -35,48 +35,23 @@ from .experts import ExecutorError
 from .gpu_host import PinnedRing
 from .load_plan import ChunkPacker, Run, slot_runs, split_range
 
-__all__ = ["ExpertLoad", "REGISTER_PIECE", "Staged", "pieces", "register"]
+__all__ = ["ExpertLoad", "Staged", "register"]
 
 _rt = cp.cuda.runtime
 _H2D = _rt.memcpyHostToDevice
 _THREAD_MIN = 4 << 20  # pieces from this size are copied by several threads
 
 
-REGISTER_PIECE = 0  # bytes page-locked per cudaHostRegister call (cut at page boundaries); 0: a whole array
-_PAGE = 4096
-
-
-def pieces(ptr: int, nbytes: int, piece: int) -> list[tuple[int, int]]:
-    """``(address, bytes)`` ranges that cover ``[ptr, ptr + nbytes)`` in order, each at most ``piece``
-    bytes (at least a page), cut at page boundaries (no two share a page); the whole range when
-    ``piece`` is 0 or not smaller."""
-    if piece <= 0 or nbytes <= piece:
-        return [(ptr, nbytes)]
-    piece = max(piece, _PAGE)
-    out, a, end = [], ptr, ptr + nbytes
-    while a < end:
-        b = min(end, (a + piece) // _PAGE * _PAGE)
-        out.append((a, b - a))
-        a = b
-    return out
-
-
 def register(gx, a: np.ndarray) -> bool:
     """Page-lock host array ``a`` in place for ``gx`` (a ``GpuExperts``: ``a`` is kept in
-    ``gx._pinned`` and the address of each piece registered (:data:`REGISTER_PIECE`) in
-    ``gx.registered`` until unregistered); False when the driver refuses it (with and without
-    ``cudaHostRegisterReadOnly``), nothing left registered."""
+    ``gx._pinned`` and its address in ``gx.registered`` until unregistered); False when the driver
+    refuses it (with and without ``cudaHostRegisterReadOnly``)."""
     for flags in (0, 8):  # default, then cudaHostRegisterReadOnly
-        done = []
         try:
-            for ptr, n in pieces(a.ctypes.data, a.nbytes, REGISTER_PIECE):
-                _rt.hostRegister(ptr, n, flags)
-                done.append(ptr)
+            _rt.hostRegister(a.ctypes.data, a.nbytes, flags)
         except _rt.CUDARuntimeError:
-            for ptr in done:
-                _rt.hostUnregister(ptr)
             continue
-        gx.registered.extend(done)
+        gx.registered.append(a.ctypes.data)
         gx._pinned.append(a)
         return True
     return False

@@ -318,39 +318,3 @@ def test_a_placement_of_every_expert_is_registered_and_copied(mem_cupy, rng, mon
         ref.close()
 
 
-
-
-def test_pieces_cover_a_range_cut_at_pages(mem_cupy):
-    U = importlib.import_module("execute.gpu_upload")
-    assert U.pieces(100, 5000, 0) == [(100, 5000)] and U.pieces(100, 5000, 8192) == [(100, 5000)]
-    for ptr, n, piece in ((4096 * 7 + 100, 50_000, 8192), (4096 * 3, 40_960, 4096), (17, 9000, 1000)):
-        got = U.pieces(ptr, n, piece)
-        assert got[0][0] == ptr and sum(b for _, b in got) == n
-        assert all(a + b == c for (a, b), (c, _) in zip(got, got[1:]))  # back to back
-        assert all(a % 4096 == 0 for a, _ in got[1:])  # every cut on a page boundary: no page in two
-        assert all(0 < b <= max(piece, 4096) for _, b in got)
-
-
-def test_an_array_registered_in_pieces_is_unregistered_whole_when_one_is_refused(mem_cupy, monkeypatch):
-    """REGISTER_PIECE: one cudaHostRegister per piece, each piece's address kept for the unregister;
-    a refused piece drops the pieces done before it and the read-only flag is tried the same way."""
-    cp, G, _ = mem_cupy
-    U = importlib.import_module("execute.gpu_upload")
-    monkeypatch.setattr(U, "REGISTER_PIECE", 8192)
-    rt = cp.cuda.runtime
-    a = np.zeros(60_000, np.uint8)[3:]
-    want = U.pieces(a.ctypes.data, a.nbytes, 8192)
-    gx = type("Gx", (), {})()
-    gx.registered, gx._pinned = [], []
-    rt.hostRegister.reset_mock()
-    rt.hostUnregister.reset_mock()
-    assert U.register(gx, a) and gx.registered == [p for p, _ in want] and gx._pinned == [a]
-    assert [c.args for c in rt.hostRegister.call_args_list] == [(p, n, 0) for p, n in want]
-    third = want[2][0]
-    rt.hostRegister.reset_mock()
-    rt.hostRegister.side_effect = lambda ptr, n, flags: (_ for _ in ()).throw(RuntimeError("no")) \
-        if ptr == third and flags == 0 else None
-    gx.registered, gx._pinned = [], []
-    assert U.register(gx, a) and gx.registered == [p for p, _ in want]
-    assert [c.args[0] for c in rt.hostUnregister.call_args_list] == [want[0][0], want[1][0]]
-    assert [c.args[2] for c in rt.hostRegister.call_args_list] == [0, 0, 0] + [8] * len(want)
