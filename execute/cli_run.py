@@ -3,7 +3,6 @@ the printed report, and ``run_figures`` (the same run's figures, for experiments
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from pathlib import Path
@@ -150,9 +149,6 @@ def _run(args) -> int:
     init = getattr(args, "gpu_init", None)
     if init is not None:  # the chunk path's library work on the model's shapes, meanwhile
         init.warm(weights.info, min(len(prompt), args.prefill_chunk), len(prompt) + args.tokens + args.speculative)
-    # what the imports, the file's tables and the vocabulary made lives until the process ends: the
-    # collector's full passes over the rest of the run (start-up, prompt, decode) skip it
-    gc.freeze()
     out, gen, model, audit = generate(args, weights, tok, prompt, args.speculative, sys.stdout,
                                        record=bool(args.record_trace or args.audit))
     if args.compare:
