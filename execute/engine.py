@@ -231,8 +231,10 @@ class ExpertEngine:
     def __init__(self, layers: Sequence[LayerExperts | None], capacity: Capacity, threads: int, use_gpu: bool,
                  timeout_s: float = 30.0, scratch_slots: int = 16, pinned: bool = True, gpu=None,
                  background_wait: str = "device", handoff_put: str = "early"):
-        if background_wait not in BACKGROUND_WAITS:
-            raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
+        for name, v, ok in (("background_wait", background_wait, BACKGROUND_WAITS),
+                            ("handoff_put", handoff_put, HANDOFF_PUTS)):
+            if v not in ok:
+                raise ValueError(f"{name}: {v!r}, expected one of {', '.join(ok)}")
         self.background_wait = background_wait
         self.layers = list(layers)
         self.use_gpu = bool(use_gpu)
@@ -253,7 +255,7 @@ class ExpertEngine:
         if self.gpu is not None and not self.gpu.generic_layers and os.environ.get("MOELAB_HANDOFF", "1") != "0":
             from .handoff import Handoff
 
-            self.handoff = Handoff(self.gpu.compute, timeout_s, put=handoff_put)
+            self.handoff = Handoff(self.gpu.compute, timeout_s, early_put=handoff_put == "early")
         self.pool = CpuExpertPool(threads, timeout_s, ctrl=None if self.handoff is None else self.handoff.ctrl)
         self.slot_of: dict[tuple[int, int], int] = _Residency()
         self.table_dev = None  # (layers, max experts) uint64 device addresses, see _Residency
@@ -655,8 +657,7 @@ class ExpertEngine:
         self._need_gpu("background fills and swaps")
         gx = self.gpu
         res = self.slot_of
-        if self.background_wait == "host" or any(m.victim is not None or not res.fresh(m.layer, m.slot)
-                                                 for m in moves):
+        if self.background_wait == "host" or any(m.victim or not res.fresh(m.layer, m.slot) for m in moves):
             gx.begin_copies(gx.background)
         for m in moves:
             if m.victim is not None:

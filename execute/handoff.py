@@ -40,7 +40,6 @@ from numba import njit
 
 from . import cpu_pool as P
 from .cpu_simd import atomic_load, atomic_store, now_ns, pause
-from .engine import HANDOFF_PUTS as PUTS
 from .experts import ExecutorError
 from .gpu_experts import MAX_TOP_K, Launch
 from .gpu_host import cuda_module
@@ -110,13 +109,11 @@ class Handoff:
     """Mapped memory, kernels and bookkeeping of the hand-off for one engine (see the module
     docstring); ``ctrl`` is the array to build the engine's ``CpuExpertPool`` over."""
 
-    def __init__(self, compute: cp.cuda.Stream, timeout_s: float, put: str = "early"):
-        if put not in PUTS:
-            raise ValueError(f"put: {put!r}, expected one of {', '.join(PUTS)}")
+    def __init__(self, compute: cp.cuda.Stream, timeout_s: float, early_put: bool = True):
         self.compute = compute
-        # "early": handoff_put runs on its own stream as soon as the layer's input is ready on the
+        # early_put: handoff_put runs on its own stream as soon as the layer's input is ready on the
         # compute stream (x_ready), beside the early-started expert kernels queued after it
-        self._side = cp.cuda.Stream(non_blocking=True) if put == "early" else None
+        self._side = cp.cuda.Stream(non_blocking=True) if early_put else None
         self.x_ready = cp.cuda.Event(disable_timing=True)
         self._put_done = cp.cuda.Event(disable_timing=True)
         self.wait_timeout_ns = int(min(timeout_s, 1.0) * 1e9)
@@ -178,8 +175,8 @@ class Handoff:
 
     def put(self, x_ptr: int, rows_ptr: int, n: int, hidden: int, xin_dev: int, job) -> None:
         """Queue ``handoff_put``: ``xin[i] = x[rows[i]]`` (``rows_ptr`` 0: row 0) for the gated
-        ``job``'s n rows, then its gate; on the compute stream, or (``put`` "early") on its own
-        stream after ``x_ready``, with the compute stream waiting for it before its next work.
+        ``job``'s n rows, then its gate; on the compute stream, or (``early_put``) on its own stream
+        after ``x_ready``, the compute stream waiting for it before its next work.
         ``x_ready`` comes after every earlier call's wait for its CPU rows, so ``xin`` is free."""
         stamp = self._slot(job._seq)
         grid = min(-(-n * hidden // 256), 128)
@@ -406,7 +403,7 @@ def bench_edges(threads: int, rows: int, hidden: int, ffn: int, calls: int, busy
     rng = np.random.default_rng(seed)
     layer = random_layer(rng, 0, 8, hidden, ffn, 8)  # Q8_0
     stream = cp.cuda.Stream(non_blocking=True)
-    ho = Handoff(stream, 10.0, put="compute")  # each put after its busy kernel
+    ho = Handoff(stream, 10.0, early_put=False)  # each put after its busy kernel
     pool = P.CpuExpertPool(threads, 10.0, ctrl=ho.ctrl)
     flight: deque = deque()
     try:

@@ -35,6 +35,8 @@ def test_engine_variants_are_checked():
     geo = Geometry.uniform(1, 4, 1, 1024)
     with pytest.raises(ValueError, match="background_wait: 'never'"):
         ExpertEngine([None], Capacity.per_layer(geo, 1), threads=1, use_gpu=False, background_wait="never")
+    with pytest.raises(ValueError, match="handoff_put: 'late'"):
+        ExpertEngine([None], Capacity.per_layer(geo, 1), threads=1, use_gpu=False, handoff_put="late")
 
 
 def _one(layer: int, ids: list[int], hits: tuple) -> RunLayer:
