@@ -54,8 +54,9 @@ __all__ = ["MoeModel", "Qwen3Moe", "Route", "TokenInput", "ChunkInput", "RunResu
 
 
 def _residual(x, rs: np.float32, y):
-    """``x + rs * y``; ``x + y`` when ``rs`` is 1 (the same values, one launch fewer on the GPU)."""
-    return x + y if rs == 1 else x + rs * y
+    """``x + rs * y``; ``x + y`` when ``rs`` is 1 (the same values, one launch fewer on the GPU). The
+    array comes first in the product: its own operator, not numpy's dispatch to ``__array_ufunc__``."""
+    return x + y if rs == 1 else x + y * rs
 
 
 def _rope_perm(n_heads: int, hd: int, lo: int, rd: int) -> np.ndarray:

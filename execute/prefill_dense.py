@@ -66,10 +66,10 @@ def warm_library(info, t: int, cache_len: int) -> None:
     """The library side of a chunk's first run for a GQA model of ``info``'s shapes on ``t`` tokens
     (a KV cache of ``cache_len`` positions), on zeros on a private stream: cuBLAS's products of the
     projections' shapes (f16, as :meth:`ChunkDense._gemm`) and of the router's and attention's
-    (float32; batched as :meth:`ChunkDense._bgemm`) and the CuPy element-wise kernels around them, so that their first uses
-    (cuBLAS's set-up, kernel loads) are paid on the thread that calls this, e.g. while the main
-    thread loads weights (``execute.first_token.GpuInit``). Nothing is kept; the results are
-    discarded. The chunk path's own kernels (``prefill_dense.cu``) are not touched."""
+    (float32; batched as :meth:`ChunkDense._bgemm`) and the CuPy element-wise kernels around them,
+    so that their first uses (cuBLAS's set-up, kernel loads) are paid on the thread that calls this,
+    e.g. while the main thread loads weights (``execute.first_token.GpuInit``). Nothing is kept; the
+    results are discarded. The chunk path's own kernels (``prefill_dense.cu``) are not touched."""
     nh, nkv, hd, hidden = int(info.num_heads), max(int(info.num_kv_heads), 1), int(info.head_dim), int(info.hidden)
     t = max(int(t), 2)
     n = max(int(cache_len), t)
@@ -83,7 +83,8 @@ def warm_library(info, t: int, cache_len: int) -> None:
             ChunkDense._gemm(w, shape, a, t, y, _ZERO)
             ChunkDense._gemm(w, shape, a, t, y, _ONE)
         x = cp.zeros((t, hidden), cp.float32)
-        x = x + np.float32(1.0) * (x @ cp.zeros((experts, hidden), cp.float32).T)[:, :1]
+        # the array first: CuPy's operator, not numpy's dispatch to __array_ufunc__
+        x = x + (x @ cp.zeros((experts, hidden), cp.float32).T)[:, :1] * np.float32(1.0)
         g = max(nh // nkv, 1)
         q = cp.zeros((nkv, t, g, hd), cp.float32)
         kc = cp.zeros((nkv, n, hd), cp.float32)  # the cache's layout: the first t of n positions
