@@ -5,8 +5,9 @@ packed into a few bytes. The kernels read those bytes as one or two 64-bit words
 into one scale per byte with shifts and masks, and turn 8 of them at a time into a float32
 vector multiplied by the 8 activation blocks' scales and the block's ``d``: one vector of the
 float factors of the block's eight 32-weight integer dots (unsigned weight bytes against the int8
-activations, both levels). Q4_K, Q5_K, Q3_K and Q2_K stage the block's 8 weight vectors on the
-stack (``block_scratch``) and run the 8 dots behind one branch on the instruction-set path
+activations, both levels). Q4_K and Q5_K stage the block's 8 weight vectors on the stack
+(``block_scratch``), Q3_K and Q2_K hand them over in registers, and the 8 dots run behind one
+branch on the instruction-set path
 (``dots``); each dot's lanes are summed as integers, the 8 sums (16 with a scale per 16 weights)
 gathered in one vector by pairwise adds, converted once and multiplied by the factors
 (``acc_dots``, ``acc_dots16``: a blend and one shuffle per pair of vectors, not vphaddd's two
@@ -280,7 +281,7 @@ def store_i8x32(typingctx, base, off, v):
 
 dots = intrinsic(_dots(False))
 dots.__doc__ = """Per k < 8: 256 (q_k . x1) + q_k . x2 per int32 lane, q_k the 32 weight bytes at address q + 32 k
-(block_scratch), x1 the 32 activation bytes at xq + a + 32 k
+(block_scratch) or element k of q (a tuple of 8 I8x32: no stores and reloads), x1 the 32 activation bytes at xq + a + 32 k
 and x2 those l2 bytes on (the second level); dpbusd with q unsigned (<= 127 for the avx2 path), on
 path ``isa`` with one branch for all k: a block's dots behind one switch, so each path's
 instructions run alone without a copy of the kernel per path."""
@@ -529,13 +530,12 @@ def dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, three):
     f16 dmin; w = d scale q - dmin min) and Q3_K (110: u8 hmask[32], u8 qs[64], u8 scales[12], f16
     d; w = d (scale - 32) (q - 4), q - 4 when the third bit is clear). Q3_K's 6-bit scale k: low 4
     bits in byte k % 8 of the first 8 (high nibble for k >= 8), top 2 bits at bits 2 (k // 4) of
-    byte 8 + k % 4. A block's 8 groups staged (block_scratch), their dots behind one branch on the
+    byte 8 + k % 4. A block's 8 groups handed to the dots in registers, behind one branch on the
     path, a scale per 16 weights (acc_dots16). Groups read with their low bits in place where they
     fit (2^e q, see _q23: fewer shifts), the factors times 2^-e (exact: a power of 2 changes the
     rounding of no conversion or product)."""
     acc = zero_f32()
     cor = zero_f32()
-    buf = block_scratch()
     for b in range(nb // 8):
         if three:
             p = o + 110 * b
