@@ -67,6 +67,7 @@ import numpy as np
 from scheduler.args import ArgumentParser, int_at_least
 from scheduler.core import Capacity, Geometry
 from scheduler.files import OutputPathError, atomic_write, check_output
+from scheduler.hardware import RATIO_KEYS
 
 from . import quant as Q
 
@@ -621,7 +622,7 @@ def _print_summary(hw: dict) -> None:
     for k, v in hw.get("executor", {}).items():
         if k == "plan_s":
             print("plan_s             " + ", ".join(f"{p} {s * 1e6:.1f} us" for p, s in v.items()))
-        elif k.endswith("_scale"):
+        elif k in RATIO_KEYS:
             print(f"{k:<18} {v:.3f}")
         else:
             print(f"{k:<18} {v * 1e6:.1f} us")
