@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from scheduler import Decision, EndToken, RunLayer, Step, Token
-from simulate import Costs, ExecConfig, Hardware, ModelSpec, Simulator
+from simulate import Costs, ExecConfig, Simulator
+
+from .conftest import round_hardware, tiny_model
 
 EX = {"host_dense_s": 100e-6, "dense_fixed_s": 0.0, "readback_s": 10e-6, "host_gpu_layer_s": 50e-6,
       "host_gpu_expert_s": 0.0, "host_copy_s": 5e-6, "gpu_batch_s": 20e-6, "combine_s": 8e-6, "wait_poll_s": 0.0,
@@ -17,12 +19,8 @@ ONE = {"gpu_one_s": 300e-6, "gpu_one_expert_scale": 2.0}
 
 
 def costs(executor: dict) -> Costs:
-    hw = Hardware(name="r", gpu_name="g", gpu_mem_bytes=2**30, gpu_mem_gbps=100.0, gpu_tflops=100.0, launch_s=1e-6,
-                  pcie_h2d_gbps=10.0, pageable_gbps=5.0, copy_latency_s=0.0, cpu_name="c", cpu_threads=1,
-                  cpu_mem_gbps=100.0, cpu_thread_gbps=20.0, cpu_task_s=0.0, executor=executor)
-    model = ModelSpec(name="t", num_layers=1, num_experts=4, top_k=3, hidden=1000, expert_ffn=500, num_heads=4,
-                      num_kv_heads=2, head_dim=8, vocab=1000, expert_quant="F16", dense_quant="F16",
-                      kv_elem_bytes=1, kv_elems_per_token=1)
+    hw = round_hardware(copy_latency_s=0.0, cpu_threads=1, cpu_thread_gbps=20.0, cpu_task_s=0.0, executor=executor)
+    model = tiny_model(top_k=3, kv_elem_bytes=1, kv_elems_per_token=1)
     return Costs(model, hw, ExecConfig(policy="x"))
 
 
