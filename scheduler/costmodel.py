@@ -29,7 +29,9 @@ class LaneCosts:
     the GPU's combine (``gpu_combine_s``) ends the layer. ``handoff``: one-token layers hand the
     pool's input and rows over through mapped memory instead: the pool starts ``handoff_in_s``
     after the submit, the combine waits until ``handoff_out_s`` after the pool ends, the host does
-    not wait. ``lead_s`` (per layer; empty: 0): how long the host's part of what follows the layer
+    not wait. ``one_s`` (None: none): a one-token layer of GPU experts only takes the engine's
+    one-token path, ``one_s`` + ``one_scale`` x its experts' GPU time, no separate combine
+    (``scheduler.costs.Costs.one_s``). ``lead_s`` (per layer; empty: 0): how long the host's part of what follows the layer
     (the next layer's planning and the issue of its dense part beyond the GPU's, or the head's)
     holds the GPU back, counted from the host's end of the layer: the layer ends for the next one
     at the later of the GPU's end and the host's end plus this lead. ``decide_s``: what the host
@@ -58,6 +60,8 @@ class LaneCosts:
     handoff_out_s: float = 0.0
     lead_s: tuple[float, ...] = ()
     decide_s: float = 0.0
+    one_s: float | None = None
+    one_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lead_s", tuple(float(x) for x in self.lead_s))
@@ -65,7 +69,7 @@ class LaneCosts:
             if name == "lead_s":
                 if not all(x >= 0 for x in v):
                     raise ValueError("LaneCosts.lead_s: every entry must be a number >= 0")
-            elif name != "handoff" and not v >= 0:
+            elif name not in ("handoff", "one_s") and not v >= 0 or name == "one_s" and v is not None and not v >= 0:
                 raise ValueError(f"LaneCosts.{name}: {v}, expected a number >= 0")
 
 
@@ -220,9 +224,10 @@ class CostModel:
         if num_up:
             link = (queued_s if queued_s > h else h) + num_up * self.upload_s[layer]
             h += ln.copy_round_s + num_up * ln.copy_s
+        one = one_token and n_gpu and not pool_s and ln.one_s is not None
         if n_gpu:
             h += (ln.cpu_queue_s if pool_s else ln.gpu_queue_s) + (n_gpu - 1) * ln.expert_queue_s
-            g = max(g, h, link) + ln.batch_s + hits_s + up_s
+            g = max(g, h, link) + (ln.one_s + ln.one_scale * (hits_s + up_s) if one else ln.batch_s + hits_s + up_s)
         if hand:
             g = max(g, p_end + ln.handoff_out_s)
         elif pool_s:
@@ -230,7 +235,7 @@ class CostModel:
             g = g if g > h else h
         else:
             h += ln.layer_combine_s
-        g += ln.gpu_combine_s
+        g += 0.0 if one else ln.gpu_combine_s
         h += ln.lead_s[layer] if ln.lead_s else 0.0
         end = (g if g > h else h) + num_up * ln.plan_copy_s  # the next layer plans around these copies
         return end, (0.0 if num_up or queued_s <= end else queued_s - end)

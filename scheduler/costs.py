@@ -193,6 +193,7 @@ class Costs:
         # batch and its combine; else GPU time one_s + one_expert_s[layer] per expert (executor block)
         self.one_s: float | None = None
         self.one_expert_s: list[float] = []
+        self.one_scale = 1.0
         if hw.executor:  # measured executor costs replace the launch counts (docs/FIDELITY.md)
             ex = hw.executor
             self.host = HostCosts.from_hardware(hw, cfg.policy)
@@ -203,6 +204,7 @@ class Costs:
             if "gpu_one_s" in ex:  # the one-token path: its two launches, the combine among them
                 scale = ex.get("gpu_one_expert_scale", 1.0)
                 self.one_s, self.one_expert_s = ex["gpu_one_s"], [scale * e for e in self.gpu_expert_s]
+                self.one_scale = scale
             self.head_s = fixed + model.head_bytes() / gbw  # GPU part; read-back on the host lane
 
     def cost_model(self):
@@ -231,7 +233,8 @@ class Costs:
                              copy_round_s=hc.copy_round_s, copy_s=hc.copy_s, plan_copy_s=hc.plan_copy_s,
                              layer_combine_s=hc.layer_combine_s, batch_s=self.expert_launch_s,
                              gpu_combine_s=self.combine_s, handoff=hc.handoff, handoff_in_s=hc.handoff_in_s,
-                             handoff_out_s=hc.handoff_out_s, lead_s=lead,
+                             handoff_out_s=hc.handoff_out_s, lead_s=lead, one_s=self.one_s,
+                             one_scale=self.one_scale,
                              decide_s=max(hc.readback_s + hc.layer_plan_s - self.route_s, 0.0))
             if hc.handoff:  # the GPU puts the input and waits for the rows; the host goes on
                 task += hc.cpu_submit_s + hc.handoff_in_s + hc.handoff_out_s

@@ -50,7 +50,7 @@ def test_step_s_is_the_simulators_layer_time(kind):
             continue
         experts = tuple(range(n_hits + n_up + n_cpu))
         hits, up, cpu = experts[:n_hits], experts[n_hits:n_hits + n_up], experts[n_hits + n_up:]
-        d = Decision(Step(0, experts), hits, streams=up, cpu=cpu)
+        d = Decision(Step(0, experts), hits, uploads=up, slots=tuple(range(8, 8 + n_up)), cpu=cpu)
         g, c = cm.gpu_s(0, 1), cm.cpu_s(0, 1)
         t, left = cm.step_s(0, n_hits * g, n_hits, n_up * g, n_up, cm.pool_s(n_cpu * c, n_cpu))
         assert left == 0.0
