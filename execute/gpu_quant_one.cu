@@ -36,6 +36,30 @@ extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_s(const Exper
 // copies its expert's rows, 2 at a time, to its D1_BYTES / k bytes of shared memory (column tiles
 // when they do not fit) and dots them with float32 h (dot_f), lanes over (row, chunk) pairs.
 // grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32.
+// a warp's rows i, i + 1 (nm of them) of one expert's down projection: the lanes' partial sums
+// reduced, (bias rows ``bd``, or none) added, written to ``y`` by lane 0
+__device__ __forceinline__ void down1_rows(float* y, int i, int nm, float a0, float a1, const float* bd, int lane) {
+    for (int o = 16; o; o >>= 1) {
+        a0 += __shfl_xor_sync(0xffffffffu, a0, o);
+        a1 += __shfl_xor_sync(0xffffffffu, a1, o);
+    }
+    if (lane == 0) {
+        y[i] = bd ? a0 + bd[i] : a0;
+        if (nm > 1) y[i + 1] = bd ? a1 + bd[i + 1] : a1;
+    }
+}
+
+// the block's rows of the weighted sum over its k experts' outputs ``ys`` (after every warp's rows)
+__device__ __forceinline__ void down1_combine(const Experts1& ex, const float (*ys)[32], int k, int rows, float* out) {
+    __syncthreads();
+    int i = threadIdx.x;
+    if (i < rows) {
+        float s = 0.f;
+        for (int jj = 0; jj < k; jj++) s += ex.weight[jj] * ys[jj][i];
+        out[i] = s;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_s(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
                                               int k, int ffn, int hidden, int rows_per_block, long long off_d,
                                               int qt_d, long long rb_d, int bias) {
@@ -66,22 +90,9 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_s(const Ex
             a0 += v.x;
             a1 += v.y;
         }
-        for (int o = 16; o; o >>= 1) {
-            a0 += __shfl_xor_sync(0xffffffffu, a0, o);
-            a1 += __shfl_xor_sync(0xffffffffu, a1, o);
-        }
-        if (lane == 0) {
-            ys[j][i] = bias ? a0 + bd[r0 + i] : a0;
-            if (nm > 1) ys[j][i + 1] = bias ? a1 + bd[r0 + i + 1] : a1;
-        }
+        down1_rows(ys[j], i, nm, a0, a1, bias ? bd + r0 : nullptr, lane);
     }
-    __syncthreads();
-    int i = threadIdx.x;
-    if (i < rows) {
-        float s = 0.f;
-        for (int jj = 0; jj < k; jj++) s += ex.weight[jj] * ys[jj][i];
-        out[r0 + i] = s;
-    }
+    down1_combine(ex, ys, k, rows, out + r0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -206,20 +217,7 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Expe
         int nm = min(2, rows - i);
         float a[2] = {0.f, 0.f};
         DISPATCH(qt_d, down1_g, e + off_d + (long long)(r0 + i) * rb_d, rb_d, nm, hj, ffn, a)
-        for (int o = 16; o; o >>= 1) {
-            a[0] += __shfl_xor_sync(0xffffffffu, a[0], o);
-            a[1] += __shfl_xor_sync(0xffffffffu, a[1], o);
-        }
-        if (lane == 0) {
-            ys[j][i] = bias ? a[0] + bd[r0 + i] : a[0];
-            if (nm > 1) ys[j][i + 1] = bias ? a[1] + bd[r0 + i + 1] : a[1];
-        }
+        down1_rows(ys[j], i, nm, a[0], a[1], bias ? bd + r0 : nullptr, lane);
     }
-    __syncthreads();
-    int i = threadIdx.x;
-    if (i < rows) {
-        float s = 0.f;
-        for (int jj = 0; jj < k; jj++) s += ex.weight[jj] * ys[jj][i];
-        out[r0 + i] = s;
-    }
+    down1_combine(ex, ys, k, rows, out + r0);
 }
