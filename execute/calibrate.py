@@ -73,8 +73,8 @@ from . import quant as Q
 
 # The measurements, fits and replays live in calibrate_measure, calibrate_fit and calibrate_replay;
 # their names are importable from here too, for scripts that take them with the command.
-from .calibrate_fit import (BETWEEN_MIN_LAYERS, POOL_MIN_CALLS, fit_line, fit_table, replay_between_fields,
-                            replay_host_fields, replay_pool_fit, stats, unlogged_host_fields)
+from .calibrate_fit import (BETWEEN_MIN_LAYERS, POOL_MIN_CALLS, call_factors, fit_line, fit_table,
+                            replay_between_fields, replay_host_fields, replay_pool_fit, stats, unlogged_host_fields)
 from .calibrate_measure import (MEM_READ_BYTES, PHASES, PLAN_POLICIES, GpuTimer, build_layers, cold_set_shape,
                                 cpu_layer_parts, measure_cpu_mem_gbps,
                                 measure_cpu_pool, measure_cpu_types, measure_dense, measure_engine,
@@ -117,10 +117,12 @@ def apply_between(executor: dict, between: dict, src: dict | None = None) -> dic
     return ex
 
 
-def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: dict | None = None) -> dict:
+def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: dict | None = None,
+                 alone: dict | None = None) -> dict:
     """``hw`` (a hardware file's dict) with the host-lane fields and the CPU pool's cost (fit and
-    per-count factors) taken from a calibration replay's ``replay_summary`` (``src``: its sources
-    lines, updated)."""
+    per-count factors, ``call_factors`` over the pool measured alone: ``alone``, else ``hw``'s
+    ``_calibration.cpu_pool``) taken from a calibration replay's ``replay_summary`` (``src``: its
+    sources lines, updated)."""
     hw = dict(hw)
     hw["executor"] = {**hw.get("executor", {}), **summary["fields"]}
     if summary.get("unlogged"):  # GPU-only layers as unlogged replays run them
@@ -134,13 +136,16 @@ def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: 
     pool = summary["pool"]
     if pool["expert_s"] > 0:  # the pool as a replay sees it, over the back-to-back calls
         hw.update(cpu_task_s=min(pool["task_s"], 0.5), cpu_thread_gbps=expert_bytes / pool["expert_s"] / 1e9 / threads)
-        hw["cpu_call_factor"] = {str(n): f for n, f in pool.get("factor", {}).items()}
+        alone = ((hw.get("_calibration") if alone is None else {"cpu_pool": alone}) or {}).get("cpu_pool", {})
+        hw["cpu_call_factor"] = {str(n): f for n, f in call_factors(pool, alone.get("compute_s")).items()}
         if src is not None:
             src["cpu_thread_gbps"] = ("measured: CPU pool time per expert in the calibration replay (engine_replay: "
                                       "compute time of each CPU layer's job, fit over its expert count), / threads")
             src["cpu_task_s"] = "measured: intercept of the same fit"
             src["cpu_call_factor"] = (f"measured: per expert count with >= {POOL_MIN_CALLS} calls in the calibration "
-                                      "replay, the mean call time / the same fit's (counts not listed: the fit)")
+                                      "replay, the mean call time / the same fit's; counts between them interpolated; "
+                                      "counts above them: the largest one's time plus the pool alone's growth to "
+                                      "them (cpu_pool, call_factors); counts not listed: the fit")
     return hw
 
 
@@ -189,7 +194,7 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
     if "gpu" in m:
         hw.update(_gpu_fields(m, eb, src))
         if "engine_replay" in m:  # host lane and pool as a replay runs them, over the one-call figures
-            hw = apply_replay(hw, m["engine_replay"], eb, T, src)
+            hw = apply_replay(hw, m["engine_replay"], eb, T, src, alone=m["cpu_pool"])
         ratio = (m.get("cpu_mapped") or {}).get("ratio")
         if ratio:
             hw["executor"] = {**hw["executor"], "cpu_mapped_factor": min(max(float(ratio), 0.01), 4.0)}

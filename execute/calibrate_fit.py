@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["stats", "fit_line", "fit_table", "replay_host_fields", "replay_pool_fit", "replay_between_fields",
-           "unlogged_host_fields", "POOL_MIN_CALLS", "BETWEEN_MIN_LAYERS"]
+           "unlogged_host_fields", "call_factors", "POOL_MIN_CALLS", "BETWEEN_MIN_LAYERS"]
 
 
 def stats(samples) -> dict:
@@ -100,6 +100,34 @@ def replay_pool_fit(records: list[dict]) -> dict:
         if len(v) >= POOL_MIN_CALLS and fit > 0:
             factor[n] = min(max(by[n]["mean"] / fit, 0.25), 4.0)
     return {"task_s": task, "expert_s": float(per), "by_count": by, "factor": factor}
+
+
+def call_factors(pool: dict, alone: dict | None = None) -> dict[int, float]:
+    """The pool's per-count call factors of a replay fit (``replay_pool_fit``), extended: counts
+    between two counts with factors take the call time interpolated linearly between theirs;
+    counts of ``alone`` (the pool measured alone, {count: stats}, ``calibrate``'s ``cpu_pool``
+    table) above the largest count ``r`` with a factor take r's mean call time plus what the pool
+    alone adds from r to them (the replay's per-call context, the pool's own growth per expert:
+    an 8-expert call is not 8 times a 1-expert call's work when the threads split few experts).
+    {count: factor on task_s + count x expert_s}, each in [0.25, 4]."""
+    fit = lambda n: pool["task_s"] + n * pool["expert_s"]
+    by = {int(n): v for n, v in pool["by_count"].items()}
+    out = {int(n): float(f) for n, f in pool["factor"].items()}
+    if not out:
+        return out
+    anchors = sorted(out)
+    means = [by[n]["mean"] for n in anchors]
+    for n in range(anchors[0] + 1, anchors[-1]):
+        if n not in out and fit(n) > 0:
+            out[n] = min(max(float(np.interp(n, anchors, means)) / fit(n), 0.25), 4.0)
+    top = anchors[-1]
+    table = {int(n): st["median"] for n, st in (alone or {}).items()}
+    if top in table:
+        for n in sorted(c for c in table if c > top):
+            t = by[top]["mean"] + table[n] - table[top]
+            if fit(n) > 0 and t > 0:
+                out[n] = min(max(t / fit(n), 0.25), 4.0)
+    return dict(sorted(out.items()))
 
 
 BETWEEN_MIN_LAYERS = 8  # layers with a gap_s needed before the between-layer fields are taken

@@ -23,7 +23,8 @@ from .calibrate_measure import PHASES, cpu_layer_parts, synth_tokens
 from .standin import StandIn
 
 __all__ = ["replay_engine", "replay_setup", "calibration_replay", "calibration_runs", "decision_totals",
-           "stats_delta", "replay_summary", "REPLAY_CONFIGS", "RUN_CONFIGS", "RUN_PHASES", "HYBRID_96"]
+           "stats_delta", "replay_summary", "REPLAY_CONFIGS", "RUN_CONFIGS", "RUN_PHASES", "HYBRID_96",
+           "POOL_ONLY", "POOL_TOKENS"]
 
 
 def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None = None) -> tuple[list, list, list]:
@@ -117,7 +118,9 @@ def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None 
     return items, times, jobs
 
 
-REPLAY_CONFIGS = (("lru", {}), ("hybrid", {"adaptive": True, "miss_frac_256": 96}))
+REPLAY_CONFIGS = (("lru", {}), ("hybrid", {"adaptive": True, "miss_frac_256": 96}), ("cpu", {}))
+POOL_ONLY = ("cpu",)  # replayed for the pool's calls of top-k experts only: not in the host-lane fits
+POOL_TOKENS = 16  # logged tokens of the POOL_ONLY configs (after 4 unlogged)
 HYBRID_96 = {"adaptive": True, "miss_frac_256": 96}
 # the unlogged calibration runs: (policy, options, cache as a divisor of the experts per layer)
 RUN_CONFIGS = (("lru", {}, 5), ("lru", {}, 2), ("hybrid", HYBRID_96, 5))
@@ -140,7 +143,8 @@ def replay_setup(cp, gx, layers, args, dense):
 def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
     """Per-layer records (``replay_engine``'s ``layer_log``) of the calibration workload: a
     64-token synthetic trace of its own seed (``args.seed + 31``) replayed under lru and hybrid
-    (miss fraction 96/256) with a cache of 20% of the experts, after 16 unlogged tokens each."""
+    (miss fraction 96/256) with a cache of 20% of the experts, after 16 unlogged tokens each, and
+    ``POOL_TOKENS`` of its tokens under cpu (every expert of a layer in one pool call), after 4."""
     from .engine import ExpertEngine
 
     geo, tokens, dense, x0 = replay_setup(cp, gx, layers, args, dense)
@@ -151,9 +155,10 @@ def calibration_replay(cp, gx, layers, args, dense=None) -> list[dict]:
         engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx)
         try:
             engine.load_residents(pol.cache.slot)
-            replay_engine(cp, engine, pol, tokens[:16], dense, x0)  # warm: the policy's cache fills
+            pool_only = name in POOL_ONLY
+            replay_engine(cp, engine, pol, tokens[:4 if pool_only else 16], dense, x0)  # warm: the cache fills
             n0 = len(records)
-            replay_engine(cp, engine, pol, tokens[16:], dense, x0, records)
+            replay_engine(cp, engine, pol, tokens[16:16 + POOL_TOKENS] if pool_only else tokens[16:], dense, x0, records)
             for r in records[n0:]:
                 r["policy"] = name
             engine.synchronize()
@@ -219,13 +224,15 @@ def calibration_runs(cp, gx, layers, args, dense=None) -> list[dict]:
 
 
 def replay_summary(records: list[dict], runs: list[dict] | None = None) -> dict:
-    """``engine_replay`` of the measurements: host-lane fields, the pool's fit, (for records with
-    ``gap_s``) the between-layer host costs from ``records`` and (with unlogged ``runs`` that
+    """``engine_replay`` of the measurements: host-lane fields, the pool's fit (over every record;
+    the host-lane and between-layer fits leave out the ``POOL_ONLY`` configs' records), (for
+    records with ``gap_s``) the between-layer host costs from ``records`` and (with unlogged ``runs`` that
     determine it) ``unlogged_host_fields``."""
+    host = [r for r in records if r.get("policy") not in POOL_ONLY]  # the pool-only configs: pool fit only
     out = {"configs": [n for n, _ in REPLAY_CONFIGS], "layers": len(records),
-           "cpu_layers": sum("parts" in r for r in records), "fields": replay_host_fields(records),
+           "cpu_layers": sum("parts" in r for r in records), "fields": replay_host_fields(host),
            "pool": replay_pool_fit(records)}
-    between = replay_between_fields(records)
+    between = replay_between_fields(host)
     if between is not None:
         out["between"] = between
     unlogged = unlogged_host_fields(runs, out["fields"])

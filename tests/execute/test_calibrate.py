@@ -334,6 +334,8 @@ def test_apply_replay_writes_the_call_factor_and_the_simulator_charges_it(tmp_pa
     m["engine_replay"] = {"fields": F.replay_host_fields(recs), "pool": pool}
     data = C.hardware_json(m, "h")
     want = {str(n) for n, st in pool["by_count"].items() if st["n"] >= F.POOL_MIN_CALLS}
+    top = max(int(n) for n in want)  # the pool alone's counts above the replay's: extended (call_factors)
+    want |= {str(n) for n in m["cpu_pool"]["compute_s"] if int(n) > top}
     assert "1" in want and set(data["cpu_call_factor"]) == want and "cpu_call_factor" in data["sources"]
     path = tmp_path / "hw.json"
     C.write_json(path, data)
@@ -354,6 +356,29 @@ def test_apply_replay_writes_the_call_factor_and_the_simulator_charges_it(tmp_pa
     base = dict(data, cpu_call_factor={"1": 0.5})  # a re-calibration on it does not keep the base's factors
     del m["engine_replay"]
     assert "cpu_call_factor" not in C.hardware_json(m, "h2", base=base)
+
+
+def test_call_factors_interpolate_between_counts_and_follow_the_pool_alone_above():
+    pool = {"task_s": 100e-6, "expert_s": 100e-6, "factor": {1: 1.0, 4: 0.8},
+            "by_count": {1: {"mean": 200e-6}, 4: {"mean": 400e-6}}}
+    alone = {"1": {"median": 150e-6}, "4": {"median": 300e-6}, "8": {"median": 420e-6}}
+    f = F.call_factors(pool, alone)
+    fit = lambda n: 100e-6 + n * 100e-6
+    assert set(f) == {1, 2, 3, 4, 8}  # 5..7: the pool alone did not measure them
+    assert f[2] * fit(2) == pytest.approx(200e-6 + 200e-6 / 3) and f[3] * fit(3) == pytest.approx(200e-6 + 400e-6 / 3)
+    assert f[8] * fit(8) == pytest.approx(400e-6 + 120e-6)  # the replay's 4-expert call + the pool's own growth
+    assert F.call_factors(pool) == {1: 1.0, 2: pytest.approx(f[2]), 3: pytest.approx(f[3]), 4: 0.8}
+    assert F.call_factors(dict(pool, factor={}, by_count={})) == {}
+
+
+def test_replay_summary_fits_the_host_lane_without_the_pool_only_config():
+    from execute.calibrate_replay import POOL_ONLY, replay_summary
+
+    recs = replay_records(np.random.default_rng(3))
+    extra = [dict(r, policy=POOL_ONLY[0], host_plan_s=1.0) for r in pool_records(np.random.default_rng(2), {8: 20}, {})]
+    with_pool = replay_summary(recs + extra)
+    assert with_pool["fields"] == replay_summary(recs)["fields"]
+    assert 8 in with_pool["pool"]["factor"] and with_pool["pool"]["by_count"][8]["n"] == 20
 
 
 def test_replay_host_fields_need_both_kinds_of_layer():
