@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler import Audit, AwaitBackground, Capacity, StartBackground, drive, make_policy
+from scheduler import AwaitBackground, Capacity, StartBackground, drive, make_policy
 from scheduler.core import Move, Step, Token
 from scheduler.profile import Profile
 from scheduler.costs import Costs, ExecConfig
@@ -195,31 +195,45 @@ def routing_of(data: dict) -> SynthParams:
     return SynthParams(**{k: v for k, v in data.get("routing", {}).items() if k != "source"})
 
 
-@lru_cache(maxsize=16)
+def _shape(model: ModelSpec) -> tuple:
+    """What a synthetic trace of ``model`` depends on: layers, MoE layers, experts, top-k (not the
+    quant type: models of one geometry share their traces)."""
+    return model.num_layers, tuple(model.geometry().moe_layers), model.num_experts, model.top_k
+
+
 def _routes(model: ModelSpec, num_tokens: int, seed: int, params: SynthParams = SynthParams()) -> np.ndarray:
     """(prompt + tokens, layers, top_k) expert ids of a synthetic trace of ``model``'s geometry: the
     prompt and the generation are two sequences of one trace (same per-layer popularity, a topic
     each: a prompt is not the text it asks for), the prompt's first ``PROMPT_TOKENS`` rows then the
-    generation's first ``num_tokens``."""
+    generation's first ``num_tokens``. Shared between calls: read only."""
+    return _shape_routes(_shape(model), num_tokens, seed, params)
+
+
+@lru_cache(maxsize=32)
+def _shape_routes(shape: tuple, num_tokens: int, seed: int, params: SynthParams) -> np.ndarray:
     from traces import synth
 
-    g = model.geometry()
-    moe = list(g.moe_layers)
+    num_layers, moe, num_experts, top_k = shape
     n = max(PROMPT_TOKENS, num_tokens)
-    t = synth.generate(len(moe), model.num_experts, model.top_k, 2 * n, params, np.random.default_rng(seed), num_seqs=2)
+    t = synth.generate(len(moe), num_experts, top_k, 2 * n, params, np.random.default_rng(seed), num_seqs=2)
     e = np.concatenate([t.expert_ids[:PROMPT_TOKENS], t.expert_ids[n:n + num_tokens]])
-    ids = np.full((len(e), model.num_layers, model.top_k), -1, dtype=np.int32)
-    ids[:, moe] = e
+    ids = np.full((len(e), num_layers, top_k), -1, dtype=np.int32)
+    ids[:, list(moe)] = e
+    ids.flags.writeable = False
     return ids
 
 
-def _tokens(ids: np.ndarray, moe: list[int], first: int) -> list[Token]:
-    """The generated tokens: rows from ``first`` (the prompt's length) on, one token each."""
+@lru_cache(maxsize=32)
+def _shape_tokens(shape: tuple, num_tokens: int, seed: int, params: SynthParams) -> tuple[Token, ...]:
+    """The generated tokens of ``_shape_routes``: rows from ``PROMPT_TOKENS`` on, one token each
+    (immutable, so every policy replays the same objects)."""
+    ids, moe = _shape_routes(shape, num_tokens, seed, params), shape[1]
+    rows = ids.tolist()
     out = []
-    for n in range(first, len(ids)):
-        steps = tuple(Step(l, tuple(int(e) for e in ids[n, l])) for l in moe)
-        out.append(Token(n - first, 0, n, "decode", steps))
-    return out
+    for n in range(PROMPT_TOKENS, len(rows)):
+        r = rows[n]
+        out.append(Token(n - PROMPT_TOKENS, 0, n, "decode", tuple(Step(l, tuple(r[l])) for l in moe)))
+    return tuple(out)
 
 
 @lru_cache(maxsize=64)
@@ -239,7 +253,7 @@ def _items(model: ModelSpec, row: str, cache_mib: float, num_tokens: int, seed: 
         if fills is not None:
             opts = {"adaptive": True, "miss_fraction": 0.0, "max_fills": fills, "swap_while_filling": fills >= 512}
     ids = _routes(model, num_tokens, seed, params)
-    tokens = _tokens(ids, list(g.moe_layers), PROMPT_TOKENS)  # every cache starts empty (the module docstring)
+    tokens = _shape_tokens(_shape(model), num_tokens, seed, params)  # every cache starts empty (the module docstring)
     profile = prompt_fill(ids, g) if fills is not None and fills >= PROMPT_FILL else None
     pol = make_policy(policy, g, cap, profile=profile, **opts)
     # the prompt's experts (the profile's residents), uploaded before the first generated token
@@ -283,13 +297,26 @@ def simulate_row(hw: Hardware, model: ModelSpec, table: dict, row: str, seeds: i
     # copies, each paying the copy's fixed cost (Costs charges one per expert)
     costs.upload_s = [u + (EXPERT_TENSORS - 1) * hw.copy_latency_s for u in costs.upload_s]
     sim = Simulator(costs)
-    g = model.geometry()
     tps, hits = [], []
     for seed in range(seeds):
         items, hit = _items(model, row, float(table["cache_mib"]), n_tok, seed, routing)
-        tps.append(sim.run(iter(items), Audit(g, keep_records=False)).summary()["tokens_per_s"])
+        res = sim.run(iter(items), _UNCOUNTED)  # the hit rate is _items': the replay needs no audit
+        t = res.token_s[res.decode] if res.decode.any() else res.token_s
+        tps.append(len(t) / float(t.sum()))
         hits.append(hit)
     return {"tps": float(np.mean(tps)), "hit_rate": float(np.mean(hits))}
+
+
+class _Uncounted:
+    """An audit that counts nothing (``Simulator.run`` observes every item; ``_items`` has
+    already counted the hits of these replays)."""
+
+    @staticmethod
+    def observe(item) -> None:
+        pass
+
+
+_UNCOUNTED = _Uncounted()
 
 
 def _solve_joint(rate, targets: list[float], x0: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -297,21 +324,26 @@ def _solve_joint(rate, targets: list[float], x0: np.ndarray, lo: np.ndarray, hi:
     """Parameters (log values ``x``, within [``lo``, ``hi``]) at which ``rate(x, i)`` meets every
     ``targets[i]``: Newton's method on log(rate / target) with a forward-difference Jacobian,
     entry (i, j) only where ``depends[i, j]`` (row i's machine holds parameter j), steps at most
-    a factor e per parameter."""
+    a factor e per parameter; the Jacobian is reused while a step cuts the largest error at least
+    4-fold (a chord step: each recomputation costs a simulation per dependent pair)."""
     x = x0.copy()
     n = len(targets)
     f = lambda x, i: math.log(rate(x, i) / targets[i])
+    J, last = None, math.inf
     for _ in range(iterations):
         F = np.array([f(x, i) for i in range(n)])
-        if np.max(np.abs(F)) < tol:
+        size = float(np.max(np.abs(F)))
+        if size < tol:
             break
-        J = np.zeros((n, n))
-        for j in range(n):
-            xj = x.copy()
-            xj[j] += 0.02
-            for i in range(n):
-                if depends[i, j]:
-                    J[i, j] = (f(xj, i) - F[i]) / 0.02
+        if J is None or size > 0.25 * last:  # the Jacobian is kept while each step cuts the error 4-fold
+            J = np.zeros((n, n))
+            for j in range(n):
+                xj = x.copy()
+                xj[j] += 0.02
+                for i in range(n):
+                    if depends[i, j]:
+                        J[i, j] = (f(xj, i) - F[i]) / 0.02
+        last = size
         dx = np.linalg.lstsq(J, -F, rcond=None)[0]
         x = np.clip(x + np.clip(dx, -1.0, 1.0), lo, hi)
     return x
