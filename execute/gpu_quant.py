@@ -18,8 +18,10 @@ kernels, so such experts stay in their stored type in the arena and over PCIe. O
 lanes decode their chunks of a warp's 2 gate and 2 up rows straight from global memory (the rows
 prefetched to L2 while the block stages the input as ``qmatmul_q1`` does), the type dispatched once
 per kernel to a body compiled for it; the down projection a warp per expert on float32 ``h``.
-``ONE_VARIANTS`` (``_s``): the former kernels, a warp's rows first copied to shared memory as
-``qmatmul_q1``'s (measured beside them by ``experiments/gpu_quant_check.py``). Batches
+``ONE_VARIANTS`` (``_r``): rows copied to shared memory by coalesced 16-byte copies, then a lane
+per row and slice of chunks, so a warp's input reads are broadcasts and its weight reads fall on
+distinct bank quads (down: ``ONE_DOWN_ROWS`` rows per block); measured beside the default by
+``experiments/gpu_quant_check.py``. Batches
 (``qmoe_gate_up``, ``qmoe_down``): tensor cores (``mma.m16n8k16``) on the tile's quants decoded to
 exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums scaled in float32
 (relative error of a product ~1e-7). The source lies in ``gpu_quant.cu`` and the four
@@ -39,14 +41,15 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_VARIANTS", "Experts", "kernel", "kernel_info", "matmul",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_VARIANTS", "Experts", "kernel", "kernel_info", "matmul",
            "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
-BATCH_VARIANTS = ("_m1n32", "_m2n32", "_m4n32")  # qmoe_gate_up / qmoe_down with other tiles (gpu_quant.cu)
-ONE_VARIANTS = ("_s",)  # qmoe1_gate_up / qmoe1_down_combine copying the rows to shared memory first
+BATCH_VARIANTS = ("_u",)  # qmoe_gate_up / qmoe_down with a tile's chunks unrolled (gpu_quant_mma.cu)
+ONE_VARIANTS = ("_r",)  # qmoe1_gate_up / qmoe1_down_combine with rows copied to shared memory, a lane per row
+ONE_DOWN_ROWS = {"_r": 4}  # down rows per block by one-token variant (else 2, as gpu_experts launches them)
 
 
 def tables() -> dict[str, np.ndarray]:
@@ -139,8 +142,9 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
 class Experts:
     """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
     2 rows per block; one-token down: 2 rows per block, a warp per expert), for benchmarks and tests
-    (``variant``: one of ``BATCH_VARIANTS``, the batched kernels with other tiles, or of
-    ``ONE_VARIANTS``, the former one-token kernels; ``defines``: the module's ``-D`` flags).
+    (``variant``: one of ``BATCH_VARIANTS``, the other batched kernels, or of
+    ``ONE_VARIANTS``, the other one-token kernels; ``defines``: the module's ``-D`` flags;
+    ``down_rows``: the one-token down launch's rows per block, else ``ONE_DOWN_ROWS`` or 2).
 
     ``w``: device uint8 ``(E, expert_bytes)``, each expert gate | up | down (no biases; types
     ``qtypes``, ``ffn`` x ``hidden`` / ``hidden`` x ``ffn`` rows of ``quant.row_bytes``). With
@@ -150,7 +154,8 @@ class Experts:
     Buffers and launches are made here; a call only launches (on the current stream)."""
 
     def __init__(self, w: cp.ndarray, qtypes: tuple[int, int, int], ffn: int, hidden: int, tokens: int = 1,
-                 weights: np.ndarray | None = None, variant: str = "", defines: tuple[str, ...] = ()):
+                 weights: np.ndarray | None = None, variant: str = "", defines: tuple[str, ...] = (),
+                 down_rows: int | None = None):
         import cupy as cp
 
         from .gpu_host import Launch
@@ -179,9 +184,12 @@ class Experts:
                 raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, expected one of {ONE_VARIANTS}")
             k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex)
             k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex)
+            rpb = down_rows or ONE_DOWN_ROWS.get(variant, 2)
+            if not 1 <= rpb <= 32:
+                raise ValueError(f"gpu_quant.Experts: down_rows {rpb}, expected 1..32")
             self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, x, self.h.data.ptr, *gu),
-                           lambda s, x: k2((-(-hidden // 2), 1), 32 * num_e, s, self.h.data.ptr, self.out.data.ptr,
-                                           num_e, ffn, hidden, 2, off_d, qtypes[2], rb[2], 0)]
+                           lambda s, x: k2((-(-hidden // rpb), 1), 32 * num_e, s, self.h.data.ptr, self.out.data.ptr,
+                                           num_e, ffn, hidden, rpb, off_d, qtypes[2], rb[2], 0)]
             return
         self._meta = [cp.asarray(bases), cp.arange(0, (num_e + 1) * tokens, tokens, dtype=cp.int32),
                       cp.arange(num_e * tokens, dtype=cp.int32)]

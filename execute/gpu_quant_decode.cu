@@ -302,15 +302,18 @@ template <int QT> QD void dec32(const uint8_t* b, int j, Dec& r) {
 // the chunk's dot with staged token inputs: x1, x2 its 8 + 8 words, dxs = d / 256, s16 the 2 sums
 template <int QT> QD float dot_staged(const Dec& d, const uint32_t* x1, const uint32_t* x2, float dxs, const float* s16) {
     float v;
+    // each sum in two chains of dp4a (exact int32 sums: the same values, half the dependent latency)
+    int a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
+    #pragma unroll
+    for (int k = 0; k < 8; k++) {
+        a[(k >> 2) * 2 + (k & 1)] = dp4a(d.q[k], x1[k], a[(k >> 2) * 2 + (k & 1)]);
+        b[(k >> 2) * 2 + (k & 1)] = dp4a(d.q[k], x2[k], b[(k >> 2) * 2 + (k & 1)]);
+    }
     if (qsplit(QT)) {
-        int a = 0, b = 0, c = 0, e = 0;
-        for (int k = 0; k < 4; k++) { a = dp4a(d.q[k], x1[k], a); b = dp4a(d.q[k], x2[k], b); }
-        for (int k = 4; k < 8; k++) { c = dp4a(d.q[k], x1[k], c); e = dp4a(d.q[k], x2[k], e); }
-        v = dxs * (d.a0 * fmaf(small_f(a), 256.f, small_f(b)) + d.a1 * fmaf(small_f(c), 256.f, small_f(e)));
+        v = dxs * (d.a0 * fmaf(small_f(a[0] + a[1]), 256.f, small_f(b[0] + b[1]))
+                   + d.a1 * fmaf(small_f(a[2] + a[3]), 256.f, small_f(b[2] + b[3])));
     } else {  // level sums |a|, |b| <= 32 * 128 * 127 < 2^22
-        int a = 0, b = 0;
-        for (int k = 0; k < 8; k++) { a = dp4a(d.q[k], x1[k], a); b = dp4a(d.q[k], x2[k], b); }
-        v = dxs * d.a0 * fmaf(small_f(a), 256.f, small_f(b));
+        v = dxs * d.a0 * fmaf(small_f((a[0] + a[1]) + (a[2] + a[3])), 256.f, small_f((b[0] + b[1]) + (b[2] + b[3])));
     }
     if (qmin(QT)) v += d.b0 * s16[0] + d.b1 * s16[1];
     return v;

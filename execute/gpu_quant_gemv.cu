@@ -128,17 +128,15 @@ __device__ __noinline__ void pass(const uint8_t* r0, const uint8_t* r1, const ui
 }
 
 // ---------------------------------------------------------------------------------------------
-// One-token kernels (qmatmul_q1, qmoe1_gate_up_s, qmoe1_down_combine_s). Weight rows are copied to
-// shared memory first, in the 16-byte words that cover them (cp.async: every copy of a tile issued
-// at once, 16 bytes per lane, coalesced, any row alignment), then decoded there by dec32; the
-// inputs are staged meanwhile. Gate/up and matmul: a warp owns 2 rows (of each matrix), a
-// block of 4 warps stages one input tile of X1_COLS columns for them all (stage), the lanes split
+// One-token matmul (qmatmul_q1). Weight rows are copied to shared memory first, in the 16-byte
+// words that cover them (cp.async: every copy of a tile issued at once, 16 bytes per lane,
+// coalesced, any row alignment), then decoded there by dec32; the inputs are staged meanwhile. A
+// warp owns 2 rows (of each matrix given), a block of 4 warps stages one input tile of X1_COLS columns for them all (stage), the lanes split
 // the tile's 32-weight chunks and dot them with dp4a (dot_staged), one shuffle reduction per row
 // at the end. Tiles shrink below X1_COLS when a warp's rows would not fit its W1_BYTES / 4.
 #define W1_BYTES 28672
 #define X1_COLS 2048
 #define X1_WORDS (X1_COLS * 19 / 8 / 16)
-#define D1_BYTES 16384  // the one-token down projection's weight tiles, split between its warps
 
 __device__ __forceinline__ void cp16(void* s, const void* g) {  // 16 bytes global -> shared, asynchronously
 #ifdef __CUDA_ARCH__
@@ -265,20 +263,6 @@ __device__ void gemv1(const uint8_t* pa, long long rba, int qa, const uint8_t* p
         for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         res[m] = v;
     }
-}
-
-// down rows of one expert (per warp): acc0/acc1 += rows 0/1 (shared memory s0, s1) . h (float32), tasks (row, chunk) by lane
-template <int QT> __device__ __noinline__ float2 down1_tile(const uint8_t* s0, const uint8_t* s1, int nm, const float* hx, int nch) {
-    constexpr int SUB = qbw(QT) / 32, BB = qbb(QT);
-    float2 acc = {0.f, 0.f};
-    for (int t = threadIdx.x & 31; t < nm * nch; t += 32) {
-        int m = t >= nch, c = t - m * nch;
-        Dec d;
-        dec32<QT>((m ? s1 : s0) + (c / SUB) * BB, c % SUB, d);
-        float v = dot_f<QT>(d, hx + 32 * c);
-        if (m) acc.y += v; else acc.x += v;
-    }
-    return acc;
 }
 
 extern "C" __global__ void __launch_bounds__(128, 6) qmatmul_q1(const uint8_t* __restrict__ W, int qt, int rows, int cols, long long rb,

@@ -10,8 +10,8 @@
 // block covers 16 MT rows (gate_up: 8 MT rows of gate and the same of up, an m-tile = 8 of each,
 // so a lane holds a row's gate and up sums together); the grid's other blocks return. Warp w
 // computes n-tiles w, w + 4, .. (8 tokens each) of every m-tile. qmoe_gate_up / qmoe_down take
-// (MT, NB) = (QMOE_MT, QMOE_NB); the _m<MT>n<NB> variants the others (same arguments; measured side
-// by side by experiments/gpu_quant_check.py).
+// (MT, NB) = (QMOE_MT, QMOE_NB); their _u twins (same arguments, measured side by side by
+// experiments/gpu_quant_check.py) unroll a tile's chunks, so a warp's mma chains interleave.
 #define KB 128
 #define XROW (KB + 4)  // words per staged token: KB / 2 hi and lo pair words per 32, padded (banks)
 #ifndef QMOE_MT  // (-D: host checks of the other tilings)
@@ -110,8 +110,42 @@ struct Rows {
     int qt[2], two, nrows;  // rows of each matrix in the block (<= 8 MT with two, else <= 16 MT)
 };
 
+// acc[mt] += chunk c of the tile (rows of every m-tile) . tokens t0 .. t0 + 7 (this lane's fragments)
+template <int MT> __device__ __forceinline__ void chunk_mma(const uint32_t* As, const uint32_t* xs, const float* dsc,
+                                                            const float* s16, int t0, int c, int g, int q, float (*acc)[4]) {
+    constexpr int MB = 16 * MT;
+    uint32_t bh[2][2], bl[2][2];
+    const uint32_t* xw = xs + (t0 + g) * XROW + 32 * c + q;
+    for (int h = 0; h < 2; h++) {
+        bh[h][0] = xw[8 * h]; bh[h][1] = xw[8 * h + 4];
+        bl[h][0] = xw[16 + 8 * h]; bl[h][1] = xw[16 + 8 * h + 4];
+    }
+    int tn = t0 + 2 * q;  // this lane's two tokens (columns of C)
+    float d0 = dsc[tn * (KB / 32) + c], d1 = dsc[(tn + 1) * (KB / 32) + c];
+    float2 s0 = reinterpret_cast<const float2*>(s16)[tn * (KB / 32) + c];
+    float2 s1 = reinterpret_cast<const float2*>(s16)[(tn + 1) * (KB / 32) + c];
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const uint32_t* ra = As + (c * MB + 16 * mt + g) * 20;  // row g; row g + 8 at + 160
+        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+        uint32_t a[4];
+        a[0] = ra[q]; a[1] = ra[160 + q]; a[2] = ra[q + 4]; a[3] = ra[164 + q];
+        mma16816(c0, a, bh[0]);
+        mma16816(c0, a, bl[0]);
+        a[0] = ra[q + 8]; a[1] = ra[168 + q]; a[2] = ra[q + 12]; a[3] = ra[172 + q];
+        mma16816(c1, a, bh[1]);
+        mma16816(c1, a, bl[1]);
+        float4 sa = reinterpret_cast<const float4*>(ra + 16)[0], sb = reinterpret_cast<const float4*>(ra + 176)[0];
+        float* ac = acc[mt];
+        ac[0] += d0 * (sa.x * c0[0] + sa.y * c1[0]) + sa.z * s0.x + sa.w * s0.y;
+        ac[1] += d1 * (sa.x * c0[1] + sa.y * c1[1]) + sa.z * s1.x + sa.w * s1.y;
+        ac[2] += d0 * (sb.x * c0[2] + sb.y * c1[2]) + sb.z * s0.x + sb.w * s0.y;
+        ac[3] += d1 * (sb.x * c0[3] + sb.y * c1[3]) + sb.z * s1.x + sb.w * s1.y;
+    }
+}
+
 // acc[j][mt][i]: n-tile w + 4 j of every m-tile, for the pass's nt tokens (xr: their input rows); K = cols
-template <int MT, int NB>
+template <int MT, int NB, bool UNR>
 __device__ void mma_pass(const Rows& R, int cols, const float* __restrict__ x, long long ldx, const int* xr, int nt,
                          uint32_t* As, uint32_t* xs, float* dsc, float* s16, float (*acc)[MT][4]) {
     constexpr int MB = 16 * MT, NJ = NB / (8 * WARPS);
@@ -144,35 +178,12 @@ __device__ void mma_pass(const Rows& R, int cols, const float* __restrict__ x, l
         for (int j = 0; j < NJ; j++) {
             int t0 = 8 * (warp + WARPS * j);
             if (t0 >= nt) continue;
-            for (int c = 0; c < n / 32; c++) {
-                uint32_t bh[2][2], bl[2][2];
-                const uint32_t* xw = xs + (t0 + g) * XROW + 32 * c + q;
-                for (int h = 0; h < 2; h++) {
-                    bh[h][0] = xw[8 * h]; bh[h][1] = xw[8 * h + 4];
-                    bl[h][0] = xw[16 + 8 * h]; bl[h][1] = xw[16 + 8 * h + 4];
-                }
-                int tn = t0 + 2 * q;  // this lane's two tokens (columns of C)
-                float d0 = dsc[tn * (KB / 32) + c], d1 = dsc[(tn + 1) * (KB / 32) + c];
-                float2 s0 = reinterpret_cast<const float2*>(s16)[tn * (KB / 32) + c];
-                float2 s1 = reinterpret_cast<const float2*>(s16)[(tn + 1) * (KB / 32) + c];
+            if (UNR) {  // the tile's chunks unrolled: their shared loads and mma chains interleave
                 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    const uint32_t* ra = As + (c * MB + 16 * mt + g) * 20;  // row g; row g + 8 at + 160
-                    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-                    uint32_t a[4];
-                    a[0] = ra[q]; a[1] = ra[160 + q]; a[2] = ra[q + 4]; a[3] = ra[164 + q];
-                    mma16816(c0, a, bh[0]);
-                    mma16816(c0, a, bl[0]);
-                    a[0] = ra[q + 8]; a[1] = ra[168 + q]; a[2] = ra[q + 12]; a[3] = ra[172 + q];
-                    mma16816(c1, a, bh[1]);
-                    mma16816(c1, a, bl[1]);
-                    float4 sa = reinterpret_cast<const float4*>(ra + 16)[0], sb = reinterpret_cast<const float4*>(ra + 176)[0];
-                    float* ac = acc[j][mt];
-                    ac[0] += d0 * (sa.x * c0[0] + sa.y * c1[0]) + sa.z * s0.x + sa.w * s0.y;
-                    ac[1] += d1 * (sa.x * c0[1] + sa.y * c1[1]) + sa.z * s1.x + sa.w * s1.y;
-                    ac[2] += d0 * (sb.x * c0[2] + sb.y * c1[2]) + sb.z * s0.x + sb.w * s0.y;
-                    ac[3] += d1 * (sb.x * c0[3] + sb.y * c1[3]) + sb.z * s1.x + sb.w * s1.y;
-                }
+                for (int c = 0; c < KB / 32; c++)
+                    if (c < n / 32) chunk_mma<MT>(As, xs, dsc, s16, t0, c, g, q, acc[j]);
+            } else {
+                for (int c = 0; c < n / 32; c++) chunk_mma<MT>(As, xs, dsc, s16, t0, c, g, q, acc[j]);
             }
         }
     }
@@ -192,7 +203,7 @@ __device__ void mma_pass(const Rows& R, int cols, const float* __restrict__ x, l
     __shared__ __align__(16) uint32_t xs[NB * XROW];            \
     __shared__ __align__(16) float dsc[NB * KB / 32], s16[NB * KB / 16];
 
-template <int MT, int NB> __device__ void gate_up_mma(GATE_UP_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
+template <int MT, int NB, bool UNR> __device__ void gate_up_mma(GATE_UP_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
     constexpr int RB = 8 * MT, NJ = NB / (8 * WARPS);
     int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]);
@@ -202,7 +213,7 @@ template <int MT, int NB> __device__ void gate_up_mma(GATE_UP_ARGS, uint32_t* As
             int nt = min(NB, gstart[g + 1] - p0), xr[NB];
             for (int t = 0; t < NB; t++) xr[t] = xrow[order[p0 + (t < nt ? t : 0)]];
             float acc[NJ][MT][4];
-            mma_pass<MT, NB>(R, hidden, x, ldx, xr, nt, As, xs, dsc, s16, acc);
+            mma_pass<MT, NB, UNR>(R, hidden, x, ldx, xr, nt, As, xs, dsc, s16, acc);
             for (int j = 0; j < NJ; j++) {
                 int tn = 8 * (warp + WARPS * j) + 2 * (lane & 3);
                 for (int mt = 0; mt < MT; mt++) {
@@ -219,7 +230,7 @@ template <int MT, int NB> __device__ void gate_up_mma(GATE_UP_ARGS, uint32_t* As
 
 // as moe_down: y[pair, r] = down_e h[pair] + bd_e. grid (ceil(hidden / (WARPS * rows_per_warp)), groups):
 // the block whose rows hold row s (a multiple of 16 MT) computes rows s .. s + 16 MT - 1, the others return.
-template <int MT, int NB> __device__ void down_mma(DOWN_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
+template <int MT, int NB, bool UNR> __device__ void down_mma(DOWN_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
     constexpr int RB = 16 * MT, NJ = NB / (8 * WARPS);
     int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const float* bd = reinterpret_cast<const float*>(base[g]) + 2 * ffn;
@@ -230,7 +241,7 @@ template <int MT, int NB> __device__ void down_mma(DOWN_ARGS, uint32_t* As, uint
             int nt = min(NB, gstart[g + 1] - p0), xr[NB];
             for (int t = 0; t < NB; t++) xr[t] = order[p0 + (t < nt ? t : 0)];
             float acc[NJ][MT][4];
-            mma_pass<MT, NB>(R, ffn, h, ffn, xr, nt, As, xs, dsc, s16, acc);
+            mma_pass<MT, NB, UNR>(R, ffn, h, ffn, xr, nt, As, xs, dsc, s16, acc);
             for (int j = 0; j < NJ; j++) {
                 int tn = 8 * (warp + WARPS * j) + 2 * (lane & 3);
                 for (int mt = 0; mt < MT; mt++)
@@ -245,18 +256,17 @@ template <int MT, int NB> __device__ void down_mma(DOWN_ARGS, uint32_t* As, uint
     }
 }
 
-#define QMOE_MMA(SUFFIX, MT, NB)                                                                                   \
+#define QMOE_MMA(SUFFIX, MT, NB, UNR)                                                                              \
     extern "C" __global__ void __launch_bounds__(128) qmoe_gate_up##SUFFIX(GATE_UP_ARGS) {                         \
         SMEM_MMA(MT, NB)                                                                                           \
-        gate_up_mma<MT, NB>(base, gstart, order, xrow, x, ldx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g,   \
-                            off_u, qt_u, rb_u, act, bias, As, xs, dsc, s16);                                       \
+        gate_up_mma<MT, NB, UNR>(base, gstart, order, xrow, x, ldx, h, ffn, hidden, rows_per_warp, off_g, qt_g,    \
+                                 rb_g, off_u, qt_u, rb_u, act, bias, As, xs, dsc, s16);                            \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(128) qmoe_down##SUFFIX(DOWN_ARGS) {                               \
         SMEM_MMA(MT, NB)                                                                                           \
-        down_mma<MT, NB>(base, gstart, order, h, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, As, xs, dsc, s16); \
+        down_mma<MT, NB, UNR>(base, gstart, order, h, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, As, xs,  \
+                              dsc, s16);                                                                           \
     }
-QMOE_MMA(, QMOE_MT, QMOE_NB)
-QMOE_MMA(_m1n32, 1, 32)
-QMOE_MMA(_m2n32, 2, 32)
-QMOE_MMA(_m4n32, 4, 32)
+QMOE_MMA(, QMOE_MT, QMOE_NB, false)
+QMOE_MMA(_u, QMOE_MT, QMOE_NB, true)
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import quant as Q
 
-__all__ = ["BlockShape", "KERNELS", "copy_ceiling_gbps", "expert_launch_shapes", "format_table", "kernel_bytes",
+__all__ = ["BlockShape", "KERNELS", "copy_ceiling_gbps", "expert_launch_shapes", "format_table", "graph_seconds", "kernel_bytes",
            "report_rows", "summarize", "time_block"]
 
 KERNELS = ("qkv", "qk_rope_kv", "attn_partial", "attn_reduce", "wo", "router", "gate_up", "down_combine")
@@ -205,6 +205,47 @@ def copy_ceiling_gbps(nbytes: int = 1 << 30, trials: int = 5) -> float:
         t1.synchronize()
         ts.append(cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
     return 2 * a.nbytes / float(np.median(ts[1:])) / 1e9
+
+
+def graph_seconds(call, reps: int) -> float:
+    """Seconds of one ``call()`` on the GPU: ``reps`` calls captured in one CUDA graph, the graph's
+    median time over 5 launches / ``reps`` (no host launch overhead; plain events around each call
+    where capture fails), after one warm-up call. A list of calls: taken in turn (weights in copies
+    that together outgrow the L2 cache, so a call reads memory, not what the call before left)."""
+    import cupy as cp
+
+    calls = call if isinstance(call, list) else [call]
+    for c in calls:
+        c()
+    try:
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            for i in range(reps):
+                calls[i % len(calls)]()
+            g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        ts = []
+        for _ in range(5):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            g.launch(s)
+            b.record(s)
+            b.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / reps)
+        return float(np.median(ts))
+    except Exception as e:  # noqa: BLE001 (capture unsupported: time each call)
+        print(f"(graph capture failed: {e}; timing calls one by one)", flush=True)
+    ts = []
+    for i in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        calls[i % len(calls)]()
+        b.record()
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    return float(np.median(ts))
 
 
 def time_block(s: BlockShape, variants=("v1", "v2", "v3", "v4"), repeat: int = 4, reps: int = 10, trials: int = 5,

@@ -10,11 +10,12 @@ launches: the kernels' time without the host's launch overhead), beside the card
 launches them on ``--experts`` experts of ``--ffn`` x ``--hidden`` (gate, up) and ``--hidden`` x
 ``--ffn`` (down): one token through all of them (qmoe1_gate_up + qmoe1_down_combine) and
 ``--tokens`` tokens through each (qmoe_gate_up + qmoe_down). Defaults: qwen3-30b-a3b's experts, 8
-per call. ``--variants`` adds the batched call's rate with gpu_quant.cu's other tilings of
+per call. ``--variants`` adds the batched call's rate with gpu_quant.cu's other versions of
 ``qmoe_gate_up`` / ``qmoe_down`` (``gpu_quant.BATCH_VARIANTS``), measured beside the default. The
 expert rates take ``--copies`` copies of the weights in turn (more bytes than the L2 cache holds).
 Each one-token launch is also timed alone, for the default kernels and ``gpu_quant.ONE_VARIANTS``
-(``--only``: again in a module compiled for the type alone); ``--one`` times only those;
+(``--only``: again in a module compiled for the type alone; ``--down-rows``: the ``_r`` down launch
+at other rows per block); ``--one`` times only those; ``--no-matmul`` skips the matmul rates;
 ``--occupancy`` prints the kernels' registers, stack and blocks per SM. Needs cupy and a GPU. The
 first call compiles gpu_quant.cu (about a minute; CuPy caches it).
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
 from execute import quant as Q  # noqa: E402
+from execute.kernel_timing import copy_ceiling_gbps, graph_seconds as timed  # noqa: E402
 from execute.gpu_quant import BATCH_VARIANTS, FLOAT_QTYPES, ONE_VARIANTS, Experts, kernel_info, matmul  # noqa: E402
 
 REL_ERR, REL_ERR_INT8 = 1e-5, 2e-4
@@ -85,45 +87,6 @@ def expert_errs(qt: int, rng: np.random.Generator, variants: tuple[str, ...] = (
     return errs
 
 
-def timed(call, reps: int) -> float:
-    """Seconds of one ``call()`` on the GPU: ``reps`` calls captured in one CUDA graph, the graph's
-    median time over 5 launches / ``reps`` (no host launch overhead; plain events around each call
-    where capture fails), after one warm-up call. A list of calls: taken in turn (weights in copies
-    that together outgrow the L2 cache, so a call reads memory, not what the call before left)."""
-    calls = call if isinstance(call, list) else [call]
-    for c in calls:
-        c()
-    try:
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            s.begin_capture()
-            for i in range(reps):
-                calls[i % len(calls)]()
-            g = s.end_capture()
-        g.launch(s)
-        s.synchronize()
-        ts = []
-        for _ in range(5):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            g.launch(s)
-            b.record(s)
-            b.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / reps)
-        return float(np.median(ts))
-    except Exception as e:  # noqa: BLE001 (capture unsupported: time each call)
-        print(f"(graph capture failed: {e}; timing calls one by one)", flush=True)
-    ts = []
-    for i in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        calls[i % len(calls)]()
-        b.record()
-        b.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
-    return float(np.median(ts))
-
-
 def copy_gbps(reps: int) -> tuple[float, float]:
     """The card's device-to-device copy rate (bytes read + written per second, 1 GiB each way): a
     copy (a graph's memcpy node) and an element-wise kernel (x * 1)."""
@@ -159,6 +122,12 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
         rates += [nb / t / 1e9] if not d else []
         print(f"  one token{v or ' (default)'}{' ' + d[0] if d else ''}: gate/up {us[0]:.1f} us, down {us[1]:.1f} us, "
               f"{nb / t / 1e9:.0f} GB/s", flush=True)
+    for r in a.down_rows:
+        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant="_r", down_rows=r) for w in ws]
+        for o in ones:
+            o(x1)
+        us = 1e6 * timed([lambda o=o: o._calls[1](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones], a.reps)
+        print(f"  one token_r down, {r} rows per block: {us:.1f} us", flush=True)
     only = [("", (f"GQ_ONLY={qt}",))] if a.only else []
     for v, d in [] if a.one else [(v, ()) for v in ("", *a.variants)] + only:
         batch = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, tokens=a.tokens, variant=v, defines=d) for w in ws]
@@ -196,9 +165,17 @@ def main(argv=None) -> int:
     p.add_argument("--only", action="store_true", help="also time them compiled in a module of the type alone")
     p.add_argument("--copies", type=int, default=4, help="copies of the experts' weights timed in turn (beyond L2)")
     p.add_argument("--occupancy", action="store_true", help="print the expert kernels' registers and blocks per SM")
+    p.add_argument("--down-rows", default="", help="comma-separated rows per block to time the _r down launch at")
+    p.add_argument("--no-matmul", action="store_true", help="skip the matmul rates (their errors still run)")
     p.add_argument("--out", type=Path, help="also write the rows here (JSON)")
     a = p.parse_args(argv)
     a.variants = BATCH_VARIANTS if a.variants else ()
+    try:
+        a.down_rows = [int(r) for r in a.down_rows.split(",") if r]
+    except ValueError:
+        p.error(f"--down-rows: {a.down_rows!r}, expected comma-separated integers")
+    if any(not 1 <= r <= 32 for r in a.down_rows):
+        p.error(f"--down-rows: {a.down_rows}, expected values in 1..32")
     if a.rows < 1 or a.cols < 256 or a.cols % 256 or a.reps < 1 or a.tokens < 1 or a.copies < 1:
         p.error("--rows >= 1, --cols a multiple of 256, --reps >= 1, --tokens >= 1, --copies >= 1")
     if not 1 <= a.experts <= 32 or a.ffn % 256 or a.hidden % 256 or a.ffn < 256 or a.hidden < 256:
@@ -210,9 +187,10 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows, bad = [], 0
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    copy, ceiling = copy_gbps(a.reps)
+    (copy, ceiling), copy_ev = copy_gbps(a.reps), copy_ceiling_gbps()
     print(f"matmul {a.rows} x {a.cols}; experts {a.experts} x ({a.ffn} x {a.hidden} x 3) in {a.copies} copies, 1 and "
-          f"{a.tokens} tokens ({dev}); copy ceiling {ceiling:.0f} GB/s (element-wise; memcpy {copy:.0f})")
+          f"{a.tokens} tokens ({dev}); copy ceiling {ceiling:.0f} GB/s (element-wise; memcpy {copy:.0f} in a graph, "
+          f"{copy_ev:.0f} by events)")
     if a.occupancy:
         t1, t2 = cp.ones(32, cp.float32), cp.empty(32, cp.float32)
         print(f"  a graph node of one tiny kernel: {1e6 * timed(lambda: cp.multiply(t1, 1.0, out=t2), a.reps):.1f} us")
@@ -220,13 +198,13 @@ def main(argv=None) -> int:
     ekeys = ["expert_1", *(f"expert_1{v}" for v in ONE_VARIANTS)] + ([] if a.one else
                                                                      ["expert_batch", *(f"expert_batch{v}" for v in a.variants)])
     ekeys = [k.replace("expert_", "e") for k in ekeys]
-    keys = ["mm1", "mm64", *ekeys] if not a.one else ekeys
+    keys = ["mm1", "mm64", *ekeys] if not (a.one or a.no_matmul) else ekeys
     print(f"{'type':8s}" + "".join(f"{'err ' + k:>10s}" for k in ["mm1", "mm64", *ekeys[:1 + len(ONE_VARIANTS)], "eB"])
           + "".join(f"{k:>10s}" for k in keys) + "  GB/s")
     for qt in qtypes:
         quant = qt not in FLOAT_QTYPES
         errs = [matmul_err(qt, 1, rng), matmul_err(qt, 64, rng)] + (expert_errs(qt, rng, a.variants) if quant else [])
-        rates = [] if a.one else [matmul_gbps(qt, a.rows, a.cols, t, a.reps, rng) for t in (1, 64)]
+        rates = [] if a.one or a.no_matmul else [matmul_gbps(qt, a.rows, a.cols, t, a.reps, rng) for t in (1, 64)]
         rates += expert_gbps(qt, a, rng) if quant else []
         ok = max(errs) <= (REL_ERR_INT8 if quant else REL_ERR)
         bad += not ok
@@ -237,7 +215,7 @@ def main(argv=None) -> int:
               + f"  {'ok' if ok else 'FAILED'}  of ceiling: {share}", flush=True)
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "device": dev, "copy_gbps": copy,
+        a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "device": dev, "copy_gbps": copy, "copy_events_gbps": copy_ev,
                                      "elementwise_gbps": ceiling, "rows": rows}, indent=1))
     print(f"{len(rows) - bad}/{len(rows)} types within their bound")
     return 1 if bad else 0

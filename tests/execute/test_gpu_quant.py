@@ -146,17 +146,18 @@ EMULATED_EXPERTS = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)]
 
 def _emulate_experts(emulated_kernels, rng, qtypes, modes):
     """The expert kernels of ``modes`` (gpu_quant_emu.cpp: 1 one token, 2 batches of 11 tokens, 3
-    one token by the _s kernels) on 2 experts, emulated on the host, against the float64 reference."""
+    one token by the _r kernels, 4 batches by the _u kernels) on 2 experts, emulated on the host,
+    against the float64 reference."""
     num_e, ffn, hidden = 2, 256, 512
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
     w = np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1)
     wts = np.array([0.6, 0.4], np.float32)
     head = np.array(qtypes, np.int32).tobytes()
     for mode in modes:
-        tokens = 11 if mode == 2 else 1
+        tokens = 11 if mode in (2, 4) else 1
         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
         ys = _expert_outputs64(parts, qtypes, x, ffn, hidden)
-        ref = np.concatenate(ys) if mode == 2 else sum(float(wts[e]) * ys[e] for e in range(num_e))
+        ref = np.concatenate(ys) if mode in (2, 4) else sum(float(wts[e]) * ys[e] for e in range(num_e))
         inp = (np.array([mode], np.int32).tobytes() + head + np.array([num_e, ffn, hidden, tokens], np.int32).tobytes()
                + np.array([p.shape[2] for p in parts], np.int64).tobytes() + wts.tobytes() + w.tobytes() + x.tobytes())
         y = np.frombuffer(emulated_kernels(inp), np.float32).reshape(ref.shape)
@@ -166,15 +167,15 @@ def _emulate_experts(emulated_kernels, rng, qtypes, modes):
 @pytest.mark.slow
 @pytest.mark.parametrize("qtypes", EMULATED_EXPERTS, ids=["-".join(Q.LAYOUTS[t].name for t in m) for m in EMULATED_EXPERTS])
 def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
-    """qmoe1_gate_up + qmoe1_down_combine (one token), their _s twins, and qmoe_gate_up + qmoe_down
-    (11 tokens through each), emulated on the host, against the float64 reference."""
-    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2))
+    """qmoe1_gate_up + qmoe1_down_combine (one token), their _r twins, and qmoe_gate_up + qmoe_down
+    and their _u twins (11 tokens through each), emulated on the host, against the float64 reference."""
+    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2, 4))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K,) * 3, (Q.Q4_K, Q.Q5_K, Q.Q6_K)], ids=["Q4_K", "Q4_K-Q5_K-Q6_K"])
 def test_emulated_one_token_kernels(qtypes, emulated_kernels, rng):
     """The one-token kernels (gate and up of one type in one body; mixed types by matrix) and their
-    _s twins, emulated on the host, against the float64 reference."""
+    _r twins, emulated on the host, against the float64 reference."""
     _emulate_experts(emulated_kernels, rng, qtypes, (1, 3))
 
 
@@ -249,7 +250,7 @@ BATCHED = [((Q.Q4_K, Q.Q4_K, Q.Q4_K), 768, 1024), ((Q.Q5_K, Q.Q5_K, Q.Q6_K), 768
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "_m1n32", "_m2n32", "_m4n32"])
+@pytest.mark.parametrize("variant", ["", "_u"])
 @pytest.mark.parametrize("case", BATCHED, ids=["-".join(Q.LAYOUTS[t].name for t in m[0]) for m in BATCHED])
 def test_batched_expert_kernels_on_tensor_cores(case, variant, rng):
     """qmoe_gate_up + qmoe_down and their other tilings on 70 tokens through each of 2 experts (passes
