@@ -206,6 +206,16 @@ class EngineExperts:
             return None
         return TokenGraph(model, eng)
 
+    def device_chunk(self, model):
+        """A ``DeviceChunk`` running ``model``'s prefill chunks with every block queued at once and
+        the experts grouped on the device (``execute.prefill_device``), or None (no tensor-core
+        path, a model it does not take, or ``MOELAB_PREFILL_DEVICE=0``)."""
+        if self.batched is None:
+            return None
+        from .prefill_device import DeviceChunk, device_env
+
+        return DeviceChunk.build(model, self.engine, self.batched) if device_env() else None
+
     def start_background(self, moves) -> None:
         self.engine.start_background(moves)
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from scheduler import Step
 
-__all__ = ["route_rows", "merge_rows", "stable_order"]
+__all__ = ["route_rows", "merge_rows", "stable_order", "group_pairs", "max_tiles"]
 
 
 def _softmax_rows(v: np.ndarray) -> np.ndarray:
@@ -79,3 +79,32 @@ def merge_rows(layer: int, ids: np.ndarray, weights: np.ndarray) -> Step:
     counts = np.bincount(flat, minlength=size)[experts]
     sums = np.bincount(flat, weights=wf, minlength=size)  # in index order from 0.0, as np.add.at
     return Step(layer, tuple(experts.tolist()), tuple(counts.tolist()), tuple(sums[experts].tolist()))
+
+
+def max_tiles(pairs: int, experts: int, tile_rows: int = 32) -> int:
+    """Tiles of at most ``tile_rows`` rows that ``pairs`` rows grouped over ``experts`` experts can
+    need: each expert's group adds at most one partial tile."""
+    return -(-pairs // tile_rows) + min(experts, pairs)
+
+
+def group_pairs(ids: np.ndarray, experts: int, tile_rows: int = 32, tiles: int | None = None):
+    """The grouping of a chunk's (token, rank) pairs that ``pf_group`` computes on the device (its
+    reference): ids ``(T, k)`` in ``0 .. experts - 1`` -> ``tok`` (the token of each row: pairs
+    sorted by expert, tokens ascending within one), ``pair_of`` (each pair's row, token-major), and
+    tiles ``(row, n, expert)`` of up to ``tile_rows`` rows of one expert, experts ascending, padded
+    with ``(0, 0, 0)`` to ``tiles`` entries (default :func:`max_tiles`)."""
+    ids = np.asarray(ids)
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = stable_order(flat)
+    pair_of = np.empty(len(flat), np.int32)
+    pair_of[order] = np.arange(len(flat), dtype=np.int32)
+    counts = np.bincount(flat, minlength=experts)
+    starts = np.concatenate([[0], np.cumsum(counts)])[:-1]
+    ntile = -(-counts // tile_rows)
+    g = np.repeat(np.arange(experts), ntile)
+    j = np.arange(len(g)) - np.repeat(np.cumsum(ntile) - ntile, ntile)
+    n_t = max_tiles(len(flat), experts, tile_rows) if tiles is None else tiles
+    out = np.zeros((3, n_t), np.int32)
+    out[:, : len(g)] = starts[g] + j * tile_rows, np.minimum(tile_rows, counts[g] - j * tile_rows), g
+    return (order // k).astype(np.int32), pair_of, out

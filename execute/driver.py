@@ -148,7 +148,9 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     ``prepare(policy)`` before the first item; ``begin_layer(layer, x, ids)`` as each block's routing
     is known, before its step is planned; ``token_graph(model)``, a ``TokenGraph`` or None, to run
     decode tokens as one graph, whose steps then go to ``settle_layer(item)`` instead of
-    ``run_layer``). With a token graph, the graph's time is counted in block 0's dense time. Every
+    ``run_layer``); ``device_chunk(model)``, a ``DeviceChunk`` or None, to run prefill chunks whose
+    experts are all resident with no host wait per block (their steps settled likewise). With a
+    token graph or a device chunk, the graph's or chunk's time is counted in block 0's dense time. Every
     driver item is also given to ``audit`` (an ``Audit``) if any; ``progress(tokens)`` is called
     after each batch with the positions run."""
     import dataclasses
@@ -174,6 +176,9 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     attach = getattr(backend, "token_graph", None)
     if attach is not None and getattr(model, "token_graph", 0) is None:
         model.token_graph = attach(model)
+    attach = getattr(backend, "device_chunk", None)
+    if attach is not None and getattr(model, "device_chunk", 0) is None:
+        model.device_chunk = attach(model) or False  # False: asked once, the path does not apply
     t0 = mark = time.perf_counter()
     other = 0.0
     tokens_in = _tokens(model, inputs)

@@ -138,6 +138,7 @@ class MoeModel:
         self.route_log: list | None = None  # set to a list to collect (pos, [(layer, ids, weights)]) per token
         self.token_graph = None  # a TokenGraph (execute.token_graph) when decode tokens may run as one graph
         self.step_done = False  # the step just yielded was computed by the token graph (run settles it)
+        self.device_chunk = None  # a DeviceChunk (execute.prefill_device) when chunks may run without host waits
         self.router_predictor: RouterPredictor | None = None  # set to one to measure it (off: no work)
 
     # weights -----------------------------------------------------------------------------------
@@ -460,6 +461,12 @@ class MoeModel:
         rs = np.float32(info.residual_scale)
         x = xp.asarray(self.token_embd[ids], dtype=xp.float32) * np.float32(info.embedding_scale)  # (T, hidden)
         rows = [[] for _ in ids] if self.route_log is not None else None
+        dev = self.device_chunk  # every block queued at once, the steps settled after (False: the path is off)
+        if dev and t > 1 and dev.takes(t, routes) and (yield from dev.steps(x, all_logits, rows)):
+            if rows is not None:
+                self.route_log.extend((self.pos + i, r) for i, r in enumerate(rows))
+            self.pos += t
+            return
         for l in range(info.num_layers):
             w = self.layers[l]
             h = self._rms(x, w["attn_norm"])
@@ -484,12 +491,17 @@ class MoeModel:
                 raise ExecutorError(f"block {l}: no expert output was delivered for the step")
             y = xp.asarray(self._out)
             x = _residual(x, rs, y if w["shared"] is None else y + self._shared(l, hn))
-        xs = x if all_logits else x[-1:]
-        self.chunk_logits = self._proj(self._rms(xs, self.output_norm), self.output) / np.float32(info.logit_scale)
-        self.logits = self.chunk_logits[-1]  # (vocab,)
+        self._head(x, all_logits)
         if rows is not None:
             self.route_log.extend((self.pos + i, r) for i, r in enumerate(rows))
         self.pos += t
+
+    def _head(self, x, all_logits: bool) -> None:
+        """``chunk_logits`` (every row of ``x (T, hidden)`` when ``all_logits``, else the last) and
+        ``logits`` (the last row's ``(vocab,)``) after the output norm."""
+        xs = x if all_logits else x[-1:]
+        self.chunk_logits = self._proj(self._rms(xs, self.output_norm), self.output) / np.float32(self.info.logit_scale)
+        self.logits = self.chunk_logits[-1]  # (vocab,)
 
     def warm_up(self, t: int) -> None:
         """Pay a process's first-use costs of the GPU paths before a prompt is timed: the chunk dense

@@ -224,33 +224,43 @@ class ChunkDense:
         return (info.expert_groups <= 1 and info.gating in ("softmax", "softmax_topk") and exp_probs_b is None
                 and 1 <= info.top_k <= _MAX_ROUTE_K)
 
+    def route_to(self, logits, bias, info, ids, wts, bad) -> bool:
+        """Launch ``pd_route`` on router ``logits`` ``(T, E)`` (device float32) plus ``bias`` (device
+        float32 or None) into device memory at ``ids`` (T k int32), ``wts`` (T k float64) and ``bad``
+        (an int32 set to 1 on a non-finite logit; the caller zeroes it): no copy, no wait. False (and
+        nothing launched) when the kernel does not take E or k."""
+        t, e = (int(v) for v in logits.shape)
+        k = int(info.top_k)
+        if e > _MAX_ROUTE_EXPERTS or k > e:
+            return False
+        self._route((t,), (128,), (_f32c(logits), bias if bias is not None else np.uint64(0), np.int32(e), np.int32(k),
+                                   np.int32(0 if info.gating == "softmax" else 1), np.int32(bool(info.norm_topk)),
+                                   np.float64(info.expert_weights_scale or 0.0), np.uint64(ids), np.uint64(wts),
+                                   np.uint64(bad)),
+                    shared_mem=8 * e + 8 * 32 + 4 * 32)
+        return True
+
     def route(self, logits, bias, info):
         """Ids ``(T, k)`` int64 and weights ``(T, k)`` float64 of router ``logits`` ``(T, E)`` (device,
         float32) plus ``bias`` (device float32 or None), after one copy to pinned memory and one wait;
         None when a logit is not finite (the caller routes on the host)."""
-        logits = _f32c(logits)
-        t, e = (int(v) for v in logits.shape)
+        t = int(logits.shape[0])
         k = int(info.top_k)
-        if e > _MAX_ROUTE_EXPERTS or k > e:
-            return None
         wb, ib = 8 * t * k, 4 * t * k  # weights (float64) first: 8-byte aligned
         nbytes = wb + ib + 4
         if self._route_buf is None or self._route_buf.size < nbytes:  # reused: each call waits for its copy
             self._route_buf = cp.empty(max(nbytes, 1 << 16), cp.uint8)
         buf = self._route_buf[:nbytes]
-        cp.cuda.runtime.memsetAsync(buf.data.ptr + wb + ib, 0, 4, cp.cuda.get_current_stream().ptr)
-        wts, ids = buf[:wb].view(cp.float64), buf[wb:wb + ib].view(cp.int32)
-        bad = buf[wb + ib:].view(cp.int32)
-        self._route((t,), (128,), (logits, bias if bias is not None else np.uint64(0), np.int32(e), np.int32(k),
-                                   np.int32(0 if info.gating == "softmax" else 1), np.int32(bool(info.norm_topk)),
-                                   np.float64(info.expert_weights_scale or 0.0), ids, wts, bad),
-                    shared_mem=8 * e + 8 * 32 + 4 * 32)
+        ptr = buf.data.ptr
+        cp.cuda.runtime.memsetAsync(ptr + wb + ib, 0, 4, cp.cuda.get_current_stream().ptr)
+        if not self.route_to(logits, bias, info, ptr + wb, ptr, ptr + wb + ib):
+            return None
         if self._pinned_size < nbytes:
             self._pinned_size = max(nbytes, 1 << 16)
             self._pinned = cp.cuda.alloc_pinned_memory(self._pinned_size)
         host = np.frombuffer(self._pinned, np.uint8, nbytes)
         s = cp.cuda.get_current_stream()
-        cp.cuda.runtime.memcpyAsync(self._pinned.ptr, buf.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToHost, s.ptr)
+        cp.cuda.runtime.memcpyAsync(self._pinned.ptr, ptr, nbytes, cp.cuda.runtime.memcpyDeviceToHost, s.ptr)
         self._done.record(s)
         self._done.synchronize()
         if host[wb + ib:].view(np.int32)[0]:

@@ -113,6 +113,7 @@ pf_mm(const u64* __restrict__ base, const int* __restrict__ tile_row, const int*
     __shared__ float Sd[BN][2];
 
     const int t = blockIdx.y, row0 = tile_row[t], nr = tile_n[t];
+    if (nr <= 0) return;  // a fixed-shape launch's unused tile (pf_group)
     const unsigned char* e = reinterpret_cast<const unsigned char*>(base[tile_g[t]]);
     const int half_n = mode == 0 ? 64 : 128;
     const int n0 = blockIdx.x * half_n;
@@ -236,6 +237,85 @@ pf_mm(const u64* __restrict__ base, const int* __restrict__ tile_row, const int*
                     if (n < nout) out[orow + n] = acc[a][j][c] * iv;
                 }
             }
+        }
+    }
+}
+
+// A layer's pairs grouped by expert on the device (execute/prefill_device.py), for a chunk whose
+// every routed expert is resident: ids (pairs = T k, int32 in 0 .. E - 1, token-major) and their
+// router weights (float64) as pd_route wrote them. Rows are the pairs sorted by expert, tokens
+// ascending within one (the order stable_order gives on the host); writes tok[row] (the pair's
+// token), pair_of[p] (pair p's row), w32[p] = (float) weights[p], and the tiles of up to BM rows of
+// each expert (tile_g = the expert id, an index into the layer's slot table); tiles from the last
+// to max_tiles get tile_n = 0 (pf_mm / pf_mm2 blocks of those return at once), so the products'
+// launches have a fixed shape. One block of 1024 threads; E <= GROUP_E.
+#define GROUP_E 2048
+extern "C" __global__ void __launch_bounds__(1024)
+pf_group(const int* __restrict__ ids, const double* __restrict__ weights, int pairs, int k, int E, int max_tiles,
+         int* __restrict__ tok, int* __restrict__ pair_of, float* __restrict__ w32, int* __restrict__ tile_row,
+         int* __restrict__ tile_n, int* __restrict__ tile_g) {
+    __shared__ int cnt[GROUP_E], start[GROUP_E], tstart[GROUP_E];
+    __shared__ int ntiles;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarp = blockDim.x >> 5;
+    for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = tid; p < pairs; p += blockDim.x) {
+        atomicAdd(&cnt[ids[p]], 1);
+        w32[p] = __double2float_rn(weights[p]);
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scans of the rows and of the tiles of each expert
+        int run = 0, trun = 0;
+        for (int b = 0; b < E; b += 32) {
+            const int e = b + lane, c = e < E ? cnt[e] : 0, tc = (c + BM - 1) / BM;
+            int v = c, tv = tc;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int n = __shfl_up_sync(0xffffffffu, v, o), tn = __shfl_up_sync(0xffffffffu, tv, o);
+                if (lane >= o) { v += n; tv += tn; }
+            }
+            if (e < E) { start[e] = run + v - c; tstart[e] = trun + tv - tc; }
+            run += __shfl_sync(0xffffffffu, v, 31);
+            trun += __shfl_sync(0xffffffffu, tv, 31);
+        }
+        if (lane == 0) ntiles = trun;
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+        const int c = cnt[e];
+        for (int j = 0; j * BM < c; j++) {
+            const int t = tstart[e] + j;
+            if (t < max_tiles) {
+                tile_row[t] = start[e] + j * BM;
+                tile_n[t] = min(BM, c - j * BM);
+                tile_g[t] = e;
+            }
+        }
+    }
+    for (int t = ntiles + tid; t < max_tiles; t += blockDim.x) { tile_row[t] = 0; tile_n[t] = 0; tile_g[t] = 0; }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) cnt[e] = start[e];  // the next free row of each expert
+    __syncthreads();
+    // pairs in rounds of blockDim.x in pair order; within a round the warps take rows in turn and
+    // a warp's lanes of one expert in lane order: rows of an expert follow pair (token) order
+    for (int p0 = 0; p0 < pairs; p0 += blockDim.x) {
+        const int p = p0 + tid, e = p < pairs ? ids[p] : -1 - lane;  // distinct negatives: no group
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        const int leader = __ffs(same) - 1, before = __popc(same & ((1u << lane) - 1));
+        for (int w = 0; w < nwarp; w++) {
+            if (warp == w) {
+                int base = 0;
+                if (e >= 0 && lane == leader) {
+                    base = cnt[e];
+                    cnt[e] = base + __popc(same);
+                }
+                base = __shfl_sync(0xffffffffu, base, leader);
+                if (e >= 0) {
+                    const int row = base + before;
+                    tok[row] = p / k;
+                    pair_of[p] = row;
+                }
+            }
+            __syncthreads();
         }
     }
 }

@@ -97,6 +97,7 @@ pf_mm2(const u64* __restrict__ base, const int* __restrict__ tile_row, const int
     __shared__ __align__(16) u16 Al[2][BM][LDS];
 
     const int t = blockIdx.y, row0 = tile_row[t], nr = tile_n[t];
+    if (nr <= 0) return;  // a fixed-shape launch's unused tile (pf_group)
     const unsigned char* e = reinterpret_cast<const unsigned char*>(base[tile_g[t]]);
     const int half_n = mode == 0 ? 64 : 128;
     const int n0 = blockIdx.x * half_n;

@@ -378,10 +378,13 @@ class _GcClock:
 
 def chunk_profile(path, tokens: int = 256, reps: int = 5, threads: int = 4, top: int = 25) -> dict:
     """Chunks of ``tokens`` random ids at position 0 through ``execute.driver.run`` on the model at
-    ``path`` with every expert resident (policy ``gpu``, an audit as ``moelab run`` keeps): rows
-    ``{case, wall_ms, per_block_ms, dense_ms, experts_ms, other_ms, gc}`` for the first chunk after
-    the warm-up, ``reps`` warm chunks (medians), the same after ``gc.freeze()``; and the cProfile of
-    one warm chunk (:func:`host_profile`)."""
+    ``path`` with every expert resident (policy ``gpu``, an audit as ``moelab run`` keeps), block by
+    block and with the whole chunk on the device (``execute.prefill_device``) side by side: rows
+    ``{case, wall_ms, per_block_ms, dense_ms, experts_ms, other_ms, gc, queue_ms, wait_ms, gpu_ms}``
+    for the first chunk after the warm-up (device path), then ``reps`` warm chunks of each path
+    interleaved (medians; the device path's host queueing, host wait and device time of its blocks
+    per chunk); whether the two paths' logits are identical; the cProfile of one warm chunk of each
+    path (:func:`host_profile`)."""
     import gc
 
     import cupy as cp
@@ -393,6 +396,7 @@ def chunk_profile(path, tokens: int = 256, reps: int = 5, threads: int = 4, top:
     from .driver import ChunkInput, run
     from .gguf_model import load_model
     from .model import MoeModel
+    from .prefill_device import DeviceChunk
 
     t0 = time.perf_counter()
     weights = load_model(path, lazy_dense=True)
@@ -406,37 +410,56 @@ def chunk_profile(path, tokens: int = 256, reps: int = 5, threads: int = 4, top:
         model = MoeModel(weights, use_gpu=True, max_tokens=tokens + 1)
         backend.engine.load_residents(dict(policy.cache.slot))
         model.warm_up(tokens)
+        dev = DeviceChunk.build(model, backend.engine, backend.batched) if backend.batched is not None else None
         cp.cuda.Device().synchronize()
         t_ready = time.perf_counter()
         chunk = tuple(int(t) for t in np.random.default_rng(0).integers(0, info.vocab, tokens))
         blocks = info.num_layers
+        logits, same = {}, []
 
-        def once(r: int):
+        def once(r: int, on: bool):
+            model.device_chunk = dev if on else False
             audit = Audit(geo, profile_residents=policy.cache.slot.keys(), keep_log=True, record_routes=True)
             with _GcClock() as g:
                 res = run(model, _NoPrepare(backend), policy, [ChunkInput(r, r, 0, "prefill", chunk)], audit=audit)
                 cp.cuda.Device().synchronize()
-            return res, g
+            logits[on] = cp.asnumpy(model.logits)
+            took = dev is not None and on and dev.chunks > chunks[0]
+            chunks[0] = dev.chunks if dev is not None else 0
+            dq = (dev.queue_s, dev.wait_s, dev.gpu_s) if took else (float("nan"),) * 3
+            return res, g, dq
+
+        chunks = [0]
 
         def row(case: str, runs) -> dict:
-            med = lambda f: float(np.median([f(r) for r, _ in runs]))  # noqa: E731
+            med = lambda f: float(np.median([f(r) for r, _, _ in runs]))  # noqa: E731
             wall = 1e3 * med(lambda r: r.wall_s)
+            dq = [1e3 * float(np.median([d[i] for _, _, d in runs])) / blocks for i in range(3)]
             return {"case": case, "runs": len(runs), "wall_ms": wall, "per_block_ms": wall / blocks,
                     "tokens_per_s": tokens / wall * 1e3, "dense_ms": 1e3 * med(lambda r: r.dense_s.sum()),
                     "experts_ms": 1e3 * med(lambda r: r.experts_s.sum()), "other_ms": 1e3 * med(lambda r: r.other_s),
-                    "gc_collections": [int(np.median([g.n[i] for _, g in runs])) for i in range(3)],
-                    "gc_ms": [1e3 * float(np.median([g.s[i] for _, g in runs])) for i in range(3)]}
+                    "queue_ms_per_block": dq[0], "wait_ms_per_block": dq[1], "gpu_ms_per_block": dq[2],
+                    "gc_collections": [int(np.median([g.n[i] for _, g, _ in runs])) for i in range(3)],
+                    "gc_ms": [1e3 * float(np.median([g.s[i] for _, g, _ in runs])) for i in range(3)]}
 
-        rows.append(row("first_chunk_after_warm_up", [once(0)]))
-        rows.append(row("warm", [once(1 + r) for r in range(reps)]))
-        gc.freeze()
-        try:
-            rows.append(row("warm_gc_frozen", [once(1 + reps + r) for r in range(reps)]))
-        finally:
-            gc.unfreeze()
-        profile = host_profile(lambda: once(0), top=top)
+        on_first = dev is not None
+        rows.append(row("first_chunk_after_warm_up" + (" (device)" if on_first else ""), [once(0, on_first)]))
+        runs = {False: [], True: []}
+        for r in range(reps):
+            for on in ((False, True) if dev is not None else (False,)):
+                runs[on].append(once(1 + r, on))
+                if on:
+                    same.append(bool(np.array_equal(logits[True], logits[False])))
+        rows.append(row("warm, block by block", runs[False]))
+        if dev is not None:
+            rows.append(row("warm, chunk on the device", runs[True]))
+        profile = {f"{key} ({name})": v for on, name in (((False, "block by block"), (True, "device"))
+                                                        if dev is not None else ((False, "block by block"),))
+                   for key, v in host_profile(lambda: once(0, on), top=top).items()}
     finally:
         backend.close()
     return {"model": str(path), "blocks": blocks, "tokens": tokens, "rows": rows, "host_profile": profile,
+            "device_chunks": 0 if dev is None else dev.chunks, "device_reruns": 0 if dev is None else dev.reruns,
+            "logits_identical": None if dev is None else all(same),
             "gc_objects": len(gc.get_objects()), "setup_s": t_ready - t0,
             "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}

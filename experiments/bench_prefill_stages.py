@@ -11,7 +11,8 @@ Writes ``result.json`` (rows + config), ``config.json`` and ``README.md`` (the t
     python experiments/bench_prefill_stages.py --out $OUT/chunks --model M.gguf  # whole chunks of a file's blocks
 
 ``--model`` (GPU) runs ``execute.prefill_timing.chunk_profile`` instead: whole chunks of every block of
-the file (first after the warm-up, warm, warm with the heap frozen), garbage collections, cProfile.
+the file, block by block and on the device (``execute.prefill_device``) side by side, garbage
+collections, the device path's host and device time per block, cProfile of each.
 """
 from __future__ import annotations
 
@@ -71,9 +72,11 @@ def chunks_main(args, argv) -> int:
     res["command"] = "python experiments/bench_prefill_stages.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (args.out / "result.json").write_text(json.dumps(res, indent=2) + "\n")
     keys = ("case", "runs", "wall_ms", "per_block_ms", "tokens_per_s", "dense_ms", "experts_ms", "other_ms",
-            "gc_collections", "gc_ms")
+            "queue_ms_per_block", "wait_ms_per_block", "gpu_ms_per_block", "gc_collections", "gc_ms")
     lines = [f"# Whole chunks of {res['tokens']} tokens, {res['blocks']} blocks of `{args.model.name}` ({res['device']})", "",
-             f"Command: `{res['command']}`; {res['gc_objects']} objects tracked by the collector.", "",
+             f"Command: `{res['command']}`; {res['gc_objects']} objects tracked by the collector; chunks on the "
+             f"device {res['device_chunks']} (run again block by block: {res['device_reruns']}), logits identical to "
+             f"block by block: {res['logits_identical']}.", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(_cell(r[k]) for k in keys) + " |" for r in res["rows"]]
     for key, rows in res["host_profile"].items():

@@ -2,7 +2,8 @@
 64, 256, 1024 and 4096 tokens (``--lengths``), every expert resident (``gpu``) and under expert
 budgets (``--budgets-mib``, policy ``--policy``), side by side in one process; ``--old`` adds each
 configuration on the previous prefill path (``MOELAB_PREFILL=0``, ``MOELAB_PREFILL_DENSE=0``, chunks
-of 32) for the ratio.
+of 32) for the ratio; ``--device-ab`` runs each configuration with the chunk on the device
+(``MOELAB_PREFILL_DEVICE=1``) and block by block (``0``).
 
 Writes ``rows.csv`` and ``result.json`` (rows + config), ``config.json``, ``README.md`` and
 ``prompt_sweep.png`` (when matplotlib is installed) into ``--out``. The logic is
@@ -40,6 +41,9 @@ def configs(args) -> list[Config]:
     if args.old:
         old = {"MOELAB_PREFILL": "0", "MOELAB_PREFILL_DENSE": "0"}
         out += [Config(c.label + " (old path)", (*c.argv, "--prefill-chunk", "32"), old) for c in list(out)]
+    if args.device_ab:
+        out = [Config(f"{c.label} ({name})", c.argv, {**c.env, "MOELAB_PREFILL_DEVICE": v}) for c in out
+               for name, v in (("device", "1"), ("block by block", "0"))]
     return out
 
 
@@ -62,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets-mib", default="", help="expert budgets (MiB) for --policy, comma-separated")
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--old", action="store_true", help="also run each configuration on the previous prefill path")
+    ap.add_argument("--device-ab", action="store_true",
+                    help="each configuration with chunks on the device (MOELAB_PREFILL_DEVICE=1) and block by block (0)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args(argv)
