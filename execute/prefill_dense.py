@@ -119,6 +119,12 @@ class ChunkDense:
             from .prefill import _kernel as pf_kernel
 
             self._split = pf_kernel("pf_split")
+        from .gpu_host import Launch
+
+        # the frequent launches by address (cuLaunchKernel; no per-argument conversion)
+        self._l_rms, self._l_scale = Launch(self._rms, 6), Launch(self._scale, 4)
+        self._l_split = Launch(self._split, 6) if self._split is not None else None
+        self._work: dict[tuple[str, int], cp.ndarray] = {}  # (name, stream): the activation halves, reused
         self._pinned, self._pinned_size = None, 0
         self._route_buf = None
         self._done = cp.cuda.Event(disable_timing=True)
@@ -133,8 +139,8 @@ class ChunkDense:
         x, w = _f32c(x), _f32c(w)
         out = cp.empty(x.shape, cp.float32)
         rows = x.size // cols
-        self._rms((rows,), (min(256, 32 * -(-cols // 32)),),
-                  (x, w, np.int32(w.size // cols), np.int32(cols), np.float32(eps), out))
+        self._l_rms((rows, 1), min(256, 32 * -(-cols // 32)), cp.cuda.get_current_stream().ptr, x.data.ptr,
+                    w.data.ptr, w.size // cols, cols, self._l_rms.f32(eps), out.data.ptr)
         return out
 
     # projections -------------------------------------------------------------------------------------
@@ -145,6 +151,14 @@ class ChunkDense:
         inv = cp.empty(r, cp.float32)
         self._split((r,), (256,), (v, np.uint64(0), np.int32(c), hi, lo, inv))
         return hi, lo, inv
+
+    def _work_buf(self, name: str, n: int, dtype, stream: int) -> int:
+        """The address of a work buffer of at least ``n`` elements for ``stream`` (kept and reused in
+        that stream's order; grown when short)."""
+        a = self._work.get((name, stream))
+        if a is None or a.size < n:
+            a = self._work[name, stream] = cp.empty(max(n, 2 * (0 if a is None else a.size)), dtype)
+        return int(a.data.ptr)
 
     def matmul(self, x, m, gd=None):
         """``x (T, cols)`` times Matrix ``m`` transposed -> ``(T, rows)`` float32, or None where the
@@ -159,14 +173,18 @@ class ChunkDense:
             return None
         x = _f32c(x)
         t, n = int(x.shape[0]), m.rows
-        xh, xl, xi = self._halves(x)
         y = cp.empty((t, n), cp.float32)
         grid = (min(-(-y.size // 256), 4096),)
-        if m.qt == Q.F16:
-            self._gemm(m.w, m, xh, t, y, _ZERO)
-            self._gemm(m.w, m, xl, t, y, _ONE)
-            self._scale(grid, (256,), (y, xi, np.int64(y.size), np.int32(n)))
+        if m.qt == Q.F16:  # the halves in work buffers of this stream, by address
+            sp, c = cp.cuda.get_current_stream().ptr, int(x.shape[1])
+            hi, lo = self._work_buf("hi", t * c, cp.uint16, sp), self._work_buf("lo", t * c, cp.uint16, sp)
+            inv = self._work_buf("inv", t, cp.float32, sp)
+            self._l_split((t, 1), 256, sp, x.data.ptr, 0, c, hi, lo, inv)
+            self._gemm_ptr(m.w.data.ptr, m, hi, t, y.data.ptr, _ZERO)
+            self._gemm_ptr(m.w.data.ptr, m, lo, t, y.data.ptr, _ONE)
+            self._l_scale((grid[0], 1), 256, sp, y.data.ptr, inv, y.size, n)
             return y
+        xh, xl, xi = self._halves(x)
         tile = cp.empty((m.rows, m.cols), cp.float32)
         gd.dequant(m, 0, m.rows, tile)
         wh, wl, wi = self._halves(tile)
@@ -181,6 +199,11 @@ class ChunkDense:
     def _gemm(w, m, a, t: int, y, beta: np.ndarray) -> None:
         """y (t, rows) = a (t, cols) f16 . w (rows, cols) f16 transposed + beta y, f32 accumulation
         (``m`` gives rows and cols)."""
+        ChunkDense._gemm_ptr(w.data.ptr, m, a.data.ptr, t, y.data.ptr, beta)
+
+    @staticmethod
+    def _gemm_ptr(w: int, m, a: int, t: int, y: int, beta: np.ndarray) -> None:
+        """:meth:`_gemm` on device addresses."""
         from cupy_backends.cuda.libs import cublas
 
         h = cp.cuda.device.get_cublas_handle()
@@ -189,8 +212,8 @@ class ChunkDense:
         if mode != _PTR_HOST:
             cublas.setPointerMode(h, _PTR_HOST)
         try:  # column-major: y^T (rows, t) = m (cols, rows)^T . a^T (cols, t)
-            cublas.gemmEx(h, _OP_T, _OP_N, m.rows, t, m.cols, _ONE.ctypes.data, w.data.ptr, _CUDA_R_16F, m.cols,
-                          a.data.ptr, _CUDA_R_16F, m.cols, beta.ctypes.data, y.data.ptr, _CUDA_R_32F, m.rows,
+            cublas.gemmEx(h, _OP_T, _OP_N, m.rows, t, m.cols, _ONE.ctypes.data, w, _CUDA_R_16F, m.cols,
+                          a, _CUDA_R_16F, m.cols, beta.ctypes.data, y, _CUDA_R_32F, m.rows,
                           _COMPUTE_32F, _GEMM_DEFAULT)
         finally:
             if mode != _PTR_HOST:
