@@ -11,9 +11,10 @@ vectors, before its groups are gathered: the KSIGNS bytes of IQ2_XXS, IQ3_XXS an
 (``grid_index_*``) and the scales, the staged sign bytes and offsets one block ahead of their
 loads (``iq_scratch``). A block's 8 groups go to the dots in registers, behind one branch on the
 instruction-set path (``cpu_kq.dots``, both activation levels); IQ2_XS, IQ2_S and IQ1_* scale
-each 16 weights (``acc_dots16``). What bounds them is the gather: two loads (index, entry) per
-8-byte grid entry and the inserts that join four entries in a vector (llvm-mca's Ice Lake server
-model puts IQ2_XXS's block at ~56 cycles, on the load ports).
+each 16 weights (``acc_dots16``). What bounds them is the gather (``_gather``): a group's indices
+come in one scalar load split by shifts, each grid entry is broadcast from memory (a load and no
+shuffle) and the entries are joined by blends, so the shuffle port, which one insert per entry
+kept busy, is left to the dots' reductions; what remains is about one load per grid entry.
 
 ``IQ_TABLES`` (each grid as bytes) sits at ``cpu_experts``' code tables; the kernels
 take its address.
@@ -28,7 +29,7 @@ from numba.extending import intrinsic
 
 from .cpu_kq import (acc_dots, acc_dots16, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
                      nibbles8, u8_f32x8, zip_hi, zip_lo)
-from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, hsum, load_f16, load_u8, zero_f32
+from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, _splat, hsum, load_f16, load_u8, zero_f32
 from .iq_grids import grid
 
 __all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
@@ -50,9 +51,14 @@ assert IQ_TABLES.size == _G1 + 2 * 2048 * 8
 def _gather(k: int, width: int, offsets: bool = False):
     """An intrinsic (table, w, p) -> I8x32: the ``k`` entries of ``width`` bytes of the table at
     address ``table``, side by side, indexed by the k bytes at address w + p (entry numbers), or
-    with ``offsets`` by the k u16 at w + p (byte offsets into the table)."""
+    with ``offsets`` by the k u16 at w + p (byte offsets into the table). The indices come in one
+    or two scalar loads and are split by shifts (ALU ports, not loads); each entry is broadcast
+    from memory (a load alone, no shuffle) and the k joined by blends (any vector port), where
+    inserts would put one shuffle per entry on the one shuffle port."""
     lane = ir.IntType(8 * width)
     vec = ir.VectorType(lane, k)
+    per = 4 if offsets else 8  # indices per 64-bit word
+    step = 16 if offsets else 8
 
     @intrinsic
     def gather(typingctx, table, w, p):
@@ -63,19 +69,43 @@ def _gather(k: int, width: int, offsets: bool = False):
             t, wa, pa = (context.cast(builder, a, s, types.int64) for a, s in zip(args, sig.args))
             i64 = ir.IntType(64)
             base = builder.add(wa, pa)
-            v = ir.Constant(vec, ir.Undefined)
+            nw = -(-k // per)  # words of indices
+            wbits = ir.IntType(min(64, k * step))
+            words = []
+            for j in range(nw):
+                wv = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, 8 * j)), ir.PointerType(wbits)), align=1)
+                wv = builder.asm(ir.FunctionType(wbits, [wbits]), "", "=r,0", [wv], side_effect=False)  # no byte loads again
+                words.append(builder.zext(wv, i64) if wbits.width < 64 else wv)
+            parts = []
             for j in range(k):
-                if offsets:
-                    ip = builder.inttoptr(builder.add(base, ir.Constant(i64, 2 * j)), ir.PointerType(_I16))
-                    off = builder.zext(builder.load(ip, align=2), i64)
-                else:
-                    idx = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, j)), ir.PointerType(ir.IntType(8))))
-                    off = builder.mul(builder.zext(idx, i64), ir.Constant(i64, width))
+                f = words[j // per]
+                if j % per:
+                    f = builder.lshr(f, ir.Constant(i64, step * (j % per)))
+                off = builder.and_(f, ir.Constant(i64, (1 << step) - 1))
+                if not offsets:
+                    off = builder.mul(off, ir.Constant(i64, width))
                 e = builder.load(builder.inttoptr(builder.add(t, off), ir.PointerType(lane)), align=1)
-                v = builder.insert_element(v, e, ir.Constant(ir.IntType(32), j))
-            return builder.bitcast(v, ir.VectorType(ir.IntType(8), 32))
+                b = _splat(builder, e, vec)  # vpbroadcast from memory
+                parts.append(builder.asm(ir.FunctionType(vec, [vec]), "", "=v,0", [b], side_effect=False))
+            return builder.bitcast(_blend_tree(builder, parts, k), ir.VectorType(ir.IntType(8), 32))
         return I8x32(table, w, p), codegen
     return gather
+
+
+def _blend_tree(builder, parts, k):
+    """The k vectors joined: lane j from parts[j] (pairwise blends)."""
+    idx = ir.VectorType(ir.IntType(32), k)
+    lanes = [[j] for j in range(k)]  # which lanes each vector holds correctly
+    vs = list(parts)
+    while len(vs) > 1:
+        nv, nl = [], []
+        for i in range(0, len(vs), 2):
+            a, b = vs[i], vs[i + 1]
+            mask = [l + k if l in lanes[i + 1] else l for l in range(k)]
+            nv.append(builder.shuffle_vector(a, b, ir.Constant(idx, mask)))
+            nl.append(lanes[i] + lanes[i + 1])
+        vs, lanes = nv, nl
+    return vs[0]
 
 
 gather8x4 = _gather(4, 8)  # IQ2_XXS: four 8-byte grid entries

@@ -125,9 +125,40 @@ def test_choose_isa(monkeypatch):
     assert cpu_simd.choose_isa() == cpu_simd.ISA_PATHS.index(PATHS[0])
 
 
+def assert_path_instructions(asm: str) -> None:
+    """vpdpbusd where the host has VNNI, vpmaddubsw + vpmaddwd where it has AVX2."""
+    if "vnni" in PATHS:
+        assert "vpdpbusd" in asm
+    if "avx2" in PATHS:
+        assert "vpmaddubsw" in asm and "vpmaddwd" in asm
+
+
 def test_each_path_compiles_its_instructions():
-    """The compiled row kernel holds vpdpbusd where the host has VNNI and vpmaddubsw + vpmaddwd
-    where it has AVX2 (forcing a path runs those instructions, not a fallback)."""
+    """The integer dots every kernel is built from, a block's 8 behind one branch on the path
+    (cpu_kq.dots) and one at a time (cpu_kq.idot), compiled with the path a run-time argument as
+    the kernels take it: forcing a path runs its instructions, not a fallback (a small function,
+    compiled in about a second; the whole row kernel: the slow test below)."""
+    from numba import njit
+
+    from execute.cpu_kq import acc_dots, dots, idot, load_f32x8
+    from execute.cpu_simd import fma_cvt, hsum, load_i8x32, zero_f32
+
+    @njit(fastmath=True)
+    def block(isa, q, xq, f):
+        acc = acc_dots(zero_f32(), dots(isa, q, xq, 0, 256), load_f32x8(f, 0))
+        return hsum(fma_cvt(acc, idot(load_i8x32(q, 0), xq, 0, 256, isa), 1.0))
+
+    q, xq, f = np.full(256, 3, np.uint8), np.ones(512, np.int8), np.ones(8, np.float32)
+    addr = [a.__array_interface__["data"][0] for a in (q, xq, f)]
+    for isa in PATHS:  # each path's dots: 8 x (256 + 1) x 3 x 32 bytes, and one more
+        assert block(cpu_simd.ISA_PATHS.index(isa), *addr) == 9 * 257 * 3 * 32
+    assert_path_instructions(block.inspect_asm(block.signatures[0]))
+
+
+@pytest.mark.slow
+def test_the_row_kernel_compiles_each_paths_instructions():
+    """The compiled row kernel (every type's dot) holds each path's instructions (a cold compile of
+    the whole kernel, ~45 s)."""
     from numba import njit
     from numba import types as T
 
@@ -136,11 +167,7 @@ def test_each_path_compiles_its_instructions():
     fresh = njit(fastmath=True, nogil=True)(_rows.py_func)  # not from Numba's cache, which keeps no assembly
     sig = (T.int64[::1],) + (T.int64,) * 6 + (T.UniTuple(T.int64, 6), T.int64, T.int64)  # as _chunk calls it
     fresh.compile(sig)
-    asm = fresh.inspect_asm(sig)
-    if "vnni" in PATHS:
-        assert "vpdpbusd" in asm
-    if "avx2" in PATHS:
-        assert "vpmaddubsw" in asm and "vpmaddwd" in asm
+    assert_path_instructions(fresh.inspect_asm(sig))
 
 
 def test_a_changed_kernel_source_drops_the_cached_kernels(tmp_path, monkeypatch):
