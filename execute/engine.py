@@ -58,6 +58,7 @@ from scheduler.drive import RunLayer
 
 from .cpu_pool import CpuExpertPool
 from .experts import ExecutorError, LayerExperts
+from .pairs import _SMALL_PAIRS, _pair_arrays, _pair_lists, gather_pairs
 
 __all__ = ["BACKGROUND_WAITS", "ExpertEngine", "HANDOFF_PUTS", "LayerStats", "gather_pairs"]
 
@@ -106,14 +107,20 @@ class _Early(NamedTuple):
     rest: list  # the pairs not picked
 
 
+_new_early = _Early._make  # (a NamedTuple's own constructor costs more)
+
+
 def _early_bases(early: _Early, d: Decision, up: dict | None, ptr: int, stride: int, n_slots: int):
     """``_run_one``'s (bases, rest) from what ``begin_layer`` found, when the decision keeps it: its
     hits are the early-started experts in routed order (as policies list them), its uploads the
     other routed experts, into slots in range, and it evicts none of its hits. Else None: the
     caller's loop over the pairs decides (and raises for a decision that does not fit)."""
     got, rest = early.got, early.rest
-    if d.hits != got or (up is None) != (not rest) or any(v[1] in got for v in d.evictions if v[0] == d.layer):
+    if d.hits != got or (up is None) != (not rest):
         return None
+    for v in d.evictions:
+        if v[1] in got and v[0] == d.layer:
+            return None
     if up is None:
         return early.bases, ()
     if len(up) != len(rest):
@@ -139,12 +146,13 @@ class _Residency(dict):
         self.held: set[int] = set()  # device addresses of the slots that have held an expert
 
     def __setitem__(self, key, slot) -> None:
-        super().__setitem__(key, slot)
-        if self.table is not None and self.slot_tables[key[0]] is not None:
-            ptr, stride, _ = self.slot_tables[key[0]]
-            self.table[key] = a = ptr + slot * stride
-            self.held.add(a)
-            self.dirty = True
+        dict.__setitem__(self, key, slot)
+        if self.table is not None:
+            t = self.slot_tables[key[0]]
+            if t is not None:
+                self.table[key] = a = t[0] + slot * t[1]
+                self.held.add(a)
+                self.dirty = True
 
     def fresh(self, layer: int, slot: int) -> bool:
         """Whether the slot has never held an expert (no kernel queued so far can read it)."""
@@ -159,70 +167,11 @@ class _Residency(dict):
 
     def pop(self, key, *default):
         had = key in self
-        v = super().pop(key, *default)
+        v = dict.pop(self, key, *default)
         if had and self.table is not None:
             self.table[key] = 0
             self.dirty = True
         return v
-
-
-_SMALL_PAIRS = 512  # gather_pairs works on Python lists up to this many pairs, else numpy
-
-
-def _pair_lists(decision: Decision, ids: np.ndarray) -> tuple[list, list, list, int, tuple]:
-    """gather_pairs on Python lists (small steps): (experts, tokens, pair_of flat, n_gpu, gpu)."""
-    t, k = ids.shape
-    gpu = decision.hits + decision.uploads + decision.streams
-    rank = {e: i for i, e in enumerate(gpu + decision.cpu)}
-    flat = ids.ravel().tolist()
-    try:
-        keys = [rank[e] for e in flat]
-    except KeyError:
-        missing = sorted({e for e in flat if e not in rank})
-        raise ExecutorError(f"layer {decision.layer}: routed experts {missing} are not in the decision") from None
-    order = sorted(range(t * k), key=keys.__getitem__)  # stable: tokens ascend within an expert
-    pair_of = [0] * (t * k)
-    for i, p in enumerate(order):
-        pair_of[p] = i
-    n = len(gpu)
-    return [flat[p] for p in order], [p // k for p in order], pair_of, sum(r < n for r in keys), gpu
-
-
-def _pair_arrays(decision: Decision, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
-    """gather_pairs with numpy (large steps)."""
-    t, k = ids.shape
-    gpu = np.asarray(decision.hits + decision.uploads + decision.streams, np.int64)
-    dest = np.concatenate([gpu, np.asarray(decision.cpu, np.int64)])
-    rank = np.full(max(int(ids.max(initial=0)), int(dest.max(initial=0))) + 1, -1, np.int64)
-    rank[dest] = np.arange(len(dest))
-    flat = ids.reshape(-1).astype(np.int64)
-    r = rank[flat]
-    if (r < 0).any():
-        missing = sorted(set(flat[r < 0].tolist()))
-        raise ExecutorError(f"layer {decision.layer}: routed experts {missing} are not in the decision")
-    tok = np.repeat(np.arange(t), k)
-    order = np.lexsort((tok, r))
-    pair_of = np.empty(t * k, np.int64)
-    pair_of[order] = np.arange(t * k)
-    n_gpu = int((r < len(gpu)).sum())
-    return flat[order], tok[order], pair_of.reshape(t, k), n_gpu, gpu
-
-
-def gather_pairs(decision: Decision, topk_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
-    """Pairs in destination order: (pair_expert, pair_token, pair_of (T, k), n_gpu, gpu_experts).
-
-    GPU experts (hits, uploads, streams) come first, then cpu; within an expert, tokens ascend.
-    ``pair_of[t, j]`` is the pair of ``topk_ids[t, j]``. ExecutorError when a routed expert is
-    missing from the decision.
-    """
-    ids = np.asarray(topk_ids)
-    if ids.ndim != 2:
-        raise ValueError(f"topk_ids: expected (tokens, k), got shape {ids.shape}")
-    if ids.size > _SMALL_PAIRS:
-        return _pair_arrays(decision, ids)
-    experts, tok, pair_of, n_gpu, gpu = _pair_lists(decision, ids)
-    return (np.array(experts, np.int64), np.array(tok, np.int64), np.array(pair_of, np.int64).reshape(ids.shape),
-            n_gpu, np.array(gpu, np.int64))
 
 
 class ExpertEngine:
@@ -274,6 +223,7 @@ class ExpertEngine:
         self._pending: dict[int, tuple[tuple[Move, ...], object]] = {}
         self._handed_back = False
         self._early: _Early | None = None
+        self._ones: dict[int, tuple | None] = {}  # see _one_layer
         self._max_k = 0
         if self.gpu is not None:
             from .gpu_experts import MAX_TOP_K
@@ -305,38 +255,46 @@ class ExpertEngine:
         a batch, without a GPU, or when no routed expert is resident."""
         t0 = time.perf_counter()
         self._early = None
-        gx = self.gpu
-        if gx is None or len(topk_ids) != 1 or not 0 <= layer < len(self.layers):
+        if self.gpu is None or len(topk_ids) != 1:
             return
-        lx = self.layers[layer]
-        table = gx.slot_tables[layer] if lx is not None else None
-        ids = topk_ids[0].tolist() if isinstance(topk_ids, np.ndarray) else list(topk_ids[0])
-        k = len(ids)
-        if table is None or k > self._max_k or getattr(x, "shape", None) != (1, lx.hidden):
+        one = self._one_layer(layer)
+        if one is None or getattr(x, "shape", None) != one[0]:
             return
-        ptr, stride, _ = table
-        slot_of = self.slot_of
-        bases, pick, got, rest = [0] * k, [], [], []
-        for j, e in enumerate(ids):
-            s = slot_of.get((layer, e))
-            if s is not None:
-                bases[j] = ptr + s * stride
-                pick.append(j)
-                got.append(e)
-            else:
-                rest.append(j)
+        row = topk_ids[0]
+        ids = row.tolist() if isinstance(row, np.ndarray) else list(row)
+        if not 0 < len(ids) <= self._max_k or min(ids) < 0:
+            return
+        try:  # the slot address of each routed expert, 0 when not resident
+            bases = one[1][row].tolist()
+        except IndexError:  # an expert id past the table: not resident
+            return
+        pick = [j for j, b in enumerate(bases) if b]
         if not pick:
             return
+        gx = self.gpu
         gx.after_caller()  # x may still be in the making on the caller's stream
         xd = gx.as_input(x)
         if self.handoff is not None:
             self.handoff.mark_input()  # a hand-off's input copy need not wait for these kernels
         gx.pack1(bases, (), pick)
-        gx.gate_up1(layer, xd, k, len(pick))
-        self._early = _Early(layer, x, xd, ids, pick, bases, tuple(got), rest)
+        gx.gate_up1(layer, xd, len(ids), len(pick))
+        self._early = _new_early((layer, x, xd, ids, pick, bases, tuple([ids[j] for j in pick]),
+                                  [j for j, b in enumerate(bases) if not b]))
         st = self.stats
         st.early_pairs += len(pick)
         st.host_early_s += time.perf_counter() - t0
+
+    def _one_layer(self, layer: int):
+        """(the one-token input shape, the layer's row of the slot table) of a layer with a cache
+        pool, else None (cached; the row is a view of the residency's table, so always current)."""
+        one = self._ones.get(layer, False)
+        if one is False:
+            lx = self.layers[layer] if 0 <= layer < len(self.layers) else None
+            one = None
+            if lx is not None and self.gpu.slot_tables[layer] is not None:
+                one = ((1, lx.hidden), self.slot_of.table[layer])
+            self._ones[layer] = one
+        return one
 
     def run_layer(self, item: RunLayer, x, topk_ids: np.ndarray, topk_weights: np.ndarray):
         """Run one MoE layer as ``item.decision`` says; see the module docstring for shapes."""
@@ -352,9 +310,13 @@ class ExpertEngine:
             if early is None or early.x is not x:
                 gx.after_caller()  # x may still be in the making on the caller's stream
             if (len(topk_ids) == 1 and isinstance(topk_ids, np.ndarray) and 1 <= topk_ids.shape[1] <= self._max_k
-                    and getattr(x, "shape", None) == (1, lx.hidden) and np.shape(topk_weights) == topk_ids.shape):
+                    and getattr(x, "shape", None) == (1, lx.hidden)
+                    and getattr(topk_weights, "shape", None) == topk_ids.shape):
                 if not d.cpu and not d.streams and not d.promotions:
-                    return self.hand_back(self._run_one(d, x, topk_ids, topk_weights, early, t0), read=True)
+                    out = self._run_one(d, x, topk_ids, topk_weights, early, t0)
+                    gx.end_step()  # hand_back(out, read=True)
+                    self._handed_back = True
+                    return out
                 if self.handoff is not None and d.cpu:  # CPU pairs handed off, no host wait
                     return self.hand_back(self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0),
                                           read=True)
@@ -387,12 +349,17 @@ class ExpertEngine:
     def one_token_start(self, d: Decision, topk_ids: np.ndarray, topk_weights) -> tuple[list, list, tuple]:
         """A one-token step's routed ids and weights as lists and its layer's slot table
         (pointer, stride, slots), after dropping the decision's evictions from ``slot_of``."""
-        for v in d.evictions:
-            self.slot_of.pop(v, None)
+        if d.evictions:
+            pop = self.slot_of.pop
+            for v in d.evictions:
+                pop(v, None)
         table = self.gpu.slot_tables[d.layer]
         if table is None:
             raise ExecutorError(f"layer {d.layer} has no cache pool; its experts cannot be on the GPU")
-        return topk_ids[0].tolist(), np.asarray(topk_weights, np.float32)[0].tolist(), table
+        w = topk_weights[0]
+        if not (isinstance(w, np.ndarray) and w.dtype.char == "f"):
+            w = np.asarray(topk_weights, np.float32)[0]
+        return topk_ids[0].tolist(), w.tolist(), table
 
     def _run_one(self, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: "_Early | None", t0: float):
         """One token whose experts are all on the GPU (hits and uploads): the pair table goes by

@@ -526,7 +526,9 @@ class GpuExperts:
         """A (rows, cols) float32 array for a layer's output: one of earlier outputs that nobody
         holds any more (as a freed block of CuPy's pool would be reused, in compute-stream order),
         else a new one; saves the allocation's host cost."""
-        ring = self._outs.setdefault((rows, cols), [])
+        ring = self._outs.get((rows, cols))
+        if ring is None:
+            ring = self._outs[rows, cols] = []
         for a in ring:
             if sys.getrefcount(a) == _FREE_REFS:
                 return a

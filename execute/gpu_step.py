@@ -110,6 +110,8 @@ class CopyBatch:
         self._fail = np.zeros(1, np.uint64)
         self._fn, self._fail_idx = _driver_batch()
         self._consts = (self._attrs.ctypes.data, self._idx.ctypes.data, 1)
+        if self._fail_idx:  # the older form's failIdx (numpy's ctypes.data costs a microsecond a call)
+            self._consts += (self._fail.ctypes.data,)
         self._packs: dict[int, struct.Struct] = {}  # n -> the three rows of _a in one pack
         self.dst: list[int] = []
         self.src: list[int] = []
@@ -149,8 +151,7 @@ class CopyBatch:
                 f = self._packs[n] = struct.Struct(f"<{n}Q{pad}x{n}Q{pad}x{n}Q")
             f.pack_into(self._view, 0, *d, *s, *z)
             x = self._addr
-            args = (x[0], x[1], x[2], n, *self._consts)
-            err = fn(*args, self._fail.ctypes.data, stream_ptr) if self._fail_idx else fn(*args, stream_ptr)
+            err = fn(x[0], x[1], x[2], n, *self._consts, stream_ptr)
             if not err:
                 self.batches += 1
                 return
@@ -189,10 +190,17 @@ def queue_copies(gx, layer: int, experts, slots, streamed, scratch) -> None:
             if not 0 <= e < n:
                 raise ExecutorError(f"layer {layer}: expert {e} out of range")
         filled, total = gx.filled, 0
+        d, src, z = b.dst, b.src, b.size  # as CopyBatch.add, inline
         for e, s in zip(experts, slots):
             if filled and filled.pop((layer, s), None) == e:
                 continue  # put there by the background load, and nothing has written the slot since
-            total += b.add(ptr + s * stride, rows, e)
+            dst = ptr + s * stride
+            for base, row, nb in rows:
+                d.append(dst)
+                src.append(base + e * row)
+                z.append(nb)
+                dst += nb
+            total += dst - ptr - s * stride
         for e, k in zip(streamed, scratch):
             total += b.add(gx.source_ptr(layer, -1 - k), rows, e)
         gx.bytes_uploaded += total

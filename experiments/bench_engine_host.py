@@ -1,0 +1,249 @@
+"""The expert engine's host path per one-token layer step, on any machine: a stand-in for cupy.
+
+The engine (``execute.engine.ExpertEngine`` over ``execute.gpu_experts.GpuExperts``) runs a
+policy's decode steps as ``bench_executor.py`` runs them (``begin_layer`` as soon as the routing is
+known, then the driver's plan, then ``run_layer``), but over a stand-in for cupy whose runtime and
+driver calls are plain Python functions that count themselves: no device, no driver cost. What is
+left is the host path's Python work, and the count of runtime calls it makes (each costs about
+0.6-14 us more on the H200's host: ``bench_executor``'s "one call" table). Model: ``--layers`` x
+``--experts`` Q8_0 experts of a small shape (the host path does not depend on it), routed by the
+``traces.synth`` qwen3-30b-a3b preset, ``--slots`` cache slots per layer, top-8, no hand-off
+(``MOELAB_HANDOFF=0``: the stand-in maps no memory; the policies here place nothing on the CPU).
+
+Prints, per policy: the engine's host time per layer step as the thread's CPU time of a pass
+over the trace with the engine's calls minus that of the same pass without them (robust to a
+busy machine; ``cpu``), the engine's own wall-clock phases (``begin_layer``, ``run_layer``'s plan
+and queue, as bench_executor's columns; noisy where other work shares the cores), runtime calls
+per step by name, uploads per step and a digest of the decisions; best of ``--repeats`` passes.
+
+``--base REV``: the same under REV's ``execute`` / ``scheduler`` / ``traces`` and under this tree,
+each in its own process, alternated ``--rounds`` times; the decisions' digests are compared.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections import Counter
+from dataclasses import replace
+from itertools import count
+from pathlib import Path
+
+import numpy as np
+
+CALLS: Counter = Counter()
+_ptrs = count(0x10000, 0x1000)
+
+
+class _Dev:
+    """A device array: shape, dtype and a distinct address; no data."""
+
+    def __init__(self, shape, dtype=np.float32, *_, **__):
+        self.shape = tuple(shape) if isinstance(shape, tuple) else (int(shape),)
+        self.dtype = np.dtype(dtype)
+        self.size = int(np.prod(self.shape))
+        self.flags = types.SimpleNamespace(c_contiguous=True)
+        self.data = types.SimpleNamespace(ptr=next(_ptrs))
+
+
+class _Handle:
+    """A stream or an event."""
+
+    def __init__(self, *_, **__):
+        self.ptr = next(_ptrs)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        pass
+
+    def record(self, *_):
+        CALLS["eventRecord"] += 1
+
+    def wait_event(self, *_):
+        CALLS["streamWaitEvent"] += 1
+
+    def synchronize(self):
+        CALLS["synchronize"] += 1
+
+
+class _Pinned(bytearray):
+    """Pinned host memory: a host buffer with ``ptr`` and ``size()``."""
+
+    @property
+    def ptr(self) -> int:
+        return np.frombuffer(self, np.uint8).ctypes.data
+
+    def size(self) -> int:
+        return len(self)
+
+
+def _counted(name: str, result=None):
+    def call(*_, **__):
+        CALLS[name] += 1
+        return result
+    return call
+
+
+def standin_cupy() -> types.ModuleType:
+    """The parts of cupy the engine's one-token path and its set-up touch."""
+    cp = types.ModuleType("cupy")
+    cp.float32, cp.int32, cp.uint8, cp.uint16, cp.uint64 = np.float32, np.int32, np.uint8, np.uint16, np.uint64
+    cp.ndarray = _Dev
+    cp.empty = cp.zeros = lambda shape, dtype=np.float32, *a, **k: _Dev(shape, dtype)
+    cp.arange = lambda n, dtype=np.int32: _Dev(n, dtype)
+    kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=1))
+    cp.RawModule = lambda *a, **k: types.SimpleNamespace(get_function=lambda name: kernel)
+    rt = types.SimpleNamespace(memcpyHostToDevice=1, memcpyDeviceToHost=2, memcpyDeviceToDevice=3,
+                               CUDARuntimeError=RuntimeError)
+    for name in ("eventRecord", "streamWaitEvent", "memcpyAsync", "memcpy2DAsync", "hostRegister", "hostUnregister"):
+        setattr(rt, name, _counted(name))
+    rt.eventQuery, rt.getDeviceCount = _counted("eventQuery", 0), _counted("getDeviceCount", 1)
+    current = _Handle()
+    cp.cuda = types.SimpleNamespace(runtime=rt, driver=types.SimpleNamespace(launchKernel=_counted("launchKernel")),
+                                    Stream=_Handle, Event=_Handle, alloc_pinned_memory=_Pinned,
+                                    get_current_stream=lambda: current)
+    return cp
+
+
+def run(args) -> dict:
+    """Per policy: best-of-repeats host us per step and the calls per step (this process's tree)."""
+    os.environ["MOELAB_HANDOFF"] = "0"
+    sys.modules["cupy"] = standin_cupy()
+    from execute import quant as Q
+    from execute.engine import ExpertEngine
+    from execute.experts import random_layer
+    from execute.gpu_experts import GpuExperts
+    from scheduler import make_policy
+    from scheduler.core import Capacity, Geometry
+    from traces import synth
+
+    rng = np.random.default_rng(args.seed)
+    base = random_layer(rng, 0, args.experts, 256, 128, Q.Q8_0)
+    layers = [replace(base, layer=l) for l in range(args.layers)]
+    geo = Geometry((args.experts,) * args.layers, 8, (base.expert_bytes,) * args.layers)
+    trace = synth.generate(args.layers, args.experts, 8, args.tokens, synth.PRESETS["qwen3-30b-a3b"].params,
+                           np.random.default_rng(args.seed + 1))
+    tokens = list(trace.tokens())
+    wrng = np.random.default_rng(args.seed + 2)
+    weights = [wrng.dirichlet(np.ones(8), size=args.layers).astype(np.float32)[:, None, :] for _ in tokens]
+    out = {}
+    for name in args.policies.split(","):
+        cap = Capacity.per_layer(geo, args.experts if name == "gpu" else args.slots)
+        best = None
+        for _ in range(args.repeats):
+            r = {}
+            for timed in (False, True):  # the loop without the engine's calls, then with them
+                pol = make_policy(name, geo, cap)
+                gx = GpuExperts(layers, cap, scratch_slots=16, pinned=False)
+                gx._batch._fn, gx._batch._fail_idx = _counted("memcpyBatchAsync", 0), False
+                engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+                engine.load_residents(pol.cache.slot)
+                r[timed] = loop(pol, engine if timed else None, tokens, weights)
+                engine.close()
+            steps = r[True]["steps"]
+            r[True]["cpu_us"] = 1e6 * (r[True]["cpu_s"] - r[False]["cpu_s"]) / steps
+            if best is None or r[True]["cpu_us"] < best["cpu_us"]:
+                best = r[True]
+        out[name] = best
+    return out
+
+
+def loop(pol, engine, tokens, weights) -> dict:
+    """One pass of ``pol`` over ``tokens``, the engine's calls made when ``engine`` is given; the
+    thread's CPU time of the whole pass and the engine's counters per step."""
+    from scheduler.drive import EndToken, RunLayer, drive
+
+    x, state, digest = _Dev((1, 256)), {}, hashlib.sha256()
+
+    def forward(tok):
+        for step in tok.steps:
+            ids = np.array([step.experts], np.int64)
+            state["ids"], state["w"] = ids, weights[tok.index][step.layer]
+            if engine is not None:
+                engine.begin_layer(step.layer, x, ids)
+            yield step
+
+    steps = ups = hits = 0
+    CALLS.clear()
+    t0 = time.thread_time()
+    for item in drive(pol, (replace(t, steps=forward(t)) for t in tokens)):
+        if isinstance(item, RunLayer):
+            if engine is not None:
+                engine.run_layer(item, x, state["ids"], state["w"])
+            d = item.decision
+            steps, ups, hits = steps + 1, ups + len(d.uploads), hits + len(d.hits)
+            digest.update(repr(tuple(d)[1:]).encode())
+        elif not isinstance(item, EndToken):
+            raise SystemExit(f"background moves are not timed here ({type(item).__name__})")
+    cpu_s = time.thread_time() - t0
+    r = {"steps": steps, "cpu_s": cpu_s, "uploads": ups / steps, "hits": hits / steps,
+         "digest": digest.hexdigest()[:16], "calls": {k: v / steps for k, v in sorted(CALLS.items())}}
+    if engine is not None:
+        s = engine.stats
+        r.update({k: 1e6 * v / steps for k, v in
+                  (("early_us", s.host_early_s), ("plan_us", s.host_plan_s), ("queue_us", s.host_queue_s))})
+    return r
+
+
+def compare_base(args) -> dict:
+    """``run`` under REV's packages and this tree's, in child processes, alternated."""
+    repo = Path(__file__).resolve().parents[1]
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        arc = subprocess.run(["git", "archive", args.base, "execute", "scheduler", "traces"], cwd=repo, capture_output=True)
+        if arc.returncode:
+            sys.exit(f"--base: git archive {args.base!r} failed: {arc.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", tmp], input=arc.stdout, check=True)
+        cmd = [sys.executable, __file__, "--json", "--policies", args.policies] + [
+            f"--{k}={getattr(args, k)}" for k in ("repeats", "tokens", "layers", "experts", "slots", "seed")]
+        for _ in range(args.rounds):
+            for tree, path in (("base", tmp), ("this", str(repo))):
+                env = dict(os.environ, PYTHONPATH=path)
+                got = json.loads(subprocess.run(cmd, env=env, capture_output=True, check=True, text=True).stdout)
+                for name, r in got.items():
+                    if (tree, name) not in res or r["cpu_us"] < res[tree, name]["cpu_us"]:
+                        res[tree, name] = r
+    return {f"{tree}:{name}": r for (tree, name), r in res.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policies", default="lru,gpu")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=32, help="cache slots per layer (gpu: every expert)")
+    ap.add_argument("--tokens", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="--base: processes per tree, alternated")
+    ap.add_argument("--base", help="git revision whose engine to time beside this tree's")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.tokens < 1 or args.repeats < 1 or args.rounds < 1 or args.layers < 1 or not 8 <= args.slots <= args.experts:
+        ap.error("--tokens, --repeats, --rounds and --layers must be >= 1, --slots in 8..--experts")
+    if not set(args.policies.split(",")) <= {"lru", "gpu"}:
+        ap.error(f"--policies: lru and gpu only (no CPU work over the stand-in), got {args.policies!r}")
+    res = compare_base(args) if args.base else run(args)
+    if args.json:
+        print(json.dumps(res))
+        return
+    print(f"host us per layer step over a stand-in cupy ({args.layers} layers x {args.experts} experts, top-8, "
+          f"{args.slots} slots, {args.tokens} tokens), best of {args.repeats}")
+    print(f"  {'run':<14} {'early':>6} {'plan':>6} {'queue':>6} {'sum':>6} {'cpu':>6}  up/step  digest            "
+          f"runtime calls per step")
+    for key, r in res.items():
+        s, detail = r["early_us"] + r["plan_us"] + r["queue_us"], ", ".join(f"{k} {v:.2f}" for k, v in r["calls"].items())
+        print(f"  {key:<14} {r['early_us']:>6.2f} {r['plan_us']:>6.2f} {r['queue_us']:>6.2f} {s:>6.2f} {r['cpu_us']:>6.2f}  "
+              f"{r['uploads']:>7.2f}  {r['digest']}  {sum(r['calls'].values()):.2f}: {detail}")
+
+
+if __name__ == "__main__":
+    main()
