@@ -41,7 +41,7 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_VARIANTS", "Experts", "kernel", "kernel_info", "matmul",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBE", "ONE_VARIANTS", "Experts", "kernel", "kernel_info", "matmul",
            "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
@@ -49,7 +49,8 @@ FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the 
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 BATCH_VARIANTS = ("_u",)  # qmoe_gate_up / qmoe_down with a tile's chunks unrolled (gpu_quant_mma.cu)
 ONE_VARIANTS = ("_r",)  # qmoe1_gate_up / qmoe1_down_combine with rows copied to shared memory, a lane per row
-ONE_DOWN_ROWS = {"_r": 4}  # down rows per block by one-token variant (else 2, as gpu_experts launches them)
+ONE_PROBE = "_p"  # the _r kernels with their dots left out: timing probes, their outputs meaningless
+ONE_DOWN_ROWS = {"_r": 4, ONE_PROBE: 4}  # down rows per block by one-token variant (else 2, as gpu_experts launches them)
 
 
 def tables() -> dict[str, np.ndarray]:
@@ -142,9 +143,9 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
 class Experts:
     """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
     2 rows per block; one-token down: 2 rows per block, a warp per expert), for benchmarks and tests
-    (``variant``: one of ``BATCH_VARIANTS``, the other batched kernels, or of
-    ``ONE_VARIANTS``, the other one-token kernels; ``defines``: the module's ``-D`` flags;
-    ``down_rows``: the one-token down launch's rows per block, else ``ONE_DOWN_ROWS`` or 2).
+    (``variant``: one of ``BATCH_VARIANTS``, the other batched kernels, of ``ONE_VARIANTS``, the
+    other one-token kernels, or ``ONE_PROBE``, a timing probe; ``defines``: the module's ``-D``
+    flags; ``down_rows``: the one-token down launch's rows per block, else ``ONE_DOWN_ROWS`` or 2).
 
     ``w``: device uint8 ``(E, expert_bytes)``, each expert gate | up | down (no biases; types
     ``qtypes``, ``ffn`` x ``hidden`` / ``hidden`` x ``ffn`` rows of ``quant.row_bytes``). With
@@ -180,7 +181,7 @@ class Experts:
             self._ex[256:256 + 4 * num_e] = np.asarray(weights, np.float32).view(np.uint8)
             self._ex[384:384 + 4 * num_e] = np.arange(num_e, dtype=np.int32).view(np.uint8)
             self.h, self.out = cp.empty((num_e, ffn), cp.float32), cp.empty((1, hidden), cp.float32)
-            if variant and variant not in ONE_VARIANTS:
+            if variant and variant not in (*ONE_VARIANTS, ONE_PROBE):
                 raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, expected one of {ONE_VARIANTS}")
             k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex)
             k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex)

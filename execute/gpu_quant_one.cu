@@ -166,7 +166,8 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(const Expe
 // cp.async words, coalesced), then a lane dots one row over every 8th (4th) chunk: the lanes of a
 // warp read one or two input chunks at a time (broadcasts) and rows whose slots lie an odd number
 // of 16-byte words apart (bank quads apart). The slices' sums are reduced by shuffles (and, for gate
-// and up, through shared memory in warp order): deterministic.
+// and up, through shared memory in warp order): deterministic. Their _p twins (probes, not results)
+// run the same copies, staging and reductions with the dots left out (probe_row).
 #define R1_BYTES 24576  // gate/up: a block's weight tiles (8 rows of gate, 8 of up)
 #define D1R_BYTES 32768  // down: the weight tiles of a block's warps, split between them
 
@@ -200,9 +201,22 @@ template <int QT> __device__ __forceinline__ float gate_up_r(const uint8_t* s, i
 // grid (ceil(ffn / (WARPS * rows_per_warp)), pairs picked), block 32 * WARPS: the block's rows in
 // groups of 8 (gate rows 0-7 and up rows 8-15 of a group); thread (row m = lane % 16, slice s = 2
 // warp + lane / 16) dots row m over chunks s, s + 8, ..; columns in tiles whose 16 rows fit R1_BYTES.
-extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_r(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
-                                         int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
-                                         long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
+#define GATE_UP1_ARGS const Experts1 ex, const float* __restrict__ x, float* __restrict__ h, int ffn, int hidden, \
+    int rows_per_warp, long long off_g, int qt_g, long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias
+#define DOWN1_ARGS const Experts1 ex, const float* __restrict__ h, float* __restrict__ out, int k, int ffn, int hidden, \
+    int rows_per_block, long long off_d, int qt_d, long long rb_d, int bias
+
+// a probe's stand-in for a tile's dots (qmoe1_*_p): this thread reads every cs-th 16-byte word of
+// its row's nbytes in shared memory from word c0 (no decode, no input): what is left of a kernel
+// without its arithmetic (copies, input staging, barriers, reductions)
+__device__ __forceinline__ float probe_row(const uint8_t* s, int nbytes, int c0, int cs) {
+    const uint4* w = reinterpret_cast<const uint4*>((u64)s & ~15ull);
+    uint32_t v = 0;
+    for (int i = c0; i < nbytes / 16; i += cs) v ^= w[i].x ^ w[i].y ^ w[i].z ^ w[i].w;
+    return (float)(v & 1u);
+}
+
+template <bool PROBE> __device__ __forceinline__ void gate_up1_r(GATE_UP1_ARGS) {
     __shared__ __align__(16) uint4 wbuf[R1_BYTES / 16];
     __shared__ __align__(16) uint4 xbuf[X1_WORDS];
     __shared__ float part[WARPS][16];
@@ -240,7 +254,11 @@ extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_r(const Exper
             __syncthreads();
             if ((m & 7) < ng) {
                 float v = 0.f;
-                DISPATCH_R(v, qt, gate_up_r, mine, s, 8, n / 32, xbuf)
+                if (PROBE) {
+                    v = probe_row(mine, (n / g_block[qt][0]) * g_block[qt][1], s, 8);
+                } else {
+                    DISPATCH_R(v, qt, gate_up_r, mine, s, 8, n / 32, xbuf)
+                }
                 acc += v;
             }
         }
@@ -259,6 +277,12 @@ extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_r(const Exper
         }
     }
 }
+extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_r(GATE_UP1_ARGS) {
+    gate_up1_r<false>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
+}
+extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_p(GATE_UP1_ARGS) {
+    gate_up1_r<true>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
+}
 
 // this thread's down row (its tile at s) . float32 h over chunks c0, c0 + cs, .. < nch
 template <int QT> __device__ __forceinline__ float down_r(const uint8_t* s, int c0, int cs, int nch, const float* hx) {
@@ -276,9 +300,7 @@ template <int QT> __device__ __forceinline__ float down_r(const uint8_t* s, int 
 // grid ceil(hidden / rows_per_block), block 32 * k (rows_per_block <= 32): warp j (expert j) takes
 // its rows in groups of G (the most, a power of 2 <= 8, whose slots fit its D1R_BYTES / k); lane
 // (row lane % G, slice lane / G) dots its row over every (32 / G)-th chunk.
-extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_r(const Experts1 ex, const float* __restrict__ h, float* __restrict__ out,
-                                              int k, int ffn, int hidden, int rows_per_block, long long off_d,
-                                              int qt_d, long long rb_d, int bias) {
+template <bool PROBE> __device__ __forceinline__ void down1_r(DOWN1_ARGS) {
     __shared__ __align__(16) uint4 wbuf[D1R_BYTES / 16];
     __shared__ float ys[MAXK][32];
     int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
@@ -305,7 +327,11 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_r(const Ex
             __syncwarp();
             if (ri < ng) {
                 float v = 0.f;
-                DISPATCH_R(v, qt_d, down_r, mine, lane / G, cs, n / 32, hj + k0)
+                if (PROBE) {
+                    v = probe_row(mine, (n / bw) * bb, lane / G, cs);
+                } else {
+                    DISPATCH_R(v, qt_d, down_r, mine, lane / G, cs, n / 32, hj + k0)
+                }
                 a += v;
             }
         }
@@ -313,4 +339,10 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_r(const Ex
         if (lane < ng) ys[j][i0 + lane] = bias ? a + bd[r0 + i0 + lane] : a;
     }
     down1_combine(ex, ys, k, rows, out + r0);
+}
+extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_r(DOWN1_ARGS) {
+    down1_r<false>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
+}
+extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_p(DOWN1_ARGS) {
+    down1_r<true>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
 }
