@@ -147,3 +147,38 @@ def test_driver_calls_of_a_one_token_step(fake_cupy, rng):
     finally:
         engine.close()
         gx.close()
+
+
+def test_begin_layer_starts_the_resident_experts_at_their_slot_addresses(fake_cupy, rng):
+    """The engine's own early record (``begin_layer``, read from the residency's table): each
+    resident routed expert at its slot's address, in routed order, the others left for run_layer;
+    nothing started for an id outside the table, a negative id or no resident expert."""
+    import dataclasses
+
+    from execute import quant as Q
+    from execute.engine import ExpertEngine
+    from execute.experts import random_layer
+    from scheduler.core import Capacity, Geometry
+
+    from .test_gpu_experts_host import _Dev
+
+    cp, G = fake_cupy
+    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
+    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
+    cap = Capacity.per_layer(Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers)), 4)
+    gx = G.GpuExperts(layers, cap, scratch_slots=2)
+    engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+    try:
+        engine.load_residents({(1, 3): 2, (1, 5): 0, (0, 6): 1})
+        ptr, stride, _ = gx.slot_tables[1]
+        x = _Dev((1, 256))
+        engine.begin_layer(1, x, np.array([[6, 5, 3]]))
+        e = engine._early
+        assert (e.layer, e.ids, e.pick, e.got, e.rest) == (1, [6, 5, 3], [1, 2], (5, 3), [0])
+        assert e.bases == [0, ptr, ptr + 2 * stride] and e.x is x
+        for ids in ([[6, 7]], [[5, 8]], [[-1, 5]]):  # none resident; 8 past the table; a negative id
+            engine.begin_layer(1, x, np.array(ids))
+            assert engine._early is None
+    finally:
+        engine.close()
+        gx.close()
