@@ -29,9 +29,10 @@ __all__ = ["CpuExpertPool", "CpuJob"]
 # The pool's thread team. ctrl (int64) holds the team's counters, each on its own cache line
 # (a GPU hand-off places ctrl in host-mapped memory: the GPU writes _C_GATE and reads _C_DONE
 # and _C_BROKEN, see execute.handoff):
-# (_C_FIN: workers out of calls so far; _C_HOLD: nonzero holds the next call, for tests; _C_SPARE*:
-# unused, the layout is shared with the GPU hand-off's kernels)
-(_C_GEN, _C_DONE, _C_FIN, _C_SPARE0, _C_SLEEP, _C_WAIT, _C_HOLD, _C_SPARE1, _C_BROKEN,
+# (_C_FIN: workers out of calls so far; _C_HOLD: nonzero holds the next call, for tests; _C_SLEEP:
+# workers asleep on _C_GEN; with a lead (see _team_worker) worker 0 sleeps on _C_LEAD instead,
+# counted in _C_LSLEEP)
+(_C_GEN, _C_DONE, _C_FIN, _C_LEAD, _C_SLEEP, _C_WAIT, _C_HOLD, _C_LSLEEP, _C_BROKEN,
  _C_GATE) = (8 * k for k in range(10))
 CTRL_WORDS = _CTRL = 8 * 10
 # pool-only job fields after the kernels' (cpu_experts.JOB_FIELDS): the gate value a gated call
@@ -138,13 +139,19 @@ def _take_part(ctrl, job, seq, spin_ns, deadline):
 
 
 @njit(nogil=True, cache=True)
-def _team_worker(ctrl, ring, t, team, spin_ns):
+def _team_worker(ctrl, ring, t, team, spin_ns, lead):
     """Worker t of ``team`` worker threads: takes part in every published call (slots of ``ring``
     in order), spinning up to spin_ns for the next one, then sleeping on a futex; counts itself out
     of each call in ctrl[_C_FIN] and in its own row of ``ring`` past the job slots,
     ring[_RING + t, 0] (a ring slot is reused only once every worker has left it: a worker
-    descheduled inside a finished call may be far behind the others)."""
+    descheduled inside a finished call may be far behind the others).
+
+    ``lead`` (worker 0 of a team of several): worker 0 sleeps on its own word, _C_LEAD, and on
+    seeing a call wakes the workers asleep on _C_GEN; the submitter then wakes one thread, not the
+    team (a futex wake of every sleeper costs the submitting thread about a microsecond or more per
+    thread woken, while the team's wake-up overlaps the call's gate and the lead's share)."""
     seq = 0
+    is_lead = lead and t == 0
     while True:
         t0 = now_ns()
         spins = 0
@@ -153,10 +160,19 @@ def _team_worker(ctrl, ring, t, team, spin_ns):
             if spins & 63 or now_ns() - t0 < spin_ns:
                 pause()
                 continue
-            atomic_add(ctrl, _C_SLEEP, 1)
-            if atomic_load(ctrl, _C_GEN) == seq:
-                futex_wait(ctrl, _C_GEN, seq, 100_000_000)
-            atomic_add(ctrl, _C_SLEEP, -1)
+            if is_lead:
+                atomic_add(ctrl, _C_LSLEEP, 1)
+                v = atomic_load(ctrl, _C_LEAD)
+                if atomic_load(ctrl, _C_GEN) == seq:
+                    futex_wait(ctrl, _C_LEAD, v, 100_000_000)
+                atomic_add(ctrl, _C_LSLEEP, -1)
+            else:
+                atomic_add(ctrl, _C_SLEEP, 1)
+                if atomic_load(ctrl, _C_GEN) == seq:
+                    futex_wait(ctrl, _C_GEN, seq, 100_000_000)
+                atomic_add(ctrl, _C_SLEEP, -1)
+        if is_lead and atomic_load(ctrl, _C_SLEEP):
+            futex_wake(ctrl, _C_GEN)
         if atomic_load(ctrl, _C_GEN) == _STOP:
             return
         seq += 1
@@ -205,26 +221,43 @@ def _wait_gate(ctrl, job, spin_ns, deadline):
 
 @njit(nogil=True, cache=True)
 def _publish(ctrl, seq):
-    """Make call ``seq`` (or _STOP) visible to the team and wake sleeping workers."""
+    """Make call ``seq`` (or _STOP) visible to the team and wake sleeping workers: a sleeping lead
+    (which wakes the rest, see _team_worker), else those asleep on _C_GEN (a team without a lead,
+    or _STOP)."""
     atomic_store(ctrl, _C_GEN, seq)
+    if atomic_load(ctrl, _C_LSLEEP):
+        atomic_add(ctrl, _C_LEAD, 1)
+        futex_wake(ctrl, _C_LEAD)
+        if seq != _STOP:
+            return
     if atomic_load(ctrl, _C_SLEEP):
         futex_wake(ctrl, _C_GEN)
 
 
 @njit(nogil=True, cache=True)
-def _launch(ctrl, job, seq, e, x, y, num_experts, fixed, scratch, gate, hands):
-    """Fill ``job`` (see cpu_experts._fill) and publish it as call ``seq`` for ``hands`` hands
-    (see _phase_chunks), gated on ctrl[_C_GATE] >= ``gate`` (0: not gated); False, with nothing
-    written or published, when an expert id is out of range."""
+def _launch(ctrl, ring, seq, e, x, y, num_experts, fixed, scratch, gate, hands, workers, spin_ns, timeout_ns):
+    """Wait until call ``seq``'s ring slot is free (the call ``_RING`` before it done and left by
+    every worker), fill the slot (see cpu_experts._fill) and publish it as call ``seq`` for
+    ``hands`` hands (see _phase_chunks), gated on ctrl[_C_GATE] >= ``gate`` (0: not gated).
+    Returns 0, or with nothing written or published: 1 when an expert id is out of range, 2 when
+    the queue did not drain and 3 when the team did not leave the old call within timeout_ns (waits:
+spinning up to spin_ns, see _wait_done)."""
+    old = seq - _RING
+    if old > 0:
+        if atomic_load(ctrl, _C_DONE) < old and not _wait_done(ctrl, old, spin_ns, timeout_ns):
+            return 2
+        if not _wait_left(ring, old, workers, timeout_ns):
+            return 3
+    job = ring[seq % _RING]
     if not _fill(job, e, x, y, num_experts, fixed, scratch):
-        return False
+        return 1
     job[J_GATE] = gate
     job[J_GSEEN] = 0
     job[J_TG] = 0
     job[J_HANDS] = hands
     job[J_CLAIM:_RING_FIELDS] = 0
     _publish(ctrl, seq)
-    return True
+    return 0
 
 
 @njit(nogil=True, cache=True)
@@ -261,12 +294,12 @@ def _wait_left(ring, seq, workers, timeout_ns):
     return True
 
 
-def _guarded_worker(ctrl, ring, t, team, spin_ns, pool_ref) -> None:
+def _guarded_worker(ctrl, ring, t, team, spin_ns, lead, pool_ref) -> None:
     """``_team_worker``; an exception in it is kept in the pool's ``_dead``, which ends a
     ``result()`` wait within ``_DEAD_CHECK_S`` instead of the timeout. ``pool_ref`` is a weak
     reference: the team must not keep its pool alive."""
     try:
-        _team_worker(ctrl, ring, t, team, spin_ns)
+        _team_worker(ctrl, ring, t, team, spin_ns, lead)
     except BaseException as exc:
         pool = pool_ref()
         if pool is not None:
@@ -373,14 +406,19 @@ class CpuExpertPool:
     (``_default_spin_us``): a decode step's GPU part between two CPU layers is longer than 100 us,
     and a team woken from its futex costs the layer a wake-up of every worker, while a team on
     every core that spins long takes the cores of whatever else runs between two calls.
+    ``wake``: "lead" (default): a submit wakes at most one sleeping worker, which wakes the others
+    (see ``_team_worker``); "all": the submit wakes every sleeping worker itself.
     A call the caller never collects still runs (the workers need no one else). Inputs and outputs
     are read and written in place (``out=`` e.g. page-locked memory): no copies. Calls are
     submitted from one thread at a time (the engine's); results may be collected in any order.
     """
 
     def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float | None = None,
-                 ctrl: np.ndarray | None = None):
+                 ctrl: np.ndarray | None = None, wake: str = "lead"):
         cores = os.cpu_count() or 1
+        if wake not in ("lead", "all"):
+            raise ValueError(f"CpuExpertPool wake: {wake!r}, expected 'lead' or 'all'")
+        self.wake = wake
         # the caller takes a share of the work in result(): a team that would take every core
         # leaves it one (threads - 1 workers), and a team of fewer gets one more hand
         self.workers = int(threads) - 1 if 1 < threads >= cores else int(threads)
@@ -393,6 +431,7 @@ class CpuExpertPool:
         if not 0 <= spin_us <= 1e6:
             raise ValueError(f"CpuExpertPool spin_us: {spin_us}, expected 0..1e6")
         self.threads = int(threads)
+        self.lead = wake == "lead" and self.workers > 1
         self.timeout_s = float(timeout_s)
         self._spin_ns = int(spin_us * 1e3)
         # result() spins longer when the caller has a core of its own: a futex wake-up would be on
@@ -446,7 +485,7 @@ class CpuExpertPool:
         # Numba cache it compiles every kernel type (over a minute on a loaded 2-core host), time a
         # result() timeout would otherwise count against the first call (a cache hit loads it)
         _team_worker.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self.workers,
-                                                                self._spin_ns)))
+                                                                self._spin_ns, True)))
         _help.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self._spin_ns, 0)))
         # and what stopping the team calls from Python: a pool dropped without close() is stopped by
         # a finalizer, which may run inside an import (the garbage collector's moment), where a
@@ -456,7 +495,8 @@ class CpuExpertPool:
         _wait_done.compile((ctrl, i64, i64, i64))
         for t in range(self.workers):
             w = threading.Thread(target=_guarded_worker, name=f"moelab-cpu-experts-{t}", daemon=True,
-                                 args=(self._ctrl, self._ring, t, self.workers, self._spin_ns, weakref.ref(self)))
+                                 args=(self._ctrl, self._ring, t, self.workers, self._spin_ns, self.lead,
+                                       weakref.ref(self)))
             w.start()
             self._workers.append(w)
 
@@ -483,23 +523,26 @@ class CpuExpertPool:
         if not self._workers:
             self._start()
         seq = self._seq + 1
-        if seq - int(self._ctrl[_C_DONE]) > _RING and not _wait_done(self._ctrl, seq - _RING, self._spin_ns,
-                                                                      int(self.timeout_s * 1e9)):
-            self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
-        if seq > _RING and not _wait_left(self._ring, seq - _RING, self.workers, int(self.timeout_s * 1e9)):
-            self._break(f"layer {layer.layer}: the CPU expert team did not leave call {seq - _RING} within "
-                        f"{self.timeout_s} s")
-        tracked = self._tracked  # calls finish in order: stamp the done ones from the oldest on
-        while tracked and tracked[0].poll():
-            tracked.popleft()
+        tracked = self._tracked  # the stamps of the tracked call whose ring slot this one takes, read first
+        while tracked and tracked[0]._seq <= seq - _RING:
+            if not tracked[0].poll() and not _wait_done(self._ctrl, tracked[0]._seq, self._spin_ns,
+                                                         int(self.timeout_s * 1e9)):
+                self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
+            tracked.popleft().poll()
         arrays, scratch = self._scratch.fields(len(e), layer.hidden, layer.ffn)
         try:
-            launched = _launch(self._ctrl, self._ring[seq % _RING], seq, e, x, y, layer.num_experts, fixed, scratch,
-                               seq if gated else 0, self.workers + 1)
+            status = _launch(self._ctrl, self._ring, seq, e, x, y, layer.num_experts, fixed, scratch,
+                             seq if gated else 0, self.workers + 1, self.workers, self._spin_ns,
+                             int(self.timeout_s * 1e9))
         except Exception as exc:  # reported by result(), like a bad argument
             job._error = exc
             return self._failed(job, gated)
-        if not launched:
+        if status == 2:
+            self._break(f"layer {layer.layer}: the CPU expert queue did not drain within {self.timeout_s} s")
+        if status == 3:
+            self._break(f"layer {layer.layer}: the CPU expert team did not leave call {seq - _RING} within "
+                        f"{self.timeout_s} s")
+        if status:
             job._error = _bad_experts(layer)
             return self._failed(job, gated)
         done, inflight = int(self._ctrl[_C_DONE]), self._inflight
@@ -509,7 +552,7 @@ class CpuExpertPool:
         job._seq, job._out, job.gated = seq, y, gated
         self._seq = seq
         if track:
-            self._tracked.append(job)
+            tracked.append(job)
         return job
 
     @staticmethod
@@ -542,3 +585,42 @@ class CpuExpertPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def bench_submit(threads: int, rows: int, hidden: int, ffn: int, calls: int, gap_us: float, spin_us: float | None,
+                 wakes: Sequence[str] = ("lead", "all"), seed: int = 0) -> dict:
+    """The host's cost of ``CpuExpertPool.submit`` for gated calls, per ``wake`` setting side by side
+    (the pools take turns, ``calls`` // 8 calls at a time): each call is submitted gated, then the
+    caller opens its gate and waits for it, standing in for the GPU; then it works ``gap_us`` in
+    Python (the team falls asleep when that is longer than ``spin_us``).
+    Returns per setting the submit times (seconds) and the gaps' measured lengths."""
+    rng = np.random.default_rng(seed)
+    from .experts import random_layer
+
+    layer = random_layer(rng, 0, 8, hidden, ffn, 8)  # Q8_0
+    x, experts = rng.standard_normal((rows, hidden)).astype(np.float32), [int(e) for e in rng.integers(0, 8, rows)]
+    pools = {w: CpuExpertPool(threads, 20.0, spin_us=spin_us, wake=w) for w in wakes}
+    out = {w: {"submit_s": [], "gap_s": []} for w in wakes}
+    try:
+        for pool in pools.values():
+            pool.warmup(layer)
+        for _ in range(8):
+            for w, pool in pools.items():
+                xin, yout, ctrl = x.copy(), np.zeros((rows, hidden), np.float32), pool.ctrl
+                for _ in range(max(calls // 8, 1)):
+                    t0 = time.perf_counter()
+                    job = pool.submit(layer, experts, xin, out=yout, gated=True)
+                    t1 = time.perf_counter()
+                    ctrl[_C_GATE] = job._seq  # the GPU's part: the gate, then a wait for the done word
+                    if not _wait_done(ctrl, job._seq, pool._spin_ns, int(pool.timeout_s * 1e9)):
+                        raise ExecutorError("bench_submit: a call did not finish")
+                    g0 = time.perf_counter()
+                    while time.perf_counter() - g0 < gap_us * 1e-6:
+                        pass
+                    out[w]["submit_s"].append(t1 - t0)
+                    out[w]["gap_s"].append(time.perf_counter() - g0)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return out
+

@@ -243,6 +243,7 @@ class HybridPolicy(BasePolicy):
                     order[e] = None
         if self.share is not None:
             self.share.observe(layer, len(d.hits), len(d.step.experts))
+            self.share.count(d)
         if self.rounding == "carry":
             n_miss = len(d.uploads) + len(d.streams) + len(d.cpu)
             self._carry[layer] = (n_miss * self.miss_frac_256 + self._carry[layer]) & 255
@@ -282,8 +283,9 @@ class HybridPolicy(BasePolicy):
                 and (self.swap_while_filling or not any(self.cache.free)))
 
     def fill_cap(self) -> int:
-        """Fills this token's ``plan_background`` may plan at most (``max_fills``)."""
-        return self.max_fills
+        """Fills this token's ``plan_background`` may plan at most: ``max_fills``; with a cost
+        model, at most what the link could have carried in the token's idle time (``CostShare.fill_cap``)."""
+        return self.max_fills if self.share is None else self.share.fill_cap(self.max_fills)
 
     def plan_background(self) -> tuple[Move, ...]:
         cache = self.cache
@@ -393,6 +395,8 @@ class HybridPolicy(BasePolicy):
         if self.admit_uploads and (self.tokens + 1) % (self.swap_every or 4) == 0:
             self._rank_all_residents()
         self.missed.clear()
+        if self.share is not None:
+            self.share.end_token()
         self._room = any(self.cache.free)  # hybrid frees no slot during a token
         self.tokens += 1
 
@@ -455,6 +459,11 @@ class CostShare:
     it takes, no miss goes to the CPU (in flight ones excepted). Decode steps (no token counts)
     are looked up by (hits, misses, in flight, ``r``) once computed. Deterministic given the cost
     model and the decisions: a simulator and an executor replaying one trace decide alike.
+
+    Fills (``fill_cap``): after a token, at most as many as the link could have carried in the
+    token's idle time (its steps' predicted times and dense parts, less their demand copies), and
+    none after a step of several tokens (a prompt chunk: a burst of fills there delays the first
+    decode tokens), as ``hybrid-cost`` caps them.
     """
 
     def __init__(self, cost_model: CostModel, num_layers: int):
@@ -467,6 +476,13 @@ class CostShare:
         self._memo = [memos.setdefault(cost_model.decode_key(l), {}) for l in range(num_layers)]  # equal costs: shared
         self._avg = [0] * num_layers  # per layer, the hit share's moving average, in 1/2**16
         self.reuse = [0] * num_layers  # the same in 1/REUSE_SCALE (rounded down): the lookup key
+        self._layer_s = cost_model.layer_s or (0.0,) * num_layers
+        self._hits_memo: list[dict] = [{} for _ in range(num_layers)]  # one-token all-hit steps: n -> time
+        self._last = None  # (step, predicted seconds) of the last split chosen
+        moe = [l for l in range(num_layers) if cost_model.upload_s[l] > 0]
+        self._up_mean = sum(cost_model.upload_s[l] for l in moe) / max(len(moe), 1)
+        self._tok_s = self._tok_link_s = 0.0  # this token so far: predicted time, demand copies' link time
+        self._tok_batch = False  # a step of this token ran several tokens
 
     def observe(self, layer: int, n_hits: int, n_experts: int) -> None:
         """Fold a committed step's hit share into the layer's moving average over about
@@ -476,6 +492,37 @@ class CostShare:
         self._avg[layer] = a
         self.reuse[layer] = a * REUSE_SCALE >> 16
 
+    def count(self, d: Decision) -> None:
+        """Add committed decision ``d``'s predicted time and demand copies to its token's sums."""
+        step = d.step
+        layer = step.layer
+        if step.counts is not None:
+            self._tok_batch = True
+            return
+        if self._last is not None and self._last[0] is step:
+            t = self._last[1]
+        else:  # every routed expert a hit (else a split was chosen for the step)
+            n = len(d.hits)
+            memo = self._hits_memo[layer]
+            t = memo.get(n)
+            if t is None:
+                g = self._one[layer][0]
+                t = memo[n] = self.costs.step_s(layer, n * g, n, 0.0, 0, 0.0)[0]
+        self._tok_s += self._layer_s[layer] + t
+        self._tok_link_s += (len(d.uploads) + len(d.streams)) * self.costs.upload_s[layer]
+
+    def fill_cap(self, max_fills: int) -> int:
+        """Fills the token just ended may plan at most (see the class docstring)."""
+        if self._tok_batch:
+            return 0
+        if self._up_mean <= 0:
+            return max_fills
+        return min(max_fills, max(int((self._tok_s - self._tok_link_s) / self._up_mean), 0))
+
+    def end_token(self) -> None:
+        self._tok_s = self._tok_link_s = 0.0
+        self._tok_batch = False
+
     def uploads(self, step: Step, hits, eligible: list[int], n_busy: int, usage) -> int:
         """PCIe misses among ``eligible`` (the step's misses not in flight) for ``step`` with
         ``hits`` resident and ``n_busy`` misses in flight; ``usage``: the layer's decayed usage
@@ -484,23 +531,24 @@ class CostShare:
         if step.counts is None:
             key = (len(hits), m, n_busy, self.reuse[layer])
             memo = self._memo[layer]
-            k = memo.get(key)
-            if k is None:
+            got = memo.get(key)
+            if got is None:
                 g, c, _ = self._one[layer]
-                k = memo[key] = self.best(layer, len(hits) * g, len(hits), [g] * m, [c] * m, n_busy, n_busy * c)
-            return k
+                got = memo[key] = self.best(layer, len(hits) * g, len(hits), [g] * m, [c] * m, n_busy, n_busy * c)
+            self._last = (step, got[1])
+            return got[0]
         cm, cnt = self.costs, dict(zip(step.experts, step.counts))
         ranked = sorted(eligible, key=lambda e: (-cnt[e], -usage[e]))
         busy = [e for e in step.experts if e not in hits and e not in eligible]
         return self.best(layer, sum([cm.gpu_s(layer, cnt[e]) for e in hits]), len(hits),
                          [cm.gpu_s(layer, cnt[e]) for e in ranked], [cm.cpu_s(layer, cnt[e]) for e in ranked],
-                         n_busy, sum([cm.cpu_s(layer, cnt[e]) for e in busy]), one_token=False)
+                         n_busy, sum([cm.cpu_s(layer, cnt[e]) for e in busy]), one_token=False)[0]
 
     def best(self, layer: int, hits_s: float, n_hits: int, gpu: list[float], cpu: list[float], n_busy: int,
-             busy_s: float, one_token: bool = True) -> int:
+             busy_s: float, one_token: bool = True) -> tuple[int, float]:
         """The ``k`` minimising the layer's time (``CostModel.step_s``; ``hits_s``: the
         ``n_hits`` hits' GPU seconds; ``gpu``/``cpu``: each ranked miss's) + the CPU misses'
-        reuse charge (see the class docstring); ties: the larger."""
+        reuse charge (see the class docstring), ties: the larger; and that ``k``'s time (no charge)."""
         m = len(gpu)
         cm = self.costs
         g, c, up = self._one[layer]
@@ -508,12 +556,13 @@ class CostShare:
         rest = [0.0] * (m + 1)  # rest[k]: CPU time of misses k.. (suffix sums, exact per k)
         for i in range(m - 1, -1, -1):
             rest[i] = rest[i + 1] + cpu[i]
-        best_k, best_t, up_gpu = 0, float("inf"), 0.0
+        best_k, best_t, best_s, up_gpu = 0, float("inf"), 0.0, 0.0
         for k in range(m + 1):
             pool = cm.pool_s(busy_s + rest[k], m - k + n_busy)
-            t = cm.step_s(layer, hits_s, n_hits, up_gpu, k, pool, 0.0, one_token)[0] + (m - k) * charge
+            s = cm.step_s(layer, hits_s, n_hits, up_gpu, k, pool, 0.0, one_token)[0]
+            t = s + (m - k) * charge
             if t <= best_t:
-                best_k, best_t = k, t
+                best_k, best_t, best_s = k, t, s
             if k < m:
                 up_gpu += gpu[k]
-        return best_k
+        return best_k, best_s

@@ -44,8 +44,9 @@ def test_split_is_the_least_time_by_brute_force(n_hits, gpu, n_busy, up, task, d
     busy_s = 0.3 * n_busy
     times = reference_times(hits_s, n_hits, gpu, cpu, n_busy, busy_s, up, task, delay, copy, comb, batch)
     want = max(k for k, t in enumerate(times) if t == min(times))  # least time; ties: more uploads
-    k = share.best(0, hits_s, n_hits, gpu, cpu, n_busy, busy_s)
+    k, t = share.best(0, hits_s, n_hits, gpu, cpu, n_busy, busy_s)
     assert k == want or times[k] == pytest.approx(times[want], rel=1e-12)  # equal up to rounding
+    assert t == pytest.approx(times[k], rel=1e-12)  # the split's own time (no reuse charge yet)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
