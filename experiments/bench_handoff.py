@@ -17,6 +17,13 @@ printed; an edge is off by at most half of it, in opposite directions for in and
 sum is exact). Prints medians and 90th percentiles in microseconds and writes JSON beside.
 
     python experiments/bench_handoff.py [--threads 15] [--rows 8] [--calls 400] [--busy-us 200] [--ahead 0] [--out DIR]
+
+``--submit`` (no GPU) times the host's ``CpuExpertPool.submit`` of a gated call instead, per wake
+setting side by side (``execute.cpu_pool.bench_submit``: the caller opens the gate), with the team
+hot (``--gap-us`` of host work between calls, shorter than the pool's spin) and asleep (a gap
+longer than ``--spin-us``):
+
+    python experiments/bench_handoff.py --submit [--threads 15] [--gap-us 50,3000] [--spin-us 2000]
 """
 from __future__ import annotations
 
@@ -37,8 +44,13 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--busy-us", type=float, default=200.0, help="GPU work before each put")
     ap.add_argument("--ahead", type=int, default=0, help="calls in flight before the host waits (0: none)")
-    ap.add_argument("--out", type=Path, default=None, help="folder for handoff.json")
+    ap.add_argument("--out", type=Path, default=None, help="folder for handoff.json (submit.json with --submit)")
+    ap.add_argument("--submit", action="store_true", help="time the pool's submit per wake setting (no GPU)")
+    ap.add_argument("--gap-us", default="50,3000", help="with --submit: host work between calls (comma list)")
+    ap.add_argument("--spin-us", type=float, default=2000.0, help="with --submit: the pool's spin before it sleeps")
     args = ap.parse_args()
+    if args.submit:
+        return submit(ap, args)
     for name in ("threads", "rows", "hidden", "ffn", "calls"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected >= 1")
@@ -67,6 +79,34 @@ def main() -> int:
         (args.out / "handoff.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
                                                            "summary": summary, "raw": r}, indent=1))
     return 0 if r["rows_equal"] else 1
+
+
+def submit(ap, args) -> int:
+    try:
+        gaps = [float(g) for g in args.gap_us.split(",")]
+    except ValueError:
+        ap.error(f"--gap-us: expected microseconds separated by commas, got {args.gap_us!r}")
+    if any(g < 0 for g in gaps) or not 0 <= args.spin_us <= 1e6 or args.calls < 16:
+        ap.error("--gap-us: >= 0; --spin-us: 0..1e6; --calls: >= 16 with --submit")
+    from execute.cpu_pool import bench_submit
+
+    rows, summary = {}, []
+    print(f"pool submit of a gated call, {args.rows} rows, {args.threads} threads, spin {args.spin_us:g} us")
+    print(f"{'gap us':>8} {'wake':<6}{'median us':>10}{'p90 us':>10}{'gap ratio':>10}")
+    for gap in gaps:
+        r = bench_submit(args.threads, args.rows, args.hidden, args.ffn, args.calls, gap, args.spin_us)
+        rows[str(gap)] = r
+        for wake, v in r.items():
+            s = np.array(v["submit_s"][len(v["submit_s"]) // 8:]) * 1e6  # the first round: settling
+            g = np.median(v["gap_s"]) / (gap * 1e-6) if gap else 1.0
+            summary.append({"gap_us": gap, "wake": wake, "median_us": float(np.median(s)),
+                            "p90_us": float(np.percentile(s, 90)), "gap_ratio": float(g)})
+            print(f"{gap:8g} {wake:<6}{np.median(s):10.1f}{np.percentile(s, 90):10.1f}{g:10.2f}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "submit.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
+                                                          "summary": summary, "raw": rows}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from execute import cpu_pool as P
 from execute.experts import random_layer
@@ -50,3 +51,44 @@ def test_a_slow_worker_never_sees_its_slot_reused(rng, monkeypatch):
         ctrl[P._C_BROKEN] = 1
         pool.close()
     assert not problems and not t.is_alive()
+
+
+@pytest.mark.parametrize("wake", ["lead", "all"])
+def test_a_sleeping_team_is_woken_for_every_call(rng, monkeypatch, wake):
+    """A team that sleeps between calls (no spin) is woken for each: by the submitter itself
+    (``wake="all"``) or through its lead, which wakes the rest; every call finishes, gated or not,
+    with the same rows as the other setting's."""
+    monkeypatch.setattr(P.os, "cpu_count", lambda: 64)
+    layer = random_layer(rng, 0, 8, 256, 256, 8)  # Q8_0
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    outs = {}
+    for w in (wake, "all" if wake == "lead" else "lead"):
+        pool = P.CpuExpertPool(4, 20.0, spin_us=0, wake=w)
+        try:
+            assert pool.lead == (w == "lead")
+            pool.warmup(layer)
+            got = []
+            for i in range(40):
+                job = pool.submit(layer, [1, 5, 7], x, gated=bool(i % 2))
+                if job.gated:
+                    pool.ctrl[P._C_GATE] = job._seq
+                got.append(job.result().copy())
+                time.sleep(0.0005)  # the team goes back to sleep
+            assert int(pool.ctrl[P._C_SLEEP]) + int(pool.ctrl[P._C_LSLEEP]) <= pool.workers
+        finally:
+            pool.close()
+        assert all(np.array_equal(g, got[0]) for g in got)
+        outs[w] = got[0]
+    assert np.array_equal(outs["lead"], outs["all"])
+
+
+def test_bench_submit_times_each_wake_setting(monkeypatch):
+    monkeypatch.setattr(P.os, "cpu_count", lambda: 64)
+    r = P.bench_submit(3, 2, 256, 256, 16, 0.0, 0.0)
+    assert set(r) == {"lead", "all"}
+    assert all(len(v["submit_s"]) == 16 and min(v["submit_s"]) > 0 for v in r.values())
+
+
+def test_wake_is_checked():
+    with pytest.raises(ValueError, match="wake"):
+        P.CpuExpertPool(2, wake="some")

@@ -160,3 +160,24 @@ def test_dropping_absent_experts_from_the_recency_order_changes_no_decision(monk
     with monkeypatch.context() as m:
         m.setattr(hybrid, "_recent_victims", hybrid._unused_residents)
         assert digest() == fast
+
+
+def test_fills_are_capped_by_the_links_idle_time_and_held_after_a_prompt():
+    """With a cost model, a token's fills are at most what the link could carry in its idle time
+    (its steps' predicted time less its demand copies, over one upload's time), none after a step
+    of several tokens; the fixed share fills up to ``max_fills``."""
+    g = Geometry.uniform(1, 16, 2, 10)
+    cm = flat(1, gpu=1.0, upload=1.0, cpu=0.5)  # a lone miss: CPU 0.5 < link 1 + GPU 1
+    policy = make_policy("hybrid", g, Capacity.per_layer(g, 8), cost_model=cm)
+    d = policy.plan(Step(0, (3, 4)))
+    assert d.cpu == (3, 4)
+    policy.commit(d)
+    t = cm.step_s(0, 0.0, 0, 0.0, 0, cm.pool_s(1.0, 2))[0]  # the step's predicted time, no copies
+    assert policy.fill_cap() == int(t / 1.0) and len(policy.plan_background()) == min(2, int(t))
+    policy.commit_background(policy.plan_background())
+    chunk = policy.plan(Step(0, (5, 6), (3, 1)))
+    policy.commit(chunk)
+    assert policy.fill_cap() == 0 and policy.plan_background() == ()
+    fixed = make_policy("hybrid", g, Capacity.per_layer(g, 8), cost_model=cm, miss_fraction=0.0)
+    fixed.commit(fixed.plan(Step(0, (5, 6), (3, 1))))
+    assert fixed.fill_cap() == fixed.max_fills and len(fixed.plan_background()) == 2
