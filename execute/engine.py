@@ -224,6 +224,7 @@ class ExpertEngine:
         self._handed_back = False
         self._early: _Early | None = None
         self._ones: dict[int, tuple | None] = {}  # see _one_layer
+        self._cpu_seen = False  # a step's CPU pairs were handed off (begin_layer then marks x_ready)
         self._max_k = 0
         if self.gpu is not None:
             from .gpu_experts import MAX_TOP_K
@@ -274,8 +275,8 @@ class ExpertEngine:
         gx = self.gpu
         gx.after_caller()  # x may still be in the making on the caller's stream
         xd = gx.as_input(x)
-        if self.handoff is not None:
-            self.handoff.mark_input()  # a hand-off's input copy need not wait for these kernels
+        if self._cpu_seen:  # a hand-off's input copy need not wait for these kernels
+            self.handoff.mark_input()
         gx.pack1(bases, (), pick)
         gx.gate_up1(layer, xd, len(ids), len(pick))
         self._early = _new_early((layer, x, xd, ids, pick, bases, tuple([ids[j] for j in pick]),
@@ -318,6 +319,9 @@ class ExpertEngine:
                     self._handed_back = True
                     return out
                 if self.handoff is not None and d.cpu:  # CPU pairs handed off, no host wait
+                    if early is not None and not self._cpu_seen:  # the first: x_ready after the early kernels
+                        self.handoff.mark_input()
+                    self._cpu_seen = True  # from now on begin_layer records x_ready before its kernels
                     return self.hand_back(self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0),
                                           read=True)
         weights = np.asarray(topk_weights, np.float32)

@@ -4,6 +4,8 @@ experts gives; a decision that does not keep the early start (other hits, an ear
 uploaded anew or evicted, a slot out of range) gets None, and the full loop decides."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -179,6 +181,14 @@ def test_begin_layer_starts_the_resident_experts_at_their_slot_addresses(fake_cu
         for ids in ([[6, 7]], [[5, 8]], [[-1, 5]]):  # none resident; 8 past the table; a negative id
             engine.begin_layer(1, x, np.array(ids))
             assert engine._early is None
+        marks = []  # x_ready for a hand-off: recorded by begin_layer once a step's CPU pairs were handed off
+        engine.handoff = types.SimpleNamespace(mark_input=lambda: marks.append(1))
+        engine.begin_layer(1, x, np.array([[5]]))
+        assert not marks and engine._early is not None
+        engine._cpu_seen = True
+        engine.begin_layer(1, x, np.array([[5]]))
+        assert marks == [1]
+        engine.handoff = None
     finally:
         engine.close()
         gx.close()
