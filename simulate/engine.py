@@ -140,6 +140,7 @@ def graph_tokens(items, num_layers: int):
 
 
 BACKGROUND_WAITS = ("host", "device")  # how the executor waits for awaited background copies
+SWAP_WAITS = ("await", "stream")  # whether an awaited swap holds the token (Simulator.swaps)
 
 
 class Simulator:
@@ -149,16 +150,25 @@ class Simulator:
     only), as ``execute.engine.ExpertEngine``'s: "device" (its default), the GPU's next expert work
     waits for awaited background copies and the host goes on, and a batch with a swap waits for the
     GPU work queued before it; "host", the host blocks until they land (polling, half of
-    ``wait_poll_s`` charged) and every batch waits for the GPU work queued before it."""
+    ``wait_poll_s`` charged) and every batch waits for the GPU work queued before it.
+    ``swaps`` (without a host lane): "await" (default), an awaited batch holds the token until all
+    its copies land; "stream": the fills (moves without a victim) started in a token hold the next
+    token until they land, whatever the driver's lag; a swap never holds a token, and a step's hit
+    on a swapped-in expert waits for that expert's copy (a copy stream's per-expert event: the
+    seeds' pull request, whose fills follow the token that missed and whose swap rounds run beside
+    generation)."""
 
     def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False,
-                 background_wait: str = "device"):
+                 background_wait: str = "device", swaps: str = "await"):
         if background_wait not in BACKGROUND_WAITS:
             raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
+        if swaps not in SWAP_WAITS:
+            raise ValueError(f"swaps: {swaps!r}, expected one of {', '.join(SWAP_WAITS)}")
         self.costs = costs
         self.record = record
         self.token_graph = token_graph
         self.background_wait = background_wait
+        self.swaps = swaps
 
     def run(self, items: Iterable, audit: Audit | None = None) -> SimResult:
         """Simulate ``items`` (from ``scheduler.drive``); each is also fed to ``audit``."""
@@ -191,6 +201,9 @@ class Simulator:
         ends: deque = deque()  # completion time of each pending batch
         ready, mid = 0.0, False  # prefetch awaited inside the token: the next layer's experts wait
         land: dict = {}  # (layer, expert) -> when its background copy lands
+        stream = self.swaps == "stream"
+        streamed: dict = {}  # (layer, expert) -> when its swap's copy lands (swaps="stream")
+        hold = 0.0  # swaps="stream": when the fills started so far land (the next token waits for them)
         late = 0
         for item in items:
             observe(item)
@@ -214,6 +227,11 @@ class Simulator:
                 else:
                     g, hit_s, upc_s, cpu_s, nu, nc = self._multi(d, tok)
                 decide = t0 + g + route_s
+                if streamed:  # a hit on a swapped-in expert waits for its copy
+                    for e in d.hits:
+                        at = streamed.get((l, e), 0.0)
+                        if at > decide:
+                            decide = at
                 if ready > decide:
                     late += sum(1 for e in d.hits if land.get((l, e), 0.0) > decide)
                     decide = ready
@@ -266,6 +284,10 @@ class Simulator:
                     events.append(("gpu", "head", t, token_s))
                 t += token_s
                 gpu_busy += token_s
+                if hold > t:  # swaps="stream": this token's fills land before the next token starts
+                    if events is not None:
+                        events.append(("gpu", "await fills", t, hold - t))
+                    t = hold
                 gpu_free = t
                 tok_times.append(t - tok_start)
                 bounds.append(tok_bound + token_s)
@@ -277,17 +299,25 @@ class Simulator:
                 yield env.timeout(t - env.now)
             elif kind is StartBackground:
                 start = copy_free if copy_free > t else t
-                cs = start
+                cs = held = start
                 for m in item.moves:
                     u = up_s[m.layer]
                     if events is not None:
                         events.append(("copy", f"bg L{m.layer} E{m.expert}", cs, u))
                     cs += u
                     land[m.layer, m.expert] = cs
+                    if stream and m.victim is not None:
+                        streamed[m.layer, m.expert] = cs
+                    else:
+                        held = cs
+                if not stream:
+                    held = cs
+                elif held > hold:
+                    hold = held
                 copy_busy += cs - start
                 copy_free = cs
-                pending.append(env.timeout(cs - env.now))
-                ends.append(cs)
+                pending.append(env.timeout(held - env.now))
+                ends.append(held)
             elif kind is AwaitBackground:
                 done, end = pending.popleft(), ends.popleft()
                 if mid:

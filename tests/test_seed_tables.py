@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -311,3 +312,47 @@ def test_the_faster_fill_uploads_the_prompt_s_experts_before_the_first_token():
     t = {"cache_mib": 50_000.0, "tokens": 8}
     fast = seeds.simulate_row(hw, model, t, "hybrid", 1, 1.0, routing)
     assert fast["tps"] < seeds.simulate_row(hw, model, t, "hybrid-slow-fill", 1, 1.0, routing)["tps"]
+
+
+def test_quant_types_of_one_geometry_share_their_trace_and_tokens():
+    data = seeds.load_data(DATA)
+    routing = seeds.routing_of(data)
+    q6, iq4 = (seeds.model_of(data, "qwen3.5-35b-a3b", q) for q in ("Q6_K", "IQ4_XS"))
+    assert seeds._routes(q6, 8, 0, routing) is seeds._routes(iq4, 8, 0, routing)
+    assert not seeds._routes(q6, 8, 0, routing).flags.writeable
+    toks = seeds._shape_tokens(seeds._shape(q6), 8, 0, routing)
+    ids = seeds._routes(q6, 8, 0, routing)
+    assert len(toks) == 8 and toks[0].pos == seeds.PROMPT_TOKENS
+    assert all(s.experts == tuple(int(e) for e in ids[seeds.PROMPT_TOKENS, s.layer]) for s in toks[0].steps)
+
+
+def test_the_joint_solve_keeps_its_jacobian_while_steps_converge():
+    a = np.array([[1.0, 0.3], [0.2, 0.8]])
+    calls = []
+
+    def rate(x, i):  # a mildly nonlinear map whose solution is x = (0.5, -0.2)
+        calls.append(i)
+        y = a @ x + 0.05 * x ** 2
+        return math.exp(y[i])
+
+    want = np.array([0.5, -0.2])
+    targets = [math.exp(v) for v in a @ want + 0.05 * want ** 2]
+    x = seeds._solve_joint(rate, targets, np.zeros(2), np.full(2, -5.0), np.full(2, 5.0), np.ones((2, 2), bool))
+    assert x == pytest.approx(want, abs=1e-3)
+    assert len(calls) <= 2 * 2 + 2 * 5  # one Jacobian (2 x 2 evaluations) and a few residuals
+
+
+def test_the_hybrid_s_background_moves_land_a_token_later():
+    from scheduler import AwaitBackground, EndToken, StartBackground
+
+    data = seeds.load_data(DATA)
+    model = seeds.model_of(data, "qwen3.5-35b-a3b", "IQ4_XS")
+    items, _ = seeds._items(model, "hybrid-slow-fill", 5000.0, 8, 0, seeds.routing_of(data))
+    ends = [i for i, it in enumerate(items) if type(it) is EndToken]
+    starts = [i for i, it in enumerate(items) if type(it) is StartBackground]
+    waits = [i for i, it in enumerate(items) if type(it) is AwaitBackground]
+    assert starts and len(waits) == len(starts)
+    inner = [(s, w) for s, w in zip(starts, waits) if w < ends[-1]]  # the rest: awaited after the last token
+    assert inner
+    for s, w in inner:  # started with token n, awaited once token n + lag has ended
+        assert sum(1 for e in ends if s < e < w) == seeds.SWAP_LAG_TOKENS + 1
