@@ -29,7 +29,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat,
+from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat, abs_sign,
                        dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
 __all__ = ["dots", "sdots", "f16x8", "block_scratch", "store_i8x32", "acc_dots", "acc_dots_x16lo", "load_nib32_x16", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
@@ -210,7 +210,6 @@ def _dots_codegen(signed: bool):
     def codegen(context, builder, sig, args):
         isa, xq, a, l2 = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (0, 2, 3, 4))
         qa = None if isinstance(sig.args[1], types.UniTuple) else context.cast(builder, args[1], sig.args[1], types.int64)
-        zero = ir.Constant(V32, None)
 
         def load(base, k):
             p = builder.add(base, ir.Constant(ir.IntType(64), 32 * k))
@@ -230,10 +229,8 @@ def _dots_codegen(signed: bool):
             for k in range(8):
                 u, x1, x2 = q[k], load(x1a, k), load(x2a, k)
                 if signed:  # |w| and the activations' signs
-                    neg = builder.icmp_signed("<", u, zero)
-                    keep = builder.icmp_signed("!=", u, zero)
-                    x1, x2 = (builder.select(neg, builder.sub(zero, x), builder.select(keep, x, zero)) for x in (x1, x2))
-                    u = builder.select(neg, builder.sub(zero, u), u)
+                    (au, x1), (_, x2) = abs_sign(builder, u, x1), abs_sign(builder, u, x2)
+                    u = au
                 v = dp(builder, ir.Constant(V8, None), u, x1)
                 vs.append(dp(builder, builder.shl(v, ir.Constant(V8, [8] * 8)), u, x2))
             outs.append((vs, builder.block))

@@ -305,13 +305,20 @@ def sign_abs(typingctx, w, x):
         return None
 
     def codegen(context, builder, sig, args):
-        wv, xv = args
-        zero = ir.Constant(V32, None)
-        neg = builder.icmp_signed("<", wv, zero)
-        aw = builder.select(neg, builder.sub(zero, wv), wv)
-        sx = builder.select(neg, builder.sub(zero, xv), builder.select(builder.icmp_signed("==", wv, zero), zero, xv))
-        return context.make_tuple(builder, sig.return_type, (aw, sx))
+        return context.make_tuple(builder, sig.return_type, abs_sign(builder, *args))
     return types.UniTuple(I8x32, 2)(w, x), codegen
+
+
+def abs_sign(builder, wv, xv):
+    """(|w|, x sign(w)) bytewise in IR: vpabsb and, on AVX2 hosts, vpsignb (one instruction where the
+    selects it replaces take a compare and a blend or more per vector)."""
+    zero = ir.Constant(V32, None)
+    neg = builder.icmp_signed("<", wv, zero)
+    aw = builder.select(neg, builder.sub(zero, wv), wv)
+    if HAS_AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32, [V32, V32]), "llvm.x86.avx2.psign.b")
+        return aw, builder.call(fn, [xv, wv])
+    return aw, builder.select(neg, builder.sub(zero, xv), builder.select(builder.icmp_signed("==", wv, zero), zero, xv))
 
 
 @intrinsic
