@@ -406,16 +406,21 @@ class CpuExpertPool:
     (``_default_spin_us``): a decode step's GPU part between two CPU layers is longer than 100 us,
     and a team woken from its futex costs the layer a wake-up of every worker, while a team on
     every core that spins long takes the cores of whatever else runs between two calls.
-    ``wake``: "lead" (default): a submit wakes at most one sleeping worker, which wakes the others
-    (see ``_team_worker``); "all": the submit wakes every sleeping worker itself.
+    ``wake``: "lead" (the default, else the environment's ``MOELAB_POOL_WAKE``): a submit wakes at
+    most one sleeping worker, which wakes the others (see ``_team_worker``); "all": the submit wakes
+    every sleeping worker itself.
     A call the caller never collects still runs (the workers need no one else). Inputs and outputs
     are read and written in place (``out=`` e.g. page-locked memory): no copies. Calls are
     submitted from one thread at a time (the engine's); results may be collected in any order.
     """
 
     def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float | None = None,
-                 ctrl: np.ndarray | None = None, wake: str = "lead"):
+                 ctrl: np.ndarray | None = None, wake: str | None = None):
         cores = os.cpu_count() or 1
+        if wake is None:
+            wake = os.environ.get("MOELAB_POOL_WAKE", "lead")
+            if wake not in ("lead", "all"):
+                raise ValueError(f"MOELAB_POOL_WAKE={wake!r}: expected 'lead' or 'all'")
         if wake not in ("lead", "all"):
             raise ValueError(f"CpuExpertPool wake: {wake!r}, expected 'lead' or 'all'")
         self.wake = wake

@@ -89,6 +89,11 @@ def test_bench_submit_times_each_wake_setting(monkeypatch):
     assert all(len(v["submit_s"]) == 16 and min(v["submit_s"]) > 0 for v in r.values())
 
 
-def test_wake_is_checked():
+def test_wake_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="wake"):
         P.CpuExpertPool(2, wake="some")
+    monkeypatch.setenv("MOELAB_POOL_WAKE", "one")
+    with pytest.raises(ValueError, match="MOELAB_POOL_WAKE"):
+        P.CpuExpertPool(2)
+    monkeypatch.setenv("MOELAB_POOL_WAKE", "all")
+    assert P.CpuExpertPool(2).wake == "all" and P.CpuExpertPool(2, wake="lead").wake == "lead"
