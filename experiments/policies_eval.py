@@ -97,8 +97,7 @@ def run_table(rows, res, extra=None) -> list[str]:
 
 
 def full_tables(res, cs, hardware) -> list[str]:
-    cols = [(h, i) for h in hardware for i in (0, 1)]
-    out = []
+    cols, out = [(h, i) for h in hardware for i in (0, 1)], []
     for c in cs:
         out += [f"**{c.name}** ({len(c.tokens)} tokens, {c.model.num_layers} layers x {c.model.num_experts} experts "
                 f"top-{c.model.top_k})", "", "| policy | " + " | ".join(f"{h} {c.slots[i]}" for h, i in cols) + " |",
@@ -150,7 +149,8 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
             "and once both caches hold the same experts it makes exactly hybrid's decisions and moves; called back "
             "within `guard_memory` tokens of its last following, it follows `guard_backoff` times as long.",
             "", "## Targets", ""]
-    below = lambda rows: "; ".join(f"{r['case']} {r['hardware']} {r['slots']} ({r['x_best']:.3f})" for r in sorted(
+    fol = lambda r: f"{100 * (tuned.get((r['case'], r['hardware'], r['slots'], 'lookahead')) or {}).get('followed', 0):.0f}%"
+    below = lambda rows: "; ".join(f"{r['case']} {r['hardware']} {r['slots']} ({r['x_best']:.3f}, followed {fol(r)})" for r in sorted(
         (r for r in rows if r["x_best"] is not None and r["x_best"] < 1.0), key=lambda r: r["x_best"])) or "none"
     labels = [("development (tuning)", dev_rows)] + [(f"held out, seed {s}", rows[s]) for s in tests]
     hc = [(l, summary(tuned, cs, hardware, "hybrid-cost")) for (l, _), cs in zip(labels, [dev, *tests.values()])]
@@ -170,10 +170,10 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
         "two real traces are development data. Every trace is priced with granite's expert sizes.",
         "- lookahead's fixed constants (" + ", ".join(f"`{k}`={v}" for k, v in FIXED.items()) + ") were set on "
         "the development set (by hand, or by an earlier grid), not cross-validated.",
-        "- The guard compares predictions (its timing model), not the simulator's times, only after its first "
-        "`guard_memory` tokens, and assumes the driver's default lag for the shadow's fills. Losses below its "
-        "`guard_margin` go unseen: on top-1 and top-2 runs with the fast link, wrong cross-layer prefetches and "
-        "frequency values (the cheap form has neither); where it follows hybrid, the tokens it measures and probes.",
+        "- The guard compares predictions (its timing model) after its first `guard_memory` tokens. Runs below "
+        "max(lru, hybrid): top-1 and top-2 runs on the fast link (lru and hybrid alike upload every miss), a few swaps "
+        "(prefetch, fills) and frequency values that do not pay, under `guard_margin`; where its own planning loses "
+        "to hybrid (fills swap out what hybrid keeps), the tokens before following and its probes (followed above).",
         "- `oracle` (Belady residency: optimal for hits, not time) is checked on every run, not proved; where "
         "it is below 1.2x lru that target is out of reach.", "", "## Command", "", f"    {command}", ""]
     readme = ["# policies_eval run: every policy on every trace", "", "Summary and method: docs/POLICIES.md.", "",
