@@ -477,8 +477,7 @@ class CostShare:
         self._avg = [0] * num_layers  # per layer, the hit share's moving average, in 1/2**16
         self.reuse = [0] * num_layers  # the same in 1/REUSE_SCALE (rounded down): the lookup key
         self._layer_s = cost_model.layer_s or (0.0,) * num_layers
-        self._hits_memo: list[dict] = [{} for _ in range(num_layers)]  # one-token all-hit steps: n -> time
-        self._last = None  # (step, predicted seconds) of the last split chosen
+        self._time_memo: list[dict] = [{} for _ in range(num_layers)]  # one-token steps: (hits, up, cpu) -> time
         moe = [l for l in range(num_layers) if cost_model.upload_s[l] > 0]
         self._up_mean = sum(cost_model.upload_s[l] for l in moe) / max(len(moe), 1)
         self._tok_s = self._tok_link_s = 0.0  # this token so far: predicted time, demand copies' link time
@@ -493,23 +492,23 @@ class CostShare:
         self.reuse[layer] = a * REUSE_SCALE >> 16
 
     def count(self, d: Decision) -> None:
-        """Add committed decision ``d``'s predicted time and demand copies to its token's sums."""
+        """Add committed decision ``d``'s predicted time (``CostModel.step_s`` of its split, one-token
+        costs) and demand copies to its token's sums."""
         step = d.step
-        layer = step.layer
         if step.counts is not None:
             self._tok_batch = True
             return
-        if self._last is not None and self._last[0] is step:
-            t = self._last[1]
-        else:  # every routed expert a hit (else a split was chosen for the step)
-            n = len(d.hits)
-            memo = self._hits_memo[layer]
-            t = memo.get(n)
-            if t is None:
-                g = self._one[layer][0]
-                t = memo[n] = self.costs.step_s(layer, n * g, n, 0.0, 0, 0.0)[0]
+        layer = step.layer
+        n_up = len(d.uploads) + len(d.streams)
+        key = (len(d.hits), n_up, len(d.cpu))
+        memo = self._time_memo[layer]
+        t = memo.get(key)
+        if t is None:
+            g, c, _ = self._one[layer]
+            cm = self.costs
+            t = memo[key] = cm.step_s(layer, key[0] * g, key[0], n_up * g, n_up, cm.pool_s(key[2] * c, key[2]))[0]
         self._tok_s += self._layer_s[layer] + t
-        self._tok_link_s += (len(d.uploads) + len(d.streams)) * self.costs.upload_s[layer]
+        self._tok_link_s += n_up * self.costs.upload_s[layer]
 
     def fill_cap(self, max_fills: int) -> int:
         """Fills the token just ended may plan at most (see the class docstring)."""
@@ -531,12 +530,11 @@ class CostShare:
         if step.counts is None:
             key = (len(hits), m, n_busy, self.reuse[layer])
             memo = self._memo[layer]
-            got = memo.get(key)
-            if got is None:
+            k = memo.get(key)
+            if k is None:
                 g, c, _ = self._one[layer]
-                got = memo[key] = self.best(layer, len(hits) * g, len(hits), [g] * m, [c] * m, n_busy, n_busy * c)
-            self._last = (step, got[1])
-            return got[0]
+                k = memo[key] = self.best(layer, len(hits) * g, len(hits), [g] * m, [c] * m, n_busy, n_busy * c)[0]
+            return k
         cm, cnt = self.costs, dict(zip(step.experts, step.counts))
         ranked = sorted(eligible, key=lambda e: (-cnt[e], -usage[e]))
         busy = [e for e in step.experts if e not in hits and e not in eligible]
