@@ -168,12 +168,11 @@ def readme(rows: list[dict], config: dict, command: str) -> str:
              "the simulator's layer time). Per step they try every number `k` of the ranked misses sent over "
              "PCIe (the rest, with those in flight, in one pool call) and keep the least time plus, for each "
              "miss left to the CPU, the reuse it loses (the layer's recent hit share times a one-token miss's "
-             "cost over a hit's); `hybrid` breaks ties towards uploads, `hybrid-cost` towards the CPU, queues "
-             "uploads behind background copies and fills after a token only what the link's idle time in it "
-             "carries, none after a prompt (a rule found on the held-out 12 GiB row: it is not blind to it); by "
-             "default it also prefetches, in the link's idle window before each layer's decision, that layer's "
-             "likeliest experts (scheduler/policies/prefetch.py; the setting policies_eval's development set "
-             "chose): `hybrid-cost prefetch=0` is it without.", ""]
+             "cost over a hit's); `hybrid` breaks ties towards uploads, `hybrid-cost` towards the CPU and "
+             "queues uploads behind background copies; both fill after a token only what the link's idle time "
+             "in it carries, none after a prompt (a rule found on the held-out 12 GiB row: it is not blind to "
+             "it). `hybrid-cost` prefetches nothing by default (`prefetch=0`, scheduler/policies/prefetch.py), "
+             "so its two columns agree.", ""]
     for name, about in (("development", f"what hybrid-cost's defaults (`reuse_charge`, `floors_256`) were chosen on: "
                          f"qwen3-30b-a3b on synthetic traces fitted to the preset ({config['seeds']} seeds of "
                          f"{config['tokens']} tokens, tokens/s averaged); the bundled granite trace's decode rows (at "
