@@ -147,7 +147,7 @@ class LookaheadConfig:
     guard_memory: float = 32.0
     guard_margin: float = 0.01
     guard_probe: int = 32
-    guard_backoff: float = 2.0
+    guard_backoff: float = 1.0
 
     def __post_init__(self) -> None:
         if self.fills not in ("frequency", "values", "long"):
