@@ -330,18 +330,19 @@ def _solve_joint(rate, targets: list[float], x0: np.ndarray, lo: np.ndarray, hi:
     """Parameters (log values ``x``, within [``lo``, ``hi``]) at which ``rate(x, i)`` meets every
     ``targets[i]``: Newton's method on log(rate / target) with a forward-difference Jacobian,
     entry (i, j) only where ``depends[i, j]`` (row i's machine holds parameter j), steps at most
-    a factor e per parameter; the Jacobian is reused while a step cuts the largest error at least
-    4-fold (a chord step: each recomputation costs a simulation per dependent pair)."""
+    a factor e per parameter; after the first step the Jacobian follows Broyden's update (each
+    recomputation costs a simulation per dependent pair), recomputed only after a step that made
+    the largest error grow."""
     x = x0.copy()
     n = len(targets)
     f = lambda x, i: math.log(rate(x, i) / targets[i])
-    J, last = None, math.inf
+    J, last, prev = None, math.inf, None
     for _ in range(iterations):
         F = np.array([f(x, i) for i in range(n)])
         size = float(np.max(np.abs(F)))
         if size < tol:
             break
-        if J is None or size > 0.25 * last:  # the Jacobian is kept while each step cuts the error 4-fold
+        if J is None or size > last:  # a step that made things worse: a fresh Jacobian
             J = np.zeros((n, n))
             for j in range(n):
                 xj = x.copy()
@@ -349,7 +350,11 @@ def _solve_joint(rate, targets: list[float], x0: np.ndarray, lo: np.ndarray, hi:
                 for i in range(n):
                     if depends[i, j]:
                         J[i, j] = (f(xj, i) - F[i]) / 0.02
-        last = size
+        elif prev is not None:  # Broyden's update from the last step, on the entries that can be non-zero
+            step, change = x - prev[0], F - prev[1]
+            if step @ step > 0:
+                J = np.where(depends, J + np.outer(change - J @ step, step) / (step @ step), 0.0)
+        last, prev = size, (x.copy(), F)
         dx = np.linalg.lstsq(J, -F, rcond=None)[0]
         x = np.clip(x + np.clip(dx, -1.0, 1.0), lo, hi)
     return x
