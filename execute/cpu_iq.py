@@ -13,8 +13,9 @@ loads (``iq_scratch``). A block's 8 groups go to the dots in registers, behind o
 instruction-set path (``cpu_kq.dots``, both activation levels); IQ2_XS, IQ2_S and IQ1_* scale
 each 16 weights (``acc_dots16``). What bounds them is the gather (``_gather``): a group's indices
 come in one scalar load split by shifts, each grid entry is broadcast from memory (a load and no
-shuffle) and the entries are joined by blends, so the shuffle port, which one insert per entry
-kept busy, is left to the dots' reductions; what remains is about one load per grid entry.
+shuffle) and the entries are joined by blends (any vector port; one insert per entry kept the one
+shuffle port busy): a blend per entry is now about a third of a block's vector work on llvm-mca's
+Ice Lake server model (IQ2_XXS ~52 cycles a block, IQ3_XXS ~76 with twice the entries).
 
 ``IQ_TABLES`` (each grid as bytes) sits at ``cpu_experts``' code tables; the kernels
 take its address.
@@ -74,7 +75,8 @@ def _gather(k: int, width: int, offsets: bool = False):
             words = []
             for j in range(nw):
                 wv = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, 8 * j)), ir.PointerType(wbits)), align=1)
-                wv = builder.asm(ir.FunctionType(wbits, [wbits]), "", "=r,0", [wv], side_effect=False)  # no byte loads again
+                # opaque, so that LLVM does not narrow the shifts below back into byte loads
+                wv = builder.asm(ir.FunctionType(wbits, [wbits]), "", "=r,0", [wv], side_effect=False)
                 words.append(builder.zext(wv, i64) if wbits.width < 64 else wv)
             parts = []
             for j in range(k):
