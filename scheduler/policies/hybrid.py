@@ -18,7 +18,8 @@ instead (``CostShare``): per step, the number of PCIe misses that makes the laye
 least, with the CPU misses charged the reuse they lose (they are not cached); it then admits by
 recency (``admit="recency"``: an upload takes the slot of the layer's least recently used
 resident the step does not use) and runs no swap rounds, unless ``admit``/``swap_every`` say
-otherwise. ``miss_frac_256`` and ``rounding`` apply to the fixed share only.
+otherwise, and caps each token's fills at what the link could carry in its idle time, none after a
+prompt chunk (``CostShare.fill_cap``). ``miss_frac_256`` and ``rounding`` apply to the fixed share only.
 """
 from __future__ import annotations
 
