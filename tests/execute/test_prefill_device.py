@@ -36,6 +36,83 @@ def test_group_pairs_rows_tiles_and_pairs(t, k, experts):
     assert all((flat[rows[r:r + n]] == g).all() for r, n, g in used.T) and (np.diff(used[2]) >= 0).all()
 
 
+# the protocol on the host (no GPU) --------------------------------------------------------------------
+class _HostChunk:
+    """DeviceChunk's protocol carried out on the host (a test double): every block first (the model's
+    dense path and routing, the numpy experts), then the head, then the MoE blocks' steps yielded
+    settled; ``fail``: report a non-finite logit (nothing yielded)."""
+
+    def __init__(self, model, experts, fail: bool):
+        self.model, self.experts, self.fail, self.chunks = model, experts, fail, 0
+
+    def takes(self, t: int, routes) -> bool:
+        return routes is None
+
+    def steps(self, x, all_logits: bool, rows):
+        from execute.batch_route import merge_rows
+
+        m = self.model
+        if self.fail:
+            return False
+        rs, kept = np.float32(m.info.residual_scale), []
+        for l, w in enumerate(m.layers):
+            x = x + m._attention(l, m._rms(x, w["attn_norm"])) * rs
+            hn = m._rms(x, w["ffn_norm"])
+            ids, wts = m._route(l, hn, None)
+            x = x + self.experts.compute(merge_rows(l, ids, wts), hn, ids, wts.astype(np.float32)) * rs
+            kept.append((l, ids, wts))
+        m._head(x, all_logits)
+        self.chunks += 1
+        for l, ids, wts in kept:
+            m.last_input, m.last_ids, m.last_weights = None, ids, wts.astype(np.float32)
+            if rows is not None:
+                for r in range(len(ids)):
+                    rows[r].append((l, ids[r].tolist(), wts[r].tolist()))
+            m.step_done = True
+            try:
+                yield merge_rows(l, ids, wts)
+            finally:
+                m.step_done = False
+        return True
+
+
+@pytest.mark.parametrize("fail", (False, True))
+def test_chunks_settled_after_the_blocks_give_the_block_by_block_run(tiny_weights, fail):
+    """The model's hook and the run loop (no GPU): a chunk whose blocks all ran before its steps are
+    planned gives the block-by-block run's logits, decisions and route log; its steps are settled,
+    not run; a chunk the double declines after the fact runs block by block."""
+    from execute import model as M
+    from scheduler.audit import Audit
+
+    w = tiny_weights("Q8_0")
+    g = w.info.geometry()
+    toks = np.random.default_rng(4).integers(w.info.vocab, size=40).tolist()
+    inputs = [M.ChunkInput(0, 0, 0, "prefill", tuple(toks[:20]), all_logits=True),
+              M.ChunkInput(1, 0, 20, "prefill", tuple(toks[20:37]), all_logits=True)]
+    inputs += [M.TokenInput(2 + i, 0, 37 + i, "decode", t) for i, t in enumerate(toks[37:])]
+    settled, made = [], []
+
+    class Settling(M.NumpyExperts):
+        def settle_layer(self, item):
+            settled.append(item.step.layer)
+
+        def device_chunk(self, model):
+            made.append(_HostChunk(model, self, fail))
+            return made[-1]
+
+    out = []
+    for backend in (Settling(w), M.NumpyExperts(w)):
+        model = M.MoeModel(w, use_gpu=False, max_tokens=8)
+        model.route_log = []
+        audit = Audit(g, keep_log=True, record_routes=True)
+        res = M.run(model, backend, make_policy("cpu", g, Capacity.per_layer(g, 0)), inputs, audit=audit,
+                    keep_logits=True)
+        out.append((np.stack(res.logits), audit.digest(), model.route_log, model.pos))
+    (a, da, la, pa), (b, db, lb, pb) = out
+    assert np.array_equal(a, b) and da == db and la == lb and pa == pb == 40
+    assert made[0].chunks == (0 if fail else 2) and settled == ([] if fail else [0, 1, 0, 1])
+
+
 # the kernel ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,k,experts", ((16, 1, 1), (37, 4, 16), (300, 8, 128), (700, 6, 2048)))
