@@ -393,8 +393,8 @@ class HybridPolicy(BasePolicy):
         self.background.update((m.layer, m.expert) for m in moves)
         if swap_round:
             self._np *= self.decay
-        if self.admit_uploads and (self.tokens + 1) % (self.swap_every or 4) == 0:
-            self._rank_all_residents()
+        if self.admit_uploads and self._lru is None and (self.tokens + 1) % (self.swap_every or 4) == 0:
+            self._rank_all_residents()  # usage admission's ranking (recency admission reads none)
         self.missed.clear()
         if self.share is not None:
             self.share.end_token()

@@ -220,8 +220,15 @@ class HybridCostPolicy(HybridPolicy):
             gt, ct = self._tables(layer, max(counts))
             cnt = dict(zip(experts, counts))
         if not misses:
-            hits_s = len(experts) * gpu_s if one else sum([gt[c] for c in counts])
             d = Decision(step, experts)
+            if one and queued == 0.0:  # decode steps that hit alone: one time per count, shared as the memos are
+                got = self._memo[layer].get(len(experts))
+                if got is None:
+                    got = self._memo[layer][len(experts)] = self.costs.step_s(layer, len(experts) * gpu_s,
+                                                                              len(experts), 0.0, 0, 0.0)
+                self._planned = (d, *got)
+                return d
+            hits_s = len(experts) * gpu_s if one else sum([gt[c] for c in counts])
             self._planned = (d, *self.costs.step_s(layer, hits_s, len(experts), 0.0, 0, 0.0, queued, one))
             return d
         hits = tuple([e for e in experts if state[e] == RESIDENT])
