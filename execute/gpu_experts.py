@@ -75,6 +75,7 @@ _WARPS = 4
 _RPW = 2  # output rows per warp in moe_gate_up / moe_down / moe1_gate_up
 _RPB = 2  # output rows per block in moe1_down_combine (one warp per pair)
 _RPB_V4 = 4  # the same for moe1r_down_combine_v4 (MOELAB_DECODE_KERNELS=v4: one wave of blocks)
+_RPB_GQ = 4  # the same for gpu_quant.cu's qmoe1_down_combine (generic layers; as gpu_quant.ONE_DOWN_ROWS)
 MAX_TOP_K = 32  # MAXK of gpu_kernels.cu: the most pairs a one-token launch carries by value
 _EX_BYTES = 16 * MAX_TOP_K  # Experts1: base (u64), weight (f32), pick (i32), MAX_TOP_K each
 _OUT_RING = 16  # one-token outputs kept for reuse, per shape
@@ -469,10 +470,11 @@ class GpuExperts:
         if one is None:
             hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
             kl = self._kl[layer]
+            rpb = _RPB_GQ if layer in self.generic_layers else _RPB
             one = self._ones[layer] = (
                 FixedLaunch(kl[2].func, (0, self.h1, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias),
                             -(-ffn // (_WARPS * _RPW)), self._ex),
-                FixedLaunch(kl[3].func, (self.h1, 0, 0, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias), -(-hidden // _RPB),
+                FixedLaunch(kl[3].func, (self.h1, 0, 0, ffn, hidden, rpb, off_d, qt_d, rb_d, bias), -(-hidden // rpb),
                             self._ex))
         return one
 

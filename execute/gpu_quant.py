@@ -14,14 +14,13 @@ decoded chunk. Float types: weight by weight (``qmatmul_f``). The i-quants' tabl
 The same file holds the expert kernels of layers with a type the arena's kernels do not read
 (``qmoe_gate_up``, ``qmoe_down``, ``qmoe1_gate_up``, ``qmoe1_down_combine``: :func:`kernel`),
 launched by ``gpu_experts.GpuExperts`` exactly as it launches ``gpu_kernels.cu``'s ``moe_*``
-kernels, so such experts stay in their stored type in the arena and over PCIe. One token: the
-lanes decode their chunks of a warp's 2 gate and 2 up rows straight from global memory (the rows
-prefetched to L2 while the block stages the input as ``qmatmul_q1`` does), the type dispatched once
-per kernel to a body compiled for it; the down projection a warp per expert on float32 ``h``.
-``ONE_VARIANTS`` (``_r``): rows copied to shared memory by coalesced 16-byte copies, then a lane
-per row and slice of chunks, so a warp's input reads are broadcasts and its weight reads fall on
-distinct bank quads (down: ``ONE_DOWN_ROWS`` rows per block); measured beside the default by
-``experiments/gpu_quant_check.py``. Batches
+kernels, so such experts stay in their stored type in the arena and over PCIe. One token: a warp
+copies its rows' tiles to shared memory by coalesced 16-byte copies (the block staging the input
+as ``qmatmul_q1`` does meanwhile), then a lane dots one row over a slice of its chunks, so a
+warp's input reads are broadcasts and its weight reads fall on distinct bank quads; the type
+dispatched once per tile to a body compiled for it; down: a warp per expert on float32 ``h``,
+``ONE_DOWN_ROWS`` rows per block. ``ONE_PROBE`` (``_p``): the same launches with the dots left out
+(timed by ``experiments/gpu_quant_check.py --probe``). Batches
 (``qmoe_gate_up``, ``qmoe_down``): tensor cores (``mma.m16n8k16``) on the tile's quants decoded to
 exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums scaled in float32
 (relative error of a product ~1e-7). The source lies in ``gpu_quant.cu`` and the four
@@ -47,10 +46,10 @@ __all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS"
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
-BATCH_VARIANTS = ("_u",)  # qmoe_gate_up / qmoe_down with a tile's chunks unrolled (gpu_quant_mma.cu)
-ONE_VARIANTS = ("_r",)  # qmoe1_gate_up / qmoe1_down_combine with rows copied to shared memory, a lane per row
-ONE_PROBE = "_p"  # the _r kernels with their dots left out: timing probes, their outputs meaningless
-ONE_DOWN_ROWS = {"_r": 4, ONE_PROBE: 4}  # down rows per block by one-token variant (else 2, as gpu_experts launches them)
+BATCH_VARIANTS: tuple[str, ...] = ()  # other qmoe_gate_up / qmoe_down kernels to measure beside them (none now)
+ONE_VARIANTS: tuple[str, ...] = ()  # other qmoe1_gate_up / qmoe1_down_combine kernels to measure (none now)
+ONE_PROBE = "_p"  # the one-token kernels with their dots left out: timing probes, their outputs meaningless
+ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
 
 
 def tables() -> dict[str, np.ndarray]:
@@ -142,10 +141,10 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
 
 class Experts:
     """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
-    2 rows per block; one-token down: 2 rows per block, a warp per expert), for benchmarks and tests
+    2 rows per block; one-token down: ``ONE_DOWN_ROWS`` rows per block, a warp per expert), for benchmarks and tests
     (``variant``: one of ``BATCH_VARIANTS``, the other batched kernels, of ``ONE_VARIANTS``, the
     other one-token kernels, or ``ONE_PROBE``, a timing probe; ``defines``: the module's ``-D``
-    flags; ``down_rows``: the one-token down launch's rows per block, else ``ONE_DOWN_ROWS`` or 2).
+    flags; ``down_rows``: the one-token down launch's rows per block, else ``ONE_DOWN_ROWS``).
 
     ``w``: device uint8 ``(E, expert_bytes)``, each expert gate | up | down (no biases; types
     ``qtypes``, ``ffn`` x ``hidden`` / ``hidden`` x ``ffn`` rows of ``quant.row_bytes``). With
@@ -185,7 +184,7 @@ class Experts:
                 raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, expected one of {ONE_VARIANTS}")
             k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex)
             k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex)
-            rpb = down_rows or ONE_DOWN_ROWS.get(variant, 2)
+            rpb = down_rows or ONE_DOWN_ROWS
             if not 1 <= rpb <= 32:
                 raise ValueError(f"gpu_quant.Experts: down_rows {rpb}, expected 1..32")
             self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, x, self.h.data.ptr, *gu),

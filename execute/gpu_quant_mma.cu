@@ -10,8 +10,8 @@
 // block covers 16 MT rows (gate_up: 8 MT rows of gate and the same of up, an m-tile = 8 of each,
 // so a lane holds a row's gate and up sums together); the grid's other blocks return. Warp w
 // computes n-tiles w, w + 4, .. (8 tokens each) of every m-tile. qmoe_gate_up / qmoe_down take
-// (MT, NB) = (QMOE_MT, QMOE_NB); their _u twins (same arguments, measured side by side by
-// experiments/gpu_quant_check.py) unroll a tile's chunks, so a warp's mma chains interleave.
+// (MT, NB) = (QMOE_MT, QMOE_NB); a tile's chunks are unrolled, so a warp's mma chains interleave
+// (1.05-1.11x the rolled loop at 64 tokens, every type: docs/perf/gpu_quant_h200).
 #define KB 128
 #define XROW (KB + 4)  // words per staged token: KB / 2 hi and lo pair words per 32, padded (banks)
 #ifndef QMOE_MT  // (-D: host checks of the other tilings)
@@ -145,7 +145,7 @@ template <int MT> __device__ __forceinline__ void chunk_mma(const uint32_t* As, 
 }
 
 // acc[j][mt][i]: n-tile w + 4 j of every m-tile, for the pass's nt tokens (xr: their input rows); K = cols
-template <int MT, int NB, bool UNR>
+template <int MT, int NB>
 __device__ void mma_pass(const Rows& R, int cols, const float* __restrict__ x, long long ldx, const int* xr, int nt,
                          uint32_t* As, uint32_t* xs, float* dsc, float* s16, float (*acc)[MT][4]) {
     constexpr int MB = 16 * MT, NJ = NB / (8 * WARPS);
@@ -178,13 +178,9 @@ __device__ void mma_pass(const Rows& R, int cols, const float* __restrict__ x, l
         for (int j = 0; j < NJ; j++) {
             int t0 = 8 * (warp + WARPS * j);
             if (t0 >= nt) continue;
-            if (UNR) {  // the tile's chunks unrolled: their shared loads and mma chains interleave
-                #pragma unroll
-                for (int c = 0; c < KB / 32; c++)
-                    if (c < n / 32) chunk_mma<MT>(As, xs, dsc, s16, t0, c, g, q, acc[j]);
-            } else {
-                for (int c = 0; c < n / 32; c++) chunk_mma<MT>(As, xs, dsc, s16, t0, c, g, q, acc[j]);
-            }
+            #pragma unroll
+            for (int c = 0; c < KB / 32; c++)  // unrolled: the chunks' shared loads and mma chains interleave
+                if (c < n / 32) chunk_mma<MT>(As, xs, dsc, s16, t0, c, g, q, acc[j]);
         }
     }
 }
@@ -203,7 +199,7 @@ __device__ void mma_pass(const Rows& R, int cols, const float* __restrict__ x, l
     __shared__ __align__(16) uint32_t xs[NB * XROW];            \
     __shared__ __align__(16) float dsc[NB * KB / 32], s16[NB * KB / 16];
 
-template <int MT, int NB, bool UNR> __device__ void gate_up_mma(GATE_UP_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
+template <int MT, int NB> __device__ void gate_up_mma(GATE_UP_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
     constexpr int RB = 8 * MT, NJ = NB / (8 * WARPS);
     int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]);
@@ -213,7 +209,7 @@ template <int MT, int NB, bool UNR> __device__ void gate_up_mma(GATE_UP_ARGS, ui
             int nt = min(NB, gstart[g + 1] - p0), xr[NB];
             for (int t = 0; t < NB; t++) xr[t] = xrow[order[p0 + (t < nt ? t : 0)]];
             float acc[NJ][MT][4];
-            mma_pass<MT, NB, UNR>(R, hidden, x, ldx, xr, nt, As, xs, dsc, s16, acc);
+            mma_pass<MT, NB>(R, hidden, x, ldx, xr, nt, As, xs, dsc, s16, acc);
             for (int j = 0; j < NJ; j++) {
                 int tn = 8 * (warp + WARPS * j) + 2 * (lane & 3);
                 for (int mt = 0; mt < MT; mt++) {
@@ -230,7 +226,7 @@ template <int MT, int NB, bool UNR> __device__ void gate_up_mma(GATE_UP_ARGS, ui
 
 // as moe_down: y[pair, r] = down_e h[pair] + bd_e. grid (ceil(hidden / (WARPS * rows_per_warp)), groups):
 // the block whose rows hold row s (a multiple of 16 MT) computes rows s .. s + 16 MT - 1, the others return.
-template <int MT, int NB, bool UNR> __device__ void down_mma(DOWN_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
+template <int MT, int NB> __device__ void down_mma(DOWN_ARGS, uint32_t* As, uint32_t* xs, float* dsc, float* s16) {
     constexpr int RB = 16 * MT, NJ = NB / (8 * WARPS);
     int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const float* bd = reinterpret_cast<const float*>(base[g]) + 2 * ffn;
@@ -241,7 +237,7 @@ template <int MT, int NB, bool UNR> __device__ void down_mma(DOWN_ARGS, uint32_t
             int nt = min(NB, gstart[g + 1] - p0), xr[NB];
             for (int t = 0; t < NB; t++) xr[t] = order[p0 + (t < nt ? t : 0)];
             float acc[NJ][MT][4];
-            mma_pass<MT, NB, UNR>(R, ffn, h, ffn, xr, nt, As, xs, dsc, s16, acc);
+            mma_pass<MT, NB>(R, ffn, h, ffn, xr, nt, As, xs, dsc, s16, acc);
             for (int j = 0; j < NJ; j++) {
                 int tn = 8 * (warp + WARPS * j) + 2 * (lane & 3);
                 for (int mt = 0; mt < MT; mt++)
@@ -256,17 +252,16 @@ template <int MT, int NB, bool UNR> __device__ void down_mma(DOWN_ARGS, uint32_t
     }
 }
 
-#define QMOE_MMA(SUFFIX, MT, NB, UNR)                                                                              \
+#define QMOE_MMA(SUFFIX, MT, NB)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) qmoe_gate_up##SUFFIX(GATE_UP_ARGS) {                         \
         SMEM_MMA(MT, NB)                                                                                           \
-        gate_up_mma<MT, NB, UNR>(base, gstart, order, xrow, x, ldx, h, ffn, hidden, rows_per_warp, off_g, qt_g,    \
-                                 rb_g, off_u, qt_u, rb_u, act, bias, As, xs, dsc, s16);                            \
+        gate_up_mma<MT, NB>(base, gstart, order, xrow, x, ldx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g,   \
+                            off_u, qt_u, rb_u, act, bias, As, xs, dsc, s16);                                       \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(128) qmoe_down##SUFFIX(DOWN_ARGS) {                               \
         SMEM_MMA(MT, NB)                                                                                           \
-        down_mma<MT, NB, UNR>(base, gstart, order, h, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, As, xs,  \
-                              dsc, s16);                                                                           \
+        down_mma<MT, NB>(base, gstart, order, h, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, As, xs,       \
+                         dsc, s16);                                                                                \
     }
-QMOE_MMA(, QMOE_MT, QMOE_NB, false)
-QMOE_MMA(_u, QMOE_MT, QMOE_NB, true)
+QMOE_MMA(, QMOE_MT, QMOE_NB)
 

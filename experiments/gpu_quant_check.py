@@ -14,8 +14,8 @@ per call. ``--variants`` adds the batched call's rate with gpu_quant.cu's other 
 ``qmoe_gate_up`` / ``qmoe_down`` (``gpu_quant.BATCH_VARIANTS``), measured beside the default. The
 expert rates take ``--copies`` copies of the weights in turn (more bytes than the L2 cache holds).
 Each one-token launch is also timed alone, for the default kernels and ``gpu_quant.ONE_VARIANTS``
-(``--only``: again in a module compiled for the type alone; ``--down-rows``: the ``_r`` down launch
-at other rows per block; ``--probe``: the ``_r`` launches without their dots); ``--one`` times only
+(``--only``: again in a module compiled for the type alone; ``--down-rows``: the down launch at
+other rows per block; ``--probe``: the launches without their dots); ``--one`` times only
 those; ``--no-matmul`` skips the matmul rates; ``--occupancy`` prints the kernels' registers, stack
 and blocks per SM. Needs cupy and a GPU. The first call compiles gpu_quant.cu (about a minute; CuPy
 caches it).
@@ -123,17 +123,17 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
         rates += [nb / t / 1e9] if not d else []
         print(f"  one token{v or ' (default)'}{' ' + d[0] if d else ''}: gate/up {us[0]:.1f} us, down {us[1]:.1f} us, "
               f"{nb / t / 1e9:.0f} GB/s", flush=True)
-    if a.probe:  # the _r launches with their dots left out: copies, staging and reductions alone
+    if a.probe:  # the launches with their dots left out: copies, staging and reductions alone
         ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=ONE_PROBE) for w in ws]
         us = [1e6 * timed([lambda o=o, k=k: o._calls[k](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones],
                           a.reps) for k in (0, 1)]
         print(f"  probe_p (no dots): gate/up {us[0]:.1f} us, down {us[1]:.1f} us", flush=True)
     for r in a.down_rows:
-        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant="_r", down_rows=r) for w in ws]
+        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, down_rows=r) for w in ws]
         for o in ones:
             o(x1)
         us = 1e6 * timed([lambda o=o: o._calls[1](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones], a.reps)
-        print(f"  one token_r down, {r} rows per block: {us:.1f} us", flush=True)
+        print(f"  one token down, {r} rows per block: {us:.1f} us", flush=True)
     only = [("", (f"GQ_ONLY={qt}",))] if a.only else []
     for v, d in [] if a.one else [(v, ()) for v in ("", *a.variants)] + only:
         batch = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, tokens=a.tokens, variant=v, defines=d) for w in ws]
@@ -171,9 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", action="store_true", help="also time them compiled in a module of the type alone")
     p.add_argument("--copies", type=int, default=4, help="copies of the experts' weights timed in turn (beyond L2)")
     p.add_argument("--occupancy", action="store_true", help="print the expert kernels' registers and blocks per SM")
-    p.add_argument("--down-rows", default="", help="comma-separated rows per block to time the _r down launch at")
+    p.add_argument("--down-rows", default="", help="comma-separated rows per block to time the down launch at")
     p.add_argument("--no-matmul", action="store_true", help="skip the matmul rates (their errors still run)")
-    p.add_argument("--probe", action="store_true", help="also time the _r launches with their dots left out")
+    p.add_argument("--probe", action="store_true", help="also time the one-token launches with their dots left out")
     p.add_argument("--out", type=Path, help="also write the rows here (JSON)")
     a = p.parse_args(argv)
     a.variants = BATCH_VARIANTS if a.variants else ()

@@ -1,8 +1,8 @@
 // gpu_quant.cu's kernels on the host (gpu_quant_simt.h), launched as gpu_quant.py launches them:
 // stdin = tables, g_block, mode; mode 0: qt, rows, cols, n, rb, W, X -> Y (n, rows);
 // mode 1 / 2: qt_g, qt_u, qt_d, E, ffn, hidden, T, rb x 3, weights, W, X -> the one-token output
-// (hidden) / every token through every expert (E * T, hidden); mode 3: mode 1 by the _r kernels (down
-// 4 rows per block); mode 4: mode 2 by the _u kernels. Build with -DGPU_QUANT_CU='"path"'.
+// (hidden) / every token through every expert (E * T, hidden); mode 3: mode 1 with 4 down rows per
+// block (mode 1: 2). Build with -DGPU_QUANT_CU='"path"'.
 #include "gpu_quant_simt.h"
 #include <cstdio>
 #include <cstdlib>
@@ -42,14 +42,10 @@ int main() {
         for (int e = 0; e < E; e++) { ex.base[e] = base[e]; ex.weight[e] = wts[e]; ex.pick[e] = e; }
         std::vector<float> h((size_t)E * ffn, NAN), out(hidden, NAN);
         float* hp = h.data(); float* op = out.data();
-        unsigned gu = (unsigned)(ffn + 7) / 8, dc = (unsigned)(hidden + 1) / 2;
-        if (mode == 1) {
-            launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
-            launch({dc, 1, 1}, 32 * E, [=] { qmoe1_down_combine(ex, hp, op, E, ffn, hidden, 2, off_d, qd, rdn, 0); });
-        } else {
-            launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up_r(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
-            launch({(unsigned)(hidden + 3) / 4, 1, 1}, 32 * E, [=] { qmoe1_down_combine_r(ex, hp, op, E, ffn, hidden, 4, off_d, qd, rdn, 0); });
-        }
+        unsigned gu = (unsigned)(ffn + 7) / 8;
+        int rpb = mode == 1 ? 2 : 4;
+        launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
+        launch({(unsigned)(hidden + rpb - 1) / rpb, 1, 1}, 32 * E, [=] { qmoe1_down_combine(ex, hp, op, E, ffn, hidden, rpb, off_d, qd, rdn, 0); });
         fwrite(out.data(), 4, out.size(), stdout);
         return 0;
     }
@@ -59,13 +55,8 @@ int main() {
     std::vector<float> h((size_t)E * T * ffn, NAN), y((size_t)E * T * hidden, NAN);
     const unsigned long long* bp = base.data(); const int *gs = gstart.data(), *od = order.data(), *xr = xrow.data();
     float* hp = h.data(); float* yp = y.data();
-    if (mode == 2) {
-        launch({(unsigned)(ffn + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe_gate_up(bp, gs, od, xr, x, hidden, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
-        launch({(unsigned)(hidden + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe_down(bp, gs, od, hp, yp, ffn, hidden, 2, off_d, qd, rdn, 0); });
-    } else {
-        launch({(unsigned)(ffn + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe_gate_up_u(bp, gs, od, xr, x, hidden, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
-        launch({(unsigned)(hidden + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe_down_u(bp, gs, od, hp, yp, ffn, hidden, 2, off_d, qd, rdn, 0); });
-    }
+    launch({(unsigned)(ffn + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe_gate_up(bp, gs, od, xr, x, hidden, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
+    launch({(unsigned)(hidden + 7) / 8, (unsigned)E, 1}, 128, [=] { qmoe_down(bp, gs, od, hp, yp, ffn, hidden, 2, off_d, qd, rdn, 0); });
     fwrite(y.data(), 4, y.size(), stdout);
     return 0;
 }

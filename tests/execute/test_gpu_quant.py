@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from execute import quant as Q
+from execute.gpu_quant import BATCH_VARIANTS
 from execute.gpu_quant import source as gpu_quant_source
 
 ROOT = Path(__file__).parents[2]
@@ -145,19 +146,19 @@ EMULATED_EXPERTS = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)]
 
 
 def _emulate_experts(emulated_kernels, rng, qtypes, modes):
-    """The expert kernels of ``modes`` (gpu_quant_emu.cpp: 1 one token, 2 batches of 11 tokens, 3
-    one token by the _r kernels, 4 batches by the _u kernels) on 2 experts, emulated on the host,
-    against the float64 reference."""
+    """The expert kernels of ``modes`` (gpu_quant_emu.cpp: 1 one token with 2 down rows
+    per block, 3 with 4, 2 batches of 11 tokens) on 2 experts, emulated on the host, against the
+    float64 reference."""
     num_e, ffn, hidden = 2, 256, 512
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
     w = np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1)
     wts = np.array([0.6, 0.4], np.float32)
     head = np.array(qtypes, np.int32).tobytes()
     for mode in modes:
-        tokens = 11 if mode in (2, 4) else 1
+        tokens = 11 if mode == 2 else 1
         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
         ys = _expert_outputs64(parts, qtypes, x, ffn, hidden)
-        ref = np.concatenate(ys) if mode in (2, 4) else sum(float(wts[e]) * ys[e] for e in range(num_e))
+        ref = np.concatenate(ys) if mode == 2 else sum(float(wts[e]) * ys[e] for e in range(num_e))
         inp = (np.array([mode], np.int32).tobytes() + head + np.array([num_e, ffn, hidden, tokens], np.int32).tobytes()
                + np.array([p.shape[2] for p in parts], np.int64).tobytes() + wts.tobytes() + w.tobytes() + x.tobytes())
         y = np.frombuffer(emulated_kernels(inp), np.float32).reshape(ref.shape)
@@ -167,15 +168,15 @@ def _emulate_experts(emulated_kernels, rng, qtypes, modes):
 @pytest.mark.slow
 @pytest.mark.parametrize("qtypes", EMULATED_EXPERTS, ids=["-".join(Q.LAYOUTS[t].name for t in m) for m in EMULATED_EXPERTS])
 def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
-    """qmoe1_gate_up + qmoe1_down_combine (one token), their _r twins, and qmoe_gate_up + qmoe_down
-    and their _u twins (11 tokens through each), emulated on the host, against the float64 reference."""
-    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2, 4))
+    """qmoe1_gate_up + qmoe1_down_combine (one token; 2 and 4 down rows per block) and qmoe_gate_up +
+    qmoe_down (11 tokens through each), emulated on the host, against the float64 reference."""
+    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K,) * 3, (Q.Q4_K, Q.Q5_K, Q.Q6_K)], ids=["Q4_K", "Q4_K-Q5_K-Q6_K"])
 def test_emulated_one_token_kernels(qtypes, emulated_kernels, rng):
     """The one-token kernels (gate and up of one type in one body; mixed types by matrix) and their
-    _r twins, emulated on the host, against the float64 reference."""
+    down launch at 2 and 4 rows per block, emulated on the host, against the float64 reference."""
     _emulate_experts(emulated_kernels, rng, qtypes, (1, 3))
 
 
@@ -222,10 +223,11 @@ MIXED = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K), (Q.IQ4_XS, Q.Q4_
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtypes", MIXED, ids=["-".join(Q.LAYOUTS[t].name for t in m) for m in MIXED])
 def test_expert_kernels_match_numpy_dequantize(qtypes, rng):
-    """qmoe1_gate_up + qmoe1_down_combine and their ONE_VARIANTS (one token, 3 experts) and
-    qmoe_gate_up + qmoe_down (11 tokens through each: a pass of 8 and one of 3) against the float64 reference; 2304 inputs for
-    gate/up (batch input tiles of 1024, 1024 and 256), 768 for down; mixed types: gate and up in
-    separate passes."""
+    """qmoe1_gate_up + qmoe1_down_combine (2 and ONE_DOWN_ROWS down rows per block) and their
+    ONE_VARIANTS (one token, 3 experts) and qmoe_gate_up + qmoe_down (11 tokens through each: a pass
+    of 8 and one of 3) against the float64 reference; 2304 inputs for gate/up (one-token tiles of
+    2048 and 256 columns or fewer, batch tiles of 128), 768 for down; mixed types: gate and up of
+    different types in one block."""
     cp = pytest.importorskip("cupy")
     from execute.gpu_quant import ONE_VARIANTS, Experts
 
@@ -236,9 +238,9 @@ def test_expert_kernels_match_numpy_dequantize(qtypes, rng):
     ys = _expert_outputs64(parts, qtypes, x, ffn, hidden)
     wts = np.array([0.5, 0.3, 0.2], np.float32)
     ref1 = sum(float(wts[e]) * ys[e][:1] for e in range(num_e))
-    for v in ("", *ONE_VARIANTS):
-        one = cp.asnumpy(Experts(w, qtypes, ffn, hidden, weights=wts, variant=v)(cp.asarray(x[:1])))
-        assert np.isfinite(one).all() and np.linalg.norm(one - ref1) <= REL_ERR_INT8 * np.linalg.norm(ref1), v
+    for v, rows in [("", 2), ("", None), *((v, None) for v in ONE_VARIANTS)]:
+        one = cp.asnumpy(Experts(w, qtypes, ffn, hidden, weights=wts, variant=v, down_rows=rows)(cp.asarray(x[:1])))
+        assert np.isfinite(one).all() and np.linalg.norm(one - ref1) <= REL_ERR_INT8 * np.linalg.norm(ref1), (v, rows)
     batch = cp.asnumpy(Experts(w, qtypes, ffn, hidden, tokens=tokens)(cp.asarray(x)))
     ref = np.concatenate(ys)
     assert np.isfinite(batch).all() and np.linalg.norm(batch - ref) <= REL_ERR_INT8 * np.linalg.norm(ref)
@@ -250,17 +252,16 @@ BATCHED = [((Q.Q4_K, Q.Q4_K, Q.Q4_K), 768, 1024), ((Q.Q5_K, Q.Q5_K, Q.Q6_K), 768
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "_u"])
+@pytest.mark.parametrize("variant", ["", *BATCH_VARIANTS])
 @pytest.mark.parametrize("case", BATCHED, ids=["-".join(Q.LAYOUTS[t].name for t in m[0]) for m in BATCHED])
 def test_batched_expert_kernels_on_tensor_cores(case, variant, rng):
-    """qmoe_gate_up + qmoe_down and their other tilings on 70 tokens through each of 2 experts (passes
+    """qmoe_gate_up + qmoe_down and their BATCH_VARIANTS on 70 tokens through each of 2 experts (passes
     of 32 or 64 tokens and a partial one; inputs scaled per token by up to e^4 either way; the legacy
     case: partial 128-column tiles and a partial block of down rows): f16 quants and two f16 input
     halves on tensor cores keep a product within REL_ERR of the float64 reference."""
     cp = pytest.importorskip("cupy")
-    from execute.gpu_quant import BATCH_VARIANTS, Experts
+    from execute.gpu_quant import Experts
 
-    assert variant == "" or variant in BATCH_VARIANTS
     qtypes, ffn, hidden = case
     num_e, tokens = 2, 70
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
