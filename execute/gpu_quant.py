@@ -40,8 +40,8 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBE", "ONE_VARIANTS", "Experts", "kernel", "kernel_info", "matmul",
-           "source", "tables"]
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBE", "ONE_VARIANTS", "Experts",
+           "kernel", "kernel_info", "matmul", "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
@@ -181,7 +181,8 @@ class Experts:
             self._ex[384:384 + 4 * num_e] = np.arange(num_e, dtype=np.int32).view(np.uint8)
             self.h, self.out = cp.empty((num_e, ffn), cp.float32), cp.empty((1, hidden), cp.float32)
             if variant and variant not in (*ONE_VARIANTS, ONE_PROBE):
-                raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, expected one of {ONE_VARIANTS}")
+                raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, "
+                                 f"expected one of {(*ONE_VARIANTS, ONE_PROBE)}")
             k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex)
             k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex)
             rpb = down_rows or ONE_DOWN_ROWS
