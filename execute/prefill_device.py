@@ -106,7 +106,8 @@ class DeviceChunk:
         """Whether a chunk of ``t`` tokens runs here: t >= MIN_TOKENS, no forced routes, no router
         predictor, no background copy in flight, and every expert of every MoE block resident."""
         eng = self.engine
-        if t < MIN_TOKENS or routes is not None or self.model.router_predictor is not None or eng._pending:
+        if (t < MIN_TOKENS or routes is not None or self.model.router_predictor is not None
+                or getattr(eng, "_pending", None)):  # background moves still in flight
             return False
         return bool(np.all(eng.slot_of.table[self._need] != 0))
 
