@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 CALLS: Counter = Counter()
-_ptrs = count(0x10000, 0x1000)
+_ptrs = count(1 << 36, 1 << 36)  # each array or handle a range of its own (64 GiB apart)
 
 
 class _Dev:
