@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from .cpu_kq import (acc_dots, acc_dots16, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
                      nibbles8, u8_f32x8, zip_hi, zip_lo)
-from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, _splat, hsum, load_f16, load_u8, zero_f32
+from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, _splat, hsum, load_f16, zero_f32
 from .iq_grids import grid
 
 __all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
@@ -398,18 +398,17 @@ def dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, kind):
     return hsum(acc) - np.float32(64.0) * hsum(cor)
 
 
-@njit(inline="always")
-def _u16(w, p):
-    return np.int64(load_u8(w, p)) | (np.int64(load_u8(w, p + 1)) << 8)
+@intrinsic
+def _f16_bits(typingctx, h):
+    """The low 16 bits of an integer as a float16 bit pattern -> float32, exact (IQ1_M's scattered
+    d; one vcvtph2ps, where computing it from its fields took a call to exp2f)."""
+    if not isinstance(h, types.Integer):
+        return None
 
-
-@njit(inline="always", fastmath=True)
-def _f16_bits(h):
-    """float16 bit pattern (an int) -> float32 (finite patterns; IQ1_M's scattered d)."""
-    e = (h >> 10) & 31
-    m = np.float32(h & 1023)
-    v = m * np.float32(2.0 ** -24) if e == 0 else (np.float32(1024.0) + m) * np.float32(2.0) ** np.float32(e - 25)
-    return -v if h & 0x8000 else v
+    def codegen(context, builder, sig, args):
+        b = builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), ir.IntType(16))
+        return builder.fpext(builder.bitcast(b, ir.HalfType()), ir.FloatType())
+    return types.float32(h), codegen
 
 
 def _iq1_scales(m: bool):
@@ -476,8 +475,8 @@ def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m):
         if b + 1 < n:  # the next block's offsets, a block ahead of their loads
             _index_1(w, p + bs, buf + _SLOT * ((b + 1) & 1), m)
         if m:
-            sc0, sc1, sc2, sc3 = _u16(w, p + 48), _u16(w, p + 50), _u16(w, p + 52), _u16(w, p + 54)
-            d = _f16_bits((sc0 >> 12) | ((sc1 >> 12) << 4) | ((sc2 >> 12) << 8) | ((sc3 >> 12) << 12))
+            sc = load_u64(w, p + 48)  # the top nibbles of the 4 u16 scales: d's bits, low first
+            d = _f16_bits(((sc >> 12) & 0xF) | ((sc >> 24) & 0xF0) | ((sc >> 36) & 0xF00) | ((sc >> 48) & 0xF000))
             s0, s1 = iq1m_scales(w, p)
         else:
             d = load_f16(w, p)
