@@ -19,8 +19,9 @@ copies its rows' tiles to shared memory by coalesced 16-byte copies (the block s
 as ``qmatmul_q1`` does meanwhile), then a lane dots one row over a slice of its chunks, so a
 warp's input reads are broadcasts and its weight reads fall on distinct bank quads; the type
 dispatched once per tile to a body compiled for it; down: a warp per expert on float32 ``h``,
-``ONE_DOWN_ROWS`` rows per block. ``ONE_PROBE`` (``_p``): the same launches with the dots left out
-(timed by ``experiments/gpu_quant_check.py --probe``). Batches
+``ONE_DOWN_ROWS`` rows per block. ``ONE_PROBES``: the same launches with the dots left out
+(``_p``), and the weight copies too (``_n``), timed by ``experiments/gpu_quant_check.py --probe``.
+Batches
 (``qmoe_gate_up``, ``qmoe_down``): tensor cores (``mma.m16n8k16``) on the tile's quants decoded to
 exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums scaled in float32
 (relative error of a product ~1e-7). The source lies in ``gpu_quant.cu`` and the four
@@ -40,7 +41,7 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBE", "ONE_VARIANTS", "Experts",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
            "kernel", "kernel_info", "matmul", "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
@@ -48,7 +49,7 @@ FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the 
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 BATCH_VARIANTS: tuple[str, ...] = ()  # other qmoe_gate_up / qmoe_down kernels to measure beside them (none now)
 ONE_VARIANTS: tuple[str, ...] = ()  # other qmoe1_gate_up / qmoe1_down_combine kernels to measure (none now)
-ONE_PROBE = "_p"  # the one-token kernels with their dots left out: timing probes, their outputs meaningless
+ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
 
 
@@ -143,7 +144,7 @@ class Experts:
     """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
     2 rows per block; one-token down: ``ONE_DOWN_ROWS`` rows per block, a warp per expert), for benchmarks and tests
     (``variant``: one of ``BATCH_VARIANTS``, the other batched kernels, of ``ONE_VARIANTS``, the
-    other one-token kernels, or ``ONE_PROBE``, a timing probe; ``defines``: the module's ``-D``
+    other one-token kernels, or ``ONE_PROBES``, timing probes; ``defines``: the module's ``-D``
     flags; ``down_rows``: the one-token down launch's rows per block, else ``ONE_DOWN_ROWS``).
 
     ``w``: device uint8 ``(E, expert_bytes)``, each expert gate | up | down (no biases; types
@@ -180,9 +181,9 @@ class Experts:
             self._ex[256:256 + 4 * num_e] = np.asarray(weights, np.float32).view(np.uint8)
             self._ex[384:384 + 4 * num_e] = np.arange(num_e, dtype=np.int32).view(np.uint8)
             self.h, self.out = cp.empty((num_e, ffn), cp.float32), cp.empty((1, hidden), cp.float32)
-            if variant and variant not in (*ONE_VARIANTS, ONE_PROBE):
+            if variant and variant not in (*ONE_VARIANTS, *ONE_PROBES):
                 raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, "
-                                 f"expected one of {(*ONE_VARIANTS, ONE_PROBE)}")
+                                 f"expected one of {(*ONE_VARIANTS, *ONE_PROBES)}")
             k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex)
             k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex)
             rpb = down_rows or ONE_DOWN_ROWS

@@ -1,5 +1,5 @@
 // gpu_quant.cu, part 4 of 4: the one-token expert kernels (qmoe1_gate_up, qmoe1_down_combine: rows
-// copied to shared memory, a lane per row and slice of chunks) and their probes (_p).
+// copied to shared memory, a lane per row and slice of chunks) and their probes (_p, _n).
 struct Experts1 {  // gpu_kernels.cu's one-token pair table, passed by value
     unsigned long long base[MAXK];
     float weight[MAXK];
@@ -25,10 +25,10 @@ __device__ __forceinline__ void down1_combine(const Experts1& ex, const float (*
 // lane dots one row over every 8th (down: every (32 / G)-th) chunk, so the lanes of a warp read one
 // or two input chunks at a time (broadcasts) and rows whose slots lie an odd number of 16-byte
 // words apart (bank quads apart). (Lanes over the chunks of one row, decoding from global memory,
-// spread each load over as many lines as lanes and took 1.6-1.8x longer: docs/perf/gpu_quant_h200.)
+// spread each load over as many lines as lanes and took 1.5-1.8x longer: docs/perf/gpu_quant_h200.)
 // The slices' sums are reduced by shuffles (and, for gate and up, through shared memory in warp
-// order): deterministic. Their _p twins (probes, not results) run the same copies, staging and
-// reductions with the dots left out (probe_row).
+// order): deterministic. Their probes (timing only, no results): _p runs the same copies, staging
+// and reductions with the dots left out (probe_row), _n leaves out the weight copies too.
 #define R1_BYTES 24576  // gate/up: a block's weight tiles (8 rows of gate, 8 of up)
 #define D1R_BYTES 32768  // down: the weight tiles of a block's warps, split between them
 
@@ -77,7 +77,7 @@ __device__ __forceinline__ float probe_row(const uint8_t* s, int nbytes, int c0,
     return (float)(v & 1u);
 }
 
-template <bool PROBE> __device__ __forceinline__ void gate_up1(GATE_UP1_ARGS) {
+template <int PROBE> __device__ __forceinline__ void gate_up1(GATE_UP1_ARGS) {
     __shared__ __align__(16) uint4 wbuf[R1_BYTES / 16];
     __shared__ __align__(16) uint4 xbuf[X1_WORDS];
     __shared__ float part[WARPS][16];
@@ -102,7 +102,7 @@ template <bool PROBE> __device__ __forceinline__ void gate_up1(GATE_UP1_ARGS) {
                 const uint8_t* p = e + (mt ? off_u : off_g) + (long long)(g0 + (mm & 7)) * (mt ? rb_u : rb_g)
                                    + (long long)(k0 / g_block[qq][0]) * g_block[qq][1];
                 uint8_t* d = wb + (mt ? 8 * sg + (mm & 7) * su : mm * sg);
-                if ((mm & 7) < ng) stage_row(d, p, (n / g_block[qq][0]) * g_block[qq][1], lane);
+                if ((mm & 7) < ng && PROBE < 2) stage_row(d, p, (n / g_block[qq][0]) * g_block[qq][1], lane);
             }
             {  // where this thread's row lies in its slot
                 int qq = qt;
@@ -139,10 +139,13 @@ template <bool PROBE> __device__ __forceinline__ void gate_up1(GATE_UP1_ARGS) {
     }
 }
 extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up(GATE_UP1_ARGS) {
-    gate_up1<false>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
+    gate_up1<0>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
 }
 extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_p(GATE_UP1_ARGS) {
-    gate_up1<true>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
+    gate_up1<1>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
+}
+extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_n(GATE_UP1_ARGS) {
+    gate_up1<2>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
 }
 
 // this thread's down row (its tile at s) . float32 h over chunks c0, c0 + cs, .. < nch
@@ -161,7 +164,7 @@ template <int QT> __device__ __forceinline__ float row_dot_h(const uint8_t* s, i
 // grid ceil(hidden / rows_per_block), block 32 * k (rows_per_block <= 32): warp j (expert j) takes
 // its rows in groups of G (the most, a power of 2 <= 8, whose slots fit its D1R_BYTES / k); lane
 // (row lane % G, slice lane / G) dots its row over every (32 / G)-th chunk.
-template <bool PROBE> __device__ __forceinline__ void down1(DOWN1_ARGS) {
+template <int PROBE> __device__ __forceinline__ void down1(DOWN1_ARGS) {
     __shared__ __align__(16) uint4 wbuf[D1R_BYTES / 16];
     __shared__ float ys[MAXK][32];
     int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
@@ -182,7 +185,8 @@ template <bool PROBE> __device__ __forceinline__ void down1(DOWN1_ARGS) {
             int n = min(kt, ffn - k0);
             long long o = (long long)(k0 / bw) * bb;
             __syncwarp();  // the previous tile is consumed
-            for (int i = 0; i < ng; i++) stage_row(my + i * sl, e + off_d + (long long)(r0 + i0 + i) * rb_d + o, (n / bw) * bb, lane);
+            for (int i = 0; i < ng && PROBE < 2; i++)
+                stage_row(my + i * sl, e + off_d + (long long)(r0 + i0 + i) * rb_d + o, (n / bw) * bb, lane);
             const uint8_t* mine = my + ri * sl + ((u64)(e + off_d + (long long)(r0 + i0 + ri) * rb_d + o) & 15);
             cp_wait();
             __syncwarp();
@@ -202,8 +206,11 @@ template <bool PROBE> __device__ __forceinline__ void down1(DOWN1_ARGS) {
     down1_combine(ex, ys, k, rows, out + r0);
 }
 extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine(DOWN1_ARGS) {
-    down1<false>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
+    down1<0>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
 }
 extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_p(DOWN1_ARGS) {
-    down1<true>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
+    down1<1>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
+}
+extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_n(DOWN1_ARGS) {
+    down1<2>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
 }

@@ -15,10 +15,10 @@ per call. ``--variants`` adds the batched call's rate with gpu_quant.cu's other 
 expert rates take ``--copies`` copies of the weights in turn (more bytes than the L2 cache holds).
 Each one-token launch is also timed alone, for the default kernels and ``gpu_quant.ONE_VARIANTS``
 (``--only``: again in a module compiled for the type alone; ``--down-rows``: the down launch at
-other rows per block; ``--probe``: the launches without their dots); ``--one`` times only
-those; ``--no-matmul`` skips the matmul rates; ``--occupancy`` prints the kernels' registers, stack
-and blocks per SM. Needs cupy and a GPU. The first call compiles gpu_quant.cu (about a minute; CuPy
-caches it).
+other rows per block; ``--probe``: the launches without their dots, and without their weight
+copies); ``--one`` times only those; ``--no-matmul`` skips the matmul rates; ``--occupancy`` prints
+the kernels' registers, stack and blocks per SM. Needs cupy and a GPU. The first call compiles
+gpu_quant.cu (about a minute; CuPy caches it).
 
     python experiments/gpu_quant_check.py --out gpu_quant.json
 
@@ -39,7 +39,7 @@ import cupy as cp  # noqa: E402
 
 from execute import quant as Q  # noqa: E402
 from execute.kernel_timing import copy_ceiling_gbps, graph_seconds as timed  # noqa: E402
-from execute.gpu_quant import BATCH_VARIANTS, FLOAT_QTYPES, ONE_PROBE, ONE_VARIANTS, Experts, kernel_info, matmul  # noqa: E402
+from execute.gpu_quant import BATCH_VARIANTS, FLOAT_QTYPES, ONE_PROBES, ONE_VARIANTS, Experts, kernel_info, matmul  # noqa: E402
 
 REL_ERR, REL_ERR_INT8 = 1e-5, 2e-4
 
@@ -123,11 +123,12 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
         rates += [nb / t / 1e9] if not d else []
         print(f"  one token{v or ' (default)'}{' ' + d[0] if d else ''}: gate/up {us[0]:.1f} us, down {us[1]:.1f} us, "
               f"{nb / t / 1e9:.0f} GB/s", flush=True)
-    if a.probe:  # the launches with their dots left out: copies, staging and reductions alone
-        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=ONE_PROBE) for w in ws]
+    for v in ONE_PROBES if a.probe else ():  # without the dots (_p) and the weight copies (_n)
+        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=v) for w in ws]
         us = [1e6 * timed([lambda o=o, k=k: o._calls[k](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones],
                           a.reps) for k in (0, 1)]
-        print(f"  probe_p (no dots): gate/up {us[0]:.1f} us, down {us[1]:.1f} us", flush=True)
+        print(f"  probe{v} ({'no dots' if v == '_p' else 'no dots, no copies'}): gate/up {us[0]:.1f} us, "
+              f"down {us[1]:.1f} us", flush=True)
     for r in a.down_rows:
         ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, down_rows=r) for w in ws]
         for o in ones:
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--occupancy", action="store_true", help="print the expert kernels' registers and blocks per SM")
     p.add_argument("--down-rows", default="", help="comma-separated rows per block to time the down launch at")
     p.add_argument("--no-matmul", action="store_true", help="skip the matmul rates (their errors still run)")
-    p.add_argument("--probe", action="store_true", help="also time the one-token launches with their dots left out")
+    p.add_argument("--probe", action="store_true", help="also time the one-token launches without their dots (and copies)")
     p.add_argument("--out", type=Path, help="also write the rows here (JSON)")
     a = p.parse_args(argv)
     a.variants = BATCH_VARIANTS if a.variants else ()
