@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["replay_executor", "run_device", "session_hardware", "log"]
+__all__ = ["replay_executor", "run_device", "session_hardware", "calibrated_on_round", "log"]
 
 
 def log(msg: str) -> None:
@@ -107,7 +107,7 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
     raw["calibration_records"], raw["calibration_runs"] = [], []
     for rep in range(args.repeats):  # interleaved, every other round in reverse: drift spreads over configs
         if args.host_calibration == "session":  # the calibration workload, in this process, this round
-            raw["calibration_records"].extend(calibration_replay(cp, gx, layers, args, dense))
+            raw["calibration_records"].extend({**r, "round": rep} for r in calibration_replay(cp, gx, layers, args, dense))
             t0 = time.perf_counter()
             cal = calibration_runs(cp, gx, layers, args, dense)  # unlogged: timed as the checked runs are
             raw["calibration_runs"].extend({**r, "round": rep} for r in cal)
@@ -126,6 +126,28 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
             write_json(Path(args.out) / "raw.json", raw)  # kept if a later run or the analysis fails
     gx.close()
     return raw
+
+
+def calibrated_on_round(raw: dict, rnd: int) -> dict:
+    """``raw`` with the session calibration of round ``rnd`` only (its calibration replay's records
+    and unlogged runs) and the checked runs of the other rounds only: a prediction from it is out
+    of sample in time (calibrated on one round, checked on the others). Records without a round
+    tag (recorded before the tag) are split evenly, in order, over the rounds (every round replays
+    the same workload). ValueError when the recording has no such round or only one round."""
+    rounds = int(raw["args"].get("repeats", 1))
+    if not 0 <= rnd < rounds or rounds < 2:
+        raise ValueError(f"calibration round {rnd}: the recording has rounds 0..{rounds - 1}, expected another round to check")
+    recs = raw.get("calibration_records") or []
+    if recs and all("round" in r for r in recs):
+        mine = [r for r in recs if r["round"] == rnd]
+    else:
+        n = len(recs) // rounds
+        mine = recs[rnd * n:(rnd + 1) * n]
+    if not mine:
+        raise ValueError(f"calibration round {rnd}: no calibration replay recorded in that round")
+    return {**raw, "calibration_records": mine,
+            "calibration_runs": [r for r in raw.get("calibration_runs") or [] if r.get("round") == rnd],
+            "runs": [r for r in raw["runs"] if r["repeat"] != rnd]}
 
 
 def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:

@@ -51,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-calibration", choices=("session", "file"), default="session",
                     help="session (default): host-lane and CPU pool costs from moelab calibrate's replay workload "
                          "run in this process before each round; file: as --hardware has them")
+    ap.add_argument("--calibration-round", type=int, default=None, metavar="R",
+                    help="session calibration from round R's replays only, checked on the other rounds' runs "
+                         "(out of sample in time; with the session calibration)")
     ap.add_argument("--budgets", type=_budgets, default=None,
                     help="expert budgets in MiB (the peer benchmark's: 2048,4096,12288): runs gpu, cpu, and lru "
                          "and hybrid at each")
@@ -69,6 +72,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.peer:
         return svr.predict_peer_rows(args.peer, args.hardware)
+    if args.calibration_round is not None and args.host_calibration != "session":
+        ap.error("--calibration-round needs the session calibration (drop --host-calibration file)")
     for flag, v, low in (("--repeats", args.repeats, 1), ("--warmup-rounds", args.warmup_rounds, 0),
                          ("--layers", args.layers, 1), ("--tokens", args.tokens, 1)):
         if v < low:

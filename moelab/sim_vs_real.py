@@ -82,6 +82,15 @@ def run(args) -> int:
             return 2
     else:
         raw = run_device(args, runs_of(vars(args)), fd.make_policy_of)
+    if getattr(args, "calibration_round", None) is not None:
+        from execute.fidelity import calibrated_on_round
+
+        try:
+            raw = calibrated_on_round(raw, args.calibration_round)
+        except ValueError as e:
+            print(f"sim_vs_real: --calibration-round: {e}", file=sys.stderr)
+            return 2
+        log(f"calibrated on round {args.calibration_round}, checked on the other rounds' runs")
     if not raw.get("runs"):
         print("sim_vs_real: no recorded runs to compare", file=sys.stderr)
         return 1

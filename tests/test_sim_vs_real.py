@@ -383,3 +383,22 @@ def test_peer_rows_replay_the_routing_the_benchmark_recorded(tmp_path):
     hits = {r["row"]: r["predicted_hit_rate"] for r in rows}
     assert hits["moelab gpu"] == 1.0  # every expert of every step a hit; under lru the prompt's one step
     assert hits["moelab lru"] == pytest.approx(1 - 8 / 40)  # misses its 8 experts, the 4 decode steps' 32 hit
+
+
+def test_a_calibration_round_keeps_its_own_replays_and_the_other_rounds_runs():
+    from execute.fidelity import calibrated_on_round
+
+    runs = [{"label": "lru", "repeat": r} for r in range(3)]
+    tagged = [{"round": r, "n": i} for r in range(3) for i in range(2)]
+    raw = {"args": {"repeats": 3}, "runs": runs, "calibration_records": tagged,
+           "calibration_runs": [{"round": r} for r in range(3)]}
+    one = calibrated_on_round(raw, 1)
+    assert [r["round"] for r in one["calibration_records"]] == [1, 1]
+    assert one["calibration_runs"] == [{"round": 1}] and [r["repeat"] for r in one["runs"]] == [0, 2]
+    old = calibrated_on_round({**raw, "calibration_records": [{"n": i} for i in range(6)]}, 2)  # untagged: even split
+    assert [r["n"] for r in old["calibration_records"]] == [4, 5]
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="rounds 0..2"):
+            calibrated_on_round(raw, bad)
+    with pytest.raises(ValueError, match="rounds 0..0"):
+        calibrated_on_round({**raw, "args": {"repeats": 1}}, 0)
