@@ -44,7 +44,7 @@ from .prefill import _N_DOWN, _N_GATE, MIN_TOKENS, _kernel
 
 __all__ = ["DEFAULT", "DeviceChunk", "device_env"]
 
-DEFAULT = "0"  # MOELAB_PREFILL_DEVICE when unset
+DEFAULT = "1"  # MOELAB_PREFILL_DEVICE when unset
 
 _rt = cp.cuda.runtime
 _GROUP_E = 2048  # pf_group's shared arrays (GROUP_E in prefill_kernels.cu)
