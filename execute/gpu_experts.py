@@ -395,9 +395,8 @@ class GpuExperts:
         _rt.eventRecord(self.last_read.ptr, self.compute.ptr)
 
     def after_caller(self) -> None:
-        """Make the compute stream wait for the work queued so far on the caller's current stream:
-        the copy or kernel that wrote a layer's input, the reads of an output it has dropped (the
-        compute stream is non-blocking: nothing orders it after the caller's stream otherwise)."""
+        """Make the compute stream (non-blocking: nothing else orders it after the caller's stream) wait
+        for the caller's work so far: what wrote a layer's input, the reads of an output it dropped."""
         cur = cp.cuda.get_current_stream().ptr
         if cur != self.compute.ptr:
             _rt.eventRecord(self._caller_ev.ptr, cur)
@@ -525,12 +524,9 @@ class GpuExperts:
         return [lambda s: gate_up(g1, 32 * _WARPS, s, *a1), lambda s: down(g2, 32 * k, s, *a2)]
 
     def _output(self, rows: int, cols: int) -> cp.ndarray:
-        """A (rows, cols) float32 array for a layer's output: one of earlier outputs that nobody
-        holds any more (as a freed block of CuPy's pool would be reused, in compute-stream order),
-        else a new one; saves the allocation's host cost."""
-        ring = self._outs.get((rows, cols))
-        if ring is None:
-            ring = self._outs[rows, cols] = []
+        """A (rows, cols) float32 array for a layer's output: an earlier output nobody holds any more
+        (as CuPy's pool would reuse it, in compute-stream order), else a new one (saves its host cost)."""
+        ring = self._outs.setdefault((rows, cols), [])
         for a in ring:
             if sys.getrefcount(a) == _FREE_REFS:
                 return a
