@@ -412,10 +412,10 @@ def test_a_cpu_worker_that_dies_is_one_error_long_before_the_timeout(nan_models,
 
     real = cpu_pool._team_worker
 
-    def dies(ctrl, ring, t, team, spin_ns):
+    def dies(ctrl, ring, t, *rest):
         if t == 0:
             raise ZeroDivisionError("division by zero")
-        return real(ctrl, ring, t, team, spin_ns)
+        return real(ctrl, ring, t, *rest)
 
     dies.compile = real.compile  # the pool compiles the team's loop before starting it
     monkeypatch.setattr(cpu_pool, "_team_worker", dies)
