@@ -104,9 +104,10 @@ class DeviceChunk:
 
     def takes(self, t: int, routes) -> bool:
         """Whether a chunk of ``t`` tokens runs here: t >= MIN_TOKENS, no forced routes, no router
-        predictor, no background copy in flight, and every expert of every MoE block resident."""
+        predictor, the chunk dense path still on, no background copy in flight, and every expert of
+        every MoE block resident."""
         eng = self.engine
-        if (t < MIN_TOKENS or routes is not None or self.model.router_predictor is not None
+        if (t < MIN_TOKENS or routes is not None or self.model.router_predictor is not None or self.model.pd is None
                 or getattr(eng, "_pending", None)):  # background moves still in flight
             return False
         return bool(np.all(eng.slot_of.table[self._need] != 0))

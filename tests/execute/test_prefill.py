@@ -288,6 +288,7 @@ def _model_run(w, policy: str, slots: int, prefill: bool, monkeypatch):
     from scheduler.audit import Audit
 
     monkeypatch.setenv("MOELAB_PREFILL", "1" if prefill else "0")
+    monkeypatch.setenv("MOELAB_PREFILL_DEVICE", "0")  # block by block: the device chunk has its own tests
     g = w.info.geometry()
     cap = Capacity.per_layer(g, slots)
     options = {"miss_frac_256": 128, "swap_every": 2, "gate": 0.5, "margin": 0.1} if policy == "hybrid" else {}
