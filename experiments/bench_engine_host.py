@@ -1,20 +1,16 @@
 """The expert engine's host path per one-token layer step, on any machine: a stand-in for cupy.
 
-The engine (``execute.engine.ExpertEngine`` over ``execute.gpu_experts.GpuExperts``) runs a
-policy's decode steps as ``bench_executor.py`` runs them (``begin_layer`` as soon as the routing is
-known, then the driver's plan, then ``run_layer``), but over a stand-in for cupy whose runtime and
-driver calls are plain Python functions that count themselves: no device, no driver cost. What is
-left is the host path's Python work, and the count of runtime calls it makes (each costs about
-0.6-14 us more on the H200's host: ``bench_executor``'s "one call" table). Model: ``--layers`` x
-``--experts`` Q8_0 experts of a small shape (the host path does not depend on it), routed by the
-``traces.synth`` qwen3-30b-a3b preset, ``--slots`` cache slots per layer, top-8, no hand-off
-(``MOELAB_HANDOFF=0``: the stand-in maps no memory; the policies here place nothing on the CPU).
+The engine (``ExpertEngine`` over ``GpuExperts``) runs a policy's decode steps as
+``bench_executor.py`` does, over a stand-in for cupy whose runtime and driver calls are plain
+Python functions that count themselves: what is left is the host path's Python work and its count
+of runtime calls (each ~0.6-14 us more on the H200's host). Model: ``--layers`` x ``--experts``
+small Q8_0 experts routed by the ``traces.synth`` qwen3-30b-a3b preset, ``--slots`` per layer,
+top-8, no hand-off (``MOELAB_HANDOFF=0``: the stand-in maps no memory).
 
-Prints, per policy: the engine's host time per layer step (``cpu``): the thread's CPU time of the
-fastest of ``--repeats`` passes over the trace with the engine's calls minus that of the fastest
-pass without them (robust to a busy machine); the engine's own wall-clock phases of the fastest
-pass (``begin_layer``, ``run_layer``'s plan and queue, bench_executor's columns; noisy where other
-work shares the cores); runtime calls per step by name, uploads per step, a digest of decisions.
+Prints, per policy: the engine's host time per layer step (the thread's CPU time of the fastest of
+``--repeats`` passes with the engine's calls minus that of the fastest pass without them); the
+engine's wall-clock phases of the fastest pass (bench_executor's columns); runtime calls per step
+by name, uploads per step, a digest of decisions.
 
 ``--base REV``: the same under REV's ``execute`` / ``scheduler`` / ``traces`` and under this tree,
 each in its own process, alternated ``--rounds`` times; the decisions' digests are compared.
@@ -110,25 +106,33 @@ def standin_cupy() -> types.ModuleType:
     return cp
 
 
-def run(args) -> dict:
-    """Per policy: the engine's host us per step and its calls per step (this process's tree)."""
-    os.environ["MOELAB_HANDOFF"] = "0"
-    sys.modules["cupy"] = standin_cupy()
+def workload(args):
+    """The engine's layers (Q8_0, hidden 256, ffn 128), their geometry, the routed tokens (the
+    qwen3-30b-a3b synthetic preset, top-8) and the routing weights ``(T, L, 1, 8)``."""
     from execute import quant as Q
-    from execute.engine import ExpertEngine
     from execute.experts import random_layer
-    from execute.gpu_experts import GpuExperts
-    from scheduler import Capacity, Geometry, make_policy
+    from scheduler import Geometry
     from traces import synth
 
-    rng = np.random.default_rng(args.seed)
-    base = random_layer(rng, 0, args.experts, 256, 128, Q.Q8_0)
+    base = random_layer(np.random.default_rng(args.seed), 0, args.experts, 256, 128, Q.Q8_0)
     layers = [replace(base, layer=l) for l in range(args.layers)]
     geo = Geometry((args.experts,) * args.layers, 8, (base.expert_bytes,) * args.layers)
     trace = synth.generate(args.layers, args.experts, 8, args.tokens, synth.PRESETS["qwen3-30b-a3b"].params,
                            np.random.default_rng(args.seed + 1))
-    tokens, wrng = list(trace.tokens()), np.random.default_rng(args.seed + 2)
-    weights = wrng.dirichlet(np.ones(8), (len(tokens), args.layers, 1)).astype(np.float32)  # (T, L, 1, 8)
+    tokens = list(trace.tokens())
+    weights = np.random.default_rng(args.seed + 2).dirichlet(np.ones(8), (len(tokens), args.layers, 1))
+    return layers, geo, tokens, weights.astype(np.float32)
+
+
+def run(args) -> dict:
+    """Per policy: the engine's host us per step and its calls per step (this process's tree)."""
+    os.environ["MOELAB_HANDOFF"] = "0"
+    sys.modules["cupy"] = standin_cupy()
+    from execute.engine import ExpertEngine
+    from execute.gpu_experts import GpuExperts
+    from scheduler import Capacity, make_policy
+
+    layers, geo, tokens, weights = workload(args)
     out = {}
     for name in args.policies.split(","):
         cap = Capacity.per_layer(geo, args.experts if name == "gpu" else args.slots)
@@ -217,12 +221,9 @@ def compare_base(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policies", default="lru,gpu")
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--experts", type=int, default=128)
+    for name, default in (("layers", 48), ("experts", 128), ("tokens", 60), ("repeats", 3), ("seed", 0)):
+        ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--slots", type=int, default=32, help="cache slots per layer (gpu: every expert)")
-    ap.add_argument("--tokens", type=int, default=60)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="--base: processes per tree, alternated")
     ap.add_argument("--base", help="git revision whose engine to time beside this tree's")
     ap.add_argument("--json", action="store_true")
@@ -233,8 +234,7 @@ def main() -> None:
         ap.error(f"--policies: lru and gpu only (no CPU work over the stand-in), got {args.policies!r}")
     res = compare_base(args) if args.base else run(args)
     if args.json:
-        print(json.dumps(res))
-        return
+        return print(json.dumps(res))
     print(f"host us per layer step over a stand-in cupy ({args.layers} layers x {args.experts} experts, top-8, "
           f"{args.slots} slots, {args.tokens} tokens), best of {args.repeats}")
     print(f"  {'run':<14} {'early':>6} {'plan':>6} {'queue':>6} {'sum':>6} {'cpu':>6}  up/step  digest            "

@@ -72,21 +72,12 @@ def record(args) -> dict:
     """Per policy: the runtime calls of one pass over the trace (this process's tree)."""
     os.environ["MOELAB_HANDOFF"] = "0"
     cp = sys.modules["cupy"] = H.standin_cupy()
-    from execute import quant as Q
     from execute.engine import ExpertEngine
-    from execute.experts import random_layer
     from execute.gpu_experts import GpuExperts
-    from scheduler import Capacity, Geometry, make_policy
+    from scheduler import Capacity, make_policy
     from scheduler.drive import EndToken, RunLayer, drive
-    from traces import synth
 
-    base = random_layer(np.random.default_rng(args.seed), 0, args.experts, 256, 128, Q.Q8_0)
-    layers = [replace(base, layer=l) for l in range(args.layers)]
-    geo = Geometry((args.experts,) * args.layers, 8, (base.expert_bytes,) * args.layers)
-    trace = synth.generate(args.layers, args.experts, 8, args.tokens, synth.PRESETS["qwen3-30b-a3b"].params,
-                           np.random.default_rng(args.seed + 1))
-    tokens, wrng = list(trace.tokens()), np.random.default_rng(args.seed + 2)
-    weights = wrng.dirichlet(np.ones(8), (len(tokens), args.layers, 1)).astype(np.float32)  # (T, L, 1, 8)
+    layers, geo, tokens, weights = H.workload(args)
     out = {}
     for name in args.policies.split(","):
         cap = Capacity.per_layer(geo, args.experts if name == "gpu" else args.slots)
