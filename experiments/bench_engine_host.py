@@ -70,12 +70,8 @@ class _Handle:
 
 
 class _Pinned(bytearray):
-    @property
-    def ptr(self) -> int:
-        return np.frombuffer(self, np.uint8).ctypes.data
-
-    def size(self) -> int:
-        return len(self)
+    ptr = property(lambda self: np.frombuffer(self, np.uint8).ctypes.data)
+    size = bytearray.__len__
 
 
 def _counted(name: str, result=None):
@@ -155,8 +151,7 @@ def run(args) -> dict:
 
 
 def _with_bare(r: dict, bare_s: float) -> dict:
-    """``r`` (the fastest pass with the engine) with the fastest pass without it, and the engine's
-    CPU time per step: the difference of the two minima."""
+    """``r`` (the fastest pass with the engine) with the fastest without it and their difference per step."""
     return dict(r, bare_s=bare_s, cpu_us=1e6 * (r["cpu_s"] - bare_s) / r["steps"])
 
 
@@ -196,25 +191,29 @@ def loop(pol, engine, tokens, weights) -> dict:
     return r
 
 
-def compare_base(args) -> dict:
-    """``run`` under REV's packages and this tree's, in child processes, alternated."""
+def in_both_trees(rev: str, cmd: list[str], rounds: int = 1):
+    """Yields ("base" | "this", JSON printed by ``cmd``) run on REV's packages or this tree's, alternated."""
     repo = Path(__file__).resolve().parents[1]
-    res = {}
     with tempfile.TemporaryDirectory() as tmp:
-        arc = subprocess.run(["git", "archive", args.base, "execute", "scheduler", "traces"], cwd=repo,
-                             capture_output=True)
+        arc = subprocess.run(["git", "archive", rev, "execute", "scheduler", "traces"], cwd=repo, capture_output=True)
         if arc.returncode:
-            sys.exit(f"--base: git archive {args.base!r} failed: {arc.stderr.decode().strip()}")
+            sys.exit(f"--base: git archive {rev!r} failed: {arc.stderr.decode().strip()}")
         subprocess.run(["tar", "-x", "-C", tmp], input=arc.stdout, check=True)
-        cmd = [sys.executable, __file__, "--json", "--policies", args.policies] + [
-            f"--{k}={getattr(args, k)}" for k in ("repeats", "tokens", "layers", "experts", "slots", "seed")]
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for tree, path in (("base", tmp), ("this", str(repo))):
                 env = dict(os.environ, PYTHONPATH=path)
-                got = json.loads(subprocess.run(cmd, env=env, capture_output=True, check=True, text=True).stdout)
-                for name, r in got.items():
-                    old = res.get((tree, name), r)
-                    res[tree, name] = _with_bare(min(r, old, key=lambda v: v["cpu_s"]), min(r["bare_s"], old["bare_s"]))
+                yield tree, json.loads(subprocess.run(cmd, env=env, capture_output=True, check=True, text=True).stdout)
+
+
+def compare_base(args) -> dict:
+    """``run`` under REV's packages and this tree's, in child processes, alternated."""
+    res = {}
+    cmd = [sys.executable, __file__, "--json", "--policies", args.policies] + [
+        f"--{k}={getattr(args, k)}" for k in ("repeats", "tokens", "layers", "experts", "slots", "seed")]
+    for tree, got in in_both_trees(args.base, cmd, args.rounds):
+        for name, r in got.items():
+            old = res.get((tree, name), r)
+            res[tree, name] = _with_bare(min(r, old, key=lambda v: v["cpu_s"]), min(r["bare_s"], old["bare_s"]))
     return {f"{tree}:{name}": r for (tree, name), r in res.items()}
 
 

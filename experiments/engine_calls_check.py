@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
@@ -133,18 +130,9 @@ def main() -> int:
     if args.record:
         print(json.dumps(record(args)))
         return 0
-    repo, got = Path(__file__).resolve().parents[1], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        arc = subprocess.run(["git", "archive", args.base, "execute", "scheduler", "traces"], cwd=repo,
-                             capture_output=True)
-        if arc.returncode:
-            sys.exit(f"--base: git archive {args.base!r} failed: {arc.stderr.decode().strip()}")
-        subprocess.run(["tar", "-x", "-C", tmp], input=arc.stdout, check=True)
-        cmd = [sys.executable, __file__, "--record", "--base", args.base, "--policies", args.policies] + [
-            f"--{k}={getattr(args, k)}" for k in ("tokens", "layers", "experts", "slots", "seed")]
-        for tree, path in (("base", tmp), ("this", str(repo))):
-            env = dict(os.environ, PYTHONPATH=path)
-            got[tree] = json.loads(subprocess.run(cmd, env=env, capture_output=True, check=True, text=True).stdout)
+    cmd = [sys.executable, __file__, "--record", "--base", args.base, "--policies", args.policies] + [
+        f"--{k}={getattr(args, k)}" for k in ("tokens", "layers", "experts", "slots", "seed")]
+    got = dict(H.in_both_trees(args.base, cmd))
     same = True
     for name in args.policies.split(","):
         a, b = got["base"][name], got["this"][name]
