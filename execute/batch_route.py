@@ -8,7 +8,7 @@ import numpy as np
 
 from scheduler import Step
 
-__all__ = ["route_rows", "merge_rows", "stable_order", "group_pairs", "max_tiles"]
+__all__ = ["route_rows", "merge_rows", "settle", "stable_order", "group_pairs", "max_tiles"]
 
 
 def _softmax_rows(v: np.ndarray) -> np.ndarray:
@@ -108,3 +108,20 @@ def group_pairs(ids: np.ndarray, experts: int, tile_rows: int = 32, tiles: int |
     out = np.zeros((3, n_t), np.int32)
     out[:, : len(g)] = starts[g] + j * tile_rows, np.minimum(tile_rows, counts[g] - j * tile_rows), g
     return (order // k).astype(np.int32), pair_of, out
+
+
+def settle(model, kept, rows):
+    """Yield the Step of each MoE block of a chunk already run, in block order (``kept``: (layer, ids
+    ``(T, k)``, float64 weights ``(T, k)``)), the model's per-step state set as block by block leaves
+    it; ``rows``: the per-token route log, appended to (or None)."""
+    for l, ids, wts in kept:
+        model.last_input, model.last_ids, model.last_weights = None, ids, wts.astype(np.float32)
+        model._out = None
+        if rows is not None:
+            for r in range(len(ids)):
+                rows[r].append((l, ids[r].tolist(), wts[r].tolist()))
+        model.step_done = True
+        try:
+            yield merge_rows(l, ids, wts)
+        finally:
+            model.step_done = False

@@ -37,7 +37,7 @@ import time
 import cupy as cp
 import numpy as np
 
-from .batch_route import max_tiles, merge_rows
+from .batch_route import max_tiles, settle
 from .experts import ExecutorError
 from .gpu_host import Launch
 from .prefill import _N_DOWN, _N_GATE, MIN_TOKENS, _kernel
@@ -207,16 +207,6 @@ class DeviceChunk:
         wts = host[:wb].view(np.float64).reshape(L, T, k)
         ids = host[wb:wb + ib].view(np.int32).reshape(L, T, k).astype(np.int64)
         model._route_len = [k] * T
-        for j, l in enumerate(self.moe):
-            tids, twts = ids[j], wts[j].copy()
-            model.last_input, model.last_ids, model.last_weights = None, tids, twts.astype(np.float32)
-            model._out = None
-            if rows is not None:
-                for r in range(T):
-                    rows[r].append((l, tids[r].tolist(), twts[r].tolist()))
-            model.step_done = True
-            try:
-                yield merge_rows(l, tids, twts)
-            finally:
-                model.step_done = False
+        yield from settle(model, ((l, ids[j], wts[j].copy()) for j, l in enumerate(self.moe)), rows)
         return True
+

@@ -49,7 +49,7 @@ class _HostChunk:
         return routes is None
 
     def steps(self, x, all_logits: bool, rows):
-        from execute.batch_route import merge_rows
+        from execute.batch_route import merge_rows, settle
 
         m = self.model
         if self.fail:
@@ -63,16 +63,7 @@ class _HostChunk:
             kept.append((l, ids, wts))
         m._head(x, all_logits)
         self.chunks += 1
-        for l, ids, wts in kept:
-            m.last_input, m.last_ids, m.last_weights = None, ids, wts.astype(np.float32)
-            if rows is not None:
-                for r in range(len(ids)):
-                    rows[r].append((l, ids[r].tolist(), wts[r].tolist()))
-            m.step_done = True
-            try:
-                yield merge_rows(l, ids, wts)
-            finally:
-                m.step_done = False
+        yield from settle(m, kept, rows)
         return True
 
 
