@@ -417,12 +417,10 @@ class CpuExpertPool:
     def __init__(self, threads: int, timeout_s: float = 30.0, spin_us: float | None = None,
                  ctrl: np.ndarray | None = None, wake: str | None = None):
         cores = os.cpu_count() or 1
-        if wake is None:
-            wake = os.environ.get("MOELAB_POOL_WAKE", "lead")
-            if wake not in ("lead", "all"):
-                raise ValueError(f"MOELAB_POOL_WAKE={wake!r}: expected 'lead' or 'all'")
+        source = "CpuExpertPool wake" if wake is not None else "MOELAB_POOL_WAKE"
+        wake = os.environ.get("MOELAB_POOL_WAKE", "lead") if wake is None else wake
         if wake not in ("lead", "all"):
-            raise ValueError(f"CpuExpertPool wake: {wake!r}, expected 'lead' or 'all'")
+            raise ValueError(f"{source}: {wake!r}, expected 'lead' or 'all'")
         self.wake = wake
         # the caller takes a share of the work in result(): a team that would take every core
         # leaves it one (threads - 1 workers), and a team of fewer gets one more hand
