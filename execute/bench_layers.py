@@ -52,8 +52,9 @@ from scheduler.profile import Profile
 from . import quant as Q
 from .experts import LayerExperts, random_layer
 
-__all__ = ["Dense", "FALLBACK_PARAMS", "HOST_PHASES", "NO_CPU", "bound_s", "build_layers", "engine_variant", "label",
-           "make_trace", "measure_rates", "report", "run_policy", "warmup_profile", "write_outputs"]
+__all__ = ["Dense", "FALLBACK_PARAMS", "HOST_PHASES", "NO_CPU", "bench_cost_model", "bound_s", "build_layers",
+           "engine_variant", "label", "make_trace", "measure_rates", "policy_spec", "report", "run_policy",
+           "warmup_profile", "write_outputs"]
 
 # fitted with traces.synth.signature to the published 48x128 top-8 LRU hit rates (see module docstring)
 FALLBACK_PARAMS = dict(zipf_s=0.6, topic_concentration=0.3, reuse_prob=0.3, reuse_lag_tokens=2.0)
@@ -104,6 +105,43 @@ def make_trace(args, seed: int, num_tokens: int):
     params = preset.params if preset is not None else synth.SynthParams(**FALLBACK_PARAMS)
     return synth.generate(args.layers, args.experts, args.top_k, num_tokens, params, np.random.default_rng(seed)), \
         ("preset qwen3-30b-a3b" if preset is not None else f"fitted here {FALLBACK_PARAMS}")
+
+
+def bench_cost_model(args, hardware, policy: str):
+    """The cost model a hardware description gives the bench's shape (``args``: layers, experts,
+    top_k, hidden, ffn; Q8_0 experts), as ``moelab run --hardware`` builds it for a model file:
+    ``Costs(model, hardware, ExecConfig(policy=policy)).cost_model()`` of the ``qwen3-30b-a3b``
+    preset reshaped to the bench (its dense part and head are the preset's)."""
+    from scheduler.costs import Costs, ExecConfig
+    from scheduler.models import load_model
+
+    spec = replace(load_model("qwen3-30b-a3b"), name="bench", num_layers=args.layers, num_experts=args.experts,
+                   top_k=args.top_k, hidden=args.hidden, expert_ffn=args.ffn, first_dense_layers=0,
+                   expert_quant="Q8_0", layer_expert_bytes=())
+    return Costs(spec, hardware, ExecConfig(policy=policy)).cost_model()
+
+
+def policy_spec(text: str) -> tuple[str, dict]:
+    """``NAME`` or ``NAME:FIELD=VALUE:...`` (a policy and config fields: ints, floats, true/false,
+    words) -> (name, options); ValueError naming the part that is not ``FIELD=VALUE``."""
+    name, *parts = text.split(":")
+    options = {}
+    for part in parts:
+        key, eq, v = part.partition("=")
+        if not eq or not key or not v:
+            raise ValueError(f"policy {text!r}: {part!r} is not FIELD=VALUE")
+        low = v.lower()
+        if low in ("true", "false"):
+            options[key] = low == "true"
+        else:
+            try:
+                options[key] = int(v)
+            except ValueError:
+                try:
+                    options[key] = float(v)
+                except ValueError:
+                    options[key] = v
+    return name, options
 
 
 def warmup_profile(trace, rows: int, slots: int) -> Profile:
@@ -329,6 +367,7 @@ def bound_s(decisions, eb: int, rates: dict) -> tuple[float, float]:
 
 HOST_PHASES = ("dense", "run_layer", "background")
 NO_CPU = {"gpu", "lru", "freq-lru"}  # policies that never compute an expert on the CPU
+HYBRIDS = ("hybrid", "hybrid-cost")  # the policies report() compares with the best of the others
 ENGINE_PHASES = ("host_early_s", "host_plan_s", "host_submit_s", "host_queue_s", "input_wait_s", "cpu_wait_s",
                  "host_combine_s", "background_wait_s")
 
@@ -346,17 +385,19 @@ def engine_variant(text: str) -> dict:
 
 
 def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense, gx, rates, options,
-               sync: bool = False, variant: str | None = None) -> dict:
+               sync: bool = False, variant: str | None = None, cost_model=None) -> dict:
     """One policy over the trace. As in a forward pass, each layer's dense part runs and the
     engine's ``begin_layer`` starts the resident experts (unless ``--no-early``) before the driver
     plans the step; ``sync`` waits for the layer's GPU work after ``run_layer``, as the model's
     next router read-back does (then the host phases hold no back-pressure from the GPU queue).
-    ``variant``: the engine's ``WAIT:PUT`` (:func:`engine_variant`; None: its defaults)."""
+    ``variant``: the engine's ``WAIT:PUT`` (:func:`engine_variant`; None: its defaults).
+    ``cost_model``: for the policies that read one (``hybrid``'s share when ``options`` give no
+    ``miss_frac_256``, ``hybrid-cost``, ``lookahead``; :func:`bench_cost_model`)."""
     from .engine import ExpertEngine
 
     if name == "gpu":  # every expert resident: the arena holds the whole model
         cap = Capacity.per_layer(geo, args.experts)
-    pol = make_policy(name, geo, cap, profile=profile, **options)
+    pol = make_policy(name, geo, cap, profile=profile, cost_model=cost_model, **options)
     engine = ExpertEngine(layers, cap, threads=args.threads, use_gpu=True, timeout_s=60, gpu=gx,
                           **(engine_variant(variant) if variant else {}))
     engine.load_residents(pol.cache.slot)
@@ -438,7 +479,7 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
     breakdown["handoff_in_us"] = st.get("handoff_in_s", 0.0) * 1e6 / calls
     breakdown["handoff_out_us"] = st.get("handoff_out_s", 0.0) * 1e6 / calls
     return {
-        "policy": name, "options": options, "profile": profile is not None, "sync": sync, "early": early,
+        "policy": name, "options": options, "profile": profile is not None, "cost_model": cost_model is not None, "sync": sync, "early": early,
         "variant": variant, "background_moves": bg_moves,
         "early_pairs": st.get("early_pairs", 0), "tokens": n, "wall_s": wall,
         "tokens_per_s": n / wall, "hit_rate": hits / max(routed, 1), "uploaded_gb": (gx.bytes_uploaded - up0) / 1e9,
@@ -450,12 +491,17 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
 
 
 def label(r: dict) -> str:
-    """A run's name in tables: policy, ``sync``, hybrid's miss fraction and profile."""
+    """A run's name in tables: policy, ``sync``, hybrid's miss fraction (``cost``: its cost model's
+    share), fill cap, other options and profile."""
     s = r["policy"] + (" sync" if r.get("sync") else "")
-    if "miss_frac_256" in r["options"]:
-        s += f" f={r['options']['miss_frac_256']}"
-    if "max_fills" in r["options"]:
-        s += f" fills<={r['options']['max_fills']}"
+    opts = r["options"]
+    if "miss_frac_256" in opts:
+        s += f" f={opts['miss_frac_256']}"
+    elif r["policy"] == "hybrid" and r.get("cost_model"):
+        s += " cost"
+    if "max_fills" in opts:
+        s += f" fills<={opts['max_fills']}"
+    s += "".join(f" {k}={v}" for k, v in opts.items() if k not in ("miss_frac_256", "max_fills"))
     if r["policy"] == "hybrid" and r["profile"]:
         s += " +prof"
     if r.get("variant"):
@@ -475,8 +521,8 @@ def report(results: list[dict], rates: dict) -> tuple[str, dict | None]:
           f"{r.get('background_moves', 0):9d}{r['cpu_pairs']:10d}"
           f"{r['bound_tokens_per_s']:8.1f}{100 * r['tokens_per_s'] / r['bound_tokens_per_s']:7.0f}%"
           f"{r['ideal_split_bound_tokens_per_s']:8.1f}\n")
-    best = max((r for r in results if r["policy"] != "hybrid"), key=lambda r: r["tokens_per_s"], default=None)
-    hyb = max((r for r in results if r["policy"] == "hybrid"), key=lambda r: r["tokens_per_s"], default=None)
+    best = max((r for r in results if r["policy"] not in HYBRIDS), key=lambda r: r["tokens_per_s"], default=None)
+    hyb = max((r for r in results if r["policy"] in HYBRIDS), key=lambda r: r["tokens_per_s"], default=None)
     summary = None
     if best and hyb:
         summary = {"ratio": hyb["tokens_per_s"] / best["tokens_per_s"], "hybrid": label(hyb), "best": label(best)}
@@ -532,7 +578,7 @@ def write_outputs(out: Path, config: dict, rates: dict, results: list[dict], sum
     put("bench_executor.csv", write_csv)
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(results)), 4))
     xs = np.arange(len(results))
-    ax.bar(xs, [r["tokens_per_s"] for r in results], color=["C1" if r["policy"] == "hybrid" else "C0" for r in results])
+    ax.bar(xs, [r["tokens_per_s"] for r in results], color=["C1" if r["policy"] in HYBRIDS else "C0" for r in results])
     ax.scatter(xs, [r["bound_tokens_per_s"] for r in results], marker="_", s=400, color="k", label="bound")
     ax.scatter(xs, [r["ideal_split_bound_tokens_per_s"] for r in results], marker="_", s=400, color="C3",
                label="ideal-split bound")

@@ -12,7 +12,10 @@ shape), whatever ``--cache-mib``. ``--no-early`` turns off the engine's early st
 experts; ``--sync layer`` waits for each layer's GPU work after ``run_layer``, as the model's next
 router read-back does (without it a GPU-bound run charges the queue's back-pressure to whichever
 host phase waits). ``--engine-variants`` runs hybrid once per engine variant (how background
-copies are waited for, where the hand-off's input copy runs).
+copies are waited for, where the hand-off's input copy runs). ``--hardware FILE`` gives the
+policies that read a cost model the one that file gives this shape (``bench_cost_model``): then
+``hybrid-cost`` and ``lookahead`` can run, and ``cost`` in ``--miss-fracs`` runs ``hybrid`` with its
+cost-model share. A ``--policies`` entry may carry config fields: ``hybrid-cost:prefetch=4``.
 
 Method, bound and breakdown: ``execute.bench_layers``. Prints the results, hybrid / best non-hybrid
 and a per-layer host-time breakdown (hand-off edge columns included); writes
@@ -24,13 +27,16 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 
-from execute.bench_layers import (NO_CPU, Dense, build_layers, engine_variant, label, make_trace, measure_rates, report,
-                                  run_policy, warmup_profile, write_outputs)
+from execute.bench_layers import (NO_CPU, Dense, bench_cost_model, build_layers, engine_variant, label, make_trace,
+                                  measure_rates, policy_spec, report, run_policy, warmup_profile, write_outputs)
 from scheduler.core import Capacity, Geometry
+from scheduler.hardware import HardwareError, load_hardware
+from scheduler.policies import CONFIGS, POLICIES
 
 
 def log(msg: str) -> None:
@@ -51,7 +57,9 @@ def parse(argv):
     ap.add_argument("--warmup", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--policies", default="cpu,lru,static,hybrid")
-    ap.add_argument("--miss-fracs", default="16,44,96,160", help="hybrid miss_frac_256 values to run (comma list)")
+    ap.add_argument("--miss-fracs", default="16,44,96,160",
+                    help="hybrid miss_frac_256 values to run (comma list; 'cost': the cost model's share, --hardware)")
+    ap.add_argument("--hardware", default=None, help="hardware preset or file: the policies' cost model")
     ap.add_argument("--hybrid-profile", choices=("none", "warmup"), default="none",
                     help="hybrid's profile: none, or counted on the trace's warm-up tokens")
     ap.add_argument("--sync", choices=("none", "layer", "both"), default="none",
@@ -66,15 +74,37 @@ def parse(argv):
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_executor"))
     args = ap.parse_args(argv)
     try:
-        fracs = [int(f) for f in args.miss_fracs.split(",")]
+        fracs = [f if f == "cost" else int(f) for f in args.miss_fracs.split(",")]
     except ValueError:
-        ap.error(f"--miss-fracs: expected integers 0..256 separated by commas, got {args.miss_fracs!r}")
+        ap.error(f"--miss-fracs: expected integers 0..256 (or 'cost') separated by commas, got {args.miss_fracs!r}")
     try:
         args.fill_caps = [int(f) for f in args.max_fills.split(",") if f] or [None]
     except ValueError:
         ap.error(f"--max-fills: expected integers separated by commas, got {args.max_fills!r}")
-    if not all(0 <= f <= 256 for f in fracs):
+    if not all(f == "cost" or 0 <= f <= 256 for f in fracs):
         ap.error(f"--miss-fracs: expected integers 0..256, got {args.miss_fracs!r}")
+    args.hw = None
+    if args.hardware is not None:
+        try:
+            args.hw = load_hardware(args.hardware)
+        except HardwareError as exc:
+            ap.error(f"--hardware: {exc}")
+    if "cost" in fracs and args.hw is None:
+        ap.error("--miss-fracs: 'cost' needs --hardware (hybrid's cost-model share)")
+    try:
+        args.specs = [policy_spec(p) for p in args.policies.split(",") if p]
+        for name, options in args.specs:  # every name and field checked before the model is built
+            if name not in POLICIES:
+                raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
+            if options:
+                known = {f.name for f in fields(CONFIGS[name])} if name in CONFIGS else set()
+                if set(options) - known:
+                    raise ValueError(f"policy {name!r}: unknown option {', '.join(sorted(set(options) - known))}")
+                CONFIGS[name](**options)
+            if name in ("hybrid-cost", "lookahead") and args.hw is None:
+                raise ValueError(f"{name} needs --hardware (its cost model)")
+    except ValueError as exc:
+        ap.error(f"--policies: {exc}")
     if not 1 <= args.distinct_layers <= args.layers:
         ap.error(f"--distinct-layers: expected 1..{args.layers}, got {args.distinct_layers}")
     if args.hidden % 8 or args.warmup < 1 or args.tokens < 1:
@@ -117,30 +147,30 @@ def main(argv=None) -> int:
     pin_s = time.perf_counter() - t0
     log(f"pinned {len(gx.registered)} host buffers in {pin_s:.1f} s (staging: {gx.staging is not None})")
     dense = Dense(cp, args.layers, args.hidden, rng, gx.compute)
-    if set(args.policies.split(",")) <= NO_CPU:  # no CPU work: the pool's rate (and compile) not needed
+    if {p for p, _ in args.specs} <= NO_CPU:  # no CPU work: the pool's rate (and compile) not needed
         rates = measure_rates(cp, layers, gx, None, dense)
     else:
         with CpuExpertPool(args.threads, timeout_s=120) as pool:
             rates = measure_rates(cp, layers, gx, pool, dense)
     log("rates: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items() if isinstance(v, float)))
-    runs = [(p, {}, profile if p == "static" else None, None) for p in args.policies.split(",") if p != "hybrid"]
-    if "hybrid" in args.policies.split(","):
-        hp = profile if args.hybrid_profile == "warmup" else None
-        runs += [("hybrid", {"miss_frac_256": f} | ({} if m is None else {"max_fills": m}), hp, v)
-                 for f in fracs for m in args.fill_caps for v in variants]
+    runs = [(p, o, profile if p == "static" else None, None) for p, o in args.specs if p != "hybrid"]
+    hp = profile if args.hybrid_profile == "warmup" else None
+    runs += [("hybrid", o | ({} if f == "cost" else {"miss_frac_256": f}) | ({} if m is None else {"max_fills": m}),
+              hp, v) for p, o in args.specs if p == "hybrid" for f in fracs for m in args.fill_caps for v in variants]
     results = []
     syncs = {"none": (False,), "layer": (True,), "both": (False, True)}[args.sync]
     for name, options, prof, variant in runs:
         for sync in syncs:
+            cm = None if args.hw is None else bench_cost_model(args, args.hw, name)
             r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options, sync,
-                           variant)
+                           variant, cm)
             results.append(r)
             pl = r["per_layer_us"]
             log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound "
                 f"{r['bound_tokens_per_s']:.1f}; host us per layer step: early {pl['host_early_us']:.1f}, plan "
                 f"{pl['host_plan_us']:.1f}, queue {pl['host_queue_us']:.1f}, combine {pl['host_combine_us']:.1f}")
     gx.close()
-    config = dict(vars(args))
+    config = {k: v for k, v in vars(args).items() if k not in ("hw", "specs")}
     config.update(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), trace=trace_src, slots_per_layer=slots,
                   expert_bytes=eb, total_expert_gb=geo.total_expert_bytes / 1e9, pin_s=pin_s,
                   gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), static_profile="warm-up tokens",

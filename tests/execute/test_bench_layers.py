@@ -1,6 +1,7 @@
 """execute.bench_layers (experiments/bench_executor.py's parts): the bound of a decision list, the
 warm-up profile, the layers built as copies, the report's tables and ratio, the three output files
-with the hand-off edge columns, and the script's argument checks; (gpu) a whole small run."""
+with the hand-off edge columns, the script's argument checks, policy specs and the cost model a
+hardware file gives the bench's shape; (gpu) a whole small run."""
 from __future__ import annotations
 
 import csv
@@ -98,11 +99,18 @@ def test_report_and_outputs(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--miss-fracs", "4,x"], "--miss-fracs: expected integers 0..256 separated by commas"),
+    (["--miss-fracs", "4,x"], "--miss-fracs: expected integers 0..256 (or 'cost') separated by commas"),
     (["--miss-fracs", "300"], "--miss-fracs: expected integers 0..256"),
     (["--layers", "4", "--distinct-layers", "5"], "--distinct-layers: expected 1..4"),
     (["--hidden", "100"], "--hidden must be a multiple of 8"),
     (["--engine-variants", "device"], "--engine-variants: engine variant 'device': expected WAIT:PUT"),
+    (["--miss-fracs", "cost"], "--miss-fracs: 'cost' needs --hardware"),
+    (["--hardware", "nowhere.json"], "--hardware: nowhere.json"),
+    (["--policies", "hybrid-cost"], "--policies: hybrid-cost needs --hardware"),
+    (["--policies", "lru,mru"], "--policies: unknown policy 'mru'"),
+    (["--policies", "hybrid-cost:speed=2", "--hardware", "h200-xeon16"], "policy 'hybrid-cost': unknown option speed"),
+    (["--policies", "hybrid-cost:prefetch=99", "--hardware", "h200-xeon16"], "hybrid-cost prefetch: 99"),
+    (["--policies", "lru:fast"], "'fast' is not FIELD=VALUE"),
 ])
 def test_script_checks_its_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -114,17 +122,39 @@ def test_script_checks_its_arguments(argv, message, capsys):
                                                                                            "device:early"]
 
 
+def test_policy_specs_and_the_hardware_cost_model():
+    assert B.policy_spec("hybrid-cost:prefetch=4:prefetch_confidence=0.5:admit=usage:prefetch_fills=true") == (
+        "hybrid-cost", {"prefetch": 4, "prefetch_confidence": 0.5, "admit": "usage", "prefetch_fills": True})
+    args, fracs, _ = bench_executor.parse(["--hardware", "h200-xeon16", "--miss-fracs", "cost,44",
+                                           "--policies", "lru,hybrid,hybrid-cost:prefetch=4"])
+    assert fracs == ["cost", 44] and args.specs[2] == ("hybrid-cost", {"prefetch": 4})
+    from scheduler.costs import Costs, ExecConfig
+    from scheduler.hardware import load_hardware
+    from scheduler.models import load_model
+    hw = load_hardware("h200-xeon16")  # the default shape is the preset's: the simulator's cost model
+    want = Costs(load_model("qwen3-30b-a3b"), hw, ExecConfig(policy="hybrid-cost")).cost_model()
+    assert B.bench_cost_model(args, hw, "hybrid-cost") == want
+    small = bench_executor.parse(["--layers", "3", "--experts", "16", "--top-k", "2", "--hidden", "256", "--ffn",
+                                  "64", "--distinct-layers", "1"])[0]
+    cm = B.bench_cost_model(small, hw, "hybrid")
+    assert len(cm.upload_s) == 3 and cm.upload_s[0] < want.upload_s[0]
+    r = {"policy": "hybrid", "options": {}, "cost_model": True, "profile": False}
+    assert B.label(r) == "hybrid cost"
+    assert B.label({**r, "policy": "hybrid-cost", "options": {"prefetch": 4}}) == "hybrid-cost prefetch=4"
+
+
 @pytest.mark.gpu
 def test_a_small_run_writes_its_files(tmp_path, capsys):
     cupy_or_skip()
     out = tmp_path / "b"
     assert bench_executor.main(["--layers", "2", "--distinct-layers", "1", "--experts", "8", "--hidden", "256",
                                 "--ffn", "128", "--top-k", "2", "--warmup", "2", "--tokens", "4", "--threads", "1",
-                                "--policies", "gpu,lru,hybrid", "--miss-fracs", "128", "--out", str(out),
-                                "--engine-variants", "host:compute,device:early"]) == 0
+                                "--policies", "gpu,lru,hybrid-cost,hybrid", "--miss-fracs", "128", "--out", str(out),
+                                "--engine-variants", "host:compute,device:early", "--hardware", "h200-xeon16"]) == 0
     data = json.loads((out / "bench_executor.json").read_text())
-    assert [r["policy"] for r in data["results"]] == ["gpu", "lru", "hybrid", "hybrid"]
-    assert [r["variant"] for r in data["results"][2:]] == ["host:compute", "device:early"]
+    assert [r["policy"] for r in data["results"]] == ["gpu", "lru", "hybrid-cost", "hybrid", "hybrid"]
+    assert [r["variant"] for r in data["results"][3:]] == ["host:compute", "device:early"]
+    assert data["results"][2]["cost_model"] and data["config"]["hardware"] == "h200-xeon16"
     assert all(r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 for r in data["results"])
     assert data["rates"]["dense_rel_err"]["experts1_vs_grouped"] < 1e-5
     assert "hybrid / best non-hybrid" in capsys.readouterr().out
