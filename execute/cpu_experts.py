@@ -44,11 +44,11 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import quant as Q
-from .cpu_simd import (bits32, choose_isa, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
+from .cpu_simd import (bits32, choose_isa, choose_prefetch, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
 from .cpu_kq import (acc_dots, acc_dots_x16lo, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8, fadd, fmul,
-                     idot as _idot, load_f32x8, load_nib32_x16, sdot as _sdot, sdots, store_i8x32)
+                     idot as _idot, load_f32x8, load_nib32_x16, prefetch_plan, sdot as _sdot, sdots, store_i8x32)
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -342,27 +342,23 @@ def _qtype_is_float(qt):
     return qt == _F32 or qt == _F16 or qt == _BF16
 
 
-_AHEAD = 2  # rows prefetched ahead in _rows, and at least _AHEAD_BYTES: short rows (a low-bit type's down
-_AHEAD_BYTES = 2048  # projection: 3 blocks, ~250 bytes) would be asked for only a few hundred ns ahead
-
-
 @njit(fastmath=True, nogil=True, cache=True)
 def _rows(job, k, e, r0, r1, x, cols, a, out, rows):
     """out[i * rows + r] = row r of expert e of projection k (0 gate, 1 up, 2 down) . input i, for
     rows r0..r1 - 1 and the pairs i of e's group (all addresses: x the (n, cols) float32 inputs,
     a the base of their int8 form, see _scratch_fields; out float32). The one compiled copy of
-    every type's dot; the instruction-set path J_ISA is a branch LLVM unswitches out of the loops.
+    every type's dot; the instruction-set path (J_ISA's low 2 bits) is a branch LLVM unswitches out
+    of the loops; the rows are prefetched as J_ISA's higher bits say (cpu_kq.prefetch_plan).
     Addresses, not arrays, so that Numba adds no reference counting per row."""
-    qt, w, rb, isa = job[J_QT + k], job[J_W + k], job[J_RB + k], job[J_ISA]
+    qt, w, rb, isa = job[J_QT + k], job[J_W + k], job[J_RB + k], job[J_ISA] & 3
     order = numba.carray(ptr_i64(job[J_ORDER]), job[J_N])
     gstart = numba.carray(ptr_i64(job[J_GSTART]), job[J_N] + 1)
     g = a[0]
     p0, p1 = gstart[g], gstart[g + 1]
     xq, xd, xs, xs16, l2, table = a[1], a[2], a[3], a[4], a[5], job[J_TABLE]
     base = w + e * rows * rb
-    ahead = max(_AHEAD * rb, _AHEAD_BYTES)
     end = base + r1 * rb
-    pf = base + r0 * rb  # the next byte to prefetch: the run's first ``ahead`` bytes at once, then per
+    ahead, pf = prefetch_plan(base, r0, rb, end, job[J_ISA] >> 2)  # pf: the next byte to prefetch; per
     for r in range(r0, r1):  # row up to ``ahead`` bytes past it, into the caches while it is dotted
         to = min(base + (r + 1) * rb + ahead, end)
         while pf < to:
@@ -518,7 +514,7 @@ class _Scratch:
     def __init__(self, isa: str | None = None):
         self.n = self.width = 0
         self.arrays: tuple = ()
-        self.isa = choose_isa(isa)  # the integer dot's path: MOELAB_CPU_ISA, else the host's best
+        self.isa = choose_isa(isa) | choose_prefetch() << 2  # MOELAB_CPU_ISA (else the host's best), MOELAB_CPU_PREFETCH
 
     def fields(self, n: int, hidden: int, ffn: int) -> tuple[tuple, np.ndarray]:
         """(arrays, the job fields J_ORDER .. J_ISA: their addresses, _LEVELS, the code tables',

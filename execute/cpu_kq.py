@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat, abs_sign,
                        dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
-__all__ = ["dots", "sdots", "f16x8", "block_scratch", "store_i8x32", "acc_dots", "acc_dots_x16lo", "load_nib32_x16", "acc_dots16", "idot", "sdot", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
+__all__ = ["dots", "sdots", "f16x8", "block_scratch", "store_i8x32", "acc_dots", "acc_dots_x16lo", "load_nib32_x16", "acc_dots16", "idot", "sdot", "prefetch_plan", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
            "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi", "zip_lo", "zip_hi", "nibbles8"]
 
 
@@ -414,6 +414,17 @@ def sdot(q, xq, a, l2, isa):
 
 _M2, _M4, _M6 = 0x03030303, 0x0F0F0F0F, 0x3F3F3F3F
 _M4X8 = 0x0F0F0F0F0F0F0F0F
+
+
+@njit(inline="always")
+def prefetch_plan(base, r0, rb, end, mode):
+    """(how far past a row's end a run's prefetch reaches, its first byte) for the rows of ``rb``
+    bytes from base + r0 * rb to ``end``, by the index ``mode`` in cpu_simd.PREFETCH_MODES."""
+    if mode == 0:
+        return max(2 * rb, 2048), base + r0 * rb
+    if mode == 1:
+        return 2 * rb, base + (r0 + 2) * rb
+    return 0, end
 
 
 @njit(inline="always")

@@ -2,20 +2,20 @@
 pool's empty-call round trip and the host's streaming ceiling, all measured in one run.
 
 ``new``: ``CpuExpertPool`` (execute/cpu_experts.py: int8 activations, a native thread team),
-submit -> result, as the engine calls it, once per instruction-set path of its integer dot
-(``--isa``, default every path this host runs: vnni = vpdpbusd, avx2 = vpmaddubsw + vpmaddwd,
-plain; forced through MOELAB_CPU_ISA). ``old``: the kernels before the rewrite
-(execute/cpu_experts_baseline.py: float32 activations, rows dotted block by block, two regions
-on Numba's OpenMP pool with passive waiting, called directly on this thread). Shapes:
-Qwen3-30B-A3B experts (hidden 2048, ffn 768). Call shapes: 1, 2
-and 8 experts x 1 token (decode) and 8 experts x 8 tokens (prefill: 64 pairs, each expert read
-once). Each type's layer has ``--experts`` distinct experts (copies of 4 random ones, each in its
-own memory) and calls rotate through them, so weights stream from DRAM rather than the L3.
+submit -> result, as the engine calls it, once per entry of ``--isa``: an instruction-set path of
+its integer dot (default every path this host runs: vnni = vpdpbusd, avx2 = vpmaddubsw +
+vpmaddwd, plain; MOELAB_CPU_ISA), optionally with a row prefetch mode (``vnni:rows``; 2k, rows,
+off: MOELAB_CPU_PREFETCH; repeat entries to interleave an A/B). ``old`` (``--no-old`` skips it):
+the kernels before the rewrite (execute/cpu_experts_baseline.py: float32 activations, rows dotted
+block by block, Numba's OpenMP pool, called on this thread). Shapes: Qwen3-30B-A3B experts
+(hidden 2048, ffn 768); calls of 1, 2 and 8 experts x 1 token (decode) and 8 experts x 8 tokens
+(prefill: 64 pairs, each expert read once). Each type's layer has ``--experts`` distinct experts
+(copies of 4 random ones, each in its own memory); calls rotate through them, and each kernel
+(old, then each entry) takes the next ones, so weights stream from DRAM rather than the L3.
 
 The ceiling is a Numba float32 sum over ``--ceiling-mib`` with the same thread count. Per-core
-rates (``--per-core``, default 1 and 2 threads) put old and new side by side for every type and
-are printed in GB per CPU-second (process time), which stays meaningful on a shared machine.
-Each figure is the median over ``--reps`` calls (old and new run the same calls, one after the other).
+rates (``--per-core``, default 1 and 2 threads) are in GB per CPU-second (process time), which
+stays meaningful on a shared machine. Each figure: the median of ``--reps`` calls after a warm-up.
 
     python3 experiments/bench_cpu_experts.py --threads 15
 
@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numba  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-from execute import cpu_experts as new  # noqa: E402
 from execute import cpu_experts_baseline as old  # noqa: E402
 from execute import cpu_simd  # noqa: E402
 from execute.cpu_pool import CpuExpertPool  # noqa: E402
@@ -47,6 +46,7 @@ from execute import quant as Q  # noqa: E402
 from execute.experts import ExpertTensor, LayerExperts, random_layer  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "BF16")  # the default; any of cpu_experts' types may be asked for
+PREFETCH = os.environ.get("MOELAB_CPU_PREFETCH", cpu_simd.PREFETCH_MODES[0])  # of an --isa entry without one
 EXACT = ("MXFP4",)  # types built by quantizing normal weights (random_layer's fast path only sets f16 scales)
 SHAPES = (("1x1", 1, 1), ("2x1", 2, 1), ("8x1", 8, 1), ("8x8", 8, 8))  # (name, experts, tokens each)
 
@@ -104,11 +104,11 @@ def big_layer(qtype: int, experts: int, hidden: int, ffn: int, rng: np.random.Ge
     return LayerExperts(0, grow(base.gate), grow(base.up), grow(base.down))
 
 
-def calls(layer: LayerExperts, k: int, tokens: int, reps: int, rng: np.random.Generator) -> list[tuple]:
+def calls(layer: LayerExperts, k: int, tokens: int, reps: int, rng: np.random.Generator, start: int = 0) -> list[tuple]:
     """``reps`` + 1 calls of k distinct experts x ``tokens`` tokens, rotating through the layer's
-    experts: (expert ids per pair, x)."""
+    experts from call ``start`` on: (expert ids per pair, x)."""
     out = []
-    for r in range(reps + 1):
+    for r in range(start, start + reps + 1):
         ids = [(r * k + j) % layer.num_experts for j in range(k)]
         pairs = [e for _ in range(tokens) for e in ids]
         out.append((pairs, rng.standard_normal((len(pairs), layer.hidden)).astype(np.float32)))
@@ -116,23 +116,24 @@ def calls(layer: LayerExperts, k: int, tokens: int, reps: int, rng: np.random.Ge
 
 
 def rates(layer: LayerExperts, shape: tuple, threads: int, reps: int, clock, rng: np.random.Generator,
-          isas: list[str], spin_us: float = 100.0) -> tuple[float, list[float]]:
-    """(old, [new per path of ``isas``]) GB/s of weights read for one call shape: medians over the
-    same ``reps`` calls, old ones first (nan for a type the old kernels do not read), then new ones
-    per path (the new pool's team would spin during old calls; the first call of each is a
-    warm-up); ``spin_us`` the pool's (0 when CPU time is the clock: a spinning wait would count as work)."""
+          isas: list[str], spin_us: float = 100.0, with_old: bool = True) -> tuple[float, list[float]]:
+    """(old, [new per entry of ``isas``]) GB/s of weights read for one call shape, medians over
+    ``reps`` calls each: old first (nan if skipped or not read by them; the pool's team would spin
+    during them), then each entry; ``spin_us`` the pool's (0 when CPU time is the clock)."""
     _, k, tokens = shape
-    work = calls(layer, k, tokens, reps, rng)
     nbytes = k * layer.expert_bytes
     numba.set_num_threads(threads)
     o = float("nan")
-    if all(t.qtype in Q.QTYPES for t in (layer.gate, layer.up, layer.down)):
-        ov = (old.tensor_views(layer.gate), old.tensor_views(layer.up), old.tensor_views(layer.down))
+    if with_old and all(t.qtype in Q.QTYPES for t in (layer.gate, layer.up, layer.down)):
+        ov, work = tuple(old.tensor_views(t) for t in (layer.gate, layer.up, layer.down)), calls(layer, k, tokens, reps, rng)
         to = [_timed(lambda: old.run_experts(layer, pairs, x, threads, ov), clock) for pairs, x in work]
         o = nbytes / float(np.median(to[1:])) / 1e9
     out = []
-    for isa in isas:
-        os.environ["MOELAB_CPU_ISA"] = isa  # read when the pool's scratch is made
+    for v, entry in enumerate(isas, 1):
+        isa, _, pf = entry.partition(":")
+        os.environ["MOELAB_CPU_ISA"] = isa  # both read when the pool's scratch is made
+        os.environ["MOELAB_CPU_PREFETCH"] = pf or PREFETCH
+        work = calls(layer, k, tokens, reps, rng, v * (reps + 1))
         with CpuExpertPool(threads, timeout_s=120, spin_us=spin_us) as pool:  # its team spins between calls
             tn = [_timed(lambda: pool.submit(layer, pairs, x).result(), clock) for pairs, x in work]
         out.append(nbytes / float(np.median(tn[1:])) / 1e9)
@@ -165,13 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-core", default="1,2", help="comma-separated thread counts of the old-vs-new table ('' skips)")
     p.add_argument("--types", default=",".join(TYPES), help="comma-separated quant types ('all': every CPU type)")
     p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated call shapes")
-    p.add_argument("--isa", default=",".join(cpu_simd.host_isas()), help="comma-separated integer-dot paths "
-                   f"(default: this host's, {','.join(cpu_simd.host_isas())}; the first is the 'new' of the last line)")
-    p.add_argument("--experts", type=int, default=0,
-                   help="distinct experts per type (>= 8; default: 64, or more to span twice the L3)")
+    p.add_argument("--isa", default=",".join(cpu_simd.host_isas()), help="comma-separated integer-dot paths, each "
+                   f"ISA[:PREFETCH] (default: this host's, {','.join(cpu_simd.host_isas())}; the first is the last line's)")
+    p.add_argument("--old", action=argparse.BooleanOptionalAction, default=True, help="also time the old kernels")
+    p.add_argument("--experts", type=int, default=0, help="distinct experts per type (>= 8; default: 64, or twice the L3)")
     p.add_argument("--reps", type=int, default=15, help="calls per figure")
-    p.add_argument("--ceiling-mib", type=int, default=0,
-                   help="array size of the streaming ceiling (default: 1024, or 4 x the L3)")
+    p.add_argument("--ceiling-mib", type=int, default=0, help="the ceiling's array (default: 1024, or 4 x the L3)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=768)
     p.add_argument("--out", type=Path, help="also write the figures and arguments here (JSON)")
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [next(s for s in SHAPES if s[0] == name) for name in args.shapes.split(",")]
         per_core = [int(t) for t in args.per_core.split(",") if t.strip()]
         isas = args.isa.split(",")
-        for isa in isas:
-            cpu_simd.choose_isa(isa, "--isa")
+        for isa, _, pf in (i.partition(":") for i in isas):
+            cpu_simd.choose_isa(isa, "--isa"), cpu_simd.choose_prefetch(pf or PREFETCH, "--isa")
         for qt in types:
             Q.quant_type(qt, "--types", Q.CPU_QTYPES)
     except (ValueError, KeyError, StopIteration) as exc:
@@ -211,24 +211,24 @@ def main(argv: list[str] | None = None) -> int:
         experts = args.experts or max(64, -(-2 * l3 // per_expert // 8) * 8)
         layer = big_layer(qt, experts, args.hidden, args.ffn, rng)
         for shape in shapes:
-            o, ns = rates(layer, shape, args.threads, args.reps, time.perf_counter, rng, isas)
+            o, ns = rates(layer, shape, args.threads, args.reps, time.perf_counter, rng, isas, with_old=args.old)
             main_rows += [(name, shape[0], isa, o, n) for isa, n in zip(isas, ns)]
             log(f"  {name} {shape[0]} {args.threads} threads: old {o:.2f} new " + " ".join(
                 f"{isa} {n:.2f}" for isa, n in zip(isas, ns)) + f" GB/s ({time.perf_counter() - T_START:.0f} s)")
         for th in per_core:
-            o, ns = rates(layer, SHAPES[2], th, max(3, args.reps // 3), time.process_time, rng, isas, 0.0)
+            o, ns = rates(layer, SHAPES[2], th, max(3, args.reps // 3), time.process_time, rng, isas, 0.0, args.old)
             core_rows += [(name, th, isa, o, n) for isa, n in zip(isas, ns)]
         del layer
     print(f"expert weights read per call (GB/s, median of {args.reps}); hidden {args.hidden}, ffn {args.ffn}; "
           f"shape = experts x tokens each; {args.threads} threads; numba {numba.__version__}")
-    print(f"{'type':7s}{'shape':>6s}{'isa':>6s}{'old':>9s}{'new':>9s}{'new/old':>9s}{'of ceil':>9s}")
+    print(f"{'type':7s}{'shape':>6s}{'isa':>10s}{'old':>9s}{'new':>9s}{'new/old':>9s}{'of ceil':>9s}")
     for name, shape, isa, o, n in main_rows:
-        print(f"{name:7s}{shape:>6s}{isa:>6s}{o:9.2f}{n:9.2f}{n / o:9.2f}{n / ceiling:9.2f}")
+        print(f"{name:7s}{shape:>6s}{isa:>10s}{o:9.2f}{n:9.2f}{n / o:9.2f}{n / ceiling:9.2f}")
     if core_rows:
         print("per core, 8 experts x 1 token (GB per CPU-second: process time, all threads)")
-        print(f"{'type':7s}{'threads':>8s}{'isa':>6s}{'old':>9s}{'new':>9s}{'new/old':>9s}")
+        print(f"{'type':7s}{'threads':>8s}{'isa':>10s}{'old':>9s}{'new':>9s}{'new/old':>9s}")
         for name, th, isa, o, n in core_rows:
-            print(f"{name:7s}{th:8d}{isa:>6s}{o:9.2f}{n:9.2f}{n / o:9.2f}")
+            print(f"{name:7s}{th:8d}{isa:>10s}{o:9.2f}{n:9.2f}{n / o:9.2f}")
     print(f"streaming ceiling {ceiling:.1f} GB/s ({args.threads} threads, float32 sum of {ceiling_mib} MiB); "
           f"first pool call {first_s:.1f} s after start; {time.perf_counter() - T_START:.0f} s in all")
     if args.out is not None:

@@ -189,3 +189,19 @@ def test_a_changed_kernel_source_drops_the_cached_kernels(tmp_path, monkeypatch)
     assert not cpu_simd.drop_stale_kernel_caches() and rows.exists()  # same sources: kept
     (cache / "moelab-kernels.sha1").write_text("0" * 40)  # as after an edit of a kernel file
     assert cpu_simd.drop_stale_kernel_caches() and not rows.exists() and other.exists()
+
+
+def test_every_prefetch_mode_gives_the_same_rows(monkeypatch, rng):
+    """The prefetch of a run's rows is a hint: every mode's output bit for bit the default's, also
+    when the rows (Q4_0 down: 48 bytes) are shorter than the distance prefetched."""
+    layer = layer_of(rng, Q.Q4_0, 3, 256, 64)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    ys = {}
+    for mode in cpu_simd.PREFETCH_MODES:
+        monkeypatch.setenv("MOELAB_CPU_PREFETCH", mode)
+        ys[mode] = run_experts(layer, [2, 0, 2, 1], x, threads=2)
+    for y in ys.values():
+        np.testing.assert_array_equal(y, ys["2k"])
+    monkeypatch.setenv("MOELAB_CPU_PREFETCH", "far")
+    with pytest.raises(ValueError, match="MOELAB_CPU_PREFETCH='far': expected one of 2k, rows, off"):
+        run_experts(layer, [0], x[:1])
