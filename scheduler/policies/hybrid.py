@@ -19,7 +19,10 @@ least, with the CPU misses charged the reuse they lose (they are not cached); it
 recency (``admit="recency"``: an upload takes the slot of the layer's least recently used
 resident the step does not use) and runs no swap rounds, unless ``admit``/``swap_every`` say
 otherwise, and caps each token's fills at what the link could carry in its idle time, none after a
-prompt chunk (``CostShare.fill_cap``). ``miss_frac_256`` and ``rounding`` apply to the fixed share only.
+prompt chunk (``CostShare.fill_cap``). With ``prompt_fill`` a prompt chunk's step uploads at least its
+misses with the most tokens that the layer's free room holds (``prompt_room``): the cache leaves the
+prompt holding what the prompt used most, loaded while the prompt runs rather than by fills after it
+(which delay the first decode tokens). ``miss_frac_256`` and ``rounding`` apply to the fixed share only.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from ..costmodel import CostModel
 from ..profile import Profile
 from .base import MAX_FILLS_PER_TOKEN, BasePolicy
 
-__all__ = ["MISS_FRAC_256", "CostShare", "HybridConfig", "HybridPolicy"]
+__all__ = ["MISS_FRAC_256", "CostShare", "HybridConfig", "HybridPolicy", "prompt_room"]
 
 MISS_FRAC_256 = 44  # hybrid's default share of a step's distinct misses sent over PCIe, in 1/256ths
 
@@ -48,8 +51,10 @@ class HybridConfig:
     "carry" (see the module docstring); ``admit`` "usage" or "recency" (see ``HybridPolicy``);
     ``swap_while_filling`` False holds swap rounds back while a slot is free (the seed's hybrid
     before its faster fill; the periodic round "also runs while the cache fills" came with it).
-    None (the defaults): ``admit`` "recency" with a cost model, "usage" without; ``swap_every`` 0
-    with "recency", 4 with "usage".
+    ``prompt_fill`` (with a cost model): a step of several tokens (more routes than ``top_k``)
+    uploads at least as many of its misses, most tokens first, as the layer has room for
+    (``prompt_room``). None (the defaults): ``admit`` "recency" with a cost model, "usage"
+    without; ``swap_every`` 0 with "recency", 4 with "usage".
     """
 
     miss_frac_256: int = MISS_FRAC_256
@@ -64,6 +69,7 @@ class HybridConfig:
     rounding: str = "nearest"
     admit: str | None = None
     swap_while_filling: bool = True
+    prompt_fill: bool = True
 
     policy = "hybrid"  # the name errors give (not a field)
 
@@ -154,6 +160,8 @@ class HybridPolicy(BasePolicy):
         if self.share is not None:
             eligible = [e for e in misses if state[e] != INFLIGHT]
             n_pcie = self.share.uploads(step, hits, eligible, len(misses) - len(eligible), self._u[layer])
+            if step.counts is not None and self.config.prompt_fill and sum(step.counts) > self.geometry.top_k:
+                n_pcie = max(n_pcie, min(prompt_room(self.cache, self.capacity, layer), len(eligible)))
         elif self.rounding == "carry":
             n_pcie = (len(misses) * self.miss_frac_256 + self._carry[layer]) >> 8
         else:
@@ -400,6 +408,18 @@ class HybridPolicy(BasePolicy):
             self.share.end_token()
         self._room = any(self.cache.free)  # hybrid frees no slot during a token
         self.tokens += 1
+
+
+def prompt_room(cache, capacity: Capacity, layer: int) -> int:
+    """Free slots a prompt chunk's step at ``layer`` may fill: the layer's share of its pool (the
+    pool's slots over its layers, rounded down) less the layer's residents and copies in flight,
+    and no more than the pool's free slots (so a pool shared by layers is not taken by the first)."""
+    p = cache.pool_of[layer]
+    if p < 0:
+        return 0
+    share = cache.size[p] // len(capacity.pools[p][0])
+    held = len(cache.state[layer]) - cache.state[layer].tobytes().count(ABSENT)
+    return max(min(share - held, len(cache.free[p])), 0)
 
 
 def _unused_residents(order, state, used, need: int) -> list[int]:

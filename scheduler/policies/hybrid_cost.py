@@ -7,7 +7,7 @@ from ..cache import INFLIGHT, RESIDENT
 from ..core import Capacity, Decision, Geometry, Move, Step
 from ..costmodel import CostModel
 from ..profile import Profile
-from .hybrid import REUSE_SCALE, REUSE_STEPS, HybridConfig, HybridPolicy
+from .hybrid import REUSE_SCALE, REUSE_STEPS, HybridConfig, HybridPolicy, prompt_room
 from .prefetch import LinkPrefetch
 from .base import BasePolicy
 from .tuner import FloorTuner
@@ -132,7 +132,9 @@ class HybridCostPolicy(HybridPolicy):
     qwen3 preset, recency kept more hits than usage (simulated, calibrated H200 file: hit rate
     0.751 against 0.643 for hybrid's usage-gated admission when every miss goes over PCIe); swap
     rounds are then off unless ``swap_every`` is given, since they refill by usage what recency
-    evicted. ``"usage"``: ``hybrid``'s admission and swap rounds. Fills are ``hybrid``'s.
+    evicted. ``"usage"``: ``hybrid``'s admission and swap rounds. Fills are ``hybrid``'s, and so is
+    ``prompt_fill``: a prompt chunk's step uploads at least its misses with the most tokens that the
+    layer's free room holds (the floor of its split).
 
     Prefetch (``prefetch`` > 0; off by default; ``scheduler.policies.prefetch``): after each one-token
     step, the next MoE layer's likeliest absent experts (recurrence and co-activation learnt online)
@@ -238,6 +240,8 @@ class HybridCostPolicy(HybridPolicy):
         if len(eligible) > 1:  # more used first; stable, so router rank breaks ties
             eligible.sort(key=u.__getitem__ if one else (lambda e: (cnt[e], u[e])), reverse=True)
         n_floor = (len(eligible) * self.floor_256 + 128) >> 8
+        if not one and self.config.prompt_fill and sum(counts) > self.geometry.top_k:  # hybrid's prompt rule
+            n_floor = max(n_floor, min(prompt_room(self.cache, self.capacity, layer), len(eligible)))
         charge = self._charge(layer)
         if one:
             key = (len(hits), len(eligible), n_busy, n_floor, charge)

@@ -573,9 +573,9 @@ def test_hybrid_cost_fills_only_what_the_link_could_carry_in_a_decode_token():
 
     g = Geometry.uniform(1, 16, 2, 10)
 
-    def policy(layer_s):  # the CPU (0.2 s an expert) beats the link (1.0 s): misses go there, slots stay free
+    def policy(layer_s, **options):  # the CPU (0.2 s an expert) beats the link (1.0 s): misses go there
         cm = CostModel((0.1,), (0.0,), (1.0,), (0.2,), (0.0,), layer_s=(layer_s,))
-        return make_policy("hybrid-cost", g, Capacity.per_layer(g, 8), cost_model=cm)
+        return make_policy("hybrid-cost", g, Capacity.per_layer(g, 8), cost_model=cm, **options)
 
     def after(p, step):
         d = p.plan(step)
@@ -586,4 +586,27 @@ def test_hybrid_cost_fills_only_what_the_link_could_carry_in_a_decode_token():
     assert after(policy(0.0), Step(0, (1, 2))) == ()  # idle link time 0.4 s: no upload fits
     assert sorted(m.expert for m in after(policy(3.0), Step(0, (1, 2)))) == [1, 2]  # 3.4 s: both fit
     assert len(after(policy(1.0), Step(0, (1, 2)))) == 1  # 1.4 s: one fits
-    assert after(policy(3.0), Step(0, (1, 2), (3, 1))) == ()  # a prompt chunk: none
+    assert after(policy(3.0, prompt_fill=False), Step(0, (1, 2), (3, 1))) == ()  # a prompt chunk: none
+
+
+@pytest.mark.parametrize("name", ["hybrid", "hybrid-cost"])
+def test_a_prompt_chunk_fills_the_layers_room_with_its_most_used_misses(name):
+    """With a cost model whose CPU beats the link, a decode step sends its misses to the CPU; a
+    prompt chunk (more routes than top_k) still uploads its misses with the most tokens into the
+    free room (its layer's share of a shared pool), leaving the cache holding what the prompt used most."""
+    from scheduler import CostModel
+    from scheduler.policies.hybrid import prompt_room
+
+    g = Geometry.uniform(2, 16, 2, 10)
+    cm = CostModel((0.1,) * 2, (0.0,) * 2, (1.0,) * 2, (0.2,) * 2, (0.0,) * 2)
+    cap = Capacity.shared(g, [(0, 1)], [6])  # 3 slots a layer
+    p = make_policy(name, g, cap, cost_model=cm)
+    assert p.plan(Step(0, (1, 2))).cpu == (1, 2)  # decode: the CPU
+    d = p.plan(Step(0, (1, 2, 3, 4, 5), (1, 4, 2, 6, 3)))
+    assert sorted(d.uploads) == [2, 4, 5] and sorted(d.cpu) == [1, 3] and not d.streams
+    p.commit(d)
+    assert prompt_room(p.cache, cap, 0) == 0 and prompt_room(p.cache, cap, 1) == 3
+    d = p.plan(Step(1, (7, 8), (3, 1)))
+    assert sorted(d.uploads) == [7, 8]
+    off = make_policy(name, g, cap, cost_model=cm, prompt_fill=False)
+    assert off.plan(Step(0, (1, 2, 3, 4, 5), (1, 4, 2, 6, 3))).uploads == ()
