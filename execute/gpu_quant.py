@@ -41,13 +41,14 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
            "kernel", "kernel_info", "matmul", "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
-BATCH_VARIANTS: tuple[str, ...] = ()  # other qmoe_gate_up / qmoe_down kernels to measure beside them (none now)
+BATCH_VARIANTS = ("_q8", "_q8m2")  # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 rows a block
+Q8_ROWS = {"_q8": 4, "_q8m2": 2}  # the int8 variants' m-tiles (16 rows) per block, as gpu_quant_mmq.cu's QMOE_Q8
 ONE_VARIANTS: tuple[str, ...] = ()  # other qmoe1_gate_up / qmoe1_down_combine kernels to measure (none now)
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
@@ -201,6 +202,20 @@ class Experts:
         self.out = cp.empty((num_e * tokens, hidden), cp.float32)
         if variant and variant not in BATCH_VARIANTS:
             raise ValueError(f"gpu_quant.Experts: variant {variant!r}, expected one of {BATCH_VARIANTS}")
+        if variant in Q8_ROWS:  # inputs to int8 planes once per launch (qx8), then the int8 tensor-core kernels
+            mt, npair = Q8_ROWS[variant], num_e * tokens
+            self._x8 = cp.empty(tokens * hidden * 19 // 8, cp.uint8)
+            self._h8 = cp.empty(npair * ffn * 19 // 8, cp.uint8)
+            kx = Launch(kernel("qx8", defines), 5)
+            k1, k2 = Launch(kernel("qmoe_gate_up" + variant, defines), 18), Launch(kernel("qmoe_down" + variant, defines), 13)
+            x8, h8, hp = self._x8.data.ptr, self._h8.data.ptr, self.h.data.ptr
+            gu8 = (ffn, hidden, 2 * mt, *gu[3:])
+            self._calls = [lambda s, x: kx((-(-tokens * hidden // 512), 1), 128, s, x, hidden, tokens, hidden, x8),
+                           lambda s, x: k1((-(-ffn // (8 * mt)), num_e), 128, s, base, gstart, order, xrow, x8, tokens, hp, *gu8),
+                           lambda s, x: kx((-(-npair * ffn // 512), 1), 128, s, hp, ffn, npair, ffn, h8),
+                           lambda s, x: k2((-(-hidden // (16 * mt)), num_e), 128, s, base, gstart, order, h8, npair,
+                                           self.out.data.ptr, ffn, hidden, 4 * mt, off_d, qtypes[2], rb[2], 0)]
+            return
         k1, k2 = Launch(kernel("qmoe_gate_up" + variant, defines), 18), Launch(kernel("qmoe_down" + variant, defines), 12)
         self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, base, gstart, order, xrow, x, hidden, self.h.data.ptr, *gu),
                        lambda s, x: k2((-(-hidden // 8), num_e), 128, s, base, gstart, order, self.h.data.ptr,

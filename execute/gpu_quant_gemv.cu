@@ -9,6 +9,30 @@
 #define WARPS 4
 #define MAXK 32
 
+// two int8 levels of 32 values held 4 per lane by 8 lanes (l8 = lane % 8; every lane of the warp
+// calls): d = max|x| / 127, q1 = round(x / d), q2 = round((x - d q1) 256 / d); w1, w2 this lane's
+// bytes of q1, q2; dxs = d / 256; s the staged values' sum over the lane's 4 lanes (16 values)
+__device__ __forceinline__ void quant32(const float* v, uint32_t& w1, uint32_t& w2, float& dxs, float& s) {
+    float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float d = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
+    s = 0.f;
+    w1 = w2 = 0;
+    for (int i = 0; i < 4; i++) {  // rounding by adding 1.5 * 2^23 (|values| <= 128): no conversions
+        float ra = fmaf(v[i], inv, 12582912.f);
+        int a = __float_as_int(ra) - 0x4b400000;
+        float rb = fmaf(fmaf(-d, ra - 12582912.f, v[i]), inv * 256.f, 12582912.f);
+        int b = max(-127, min(127, __float_as_int(rb) - 0x4b400000));
+        w1 |= (uint32_t)(a & 255) << (8 * i);
+        w2 |= (uint32_t)(b & 255) << (8 * i);
+        // the sums serve the offsets b of w = a q + b: summing the staged values (not x) keeps a
+        // dot's error that of the weights w, not of the unsigned q
+        s += d * ((ra - 12582912.f) + fminf(fmaxf(rb - 12582912.f, -127.f), 127.f) * (1.f / 256.f));
+    }
+    for (int o = 1; o < 4; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    dxs = d * (1.f / 256.f);
+}
+
 // stage x[tok[t] * ldx + k0 .. + kt] for t < nt (all threads of the block; 8 lanes per 32 values)
 template <int NT, int KT = 8192 / NT> __device__ void stage(uint4* buf, const float* __restrict__ x, long long ldx, const int* tok, int nt, int k0, int kt) {
     uint32_t* q1 = reinterpret_cast<uint32_t*>(buf);
@@ -20,32 +44,18 @@ template <int NT, int KT = 8192 / NT> __device__ void stage(uint4* buf, const fl
     for (int c0 = (threadIdx.x >> 5) * 4; c0 < total; c0 += (blockDim.x >> 5) * 4) {
         int ch = c0 + (lane >> 3), t = ch / nch, c = ch % nch;
         bool on = ch < total;
-        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        float v[4] = {0.f, 0.f, 0.f, 0.f}, ds, s;
         if (on) {
             const float* p = x + (long long)tok[t] * ldx + k0 + 32 * c + 4 * l8;
             for (int i = 0; i < 4; i++) v[i] = p[i];
         }
-        float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        float d = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f, s = 0.f;
-        uint32_t w1 = 0, w2 = 0;
-        for (int i = 0; i < 4; i++) {  // rounding by adding 1.5 * 2^23 (|values| <= 128): no conversions
-            float ra = fmaf(v[i], inv, 12582912.f);
-            int a = __float_as_int(ra) - 0x4b400000;
-            float rb = fmaf(fmaf(-d, ra - 12582912.f, v[i]), inv * 256.f, 12582912.f);
-            int b = max(-127, min(127, __float_as_int(rb) - 0x4b400000));
-            w1 |= (uint32_t)(a & 255) << (8 * i);
-            w2 |= (uint32_t)(b & 255) << (8 * i);
-            // the sums serve the offsets b of w = a q + b: summing the staged values (not x) keeps a
-            // dot's error that of the weights w, not of the unsigned q
-            s += d * ((ra - 12582912.f) + fminf(fmaxf(rb - 12582912.f, -127.f), 127.f) * (1.f / 256.f));
-        }
-        for (int o = 1; o < 4; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        uint32_t w1, w2;
+        quant32(v, w1, w2, ds, s);
         if (on) {
             int wi = (t * KT + 32 * c) / 4 + l8;
             q1[wi] = w1;
             q2[wi] = w2;
-            if (l8 == 0) dxs[t * (KT / 32) + c] = d * (1.f / 256.f);
+            if (l8 == 0) dxs[t * (KT / 32) + c] = ds;
             if ((l8 & 3) == 0) s16[t * (KT / 16) + 2 * c + (l8 >> 2)] = s;
         }
     }

@@ -148,9 +148,9 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
 
 def occupancy() -> None:
     """Registers, stack bytes, shared bytes and resident blocks per SM of the expert kernels."""
-    for name, block in [("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256), ("qmoe_gate_up", 128), ("qmoe_down", 128),
-                        ("qmatmul_q1", 128)] + [(n + v, b) for v in ONE_VARIANTS for n, b in
-                                                (("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256))]:
+    batched = [(n + v, 128) for v in ("", *BATCH_VARIANTS) for n in ("qmoe_gate_up", "qmoe_down")]
+    one = [(n + v, b) for v in ("", *ONE_VARIANTS) for n, b in (("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256))]
+    for name, block in one + batched + [("qmatmul_q1", 128), ("qx8", 128)]:
         try:
             print(f"  {name} x{block}: {kernel_info(name, block)}", flush=True)
         except Exception as e:  # noqa: BLE001 (a driver without the call: the rates still run)

@@ -105,3 +105,27 @@ void mma16816(float* c, const unsigned* a, const unsigned* b) {
         c[i] += (float)s;
     }
 }
+
+// mma.m16n8k16 with int8 inputs and int32 sums for a warp, as PTX lays out its fragments
+static unsigned g_mma8[1024][3];
+void mma_s8k16(int* c, unsigned a0, unsigned a1, unsigned b) {
+    int t = threadIdx.x, w = t >> 5, l = t & 31;
+    g_mma8[t][0] = a0; g_mma8[t][1] = a1; g_mma8[t][2] = b;
+    pthread_barrier_wait(&g_warp_bar[w]);
+    int A[16][16], B[16][8];
+    for (int L = 0; L < 32; L++) {
+        int g = L >> 2, q = L & 3;
+        const unsigned* r = g_mma8[(t & ~31) | L];
+        for (int i = 0; i < 4; i++) {
+            A[g][4 * q + i] = (signed char)(r[0] >> (8 * i));
+            A[g + 8][4 * q + i] = (signed char)(r[1] >> (8 * i));
+            B[4 * q + i][g] = (signed char)(r[2] >> (8 * i));
+        }
+    }
+    pthread_barrier_wait(&g_warp_bar[w]);
+    int g = l >> 2, q = l & 3;
+    for (int i = 0; i < 4; i++) {
+        int r = g + 8 * (i >> 1), n = 2 * q + (i & 1);
+        for (int k = 0; k < 16; k++) c[i] += A[r][k] * B[k][n];
+    }
+}

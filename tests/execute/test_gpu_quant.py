@@ -147,18 +147,18 @@ EMULATED_EXPERTS = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)]
 
 def _emulate_experts(emulated_kernels, rng, qtypes, modes):
     """The expert kernels of ``modes`` (gpu_quant_emu.cpp: 1 one token with 2 down rows
-    per block, 3 with 4, 2 batches of 11 tokens) on 2 experts, emulated on the host, against the
-    float64 reference."""
+    per block, 3 with 4, 2 batches of 11 tokens, 4 / 5 the same by the int8 variants _q8 / _q8m2)
+    on 2 experts, emulated on the host, against the float64 reference."""
     num_e, ffn, hidden = 2, 256, 512
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
     w = np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1)
     wts = np.array([0.6, 0.4], np.float32)
     head = np.array(qtypes, np.int32).tobytes()
     for mode in modes:
-        tokens = 11 if mode == 2 else 1
+        tokens = 11 if mode in (2, 4, 5) else 1
         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
         ys = _expert_outputs64(parts, qtypes, x, ffn, hidden)
-        ref = np.concatenate(ys) if mode == 2 else sum(float(wts[e]) * ys[e] for e in range(num_e))
+        ref = np.concatenate(ys) if tokens > 1 else sum(float(wts[e]) * ys[e] for e in range(num_e))
         inp = (np.array([mode], np.int32).tobytes() + head + np.array([num_e, ffn, hidden, tokens], np.int32).tobytes()
                + np.array([p.shape[2] for p in parts], np.int64).tobytes() + wts.tobytes() + w.tobytes() + x.tobytes())
         y = np.frombuffer(emulated_kernels(inp), np.float32).reshape(ref.shape)
@@ -170,7 +170,16 @@ def _emulate_experts(emulated_kernels, rng, qtypes, modes):
 def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
     """qmoe1_gate_up + qmoe1_down_combine (one token; 2 and 4 down rows per block) and qmoe_gate_up +
     qmoe_down (11 tokens through each), emulated on the host, against the float64 reference."""
-    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2))
+    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2, 4, 5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q5_K, Q.Q6_K), (Q.Q8_0, Q.IQ4_XS, Q.Q4_1)], ids=["Q4_K-Q5_K-Q6_K", "Q8_0-IQ4_XS-Q4_1"])
+def test_emulated_int8_batched_kernels(qtypes, emulated_kernels, rng):
+    """qx8 + qmoe_gate_up_q8 + qx8 + qmoe_down_q8 (and _q8m2: 64 and 32 rows a block; 11 tokens
+    through each expert) emulated on the host: gate and up of scale-per-16 and per-32 types in one
+    block, the offsets of Q4_1, against the float64 reference (about 10 s a mode: slow)."""
+    _emulate_experts(emulated_kernels, rng, qtypes, (4, 5))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K,) * 3, (Q.Q4_K, Q.Q5_K, Q.Q6_K)], ids=["Q4_K", "Q4_K-Q5_K-Q6_K"])
@@ -258,7 +267,8 @@ def test_batched_expert_kernels_on_tensor_cores(case, variant, rng):
     """qmoe_gate_up + qmoe_down and their BATCH_VARIANTS on 70 tokens through each of 2 experts (passes
     of 32 or 64 tokens and a partial one; inputs scaled per token by up to e^4 either way; the legacy
     case: partial 128-column tiles and a partial block of down rows): f16 quants and two f16 input
-    halves on tensor cores keep a product within REL_ERR of the float64 reference."""
+    halves on tensor cores keep a product within REL_ERR of the float64 reference; the int8 variants
+    (``_q8*``: inputs as two int8 levels, as the one-token kernels) within REL_ERR_INT8."""
     cp = pytest.importorskip("cupy")
     from execute.gpu_quant import Experts
 
@@ -269,4 +279,5 @@ def test_batched_expert_kernels_on_tensor_cores(case, variant, rng):
     x = (rng.standard_normal((tokens, hidden)) * np.exp(rng.uniform(-4, 4, (tokens, 1)))).astype(np.float32)
     ref = np.concatenate(_expert_outputs64(parts, qtypes, x, ffn, hidden))
     y = cp.asnumpy(Experts(w, qtypes, ffn, hidden, tokens=tokens, variant=variant)(cp.asarray(x)))
-    assert np.isfinite(y).all() and np.linalg.norm(y - ref) <= REL_ERR * np.linalg.norm(ref)
+    bound = REL_ERR_INT8 if variant.startswith("_q8") else REL_ERR
+    assert np.isfinite(y).all() and np.linalg.norm(y - ref) <= bound * np.linalg.norm(ref)
