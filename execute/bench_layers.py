@@ -479,7 +479,8 @@ def run_policy(cp, name, args, layers, geo, cap, profile, tokens, routing, dense
     breakdown["handoff_in_us"] = st.get("handoff_in_s", 0.0) * 1e6 / calls
     breakdown["handoff_out_us"] = st.get("handoff_out_s", 0.0) * 1e6 / calls
     return {
-        "policy": name, "options": options, "profile": profile is not None, "cost_model": cost_model is not None, "sync": sync, "early": early,
+        "policy": name, "options": options, "profile": profile is not None,
+        "cost_model": cost_model is not None and not (name == "hybrid" and "miss_frac_256" in options), "sync": sync, "early": early,
         "variant": variant, "background_moves": bg_moves,
         "early_pairs": st.get("early_pairs", 0), "tokens": n, "wall_s": wall,
         "tokens_per_s": n / wall, "hit_rate": hits / max(routed, 1), "uploaded_gb": (gx.bytes_uploaded - up0) / 1e9,
