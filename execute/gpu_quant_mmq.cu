@@ -1,5 +1,5 @@
 // gpu_quant.cu, part 5 of 5: batched expert kernels on int8 tensor cores (the _q8 variants of
-// qmoe_gate_up / qmoe_down) and the input pre-pass they read (qx8).
+// qmoe_gate_up / qmoe_down: _q8, _q8m2, _q8m1 at 4, 2, 1 m-tiles) and the input pre-pass they read (qx8).
 // ---------------------------------------------------------------------------------------------
 // The inputs are converted once per launch (qx8), not once per block: every row of x (gate/up) or
 // h (down) as the two int8 levels of stage() (x = dxs (256 q1 + q2), dxs = max|x| / (127 * 256)
@@ -33,6 +33,14 @@ inline void mma_s8k32(int* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
     mma_s8k16(c, a[2], a[3], b1);
 }
 #endif
+
+__device__ __forceinline__ void cp4(void* s, const void* g) {  // 4 bytes global -> shared, asynchronously
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((unsigned)__cvta_generic_to_shared(s)), "l"(g));
+#else
+    __builtin_memcpy(s, g, 4);
+#endif
+}
 
 // grid ceil(R C / 32 / 16), block 128: rows of x (ld ldx, C columns, C a multiple of 32) into the
 // planes at out (8 lanes per 32 values)
@@ -103,13 +111,13 @@ __device__ void q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8,
             if (t < nt && 16 * w < n)
                 cp16(S.xq + (lv * QNB + t) * QROW + 16 * w, x8 + lv * rc + (long long)S.xr[t] * cols + k0 + 16 * w);
         }
-        for (int i = threadIdx.x; i < QNB * (QKB / 32); i += blockDim.x) {  // their scales and sums
+        for (int i = threadIdx.x; i < QNB * (QKB / 32); i += blockDim.x) {  // their scales and sums, as well
             int t = i / (QKB / 32), c = i % (QKB / 32);
             if (t < nt && c < nch) {
                 long long ch = (long long)S.xr[t] * (cols / 32) + k0 / 32 + c;
-                S.xd[i] = pd[ch];
-                S.xs[2 * i] = ps[2 * ch];
-                S.xs[2 * i + 1] = ps[2 * ch + 1];
+                cp4(S.xd + i, pd + ch);
+                cp4(S.xs + 2 * i, ps + 2 * ch);
+                cp4(S.xs + 2 * i + 1, ps + 2 * ch + 1);
             }
         }
         cp_commit();
@@ -266,3 +274,4 @@ template <int MT> __device__ void down_q8(DOWN_Q8_ARGS, const SmemQ8& S) {
     }
 QMOE_Q8(_q8, 4)
 QMOE_Q8(_q8m2, 2)
+QMOE_Q8(_q8m1, 1)
