@@ -22,6 +22,12 @@ logits are not finite counts as KL = inf.
 
 Routing is computed independently in each run, so a near-tie the two numerics break differently
 sends a token to other experts; that shows here as it would in a real decode.
+
+Near ties (``execute.kld_ties``, off with ``--no-twin``): the reference runs a third time as a
+*rounding twin*, every MoE block's output perturbed by a relative ``--twin-jitter`` (2^-22, the
+tiles' activation halves); a position whose reference top-1/top-2 margin, or whose first differently
+routed block's routing margin, is below 4 sqrt(2) times the twin's spread there is a near tie, and
+top-1 agreement is reported outside them too, with every flipped position's margins and bounds.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from scheduler.args import ArgumentParser, int_at_least
 from .cli_options import Fail as _Fail, build_capacity as _capacity, check_common as _check_common
 from .cli_options import cost_options as _cost_options, guard as _guard, make_backend as _backend
 from .cli_options import context_limit as _context_limit, read_profile as _profile, wants_gpu as _use_gpu
+from .kld_ties import JITTER, RouterProbe, ties
 
 __all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing"]
 
@@ -128,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=60.0, help="an expert step that takes longer is an error")
     p.add_argument("--cpu-dense", action="store_true",
                    help="with --policy cpu, run the policy's dense path on the CPU too (default: on the GPU when one is present)")
+    p.add_argument("--no-twin", dest="twin", action="store_false",
+                   help="skip the rounding twin (the reference run again with its blocks' outputs perturbed at the "
+                        "tiles' precision) and the near-tie figures it gives")
+    p.add_argument("--twin-jitter", type=float, default=JITTER, metavar="R",
+                   help="the rounding twin's relative perturbation of each block's output (default 2^-22, the tiles' "
+                        "activation halves)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--allow-non-finite", action="store_true",
                    help="compare on a model whose weights hold NaN or Inf (checked at load otherwise)")
@@ -143,6 +156,8 @@ def _check(args) -> None:
         raise _Fail(f"{PROG}: --tokens {args.tokens}: expected >= 2 (a position and the one it predicts)")
     if args.batch < 1:
         raise _Fail(f"{PROG}: --batch {args.batch}: expected >= 1")
+    if not 0 < args.twin_jitter < 1:
+        raise _Fail(f"{PROG}: --twin-jitter {args.twin_jitter}: expected a relative size in (0, 1)")
     if args.policy == "belady":
         raise _Fail(f"{PROG}: policy 'belady' needs the future routing, which the run computes as it goes; "
                     "compare it with moelab replay on a recorded trace")
@@ -184,12 +199,15 @@ def _inputs(ids: list[int], batch: int):
             yield ChunkInput(index, 0, i, phase, tuple(chunk), None, True)
 
 
-def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit, bar=None) -> tuple[np.ndarray, object]:
-    """Run ``ids`` under ``policy`` and ``backend``; -> ``(N, vocab)`` float32 logits and the RunResult.
-    ``bar`` (a tqdm) advances by each batch's tokens."""
+def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit, bar=None):
+    """Run ``ids`` under ``policy`` and ``backend``; -> ``(N, vocab)`` float32 logits, the RunResult
+    and the route log. ``bar`` (a tqdm) advances by each batch's tokens."""
     from . import model as M
 
     model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(ids))
+    model.route_log = []
+    if isinstance(backend, RouterProbe):
+        backend.model = model
     out = np.empty((len(ids), weights.info.vocab), np.float32)
 
     def keep(tokens: int) -> None:  # after each batch: its rows of logits
@@ -203,7 +221,7 @@ def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit
         res = M.run(model, backend, policy, _inputs(ids, args.batch), args.lag_tokens, audit, progress=keep)
     finally:
         backend.close()
-    return out, res
+    return out, res, model.route_log
 
 
 def kld(args) -> dict:
@@ -237,26 +255,33 @@ def kld(args) -> dict:
     ref_policy = make_policy("cpu", geometry, Capacity.per_layer(geometry, 0))
     from tqdm import tqdm
 
-    # the reference's tokens, then the policy's
-    with tqdm(total=2 * len(ids), unit="token", desc="kld", disable=getattr(args, "quiet", False), file=sys.stderr,
-              dynamic_ncols=True) as bar:
+    # the reference's tokens, its rounding twin's, then the policy's
+    runs = 2 + args.twin
+    with tqdm(total=runs * len(ids), unit="token", desc="kld", disable=getattr(args, "quiet", False),
+              file=sys.stderr, dynamic_ncols=True) as bar:
         try:
-            ref, ref_res = _logits(weights, ref_policy, M.NumpyExperts(weights), False, ids, args, None, bar)
+            probe = RouterProbe(weights, len(ids))
+            ref, ref_res, _ = _logits(weights, ref_policy, probe, False, ids, args, None, bar)
+            if not np.isfinite(ref).all():
+                raise _Fail(f"{PROG}: the reference's logits are not finite (NaN or Inf) at position "
+                            f"{int(np.argmin(np.isfinite(ref).all(axis=1)))}; the file's weights hold non-finite values")
+            if args.twin:
+                twin_probe = RouterProbe(weights, len(ids), np.random.default_rng(0), args.twin_jitter)
+                twin, _, _ = _logits(weights, make_policy("cpu", geometry, Capacity.per_layer(geometry, 0)),
+                                     twin_probe, False, ids, args, None, bar)
         except BaseException:
             backend.close()
             raise
-        if not np.isfinite(ref).all():
-            backend.close()
-            raise _Fail(f"{PROG}: the reference's logits are not finite (NaN or Inf) at position "
-                        f"{int(np.argmin(np.isfinite(ref).all(axis=1)))}; the file's weights hold non-finite values")
-        got, res = _logits(weights, policy, backend, use_gpu, ids, args, audit, bar)
+        got, res, route_log = _logits(weights, policy, backend, use_gpu, ids, args, audit, bar)
     summary = audit.summary()
+    near = (ties(ref, twin, got, probe, twin_probe, route_log, info.expert_groups > 1, args.twin_jitter) if args.twin
+            else {"near_ties": None})
     return {"model": str(args.model), "arch": info.arch, "policy": args.policy, "reference": "cpu, numpy backend",
             "gpu": use_gpu, "batch": args.batch, "lag_tokens": args.lag_tokens, "vocab": info.vocab,
             "cache_mib": capacity.slot_bytes(geometry) / 2**20, **kl_figures(ref, got, ids),
             "hit_rate": summary["hit_rate"], "uploads": summary["uploads"], "upload_mib": summary["upload_mib"],
             "streams": summary["streams"], "cpu": summary["cpu"], "digest": audit.digest(),
-            "reference_wall_s": ref_res.wall_s, "policy_wall_s": res.wall_s}
+            "reference_wall_s": ref_res.wall_s, "policy_wall_s": res.wall_s, "ties": near}
 
 
 def _print(out: dict) -> None:
@@ -267,6 +292,16 @@ def _print(out: dict) -> None:
           f"max {out['kl_max']:.3g} (position {out['kl_max_position']})")
     print(f"  positions with KL > 0.1: {100 * out['share_kl_above_0.1']:.2f}%, > 4: {100 * out['share_kl_above_4']:.2f}%")
     print(f"  top-1 agreement: {100 * out['top1_agreement']:.2f}% ({out['top1_same']}/{out['positions']})")
+    t = out["ties"]
+    if t["near_ties"] is not None:
+        print(f"  outside near ties: {100 * t['top1_agreement_outside_ties']:.2f}% ({t['top1_same_outside_ties']}/"
+              f"{t['positions_outside_ties']}); near ties {t['near_ties']} (logits {t['logit_ties']}, routing "
+              f"{t['route_ties']}); rounding twin's own top-1 agreement {100 * t['twin_top1_agreement']:.2f}%")
+        for f in t["flips"]:
+            r = f["first_route_difference"]
+            print(f"    position {f['position']}: margin {f['margin']:.3g} (bound {f['bound']:.3g}), "
+                  f"{f['blocks_routed_differently']} blocks routed differently"
+                  + (f", first block {r[0]}: margin {r[1]:.3g} (bound {r[2]:.3g})" if r else ""))
     print(f"  perplexity: reference {out['ppl_reference']:.4g}, policy {out['ppl_policy']:.4g}")
     print(f"  {out['policy']}: hit rate {out['hit_rate']:.3f}, {out['uploads']} uploads ({out['upload_mib']:.2f} MiB), "
           f"{out['streams']} streams, {out['cpu']} on CPU; decision digest {out['digest'][:16]}")

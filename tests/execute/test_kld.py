@@ -92,6 +92,9 @@ def test_cpu_policy_matches_the_reference(models, arch, quant, batch, bound):
     assert out["top1_agreement"] == 1.0 and out["share_kl_above_0.1"] == 0.0
     assert out["ppl_policy"] == pytest.approx(out["ppl_reference"], rel=1e-4)
     assert out["cpu"] > 0 and out["uploads"] == 0
+    t = out["ties"]  # tiny models have clear margins: no flips, no near ties, routes the reference's
+    assert t["flips"] == [] and t["twin_top1_agreement"] == 1.0 and t["top1_agreement_outside_ties"] == 1.0
+    assert t.get("positions_routed_differently", 0) == 0 and t.get("twin_blocks_routed_differently", 0) == 0
 
 
 def test_a_corrupted_expert_output_shows_up_at_its_position(models, monkeypatch):
@@ -147,6 +150,7 @@ def test_this_machine_without_a_gpu_says_so(models, tmp_path):
     (["--policy", "cpu", "-f", "latin1.txt"], "moelab kld: -f latin1.txt: not UTF-8 text (byte 3)"),
     (["--policy", "cpu", "-p", "x", "--tokens", "1"], "--tokens 1: expected >= 2"),
     (["--policy", "cpu", "-p", "x", "--batch", "0"], "--batch 0: expected >= 1"),
+    (["--policy", "cpu", "-p", "x", "--twin-jitter", "0"], "--twin-jitter 0.0: expected a relative size in (0, 1)"),
     (["--policy", "cpu", "-p", ""], "the text encodes to"),
     (["--policy", "nope", "-p", "x"], "--policy 'nope': expected one of"),
     (["--policy", "belady", "-p", "x"], "policy 'belady' needs the future routing"),
@@ -173,7 +177,7 @@ def test_gpu_policies_match_the_reference(models, policy, extra, quant):
     out = kld.kld(_args(models(arch, quant), "--policy", policy, "--tokens", "64", *extra))
     assert out["gpu"] and out["positions"] == 64
     assert out["kl_max"] < 1e-5 and out["share_kl_above_0.1"] == 0.0, out["worst"]
-    assert out["top1_agreement"] == 1.0
+    assert out["top1_agreement"] == 1.0 and out["ties"]["flips"] == []
     if policy not in ("gpu", "cpu"):
         # the cache of 3 of 8 experts per block had to move experts: on demand or in the background
         # (upload_mib counts both). hybrid moves them only in the background here: on a top-2 model

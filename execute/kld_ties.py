@@ -1,0 +1,172 @@
+"""Near ties in ``moelab kld``: which top-1 disagreements rounding alone can cause.
+
+The policy's tiles round differently from the float32 numpy reference (docs/EXECUTOR.md states
+how: activations as two f16 halves, ~22 bits, float32 accumulation in another order), and a
+random-weight model's next-token logits are nearly uniform, so some positions' top-1 and top-2 are
+closer together than that rounding can resolve. The measure of "closer than rounding" does not come
+from the policy's own run (a bug would widen it) but from a **rounding twin**: the reference run
+once more with every MoE block's output ``y`` multiplied elementwise by ``1 + d``, ``d`` uniform in
+``[-2^-22, 2^-22]`` (the halves' precision; seeded), i.e. the reference's own sensitivity to a
+perturbation of the tiles' size.
+
+At position ``i``, with ``a``, ``b`` the reference's top-1 and top-2 logits, the margin is
+``m_i = ref[i, a] - ref[i, b]`` and the twin's spread ``s_i`` the RMS over the vocabulary of
+``twin[i] - ref[i]`` less its mean (a shift of every logit changes nothing). The margin of a
+difference of two logits each moved by about ``s_i`` moves by about ``sqrt(2) s_i``; the position is
+a **logit near tie** when ``m_i < Z sqrt(2) s_i`` (:data:`Z` = 4: a margin that rounding of this
+size flips with probability below 1e-4 under Gaussian spread is not one).
+
+Routing likewise: at each MoE block the reference's selection values (what top-k compares:
+softmax probabilities, sigmoid, or logits for softmax-over-top-k gating, plus a selection bias) and
+the twin's; where the policy routed position ``i`` to a different set, the **routing margin** is
+the largest ``sel[out] - sel[in]`` over the experts the reference chose and the policy did not
+(``out``) and those the policy chose instead (``in``), and the bound ``Z sqrt(2)`` times the RMS of
+the twin's deviation over the block's experts. A position whose first block routed differently is
+a near tie there is a **routing near tie** (a different expert changes the logits far beyond
+rounding; what caused it was a tie). Later blocks' differences follow from the first and are only
+counted. Routing with expert groups is not analysed (its masked values have no margin).
+
+:func:`ties` returns the figures ``moelab kld`` prints: agreement outside near ties, and every
+flipped position with its margins and bounds."""
+from __future__ import annotations
+
+import numpy as np
+
+from .backends import NumpyExperts
+
+__all__ = ["Z", "JITTER", "RouterProbe", "selection", "spread", "ties"]
+
+Z = 4.0
+JITTER = 2.0 ** -22  # the activation halves' relative precision (execute.prefill, prefill_dense)
+_ROWS = 64
+
+
+def selection(info, logits: np.ndarray, exp_probs_b=None) -> np.ndarray:
+    """The values the top-k rule compares, ``(T, experts)`` float64, from router logits (bias
+    added), as ``execute.routing.route_weights`` forms them (no expert groups)."""
+    x = np.asarray(logits, np.float64)
+    if info.gating == "softmax":
+        e = np.exp(x - x.max(axis=1, keepdims=True))
+        x = e / e.sum(axis=1, keepdims=True)
+    elif info.gating == "sigmoid":
+        x = 1.0 / (1.0 + np.exp(-x))
+    return x if exp_probs_b is None else x + exp_probs_b
+
+
+class RouterProbe(NumpyExperts):
+    """The numpy reference backend that also keeps, per MoE block, each position's selection values
+    ``sel[layer]`` ``(N, experts)`` and ids ``ids[layer]`` ``(N, k)``; with ``jitter`` (a seeded
+    ``np.random.Generator``) every block's output is multiplied by ``1 + U(-size, size)``.
+    ``model`` (set once the MoeModel exists) gives the router weights and the chunk's position."""
+
+    def __init__(self, weights, positions: int, jitter: np.random.Generator | None = None, size: float = JITTER):
+        super().__init__(weights)
+        self.size = size
+        self.info = weights.info
+        self.model = None
+        self.jitter = jitter
+        self.positions = positions
+        self.sel: dict[int, np.ndarray] = {}
+        self.ids: dict[int, np.ndarray] = {}
+
+    def run_layer(self, item, x, ids, weights):
+        l, w = item.step.layer, self.model.layers[item.step.layer]
+        xs = np.asarray(x, np.float32)
+        logits = ((w["router"] @ xs[0])[None] if len(xs) == 1 else xs @ w["router"].T).astype(np.float64)
+        if w["router_bias"] is not None:
+            logits = logits + w["router_bias"]
+        if l not in self.sel:
+            self.sel[l] = np.full((self.positions, logits.shape[1]), np.nan)
+            self.ids[l] = np.full((self.positions, np.asarray(ids).shape[1]), -1, np.int64)
+        p = self.model.pos
+        self.sel[l][p:p + len(xs)] = selection(self.info, logits, w["exp_probs_b"])
+        self.ids[l][p:p + len(xs)] = ids
+        y = super().run_layer(item, x, ids, weights)
+        if self.jitter is not None:
+            y = (y * (1.0 + self.jitter.uniform(-self.size, self.size, y.shape))).astype(np.float32)
+        return y
+
+
+def spread(ref: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Per row, the RMS of ``other - ref`` less the row's mean difference (float64): ``(N, V)`` -> ``(N,)``."""
+    out = np.empty(len(ref))
+    for i in range(0, len(ref), _ROWS):
+        d = np.asarray(other[i:i + _ROWS], np.float64) - np.asarray(ref[i:i + _ROWS], np.float64)
+        d -= d.mean(axis=1, keepdims=True)
+        out[i:i + len(d)] = np.sqrt((d * d).mean(axis=1))
+    return out
+
+
+def _policy_ids(route_log, layers, positions: int) -> dict[int, list]:
+    """``route_log`` ((pos, [(layer, ids, weights)]) per position) -> per layer, each position's id set."""
+    out = {l: [None] * positions for l in layers}
+    for pos, rows in route_log:
+        for l, ids, _ in rows:
+            if l in out and pos < positions:
+                out[l][pos] = set(ids)
+    return out
+
+
+def _route_flips(ref_probe, twin_probe, route_log, positions: int) -> dict[int, list]:
+    """Per position, its blocks routed differently by the policy: ``[layer, margin, bound]`` in block order."""
+    layers = sorted(ref_probe.sel)
+    got = _policy_ids(route_log, layers, positions)
+    out: dict[int, list] = {}
+    for l in layers:
+        sel, ids = ref_probe.sel[l], ref_probe.ids[l]
+        s = spread(sel, twin_probe.sel[l])
+        for i in range(positions):
+            ref_set, pol = set(ids[i].tolist()), got[l][i]
+            if pol is None or pol == ref_set:
+                continue
+            gone, came = sorted(ref_set - pol), sorted(pol - ref_set)
+            margin = max((sel[i, a] - sel[i, b] for a in gone for b in came), default=0.0)
+            out.setdefault(i, []).append([l, float(margin), float(Z * np.sqrt(2) * s[i])])
+    return out
+
+
+def ties(ref: np.ndarray, twin: np.ndarray, got: np.ndarray, ref_probe=None, twin_probe=None,
+         route_log=None, grouped: bool = False, jitter: float = JITTER) -> dict:
+    """The near-tie figures of logits ``(N, vocab)`` of the reference, its rounding twin and the
+    policy; with the probes of both reference runs and the policy's route log, routing too."""
+    n = len(ref)
+    top2 = np.argsort(-ref, axis=1, kind="stable")[:, :2]
+    a, b = top2[:, 0], top2[:, 1]
+    rows = np.arange(n)
+    margin = ref[rows, a].astype(np.float64) - ref[rows, b]
+    s_twin, s_got = spread(ref, twin), spread(ref, got)
+    bound = Z * np.sqrt(2) * s_twin
+    logit_tie = margin < bound
+    routes = None if route_log is None or ref_probe is None or grouped else _route_flips(
+        ref_probe, twin_probe, route_log, n)
+    route_tie = np.zeros(n, bool)
+    for i, blocks in (routes or {}).items():
+        route_tie[i] = blocks[0][1] < blocks[0][2]
+    tie = logit_tie | route_tie
+    same = np.argmax(got, axis=1) == a
+    outside = ~tie
+    flips = []
+    for i in np.flatnonzero(~same):
+        blocks = (routes or {}).get(int(i), [])
+        flips.append({"position": int(i), "ref_top2": [int(a[i]), int(b[i])], "margin": float(margin[i]),
+                      "bound": float(bound[i]), "policy_margin": float(got[i, a[i]] - got[i, b[i]]),
+                      "spread_policy": float(s_got[i]), "spread_twin": float(s_twin[i]),
+                      "logit_tie": bool(logit_tie[i]), "route_tie": bool(route_tie[i]),
+                      "blocks_routed_differently": len(blocks), "first_route_difference": blocks[0] if blocks else None})
+    ratio = s_got / np.maximum(s_twin, np.finfo(np.float64).tiny)
+    own = margin < Z * np.sqrt(2) * s_got  # the policy's own spread as the bound (a check, not the measure)
+    out = {"z": Z, "jitter": jitter, "near_ties": int(tie.sum()), "logit_ties": int(logit_tie.sum()),
+           "route_ties": int(route_tie.sum()), "positions_outside_ties": int(outside.sum()),
+           "top1_same_outside_ties": int((same & outside).sum()),
+           "top1_agreement_outside_ties": float((same & outside).sum() / outside.sum()) if outside.any() else float("nan"),
+           "twin_top1_agreement": float(np.mean(np.argmax(twin, axis=1) == a)),
+           "own_spread_ties": int(own.sum()), "flips_within_own_spread": int((own & ~same).sum()),
+           "spread_ratio_median": float(np.median(ratio)), "spread_ratio_max": float(ratio.max()),
+           "routes_analysed": routes is not None, "flips": flips}
+    if routes is not None:
+        out["positions_routed_differently"] = len(routes)
+        out["blocks_routed_differently"] = sum(len(v) for v in routes.values())
+        out["twin_blocks_routed_differently"] = sum(
+            int((np.sort(ref_probe.ids[l], axis=1) != np.sort(twin_probe.ids[l], axis=1)).any(axis=1).sum())
+            for l in ref_probe.ids)
+    return out
