@@ -47,6 +47,11 @@ the other quant types' layers by half as many bytes, and the memory read buffer
 process peaks under 1 GB. Whatever kernels ``execute/cpu_experts.py`` has at run time are what
 is measured.
 
+Host check (``calibrate_host``): before measuring, what other processes keep busy and the memory
+read; a busy host is waited for (``--host-wait``), then refused (exit 3); after measuring, the same
+check, the memory read against the one before and the measurements against each other
+(``measurement_problems``): a host that got busy is measured once more, then refused. ``--busy-ok`` measures and writes anyway; both states are kept in ``_calibration.host_state``.
+
 This module runs the command and writes the file (``measure_all`` -> ``hardware_json`` -> ``write_json``);
 the parts live in ``calibrate_measure`` (each part timed alone), ``calibrate_replay`` (the
 calibration replays), ``calibrate_fit`` (samples -> fields) and ``standin`` (the dense stand-in).
@@ -73,7 +78,7 @@ from . import quant as Q
 
 # The measurements, fits and replays live in calibrate_measure, calibrate_fit and calibrate_replay;
 # their names are importable from here too, for scripts that take them with the command.
-from .calibrate_fit import (BETWEEN_MIN_LAYERS, POOL_MIN_CALLS, call_factors, fit_line, fit_table,
+from .calibrate_fit import (BETWEEN_MIN_LAYERS, POOL_MIN_CALLS, call_factors, fit_line, fit_table, pool_count_fit,
                             replay_between_fields, replay_host_fields, replay_pool_fit, stats, unlogged_host_fields)
 from .calibrate_measure import (MEM_READ_BYTES, PHASES, PLAN_POLICIES, GpuTimer, build_layers, cold_set_shape,
                                 cpu_layer_parts, measure_cpu_mem_gbps,
@@ -133,17 +138,18 @@ def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: 
                                         "step fit on copies and CPU layers per step; unlogged_host_fields)")
     if summary.get("between"):
         hw["executor"] = apply_between(hw["executor"], summary["between"], src)
-    pool = summary["pool"]
+    pool = pool_count_fit(summary["pool"]["by_count"])  # this version's fit, also over a stored summary's counts
     if pool["expert_s"] > 0:  # the pool as a replay sees it, over the back-to-back calls
         hw.update(cpu_task_s=min(pool["task_s"], 0.5), cpu_thread_gbps=expert_bytes / pool["expert_s"] / 1e9 / threads)
         alone = ((hw.get("_calibration") if alone is None else {"cpu_pool": alone}) or {}).get("cpu_pool", {})
         hw["cpu_call_factor"] = {str(n): f for n, f in call_factors(pool, alone.get("compute_s")).items()}
         if src is not None:
             src["cpu_thread_gbps"] = ("measured: CPU pool time per expert in the calibration replay (engine_replay: "
-                                      "compute time of each CPU layer's job, fit over its expert count), / threads")
+                                      "compute time of each CPU layer's job; each expert count's median, fit over "
+                                      "the counts weighted by calls), / threads")
             src["cpu_task_s"] = "measured: intercept of the same fit"
             src["cpu_call_factor"] = (f"measured: per expert count with >= {POOL_MIN_CALLS} calls in the calibration "
-                                      "replay, the mean call time / the same fit's; counts between them interpolated; "
+                                      "replay, the median call time / the same fit's; counts between them interpolated; "
                                       "counts above them: the largest one's time plus the pool alone's growth to "
                                       "them (cpu_pool, call_factors); counts not listed: the fit")
     return hw
@@ -493,12 +499,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--refit", default=None, metavar="FILE",
                     help="measure nothing: write the hardware file that FILE's stored measurements (a calibrated "
                          "file's _calibration) give with this version's fits (no GPU needed)")
+    ap.add_argument("--host-wait", type=float, default=60.0, metavar="S",
+                    help="seconds to wait for a busy host to quiet down before refusing (default 60)")
+    ap.add_argument("--busy-ok", action="store_true",
+                    help="measure and write on a busy host too (its state is kept in _calibration.host_state)")
     ap.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tests: a 16 MiB memory read
     return ap
 
 
 def main(argv=None) -> int:
-    """``moelab calibrate``: measure, then write the hardware JSON (exit 2 on bad arguments)."""
+    """``moelab calibrate``: measure, then write the hardware JSON (exit 2 on bad arguments, 3 on a busy host)."""
     args = _parser().parse_args(argv)
     if args.refit:
         return _refit(args)
@@ -515,6 +525,9 @@ def main(argv=None) -> int:
         if getattr(args, flag) < 1:
             print(f"moelab calibrate: --{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1", file=sys.stderr)
             return 2
+    if not args.host_wait >= 0:
+        print(f"moelab calibrate: --host-wait {args.host_wait}: expected seconds >= 0", file=sys.stderr)
+        return 2
     if args.top_k > args.experts:
         print(f"moelab calibrate: --top-k {args.top_k}: expected <= --experts {args.experts}", file=sys.stderr)
         return 2
@@ -547,24 +560,59 @@ def main(argv=None) -> int:
         print(f"moelab calibrate: --threads {args.threads}, expected 1..{numba.config.NUMBA_NUM_THREADS}",
               file=sys.stderr)
         return 2
-    m = {}
-    try:
-        m = measure_all(args, partial=m)
-    except BaseException as exc:
-        partial = Path(str(args.out) + ".partial.json")
-        if m:  # what was measured before the failure, for the record (not a hardware file)
-            write_json(partial, m)
-        if isinstance(exc, KeyboardInterrupt):
-            kept = f"what was measured is in {partial} (not a hardware file)" if m else "nothing was written"
-            print(f"\nmoelab calibrate: interrupted; {kept}", file=sys.stderr)
-            return 130
-        raise
+    m = _measure_on_quiet_host(args)
+    if isinstance(m, int):
+        return m
     hw = hardware_json(m, args.name or f"calibrated-{socket.gethostname()}", base if args.cpu_only else None)
     write_json(Path(args.out), hw)
     if not args.quiet:
         print(f"wrote {args.out}: hardware {hw['name']}", file=sys.stderr)
     _print_summary(hw)
     return 0
+
+
+def _measure_on_quiet_host(args) -> dict | int:
+    """``measure_all`` between two host checks (``calibrate_host``): on a busy host it waits up to
+    ``--host-wait`` s, then refuses (exit 3); when the host got busy while measuring it measures
+    once more, then refuses, keeping what was measured in OUT.partial.json. ``--busy-ok`` (and the
+    tests' ``--small``) measure and write whatever the host does; the states go into ``m["host_state"]``."""
+    from .calibrate_host import HOST_MEM_BYTES, host_problem, host_state, measurement_problems, quiet_host, summary
+
+    say = lambda line: print(f"moelab calibrate: {line}", file=sys.stderr)
+    lenient = args.busy_ok or args.small
+    mem = 1 << 24 if args.small else HOST_MEM_BYTES
+    probe = lambda t, b: host_state(t, b, interval_s=0.05 if args.small else 0.5)
+    partial = Path(str(args.out) + ".partial.json")
+    for attempt in (0, 1):
+        before, problem = quiet_host(args.threads, 0.0 if lenient else args.host_wait,
+                                     (lambda line: None) if args.quiet else say, mem, probe)
+        if problem and not lenient:
+            say(f"refusing to measure on a busy host: {problem} (--busy-ok measures anyway)")
+            return 3
+        m = {}
+        try:
+            m = measure_all(args, partial=m)
+        except BaseException as exc:
+            if m:  # what was measured before the failure, for the record (not a hardware file)
+                write_json(partial, m)
+            if isinstance(exc, KeyboardInterrupt):
+                kept = f"what was measured is in {partial} (not a hardware file)" if m else "nothing was written"
+                print(f"\nmoelab calibrate: interrupted; {kept}", file=sys.stderr)
+                return 130
+            raise
+        after = probe(args.threads, mem)
+        problem = host_problem(after, args.threads, before) or next(iter(measurement_problems(m)), None)
+        m["host_state"] = {**summary(before, after), "problem": problem}
+        if not problem or lenient:
+            if problem and not args.quiet:
+                say(f"warning: {problem} (--busy-ok: written anyway; recorded in _calibration.host_state)")
+            return m
+        if attempt == 0:
+            say(f"the host got busy while measuring: {problem}; measuring again")
+    write_json(partial, m)
+    say(f"refusing to write a hardware file: {problem} in both measurements; what was measured is in {partial} "
+        f"(--busy-ok writes it anyway)")
+    return 3
 
 
 def _refit(args) -> int:
@@ -583,6 +631,10 @@ def _refit(args) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"moelab calibrate: --refit {args.refit}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    from .calibrate_host import measurement_problems
+
+    for line in measurement_problems(m):  # a file measured on a busy host: said, then refit as asked
+        print(f"moelab calibrate: warning: {args.refit}: {line}", file=sys.stderr)
     hw["_about"] = f"{old.get('_about', '')}; refit by moelab calibrate --refit (no measurement)"
     write_json(Path(args.out), hw)
     if not args.quiet:

@@ -104,8 +104,9 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
     raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dense_rel_err": dense_err, "runs": [], "failed": [],
            "gpu_experts": experts}
-    raw["calibration_records"], raw["calibration_runs"] = [], []
+    raw["calibration_records"], raw["calibration_runs"], raw["host_state"] = [], [], []
     for rep in range(args.repeats):  # interleaved, every other round in reverse: drift spreads over configs
+        before = _host(args, rep, "before")
         if args.host_calibration == "session":  # the calibration workload, in this process, this round
             raw["calibration_records"].extend({**r, "round": rep} for r in calibration_replay(cp, gx, layers, args, dense))
             t0 = time.perf_counter()
@@ -124,8 +125,31 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
                 f"hits {r['hit_rate']:.3f}  up {r['upload_bytes'] / 1e9:.2f} GB")
             raw["runs"].append({**c, **r, "repeat": rep})
             write_json(Path(args.out) / "raw.json", raw)  # kept if a later run or the analysis fails
+        after = _host(args, rep, "after", before)
+        if before and after:
+            from .calibrate_host import summary
+
+            raw["host_state"].append({"round": rep, **summary(before[0], after[0]), "problem": after[1] or before[1]})
+            write_json(Path(args.out) / "raw.json", raw)
     gx.close()
     return raw
+
+
+def _host(args, rep: int, when: str, before=None) -> tuple[dict, str | None] | None:
+    """The host's state (``calibrate_host.host_state``) around a round and its problem, logged in one
+    line when there is one; None where it could not be measured."""
+    from .calibrate_host import host_problem, host_state
+
+    try:
+        state = host_state(args.threads, interval_s=0.3)
+    except Exception as e:  # noqa: BLE001 -- the check is a record; the comparison runs on without it
+        log(f"[{rep}] host state {when} the round not measured ({e!r})")
+        return None
+    problem = host_problem(state, args.threads, before[0] if before else None)
+    busy = "?" if state["busy_cores"] is None else f"{state['busy_cores']:.1f}"
+    log(f"[{rep}] host {when} the round: {busy} of {state['cores']} cores busy elsewhere, memory read "
+        f"{state['mem_gbps']['median']:.0f} GB/s" + (f" -- BUSY: {problem}" if problem else ""))
+    return state, problem
 
 
 def calibrated_on_round(raw: dict, rnd: int) -> dict:

@@ -318,10 +318,27 @@ def test_replay_pool_fit_gives_a_factor_per_count_with_enough_calls():
     fit = lambda n: pool["task_s"] + n * pool["expert_s"]
     assert set(pool["factor"]) == {1, 2, 3, 4}  # 5: fewer than POOL_MIN_CALLS calls
     for n in (1, 2, 3, 4):
-        assert pool["factor"][n] == pytest.approx(pool["by_count"][n]["mean"] / fit(n))
+        assert pool["factor"][n] == pytest.approx(pool["by_count"][n]["median"] / fit(n))
     assert pool["by_count"][1]["mean"] == pytest.approx(280e-6, rel=0.01)
     assert pool["factor"][1] < 0.9 and all(0.95 < pool["factor"][n] < 1.05 for n in (2, 3, 4))
     assert pool["by_count"][5]["n"] == 5
+
+
+def test_pool_fit_takes_each_counts_median_so_tails_do_not_move_it():
+    rng = np.random.default_rng(4)
+    calls = {1: 200, 2: 60, 8: 64}
+    quiet = pool_records(rng, calls, {})
+    tailed = [dict(r, parts={"compute": r["parts"]["compute"] * (5.0 if i % 8 == 0 else 1.0)})
+              for i, r in enumerate(pool_records(rng, calls, {}))]  # one call in 8 five times as long
+    a, b = F.replay_pool_fit(quiet), F.replay_pool_fit(tailed)
+    assert b["expert_s"] == pytest.approx(200e-6, rel=0.03) and b["task_s"] == pytest.approx(150e-6, rel=0.1)
+    assert b["expert_s"] == pytest.approx(a["expert_s"], rel=0.03)
+    assert b["by_count"][8]["mean"] > 1.4 * b["by_count"][8]["median"]  # the tail is in the mean, not the fit
+    assert all(0.95 < f < 1.05 for f in b["factor"].values())
+    stored = F.pool_count_fit({str(n): {k: v for k, v in st.items() if k != "mean"} for n, st in b["by_count"].items()})
+    assert stored["expert_s"] == pytest.approx(b["expert_s"]) and stored["factor"] == pytest.approx(b["factor"])
+    with pytest.raises(ValueError, match="two or more counts"):
+        F.pool_count_fit({"8": b["by_count"][8]})
 
 
 def test_apply_replay_writes_the_call_factor_and_the_simulator_charges_it(tmp_path):
@@ -360,7 +377,7 @@ def test_apply_replay_writes_the_call_factor_and_the_simulator_charges_it(tmp_pa
 
 def test_call_factors_interpolate_between_counts_and_follow_the_pool_alone_above():
     pool = {"task_s": 100e-6, "expert_s": 100e-6, "factor": {1: 1.0, 4: 0.8},
-            "by_count": {1: {"mean": 200e-6}, 4: {"mean": 400e-6}}}
+            "by_count": {1: {"median": 200e-6}, 4: {"median": 400e-6}}}
     alone = {"1": {"median": 150e-6}, "4": {"median": 300e-6}, "8": {"median": 420e-6}}
     f = F.call_factors(pool, alone)
     fit = lambda n: 100e-6 + n * 100e-6
