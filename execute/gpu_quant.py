@@ -49,7 +49,7 @@ FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the 
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1")  # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block
 Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1}  # the int8 variants' m-tiles (16 rows) per block, as gpu_quant_mmq.cu's QMOE_Q8
-ONE_VARIANTS: tuple[str, ...] = ()  # other qmoe1_gate_up / qmoe1_down_combine kernels to measure (none now)
+ONE_VARIANTS = ("_d",)  # other qmoe1_gate_up / qmoe1_down_combine kernels: _d by programmatic dependent launch
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
 
@@ -185,8 +185,9 @@ class Experts:
             if variant and variant not in (*ONE_VARIANTS, *ONE_PROBES):
                 raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, "
                                  f"expected one of {(*ONE_VARIANTS, *ONE_PROBES)}")
-            k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex)
-            k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex)
+            pdl = variant == "_d"
+            k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex, programmatic=pdl)
+            k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex, programmatic=pdl)
             rpb = down_rows or ONE_DOWN_ROWS
             if not 1 <= rpb <= 32:
                 raise ValueError(f"gpu_quant.Experts: down_rows {rpb}, expected 1..32")
