@@ -31,18 +31,18 @@ One token whose experts are all on the GPU (hits and uploads, the decode step of
 launch (two launches per layer with fixed per-layer argument blocks, plus one batched copy of its
 uploads, ``GpuExperts.copy_in``); one event marks the step's reads and hands the output back.
 
-Early start. A forward pass may call ``engine.begin_layer(layer, x, topk_ids)`` as soon as the routing is
-known, before the driver plans the step; ``run_layer`` then finishes it. For a single token,
-``begin_layer`` queues the gate/up kernels of the routed experts that are resident now. No decision can
-change their outcome: a step's hits are exactly the experts resident when it starts, and no eviction made
-for a step removes an expert the step uses (``scheduler.core``), so whatever the policy decides, these
-experts are read from the slots they are in now, and copies into other slots (this step's uploads) do not
-touch them. The engine's residency (``slot_of``) is the policy's: it follows the same decisions and moves,
-and uploads, promotions and background moves enter it when the driver passes their completion back. The
-scheduler still plans every step from the same routing and nothing flows from the engine to the policy, so
-the decision log is identical with or without early starts; should a decision not list an early expert as
-a hit (a policy breaking the invariant), the early work is dropped and every pair runs again after the
-decision. All choices are the policy's.
+Early start. A forward pass may call ``engine.begin_layer(layer, x, topk_ids)`` as soon as the routing
+is known, before the driver plans the step; ``run_layer`` then finishes it. For a single token,
+``begin_layer`` queues the gate/up kernel of the routed experts resident now. No decision changes their
+outcome: a step's hits are exactly the experts resident when it starts, and no eviction made for a step
+removes an expert it uses (``scheduler.core``), so these experts are read from the slots they are in now,
+and this step's uploads into other slots do not touch them. The same kernel covers the other routed
+experts (``gpu_step.LateStart``): their blocks wait until the copy stream, after the step's uploads,
+writes their slot addresses; a decision that does not upload them all releases them (they write
+nothing) and runs them itself. Residency (``slot_of``) follows the policy's decisions and moves
+(uploads, promotions and background moves when the driver passes their completion back); nothing flows
+from the engine to the policy, so the decision log is identical with or without early starts. A
+decision that does not list an early expert as a hit drops the early work and runs every pair again.
 """
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ class LayerStats:
     input_wait_s: float = 0.0  # GPU path: waiting for the layer input the CPU pool needs
     host_combine_s: float = 0.0  # GPU path, host time: CPU result upload and combine queued
     early_pairs: int = 0  # pairs begin_layer started before the step's decision
+    late_pairs: int = 0  # uploaded pairs begin_layer's kernel ran once their copy landed (LateStart)
     graph_steps: int = 0  # steps a token's graph computed (settle_layer)
     settled_moves: int = 0  # of those, steps whose decision still moved experts
     host_early_s: float = 0.0  # host time in begin_layer (its kernels queued)
@@ -105,6 +106,7 @@ class _Early(NamedTuple):
     bases: list  # the slot address of each picked pair (0 for the others)
     got: tuple  # the picked experts, in routed order
     rest: list  # the pairs not picked
+    late: int = 0  # the step's LateStart number when the kernel also waits for the rest, else 0
 
 
 _new_early = _Early._make  # (a NamedTuple's own constructor costs more)
@@ -225,11 +227,15 @@ class ExpertEngine:
         self._early: _Early | None = None
         self._ones: dict[int, tuple | None] = {}  # see _one_layer
         self._cpu_seen = False  # a step's CPU pairs were handed off (begin_layer then marks x_ready)
+        self._late = None  # early starts cover a step's uploads too (gpu_step.LateStart; MOELAB_LATE_START=0: off)
         self._max_k = 0
         if self.gpu is not None:
             from .gpu_experts import MAX_TOP_K
+            from .gpu_step import LateStart
 
             self._max_k = MAX_TOP_K
+            if os.environ.get("MOELAB_LATE_START", "1") != "0":
+                self._late = LateStart(self.gpu, 2 * self.timeout_s)
         self.stats = LayerStats()
 
     # residency ---------------------------------------------------------------------------------
@@ -255,7 +261,7 @@ class ExpertEngine:
         module docstring); ``run_layer`` with the same ``x`` and ids finishes it. Does nothing for
         a batch, without a GPU, or when no routed expert is resident."""
         t0 = time.perf_counter()
-        self._early = None
+        self._early = self._free_late(self._early) and None
         if self.gpu is None or len(topk_ids) != 1:
             return
         one = self._one_layer(layer)
@@ -277,23 +283,28 @@ class ExpertEngine:
         xd = gx.as_input(x)
         if self._cpu_seen:  # a hand-off's input copy need not wait for these kernels
             self.handoff.mark_input()
-        gx.pack1(bases, (), pick)
-        gx.gate_up1(layer, xd, len(ids), len(pick))
-        self._early = _new_early((layer, x, xd, ids, pick, bases, tuple([ids[j] for j in pick]),
-                                  [j for j, b in enumerate(bases) if not b]))
+        rest, late = [j for j, b in enumerate(bases) if not b], 0
+        if rest and one[2] and not self._cpu_seen:  # the rest once uploaded (released if not)
+            late = self._late.begin(layer, xd, bases, pick + rest, len(ids))
+        else:
+            gx.pack1(bases, (), pick)
+            gx.gate_up1(layer, xd, len(ids), len(pick))
+        self._early = _new_early((layer, x, xd, ids, pick, bases, tuple([ids[j] for j in pick]), rest, late))
         st = self.stats
         st.early_pairs += len(pick)
         st.host_early_s += time.perf_counter() - t0
 
     def _one_layer(self, layer: int):
-        """(the one-token input shape, the layer's row of the slot table) of a layer with a cache
-        pool, else None (cached; the row is a view of the residency's table, so always current)."""
+        """(the one-token input shape, the layer's row of the slot table, whether LateStart takes
+        it) of a layer with a cache pool, else None (cached; the row is a view of the residency's
+        table, so always current)."""
         one = self._ones.get(layer, False)
         if one is False:
             lx = self.layers[layer] if 0 <= layer < len(self.layers) else None
             one = None
             if lx is not None and self.gpu.slot_tables[layer] is not None:
-                one = ((1, lx.hidden), self.slot_of.table[layer])
+                one = ((1, lx.hidden), self.slot_of.table[layer],
+                       self._late is not None and layer not in self.gpu.generic_layers)
             self._ones[layer] = one
         return one
 
@@ -318,12 +329,14 @@ class ExpertEngine:
                     gx.end_step()  # hand_back(out, read=True)
                     self._handed_back = True
                     return out
+                early = self._free_late(early)
                 if self.handoff is not None and d.cpu:  # CPU pairs handed off, no host wait
                     if early is not None and not self._cpu_seen:  # the first: x_ready after the early kernels
                         self.handoff.mark_input()
                     self._cpu_seen = True  # from now on begin_layer records x_ready before its kernels
                     return self.hand_back(self.handoff.run_one(self, d, lx, x, topk_ids, topk_weights, early, t0),
                                           read=True)
+            self._free_late(early)
         weights = np.asarray(topk_weights, np.float32)
         ids = np.asarray(topk_ids)
         if weights.shape != ids.shape or ids.ndim != 2 or x.shape != (weights.shape[0], lx.hidden):
@@ -376,9 +389,10 @@ class ExpertEngine:
         hits = d.hits
         up = dict(zip(d.uploads, d.slots)) if d.uploads else None
         if early is not None and (early.layer != layer or early.x is not x or early.ids != ids):
-            early = None  # begun for another step: run every pair here
+            early = self._free_late(early) and None  # begun for another step: run every pair here
         picked = early.pick if early is not None else ()
         fast = early is not None and _early_bases(early, d, up, ptr, stride, n_slots)
+        late = early.late if fast else self._free_late(early) and 0  # the early kernel runs the rest
         bases, rest = fast or ([], [])
         for j, e in enumerate(() if fast else ids):
             if up is not None and e in up:  # (an early-started expert uploaded anew runs again)
@@ -400,10 +414,14 @@ class ExpertEngine:
         t1 = time.perf_counter()
         st.host_plan_s += t1 - t0
         if up is not None:
-            gx.copy_in(layer, d.uploads, d.slots)
+            if late:
+                self._late.copy_in(layer, d.uploads, d.slots, late, bases)
+                st.late_pairs += len(rest)
+            else:
+                gx.copy_in(layer, d.uploads, d.slots)
             st.uploads += len(up)
         gx.pack1(bases, weights, rest)
-        if rest:
+        if rest and not late:
             gx.gate_up1(layer, xd, len(ids), len(rest))
         out = gx.down_combine1(layer, len(ids))
         for v in d.retired:
@@ -413,6 +431,13 @@ class ExpertEngine:
                 slot_of[(layer, e)] = s
         st.host_queue_s += time.perf_counter() - t1
         return out
+
+    def _free_late(self, early: _Early | None) -> _Early | None:
+        """``early`` with its late pairs released (they write nothing; the step runs them itself)."""
+        if early is not None and early.late:
+            self._late.release(early.late, len(early.ids))
+            return early._replace(late=0)
+        return early
 
     def _not_on_gpu(self, layer: int, ids: list, hits: tuple, up: dict) -> None:
         """Raise the ExecutorError for a routed expert the decision does not place on the GPU."""
@@ -571,12 +596,10 @@ class ExpertEngine:
         if self._handed_back:
             self._handed_back = False
             return
-        gx = self.gpu
         ev = self._dense_waits[self._next_wait]
         self._next_wait = (self._next_wait + 1) % len(self._dense_waits)
-        rt = cp.cuda.runtime
-        rt.eventRecord(ev.ptr, gx.compute.ptr)
-        rt.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev.ptr)
+        cp.cuda.runtime.eventRecord(ev.ptr, self.gpu.compute.ptr)
+        cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev.ptr)
 
     # a token's graph ---------------------------------------------------------------------------
     def sync_table(self, stream_ptr: int) -> None:
@@ -647,6 +670,7 @@ class ExpertEngine:
         except KeyError:
             raise ExecutorError("await_background: these moves were never started") from None
         if self.background_wait == "device":
+            self._early = self._free_late(self._early)  # last_read moves past its kernel
             self.gpu.compute.wait_event(ev)
             self.gpu.mark_read()
         else:
@@ -659,12 +683,16 @@ class ExpertEngine:
     def synchronize(self) -> None:
         """Wait for all queued GPU work (no-op without a GPU)."""
         if self.gpu is not None:
+            self._early = self._free_late(self._early)
             self.gpu.wait(self.gpu.all_done_event(), "GPU work")
+            if self._late is not None:
+                self._late.check()
         if self.handoff is not None:
             self.handoff.check(self.pool)
             self.handoff.collect(self.stats)
 
     def close(self) -> None:
+        self._early = self._free_late(self._early)
         self.pool.close()
         if self.gpu is not None and self._own_gpu:
             self.gpu.close()

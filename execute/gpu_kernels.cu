@@ -228,13 +228,12 @@ struct Experts1 {
     int pick[MAXK];
 };
 
-// h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for j = pick[blockIdx.y]; x (hidden,), h (k, ffn).
-// grid (ceil(ffn / (WARPS * rows_per_warp)), pairs picked), block 32 * WARPS.
-extern "C" __global__ void moe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
-                                        int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
-                                        long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
-    int j = ex.pick[blockIdx.y], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const unsigned char* e = reinterpret_cast<const unsigned char*>(ex.base[j]);
+// h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for the rows of this block's warps; e: pair j's expert.
+__device__ __forceinline__ void gate_up1_rows(const unsigned char* e, int j, const float* __restrict__ x,
+                                              float* __restrict__ h, int ffn, int hidden, int rows_per_warp,
+                                              long long off_g, int qt_g, long long rb_g, long long off_u, int qt_u,
+                                              long long rb_u, int act, int bias) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r0 = (blockIdx.x * WARPS + warp) * rows_per_warp, tok[TB] = {0, 0, 0, 0};
     for (int r = r0; r < min(r0 + rows_per_warp, ffn); r++) {
         float ag[TB] = {0.f, 0.f, 0.f, 0.f}, au[TB] = {0.f, 0.f, 0.f, 0.f};
@@ -247,6 +246,60 @@ extern "C" __global__ void moe1_gate_up(const Experts1 ex, const float* __restri
         }
         if (lane == 0) h[(long long)j * ffn + r] = expert_act(act, a, b);
     }
+}
+
+// h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for j = pick[blockIdx.y]; x (hidden,), h (k, ffn).
+// grid (ceil(ffn / (WARPS * rows_per_warp)), pairs picked), block 32 * WARPS.
+extern "C" __global__ void moe1_gate_up(const Experts1 ex, const float* __restrict__ x, float* __restrict__ h,
+                                        int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
+                                        long long rb_g, long long off_u, int qt_u, long long rb_u, int act, int bias) {
+    int j = ex.pick[blockIdx.y];
+    gate_up1_rows(reinterpret_cast<const unsigned char*>(ex.base[j]), j, x, h, ffn, hidden, rows_per_warp,
+                  off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
+}
+
+// moe1_gate_up for a step begun before its decision, over every routed pair: a pair with
+// ex.base[j] != 0 is resident (as moe1_gate_up); for the others thread 0 waits until late[j] =
+// {seq, base} (device memory) carries this step's seq, written in one 16-byte piece by the copy
+// stream after the step's uploads (or by a release: base 0, nothing written). A wait past
+// timeout_ns sets *err (mapped host memory) to seq and writes nothing.
+struct Late1 {
+    unsigned long long seq, base;
+};
+
+extern "C" __global__ void moe1_gate_up_late(const Experts1 ex, const Late1* late, long long seq, long long timeout_ns,
+                                             long long* err, const float* __restrict__ x, float* __restrict__ h,
+                                             int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
+                                             long long rb_g, long long off_u, int qt_u, long long rb_u, int act,
+                                             int bias) {
+    __shared__ unsigned long long got;
+    int j = ex.pick[blockIdx.y];
+    unsigned long long b = ex.base[j];
+    if (!b) {
+        if (threadIdx.x == 0) {
+            unsigned long long t0, t, s, v;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+            for (;;) {
+                asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(s), "=l"(v) : "l"(late + j) : "memory");
+                if (s == (unsigned long long)seq) break;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+                if ((long long)(t - t0) > timeout_ns) {
+                    atomicCAS((unsigned long long*)err, 0ull, (unsigned long long)seq);
+                    __threadfence_system();
+                    v = 0;
+                    break;
+                }
+                __nanosleep(100);
+            }
+            __threadfence();
+            got = v;
+        }
+        __syncthreads();
+        b = got;
+        if (!b) return;
+    }
+    gate_up1_rows(reinterpret_cast<const unsigned char*>(b), j, x, h, ffn, hidden, rows_per_warp,
+                  off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
 }
 
 // out[r] = sum_j weight[j] * (down_j h[j] + bd_j)[r], j = 0 .. k - 1 in order (warp j computes

@@ -14,6 +14,19 @@ of a batch may run in any order among themselves: they write distinct slots).
 
 :func:`pack1`: the one-token pair table (``Experts1`` of gpu_kernels.cu: bases, weights, picks)
 written by one ``struct.pack_into`` per layout.
+
+:class:`LateStart`: a one-token step begun before its decision covers its uploads too. The early
+``moe1_gate_up_late`` runs every routed pair: the resident ones at once, each of the others once
+its entry of a device table ``late`` (``{seq, base}`` per pair, 16 bytes) carries the step's
+number, which one host -> device copy on the copy stream writes after the step's uploads (the
+compute stream no longer waits for the copy stream: the kernel's blocks do, and the down/combine
+launch comes after them), or a release writes with base 0 (the decision hands the pairs to the
+CPU or does not keep the early start: those blocks write nothing and the step runs them as
+before). Every copy into ``late`` waits for ``last_read`` (the previous step's kernels), so a
+waiting block never misses its number. The copies' sources are a ring of pinned entries; before
+a block of 32 entries is rewritten, the host waits for the event recorded after the copies of the
+block before last (in practice long done). A wait past ``timeout_s`` leaves the pairs unwritten
+and the step's number in ``err`` (mapped), which :meth:`LateStart.check` raises.
 """
 from __future__ import annotations
 
@@ -27,8 +40,9 @@ import cupy as cp
 import numpy as np
 
 from .experts import ExecutorError
+from .gpu_host import cuda_module
 
-__all__ = ["CopyBatch", "FREE_REFS", "FixedLaunch", "pack1", "queue_copies"]
+__all__ = ["CopyBatch", "FREE_REFS", "FixedLaunch", "LateStart", "pack1", "queue_copies"]
 
 _rt = cp.cuda.runtime
 _H2D = _rt.memcpyHostToDevice
@@ -163,10 +177,11 @@ class CopyBatch:
             _rt.memcpyAsync(d[i], s[i], z[i], _H2D, stream_ptr)
 
 
-def queue_copies(gx, layer: int, experts, slots, streamed, scratch) -> None:
+def queue_copies(gx, layer: int, experts, slots, streamed, scratch, late=None) -> None:
     """``GpuExperts.copy_in``: the copy stream waits for ``last_read``, the copies are gathered
     into ``gx``'s CopyBatch (or go as ``upload`` / ``stream_to`` while the host rows are staged,
-    not yet registered or being loaded), then the compute stream waits for the copy stream. As
+    not yet registered or being loaded), then the compute stream waits for the copy stream (with
+    ``late`` = (LateStart, seq, bases): the step's late entries are copied instead). As
     ``upload``, an upload into a slot the background load filled with the same expert is skipped."""
     _rt.streamWaitEvent(gx.copy.ptr, gx.last_read.ptr)
     rows = None
@@ -205,7 +220,92 @@ def queue_copies(gx, layer: int, experts, slots, streamed, scratch) -> None:
             total += b.add(gx.source_ptr(layer, -1 - k), rows, e)
         gx.bytes_uploaded += total
         b.flush(gx.copy.ptr)
-    gx.compute_after_copies()
+    if late is None:
+        gx.compute_after_copies()
+    else:
+        late[0].put(late[1], late[2], gx.copy.ptr)
+
+
+class LateStart:
+    """The late pairs of early-started one-token steps for ``gx`` (a ``GpuExperts``); see the
+    module docstring. ``begin`` numbers a step and launches its gate/up over every routed pair,
+    ``put`` queues its entries after its uploads, ``release`` sets its late pairs free."""
+
+    RING = 64  # pinned source entries (a block of 32 rewritten after the block before last was copied)
+
+    def __init__(self, gx, timeout_s: float):
+        self.gx = gx
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.seq = 0
+        self._n = 0  # entries copied so far
+        self._mem = cp.cuda.alloc_pinned_memory(self.RING * 16 * _MAX_K + 64)
+        self._src = memoryview(np.frombuffer(self._mem, np.uint8, self.RING * 16 * _MAX_K + 64)).cast("B")
+        self._src_ptr = int(np.frombuffer(self._mem, np.uint8, 1).ctypes.data)
+        self._err = np.frombuffer(self._mem, np.int64, 1, self.RING * 16 * _MAX_K)  # mapped (unified addressing)
+        self._err[0] = 0
+        with gx.compute:
+            self._late = cp.zeros(2 * _MAX_K, cp.uint64)  # {seq, base} per pair; seq 0: none yet
+        self._dev = int(self._late.data.ptr)
+        self._events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+        self._launches: dict[int, FixedLaunch] = {}
+        self._packs = [struct.Struct(f"<{2 * k}Q") for k in range(_MAX_K + 1)]
+
+    def _launch(self, layer: int) -> FixedLaunch:
+        """The layer's ``moe1_gate_up_late``: the table, step number, timeout and error word, then
+        the arguments and grid of its ``moe1_gate_up`` (``GpuExperts._one``)."""
+        f = self._launches.get(layer)
+        if f is None:
+            gu = self.gx._one(layer)[0]
+            func = cuda_module("gpu_kernels.cu", "expert_kernels_v4.cu").get_function("moe1_gate_up_late")
+            f = self._launches[layer] = FixedLaunch(
+                func.kernel.ptr, [self._dev, 0, self.timeout_ns, self._src_ptr + self.RING * 16 * _MAX_K] +
+                gu.vals.tolist(), gu.grid_x, self.gx._ex)
+        return f
+
+    def begin(self, layer: int, x, bases, pick, k: int) -> int:
+        """Launch the gate/up of a step's ``k`` routed pairs on the compute stream (``bases[j]``
+        the slot address of a resident pair, 0 for a late one; ``pick``: every pair, resident
+        first); returns the step's number, which ``put`` or ``release`` must resolve."""
+        self.seq = seq = self.seq + 1
+        gx = self.gx
+        pack1(gx._ex, bases, (), pick)
+        f = self._launch(layer)
+        v = f.vals
+        v[1] = seq
+        v[4] = x.data.ptr  # (moe1_gate_up's x)
+        f.launch(k, 128, gx.compute.ptr)
+        return seq
+
+    def copy_in(self, layer: int, experts, slots, seq: int, bases) -> None:
+        """``GpuExperts.copy_in`` of step ``seq``'s uploads, then its entries (``bases``: every pair's)."""
+        queue_copies(self.gx, layer, experts, slots, (), (), (self, seq, bases))
+
+    def put(self, seq: int, bases, stream_ptr: int) -> None:
+        """Queue the copy of step ``seq``'s entries (``bases[j]`` for pair j; the late pairs
+        read theirs) on ``stream_ptr`` (after the step's uploads, behind ``last_read``)."""
+        n = self._n
+        if not n & 31 and n >= 64:
+            self.gx.wait(self._events[(n >> 5) & 1], "copy of a late entry")
+        i = (n % self.RING) * 16 * _MAX_K
+        k = len(bases)
+        f = self._packs[k]
+        f.pack_into(self._src, i, *[v for b in bases for v in (seq, b)])
+        _rt.memcpyAsync(self._dev, self._src_ptr + i, 16 * k, _H2D, stream_ptr)
+        self._n = n + 1
+        if n & 31 == 31:
+            _rt.eventRecord(self._events[(n >> 5) & 1].ptr, stream_ptr)
+
+    def release(self, seq: int, k: int) -> None:
+        """Set step ``seq``'s late pairs free (base 0: they write nothing), on the copy stream."""
+        gx = self.gx
+        _rt.streamWaitEvent(gx.copy.ptr, gx.last_read.ptr)
+        self.put(seq, [0] * k, gx.copy.ptr)
+
+    def check(self) -> None:
+        """ExecutorError when a late pair waited past the timeout (its step's output is wrong)."""
+        if self._err[0]:
+            raise ExecutorError(f"a late pair of one-token step {int(self._err[0])} waited for its upload past "
+                                f"{self.timeout_ns / 1e9:g} s (its output was not computed)")
 
 
 def _free_refs() -> int:

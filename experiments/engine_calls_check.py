@@ -32,6 +32,7 @@ class Recorder:
     def __init__(self):
         self.calls: list = []
         self.gx = None
+        self.late = None  # the engine's gpu_step.LateStart, if any
         self._seen: dict[int, int] = {}
 
     def addr(self, v: int):
@@ -49,7 +50,8 @@ class Recorder:
         return f"P{self._seen.setdefault(v, len(self._seen))}"
 
     def launch(self, func, gx_, gy, gz, bx, by, bz, smem, stream, params, extra):
-        one = {fl.ptr: fl for pair in self.gx._ones.values() for fl in pair}.get(params)
+        late = self.late._launches.values() if self.late is not None else ()
+        one = {fl.ptr: fl for fl in [f for pair in self.gx._ones.values() for f in pair] + list(late)}.get(params)
         if one is None:
             self.calls.append(("launch?", func, gx_, gy, bx))
             return
@@ -58,6 +60,15 @@ class Recorder:
         table = ([self.addr(int(b)) for b in ex[:8 * m].view(np.uint64)], ex[8 * m:12 * m].view(np.float32).tolist(),
                  ex[12 * m:].view(np.int32).tolist())
         self.calls.append(("launch", gx_, gy, bx, self.addr(stream), [self.addr(int(v)) for v in one.vals], table))
+
+    def copy(self, d, s, n, kind, st):
+        """A copy; one into the late table with the (step number, address) entries it carries."""
+        rec = ("copy", self.addr(d), self.addr(s), n, self.addr(st))
+        late = self.late
+        if late is not None and d == late._dev:
+            e = np.frombuffer(late._mem, np.uint64, n // 8, s - late._src_ptr).tolist()
+            rec = ("late", n, self.addr(st), [(q, self.addr(b)) for q, b in zip(e[::2], e[1::2])])
+        self.calls.append(rec)
 
     def batch(self, d, s, z, n, *rest):
         a = self.gx._batch._a[:, :n].tolist()  # dst, src, size
@@ -82,7 +93,7 @@ def record(args) -> dict:
         rt = cp.cuda.runtime
         rt.eventRecord = lambda ev, s: rec.calls.append(("record", rec.addr(ev), rec.addr(s)))
         rt.streamWaitEvent = lambda s, ev: rec.calls.append(("wait", rec.addr(s), rec.addr(ev)))
-        rt.memcpyAsync = lambda d, s, n, kind, st: rec.calls.append(("copy", rec.addr(d), rec.addr(s), n, rec.addr(st)))
+        rt.memcpyAsync = rec.copy
         cp.cuda.driver.launchKernel = rec.launch
         import execute.gpu_step as S
         S._launch_kernel = rec.launch  # (bound at import)
@@ -92,6 +103,7 @@ def record(args) -> dict:
         for l in range(args.layers):
             gx._host_rows(l)
         engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+        rec.late = getattr(engine, "_late", None)
         engine.load_residents(pol.cache.slot)
         rec.calls.clear()
         x, state = H._Dev((1, 256)), {}

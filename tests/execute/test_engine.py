@@ -267,6 +267,32 @@ def test_early_start_changes_neither_decisions_nor_outputs(policy, rng, referenc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "hybrid"])
+def test_late_start_changes_neither_decisions_nor_outputs(policy, rng, reference, monkeypatch):
+    """The early gate/up covering a step's uploads once their copy lands (the default) against
+    MOELAB_LATE_START=0: the same decisions and bitwise the same outputs; lru ran pairs late."""
+    cp = cupy_or_skip()
+    layers, routing, tokens = scenario(rng, num_tokens=16)
+    geo = Geometry((EXPERTS,) * LAYERS, TOP_K, tuple(l.expert_bytes for l in layers))
+    options = {"miss_frac_256": 128, "swap_every": 2, "gate": 0.5, "margin": 0.1} if policy == "hybrid" else {}
+    runs = {}
+    for late in ("0", "1"):
+        monkeypatch.setenv("MOELAB_LATE_START", late)
+        pol = make_policy(policy, geo, Capacity.per_layer(geo, 3), **options)
+        engine = ExpertEngine(layers, pol.capacity, threads=2, use_gpu=True, scratch_slots=2)
+        try:
+            engine.load_residents(pol.cache.slot)
+            runs[late] = (*_replay_early(engine, pol, routing, tokens, True, cp), engine.stats.late_pairs)
+        finally:
+            engine.close()
+    (d0, r0, n0), (d1, r1, n1) = runs["0"], runs["1"]
+    assert d0 == d1 and n0 == 0 and (n1 > 0 or policy != "lru")
+    check(r1, layers, reference)
+    for a, b in zip(r0, r1):
+        assert np.array_equal(a[4].get(), b[4].get())
+
+
+@pytest.mark.gpu
 def test_one_token_path_checks_the_decision(rng, reference):
     """An early-started expert the decision uploads instead (a broken hits invariant) is run again
     from its new slot; a routed expert missing from the decision, or a hit never loaded, is an error."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,11 +104,15 @@ def _calls(cp, batch_calls: list) -> dict:
             "batch": len(batch_calls)}
 
 
-def test_driver_calls_of_a_one_token_step(fake_cupy, rng):
+@pytest.mark.parametrize("late", [True, False])
+def test_driver_calls_of_a_one_token_step(fake_cupy, rng, monkeypatch, late):
     """The driver calls a one-token step makes, early start included (a stand-in cupy counts
     them): all hits: the caller's event and the compute stream's wait, two launches, one event
-    and the caller's wait; with an upload: the copy stream's wait, one batched copy, its event and
-    the compute stream's wait, and the uploaded pair's gate/up launch besides."""
+    and the caller's wait; with an upload, besides: the copy stream's wait, one batched copy and
+    the copy of the step's late entries (the early gate/up covers the uploaded pair: no third
+    launch, no event between the streams); MOELAB_LATE_START=0: the copies' event and the compute
+    stream's wait, and the uploaded pair's gate/up launch."""
+    monkeypatch.setenv("MOELAB_LATE_START", "1" if late else "0")
     import dataclasses
 
     from execute import quant as Q
@@ -143,9 +148,11 @@ def test_driver_calls_of_a_one_token_step(fake_cupy, rng):
         s = Step(1, (3, 5))
         assert step([3, 5], Decision(s, (3, 5))) == {"record": 2, "wait": 2, "launch": 2, "memcpy": 0, "batch": 0}
         s = Step(1, (3, 6))
-        assert step([3, 6], Decision(s, (3,), (6,), (2,))) == {"record": 3, "wait": 4, "launch": 3, "memcpy": 0,
-                                                                 "batch": 1}
+        up = {"record": 2, "wait": 3, "launch": 2, "memcpy": 1, "batch": 1} if late else \
+            {"record": 3, "wait": 4, "launch": 3, "memcpy": 0, "batch": 1}
+        assert step([3, 6], Decision(s, (3,), (6,), (2,))) == up
         assert engine.slot_of[(1, 6)] == 2 and engine.stats.early_pairs == 3
+        assert engine.stats.late_pairs == (1 if late else 0)
     finally:
         engine.close()
         gx.close()
@@ -189,6 +196,79 @@ def test_begin_layer_starts_the_resident_experts_at_their_slot_addresses(fake_cu
         engine.begin_layer(1, x, np.array([[5]]))
         assert marks == [1]
         engine.handoff = None
+    finally:
+        engine.close()
+        gx.close()
+
+
+def test_late_pairs_are_resolved_once_by_their_uploads_or_a_release(fake_cupy, rng):
+    """begin_layer launches the late gate/up over every routed pair (resident first) with a new
+    step number; a decision that uploads the rest copies their entries (number, slot address)
+    after the uploads; one that does not keep the early start, a second begin_layer, a device-side
+    background wait or a synchronize release the pending step (entries with address 0), behind
+    last_read, and the step then runs its pairs as without the late start."""
+    import dataclasses
+
+    from execute import quant as Q
+    from execute.engine import ExpertEngine
+    from execute.experts import random_layer
+    from scheduler.core import Capacity, Geometry, Move
+    from scheduler.drive import RunLayer
+
+    from .test_gpu_experts_host import _Dev
+
+    cp, G = fake_cupy
+    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
+    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
+    cap = Capacity.per_layer(Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers)), 4)
+    gx = G.GpuExperts(layers, cap, scratch_slots=2)
+    gx._batch._fn, gx._batch._fail_idx = (lambda *a: 0), False
+    engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+    late = engine._late
+    try:
+        engine.load_residents({(1, 3): 0})
+        ptr, stride, _ = gx.slot_tables[1]
+        x, w, rt = _Dev((1, 256)), np.array([[0.6, 0.4]], np.float32), cp.cuda.runtime
+
+        def entries(n):  # the last copy's source: (number, address) per pair
+            dst, src, size, kind, stream = rt.memcpyAsync.call_args.args
+            assert dst == late._dev and kind == rt.memcpyHostToDevice
+            return np.frombuffer(late._mem, np.uint64, 2 * n, src - late._src_ptr).reshape(n, 2).tolist(), stream
+
+        engine.begin_layer(1, x, np.array([[3, 6]]))
+        assert engine._early.late == 1 and list(gx._ex[12 * 32:12 * 32 + 8].view(np.int32)) == [0, 1]
+        s = Step(1, (3, 6))
+        engine.run_layer(RunLayer(None, s, Decision(s, (3,), (6,), (2,))), x, np.array([[3, 6]]), w)
+        assert entries(2) == ([[1, ptr], [1, ptr + 2 * stride]], gx.copy.ptr)
+        assert engine.stats.late_pairs == 1
+        for cut, e in (("decision", 7), ("begin", 4), ("await", 5), ("sync", 2)):
+            rt.reset_mock()
+            engine.begin_layer(1, x, np.array([[3, e]]))
+            seq = engine._early.late
+            if cut == "decision":  # the early expert uploaded anew: the step runs both pairs itself
+                s = Step(1, (3, 7))
+                engine.run_layer(RunLayer(None, s, Decision(s, (), (3, 7), (1, 3))), x, np.array([[3, 7]]), w)
+            elif cut == "begin":
+                engine.begin_layer(1, x, np.array([[3]]))
+            elif cut == "await":
+                moves = (Move(0, 1, 3),)
+                engine.start_background(moves)
+                engine.await_background(moves)
+                assert engine._early.late == 0
+            else:
+                engine.synchronize()
+            calls = [(c[0], c.args[:2]) for c in rt.mock_calls]
+            put = next(i for i, c in enumerate(calls) if c == ("memcpyAsync", (late._dev, c[1][1])))
+            assert ("streamWaitEvent", (gx.copy.ptr, gx.last_read.ptr)) in calls[:put], cut
+            if cut != "decision":
+                assert entries(2) == ([[seq, 0], [seq, 0]], gx.copy.ptr), cut
+            else:  # released, then both pairs uploaded and run by the step's own launch
+                assert rt.memcpyAsync.call_count == 1 and engine.stats.late_pairs == 1
+            engine._early = None
+        late._err[0] = 9
+        with pytest.raises(Exception, match="step 9 waited"):
+            engine.synchronize()
+        late._err[0] = 0
     finally:
         engine.close()
         gx.close()
