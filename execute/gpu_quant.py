@@ -47,8 +47,9 @@ __all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
-BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1")  # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block
-Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1}  # the int8 variants' m-tiles (16 rows) per block, as gpu_quant_mmq.cu's QMOE_Q8
+# other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block (_q8s*: the weights' tile copied first)
+BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1")
+Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1, "_q8s2": 2, "_q8s1": 1}  # their m-tiles (16 rows) per block, as QMOE_Q8
 ONE_VARIANTS = ("_d",)  # other qmoe1_gate_up / qmoe1_down_combine kernels: _d by programmatic dependent launch
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)

@@ -1,5 +1,7 @@
 // gpu_quant.cu, part 5 of 5: batched expert kernels on int8 tensor cores (the _q8 variants of
-// qmoe_gate_up / qmoe_down: _q8, _q8m2, _q8m1 at 4, 2, 1 m-tiles) and the input pre-pass they read (qx8).
+// qmoe_gate_up / qmoe_down: _q8, _q8m2, _q8m1 at 4, 2, 1 m-tiles; _q8s2, _q8s1 at 2, 1 with the
+// tile's weight bytes copied to shared memory beside the inputs before the decode) and the input
+// pre-pass they read (qx8).
 // ---------------------------------------------------------------------------------------------
 // The inputs are converted once per launch (qx8), not once per block: every row of x (gate/up) or
 // h (down) as the two int8 levels of stage() (x = dxs (256 q1 + q2), dxs = max|x| / (127 * 256)
@@ -16,6 +18,8 @@
 #define QKB 128             // columns per tile
 #define QROW (QKB + 16)     // bytes per staged row (36 words: a fragment's 32 lanes on distinct banks)
 #define QNB 64              // tokens per pass
+#define WSLOT 256           // bytes per weight row of a tile copied to shared memory (_q8s*): the 16-byte
+                            // words covering the blocks of QKB columns, at most 240 (Q6_K)
 
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ void mma_s8k16(int* c, uint32_t a0, uint32_t a1, uint32_t b) {  // c += A (16 x 16) B (16 x 8)
@@ -83,11 +87,12 @@ struct SmemQ8 {  // a block's tiles: weights' quants and scales, the pass's inpu
     float* xd;     // [QNB][QKB / 32]
     float* xs;     // [QNB][QKB / 16]
     int* xr;       // [QNB]: the input row of each token of the pass
+    uint8_t* wr;   // [16 MT][WSLOT]: the tile's weight bytes (RAW)
 };
 
 // acc[mt][j][i] = rows of m-tile mt . tokens 16 warp + 8 j (this lane's fragments) over K = cols;
 // x8: the planes of an nx x cols input matrix; S.xr holds the pass's nt input rows
-template <int MT>
+template <int MT, int RAW>
 __device__ void q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8, long long nx, int nt, const SmemQ8& S,
                         float (*acc)[2][4]) {
     constexpr int MB = 16 * MT;
@@ -120,13 +125,30 @@ __device__ void q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8,
                 cp4(S.xs + 2 * i + 1, ps + 2 * ch + 1);
             }
         }
+        for (int task = threadIdx.x; RAW && task < MB * (WSLOT / 16); task += blockDim.x) {  // RAW: the rows' words too
+            int m = task / (WSLOT / 16), wd = task % (WSLOT / 16), mat = 0, r = m;
+            if (R.two) { mat = (m & 15) >= 8; r = 8 * (m >> 4) + (m & 7); }
+            int bw = g_block[R.qt[mat]][0], bb = g_block[R.qt[mat]][1];
+            const uint8_t* p = R.p[mat] + r * R.rb[mat] + (long long)(k0 / bw) * bb;
+            int nb = ((k0 + n - 1) / bw - k0 / bw + 1) * bb;
+            if (r < R.nrows && wd < cover_words(p, nb)) cp16(S.wr + m * WSLOT + 16 * wd, reinterpret_cast<const uint8_t*>((u64)p & ~15ull) + 16 * wd);
+        }
         cp_commit();
+        if (RAW) {  // the decodes read shared memory
+            cp_wait();
+            __syncthreads();
+        }
         for (int task = threadIdx.x; task < MB * (QKB / 32); task += blockDim.x) {  // a row's chunks on adjacent lanes
             int m = task / (QKB / 32), c = task % (QKB / 32), mat = 0, r = m;
             if (R.two) { mat = (m & 15) >= 8; r = 8 * (m >> 4) + (m & 7); }
             uint32_t* qd = reinterpret_cast<uint32_t*>(S.aq + m * QROW + 32 * c);
             if (r < R.nrows && c < nch) {
                 const uint8_t* row = R.p[mat] + r * R.rb[mat];
+                if (RAW) {  // where block 0 of the row would lie, given where block k0 / bw lies in the slot
+                    int bw = g_block[R.qt[mat]][0], bb = g_block[R.qt[mat]][1];
+                    u64 o = (u64)(k0 / bw) * bb;
+                    row = reinterpret_cast<const uint8_t*>((u64)(S.wr + m * WSLOT) + (((u64)row + o) & 15) - o);
+                }
                 DISPATCH(R.qt[mat], dec_q8, row, k0 / 32 + c, qd, S.asc + c * MB + m)
             } else {
                 for (int i = 0; i < 8; i++) qd[i] = 0u;
@@ -201,15 +223,16 @@ __device__ void q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8,
 #define DOWN_Q8_ARGS const unsigned long long* __restrict__ base, const int* __restrict__ gstart, const int* __restrict__ order, \
     const uint8_t* __restrict__ h8, long long nh, float* __restrict__ y, int ffn, int hidden, int rows_per_warp, long long off_d, \
     int qt_d, long long rb_d, int bias
-#define SMEM_Q8(MT)                                                                                      \
+#define SMEM_Q8(MT, RAW)                                                                                 \
     __shared__ __align__(16) uint8_t aq[16 * MT * QROW];                                                 \
+    __shared__ __align__(16) uint8_t wr[RAW ? 16 * MT * WSLOT : 16];                                     \
     __shared__ __align__(16) float4 asc[(QKB / 32) * 16 * MT];                                           \
     __shared__ __align__(16) uint8_t xq[2 * QNB * QROW];                                                 \
     __shared__ float xd[QNB * QKB / 32], xs[QNB * QKB / 16];                                             \
     __shared__ int xr[QNB];                                                                              \
-    SmemQ8 S = {aq, asc, xq, xd, xs, xr};
+    SmemQ8 S = {aq, asc, xq, xd, xs, xr, wr};
 
-template <int MT> __device__ void gate_up_q8(GATE_UP_Q8_ARGS, const SmemQ8& S) {
+template <int MT, int RAW> __device__ void gate_up_q8(GATE_UP_Q8_ARGS, const SmemQ8& S) {
     constexpr int RB = 8 * MT;
     int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]);
@@ -220,7 +243,7 @@ template <int MT> __device__ void gate_up_q8(GATE_UP_Q8_ARGS, const SmemQ8& S) {
             __syncthreads();  // the previous pass's rows are read
             for (int t = threadIdx.x; t < QNB; t += blockDim.x) S.xr[t] = xrow[order[p0 + (t < nt ? t : 0)]];
             float acc[MT][2][4];
-            q8_pass<MT>(R, hidden, x8, nx, nt, S, acc);
+            q8_pass<MT, RAW>(R, hidden, x8, nx, nt, S, acc);
             for (int j = 0; j < 2; j++) {
                 int tn = 16 * warp + 8 * j + 2 * (lane & 3);
                 for (int mt = 0; mt < MT; mt++) {
@@ -235,7 +258,7 @@ template <int MT> __device__ void gate_up_q8(GATE_UP_Q8_ARGS, const SmemQ8& S) {
     }
 }
 
-template <int MT> __device__ void down_q8(DOWN_Q8_ARGS, const SmemQ8& S) {
+template <int MT, int RAW> __device__ void down_q8(DOWN_Q8_ARGS, const SmemQ8& S) {
     constexpr int RB = 16 * MT;
     int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const float* bd = reinterpret_cast<const float*>(base[g]) + 2 * ffn;
@@ -247,7 +270,7 @@ template <int MT> __device__ void down_q8(DOWN_Q8_ARGS, const SmemQ8& S) {
             __syncthreads();
             for (int t = threadIdx.x; t < QNB; t += blockDim.x) S.xr[t] = order[p0 + (t < nt ? t : 0)];
             float acc[MT][2][4];
-            q8_pass<MT>(R, ffn, h8, nh, nt, S, acc);
+            q8_pass<MT, RAW>(R, ffn, h8, nh, nt, S, acc);
             for (int j = 0; j < 2; j++) {
                 int tn = 16 * warp + 8 * j + 2 * (lane & 3);
                 for (int mt = 0; mt < MT; mt++)
@@ -262,16 +285,18 @@ template <int MT> __device__ void down_q8(DOWN_Q8_ARGS, const SmemQ8& S) {
     }
 }
 
-#define QMOE_Q8(SUFFIX, MT)                                                                                         \
+#define QMOE_Q8(SUFFIX, MT, RAW)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) qmoe_gate_up##SUFFIX(GATE_UP_Q8_ARGS) {                       \
-        SMEM_Q8(MT)                                                                                                 \
-        gate_up_q8<MT>(base, gstart, order, xrow, x8, nx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u,  \
+        SMEM_Q8(MT, RAW)                                                                                            \
+        gate_up_q8<MT, RAW>(base, gstart, order, xrow, x8, nx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u,  \
                        qt_u, rb_u, act, bias, S);                                                                   \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128) qmoe_down##SUFFIX(DOWN_Q8_ARGS) {                             \
-        SMEM_Q8(MT)                                                                                                 \
-        down_q8<MT>(base, gstart, order, h8, nh, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, S);       \
+        SMEM_Q8(MT, RAW)                                                                                            \
+        down_q8<MT, RAW>(base, gstart, order, h8, nh, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, S);       \
     }
-QMOE_Q8(_q8, 4)
-QMOE_Q8(_q8m2, 2)
-QMOE_Q8(_q8m1, 1)
+QMOE_Q8(_q8, 4, 0)
+QMOE_Q8(_q8m2, 2, 0)
+QMOE_Q8(_q8m1, 1, 0)
+QMOE_Q8(_q8s2, 2, 1)
+QMOE_Q8(_q8s1, 1, 1)
