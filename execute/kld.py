@@ -229,7 +229,6 @@ def kld(args) -> dict:
     from scheduler import Capacity, make_policy
     from scheduler.audit import Audit
 
-    from . import model as M
     from .gguf_io import read_model_info
     from .tokenizer import Tokenizer, TokenizerError
     from .weights_check import load_checked

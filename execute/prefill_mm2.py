@@ -19,7 +19,7 @@ import os
 from . import quant as Q
 from .experts import ExecutorError
 
-__all__ = ["mm_env", "applies", "kernel", "kernel_for"]
+__all__ = ["mm_env", "m16_env", "applies", "kernel", "kernel_for", "tile_rows_ab"]
 
 
 
@@ -31,6 +31,15 @@ def mm_env() -> int:
     return int(v)
 
 
+def m16_env() -> bool:
+    """``MOELAB_PREFILL_M16``: 1 -> True (a device chunk's pf_mm2 layers in tiles of 16 pair rows,
+    ``pf_mm2_m16``), 0 or unset -> False; another value is an ExecutorError naming the variable."""
+    v = os.environ.get("MOELAB_PREFILL_M16", "0").strip()
+    if v not in ("0", "1"):
+        raise ExecutorError(f"environment variable MOELAB_PREFILL_M16: {v!r}, expected 0 or 1")
+    return v == "1"
+
+
 def applies(lx) -> bool:
     """Whether ``pf_mm2`` reads layer ``lx``'s experts: gate, up and down Q8_0, hidden and ffn
     multiples of 64 (the rest as ``prefill.supported``: SiLU, no biases)."""
@@ -38,11 +47,12 @@ def applies(lx) -> bool:
             and lx.hidden % 64 == 0 and lx.ffn % 64 == 0 and lx.activation == "silu" and not lx.has_bias)
 
 
-def kernel():
-    """The compiled ``pf_mm2`` (a CuPy RawKernel function, compiled once per process)."""
+def kernel(name: str = "pf_mm2"):
+    """The compiled ``pf_mm2`` (or ``pf_mm2_m16``, tiles of 16 rows) as a CuPy RawKernel function
+    (the module compiled once per process)."""
     from .gpu_host import cuda_module
 
-    return cuda_module("prefill_mm2.cu").get_function("pf_mm2")
+    return cuda_module("prefill_mm2.cu").get_function(name)
 
 
 def kernel_for(lx) -> str:
@@ -75,7 +85,6 @@ def tile_rows_ab(tokens: int = 256, experts: int = 128, top_k: int = 8, hidden: 
 
     from .batch_route import group_pairs
     from .experts import random_layer
-    from .gpu_host import cuda_module
     from .prefill import _kernel
 
     rng = np.random.default_rng(seed)
@@ -89,8 +98,8 @@ def tile_rows_ab(tokens: int = 256, experts: int = 128, top_k: int = 8, hidden: 
     base = cp.asarray(np.array([arena.data.ptr + x * slot for x in range(experts)], np.uint64))
     ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
-    split, mod = _kernel("pf_split"), cuda_module("prefill_mm2.cu")
-    fs = {32: mod.get_function("pf_mm2"), 16: mod.get_function("pf_mm2_m16")}
+    split = _kernel("pf_split")
+    fs = {32: kernel(), 16: kernel("pf_mm2_m16")}
 
     def halves(v):
         n, c = v.shape
