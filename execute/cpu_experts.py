@@ -17,7 +17,9 @@ weight bytes <= 127: signed weights go through |w| and sign(x, w)) and ``plain``
 one of ``quant.CPU_QTYPES``. Float weights (F32, F16, BF16) are dotted with float32 x. A call
 runs in two phases, gate+up then down, over the flat (expert group, row) work: ``run_experts``
 splits each into equal runs, one per thread; the pool into chunks its hands claim (``cpu_pool``).
-The lattice i-quants' dots are in ``execute.cpu_iq``.
+The lattice i-quants' dots are in ``execute.cpu_iq``. Each type's row kernel is compiled on its
+own (``row_kernel``), when a layer of that type is first used, and the phases call it through its
+address in the job: a process compiles the types it runs, not the whole family.
 
 ``CpuExpertPool`` (``execute.cpu_pool``) runs calls on a team of native threads (Numba ``nogil`` functions that never
 take the GIL) fed through a ring of job descriptions; ``submit`` returns at once, ``CpuJob.result``
@@ -53,7 +55,7 @@ from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
 
-__all__ = ["run_experts", "tensor_views"]
+__all__ = ["run_experts", "tensor_views", "row_kernel", "run_phase"]
 
 drop_stale_kernel_caches()  # before any kernel here or in cpu_pool is loaded from Numba's cache
 
@@ -247,46 +249,6 @@ def _dot_float(qt, w, o, x, xo, cols):
 
 
 @njit(inline="always", fastmath=True)
-def _dot_row(qt, w, rb, row, cols, i, x, xq, xd, xs, xs16, l2, table, isa):
-    """Row ``row`` (of all experts' rows) of a tensor of type qt (w: its address, rb bytes per row)
-    . input ``i``: x (address of the (n, cols) float32 inputs) for float types, the int8
-    activations xq, xd, xs, xs16, l2 (see _quantize) for quantized ones; isa: the integer dot's path."""
-    o = row * rb
-    nb = cols // 32
-    if qt == _Q8_0:
-        return _dot_q8_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa)
-    if qt == _Q4_K:  # the type flags as constants: each variant compiled alone
-        return dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, False)
-    if qt == _Q5_K:
-        return dot_q4_k(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, True)
-    if qt == _Q6_K:
-        return dot_q6_k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa)
-    if qt == _Q2_K:
-        return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, False)
-    if qt == _Q3_K:
-        return dot_q2_3k(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, True)
-    if qt == _IQ4_XS:
-        return dot_iq4_xs(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table + _IQ4, table + _IQ4U)
-    if qt == _IQ2_XXS or qt == _IQ3_XXS:
-        return dot_iq_xxs(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table + _IQX, qt == _IQ3_XXS)
-    if qt == _IQ2_XS or qt == _IQ2_S or qt == _IQ3_S:
-        kind = 0 if qt == _IQ2_XS else 1 if qt == _IQ2_S else 2
-        return dot_iq_s(w, o, nb, xq, i * cols, xd, xs, xs16, i * nb, l2, isa, table + _IQX, kind)
-    if qt == _IQ1_S or qt == _IQ1_M:
-        return dot_iq1(w, o, nb, xq, i * cols, xd, xs16, i * nb, l2, isa, table + _IQX, qt == _IQ1_M)
-    if qt == _Q4_0:
-        return _dot_q4_0(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa)
-    if qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:
-        bs, hi = (20, 0) if qt == _Q4_1 else (22, 2) if qt == _Q5_0 else (24, 4)
-        return _dot_q4_1(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, bs, hi)
-    if qt == _IQ4_NL:
-        return _dot_iq4_nl(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, isa, table)
-    if qt == _MXFP4:
-        return _dot_mxfp4(w, o, nb, xq, i * cols, xd, xs, i * nb, l2, table, isa)
-    return _dot_float(qt, w, row * cols, x, i * cols, cols)
-
-
-@njit(inline="always", fastmath=True)
 def _quantize16(xf, xq, j0, d, inv, l2):
     """xq[j0:j0 + 16] (and its second level at l2 when l2 > 0) from xf; the sum of the integers
     (256 q1 + q2 for two levels)."""
@@ -330,10 +292,11 @@ def _quantize(xf, xq, xd, xs, xs16, l2):
 # weights and scratch (all kept alive by the caller until the call has finished), and two clock
 # stamps. The phases below read it; the synchronous path (_moe, OpenMP) and the pool's thread team
 # (_team_worker) run the same phases.
-(J_N, J_HIDDEN, J_FFN, J_EXPERTS, J_X, J_Y, J_QT, J_W, J_RB, J_BIAS, J_ACT, J_NG, J_ORDER, J_GSTART, J_GEXP,
- J_H, J_HU, J_XQ, J_XD, J_XS, J_XS16, J_LEVELS, J_TABLE, J_ISA, J_T0, J_T1) = (0, 1, 2, 3, 4, 5, 6, 9, 12, 15, 18, 19, 20,
-                                                                     21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33)
-JOB_FIELDS = 34  # J_QT, J_W, J_RB, J_BIAS: 3 fields each (gate, up, down); bias address 0 = none
+(J_N, J_HIDDEN, J_FFN, J_EXPERTS, J_X, J_Y, J_QT, J_W, J_RB, J_BIAS, J_ACT, J_KERN, J_NG, J_ORDER, J_GSTART, J_GEXP,
+ J_H, J_HU, J_XQ, J_XD, J_XS, J_XS16, J_LEVELS, J_TABLE, J_ISA, J_T0, J_T1) = (0, 1, 2, 3, 4, 5, 6, 9, 12, 15, 18, 19, 22,
+                                                                     23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36)
+JOB_FIELDS = 37  # J_QT, J_W, J_RB, J_BIAS, J_KERN: 3 fields each (gate, up, down); bias address 0 = none;
+# J_KERN: the address of the projection's row kernel (row_kernel)
 _LEVELS = 2  # int8 levels of the activations (see _quantize): 2 keeps the NMSE ~1e-9, 1 is llama.cpp's
 
 
@@ -342,35 +305,108 @@ def _qtype_is_float(qt):
     return qt == _F32 or qt == _F16 or qt == _BF16
 
 
-@njit(fastmath=True, nogil=True, cache=True)
-def _rows(job, k, e, r0, r1, x, cols, a, out, rows):
-    """out[i * rows + r] = row r of expert e of projection k (0 gate, 1 up, 2 down) . input i, for
-    rows r0..r1 - 1 and the pairs i of e's group (all addresses: x the (n, cols) float32 inputs,
-    a the base of their int8 form, see _scratch_fields; out float32). The one compiled copy of
-    every type's dot; the instruction-set path (J_ISA's low 2 bits) is a branch LLVM unswitches out
-    of the loops; the rows are prefetched as J_ISA's higher bits say (cpu_kq.prefetch_plan).
-    Addresses, not arrays, so that Numba adds no reference counting per row."""
-    qt, w, rb, isa = job[J_QT + k], job[J_W + k], job[J_RB + k], job[J_ISA] & 3
-    order = numba.carray(ptr_i64(job[J_ORDER]), job[J_N])
-    gstart = numba.carray(ptr_i64(job[J_GSTART]), job[J_N] + 1)
-    g = a[0]
-    p0, p1 = gstart[g], gstart[g + 1]
-    xq, xd, xs, xs16, l2, table = a[1], a[2], a[3], a[4], a[5], job[J_TABLE]
-    base = w + e * rows * rb
-    end = base + r1 * rb
-    ahead, pf = prefetch_plan(base, r0, rb, end, job[J_ISA] >> 2)  # pf: the next byte to prefetch; per
-    for r in range(r0, r1):  # row up to ``ahead`` bytes past it, into the caches while it is dotted
-        to = min(base + (r + 1) * rb + ahead, end)
-        while pf < to:
-            prefetch(pf, 0)
-            pf += 64
-        for p in range(p0, p1):
-            i = order[p]
-            store_f32(out, i * rows + r, _dot_row(qt, w, rb, e * rows + r, cols, i, x, xq, xd, xs, xs16, l2, table,
-                                                  isa))
+def _row_kernel_of(qt: int):
+    """The row kernel of type qt as Python: ``rows(job, k, g, r0, r1, x, cols, out, nrows)`` sets
+    out[i * nrows + r] = row r of expert e = J_GEXP[g] of projection k (0 gate, 1 up, 2 down) .
+    input i, for rows r0..r1 - 1 and the pairs i of group g (all int64: job the job's address, x
+    the (n, cols) float32 inputs, out float32; their int8 form from the job, see _quantize). qt is a
+    constant, so Numba prunes every other type's branch before it compiles one (see row_kernel);
+    the instruction-set path (J_ISA's low 2 bits) is a branch LLVM unswitches out of the loops; the
+    rows are prefetched as J_ISA's higher bits say (cpu_kq.prefetch_plan). Addresses, not arrays,
+    so that Numba adds no reference counting per row."""
+    def rows(job, k, g, r0, r1, x, cols, out, nrows):
+        j = numba.carray(ptr_i64(job), JOB_FIELDS)
+        n, w, rb, isa, table = j[J_N], j[J_W + k], j[J_RB + k], j[J_ISA] & 3, j[J_TABLE]
+        order = numba.carray(ptr_i64(j[J_ORDER]), n)
+        gstart = numba.carray(ptr_i64(j[J_GSTART]), n + 1)
+        e = numba.carray(ptr_i64(j[J_GEXP]), n)[g]
+        p0, p1 = gstart[g], gstart[g + 1]
+        xq, xd, xs, xs16, nb = j[J_XQ], j[J_XD], j[J_XS], j[J_XS16], cols // 32
+        l2 = n * cols if j[J_LEVELS] == 2 else 0
+        base = w + e * nrows * rb
+        end = base + r1 * rb
+        ahead, pf = prefetch_plan(base, r0, rb, end, j[J_ISA] >> 2)  # pf: the next byte to prefetch; per
+        for r in range(r0, r1):  # row up to ``ahead`` bytes past it, into the caches while it is dotted
+            to = min(base + (r + 1) * rb + ahead, end)
+            while pf < to:
+                prefetch(pf, 0)
+                pf += 64
+            o = (e * nrows + r) * rb
+            for p in range(p0, p1):
+                i = order[p]
+                xo, xb = i * cols, i * nb
+                if qt == _Q8_0:
+                    v = _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa)
+                elif qt == _Q4_K:  # the type flags as constants: each variant compiled alone
+                    v = dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2, isa, False)
+                elif qt == _Q5_K:
+                    v = dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2, isa, True)
+                elif qt == _Q6_K:
+                    v = dot_q6_k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa)
+                elif qt == _Q2_K:
+                    v = dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, False)
+                elif qt == _Q3_K:
+                    v = dot_q2_3k(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, True)
+                elif qt == _IQ4_XS:
+                    v = dot_iq4_xs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table + _IQ4, table + _IQ4U)
+                elif qt == _IQ2_XXS or qt == _IQ3_XXS:
+                    v = dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table + _IQX, qt == _IQ3_XXS)
+                elif qt == _IQ2_XS or qt == _IQ2_S or qt == _IQ3_S:
+                    kind = 0 if qt == _IQ2_XS else 1 if qt == _IQ2_S else 2
+                    v = dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table + _IQX, kind)
+                elif qt == _IQ1_S or qt == _IQ1_M:
+                    v = dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table + _IQX, qt == _IQ1_M)
+                elif qt == _Q4_0:
+                    v = _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa)
+                elif qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:
+                    bs, hi = (20, 0) if qt == _Q4_1 else (22, 2) if qt == _Q5_0 else (24, 4)
+                    v = _dot_q4_1(w, o, nb, xq, xo, xd, xs, xb, l2, isa, bs, hi)
+                elif qt == _IQ4_NL:
+                    v = _dot_iq4_nl(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table)
+                elif qt == _MXFP4:
+                    v = _dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table, isa)
+                else:
+                    v = _dot_float(qt, w, (e * nrows + r) * cols, x, xo, cols)
+                store_f32(out, i * nrows + r, v)
+
+    rows.__qualname__ = f"_rows_{Q.LAYOUTS[qt].name}"  # its own entry in Numba's cache (see row_kernel)
+    return rows
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+_KERNEL_SIG = types.void(*(types.int64,) * 9)
+_KERNELS: dict = {}  # qtype -> its row kernel (a Numba cfunc), compiled or loaded once per process
+_KERNELS_LOCK = threading.Lock()
+
+
+def row_kernel(qt: int):
+    """Type qt's row kernel (``_row_kernel_of``) as a C function (``.address``): compiled on the
+    first call for qt in a process, or loaded from Numba's on-disk cache, so that a pool compiles
+    the kernels of the types it is given and no others. Each type is its own function to the cache
+    (two processes compiling two types at once would otherwise share an index and could swap them)."""
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(qt)
+        if kernel is None:
+            kernel = numba.cfunc(_KERNEL_SIG, nopython=True, fastmath=True, cache=True)(_row_kernel_of(qt))
+            _KERNELS[qt] = kernel
+    return kernel
+
+
+@intrinsic
+def _call(typingctx, fn, args):
+    """Call the C function at address fn, ``void f(int64, ...)``, with the integers of the tuple args."""
+    if not isinstance(fn, types.Integer) or not all(isinstance(t, types.Integer) for t in args):
+        return None
+
+    def codegen(context, builder, sig, llargs):
+        i64 = ir.IntType(64)
+        vals = [context.cast(builder, builder.extract_value(llargs[1], k), t, types.int64) for k, t in enumerate(args)]
+        f = builder.inttoptr(llargs[0], ir.FunctionType(ir.VoidType(), [i64] * len(vals)).as_pointer())
+        builder.call(f, vals)
+        return context.get_dummy_value()
+    return types.void(fn, args), codegen
+
+
+@njit(inline="always", fastmath=True)
 def _group(job):
     """Group the pairs by expert, stable (J_ORDER, J_GSTART, J_GEXP, J_NG): a counting sort."""
     n = job[J_N]
@@ -399,7 +435,7 @@ def _group(job):
         first[e] += 1
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+@njit(inline="always", fastmath=True)
 def _quantize_input(job, x, cols, k0, k1, t, parts):
     """Part t of ``parts`` of the int8 form of the (n, cols) inputs at x (whole 32-value blocks),
     for projections k0..k1 (nothing when they are all float)."""
@@ -416,7 +452,7 @@ def _quantize_input(job, x, cols, k0, k1, t, parts):
               numba.carray(ptr_f32(job[J_XS]), m // 32)[b0:], numba.carray(ptr_f32(job[J_XS16]), m // 16)[2 * b0:], l2)
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+@njit(inline="always", fastmath=True)
 def _chunk(job, t, chunks, phase):
     """Chunk t of ``chunks`` equal runs of the flat (expert group, row) work of ``phase``: 0 gate
     and up into h (activation and biases applied), 1 down into y (bias added)."""
@@ -429,20 +465,18 @@ def _chunk(job, t, chunks, phase):
     gexp = numba.carray(ptr_i64(job[J_GEXP]), n)
     order = numba.carray(ptr_i64(job[J_ORDER]), n)
     gstart = numba.carray(ptr_i64(job[J_GSTART]), n + 1)
-    m = n * cols
-    l2 = m if job[J_LEVELS] == 2 else 0
+    ja = addr(job)
     for g in range((f0 // rows) if rows else 0, ((f1 + rows - 1) // rows) if rows else 0):
         r0 = max(f0 - g * rows, 0)
         r1 = min(f1 - g * rows, rows)
         e = gexp[g]
-        a = (g, job[J_XQ], job[J_XD], job[J_XS], job[J_XS16], l2)
         if phase == 0:
             h, hu = job[J_H], job[J_HU]
-            _rows(job, 0, e, r0, r1, job[J_X], cols, a, h, rows)
-            _rows(job, 1, e, r0, r1, job[J_X], cols, a, hu, rows)
+            _call(job[J_KERN], (ja, 0, g, r0, r1, job[J_X], cols, h, rows))
+            _call(job[J_KERN + 1], (ja, 1, g, r0, r1, job[J_X], cols, hu, rows))
             _activate(job, e, r0, r1, order[gstart[g]:gstart[g + 1]], h, hu, rows)
         else:
-            _rows(job, 2, e, r0, r1, job[J_H], cols, a, job[J_Y], rows)
+            _call(job[J_KERN + 2], (ja, 2, g, r0, r1, job[J_H], cols, job[J_Y], rows))
             bd = job[J_BIAS + 2]
             if bd:
                 for p in range(gstart[g], gstart[g + 1]):
@@ -476,16 +510,34 @@ def _activate(job, e, r0, r1, pairs, h, hu, rows):
             store_f32(h, i * rows + r, v)
 
 
+@njit(fastmath=True, nogil=True, cache=True)
+def run_phase(job, phase, c, chunks):
+    """Chunk c of ``chunks`` of a call's ``phase``: 0 group the pairs (one chunk), 1 quantize x,
+    2 gate+up, 3 quantize h, 4 down. The pool's team and _moe share this one compiled copy (int64
+    arguments: a constant argument would compile a copy of its own)."""
+    if phase == 0:
+        _group(job)
+    elif phase == 1:
+        _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, c, chunks)
+    elif phase == 2:
+        _chunk(job, c, chunks, 0)
+    elif phase == 3:
+        _quantize_input(job, job[J_H], job[J_FFN], 2, 2, c, chunks)
+    else:
+        _chunk(job, c, chunks, 1)
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _moe(job, chunks):
     """The whole call on Numba's thread pool: two parallel regions of ``chunks`` chunks."""
-    _group(job)
-    _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, 0, 1)
+    zero, one, n = np.int64(0), np.int64(1), np.int64(chunks)
+    run_phase(job, zero, zero, one)
+    run_phase(job, one, zero, one)
     for t in prange(chunks):
-        _chunk(job, t, chunks, 0)
-    _quantize_input(job, job[J_H], job[J_FFN], 2, 2, 0, 1)
+        run_phase(job, np.int64(2), np.int64(t), n)
+    run_phase(job, np.int64(3), zero, one)
     for t in prange(chunks):
-        _chunk(job, t, chunks, 1)
+        run_phase(job, np.int64(4), np.int64(t), n)
 
 
 _OAI = {"silu": 0, "swiglu_oai": 1}  # activation -> J_ACT
@@ -532,10 +584,12 @@ class _Scratch:
 
 
 def _layer_fields(layer: LayerExperts, views: tuple) -> np.ndarray:
-    """The job fields of a layer that do not change between calls (J_HIDDEN, J_FFN, J_QT .. J_ACT)."""
+    """The job fields of a layer that do not change between calls (J_HIDDEN, J_FFN, J_QT .. J_KERN):
+    the first layer of a type compiles its row kernel (see row_kernel)."""
     bias = tuple(0 if b is None else _addr(b) for b in (layer.gate_bias, layer.up_bias, layer.down_bias))
     return np.array((layer.hidden, layer.ffn) + tuple(v[1] for v in views) + tuple(_addr(v[0]) for v in views)
-                    + tuple(v[2] for v in views) + bias + (_OAI[layer.activation],), np.int64)
+                    + tuple(v[2] for v in views) + bias + (_OAI[layer.activation],)
+                    + tuple(row_kernel(v[1]).address for v in views), np.int64)
 
 
 def _check_call(layer: LayerExperts, experts, x, out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -18,8 +18,8 @@ import numba
 import numpy as np
 from numba import njit
 
-from .cpu_experts import (J_FFN, J_H, J_HIDDEN, J_NG, J_T0, J_T1, J_X, JOB_FIELDS, _bad_experts, _check_call, _chunk, _fill,
-                          _group, _layer_fields, _quantize_input, _Scratch, tensor_views)
+from .cpu_experts import (J_FFN, J_HIDDEN, J_NG, J_T0, J_T1, JOB_FIELDS, _bad_experts, _check_call, _fill, _layer_fields,
+                          _Scratch, run_phase, tensor_views)
 from .cpu_simd import atomic_add, atomic_load, atomic_store, futex_wait, futex_wake, now_ns, pause
 from .experts import ExecutorError, LayerExperts
 
@@ -69,21 +69,6 @@ def _phase_chunks(job, phase):
 
 
 @njit(inline="always")
-def _run_chunk(job, phase, c, chunks):
-    if phase == 0:
-        job[J_T0] = now_ns()
-        _group(job)
-    elif phase == 1:
-        _quantize_input(job, job[J_X], job[J_HIDDEN], 0, 1, c, chunks)
-    elif phase == 2:
-        _chunk(job, c, chunks, 0)
-    elif phase == 3:
-        _quantize_input(job, job[J_H], job[J_FFN], 2, 2, c, chunks)
-    else:
-        _chunk(job, c, chunks, 1)
-
-
-@njit(inline="always")
 def _wait_phase(job, phase, chunks, spin_ns, deadline):
     """Wait until every chunk of ``phase`` has finished (spinning up to spin_ns, then on a futex: a
     descheduled hand must not cost the others their cores); False at ``deadline`` (ns)."""
@@ -124,7 +109,9 @@ def _take_part(ctrl, job, seq, spin_ns, deadline):
             c = atomic_add(job, J_CLAIM + phase, 1)
             if c >= chunks:
                 break
-            _run_chunk(job, phase, c, chunks)
+            if phase == 0:
+                job[J_T0] = now_ns()
+            run_phase(job, phase, c, chunks)
             if atomic_add(job, J_PFIN + phase, 1) == chunks - 1:
                 if phase == _PHASES - 1:
                     job[J_T1] = now_ns()
@@ -176,7 +163,7 @@ def _team_worker(ctrl, ring, t, team, spin_ns, lead):
         if atomic_load(ctrl, _C_GEN) == _STOP:
             return
         seq += 1
-        _take_part(ctrl, ring[seq % _RING], seq, spin_ns, _FOREVER)
+        _take_part(ctrl, ring[seq % _RING], seq, spin_ns, np.int64(_FOREVER))  # not a constant: see run_phase
         atomic_store(ring[_RING + t], 0, seq)
         atomic_add(ctrl, _C_FIN, 1)
 
@@ -484,9 +471,9 @@ class CpuExpertPool:
         return v[1:]
 
     def _start(self) -> None:
-        # the team's loop is compiled here, on the caller's thread and outside any wait: with a cold
-        # Numba cache it compiles every kernel type (over a minute on a loaded 2-core host), time a
-        # result() timeout would otherwise count against the first call (a cache hit loads it)
+        # the team's loop is compiled here, on the caller's thread and outside any wait (a cold Numba
+        # cache: seconds on a 2-core host; a cache hit loads it), and each type's row kernel when a
+        # layer of that type is first submitted (_fixed): time a result() timeout must not count
         _team_worker.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self.workers,
                                                                 self._spin_ns, True)))
         _help.compile(tuple(numba.typeof(a) for a in (self._ctrl, self._ring, 0, self._spin_ns, 0)))
@@ -565,7 +552,7 @@ class CpuExpertPool:
         return job
 
     def warmup(self, layer: LayerExperts) -> None:
-        """Run one call (the kernels are compiled on first import, or loaded from Numba's cache)."""
+        """Run one call of ``layer`` (its types' kernels compiled, or loaded from Numba's cache)."""
         self.submit(layer, [0], np.zeros((1, layer.hidden), np.float32)).result()
 
     def close(self) -> None:

@@ -137,7 +137,7 @@ def test_each_path_compiles_its_instructions():
     """The integer dots every kernel is built from, a block's 8 behind one branch on the path
     (cpu_kq.dots) and one at a time (cpu_kq.idot), compiled with the path a run-time argument as
     the kernels take it: forcing a path runs its instructions, not a fallback (a small function,
-    compiled in about a second; the whole row kernel: the slow test below)."""
+    compiled in about a second; every type's row kernel: the slow test below)."""
     from numba import njit
 
     from execute.cpu_kq import acc_dots, dots, idot, load_f32x8
@@ -156,18 +156,19 @@ def test_each_path_compiles_its_instructions():
 
 
 @pytest.mark.slow
-def test_the_row_kernel_compiles_each_paths_instructions():
-    """The compiled row kernel (every type's dot) holds each path's instructions (a cold compile of
-    the whole kernel, ~45 s)."""
+def test_the_row_kernels_compile_each_paths_instructions():
+    """Each quantized type's compiled row kernel holds each path's instructions (a cold compile of
+    every type's kernel, a few seconds each)."""
     from numba import njit
     from numba import types as T
 
-    from execute.cpu_experts import _rows
+    from execute.cpu_experts import _row_kernel_of
 
-    fresh = njit(fastmath=True, nogil=True)(_rows.py_func)  # not from Numba's cache, which keeps no assembly
-    sig = (T.int64[::1],) + (T.int64,) * 6 + (T.UniTuple(T.int64, 6), T.int64, T.int64)  # as _chunk calls it
-    fresh.compile(sig)
-    assert_path_instructions(fresh.inspect_asm(sig))
+    sig = (T.int64,) * 9  # as the phases call it, through its address
+    for qtype in sorted(set(CPU) - {Q.F32, Q.F16, Q.BF16}):
+        fresh = njit(fastmath=True, nogil=True)(_row_kernel_of(qtype))  # not from Numba's cache, which keeps no assembly
+        fresh.compile(sig)
+        assert_path_instructions(fresh.inspect_asm(sig))
 
 
 def test_a_changed_kernel_source_drops_the_cached_kernels(tmp_path, monkeypatch):
