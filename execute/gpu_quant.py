@@ -41,7 +41,7 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "Int8Batch", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
            "kernel", "kernel_info", "matmul", "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
@@ -142,6 +142,43 @@ def matmul(w: cp.ndarray, qtype: int, rows: int, cols: int, x: cp.ndarray, out: 
 
 
 
+class Int8Batch:
+    """The batched expert launches of an int8 variant (``Q8_ROWS``): ``qx8`` of x, ``qmoe_gate_up``,
+    ``qx8`` of h, ``qmoe_down`` (the variant's), as ``gpu_experts.GpuExperts`` launches the batched
+    kernels: a call queues them on stream ``s`` over ``groups`` groups (``base``, ``gstart``,
+    ``order``, ``xrow``: the device metadata), ``x`` ``nx`` rows of ``hidden`` float32, ``h`` ``nh``
+    rows of ``ffn`` (pair ids index them), ``y`` the pairs' outputs, ``planes`` a work buffer of
+    :meth:`plane_bytes` (device addresses), ``consts`` the layer's (hidden, ffn, off_g, qt_g, rb_g,
+    off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias)."""
+
+    def __init__(self, variant: str, defines: tuple[str, ...] = ()):
+        from .gpu_host import Launch
+
+        if variant not in Q8_ROWS:
+            raise ValueError(f"gpu_quant.Int8Batch: variant {variant!r}, expected one of {tuple(Q8_ROWS)}")
+        self.mt = Q8_ROWS[variant]
+        self._kx = Launch(kernel("qx8", defines), 5)
+        self._k1 = Launch(kernel("qmoe_gate_up" + variant, defines), 18)
+        self._k2 = Launch(kernel("qmoe_down" + variant, defines), 13)
+
+    @staticmethod
+    def plane_bytes(nx: int, hidden: int, nh: int, ffn: int) -> int:
+        """Bytes of the work buffer for ``nx`` rows of x and ``nh`` of h (qx8's planes of both)."""
+        return -(-nx * hidden * 19 // 8 // 256) * 256 + nh * ffn * 19 // 8
+
+    def __call__(self, s: int, groups: int, base: int, gstart: int, order: int, xrow: int, x: int, nx: int, h: int,
+                 nh: int, y: int, planes: int, consts: tuple) -> None:
+        hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = consts
+        mt, x8 = self.mt, planes
+        h8 = planes + -(-nx * hidden * 19 // 8 // 256) * 256
+        self._kx((-(-nx * hidden // 512), 1), 128, s, x, hidden, nx, hidden, x8)
+        self._k1((-(-ffn // (8 * mt)), groups), 128, s, base, gstart, order, xrow, x8, nx, h, ffn, hidden, 2 * mt,
+                 off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
+        self._kx((-(-nh * ffn // 512), 1), 128, s, h, ffn, nh, ffn, h8)
+        self._k2((-(-hidden // (16 * mt)), groups), 128, s, base, gstart, order, h8, nh, y, ffn, hidden, 4 * mt,
+                 off_d, qt_d, rb_d, bias)
+
+
 class Experts:
     """The ``qmoe_*`` expert kernels launched as ``gpu_experts.GpuExperts`` launches them (4 warps of
     2 rows per block; one-token down: ``ONE_DOWN_ROWS`` rows per block, a warp per expert), for benchmarks and tests
@@ -205,18 +242,11 @@ class Experts:
         if variant and variant not in BATCH_VARIANTS:
             raise ValueError(f"gpu_quant.Experts: variant {variant!r}, expected one of {BATCH_VARIANTS}")
         if variant in Q8_ROWS:  # inputs to int8 planes once per launch (qx8), then the int8 tensor-core kernels
-            mt, npair = Q8_ROWS[variant], num_e * tokens
-            self._x8 = cp.empty(tokens * hidden * 19 // 8, cp.uint8)
-            self._h8 = cp.empty(npair * ffn * 19 // 8, cp.uint8)
-            kx = Launch(kernel("qx8", defines), 5)
-            k1, k2 = Launch(kernel("qmoe_gate_up" + variant, defines), 18), Launch(kernel("qmoe_down" + variant, defines), 13)
-            x8, h8, hp = self._x8.data.ptr, self._h8.data.ptr, self.h.data.ptr
-            gu8 = (ffn, hidden, 2 * mt, *gu[3:])
-            self._calls = [lambda s, x: kx((-(-tokens * hidden // 512), 1), 128, s, x, hidden, tokens, hidden, x8),
-                           lambda s, x: k1((-(-ffn // (8 * mt)), num_e), 128, s, base, gstart, order, xrow, x8, tokens, hp, *gu8),
-                           lambda s, x: kx((-(-npair * ffn // 512), 1), 128, s, hp, ffn, npair, ffn, h8),
-                           lambda s, x: k2((-(-hidden // (16 * mt)), num_e), 128, s, base, gstart, order, h8, npair,
-                                           self.out.data.ptr, ffn, hidden, 4 * mt, off_d, qtypes[2], rb[2], 0)]
+            q8, npair = Int8Batch(variant, defines), num_e * tokens
+            self._planes = cp.empty(Int8Batch.plane_bytes(tokens, hidden, npair, ffn), cp.uint8)
+            consts = (hidden, ffn, 0, qtypes[0], rb[0], off_u, qtypes[1], rb[1], off_d, qtypes[2], rb[2], 0, 0)
+            self._calls = [lambda s, x: q8(s, num_e, base, gstart, order, xrow, x, tokens, self.h.data.ptr, npair,
+                                           self.out.data.ptr, self._planes.data.ptr, consts)]
             return
         k1, k2 = Launch(kernel("qmoe_gate_up" + variant, defines), 18), Launch(kernel("qmoe_down" + variant, defines), 12)
         self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, base, gstart, order, xrow, x, hidden, self.h.data.ptr, *gu),
