@@ -245,6 +245,7 @@ class LateStart:
         self._err[0] = 0
         with gx.compute:
             self._late = cp.zeros(2 * _MAX_K, cp.uint64)  # {seq, base} per pair; seq 0: none yet
+        gx.compute.synchronize()  # zeroed before any copy stream writes it
         self._dev = int(self._late.data.ptr)
         self._events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
         self._launches: dict[int, FixedLaunch] = {}
@@ -273,7 +274,7 @@ class LateStart:
         v = f.vals
         v[1] = seq
         v[4] = x.data.ptr  # (moe1_gate_up's x)
-        f.launch(k, 128, gx.compute.ptr)
+        f.launch(k, 128, gx.compute.ptr)  # block 32 * WARPS, as gate_up1
         return seq
 
     def copy_in(self, layer: int, experts, slots, seq: int, bases) -> None:
