@@ -24,8 +24,8 @@ Routing is computed independently in each run, so a near-tie the two numerics br
 sends a token to other experts; that shows here as it would in a real decode.
 
 Near ties (``execute.kld_ties``, off with ``--no-twin``): the reference runs a third time as a
-*rounding twin*, every MoE block's output perturbed by a relative ``--twin-jitter`` (2^-22, the
-tiles' activation halves); a position whose reference top-1/top-2 margin, or whose first differently
+*rounding twin*, every MoE block's output perturbed by a relative ``--twin-jitter`` (default
+2^-22 + sqrt(hidden) 2^-24: the activation halves and float32 accumulation in another order); a position whose reference top-1/top-2 margin, or whose first differently
 routed block's routing margin, is below 4 sqrt(2) times the twin's spread there is a near tie, and
 top-1 agreement is reported outside them too, with every flipped position's margins and bounds.
 """
@@ -43,7 +43,7 @@ from scheduler.args import ArgumentParser, int_at_least
 from .cli_options import Fail as _Fail, build_capacity as _capacity, check_common as _check_common
 from .cli_options import cost_options as _cost_options, guard as _guard, make_backend as _backend
 from .cli_options import context_limit as _context_limit, read_profile as _profile, wants_gpu as _use_gpu
-from .kld_ties import JITTER, RouterProbe, ties
+from .kld_ties import RouterProbe, rounding, ties
 
 __all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing"]
 
@@ -138,9 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-twin", dest="twin", action="store_false",
                    help="skip the rounding twin (the reference run again with its blocks' outputs perturbed at the "
                         "tiles' precision) and the near-tie figures it gives")
-    p.add_argument("--twin-jitter", type=float, default=JITTER, metavar="R",
-                   help="the rounding twin's relative perturbation of each block's output (default 2^-22, the tiles' "
-                        "activation halves)")
+    p.add_argument("--twin-jitter", type=float, default=None, metavar="R",
+                   help="the rounding twin's relative perturbation of each block's output (default 2^-22 + "
+                        "sqrt(hidden) 2^-24: the tiles' activation halves and float32 accumulation)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--allow-non-finite", action="store_true",
                    help="compare on a model whose weights hold NaN or Inf (checked at load otherwise)")
@@ -156,7 +156,7 @@ def _check(args) -> None:
         raise _Fail(f"{PROG}: --tokens {args.tokens}: expected >= 2 (a position and the one it predicts)")
     if args.batch < 1:
         raise _Fail(f"{PROG}: --batch {args.batch}: expected >= 1")
-    if not 0 < args.twin_jitter < 1:
+    if args.twin_jitter is not None and not 0 < args.twin_jitter < 1:
         raise _Fail(f"{PROG}: --twin-jitter {args.twin_jitter}: expected a relative size in (0, 1)")
     if args.policy == "belady":
         raise _Fail(f"{PROG}: policy 'belady' needs the future routing, which the run computes as it goes; "
@@ -264,8 +264,9 @@ def kld(args) -> dict:
             if not np.isfinite(ref).all():
                 raise _Fail(f"{PROG}: the reference's logits are not finite (NaN or Inf) at position "
                             f"{int(np.argmin(np.isfinite(ref).all(axis=1)))}; the file's weights hold non-finite values")
+            jitter = rounding(info.hidden) if args.twin_jitter is None else args.twin_jitter
             if args.twin:
-                twin_probe = RouterProbe(weights, len(ids), np.random.default_rng(0), args.twin_jitter)
+                twin_probe = RouterProbe(weights, len(ids), np.random.default_rng(0), jitter)
                 twin, _, _ = _logits(weights, make_policy("cpu", geometry, Capacity.per_layer(geometry, 0)),
                                      twin_probe, False, ids, args, None, bar)
         except BaseException:
@@ -273,7 +274,7 @@ def kld(args) -> dict:
             raise
         got, res, route_log = _logits(weights, policy, backend, use_gpu, ids, args, audit, bar)
     summary = audit.summary()
-    near = (ties(ref, twin, got, probe, twin_probe, route_log, info.expert_groups > 1, args.twin_jitter) if args.twin
+    near = (ties(ref, twin, got, probe, twin_probe, route_log, info.expert_groups > 1, jitter) if args.twin
             else {"near_ties": None})
     return {"model": str(args.model), "arch": info.arch, "policy": args.policy, "reference": "cpu, numpy backend",
             "gpu": use_gpu, "batch": args.batch, "lag_tokens": args.lag_tokens, "vocab": info.vocab,

@@ -6,8 +6,9 @@ random-weight model's next-token logits are nearly uniform, so some positions' t
 closer together than that rounding can resolve. The measure of "closer than rounding" does not come
 from the policy's own run (a bug would widen it) but from a **rounding twin**: the reference run
 once more with every MoE block's output ``y`` multiplied elementwise by ``1 + d``, ``d`` uniform in
-``[-2^-22, 2^-22]`` (the halves' precision; seeded), i.e. the reference's own sensitivity to a
-perturbation of the tiles' size.
+``[-r, r]`` (seeded), i.e. the reference's own sensitivity to a
+perturbation of the tiles' size. That size (:func:`rounding`) is the halves' 2^-22 plus the typical
+rounding of a float32 sum over ``hidden`` terms, ``sqrt(hidden) 2^-24`` (3.0e-6 at hidden 2048).
 
 At position ``i``, with ``a``, ``b`` the reference's top-1 and top-2 logits, the margin is
 ``m_i = ref[i, a] - ref[i, b]`` and the twin's spread ``s_i`` the RMS over the vocabulary of
@@ -34,10 +35,17 @@ import numpy as np
 
 from .backends import NumpyExperts
 
-__all__ = ["Z", "JITTER", "RouterProbe", "selection", "spread", "ties"]
+__all__ = ["Z", "JITTER", "RouterProbe", "rounding", "selection", "spread", "ties"]
 
 Z = 4.0
 JITTER = 2.0 ** -22  # the activation halves' relative precision (execute.prefill, prefill_dense)
+
+
+def rounding(hidden: int) -> float:
+    """The twin's relative perturbation for a model of width ``hidden``: the halves' 2^-22 plus
+    ``sqrt(hidden) 2^-24``, the typical relative rounding of a float32 sum of ``hidden`` products
+    of random sign accumulated in another order (the chunk path's against numpy's)."""
+    return JITTER + float(np.sqrt(hidden)) * 2.0 ** -24
 _ROWS = 64
 
 
