@@ -3,7 +3,8 @@
 budgets (``--budgets-mib``, policy ``--policy``), side by side in one process; ``--old`` adds each
 configuration on the previous prefill path (``MOELAB_PREFILL=0``, ``MOELAB_PREFILL_DENSE=0``, chunks
 of 32) for the ratio; ``--device-ab`` runs each configuration with the chunk on the device
-(``MOELAB_PREFILL_DEVICE=1``) and block by block (``0``).
+(``MOELAB_PREFILL_DEVICE=1``) and block by block (``0``); ``--ab VAR=V1,V2`` once per value of a
+switch (e.g. ``MOELAB_PREFILL_M16=0,1``).
 
 Writes ``rows.csv`` and ``result.json`` (rows + config), ``config.json``, ``README.md`` and
 ``prompt_sweep.png`` (when matplotlib is installed) into ``--out``. The logic is
@@ -44,7 +45,19 @@ def configs(args) -> list[Config]:
     if args.device_ab:
         out = [Config(f"{c.label} ({name})", c.argv, {**c.env, "MOELAB_PREFILL_DEVICE": v}) for c in out
                for name, v in (("device", "1"), ("block by block", "0"))]
+    if args.ab:
+        var, values = _ab(args.ab)
+        out = [Config(f"{c.label} ({var}={v})", c.argv, {**c.env, var: v}) for c in out for v in values]
     return out
+
+
+def _ab(text: str) -> tuple[str, list[str]]:
+    """``--ab VAR=V1,V2,..`` -> (VAR, [V1, V2, ..])."""
+    var, _, vals = text.partition("=")
+    values = [v.strip() for v in vals.split(",") if v.strip()]
+    if not var.startswith("MOELAB_") or not values:
+        raise SystemExit(f"prompt_sweep: --ab {text!r}: expected MOELAB_NAME=V1,V2")
+    return var, values
 
 
 def readme(config: dict, rows: list[dict]) -> str:
@@ -68,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--old", action="store_true", help="also run each configuration on the previous prefill path")
     ap.add_argument("--device-ab", action="store_true",
                     help="each configuration with chunks on the device (MOELAB_PREFILL_DEVICE=1) and block by block (0)")
+    ap.add_argument("--ab", default="", metavar="VAR=V1,V2",
+                    help="each configuration once per value of a MOELAB_ switch, e.g. MOELAB_PREFILL_M16=0,1")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args(argv)
@@ -77,6 +92,8 @@ def main(argv=None) -> int:
     args.budgets = _ints(args.budgets_mib, "--budgets-mib") if args.budgets_mib else []
     if args.repeats < 1:
         raise SystemExit(f"prompt_sweep: --repeats {args.repeats}: expected >= 1")
+    if args.ab:
+        _ab(args.ab)  # checked before any run
     cfgs = configs(args)
     config = {"model": str(args.model), "lengths": lengths, "repeats": args.repeats, "threads": args.threads,
               "configs": [{"label": c.label, "argv": list(c.argv), "env": c.env} for c in cfgs],

@@ -343,3 +343,18 @@ def test_prompt_sweep_rows(synth_path):
                for r in rows)
     assert rows[0]["prefill_chunk"] == 512 and rows[1]["prefill_chunk"] == 4
     assert rows[0]["digest"] != rows[1]["digest"] or rows[0]["prompt_tokens"] <= 4
+
+
+def test_prompt_sweep_ab_configs():
+    import importlib.util
+    from argparse import Namespace
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("prompt_sweep", Path(__file__).parents[2] / "experiments/prompt_sweep.py")
+    ps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ps)
+    args = Namespace(budgets=[], policy="lru", old=False, device_ab=False, ab="MOELAB_PREFILL_M16=0,1")
+    assert [(c.label, c.env) for c in ps.configs(args)] == [
+        ("gpu (MOELAB_PREFILL_M16=0)", {"MOELAB_PREFILL_M16": "0"}), ("gpu (MOELAB_PREFILL_M16=1)", {"MOELAB_PREFILL_M16": "1"})]
+    with pytest.raises(SystemExit, match="--ab 'M16=1'"):
+        ps._ab("M16=1")
