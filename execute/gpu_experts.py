@@ -41,7 +41,7 @@ resident experts can start before the uploads land) and ``moe1_down_combine``
 
 A layer with a type ``gpu_kernels.cu`` does not read (another layout of ``quant.LAYOUTS``, e.g.
 Q5_K; ``generic_layers``) keeps it as stored too: its launches go to ``gpu_quant.cu``'s
-``qmoe_*`` kernels (same arguments and layout, weights decoded one by one: correct, slower); it
+``qmoe*`` kernels (one token: the same arguments and layout; batches: ``gpu_quant.Int8Batch``); it
 runs block by block (no token graph: :meth:`routed_layer` refuses it; no mapped-memory hand-off).
 """
 from __future__ import annotations
@@ -186,12 +186,12 @@ class GpuExperts:
         self._ex = np.zeros(_EX_BYTES, np.uint8)  # the one-token pair table, passed by value
         self._k1_gate_up = Launch(_kernel("moe1_gate_up"), 13, self._ex)
         self._k1_down = Launch(_kernel("moe1_down_combine"), 10, self._ex)
-        # per layer: its (gate_up, down, gate_up1, down_combine1) launches, gpu_quant's for generic layers
+        # per layer: its (gate_up, down, gate_up1, down_combine1) launches; generic layers: gpu_quant's (Int8Batch, None, ..)
         self._kl = {l.layer: (self._k_gate_up, self._k_down, self._k1_gate_up, self._k1_down) for l in moe}
         if self.generic_layers:
-            from .gpu_quant import kernel as qk
+            from .gpu_quant import GENERIC_BATCH, Int8Batch, kernel as qk
 
-            q = (Launch(qk("qmoe_gate_up"), 18), Launch(qk("qmoe_down"), 12), Launch(qk("qmoe1_gate_up"), 13, self._ex),
+            q = (Int8Batch(GENERIC_BATCH), None, Launch(qk("qmoe1_gate_up"), 13, self._ex),
                  Launch(qk("qmoe1_down_combine"), 10, self._ex))
             self._kl.update((l, q) for l in self.generic_layers)
         self._k1r = None  # the token graph's launches (routed_layer), compiled on first use
@@ -503,11 +503,10 @@ class GpuExperts:
         return out
 
     def routed_layer(self, layer: int, route: int, table: int, halt: int, x: int, h: int, out: int, k: int) -> list:
-        """The launches of one token's layer inside a token's graph (``moe1r_gate_up`` then
-        ``moe1r_down_combine``, see gpu_kernels.cu), as callables of a stream address: the pairs
-        come from the router's output at ``route`` and the layer's slot table row at ``table``;
-        ``halt`` is the token's first missing layer; ``x`` the layer's normed input, ``h`` a
-        (k, ffn) float32 work buffer the graph owns, ``out`` its (hidden,) output (device addresses)."""
+        """One token's layer in a token's graph (``moe1r_gate_up``, ``moe1r_down_combine``: gpu_kernels.cu)
+        as callables of a stream address: the pairs come from the router's output at ``route`` and the
+        layer's slot table row at ``table``; ``halt`` is the token's first missing layer; ``x`` the normed
+        input, ``h`` a (k, ffn) float32 work buffer the graph owns, ``out`` (hidden,) (device addresses)."""
         if layer in self.generic_layers:
             raise ExecutorError(f"layer {layer}: a type the token graph's kernels do not read; run it block by block")
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
@@ -610,7 +609,7 @@ class GpuExperts:
         d_base, d_gstart, d_order, d_rows = self._upload_meta(base, gstart, order, rows)
         x = self.as_input(x)
         h, _, _ = self._work(n, lx.ffn, lx.hidden)
-        self._launch(layer, len(groups), d_base, d_gstart, d_order, d_rows, x, h, out.data.ptr)
+        self._launch(layer, len(groups), d_base, d_gstart, d_order, d_rows, x, h, out.data.ptr, n)
         self.mark_read()
         self.to_caller()
         return out
@@ -623,10 +622,12 @@ class GpuExperts:
             return cp.ascontiguousarray(cp.asarray(x), cp.float32)
 
     def _launch(self, layer: int, groups: int, d_base: int, d_gstart: int, d_order: int, d_rows: int,
-                x: cp.ndarray, h: int, y: int) -> None:
-        """moe_gate_up then moe_down over ``groups`` groups (h, y: device addresses)."""
+                x: cp.ndarray, h: int, y: int, nh: int) -> None:
+        """moe_gate_up then moe_down over ``groups`` groups (h of ``nh`` rows, y: device addresses)."""
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = self._consts[layer]
         s, kl = self.compute.ptr, self._kl[layer]
+        if kl[1] is None:  # a generic layer: its Int8Batch
+            return kl[0](s, groups, d_base, d_gstart, d_order, d_rows, x.data.ptr, x.shape[0], h, nh, y, self._consts[layer])
         kl[0]((-(-ffn // (_WARPS * _RPW)), groups), 32 * _WARPS, s,
               d_base, d_gstart, d_order, d_rows, x.data.ptr, x.shape[1], h, ffn, hidden, _RPW,
               off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
@@ -640,7 +641,7 @@ class GpuExperts:
             return
         lx = self.layers[layer]
         h, y, iota = self._work(pairs, lx.ffn, lx.hidden)
-        self._launch(layer, g1 - g0, meta.base + 8 * g0, meta.gstart + 4 * g0, iota, meta.xrow, x, h, y)
+        self._launch(layer, g1 - g0, meta.base + 8 * g0, meta.gstart + 4 * g0, iota, meta.xrow, x, h, y, pairs)
 
     def pair_outputs(self, layer: int, pairs: int) -> cp.ndarray:
         """The work buffer ``y`` as (pairs, hidden) float32 for a layer of ``pairs`` pairs (valid in

@@ -41,7 +41,7 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "Int8Batch", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GENERIC_BATCH", "Int8Batch", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
            "kernel", "kernel_info", "matmul", "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
@@ -50,6 +50,7 @@ _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block (_q8s*: the weights' tile copied first)
 BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1")
 Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1, "_q8s2": 2, "_q8s1": 1}  # their m-tiles (16 rows) per block, as QMOE_Q8
+GENERIC_BATCH = "_q8m2"  # the variant gpu_experts launches for the batches of layers the arena's kernels do not read
 ONE_VARIANTS = ("_d",)  # other qmoe1_gate_up / qmoe1_down_combine kernels: _d by programmatic dependent launch
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
@@ -147,9 +148,9 @@ class Int8Batch:
     ``qx8`` of h, ``qmoe_down`` (the variant's), as ``gpu_experts.GpuExperts`` launches the batched
     kernels: a call queues them on stream ``s`` over ``groups`` groups (``base``, ``gstart``,
     ``order``, ``xrow``: the device metadata), ``x`` ``nx`` rows of ``hidden`` float32, ``h`` ``nh``
-    rows of ``ffn`` (pair ids index them), ``y`` the pairs' outputs, ``planes`` a work buffer of
-    :meth:`plane_bytes` (device addresses), ``consts`` the layer's (hidden, ffn, off_g, qt_g, rb_g,
-    off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias)."""
+    rows of ``ffn`` (pair ids index them), ``y`` the pairs' outputs (device addresses), ``consts`` the
+    layer's (hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias). The
+    planes of x and h live in a work buffer of :meth:`plane_bytes` it holds (grown in stream order)."""
 
     def __init__(self, variant: str, defines: tuple[str, ...] = ()):
         from .gpu_host import Launch
@@ -160,6 +161,7 @@ class Int8Batch:
         self._kx = Launch(kernel("qx8", defines), 5)
         self._k1 = Launch(kernel("qmoe_gate_up" + variant, defines), 18)
         self._k2 = Launch(kernel("qmoe_down" + variant, defines), 13)
+        self._buf = None
 
     @staticmethod
     def plane_bytes(nx: int, hidden: int, nh: int, ffn: int) -> int:
@@ -167,9 +169,16 @@ class Int8Batch:
         return -(-nx * hidden * 19 // 8 // 256) * 256 + nh * ffn * 19 // 8
 
     def __call__(self, s: int, groups: int, base: int, gstart: int, order: int, xrow: int, x: int, nx: int, h: int,
-                 nh: int, y: int, planes: int, consts: tuple) -> None:
+                 nh: int, y: int, consts: tuple) -> None:
+        import cupy as cp
+
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = consts
-        mt, x8 = self.mt, planes
+        nbytes = self.plane_bytes(nx, hidden, nh, ffn)
+        if self._buf is None or self._buf.size < nbytes:
+            with cp.cuda.ExternalStream(s):  # the old buffer returns to the pool in this stream's order
+                self._buf = cp.empty(max(nbytes, 0 if self._buf is None else 2 * self._buf.size), cp.uint8)
+        mt, planes = self.mt, self._buf.data.ptr
+        x8 = planes
         h8 = planes + -(-nx * hidden * 19 // 8 // 256) * 256
         self._kx((-(-nx * hidden // 512), 1), 128, s, x, hidden, nx, hidden, x8)
         self._k1((-(-ffn // (8 * mt)), groups), 128, s, base, gstart, order, xrow, x8, nx, h, ffn, hidden, 2 * mt,
@@ -243,10 +252,9 @@ class Experts:
             raise ValueError(f"gpu_quant.Experts: variant {variant!r}, expected one of {BATCH_VARIANTS}")
         if variant in Q8_ROWS:  # inputs to int8 planes once per launch (qx8), then the int8 tensor-core kernels
             q8, npair = Int8Batch(variant, defines), num_e * tokens
-            self._planes = cp.empty(Int8Batch.plane_bytes(tokens, hidden, npair, ffn), cp.uint8)
             consts = (hidden, ffn, 0, qtypes[0], rb[0], off_u, qtypes[1], rb[1], off_d, qtypes[2], rb[2], 0, 0)
             self._calls = [lambda s, x: q8(s, num_e, base, gstart, order, xrow, x, tokens, self.h.data.ptr, npair,
-                                           self.out.data.ptr, self._planes.data.ptr, consts)]
+                                           self.out.data.ptr, consts)]
             return
         k1, k2 = Launch(kernel("qmoe_gate_up" + variant, defines), 18), Launch(kernel("qmoe_down" + variant, defines), 12)
         self._calls = [lambda s, x: k1((-(-ffn // 8), num_e), 128, s, base, gstart, order, xrow, x, hidden, self.h.data.ptr, *gu),

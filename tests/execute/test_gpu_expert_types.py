@@ -42,14 +42,26 @@ def _params(src: str, name: str) -> list[str]:
 
 @pytest.mark.parametrize("name", ["moe_gate_up", "moe_down", "moe1_gate_up", "moe1_down_combine"])
 def test_expert_kernels_take_the_arena_kernels_arguments(name):
-    """GpuExperts launches qmoe_* with the argument blocks it builds for moe_*: same parameters."""
+    """qmoe_* take moe_*'s parameters; GpuExperts launches qmoe1_* with the argument blocks it builds
+    for moe1_* (batches of generic layers: gpu_quant.Int8Batch, below)."""
     arena = (ROOT / "execute" / "gpu_kernels.cu").read_text()
     generic = gpu_quant_source()
     assert _params(generic, "q" + name) == _params(arena, name)
     nargs = {"moe_gate_up": 18, "moe_down": 12, "moe1_gate_up": 13, "moe1_down_combine": 10}[name]
     assert len(_params(arena, name)) == nargs + name.startswith("moe1")  # + the by-value pair table
     src = (ROOT / "execute" / "gpu_experts.py").read_text()
-    assert f'qk("q{name}"), {nargs}' in src
+    assert f'qk("q{name}"), {nargs}' in src if name.startswith("moe1") else "(Int8Batch(GENERIC_BATCH), None," in src
+
+
+def test_int8_batch_launches_take_the_kernels_arguments():
+    """gpu_quant.Int8Batch launches qx8 and every int8 variant's gate/up and down kernels
+    (GATE_UP_Q8_ARGS, DOWN_Q8_ARGS) with as many arguments as they take."""
+    src, py = gpu_quant_source(), (ROOT / "execute" / "gpu_quant.py").read_text()
+    for macro, kernel, nargs in [("GATE_UP_Q8_ARGS", '"qmoe_gate_up" + variant', 18), ("DOWN_Q8_ARGS", '"qmoe_down" + variant', 13)]:
+        d = re.search(r"#define " + macro + r" (.*?)(?<!\\)\n", src, re.S)
+        assert d and len(d.group(1).replace("\\\n", " ").split(",")) == nargs, macro
+        assert f"kernel({kernel}, defines), {nargs})" in py
+    assert len(_params(src, "qx8")) == 5 and 'kernel("qx8", defines), 5)' in py
 
 
 def test_gate_keeps_gpu_read_cpu_types_raw(tmp_path, monkeypatch):
