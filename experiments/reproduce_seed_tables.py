@@ -8,6 +8,7 @@ no parameter was fitted on.
 
     python experiments/reproduce_seed_tables.py [--seeds 3] [--tokens-scale 1.0] [--data experiments/seed_tables.json] [--out docs/SEED_TABLES.md]
     python experiments/reproduce_seed_tables.py --fit-routing --seeds 5   # the routing grid against routing_stats, best first
+    python experiments/reproduce_seed_tables.py --fixed mailbox_s=1.7e-05   # a parameter given, not fitted
 
 The data file's ``routing`` (the synthetic routing's parameters) is the first line ``--fit-routing``
 prints: chosen on the published routing statistics, none of them a table row.
@@ -35,7 +36,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the markdown report here")
     ap.add_argument("--fit-routing", action="store_true",
                     help="print the routing grid's RMS error against the data file's routing_stats (best first) and stop")
+    ap.add_argument("--fixed", action="append", default=[], metavar="PARAM=VALUE",
+                    help="take a fitted parameter as given on every machine (its fitting row is then predicted)")
     args = ap.parse_args(argv)
+    fixed = {}
+    for f in args.fixed:
+        name, _, value = f.partition("=")
+        try:
+            fixed[name] = float(value)
+        except ValueError:
+            print(f"error: --fixed {f}: expected PARAM=VALUE with a number", file=sys.stderr)
+            return 2
     if args.seeds < 1:
         print(f"error: --seeds {args.seeds}, expected >= 1", file=sys.stderr)
         return 2
@@ -46,7 +57,7 @@ def main(argv=None) -> int:
         print(f"error: --out {args.out}: its folder does not exist", file=sys.stderr)
         return 2
     try:
-        data = seeds.load_data(Path(args.data))
+        data = seeds.fix_params(seeds.load_data(Path(args.data)), fixed)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,7 +78,8 @@ def main(argv=None) -> int:
     hosts = seeds.derive_hosts(data, args.seeds, args.tokens_scale)
     results = seeds.predict_tables(data, hosts, args.seeds, args.tokens_scale)
     cmd = "python experiments/reproduce_seed_tables.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (
-        f" --tokens-scale {args.tokens_scale}" if args.tokens_scale != 1.0 else "") + " --out docs/SEED_TABLES.md"
+        f" --tokens-scale {args.tokens_scale}" if args.tokens_scale != 1.0 else "") + "".join(
+        f" --fixed {f}" for f in args.fixed) + " --out docs/SEED_TABLES.md"
     text = seeds.report(data, hosts, results, args.seeds, cmd, seeds.routing_checks(data, args.seeds),
                         seeds.bounds(data, hosts, args.seeds, args.tokens_scale, results))
     print(text, end="")

@@ -63,7 +63,7 @@ from traces.synth import SynthParams
 from .engine import Simulator
 
 __all__ = ["ROWS", "FIT_PARAMS", "FIT_ORDER", "PROMPT_TOKENS", "load_data", "model_of", "simulate_row",
-           "derive_hosts", "predict_tables", "bounds", "warmups", "TOLERANCE", "routing_of", "fit_routing", "ROUTING_GRID"]
+           "derive_hosts", "fix_params", "predict_tables", "bounds", "warmups", "TOLERANCE", "routing_of", "fit_routing", "ROUTING_GRID"]
 
 # configuration -> (label, policy, engine, fills per token (hybrid) or None)
 ROWS = {
@@ -386,11 +386,28 @@ def prompt_load(data: dict, machine: str, cache_mib: float, seeds: int, scale: f
     return float(np.mean(out)), float(np.mean(count))
 
 
+def fix_params(data: dict, fixed: dict[str, float]) -> dict:
+    """``data`` with each parameter of ``fixed`` given, not fitted, on every machine: the rows that
+    fitted it become predicted rows (their ``fits`` cleared) and ``derive_hosts`` sets the values
+    (kept under ``"fixed"``). ValueError naming a parameter that is not fittable or out of its bounds."""
+    for p, v in fixed.items():
+        if p not in FIT_PARAMS:
+            raise ValueError(f"--fixed {p}: expected one of {', '.join(FIT_PARAMS)}")
+        lo, hi = FIT_PARAMS[p]
+        if not lo <= v <= hi:
+            raise ValueError(f"--fixed {p}={v}: expected a value in [{lo}, {hi}]")
+    tables = [{**t, "rows": [{**r, "fits": None} if r.get("fits") in fixed else r for r in t["rows"]]}
+              for t in data["tables"]]
+    return {**data, "tables": tables, "fixed": {**data.get("fixed", {}), **fixed}}
+
+
 def derive_hosts(data: dict, seeds: int, scale: float, presets: dict | None = None) -> dict[str, Hardware]:
-    """Each machine's preset (or ``presets[name]``) with the stated parameters (``stated``: the
-    pageable rate = the bytes the prompt loads into upstream's cache / the seed's stated load time)
-    and the fitted parameters solved from their rows; ``shared`` parameters are copied to every machine."""
+    """Each machine's preset (or ``presets[name]``) with the given parameters (``fix_params``), the
+    stated ones (``stated``: the pageable rate = the bytes the prompt loads into upstream's cache /
+    the seed's stated load time) and the fitted ones solved from their rows; ``shared`` parameters
+    are copied to every machine."""
     hosts = {m: (presets or {}).get(m) or load_hardware(m) for m in data["machines"]}
+    hosts = {m: dataclasses.replace(h, **data.get("fixed", {})) for m, h in hosts.items()}
     for st in data.get("stated", []):
         secs = float(np.mean(st["prompt_load_s"]))
         loaded, experts = prompt_load(data, st["machine"], st["cache_mib"], seeds, scale)
@@ -524,6 +541,9 @@ def report(data: dict, hosts: dict[str, Hardware], results: list[dict], seeds: i
         lines.append(f"| {m} | {h.gpu_mem_gbps:.1f} | {h.graph_kernel_s * 1e6:.2f} us | {h.split_sync_s * 1e6:.0f} us | "
                      f"{h.mailbox_s * 1e6:.0f} us | {h.cpu_thread_gbps:.2f} | {h.pageable_gbps:.2f} |")
     lines += ["", "Machines: " + "; ".join(f"{m}, {v['about']}" for m, v in data["machines"].items()) + ".", ""]
+    if data.get("fixed"):
+        lines += ["Given on every machine, not fitted (`--fixed`; the rows that fit them are predicted rows here): "
+                  + ", ".join(f"{p} = {v:.3g}" for p, v in data["fixed"].items()) + ".", ""]
     if checks:
         lines += ["Routing: the synthetic traces against published routing statistics (none of them a table row):", "",
                   "| statistic | published | synthetic |", "|---|---:|---:|"]

@@ -356,3 +356,24 @@ def test_the_hybrid_s_background_moves_land_a_token_later():
     assert inner
     for s, w in inner:  # started with token n, awaited once token n + lag has ended
         assert sum(1 for e in ends if s < e < w) == seeds.SWAP_LAG_TOKENS + 1
+
+
+def test_a_fixed_parameter_is_given_on_every_machine_and_its_row_is_predicted(capsys):
+    data = seeds.load_data(DATA)
+    fixed = seeds.fix_params(data, {"mailbox_s": 2e-6})
+    was = [(i, j) for i, t in enumerate(data["tables"]) for j, r in enumerate(t["rows"]) if r.get("fits") == "mailbox_s"]
+    assert was and all(fixed["tables"][i]["rows"][j]["fits"] is None for i, j in was)
+    assert data["tables"][was[0][0]]["rows"][was[0][1]]["fits"] == "mailbox_s"  # the loaded data is not changed
+    assert sum(1 for t in fixed["tables"] for r in t["rows"] if r.get("fits")) == len(seeds._fit_rows(data)) - len(was)
+    hosts = {m: load_hardware(m) for m in data["machines"]}
+    quiet = {**fixed, "tables": [], "stated": []}  # no fits, no stated rate: only the given value
+    assert all(h.mailbox_s == 2e-6 for h in seeds.derive_hosts(quiet, 1, 1.0, hosts).values())
+    with pytest.raises(ValueError, match="--fixed gpu_tflops"):
+        seeds.fix_params(data, {"gpu_tflops": 1.0})
+    with pytest.raises(ValueError, match=r"--fixed mailbox_s=1\.0"):
+        seeds.fix_params(data, {"mailbox_s": 1.0})
+    assert _script().main(["--fixed", "mailbox_s=fast"]) == 2
+    assert _script().main(["--fixed", "split_sync_s=9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --fixed mailbox_s=fast: expected PARAM=VALUE with a number",
+                   "error: --fixed split_sync_s=9.0: expected a value in [1e-07, 0.005]"]
