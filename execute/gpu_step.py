@@ -270,7 +270,7 @@ class LateStart:
         self.seq = seq = self.seq + 1
         gx = self.gx
         pack1(gx._ex, bases, (), pick)
-        f = self._launch(layer)
+        f = self._launches.get(layer) or self._launch(layer)
         v = f.vals
         v[1] = seq
         v[4] = x.data.ptr  # (moe1_gate_up's x)
@@ -289,8 +289,9 @@ class LateStart:
             self.gx.wait(self._events[(n >> 5) & 1], "copy of a late entry")
         i = (n % self.RING) * 16 * _MAX_K
         k = len(bases)
-        f = self._packs[k]
-        f.pack_into(self._src, i, *[v for b in bases for v in (seq, b)])
+        v = [seq] * (2 * k)
+        v[1::2] = bases
+        self._packs[k].pack_into(self._src, i, *v)
         _rt.memcpyAsync(self._dev, self._src_ptr + i, 16 * k, _H2D, stream_ptr)
         self._n = n + 1
         if n & 31 == 31:
