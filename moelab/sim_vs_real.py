@@ -94,6 +94,11 @@ def run(args) -> int:
     if not raw.get("runs"):
         print("sim_vs_real: no recorded runs to compare", file=sys.stderr)
         return 1
+    for h in raw.get("host_state") or ():  # recorded by run_device around each round
+        b, e = h["before"], h["after"]
+        busy = lambda x: "?" if x["busy_cores"] is None else f"{x['busy_cores']:.1f}"
+        log(f"round {h['round']}: host {busy(b)} / {busy(e)} cores busy elsewhere before / after, memory read "
+            f"{b['mem_gbps']:.0f} / {e['mem_gbps']:.0f} GB/s" + (f" -- BUSY: {h['problem']}" if h.get("problem") else ""))
     hw_path = args.hardware
     if args.host_calibration == "session" and raw.get("calibration_records"):
         hw_path = session_hardware(args.hardware, raw, out)

@@ -93,9 +93,9 @@ def compare_with(raw, hw, model):
     return svr.compare(raw, hw, synth_tokens(2, 32, 4, 12, 1)[0], model)
 
 
-def test_from_recording_simulates_compares_and_writes(tmp_path, monkeypatch):
+def test_from_recording_simulates_compares_and_writes(tmp_path, monkeypatch, capsys):
     """A fake recording whose 'measured' times are the simulator's own: zero error, same decisions;
-    the script creates its output folder, parents included."""
+    the script creates its output folder, parents included, and says each round's host state."""
     from execute import calibrate as C
 
     raw, hw, model, hwp = fake_recording(tmp_path)
@@ -106,10 +106,14 @@ def test_from_recording_simulates_compares_and_writes(tmp_path, monkeypatch):
     assert svr.spread_summary(rows) is None  # one run per config: no spread
     rec = tmp_path / "rec"
     rec.mkdir()
+    state = lambda busy, gbps: {"busy_cores": busy, "cores": 16, "mem_gbps": gbps}
+    raw["host_state"] = [{"round": 0, "before": state(0.2, 110.0), "after": state(None, 40.0), "problem": "fell"}]
     C.write_json(rec / "raw.json", raw)
     monkeypatch.setattr(svr, "sim_model", lambda layers, vocab: model)
     out = tmp_path / "new" / "out"
     assert script.main(["--hardware", hwp, "--from", str(rec), "--out", str(out), "--host-calibration", "file"]) == 0
+    assert ("round 0: host 0.2 / ? cores busy elsewhere before / after, memory read 110 / 40 GB/s -- BUSY: fell"
+            in capsys.readouterr().err)
     for f in ("sim_vs_real.csv", "sim_vs_real.json", "sim_vs_real.png"):
         assert (out / f).stat().st_size > 0
     assert json.loads((out / "sim_vs_real.json").read_text())["analysis"]["identical_decisions"]
