@@ -14,8 +14,8 @@ import time
 
 from .calibrate_fit import POOL_MIN_CALLS
 
-__all__ = ["busy_cores", "host_state", "host_problem", "quiet_host", "summary", "measurement_problems", "HOST_MEM_BYTES", "MEM_DROP",
-           "BUSY_FLOOR", "POOL_SLOWER"]
+__all__ = ["busy_cores", "host_state", "host_problem", "quiet_host", "summary", "measurement_problems",
+           "HOST_MEM_BYTES", "MEM_DROP", "BUSY_FLOOR", "POOL_SLOWER"]
 
 HOST_MEM_BYTES = 1 << 28  # the memory read of a host check: 256 MiB, a few ms a read
 MEM_DROP = 0.75  # a later memory read below this fraction of an earlier one: the host got busier
@@ -86,7 +86,8 @@ def quiet_host(threads: int, wait_s: float, say, mem_bytes: int = HOST_MEM_BYTES
 
 
 def summary(before: dict, after: dict) -> dict:
-    """The two states as a calibration keeps them (``_calibration.host``), medians only."""
+    """Two states as a calibration keeps them (``_calibration.host_state``): busy cores and the memory
+    read's median of each, both reads' statistics, the minutes between them."""
     short = lambda s: {"busy_cores": s["busy_cores"], "cores": s["cores"], "mem_gbps": s["mem_gbps"]["median"]}
     return {"before": short(before), "after": short(after), "mem_stats": [before["mem_gbps"], after["mem_gbps"]],
             "minutes": (after["time"] - before["time"]) / 60}
@@ -99,8 +100,8 @@ def measurement_problems(m: dict) -> list[str]:
     """What a calibration's measurements (``measure_all``'s dict, or a file's ``_calibration``) say
     against each other about the host, one line each: the memory read slower than the pool's own
     largest call streams its experts (``cpu_pool``: the read ran on a busy host), and the
-    calibration replay's pool calls more than ``POOL_SLOWER`` x the pool alone's median at the largest
-    expert count both measured (with at least ``POOL_MIN_CALLS`` replayed calls; the replay ran on
+    calibration replay's pool calls more than ``POOL_SLOWER`` x the pool alone's median at the
+    largest expert count both measured (with at least ``POOL_MIN_CALLS`` replayed calls; the replay ran on
     a busy host: quiet calibrations measured 0.93-1.2x)."""
     out = []
     table = (m.get("cpu_pool") or {}).get("compute_s") or {}
