@@ -108,10 +108,16 @@ def run(args) -> int:
     rows = fd.compare(raw, hw, tokens, model)
     an, nz = fd.analyse(rows), fd.spread_summary(rows)
     fd.print_table(rows, an, nz)
-    from execute.calibrate import write_json
+    from execute.calibrate import synth_tokens, write_json
 
+    a = raw["args"]  # the calibration trace: calibrate_replay.replay_setup's
+    own = fd.calibration_check(raw, hw, model, synth_tokens(a["layers"], a["experts"], a["top_k"], 64, a["seed"] + 31)[0])
+    for c in own:
+        frac = "" if c["miss_frac_256"] is None else f" f={c['miss_frac_256']}"
+        print(f"calibration run {c['policy']} {c['slots']} slots{frac} (its own trace, in sample): measured "
+              f"{c['measured_tokens_per_s']:.1f} tok/s, predicted {c['predicted_tokens_per_s']:.1f} ({c['error']:+.1%})")
     write_json(out / "sim_vs_real.json", {"hardware": str(hw_path), "analysis": an, "noise": nz, "rows": rows,
-                                          "raw": raw})
+                                          "calibration_check": own, "raw": raw})
     fd.write_csv(out / "sim_vs_real.csv", rows)
     fd.plot(rows, out / "sim_vs_real.png")
     if args.decompose:

@@ -18,7 +18,8 @@ import numpy as np
 
 from scheduler import MISS_FRAC_256
 
-__all__ = ["TARGETS", "METRICS", "configs", "select", "analyse", "compare", "decompose", "calibration_ratios",
+__all__ = ["TARGETS", "METRICS", "configs", "select", "analyse", "compare", "calibration_check", "decompose",
+           "calibration_ratios",
            "between_split", "spread_summary", "print_table", "print_decompose", "print_between", "plot",
            "write_csv", "sim_model", "simulate_config", "profile_of", "options_of", "make_policy_of",
            "rel_error", "spearman", "fit_terms", "token_stats", "group_runs", "measured"]
@@ -235,6 +236,32 @@ def compare(raw: dict, hw, tokens, model) -> list[dict]:
                     "predicted_cpu_busy": s["cpu_busy"]})
         rows.append(row)
     return rows
+
+
+def calibration_check(raw: dict, hw, model, tokens, warm: int = 16) -> list[dict]:
+    """The session's unlogged calibration runs (``raw["calibration_runs"]``: the calibration
+    trace ``tokens``, its first ``warm`` tokens filling the cache unmeasured) predicted on ``hw``:
+    per (policy, slots, miss fraction) the measured tokens/s (median over rounds) and the
+    simulator's over the same tokens. A calibration that does not reproduce its own workload's
+    runs (the check is in sample) will not reproduce another's. [] without runs."""
+    from .run import SimConfig, run
+
+    groups: dict = {}
+    for c in raw.get("calibration_runs") or ():
+        key = (c["policy"], c["slots"], c.get("miss_frac_256"))
+        t = np.asarray(c["token_s"], np.float64)
+        groups.setdefault(key, []).append(len(t) / t.sum())
+    out = []
+    for (policy, slots, frac), tps in groups.items():
+        cfg = SimConfig(model=model.name, hardware=hw.name, policy=policy, cache_slots=slots,
+                        miss_fraction=None if frac is None else frac / 256, token_graph=False)
+        res, _ = run(cfg, hardware=hw, model=model, tokens=tokens)
+        t = np.asarray(res.token_s, np.float64)[warm:]
+        pred = len(t) / t.sum()
+        meas = float(np.median(tps))
+        out.append({"policy": policy, "slots": slots, "miss_frac_256": frac, "measured_tokens_per_s": meas,
+                    "predicted_tokens_per_s": pred, "error": pred / meas - 1, "rounds": len(tps)})
+    return out
 
 
 DECOMPOSE_TERMS = ("token", "cpu_layer", "cpu_expert", "copy")

@@ -406,3 +406,24 @@ def test_a_calibration_round_keeps_its_own_replays_and_the_other_rounds_runs():
             calibrated_on_round(raw, bad)
     with pytest.raises(ValueError, match="rounds 0..0"):
         calibrated_on_round({**raw, "args": {"repeats": 1}}, 0)
+
+
+def test_calibration_check_predicts_the_sessions_own_calibration_runs(tmp_path):
+    """Runs 'measured' as the simulator's own times, twice as slow in one round: the prediction
+    meets their median over the rounds, so the error is the scale's."""
+    from execute.calibrate import synth_tokens
+    from simulate import SimConfig, run
+
+    _, hw, model, _ = fake_recording(tmp_path, configs=1)
+    tokens, _ = synth_tokens(2, 32, 4, 20, 3)
+    runs = []
+    for policy, slots, frac in (("lru", 8, None), ("hybrid", 8, 96)):
+        res, _ = run(SimConfig(policy=policy, cache_slots=slots, miss_fraction=None if frac is None else frac / 256,
+                               token_graph=False), hardware=hw, model=model, tokens=tokens)
+        for k in (1.0, 1.0, 2.0):
+            runs.append({"policy": policy, "slots": slots, **({"miss_frac_256": frac} if frac else {}),
+                         "token_s": [k * t for t in res.token_s[4:]]})
+    got = svr.calibration_check({"calibration_runs": runs}, hw, model, tokens, warm=4)
+    assert [(c["policy"], c["miss_frac_256"], c["rounds"]) for c in got] == [("lru", None, 3), ("hybrid", 96, 3)]
+    assert all(abs(c["error"]) < 1e-9 for c in got)
+    assert svr.calibration_check({}, hw, model, tokens) == []
