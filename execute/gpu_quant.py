@@ -24,8 +24,12 @@ dispatched once per tile to a body compiled for it; down: a warp per expert on f
 Batches
 (``qmoe_gate_up``, ``qmoe_down``): tensor cores (``mma.m16n8k16``) on the tile's quants decoded to
 exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums scaled in float32
-(relative error of a product ~1e-7). The source lies in ``gpu_quant.cu`` and the four
-``gpu_quant_*.cu`` parts it includes (:func:`source` inlines them).
+(relative error of a product ~1e-7). Their int8 twins (``BATCH_VARIANTS``, :class:`Int8Batch`;
+``GENERIC_BATCH`` serves ``gpu_experts``' generic layers): the inputs converted once per launch
+(``qx8``) to the two int8 levels of the one-token path, tiles copied by ``cp.async`` while the
+weights decode to int8, ``mma`` ``.s8`` with exact int32 sums (the one-token path's error, ~2e-5).
+The source lies in ``gpu_quant.cu`` and the five ``gpu_quant_*.cu`` parts it includes
+(:func:`source` inlines them).
 """
 from __future__ import annotations
 
