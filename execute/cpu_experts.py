@@ -17,7 +17,7 @@ weight bytes <= 127: signed weights go through |w| and sign(x, w)) and ``plain``
 one of ``quant.CPU_QTYPES``. Float weights (F32, F16, BF16) are dotted with float32 x. A call
 runs in two phases, gate+up then down, over the flat (expert group, row) work: ``run_experts``
 splits each into equal runs, one per thread; the pool into chunks its hands claim (``cpu_pool``).
-The lattice i-quants' dots are in ``execute.cpu_iq``. Each type's row kernel is compiled on its
+The lattice i-quants' dots are in ``execute.cpu_iq``, Q8_0's and MXFP4's in ``execute.cpu_q32``. Each type's row kernel is compiled on its
 own (``row_kernel``), when a layer of that type is first used, and the phases call it through its
 address in the job: a process compiles the types it runs, not the whole family.
 
@@ -46,9 +46,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import quant as Q
-from .cpu_simd import (bits32, choose_isa, choose_prefetch, fma_cvt, hsum, load_f16, load_f32, load_i8x32, addr, load_nib32, load_u8,
-                       load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, xor80, zero_f32)
+from .cpu_simd import (bits32, choose_isa, choose_prefetch, fma_cvt, hsum, load_f16, load_f32, addr, load_nib32,
+                       load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
+from .cpu_q32 import dot_mxfp4, dot_q8_0
 from .cpu_kq import (acc_dots, acc_dots_x16lo, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8, fadd, fmul,
                      idot as _idot, load_f32x8, load_nib32_x16, prefetch_plan, sdot as _sdot, sdots, store_i8x32)
 from .cpu_simd import drop_stale_kernel_caches
@@ -91,13 +92,6 @@ def _bits_f32(typingctx, bits):
     return types.float32(types.uint32), codegen
 
 
-@njit(inline="always")
-def _e8m0(e):
-    """MXFP4 block exponent (0..255) -> float32 2^(e - 128) from its bits (denormal for e < 2)."""
-    ee = np.uint32(e)
-    return _bits_f32(np.uint32(np.uint32(0x00200000) << ee if ee < 2 else (ee - np.uint32(1)) << np.uint32(23)))
-
-
 # Quantized rows are dotted with int8 activations (see _quantize): per 32 weights, dpbusd of the
 # weights as unsigned bytes (Q8_0: w + 128; Q4_0, Q4_K: nibbles; Q6_K: 6-bit q; MXFP4: value + 12)
 # with the activation bytes, converted and FMA'd into a vector accumulator with the product of the
@@ -107,22 +101,6 @@ def _e8m0(e):
 # activations from byte xo; xd, xs the activation blocks' scales and sums from block xb (xs16:
 # 16-weight sums, from 2 * xb); l2 the offset of the second activation level in xq (0: one level;
 # see _quantize).
-
-@njit(inline="always", fastmath=True)
-def _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
-    acc = zero_f32()
-    corr = np.float32(0.0)
-    for b in range(nb):
-        p = o + 34 * b  # f16 d, i8 qs[32]
-        d = load_f16(w, p)
-        if isa == 0:  # vpdpbusd: w + 128 unsigned, the 128 off through the sums
-            v = _idot(xor80(load_i8x32(w, p + 2)), xq, xo + 32 * b, l2, isa)
-            corr += d * load_f32(xs, xb + b)
-        else:  # vpmaddubsw's int16 pairs would overflow on w + 128: signed weights
-            v = _sdot(load_i8x32(w, p + 2), xq, xo + 32 * b, l2, isa)
-        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
-    return hsum(acc) - np.float32(128.0) * corr
-
 
 @njit(inline="always")
 def _q45_0(w, p, bs, hi):
@@ -217,19 +195,6 @@ def _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
         acc = fma_cvt(acc, _idot(load_nib32(w, p + 2), xq, xo + 32 * b, l2, isa), d * load_f32(xd, xb + b))
         corr += d * load_f32(xs, xb + b)
     return hsum(acc) - np.float32(8.0) * (hsum(cor) + corr)
-
-
-@njit(inline="always", fastmath=True)
-def _dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table, isa):
-    acc = zero_f32()
-    corr = np.float32(0.0)
-    for b in range(nb):
-        p = o + 17 * b  # u8 e, u8 qs[16] (nibble codes, Q4_0's order)
-        d = _e8m0(load_u8(w, p))
-        v = _idot(lut16(load_nib32(w, p + 1), table), xq, xo + 32 * b, l2, isa)
-        acc = fma_cvt(acc, v, d * load_f32(xd, xb + b))
-        corr += d * load_f32(xs, xb + b)
-    return hsum(acc) - np.float32(12.0) * corr
 
 
 @njit(inline="always", fastmath=True)
@@ -336,7 +301,7 @@ def _row_kernel_of(qt: int):
                 i = order[p]
                 xo, xb = i * cols, i * nb
                 if qt == _Q8_0:
-                    v = _dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa)
+                    v = dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa)
                 elif qt == _Q4_K:  # the type flags as constants: each variant compiled alone
                     v = dot_q4_k(w, o, nb, xq, xo, xd, xs, xb, l2, isa, False)
                 elif qt == _Q5_K:
@@ -364,7 +329,7 @@ def _row_kernel_of(qt: int):
                 elif qt == _IQ4_NL:
                     v = _dot_iq4_nl(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table)
                 elif qt == _MXFP4:
-                    v = _dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table, isa)
+                    v = dot_mxfp4(w, o, nb, xq, xo, xd, xs, xb, l2, table, isa)
                 else:
                     v = _dot_float(qt, w, (e * nrows + r) * cols, x, xo, cols)
                 store_f32(out, i * nrows + r, v)

@@ -635,7 +635,8 @@ def kernel_cache_subpath() -> str:
     return UserProvidedCacheLocator.get_suitable_cache_subpath(os.path.abspath(__file__))
 
 
-def drop_stale_kernel_caches(modules: tuple[str, ...] = ("cpu_simd", "cpu_kq", "cpu_iq", "cpu_experts", "cpu_pool")) -> bool:
+def drop_stale_kernel_caches(modules: tuple[str, ...] = ("cpu_simd", "cpu_kq", "cpu_iq", "cpu_q32", "cpu_experts",
+                                                               "cpu_pool")) -> bool:
     """Numba keys a cached function on its own source file alone: a kernel cached in cpu_pool.py
     would keep calling the old code of a changed cpu_experts.py. So the cache indexes of these
     modules (this package's ``__pycache__``, or NUMBA_CACHE_DIR) are dropped whenever the digest

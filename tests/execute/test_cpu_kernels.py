@@ -73,7 +73,7 @@ def test_new_types_match_gguf_on_every_path(qtype, rng):
 # types whose rows are read a block group at a time with state carried from one group to the next:
 # the 32-weight types eight blocks at a time and then the rest one by one, the grid i-quants' staged
 # offsets and signs written one block ahead into two alternating slots
-STAGED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M]
+STAGED = [Q.Q8_0, Q.MXFP4, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M]
 
 
 @pytest.mark.parametrize("qtype", STAGED, ids=[Q.LAYOUTS[t].name for t in STAGED])
@@ -206,3 +206,30 @@ def test_every_prefetch_mode_gives_the_same_rows(monkeypatch, rng):
     monkeypatch.setenv("MOELAB_CPU_PREFETCH", "far")
     with pytest.raises(ValueError, match="MOELAB_CPU_PREFETCH='far': expected one of 2k, rows, off"):
         run_experts(layer, [0], x[:1])
+
+
+def test_e8m0_scales_are_exact():
+    """MXFP4's block exponents as scales, eight at a time (stride 17, as in a row) and one by one:
+    2^(e - 128) exactly for every byte, the denormals of e = 0 and 1 included."""
+    from numba import njit
+
+    from execute.cpu_kq import lane
+    from execute.cpu_q32 import e8m0, e8m0x8
+
+    @njit
+    def scales(a, out8, out1):
+        for j in range(out8.size // 8):
+            v = e8m0x8(cpu_simd.addr(a), 136 * j, 17)
+            for k in range(8):
+                out8[8 * j + k] = lane(v, k)
+        for i in range(out1.size):
+            out1[i] = e8m0(a[17 * i])
+
+    a = np.zeros(256 * 17, np.uint8)
+    a[::17] = np.arange(256)
+    out8, out1 = np.zeros(256, np.float32), np.zeros(256, np.float32)
+    scales(a, out8, out1)
+    want = np.ldexp(1.0, np.arange(256) - 128).astype(np.float32)
+    assert want[0] > 0 and want[0] == np.float32(2.0 ** -128)
+    np.testing.assert_array_equal(out8, want)
+    np.testing.assert_array_equal(out1, want)
