@@ -222,8 +222,9 @@ def make_backend(args, weights, use_gpu: bool, capacity, prog: str = "moelab rep
 
 def cpu_kernels_cold(dispatcher=None) -> bool:
     """Whether the CPU pool's kernels will be compiled rather than loaded from Numba's on-disk cache:
-    the cache index of ``dispatcher`` (default: the pool's team loop, which compiles every kernel it
-    calls) is missing, of another Numba version, or older than its source. Reads Numba's cache
+    the cache index of ``dispatcher`` (default: the pool's team loop, whose index goes with every
+    kernel's when their sources change; a type first run later compiles its own row kernel, a few
+    seconds) is missing, of another Numba version, or older than its source. Reads Numba's cache
     object, which is not a public API: False (nothing said) where this Numba keeps it otherwise.
     False as well once this process has compiled or loaded them."""
     import pickle
