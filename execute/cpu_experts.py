@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 
 from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, choose_prefetch, fma_cvt, hsum, load_f16, load_f32, addr, load_nib32,
-                       load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, lut16, vor, vshl, zero_f32)
+                       load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, ptr_i16, lut16, vor, vshl, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
 from .cpu_q32 import dot_mxfp4, dot_q8_0
 from .cpu_kq import (acc_dots, acc_dots_x16lo, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8, fadd, fmul,
@@ -214,9 +214,9 @@ def _dot_float(qt, w, o, x, xo, cols):
 
 
 @njit(inline="always", fastmath=True)
-def _quantize16(xf, xq, j0, d, inv, l2):
+def _quantize16(xf, xq, j0, d, inv, l2, x16):
     """xq[j0:j0 + 16] (and its second level at l2 when l2 > 0) from xf; the sum of the integers
-    (256 q1 + q2 for two levels)."""
+    (256 q1 + q2 for two levels), each also in x16[j0:j0 + 16] unless x16 is empty."""
     s = np.int32(0)
     for j in range(j0, j0 + 16):
         q = np.int32(np.rint(xf[j] * inv))
@@ -226,26 +226,29 @@ def _quantize16(xf, xq, j0, d, inv, l2):
             r = min(max(r, np.int32(-127)), np.int32(127))
             xq[l2 + j] = r
             q = np.int32(256) * q + r
+        if x16.size:
+            x16[j] = q
         s += q
     return s
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _quantize(xf, xq, xd, xs, xs16, l2):
+def _quantize(xf, xq, xd, xs, xs16, l2, x16):
     """xf (m,) float32, m a multiple of 32 -> xq int8, xd, xs (m / 32,), xs16 (m / 16,): per 32
     values, d = max |x| / 127 and q1 = round(x / d) (llama.cpp's q8_0 activations); with l2 > 0
     also q2 = round((x - d q1) * 256 / d), clipped to +-127, l2 bytes after q1, so that
     x = d / 256 (256 q1 + q2) to within d / 512. xd is the scale of the integer a kernel forms (d,
     or d / 256 for two levels), xs and xs16 the sums of the dequantized values per 32 and 16
-    values (the offsets' terms)."""
+    values (the offsets' terms). Unless x16 is empty, each value's integer (256 q1 + q2, or q1) also
+    as int16 in x16 (Q8_0's dots, cpu_q32)."""
     for b in range(xf.size // 32):
         amax = np.float32(0.0)
         for j in range(32):
             amax = max(amax, abs(xf[32 * b + j]))
         d = amax / np.float32(127.0)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        s0 = _quantize16(xf, xq, 32 * b, d, inv, l2)
-        s1 = _quantize16(xf, xq, 32 * b + 16, d, inv, l2)
+        s0 = _quantize16(xf, xq, 32 * b, d, inv, l2, x16)
+        s1 = _quantize16(xf, xq, 32 * b + 16, d, inv, l2, x16)
         ds = d / np.float32(256.0) if l2 else d
         xd[b] = ds
         xs[b] = ds * np.float32(s0 + s1)
@@ -413,8 +416,10 @@ def _quantize_input(job, x, cols, k0, k1, t, parts):
     b0 = t * (m // 32) // parts
     b1 = (t + 1) * (m // 32) // parts
     xq = numba.carray(ptr_i8(job[J_XQ]), m * job[J_LEVELS])
+    q8 = l2 > 0 and (job[J_QT + k0] == _Q8_0 or job[J_QT + k1] == _Q8_0)  # its int16 form, from byte 2 m + 64 (cpu_q32)
+    x16 = numba.carray(ptr_i16(job[J_XQ] + 2 * m + 64), m if q8 else 0)[32 * b0:]
     _quantize(numba.carray(ptr_f32(x), m)[32 * b0:32 * b1], xq[32 * b0:], numba.carray(ptr_f32(job[J_XD]), m // 32)[b0:],
-              numba.carray(ptr_f32(job[J_XS]), m // 32)[b0:], numba.carray(ptr_f32(job[J_XS16]), m // 16)[2 * b0:], l2)
+              numba.carray(ptr_f32(job[J_XS]), m // 32)[b0:], numba.carray(ptr_f32(job[J_XS16]), m // 16)[2 * b0:], l2, x16)
 
 
 @njit(inline="always", fastmath=True)
@@ -542,7 +547,7 @@ class _Scratch:
             nn, m = self.n, self.n * self.width
             self.arrays = (np.empty(nn, np.int64), np.empty(nn + 1, np.int64), np.empty(nn, np.int64),
                            np.empty(nn * max(ffn, self.width), np.float32), np.empty(nn * max(ffn, self.width), np.float32),
-                           np.empty(_LEVELS * m + 64, np.int8), np.empty(m // 32 + 1, np.float32),
+                           np.empty(4 * m + 128, np.int8), np.empty(m // 32 + 1, np.float32),  # xq: levels, int16 form
                            np.empty(m // 32 + 1, np.float32), np.empty(m // 16 + 1, np.float32))
             self.addrs = np.array([_addr(a) for a in self.arrays] + [_LEVELS, _addr(_TABLES), self.isa], np.int64)
         return self.arrays, self.addrs

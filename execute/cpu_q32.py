@@ -2,27 +2,62 @@
 
 A row is read in runs of 8 blocks (256 weights) whose 8 scales arrive as one float32 vector
 (Q8_0's float16 d by ``cpu_kq.f16x8``, MXFP4's E8M0 exponents by ``e8m0x8``) times the 8
-activation scales. MXFP4, and Q8_0 on the vnni path: the 8 weight vectors go to the dots in
-registers behind one branch on the instruction-set path (``cpu_kq.dots``), the 8 integer dots are
-summed across lanes as integers in one vector, converted once and multiplied by the factors
-(``cpu_kq.acc_dots``), where one block at a time took a conversion, a broadcast FMA and a scalar
-scale each. Q8_0 on the other paths (signed bytes) goes block by block, each dot's factor a lane
-of that vector, in two FMA chains (the staged signed dots measured slower on the avx2 path).
-Offsets come off once per 8 blocks as a vector product with the activations' block sums. A
-row's last nb % 8 blocks are read one by one. Arguments as ``execute.cpu_experts``' dots.
+activation scales. MXFP4: the 8 weight vectors go to the dots in registers behind one branch on
+the instruction-set path (``cpu_kq.dots``), the 8 integer dots are summed across lanes as
+integers in one vector, converted once and multiplied by the factors (``cpu_kq.acc_dots``), where
+one block at a time took a conversion, a broadcast FMA and a scalar scale each; its offset comes
+off once per 8 blocks as a vector product with the activations' block sums. Q8_0 dots its signed
+bytes with the activations' int16 form (256 q1 + q2, written by the quantizer for Q8_0 layers:
+``dot_i16``, the same instructions on every path) block by block, each dot's factor a lane of
+that vector, in two FMA chains. A row's last nb % 8 blocks are read one by one. Arguments as
+``execute.cpu_experts``' dots.
 """
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cpu_kq import acc_dots, dots, f16x8, fadd, fmul, idot, lane, load_f32x8, sdot
-from .cpu_simd import (F32x8, VF, _I32, _addr_args, _ptr, fma_cvt, hsum, load_f16, load_f32, load_i8x32, load_nib32,
-                       load_u8, lut16, xor80, zero_f32)
+from .cpu_simd import (HAS_AVX2, F32x8, I32x8, V8, VF, _I32, _addr_args, _ptr, fma_cvt, hsum, load_f16, load_f32,
+                       load_i8x32, load_nib32, load_u8, lut16, xor80, zero_f32)
 
-__all__ = ["e8m0x8", "e8m0", "dot_q8_0", "dot_mxfp4"]
+__all__ = ["e8m0x8", "e8m0", "dot_i16", "dot_q8_0", "dot_mxfp4"]
+
+
+@intrinsic
+def dot_i16(typingctx, w, p, x, xo):
+    """Per int32 lane l: sum over k < 4 of the signed weight byte w[p + 4 l + k] times the int16
+    x[xo + 4 l + k] (x an address; int16 units): 32 weights sign-extended to int16 and dotted by
+    two vpmaddwd (plain IR where the host lacks AVX2: the same sums, exact: |lane| < 2^24)."""
+    if not all(isinstance(a, types.Integer) for a in (w, p, x, xo)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w, p, x, xo = (context.cast(builder, a, t, types.int64) for a, t in zip(args, sig.args))
+        i64, v16w = ir.IntType(64), ir.VectorType(ir.IntType(16), 16)
+        wa, xa = builder.add(w, p), builder.add(x, builder.mul(xo, ir.Constant(i64, 2)))
+
+        def load(a, off, t):
+            return builder.load(builder.inttoptr(builder.add(a, ir.Constant(i64, off)), ir.PointerType(t)), align=1)
+
+        out = None
+        for h in range(2):
+            q = builder.sext(load(wa, 16 * h, ir.VectorType(ir.IntType(8), 16)), v16w)
+            xv = load(xa, 32 * h, v16w)
+            if HAS_AVX2:
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [v16w, v16w]), "llvm.x86.avx2.pmadd.wd")
+                t = builder.call(fn, [q, xv])
+            else:
+                v32 = ir.VectorType(_I32, 16)
+                m = builder.mul(builder.sext(q, v32), builder.sext(xv, v32))
+                t = builder.add(*(builder.shuffle_vector(m, m, ir.Constant(ir.VectorType(_I32, 8), list(range(j, 16, 2))))
+                                  for j in (0, 1)))
+            out = t if out is None else builder.add(out, t)
+        return out
+    return I32x8(w, p, x, xo), codegen
 
 
 @intrinsic
@@ -69,12 +104,28 @@ def e8m0(typingctx, e):
 
 @njit(inline="always", fastmath=True)
 def dot_q8_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa):
-    """Q8_0 (34-byte blocks: f16 d, i8 qs[32]): w = d q. On the vnni path q + 128 as unsigned bytes
-    (dots), the 128 off through the sums xs; on the others the signed bytes (sdot: vpmaddubsw's
-    int16 pair sums would overflow on q + 128)."""
+    """Q8_0 (34-byte blocks: f16 d, i8 qs[32]): w = d q. With two activation levels (l2 > 0) every
+    path dots q with their int16 form 256 q1 + q2 (from byte 2 l2 + 64 of xq, see
+    cpu_experts._quantize: dot_i16, two multiplies per 32 weights where the levels took four),
+    block by block, each dot's factor a lane of the 8 blocks' vector, in two FMA chains. With one
+    level: on the vnni path q + 128 as unsigned bytes (dots), the 128 off through the sums xs; on
+    the others the signed bytes (sdot: vpmaddubsw's int16 pair sums would overflow on q + 128)."""
     acc = zero_f32()
     acc1 = zero_f32()
     cor = zero_f32()
+    if l2:
+        x16 = xq + 2 * l2 + 64
+        for b8 in range(nb // 8):
+            p = o + 272 * b8
+            f = fmul(f16x8(w, p, 34), load_f32x8(xd, xb + 8 * b8))
+            a = xo + 256 * b8
+            for k in range(0, 8, 2):
+                acc = fma_cvt(acc, dot_i16(w, p + 2 + 34 * k, x16, a + 32 * k), lane(f, k))
+                acc1 = fma_cvt(acc1, dot_i16(w, p + 36 + 34 * k, x16, a + 32 * k + 32), lane(f, k + 1))
+        for b in range(nb - nb % 8, nb):
+            p = o + 34 * b
+            acc = fma_cvt(acc, dot_i16(w, p + 2, x16, xo + 32 * b), load_f16(w, p) * load_f32(xd, xb + b))
+        return hsum(fadd(acc, acc1))
     for b8 in range(nb // 8):
         p = o + 272 * b8
         dv = f16x8(w, p, 34)

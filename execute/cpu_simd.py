@@ -30,7 +30,7 @@ __all__ = ["I8x32", "I32x8", "F32x8", "HAS_VNNI", "zero_i32", "zero_f32", "load_
            "nib_lo", "nib_hi", "vand", "vor", "vshl", "vshr", "xor80", "lut16", "dpbusd", "dpbusd_isa", "sign_abs", "bits32", "ISA_PATHS", "host_isas", "choose_isa",
            "PREFETCH_MODES", "choose_prefetch", "fma_cvt",
            "fma_cvt2", "comb256", "hsum", "addr", "prefetch", "load_f16", "load_f32", "load_u16", "load_i8", "load_u8", "store_f32",
-           "ptr_f32", "ptr_i64", "ptr_i8", "atomic_load", "atomic_store", "atomic_add", "pause", "futex_wait",
+           "ptr_f32", "ptr_i64", "ptr_i8", "ptr_i16", "atomic_load", "atomic_store", "atomic_add", "pause", "futex_wait",
            "futex_wake", "now_ns"]
 
 _features = llvm.get_host_cpu_features()
@@ -513,6 +513,8 @@ ptr_i64 = _view(types.int64)
 ptr_i64.__doc__ = "int64* at an address."
 ptr_i8 = _view(types.int8)
 ptr_i8.__doc__ = "int8* at an address."
+ptr_i16 = _view(types.int16)
+ptr_i16.__doc__ = "int16* at an address."
 
 
 # Synchronisation for the pool's native thread team: sequentially consistent atomics on int64
