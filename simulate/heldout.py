@@ -105,7 +105,8 @@ ABOUT = {
     "predict": "Forecasts from transition counts learnt online; evicts by forecast, prefetches the next layer's "
                "likeliest experts whatever the link is doing; every miss over PCIe (its dataclass default).",
     "lookahead": "Each miss to the CPU or the link, whichever gives the faster layer by the cost model, plus what "
-                 "a cached upload is worth later; residents ranked by recency or frequency (`adaptive`: the one "
+                 "a cached upload is worth later (misses of equal value ranked by their routes so far, as hybrid "
+                 "ranks them); residents ranked by recency or frequency (`adaptive`: the one "
                  "whose shadow cache hits more lately) or by forecast; confident cross-layer prefetch only into "
                  "the next layer's dense window; fills at a token's end only as many as the last token, replayed "
                  "with them on the link, is predicted to absorb for their worth (`priced`; `demand`: only before "

@@ -3,9 +3,10 @@
 Per step, with a :class:`~scheduler.costmodel.CostModel` (the simulator's timing model, or a
 calibration):
 
-- *split*: the step's misses are ranked by their value (below), highest first; the first ``n`` go
-  over PCIe and the rest to the CPU pool, with ``n`` the one whose predicted layer time, less what
-  the uploads are worth later, is least (the largest ``n`` within ``slack``, a share of the fastest
+- *split*: the step's misses are ranked by their value (below), highest first, ties by their routes
+  so far (``uses``, as ``hybrid`` ranks its misses), then router rank; the first ``n`` go over PCIe
+  and the rest to the CPU pool, with ``n`` the one whose predicted layer time, less what the
+  uploads are worth later, is least (the largest ``n`` within ``slack``, a share of the fastest
   split's time). The layer time is the simulator's: the hits as one GPU batch; the uploads after the
   link's queue, then their own batch (``gpu_batch_s``); the pool's task, its experts and the hidden
   state's copies (``cpu_copy_s``), then the combine (``cpu_combine_s``). An upload is worth
@@ -45,9 +46,8 @@ calibration):
   ``guard_memory`` tokens, the next ``guard_probe`` tokens follow hybrid (on this cache, evicting
   first what hybrid's lacks; once it holds hybrid's experts, exactly hybrid's decisions).
 
-Values come from ``value`` / ``next_value`` / ``fill_value``; :class:`LookaheadPolicy` learns them
-online, never from later steps; the ``oracle`` policy (``oracle.py``) gives them from the future.
-Planning (``plan``) reads the state only.
+Values come from ``value`` / ``next_value`` / ``fill_value``: :class:`LookaheadPolicy` learns them online,
+never from later steps; ``oracle`` (``oracle.py``) gives them from the future. ``plan`` reads the state only.
 """
 from __future__ import annotations
 
@@ -205,6 +205,7 @@ class CostPlanner(BasePolicy):
         self._hit = 0.5  # share of fills routed at their layer's first step once landed (decayed)
         moe = geometry.moe_layers
         self.next_layer = {l: moe[(i + 1) % len(moe)] for i, l in enumerate(moe)}
+        self.uses = np.zeros((L, max(geometry.max_experts, 1)))  # routes so far (LookaheadPolicy's learn)
         self.guard: Guard | None = None  # lookahead's: hybrid's decisions while its own moves do not pay
         super().__init__(geometry, capacity, profile)
 
@@ -262,7 +263,8 @@ class CostPlanner(BasePolicy):
         busy = [e for e in experts if state[e] == INFLIGHT]
         elig = [e for e in experts if state[e] == ABSENT]
         v = self.value(layer, experts)
-        elig.sort(key=lambda e: -v[e])  # stable: router rank breaks ties
+        u = self.uses[layer]
+        elig.sort(key=lambda e: (-v[e], -u[e]))  # stable: routes so far, then router rank break ties
         cm = self.costs
         task, delay, up = cm.cpu_task_s + cm.cpu_copy_s, cm.cpu_delay_s, self.up_s[layer]
         batch, comb = cm.gpu_batch_s, cm.cpu_combine_s
@@ -671,6 +673,7 @@ class LookaheadPolicy(CostPlanner):
                 self._fscore[i] = self._fscore[i] * decay + sum(e in self._fshadow[layer][i] for e in experts)
         self._clock[layer] += 1
         self._last[layer, list(experts)] = self._clock[layer]
+        self.uses[layer, list(experts)] += 1.0 if step.counts is None else np.asarray(step.counts, float)
         self._freq[layer] *= 1.0 - 1.0 / SHADOW_MEMORY
         self._freq[layer, list(experts)] += 1.0 / SHADOW_MEMORY
         if self._forecast:

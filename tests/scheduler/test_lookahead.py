@@ -295,3 +295,22 @@ def test_the_guard_follows_longer_each_time_it_is_called_back_soon():
         assert guard.left == 0
     guard.decide(1.0)
     assert guard.left == 3
+
+
+def test_misses_of_equal_value_go_over_pcie_by_their_routes_so_far():
+    """Recency values tie two misses just routed; the split uploads one of them, and it is the one
+    routed more so far (as hybrid ranks its misses), not the router's first."""
+    from scheduler import Step
+
+    g = Geometry.uniform(1, 8, 2)
+    cm = CostModel(gpu_expert_s=(1e-6,), gpu_token_s=(0.0,), upload_s=(70e-6,), cpu_expert_s=(47e-6,),
+                   cpu_token_s=(0.0,), cpu_task_s=20e-6, layer_s=(85e-6,), gpu_batch_s=18e-6, cpu_copy_s=22e-6)
+    pol = make_policy("lookahead", g, Capacity.per_layer(g, 2), cost_model=cm, values="recency", guard_memory=0.0,
+                      max_prefetch=0, fill_share=0.0)
+    for experts in [(5, 6)] * 3 + [(1, 2)] * 3:  # 5 routed three times, then evicted
+        d = pol.plan(Step(0, experts))
+        pol.commit(d)
+        for e in d.uploads:
+            pol.complete(0, e)
+    d = pol.plan(Step(0, (3, 5)))
+    assert (d.uploads, d.cpu) == ((5,), (3,)) and pol.uses[0, 5] == 3 and pol.uses[0, 3] == 0
