@@ -416,9 +416,9 @@ def _quantize_input(job, x, cols, k0, k1, t, parts):
     b0 = t * (m // 32) // parts
     b1 = (t + 1) * (m // 32) // parts
     xq = numba.carray(ptr_i8(job[J_XQ]), m * job[J_LEVELS])
-    q8 = l2 > 0 and (job[J_ISA] & 3) != 0 and (job[J_QT + k0] == _Q8_0 or job[J_QT + k1] == _Q8_0)  # off vnni: the int16
-    # form Q8_0's dots read, from byte 2 m + 64 (cpu_q32)
-    x16 = numba.carray(ptr_i16(job[J_XQ] + 2 * m + 64), m if q8 else 0)[32 * b0:]
+    qa, qb = job[J_QT + k0], job[J_QT + k1]  # off vnni, Q8_0's and IQ4_XS's dots read the int16 form, from byte 2 m + 64
+    i16 = l2 > 0 and (job[J_ISA] & 3) != 0 and (qa == _Q8_0 or qb == _Q8_0 or qa == _IQ4_XS or qb == _IQ4_XS)
+    x16 = numba.carray(ptr_i16(job[J_XQ] + 2 * m + 64), m if i16 else 0)[32 * b0:]
     _quantize(numba.carray(ptr_f32(x), m)[32 * b0:32 * b1], xq[32 * b0:], numba.carray(ptr_f32(job[J_XD]), m // 32)[b0:],
               numba.carray(ptr_f32(job[J_XS]), m // 32)[b0:], numba.carray(ptr_f32(job[J_XS16]), m // 16)[2 * b0:], l2, x16)
 

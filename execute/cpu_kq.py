@@ -29,10 +29,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_simd import (F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat, abs_sign,
+from .cpu_simd import (HAS_AVX2, F32x8, I32x8, I8x32, V8, V32, VF, _I8, _I32, _F32, _ISA_CODEGEN, _addr_args, _isa_branches, _ptr, _splat, abs_sign,
                        dpbusd_isa, fma_cvt, fma_cvt2, hsum, load_f16, load_i8x32, load_nib32, lut16, nib_hi, nib_lo, sign_abs, vand, vor, vshl, vshr, zero_f32, zero_i32)
 
-__all__ = ["dots", "sdots", "f16x8", "block_scratch", "store_i8x32", "acc_dots", "acc_dots_x16lo", "load_nib32_x16", "acc_dots16", "idot", "sdot", "prefetch_plan", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
+__all__ = ["dots", "sdots", "f16x8", "block_scratch", "store_i8x32", "acc_dots", "acc_dots_x16lo", "load_nib32_x16", "acc_dots16", "idot", "sdot", "dot_i16", "dot_i16v", "prefetch_plan", "dot_q4_k", "dot_q6_k", "dot_q2_3k", "dot_iq4_xs", "load_u32", "load_u64", "load_f32x8", "u8_f32x8",
            "i8_f32x8", "fmul", "fadd", "lane", "dup_lo", "dup_hi", "zip_lo", "zip_hi", "nibbles8"]
 
 
@@ -416,6 +416,58 @@ _M2, _M4, _M6 = 0x03030303, 0x0F0F0F0F, 0x3F3F3F3F
 _M4X8 = 0x0F0F0F0F0F0F0F0F
 
 
+def _dot_i16_codegen(from_memory: bool):
+    def codegen(context, builder, sig, args):
+        i64, v16w = ir.IntType(64), ir.VectorType(ir.IntType(16), 16)
+        if from_memory:
+            w, p, x, xo = (context.cast(builder, a, t, types.int64) for a, t in zip(args, sig.args))
+            wa = builder.add(w, p)
+        else:
+            q = args[0]
+            x, xo = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:], sig.args[1:]))
+        xa = builder.add(x, builder.mul(xo, ir.Constant(i64, 2)))
+
+        def load(a, off, t):
+            return builder.load(builder.inttoptr(builder.add(a, ir.Constant(i64, off)), ir.PointerType(t)), align=1)
+
+        out = None
+        for h in range(2):
+            if from_memory:
+                qh = load(wa, 16 * h, ir.VectorType(_I8, 16))
+            else:
+                qh = builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16))))
+            qh, xv = builder.sext(qh, v16w), load(xa, 32 * h, v16w)
+            if HAS_AVX2:
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [v16w, v16w]), "llvm.x86.avx2.pmadd.wd")
+                t = builder.call(fn, [qh, xv])
+            else:  # the same pair sums in plain IR
+                m = builder.mul(builder.sext(qh, ir.VectorType(_I32, 16)), builder.sext(xv, ir.VectorType(_I32, 16)))
+                t = builder.add(*(builder.shuffle_vector(m, m, ir.Constant(ir.VectorType(_I32, 8), list(range(j, 16, 2))))
+                                  for j in (0, 1)))
+            out = t if out is None else builder.add(out, t)
+        return out
+    return codegen
+
+
+@intrinsic
+def dot_i16(typingctx, w, p, x, xo):
+    """The dot of the 32 signed weight bytes at w + p with the int16 x[xo .. xo + 31] (x an
+    address, xo in int16 units) as 8 int32 lanes that sum to it (lane l: weights 2 l, 2 l + 1,
+    16 + 2 l, 17 + 2 l): sign-extended to int16 and dotted by two vpmaddwd (plain IR without AVX2:
+    the same sums). Exact for |x| <= 32767: |lane| < 2^24."""
+    if not all(isinstance(a, types.Integer) for a in (w, p, x, xo)):
+        return None
+    return I32x8(w, p, x, xo), _dot_i16_codegen(True)
+
+
+@intrinsic
+def dot_i16v(typingctx, q, x, xo):
+    """dot_i16 of the 32 signed bytes of the vector q."""
+    if q != I8x32 or not all(isinstance(a, types.Integer) for a in (x, xo)):
+        return None
+    return I32x8(q, x, xo), _dot_i16_codegen(False)
+
+
 @njit(inline="always")
 def prefetch_plan(base, r0, rb, end, mode):
     """(how far past a row's end a run's prefetch reaches, its first byte) for the rows of ``rb``
@@ -599,7 +651,8 @@ def dot_iq4_xs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, tableu):
     sub-block s: 16 bytes of codes, low nibbles weights 0-15): w = d (scale - 32) level(code). On
     the vnni path the levels + 128 as unsigned bytes by lut16 from the 16 at ``tableu``, a block's 8
     dots staged (dots) and the 128 off through the activation sums xs; on the others (whose int16
-    pair sums would overflow on bytes > 127) the signed levels from ``table``, dot by dot (sdot)."""
+    pair sums would overflow on bytes > 127) the signed levels from ``table``, dot by dot, against
+    the activations' int16 form (dot_i16v; sdot with one level)."""
     acc0 = zero_f32()
     acc1 = zero_f32()
     cor = zero_f32()
@@ -616,10 +669,16 @@ def dot_iq4_xs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, tableu):
                 store_i8x32(buf, 64 * t + 32, lut16(load_nib32(w, p + 24 + 32 * t), tableu))
             acc0 = acc_dots(acc0, dots(isa, buf, xq, a, l2), f)
             cor = fadd(cor, fmul(fmul(sc, load_f32x8(xs, blk)), load_f16(w, p)))
-        else:
+        else:  # with two activation levels their int16 form (dot_i16v: two multiplies per 32, not four)
             for t in range(4):
-                v0 = sdot(lut16(load_nib32(w, p + 8 + 32 * t), table), xq, a + 64 * t, l2, isa)
-                v1 = sdot(lut16(load_nib32(w, p + 24 + 32 * t), table), xq, a + 64 * t + 32, l2, isa)
+                q0 = lut16(load_nib32(w, p + 8 + 32 * t), table)
+                q1 = lut16(load_nib32(w, p + 24 + 32 * t), table)
+                if l2:
+                    v0 = dot_i16v(q0, xq + 2 * l2 + 64, a + 64 * t)
+                    v1 = dot_i16v(q1, xq + 2 * l2 + 64, a + 64 * t + 32)
+                else:
+                    v0 = sdot(q0, xq, a + 64 * t, l2, isa)
+                    v1 = sdot(q1, xq, a + 64 * t + 32, l2, isa)
                 acc0 = fma_cvt(acc0, v0, lane(f, 2 * t))
                 acc1 = fma_cvt(acc1, v1, lane(f, 2 * t + 1))
     return hsum(fadd(acc0, acc1)) - np.float32(128.0) * hsum(cor)

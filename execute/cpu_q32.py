@@ -18,47 +18,13 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_kq import acc_dots, dots, f16x8, fadd, fmul, idot, lane, load_f32x8, sdot
-from .cpu_simd import (HAS_AVX2, F32x8, I32x8, V8, VF, _I32, _addr_args, _ptr, fma_cvt, hsum, load_f16, load_f32,
-                       load_i8x32, load_nib32, load_u8, lut16, xor80, zero_f32)
+from .cpu_kq import acc_dots, dot_i16, dots, f16x8, fadd, fmul, idot, lane, load_f32x8, sdot
+from .cpu_simd import (F32x8, VF, _I32, _addr_args, _ptr, fma_cvt, hsum, load_f16, load_f32, load_i8x32, load_nib32,
+                       load_u8, lut16, xor80, zero_f32)
 
-__all__ = ["e8m0x8", "e8m0", "dot_i16", "dot_q8_0", "dot_mxfp4"]
-
-
-@intrinsic
-def dot_i16(typingctx, w, p, x, xo):
-    """Per int32 lane l: sum over k < 4 of the signed weight byte w[p + 4 l + k] times the int16
-    x[xo + 4 l + k] (x an address; int16 units): 32 weights sign-extended to int16 and dotted by
-    two vpmaddwd (plain IR where the host lacks AVX2: the same sums, exact: |lane| < 2^24)."""
-    if not all(isinstance(a, types.Integer) for a in (w, p, x, xo)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        w, p, x, xo = (context.cast(builder, a, t, types.int64) for a, t in zip(args, sig.args))
-        i64, v16w = ir.IntType(64), ir.VectorType(ir.IntType(16), 16)
-        wa, xa = builder.add(w, p), builder.add(x, builder.mul(xo, ir.Constant(i64, 2)))
-
-        def load(a, off, t):
-            return builder.load(builder.inttoptr(builder.add(a, ir.Constant(i64, off)), ir.PointerType(t)), align=1)
-
-        out = None
-        for h in range(2):
-            q = builder.sext(load(wa, 16 * h, ir.VectorType(ir.IntType(8), 16)), v16w)
-            xv = load(xa, 32 * h, v16w)
-            if HAS_AVX2:
-                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [v16w, v16w]), "llvm.x86.avx2.pmadd.wd")
-                t = builder.call(fn, [q, xv])
-            else:
-                v32 = ir.VectorType(_I32, 16)
-                m = builder.mul(builder.sext(q, v32), builder.sext(xv, v32))
-                t = builder.add(*(builder.shuffle_vector(m, m, ir.Constant(ir.VectorType(_I32, 8), list(range(j, 16, 2))))
-                                  for j in (0, 1)))
-            out = t if out is None else builder.add(out, t)
-        return out
-    return I32x8(w, p, x, xo), codegen
+__all__ = ["e8m0x8", "e8m0", "dot_q8_0", "dot_mxfp4"]
 
 
 @intrinsic
