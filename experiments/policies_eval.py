@@ -138,8 +138,8 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
             f"- *Held out, seed {TEST_SEED}*: {sets(tests[TEST_SEED])}. Run after each change of lookahead; its "
             "misses of the first target (where lookahead followed hybrid) were inspected to make following exact.",
             f"- *Held out, seed {SEED4}*: {sets(tests[SEED4])}. Fixed before any run of it, run only after a "
-            "default was chosen (the cheap forms' figures on it were seen before they joined the grid; the rule "
-            "that chooses did not change).",
+            "default was chosen (the cheap forms' figures on it were seen before they joined the grid, and one "
+            "variant's that the development set rejected; the rule that chooses did not change).",
             "- *Guard*: lookahead prices a shadow `hybrid` with its own timing model; while the shadow is predicted "
             "faster it follows hybrid (no prefetch or fills of its own), evicting first what hybrid's cache lacks, "
             "and once both caches hold the same experts it makes exactly hybrid's decisions and moves; called back "
