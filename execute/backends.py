@@ -158,7 +158,7 @@ class EngineExperts:
         every = sum(l.num_experts for l in self.engine.layers if l is not None)
         t0 = time.perf_counter()
         if self._first is not None and len(placed) < every:
-            self.engine.pool.warmup(self._first)
+            self.engine.pool.warmup(self._first, [l for l in self.engine.layers if l is not None])
         t1 = time.perf_counter()
         if self.engine.gpu is not None:
             self.engine.gpu.settle()  # a background load finished (or the weights registered) here

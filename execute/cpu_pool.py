@@ -551,8 +551,12 @@ class CpuExpertPool:
             job.result()  # raises the job's error
         return job
 
-    def warmup(self, layer: LayerExperts) -> None:
-        """Run one call of ``layer`` (its types' kernels compiled, or loaded from Numba's cache)."""
+    def warmup(self, layer: LayerExperts, others: Sequence[LayerExperts] = ()) -> None:
+        """Run one call of ``layer`` (its types' kernels compiled, or loaded from Numba's cache), and
+        make ready what a first call of each of ``others`` would (their tensors checked, their types'
+        kernels compiled or loaded): a model whose layers mix types pays no compile mid-run."""
+        for lx in others:
+            self._fixed(lx)
         self.submit(layer, [0], np.zeros((1, layer.hidden), np.float32)).result()
 
     def close(self) -> None:

@@ -115,14 +115,17 @@ def test_pool_runs_in_background(rng, reference):
 
 def test_a_pool_compiles_the_row_kernels_of_its_layers_types_alone(rng, monkeypatch):
     """Each type's row kernel is compiled (or loaded from Numba's cache) on its own, when a layer of
-    that type is first submitted: a Q8_0 + Q6_K layer asks for those two, not the whole family."""
+    that type is first submitted: a Q8_0 + Q6_K layer asks for those two, not the whole family;
+    warmup readies the types of the other layers it is given as well."""
     from execute import cpu_experts
 
     monkeypatch.setattr(cpu_experts, "_KERNELS", {})
     layer = random_layer(rng, 0, 2, 256, 256, Q.Q8_0, down_qtype=Q.Q6_K)
     with CpuExpertPool(threads=1, timeout_s=60) as pool:
         pool.submit(layer, [1], np.ones((1, 256), np.float32)).result()
-    assert sorted(cpu_experts._KERNELS) == sorted((Q.Q8_0, Q.Q6_K))
+        assert sorted(cpu_experts._KERNELS) == sorted((Q.Q8_0, Q.Q6_K))
+        pool.warmup(layer, [random_layer(rng, 1, 2, 256, 256, Q.Q4_K)])
+    assert sorted(cpu_experts._KERNELS) == sorted((Q.Q8_0, Q.Q6_K, Q.Q4_K))
 
 
 def test_pool_failure_is_an_error_not_an_abort(rng):
