@@ -49,9 +49,9 @@ from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, choose_prefetch, fma_cvt, hsum, load_f16, load_f32, addr, load_nib32,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, ptr_i16, lut16, vor, vshl, zero_f32)
 from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
-from .cpu_q32 import dot_mxfp4, dot_q8_0
+from .cpu_q32 import dot_mxfp4, dot_q8_0, sdots_any
 from .cpu_kq import (acc_dots, acc_dots_x16lo, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8, fadd, fmul,
-                     idot as _idot, load_f32x8, load_nib32_x16, prefetch_plan, sdot as _sdot, sdots, store_i8x32)
+                     idot as _idot, load_f32x8, load_nib32_x16, prefetch_plan, sdot as _sdot, store_i8x32)
 from .cpu_simd import drop_stale_kernel_caches
 from .experts import ExecutorError, ExpertTensor, LayerExperts
 from .iq_grids import IQ4_NL_VALUES
@@ -157,7 +157,7 @@ def _dot_iq4_nl(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table):
         else:
             for k in range(8):
                 store_i8x32(buf, 32 * k, lut16(load_nib32(w, p + 18 * k + 2), table + _IQ4))
-            acc = acc_dots(acc, sdots(isa, buf, xq, xo + 256 * b8, l2), f)
+            acc = acc_dots(acc, sdots_any(isa, buf, xq, xo + 256 * b8, l2), f)
     for b in range(nb - nb % 8, nb):
         p = o + 18 * b
         v = _sdot(lut16(load_nib32(w, p + 2), table + _IQ4), xq, xo + 32 * b, l2, isa)
@@ -240,7 +240,7 @@ def _quantize(xf, xq, xd, xs, xs16, l2, x16):
     x = d / 256 (256 q1 + q2) to within d / 512. xd is the scale of the integer a kernel forms (d,
     or d / 256 for two levels), xs and xs16 the sums of the dequantized values per 32 and 16
     values (the offsets' terms). Unless x16 is empty, each value's integer (256 q1 + q2, or q1) also
-    as int16 in x16 (Q8_0's dots, cpu_q32)."""
+    as int16 in x16 (the signed types' dots off vnni: cpu_q32.sdots_any, cpu_kq.dot_i16)."""
     for b in range(xf.size // 32):
         amax = np.float32(0.0)
         for j in range(32):
@@ -416,8 +416,9 @@ def _quantize_input(job, x, cols, k0, k1, t, parts):
     b0 = t * (m // 32) // parts
     b1 = (t + 1) * (m // 32) // parts
     xq = numba.carray(ptr_i8(job[J_XQ]), m * job[J_LEVELS])
-    qa, qb = job[J_QT + k0], job[J_QT + k1]  # off vnni, Q8_0's and IQ4_XS's dots read the int16 form, from byte 2 m + 64
-    i16 = l2 > 0 and (job[J_ISA] & 3) != 0 and (qa == _Q8_0 or qb == _Q8_0 or qa == _IQ4_XS or qb == _IQ4_XS)
+    qa, qb = job[J_QT + k0], job[J_QT + k1]  # off vnni, the signed types' dots read the int16 form, from byte 2 m + 64
+    i16 = l2 > 0 and (job[J_ISA] & 3) != 0 and (qa == _Q8_0 or qa == _IQ4_XS or qa == _IQ4_NL or qb == _Q8_0
+                                               or qb == _IQ4_XS or qb == _IQ4_NL)
     x16 = numba.carray(ptr_i16(job[J_XQ] + 2 * m + 64), m if i16 else 0)[32 * b0:]
     _quantize(numba.carray(ptr_f32(x), m)[32 * b0:32 * b1], xq[32 * b0:], numba.carray(ptr_f32(job[J_XD]), m // 32)[b0:],
               numba.carray(ptr_f32(job[J_XS]), m // 32)[b0:], numba.carray(ptr_f32(job[J_XS16]), m // 16)[2 * b0:], l2, x16)

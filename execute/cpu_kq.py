@@ -416,36 +416,44 @@ _M2, _M4, _M6 = 0x03030303, 0x0F0F0F0F, 0x3F3F3F3F
 _M4X8 = 0x0F0F0F0F0F0F0F0F
 
 
+def _i16_lanes(builder, halves, xa):
+    """8 int32 lanes summing the 32 products of two <16 x i8> weight halves (sign-extended) with
+    the 32 int16 at address xa: two vpmaddwd (plain IR without AVX2: the same pair sums)."""
+    i64, v16w = ir.IntType(64), ir.VectorType(ir.IntType(16), 16)
+    out = None
+    for h, qh in enumerate(halves):
+        xv = builder.load(builder.inttoptr(builder.add(xa, ir.Constant(i64, 32 * h)), ir.PointerType(v16w)), align=1)
+        qh = builder.sext(qh, v16w)
+        if HAS_AVX2:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [v16w, v16w]), "llvm.x86.avx2.pmadd.wd")
+            s = builder.call(fn, [qh, xv])
+        else:
+            m = builder.mul(builder.sext(qh, ir.VectorType(_I32, 16)), builder.sext(xv, ir.VectorType(_I32, 16)))
+            s = builder.add(*(builder.shuffle_vector(m, m, ir.Constant(ir.VectorType(_I32, 8), list(range(j, 16, 2))))
+                              for j in (0, 1)))
+        out = s if out is None else builder.add(out, s)
+    return out
+
+
+def _halves(builder, q, addr=None):
+    """The two <16 x i8> halves of the I8x32 q, or of the 32 bytes at address addr."""
+    if addr is not None:
+        return [builder.load(builder.inttoptr(builder.add(addr, ir.Constant(ir.IntType(64), 16 * h)),
+                                              ir.PointerType(ir.VectorType(_I8, 16))), align=1) for h in range(2)]
+    return [builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16))))
+            for h in range(2)]
+
+
 def _dot_i16_codegen(from_memory: bool):
     def codegen(context, builder, sig, args):
-        i64, v16w = ir.IntType(64), ir.VectorType(ir.IntType(16), 16)
+        i64 = ir.IntType(64)
         if from_memory:
             w, p, x, xo = (context.cast(builder, a, t, types.int64) for a, t in zip(args, sig.args))
-            wa = builder.add(w, p)
+            halves = _halves(builder, None, builder.add(w, p))
         else:
-            q = args[0]
             x, xo = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:], sig.args[1:]))
-        xa = builder.add(x, builder.mul(xo, ir.Constant(i64, 2)))
-
-        def load(a, off, t):
-            return builder.load(builder.inttoptr(builder.add(a, ir.Constant(i64, off)), ir.PointerType(t)), align=1)
-
-        out = None
-        for h in range(2):
-            if from_memory:
-                qh = load(wa, 16 * h, ir.VectorType(_I8, 16))
-            else:
-                qh = builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16))))
-            qh, xv = builder.sext(qh, v16w), load(xa, 32 * h, v16w)
-            if HAS_AVX2:
-                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [v16w, v16w]), "llvm.x86.avx2.pmadd.wd")
-                t = builder.call(fn, [qh, xv])
-            else:  # the same pair sums in plain IR
-                m = builder.mul(builder.sext(qh, ir.VectorType(_I32, 16)), builder.sext(xv, ir.VectorType(_I32, 16)))
-                t = builder.add(*(builder.shuffle_vector(m, m, ir.Constant(ir.VectorType(_I32, 8), list(range(j, 16, 2))))
-                                  for j in (0, 1)))
-            out = t if out is None else builder.add(out, t)
-        return out
+            halves = _halves(builder, args[0])
+        return _i16_lanes(builder, halves, builder.add(x, builder.mul(xo, ir.Constant(i64, 2))))
     return codegen
 
 

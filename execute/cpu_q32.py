@@ -20,11 +20,47 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .cpu_kq import acc_dots, dot_i16, dots, f16x8, fadd, fmul, idot, lane, load_f32x8, sdot
-from .cpu_simd import (F32x8, VF, _I32, _addr_args, _ptr, fma_cvt, hsum, load_f16, load_f32, load_i8x32, load_nib32,
+from .cpu_kq import (_halves, _i16_lanes, _is_tuple_of, acc_dots, dot_i16, dots, f16x8, fadd, fmul, idot, lane, load_f32x8,
+                     sdot, sdots)
+from .cpu_simd import (F32x8, I32x8, I8x32, VF, _I32, _addr_args, _ptr, fma_cvt, hsum, load_f16, load_f32, load_i8x32, load_nib32,
                        load_u8, lut16, xor80, zero_f32)
 
-__all__ = ["e8m0x8", "e8m0", "dot_q8_0", "dot_mxfp4"]
+__all__ = ["e8m0x8", "e8m0", "dots_i16", "sdots_any", "dot_q8_0", "dot_mxfp4"]
+
+
+@intrinsic
+def dots_i16(typingctx, q, x, a):
+    """dots' 8 integer dots against the activations' int16 form (x its address, a in int16 units,
+    the dots at a + 32 k): per k the 32 weight bytes (signed, or unsigned <= 127) of q as in dots
+    (an address or a tuple of 8 I8x32), dot_i16's lanes (their sum is the dot)."""
+    if not (isinstance(x, types.Integer) and isinstance(a, types.Integer)
+            and (isinstance(q, types.Integer) or _is_tuple_of(q, I8x32, 8))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        x, a = (context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:]))
+        res = []
+        for k in range(8):
+            if isinstance(sig.args[0], types.UniTuple):
+                halves = _halves(builder, builder.extract_value(args[0], k))
+            else:
+                qa = context.cast(builder, args[0], sig.args[0], types.int64)
+                halves = _halves(builder, None, builder.add(qa, ir.Constant(i64, 32 * k)))
+            xa = builder.add(x, builder.mul(builder.add(a, ir.Constant(i64, 32 * k)), ir.Constant(i64, 2)))
+            res.append(_i16_lanes(builder, halves, xa))
+        return context.make_tuple(builder, sig.return_type, res)
+    return types.UniTuple(I32x8, 8)(q, x, a), codegen
+
+
+@njit(inline="always")
+def sdots_any(isa, q, xq, a, l2):
+    """sdots (signed weight bytes), but off vnni with two activation levels against their int16
+    form (from byte 2 l2 + 64 of xq: dots_i16, two multiplies per 32 weights where |w| and x sign(w)
+    per level take four, and no signs); for acc_dots (the lanes' layout differs from sdots')."""
+    if isa != 0 and l2:
+        return dots_i16(q, xq + 2 * l2 + 64, a)
+    return sdots(isa, q, xq, a, l2)
 
 
 @intrinsic
