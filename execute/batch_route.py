@@ -117,9 +117,9 @@ def settle(model, kept, rows):
     for l, ids, wts in kept:
         model.last_input, model.last_ids, model.last_weights = None, ids, wts.astype(np.float32)
         model._out = None
-        if rows is not None:
-            for r in range(len(ids)):
-                rows[r].append((l, ids[r].tolist(), wts[r].tolist()))
+        if rows is not None:  # one conversion per block (per row: ~2x the host time of a recorded chunk)
+            for row, i, w in zip(rows, ids.tolist(), wts.tolist()):
+                row.append((l, i, w))
         model.step_done = True
         try:
             yield merge_rows(l, ids, wts)
