@@ -13,9 +13,7 @@ and the host waits once, after the last block:
    on the device (``ExpertEngine.table_dev``);
 4. the products as ``BatchedExperts`` runs a layer of hits (``pf_split``, ``pf_mm2`` or ``pf_mm``
    gate+up, ``pf_split``, down, ``moe_combine``) in launches of a fixed shape: ceil(T k / 32) +
-   min(E, T k) tiles, the unused ones (``tile_n`` 0) returning at once. ``MOELAB_PREFILL_M16=1``:
-   on pf_mm2's layers tiles of 16 rows (``pf_mm2_m16``; the same bits: a row's products do not
-   depend on its tile), which halve the tensor-core work of an expert's group of <= 16 rows.
+   min(E, T k) tiles, the unused ones (``tile_n`` 0) returning at once.
 
 After the last block one copy brings every block's ids, weights and flags to pinned memory, the head
 is queued, the host waits, and the blocks' Steps are yielded settled (``model.step_done``): the
@@ -42,7 +40,6 @@ import numpy as np
 from .batch_route import max_tiles, settle
 from .experts import ExecutorError
 from .gpu_host import Launch
-from . import prefill_mm2
 from .prefill import _N_DOWN, _N_GATE, MIN_TOKENS, _kernel
 
 __all__ = ["DEFAULT", "DeviceChunk", "device_env"]
@@ -69,10 +66,7 @@ class DeviceChunk:
 
     def __init__(self, model, engine, batched):
         self.model, self.engine, self.batched, self.gx = model, engine, batched, engine.gpu
-        self._group = Launch(_kernel("pf_group"), 13)
-        # tiles of 16 pair rows on pf_mm2's layers (MOELAB_PREFILL_M16=1), else 32
-        self._m16 = prefill_mm2.m16_env() and any(batched._use_mm2.values())
-        self._mm16 = Launch(prefill_mm2.kernel("pf_mm2_m16"), 15) if self._m16 else None
+        self._group = Launch(_kernel("pf_group"), 12)
         info = model.info
         self.moe = [l for l, w in enumerate(model.layers) if w["router"] is not None]
         self._index = {l: j for j, l in enumerate(self.moe)}  # a MoE block's row in the chunk's buffers
@@ -107,10 +101,6 @@ class DeviceChunk:
                     or lx.hidden != info.hidden or not model.pd.routes(info, w["exp_probs_b"])):
                 return None
         return cls(model, engine, batched)
-
-    def _rows(self, l: int) -> int:
-        """Pair rows per tile at MoE block ``l``: 16 on pf_mm2's layers with MOELAB_PREFILL_M16=1, else 32."""
-        return 16 if self._m16 and self.batched._use_mm2[l] else 32
 
     def takes(self, t: int, routes) -> bool:
         """Whether a chunk of ``t`` tokens runs here: t >= MIN_TOKENS, no forced routes, no router
@@ -147,7 +137,7 @@ class DeviceChunk:
         bp = int(back.data.ptr)
         _rt.memsetAsync(bp + wb + ib, 0, 4 * L, sp)
         F = max(eng.layers[l].ffn for l in self.moe)
-        ntile = max(max_tiles(P, eng.layers[l].num_experts, self._rows(l)) for l in self.moe)
+        ntile = max(max_tiles(P, eng.layers[l].num_experts) for l in self.moe)
         tok, pair = self._buf("tok", P, cp.int32), self._buf("pair", P, cp.int32)
         w32 = self._buf("w32", P, cp.float32)
         tiles = self._buf("tiles", 3 * ntile, cp.int32)
@@ -173,14 +163,14 @@ class DeviceChunk:
             if not model.pd.route_to(model._proj(hn, w["router"]), w["router_bias_dev"], info, ids_p, wts_p,
                                      bp + wb + ib + 4 * j):
                 raise AssertionError("pd_route declined a model DeviceChunk.build accepted")
-            lx, bm = eng.layers[l], self._rows(l)
-            E, Fl, nt = lx.num_experts, lx.ffn, max_tiles(P, lx.num_experts, bm)
+            lx = eng.layers[l]
+            E, Fl, nt = lx.num_experts, lx.ffn, max_tiles(P, lx.num_experts)
             if hn.dtype != cp.float32 or not hn.flags.c_contiguous:
                 hn = cp.ascontiguousarray(hn, cp.float32)
             self._group((1, 1), _GROUP_THREADS, sp, ids_p, wts_p, P, k, E, nt, int(tok.data.ptr), int(pair.data.ptr),
-                        int(w32.data.ptr), trow, tn, tg, bm)
+                        int(w32.data.ptr), trow, tn, tg)
             _, _, off_g, qt_g, rb_g, off_u, _, _, off_d, qt_d, rb_d, _, _ = gx._consts[l]
-            mm = (self._mm16 if bm == 16 else b._mm2) if b._use_mm2[l] else b._mm
+            mm = b._mm2 if b._use_mm2[l] else b._mm
             base = self._table_row[l]
             b._split((P, 1), 256, sp, int(hn.data.ptr), int(tok.data.ptr), H, int(ah.data.ptr), int(al.data.ptr),
                      int(ai.data.ptr))

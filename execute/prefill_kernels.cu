@@ -245,15 +245,15 @@ pf_mm(const u64* __restrict__ base, const int* __restrict__ tile_row, const int*
 // every routed expert is resident: ids (pairs = T k, int32 in 0 .. E - 1, token-major) and their
 // router weights (float64) as pd_route wrote them. Rows are the pairs sorted by expert, tokens
 // ascending within one (the order stable_order gives on the host); writes tok[row] (the pair's
-// token), pair_of[p] (pair p's row), w32[p] = (float) weights[p], and the tiles of up to bm rows of
-// each expert (32 for pf_mm / pf_mm2, 16 for pf_mm2_m16) (tile_g = the expert id, an index into the layer's slot table); tiles from the last
+// token), pair_of[p] (pair p's row), w32[p] = (float) weights[p], and the tiles of up to BM rows of
+// each expert (tile_g = the expert id, an index into the layer's slot table); tiles from the last
 // to max_tiles get tile_n = 0 (pf_mm / pf_mm2 blocks of those return at once), so the products'
 // launches have a fixed shape. One block of 1024 threads; E <= GROUP_E.
 #define GROUP_E 2048
 extern "C" __global__ void __launch_bounds__(1024)
 pf_group(const int* __restrict__ ids, const double* __restrict__ weights, int pairs, int k, int E, int max_tiles,
          int* __restrict__ tok, int* __restrict__ pair_of, float* __restrict__ w32, int* __restrict__ tile_row,
-         int* __restrict__ tile_n, int* __restrict__ tile_g, int bm) {
+         int* __restrict__ tile_n, int* __restrict__ tile_g) {
     __shared__ int cnt[GROUP_E], start[GROUP_E], tstart[GROUP_E];
     __shared__ int ntiles;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarp = blockDim.x >> 5;
@@ -267,7 +267,7 @@ pf_group(const int* __restrict__ ids, const double* __restrict__ weights, int pa
     if (warp == 0) {  // exclusive scans of the rows and of the tiles of each expert
         int run = 0, trun = 0;
         for (int b = 0; b < E; b += 32) {
-            const int e = b + lane, c = e < E ? cnt[e] : 0, tc = (c + bm - 1) / bm;
+            const int e = b + lane, c = e < E ? cnt[e] : 0, tc = (c + BM - 1) / BM;
             int v = c, tv = tc;
             for (int o = 1; o < 32; o <<= 1) {
                 const int n = __shfl_up_sync(0xffffffffu, v, o), tn = __shfl_up_sync(0xffffffffu, tv, o);
@@ -282,11 +282,11 @@ pf_group(const int* __restrict__ ids, const double* __restrict__ weights, int pa
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
         const int c = cnt[e];
-        for (int j = 0; j * bm < c; j++) {
+        for (int j = 0; j * BM < c; j++) {
             const int t = tstart[e] + j;
             if (t < max_tiles) {
-                tile_row[t] = start[e] + j * bm;
-                tile_n[t] = min(bm, c - j * bm);
+                tile_row[t] = start[e] + j * BM;
+                tile_n[t] = min(BM, c - j * BM);
                 tile_g[t] = e;
             }
         }

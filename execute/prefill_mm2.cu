@@ -16,6 +16,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+#define BM 32         // pair rows per tile
 #define BN 128        // weight rows per tile (mode 0: 64 of gate, the same 64 of up)
 #define BK 64         // k per step: two Q8_0 blocks
 #define WB 68         // bytes of one row's step: 2 x (2 + 32)
@@ -63,8 +64,7 @@ __device__ __forceinline__ u32 q2h2(u32 w) {
 }
 
 // the step at k0 into stage buffers (w, h, l) (one commit group): weight rows n0 .. (mode 0: 64 of
-// off_a, the same 64 of off_b), activation rows row0 .. row0 + nr - 1 of a tile of BM; zeros elsewhere
-template <int BM>
+// off_a, the same 64 of off_b), activation rows row0 .. row0 + nr - 1; zeros elsewhere
 __device__ __forceinline__ void load_step(unsigned char* w, u16 (*h)[LDS], u16 (*l)[LDS], const unsigned char* e,
                                           const u16* __restrict__ ahi, const u16* __restrict__ alo, int k0, int K,
                                           int n0, int nout, long long off_a, long long off_b, long long row_bytes,
@@ -87,14 +87,11 @@ __device__ __forceinline__ void load_step(unsigned char* w, u16 (*h)[LDS], u16 (
     cp_commit();
 }
 
-// a tile of BM (16 or 32) pair rows: BM / 16 row fragments per warp
-template <int BM>
-__device__ __forceinline__ void mm2_tile(const u64* __restrict__ base, const int* __restrict__ tile_row,
-                                         const int* __restrict__ tile_n, const int* __restrict__ tile_g,
-                                         const u16* __restrict__ ahi, const u16* __restrict__ alo,
-                                         const float* __restrict__ inv, int K, int nout, long long off_a,
-                                         long long off_b, long long row_bytes, int mode, float* __restrict__ out) {
-    constexpr int FA = BM / 16;
+extern "C" __global__ void __launch_bounds__(128)
+pf_mm2(const u64* __restrict__ base, const int* __restrict__ tile_row, const int* __restrict__ tile_n,
+       const int* __restrict__ tile_g, const u16* __restrict__ ahi, const u16* __restrict__ alo,
+       const float* __restrict__ inv, int K, int nout, long long off_a, long long off_b, long long row_bytes,
+       int qt, int mode, float* __restrict__ out) {
     __shared__ __align__(16) unsigned char Ws[2][BN * WP];
     __shared__ __align__(16) u16 Ah[2][BM][LDS];
     __shared__ __align__(16) u16 Al[2][BM][LDS];
@@ -111,19 +108,19 @@ __device__ __forceinline__ void mm2_tile(const u64* __restrict__ base, const int
     for (int j = 0; j < 4; j++)
         fr[j] = mode == 0 ? (j < 2 ? 16 * warp + 8 * j : 64 + 16 * warp + 8 * (j - 2)) : 32 * warp + 8 * j;
 
-    float acc[FA][4][4];
+    float acc[2][4][4];
     #pragma unroll
-    for (int a = 0; a < FA; a++)
+    for (int a = 0; a < 2; a++)
         #pragma unroll
         for (int j = 0; j < 4; j++)
             #pragma unroll
             for (int c = 0; c < 4; c++) acc[a][j][c] = 0.f;
 
-    load_step<BM>(Ws[0], Ah[0], Al[0], e, ahi, alo, 0, K, n0, nout, off_a, off_b, row_bytes, mode, row0, nr);
+    load_step(Ws[0], Ah[0], Al[0], e, ahi, alo, 0, K, n0, nout, off_a, off_b, row_bytes, mode, row0, nr);
     int s = 0;
     for (int k0 = 0; k0 < K; k0 += BK, s ^= 1) {
         if (k0 + BK < K) {
-            load_step<BM>(Ws[s ^ 1], Ah[s ^ 1], Al[s ^ 1], e, ahi, alo, k0 + BK, K, n0, nout, off_a, off_b, row_bytes, mode,
+            load_step(Ws[s ^ 1], Ah[s ^ 1], Al[s ^ 1], e, ahi, alo, k0 + BK, K, n0, nout, off_a, off_b, row_bytes, mode,
                       row0, nr);
             cp_wait<1>();
         } else {
@@ -133,9 +130,9 @@ __device__ __forceinline__ void mm2_tile(const u64* __restrict__ base, const int
         const unsigned char* W = Ws[s];
         #pragma unroll
         for (int blk = 0; blk < 2; blk++) {
-            float tmp[FA][4][4];
+            float tmp[2][4][4];
             #pragma unroll
-            for (int a = 0; a < FA; a++)
+            for (int a = 0; a < 2; a++)
                 #pragma unroll
                 for (int j = 0; j < 4; j++)
                     #pragma unroll
@@ -143,9 +140,9 @@ __device__ __forceinline__ void mm2_tile(const u64* __restrict__ base, const int
             #pragma unroll
             for (int ks = 0; ks < 2; ks++) {
                 const int kc = blk * 32 + ks * 16 + 2 * tg;
-                u32 ah[FA][4], al[FA][4];
+                u32 ah[2][4], al[2][4];
                 #pragma unroll
-                for (int a = 0; a < FA; a++) {
+                for (int a = 0; a < 2; a++) {
                     const int r = 16 * a + g;
                     ah[a][0] = *reinterpret_cast<const u32*>(&Ah[s][r][kc]);
                     ah[a][1] = *reinterpret_cast<const u32*>(&Ah[s][r + 8][kc]);
@@ -164,7 +161,7 @@ __device__ __forceinline__ void mm2_tile(const u64* __restrict__ base, const int
                     b[0] = q2h2(*reinterpret_cast<const u16*>(wr));
                     b[1] = q2h2(*reinterpret_cast<const u16*>(wr + 8));
                     #pragma unroll
-                    for (int a = 0; a < FA; a++) {
+                    for (int a = 0; a < 2; a++) {
                         mma16816(tmp[a][j], ah[a], b);
                         mma16816(tmp[a][j], al[a], b);
                     }
@@ -177,7 +174,7 @@ __device__ __forceinline__ void mm2_tile(const u64* __restrict__ base, const int
                 const float s0 = h2f(*reinterpret_cast<const u16*>(W + r * WP + blk * 34));
                 const float s1 = h2f(*reinterpret_cast<const u16*>(W + (r + 1) * WP + blk * 34));
                 #pragma unroll
-                for (int a = 0; a < FA; a++) {
+                for (int a = 0; a < 2; a++) {
                     acc[a][j][0] += tmp[a][j][0] * s0;
                     acc[a][j][1] += tmp[a][j][1] * s1;
                     acc[a][j][2] += tmp[a][j][2] * s0;
@@ -189,7 +186,7 @@ __device__ __forceinline__ void mm2_tile(const u64* __restrict__ base, const int
     }
 
     #pragma unroll
-    for (int a = 0; a < FA; a++) {
+    for (int a = 0; a < 2; a++) {
         #pragma unroll
         for (int c = 0; c < 4; c++) {
             const int r = 16 * a + g + (c >= 2 ? 8 : 0);
@@ -213,21 +210,4 @@ __device__ __forceinline__ void mm2_tile(const u64* __restrict__ base, const int
             }
         }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(128)
-pf_mm2(const u64* __restrict__ base, const int* __restrict__ tile_row, const int* __restrict__ tile_n,
-       const int* __restrict__ tile_g, const u16* __restrict__ ahi, const u16* __restrict__ alo,
-       const float* __restrict__ inv, int K, int nout, long long off_a, long long off_b, long long row_bytes,
-       int qt, int mode, float* __restrict__ out) {
-    mm2_tile<32>(base, tile_row, tile_n, tile_g, ahi, alo, inv, K, nout, off_a, off_b, row_bytes, mode, out);
-}
-
-// the same products in tiles of 16 pair rows (half the mma work of a tile whose group has <= 16 rows)
-extern "C" __global__ void __launch_bounds__(128)
-pf_mm2_m16(const u64* __restrict__ base, const int* __restrict__ tile_row, const int* __restrict__ tile_n,
-           const int* __restrict__ tile_g, const u16* __restrict__ ahi, const u16* __restrict__ alo,
-           const float* __restrict__ inv, int K, int nout, long long off_a, long long off_b, long long row_bytes,
-           int qt, int mode, float* __restrict__ out) {
-    mm2_tile<16>(base, tile_row, tile_n, tile_g, ahi, alo, inv, K, nout, off_a, off_b, row_bytes, mode, out);
 }

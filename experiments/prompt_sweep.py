@@ -4,7 +4,7 @@ budgets (``--budgets-mib``, policy ``--policy``), side by side in one process; `
 configuration on the previous prefill path (``MOELAB_PREFILL=0``, ``MOELAB_PREFILL_DENSE=0``, chunks
 of 32) for the ratio; ``--device-ab`` runs each configuration with the chunk on the device
 (``MOELAB_PREFILL_DEVICE=1``) and block by block (``0``); ``--ab VAR=V1,V2`` once per value of a
-switch (e.g. ``MOELAB_PREFILL_M16=0,1``).
+switch (e.g. ``MOELAB_PREFILL_MM=1,2``).
 
 Writes ``rows.csv`` and ``result.json`` (rows + config), ``config.json``, ``README.md`` and
 ``prompt_sweep.png`` (when matplotlib is installed) into ``--out``. The logic is
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device-ab", action="store_true",
                     help="each configuration with chunks on the device (MOELAB_PREFILL_DEVICE=1) and block by block (0)")
     ap.add_argument("--ab", default="", metavar="VAR=V1,V2",
-                    help="each configuration once per value of a MOELAB_ switch, e.g. MOELAB_PREFILL_M16=0,1")
+                    help="each configuration once per value of a MOELAB_ switch, e.g. MOELAB_PREFILL_MM=1,2")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args(argv)

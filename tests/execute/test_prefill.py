@@ -353,8 +353,8 @@ def test_prompt_sweep_ab_configs():
     spec = importlib.util.spec_from_file_location("prompt_sweep", Path(__file__).parents[2] / "experiments/prompt_sweep.py")
     ps = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ps)
-    args = Namespace(budgets=[], policy="lru", old=False, device_ab=False, ab="MOELAB_PREFILL_M16=0,1")
+    args = Namespace(budgets=[], policy="lru", old=False, device_ab=False, ab="MOELAB_PREFILL_MM=1,2")
     assert [(c.label, c.env) for c in ps.configs(args)] == [
-        ("gpu (MOELAB_PREFILL_M16=0)", {"MOELAB_PREFILL_M16": "0"}), ("gpu (MOELAB_PREFILL_M16=1)", {"MOELAB_PREFILL_M16": "1"})]
-    with pytest.raises(SystemExit, match="--ab 'M16=1'"):
-        ps._ab("M16=1")
+        ("gpu (MOELAB_PREFILL_MM=1)", {"MOELAB_PREFILL_MM": "1"}), ("gpu (MOELAB_PREFILL_MM=2)", {"MOELAB_PREFILL_MM": "2"})]
+    with pytest.raises(SystemExit, match="--ab 'MM=1'"):
+        ps._ab("MM=1")

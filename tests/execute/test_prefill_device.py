@@ -106,9 +106,8 @@ def test_chunks_settled_after_the_blocks_give_the_block_by_block_run(tiny_weight
 
 # the kernel ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,k,experts,bm", ((16, 1, 1, 32), (37, 4, 16, 32), (300, 8, 128, 32), (700, 6, 2048, 32),
-                                            (37, 4, 16, 16), (300, 8, 128, 16)))
-def test_pf_group_is_group_pairs(t, k, experts, bm):
+@pytest.mark.parametrize("t,k,experts", ((16, 1, 1), (37, 4, 16), (300, 8, 128), (700, 6, 2048)))
+def test_pf_group_is_group_pairs(t, k, experts):
     cp = cupy_or_skip()
     from execute.gpu_host import Launch
     from execute.prefill import _kernel
@@ -116,14 +115,14 @@ def test_pf_group_is_group_pairs(t, k, experts, bm):
     rng = np.random.default_rng(experts)
     ids = _skewed_ids(rng, t, k, experts).astype(np.int32)
     w = rng.random((t, k))
-    n = max_tiles(t * k, experts, bm)
+    n = max_tiles(t * k, experts)
     d_ids, d_w = cp.asarray(ids), cp.asarray(w)
     tok, pair = cp.full(t * k, -1, cp.int32), cp.full(t * k, -1, cp.int32)
     w32, tiles = cp.zeros(t * k, cp.float32), cp.full((3, n), 7, cp.int32)
     ptr = [int(a.data.ptr) for a in (d_ids, d_w, tok, pair, w32, tiles[0], tiles[1], tiles[2])]
-    Launch(_kernel("pf_group"), 13)((1, 1), 1024, cp.cuda.get_current_stream().ptr, ptr[0], ptr[1], t * k, k,
-                                    experts, n, *ptr[2:], bm)
-    r_tok, r_pair, r_tiles = group_pairs(ids, experts, bm)
+    Launch(_kernel("pf_group"), 12)((1, 1), 1024, cp.cuda.get_current_stream().ptr, ptr[0], ptr[1], t * k, k,
+                                    experts, n, *ptr[2:])
+    r_tok, r_pair, r_tiles = group_pairs(ids, experts)
     assert np.array_equal(tok.get(), r_tok) and np.array_equal(pair.get(), r_pair)
     assert np.array_equal(tiles.get(), r_tiles)
     assert np.array_equal(w32.get(), w.reshape(-1).astype(np.float32))
@@ -138,11 +137,11 @@ def tiny(tmp_path_factory):
 
     root, made = tmp_path_factory.mktemp("prefill_device"), {}
 
-    def get(arch: str, quant: str, ffn: int = 32):
-        if (arch, quant, ffn) not in made:
-            made[(arch, quant, ffn)] = load_model(synth_model(root / f"{arch}_{quant}_{ffn}.gguf", config_from_preset(
-                "tiny", arch=arch, quant=quant, seed=7, ffn=ffn)))
-        return made[(arch, quant, ffn)]
+    def get(arch: str, quant: str):
+        if (arch, quant) not in made:
+            made[(arch, quant)] = load_model(synth_model(root / f"{arch}_{quant}.gguf",
+                                                         config_from_preset("tiny", arch=arch, quant=quant, seed=7)))
+        return made[(arch, quant)]
 
     return get
 
@@ -198,34 +197,6 @@ def test_chunks_on_the_device_give_the_block_by_block_bits(tiny, arch, quant, mo
     assert dev and dev.chunks == 2 and dev.reruns == 0 and dev_off is False
     assert np.isfinite(on).all() and np.array_equal(on, off)
     assert a_on.digest() == a_off.digest() and log_on == log_off
-
-
-@pytest.mark.gpu
-def test_tiles_of_16_rows_give_the_block_by_block_bits(tiny, monkeypatch):
-    """MOELAB_PREFILL_M16=1 on a model whose experts pf_mm2 reads (Q8_0, ffn 64): the device chunk's
-    tiles of 16 rows give block by block's logits, decisions and routes bit for bit."""
-    cupy_or_skip()
-    w = tiny("qwen3moe", "Q8_0", 64)
-    slots = max(w.info.num_experts)
-    monkeypatch.setenv("MOELAB_PREFILL_M16", "1")
-    on, a_on, log_on, dev = _run(w, "gpu", slots, "1", monkeypatch)
-    off, a_off, log_off, _ = _run(w, "gpu", slots, "0", monkeypatch)
-    assert dev and dev._m16 and dev.chunks == 2 and dev.reruns == 0
-    assert np.isfinite(on).all() and np.array_equal(on, off)
-    assert a_on.digest() == a_off.digest() and log_on == log_off
-
-
-def test_tile_rows_switch(monkeypatch):
-    from execute.experts import ExecutorError
-    from execute.prefill_mm2 import m16_env
-
-    monkeypatch.delenv("MOELAB_PREFILL_M16", raising=False)
-    assert m16_env() is False
-    monkeypatch.setenv("MOELAB_PREFILL_M16", "1")
-    assert m16_env() is True
-    monkeypatch.setenv("MOELAB_PREFILL_M16", "2")
-    with pytest.raises(ExecutorError, match="MOELAB_PREFILL_M16: '2'"):
-        m16_env()
 
 
 @pytest.mark.gpu

@@ -88,16 +88,3 @@ def test_pf_mm2_equals_pf_mm_bit_for_bit(hidden, ffn):
         np.testing.assert_allclose(h2[r], h, rtol=1e-4, atol=1e-5 * np.abs(h).max())
         y = wd @ h1[r].astype(np.float64)
         np.testing.assert_allclose(y2[r], y, rtol=1e-4, atol=1e-5 * np.abs(y).max())
-
-
-@pytest.mark.gpu
-def test_tiles_of_16_rows_give_the_same_bits():
-    """pf_mm2_m16 (tiles of 16 pair rows) against pf_mm2 (32) on a routing whose groups have 0 to
-    17+ rows: a row's products do not depend on its tile."""
-    cp = cupy_or_skip()
-    if int(cp.cuda.Device().compute_capability) < 80:
-        pytest.skip("mma.sync needs compute capability 8.0")
-    from execute.prefill_mm2 import tile_rows_ab
-
-    out = tile_rows_ab(tokens=40, experts=8, top_k=3, hidden=256, ffn=192, reps=1)
-    assert out["identical"] and out["tiles_used"][16] > out["tiles_used"][32]
