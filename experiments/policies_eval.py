@@ -167,10 +167,10 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
         "two real traces are development data. Every trace is priced with granite's expert sizes.",
         "- lookahead's fixed constants (" + ", ".join(f"`{k}`={v}" for k, v in FIXED.items()) + ") were set on "
         "the development set (by hand, or by an earlier grid), not cross-validated.",
-        "- The guard compares predictions (its timing model) after its first `guard_memory` tokens. Runs below "
-        "max(lru, hybrid): top-1 and top-2 runs on the fast link (lru and hybrid alike upload every miss), a few swaps "
-        "(prefetch, fills) and frequency values that do not pay, under `guard_margin`; where its own planning loses "
-        "to hybrid (fills swap out what hybrid keeps), the tokens before following and its probes (followed above).",
+        "- The guard compares predictions (its timing model) after its first `guard_memory` tokens. Runs below max(lru, "
+        "hybrid): fast-link top-1 runs (lru and hybrid alike upload every miss), where prefetch swaps and frequency "
+        "values lose under `guard_margin`, so it never follows; top-4 to top-8 runs where its prefetch and fills move "
+        "more than hybrid's for no more hits: the tokens before following and its probes (followed above).",
         "- `oracle` (Belady residency: optimal for hits, not time) is checked on every run, not proved. Where it is "
         "below 1.2x lru no policy here reaches 1.2x; were that so on more than half a set's runs, the half target "
         "would be out of reach there by measurement. It is below on " + ", ".join(f"{n} of {k} ({l})" for l, n, k in
