@@ -7,10 +7,9 @@ of runtime calls (each ~0.6-14 us more on the H200's host). Model: ``--layers`` 
 small Q8_0 experts routed by the ``traces.synth`` qwen3-30b-a3b preset, ``--slots`` per layer,
 top-8, no hand-off (``MOELAB_HANDOFF=0``: the stand-in maps no memory).
 
-Prints, per policy: the engine's host time per layer step (the thread's CPU time of the fastest of
-``--repeats`` passes with the engine's calls minus that of the fastest pass without them); the
-engine's wall-clock phases of the fastest pass (bench_executor's columns); runtime calls per step
-by name, uploads per step, a digest of decisions.
+Prints, per policy: the engine's host time per layer step (thread CPU time of the fastest of ``--repeats``
+passes with the engine's calls minus the fastest without; per-layer launches built before); its
+wall-clock phases (bench_executor's columns); calls per step by name, uploads per step, decisions' digest.
 
 ``--base REV``: the same under REV's ``execute`` / ``scheduler`` / ``traces`` and under this tree,
 each in its own process, alternated ``--rounds`` times; the decisions' digests are compared.
@@ -140,6 +139,8 @@ def run(args) -> dict:
                 gx._batch._fn, gx._batch._fail_idx = _counted("memcpyBatchAsync", 0), False
                 engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
                 engine.load_residents(pol.cache.slot)
+                for l in range(len(layers)):  # the per-layer launches (a decode builds them once)
+                    gx._one(l), getattr(engine, "_late", None) and engine._late._launch(l)
                 r = loop(pol, engine if timed else None, tokens, weights)
                 engine.close()
                 if not timed:
