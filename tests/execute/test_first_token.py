@@ -116,7 +116,7 @@ def test_prepare_compiles_the_cpu_kernels_only_when_a_cpu_pair_can_happen(models
     geo = w.info.geometry()
     b = EngineExperts(w, Capacity.per_layer(geo, 0), 1, False)
     calls, loaded = [], []
-    monkeypatch.setattr(b.engine.pool, "warmup", lambda layer: calls.append(layer.layer))
+    monkeypatch.setattr(b.engine.pool, "warmup", lambda layer, others=(): calls.append(layer.layer))
     monkeypatch.setattr(b.engine, "load_residents", lambda slots: loaded.append(len(slots)))
     every = {(l, e): e for l, n in enumerate(geo.num_experts) for e in range(n)}
     for slots, warmed in (({}, True), (dict(list(every.items())[:-1]), True), (every, False)):
