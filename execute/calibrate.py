@@ -79,7 +79,7 @@ from . import quant as Q
 # The measurements, fits and replays live in calibrate_measure, calibrate_fit and calibrate_replay;
 # their names are importable from here too, for scripts that take them with the command.
 from .calibrate_fit import (BETWEEN_MIN_LAYERS, POOL_MIN_CALLS, call_factors, fit_line, fit_table, pool_count_fit,
-                            replay_between_fields, replay_host_fields, replay_pool_fit, stats, unlogged_host_fields)
+                            pool_stat, replay_between_fields, replay_host_fields, replay_pool_fit, stats, unlogged_host_fields)
 from .calibrate_measure import (MEM_READ_BYTES, PHASES, PLAN_POLICIES, GpuTimer, build_layers, cold_set_shape,
                                 cpu_layer_parts, measure_cpu_mem_gbps,
                                 measure_cpu_pool, measure_cpu_types, measure_dense, measure_engine,
@@ -123,11 +123,12 @@ def apply_between(executor: dict, between: dict, src: dict | None = None) -> dic
 
 
 def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: dict | None = None,
-                 alone: dict | None = None) -> dict:
+                 alone: dict | None = None, busy: bool = False) -> dict:
     """``hw`` (a hardware file's dict) with the host-lane fields and the CPU pool's cost (fit and
     per-count factors, ``call_factors`` over the pool measured alone: ``alone``, else ``hw``'s
     ``_calibration.cpu_pool``) taken from a calibration replay's ``replay_summary`` (``src``: its
-    sources lines, updated)."""
+    sources lines, updated); the pool fit over each count's mean call, its median where ``busy``
+    (a host check found the host busy while the replay ran: ``pool_stat``)."""
     hw = dict(hw)
     hw["executor"] = {**hw.get("executor", {}), **summary["fields"]}
     if summary.get("unlogged"):  # GPU-only layers as unlogged replays run them
@@ -138,18 +139,18 @@ def apply_replay(hw: dict, summary: dict, expert_bytes: int, threads: int, src: 
                                         "step fit on copies and CPU layers per step; unlogged_host_fields)")
     if summary.get("between"):
         hw["executor"] = apply_between(hw["executor"], summary["between"], src)
-    pool = pool_count_fit(summary["pool"]["by_count"])  # this version's fit, also over a stored summary's counts
+    pool = pool_count_fit(summary["pool"]["by_count"], pool_stat(busy))  # this version's fit, stored summaries too
     if pool["expert_s"] > 0:  # the pool as a replay sees it, over the back-to-back calls
         hw.update(cpu_task_s=min(pool["task_s"], 0.5), cpu_thread_gbps=expert_bytes / pool["expert_s"] / 1e9 / threads)
         alone = ((hw.get("_calibration") if alone is None else {"cpu_pool": alone}) or {}).get("cpu_pool", {})
         hw["cpu_call_factor"] = {str(n): f for n, f in call_factors(pool, alone.get("compute_s")).items()}
         if src is not None:
             src["cpu_thread_gbps"] = ("measured: CPU pool time per expert in the calibration replay (engine_replay: "
-                                      "compute time of each CPU layer's job; each expert count's median, fit over "
-                                      "the counts weighted by calls), / threads")
+                                      "compute time of each CPU layer's job; each expert count's mean call (median "
+                                      "where the host was found busy), fit over the counts weighted by calls), / threads")
             src["cpu_task_s"] = "measured: intercept of the same fit"
             src["cpu_call_factor"] = (f"measured: per expert count with >= {POOL_MIN_CALLS} calls in the calibration "
-                                      "replay, the median call time / the same fit's; counts between them interpolated; "
+                                      f"replay, the {pool['stat']} call time / the same fit's; counts between them interpolated; "
                                       "counts above them: the largest one's time plus the pool alone's growth to "
                                       "them (cpu_pool, call_factors); counts not listed: the fit")
     return hw
@@ -200,7 +201,10 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
     if "gpu" in m:
         hw.update(_gpu_fields(m, eb, src))
         if "engine_replay" in m:  # host lane and pool as a replay runs them, over the one-call figures
-            hw = apply_replay(hw, m["engine_replay"], eb, T, src, alone=m["cpu_pool"])
+            from .calibrate_host import measurement_problems
+
+            busy = bool((m.get("host_state") or {}).get("problem") or measurement_problems(m))
+            hw = apply_replay(hw, m["engine_replay"], eb, T, src, alone=m["cpu_pool"], busy=busy)
         ratio = (m.get("cpu_mapped") or {}).get("ratio")
         if ratio:
             hw["executor"] = {**hw["executor"], "cpu_mapped_factor": min(max(float(ratio), 0.01), 4.0)}

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["stats", "fit_line", "fit_table", "replay_host_fields", "replay_pool_fit", "replay_between_fields",
-           "unlogged_host_fields", "call_factors", "pool_count_fit", "POOL_MIN_CALLS", "BETWEEN_MIN_LAYERS"]
+           "unlogged_host_fields", "call_factors", "pool_count_fit", "pool_stat", "POOL_STATS", "POOL_MIN_CALLS",
+           "BETWEEN_MIN_LAYERS"]
 
 
 def stats(samples) -> dict:
@@ -79,34 +80,47 @@ def replay_host_fields(records: list[dict]) -> dict:
 POOL_MIN_CALLS = 8  # calls of one expert count needed before that count gets its own factor
 
 
-def pool_count_fit(by_count: dict) -> dict:
-    """The CPU pool's cost per call from per-count call statistics ({count: ``stats``}, keys int or
-    str): least squares of each count's MEDIAN call on the count, weighted by its calls ->
-    {"task_s", "expert_s", "by_count", "factor": {n: median / (task_s + n x expert_s)} for each count
-    of at least ``POOL_MIN_CALLS`` calls, "stat": "median"}. Medians, not means: a calibration's
-    replayed calls carry the long tails of whatever else the host ran while it measured (one
-    recording: 8-expert calls mean 1.23 ms, median 0.73 ms), which the run it predicts need not
-    share. ValueError with fewer than two counts."""
+POOL_STATS = ("mean", "median")
+
+
+def pool_count_fit(by_count: dict, stat: str = "mean") -> dict:
+    """The CPU pool's cost per call from per-count call statistics ({count: ``stats`` + mean}, keys
+    int or str): least squares of each count's ``stat`` call on the count, weighted by its calls ->
+    {"task_s", "expert_s", "by_count", "factor": {n: stat / (task_s + n x expert_s)} for each count
+    of at least ``POOL_MIN_CALLS`` calls, "stat"}. The mean where the host was quiet (a run's
+    tokens/s follows the sum of its calls, the executor's own slow calls included); the median
+    where a host check found it busy (``pool_stat``: the tails are then the host's, which the run
+    it predicts need not share). A count without a mean (files written before it) takes its
+    median. ValueError with fewer than two counts or another ``stat``."""
+    if stat not in POOL_STATS:
+        raise ValueError(f"pool_count_fit: stat {stat!r}, expected one of {', '.join(POOL_STATS)}")
     by = {int(n): dict(st) for n, st in by_count.items()}
     counts = sorted(by)
     if len(counts) < 2:
         raise ValueError(f"pool_count_fit: CPU calls of expert counts {counts}, expected two or more counts")
+    val = {n: by[n].get(stat, by[n]["median"]) for n in counts}
     w = np.sqrt([float(by[n]["n"]) for n in counts])
     a = np.array([[1.0, n] for n in counts]) * w[:, None]
-    task, per = np.linalg.lstsq(a, np.array([by[n]["median"] for n in counts]) * w, rcond=None)[0]
+    task, per = np.linalg.lstsq(a, np.array([val[n] for n in counts]) * w, rcond=None)[0]
     task = max(float(task), 0.0)
     factor = {}
     for n in counts:
         fit = task + n * float(per)
         if by[n]["n"] >= POOL_MIN_CALLS and fit > 0:
-            factor[n] = min(max(by[n]["median"] / fit, 0.25), 4.0)
-    return {"task_s": task, "expert_s": float(per), "by_count": by, "factor": factor, "stat": "median"}
+            factor[n] = min(max(val[n] / fit, 0.25), 4.0)
+    return {"task_s": task, "expert_s": float(per), "by_count": by, "factor": factor, "stat": stat}
 
 
-def replay_pool_fit(records: list[dict]) -> dict:
+def pool_stat(busy: bool) -> str:
+    """The statistic ``pool_count_fit`` takes: the median when a host check found the host busy
+    while the calls were timed, else the mean."""
+    return "median" if busy else "mean"
+
+
+def replay_pool_fit(records: list[dict], stat: str = "mean") -> dict:
     """The CPU pool's cost per call as a replay sees it (between layers, after idling while the
     GPU-only layers run): each CPU layer's compute time (job start -> end) per expert count
-    (``stats`` + mean), reduced by ``pool_count_fit`` (medians, weighted by calls)."""
+    (``stats`` + mean), reduced by ``pool_count_fit`` (``stat``, weighted by calls)."""
     cpu = [r for r in records if "parts" in r]
     by = {}
     for n in sorted({r["n_cpu"] for r in cpu}):
@@ -114,14 +128,14 @@ def replay_pool_fit(records: list[dict]) -> dict:
         by[n] = {**stats(v), "mean": float(np.mean(v))}
     if len(by) < 2:
         raise ValueError(f"replay_pool_fit: CPU layers with expert counts {sorted(by)}, expected two or more counts")
-    return pool_count_fit(by)
+    return pool_count_fit(by, stat)
 
 
 def call_factors(pool: dict, alone: dict | None = None) -> dict[int, float]:
     """The pool's per-count call factors of a replay fit (``replay_pool_fit``), extended: counts
-    between two counts with factors take the median call time interpolated linearly between theirs;
-    counts of ``alone`` (the pool measured alone, {count: stats}, ``calibrate``'s ``cpu_pool``
-    table) above the largest count ``r`` with a factor take r's median call time plus what the pool
+    between two counts with factors take the call time (the fit's ``stat``) interpolated linearly
+    between theirs; counts of ``alone`` (the pool measured alone, {count: stats}, ``calibrate``'s
+    ``cpu_pool`` table) above the largest count ``r`` with a factor take r's call time plus what the pool
     alone adds from r to them (the replay's per-call context, the pool's own growth per expert:
     an 8-expert call is not 8 times a 1-expert call's work when the threads split few experts).
     {count: factor on task_s + count x expert_s}, each in [0.25, 4]."""
@@ -131,7 +145,9 @@ def call_factors(pool: dict, alone: dict | None = None) -> dict[int, float]:
     if not out:
         return out
     anchors = sorted(out)
-    meds = [by[n]["median"] for n in anchors]
+    stat = pool.get("stat", "mean")
+    val = lambda n: by[n].get(stat, by[n]["median"])
+    meds = [val(n) for n in anchors]
     for n in range(anchors[0] + 1, anchors[-1]):
         if n not in out and fit(n) > 0:
             out[n] = min(max(float(np.interp(n, anchors, meds)) / fit(n), 0.25), 4.0)
@@ -139,7 +155,7 @@ def call_factors(pool: dict, alone: dict | None = None) -> dict[int, float]:
     table = {int(n): st["median"] for n, st in (alone or {}).items()}
     if top in table:
         for n in sorted(c for c in table if c > top):
-            t = by[top]["median"] + table[n] - table[top]
+            t = val(top) + table[n] - table[top]
             if fit(n) > 0 and t > 0:
                 out[n] = min(max(t / fit(n), 0.25), 4.0)
     return dict(sorted(out.items()))

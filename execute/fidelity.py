@@ -193,7 +193,8 @@ def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:
         hw.setdefault("gpu_quant_efficiency", {})["Q8_0"] = q8
         src["executor.gpu_experts"] = "measured in this session: sim_vs_real's GPU expert tables (expert_gpu_fields)"
     summary = replay_summary(raw["calibration_records"], raw.get("calibration_runs"))
-    hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], src)
+    busy = any(h.get("problem") for h in raw.get("host_state") or ())  # the pool fit's medians then
+    hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], src, busy=busy)
     hw["_about"] = f"{hw.get('_about', '')}; host lane and CPU pool from sim_vs_real's session calibration replays"
     hw.setdefault("_calibration", {})["session_replay"] = summary
     out.mkdir(parents=True, exist_ok=True)

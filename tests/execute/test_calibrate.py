@@ -318,27 +318,31 @@ def test_replay_pool_fit_gives_a_factor_per_count_with_enough_calls():
     fit = lambda n: pool["task_s"] + n * pool["expert_s"]
     assert set(pool["factor"]) == {1, 2, 3, 4}  # 5: fewer than POOL_MIN_CALLS calls
     for n in (1, 2, 3, 4):
-        assert pool["factor"][n] == pytest.approx(pool["by_count"][n]["median"] / fit(n))
+        assert pool["factor"][n] == pytest.approx(pool["by_count"][n]["mean"] / fit(n))
     assert pool["by_count"][1]["mean"] == pytest.approx(280e-6, rel=0.01)
     assert pool["factor"][1] < 0.9 and all(0.95 < pool["factor"][n] < 1.05 for n in (2, 3, 4))
     assert pool["by_count"][5]["n"] == 5
 
 
-def test_pool_fit_takes_each_counts_median_so_tails_do_not_move_it():
+def test_pool_fit_takes_means_on_a_quiet_host_and_medians_on_a_busy_one():
     rng = np.random.default_rng(4)
     calls = {1: 200, 2: 60, 8: 64}
     quiet = pool_records(rng, calls, {})
     tailed = [dict(r, parts={"compute": r["parts"]["compute"] * (5.0 if i % 8 == 0 else 1.0)})
               for i, r in enumerate(pool_records(rng, calls, {}))]  # one call in 8 five times as long
-    a, b = F.replay_pool_fit(quiet), F.replay_pool_fit(tailed)
-    assert b["expert_s"] == pytest.approx(200e-6, rel=0.03) and b["task_s"] == pytest.approx(150e-6, rel=0.1)
-    assert b["expert_s"] == pytest.approx(a["expert_s"], rel=0.03)
-    assert b["by_count"][8]["mean"] > 1.4 * b["by_count"][8]["median"]  # the tail is in the mean, not the fit
+    a, b = F.replay_pool_fit(quiet, "median"), F.replay_pool_fit(tailed, F.pool_stat(busy=True))
+    assert b["stat"] == "median" and b["expert_s"] == pytest.approx(200e-6, rel=0.03)
+    assert b["task_s"] == pytest.approx(150e-6, rel=0.1) and b["expert_s"] == pytest.approx(a["expert_s"], rel=0.03)
     assert all(0.95 < f < 1.05 for f in b["factor"].values())
+    mean = F.replay_pool_fit(tailed, F.pool_stat(busy=False))  # the tails in: a run's tokens/s pays them
+    assert mean["stat"] == "mean" and mean["expert_s"] == pytest.approx(1.5 * b["expert_s"], rel=0.05)
+    assert F.replay_pool_fit(tailed)["expert_s"] == mean["expert_s"]
     stored = F.pool_count_fit({str(n): {k: v for k, v in st.items() if k != "mean"} for n, st in b["by_count"].items()})
-    assert stored["expert_s"] == pytest.approx(b["expert_s"]) and stored["factor"] == pytest.approx(b["factor"])
+    assert stored["expert_s"] == pytest.approx(b["expert_s"])  # no means stored: the medians
     with pytest.raises(ValueError, match="two or more counts"):
         F.pool_count_fit({"8": b["by_count"][8]})
+    with pytest.raises(ValueError, match="stat 'p90'"):
+        F.pool_count_fit(b["by_count"], "p90")
 
 
 def test_apply_replay_writes_the_call_factor_and_the_simulator_charges_it(tmp_path):

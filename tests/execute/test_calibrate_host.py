@@ -100,3 +100,21 @@ def test_sim_vs_real_logs_a_round_s_host_state(monkeypatch, capsys):
     assert got[0]["busy_cores"] == 9.0 and "9.0 of 16 cores" in got[1]
     line = capsys.readouterr().err.strip()
     assert "[1] host after the round: 9.0 of 16 cores busy elsewhere, memory read 40 GB/s -- BUSY" in line
+
+
+def test_a_calibration_found_busy_fits_the_pool_over_medians():
+    import numpy as np
+
+    from execute import calibrate_fit as F
+    from tests.execute.test_calibrate import fake_measurements, pool_records, replay_records
+
+    m = fake_measurements()
+    recs = replay_records(np.random.default_rng(3))
+    tails = [dict(r, parts={"compute": r["parts"]["compute"] * (5.0 if i % 8 == 0 else 1.0)})
+             for i, r in enumerate(pool_records(np.random.default_rng(2), {1: 80, 2: 80, 4: 80, 8: 80}, {}))]
+    m["engine_replay"] = {"fields": F.replay_host_fields(recs), "pool": F.replay_pool_fit(tails)}
+    quiet = C.hardware_json(m, "q")
+    busy = C.hardware_json({**m, "host_state": {"problem": "other processes kept 9.0 of 16 cores busy"}}, "b")
+    assert busy["cpu_thread_gbps"] == pytest.approx(1.5 * quiet["cpu_thread_gbps"], rel=0.05)  # tails left out
+    assert "replay, the median call" in busy["sources"]["cpu_call_factor"]
+    assert "replay, the mean call" in quiet["sources"]["cpu_call_factor"]
