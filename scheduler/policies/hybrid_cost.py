@@ -35,7 +35,8 @@ class HybridCostConfig(HybridConfig):
     ``prefetch_fills``: held-over recurrence swaps in later windows too. The prefetch's settings are
     ``PREFETCH_GRID``'s entry that ``experiments/policies_eval.py`` chooses on its development set,
     except ``prefetch`` itself, 0 (off): the executor on the H200 ran slower with it than the
-    simulator charges (docs/POLICIES.md).
+    simulator charges (docs/POLICIES.md; docs/perf/bench_executor_hardware_h200: 0.67-0.72x ``lru``
+    with ``prefetch=4``, its copies' host time not in the simulator's charge).
     """
 
     swap_every: int | None = None
