@@ -41,7 +41,7 @@ resident experts can start before the uploads land) and ``moe1_down_combine``
 
 A layer with a type ``gpu_kernels.cu`` does not read (another layout of ``quant.LAYOUTS``, e.g.
 Q5_K; ``generic_layers``) keeps it as stored too: its launches go to ``gpu_quant.cu``'s
-``qmoe*`` kernels (one token: the same arguments and layout; batches: ``gpu_quant.Int8Batch``); it
+``qmoe*`` kernels (the same arguments and layout; batches by ``gpu_quant.GENERIC_BATCH``); it
 runs block by block (no token graph: :meth:`routed_layer` refuses it; no mapped-memory hand-off).
 """
 from __future__ import annotations
@@ -186,13 +186,13 @@ class GpuExperts:
         self._ex = np.zeros(_EX_BYTES, np.uint8)  # the one-token pair table, passed by value
         self._k1_gate_up = Launch(_kernel("moe1_gate_up"), 13, self._ex)
         self._k1_down = Launch(_kernel("moe1_down_combine"), 10, self._ex)
-        # per layer: its (gate_up, down, gate_up1, down_combine1) launches; generic layers: gpu_quant's (Int8Batch, None, ..)
+        # per layer: its (gate_up, down, gate_up1, down_combine1) launches; generic layers: gpu_quant's (or Int8Batch, None, ..)
         self._kl = {l.layer: (self._k_gate_up, self._k_down, self._k1_gate_up, self._k1_down) for l in moe}
         if self.generic_layers:
             from .gpu_quant import GENERIC_BATCH, Int8Batch, kernel as qk
 
-            q = (Int8Batch(GENERIC_BATCH), None, Launch(qk("qmoe1_gate_up"), 13, self._ex),
-                 Launch(qk("qmoe1_down_combine"), 10, self._ex))
+            batch = (Int8Batch(GENERIC_BATCH), None) if GENERIC_BATCH else (Launch(qk("qmoe_gate_up"), 18), Launch(qk("qmoe_down"), 12))
+            q = (*batch, Launch(qk("qmoe1_gate_up"), 13, self._ex), Launch(qk("qmoe1_down_combine"), 10, self._ex))
             self._kl.update((l, q) for l in self.generic_layers)
         self._k1r = None  # the token graph's launches (routed_layer), compiled on first use
         self._ones: dict[int, tuple[FixedLaunch, FixedLaunch]] = {}  # see _one

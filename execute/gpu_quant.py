@@ -25,7 +25,7 @@ Batches
 (``qmoe_gate_up``, ``qmoe_down``): tensor cores (``mma.m16n8k16``) on the tile's quants decoded to
 exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums scaled in float32
 (relative error of a product ~1e-7). Their int8 twins (``BATCH_VARIANTS``, :class:`Int8Batch`;
-``GENERIC_BATCH`` serves ``gpu_experts``' generic layers): the inputs converted once per launch
+``GENERIC_BATCH`` picks what ``gpu_experts``' generic layers run): the inputs converted once per launch
 (``qx8``) to the two int8 levels of the one-token path, tiles copied by ``cp.async`` while the
 weights decode to int8, ``mma`` ``.s8`` with exact int32 sums (the one-token path's error, ~2e-5).
 The source lies in ``gpu_quant.cu`` and the five ``gpu_quant_*.cu`` parts it includes
@@ -54,7 +54,9 @@ _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block (_q8s*: the weights' tile copied first)
 BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1")
 Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1, "_q8s2": 2, "_q8s1": 1}  # their m-tiles (16 rows) per block, as QMOE_Q8
-GENERIC_BATCH = "_q8m2"  # the variant gpu_experts launches for the batches of layers the arena's kernels do not read
+# the batched kernels gpu_experts launches for layers the arena's kernels do not read: "" the f16
+# qmoe_gate_up / qmoe_down, or an int8 variant of Q8_ROWS (Int8Batch; not yet timed on a GPU)
+GENERIC_BATCH = ""
 ONE_VARIANTS = ("_d",)  # other qmoe1_gate_up / qmoe1_down_combine kernels: _d by programmatic dependent launch
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)

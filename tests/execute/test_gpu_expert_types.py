@@ -42,15 +42,15 @@ def _params(src: str, name: str) -> list[str]:
 
 @pytest.mark.parametrize("name", ["moe_gate_up", "moe_down", "moe1_gate_up", "moe1_down_combine"])
 def test_expert_kernels_take_the_arena_kernels_arguments(name):
-    """qmoe_* take moe_*'s parameters; GpuExperts launches qmoe1_* with the argument blocks it builds
-    for moe1_* (batches of generic layers: gpu_quant.Int8Batch, below)."""
+    """GpuExperts launches qmoe_* with the argument blocks it builds for moe_*: same parameters (or,
+    for batches, gpu_quant.GENERIC_BATCH's Int8Batch: below)."""
     arena = (ROOT / "execute" / "gpu_kernels.cu").read_text()
     generic = gpu_quant_source()
     assert _params(generic, "q" + name) == _params(arena, name)
     nargs = {"moe_gate_up": 18, "moe_down": 12, "moe1_gate_up": 13, "moe1_down_combine": 10}[name]
     assert len(_params(arena, name)) == nargs + name.startswith("moe1")  # + the by-value pair table
     src = (ROOT / "execute" / "gpu_experts.py").read_text()
-    assert f'qk("q{name}"), {nargs}' in src if name.startswith("moe1") else "(Int8Batch(GENERIC_BATCH), None," in src
+    assert f'qk("q{name}"), {nargs}' in src and "(Int8Batch(GENERIC_BATCH), None)" in src
 
 
 def test_int8_batch_launches_take_the_kernels_arguments():
@@ -172,6 +172,24 @@ def test_generic_layer_matches_reference(qtype, rng, reference):
     try:
         assert gx.generic_layers == {0}
         assert gx.slot_bytes[0] == -(-layer.expert_bytes // 256) * 256  # stored bytes, not F16's
+        _both_paths(gx, layer, rng, reference)
+    finally:
+        gx.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.IQ4_XS, Q.Q2_K], ids=["Q5_K", "IQ4_XS", "Q2_K"])
+def test_generic_layer_int8_batches(qtype, rng, reference, monkeypatch):
+    """gpu_quant.GENERIC_BATCH set to an int8 variant: the generic layer's batches run Int8Batch (its
+    inputs as two int8 levels, the one-token path's bound) against the float64 reference."""
+    cupy_or_skip()
+    import execute.gpu_quant as GQ
+
+    monkeypatch.setattr(GQ, "GENERIC_BATCH", "_q8m2")
+    layer = layer_of(rng, qtype)
+    gx = make([layer], slots=2)
+    try:
+        assert isinstance(gx._kl[0][0], GQ.Int8Batch) and gx._kl[0][1] is None
         _both_paths(gx, layer, rng, reference)
     finally:
         gx.close()
