@@ -637,7 +637,7 @@ def _refit(args) -> int:
         return 2
     from .calibrate_host import measurement_problems
 
-    for line in measurement_problems(m):  # a file measured on a busy host: said, then refit as asked
+    for line in [] if args.quiet else measurement_problems(m):  # measured on a busy host: said, refit (medians)
         print(f"moelab calibrate: warning: {args.refit}: {line}", file=sys.stderr)
     hw["_about"] = f"{old.get('_about', '')}; refit by moelab calibrate --refit (no measurement)"
     write_json(Path(args.out), hw)
