@@ -57,7 +57,7 @@ Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1, "_q8s2": 2, "_q8s1": 1}  # their m-
 # the batched kernels gpu_experts launches for layers the arena's kernels do not read: "" the f16
 # qmoe_gate_up / qmoe_down, or an int8 variant of Q8_ROWS (Int8Batch; not yet timed on a GPU)
 GENERIC_BATCH = ""
-ONE_VARIANTS = ("_d",)  # other qmoe1_gate_up / qmoe1_down_combine kernels: _d by programmatic dependent launch
+ONE_VARIANTS = ("_d",)  # other one-token launches: _d, the same kernels by programmatic dependent launch
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
 
@@ -238,9 +238,9 @@ class Experts:
             if variant and variant not in (*ONE_VARIANTS, *ONE_PROBES):
                 raise ValueError(f"gpu_quant.Experts: one-token variant {variant!r}, "
                                  f"expected one of {(*ONE_VARIANTS, *ONE_PROBES)}")
-            pdl = variant == "_d"
-            k1 = Launch(kernel("qmoe1_gate_up" + variant, defines), 13, self._ex, programmatic=pdl)
-            k2 = Launch(kernel("qmoe1_down_combine" + variant, defines), 10, self._ex, programmatic=pdl)
+            pdl, suffix = variant == "_d", "" if variant == "_d" else variant
+            k1 = Launch(kernel("qmoe1_gate_up" + suffix, defines), 13, self._ex, programmatic=pdl)
+            k2 = Launch(kernel("qmoe1_down_combine" + suffix, defines), 10, self._ex, programmatic=pdl)
             rpb = down_rows or ONE_DOWN_ROWS
             if not 1 <= rpb <= 32:
                 raise ValueError(f"gpu_quant.Experts: down_rows {rpb}, expected 1..32")

@@ -29,9 +29,9 @@ __device__ __forceinline__ void down1_combine(const Experts1& ex, const float (*
 // The slices' sums are reduced by shuffles (and, for gate and up, through shared memory in warp
 // order): deterministic. Their probes (timing only, no results): _p runs the same copies, staging
 // and reductions with the dots left out (probe_row), _n leaves out the weight copies too.
-// _d: the same kernels for programmatic dependent launch (gpu_quant.ONE_VARIANTS): each issues its
-// first weight copies, then waits for the grid before it (whose output it reads) and lets the next
-// one start, so down copies its rows while gate/up drains and gate/up while the grid before drains.
+// Launched with programmatic dependent launch (gpu_quant.ONE_VARIANTS' _d), a kernel issues its first
+// weight copies, then waits for the grid before it (whose output it reads) and lets the next one
+// start, so down copies its rows while gate/up drains and gate/up while the grid before drains.
 __device__ __forceinline__ void pdl_wait_trigger() {  // nothing for a plain launch or on the host
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -86,7 +86,7 @@ __device__ __forceinline__ float probe_row(const uint8_t* s, int nbytes, int c0,
     return (float)(v & 1u);
 }
 
-template <int PROBE, int PDL = 0> __device__ __forceinline__ void gate_up1(GATE_UP1_ARGS) {
+template <int PROBE> __device__ __forceinline__ void gate_up1(GATE_UP1_ARGS) {
     __shared__ __align__(16) uint4 wbuf[R1_BYTES / 16];
     __shared__ __align__(16) uint4 xbuf[X1_WORDS];
     __shared__ float part[WARPS][16];
@@ -119,7 +119,7 @@ template <int PROBE, int PDL = 0> __device__ __forceinline__ void gate_up1(GATE_
                                    + (long long)(k0 / g_block[qq][0]) * g_block[qq][1];
                 mine = wb + (mat ? 8 * sg + (m & 7) * su : m * sg) + ((u64)p & 15);
             }
-            if (PDL) pdl_wait_trigger();  // the weights are in flight; x comes from an earlier grid
+            pdl_wait_trigger();  // the weights are in flight; x comes from an earlier grid
             stage<1, X1_COLS>(xbuf, x, 0, tok, 1, k0, n);
             cp_wait();
             __syncthreads();
@@ -157,9 +157,6 @@ extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_p(GATE_UP1_AR
 extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_n(GATE_UP1_ARGS) {
     gate_up1<2>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
 }
-extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_d(GATE_UP1_ARGS) {
-    gate_up1<0, 1>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
-}
 
 // this thread's down row (its tile at s) . float32 h over chunks c0, c0 + cs, .. < nch
 template <int QT> __device__ __forceinline__ float row_dot_h(const uint8_t* s, int c0, int cs, int nch, const float* hx) {
@@ -177,7 +174,7 @@ template <int QT> __device__ __forceinline__ float row_dot_h(const uint8_t* s, i
 // grid ceil(hidden / rows_per_block), block 32 * k (rows_per_block <= 32): warp j (expert j) takes
 // its rows in groups of G (the most, a power of 2 <= 8, whose slots fit its D1R_BYTES / k); lane
 // (row lane % G, slice lane / G) dots its row over every (32 / G)-th chunk.
-template <int PROBE, int PDL = 0> __device__ __forceinline__ void down1(DOWN1_ARGS) {
+template <int PROBE> __device__ __forceinline__ void down1(DOWN1_ARGS) {
     __shared__ __align__(16) uint4 wbuf[D1R_BYTES / 16];
     __shared__ float ys[MAXK][32];
     int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
@@ -201,7 +198,7 @@ template <int PROBE, int PDL = 0> __device__ __forceinline__ void down1(DOWN1_AR
             for (int i = 0; i < ng && PROBE < 2; i++)
                 stage_row(my + i * sl, e + off_d + (long long)(r0 + i0 + i) * rb_d + o, (n / bw) * bb, lane);
             const uint8_t* mine = my + ri * sl + ((u64)(e + off_d + (long long)(r0 + i0 + ri) * rb_d + o) & 15);
-            if (PDL) pdl_wait_trigger();  // the rows are in flight; h comes from qmoe1_gate_up
+            pdl_wait_trigger();  // the rows are in flight; h comes from qmoe1_gate_up
             cp_wait();
             __syncwarp();
             if (ri < ng) {
@@ -227,7 +224,4 @@ extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_p(DOWN1_AR
 }
 extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_n(DOWN1_ARGS) {
     down1<2>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
-}
-extern "C" __global__ void __launch_bounds__(1024) qmoe1_down_combine_d(DOWN1_ARGS) {
-    down1<0, 1>(ex, h, out, k, ffn, hidden, rows_per_block, off_d, qt_d, rb_d, bias);
 }

@@ -149,7 +149,7 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
 def occupancy() -> None:
     """Registers, stack bytes, shared bytes and resident blocks per SM of the expert kernels."""
     batched = [(n + v, 128) for v in ("", *BATCH_VARIANTS) for n in ("qmoe_gate_up", "qmoe_down")]
-    one = [(n + v, b) for v in ("", *ONE_VARIANTS) for n, b in (("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256))]
+    one = [("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256)]  # (ONE_VARIANTS: the same kernels launched otherwise)
     for name, block in one + batched + [("qmatmul_q1", 128), ("qx8", 128)]:
         try:
             print(f"  {name} x{block}: {kernel_info(name, block)}", flush=True)
