@@ -68,6 +68,7 @@ def test_the_future_costs_a_few_bytes_per_routed_expert():
     next uses per step) they held over 40 bytes each, and more while being read."""
     T, L, E, k = 4000, 8, 64, 8
     g = Geometry.uniform(L, E, k)
+    make_policy("belady", g, Capacity.per_layer(g, 16), future=_steps(2, L, E, k))  # first use's imports, not counted
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
