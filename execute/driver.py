@@ -179,6 +179,7 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     attach = getattr(backend, "device_chunk", None)
     if attach is not None and getattr(model, "device_chunk", 0) is None:
         model.device_chunk = attach(model) or False  # False: asked once, the path does not apply
+    gate = getattr(getattr(model, "token_graph", None), "gate", None)
     t0 = mark = time.perf_counter()
     other = 0.0
     tokens_in = _tokens(model, inputs)
@@ -217,6 +218,8 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
                 other += mark - now
             if observe is not None:
                 observe(item)
+            if gate is not None:  # scores a token that skipped the graph (scheduler.graph)
+                gate.see(item)
     finally:
         tg = getattr(model, "token_graph", None)
         if tg is not None:  # no input is taken ahead after the run; a graph launched ahead is waited for

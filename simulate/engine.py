@@ -134,6 +134,8 @@ def graph_tokens(items, num_layers: int):
             yield _GraphToken(tok, blocks, ahead)
         else:
             prev = None
+        for it in buf:  # scores a token that skipped the graph (scheduler.graph)
+            gate.see(it)
         yield from buf
         buf = []
     yield from buf

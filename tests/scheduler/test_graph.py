@@ -4,8 +4,39 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from scheduler import Decision, Step
-from scheduler.graph import MAX_SKIP, GraphBackoff, resident_at_launch
+import pytest
+
+from scheduler import AwaitBackground, Decision, EndToken, Move, RunLayer, StartBackground, Step, Token
+from scheduler.graph import MAX_SKIP, MIN_RATE, GraphBackoff, resident_at_launch
+
+L = 3
+
+
+def token_items(index: int, miss: bool, fill_at: int | None = None) -> list:
+    """One decode token's driver items over L blocks routed to experts (0, 1): with ``miss`` block 1
+    uploads expert 1; ``fill_at``: a copy of (2, 0) awaited after that block (a prefetch)."""
+    t = Token(index, 0, index, "decode", ())
+    out = []
+    for l in range(L):
+        s = Step(l, (0, 1))
+        d = Decision(s, (0,), uploads=(1,), slots=(3,)) if miss and l == 1 else Decision(s, (0, 1))
+        out.append(RunLayer(t, s, d))
+        if fill_at == l:
+            out.append(AwaitBackground((Move(2, 0, 4),)))
+    return out + [EndToken(t)]
+
+
+def replay(gate: GraphBackoff, complete: list[bool]) -> list[int]:
+    """The tokens that tried the graph, a backend's way: a token that tries is told its outcome; every
+    token's driver items are then seen in order."""
+    tried = []
+    for i, c in enumerate(complete):
+        if gate.want():
+            tried.append(i)
+            gate.done(c)
+        for it in token_items(i, miss=not c):
+            gate.see(it)
+    return tried
 
 
 def test_backoff_doubles_after_incomplete_tokens_and_resets_after_a_complete_one():
@@ -52,3 +83,60 @@ def test_the_executors_token_graph_uses_the_same_cap():
             and any(getattr(t, "id", "") == "_MAX_SKIP" for t in n.targets)]
     uses = "GraphBackoff" in src.read_text()
     assert uses or caps == [MAX_SKIP]
+
+
+def test_tokens_that_turn_complete_while_backing_off_try_the_graph_again():
+    """20 tokens with a miss back the graph off to 16 tokens (tried: 0, 2, 5, 10, 19); from token 20
+    every token would complete. Tried tokens alone would skip up to 16 of them (the next try at 36);
+    scoring the skipped ones, the rate passes MIN_RATE after two and token 22 tries again."""
+    complete = [False] * 20 + [True] * 20
+    gate = GraphBackoff()
+    tried = replay(gate, complete)
+    assert tried[:5] == [0, 2, 5, 10, 19]
+    assert tried[5:] == list(range(22, 40))
+    assert gate.skip == 0 and gate.backoff == 1
+
+
+def test_while_tokens_keep_missing_the_back_off_is_unchanged():
+    """A rate below MIN_RATE leaves the doubling back-off as it was: one token in forty completes."""
+    complete = [i % 40 == 39 for i in range(200)]
+    ours, old = GraphBackoff(), GraphBackoff(min_rate=1.0)  # min_rate 1: the back-off alone
+    assert replay(ours, complete) == replay(old, complete)
+    assert ours.rate < MIN_RATE
+
+
+def test_the_rate_is_a_smoothed_share_of_tokens_tried_or_skipped():
+    gate = GraphBackoff(smoothing=0.5)
+    assert replay(gate, [False, True, True]) == [0, 2]  # token 1 skipped, scored complete
+    assert gate.rate == pytest.approx(0.75)
+
+
+def test_a_skipped_token_is_scored_like_the_graph_would_run_it():
+    """A copy awaited after the first block and hit later would have halted the graph; copies awaited
+    before the token's first block, items of a token that tried and other tokens' items do not count."""
+    def score(items, tried=False):
+        gate = GraphBackoff(smoothing=1.0)
+        gate.done(False)
+        gate.rate = 0.0
+        if tried:
+            gate.skip = 0
+        gate.want()
+        for it in items:
+            gate.see(it)
+        return gate.rate
+
+    fill = AwaitBackground((Move(2, 0, 4),))
+    assert score(token_items(1, False)) == 1.0
+    assert score(token_items(1, True)) == 0.0
+    assert score(token_items(1, False, fill_at=1)) == 0.0  # (2, 0) arrived after the launch
+    assert score([fill] + token_items(1, False)) == 1.0  # awaited at the token's start: before the launch
+    assert score(token_items(1, False), tried=True) == 0.0  # a tried token is scored by done() only
+    t = Token(0, 0, 0, "decode", ())
+    assert score([StartBackground(t, ()), EndToken(t)] + token_items(1, True)) == 1.0  # the next token: no watch
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="min_rate"):
+        GraphBackoff(min_rate=1.5)
+    with pytest.raises(ValueError, match="smoothing"):
+        GraphBackoff(smoothing=0.0)
