@@ -16,7 +16,8 @@ the steps of the blocks the graph completed (their decisions are settled, not ru
 every expert is resident and the graph always completes. For a policy whose cache holds part of
 the model, an incomplete token costs the wasted dense launches, so after an incomplete token the
 graph is tried again only after a back-off (``scheduler.graph.GraphBackoff``, the simulator's
-rule too: 1, 2, 4 .. 64 tokens; 0 again after a complete one).
+rule too: 1, 2, 4 .. 64 tokens, 0 again after a complete one, and none while the smoothed share of
+tokens that would have completed stays at or above its ``MIN_RATE``).
 
 Pipelining. When a token's graph completes, its logits are final before the host has planned,
 settled or audited any of its steps. ``steps`` then asks ``ahead`` (set by the run loop,
