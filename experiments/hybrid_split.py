@@ -173,8 +173,8 @@ def readme(rows: list[dict], config: dict, command: str) -> str:
              "default (`prefetch=0`, scheduler/policies/prefetch.py), so its two columns agree.", "",
              "Ceilings (held-out only, futures known): `belady` uploads every miss and evicts the resident used last in "
              "the future (the most hits, no CPU); `oracle` is lookahead's planner fed the future. Most of the oracle's "
-             "lead is decode tokens whose experts are all resident at their start: they run as one token graph, a "
-             "token with a miss block by block (then the graph waits 1, 2 .. 64 tokens: `scheduler.graph`).", ""]
+             "lead is decode tokens whose experts are all resident at their start: they run as one token graph, a token "
+             "with a miss block by block (when the graph is tried again: `scheduler.graph.GraphBackoff`).", ""]
     for name, about in (("development", f"what hybrid-cost's defaults (`reuse_charge`, `floors_256`) were chosen on: "
                          f"qwen3-30b-a3b on synthetic traces fitted to the preset ({config['seeds']} seeds of "
                          f"{config['tokens']} tokens, tokens/s averaged); the bundled granite trace's decode rows (at "
