@@ -227,14 +227,14 @@ class ExpertEngine:
         self._early: _Early | None = None
         self._ones: dict[int, tuple | None] = {}  # see _one_layer
         self._cpu_seen = False  # a step's CPU pairs were handed off (begin_layer then marks x_ready)
-        self._late = None  # early starts cover a step's uploads too (gpu_step.LateStart; MOELAB_LATE_START=0: off)
+        self._late = None  # early starts cover a step's uploads too (gpu_step.LateStart; MOELAB_LATE_START=1: on)
         self._max_k = 0
         if self.gpu is not None:
             from .gpu_experts import MAX_TOP_K
             from .gpu_step import LateStart
 
             self._max_k = MAX_TOP_K
-            if os.environ.get("MOELAB_LATE_START", "1") != "0":
+            if os.environ.get("MOELAB_LATE_START", "0") != "0":
                 self._late = LateStart(self.gpu, 2 * self.timeout_s)
         self.stats = LayerStats()
 

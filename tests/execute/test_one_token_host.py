@@ -201,12 +201,13 @@ def test_begin_layer_starts_the_resident_experts_at_their_slot_addresses(fake_cu
         gx.close()
 
 
-def test_late_pairs_are_resolved_once_by_their_uploads_or_a_release(fake_cupy, rng):
+def test_late_pairs_are_resolved_once_by_their_uploads_or_a_release(fake_cupy, rng, monkeypatch):
     """begin_layer launches the late gate/up over every routed pair (resident first) with a new
     step number; a decision that uploads the rest copies their entries (number, slot address)
     after the uploads; one that does not keep the early start, a second begin_layer, a device-side
     background wait or a synchronize release the pending step (entries with address 0), behind
     last_read, and the step then runs its pairs as without the late start."""
+    monkeypatch.setenv("MOELAB_LATE_START", "1")
     import dataclasses
 
     from execute import quant as Q
