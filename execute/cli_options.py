@@ -214,7 +214,7 @@ def make_backend(args, weights, use_gpu: bool, capacity, prog: str = "moelab rep
         return M.NumpyExperts(weights)
     # the backend's prepare() compiles them, unless every expert goes to the GPU (policy gpu)
     if not getattr(args, "quiet", False) and args.policy != "gpu" and cpu_kernels_cold():
-        print(f"{prog}: compiling the CPU expert kernels (first run after an install or update, ~30-60 s)...",
+        print(f"{prog}: compiling the CPU expert kernels (first run after an install or update, ~10-30 s)...",
               file=sys.stderr, flush=True)
     return M.EngineExperts(weights, capacity, args.threads or os.cpu_count() or 1, use_gpu, args.timeout_s,
                            pinned=not args.pageable and args.policy != "cpu")

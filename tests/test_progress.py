@@ -109,7 +109,7 @@ def test_a_cold_cache_is_announced_before_the_compile(files, monkeypatch, capsys
     monkeypatch.setattr(cli_options, "cpu_kernels_cold", lambda: cold)
     assert run_main([str(files["model"]), "-p", "hi", "-n", "2", "--threads", "1"] + ["--quiet"] * quiet) == 0
     err = capsys.readouterr().err
-    said = "moelab run: compiling the CPU expert kernels (first run after an install or update, ~30-60 s)..."
+    said = "moelab run: compiling the CPU expert kernels (first run after an install or update, ~10-30 s)..."
     assert (said in err) == (cold and not quiet), err
     if quiet:
         assert err == ""
