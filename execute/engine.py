@@ -232,9 +232,10 @@ class ExpertEngine:
         if self.gpu is not None:
             from .gpu_experts import MAX_TOP_K
             from .gpu_step import LateStart
+            from .xp import env_switch
 
             self._max_k = MAX_TOP_K
-            if os.environ.get("MOELAB_LATE_START", "0") != "0":
+            if env_switch("MOELAB_LATE_START", default="0"):
                 self._late = LateStart(self.gpu, 2 * self.timeout_s)
         self.stats = LayerStats()
 

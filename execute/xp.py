@@ -11,10 +11,10 @@ from .experts import ExecutorError
 __all__ = ["array_module", "cuda_graphs_env", "env_switch", "host"]
 
 
-def env_switch(name: str) -> bool:
-    """An on/off environment variable of the executor: unset or ``1`` -> True, ``0`` -> False;
-    anything else is an ExecutorError naming it."""
-    v = os.environ.get(name, "1").strip()
+def env_switch(name: str, default: str = "1") -> bool:
+    """An on/off environment variable of the executor: ``1`` -> True, ``0`` -> False, unset ->
+    ``default``; anything else is an ExecutorError naming it."""
+    v = os.environ.get(name, default).strip()
     if v not in ("0", "1"):
         raise ExecutorError(f"environment variable {name}: {v!r}, expected 0 or 1")
     return v == "1"
