@@ -269,7 +269,7 @@ def test_early_start_changes_neither_decisions_nor_outputs(policy, rng, referenc
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["lru", "hybrid"])
 def test_late_start_changes_neither_decisions_nor_outputs(policy, rng, reference, monkeypatch):
-    """The early gate/up covering a step's uploads once their copy lands (the default) against
+    """The early gate/up covering a step's uploads once their copy lands (MOELAB_LATE_START=1) against
     MOELAB_LATE_START=0: the same decisions and bitwise the same outputs; lru ran pairs late."""
     cp = cupy_or_skip()
     layers, routing, tokens = scenario(rng, num_tokens=16)
