@@ -16,7 +16,7 @@ expert rates take ``--copies`` copies of the weights in turn (more bytes than th
 Each one-token launch is also timed alone, for the default kernels and ``gpu_quant.ONE_VARIANTS``
 (``--only``: again in a module compiled for the type alone; ``--down-rows``: the down launch at
 other rows per block; ``--probe``: the launches without their dots, and without their weight
-copies); ``--one`` times only those; ``--no-matmul`` skips the matmul rates; ``--occupancy`` prints
+copies); ``--one`` times only those, ``--no-one`` all but those; ``--no-matmul`` skips the matmul rates; ``--occupancy`` prints
 the kernels' registers, stack and blocks per SM. Needs cupy and a GPU. The first call compiles
 gpu_quant.cu (about a minute; CuPy caches it).
 
@@ -115,7 +115,8 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
     x1 = cp.asarray(rng.standard_normal((1, a.hidden)).astype(np.float32))
     xb = cp.asarray(rng.standard_normal((a.tokens, a.hidden)).astype(np.float32))
     rates, nb = [], ws[0].nbytes
-    for v, d in [(v, ()) for v in ("", *ONE_VARIANTS)] + [(v, (f"GQ_ONLY={qt}",)) for v in ("", *ONE_VARIANTS) if a.only]:
+    ones_timed = [] if a.no_one else [(v, ()) for v in ("", *ONE_VARIANTS)] + [(v, (f"GQ_ONLY={qt}",)) for v in ("", *ONE_VARIANTS) if a.only]
+    for v, d in ones_timed:
         ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=v, defines=d) for w in ws]
         us = [1e6 * timed([lambda o=o, k=k: o._calls[k](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones],
                           a.reps) for k in (0, 1)]
@@ -123,13 +124,13 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
         rates += [nb / t / 1e9] if not d else []
         print(f"  one token{v or ' (default)'}{' ' + d[0] if d else ''}: gate/up {us[0]:.1f} us, down {us[1]:.1f} us, "
               f"{nb / t / 1e9:.0f} GB/s", flush=True)
-    for v in ONE_PROBES if a.probe else ():  # without the dots (_p) and the weight copies (_n)
+    for v in ONE_PROBES if a.probe and not a.no_one else ():  # without the dots (_p) and the weight copies (_n)
         ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=v) for w in ws]
         us = [1e6 * timed([lambda o=o, k=k: o._calls[k](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones],
                           a.reps) for k in (0, 1)]
         print(f"  probe{v} ({'no dots' if v == '_p' else 'no dots, no copies'}): gate/up {us[0]:.1f} us, "
               f"down {us[1]:.1f} us", flush=True)
-    for r in a.down_rows:
+    for r in [] if a.no_one else a.down_rows:
         ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, down_rows=r) for w in ws]
         for o in ones:
             o(x1)
@@ -169,6 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", action="store_true", help=f"also time the batched kernels' variants {BATCH_VARIANTS}")
     p.add_argument("--one", action="store_true", help="time the one-token expert calls only (no matmul, no batches)")
+    p.add_argument("--no-one", action="store_true", help="time the batched expert calls only (errors still run)")
     p.add_argument("--only", action="store_true", help="also time them compiled in a module of the type alone")
     p.add_argument("--copies", type=int, default=4, help="copies of the experts' weights timed in turn (beyond L2)")
     p.add_argument("--occupancy", action="store_true", help="print the expert kernels' registers and blocks per SM")
@@ -184,6 +186,8 @@ def main(argv=None) -> int:
         p.error(f"--down-rows: {a.down_rows!r}, expected comma-separated integers")
     if any(not 1 <= r <= 32 for r in a.down_rows):
         p.error(f"--down-rows: {a.down_rows}, expected values in 1..32")
+    if a.one and a.no_one:
+        p.error("--one and --no-one: pick one")
     if a.rows < 1 or a.cols < 256 or a.cols % 256 or a.reps < 1 or a.tokens < 1 or a.copies < 1:
         p.error("--rows >= 1, --cols a multiple of 256, --reps >= 1, --tokens >= 1, --copies >= 1")
     if not 1 <= a.experts <= 32 or a.ffn % 256 or a.hidden % 256 or a.ffn < 256 or a.hidden < 256:
@@ -203,11 +207,11 @@ def main(argv=None) -> int:
         t1, t2 = cp.ones(32, cp.float32), cp.empty(32, cp.float32)
         print(f"  a graph node of one tiny kernel: {1e6 * timed(lambda: cp.multiply(t1, 1.0, out=t2), a.reps):.1f} us")
         occupancy()
-    ekeys = ["expert_1", *(f"expert_1{v}" for v in ONE_VARIANTS)] + ([] if a.one else
+    ekeys = ([] if a.no_one else ["expert_1", *(f"expert_1{v}" for v in ONE_VARIANTS)]) + ([] if a.one else
                                                                      ["expert_batch", *(f"expert_batch{v}" for v in a.variants)])
     ekeys = [k.replace("expert_", "e") for k in ekeys]
     keys = ["mm1", "mm64", *ekeys] if not (a.one or a.no_matmul) else ekeys
-    ekeys_err = ekeys[:1 + len(ONE_VARIANTS)] + ["eB", *(f"eB{v}" for v in a.variants)]
+    ekeys_err = ["e1", *(f"e1{v}" for v in ONE_VARIANTS), "eB", *(f"eB{v}" for v in a.variants)]
     print(f"{'type':8s}" + "".join(f"{'err ' + k:>10s}" for k in ["mm1", "mm64", *ekeys_err])
           + "".join(f"{k:>10s}" for k in keys) + "  GB/s")
     for qt in qtypes:
