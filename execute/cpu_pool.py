@@ -20,7 +20,7 @@ from numba import njit
 
 from .cpu_experts import (J_FFN, J_HIDDEN, J_NG, J_T0, J_T1, JOB_FIELDS, _bad_experts, _check_call, _fill, _layer_fields,
                           _Scratch, run_phase, tensor_views)
-from .cpu_simd import atomic_add, atomic_load, atomic_store, futex_wait, futex_wake, now_ns, pause
+from .cpu_simd import atomic_add, atomic_load, atomic_store, futex_wait, futex_wake, now_ns, pause, yield_cpu
 from .experts import ExecutorError, LayerExperts
 
 __all__ = ["CpuExpertPool", "CpuJob"]
@@ -57,6 +57,18 @@ _ABANDONED: list = []  # arrays of calls a stalled team may still read (see CpuE
 
 
 @njit(inline="always")
+def _spin(spins):
+    """One step of a spin-wait: a pause, every 64th a sched_yield (cpu_simd.yield_cpu). A thread
+    that spins on a core its waker is queued on would otherwise hold that core for its whole spin
+    (a loaded 2-core host: a woken worker preempted the submitting thread, then spun 100 us
+    waiting for the call the submitter could not publish)."""
+    if spins & 63:
+        pause()
+    else:
+        yield_cpu()
+
+
+@njit(inline="always")
 def _phase_chunks(job, phase):
     """Chunks of ``phase`` (compute phases: known once the pairs are grouped)."""
     if phase == 0:
@@ -80,7 +92,7 @@ def _wait_phase(job, phase, chunks, spin_ns, deadline):
             return True
         spins += 1
         if spins & 63 or now_ns() - t0 < spin_ns:
-            pause()
+            _spin(spins)
             continue
         left = deadline - now_ns()
         if left <= 0:
@@ -97,10 +109,12 @@ def _take_part(ctrl, job, seq, spin_ns, deadline):
     claim chunks of each phase in turn until none is left, then wait for the phase's last one. The
     participant that finishes the last chunk stamps and publishes the call. True once it is done,
     False at ``deadline`` (ns; a worker's is _FOREVER)."""
+    spins = 0
     while atomic_load(ctrl, _C_DONE) < seq - 1 or atomic_load(ctrl, _C_HOLD):
         if now_ns() > deadline:
             return False
-        pause()
+        spins += 1
+        _spin(spins)
     if job[J_GATE] and not _wait_gate(ctrl, job, spin_ns, deadline):
         return False
     for phase in range(_PHASES):
@@ -145,7 +159,7 @@ def _team_worker(ctrl, ring, t, team, spin_ns, lead):
         while atomic_load(ctrl, _C_GEN) == seq:
             spins += 1
             if spins & 63 or now_ns() - t0 < spin_ns:
-                pause()
+                _spin(spins)
                 continue
             if is_lead:
                 atomic_add(ctrl, _C_LSLEEP, 1)
@@ -196,7 +210,7 @@ def _wait_gate(ctrl, job, spin_ns, deadline):
             break
         spins += 1
         if spins & 63 or now_ns() - t0 < spin_ns:
-            pause()
+            _spin(spins)
             continue
         if now_ns() > deadline:
             return False
@@ -252,12 +266,14 @@ def _wait_done(ctrl, seq, spin_ns, timeout_ns):
     """Wait until call ``seq`` has finished: spin up to spin_ns, then sleep on a futex; False after
     timeout_ns."""
     t0 = now_ns()
+    spins = 0
     while atomic_load(ctrl, _C_DONE) < seq:
         el = now_ns() - t0
         if el > timeout_ns:
             return False
         if el < spin_ns:
-            pause()
+            spins += 1
+            _spin(spins)
             continue
         atomic_add(ctrl, _C_WAIT, 1)
         done = atomic_load(ctrl, _C_DONE)
@@ -273,11 +289,13 @@ def _wait_left(ring, seq, workers, timeout_ns):
     count, not the team's sum (a fast worker may have left later calls while a slow one is still
     inside ``seq``); False after timeout_ns."""
     t0 = now_ns()
+    spins = 0
     for t in range(workers):
         while atomic_load(ring[_RING + t], 0) < seq:
             if now_ns() - t0 > timeout_ns:
                 return False
-            pause()
+            spins += 1
+            _spin(spins)
     return True
 
 

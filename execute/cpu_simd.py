@@ -31,7 +31,7 @@ __all__ = ["I8x32", "I32x8", "F32x8", "HAS_VNNI", "zero_i32", "zero_f32", "load_
            "PREFETCH_MODES", "choose_prefetch", "fma_cvt",
            "fma_cvt2", "comb256", "hsum", "addr", "prefetch", "load_f16", "load_f32", "load_u16", "load_i8", "load_u8", "store_f32",
            "ptr_f32", "ptr_i64", "ptr_i8", "ptr_i16", "atomic_load", "atomic_store", "atomic_add", "pause", "futex_wait",
-           "futex_wake", "now_ns"]
+           "futex_wake", "now_ns", "yield_cpu"]
 
 _features = llvm.get_host_cpu_features()
 HAS_VNNI = bool(_features.get("avx512vnni") and _features.get("avx512vl")) or bool(_features.get("avxvnni"))
@@ -576,6 +576,18 @@ def pause(typingctx):
 
 _I64 = ir.IntType(64)
 _SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 202, 128, 129  # x86-64 Linux
+_SYS_SCHED_YIELD = 24
+
+
+@intrinsic
+def yield_cpu(typingctx):
+    """sched_yield: a spinning thread lets another runnable thread of its core run (returns at once
+    when there is none). A spin that never yields holds a core its waker may be queued on."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, [_I64], var_arg=True), "syscall")
+        builder.call(fn, [ir.Constant(_I64, _SYS_SCHED_YIELD)])
+        return context.get_dummy_value()
+    return types.none(), codegen
 
 
 def _futex(context, builder, sig, args, op, val, timeout):
