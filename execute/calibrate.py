@@ -82,11 +82,11 @@ from . import quant as Q
 from .calibrate_fit import (BETWEEN_MIN_LAYERS, POOL_MIN_CALLS, call_factors, fit_line, fit_table, pool_count_fit,
                             pool_stat, replay_between_fields, replay_host_fields, replay_pool_fit, stats, unlogged_host_fields)
 from .calibrate_measure import (MEM_READ_BYTES, PHASES, PLAN_POLICIES, GpuTimer, build_layers, cold_set_shape,
-                                cpu_layer_parts, measure_cpu_mem_gbps,
-                                measure_cpu_pool, measure_cpu_types, measure_dense, measure_engine,
-                                measure_gpu_basics, measure_gpu_experts, measure_link, measure_plan_s,
-                                measure_poll_s, synth_tokens)
+                                cpu_layer_parts, measure_cpu_mem_gbps, measure_cpu_pool, measure_cpu_types,
+                                measure_dense, measure_engine, measure_gpu_basics, measure_gpu_experts, measure_link,
+                                measure_plan_s, measure_poll_s, synth_tokens)
 from .calibrate_graph import measure_token_graph
+from .calibrate_memory import mapped_factor
 from .calibrate_replay import (HYBRID_96, REPLAY_CONFIGS, RUN_CONFIGS, RUN_PHASES, calibration_replay,
                                calibration_runs, decision_totals, replay_engine, replay_setup, replay_summary,
                                stats_delta)
@@ -207,11 +207,11 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
             st = m.get("host_state") or {}
             busy = bool(st.get("problem") or st.get("warning") or measurement_problems(m))
             hw = apply_replay(hw, m["engine_replay"], eb, T, src, alone=m["cpu_pool"], busy=busy)
-        ratio = (m.get("cpu_mapped") or {}).get("ratio")
-        if ratio:
-            hw["executor"] = {**hw["executor"], "cpu_mapped_factor": min(max(float(ratio), 0.01), 4.0)}
-            src["executor.cpu_mapped_factor"] = ("measured: the pool's 8-expert call on the experts through a file's "
-                                                 "memory map / on the calibration's buffers (calibrate_memory)")
+        factor = mapped_factor(m.get("cpu_mapped"))
+        if factor:
+            hw["executor"] = {**hw["executor"], "cpu_mapped_factor": factor}
+            src["executor.cpu_mapped_factor"] = ("measured: the pool's 8-expert call on experts through a file's memory "
+                                                 "map, its pages faulted in, / on the buffers (calibrate_memory)")
         if (m.get("token_graph") or {}).get("fields"):
             hw["executor"] = {**hw["executor"], **m["token_graph"]["fields"]}
             src["executor.token_graph"] = ("measured: decode tokens as one CUDA graph each under gpu, pipelined, on "
@@ -453,8 +453,8 @@ def _mapped_pool(args, layers) -> dict:
 
     try:
         with tempfile.TemporaryDirectory(prefix="moelab-calibrate-") as tmp:
-            return measure_pool_memory(layers[:2], args.threads, Path(tmp) / "experts.bin", rounds=3,
-                                       seed=args.seed)
+            return measure_pool_memory(layers[:2], args.threads, Path(tmp) / "experts.bin", seed=args.seed,
+                                       rounds=max(1, min(3, layers[0].num_experts // 40)))
     except Exception as exc:  # noqa: BLE001 - the rest of the calibration stands without the factor
         msg = " ".join(f"{type(exc).__name__}: {exc}".split())
         print(f"moelab calibrate: warning: the pool on a memory-mapped file not measured ({msg})", file=sys.stderr)

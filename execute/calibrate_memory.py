@@ -3,9 +3,10 @@
 reads a GGUF file, ``gguf_file.GGUFFile``).
 
 ``mapped_layers`` writes layers' expert bytes to a file and returns the same layers viewed through
-a memory map of it; ``measure_pool_memory`` times the pool's calls on both, interleaved, and reads
-the kernel's huge-page counters for each (``/proc/self/smaps``: whether the pages under the
-experts are 2 MiB or 4 KiB ones).
+a memory map of it; ``measure_pool_memory`` times the pool's calls on the buffers, on the map after
+its pages were faulted in and on the map's first touch, interleaved, and reads the kernel's
+huge-page counters for each (``/proc/self/smaps``: whether the pages under the experts are 2 MiB or
+4 KiB ones); ``mapped_factor`` is the warm map's factor the peer rows' prediction applies.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 from .calibrate_fit import stats
 from .experts import LayerExperts
 
-__all__ = ["mapped_layers", "measure_pool_memory", "huge_page_kib"]
+__all__ = ["mapped_layers", "measure_pool_memory", "mapped_factor", "huge_page_kib"]
 
 _ALIGN = 64  # bytes: each tensor starts on this boundary in the file (GGUF aligns to 32)
 
@@ -68,34 +69,79 @@ def huge_page_kib(arrays: list[np.ndarray]) -> dict:
     return out
 
 
-def measure_pool_memory(layers: list[LayerExperts], threads: int, path: Path, n: int = 8, rounds: int = 4,
-                        reps: int = 5, seed: int = 0) -> dict:
-    """Pool compute time of calls on ``n`` cold experts (one token each) on ``layers`` as given
-    (anonymous) and memory-mapped from ``path`` (written here, removed after), ``rounds`` rounds of
-    ``reps`` calls per kind, every other round in reverse: {kind: stats, "ratio": mapped / anon
-    median, "pages": {kind: huge_page_kib}}."""
-    from .calibrate_measure import measure_cpu_pool
+def _touch(lx: LayerExperts, experts) -> None:
+    """Fault in the pages under ``experts`` of ``lx`` (one byte read per 4 KiB) without streaming them."""
+    for t in (lx.gate, lx.up, lx.down):
+        for e in experts:
+            int(t.data[e, ::4096].sum())
 
-    mapped, mm = mapped_layers(layers, path)
+
+def measure_pool_memory(layers: list[LayerExperts], threads: int, path: Path, n: int = 8, rounds: int = 3,
+                        reps: int = 5, seed: int = 0) -> dict:
+    """Pool compute time of calls on ``n`` experts (one token each) in three kinds of memory: the
+    buffers of ``layers`` as given (``anon``), a read-only memory map of them written to ``path``
+    (removed after) whose pages were faulted in beforehand (``mapped``: as a run reads its file
+    after the prompt touched the experts) and the same map's pages touched for the first time
+    (``cold``: each call faults its experts' pages in). Every call is on experts no call read
+    before in that memory (``mapped`` on layer 0's experts, pre-touched; ``cold`` on layer 1's), so
+    neither profits from the CPU caches; ``rounds`` rounds of ``reps`` calls per kind, the kinds'
+    order rotating per round. Returns {kind: stats, "ratio": mapped / anon median, "cold_ratio",
+    "touch_s_per_expert": (cold - mapped median) / n, "pages": {kind: huge_page_kib}}."""
+    from .cpu_pool import CpuExpertPool
+
+    if len(layers) < 2 or min(lx.num_experts for lx in layers[:2]) < n * rounds * reps:
+        raise ValueError(f"measure_pool_memory: needs 2 layers of >= {n * rounds * reps} experts")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(layers[0].num_experts)[:n * rounds * reps].reshape(rounds * reps, n)
+    hidden = layers[0].hidden
+    mapped, mm = mapped_layers(layers[:2], path)
     try:
-        kinds = {"anon": layers, "mapped": mapped}
-        pages = {k: huge_page_kib([t.data for lx in v for t in (lx.gate, lx.up, lx.down)]) for k, v in kinds.items()}
-        samples: dict[str, list] = {k: [] for k in kinds}
-        for r in range(rounds):
-            for k in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
-                table = measure_cpu_pool(kinds[k], threads, counts=(n,), reps=reps, seed=seed + r)["compute_s"][n]
-                samples[k].append(table["median"])
-        pages = {k: {**pages[k], **{f"{key}_after": v for key, v in huge_page_kib(
-            [t.data for lx in kinds[k] for t in (lx.gate, lx.up, lx.down)]).items()}} for k in kinds}
+        views = {"anon": layers[0], "mapped": mapped[0], "cold": mapped[1]}
+        tensors = lambda lx: [t.data for t in (lx.gate, lx.up, lx.down)]
+        pages = {k: huge_page_kib(tensors(lx)) for k, lx in views.items()}
+        _touch(mapped[0], order.reshape(-1))
+        samples: dict[str, list] = {k: [] for k in views}
+        with CpuExpertPool(threads, timeout_s=120) as pool:
+            pool.warmup(layers[0])
+            for i, experts in enumerate(order):
+                kinds = list(views)[i // reps % 3:] + list(views)[:i // reps % 3]
+                for k in kinds:
+                    x = rng.standard_normal((n, hidden)).astype(np.float32)
+                    job = pool.submit(views[k], experts, x)
+                    job.result()
+                    samples[k].append(job.compute_s)
+        pages = {k: {**pages[k], **{f"{key}_after": v for key, v in huge_page_kib(tensors(lx)).items()}}
+                 for k, lx in views.items()}
         out = {k: stats(v) for k, v in samples.items()}
         out["ratio"] = out["mapped"]["median"] / out["anon"]["median"]
+        out["cold_ratio"] = out["cold"]["median"] / out["anon"]["median"]
+        out["touch_s_per_expert"] = (out["cold"]["median"] - out["mapped"]["median"]) / n
         out["pages"] = pages
         out["expert_bytes"], out["experts_per_call"] = layers[0].expert_bytes, n
         return out
     finally:
-        del mapped, kinds
+        del mapped, views
         try:
             mm.close()
         except BufferError:  # a view still alive: the map closes with it
             pass
         os.unlink(path)
+
+
+def mapped_factor(table: dict) -> float | None:
+    """``cpu_mapped_factor`` from ``measure_pool_memory``'s table: the warm map over the buffers.
+    A table without a ``cold`` entry was measured before the map was pre-touched: every call
+    faulted its experts in, so its ratio is the first touch's; where both memories were backed by
+    2 MiB pages (``AnonHugePages`` / ``FilePmdMapped`` at least 90% of each resident size) the warm
+    map reads as the buffers do (1.0), else the old ratio stands. None where not measured."""
+    ratio = (table or {}).get("ratio")
+    if not ratio:
+        return None
+    if "cold" not in table:
+        p = table.get("pages") or {}
+        anon, mapped = p.get("anon") or {}, p.get("mapped") or {}
+        huge = (anon.get("Rss", 0) > 0 and anon.get("AnonHugePages", 0) >= 0.9 * anon["Rss"]
+                and mapped.get("Rss_after", 0) > 0 and mapped.get("FilePmdMapped_after", 0) >= 0.9 * mapped["Rss_after"])
+        if huge:
+            return 1.0
+    return min(max(float(ratio), 0.01), 4.0)

@@ -22,10 +22,22 @@ def test_mapped_layers_are_read_only_views_of_the_same_bytes(tmp_path):
     assert len(mm) >= sum(lx.gate.data.nbytes * 3 for lx in layers)  # the map stays open while views live
 
 
-def test_the_pool_is_timed_on_both_kinds_and_the_file_removed(tmp_path):
+def test_the_pool_is_timed_on_three_kinds_and_the_file_removed(tmp_path):
     layers = build_layers(np.random.default_rng(1), 2, 8, 64, 64, distinct=2)
     path = tmp_path / "e.bin"
     res = CM.measure_pool_memory(layers, 1, path, n=2, rounds=2, reps=1)
-    assert res["anon"]["n"] == res["mapped"]["n"] == 2 and res["anon"]["median"] > 0
+    assert res["anon"]["n"] == res["mapped"]["n"] == res["cold"]["n"] == 2 and res["anon"]["median"] > 0
     assert res["ratio"] == pytest.approx(res["mapped"]["median"] / res["anon"]["median"])
-    assert set(res["pages"]) == {"anon", "mapped"} and not path.exists()
+    assert res["touch_s_per_expert"] == pytest.approx((res["cold"]["median"] - res["mapped"]["median"]) / 2)
+    assert set(res["pages"]) == {"anon", "mapped", "cold"} and not path.exists()
+    with pytest.raises(ValueError, match="2 layers of >= 16 experts"):  # more calls than experts to keep cold
+        CM.measure_pool_memory(layers, 1, tmp_path / "f.bin", n=2, rounds=4, reps=2)
+
+
+def test_the_factor_is_the_warm_maps_and_an_old_cold_only_table_on_huge_pages_reads_as_the_buffers():
+    huge = {"anon": {"Rss": 100, "AnonHugePages": 98}, "mapped": {"Rss": 0, "Rss_after": 50, "FilePmdMapped_after": 50}}
+    assert CM.mapped_factor({"ratio": 1.2, "cold": {"median": 1.0}, "pages": huge}) == pytest.approx(1.2)
+    assert CM.mapped_factor({"ratio": 1.57, "pages": huge}) == 1.0  # every call faulted: not the warm factor
+    small = {**huge, "mapped": {"Rss_after": 50, "FilePmdMapped_after": 0}}  # 4 KiB pages: the old ratio stands
+    assert CM.mapped_factor({"ratio": 1.57, "pages": small}) == pytest.approx(1.57)
+    assert CM.mapped_factor({"error": "no room"}) is None and CM.mapped_factor(None) is None
