@@ -23,9 +23,22 @@ def log(msg: str) -> None:
     print(f"[sim_vs_real {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: int, make_policy_of) -> dict:
+def warm_pool(pool, layers, n: int) -> float:
+    """One call of ``n`` experts on every layer, as ``moelab run``'s prompt calls the pool before its
+    first decode token (a fresh pool's first calls per layer ran 1-2 ms slower each on the H200
+    host); the seconds it took."""
+    t0 = time.perf_counter()
+    for lx in layers:
+        pool.submit(lx, list(range(min(n, lx.num_experts))), np.zeros((min(n, lx.num_experts), lx.hidden),
+                                                                        np.float32)).result()
+    return time.perf_counter() - t0
+
+
+def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: int, make_policy_of,
+                    cold_pool: bool = False) -> dict:
     """Run the tokens through the engine under config ``c`` (``execute.calibrate.replay_engine``);
-    per-token wall times and what moved. ``make_policy_of(c, tokens, geometry)`` -> (policy, capacity)."""
+    per-token wall times and what moved. ``make_policy_of(c, tokens, geometry)`` -> (policy, capacity).
+    The engine's pool is warmed first (``warm_pool``, its seconds as ``pool_warm_s``) unless ``cold_pool``."""
     from scheduler import Audit
 
     from .calibrate import replay_engine
@@ -34,6 +47,7 @@ def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: i
     pol, cap = make_policy_of(c, tokens, geometry)
     engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=120, gpu=gx)
     engine.load_residents(pol.cache.slot)
+    pool_warm = None if cold_pool else warm_pool(engine.pool, layers, geometry.top_k)
     x0 = cp.asarray(np.random.default_rng(5).standard_normal((1, layers[0].hidden)).astype(np.float32))
     engine.synchronize()
     up0 = gx.bytes_uploaded
@@ -54,7 +68,7 @@ def replay_executor(cp, c: dict, layers, gx, dense, tokens, geometry, threads: i
             "cpu_start_s": med([j.started_s - j.submitted_s for j in done]),
             "cpu_return_s": med([j.collected_s - j.finished_s for j in done]),
             "host_s": {k: getattr(st, k) for k in ("host_plan_s", "host_queue_s", "input_wait_s", "cpu_wait_s",
-                                                   "host_combine_s")}, "steps": st.steps}
+                                                   "host_combine_s")}, "steps": st.steps, "pool_warm_s": pool_warm}
 
 
 def run_device(args, runs: list[dict], make_policy_of) -> dict:
@@ -99,7 +113,8 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
         replay_executor(cp, c, layers, gx, dense, warm, geo, args.threads, make_policy_of)
     for _ in range(args.warmup_rounds):  # the machine settles (clocks, caches, page tables): not recorded
         for c in runs:
-            replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads, make_policy_of)
+            replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads, make_policy_of,
+                            getattr(args, "cold_pool", False))
     log(f"{args.warmup_rounds} warm-up round(s) done")
     raw = {"args": vars(args), "expert_bytes": eb, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dense_rel_err": dense_err, "runs": [], "failed": [],
@@ -115,7 +130,8 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
             log(f"[{rep}] unlogged calibration runs ({len(cal)} configs): {time.perf_counter() - t0:.1f} s")
         for c in (runs if rep % 2 == 0 else runs[::-1]):
             try:
-                r = replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads, make_policy_of)
+                r = replay_executor(cp, c, layers, gx, dense, tokens, geo, args.threads, make_policy_of,
+                                    getattr(args, "cold_pool", False))
             except Exception as e:  # noqa: BLE001 -- recorded and reported; the other configs still run
                 log(f"{c['label']} (repeat {rep}): FAILED {e!r}")
                 raw["failed"].append({**c, "repeat": rep, "error": repr(e)})

@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
                     help="expert budgets in MiB (the peer benchmark's: 2048,4096,12288): runs gpu, cpu, and lru "
                          "and hybrid at each")
     ap.add_argument("--configs", default=None, help="comma-separated labels to run (default: all)")
+    ap.add_argument("--cold-pool", action="store_true",
+                    help="time each run from its engine's first pool calls (default: one call per layer first, "
+                         "as moelab run's prompt calls the pool before decoding)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decompose", action="store_true",
                     help="also fit per-token times on CPU layers, CPU experts and copies (OUT/decompose.csv) and "

@@ -427,3 +427,21 @@ def test_calibration_check_predicts_the_sessions_own_calibration_runs(tmp_path):
     assert [(c["policy"], c["miss_frac_256"], c["rounds"]) for c in got] == [("lru", None, 3), ("hybrid", 96, 3)]
     assert all(abs(c["error"]) < 1e-9 for c in got)
     assert svr.calibration_check({}, hw, model, tokens) == []
+
+
+def test_a_checked_runs_pool_is_warmed_with_one_call_per_layer():
+    from execute.calibrate_measure import build_layers
+
+    layers = build_layers(np.random.default_rng(2), 3, 4, 64, 64, distinct=1)
+    calls = []
+
+    class Pool:  # records the calls; each result() waits for nothing
+        def submit(self, lx, experts, x):
+            calls.append((lx.layer, list(experts), x.shape))
+            return self
+
+        def result(self):
+            return None
+
+    assert ex.warm_pool(Pool(), layers, 8) >= 0
+    assert calls == [(l, [0, 1, 2, 3], (4, 64)) for l in range(3)]  # top-k capped at the layer's experts
