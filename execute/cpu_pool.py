@@ -18,7 +18,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from .cpu_experts import (J_FFN, J_HIDDEN, J_NG, J_T0, J_T1, JOB_FIELDS, _bad_experts, _check_call, _fill, _layer_fields,
+from .cpu_experts import (J_FFN, J_HIDDEN, J_N, J_NG, J_T0, J_T1, JOB_FIELDS, _bad_experts, _check_call, _fill, _layer_fields,
                           _Scratch, run_phase, tensor_views)
 from .cpu_simd import atomic_add, atomic_load, atomic_store, futex_wait, futex_wake, now_ns, pause, yield_cpu
 from .experts import ExecutorError, LayerExperts
@@ -47,6 +47,7 @@ J_PSLEEP = J_PFIN + _PHASES
 _RING_FIELDS = J_PSLEEP + 1
 _PER_PART = 16  # compute chunks per hand at most: a hand that is done waits a short chunk's time for the rest
 _MIN_ROWS = 16  # and rows per compute chunk at least (a claim is an atomic add on a shared line)
+_QUANT_BLOCKS = 16  # and 32-value blocks per quantize chunk at least (~1 us)
 _GATE_NAP_NS = 20_000  # a worker that has spun past spin_ns re-checks the gate this often
 _RING = 16  # job slots: calls submitted but not yet finished, at most
 _STOP = -1  # _C_GEN value that ends the workers
@@ -70,13 +71,18 @@ def _spin(spins):
 
 @njit(inline="always")
 def _phase_chunks(job, phase):
-    """Chunks of ``phase`` (compute phases: known once the pairs are grouped)."""
+    """Chunks of ``phase`` (compute phases: known once the pairs are grouped): none for a phase
+    without work but the last (its last chunk publishes the call), so a small call crosses fewer
+    barriers (a call without pairs one: the grouping's)."""
     if phase == 0:
         return 1
     hands = job[J_HANDS]
     if phase & 1:
-        return hands
+        blocks = job[J_N] * (job[J_HIDDEN] if phase == 1 else job[J_FFN]) // 32
+        return min(-(-blocks // _QUANT_BLOCKS), hands)
     work = job[J_NG] * (job[J_FFN] if phase == 2 else job[J_HIDDEN])
+    if work == 0:
+        return 0 if phase < _PHASES - 1 else 1
     return min(max(work // _MIN_ROWS, hands), hands * _PER_PART)
 
 
@@ -106,9 +112,10 @@ def _wait_phase(job, phase, chunks, spin_ns, deadline):
 @njit(nogil=True, cache=True)
 def _take_part(ctrl, job, seq, spin_ns, deadline):
     """Take part in call ``seq``: once the previous call has finished (its scratch is then free),
-    claim chunks of each phase in turn until none is left, then wait for the phase's last one. The
-    participant that finishes the last chunk stamps and publishes the call. True once it is done,
-    False at ``deadline`` (ns; a worker's is _FOREVER)."""
+    claim chunks of each phase in turn until none is left, then wait for the phase's last one (but
+    the last phase's: whoever waits for the call waits for _C_DONE). The participant that finishes
+    the last chunk stamps and publishes the call. True once its part is done, False at
+    ``deadline`` (ns; a worker's is _FOREVER)."""
     spins = 0
     while atomic_load(ctrl, _C_DONE) < seq - 1 or atomic_load(ctrl, _C_HOLD):
         if now_ns() > deadline:
@@ -119,10 +126,8 @@ def _take_part(ctrl, job, seq, spin_ns, deadline):
         return False
     for phase in range(_PHASES):
         chunks = _phase_chunks(job, phase)
-        while True:
-            c = atomic_add(job, J_CLAIM + phase, 1)
-            if c >= chunks:
-                break
+        c = atomic_add(job, J_CLAIM + phase, 1) if chunks else 0
+        while c < chunks:
             if phase == 0:
                 job[J_T0] = now_ns()
             run_phase(job, phase, c, chunks)
@@ -134,7 +139,8 @@ def _take_part(ctrl, job, seq, spin_ns, deadline):
                         futex_wake(ctrl, _C_DONE)
                 if atomic_load(job, J_PSLEEP):
                     futex_wake(job, J_PFIN + phase)
-        if not _wait_phase(job, phase, chunks, spin_ns, deadline):
+            c = atomic_add(job, J_CLAIM + phase, 1)
+        if phase < _PHASES - 1 and not _wait_phase(job, phase, chunks, spin_ns, deadline):
             return False
     return True
 

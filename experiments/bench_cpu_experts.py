@@ -13,9 +13,8 @@ block by block, Numba's OpenMP pool, called on this thread). Shapes: Qwen3-30B-A
 (copies of 4 random ones, each in its own memory); calls rotate through them, and each kernel
 (old, then each entry) takes the next ones, so weights stream from DRAM rather than the L3.
 
-The ceiling is a Numba float32 sum over ``--ceiling-mib`` with the same thread count. Per-core
-rates (``--per-core``, default 1 and 2 threads) are in GB per CPU-second (process time), which
-stays meaningful on a shared machine. Each figure: the median of ``--reps`` calls after a warm-up.
+The ceiling: a Numba float32 sum over ``--ceiling-mib``, same threads. ``--per-core`` rates (default
+1, 2 threads): GB per CPU-second (process time: meaningful on a shared machine). Medians of ``--reps``.
 
     python3 experiments/bench_cpu_experts.py --threads 15
 
@@ -218,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         for th in per_core:
             o, ns = rates(layer, SHAPES[2], th, max(3, args.reps // 3), time.process_time, rng, isas, 0.0, args.old)
             core_rows += [(name, th, isa, o, n) for isa, n in zip(isas, ns)]
+            log(f"  {name} {th} threads: " + " ".join(f"{isa} {n:.2f}" for isa, n in zip(isas, ns)) + " GB per CPU-s")
         del layer
     print(f"expert weights read per call (GB/s, median of {args.reps}); hidden {args.hidden}, ffn {args.ffn}; "
           f"shape = experts x tokens each; {args.threads} threads; numba {numba.__version__}")
