@@ -45,17 +45,21 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GENERIC_BATCH", "Int8Batch", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GENERIC_BATCH", "Int8Batch", "Q8_BLOCK", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
            "kernel", "kernel_info", "matmul", "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block (_q8s*: the weights' tile copied first)
-BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1")
-Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1, "_q8s2": 2, "_q8s1": 1}  # their m-tiles (16 rows) per block, as QMOE_Q8
+# (_q8p: 8 warps, the next tile's copies in flight while a tile is decoded and multiplied)
+BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1", "_q8p")
+Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1, "_q8s2": 2, "_q8s1": 1, "_q8p": 4}  # their m-tiles (16 rows) per block, as QMOE_Q8
+# threads and dynamic shared bytes per block of the variants that differ from (128, 0): _q8p's Q8P<4>::BYTES
+# (two buffers of 64 rows x WSLOT weight bytes + 2 x 64 x QROW inputs + their scales and sums; quants; rows)
+Q8_BLOCK = {"_q8p": (256, 2 * (64 * 256 + 2 * 64 * 144 + 64 * 4 * 4 + 64 * 8 * 4) + 64 * 144 + 4 * 64 * 16 + 64 * 4)}
 # the batched kernels gpu_experts launches for layers the arena's kernels do not read: "" the f16
-# qmoe_gate_up / qmoe_down, or an int8 variant of Q8_ROWS (Int8Batch; not yet timed on a GPU)
+# qmoe_gate_up / qmoe_down, or an int8 variant of Q8_ROWS (Int8Batch)
 GENERIC_BATCH = ""
 ONE_VARIANTS = ("_d",)  # other one-token launches: _d, the same kernels by programmatic dependent launch
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
@@ -164,9 +168,15 @@ class Int8Batch:
         if variant not in Q8_ROWS:
             raise ValueError(f"gpu_quant.Int8Batch: variant {variant!r}, expected one of {tuple(Q8_ROWS)}")
         self.mt = Q8_ROWS[variant]
+        self.threads, self.shared_bytes = Q8_BLOCK.get(variant, (128, 0))
         self._kx = Launch(kernel("qx8", defines), 5)
         self._k1 = Launch(kernel("qmoe_gate_up" + variant, defines), 18)
         self._k2 = Launch(kernel("qmoe_down" + variant, defines), 13)
+        if self.shared_bytes:  # above the 48 KB a kernel gets unasked
+            import cupy as cp
+
+            for k in (self._k1, self._k2):  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                cp.cuda.driver.funcSetAttribute(k.func, 8, self.shared_bytes)
         self._buf = None
 
     @staticmethod
@@ -187,11 +197,22 @@ class Int8Batch:
         x8 = planes
         h8 = planes + -(-nx * hidden * 19 // 8 // 256) * 256
         self._kx((-(-nx * hidden // 512), 1), 128, s, x, hidden, nx, hidden, x8)
-        self._k1((-(-ffn // (8 * mt)), groups), 128, s, base, gstart, order, xrow, x8, nx, h, ffn, hidden, 2 * mt,
+        self._go(self._k1, (-(-ffn // (8 * mt)), groups), s, base, gstart, order, xrow, x8, nx, h, ffn, hidden, 2 * mt,
                  off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
         self._kx((-(-nh * ffn // 512), 1), 128, s, h, ffn, nh, ffn, h8)
-        self._k2((-(-hidden // (16 * mt)), groups), 128, s, base, gstart, order, h8, nh, y, ffn, hidden, 4 * mt,
+        self._go(self._k2, (-(-hidden // (16 * mt)), groups), s, base, gstart, order, h8, nh, y, ffn, hidden, 4 * mt,
                  off_d, qt_d, rb_d, bias)
+
+    def _go(self, k, grid: tuple[int, int], s: int, *args: int) -> None:
+        """``k``'s launch at the variant's threads and dynamic shared bytes (``gpu_host.Launch`` passes none)."""
+        if not self.shared_bytes:
+            return k(grid, self.threads, s, *args)
+        import cupy as cp
+
+        if len(args) != k.nargs:
+            raise ValueError(f"kernel launch: {len(args)} arguments, expected {k.nargs}")
+        k._pack(k._view, 0, *args)  # Launch's argument block, as its own call fills it
+        cp.cuda.driver.launchKernel(k.func, grid[0], grid[1], 1, self.threads, 1, 1, self.shared_bytes, s, k._params_ptr, 0)
 
 
 class Experts:

@@ -300,3 +300,242 @@ QMOE_Q8(_q8m2, 2, 0)
 QMOE_Q8(_q8m1, 1, 0)
 QMOE_Q8(_q8s2, 2, 1)
 QMOE_Q8(_q8s1, 1, 1)
+
+// _q8p: the pipelined variant (MT = 4 m-tiles, 8 warps, dynamic shared memory of Q8P<MT>::BYTES).
+// Two buffers each hold a tile's input planes and its weight rows' bytes (the 16-byte words covering
+// them); tile k + 1's are copied by cp.async while tile k is decoded (from shared memory) and
+// multiplied, so a block waits for memory once per pass, not once per tile, and its weight reads
+// reach HBM a tile ahead of use (the pass's rows are also prefetched towards L2 as above). Warp w
+// multiplies tokens 16 (w % 4) .. + 15 of m-tiles (w / 4) MT / 2 .. + MT / 2 - 1: 8 warps on a block's
+// 64 rows and 64 tokens. A chunk's two levels are summed in int32 by the tensor cores (the first
+// level's sums times 256 as the second's accumulator: exact), then scaled in float32 once; the
+// offsets' terms only for types that have them (qmin).
+template <int MT> struct Q8P {
+    static constexpr int MB = 16 * MT;
+    static constexpr int WR = MB * WSLOT, XQ = 2 * QNB * QROW, XD = QNB * (QKB / 32) * 4, XS = QNB * (QKB / 16) * 4;
+    static constexpr int BUF = WR + XQ + XD + XS;  // one buffer: weight words | inputs (2 levels) | scales | sums
+    static constexpr int AQ = MB * QROW, ASC = (QKB / 32) * MB * 16;
+    static constexpr int BYTES = 2 * BUF + AQ + ASC + QNB * 4;  // two buffers | quants | their scales | input rows
+};
+#define Q8P_WARPS 8
+
+// queues the copies of tile k0 (inputs of the pass's nt tokens, rows xr; the block's weight words) into buf
+template <int MT> __device__ void q8p_stage(const Rows& R, int cols, const uint8_t* __restrict__ x8, long long nx, int nt,
+                                            int k0, uint8_t* buf, const int* xr) {
+    constexpr int MB = 16 * MT;
+    const long long rc = nx * cols;
+    const float* pd = reinterpret_cast<const float*>(x8 + 2 * rc);
+    const float* ps = pd + nx * (cols / 32);
+    uint8_t* xq = buf + Q8P<MT>::WR;
+    float* xd = reinterpret_cast<float*>(xq + Q8P<MT>::XQ);
+    float* xs = xd + QNB * (QKB / 32);
+    int n = min(QKB, cols - k0), nch = n / 32;
+    for (int i = threadIdx.x; i < 2 * QNB * (QKB / 16); i += blockDim.x) {
+        int lv = i / (QNB * (QKB / 16)), t = (i / (QKB / 16)) % QNB, w = i % (QKB / 16);
+        if (t < nt && 16 * w < n) cp16(xq + (lv * QNB + t) * QROW + 16 * w, x8 + lv * rc + (long long)xr[t] * cols + k0 + 16 * w);
+    }
+    for (int i = threadIdx.x; i < QNB * (QKB / 32); i += blockDim.x) {
+        int t = i / (QKB / 32), c = i % (QKB / 32);
+        if (t < nt && c < nch) {
+            long long ch = (long long)xr[t] * (cols / 32) + k0 / 32 + c;
+            cp4(xd + i, pd + ch);
+            cp4(xs + 2 * i, ps + 2 * ch);
+            cp4(xs + 2 * i + 1, ps + 2 * ch + 1);
+        }
+    }
+    for (int task = threadIdx.x; task < MB * (WSLOT / 16); task += blockDim.x) {
+        int m = task / (WSLOT / 16), wd = task % (WSLOT / 16), mat = 0, r = m;
+        if (R.two) { mat = (m & 15) >= 8; r = 8 * (m >> 4) + (m & 7); }
+        int bw = g_block[R.qt[mat]][0], bb = g_block[R.qt[mat]][1];
+        const uint8_t* p = R.p[mat] + r * R.rb[mat] + (long long)(k0 / bw) * bb;
+        int nb = ((k0 + n - 1) / bw - k0 / bw + 1) * bb;
+        if (r < R.nrows && wd < cover_words(p, nb)) cp16(buf + m * WSLOT + 16 * wd, reinterpret_cast<const uint8_t*>((u64)p & ~15ull) + 16 * wd);
+    }
+    cp_commit();
+}
+
+// acc[i][j][.] = rows of m-tile (warp / 4) MT / 2 + i . tokens 16 (warp % 4) + 8 j (this lane's fragments) over K = cols
+template <int MT>
+__device__ void q8p_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8, long long nx, int nt, uint8_t* sm,
+                         float (*acc)[2][4]) {
+    constexpr int MB = 16 * MT, MW = MT / 2, BUF = Q8P<MT>::BUF;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3, tw = warp & 3, mh = warp >> 2;
+    uint8_t* aq = sm + 2 * BUF;
+    float4* asc = reinterpret_cast<float4*>(aq + Q8P<MT>::AQ);
+    const int* xr = reinterpret_cast<const int*>(aq + Q8P<MT>::AQ + Q8P<MT>::ASC);
+    bool split = qsplit(R.qt[0]) || qsplit(R.qt[1]), offs = qmin(R.qt[0]) || qmin(R.qt[1]);
+    for (int mat = 0; mat <= R.two; mat++) {
+        long long nbytes = R.nrows * R.rb[mat];
+        for (long long o = 128 * threadIdx.x; o < nbytes; o += 128 * blockDim.x) PREFETCH_L2(R.p[mat] + o);
+    }
+    for (int i = 0; i < MW; i++)
+        for (int j = 0; j < 2; j++)
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    int ntile = (cols + QKB - 1) / QKB;
+    __syncthreads();  // the pass's rows (xr) are written; the previous pass's buffers are consumed
+    q8p_stage<MT>(R, cols, x8, nx, nt, 0, sm, xr);
+    for (int k = 0; k < ntile; k++) {
+        int k0 = k * QKB, n = min(QKB, cols - k0), nch = n / 32;
+        uint8_t* buf = sm + (k & 1) * BUF;
+        cp_wait();
+        __syncthreads();  // tile k's copies have landed; tile k - 1 is consumed (its buffer and the quants are free)
+        if (k + 1 < ntile) q8p_stage<MT>(R, cols, x8, nx, nt, k0 + QKB, sm + ((k + 1) & 1) * BUF, xr);
+        for (int task = threadIdx.x; task < MB * (QKB / 32); task += blockDim.x) {
+            int m = task / (QKB / 32), c = task % (QKB / 32), mat = 0, r = m;
+            if (R.two) { mat = (m & 15) >= 8; r = 8 * (m >> 4) + (m & 7); }
+            uint32_t* qd = reinterpret_cast<uint32_t*>(aq + m * QROW + 32 * c);
+            if (r < R.nrows && c < nch) {  // where block 0 of the row would lie, given where block k0 / bw lies in its words
+                int bw = g_block[R.qt[mat]][0], bb = g_block[R.qt[mat]][1];
+                u64 o = (u64)(k0 / bw) * bb;
+                const uint8_t* row = reinterpret_cast<const uint8_t*>((u64)(buf + m * WSLOT) + (((u64)(R.p[mat] + r * R.rb[mat]) + o) & 15) - o);
+                DISPATCH(R.qt[mat], dec_q8, row, k0 / 32 + c, qd, asc + c * MB + m)
+            } else {
+                for (int i = 0; i < 8; i++) qd[i] = 0u;
+                asc[c * MB + m] = {0.f, 0.f, 0.f, 0.f};
+            }
+        }
+        __syncthreads();
+        if (16 * tw >= nt) continue;
+        const uint8_t* xq = buf + Q8P<MT>::WR;
+        const float* xd = reinterpret_cast<const float*>(xq + Q8P<MT>::XQ);
+        const float* xs = xd + QNB * (QKB / 32);
+        for (int c = 0; c < nch; c++) {
+            uint32_t b[2][2][2];  // [n-tile j][level][k half]
+            float dx[2][2], s0[2][2] = {{0.f, 0.f}, {0.f, 0.f}}, s1[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+            #pragma unroll
+            for (int j = 0; j < 2; j++) {
+                int tb = 16 * tw + 8 * j;
+                #pragma unroll
+                for (int lv = 0; lv < 2; lv++) {
+                    const uint32_t* xw = reinterpret_cast<const uint32_t*>(xq + (lv * QNB + tb + g) * QROW + 32 * c);
+                    b[j][lv][0] = xw[q];
+                    b[j][lv][1] = xw[4 + q];
+                }
+                #pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    int t = tb + 2 * q + i;
+                    dx[j][i] = xd[t * (QKB / 32) + c];
+                    if (offs) {
+                        s0[j][i] = xs[2 * (t * (QKB / 32) + c)];
+                        s1[j][i] = xs[2 * (t * (QKB / 32) + c) + 1];
+                    }
+                }
+            }
+            #pragma unroll
+            for (int i = 0; i < MW; i++) {
+                int mt = mh * MW + i;
+                const uint32_t* ra = reinterpret_cast<const uint32_t*>(aq + (16 * mt + g) * QROW + 32 * c);
+                const uint32_t* rb = ra + 8 * QROW / 4;
+                uint32_t a[4] = {ra[q], rb[q], ra[4 + q], rb[4 + q]};
+                float4 sa = asc[c * MB + 16 * mt + g], sb = asc[c * MB + 16 * mt + g + 8];
+                #pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    float v[4];
+                    if (split) {  // a scale per 16 weights: the two halves' sums apart
+                        int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+                        mma_s8k16(lo, a[0], a[1], b[j][0][0]);
+                        mma_s8k16(hi, a[2], a[3], b[j][0][1]);
+                        #pragma unroll
+                        for (int e = 0; e < 4; e++) { lo[e] *= 256; hi[e] *= 256; }
+                        mma_s8k16(lo, a[0], a[1], b[j][1][0]);
+                        mma_s8k16(hi, a[2], a[3], b[j][1][1]);
+                        #pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            float4 s = e < 2 ? sa : sb;
+                            v[e] = fmaf(s.x, (float)lo[e], s.y * (float)hi[e]);
+                        }
+                    } else {  // level sums |C| <= 32 * 128 * 127 each: 256 C1 + C2 fits int32
+                        int cs[4] = {0, 0, 0, 0};
+                        mma_s8k32(cs, a, b[j][0][0], b[j][0][1]);
+                        #pragma unroll
+                        for (int e = 0; e < 4; e++) cs[e] *= 256;
+                        mma_s8k32(cs, a, b[j][1][0], b[j][1][1]);
+                        #pragma unroll
+                        for (int e = 0; e < 4; e++) v[e] = (e < 2 ? sa : sb).x * (float)cs[e];
+                    }
+                    float* ac = acc[i][j];
+                    ac[0] = fmaf(dx[j][0], v[0], ac[0]);
+                    ac[1] = fmaf(dx[j][1], v[1], ac[1]);
+                    ac[2] = fmaf(dx[j][0], v[2], ac[2]);
+                    ac[3] = fmaf(dx[j][1], v[3], ac[3]);
+                    if (offs) {
+                        ac[0] += sa.z * s0[j][0] + sa.w * s1[j][0];
+                        ac[1] += sa.z * s0[j][1] + sa.w * s1[j][1];
+                        ac[2] += sb.z * s0[j][0] + sb.w * s1[j][0];
+                        ac[3] += sb.z * s0[j][1] + sb.w * s1[j][1];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#ifdef __CUDA_ARCH__
+#define SMEM_Q8P(MT) extern __shared__ __align__(16) uint8_t sm[];
+#else
+#define SMEM_Q8P(MT) __shared__ __align__(16) uint8_t sm[Q8P<MT>::BYTES];
+#endif
+
+template <int MT> __device__ void gate_up_q8p(GATE_UP_Q8_ARGS, uint8_t* sm) {
+    constexpr int RB = 8 * MT, MW = MT / 2;
+    int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
+    int* xr = reinterpret_cast<int*>(sm + 2 * Q8P<MT>::BUF + Q8P<MT>::AQ + Q8P<MT>::ASC);
+    const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]);
+    for (int s = (blockIdx.x * rl + RB - 1) / RB * RB; s < (blockIdx.x + 1) * rl && s < ffn; s += RB) {
+        Rows R = {{e + off_g + s * rb_g, e + off_u + s * rb_u}, {rb_g, rb_u}, {qt_g, qt_u}, 1, min(RB, ffn - s)};
+        for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += QNB) {
+            int nt = min(QNB, gstart[g + 1] - p0);
+            __syncthreads();  // the previous pass's rows are read
+            for (int t = threadIdx.x; t < QNB; t += blockDim.x) xr[t] = xrow[order[p0 + (t < nt ? t : 0)]];
+            float acc[MW][2][4];
+            q8p_pass<MT>(R, hidden, x8, nx, nt, sm, acc);
+            for (int j = 0; j < 2; j++) {
+                int tn = 16 * (warp & 3) + 8 * j + 2 * (lane & 3);
+                for (int i = 0; i < MW; i++) {
+                    int r = s + 8 * ((warp >> 2) * MW + i) + (lane >> 2);
+                    if (r >= ffn) continue;
+                    float bg = bias ? reinterpret_cast<const float*>(e)[r] : 0.f, bu = bias ? reinterpret_cast<const float*>(e)[ffn + r] : 0.f;
+                    for (int k = 0; k < 2; k++)
+                        if (tn + k < nt) h[(long long)order[p0 + tn + k] * ffn + r] = q_act(act, acc[i][j][k] + bg, acc[i][j][2 + k] + bu);
+                }
+            }
+        }
+    }
+}
+
+template <int MT> __device__ void down_q8p(DOWN_Q8_ARGS, uint8_t* sm) {
+    constexpr int RB = 16 * MT, MW = MT / 2;
+    int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
+    int* xr = reinterpret_cast<int*>(sm + 2 * Q8P<MT>::BUF + Q8P<MT>::AQ + Q8P<MT>::ASC);
+    const float* bd = reinterpret_cast<const float*>(base[g]) + 2 * ffn;
+    const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]) + off_d;
+    for (int s = (blockIdx.x * rl + RB - 1) / RB * RB; s < (blockIdx.x + 1) * rl && s < hidden; s += RB) {
+        Rows R = {{e + s * rb_d, e + s * rb_d}, {rb_d, rb_d}, {qt_d, qt_d}, 0, min(RB, hidden - s)};
+        for (int p0 = gstart[g]; p0 < gstart[g + 1]; p0 += QNB) {
+            int nt = min(QNB, gstart[g + 1] - p0);
+            __syncthreads();
+            for (int t = threadIdx.x; t < QNB; t += blockDim.x) xr[t] = order[p0 + (t < nt ? t : 0)];
+            float acc[MW][2][4];
+            q8p_pass<MT>(R, ffn, h8, nh, nt, sm, acc);
+            for (int j = 0; j < 2; j++) {
+                int tn = 16 * (warp & 3) + 8 * j + 2 * (lane & 3);
+                for (int i = 0; i < MW; i++)
+                    for (int hf = 0; hf < 2; hf++) {
+                        int r = s + 16 * ((warp >> 2) * MW + i) + (lane >> 2) + 8 * hf;
+                        if (r >= hidden) continue;
+                        for (int k = 0; k < 2; k++)
+                            if (tn + k < nt) y[(long long)order[p0 + tn + k] * hidden + r] = acc[i][j][2 * hf + k] + (bias ? bd[r] : 0.f);
+                    }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_gate_up_q8p(GATE_UP_Q8_ARGS) {
+    SMEM_Q8P(4)
+    gate_up_q8p<4>(base, gstart, order, xrow, x8, nx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias, sm);
+}
+extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_down_q8p(DOWN_Q8_ARGS) {
+    SMEM_Q8P(4)
+    down_q8p<4>(base, gstart, order, h8, nh, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, sm);
+}

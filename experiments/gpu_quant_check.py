@@ -39,7 +39,7 @@ import cupy as cp  # noqa: E402
 
 from execute import quant as Q  # noqa: E402
 from execute.kernel_timing import copy_ceiling_gbps, graph_seconds as timed  # noqa: E402
-from execute.gpu_quant import BATCH_VARIANTS, FLOAT_QTYPES, ONE_PROBES, ONE_VARIANTS, Experts, kernel_info, matmul  # noqa: E402
+from execute.gpu_quant import BATCH_VARIANTS, FLOAT_QTYPES, ONE_PROBES, ONE_VARIANTS, Q8_BLOCK, Experts, kernel_info, matmul  # noqa: E402
 
 REL_ERR, REL_ERR_INT8 = 1e-5, 2e-4
 
@@ -149,7 +149,7 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
 
 def occupancy() -> None:
     """Registers, stack bytes, shared bytes and resident blocks per SM of the expert kernels."""
-    batched = [(n + v, 128) for v in ("", *BATCH_VARIANTS) for n in ("qmoe_gate_up", "qmoe_down")]
+    batched = [(n + v, Q8_BLOCK.get(v, (128, 0))[0]) for v in ("", *BATCH_VARIANTS) for n in ("qmoe_gate_up", "qmoe_down")]
     one = [("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256)]  # (ONE_VARIANTS: the same kernels launched otherwise)
     for name, block in one + batched + [("qmatmul_q1", 128), ("qx8", 128)]:
         try:
