@@ -156,3 +156,117 @@ extern "C" __global__ void handoff_busy(long long ns) {
     long long t0 = ho_now();
     while (ho_now() - t0 < ns) __nanosleep(1000);
 }
+
+// ---- misses inside a token's graph (execute/graph_cpu.py) --------------------------------------
+// Per block of the graph: graphcpu_put, graphcpu_gate_up, graphcpu_down, graphcpu_combine. Pair j
+// is the block's j-th routed expert (route: the router's ids as int bits [0, k), weights [k, 2k));
+// table: the block's row of the slot table (expert -> device address, 0 when not resident). A
+// missing pair goes to the CPU pool: its call (number seq = *seq0 + layer + 1) was submitted
+// gated by the host with k pairs; graphcpu_put waits until the host has published it
+// (ctrl[gen] >= seq), writes the misses' ids (compacted, rank order) into `ids`, their count into
+// the call's job (ring slot seq % ring_slots, field j_n: the team reads it only after the gate),
+// the block's input row into their rows of `xin`, then the gate. pick[j]: pair j's row of the
+// call (-1: on the GPU), pick[k]: the count. graphcpu_combine waits for the call only when the
+// count is nonzero (ho_wait) and sums in j order as moe1_down_combine / handoff1_down_combine.
+
+// grid 1, block 256.
+extern "C" __global__ void graphcpu_put(const float* __restrict__ route, const unsigned long long* __restrict__ table,
+                                        int k, const float* __restrict__ x, int hidden, long long* ids, float* xin,
+                                        int* pick, long long* ctrl, int gen, int gate, int broken,
+                                        const long long* seq0, int layer, long long* ring, int ring_slots,
+                                        int ring_fields, int j_n, long long timeout_ns, long long* err,
+                                        long long* stamps, int stamp_slots) {
+    __shared__ int n_s;
+    long long seq = *(volatile const long long*)seq0 + layer + 1;
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (int j = 0; j < k; j++) {
+            int id = __float_as_int(route[j]);
+            if (table[id] == 0ull) {
+                pick[j] = n;
+                *(volatile long long*)(ids + n) = id;
+                n++;
+            } else {
+                pick[j] = -1;
+            }
+        }
+        pick[k] = n;
+        long long t0 = ho_now();
+        while (ho_acquire(ctrl + gen) < seq) {  // the host has filled and published the call
+            if (*(volatile const long long*)(ctrl + broken)) break;
+            if (ho_now() - t0 > timeout_ns) {
+                atomicCAS((unsigned long long*)err, 0ull, (unsigned long long)seq);
+                *(volatile long long*)(ctrl + broken) = 1;
+                __threadfence_system();
+                break;
+            }
+            __nanosleep(500);
+        }
+        *(volatile long long*)(ring + (seq % ring_slots) * ring_fields + j_n) = n;
+        n_s = n;
+    }
+    __syncthreads();
+    long long total = (long long)n_s * hidden;
+    for (long long i = threadIdx.x; i < total; i += blockDim.x) xin[i] = x[i % hidden];
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        stamps[3 * (seq % stamp_slots)] = ho_now();
+        ho_release(ctrl + gate, seq);
+    }
+}
+
+// h[j] = act(gate_j x, up_j x) for the resident pairs (moe1_gate_up's rows).
+// grid (ceil(ffn / (WARPS * rows_per_warp)), k), block 32 * WARPS.
+extern "C" __global__ void graphcpu_gate_up(const float* __restrict__ route, const unsigned long long* __restrict__ table,
+                                            int k, const float* __restrict__ x, float* __restrict__ h, int ffn,
+                                            int hidden, int rows_per_warp, long long off_g, int qt_g, long long rb_g,
+                                            long long off_u, int qt_u, long long rb_u, int act, int bias) {
+    int j = blockIdx.y;
+    unsigned long long b = route_base(route, table, j);
+    if (j >= k || !b) return;
+    gate_up1_rows(reinterpret_cast<const unsigned char*>(b), j, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g,
+                  off_u, qt_u, rb_u, act, bias);
+}
+
+// ys[j, r] = (down_j h[j] + bd_j)[r] for the resident pairs (moe1_down_combine's rows, before
+// the sum). grid ceil(hidden / rows_per_block), block 32 * k.
+extern "C" __global__ void graphcpu_down(const float* __restrict__ route, const unsigned long long* __restrict__ table,
+                                         const float* __restrict__ h, float* __restrict__ ys, int k, int ffn,
+                                         int hidden, int rows_per_block, long long off_d, int qt_d, long long rb_d,
+                                         int bias) {
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
+    if (!e) return;  // the whole warp: a CPU pair
+    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
+        int r = r0 + i;
+        float a[TB] = {0.f, 0.f, 0.f, 0.f};
+        row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
+        float s = warp_sum(a[0]);
+        if (lane == 0) ys[(long long)j * hidden + r] = bias ? s + bd[r] : s;
+    }
+}
+
+// out[r] = sum_j weight_j * y_j[r] in j order: y_j = ys[j] (GPU pair) or row pick[j] of `yout`
+// (mapped; the CPU call's output, read once the call is done). grid ceil(hidden / 256), block 256.
+extern "C" __global__ void graphcpu_combine(const float* __restrict__ route, const int* __restrict__ pick, int k,
+                                            int hidden, const float* __restrict__ ys, const float* yout,
+                                            float* __restrict__ out, const long long* ctrl, int done, int broken,
+                                            const long long* seq0, int layer, long long timeout_ns, long long* relay,
+                                            long long* err, long long* stamps, int stamp_slots) {
+    long long seq = *(volatile const long long*)seq0 + layer + 1;
+    bool ok = true;
+    if (pick[k]) ok = ho_wait(ctrl, done, broken, seq, timeout_ns, relay, err, stamps + 3 * (seq % stamp_slots));
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < hidden) {
+        float s = 0.f;
+        for (int jj = 0; jj < k; jj++) {
+            int p = pick[jj];
+            float y = p < 0 ? ys[(long long)jj * hidden + r]
+                            : (ok ? *(volatile const float*)(yout + (long long)p * hidden + r) : 0.f);
+            s += route[k + jj] * y;
+        }
+        out[r] = s;
+    }
+}

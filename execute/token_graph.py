@@ -33,6 +33,11 @@ graph does not find (a background fill completed after its launch) halts it, as 
 
 Numerics: the same kernels on the same values as the block-by-block path (router weights as the
 router kernel wrote them), so logits are bit-identical.
+
+Misses on the CPU (``MOELAB_GRAPH_CPU=1``, off by default; ``execute.graph_cpu``): each block hands
+its non-resident experts to the CPU pool through mapped memory inside the graph, so no block
+halts; the policy must be wrapped in ``scheduler.graph.CpuMisses`` (its decisions then say the
+same, which ``GraphCpuGate`` checks), and no token is launched ahead.
 """
 from __future__ import annotations
 
@@ -111,6 +116,15 @@ class TokenGraph:
         self.wait_s = 0.0  # host time blocked on the graphs (in result)
         self.gpu_s = 0.0  # device time of the graphs (CUDA events around each launch)
         self._t0, self._t1 = cp.cuda.Event(), cp.cuda.Event()
+        self.cpu = None  # execute.graph_cpu.GraphCpu: misses go to the CPU pool inside the graph
+        from .graph_cpu import graph_cpu_env
+
+        if graph_cpu_env():
+            from .graph_cpu import GraphCpu, GraphCpuGate
+
+            self.cpu = GraphCpu.create(engine, L, k, hidden)
+            if self.cpu is not None:
+                self.gate, self.pipeline = GraphCpuGate(), False
 
     # build ---------------------------------------------------------------------------------------
     def _launches(self) -> list:
@@ -126,6 +140,9 @@ class TokenGraph:
         rec_h, rec_d, nrec = self._rec_mem.ptr, int(self.rec_dev.data.ptr), self.rec.nbytes
         out = [lambda s: _rt.memcpyAsync(rec_d, rec_h, nrec, _rt.memcpyHostToDevice, s),
                lambda s: _rt.memsetAsync(halt, 0x7F, 4, s)]
+        cpu = self.cpu
+        if cpu is not None:
+            out += cpu.prologue()
         x = gd.emb
         table = int(eng.table_dev.data.ptr)
         width = eng.table_dev.shape[1]
@@ -139,13 +156,19 @@ class TokenGraph:
             self._blocks.append(b)
             route = back + 4 * l * 2 * k
             out.extend(b.launches(rec_d + 32 * l, route))
-            out.extend(gx.routed_layer(l, route, table + 8 * width * l, halt, int(self.hn[l].data.ptr),
-                                       int(self.h.data.ptr), int(self.out[l].data.ptr), k))
+            if cpu is not None:
+                out.extend(cpu.block(l, route, table + 8 * width * l, int(self.hn[l].data.ptr), int(self.h.data.ptr),
+                                     int(self.out[l].data.ptr)))
+            else:
+                out.extend(gx.routed_layer(l, route, table + 8 * width * l, halt, int(self.hn[l].data.ptr),
+                                           int(self.h.data.ptr), int(self.out[l].data.ptr), k))
             x = self.cur[l]
         head = gd.decode_head(x, model.output, model.output_norm, eps, rs, float(info.logit_scale))
         head.vals[6], head.vals[15] = int(self.out[L - 1].data.ptr), int(self.logits.data.ptr)
         back_h, nback = self._back_mem.ptr, self.back_dev.nbytes
         out += [head, lambda s: _rt.memcpyAsync(back_h, back, nback, _rt.memcpyDeviceToHost, s)]
+        if cpu is not None:
+            out += cpu.epilogue()
         return out
 
     def _build(self) -> bool:
@@ -213,12 +236,16 @@ class TokenGraph:
             np.copyto(self._stage, res.table)
             copy_to_device(self.engine.table_dev, self._stage, s)
             res.dirty = False
+        if self.cpu is not None:
+            self.cpu.before_launch()
         _rt.eventRecord(self._t0.ptr, s)
         _rt.graphLaunch(self._exec, s)
         _rt.eventRecord(self._t1.ptr, s)
         _rt.eventRecord(self.done.ptr, s)
         _rt.streamWaitEvent(gx.compute.ptr, self.done.ptr)
         gx.mark_read()  # copies into slots wait for the graph's reads
+        if self.cpu is not None:  # the graph waits for each block's call on the device
+            self.cpu.after_launch()
         self._pending = (pos, None)
         return True
 
@@ -240,6 +267,8 @@ class TokenGraph:
         self.tokens += 1
         self.complete += m == L
         self.gate.done(m == L)
+        if self.cpu is not None:
+            self.gate.expect(self.cpu.finish())
         return m, ids, wts
 
     def run(self, pos: int) -> tuple[int, np.ndarray, np.ndarray]:

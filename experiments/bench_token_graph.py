@@ -3,13 +3,16 @@
 For each policy, the same decode tokens (random ids, one sequence) run on a GGUF through
 ``execute.model.run`` with the expert engine, in each of ``--modes``: ``plain`` block by block
 (``MOELAB_TOKEN_GRAPH=0``), ``graph`` the token graph without pipelining, ``pipelined`` the token
-graph with the next token launched while the host settles the last (the default). The first
+graph with the next token launched while the host settles the last (the default); ``cpuplain`` and
+``cpugraph`` run the policy wrapped in ``scheduler.graph.CpuMisses`` (every miss of a decode token on
+the CPU pool, its upload a fill after the token), block by block and as one graph whose blocks hand
+their misses to the pool (``MOELAB_GRAPH_CPU=1``, ``execute.graph_cpu``). The first
 ``--warmup`` tokens are not timed. Prints and writes (``--out``/bench_token_graph.json) per run:
 tokens/s, wall time per layer step, host time in the engine per layer step (``run_layer`` or
 ``settle_layer``: plan + queue + combine), the host's time blocked on graphs per layer step (wait:
 the GPU's share the host did not overlap), the graphs' device time per block (CUDA events around
-each launch), the tokens launched ahead, the share of tokens the graph completed, and the hit rate;
-then each mode / plain per policy.
+each launch), the tokens launched ahead, the share of tokens the graph completed, the hit rate, the
+CPU pairs and the hand-off's edges per call; then each mode / the first mode per policy.
 
     python experiments/bench_token_graph.py MODEL.gguf --policies gpu,lru,hybrid --cache-mib 2048
 """
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+MODES = ("plain", "graph", "pipelined", "cpuplain", "cpugraph")
+
 
 def _graph_counts(model) -> tuple:
     """The token graph's counters: tokens tried, completed, host wait, launched ahead, device time."""
@@ -36,8 +41,10 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
     from execute.token_graph import TokenGraph
     from scheduler import Capacity, make_policy
     from scheduler.audit import Audit
+    from scheduler.graph import CpuMisses
 
-    os.environ["MOELAB_TOKEN_GRAPH"] = "0" if mode == "plain" else "1"
+    os.environ["MOELAB_TOKEN_GRAPH"] = "0" if mode in ("plain", "cpuplain") else "1"
+    os.environ["MOELAB_GRAPH_CPU"] = "1" if mode == "cpugraph" else "0"
     TokenGraph.pipeline = mode == "pipelined"
     info = weights.info
     g = info.geometry()
@@ -52,21 +59,27 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
             marks["t0"] = time.perf_counter()
             marks["stats"] = dict(vars(backend.engine.stats))
             marks["tg"] = _graph_counts(model)
+            tg = getattr(model, "token_graph", None)
+            marks["cpu"] = tg.cpu.cpu_pairs if tg is not None and tg.cpu is not None else 0
 
     inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
     try:
-        M.run(model, backend, make_policy(policy, g, cap), inputs, audit=audit, progress=progress)
+        pol = make_policy(policy, g, cap)
+        M.run(model, backend, CpuMisses(pol) if mode.startswith("cpu") else pol, inputs, audit=audit, progress=progress)
         import cupy as cp
 
         cp.cuda.get_current_stream().synchronize()
         wall = time.perf_counter() - marks["t0"]
         st = vars(backend.engine.stats)
+        tg = getattr(model, "token_graph", None)
+        graph_cpu = tg.cpu.cpu_pairs - marks["cpu"] if tg is not None and tg.cpu is not None else 0
     finally:
         backend.close()
         TokenGraph.pipeline = True
     n = len(tokens) - warmup
     d = {k: st.get(k, 0) - marks["stats"].get(k, 0) for k in ("steps", "host_plan_s", "host_queue_s", "host_combine_s",
-                                                 "host_early_s", "graph_steps", "uploads")}
+                                                 "host_early_s", "graph_steps", "uploads", "cpu_pairs",
+                                                 "handoff_calls", "handoff_in_s", "handoff_out_s")}
     steps = max(d["steps"], 1)
     tried, done, wait_s, ahead, gpu_s = (a - b for a, b in zip(_graph_counts(model), marks["tg"]))
     s = audit.summary()
@@ -77,14 +90,18 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
             "graph_wait_us_per_layer_step": 1e6 * wait_s / steps, "tokens_launched_ahead": ahead,
             "graph_gpu_us_per_graph_layer": 1e6 * gpu_s / max(tried * weights.info.num_layers, 1),
             "graph_tokens_tried": tried, "graph_tokens_complete": done, "graph_steps": d["graph_steps"],
-            "uploads": d["uploads"], "hit_rate": s["hit_rate"], "cache_mib": cap.slot_bytes(g) / 2**20}
+            "uploads": d["uploads"], "hit_rate": s["hit_rate"], "cache_mib": cap.slot_bytes(g) / 2**20,
+            "cpu_pairs": d["cpu_pairs"] + graph_cpu, "fills": s.get("fills", 0),
+            "handoff_in_us": 1e6 * d["handoff_in_s"] / max(d["handoff_calls"], 1),
+            "handoff_out_us": 1e6 * d["handoff_out_s"] / max(d["handoff_calls"], 1)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="GGUF model")
     ap.add_argument("--policies", default="gpu,lru", help="comma list (default gpu,lru)")
-    ap.add_argument("--modes", default="plain,graph,pipelined", help="comma list of plain, graph, pipelined")
+    ap.add_argument("--modes", default="plain,graph,pipelined",
+                    help="comma list of plain, graph, pipelined, cpuplain, cpugraph")
     ap.add_argument("--cache-mib", type=float, default=2048, help="expert cache of the policies other than gpu")
     ap.add_argument("--tokens", type=int, default=96, help="timed decode tokens")
     ap.add_argument("--warmup", type=int, default=16, help="untimed tokens first")
@@ -95,8 +112,8 @@ def main(argv=None) -> int:
     if args.tokens < 1 or args.warmup < 1:
         ap.error("--tokens and --warmup: expected >= 1")
     modes = args.modes.split(",")
-    if not modes or any(m not in ("plain", "graph", "pipelined") for m in modes):
-        ap.error(f"--modes: {args.modes!r}, expected a comma list of plain, graph, pipelined")
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: {args.modes!r}, expected a comma list of {', '.join(MODES)}")
     from execute.gguf_model import load_model
 
     weights = load_model(args.model)
@@ -111,12 +128,14 @@ def main(argv=None) -> int:
                   f"{r['graph_wait_us_per_layer_step']:5.1f} us/layer step, graph on GPU "
                   f"{r['graph_gpu_us_per_graph_layer']:5.1f} us/layer, graph {r['graph_tokens_complete']}/"
                   f"{r['graph_tokens_tried']} tokens complete, {r['tokens_launched_ahead']} ahead, hits "
-                  f"{r['hit_rate']:.3f}", flush=True)
+                  f"{r['hit_rate']:.3f}, cpu pairs {r['cpu_pairs']}, fills {r['fills']}, hand-off in/out "
+                  f"{r['handoff_in_us']:.1f}/{r['handoff_out_us']:.1f} us", flush=True)
     for policy in args.policies.split(","):
         base = next((r for r in rows if r["policy"] == policy and r["mode"] == modes[0]), None)
         for r in rows:
             if r["policy"] == policy and r is not base:
-                print(f"{policy}: {r['mode']} / {base['mode']} = {r['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+                print(f"{policy}: {r['mode']} / {base['mode']} = {r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+                      flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(vars(args), layers=weights.info.num_layers, experts=list(weights.info.num_experts)[:1])

@@ -13,16 +13,22 @@ that the graph would have completed; so every token that could run as a graph is
 not (a skipped one from the driver items of its block-by-block run, ``see``), and while the
 smoothed rate of tokens that would have completed is at least ``MIN_RATE`` every token tries.
 
+With :class:`CpuMisses` wrapped around the policy, a one-token step never uploads: its misses run
+on the CPU pool and the uploads the policy chose are queued as fills after the token, so a decode
+token runs as one graph whatever the cache holds (the executor's ``MOELAB_GRAPH_CPU``, the
+simulator's ``graph_cpu``); :func:`runs_in_graph` is that graph's rule for a block.
+
 Both backends read these pieces from here; neither reads a clock.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
-from .core import Decision
+from .cache import INFLIGHT
+from .core import Decision, Move, Step
 from .drive import AwaitBackground, EndToken, RunLayer
 
-__all__ = ["MAX_SKIP", "MIN_RATE", "SMOOTHING", "GraphBackoff", "resident_at_launch"]
+__all__ = ["MAX_SKIP", "MIN_RATE", "SMOOTHING", "CpuMisses", "GraphBackoff", "resident_at_launch", "runs_in_graph"]
 
 MAX_SKIP = 64  # the longest run of tokens that skip the graph after incomplete ones
 MIN_RATE = 0.13  # every token tries while this share of recent tokens would have completed (dev routing)
@@ -101,3 +107,104 @@ def resident_at_launch(decision: Decision, arrived: Iterable[tuple[int, int]] = 
     arrived = arrived if isinstance(arrived, (set, frozenset)) else set(arrived)
     layer = d.step.layer
     return not arrived or not any((layer, e) in arrived for e in d.hits)
+
+
+def runs_in_graph(decision: Decision, arrived: Iterable[tuple[int, int]] = (), cpu: bool = False) -> bool:
+    """Whether the graph runs ``decision``'s block: ``resident_at_launch``, or with ``cpu`` (the
+    graph hands its misses to the CPU pool) when the block uploads and streams nothing and none of
+    its hits became resident after the launch."""
+    if not cpu:
+        return resident_at_launch(decision, arrived)
+    d = decision
+    if d.uploads or d.streams:
+        return False
+    arrived = arrived if isinstance(arrived, (set, frozenset)) else set(arrived)
+    layer = d.step.layer
+    return not arrived or not any((layer, e) in arrived for e in d.hits)
+
+
+class CpuMisses:
+    """``policy`` with every miss of a one-token step (``counts`` None) computed on the CPU: the
+    step's decision keeps the policy's hits, evictions and retired experts, puts every other routed
+    expert on the CPU, and uploads nothing; the uploads (and promotions) the policy chose are
+    committed to it at once (their slots taken, the experts in flight) and queued, in step order,
+    as fills at the head of the token's background moves. Other steps get the policy's decision,
+    planned again without the routed experts still in flight (they go to the CPU) when it would
+    copy one of them. Prefetch (``plan_prefetch``) is off for one-token steps.
+
+    Invariants: a one-token step's decision has no uploads, streams or promotions; every fill
+    queued goes into the slot the policy took for it at the step; the policy sees the calls it
+    would see unwrapped, with the fills completing as background moves."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.name, self.geometry, self.capacity = policy.name, policy.geometry, policy.capacity
+        self._planned: tuple | None = None  # (decision given, the policy's decision to commit)
+        self._fills: list[Move] = []  # the token's deferred uploads
+        self._own = 0  # how many moves of the last plan_background are the deferred fills
+        if hasattr(policy, "plan_prefetch"):
+            self.plan_prefetch = self._prefetch
+
+    def __getattr__(self, name: str):  # cache, config, statistics: the policy's
+        try:
+            policy = self.__dict__["policy"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(policy, name)
+
+    def plan(self, step: Step) -> Decision:
+        p = self.policy
+        d = p.plan(step)
+        state = p.cache.state[step.layer]
+        if any(state[e] == INFLIGHT for e in d.uploads + d.streams):
+            busy = [i for i, e in enumerate(step.experts) if state[e] == INFLIGHT]
+            d = _replan(p, step, busy)
+        if step.counts is not None:
+            out = d
+        else:
+            hits = set(d.hits)
+            cpu = tuple(e for e in step.experts if e not in hits)
+            out = Decision(step, d.hits, cpu=cpu, evictions=d.evictions, retired=d.retired)
+        self._planned = (out, d)
+        return out
+
+    def commit(self, decision: Decision) -> None:
+        planned = self._planned
+        if planned is None or planned[0] is not decision:
+            raise ValueError("CpuMisses.commit: commit the decision its last plan returned")
+        self._planned = None
+        d = planned[1]
+        self.policy.commit(d)
+        if d is not decision:
+            layer = d.step.layer
+            self._fills.extend(Move(layer, e, s) for e, s in zip(d.uploads + d.promotions, d.slots + d.promotion_slots))
+
+    def plan_background(self) -> tuple[Move, ...]:
+        own = tuple(self._fills)
+        self._fills = []
+        self._own = len(own)
+        return own + tuple(self.policy.plan_background())
+
+    def commit_background(self, moves: tuple[Move, ...]) -> None:
+        self.policy.commit_background(moves[self._own:])
+        self._own = 0
+
+    def complete(self, layer: int, expert: int) -> None:
+        self.policy.complete(layer, expert)
+
+    def residents(self) -> list[tuple[int, int]]:
+        return self.policy.residents()
+
+    def _prefetch(self, step: Step) -> tuple[Move, ...]:
+        return () if step.counts is None else self.policy.plan_prefetch(step)
+
+
+def _replan(policy, step: Step, busy: list[int]) -> Decision:
+    """``policy``'s decision for ``step`` without its experts at indexes ``busy`` (in flight), which
+    go to the CPU."""
+    keep = [i for i in range(len(step.experts)) if i not in busy]
+    sub = Step(step.layer, tuple(step.experts[i] for i in keep),
+               None if step.counts is None else tuple(step.counts[i] for i in keep),
+               None if step.weights is None else tuple(step.weights[i] for i in keep))
+    d = policy.plan(sub)
+    return d._replace(step=step, cpu=d.cpu + tuple(step.experts[i] for i in busy))

@@ -44,7 +44,7 @@ import simpy
 from scheduler import Audit, AwaitBackground, EndToken, RunLayer, StartBackground
 
 from scheduler.costs import Costs
-from scheduler.graph import GraphBackoff, resident_at_launch
+from scheduler.graph import GraphBackoff, runs_in_graph
 
 __all__ = ["Simulator", "SimResult"]
 
@@ -94,19 +94,22 @@ class SimResult:
 class _GraphToken(NamedTuple):
     """Put before a token's items when it tries the token graph: the graph completed the blocks
     before ``blocks`` (all of them: the token), and was launched while the previous token's steps
-    were settled (``ahead``)."""
+    were settled (``ahead``). ``cpu``: with the CPU pool inside the graph, each block's CPU experts
+    (a count per block), else empty."""
 
     token: object
     blocks: int
     ahead: bool
+    cpu: tuple = ()
 
 
-def graph_tokens(items, num_layers: int):
+def graph_tokens(items, num_layers: int, cpu: bool = False):
     """``items`` with a ``_GraphToken`` before each decode token that tries the token graph, by the
     executor's rule (``scheduler.graph``): one token's items are read ahead to find the first block
-    whose routed experts were not all resident at the launch (the decisions do not depend on
-    timing, so reading ahead changes none). A token launched ahead (the previous one completed in
-    the graph, same sequence, next position) is launched before the fills awaited at its start."""
+    that does not run in the graph (``runs_in_graph``; with ``cpu`` the graph hands its misses to the
+    CPU pool; the decisions do not depend on timing, so reading ahead changes none). A token launched
+    ahead (the previous one completed in the graph, same sequence, next position; never with
+    ``cpu``) is launched before the fills awaited at its start."""
     gate = GraphBackoff()
     buf: list = []
     prev = None  # (seq, pos) of the previous token when the graph completed it
@@ -117,21 +120,29 @@ def graph_tokens(items, num_layers: int):
         tok = item.token
         one = tok.phase == "decode" and tok.num_tokens == 1
         if one and all(it.step.counts is None for it in buf if type(it) is RunLayer) and gate.want():
-            ahead = prev == (tok.seq, tok.pos - 1)
+            ahead = prev == (tok.seq, tok.pos - 1) and not cpu
             arrived: set = set()
             blocks, launched = num_layers, ahead
             for it in buf:
                 k = type(it)
                 if k is RunLayer:
                     launched = True
-                    if not resident_at_launch(it.decision, arrived):
+                    if not runs_in_graph(it.decision, arrived, cpu):
                         blocks = it.step.layer
                         break
                 elif k is AwaitBackground and launched:
                     arrived.update((m.layer, m.expert) for m in it.moves)
+            if cpu and blocks < num_layers:
+                raise ValueError(f"graph_cpu: token {tok.index} block {blocks} uploads or streams an expert; "
+                                 "wrap the policy in scheduler.graph.CpuMisses")
             gate.done(blocks >= num_layers)
             prev = (tok.seq, tok.pos) if blocks >= num_layers else None
-            yield _GraphToken(tok, blocks, ahead)
+            per = [0] * num_layers
+            if cpu:
+                for it in buf:
+                    if type(it) is RunLayer and it.step.layer < blocks:
+                        per[it.step.layer] = len(it.decision.cpu)
+            yield _GraphToken(tok, blocks, ahead, tuple(per) if cpu else ())
         else:
             prev = None
         for it in buf:  # scores a token that skipped the graph (scheduler.graph)
@@ -158,10 +169,14 @@ class Simulator:
     token until they land, whatever the driver's lag; a swap never holds a token, and a step's hit
     on a swapped-in expert waits for that expert's copy (a copy stream's per-expert event: the
     seeds' pull request, whose fills follow the token that missed and whose swap rounds run beside
-    generation)."""
+    generation). ``graph_cpu`` (with ``token_graph``): the graph hands a block's misses to the CPU
+    pool (``scheduler.graph.CpuMisses`` decisions, ``execute.graph_cpu``): the host submits one call
+    per block after the launch (``cpu_submit_s`` each), a block's put waits for its call, the pool
+    starts ``handoff_in_s`` after the put and the block ends no earlier than ``handoff_out_s`` after
+    the pool does."""
 
     def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False,
-                 background_wait: str = "device", swaps: str = "await"):
+                 background_wait: str = "device", swaps: str = "await", graph_cpu: bool = False):
         if background_wait not in BACKGROUND_WAITS:
             raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
         if swaps not in SWAP_WAITS:
@@ -169,6 +184,7 @@ class Simulator:
         self.costs = costs
         self.record = record
         self.token_graph = token_graph
+        self.graph_cpu = graph_cpu
         self.background_wait = background_wait
         self.swaps = swaps
 
@@ -379,7 +395,7 @@ class Simulator:
         L = len(dense_s)
         settle, whole, launch_next = -1, False, 0.0  # token graph: steps below settle were computed by it
         if self.token_graph and hc.graph_block_s > 0:
-            items = graph_tokens(items, L)
+            items = graph_tokens(items, L, self.graph_cpu)
             cum_dense, cum_kv = np.concatenate(([0.0], np.cumsum(dense_s))), float(np.sum(kv_s))
         for item in items:
             kind = type(item)
@@ -391,15 +407,23 @@ class Simulator:
                 else:
                     h += hc.graph_token_s
                     g0 = max(g, h)
-                g = g0 + gg
                 gpu_busy += gg
+                busy = 0.0
+                if item.cpu:  # the blocks' CPU calls, submitted after the launch, in the graph's chain
+                    g, p, busy, spans = _graph_cpu_chain(g0, h, p, item.cpu, pos1, c, hc)
+                    h += L * hc.cpu_submit_s
+                    cpu_busy += busy
+                    if events is not None:
+                        events.extend(spans)
+                else:
+                    g = g0 + gg
                 h = max(h, g)
                 whole = m >= L
                 if whole:  # its logits are final: sample, launch the next token, then settle these steps
                     h += hc.graph_token_s
                     launch_next = h
                 settle = m
-                tok_bound += max(gg, hc.graph_token_s + m * hc.graph_step_s)
+                tok_bound += max(gg, hc.graph_token_s + m * hc.graph_step_s, busy)
                 if events is not None:
                     events.append(("gpu", f"token graph {m}/{L} blocks", g0, gg))
                 continue
@@ -559,3 +583,24 @@ class Simulator:
         upc_s = c.expert_launch_s + c.gpu_experts(l, [cnt.get(e, 1) for e in up]) if up else 0.0
         cpu_s = c.cpu_call_s(l, len(d.cpu), [cnt.get(e, 1) for e in d.cpu])
         return g, hit_s, upc_s, cpu_s, len(up), len(d.cpu)
+
+
+def _graph_cpu_chain(g0: float, h0: float, p: float, cpu: tuple, pos1: int, c, hc) -> tuple:
+    """A token graph whose blocks hand ``cpu[l]`` misses each to the pool (``Simulator``'s
+    ``graph_cpu``), launched at ``g0`` by the host at ``h0``, the pool free at ``p``: -> (the
+    graph's end, the pool's, the pool's busy seconds, CPU spans for the timeline)."""
+    t, busy, spans = g0, 0.0, []
+    for l, nc in enumerate(cpu):
+        block = hc.graph_block_s + pos1 * c.kv_s_per_pos[l]
+        dense = min(c.dense_s[l] + pos1 * c.kv_s_per_pos[l], block)
+        put = max(t + dense, h0 + (l + 1) * hc.cpu_submit_s)  # the put waits for the host's call
+        end = put + block - dense
+        if nc:
+            cpu_s = c.cpu_call_s(l, nc)
+            c0 = max(p, put + hc.handoff_in_s)
+            p = c0 + cpu_s
+            busy += cpu_s
+            end = max(end, p + hc.handoff_out_s)
+            spans.append(("cpu", f"L{l} cpu x{nc}", c0, cpu_s))
+        t = end
+    return t + c.head_s, p, busy, spans

@@ -1,0 +1,106 @@
+"""execute.graph_cpu: a decode token whose misses the CPU pool computes inside its graph.
+
+On the CPU: the pool's side of the protocol (a gated call submitted with k pairs, whose pair count,
+ids and input rows are written into the job and mapped buffers before the gate, computes only those
+pairs). On the GPU: with the policy wrapped in ``scheduler.graph.CpuMisses``, the graph
+(``MOELAB_GRAPH_CPU=1``) gives the bits, routes and decisions of the block-by-block hand-off of the
+same decisions, completing every token; an unwrapped policy is refused at its first such step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from execute import cpu_pool as P
+from execute.cpu_experts import J_N, run_experts
+from execute.experts import ExecutorError, random_layer
+
+from .conftest import cupy_or_skip
+
+
+@pytest.mark.parametrize("picks", [[5, 2], [], [7, 0, 3]])
+def test_a_gated_call_computes_the_pairs_written_before_its_gate(picks):
+    rng = np.random.default_rng(3)
+    k, hidden = 4, 64
+    layer = random_layer(rng, 0, 8, hidden, 32, 8)
+    ids, xin, yout = np.zeros(k, np.int64), np.zeros((k, hidden), np.float32), np.zeros((k, hidden), np.float32)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    with P.CpuExpertPool(2, 10.0) as pool:
+        pool.warmup(layer)
+        job = pool.submit(layer, ids, xin, out=yout, gated=True)
+        # the GPU's part (graphcpu_put): ids, the count into the call's job, the input rows, the gate
+        n = len(picks)
+        ids[:n] = picks
+        pool._ring[job._seq % P._RING, J_N] = n
+        xin[:n] = x
+        pool.ctrl[P._C_GATE] = job._seq
+        job.result()
+    if n:
+        want = run_experts(layer, picks, np.repeat(x[None], n, 0))
+        assert np.array_equal(yout[:n], want)
+    assert not yout[n:].any()
+
+
+def _run(w, policy: str, slots: int, tokens, graph_cpu: bool, monkeypatch, wrap: bool = True):
+    from execute import model as M
+    from scheduler import Capacity, make_policy
+    from scheduler.audit import Audit
+    from scheduler.graph import CpuMisses
+
+    monkeypatch.setenv("MOELAB_TOKEN_GRAPH", "1" if graph_cpu else "0")
+    monkeypatch.setenv("MOELAB_GRAPH_CPU", "1" if graph_cpu else "0")
+    g = w.info.geometry()
+    cap = Capacity.per_layer(g, slots)
+    model = M.MoeModel(w, use_gpu=True, max_tokens=8)
+    model.route_log = []
+    backend = M.EngineExperts(w, cap, threads=2, use_gpu=True)
+    audit = Audit(g, keep_log=True)
+    pol = make_policy(policy, g, cap)
+    inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
+    try:
+        res = M.run(model, backend, CpuMisses(pol) if wrap else pol, inputs, audit=audit, keep_logits=True)
+        stats = backend.engine.stats
+    finally:
+        backend.close()
+    return np.stack(res.logits), model, audit, stats
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    from execute.gguf_model import load_model
+    from execute.synth import config_from_preset, synth_model
+
+    root, cache = tmp_path_factory.mktemp("graph_cpu"), {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cfg = config_from_preset("tiny", arch=arch, quant="Q8_0", num_layers=6, seed=13)
+            cache[arch] = load_model(synth_model(root / f"{arch}.gguf", cfg))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch, policy, slots", [("qwen3moe", "lru", 3), ("qwen3moe", "hybrid", 3),
+                                                 ("gpt-oss", "lru", 4)])
+def test_the_graph_gives_the_block_by_block_bits_of_the_same_decisions(weights, arch, policy, slots, monkeypatch):
+    cupy_or_skip()
+    w = weights(arch)
+    tokens = np.random.default_rng(5).integers(w.info.vocab, size=40).tolist()  # the cache grows 8 -> 64
+    plain, m0, a0, _ = _run(w, policy, slots, tokens, False, monkeypatch)
+    got, m1, a1, st = _run(w, policy, slots, tokens, True, monkeypatch)
+    tg = m1.token_graph
+    assert m0.token_graph is None and tg is not None and tg.cpu is not None
+    assert np.array_equal(got, plain)
+    assert m1.route_log == m0.route_log and a1.digest() == a0.digest()
+    s = a1.summary()
+    assert tg.tokens == tg.complete == len(tokens) and st.graph_steps == len(tokens) * w.info.num_layers
+    assert s["uploads"] == 0 and s["cpu"] == tg.cpu.cpu_pairs > 0 and s["fills"] > 0
+
+
+@pytest.mark.gpu
+def test_an_unwrapped_policy_is_refused(weights, monkeypatch):
+    cupy_or_skip()
+    w = weights("qwen3moe")
+    with pytest.raises(ExecutorError, match="CpuMisses"):
+        _run(w, "lru", 3, list(range(1, 6)), True, monkeypatch, wrap=False)
