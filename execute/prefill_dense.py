@@ -297,25 +297,50 @@ class ChunkDense:
         """GQA attention of block ``l`` for ``x (T, hidden)`` at ``model.pos`` as ``MoeModel._attention``
         computes it (KV cache written); None when this path does not take the model (MLA, head_dim
         odd or over 1024, a q/k norm without the fused weight) or the chunk (over 65535 tokens)."""
-        info, w, pos = model.info, model.layers[l], model.pos
-        nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
-        mode = {"none": 0, "head": 1, "full": 2}.get(model.spec.qk_norm)
-        t = int(x.shape[0])
-        if (model.mla or mode is None or hd % 2 or hd > 1024 or nkv < 1 or nh % nkv or t > 65535
-                or (mode and w.get("qk_weight") is None)):
+        w, t = model.layers[l], int(x.shape[0])
+        if not self.takes_attention(model, l, t):
             return None
         qkv = model._proj(x, w["wqkv"])  # (T, q + 2 kv)
         if w["bqkv"] is not None:
             qkv = qkv + w["bqkv"]
+        o = self.attend(model, l, self.qk_rope_kv(model, l, qkv), t)
+        y = model._proj(o, w["wo"])
+        return y if w["bo"] is None else y + w["bo"]
+
+    @staticmethod
+    def takes_attention(model, l: int, t: int) -> bool:
+        """Whether :meth:`attention` takes block ``l`` of ``model`` for a chunk of ``t`` tokens."""
+        info, w = model.info, model.layers[l]
+        nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
+        mode = {"none": 0, "head": 1, "full": 2}.get(model.spec.qk_norm)
+        return not (model.mla or mode is None or hd % 2 or hd > 1024 or nkv < 1 or nh % nkv or t > 65535
+                    or (mode and w.get("qk_weight") is None))
+
+    def qk_rope_kv(self, model, l: int, qkv):
+        """q/k norm + RoPE of ``qkv (T, q + 2 kv)`` at ``model.pos``, k and v appended to block ``l``'s
+        cache; -> q ``(kv_heads, T, group, head_dim)`` float32 (``pd_qk_rope_kv``)."""
+        info, w, pos = model.info, model.layers[l], model.pos
+        nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
+        mode = {"none": 0, "head": 1, "full": 2}[model.spec.qk_norm]
         qkv = _f32c(qkv)
-        g = nh // nkv
+        t, g = int(qkv.shape[0]), nh // nkv
         kc, vc = model.k_cache[l], model.v_cache[l]
-        n = int(kc.shape[1])
         q = cp.empty((nkv, t, g, hd), cp.float32)
         self._qk((nh + 2 * nkv, t), (32 * -(-hd // 32),),
                  (qkv, np.int32(t), np.int32(nh), np.int32(nkv), np.int32(hd),
                   w["qk_weight"] if mode else np.uint64(0), np.int32(mode), np.float32(info.rms_eps),
-                  model.rope_cos, model.rope_sin, np.int32(pos), q, kc, vc, np.int32(n)))
+                  model.rope_cos, model.rope_sin, np.int32(pos), q, kc, vc, np.int32(int(kc.shape[1]))))
+        return q
+
+    def attend(self, model, l: int, q, t: int):
+        """Softmax attention of ``q (kv_heads, T, group, head_dim)`` (float32, contiguous) at
+        ``model.pos`` over block ``l``'s cached keys and values up to ``pos + T``; -> ``(T, heads
+        head_dim)`` float32: scores by one batched float32 product, ``pd_softmax``, values by another."""
+        info, w, pos = model.info, model.layers[l], model.pos
+        nh, nkv, hd = info.num_heads, info.num_kv_heads, info.head_dim
+        g = nh // nkv
+        kc, vc = model.k_cache[l], model.v_cache[l]
+        n = int(kc.shape[1])
         swa = info.is_swa(l)
         lo = max(0, pos + 1 - info.sliding_window) if swa else 0
         nk = pos + t - lo
@@ -330,6 +355,4 @@ class ChunkDense:
         o = cp.empty((nkv, t, g, hd), cp.float32)  # (kv, T g, hd) = s . values per kv head
         self._bgemm(_OP_N, hd, t * g, nk, vc.data.ptr + 4 * lo * hd, hd, n * hd, s.data.ptr, nk, t * g * nk,
                     o.data.ptr, hd, t * g * hd, nkv)
-        o = o.transpose(1, 0, 2, 3).reshape(t, nh * hd)
-        y = model._proj(o, w["wo"])
-        return y if w["bo"] is None else y + w["bo"]
+        return o.transpose(1, 0, 2, 3).reshape(t, nh * hd)
