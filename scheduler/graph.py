@@ -128,9 +128,10 @@ class CpuMisses:
     step's decision keeps the policy's hits, evictions and retired experts, puts every other routed
     expert on the CPU, and uploads nothing; the uploads (and promotions) the policy chose are
     committed to it at once (their slots taken, the experts in flight) and queued, in step order,
-    as fills at the head of the token's background moves. Other steps get the policy's decision,
-    planned again without the routed experts still in flight (they go to the CPU) when it would
-    copy one of them. Prefetch (``plan_prefetch``) is off for one-token steps.
+    as fills at the head of the token's background moves. Other steps get the policy's decision.
+    A routed expert still in flight (its fill not complete) never gets a slot: the policy's upload
+    of it (with the eviction paired with it) or its promotion is dropped, and it runs on the CPU.
+    Prefetch (``plan_prefetch``) is off for one-token steps.
 
     Invariants: a one-token step's decision has no uploads, streams or promotions; every fill
     queued goes into the slot the policy took for it at the step; the policy sees the calls it
@@ -156,9 +157,8 @@ class CpuMisses:
         p = self.policy
         d = p.plan(step)
         state = p.cache.state[step.layer]
-        if any(state[e] == INFLIGHT for e in d.uploads + d.streams):
-            busy = [i for i, e in enumerate(step.experts) if state[e] == INFLIGHT]
-            d = _replan(p, step, busy)
+        if any(state[e] == INFLIGHT for e in d.uploads + d.promotions):
+            d = _without_inflight(d, state)
         if step.counts is not None:
             out = d
         else:
@@ -199,12 +199,21 @@ class CpuMisses:
         return () if step.counts is None else self.policy.plan_prefetch(step)
 
 
-def _replan(policy, step: Step, busy: list[int]) -> Decision:
-    """``policy``'s decision for ``step`` without its experts at indexes ``busy`` (in flight), which
-    go to the CPU."""
-    keep = [i for i in range(len(step.experts)) if i not in busy]
-    sub = Step(step.layer, tuple(step.experts[i] for i in keep),
-               None if step.counts is None else tuple(step.counts[i] for i in keep),
-               None if step.weights is None else tuple(step.weights[i] for i in keep))
-    d = policy.plan(sub)
-    return d._replace(step=step, cpu=d.cpu + tuple(step.experts[i] for i in busy))
+def _without_inflight(d: Decision, state) -> Decision:
+    """``d`` without giving a slot to an expert in flight (a fill not yet complete): such an upload
+    leaves with its slot (and the eviction paired with it: uploads past the free slots take the
+    evictions' slots in order) and runs on the CPU; such a promotion leaves with its slot."""
+    n_free = len(d.uploads) - len(d.evictions)
+    ups, slots, evs, cpu = [], [], [], list(d.cpu)
+    for i, (e, s) in enumerate(zip(d.uploads, d.slots)):
+        if state[e] == INFLIGHT:
+            cpu.append(e)
+            continue
+        ups.append(e)
+        slots.append(s)
+        if i >= n_free:
+            evs.append(d.evictions[i - n_free])
+    keep = [i for i, e in enumerate(d.promotions) if state[e] != INFLIGHT]
+    return d._replace(uploads=tuple(ups), slots=tuple(slots), evictions=tuple(evs), cpu=tuple(cpu),
+                      promotions=tuple(d.promotions[i] for i in keep),
+                      promotion_slots=tuple(d.promotion_slots[i] for i in keep))

@@ -140,3 +140,110 @@ def test_bad_settings_name_the_field():
         GraphBackoff(min_rate=1.5)
     with pytest.raises(ValueError, match="smoothing"):
         GraphBackoff(smoothing=0.0)
+
+
+# CpuMisses: every miss of a one-token step on the CPU, the policy's uploads as fills after the token
+
+def _graph_cpu_run(policy_name: str, capacity_slots: int, tokens, lag: int):
+    from scheduler import Audit, Capacity, Geometry, drive, make_policy
+    from scheduler.graph import CpuMisses
+
+    g = Geometry.uniform(3, 8, 2)
+    inner = make_policy(policy_name, g, Capacity.per_layer(g, capacity_slots))
+    pol = CpuMisses(inner)
+    audit = Audit(g, keep_log=True, keep_records=False)
+    items = []
+    for it in drive(pol, tokens, lag):
+        audit.observe(it)
+        items.append(it)
+        inner.cache.check()
+    return pol, inner, items, audit
+
+
+def _tokens(n: int, seed: int, batch_every: int = 0):
+    from .conftest import make_tokens
+
+    toks = make_tokens(n, (8, 8, 8), 2, seed)
+    if batch_every:  # some prefill chunks of 3 tokens among them
+        many = make_tokens(n, (8, 8, 8), 2, seed + 1, max_batch=3)
+        toks = [many[i] if i % batch_every == 0 and many[i].num_tokens > 1 else t for i, t in enumerate(toks)]
+    return toks
+
+
+@pytest.mark.parametrize("policy", ["lru", "hybrid", "freq-lru", "cpu"])
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_one_token_steps_upload_nothing_and_their_uploads_fill_the_policys_slots_after_the_token(policy, lag):
+    toks = _tokens(30, 7, batch_every=4)
+    pol, inner, items, _ = _graph_cpu_run(policy, 3, toks, lag)
+    for it in items:
+        if type(it) is RunLayer:
+            d = it.decision
+            assert sorted(d.hits + d.uploads + d.streams + d.cpu) == sorted(d.step.experts)
+            if d.step.counts is None:
+                assert not (d.uploads or d.streams or d.promotions)
+
+
+
+def test_every_slot_the_policy_took_at_a_step_is_filled_after_the_token():
+    """At each StartBackground every fill is in flight in the slot the policy holds for it; at each
+    token's end every expert in flight travels in a batch started and not yet awaited."""
+    from scheduler import Audit, Capacity, Geometry, drive, make_policy
+    from scheduler.graph import CpuMisses
+
+    g = Geometry.uniform(3, 8, 2)
+    inner = make_policy("lru", g, Capacity.per_layer(g, 3))
+    moving: dict = {}
+    for it in drive(CpuMisses(inner), _tokens(40, 11), 1):
+        k = type(it)
+        if k is StartBackground:
+            for m in it.moves:
+                assert inner.cache.slot[(m.layer, m.expert)] == m.slot and (m.layer, m.expert) in inner.cache.inflight
+                moving[(m.layer, m.expert)] = m.slot
+        elif k is AwaitBackground:
+            for m in it.moves:
+                moving.pop((m.layer, m.expert))
+        elif k is EndToken:
+            assert inner.cache.inflight == set(moving)
+
+
+def test_a_miss_fills_after_its_token_and_is_a_hit_once_the_fill_completes():
+    """lru on 2 slots, lag 0: token 0 misses (0, 1) at every block, both on the CPU and both filled after
+    it; token 1 routed the same finds them resident."""
+    from scheduler import Token
+
+    toks = [Token(i, 0, i, "decode", tuple(Step(l, (0, 1)) for l in range(3))) for i in range(2)]
+    pol, inner, items, audit = _graph_cpu_run("lru", 2, toks, 0)
+    runs = [it.decision for it in items if type(it) is RunLayer]
+    assert all(d.cpu == (0, 1) and not d.hits for d in runs[:3])
+    assert all(d.hits == (0, 1) and not d.cpu for d in runs[3:])
+    fills = [m for it in items if type(it) is StartBackground for m in it.moves]
+    assert sorted((m.layer, m.expert) for m in fills) == [(l, e) for l in range(3) for e in (0, 1)]
+    assert audit.summary()["uploads"] == 0 and audit.summary()["fills"] == 6
+
+
+def test_an_expert_still_in_flight_is_computed_on_the_cpu():
+    """lag 1: token 0's fills land before token 2, so token 1 routed the same runs them on the CPU
+    (lru would otherwise upload an expert already holding a slot)."""
+    from scheduler import Token
+
+    toks = [Token(i, 0, i, "decode", (Step(0, (0, 1)),)) for i in range(3)]
+    pol, inner, items, _ = _graph_cpu_run("lru", 2, toks, 1)
+    runs = [it.decision for it in items if type(it) is RunLayer]
+    assert runs[1].cpu == (0, 1) and runs[2].hits == (0, 1)
+
+
+def test_multi_token_steps_keep_the_policys_decision_and_planning_has_no_side_effects():
+    from scheduler import Capacity, Geometry, make_policy
+    from scheduler.graph import CpuMisses
+
+    g = Geometry.uniform(1, 8, 2)
+    pol = CpuMisses(make_policy("lru", g, Capacity.per_layer(g, 3)))
+    chunk = Step(0, (1, 2, 3), (2, 1, 1))
+    assert pol.plan(chunk) == pol.plan(chunk) == pol.policy.plan(chunk)
+    one = Step(0, (4, 5))
+    a, b = pol.plan(one), pol.plan(one)
+    assert a == b and a.cpu == (4, 5) and not a.uploads
+    with pytest.raises(ValueError, match="commit the decision"):
+        pol.commit(a)  # not the decision the last plan returned
+    pol.commit(b)
+    assert [m.expert for m in pol.plan_background()] == [4, 5]

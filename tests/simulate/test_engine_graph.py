@@ -100,3 +100,60 @@ def test_batches_and_prefill_never_run_as_a_graph():
     s = Step(0, (0, 1), (4, 4))
     items = [RunLayer(t, s, Decision(s, (0, 1))), EndToken(t)]
     assert not [it for it in graph_tokens(iter(items), L) if type(it) is _GraphToken]
+
+
+# graph_cpu: the graph hands a block's misses to the CPU pool (scheduler.graph.CpuMisses decisions)
+
+def cpu_items(index: int, cpu: dict | None = None) -> list:
+    """One decode token over L layers routed to (0, 1); ``cpu`` {layer: expert}: a miss on the CPU."""
+    t = Token(index, 0, index, "decode", ())
+    out = []
+    for l in range(L):
+        s = Step(l, (0, 1))
+        e = (cpu or {}).get(l)
+        out.append(RunLayer(t, s, Decision(s, tuple(x for x in (0, 1) if x != e), cpu=(e,)) if e is not None
+                            else Decision(s, (0, 1))))
+    return out + [EndToken(t)]
+
+
+GCPU = {"graph_block_s": 40 * US, "graph_step_s": 3 * US, "graph_token_s": 20 * US, "handoff_in_s": 2 * US,
+        "handoff_out_s": 5 * US, "host_cpu_submit_s": 4 * US}
+
+
+def test_with_graph_cpu_every_token_completes_and_its_blocks_cpu_counts_are_marked():
+    items = cpu_items(0, {1: 1}) + cpu_items(1) + cpu_items(2, {0: 0, 3: 1})
+    marks = [it for it in graph_tokens(iter(items), L, cpu=True) if type(it) is _GraphToken]
+    assert [(m.blocks, m.ahead, m.cpu) for m in marks] == [(L, False, (0, 1, 0, 0)), (L, False, (0,) * L),
+                                                           (L, False, (1, 0, 0, 1))]
+    # without graph_cpu a CPU pair halts the graph there
+    assert [m.blocks for m in graph_tokens(iter(cpu_items(0, {1: 1})), L) if type(m) is _GraphToken] == [1]
+
+
+def test_a_miss_on_the_cpu_holds_its_block_until_the_pool_is_done():
+    """The block's put waits for the host's call, the pool starts handoff_in_s after it and the block
+    ends handoff_out_s after the pool; a token without misses costs the graph's blocks alone."""
+    c = costs(GCPU, "lru")
+    cpu_s = c.cpu_call_s(1, 1)
+    assert cpu_s > 40 * US  # the pool is the longer part of the block
+    hit = times_cpu(c, cpu_items(0) + cpu_items(1))
+    miss = times_cpu(c, cpu_items(0) + cpu_items(1, {1: 1}))
+    block1 = 40 * US + 2 * sum(c.kv_s_per_pos[1:2])
+    dense1 = min(c.dense_s[1] + 2 * c.kv_s_per_pos[1], block1)
+    assert miss[1] - hit[1] == pytest.approx(2 * US + cpu_s + 5 * US - (block1 - dense1), rel=1e-6)
+
+
+def test_graph_cpu_gives_the_same_decisions_and_refuses_an_upload():
+    from scheduler import Audit
+
+    items = cpu_items(0, {1: 1}) + cpu_items(1, {2: 0})
+    a, b = Audit(tiny_model(num_layers=L).geometry(), keep_log=True), Audit(tiny_model(num_layers=L).geometry(),
+                                                                           keep_log=True)
+    Simulator(costs(GCPU, "lru"), token_graph=True, graph_cpu=True).run(iter(items), a)
+    Simulator(costs(GCPU, "lru"), token_graph=False).run(iter(items), b)
+    assert a.digest() == b.digest()
+    with pytest.raises(ValueError, match="CpuMisses"):
+        times_cpu(costs(GCPU, "lru"), token_items(0, {1: 3}))
+
+
+def times_cpu(c: Costs, items: list) -> list[float]:
+    return list(Simulator(c, token_graph=True, graph_cpu=True).run(iter(items)).token_s)
