@@ -259,40 +259,45 @@ extern "C" __global__ void moe1_gate_up(const Experts1 ex, const float* __restri
 }
 
 // moe1_gate_up for a step begun before its decision, over every routed pair: a pair with
-// ex.base[j] != 0 is resident (as moe1_gate_up); for the others thread 0 waits until late[j] =
-// {seq, base} (device memory) carries this step's seq, written in one 16-byte piece by the copy
-// stream after the step's uploads (or by a release: base 0, nothing written). A wait past
-// timeout_ns sets *err (mapped host memory) to seq and writes nothing.
-struct Late1 {
-    unsigned long long seq, base;
-};
-
-extern "C" __global__ void moe1_gate_up_late(const Experts1 ex, const Late1* late, long long seq, long long timeout_ns,
-                                             long long* err, const float* __restrict__ x, float* __restrict__ h,
-                                             int ffn, int hidden, int rows_per_warp, long long off_g, int qt_g,
-                                             long long rb_g, long long off_u, int qt_u, long long rb_u, int act,
-                                             int bias) {
+// ex.base[j] != 0 is resident (as moe1_gate_up); for the others thread 0 waits until late[j]
+// (device memory, one 8-byte word: the slot address, 256-byte aligned, with the step's tag
+// seq % 255 + 1 in its low byte) carries this step's tag, written by the copy stream after the
+// step's uploads (or by a release: address 0, nothing written). Tag and address in one aligned
+// word are seen together. A wait past timeout_ns writes err[1] = the word last seen, err[2] = j,
+// then err[0] = seq (mapped host memory), and computes nothing.
+extern "C" __global__ void moe1_gate_up_late(const Experts1 ex, const unsigned long long* late, long long seq,
+                                             long long timeout_ns, long long* err, const float* __restrict__ x,
+                                             float* __restrict__ h, int ffn, int hidden, int rows_per_warp,
+                                             long long off_g, int qt_g, long long rb_g, long long off_u, int qt_u,
+                                             long long rb_u, int act, int bias) {
     __shared__ unsigned long long got;
     int j = ex.pick[blockIdx.y];
     unsigned long long b = ex.base[j];
     if (!b) {
         if (threadIdx.x == 0) {
-            unsigned long long t0, t, s, v;
+            unsigned long long t0, t, w, tag = (unsigned long long)(seq % 255 + 1);
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
             for (;;) {
-                asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(s), "=l"(v) : "l"(late + j) : "memory");
-                if (s == (unsigned long long)seq) break;
+                asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(w) : "l"(late + j) : "memory");
+                if ((w & 0xffull) == tag) {
+                    w &= ~0xffull;
+                    break;
+                }
                 asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
                 if ((long long)(t - t0) > timeout_ns) {
-                    *(volatile long long*)err = seq;  // (mapped memory: a plain store, no atomic over the link)
+                    volatile long long* e = err;  // (mapped memory: plain stores, no atomic over the link)
+                    e[1] = (long long)w;
+                    e[2] = j;
                     __threadfence_system();
-                    v = 0;
+                    e[0] = seq;
+                    __threadfence_system();
+                    w = 0;
                     break;
                 }
                 __nanosleep(100);
             }
             __threadfence();
-            got = v;
+            got = w;
         }
         __syncthreads();
         b = got;

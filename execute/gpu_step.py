@@ -17,16 +17,24 @@ written by one ``struct.pack_into`` per layout.
 
 :class:`LateStart`: a one-token step begun before its decision covers its uploads too. The early
 ``moe1_gate_up_late`` runs every routed pair: the resident ones at once, each of the others once
-its entry of a device table ``late`` (``{seq, base}`` per pair, 16 bytes) carries the step's
-number, which one host -> device copy on the copy stream writes after the step's uploads (the
-compute stream no longer waits for the copy stream: the kernel's blocks do, and the down/combine
-launch comes after them), or a release writes with base 0 (the decision hands the pairs to the
-CPU or does not keep the early start: those blocks write nothing and the step runs them as
-before). Every copy into ``late`` waits for ``last_read`` (the previous step's kernels), so a
-waiting block never misses its number. The copies' sources are a ring of pinned entries; before
-a block of 32 entries is rewritten, the host waits for the event recorded after the copies of the
-block before last (in practice long done). A wait past ``timeout_s`` leaves the pairs unwritten
-and the step's number in ``err`` (mapped), which :meth:`LateStart.check` raises.
+its word of a device table ``late`` (8 bytes per pair: the slot address, 256-byte aligned, with
+the step's tag ``seq % 255 + 1`` in its low byte, so the kernel sees tag and address together)
+carries the step's tag, which one host -> device copy on the copy stream writes after the step's
+uploads (the compute stream no longer waits for the copy stream: the kernel's blocks do, and the
+down/combine launch comes after them), or a release writes with address 0 (the decision hands the
+pairs to the CPU or does not keep the early start: those blocks write nothing and the step runs
+them as before). Each step's copy into ``late`` follows the previous step's (steps are resolved
+in order) and waits for ``last_read``, which a release moves past the released kernel, so a
+waiting block never misses its tag (it sees the previous step's or its own). The copies' sources
+are a ring of pinned entries; before a block of 32 entries is rewritten, the host waits for the
+event recorded after the copies of the block before last (in practice long done).
+
+The kernel waits on another stream's copy, a progress CUDA does not promise (streams may run
+concurrently; a profiler, ``CUDA_LAUNCH_BLOCKING`` or an implicit synchronization serializes
+them), so the wait is bounded: past ``timeout_s`` (at most :data:`LATE_TIMEOUT_S`) the pairs are
+left unwritten and the step's number, the word last seen and the pair go to ``err`` (mapped);
+the next ``begin`` and :meth:`LateStart.check` raise it, naming the step's layer and when its
+entries were queued. Off by default (``MOELAB_LATE_START=1``).
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import ctypes
 import os
 import struct
 import sys
+import time
 import types
 
 import cupy as cp
@@ -42,13 +51,14 @@ import numpy as np
 from .experts import ExecutorError
 from .gpu_host import cuda_module
 
-__all__ = ["CopyBatch", "FREE_REFS", "FixedLaunch", "LateStart", "pack1", "queue_copies"]
+__all__ = ["CopyBatch", "FREE_REFS", "FixedLaunch", "LATE_TIMEOUT_S", "LateStart", "pack1", "queue_copies"]
 
 _rt = cp.cuda.runtime
 _H2D = _rt.memcpyHostToDevice
 _launch_kernel = cp.cuda.driver.launchKernel
 _ACCESS_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _MAX_K = 32  # MAXK of gpu_kernels.cu
+LATE_TIMEOUT_S = 1.0  # the longest a late pair waits for its slot address (a step's uploads take ms)
 
 
 class FixedLaunch:
@@ -235,38 +245,43 @@ class LateStart:
 
     def __init__(self, gx, timeout_s: float):
         self.gx = gx
-        self.timeout_ns = int(timeout_s * 1e9)
+        self.timeout_ns = int(min(timeout_s, LATE_TIMEOUT_S) * 1e9)
         self.seq = 0
         self._n = 0  # entries copied so far
-        self._mem = cp.cuda.alloc_pinned_memory(self.RING * 16 * _MAX_K + 64)
-        self._src = memoryview(np.frombuffer(self._mem, np.uint8, self.RING * 16 * _MAX_K + 64)).cast("B")
+        n = self.RING * 8 * _MAX_K
+        self._mem = cp.cuda.alloc_pinned_memory(n + 64)
+        self._src = memoryview(np.frombuffer(self._mem, np.uint8, n + 64)).cast("B")
         self._src_ptr = int(np.frombuffer(self._mem, np.uint8, 1).ctypes.data)
-        self._err = np.frombuffer(self._mem, np.int64, 1, self.RING * 16 * _MAX_K)  # mapped (unified addressing)
-        self._err[0] = 0
+        self._err = np.frombuffer(self._mem, np.int64, 3, n)  # mapped (unified addressing): seq, word seen, pair
+        self._err[:] = 0
         with gx.compute:
-            self._late = cp.zeros(2 * _MAX_K, cp.uint64)  # {seq, base} per pair; seq 0: none yet
+            self._late = cp.zeros(_MAX_K, cp.uint64)  # per pair: slot address | tag; tag 0: none yet
         gx.compute.synchronize()  # zeroed before any copy stream writes it
         self._dev = int(self._late.data.ptr)
         self._events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
         self._launches: dict[int, FixedLaunch] = {}
-        self._packs = [struct.Struct(f"<{2 * k}Q") for k in range(_MAX_K + 1)]
+        self._packs = [struct.Struct(f"<{k}Q") for k in range(_MAX_K + 1)]
+        self._log = np.zeros((self.RING, 3))  # per seq % RING: layer, host time begun, host time put (0: not yet)
 
     def _launch(self, layer: int) -> FixedLaunch:
-        """The layer's ``moe1_gate_up_late``: the table, step number, timeout and error word, then
+        """The layer's ``moe1_gate_up_late``: the table, step number, timeout and error words, then
         the arguments and grid of its ``moe1_gate_up`` (``GpuExperts._one``)."""
         f = self._launches.get(layer)
         if f is None:
             gu = self.gx._one(layer)[0]
             func = cuda_module("gpu_kernels.cu", "expert_kernels_v4.cu").get_function("moe1_gate_up_late")
             f = self._launches[layer] = FixedLaunch(
-                func.kernel.ptr, [self._dev, 0, self.timeout_ns, self._src_ptr + self.RING * 16 * _MAX_K] +
+                func.kernel.ptr, [self._dev, 0, self.timeout_ns, self._src_ptr + self.RING * 8 * _MAX_K] +
                 gu.vals.tolist(), gu.grid_x, self.gx._ex)
         return f
 
     def begin(self, layer: int, x, bases, pick, k: int) -> int:
         """Launch the gate/up of a step's ``k`` routed pairs on the compute stream (``bases[j]``
         the slot address of a resident pair, 0 for a late one; ``pick``: every pair, resident
-        first); returns the step's number, which ``put`` or ``release`` must resolve."""
+        first); returns the step's number, which ``put`` or ``release`` must resolve. Raises the
+        error of an earlier step whose late pair timed out."""
+        if self._err[0]:
+            self.check()
         self.seq = seq = self.seq + 1
         gx = self.gx
         pack1(gx._ex, bases, (), pick)
@@ -275,6 +290,8 @@ class LateStart:
         v[1] = seq
         v[4] = x.data.ptr  # (moe1_gate_up's x)
         f.launch(k, 128, gx.compute.ptr)  # block 32 * WARPS, as gate_up1
+        log = self._log[seq % self.RING]
+        log[0], log[1], log[2] = layer, time.perf_counter(), 0.0
         return seq
 
     def copy_in(self, layer: int, experts, slots, seq: int, bases) -> None:
@@ -282,32 +299,42 @@ class LateStart:
         queue_copies(self.gx, layer, experts, slots, (), (), (self, seq, bases))
 
     def put(self, seq: int, bases, stream_ptr: int) -> None:
-        """Queue the copy of step ``seq``'s entries (``bases[j]`` for pair j; the late pairs
-        read theirs) on ``stream_ptr`` (after the step's uploads, behind ``last_read``)."""
+        """Queue the copy of step ``seq``'s entries (``bases[j]`` for pair j, 256-byte aligned; the
+        late pairs read theirs) on ``stream_ptr`` (after the step's uploads, behind ``last_read``)."""
         n = self._n
         if not n & 31 and n >= 64:
             self.gx.wait(self._events[(n >> 5) & 1], "copy of a late entry")
-        i = (n % self.RING) * 16 * _MAX_K
+        i = (n % self.RING) * 8 * _MAX_K
+        tag = seq % 255 + 1
         k = len(bases)
-        v = [seq] * (2 * k)
-        v[1::2] = bases
-        self._packs[k].pack_into(self._src, i, *v)
-        _rt.memcpyAsync(self._dev, self._src_ptr + i, 16 * k, _H2D, stream_ptr)
+        self._packs[k].pack_into(self._src, i, *[b | tag for b in bases])
+        _rt.memcpyAsync(self._dev, self._src_ptr + i, 8 * k, _H2D, stream_ptr)
         self._n = n + 1
         if n & 31 == 31:
             _rt.eventRecord(self._events[(n >> 5) & 1].ptr, stream_ptr)
+        self._log[seq % self.RING, 2] = time.perf_counter()
 
     def release(self, seq: int, k: int) -> None:
-        """Set step ``seq``'s late pairs free (base 0: they write nothing), on the copy stream."""
+        """Set step ``seq``'s late pairs free (address 0: they write nothing), on the copy stream;
+        ``last_read`` then moves past its kernel, so the next step's entries wait for its blocks
+        to have read these (a later tag in their words would leave them waiting)."""
         gx = self.gx
         _rt.streamWaitEvent(gx.copy.ptr, gx.last_read.ptr)
         self.put(seq, [0] * k, gx.copy.ptr)
+        gx.mark_read()
 
     def check(self) -> None:
         """ExecutorError when a late pair waited past the timeout (its step's output is wrong)."""
-        if self._err[0]:
-            raise ExecutorError(f"a late pair of one-token step {int(self._err[0])} waited for its upload past "
-                                f"{self.timeout_ns / 1e9:g} s (its output was not computed)")
+        seq = int(self._err[0])
+        if not seq:
+            return
+        word, j = int(self._err[1]), int(self._err[2])
+        layer, t_begin, t_put = self._log[seq % self.RING] if self.seq - seq < self.RING else (-1, 0.0, 0.0)
+        queued = (f"its entries were queued {1e3 * (t_put - t_begin):.3f} ms after its kernel" if t_put else
+                  "its entries had not been queued when the error was read")
+        raise ExecutorError(f"pair {j} of one-token step {seq} (layer {int(layer)}) waited for its slot address past "
+                            f"{self.timeout_ns / 1e9:g} s (its output was not computed): {queued}; the word it "
+                            f"last saw carried tag {word & 0xFF} (its own: {seq % 255 + 1})")
 
 
 def _free_refs() -> int:

@@ -231,16 +231,17 @@ def test_late_pairs_are_resolved_once_by_their_uploads_or_a_release(fake_cupy, r
         ptr, stride, _ = gx.slot_tables[1]
         x, w, rt = _Dev((1, 256)), np.array([[0.6, 0.4]], np.float32), cp.cuda.runtime
 
-        def entries(n):  # the last copy's source: (number, address) per pair
+        def entries(n):  # the last copy's source: (tag, address) per pair, one word each
             dst, src, size, kind, stream = rt.memcpyAsync.call_args.args
-            assert dst == late._dev and kind == rt.memcpyHostToDevice
-            return np.frombuffer(late._mem, np.uint64, 2 * n, src - late._src_ptr).reshape(n, 2).tolist(), stream
+            assert dst == late._dev and kind == rt.memcpyHostToDevice and size == 8 * n
+            words = np.frombuffer(late._mem, np.uint64, n, src - late._src_ptr).tolist()
+            return [[w & 0xFF, w & ~0xFF] for w in words], stream
 
         engine.begin_layer(1, x, np.array([[3, 6]]))
         assert engine._early.late == 1 and list(gx._ex[12 * 32:12 * 32 + 8].view(np.int32)) == [0, 1]
         s = Step(1, (3, 6))
         engine.run_layer(RunLayer(None, s, Decision(s, (3,), (6,), (2,))), x, np.array([[3, 6]]), w)
-        assert entries(2) == ([[1, ptr], [1, ptr + 2 * stride]], gx.copy.ptr)
+        assert entries(2) == ([[2, ptr], [2, ptr + 2 * stride]], gx.copy.ptr)  # step 1's tag: 1 % 255 + 1
         assert engine.stats.late_pairs == 1
         for cut, e in (("decision", 7), ("begin", 4), ("await", 5), ("sync", 2)):
             rt.reset_mock()
@@ -262,14 +263,21 @@ def test_late_pairs_are_resolved_once_by_their_uploads_or_a_release(fake_cupy, r
             put = next(i for i, c in enumerate(calls) if c == ("memcpyAsync", (late._dev, c[1][1])))
             assert ("streamWaitEvent", (gx.copy.ptr, gx.last_read.ptr)) in calls[:put], cut
             if cut != "decision":
-                assert entries(2) == ([[seq, 0], [seq, 0]], gx.copy.ptr), cut
+                assert entries(2) == ([[seq % 255 + 1, 0]] * 2, gx.copy.ptr), cut
+                # the release moves last_read past the released kernel: the next entries wait for it
+                assert calls[put + 1:put + 2] == [("eventRecord", (gx.last_read.ptr, gx.compute.ptr))], cut
             else:  # released, then both pairs uploaded and run by the step's own launch
                 assert rt.memcpyAsync.call_count == 1 and engine.stats.late_pairs == 1
             engine._early = None
-        late._err[0] = 9
-        with pytest.raises(Exception, match="step 9 waited"):
+        seq = late.seq  # as if its pair 1 had timed out, having seen the step before's word
+        late._err[:] = seq, 0x300 | ((seq - 1) % 255 + 1), 1
+        with pytest.raises(Exception, match=rf"pair 1 of one-token step {seq} \(layer 1\).*entries were queued .*"
+                                            rf"tag {(seq - 1) % 255 + 1} \(its own: {seq % 255 + 1}\)"):
             engine.synchronize()
-        late._err[0] = 0
+        with pytest.raises(Exception, match=f"step {seq} "):  # and at the next step begun
+            late.begin(1, x, [ptr, 0], [0, 1], 2)
+        assert late.seq == seq
+        late._err[:] = 0
     finally:
         engine.close()
         gx.close()
