@@ -36,7 +36,8 @@ def _graph_counts(model) -> tuple:
     return (tg.tokens, tg.complete, tg.wait_s, tg.launched_ahead, tg.gpu_s) if tg is not None else (0, 0, 0.0, 0, 0.0)
 
 
-def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: int, mode: str, threads: int) -> dict:
+def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: int, mode: str, threads: int,
+            max_fills: int | None = None) -> dict:
     from execute import model as M
     from execute.token_graph import TokenGraph
     from scheduler import Capacity, make_policy
@@ -65,7 +66,7 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
     inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
     try:
         pol = make_policy(policy, g, cap)
-        M.run(model, backend, CpuMisses(pol) if mode.startswith("cpu") else pol, inputs, audit=audit, progress=progress)
+        M.run(model, backend, CpuMisses(pol, max_fills) if mode.startswith("cpu") else pol, inputs, audit=audit, progress=progress)
         import cupy as cp
 
         cp.cuda.get_current_stream().synchronize()
@@ -106,11 +107,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=96, help="timed decode tokens")
     ap.add_argument("--warmup", type=int, default=16, help="untimed tokens first")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--graph-fills", type=int, default=None,
+                    help="cpuplain/cpugraph: uploads deferred per token at most (CpuMisses max_fills; default no limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_token_graph"))
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.warmup < 1:
         ap.error("--tokens and --warmup: expected >= 1")
+    if args.graph_fills is not None and args.graph_fills < 0:
+        ap.error("--graph-fills: expected >= 0")
     modes = args.modes.split(",")
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes: {args.modes!r}, expected a comma list of {', '.join(MODES)}")
@@ -121,7 +126,7 @@ def main(argv=None) -> int:
     rows = []
     for policy in args.policies.split(","):
         for mode in modes:
-            r = run_one(weights, policy, args.cache_mib, tokens, args.warmup, mode, args.threads)
+            r = run_one(weights, policy, args.cache_mib, tokens, args.warmup, mode, args.threads, args.graph_fills)
             rows.append(r)
             print(f"{policy:>8} {mode:>9}: {r['tokens_per_s']:7.1f} tok/s, wall {r['wall_us_per_layer_step']:6.1f} "
                   f"us/layer step, engine host {r['engine_host_us_per_layer_step']:5.1f}, graph wait "

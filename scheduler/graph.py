@@ -131,14 +131,19 @@ class CpuMisses:
     as fills at the head of the token's background moves. Other steps get the policy's decision.
     A routed expert still in flight (its fill not complete) never gets a slot: the policy's upload
     of it (with the eviction paired with it) or its promotion is dropped, and it runs on the CPU.
-    Prefetch (``plan_prefetch``) is off for one-token steps.
+    Prefetch (``plan_prefetch``) is off for one-token steps. ``max_fills``: a token defers at most
+    that many uploads (in step order); the policy's uploads past it are dropped in the same way (the
+    copy link then carries at most that many experts per token).
 
     Invariants: a one-token step's decision has no uploads, streams or promotions; every fill
     queued goes into the slot the policy took for it at the step; the policy sees the calls it
     would see unwrapped, with the fills completing as background moves."""
 
-    def __init__(self, policy) -> None:
+    def __init__(self, policy, max_fills: int | None = None) -> None:
+        if max_fills is not None and max_fills < 0:
+            raise ValueError(f"max_fills: {max_fills}, expected >= 0 (or None: no limit)")
         self.policy = policy
+        self.max_fills = max_fills  # uploads deferred per token at most; the rest are not made
         self.name, self.geometry, self.capacity = policy.name, policy.geometry, policy.capacity
         self._planned: tuple | None = None  # (decision given, the policy's decision to commit)
         self._fills: list[Move] = []  # the token's deferred uploads
@@ -158,7 +163,12 @@ class CpuMisses:
         d = p.plan(step)
         state = p.cache.state[step.layer]
         if any(state[e] == INFLIGHT for e in d.uploads + d.promotions):
-            d = _without_inflight(d, state)
+            d = _without(d, lambda e: state[e] == INFLIGHT)
+        if step.counts is None and self.max_fills is not None:
+            room = self.max_fills - len(self._fills)
+            if len(d.uploads) + len(d.promotions) > room:
+                over = set((d.uploads + d.promotions)[max(room, 0):])
+                d = _without(d, over.__contains__)
         if step.counts is not None:
             out = d
         else:
@@ -199,21 +209,22 @@ class CpuMisses:
         return () if step.counts is None else self.policy.plan_prefetch(step)
 
 
-def _without_inflight(d: Decision, state) -> Decision:
-    """``d`` without giving a slot to an expert in flight (a fill not yet complete): such an upload
-    leaves with its slot (and the eviction paired with it: uploads past the free slots take the
-    evictions' slots in order) and runs on the CPU; such a promotion leaves with its slot."""
+def _without(d: Decision, drop) -> Decision:
+    """``d`` without giving a slot to the experts ``drop(e)`` picks (in flight, or past the fill
+    budget): such an upload leaves with its slot (and the eviction paired with it: uploads past the
+    free slots take the evictions' slots in order) and runs on the CPU; such a promotion leaves with
+    its slot (the expert stays streamed)."""
     n_free = len(d.uploads) - len(d.evictions)
     ups, slots, evs, cpu = [], [], [], list(d.cpu)
     for i, (e, s) in enumerate(zip(d.uploads, d.slots)):
-        if state[e] == INFLIGHT:
+        if drop(e):
             cpu.append(e)
             continue
         ups.append(e)
         slots.append(s)
         if i >= n_free:
             evs.append(d.evictions[i - n_free])
-    keep = [i for i, e in enumerate(d.promotions) if state[e] != INFLIGHT]
+    keep = [i for i, e in enumerate(d.promotions) if not drop(e)]
     return d._replace(uploads=tuple(ups), slots=tuple(slots), evictions=tuple(evs), cpu=tuple(cpu),
                       promotions=tuple(d.promotions[i] for i in keep),
                       promotion_slots=tuple(d.promotion_slots[i] for i in keep))

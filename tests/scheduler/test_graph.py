@@ -247,3 +247,20 @@ def test_multi_token_steps_keep_the_policys_decision_and_planning_has_no_side_ef
         pol.commit(a)  # not the decision the last plan returned
     pol.commit(b)
     assert [m.expert for m in pol.plan_background()] == [4, 5]
+
+
+def test_a_fill_budget_keeps_the_first_uploads_of_a_token_and_drops_the_rest():
+    from scheduler import Capacity, Geometry, Token, drive, make_policy
+    from scheduler.graph import CpuMisses
+
+    g = Geometry.uniform(3, 8, 2)
+    inner = make_policy("lru", g, Capacity.per_layer(g, 2))
+    toks = [Token(i, 0, i, "decode", tuple(Step(l, (2 * i, 2 * i + 1)) for l in range(3))) for i in range(3)]
+    items = list(drive(CpuMisses(inner, max_fills=3), toks, 0))
+    fills = [[(m.layer, m.expert) for m in it.moves] for it in items if type(it) is StartBackground]
+    assert fills == [[(0, 0), (0, 1), (1, 0)], [(0, 2), (0, 3), (1, 2)], [(0, 4), (0, 5), (1, 4)]]
+    assert all(len(it.decision.evictions) <= 2 for it in items if type(it) is RunLayer)
+    inner.cache.check()
+    assert sorted(inner.residents()) == [(0, 4), (0, 5), (1, 2), (1, 4)]
+    with pytest.raises(ValueError, match="max_fills"):
+        CpuMisses(inner, max_fills=-1)
