@@ -12,7 +12,8 @@ shape), whatever ``--cache-mib``. ``--no-early`` turns off the engine's early st
 experts; ``--sync layer`` waits for each layer's GPU work after ``run_layer``, as the model's next
 router read-back does (without it a GPU-bound run charges the queue's back-pressure to whichever
 host phase waits). ``--engine-variants`` runs hybrid once per engine variant (how background
-copies are waited for, where the hand-off's input copy runs). ``--hardware FILE`` gives the
+copies are waited for, where the hand-off's input copy runs); ``--late-start 0,1`` runs every policy
+once per ``MOELAB_LATE_START`` value (``gpu_step.LateStart``), in one process. ``--hardware FILE`` gives the
 policies that read a cost model the one that file gives this shape (``bench_cost_model``): then
 ``hybrid-cost`` and ``lookahead`` can run, and ``cost`` in ``--miss-fracs`` runs ``hybrid`` with its
 cost-model share. A ``--policies`` entry may carry config fields: ``hybrid-cost:prefetch=4``.
@@ -70,6 +71,9 @@ def parse(argv):
     ap.add_argument("--engine-variants", default="",
                     help="hybrid runs once per engine variant WAIT:PUT (comma list; device:early = the defaults, "
                          "host:compute = the former path); empty: the defaults, unlabelled")
+    ap.add_argument("--late-start", default="",
+                    help="run each policy once per MOELAB_LATE_START value (comma list of 0 and 1; empty: the "
+                         "environment's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_executor"))
     args = ap.parse_args(argv)
@@ -109,6 +113,9 @@ def parse(argv):
         ap.error(f"--distinct-layers: expected 1..{args.layers}, got {args.distinct_layers}")
     if args.hidden % 8 or args.warmup < 1 or args.tokens < 1:
         ap.error("--hidden must be a multiple of 8; --warmup and --tokens at least 1")
+    args.lates = [v for v in args.late_start.split(",") if v] or [None]
+    if not set(args.lates) <= {"0", "1", None}:
+        ap.error(f"--late-start: expected 0 and/or 1 separated by commas, got {args.late_start!r}")
     variants = [v for v in args.engine_variants.split(",") if v] or [None]
     for v in variants:
         if v is not None:
@@ -161,14 +168,19 @@ def main(argv=None) -> int:
     syncs = {"none": (False,), "layer": (True,), "both": (False, True)}[args.sync]
     for name, options, prof, variant in runs:
         for sync in syncs:
-            cm = None if args.hw is None else bench_cost_model(args, args.hw, name)
-            r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options, sync,
-                           variant, cm)
-            results.append(r)
-            pl = r["per_layer_us"]
-            log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound "
-                f"{r['bound_tokens_per_s']:.1f}; host us per layer step: early {pl['host_early_us']:.1f}, plan "
-                f"{pl['host_plan_us']:.1f}, queue {pl['host_queue_us']:.1f}, combine {pl['host_combine_us']:.1f}")
+            for late in args.lates:  # the engine reads MOELAB_LATE_START when it is built
+                if late is not None:
+                    os.environ["MOELAB_LATE_START"] = late
+                cm = None if args.hw is None else bench_cost_model(args, args.hw, name)
+                r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options,
+                               sync, variant, cm)
+                if late is not None:
+                    r["options"] = dict(r["options"], late_start=int(late))
+                results.append(r)
+                pl = r["per_layer_us"]
+                log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound "
+                    f"{r['bound_tokens_per_s']:.1f}; host us per layer step: early {pl['host_early_us']:.1f}, plan "
+                    f"{pl['host_plan_us']:.1f}, queue {pl['host_queue_us']:.1f}, combine {pl['host_combine_us']:.1f}")
     gx.close()
     config = {k: v for k, v in vars(args).items() if k not in ("hw", "specs")}
     config.update(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), trace=trace_src, slots_per_layer=slots,

@@ -1,0 +1,71 @@
+"""The late start (``gpu_step.LateStart``, ``MOELAB_LATE_START=1``) under the model's run loop:
+decode tokens of a 6-block model with ``lru`` on 3 of 8 slots (most steps upload, so most late
+pairs wait for their copy), each token tried as one graph (which halts at a miss; the token then
+continues block by block, its steps begun early), and the same block by block: bitwise the
+logits, routes and decisions of the run without it. A late pair that timed out (its output not
+computed) is raised by the engine's ``synchronize`` with its step, layer, the word it last saw and
+when the host queued its entries."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from execute import model as M
+from execute.gguf_model import load_model
+from execute.synth import config_from_preset, synth_model
+from scheduler import Capacity, make_policy
+from scheduler import graph as scheduler_graph
+from scheduler.audit import Audit
+
+from .conftest import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    root, cache = tmp_path_factory.mktemp("late_start"), {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cfg = config_from_preset("tiny", arch=arch, quant="Q8_0", num_layers=6, seed=13)
+            cache[arch] = load_model(synth_model(root / f"{arch}.gguf", cfg))
+        return cache[arch]
+
+    return get
+
+
+def _run(w, tokens, graph: bool, late: bool, monkeypatch):
+    """(logits, route log, decision digest, late pairs) of ``lru`` on 3 slots per layer."""
+    monkeypatch.setenv("MOELAB_TOKEN_GRAPH", "1" if graph else "0")
+    monkeypatch.setenv("MOELAB_LATE_START", "1" if late else "0")
+    g = w.info.geometry()
+    cap = Capacity.per_layer(g, 3)
+    model = M.MoeModel(w, use_gpu=True, max_tokens=8)
+    model.route_log = []
+    backend = M.EngineExperts(w, cap, threads=2, use_gpu=True)
+    audit = Audit(g, keep_log=True)
+    inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
+    try:
+        res = M.run(model, backend, make_policy("lru", g, cap), inputs, 1, audit=audit, keep_logits=True)
+        backend.engine.synchronize()  # raises a late pair's time-out
+        late_pairs = backend.engine.stats.late_pairs
+        assert (model.token_graph is not None) == graph
+    finally:
+        backend.close()
+    return np.stack(res.logits), model.route_log, audit.digest(), late_pairs
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_late_start_gives_the_bits_with_and_without_the_token_graph(weights, arch, monkeypatch):
+    cupy_or_skip()
+    w = weights(arch)
+    tokens = np.random.default_rng(5).integers(w.info.vocab, size=40).tolist()  # the KV cache grows 8 -> 64
+    monkeypatch.setattr(scheduler_graph, "MAX_SKIP", 0)  # try the graph on (almost) every token
+    logits, routes, digest, n = _run(w, tokens, False, False, monkeypatch)
+    assert n == 0
+    for graph in (False, True):
+        got, r, d, n = _run(w, tokens, graph, True, monkeypatch)
+        assert n > 0, graph  # pairs ran late
+        assert r == routes and d == digest, graph
+        assert np.array_equal(got, logits), graph
