@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
                     help="expert budgets in MiB (the peer benchmark's: 2048,4096,12288): runs gpu, cpu, and lru "
                          "and hybrid at each")
     ap.add_argument("--configs", default=None, help="comma-separated labels to run (default: all)")
+    ap.add_argument("--no-lane-fit", action="store_true",
+                    help="keep the session calibration's read-back and CPU-layer hand-off as the replay logged them "
+                         "(default: solved on the session's unlogged calibration runs, simulate.fidelity.fit_lane)")
     ap.add_argument("--cold-pool", action="store_true",
                     help="time each run from its engine's first pool calls (default: one call per layer first, "
                          "as moelab run's prompt calls the pool before decoding)")

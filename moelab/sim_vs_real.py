@@ -55,6 +55,20 @@ def predict_peer_rows(result_paths, hw_path: str, seeds: int = 3) -> int:
     return 0
 
 
+def _write_lane(hw_path, lane: dict) -> Path:
+    """The session hardware file at ``hw_path`` with ``fit_lane``'s fields written in (and said in
+    its sources); its path."""
+    from execute.calibrate import write_json
+
+    hw = json.loads(Path(hw_path).read_text())
+    hw["executor"].update({k: v for k, (_, v) in lane.items()})
+    hw.setdefault("sources", {})["executor.lane"] = (
+        f"solved: {', '.join(lane)} so the simulator reproduces the session's unlogged calibration runs "
+        "(simulate.fidelity.fit_lane: runs without CPU experts, then with them)")
+    write_json(Path(hw_path), hw)
+    return Path(hw_path)
+
+
 def run(args) -> int:
     """The whole comparison for the parsed command line ``args`` (see the script)."""
     from execute.fidelity import log, run_device, session_hardware
@@ -100,18 +114,26 @@ def run(args) -> int:
         log(f"round {h['round']}: host {busy(b)} / {busy(e)} cores busy elsewhere before / after, memory read "
             f"{b['mem_gbps']:.0f} / {e['mem_gbps']:.0f} GB/s" + (f" -- BUSY: {h['problem']}" if h.get("problem") else ""))
     hw_path = args.hardware
-    if args.host_calibration == "session" and raw.get("calibration_records"):
+    session = args.host_calibration == "session" and bool(raw.get("calibration_records"))
+    if session:
         hw_path = session_hardware(args.hardware, raw, out)
         hw = load_hardware(hw_path)
         log(f"host lane and CPU pool from this session's calibration replays: {hw_path}")
     tokens, model = checked_inputs(raw["args"])
-    rows = fd.compare(raw, hw, tokens, model)
-    an, nz = fd.analyse(rows), fd.spread_summary(rows)
-    fd.print_table(rows, an, nz)
     from execute.calibrate import synth_tokens, write_json
 
     a = raw["args"]  # the calibration trace: calibrate_replay.replay_setup's
-    own = fd.calibration_check(raw, hw, model, synth_tokens(a["layers"], a["experts"], a["top_k"], 64, a["seed"] + 31)[0])
+    cal_tokens = synth_tokens(a["layers"], a["experts"], a["top_k"], 64, a["seed"] + 31)[0]
+    if session and not getattr(args, "no_lane_fit", False):
+        hw, lane = fd.fit_lane(raw, hw, model, cal_tokens)
+        if lane:
+            hw_path = _write_lane(hw_path, lane)
+            log("host lane solved on the calibration's unlogged runs: " + ", ".join(
+                f"{k} {a_ * 1e6:.1f} -> {b * 1e6:.1f} us" for k, (a_, b) in lane.items()))
+    rows = fd.compare(raw, hw, tokens, model)
+    an, nz = fd.analyse(rows), fd.spread_summary(rows)
+    fd.print_table(rows, an, nz)
+    own = fd.calibration_check(raw, hw, model, cal_tokens)
     for c in own:
         frac = "" if c["miss_frac_256"] is None else f" f={c['miss_frac_256']}"
         print(f"calibration run {c['policy']} {c['slots']} slots{frac} (its own trace, in sample): measured "
