@@ -52,12 +52,19 @@ GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block (_q8s*: the weights' tile copied first)
-# (_q8p: 8 warps, the next tile's copies in flight while a tile is decoded and multiplied)
-BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1", "_q8p")
-Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1, "_q8s2": 2, "_q8s1": 1, "_q8p": 4}  # their m-tiles (16 rows) per block, as QMOE_Q8
-# threads and dynamic shared bytes per block of the variants that differ from (128, 0): _q8p's Q8P<4>::BYTES
-# (two buffers of 64 rows x WSLOT weight bytes + 2 x 64 x QROW inputs + their scales and sums; quants; rows)
-Q8_BLOCK = {"_q8p": (256, 2 * (64 * 256 + 2 * 64 * 144 + 64 * 4 * 4 + 64 * 8 * 4) + 64 * 144 + 4 * 64 * 16 + 64 * 4)}
+# (_q8p, _q8p2: 8 warps, the next tile's copies in flight while a tile is decoded and multiplied)
+BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1", "_q8p", "_q8p2")
+Q8_ROWS = {"_q8": 4, "_q8m2": 2, "_q8m1": 1, "_q8s2": 2, "_q8s1": 1, "_q8p": 4, "_q8p2": 2}  # m-tiles (16 rows) per block
+
+
+def _q8p_bytes(mt: int) -> int:
+    """Q8P<mt>::BYTES of gpu_quant_mmq.cu: two buffers (16 mt rows x WSLOT weight bytes, 2 levels x 64
+    tokens x QROW input bytes, their scales and sums), the tile's quants and scales, the pass's rows."""
+    return 2 * (16 * mt * 256 + 2 * 64 * 144 + 64 * 4 * 4 + 64 * 8 * 4) + 16 * mt * 144 + 4 * 16 * mt * 16 + 64 * 4
+
+
+# threads and dynamic shared bytes per block of the variants other than (128, 0)
+Q8_BLOCK = {"_q8p": (256, _q8p_bytes(4)), "_q8p2": (256, _q8p_bytes(2))}
 # the batched kernels gpu_experts launches for layers the arena's kernels do not read: "" the f16
 # qmoe_gate_up / qmoe_down, or an int8 variant of Q8_ROWS (Int8Batch)
 GENERIC_BATCH = ""

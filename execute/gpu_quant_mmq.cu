@@ -301,13 +301,13 @@ QMOE_Q8(_q8m1, 1, 0)
 QMOE_Q8(_q8s2, 2, 1)
 QMOE_Q8(_q8s1, 1, 1)
 
-// _q8p: the pipelined variant (MT = 4 m-tiles, 8 warps, dynamic shared memory of Q8P<MT>::BYTES).
+// _q8p, _q8p2: the pipelined variants (MT = 4, 2 m-tiles, 8 warps, dynamic shared memory of Q8P<MT>::BYTES).
 // Two buffers each hold a tile's input planes and its weight rows' bytes (the 16-byte words covering
 // them); tile k + 1's are copied by cp.async while tile k is decoded (from shared memory) and
 // multiplied, so a block waits for memory once per pass, not once per tile, and its weight reads
 // reach HBM a tile ahead of use (the pass's rows are also prefetched towards L2 as above). Warp w
 // multiplies tokens 16 (w % 4) .. + 15 of m-tiles (w / 4) MT / 2 .. + MT / 2 - 1: 8 warps on a block's
-// 64 rows and 64 tokens. A chunk's two levels are summed in int32 by the tensor cores (the first
+// 16 MT rows and 64 tokens. A chunk's two levels are summed in int32 by the tensor cores (the first
 // level's sums times 256 as the second's accumulator: exact), then scaled in float32 once; the
 // offsets' terms only for types that have them (qmin).
 template <int MT> struct Q8P {
@@ -531,11 +531,15 @@ template <int MT> __device__ void down_q8p(DOWN_Q8_ARGS, uint8_t* sm) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_gate_up_q8p(GATE_UP_Q8_ARGS) {
-    SMEM_Q8P(4)
-    gate_up_q8p<4>(base, gstart, order, xrow, x8, nx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias, sm);
-}
-extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_down_q8p(DOWN_Q8_ARGS) {
-    SMEM_Q8P(4)
-    down_q8p<4>(base, gstart, order, h8, nh, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, sm);
-}
+#define QMOE_Q8P(SUFFIX, MT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_gate_up##SUFFIX(GATE_UP_Q8_ARGS) {     \
+        SMEM_Q8P(MT)                                                                                          \
+        gate_up_q8p<MT>(base, gstart, order, xrow, x8, nx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, \
+                        qt_u, rb_u, act, bias, sm);                                                           \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_down##SUFFIX(DOWN_Q8_ARGS) {           \
+        SMEM_Q8P(MT)                                                                                          \
+        down_q8p<MT>(base, gstart, order, h8, nh, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, sm);     \
+    }
+QMOE_Q8P(_q8p, 4)
+QMOE_Q8P(_q8p2, 2)

@@ -67,8 +67,9 @@ def expert_weights(qt: int, num_e: int, ffn: int, hidden: int, rng: np.random.Ge
     return out
 
 
-def expert_errs(qt: int, rng: np.random.Generator, variants: tuple[str, ...] = ()) -> list[float]:
-    """Errors of the one-token call, the batched call and the batched call of each of ``variants``."""
+def expert_errs(qt: int, rng: np.random.Generator, variants: tuple[str, ...] = (), defines: tuple[str, ...] = ()) -> list[float]:
+    """Errors of the one-token call, the batched call and the batched call of each of ``variants``
+    (kernels of the module of ``defines``)."""
     num_e, ffn, hidden, tokens = 2, 256, 512, 37  # batches: a pass of 32 tokens and one of 5
     parts = expert_weights(qt, num_e, ffn, hidden, rng)
     w = cp.asarray(np.concatenate([p.reshape(num_e, -1) for p in parts], axis=1))
@@ -80,10 +81,10 @@ def expert_errs(qt: int, rng: np.random.Generator, variants: tuple[str, ...] = (
         ys.append((a / (1 + np.exp(-a)) * b) @ d.T)
     wts = np.array([0.7, 0.3], np.float32)
     ref1 = sum(float(wts[e]) * ys[e][:1] for e in range(num_e))
-    errs = [rel(cp.asnumpy(Experts(w, (qt, qt, qt), ffn, hidden, weights=wts, variant=v)(cp.asarray(x[:1]))), ref1)
+    errs = [rel(cp.asnumpy(Experts(w, (qt, qt, qt), ffn, hidden, weights=wts, variant=v, defines=defines)(cp.asarray(x[:1]))), ref1)
             for v in ("", *ONE_VARIANTS)]
     for v in ("", *variants):
-        batch = Experts(w, (qt, qt, qt), ffn, hidden, tokens=tokens, variant=v)(cp.asarray(x))
+        batch = Experts(w, (qt, qt, qt), ffn, hidden, tokens=tokens, variant=v, defines=defines)(cp.asarray(x))
         errs.append(rel(cp.asnumpy(batch), np.concatenate(ys)))
     return errs
 
@@ -115,35 +116,34 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
     x1 = cp.asarray(rng.standard_normal((1, a.hidden)).astype(np.float32))
     xb = cp.asarray(rng.standard_normal((a.tokens, a.hidden)).astype(np.float32))
     rates, nb = [], ws[0].nbytes
-    ones_timed = [] if a.no_one else [(v, ()) for v in ("", *ONE_VARIANTS)] + [(v, (f"GQ_ONLY={qt}",)) for v in ("", *ONE_VARIANTS) if a.only]
-    for v, d in ones_timed:
+    bd = (f"GQ_ONLY={qt}",) if a.type_modules else ()  # the module every timed kernel comes from
+    only = [] if a.type_modules or not a.only else [(v, (f"GQ_ONLY={qt}",), True) for v in ("", *ONE_VARIANTS)]
+    for v, d, extra in [] if a.no_one else [(v, bd, False) for v in ("", *ONE_VARIANTS)] + only:
         ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=v, defines=d) for w in ws]
         us = [1e6 * timed([lambda o=o, k=k: o._calls[k](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones],
                           a.reps) for k in (0, 1)]
         t = timed([lambda o=o: o(x1) for o in ones], a.reps)
-        rates += [nb / t / 1e9] if not d else []
-        print(f"  one token{v or ' (default)'}{' ' + d[0] if d else ''}: gate/up {us[0]:.1f} us, down {us[1]:.1f} us, "
+        rates += [] if extra else [nb / t / 1e9]
+        print(f"  one token{v or ' (default)'}{' ' + d[0] if extra else ''}: gate/up {us[0]:.1f} us, down {us[1]:.1f} us, "
               f"{nb / t / 1e9:.0f} GB/s", flush=True)
     for v in ONE_PROBES if a.probe and not a.no_one else ():  # without the dots (_p) and the weight copies (_n)
-        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=v) for w in ws]
+        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, variant=v, defines=bd) for w in ws]
         us = [1e6 * timed([lambda o=o, k=k: o._calls[k](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones],
                           a.reps) for k in (0, 1)]
         print(f"  probe{v} ({'no dots' if v == '_p' else 'no dots, no copies'}): gate/up {us[0]:.1f} us, "
               f"down {us[1]:.1f} us", flush=True)
     for r in [] if a.no_one else a.down_rows:
-        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, down_rows=r) for w in ws]
+        ones = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, weights=wts, down_rows=r, defines=bd) for w in ws]
         for o in ones:
             o(x1)
         us = 1e6 * timed([lambda o=o: o._calls[1](cp.cuda.get_current_stream().ptr, x1.data.ptr) for o in ones], a.reps)
         print(f"  one token down, {r} rows per block: {us:.1f} us", flush=True)
-    only = [("", (f"GQ_ONLY={qt}",))] if a.only else []
-    for v, d in [] if a.one else [(v, ()) for v in ("", *a.variants)] + only:
+    only = [(v, d, True) for v, d, _ in only[:1]]
+    for v, d, extra in [] if a.one else [(v, bd, False) for v in ("", *a.variants)] + only:
         batch = [Experts(w, (qt, qt, qt), a.ffn, a.hidden, tokens=a.tokens, variant=v, defines=d) for w in ws]
         r = nb / timed([lambda b=b: b(xb) for b in batch], a.reps) / 1e9
-        if d:
-            print(f"  {a.tokens} tokens {d[0]}: {r:.1f} GB/s", flush=True)
-        else:
-            rates.append(r)
+        rates += [] if extra else [r]
+        print(f"  {a.tokens} tokens {v or '(f16)'}{' ' + d[0] if extra else ''}: {r:.1f} GB/s", flush=True)
     return rates
 
 
@@ -170,6 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", action="store_true", help=f"also time the batched kernels' variants {BATCH_VARIANTS}")
     p.add_argument("--one", action="store_true", help="time the one-token expert calls only (no matmul, no batches)")
+    p.add_argument("--type-modules", action="store_true", help="every expert kernel from a module compiled for its "
+                   "type alone (-DGQ_ONLY: a fraction of the whole module's compile); no matmul")
     p.add_argument("--no-one", action="store_true", help="time the batched expert calls only (errors still run)")
     p.add_argument("--only", action="store_true", help="also time them compiled in a module of the type alone")
     p.add_argument("--copies", type=int, default=4, help="copies of the experts' weights timed in turn (beyond L2)")
@@ -212,16 +214,22 @@ def main(argv=None) -> int:
     ekeys = [k.replace("expert_", "e") for k in ekeys]
     keys = ["mm1", "mm64", *ekeys] if not (a.one or a.no_matmul) else ekeys
     ekeys_err = ["e1", *(f"e1{v}" for v in ONE_VARIANTS), "eB", *(f"eB{v}" for v in a.variants)]
-    print(f"{'type':8s}" + "".join(f"{'err ' + k:>10s}" for k in ["mm1", "mm64", *ekeys_err])
+    if a.type_modules:
+        a.no_matmul, keys = True, ekeys
+    ekeys_err = [*([] if a.type_modules else ["mm1", "mm64"]), *ekeys_err]
+    print(f"{'type':8s}" + "".join(f"{'err ' + k:>10s}" for k in ekeys_err)
           + "".join(f"{k:>10s}" for k in keys) + "  GB/s")
     for qt in qtypes:
         quant = qt not in FLOAT_QTYPES
-        errs = [matmul_err(qt, 1, rng), matmul_err(qt, 64, rng)] + (expert_errs(qt, rng, a.variants) if quant else [])
+        if a.type_modules and not quant:
+            continue
+        errs = [] if a.type_modules else [matmul_err(qt, 1, rng), matmul_err(qt, 64, rng)]
+        errs += expert_errs(qt, rng, a.variants, (f"GQ_ONLY={qt}",) if a.type_modules else ()) if quant else []
         rates = [] if a.one or a.no_matmul else [matmul_gbps(qt, a.rows, a.cols, t, a.reps, rng) for t in (1, 64)]
         rates += expert_gbps(qt, a, rng) if quant else []
         ok = max(errs) <= (REL_ERR_INT8 if quant else REL_ERR)
         bad += not ok
-        row = {"type": Q.LAYOUTS[qt].name, "errs": errs, **{f"gbps_{k}": v for k, v in zip(keys, rates)}, "ok": ok}
+        row = {"type": Q.LAYOUTS[qt].name, "errs": dict(zip(ekeys_err, errs)), **{f"gbps_{k}": v for k, v in zip(keys, rates)}, "ok": ok}
         rows.append(row)
         share = " ".join(f"{v / ceiling:.2f}" for v in rates)
         print(f"{Q.LAYOUTS[qt].name:8s}" + "".join(f"{v:10.1e}" for v in errs) + "".join(f"{v:10.1f}" for v in rates)
