@@ -25,10 +25,17 @@ def run_policy(args, geometry, capacity):
         if args.policy != "hybrid" or not 0.0 <= args.miss_fraction <= 1.0:
             raise Fail(f"moelab run: --miss-fraction {args.miss_fraction}: expected 0..1, with --policy hybrid")
     try:
-        return make_policy(args.policy, geometry, capacity, profile=profile, miss_fraction=args.miss_fraction,
-                           **options)
+        policy = make_policy(args.policy, geometry, capacity, profile=profile, miss_fraction=args.miss_fraction,
+                             **options)
     except (ValueError, CapacityError) as exc:
         raise Fail(f"moelab run: {exc}") from None
+    from .xp import env_switch
+
+    if env_switch("MOELAB_GRAPH_CPU", "0"):  # the token graph's misses on the CPU pool (execute.graph_cpu)
+        from scheduler.graph import CpuMisses
+
+        policy = CpuMisses(policy)
+    return policy
 
 
 def prompt_ids(args, tok) -> list[int]:
