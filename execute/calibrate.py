@@ -210,8 +210,8 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
         factor = mapped_factor(m.get("cpu_mapped"))
         if factor:
             hw["executor"] = {**hw["executor"], "cpu_mapped_factor": factor}
-            src["executor.cpu_mapped_factor"] = ("measured: the pool's 8-expert call on experts through a file's memory "
-                                                 "map, its pages faulted in, / on the buffers (calibrate_memory)")
+            src["executor.cpu_mapped_factor"] = ("measured: the pool's 8-expert call on experts through a file's map, pages "
+                                                 "faulted in, / on the buffers (calibrate_memory.mapped_factor)")
         if (m.get("token_graph") or {}).get("fields"):
             hw["executor"] = {**hw["executor"], **m["token_graph"]["fields"]}
             src["executor.token_graph"] = ("measured: decode tokens as one CUDA graph each under gpu, pipelined, on "
