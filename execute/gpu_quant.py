@@ -115,16 +115,17 @@ def kernel(name: str, defines: tuple[str, ...] = ()) -> cp.RawKernel:
     return _module(defines).get_function(name)
 
 
-def kernel_info(name: str, block: int, defines: tuple[str, ...] = ()) -> dict[str, int]:
+def kernel_info(name: str, block: int, defines: tuple[str, ...] = (), shared_bytes: int = 0) -> dict[str, int]:
     """Registers, local (stack) bytes per thread, static shared bytes, and resident blocks per SM
-    of ``block`` threads (the driver's occupancy) of a gpu_quant.cu kernel."""
+    of ``block`` threads with ``shared_bytes`` of dynamic shared memory (the driver's occupancy) of a
+    gpu_quant.cu kernel."""
     import ctypes
 
     k = kernel(name, defines)
     a = k.attributes
     n = ctypes.c_int(-1)
     ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), ctypes.c_void_p(k.kernel.ptr), ctypes.c_int(block), ctypes.c_size_t(0))
+        ctypes.byref(n), ctypes.c_void_p(k.kernel.ptr), ctypes.c_int(block), ctypes.c_size_t(shared_bytes))
     return {"regs": a["num_regs"], "local_bytes": a["local_size_bytes"], "smem_bytes": a["shared_size_bytes"],
             "blocks_per_sm": n.value}
 

@@ -149,11 +149,11 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
 
 def occupancy() -> None:
     """Registers, stack bytes, shared bytes and resident blocks per SM of the expert kernels."""
-    batched = [(n + v, Q8_BLOCK.get(v, (128, 0))[0]) for v in ("", *BATCH_VARIANTS) for n in ("qmoe_gate_up", "qmoe_down")]
-    one = [("qmoe1_gate_up", 128), ("qmoe1_down_combine", 256)]  # (ONE_VARIANTS: the same kernels launched otherwise)
-    for name, block in one + batched + [("qmatmul_q1", 128), ("qx8", 128)]:
+    batched = [(n + v, *Q8_BLOCK.get(v, (128, 0))) for v in ("", *BATCH_VARIANTS) for n in ("qmoe_gate_up", "qmoe_down")]
+    one = [("qmoe1_gate_up", 128, 0), ("qmoe1_down_combine", 256, 0)]  # (ONE_VARIANTS: the same kernels launched otherwise)
+    for name, block, smem in one + batched + [("qmatmul_q1", 128, 0), ("qx8", 128, 0)]:
         try:
-            print(f"  {name} x{block}: {kernel_info(name, block)}", flush=True)
+            print(f"  {name} x{block}: {kernel_info(name, block, shared_bytes=smem)}", flush=True)
         except Exception as e:  # noqa: BLE001 (a driver without the call: the rates still run)
             print(f"  {name}: {e}", flush=True)
 
