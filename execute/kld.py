@@ -28,6 +28,10 @@ Near ties (``execute.kld_ties``, off with ``--no-twin``): the reference runs a t
 2^-22 + sqrt(hidden) 2^-24: the activation halves and float32 accumulation in another order); a position whose reference top-1/top-2 margin, or whose first differently
 routed block's routing margin, is below 4 sqrt(2) times the twin's spread there is a near tie, and
 top-1 agreement is reported outside them too, with every flipped position's margins and bounds.
+A routing difference travels to later positions through the KV cache; the figures follow it back
+to its root (``execute.kld_ties``). With the twin (off with ``--no-forced``) the policy runs once
+more with the reference's routes forced (the router's own weights of those ids), so that the
+tiles' rounding is measured without routing differences (``forced`` in the output).
 """
 from __future__ import annotations
 
@@ -43,9 +47,9 @@ from scheduler.args import ArgumentParser, int_at_least
 from .cli_options import Fail as _Fail, build_capacity as _capacity, check_common as _check_common
 from .cli_options import cost_options as _cost_options, guard as _guard, make_backend as _backend
 from .cli_options import context_limit as _context_limit, read_profile as _profile, wants_gpu as _use_gpu
-from .kld_ties import RouterProbe, rounding, ties
+from .kld_ties import RouterProbe, numerics, rounding, ties
 
-__all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing"]
+__all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing", "forced_routes"]
 
 PROG = "moelab kld"
 _ROWS = 64  # positions compared at a time (float64 temporaries of 64 x vocab)
@@ -141,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--twin-jitter", type=float, default=None, metavar="R",
                    help="the rounding twin's relative perturbation of each block's output (default 2^-22 + "
                         "sqrt(hidden) 2^-24: the tiles' activation halves and float32 accumulation)")
+    p.add_argument("--no-forced", dest="forced", action="store_false",
+                   help="skip the policy's second run with the reference's routes forced (the tiles' rounding "
+                        "without routing differences; needs the twin)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--allow-non-finite", action="store_true",
                    help="compare on a model whose weights hold NaN or Inf (checked at load otherwise)")
@@ -186,22 +193,34 @@ def _policy(args, geometry, capacity):
         raise _Fail(f"{PROG}: {exc}") from None
 
 
-def _inputs(ids: list[int], batch: int):
-    """The text as run inputs: one sequence, ``batch`` tokens per input, every row's logits kept."""
+def _inputs(ids: list[int], batch: int, routes: list | None = None):
+    """The text as run inputs: one sequence, ``batch`` tokens per input, every row's logits kept;
+    ``routes[i]`` (per block a Route or None) forces position i's routing."""
     from .model import ChunkInput, TokenInput
 
     phase = "decode" if batch == 1 else "prefill"
     for index, i in enumerate(range(0, len(ids), batch)):
         chunk = ids[i:i + batch]
+        r = None if routes is None else tuple(routes[i:i + batch])
         if len(chunk) == 1:
-            yield TokenInput(index, 0, i, phase, chunk[0])
+            yield TokenInput(index, 0, i, phase, chunk[0], None if r is None else r[0])
         else:
-            yield ChunkInput(index, 0, i, phase, tuple(chunk), None, True)
+            yield ChunkInput(index, 0, i, phase, tuple(chunk), r, True)
 
 
-def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit, bar=None):
-    """Run ``ids`` under ``policy`` and ``backend``; -> ``(N, vocab)`` float32 logits, the RunResult
-    and the route log. ``bar`` (a tqdm) advances by each batch's tokens."""
+def forced_routes(probe: RouterProbe, num_layers: int, positions: int) -> list[tuple]:
+    """The reference's routing as forced routes: per position, per block a Route of the ids the
+    probe saw (weights left to the router), None at a block without experts."""
+    from .routing import Route
+
+    return [tuple(Route(tuple(int(e) for e in probe.ids[l][i])) if l in probe.ids else None for l in range(num_layers))
+            for i in range(positions)]
+
+
+def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit, bar=None, routes=None):
+    """Run ``ids`` under ``policy`` and ``backend`` (``routes``: forced, as :func:`_inputs`); ->
+    ``(N, vocab)`` float32 logits, the RunResult and the route log. ``bar`` (a tqdm) advances by
+    each batch's tokens."""
     from . import model as M
 
     model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(ids))
@@ -218,7 +237,7 @@ def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit
             bar.update(len(rows))
 
     try:
-        res = M.run(model, backend, policy, _inputs(ids, args.batch), args.lag_tokens, audit, progress=keep)
+        res = M.run(model, backend, policy, _inputs(ids, args.batch, routes), args.lag_tokens, audit, progress=keep)
     finally:
         backend.close()
     return out, res, model.route_log
@@ -255,7 +274,8 @@ def kld(args) -> dict:
     from tqdm import tqdm
 
     # the reference's tokens, its rounding twin's, then the policy's
-    runs = 2 + args.twin
+    forced = args.twin and args.forced and info.expert_groups <= 1
+    runs = 2 + args.twin + forced
     with tqdm(total=runs * len(ids), unit="token", desc="kld", disable=getattr(args, "quiet", False),
               file=sys.stderr, dynamic_ncols=True) as bar:
         try:
@@ -273,9 +293,15 @@ def kld(args) -> dict:
             backend.close()
             raise
         got, res, route_log = _logits(weights, policy, backend, use_gpu, ids, args, audit, bar)
+        if forced:  # a fresh policy and backend: the same run with the reference's routes
+            f_backend = _backend(args, weights, use_gpu, capacity, PROG)
+            f_got, f_res, _ = _logits(weights, _policy(args, geometry, capacity), f_backend, use_gpu, ids, args, None,
+                                      bar, forced_routes(probe, info.num_layers, len(ids)))
+            forced = {**numerics(ref, twin, f_got), "wall_s": f_res.wall_s}
     summary = audit.summary()
     near = (ties(ref, twin, got, probe, twin_probe, route_log, info.expert_groups > 1, jitter) if args.twin
             else {"near_ties": None})
+    near["forced"] = forced or None
     return {"model": str(args.model), "arch": info.arch, "policy": args.policy, "reference": "cpu, numpy backend",
             "gpu": use_gpu, "batch": args.batch, "lag_tokens": args.lag_tokens, "vocab": info.vocab,
             "cache_mib": capacity.slot_bytes(geometry) / 2**20, **kl_figures(ref, got, ids),
@@ -297,6 +323,16 @@ def _print(out: dict) -> None:
         print(f"  outside near ties: {100 * t['top1_agreement_outside_ties']:.2f}% ({t['top1_same_outside_ties']}/"
               f"{t['positions_outside_ties']}); near ties {t['near_ties']} (logits {t['logit_ties']}, routing "
               f"{t['route_ties']}); rounding twin's own top-1 agreement {100 * t['twin_top1_agreement']:.2f}%")
+        if t.get("routes_analysed"):
+            print(f"  routing: {t['positions_routed_differently']} positions routed differently, {len(t['route_roots'])} "
+                  f"roots ({t['route_root_ties']} near ties), {t['positions_route_affected']} positions reached; "
+                  f"spread ratio {t['spread_ratio_median']:.3g} (median), {t['spread_ratio_median_unaffected']:.3g} "
+                  "where no routing difference reaches")
+        f = t.get("forced")
+        if f:
+            print(f"  reference's routes forced: KL max {f['kl_max']:.3g}, top-1 {100 * f['top1_agreement']:.2f}%, "
+                  f"outside near ties {100 * f['top1_agreement_outside_ties']:.2f}% ({f['top1_same_outside_ties']}/"
+                  f"{f['positions_outside_ties']}), spread ratio {f['spread_ratio_median']:.3g} (median)")
         for f in t["flips"]:
             r = f["first_route_difference"]
             print(f"    position {f['position']}: margin {f['margin']:.3g} (bound {f['bound']:.3g}), "

@@ -22,10 +22,22 @@ softmax probabilities, sigmoid, or logits for softmax-over-top-k gating, plus a 
 the twin's; where the policy routed position ``i`` to a different set, the **routing margin** is
 the largest ``sel[out] - sel[in]`` over the experts the reference chose and the policy did not
 (``out``) and those the policy chose instead (``in``), and the bound ``Z sqrt(2)`` times the RMS of
-the twin's deviation over the block's experts. A position whose first block routed differently is
-a near tie there is a **routing near tie** (a different expert changes the logits far beyond
-rounding; what caused it was a tie). Later blocks' differences follow from the first and are only
-counted. Routing with expert groups is not analysed (its masked values have no margin).
+the twin's deviation over the block's experts.
+
+A routing difference travels: it changes its position's residual stream, so that position's later
+blocks, and through the KV cache every later position's attention from the next block on. A
+difference at (position i, block l) is **downstream** when an earlier one can reach it: (i, l' < l),
+or (j < i, l' < l). The others are **roots**; a root whose margin is below its bound is a routing
+near tie. A position's logits are **route-affected** when a root reaches them (its own, or one at
+an earlier position before the last block), and a **routing near tie** when every root that
+reaches them is a near tie (what caused them was a tie). Flips at positions reached by a root
+beyond its bound count against agreement, as flips at unaffected positions outside logit ties do.
+``spread_ratio_median_unaffected`` compares the policy's spread with the twin's where no routing
+difference reaches: the numerics alone. Routing with expert groups is not analysed (its masked
+values have no margin).
+
+:func:`numerics` compares a run of the policy with the reference's routes forced (the router's own
+weights of those ids): the tiles' rounding without routing differences, against the same twin.
 
 :func:`ties` returns the figures ``moelab kld`` prints: agreement outside near ties, and every
 flipped position with its margins and bounds."""
@@ -35,7 +47,7 @@ import numpy as np
 
 from .backends import NumpyExperts
 
-__all__ = ["Z", "JITTER", "RouterProbe", "rounding", "selection", "spread", "ties"]
+__all__ = ["Z", "JITTER", "RouterProbe", "rounding", "selection", "spread", "ties", "roots", "numerics"]
 
 Z = 4.0
 JITTER = 2.0 ** -22  # the activation halves' relative precision (execute.prefill, prefill_dense)
@@ -133,6 +145,54 @@ def _route_flips(ref_probe, twin_probe, route_log, positions: int) -> dict[int, 
     return out
 
 
+def roots(routes: dict[int, list], positions: int, last_block: int) -> tuple[dict[int, list], np.ndarray, np.ndarray]:
+    """From each position's differently routed blocks (``[layer, margin, bound]`` in block order):
+    the roots (position -> its first difference, when no earlier difference reaches it), and per
+    position whether a root reaches its logits and whether every root that does is a near tie
+    (module docstring)."""
+    found: dict[int, list] = {}
+    prev = None  # the smallest first-difference block over earlier positions
+    for i in sorted(routes):
+        first = routes[i][0]
+        if prev is None or first[0] <= prev:
+            found[i] = first
+        prev = first[0] if prev is None else min(prev, first[0])
+    affected = np.zeros(positions, bool)
+    clear = np.zeros(positions, bool)  # reached by a root beyond its bound
+    reach_tie = reach_clear = False  # roots at earlier positions that reach later ones
+    for i in range(positions):
+        own = found.get(i)
+        tie_here = reach_tie or (own is not None and own[1] < own[2])
+        clear_here = reach_clear or (own is not None and own[1] >= own[2])
+        affected[i], clear[i] = tie_here or clear_here, clear_here
+        if own is not None and own[0] < last_block:
+            reach_tie, reach_clear = reach_tie or own[1] < own[2], reach_clear or own[1] >= own[2]
+    return found, affected, affected & ~clear
+
+
+def numerics(ref: np.ndarray, twin: np.ndarray, got: np.ndarray) -> dict:
+    """A run with the reference's routes forced against the reference (both ``(N, vocab)``), with the
+    twin's logit near ties: KL, top-1 agreement in all and outside logit ties, spread ratio."""
+    from .kld import kl_divergence
+
+    n = len(ref)
+    top2 = np.argsort(-ref, axis=1, kind="stable")[:, :2]
+    rows = np.arange(n)
+    margin = ref[rows, top2[:, 0]].astype(np.float64) - ref[rows, top2[:, 1]]
+    s_twin, s_got = spread(ref, twin), spread(ref, got)
+    tie = margin < Z * np.sqrt(2) * s_twin
+    same = np.argmax(got, axis=1) == top2[:, 0]
+    ratio = s_got / np.maximum(s_twin, np.finfo(np.float64).tiny)
+    kl = kl_divergence(ref, got)
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1_agreement": float(same.mean()),
+            "logit_ties": int(tie.sum()), "positions_outside_ties": int((~tie).sum()),
+            "top1_same_outside_ties": int((same & ~tie).sum()),
+            "top1_agreement_outside_ties": float((same & ~tie).sum() / (~tie).sum()) if (~tie).any() else float("nan"),
+            "flips_outside_ties": [int(i) for i in np.flatnonzero(~same & ~tie)],
+            "spread_ratio_median": float(np.median(ratio)), "spread_ratio_p90": float(np.percentile(ratio, 90)),
+            "spread_ratio_max": float(ratio.max())}
+
+
 def ties(ref: np.ndarray, twin: np.ndarray, got: np.ndarray, ref_probe=None, twin_probe=None,
          route_log=None, grouped: bool = False, jitter: float = JITTER) -> dict:
     """The near-tie figures of logits ``(N, vocab)`` of the reference, its rounding twin and the
@@ -147,9 +207,9 @@ def ties(ref: np.ndarray, twin: np.ndarray, got: np.ndarray, ref_probe=None, twi
     logit_tie = margin < bound
     routes = None if route_log is None or ref_probe is None or grouped else _route_flips(
         ref_probe, twin_probe, route_log, n)
-    route_tie = np.zeros(n, bool)
-    for i, blocks in (routes or {}).items():
-        route_tie[i] = blocks[0][1] < blocks[0][2]
+    root, affected, route_tie = {}, np.zeros(n, bool), np.zeros(n, bool)
+    if routes is not None:
+        root, affected, route_tie = roots(routes, n, max(ref_probe.sel))
     tie = logit_tie | route_tie
     same = np.argmax(got, axis=1) == a
     outside = ~tie
@@ -160,6 +220,7 @@ def ties(ref: np.ndarray, twin: np.ndarray, got: np.ndarray, ref_probe=None, twi
                       "bound": float(bound[i]), "policy_margin": float(got[i, a[i]] - got[i, b[i]]),
                       "spread_policy": float(s_got[i]), "spread_twin": float(s_twin[i]),
                       "logit_tie": bool(logit_tie[i]), "route_tie": bool(route_tie[i]),
+                      "route_affected": bool(affected[i]),
                       "blocks_routed_differently": len(blocks), "first_route_difference": blocks[0] if blocks else None})
     ratio = s_got / np.maximum(s_twin, np.finfo(np.float64).tiny)
     own = margin < Z * np.sqrt(2) * s_got  # the policy's own spread as the bound (a check, not the measure)
@@ -172,6 +233,12 @@ def ties(ref: np.ndarray, twin: np.ndarray, got: np.ndarray, ref_probe=None, twi
            "spread_ratio_median": float(np.median(ratio)), "spread_ratio_max": float(ratio.max()),
            "routes_analysed": routes is not None, "flips": flips}
     if routes is not None:
+        clean = ~affected
+        out["route_roots"] = [[i, *r] for i, r in sorted(root.items())]
+        out["route_root_ties"] = int(sum(r[1] < r[2] for r in root.values()))
+        out["positions_route_affected"] = int(affected.sum())
+        out["first_route_difference_position"] = min(routes) if routes else None
+        out["spread_ratio_median_unaffected"] = float(np.median(ratio[clean])) if clean.any() else float("nan")
         out["positions_routed_differently"] = len(routes)
         out["blocks_routed_differently"] = sum(len(v) for v in routes.values())
         out["twin_blocks_routed_differently"] = sum(

@@ -95,6 +95,12 @@ def test_cpu_policy_matches_the_reference(models, arch, quant, batch, bound):
     t = out["ties"]  # tiny models have clear margins: no flips, no near ties, routes the reference's
     assert t["flips"] == [] and t["twin_top1_agreement"] == 1.0 and t["top1_agreement_outside_ties"] == 1.0
     assert t.get("positions_routed_differently", 0) == 0 and t.get("twin_blocks_routed_differently", 0) == 0
+    f = t["forced"]  # the reference's routes forced: the same routes, so the same figures
+    assert (f is None) == (arch == "deepseek2")  # expert groups: routing not analysed, no forced run
+    if f is None:
+        return
+    assert f["top1_agreement"] == 1.0 and f["flips_outside_ties"] == [] and f["kl_max"] < bound
+    assert f["spread_ratio_median"] == pytest.approx(t["spread_ratio_median"], rel=1e-6)
 
 
 def test_a_corrupted_expert_output_shows_up_at_its_position(models, monkeypatch):
@@ -178,6 +184,8 @@ def test_gpu_policies_match_the_reference(models, policy, extra, quant):
     assert out["gpu"] and out["positions"] == 64
     assert out["kl_max"] < 1e-5 and out["share_kl_above_0.1"] == 0.0, out["worst"]
     assert out["top1_agreement"] == 1.0 and out["ties"]["flips"] == []
+    f = out["ties"]["forced"]  # the same policy with the reference's routes forced
+    assert f["kl_max"] < 1e-5 and f["top1_agreement"] == 1.0 and f["wall_s"] > 0
     if policy not in ("gpu", "cpu"):
         # the cache of 3 of 8 experts per block had to move experts: on demand or in the background
         # (upload_mib counts both). hybrid moves them only in the background here: on a top-2 model
@@ -185,3 +193,14 @@ def test_gpu_policies_match_the_reference(models, policy, extra, quant):
         assert out["upload_mib"] > 0
         if policy == "hybrid":
             assert out["cpu"] > 0
+
+
+def test_forced_routes_are_the_probes_ids_per_position():
+    from types import SimpleNamespace
+
+    from execute.routing import Route
+
+    probe = SimpleNamespace(ids={1: np.array([[3, 0], [2, 5]]), 2: np.array([[1, 4], [0, 6]])})
+    r = kld.forced_routes(probe, 3, 2)
+    assert r == [(None, Route((3, 0)), Route((1, 4))), (None, Route((2, 5)), Route((0, 6)))]
+    assert r[0][1].weights is None  # the router's own weights of those ids

@@ -67,9 +67,36 @@ def test_routing_differences_are_found_with_their_margins(rng):
     ref, twin = ref[:n], twin[:n]
     t = K.ties(ref, twin, ref.copy(), ref_probe, twin_probe, log)
     assert t["routes_analysed"] and t["positions_routed_differently"] == 2 and t["blocks_routed_differently"] == 3
-    assert t["route_ties"] == 1 and t["twin_blocks_routed_differently"] == 0
-    assert t["logit_ties"] == 1 and t["near_ties"] == 2 and t["positions_outside_ties"] == 3  # 1: logits, 2: routing
+    # position 3's difference at block 1 is downstream of position 2's at block 0 (through the cache):
+    # one root, a near tie, reaching positions 2, 3 and 4
+    assert [r[:2] for r in t["route_roots"]] == [[2, 0]] and t["route_root_ties"] == 1
+    assert t["route_ties"] == 3 and t["positions_route_affected"] == 3 and t["twin_blocks_routed_differently"] == 0
+    assert t["first_route_difference_position"] == 2
+    assert t["logit_ties"] == 1 and t["near_ties"] == 4 and t["positions_outside_ties"] == 1  # 1: logits, 2-4: routing
     assert t["flips"] == []
+    assert t["spread_ratio_median_unaffected"] == pytest.approx(
+        np.median(K.spread(ref[:2], ref[:2].copy()) / K.spread(ref[:2], twin[:2])))
+
+
+def test_roots_reach_later_positions_through_the_cache():
+    """Differences as (position -> [block, margin, bound], ...): position 1 at block 2 (a tie) is a
+    root; position 2 at block 3 is downstream of it; position 4 at block 0 is a root beyond its
+    bound, which spoils the later positions; position 5 only at the last block reaches no other."""
+    routes = {1: [[2, 1e-9, 1e-6]], 2: [[3, 0.5, 1e-6]], 4: [[0, 0.5, 1e-6], [3, 0.1, 1e-6]]}
+    found, affected, tie = K.roots(routes, 7, last_block=3)
+    assert sorted(found) == [1, 4]
+    assert affected.tolist() == [False, True, True, True, True, True, True]
+    assert tie.tolist() == [False, True, True, True, False, False, False]
+    found, affected, tie = K.roots({5: [[3, 1e-9, 1e-6]]}, 7, last_block=3)
+    assert sorted(found) == [5] and affected.tolist() == [False] * 5 + [True, False] and tie[5] and not tie[6]
+
+
+def test_numerics_of_a_forced_run(rng):
+    ref, twin, got, top = _runs(rng)
+    n = K.numerics(ref, twin, got)
+    assert n["logit_ties"] == 1 and n["positions_outside_ties"] == 5 and n["top1_same_outside_ties"] == 4
+    assert n["flips_outside_ties"] == [4] and n["top1_agreement"] == pytest.approx(4 / 6)
+    assert 0.5 < n["spread_ratio_median"] < 2 and n["kl_max"] > 0
 
 
 def test_selection_values_follow_the_gating():
