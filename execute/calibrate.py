@@ -202,10 +202,9 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
     if "gpu" in m:
         hw.update(_gpu_fields(m, eb, src))
         if "engine_replay" in m:  # host lane and pool as a replay runs them, over the one-call figures
-            from .calibrate_host import measurement_problems
+            from .calibrate_host import found_busy
 
-            st = m.get("host_state") or {}
-            busy = bool(st.get("problem") or st.get("warning") or measurement_problems(m))
+            busy = found_busy(m)  # the pool fit then takes each count's median call
             hw = apply_replay(hw, m["engine_replay"], eb, T, src, alone=m["cpu_pool"], busy=busy)
         factor = mapped_factor(m.get("cpu_mapped"))
         if factor:

@@ -15,7 +15,7 @@ import time
 from .calibrate_fit import POOL_MIN_CALLS
 
 __all__ = ["busy_cores", "host_state", "host_problem", "quiet_host", "summary", "measurement_problems",
-           "HOST_MEM_BYTES", "MEM_DROP", "BUSY_FLOOR", "POOL_SLOWER"]
+           "found_busy", "HOST_MEM_BYTES", "MEM_DROP", "BUSY_FLOOR", "POOL_SLOWER", "MEM_UNDER_POOL"]
 
 HOST_MEM_BYTES = 1 << 28  # the memory read of a host check: 256 MiB, a few ms a read
 MEM_DROP = 0.6  # a later memory read below this fraction of an earlier one: the host got busier (quiet hosts
@@ -95,12 +95,14 @@ def summary(before: dict, after: dict) -> dict:
 
 
 POOL_SLOWER = 1.3  # the replay's median call over the pool alone's at the same count: the replay ran on a busy host
+MEM_UNDER_POOL = 0.7  # the memory read below this fraction of the pool's own stream: a busy read (the pool can
+# out-read the plain read: a quiet H200 host read 82 GB/s beside the pool's 96, a busy one 45 beside 79)
 
 
 def measurement_problems(m: dict) -> list[str]:
     """What a calibration's measurements (``measure_all``'s dict, or a file's ``_calibration``) say
-    against each other about the host, one line each: the memory read slower than the pool's own
-    largest call streams its experts (``cpu_pool``: the read ran on a busy host), and the
+    against each other about the host, one line each: the memory read under ``MEM_UNDER_POOL`` x the
+    rate the pool's own largest call streams its experts (``cpu_pool``: the read ran on a busy host), and the
     calibration replay's pool calls more than ``POOL_SLOWER`` x the pool alone's median at the
     largest expert count both measured (with at least ``POOL_MIN_CALLS`` replayed calls; the replay ran on
     a busy host: quiet calibrations measured 0.93-1.2x)."""
@@ -110,9 +112,9 @@ def measurement_problems(m: dict) -> list[str]:
     if table and mem and m.get("expert_bytes"):
         n = max(table, key=float)
         rate = float(n) * m["expert_bytes"] / table[n]["median"] / 1e9
-        if mem < rate:
-            out.append(f"the memory read ({mem:.0f} GB/s) was slower than the pool's own {n}-expert calls stream "
-                       f"experts ({rate:.0f} GB/s)")
+        if mem < MEM_UNDER_POOL * rate:
+            out.append(f"the memory read ({mem:.0f} GB/s) was under {MEM_UNDER_POOL:g} x the rate the pool's own "
+                       f"{n}-expert calls stream experts ({rate:.0f} GB/s)")
     by = ((m.get("engine_replay") or {}).get("pool") or {}).get("by_count") or {}
     alone = {int(n): st["median"] for n, st in table.items()}
     common = [int(n) for n, st in by.items() if int(n) in alone and st.get("n", 0) >= POOL_MIN_CALLS]
@@ -122,3 +124,18 @@ def measurement_problems(m: dict) -> list[str]:
         if ratio > POOL_SLOWER:
             out.append(f"the calibration replay's {n}-expert pool calls took {ratio:.2f}x the pool alone's")
     return out
+
+
+def found_busy(m: dict) -> bool:
+    """Whether a calibration's measurements (``measure_all``'s dict, or a file's ``_calibration``)
+    were taken on a busy host, by this version's rules: others' busy cores at the check before or
+    after, or the memory read's fall between them (``host_problem`` on the recorded states; a
+    recorded problem where no states were kept), or ``measurement_problems``. A problem that an
+    older rule recorded is read again, not trusted."""
+    st = m.get("host_state") or {}
+    threads = int(m.get("threads") or 1)
+    b, a = st.get("before"), st.get("after")
+    if not (isinstance(b, dict) and isinstance(a, dict) and "cores" in b and "cores" in a):
+        return bool(st.get("problem") or st.get("warning") or measurement_problems(m))
+    full = lambda x: {**x, "mem_gbps": {"median": float(x.get("mem_gbps") or 0.0)}}  # summary keeps the medians
+    return bool(host_problem(full(b), threads) or host_problem(full(a), threads, full(b)) or measurement_problems(m))

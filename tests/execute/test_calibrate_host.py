@@ -98,6 +98,7 @@ def test_measurements_that_disagree_say_the_host_was_busy():
     quiet = dict(m, cpu_mem={"median": 110.0},
                  engine_replay={"pool": {"by_count": {"1": {"median": 110e-6, "n": 100}, "8": {"median": 900e-6, "n": 3}}}})
     assert H.measurement_problems(quiet) == []  # 8: too few replayed calls; 1: 1.1x
+    assert H.measurement_problems(dict(quiet, cpu_mem={"median": 68.0})) == []  # a quiet host's read under the pool's
     assert H.measurement_problems({}) == []
 
 
@@ -129,3 +130,10 @@ def test_a_calibration_found_busy_fits_the_pool_over_medians():
     assert busy["cpu_thread_gbps"] == pytest.approx(1.5 * quiet["cpu_thread_gbps"], rel=0.05)  # tails left out
     assert "replay, the median call" in busy["sources"]["cpu_call_factor"]
     assert "replay, the mean call" in quiet["sources"]["cpu_call_factor"]
+    # a recorded problem is read again by this version's rules where the states were kept
+    state = lambda busy, mem: {"busy_cores": busy, "cores": 16, "mem_gbps": mem}
+    old_rule = {"problem": "the memory read (82 GB/s) was slower than ...", "before": state(0.1, 87.0),
+                "after": state(0.0, 88.0)}
+    assert not H.found_busy({**m, "threads": 15, "host_state": old_rule})
+    assert H.found_busy({**m, "threads": 15, "host_state": {**old_rule, "after": state(9.0, 88.0)}})
+    assert H.found_busy({**m, "threads": 15, "host_state": {**old_rule, "after": state(0.0, 40.0)}})  # the read fell
