@@ -157,3 +157,31 @@ def test_graph_cpu_gives_the_same_decisions_and_refuses_an_upload():
 
 def times_cpu(c: Costs, items: list) -> list[float]:
     return list(Simulator(c, token_graph=True, graph_cpu=True).run(iter(items)).token_s)
+
+
+@pytest.mark.parametrize("policy", ["lru", "hybrid", "cpu"])
+@pytest.mark.parametrize("lag", [0, 1])
+def test_graph_cpu_on_a_random_trace_gives_the_replays_decisions_and_never_beats_the_bound(policy, lag):
+    import numpy as np
+
+    from scheduler import Capacity, drive, make_policy, replay
+    from scheduler.graph import CpuMisses
+
+    from .conftest import decode_tokens
+
+    rng = np.random.default_rng(3)
+    model = tiny_model(num_layers=L, num_experts=8, top_k=2)
+    g = model.geometry()
+    toks = decode_tokens([[tuple(int(e) for e in rng.choice(8, 2, replace=False)) for _ in range(L)]
+                          for _ in range(30)])
+    new = lambda: CpuMisses(make_policy(policy, g, Capacity.per_layer(g, 3)))
+    c = Costs(model, round_hardware(executor={**HOST, **GCPU}), ExecConfig(policy=policy))
+    from scheduler import Audit
+
+    sim = Audit(g, keep_log=True, keep_records=False)
+    r = Simulator(c, token_graph=True, graph_cpu=True).run(drive(new(), toks, lag), sim)
+    ref = replay(new(), toks, lag, Audit(g, keep_log=True, keep_records=False))
+    assert sim.digest() == ref.digest() and sim.summary() == ref.summary()
+    assert np.all(r.token_s >= r.bound_s * (1 - 1e-12))
+    if policy != "cpu":
+        assert sim.summary()["uploads"] == 0 and sim.summary()["fills"] > 0
