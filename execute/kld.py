@@ -243,6 +243,20 @@ def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit
     return out, res, model.route_log
 
 
+def _forced(args, weights, geometry, capacity, use_gpu: bool, ids, probe, ref, twin, bar) -> dict:
+    """The policy's run with the reference's routes forced, against the reference (``numerics``);
+    an error there is reported in its place (the main figures stand without it)."""
+    try:
+        backend = _backend(args, weights, use_gpu, capacity, PROG)
+        got, res, _ = _logits(weights, _policy(args, geometry, capacity), backend, use_gpu, ids, args, None, bar,
+                              forced_routes(probe, weights.info.num_layers, len(ids)))
+    except (_Fail, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failure of the extra run is reported, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {**numerics(ref, twin, got), "wall_s": res.wall_s}
+
+
 def kld(args) -> dict:
     """The comparison ``moelab kld ARGS`` prints (``--json``)."""
     from scheduler import Capacity, make_policy
@@ -294,10 +308,7 @@ def kld(args) -> dict:
             raise
         got, res, route_log = _logits(weights, policy, backend, use_gpu, ids, args, audit, bar)
         if forced:  # a fresh policy and backend: the same run with the reference's routes
-            f_backend = _backend(args, weights, use_gpu, capacity, PROG)
-            f_got, f_res, _ = _logits(weights, _policy(args, geometry, capacity), f_backend, use_gpu, ids, args, None,
-                                      bar, forced_routes(probe, info.num_layers, len(ids)))
-            forced = {**numerics(ref, twin, f_got), "wall_s": f_res.wall_s}
+            forced = _forced(args, weights, geometry, capacity, use_gpu, ids, probe, ref, twin, bar)
     summary = audit.summary()
     near = (ties(ref, twin, got, probe, twin_probe, route_log, info.expert_groups > 1, jitter) if args.twin
             else {"near_ties": None})
@@ -329,7 +340,9 @@ def _print(out: dict) -> None:
                   f"spread ratio {t['spread_ratio_median']:.3g} (median), {t['spread_ratio_median_unaffected']:.3g} "
                   "where no routing difference reaches")
         f = t.get("forced")
-        if f:
+        if f and "error" in f:
+            print(f"  reference's routes forced: failed ({f['error']})")
+        elif f:
             print(f"  reference's routes forced: KL max {f['kl_max']:.3g}, top-1 {100 * f['top1_agreement']:.2f}%, "
                   f"outside near ties {100 * f['top1_agreement_outside_ties']:.2f}% ({f['top1_same_outside_ties']}/"
                   f"{f['positions_outside_ties']}), spread ratio {f['spread_ratio_median']:.3g} (median)")

@@ -204,3 +204,14 @@ def test_forced_routes_are_the_probes_ids_per_position():
     r = kld.forced_routes(probe, 3, 2)
     assert r == [(None, Route((3, 0)), Route((1, 4))), (None, Route((2, 5)), Route((0, 6)))]
     assert r[0][1].weights is None  # the router's own weights of those ids
+
+
+def test_a_failed_forced_run_is_reported_and_the_figures_stand(models, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("no routes today")
+
+    monkeypatch.setattr(kld, "forced_routes", broken)
+    out = kld.kld(_args(models("qwen3moe", "Q8_0"), *CPU, "--tokens", "12"))
+    assert out["ties"]["forced"] == {"error": "RuntimeError: no routes today"} and out["top1_agreement"] == 1.0
+    out = kld.kld(_args(models("qwen3moe", "Q8_0"), *CPU, "--tokens", "12", "--no-forced"))
+    assert out["ties"]["forced"] is None
