@@ -36,16 +36,13 @@ import weakref
 import cupy as cp
 import numpy as np
 
-from scheduler.graph import GraphBackoff
-from scheduler.drive import EndToken, RunLayer
-
 from . import cpu_pool as P
 from .cpu_experts import J_N
 from .experts import ExecutorError
 from .gpu_experts import Launch
 from .handoff import _ERR, _SLOTS, _STAMPS, _Mapped, _kernel
 
-__all__ = ["GraphCpu", "GraphCpuGate", "graph_cpu_env"]
+__all__ = ["GraphCpu", "graph_cpu_env"]
 
 _rt = cp.cuda.runtime
 _RPW, _RPB, _WARPS = 2, 2, 4  # as gpu_experts' one-token launches (moe1_gate_up, moe1_down_combine)
@@ -192,33 +189,3 @@ def _unregister(ptr: int, ring: np.ndarray) -> None:
         _rt.hostUnregister(ptr)
     except _rt.CUDARuntimeError:  # a context already gone
         pass
-
-
-class GraphCpuGate(GraphBackoff):
-    """The token graph's back-off (every such token completes, so every token tries) that also
-    checks each settled step of a graph token: its decision's CPU experts must be those the graph
-    handed to the pool, and it may upload or stream nothing (``expect`` is given the graph's
-    per-block experts before the token's steps are settled)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._expect: list = []
-        self._next = 0
-
-    def expect(self, cpu: list) -> None:
-        self._expect, self._next = cpu, 0
-
-    def see(self, item) -> None:
-        super().see(item)
-        k = type(item)
-        if k is RunLayer and self._next < len(self._expect):
-            d = item.decision
-            want = self._expect[self._next]
-            self._next += 1
-            if d.uploads or d.streams or sorted(d.cpu) != sorted(want):
-                raise ExecutorError(
-                    f"block {d.layer}: the token graph computed experts {list(want)} on the CPU but the decision "
-                    f"says cpu {list(d.cpu)}, uploads {list(d.uploads)}, streams {list(d.streams)}; with "
-                    "MOELAB_GRAPH_CPU=1 wrap the policy in scheduler.graph.CpuMisses")
-        elif k is EndToken:
-            self._expect, self._next = [], 0

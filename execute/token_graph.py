@@ -120,7 +120,8 @@ class TokenGraph:
         from .graph_cpu import graph_cpu_env
 
         if graph_cpu_env():
-            from .graph_cpu import GraphCpu, GraphCpuGate
+            from .graph_cpu import GraphCpu
+            from .graph_gate import GraphCpuGate
 
             self.cpu = GraphCpu.create(engine, L, k, hidden)
             if self.cpu is not None:

@@ -13,8 +13,27 @@ import pytest
 from execute import cpu_pool as P
 from execute.cpu_experts import J_N, run_experts
 from execute.experts import ExecutorError, random_layer
+from execute.graph_gate import GraphCpuGate
+from scheduler import Decision, EndToken, RunLayer, Step, Token
 
 from .conftest import cupy_or_skip
+
+
+def test_the_gate_checks_each_settled_step_against_the_graphs_cpu_experts():
+    t = Token(0, 0, 0, "decode", ())
+    s0, s1 = Step(0, (1, 2)), Step(1, (3, 4))
+    gate = GraphCpuGate()
+    assert gate.want()
+    gate.done(True)
+    gate.expect([(2,), ()])
+    gate.see(RunLayer(t, s0, Decision(s0, (1,), cpu=(2,))))
+    with pytest.raises(ExecutorError, match="CpuMisses"):
+        gate.see(RunLayer(t, s1, Decision(s1, (3,), uploads=(4,), slots=(0,))))
+    gate.see(EndToken(t))
+    gate.see(RunLayer(t, s1, Decision(s1, (3,), uploads=(4,), slots=(0,))))  # a block-by-block token: not checked
+    gate.expect([(4,)])
+    with pytest.raises(ExecutorError, match=r"experts \[4\] on the CPU"):
+        gate.see(RunLayer(t, s1, Decision(s1, (4,), cpu=(3,))))
 
 
 @pytest.mark.parametrize("picks", [[5, 2], [], [7, 0, 3]])
