@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -234,6 +235,32 @@ def test_any_shape_pairs_and_chunking_match_float64(qtype, down, hb, fb, experts
     assert y.shape == (len(experts), hidden)
     if experts:
         assert rel_err(y, reference(layer, experts, x)) < bound(qtype, down)
+
+
+@functools.cache
+def _phase_chunks():
+    from numba import njit
+
+    return njit(lambda job, phase: cpu_pool._phase_chunks(job, phase))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 70), groups=st.integers(1, 8), hidden=st.sampled_from([32, 256, 2048]),
+       ffn=st.sampled_from([32, 96, 768]), hands=st.integers(1, 16))
+def test_every_call_has_a_chunk_that_publishes_it(n, groups, hidden, ffn, hands):
+    """A pool call's chunks per phase: one grouping chunk; a quantize or gate+up phase none exactly
+    when it has no work (a call without pairs crosses one barrier); the last phase (down) at least
+    one, since the hand that finishes its last chunk publishes the call (none: it would never
+    finish); no phase more than a hand's share of chunks allows."""
+    chunks = _phase_chunks()
+    job = np.zeros(cpu_pool._RING_FIELDS, np.int64)
+    ng = min(groups, n)
+    job[cpu_pool.J_N], job[cpu_pool.J_HIDDEN], job[cpu_pool.J_FFN] = n, hidden, ffn
+    job[cpu_pool.J_NG], job[cpu_pool.J_HANDS] = ng, hands
+    c = [chunks(job, phase) for phase in range(cpu_pool._PHASES)]
+    assert c[0] == 1 and c[4] >= 1
+    assert (c[1] > 0, c[2] > 0, c[3] > 0) == (n > 0, ng > 0, n > 0)
+    assert max(c[1], c[3]) <= hands and max(c[2], c[4]) <= 16 * hands
 
 
 def test_pool_config_validated():
