@@ -47,6 +47,7 @@ __all__ = ["GraphCpu", "graph_cpu_env"]
 _rt = cp.cuda.runtime
 _RPW, _RPB, _WARPS = 2, 2, 4  # as gpu_experts' one-token launches (moe1_gate_up, moe1_down_combine)
 _REGISTER_MAPPED = 2  # cudaHostRegisterMapped
+_PAGE = 4096
 
 
 def graph_cpu_env() -> bool:
@@ -83,9 +84,11 @@ class GraphCpu:
         self._pick_mem = cp.cuda.alloc_pinned_memory(self.pick.nbytes)
         self.pick_host = np.frombuffer(self._pick_mem, np.int32, L * (k + 1)).reshape(L, k + 1)
         ring = pool._ring  # the team's job slots: the GPU writes each call's pair count there
-        _rt.hostRegister(ring.ctypes.data, ring.nbytes, _REGISTER_MAPPED)
+        lo = ring.ctypes.data // _PAGE * _PAGE  # whole pages (older drivers want them)
+        hi = -(-(ring.ctypes.data + ring.nbytes) // _PAGE) * _PAGE
+        _rt.hostRegister(lo, hi - lo, _REGISTER_MAPPED)
+        self.close = weakref.finalize(self, _unregister, lo, ring)  # the ring kept until then
         self._ring_dev = int(_rt.pointerGetAttributes(ring.ctypes.data).devicePointer)
-        self.close = weakref.finalize(self, _unregister, ring.ctypes.data, ring)  # the ring kept until then
         self._put = Launch(_kernel("graphcpu_put"), 22)
         self._gate_up = Launch(_kernel("graphcpu_gate_up"), 16)
         self._down = Launch(_kernel("graphcpu_down"), 12)
