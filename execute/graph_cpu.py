@@ -88,7 +88,7 @@ class GraphCpu:
         hi = -(-(ring.ctypes.data + ring.nbytes) // _PAGE) * _PAGE
         _rt.hostRegister(lo, hi - lo, _REGISTER_MAPPED)
         self.close = weakref.finalize(self, _unregister, lo, ring)  # the ring kept until then
-        self._ring_dev = int(_rt.pointerGetAttributes(ring.ctypes.data).devicePointer)
+        self._ring_dev = int(_rt.pointerGetAttributes(lo).devicePointer) + ring.ctypes.data - lo
         self._put = Launch(_kernel("graphcpu_put"), 22)
         self._gate_up = Launch(_kernel("graphcpu_gate_up"), 16)
         self._down = Launch(_kernel("graphcpu_down"), 12)
