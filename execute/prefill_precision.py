@@ -12,8 +12,21 @@ error is the stage's own; the ``chained`` comparison runs the GPU stages of a bl
 another from the block's input (the error a block adds). The experts always take the reference's
 routes (routing disagreements are counted on their own, with their margins).
 
+The chunk path's arithmetic, stage by stage (u = 2^-24, float32's unit roundoff):
+
+| stage | inputs enter as | accumulation, order |
+| --- | --- | --- |
+| RMSNorm (``pd_rmsnorm``) | float32 | float32 FMA per thread, warp tree, then warps in order; 1/sqrt |
+| qkv, wo (``ChunkDense.matmul``) | x: f16 hi + lo of a row scaled by 2^p (~22 bits); F16 weights exact; Q8_0/BF16 weights dequantized (exact) and split per row, three products hi.hi, lo.hi, hi.lo | tensor cores (cuBLAS gemmEx, f16 in, COMPUTE_32F), the products summed in float32 |
+| q/k norm + RoPE (``pd_qk_rope_kv``) | float32; cos/sin tables float32 (from float64 angles) | as RMSNorm over head_dim; x c + x' s rounded per operation |
+| scores, values (``_bgemm``) | float32 (no TF32: COMPUTE_32F, default math mode) | cuBLAS SGEMM order |
+| softmax (``pd_softmax``) | float32 scores times scale | max, expf, block tree sum, times 1/sum |
+| router logits | float32 (CuPy matmul, no TF32) | cuBLAS SGEMM order; top-k and weights in float64 |
+| gate/up, down (``pf_mm``/``pf_mm2``) | x: f16 halves as above; quants exact in f16 | mma.sync m16n8k16 f32 per 32-weight block, times the f16 block scale, summed in float32 |
+| combine (``moe_combine``) | float32 pair rows, float32 weights | rank order, FMA |
+
 Error of a stage: per row (token, or (token, expert) pair), ``|got - ref| / |ref|`` (Euclidean
-norms, float64). Bounds, with ``u = 2^-24`` (typical sizes, random-sign rounding, not worst cases):
+norms, float64). Bounds (typical sizes, random-sign rounding, not worst cases):
 
 - product of inner length K: ``2^-22 + sqrt(K) u`` with f16 activation halves (tiles, chunk dense
   projections), ``sqrt(K) u`` in float32 (router, decode GEMVs);
