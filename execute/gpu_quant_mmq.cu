@@ -301,7 +301,7 @@ QMOE_Q8(_q8m1, 1, 0)
 QMOE_Q8(_q8s2, 2, 1)
 QMOE_Q8(_q8s1, 1, 1)
 
-// _q8p, _q8p2: the pipelined variants (MT = 4, 2 m-tiles, 8 warps, dynamic shared memory of Q8P<MT>::BYTES).
+// _q8p, _q8p2, _q8px: the pipelined variants (MT = 4, 2 m-tiles, 8 warps, dynamic shared memory of Q8P<MT>::BYTES).
 // Two buffers each hold a tile's input planes and its weight rows' bytes (the 16-byte words covering
 // them); tile k + 1's are copied by cp.async while tile k is decoded (from shared memory) and
 // multiplied, so a block waits for memory once per pass, not once per tile, and its weight reads
@@ -531,15 +531,24 @@ template <int MT> __device__ void down_q8p(DOWN_Q8_ARGS, uint8_t* sm) {
     }
 }
 
-#define QMOE_Q8P(SUFFIX, MT)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_gate_up##SUFFIX(GATE_UP_Q8_ARGS) {     \
+#define QMOE_Q8P(SUFFIX, MT, MINB)  /* MINB: resident blocks per SM the registers must allow */          \
+    extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, MINB) qmoe_gate_up##SUFFIX(GATE_UP_Q8_ARGS) {  \
         SMEM_Q8P(MT)                                                                                          \
         gate_up_q8p<MT>(base, gstart, order, xrow, x8, nx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, \
                         qt_u, rb_u, act, bias, sm);                                                           \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_down##SUFFIX(DOWN_Q8_ARGS) {           \
+    extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, MINB) qmoe_down##SUFFIX(DOWN_Q8_ARGS) {        \
         SMEM_Q8P(MT)                                                                                          \
         down_q8p<MT>(base, gstart, order, h8, nh, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, sm);     \
     }
-QMOE_Q8P(_q8p, 4)
-QMOE_Q8P(_q8p2, 2)
+QMOE_Q8P(_q8p, 4, 2)   // 87 KB of shared memory: 2 blocks per SM
+QMOE_Q8P(_q8p2, 2, 3)  // 65 KB: 3 blocks per SM (80 registers at most)
+// _q8px: _q8p2's gate/up beside _q8p's down (as many blocks as 2 or 3 a SM hold on qwen3-30b-a3b's 8 experts)
+extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 3) qmoe_gate_up_q8px(GATE_UP_Q8_ARGS) {
+    SMEM_Q8P(2)
+    gate_up_q8p<2>(base, gstart, order, xrow, x8, nx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias, sm);
+}
+extern "C" __global__ void __launch_bounds__(32 * Q8P_WARPS, 2) qmoe_down_q8px(DOWN_Q8_ARGS) {
+    SMEM_Q8P(4)
+    down_q8p<4>(base, gstart, order, h8, nh, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, sm);
+}

@@ -149,7 +149,8 @@ def expert_gbps(qt: int, a: argparse.Namespace, rng: np.random.Generator) -> lis
 
 def occupancy() -> None:
     """Registers, stack bytes, shared bytes and resident blocks per SM of the expert kernels."""
-    batched = [(n + v, *Q8_BLOCK.get(v, (128, 0))) for v in ("", *BATCH_VARIANTS) for n in ("qmoe_gate_up", "qmoe_down")]
+    batched = [(n + v, Q8_BLOCK.get(v, (128, 0, 0))[0], Q8_BLOCK.get(v, (128, 0, 0))[1 + i]) for v in ("", *BATCH_VARIANTS)
+               for i, n in enumerate(("qmoe_gate_up", "qmoe_down"))]
     one = [("qmoe1_gate_up", 128, 0), ("qmoe1_down_combine", 256, 0)]  # (ONE_VARIANTS: the same kernels launched otherwise)
     for name, block, smem in one + batched + [("qmatmul_q1", 128, 0), ("qx8", 128, 0)]:
         try:
