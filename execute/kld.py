@@ -24,9 +24,10 @@ Routing is computed independently in each run, so a near-tie the two numerics br
 sends a token to other experts; that shows here as it would in a real decode.
 
 Near ties (``execute.kld_ties``, off with ``--no-twin``): the reference runs a third time as a
-*rounding twin*, every MoE block's output perturbed by a relative ``--twin-jitter`` (default
-2^-22 + sqrt(hidden) 2^-24: the activation halves and float32 accumulation in another order); a position whose reference top-1/top-2 margin, or whose first differently
-routed block's routing margin, is below 4 sqrt(2) times the twin's spread there is a near tie, and
+*rounding twin*, every matrix product's and MoE block's output perturbed by a relative ``--twin-jitter``
+(default 2^-22 + sqrt(K) 2^-24 for a product over K: the activation halves and float32 accumulation
+in another order); a position whose reference top-1/top-2 margin, or whose routing difference's
+root's margin, is below 4 sqrt(2) times the twin's spread there is a near tie, and
 top-1 agreement is reported outside them too, with every flipped position's margins and bounds.
 A routing difference travels to later positions through the KV cache; the figures follow it back
 to its root (``execute.kld_ties``). With the twin (off with ``--no-forced``) the policy runs once
@@ -47,7 +48,7 @@ from scheduler.args import ArgumentParser, int_at_least
 from .cli_options import Fail as _Fail, build_capacity as _capacity, check_common as _check_common
 from .cli_options import cost_options as _cost_options, guard as _guard, make_backend as _backend
 from .cli_options import context_limit as _context_limit, read_profile as _profile, wants_gpu as _use_gpu
-from .kld_ties import RouterProbe, numerics, rounding, ties
+from .kld_ties import RouterProbe, TwinModel, numerics, rounding, ties
 
 __all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing", "forced_routes"]
 
@@ -140,11 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-dense", action="store_true",
                    help="with --policy cpu, run the policy's dense path on the CPU too (default: on the GPU when one is present)")
     p.add_argument("--no-twin", dest="twin", action="store_false",
-                   help="skip the rounding twin (the reference run again with its blocks' outputs perturbed at the "
-                        "tiles' precision) and the near-tie figures it gives")
+                   help="skip the rounding twin (the reference run again with its products' and blocks' outputs "
+                        "perturbed at the tiles' precision) and the near-tie figures it gives")
     p.add_argument("--twin-jitter", type=float, default=None, metavar="R",
-                   help="the rounding twin's relative perturbation of each block's output (default 2^-22 + "
-                        "sqrt(hidden) 2^-24: the tiles' activation halves and float32 accumulation)")
+                   help="the rounding twin's relative perturbation of each product's and block's output (default 2^-22 + "
+                        "sqrt(K) 2^-24 for a product over K: the tiles' activation halves and float32 accumulation)")
     p.add_argument("--no-forced", dest="forced", action="store_false",
                    help="skip the policy's second run with the reference's routes forced (the tiles' rounding "
                         "without routing differences; needs the twin)")
@@ -217,13 +218,15 @@ def forced_routes(probe: RouterProbe, num_layers: int, positions: int) -> list[t
             for i in range(positions)]
 
 
-def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit, bar=None, routes=None):
+def _logits(weights, policy, backend, use_gpu: bool, ids: list[int], args, audit, bar=None, routes=None, twin=None):
     """Run ``ids`` under ``policy`` and ``backend`` (``routes``: forced, as :func:`_inputs`); ->
     ``(N, vocab)`` float32 logits, the RunResult and the route log. ``bar`` (a tqdm) advances by
-    each batch's tokens."""
+    each batch's tokens. ``twin`` (rng, size or None): the model is the rounding twin's
+    (``kld_ties.TwinModel``)."""
     from . import model as M
 
-    model = M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(ids))
+    model = (M.MoeModel(weights, use_gpu=use_gpu, max_tokens=len(ids)) if twin is None
+             else TwinModel(weights, twin[0], twin[1], use_gpu=use_gpu, max_tokens=len(ids)))
     model.route_log = []
     if isinstance(backend, RouterProbe):
         backend.model = model
@@ -302,7 +305,8 @@ def kld(args) -> dict:
             if args.twin:
                 twin_probe = RouterProbe(weights, len(ids), np.random.default_rng(0), jitter)
                 twin, _, _ = _logits(weights, make_policy("cpu", geometry, Capacity.per_layer(geometry, 0)),
-                                     twin_probe, False, ids, args, None, bar)
+                                     twin_probe, False, ids, args, None, bar,
+                                     twin=(np.random.default_rng(1), args.twin_jitter))
         except BaseException:
             backend.close()
             raise

@@ -5,10 +5,13 @@ how: activations as two f16 halves, ~22 bits, float32 accumulation in another or
 random-weight model's next-token logits are nearly uniform, so some positions' top-1 and top-2 are
 closer together than that rounding can resolve. The measure of "closer than rounding" does not come
 from the policy's own run (a bug would widen it) but from a **rounding twin**: the reference run
-once more with every MoE block's output ``y`` multiplied elementwise by ``1 + d``, ``d`` uniform in
-``[-r, r]`` (seeded), i.e. the reference's own sensitivity to a
-perturbation of the tiles' size. That size (:func:`rounding`) is the halves' 2^-22 plus the typical
-rounding of a float32 sum over ``hidden`` terms, ``sqrt(hidden) 2^-24`` (3.0e-6 at hidden 2048).
+once more with every matrix product's output (q/k/v, attention output, router, head:
+:class:`TwinModel`) and every MoE block's output ``y`` multiplied elementwise by ``1 + d``, ``d``
+uniform in ``[-r, r]`` (seeded), i.e. the reference's own sensitivity to perturbations of the
+path's rounding. That size (:func:`rounding`) is the halves' 2^-22 plus the typical rounding of a
+float32 sum over the product's K terms in another order, ``sqrt(K) 2^-24`` (MoE outputs: K =
+hidden, 3.0e-6 at 2048; the attention output: heads x head_dim). The attention's scores and
+softmax, norms and residual sums are float32 in both and not perturbed.
 
 At position ``i``, with ``a``, ``b`` the reference's top-1 and top-2 logits, the margin is
 ``m_i = ref[i, a] - ref[i, b]`` and the twin's spread ``s_i`` the RMS over the vocabulary of
@@ -46,8 +49,9 @@ from __future__ import annotations
 import numpy as np
 
 from .backends import NumpyExperts
+from .model import MoeModel
 
-__all__ = ["Z", "JITTER", "RouterProbe", "rounding", "selection", "spread", "ties", "roots", "numerics"]
+__all__ = ["Z", "JITTER", "RouterProbe", "TwinModel", "rounding", "selection", "spread", "ties", "roots", "numerics"]
 
 Z = 4.0
 JITTER = 2.0 ** -22  # the activation halves' relative precision (execute.prefill, prefill_dense)
@@ -73,6 +77,34 @@ def selection(info, logits: np.ndarray, exp_probs_b=None) -> np.ndarray:
     return x if exp_probs_b is None else x + exp_probs_b
 
 
+class TwinModel(MoeModel):
+    """The reference model of the rounding twin: every matrix product's output (q/k/v, attention
+    output, router, head; dense FFNs) multiplied by ``1 + U(-r, r)`` with ``r`` =
+    :func:`rounding` of its inner length (or ``size`` when given), drawn from ``rng``. The router
+    logits a block routed with are kept in ``routed_logits`` for the probe."""
+
+    def __init__(self, weights, rng: np.random.Generator, size: float | None = None, **kwargs):
+        super().__init__(weights, **kwargs)
+        self.rng, self.size = rng, size
+        self.routed_logits = None
+        self._routing = False
+
+    def _proj(self, x, m):
+        y = super()._proj(x, m)
+        r = self.size if self.size is not None else rounding(int(x.shape[-1]))
+        y = (y * (1.0 + self.rng.uniform(-r, r, y.shape))).astype(np.float32)
+        if self._routing:
+            self.routed_logits = y
+        return y
+
+    def _route(self, l: int, hn, forced):
+        self._routing, self.routed_logits = True, None
+        try:
+            return super()._route(l, hn, forced)
+        finally:
+            self._routing = False
+
+
 class RouterProbe(NumpyExperts):
     """The numpy reference backend that also keeps, per MoE block, each position's selection values
     ``sel[layer]`` ``(N, experts)`` and ids ``ids[layer]`` ``(N, k)``; with ``jitter`` (a seeded
@@ -92,7 +124,9 @@ class RouterProbe(NumpyExperts):
     def run_layer(self, item, x, ids, weights):
         l, w = item.step.layer, self.model.layers[item.step.layer]
         xs = np.asarray(x, np.float32)
-        logits = ((w["router"] @ xs[0])[None] if len(xs) == 1 else xs @ w["router"].T).astype(np.float64)
+        routed = getattr(self.model, "routed_logits", None)  # a TwinModel's: what it routed with
+        logits = (routed if routed is not None else (w["router"] @ xs[0])[None] if len(xs) == 1
+                  else xs @ w["router"].T).astype(np.float64)
         if w["router_bias"] is not None:
             logits = logits + w["router_bias"]
         if l not in self.sel:

@@ -106,3 +106,20 @@ def test_selection_values_follow_the_gating():
     np.testing.assert_allclose(K.selection(SimpleNamespace(gating="sigmoid"), logits, np.array([0.0, 0.0, 1.0])),
                                1 / (1 + np.exp(-logits)) + [0, 0, 1])
     np.testing.assert_array_equal(K.selection(SimpleNamespace(gating="softmax_topk"), logits), logits)
+
+
+def test_the_twin_perturbs_every_product_at_its_rounding(tiny_weights):
+    from execute.model import MoeModel
+
+    w = tiny_weights("Q8_0")
+    plain, twin = MoeModel(w), K.TwinModel(w, np.random.default_rng(0))
+    x = np.random.default_rng(1).uniform(1, 2, (5, w.info.hidden)).astype(np.float32)
+    a = plain._proj(x, plain.layers[0]["wqkv"]).astype(np.float64)
+    b = twin._proj(x, twin.layers[0]["wqkv"])
+    big = np.abs(a) > 0.05 * np.abs(a).max()  # away from zero, where float32's own rounding is relative
+    rel, r = np.abs(b / a - 1)[big], K.rounding(w.info.hidden)
+    assert r / 2 < rel.max() <= 1.01 * r + 1e-6  # float32 rounding of the product on top
+    ids, _ = twin._route(0, x, None)
+    assert twin.routed_logits.shape == (5, w.info.num_experts[0]) and not twin._routing
+    fixed = K.TwinModel(w, np.random.default_rng(0), size=1e-3)
+    assert np.abs(fixed._proj(x, fixed.layers[0]["wqkv"]) / a - 1)[big].max() > 5e-4
