@@ -48,31 +48,12 @@ from scheduler.args import ArgumentParser, int_at_least
 from .cli_options import Fail as _Fail, build_capacity as _capacity, check_common as _check_common
 from .cli_options import cost_options as _cost_options, guard as _guard, make_backend as _backend
 from .cli_options import context_limit as _context_limit, read_profile as _profile, wants_gpu as _use_gpu
-from .kld_ties import RouterProbe, TwinModel, numerics, rounding, ties
+from .kld_ties import RouterProbe, TwinModel, kl_divergence, numerics, rounding, ties
 
 __all__ = ["main", "kl_divergence", "kl_figures", "gpu_missing", "forced_routes"]
 
 PROG = "moelab kld"
 _ROWS = 64  # positions compared at a time (float64 temporaries of 64 x vocab)
-
-
-def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """Per row, ``KL(softmax(ref) || softmax(logits))`` in float64: ``(N, vocab)`` each -> ``(N,)``.
-
-    A row of ``logits`` holding NaN or Inf gives inf."""
-    out = np.empty(len(ref_logits))
-    for i in range(0, len(ref_logits), _ROWS):
-        p = np.asarray(ref_logits[i:i + _ROWS], np.float64)
-        q = np.asarray(logits[i:i + _ROWS], np.float64)
-        lp = p - p.max(axis=1, keepdims=True)
-        lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
-        with np.errstate(invalid="ignore", over="ignore"):
-            lq = q - q.max(axis=1, keepdims=True)
-            lq -= np.log(np.exp(lq).sum(axis=1, keepdims=True))
-            kl = (np.exp(lp) * (lp - lq)).sum(axis=1)
-        kl[~np.isfinite(q).all(axis=1)] = np.inf
-        out[i:i + len(p)] = np.maximum(kl, 0.0)  # rounding can leave -1e-17 where p == q
-    return out
 
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:

@@ -51,7 +51,8 @@ import numpy as np
 from .backends import NumpyExperts
 from .model import MoeModel
 
-__all__ = ["Z", "JITTER", "RouterProbe", "TwinModel", "rounding", "selection", "spread", "ties", "roots", "numerics"]
+__all__ = ["Z", "JITTER", "RouterProbe", "TwinModel", "rounding", "selection", "spread", "ties", "roots", "numerics",
+           "kl_divergence"]
 
 Z = 4.0
 JITTER = 2.0 ** -22  # the activation halves' relative precision (execute.prefill, prefill_dense)
@@ -141,6 +142,25 @@ class RouterProbe(NumpyExperts):
         return y
 
 
+def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """Per row, ``KL(softmax(ref) || softmax(logits))`` in float64: ``(N, vocab)`` each -> ``(N,)``.
+
+    A row of ``logits`` holding NaN or Inf gives inf."""
+    out = np.empty(len(ref_logits))
+    for i in range(0, len(ref_logits), _ROWS):
+        p = np.asarray(ref_logits[i:i + _ROWS], np.float64)
+        q = np.asarray(logits[i:i + _ROWS], np.float64)
+        lp = p - p.max(axis=1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
+        with np.errstate(invalid="ignore", over="ignore"):
+            lq = q - q.max(axis=1, keepdims=True)
+            lq -= np.log(np.exp(lq).sum(axis=1, keepdims=True))
+            kl = (np.exp(lp) * (lp - lq)).sum(axis=1)
+        kl[~np.isfinite(q).all(axis=1)] = np.inf
+        out[i:i + len(p)] = np.maximum(kl, 0.0)  # rounding can leave -1e-17 where p == q
+    return out
+
+
 def spread(ref: np.ndarray, other: np.ndarray) -> np.ndarray:
     """Per row, the RMS of ``other - ref`` less the row's mean difference (float64): ``(N, V)`` -> ``(N,)``."""
     out = np.empty(len(ref))
@@ -207,8 +227,6 @@ def roots(routes: dict[int, list], positions: int, last_block: int) -> tuple[dic
 def numerics(ref: np.ndarray, twin: np.ndarray, got: np.ndarray) -> dict:
     """A run with the reference's routes forced against the reference (both ``(N, vocab)``), with the
     twin's logit near ties: KL, top-1 agreement in all and outside logit ties, spread ratio."""
-    from .kld import kl_divergence
-
     n = len(ref)
     top2 = np.argsort(-ref, axis=1, kind="stable")[:, :2]
     rows = np.arange(n)
