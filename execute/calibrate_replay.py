@@ -24,7 +24,7 @@ from .standin import StandIn
 
 __all__ = ["replay_engine", "replay_setup", "calibration_replay", "calibration_runs", "decision_totals",
            "stats_delta", "replay_summary", "REPLAY_CONFIGS", "RUN_CONFIGS", "RUN_PHASES", "HYBRID_96",
-           "POOL_ONLY", "POOL_TOKENS"]
+           "POOL_ONLY", "POOL_TOKENS", "POOL_RUN"]
 
 
 def replay_engine(cp, engine, policy, tokens, dense, x0, layer_log: list | None = None) -> tuple[list, list, list]:
@@ -124,6 +124,8 @@ POOL_TOKENS = 16  # logged tokens of the POOL_ONLY configs (after 4 unlogged)
 HYBRID_96 = {"adaptive": True, "miss_frac_256": 96}
 # the unlogged calibration runs: (policy, options, cache as a divisor of the experts per layer)
 RUN_CONFIGS = (("lru", {}, 5), ("lru", {}, 2), ("hybrid", HYBRID_96, 5))
+POOL_RUN = ("cpu", {}, 5)  # run by sim_vs_real's session beside RUN_CONFIGS: every layer on the pool (not in the
+# host-lane fits; simulate.fidelity.fit_lane's CPU-layer term)
 RUN_PHASES = ("host_plan_s", "host_queue_s", "host_combine_s", "input_wait_s", "cpu_wait_s")
 
 
@@ -195,9 +197,10 @@ def stats_delta(before: dict, after: dict) -> dict:
     return {"steps": after["steps"] - before["steps"], "host_s": {p: after[p] - before[p] for p in RUN_PHASES}}
 
 
-def calibration_runs(cp, gx, layers, args, dense=None) -> list[dict]:
-    """Aggregates of UNLOGGED replays of the calibration trace (``RUN_CONFIGS``: lru at a fifth and
-    at half of the experts, hybrid 96/256 at a fifth), each after 16 warm-up tokens: per run the
+def calibration_runs(cp, gx, layers, args, dense=None, configs=RUN_CONFIGS) -> list[dict]:
+    """Aggregates of UNLOGGED replays of the calibration trace (``configs``, by default
+    ``RUN_CONFIGS``: lru at a fifth and at half of the experts, hybrid 96/256 at a fifth; with
+    ``POOL_RUN`` the same under cpu), each after 16 warm-up tokens: per run the
     engine's phase totals and steps (``stats_delta``), the decisions' ``decision_totals`` and the
     wall seconds per token (``token_s``). Per-layer logging slows the engine's own phases at a high
     hit rate, and the checked replays are unlogged: these runs time the same way."""
@@ -206,7 +209,7 @@ def calibration_runs(cp, gx, layers, args, dense=None) -> list[dict]:
     geo, tokens, dense, x0 = replay_setup(cp, gx, layers, args, dense)
     snap = lambda st: {"steps": st.steps, **{p: getattr(st, p) for p in RUN_PHASES}}
     out = []
-    for name, opts, div in RUN_CONFIGS:
+    for name, opts, div in configs:
         slots = max(args.top_k, geo.max_experts // div)
         cap = Capacity.per_layer(geo, slots)
         pol = make_policy(name, geo, cap, **opts)
@@ -235,7 +238,7 @@ def replay_summary(records: list[dict], runs: list[dict] | None = None) -> dict:
     between = replay_between_fields(host)
     if between is not None:
         out["between"] = between
-    unlogged = unlogged_host_fields(runs, out["fields"])
+    unlogged = unlogged_host_fields([r for r in runs or () if r.get("policy") not in POOL_ONLY], out["fields"])
     if unlogged is not None:
         out["unlogged"] = unlogged
     return out

@@ -77,6 +77,7 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
     import cupy as cp
 
     from .calibrate import StandIn, build_layers, calibration_replay, calibration_runs, synth_tokens, write_json
+    from .calibrate_replay import POOL_RUN, RUN_CONFIGS
     from .calibrate_measure import GpuTimer, measure_gpu_experts
     from .gpu_experts import GpuExperts
     from scheduler import Capacity, Geometry
@@ -125,7 +126,7 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
         if args.host_calibration == "session":  # the calibration workload, in this process, this round
             raw["calibration_records"].extend({**r, "round": rep} for r in calibration_replay(cp, gx, layers, args, dense))
             t0 = time.perf_counter()
-            cal = calibration_runs(cp, gx, layers, args, dense)  # unlogged: timed as the checked runs are
+            cal = calibration_runs(cp, gx, layers, args, dense, RUN_CONFIGS + (POOL_RUN,))  # unlogged, as checked
             raw["calibration_runs"].extend({**r, "round": rep} for r in cal)
             log(f"[{rep}] unlogged calibration runs ({len(cal)} configs): {time.perf_counter() - t0:.1f} s")
         for c in (runs if rep % 2 == 0 else runs[::-1]):

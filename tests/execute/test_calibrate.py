@@ -701,6 +701,8 @@ def test_replay_summary_applies_unlogged_runs_only_where_present(tmp_path):
     hw_old = C.apply_replay(base, old, 5_000_000, 15)
     runs = fake_runs(np.random.default_rng(1), old["fields"])
     new = R.replay_summary(recs, runs)
+    pool_run = {**runs[0], "policy": "cpu", "cpu_layers": runs[0]["layers"], "host_s": {k: 1.0 for k in runs[0]["host_s"]}}
+    assert R.replay_summary(recs, runs + [pool_run])["unlogged"] == new["unlogged"]  # POOL_RUN: not in the host fit
     src = {}
     hw_new = C.apply_replay(base, new, 5_000_000, 15, src)
     assert "executor.unlogged" in src

@@ -12,7 +12,7 @@ from simulate import fidelity as fd
 from simulate.run import SimConfig, run
 from traces import synth
 
-RUNS = (("lru", 25, None), ("lru", 64, None), ("hybrid", 25, 96))
+RUNS = (("lru", 25, None), ("lru", 64, None), ("hybrid", 25, 96), ("cpu", 25, None))
 
 
 def _setup():
@@ -45,7 +45,7 @@ def test_the_simulators_own_runs_give_their_read_back_and_hand_off_back():
 def test_without_runs_of_both_kinds_nothing_is_solved():
     model, tokens, hw = _setup()
     raw = _recorded(hw, model, tokens)
-    for keep in ("lru", "hybrid"):
-        only = {"calibration_runs": [c for c in raw["calibration_runs"] if c["policy"] == keep]}
+    for keep in (("lru",), ("hybrid", "cpu")):
+        only = {"calibration_runs": [c for c in raw["calibration_runs"] if c["policy"] in keep]}
         assert fd.fit_lane(only, hw, model, tokens) == (hw, None)
     assert fd.fit_lane({}, hw, model, tokens) == (hw, None)
