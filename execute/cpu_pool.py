@@ -384,7 +384,8 @@ class CpuJob:
 
     def _stamp(self) -> None:
         slot = self._pool._ring[self._seq % _RING]
-        self.started_s, self.finished_s, self.gate_s = slot[J_T0] * 1e-9, slot[J_T1] * 1e-9, slot[J_TG] * 1e-9
+        t0, t1, tg = int(slot[J_T0]), int(slot[J_T1]), int(slot[J_TG])  # Python ints: a numpy scalar's product took ~3 us
+        self.started_s, self.finished_s, self.gate_s = t0 * 1e-9, t1 * 1e-9, tg * 1e-9
         self.compute_s = self.finished_s - max(self.started_s, self.gate_s)
         self.collected_s = time.perf_counter()
 
