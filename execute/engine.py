@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -57,6 +57,10 @@ from scheduler.core import Capacity, Decision, Move
 from scheduler.drive import RunLayer
 
 from .cpu_pool import CpuExpertPool
+from .engine_one import Early as _Early
+from .engine_one import begin as _begin
+from .engine_one import early_bases as _early_bases
+from .engine_one import run_one as _run_one
 from .experts import ExecutorError, LayerExperts
 from .pairs import _SMALL_PAIRS, _pair_arrays, _pair_lists, gather_pairs
 
@@ -94,48 +98,6 @@ class LayerStats:
     per_layer_cpu_s: dict = field(default_factory=dict)
 
 
-class _Early(NamedTuple):
-    """What ``begin_layer`` started: the layer, the caller's input (and its device form), the
-    token's routed ids and the pairs whose gate/up kernels are queued."""
-
-    layer: int
-    x: object
-    xd: object
-    ids: list
-    pick: list
-    bases: list  # the slot address of each picked pair (0 for the others)
-    got: tuple  # the picked experts, in routed order
-    rest: list  # the pairs not picked
-    late: int = 0  # the step's LateStart number when the kernel also waits for the rest, else 0
-
-
-_new_early = _Early._make  # (a NamedTuple's own constructor costs more)
-
-
-def _early_bases(early: _Early, d: Decision, up: dict | None, ptr: int, stride: int, n_slots: int):
-    """``_run_one``'s (bases, rest) from what ``begin_layer`` found, when the decision keeps it: its
-    hits are the early-started experts in routed order (as policies list them), its uploads the
-    other routed experts, into slots in range, and it evicts none of its hits. Else None: the
-    caller's loop over the pairs decides (and raises for a decision that does not fit)."""
-    got, rest = early.got, early.rest
-    if d.hits != got or (up is None) != (not rest):
-        return None
-    for v in d.evictions:
-        if v[1] in got and v[0] == d.layer:
-            return None
-    if up is None:
-        return early.bases, ()
-    if len(up) != len(rest):
-        return None
-    bases, ids = list(early.bases), early.ids
-    for j in rest:
-        s = up.get(ids[j])
-        if s is None or not 0 <= s < n_slots:
-            return None
-        bases[j] = ptr + s * stride
-    return bases, rest
-
-
 class _Residency(dict):
     """``ExpertEngine.slot_of``: (layer, expert) -> slot, mirrored into a slot table of device
     addresses (``table[layer, expert]``, 0 when not resident) in pinned host memory, which
@@ -146,15 +108,30 @@ class _Residency(dict):
         super().__init__()
         self.table, self.slot_tables, self.dirty = table, slot_tables, True
         self.held: set[int] = set()  # device addresses of the slots that have held an expert
+        # the table's words, written through a memoryview (a numpy item assignment costs several times more)
+        self._words = None if table is None else memoryview(table.reshape(-1)).cast("B").cast("Q")
+        self._width = 0 if table is None else table.shape[1]
 
     def __setitem__(self, key, slot) -> None:
         dict.__setitem__(self, key, slot)
-        if self.table is not None:
+        if self._words is not None:
             t = self.slot_tables[key[0]]
             if t is not None:
-                self.table[key] = a = t[0] + slot * t[1]
+                self._words[key[0] * self._width + key[1]] = a = t[0] + slot * t[1]
                 self.held.add(a)
                 self.dirty = True
+
+    def place(self, layer: int, items) -> None:
+        """``self[(layer, e)] = s`` for each (expert, slot) of ``items``."""
+        words = self._words
+        t = self.slot_tables[layer] if words is not None else None
+        row = layer * self._width
+        for e, s in items:
+            dict.__setitem__(self, (layer, e), s)
+            if t is not None:
+                words[row + e] = a = t[0] + s * t[1]
+                self.held.add(a)
+        self.dirty = True
 
     def fresh(self, layer: int, slot: int) -> bool:
         """Whether the slot has never held an expert (no kernel queued so far can read it)."""
@@ -163,15 +140,15 @@ class _Residency(dict):
 
     def __delitem__(self, key) -> None:
         super().__delitem__(key)
-        if self.table is not None:
-            self.table[key] = 0
+        if self._words is not None:
+            self._words[key[0] * self._width + key[1]] = 0
             self.dirty = True
 
     def pop(self, key, *default):
         had = key in self
         v = dict.pop(self, key, *default)
-        if had and self.table is not None:
-            self.table[key] = 0
+        if had and self._words is not None:
+            self._words[key[0] * self._width + key[1]] = 0
             self.dirty = True
         return v
 
@@ -225,7 +202,7 @@ class ExpertEngine:
         self._pending: dict[int, tuple[tuple[Move, ...], object]] = {}
         self._handed_back = False
         self._early: _Early | None = None
-        self._ones: dict[int, tuple | None] = {}  # see _one_layer
+        self._ones: dict = {}  # layer -> engine_one.OneLayer or None
         self._cpu_seen = False  # a step's CPU pairs were handed off (begin_layer then marks x_ready)
         self._late = None  # early starts cover a step's uploads too (gpu_step.LateStart; MOELAB_LATE_START=1: on)
         self._max_k = 0
@@ -259,55 +236,9 @@ class ExpertEngine:
     # one layer ---------------------------------------------------------------------------------
     def begin_layer(self, layer: int, x, topk_ids: np.ndarray) -> None:
         """Start a one-token step's resident experts before the policy has planned it (see the
-        module docstring); ``run_layer`` with the same ``x`` and ids finishes it. Does nothing for
-        a batch, without a GPU, or when no routed expert is resident."""
-        t0 = time.perf_counter()
-        self._early = self._free_late(self._early) and None
-        if self.gpu is None or len(topk_ids) != 1:
-            return
-        one = self._one_layer(layer)
-        if one is None or getattr(x, "shape", None) != one[0]:
-            return
-        row = topk_ids[0]
-        ids = row.tolist() if isinstance(row, np.ndarray) else list(row)
-        if not 0 < len(ids) <= self._max_k or min(ids) < 0:
-            return
-        try:  # the slot address of each routed expert, 0 when not resident
-            bases = one[1][row].tolist()
-        except IndexError:  # an expert id past the table: not resident
-            return
-        pick = [j for j, b in enumerate(bases) if b]
-        if not pick:
-            return
-        gx = self.gpu
-        gx.after_caller()  # x may still be in the making on the caller's stream
-        xd = gx.as_input(x)
-        if self._cpu_seen:  # a hand-off's input copy need not wait for these kernels
-            self.handoff.mark_input()
-        rest, late = [j for j, b in enumerate(bases) if not b], 0
-        if rest and one[2] and not self._cpu_seen:  # the rest once uploaded (released if not)
-            late = self._late.begin(layer, xd, bases, pick + rest, len(ids))
-        else:
-            gx.pack1(bases, (), pick)
-            gx.gate_up1(layer, xd, len(ids), len(pick))
-        self._early = _new_early((layer, x, xd, ids, pick, bases, tuple([ids[j] for j in pick]), rest, late))
-        st = self.stats
-        st.early_pairs += len(pick)
-        st.host_early_s += time.perf_counter() - t0
-
-    def _one_layer(self, layer: int):
-        """(the one-token input shape, the layer's row of the slot table, whether LateStart takes
-        it) of a layer with a cache pool, else None (cached; the row is a view of the residency's
-        table, so always current)."""
-        one = self._ones.get(layer, False)
-        if one is False:
-            lx = self.layers[layer] if 0 <= layer < len(self.layers) else None
-            one = None
-            if lx is not None and self.gpu.slot_tables[layer] is not None:
-                one = ((1, lx.hidden), self.slot_of.table[layer],
-                       self._late is not None and layer not in self.gpu.generic_layers)
-            self._ones[layer] = one
-        return one
+        module docstring; ``engine_one.begin``); ``run_layer`` with the same ``x`` and ids finishes
+        it. Does nothing for a batch, without a GPU, or when no routed expert is resident."""
+        _begin(self, layer, x, topk_ids)
 
     def run_layer(self, item: RunLayer, x, topk_ids: np.ndarray, topk_weights: np.ndarray):
         """Run one MoE layer as ``item.decision`` says; see the module docstring for shapes."""
@@ -326,7 +257,7 @@ class ExpertEngine:
                     and getattr(x, "shape", None) == (1, lx.hidden)
                     and getattr(topk_weights, "shape", None) == topk_ids.shape):
                 if not d.cpu and not d.streams and not d.promotions:
-                    out = self._run_one(d, x, topk_ids, topk_weights, early, t0)
+                    out = _run_one(self, d, x, topk_ids, topk_weights, early, t0)
                     gx.end_step()  # hand_back(out, read=True)
                     self._handed_back = True
                     return out
@@ -378,60 +309,6 @@ class ExpertEngine:
         if not (isinstance(w, np.ndarray) and w.dtype.char == "f"):
             w = np.asarray(topk_weights, np.float32)[0]
         return topk_ids[0].tolist(), w.tolist(), table
-
-    def _run_one(self, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: "_Early | None", t0: float):
-        """One token whose experts are all on the GPU (hits and uploads): the pair table goes by
-        value in the launches (no metadata copy); the uploads are queued, ``moe1_gate_up`` runs
-        over the pairs ``begin_layer`` did not start, and ``moe1_down_combine`` gives the output."""
-        gx = self.gpu
-        layer = d.layer
-        slot_of = self.slot_of
-        ids, weights, (ptr, stride, n_slots) = self.one_token_start(d, topk_ids, topk_weights)
-        hits = d.hits
-        up = dict(zip(d.uploads, d.slots)) if d.uploads else None
-        if early is not None and (early.layer != layer or early.x is not x or early.ids != ids):
-            early = self._free_late(early) and None  # begun for another step: run every pair here
-        picked = early.pick if early is not None else ()
-        fast = early is not None and _early_bases(early, d, up, ptr, stride, n_slots)
-        late = early.late if fast else self._free_late(early) and 0  # the early kernel runs the rest
-        bases, rest = fast or ([], [])
-        for j, e in enumerate(() if fast else ids):
-            if up is not None and e in up:  # (an early-started expert uploaded anew runs again)
-                s = up[e]
-                if not 0 <= s < n_slots:
-                    raise ExecutorError(f"layer {layer}: slot {s} out of range for pool of {n_slots} slots")
-                rest.append(j)
-            else:
-                s = slot_of.get((layer, e))
-                if s is None or e not in hits:
-                    self._not_on_gpu(layer, ids, hits, up or {})
-                if j not in picked:
-                    rest.append(j)
-            bases.append(ptr + s * stride)
-        xd = early.xd if early is not None else gx.as_input(x)
-        st = self.stats
-        st.steps += 1
-        st.gpu_pairs += len(ids)
-        t1 = time.perf_counter()
-        st.host_plan_s += t1 - t0
-        if up is not None:
-            if late:
-                self._late.copy_in(layer, d.uploads, d.slots, late, bases)
-                st.late_pairs += len(rest)
-            else:
-                gx.copy_in(layer, d.uploads, d.slots)
-            st.uploads += len(up)
-        gx.pack1(bases, weights, rest)
-        if rest and not late:
-            gx.gate_up1(layer, xd, len(ids), len(rest))
-        out = gx.down_combine1(layer, len(ids))
-        for v in d.retired:
-            slot_of.pop(v, None)
-        if up is not None:
-            for e, s in up.items():
-                slot_of[(layer, e)] = s
-        st.host_queue_s += time.perf_counter() - t1
-        return out
 
     def _free_late(self, early: _Early | None) -> _Early | None:
         """``early`` with its late pairs released (they write nothing; the step runs them itself)."""

@@ -225,6 +225,7 @@ class GpuExperts:
         if self._load is not None and self._load.placed:  # its copies write the arenas
             self.settle()
         self.filled.clear()
+        self._copy_plans: dict = {}  # gpu_step.queue_copies' per layer (host rows, slot table)
         self.pool_of = capacity.pool_of_layer(len(self.layers))
         self.slot_bytes: list[int] = []
         self.arenas: list[cp.ndarray] = []
@@ -480,8 +481,7 @@ class GpuExperts:
     def pack1(self, bases: Sequence[int], weights: Sequence[float], pick: Sequence[int]) -> None:
         """Write the pair table the next ``gate_up1`` / ``down_combine1`` launches pass by value:
         ``bases[j]`` / ``weights[j]`` of the token's j-th routed expert (k <= MAX_TOP_K) and the
-        pairs ``pick`` the next ``gate_up1`` covers (entries past each list zeroed). The driver
-        copies it at each launch, so it may be rewritten at once."""
+        pairs ``pick`` the next ``gate_up1`` covers (entries past each list zeroed; copied at each launch)."""
         _pack1(self._ex, bases, weights, pick)
 
     def gate_up1(self, layer: int, x: cp.ndarray, k: int, picks: int) -> None:

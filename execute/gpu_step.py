@@ -12,8 +12,8 @@ or a first batch the driver refuses: ``refused`` keeps its error), the same copi
 ``cudaMemcpyAsync`` each, in the same order. Every copy of a batch is stream-ordered (the copies
 of a batch may run in any order among themselves: they write distinct slots).
 
-:func:`pack1`: the one-token pair table (``Experts1`` of gpu_kernels.cu: bases, weights, picks)
-written by one ``struct.pack_into`` per layout.
+:func:`pack1` (``engine_one``'s, needing no cupy): the one-token pair table (``Experts1`` of
+gpu_kernels.cu: bases, weights, picks) written by one ``struct.pack_into`` per layout.
 
 :class:`LateStart`: a one-token step begun before its decision covers its uploads too. The early
 ``moe1_gate_up_late`` runs every routed pair: the resident ones at once, each of the others once
@@ -39,6 +39,7 @@ entries were queued. Off by default (``MOELAB_LATE_START=1``).
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import struct
 import sys
@@ -48,6 +49,7 @@ import types
 import cupy as cp
 import numpy as np
 
+from .engine_one import pack1
 from .experts import ExecutorError
 from .gpu_host import cuda_module
 
@@ -56,6 +58,7 @@ __all__ = ["CopyBatch", "FREE_REFS", "FixedLaunch", "LATE_TIMEOUT_S", "LateStart
 _rt = cp.cuda.runtime
 _H2D = _rt.memcpyHostToDevice
 _launch_kernel = cp.cuda.driver.launchKernel
+_add = operator.add
 _ACCESS_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _MAX_K = 32  # MAXK of gpu_kernels.cu
 LATE_TIMEOUT_S = 1.0  # the longest a late pair waits for its slot address (a step's uploads take ms)
@@ -81,21 +84,6 @@ class FixedLaunch:
 
     def launch(self, grid_y: int, block: int, stream_ptr: int) -> None:
         _launch_kernel(self.func, self.grid_x, grid_y, 1, block, 1, 1, 0, stream_ptr, self.ptr, 0)
-
-
-_PACKS: dict[tuple[int, int, int], struct.Struct] = {}
-
-
-def pack1(ex: np.ndarray, bases, weights, pick) -> None:
-    """Write ``Experts1`` into ``ex`` (uint8, 16 * MAXK bytes) in one call: ``bases`` at 0,
-    ``weights`` at 8 * MAXK, ``pick`` at 12 * MAXK; the bases and weights past their lists are
-    zeroed, the picks past it left as they were (the kernels read the first k bases and weights
-    and the first ``picks`` picks only)."""
-    nb, nw, npk = len(bases), len(weights), len(pick)
-    f = _PACKS.get((nb, nw, npk))
-    if f is None:
-        f = _PACKS[(nb, nw, npk)] = struct.Struct(f"<{nb}Q{8 * (_MAX_K - nb)}x{nw}f{4 * (_MAX_K - nw)}x{npk}i")
-    f.pack_into(ex, 0, *bases, *weights, *pick)
 
 
 def _driver_batch():
@@ -187,53 +175,74 @@ class CopyBatch:
             _rt.memcpyAsync(d[i], s[i], z[i], _H2D, stream_ptr)
 
 
+def _copy_plan(gx, layer: int):
+    """(host rows, experts, first slot's address, stride, slots, bytes per expert, then per part:
+    its offset in a slot, host base, row stride, bytes) of a layer whose host rows are contiguous
+    (``GpuExperts._host_rows``), else False; cached in ``gx._copy_plans`` (reset by ``set_capacity``)."""
+    rows = gx._host_rows(layer)
+    plan = False
+    if rows is not None:
+        ptr, stride, n_slots = gx.slot_tables[layer] or (0, 0, 0)
+        offs = tuple(sum(r[2] for r in rows[:i]) for i in range(len(rows)))  # each part's place in a slot
+        plan = (rows, gx.layers[layer].num_experts, ptr, stride, n_slots, sum(r[2] for r in rows), offs,
+                tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows))
+    gx._copy_plans[layer] = plan
+    return plan
+
+
+def _bad_copy(gx, layer: int, experts, slots, streamed, n: int, n_slots: int) -> None:
+    """Raise the ExecutorError of the first expert or slot out of range."""
+    for e, s in zip(experts, slots):
+        if not 0 <= s < n_slots:
+            gx._slot_ptr(layer, s)  # raises: no pool, or the slot out of range
+        if not 0 <= e < n:
+            raise ExecutorError(f"layer {layer}: expert {e} out of range")
+    for e in streamed:
+        if not 0 <= e < n:
+            raise ExecutorError(f"layer {layer}: expert {e} out of range")
+
+
 def queue_copies(gx, layer: int, experts, slots, streamed, scratch, late=None) -> None:
     """``GpuExperts.copy_in``: the copy stream waits for ``last_read``, the copies are gathered
     into ``gx``'s CopyBatch (or go as ``upload`` / ``stream_to`` while the host rows are staged,
     not yet registered or being loaded), then the compute stream waits for the copy stream (with
     ``late`` = (LateStart, seq, bases): the step's late entries are copied instead). As
-    ``upload``, an upload into a slot the background load filled with the same expert is skipped."""
-    _rt.streamWaitEvent(gx.copy.ptr, gx.last_read.ptr)
-    rows = None
+    ``upload``, an upload into a slot the background load filled with the same expert is skipped.
+    Every expert and slot is checked before anything is queued."""
+    copy = gx.copy.ptr
+    _rt.streamWaitEvent(copy, gx.last_read.ptr)
+    plan = False
     if gx.staging is None and gx._load is None and gx._defer is None:
-        rows = gx._host_rows(layer)
-    if rows is None:
+        plan = gx._copy_plans.get(layer)
+        if plan is None:
+            plan = _copy_plan(gx, layer)
+    if not plan:
         for e, s in zip(experts, slots):
             gx.upload(layer, e, s)
         for e, k in zip(streamed, scratch):
             gx.stream_to(layer, e, k)
     else:
-        b, n = gx._batch, gx.layers[layer].num_experts
-        table = gx.slot_tables[layer] if slots else None
-        ptr, stride, n_slots = table if table is not None else (0, 0, 0)
-        for e, s in zip(experts, slots):  # checked before anything is gathered
-            if not 0 <= s < n_slots:
-                gx._slot_ptr(layer, s)  # raises: no pool, or the slot out of range
-            if not 0 <= e < n:
-                raise ExecutorError(f"layer {layer}: expert {e} out of range")
-        for e in streamed:
-            if not 0 <= e < n:
-                raise ExecutorError(f"layer {layer}: expert {e} out of range")
-        filled, total = gx.filled, 0
-        d, src, z = b.dst, b.src, b.size  # as CopyBatch.add, inline
+        rows, n, ptr, stride, n_slots, nbytes, offs, hbase, hrow, sizes = plan
+        if experts and (min(slots) < 0 or max(slots) >= n_slots or min(experts) < 0 or max(experts) >= n) or \
+                streamed and (min(streamed) < 0 or max(streamed) >= n):  # checked before anything is gathered
+            _bad_copy(gx, layer, experts, slots, streamed, n, n_slots)
+        b, filled, total = gx._batch, gx.filled, 0
+        d, src, z = b.dst.extend, b.src.extend, b.size.extend  # as CopyBatch.add, inline (maps: no bytecode per part)
         for e, s in zip(experts, slots):
             if filled and filled.pop((layer, s), None) == e:
                 continue  # put there by the background load, and nothing has written the slot since
-            dst = ptr + s * stride
-            for base, row, nb in rows:
-                d.append(dst)
-                src.append(base + e * row)
-                z.append(nb)
-                dst += nb
-            total += dst - ptr - s * stride
+            d(map((ptr + s * stride).__add__, offs))
+            src(map(_add, hbase, map(e.__mul__, hrow)))
+            z(sizes)
+            total += nbytes
         for e, k in zip(streamed, scratch):
             total += b.add(gx.source_ptr(layer, -1 - k), rows, e)
         gx.bytes_uploaded += total
-        b.flush(gx.copy.ptr)
+        b.flush(copy)
     if late is None:
         gx.compute_after_copies()
     else:
-        late[0].put(late[1], late[2], gx.copy.ptr)
+        late[0].put(late[1], late[2], copy)
 
 
 class LateStart:
