@@ -71,7 +71,9 @@ Q8_BLOCK = {"_q8p": (256, _q8p_bytes(4), _q8p_bytes(4)), "_q8p2": (256, _q8p_byt
 # the batched kernels gpu_experts launches for layers the arena's kernels do not read: "" the f16
 # qmoe_gate_up / qmoe_down, or an int8 variant of Q8_ROWS (Int8Batch)
 GENERIC_BATCH = ""
-ONE_VARIANTS = ("_d",)  # other one-token launches: _d, the same kernels by programmatic dependent launch
+# other one-token launches: _d, the same kernels by programmatic dependent launch; _w, gate/up in tiles of
+# 40 KB (a Q8_0 or Q6_K row of 2048 columns in one tile; 4 blocks per SM), down as the default
+ONE_VARIANTS = ("_d", "_w")
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
 
@@ -274,7 +276,8 @@ class Experts:
                                  f"expected one of {(*ONE_VARIANTS, *ONE_PROBES)}")
             pdl, suffix = variant == "_d", "" if variant == "_d" else variant
             k1 = Launch(kernel("qmoe1_gate_up" + suffix, defines), 13, self._ex, programmatic=pdl)
-            k2 = Launch(kernel("qmoe1_down_combine" + suffix, defines), 10, self._ex, programmatic=pdl)
+            k2 = Launch(kernel("qmoe1_down_combine" + ("" if variant == "_w" else suffix), defines), 10, self._ex,
+                        programmatic=pdl)
             rpb = down_rows or ONE_DOWN_ROWS
             if not 1 <= rpb <= 32:
                 raise ValueError(f"gpu_quant.Experts: down_rows {rpb}, expected 1..32")

@@ -39,6 +39,7 @@ __device__ __forceinline__ void pdl_wait_trigger() {  // nothing for a plain lau
 #endif
 }
 #define R1_BYTES 24576  // gate/up: a block's weight tiles (8 rows of gate, 8 of up)
+#define R1W_BYTES 40960  // _w: the same, wide enough for a Q8_0 or Q6_K row of 2048 columns in one tile
 #define D1R_BYTES 32768  // down: the weight tiles of a block's warps, split between them
 
 // bytes per row slot for kt columns of qt: the covering 16-byte words, an odd number of them
@@ -86,15 +87,15 @@ __device__ __forceinline__ float probe_row(const uint8_t* s, int nbytes, int c0,
     return (float)(v & 1u);
 }
 
-template <int PROBE> __device__ __forceinline__ void gate_up1(GATE_UP1_ARGS) {
-    __shared__ __align__(16) uint4 wbuf[R1_BYTES / 16];
+template <int PROBE, int R1 = R1_BYTES> __device__ __forceinline__ void gate_up1(GATE_UP1_ARGS) {
+    __shared__ __align__(16) uint4 wbuf[R1 / 16];
     __shared__ __align__(16) uint4 xbuf[X1_WORDS];
     __shared__ float part[WARPS][16];
     int j = ex.pick[blockIdx.y], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int m = lane & 15, s = 2 * warp + (lane >> 4), mat = m >> 3, tok[1] = {0};
     const uint8_t* e = reinterpret_cast<const uint8_t*>(ex.base[j]);
     int step = max(g_block[qt_g][0], g_block[qt_u][0]), kt = min(hidden, X1_COLS) / step * step;
-    while (kt > step && 8 * (slot_odd(qt_g, kt) + slot_odd(qt_u, kt)) > R1_BYTES) kt -= step;
+    while (kt > step && 8 * (slot_odd(qt_g, kt) + slot_odd(qt_u, kt)) > R1) kt -= step;
     int sg = slot_odd(qt_g, kt), su = slot_odd(qt_u, kt), qt = mat ? qt_u : qt_g;
     uint8_t* wb = reinterpret_cast<uint8_t*>(wbuf);
     int q0 = blockIdx.x * WARPS * rows_per_warp, q1 = min(q0 + WARPS * rows_per_warp, ffn);
@@ -156,6 +157,10 @@ extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_p(GATE_UP1_AR
 }
 extern "C" __global__ void __launch_bounds__(128, 6) qmoe1_gate_up_n(GATE_UP1_ARGS) {
     gate_up1<2>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
+}
+// _w (gpu_quant.ONE_VARIANTS): tiles of R1W_BYTES, 4 blocks per SM (fewer, longer tiles for the widest types)
+extern "C" __global__ void __launch_bounds__(128, 4) qmoe1_gate_up_w(GATE_UP1_ARGS) {
+    gate_up1<0, R1W_BYTES>(ex, x, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
 }
 
 // this thread's down row (its tile at s) . float32 h over chunks c0, c0 + cs, .. < nch

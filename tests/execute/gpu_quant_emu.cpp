@@ -2,7 +2,7 @@
 // stdin = tables, g_block, mode; mode 0: qt, rows, cols, n, rb, W, X -> Y (n, rows);
 // mode 1 / 2: qt_g, qt_u, qt_d, E, ffn, hidden, T, rb x 3, weights, W, X -> the one-token output
 // (hidden) / every token through every expert (E * T, hidden); mode 3: mode 1 with 4 down rows per
-// block (mode 1: 2); modes 4 .. 11: mode 2 by the int8 variants _q8, _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px (inputs through qx8).
+// block (mode 1: 2) and gate/up's _w tiles; modes 4 .. 11: mode 2 by the int8 variants _q8, _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px (inputs through qx8).
 // Build with -DGPU_QUANT_CU='"path"'.
 #include "gpu_quant_simt.h"
 #include <cstdio>
@@ -45,7 +45,8 @@ int main() {
         float* hp = h.data(); float* op = out.data();
         unsigned gu = (unsigned)(ffn + 7) / 8;
         int rpb = mode == 1 ? 2 : 4;
-        launch({gu, (unsigned)E, 1}, 128, [=] { qmoe1_gate_up(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
+        auto gate_up = mode == 1 ? qmoe1_gate_up : qmoe1_gate_up_w;
+        launch({gu, (unsigned)E, 1}, 128, [=] { gate_up(ex, x, hp, ffn, hidden, 2, 0, qg, rg, off_u, qu, ru, 0, 0); });
         launch({(unsigned)(hidden + rpb - 1) / rpb, 1, 1}, 32 * E, [=] { qmoe1_down_combine(ex, hp, op, E, ffn, hidden, rpb, off_d, qd, rdn, 0); });
         fwrite(out.data(), 4, out.size(), stdout);
         return 0;

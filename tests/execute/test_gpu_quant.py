@@ -147,7 +147,7 @@ EMULATED_EXPERTS = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)]
 
 def _emulate_experts(emulated_kernels, rng, qtypes, modes):
     """The expert kernels of ``modes`` (gpu_quant_emu.cpp: 1 one token with 2 down rows
-    per block, 3 with 4, 2 batches of 11 tokens, 4 .. 11 the same by the int8 variants _q8, _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px)
+    per block, 3 with 4 and gate/up's _w tiles, 2 batches of 11 tokens, 4 .. 11 the same by the int8 variants _q8, _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px)
     on 2 experts, emulated on the host, against the float64 reference."""
     num_e, ffn, hidden = 2, 256, 512
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
@@ -184,8 +184,9 @@ def test_emulated_int8_batched_kernels(qtypes, emulated_kernels, rng):
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K,) * 3, (Q.Q4_K, Q.Q5_K, Q.Q6_K)], ids=["Q4_K", "Q4_K-Q5_K-Q6_K"])
 def test_emulated_one_token_kernels(qtypes, emulated_kernels, rng):
-    """The one-token kernels (gate and up of one type in one body; mixed types by matrix) and their
-    down launch at 2 and 4 rows per block, emulated on the host, against the float64 reference."""
+    """The one-token kernels (gate and up of one type in one body; mixed types by matrix; the default
+    tiles and _w's) and their down launch at 2 and 4 rows per block, emulated on the host, against
+    the float64 reference."""
     _emulate_experts(emulated_kernels, rng, qtypes, (1, 3))
 
 
