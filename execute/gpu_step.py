@@ -316,7 +316,7 @@ class LateStart:
         i = (n % self.RING) * 8 * _MAX_K
         tag = seq % 255 + 1
         k = len(bases)
-        self._packs[k].pack_into(self._src, i, *[b | tag for b in bases])
+        self._packs[k].pack_into(self._src, i, *map(tag.__or__, bases))
         _rt.memcpyAsync(self._dev, self._src_ptr + i, 8 * k, _H2D, stream_ptr)
         self._n = n + 1
         if n & 31 == 31:
