@@ -108,16 +108,18 @@ class _Residency(dict):
         super().__init__()
         self.table, self.slot_tables, self.dirty = table, slot_tables, True
         self.held: set[int] = set()  # device addresses of the slots that have held an expert
-        # the table's words, written through a memoryview (a numpy item assignment costs several times more)
+        # the table's words, written through a memoryview (a numpy item assignment costs several times
+        # more), and read from ``rows``, a list per layer of the same words (``engine_one.begin``)
         self._words = None if table is None else memoryview(table.reshape(-1)).cast("B").cast("Q")
         self._width = 0 if table is None else table.shape[1]
+        self.rows = [] if table is None else table.tolist()
 
     def __setitem__(self, key, slot) -> None:
         dict.__setitem__(self, key, slot)
         if self._words is not None:
             t = self.slot_tables[key[0]]
             if t is not None:
-                self._words[key[0] * self._width + key[1]] = a = t[0] + slot * t[1]
+                self._words[key[0] * self._width + key[1]] = self.rows[key[0]][key[1]] = a = t[0] + slot * t[1]
                 self.held.add(a)
                 self.dirty = True
 
@@ -125,11 +127,11 @@ class _Residency(dict):
         """``self[(layer, e)] = s`` for each (expert, slot) of ``items``."""
         words = self._words
         t = self.slot_tables[layer] if words is not None else None
-        row = layer * self._width
+        first, row = layer * self._width, self.rows[layer] if t is not None else None
         for e, s in items:
             dict.__setitem__(self, (layer, e), s)
             if t is not None:
-                words[row + e] = a = t[0] + s * t[1]
+                words[first + e] = row[e] = a = t[0] + s * t[1]
                 self.held.add(a)
         self.dirty = True
 
@@ -141,14 +143,14 @@ class _Residency(dict):
     def __delitem__(self, key) -> None:
         super().__delitem__(key)
         if self._words is not None:
-            self._words[key[0] * self._width + key[1]] = 0
+            self._words[key[0] * self._width + key[1]] = self.rows[key[0]][key[1]] = 0
             self.dirty = True
 
     def pop(self, key, *default):
         had = key in self
         v = dict.pop(self, key, *default)
         if had and self._words is not None:
-            self._words[key[0] * self._width + key[1]] = 0
+            self._words[key[0] * self._width + key[1]] = self.rows[key[0]][key[1]] = 0
             self.dirty = True
         return v
 

@@ -54,6 +54,7 @@ class Early(NamedTuple):
     got: tuple  # the picked experts, in routed order
     rest: list  # the pairs not picked
     late: int = 0  # the step's LateStart number when the kernel also waits for the rest, else 0
+    topk: object = None  # the caller's routed ids array (run_one takes ``ids`` when given it again)
 
 
 new_early = Early._make  # (a NamedTuple's own constructor costs more)
@@ -63,7 +64,8 @@ class OneLayer(NamedTuple):
     """A layer's one-token constants (``one_layer``)."""
 
     shape: tuple  # the input's (1, hidden)
-    row: np.ndarray  # the layer's row of the residency's slot table (a view: always current)
+    get: object  # the ``__getitem__`` of the residency's list of the layer's table words (always current)
+    width: int  # its words
     late: bool  # whether LateStart takes the layer
     slots: tuple  # (first slot's address, stride, slots)
     gate_up: object  # the layer's moe1_gate_up FixedLaunch
@@ -80,7 +82,8 @@ def one_layer(eng, layer: int) -> OneLayer | None:
         one = None
         if lx is not None and gx.slot_tables[layer] is not None:
             gu, dc = gx._one(layer)
-            one = OneLayer((1, lx.hidden), eng.slot_of.table[layer],
+            res = eng.slot_of
+            one = OneLayer((1, lx.hidden), res.rows[layer].__getitem__, res._width,
                            eng._late is not None and layer not in gx.generic_layers, gx.slot_tables[layer], gu, dc,
                            lx.hidden)
         eng._ones[layer] = one
@@ -132,12 +135,9 @@ def begin(eng, layer: int, x, topk_ids) -> None:
     row = topk_ids[0]
     ids = row.tolist() if isinstance(row, np.ndarray) else list(row)
     k = len(ids)
-    if not 0 < k <= eng._max_k or min(ids) < 0:
+    if not 0 < k <= eng._max_k or min(ids) < 0 or max(ids) >= one.width:  # (an id past the table: not resident)
         return
-    try:  # the slot address of each routed expert, 0 when not resident
-        bases = one.row[row].tolist()
-    except IndexError:  # an expert id past the table: not resident
-        return
+    bases = list(map(one.get, ids))  # each routed expert's slot address, 0 when not resident
     if 0 in bases:  # (compress and map: no bytecode per pair)
         pick = list(compress(_RANGES[k], bases))
         if not pick:
@@ -158,7 +158,7 @@ def begin(eng, layer: int, x, topk_ids) -> None:
         gu = one.gate_up
         gu.vals[0] = xd.data.ptr
         gu.launch(len(pick), 128, gx.compute.ptr)  # block 32 * WARPS, as GpuExperts.gate_up1
-    eng._early = new_early((layer, x, xd, ids, pick, bases, got, rest, late))
+    eng._early = new_early((layer, x, xd, ids, pick, bases, got, rest, late, topk_ids))
     st = eng.stats
     st.early_pairs += len(pick)
     st.host_early_s += _perf() - t0
@@ -182,7 +182,7 @@ def run_one(eng, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: Earl
     if one is None:
         raise ExecutorError(f"layer {layer} has no cache pool; its experts cannot be on the GPU")
     ptr, stride, n_slots = one.slots
-    ids = topk_ids[0].tolist()
+    ids = early.ids if early is not None and early.topk is topk_ids else topk_ids[0].tolist()
     w = topk_weights[0]
     if not (isinstance(w, np.ndarray) and w.dtype.char == "f"):
         w = np.asarray(topk_weights, np.float32)[0]
