@@ -45,18 +45,21 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GENERIC_BATCH", "Int8Batch", "Q8_BLOCK", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GENERIC_BATCH", "Int8Batch", "Q8_BLOCK", "Q8_PDL", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
            "kernel", "kernel_info", "matmul", "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)  # read weight by weight (qmatmul_f); the rest by 32-weight chunks
 _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block (_q8s*: the weights' tile copied first)
-# (_q8p, _q8p2, _q8px: 8 warps, the next tile's copies in flight while a tile is decoded and multiplied)
-BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1", "_q8p", "_q8p2", "_q8px")
+# (_q8p, _q8p2, _q8px: 8 warps, the next tile's copies in flight while a tile is decoded and multiplied;
+# _q8pd, _q8pxd: _q8p's and _q8px's kernels, each launch after the first by programmatic dependent launch)
+BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1", "_q8p", "_q8p2", "_q8px", "_q8pd", "_q8pxd")
+# variants that launch another's kernels by programmatic dependent launch (after the first qx8)
+Q8_PDL = {"_q8pd": "_q8p", "_q8pxd": "_q8px"}
 # their m-tiles (16 rows) per block of gate/up and of down (_q8px: _q8p2's gate/up, _q8p's down)
 Q8_ROWS = {"_q8": (4, 4), "_q8m2": (2, 2), "_q8m1": (1, 1), "_q8s2": (2, 2), "_q8s1": (1, 1), "_q8p": (4, 4),
-           "_q8p2": (2, 2), "_q8px": (2, 4)}
+           "_q8p2": (2, 2), "_q8px": (2, 4), "_q8pd": (4, 4), "_q8pxd": (2, 4)}
 
 
 def _q8p_bytes(mt: int) -> int:
@@ -67,7 +70,8 @@ def _q8p_bytes(mt: int) -> int:
 
 # threads and dynamic shared bytes per block of gate/up and of down, where other than (128, 0, 0)
 Q8_BLOCK = {"_q8p": (256, _q8p_bytes(4), _q8p_bytes(4)), "_q8p2": (256, _q8p_bytes(2), _q8p_bytes(2)),
-            "_q8px": (256, _q8p_bytes(2), _q8p_bytes(4))}
+            "_q8px": (256, _q8p_bytes(2), _q8p_bytes(4)), "_q8pd": (256, _q8p_bytes(4), _q8p_bytes(4)),
+            "_q8pxd": (256, _q8p_bytes(2), _q8p_bytes(4))}
 # the batched kernels gpu_experts launches for layers the arena's kernels do not read: "" the f16
 # qmoe_gate_up / qmoe_down, or an int8 variant of Q8_ROWS (Int8Batch)
 GENERIC_BATCH = ""
@@ -182,7 +186,9 @@ class Int8Batch:
             raise ValueError(f"gpu_quant.Int8Batch: variant {variant!r}, expected one of {tuple(Q8_ROWS)}")
         self.mt = Q8_ROWS[variant]
         self.threads, *self.shared_bytes = Q8_BLOCK.get(variant, (128, 0, 0))
+        self.programmatic, variant = variant in Q8_PDL, Q8_PDL.get(variant, variant)  # (variant: whose kernels)
         self._kx = Launch(kernel("qx8", defines), 5)
+        self._kh = Launch(kernel("qx8", defines), 5, programmatic=self.programmatic)
         self._k1 = Launch(kernel("qmoe_gate_up" + variant, defines), 18)
         self._k2 = Launch(kernel("qmoe_down" + variant, defines), 13)
         if self.shared_bytes[0]:  # above the 48 KB a kernel gets unasked
@@ -210,12 +216,11 @@ class Int8Batch:
         x8 = planes
         h8 = planes + -(-nx * hidden * 19 // 8 // 256) * 256
         self._kx((-(-nx * hidden // 512), 1), 128, s, x, hidden, nx, hidden, x8)
-        self._go(self._k1, self.shared_bytes[0], (-(-ffn // (8 * mt)), groups), s, base, gstart, order, xrow, x8, nx, h, ffn, hidden, 2 * mt,
-                 off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
-        self._kx((-(-nh * ffn // 512), 1), 128, s, h, ffn, nh, ffn, h8)
+        self._go(self._k1, self.shared_bytes[0], (-(-ffn // (8 * mt)), groups), s, base, gstart, order, xrow, x8, nx, h,
+                 ffn, hidden, 2 * mt, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
+        self._kh((-(-nh * ffn // 512), 1), 128, s, h, ffn, nh, ffn, h8)
         self._go(self._k2, self.shared_bytes[1], (-(-hidden // (16 * md)), groups), s, base, gstart, order, h8, nh, y, ffn,
-                 hidden, 4 * md,
-                 off_d, qt_d, rb_d, bias)
+                 hidden, 4 * md, off_d, qt_d, rb_d, bias)
 
     def _go(self, k, shared_bytes: int, grid: tuple[int, int], s: int, *args: int) -> None:
         """``k``'s launch at the variant's threads with ``shared_bytes`` of dynamic shared memory
@@ -224,10 +229,15 @@ class Int8Batch:
             return k(grid, self.threads, s, *args)
         import cupy as cp
 
+        from .pdl_launch import launch_programmatic
+
         if len(args) != k.nargs:
             raise ValueError(f"kernel launch: {len(args)} arguments, expected {k.nargs}")
         k._pack(k._view, 0, *args)  # Launch's argument block, as its own call fills it
-        cp.cuda.driver.launchKernel(k.func, grid[0], grid[1], 1, self.threads, 1, 1, shared_bytes, s, k._params_ptr, 0)
+        if self.programmatic:
+            launch_programmatic(k.func, grid, self.threads, shared_bytes, s, k._params_ptr)
+        else:
+            cp.cuda.driver.launchKernel(k.func, grid[0], grid[1], 1, self.threads, 1, 1, shared_bytes, s, k._params_ptr, 0)
 
 
 class Experts:

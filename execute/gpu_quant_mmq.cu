@@ -49,6 +49,7 @@ __device__ __forceinline__ void cp4(void* s, const void* g) {  // 4 bytes global
 // grid ceil(R C / 32 / 16), block 128: rows of x (ld ldx, C columns, C a multiple of 32) into the
 // planes at out (8 lanes per 32 values)
 extern "C" __global__ void qx8(const float* __restrict__ x, long long ldx, int R, int C, uint8_t* __restrict__ out) {
+    pdl_wait_trigger();  // (a programmatic launch: x comes from the grid before)
     int lane = threadIdx.x & 31, l8 = lane & 7, nch = C / 32;
     long long ch = (long long)blockIdx.x * 16 + (threadIdx.x >> 3), total = (long long)R * nch;
     int r = (int)(ch / nch), c = (int)(ch % nch);
@@ -309,7 +310,9 @@ QMOE_Q8(_q8s1, 1, 1)
 // multiplies tokens 16 (w % 4) .. + 15 of m-tiles (w / 4) MT / 2 .. + MT / 2 - 1: 8 warps on a block's
 // 16 MT rows and 64 tokens. A chunk's two levels are summed in int32 by the tensor cores (the first
 // level's sums times 256 as the second's accumulator: exact), then scaled in float32 once; the
-// offsets' terms only for types that have them (qmin).
+// offsets' terms only for types that have them (qmin). Launched by programmatic dependent launch
+// (_q8pd, _q8pxd), a block reads the launch's tables and sends its rows towards L2 before it waits for
+// the grid before it (qx8's planes), and qx8 waits before it reads x or h.
 template <int MT> struct Q8P {
     static constexpr int MB = 16 * MT;
     static constexpr int WR = MB * WSLOT, XQ = 2 * QNB * QROW, XD = QNB * (QKB / 32) * 4, XS = QNB * (QKB / 16) * 4;
@@ -368,6 +371,7 @@ __device__ void q8p_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8
         long long nbytes = R.nrows * R.rb[mat];
         for (long long o = 128 * threadIdx.x; o < nbytes; o += 128 * blockDim.x) PREFETCH_L2(R.p[mat] + o);
     }
+    pdl_wait_trigger();  // (a programmatic launch: the weights are on their way; the input planes come from the grid before)
     for (int i = 0; i < MW; i++)
         for (int j = 0; j < 2; j++)
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
