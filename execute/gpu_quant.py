@@ -27,7 +27,9 @@ exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums
 (relative error of a product ~1e-7). Their int8 twins (``BATCH_VARIANTS``, :class:`Int8Batch`;
 ``GENERIC_BATCH`` picks what ``gpu_experts``' generic layers run): the inputs converted once per launch
 (``qx8``) to the two int8 levels of the one-token path, tiles copied by ``cp.async`` while the
-weights decode to int8, ``mma`` ``.s8`` with exact int32 sums (the one-token path's error, ~2e-5).
+weights decode to int8, ``mma`` ``.s8`` with exact int32 sums (the one-token path's error, ~2e-5);
+the pipelined ones (``_q8p*``: 8 warps, ``Q8_BLOCK``'s dynamic shared memory) copy the next tile's
+inputs and weight bytes while a tile is decoded and multiplied (``Q8_PDL``: by dependent launch).
 The source lies in ``gpu_quant.cu`` and the five ``gpu_quant_*.cu`` parts it includes
 (:func:`source` inlines them).
 """
