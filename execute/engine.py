@@ -29,7 +29,8 @@ One token whose experts are all on the GPU (hits and uploads, the decode step of
 (each routed expert's address and router weight) is passed by value in the kernel launches,
 ``moe1_gate_up`` runs the pairs and ``moe1_down_combine`` applies down and combines them in one
 launch (two launches per layer with fixed per-layer argument blocks, plus one batched copy of its
-uploads, ``GpuExperts.copy_in``); one event marks the step's reads and hands the output back.
+uploads, ``GpuExperts.copy_in``); one event marks the step's reads and hands the output back
+(``engine_one``: this path and the early start below).
 
 Early start. A forward pass may call ``engine.begin_layer(layer, x, topk_ids)`` as soon as the routing
 is known, before the driver plans the step; ``run_layer`` then finishes it. For a single token,
