@@ -33,7 +33,7 @@ from traces.stats import DemandAudit
 from .engine import Simulator
 
 __all__ = ["trace_model", "moe_only", "measure", "Case", "synthetic_cases", "SYNTH_FAMILIES", "cross_validate",
-           "gap_closed"]
+           "gap_closed", "VARIANTS"]
 
 
 def moe_only(trace: Trace) -> Trace:
@@ -159,13 +159,15 @@ def log_ratio(x: float | None, ref: float | None) -> float:
 
 # the policies every case is measured with (at their defaults), and the families chosen by
 # cross-validation: their grids (index 0 is the family's default before selection)
-BASELINES = ("lru", "freq-lru", "hybrid", "hybrid-cost", "static", "belady", "oracle")
+BASELINES = ("lru", "freq-lru", "hybrid", "hybrid-cost", "static", "belady", "oracle", "oracle-demand")
+# baselines that are a policy with options: oracle without its moves ahead of use (no future prefetch or fills)
+VARIANTS = {"oracle-demand": ("oracle", {"prefetch": False, "fills": False})}
 GRIDS = {
     "predict": ({}, {"max_prefetch": 0}, {"misses": "cpu"}),
     "lookahead": tuple({"values": v, "fill_share": f, "confidence": c}
                        for v in ("recency", "adaptive", "forecast") for f in (1.0, 0.5) for c in (0.3, 0.8)),
 }
-OFFLINE = ("static", "belady", "oracle")  # they read the replayed tokens (oracle profile, future)
+OFFLINE = ("static", "belady", "oracle", "oracle-demand")  # they read the replayed tokens (oracle profile, future)
 
 
 def run_set(cases: Sequence[Case], hardware: Sequence[str], baselines=BASELINES, grids=GRIDS,
@@ -177,7 +179,7 @@ def run_set(cases: Sequence[Case], hardware: Sequence[str], baselines=BASELINES,
     for c in cases:
         for h in hardware:
             for s in c.slots:
-                runs = [(p, p, None) for p in baselines]
+                runs = [(p, *VARIANTS.get(p, (p, None))) for p in baselines]
                 runs += [(f"{n}#{i}", n, o) for n, g in grids.items() for i, o in enumerate(g)]
                 for label, name, opts in runs:
                     out[c.name, h, s, label] = measure(c.tokens, c.model, hws[h], name, s, opts)

@@ -22,7 +22,7 @@ from .belady import BeladyPolicy
 from .hybrid import MISS_FRAC_256, HybridConfig, HybridPolicy, _by_layer_then  # noqa: F401 (tests)
 from .hybrid_cost import HybridCostConfig, HybridCostPolicy
 from .lookahead import LookaheadConfig, LookaheadPolicy
-from .oracle import OraclePolicy
+from .oracle import OracleConfig, OraclePolicy
 from .predict import PredictConfig, PredictPolicy
 from .simple import CpuPolicy, FreqLruConfig, FreqLruPolicy, GpuPolicy, LruPolicy, StaticPolicy
 
@@ -47,6 +47,7 @@ __all__ = [
     "PredictPolicy",
     "LookaheadConfig",
     "LookaheadPolicy",
+    "OracleConfig",
     "OraclePolicy",
     "MAX_FILLS_PER_TOKEN",
     "MISS_FRAC_256",
@@ -73,6 +74,7 @@ CONFIGS = {
     "hybrid-cost": HybridCostConfig,
     "predict": PredictConfig,
     "lookahead": LookaheadConfig,
+    "oracle": OracleConfig,
 }
 
 
@@ -132,7 +134,8 @@ def make_policy(name: str, geometry: Geometry, capacity: Capacity, profile: Prof
             for st in steps:
                 n += len(st)
                 ends += [n] * len(st)
-        return cls(geometry, capacity, profile, future=list(future or ()), cost_model=cost_model, token_ends=ends)
+        return cls(geometry, capacity, profile, future=list(future or ()), cost_model=cost_model, token_ends=ends,
+                   config=config(**options))
     if name in ("hybrid-cost", "lookahead"):
         return cls(geometry, capacity, profile, cost_model=cost_model, config=config(**options))
     if name == "hybrid" and "miss_frac_256" not in options:  # no fraction given: the cost model's share

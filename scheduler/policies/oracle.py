@@ -17,11 +17,12 @@ forecasts, so it differs from the online policy only in what it knows:
   used later.
 
 Its swaps are never held back (no audit: they are certain). It is no proof of optimality: a test checks it against every online policy on the evaluation
-traces (``simulate.evaluate``).
+traces (``simulate.evaluate``). ``OracleConfig`` turns its future prefetch and fills off, leaving
+Belady's residency and the split: how much of its gain needs foresight of what to move ahead.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -32,11 +33,21 @@ from ..profile import Profile
 from .base import MAX_FILLS_PER_TOKEN
 from .lookahead import CostPlanner, LookaheadConfig
 
-__all__ = ["OraclePolicy", "ORACLE_CONFIG"]
+__all__ = ["OracleConfig", "OraclePolicy", "ORACLE_CONFIG"]
 
 # certain prefetches only; any strict improvement; the link window is the only cap
 ORACLE_CONFIG = LookaheadConfig(confidence=1.0, margin=1e-12, max_prefetch=MAX_FILLS_PER_TOKEN, fill_share=1.0,
                                 slack=0.0, reuse_weight=0.0, audit=False, fill_window="idle")
+
+
+@dataclass(frozen=True)
+class OracleConfig:
+    """What ``oracle`` moves ahead of use: ``prefetch`` (the next step's experts in the link's idle
+    window) and ``fills`` (experts used after the next token, at a token's end). Both off: Belady's
+    residency and the fastest split only."""
+
+    prefetch: bool = True
+    fills: bool = True
 
 
 class OraclePolicy(CostPlanner):
@@ -48,7 +59,8 @@ class OraclePolicy(CostPlanner):
 
     def __init__(self, geometry: Geometry, capacity: Capacity, profile: Profile | None = None, *,
                  future: Sequence[Step] = (), cost_model: CostModel | None = None,
-                 token_ends: Sequence[int] | None = None, fill_share: float | None = None):
+                 token_ends: Sequence[int] | None = None, fill_share: float | None = None,
+                 config: OracleConfig = OracleConfig()):
         self.future = list(future)
         if not self.future:
             raise ValueError("policy 'oracle' needs the whole trace (future=steps in replay order)")
@@ -69,6 +81,8 @@ class OraclePolicy(CostPlanner):
             token_ends = [min((i // per + 1) * per, n) for i in range(n)]
         self.token_end = list(token_ends)
         cfg = ORACLE_CONFIG if fill_share is None else replace(ORACLE_CONFIG, fill_share=fill_share)
+        cfg = replace(cfg, max_prefetch=cfg.max_prefetch if config.prefetch else 0,
+                      fill_share=cfg.fill_share if config.fills else 0.0)
         super().__init__(geometry, capacity, profile, cost_model, cfg)
 
     def _dist(self, nxt: np.ndarray, now: int) -> np.ndarray:
