@@ -88,12 +88,14 @@ SEED4_FAMILIES = tuple((n, L, E, k, dict(zip(_P, p))) for n, L, E, k, *p in (
     ("held k8 e160 flat-topics no-cross", 8, 160, 8, 0.6, 0.35, 0.0, 0.1, 0.01, 4.0)))
 # lookahead's grid, chosen among on the development set: its guard (scheduler.policies.guard):
 # the window it compares over (tokens, 0: no guard), the margin, the tokens it then follows
-# hybrid, the backoff; and LITE, the cheap form (recency values, no prefetch: no forecaster, no
-# value shadows), with its guard and without, there for their cost against their gain
+# hybrid, the backoff; the fills all priced at the token's end (the earlier default) instead of
+# first into the next token's windows; and LITE, the cheap form (recency values, no prefetch: no
+# forecaster, no value shadows), with its guard and without, there for their cost against their gain
 LITE = {"values": "recency", "max_prefetch": 0}
 LOOKAHEAD_GRID = tuple({"guard_memory": m, "guard_margin": g, "guard_probe": p, "guard_backoff": b}
                        for m, g, p, b in ((32.0, 0.01, 32, 2.0), (32.0, 0.01, 32, 1.0), (0.0, 0.0, 32, 1.0),
-                                          (16.0, 0.02, 32, 2.0))) + (LITE, {**LITE, "guard_memory": 0.0})
+                                          (16.0, 0.02, 32, 2.0))) + (LITE, {**LITE, "guard_memory": 0.0},
+                                                                     {"fill_window": "priced"})
 # one paragraph per policy, for the reports
 ABOUT = {
     "lru": "Every miss uploaded; the least recently used resident the step does not use evicted.",
@@ -108,10 +110,11 @@ ABOUT = {
                  "a cached upload is worth later (misses of equal value ranked by their routes so far, as hybrid "
                  "ranks them); residents ranked by recency or frequency (`adaptive`: the one "
                  "whose shadow cache hits more lately) or by forecast; confident cross-layer prefetch only into "
-                 "the next layer's dense window; fills at a token's end only as many as the last token, replayed "
-                 "with them on the link, is predicted to absorb for their worth (`priced`; `demand`: only before "
-                 "its first wanted upload; `idle`: its idle time), the rest held over into the next token's layer "
-                 "windows; swaps held back until an audit finds they lately brought more routes than they cost; a guard follows "
+                 "the next layer's dense window; fills first held over into the next token's layer windows as many as "
+                 "they carry, so they land within it (`windows`), then at the token's end only as many as the last "
+                 "token, replayed with them on the link, is predicted to absorb for their worth (`priced`, alone: "
+                 "the earlier default; `demand`: only before its first wanted upload; `idle`: its idle time), the "
+                 "rest held over too; swaps held back until an audit finds they lately brought more routes than they cost; a guard follows "
                  "hybrid's decisions for a while when a shadow hybrid, priced by the same model, is predicted faster.",
     "static": "Residents fixed from the replayed trace's own routing counts (an oracle profile); misses on the CPU.",
     "belady": "Demand-only offline optimum for hits (knows the trace); every miss uploaded, no CPU.",

@@ -33,9 +33,11 @@ calibration):
   predicted delay of the token just ended, replayed layer by layer with them queued on the link
   ahead of it (each layer's split chosen again), is at most their worth, ``fill_price`` x the
   share of fills routed at their layer's first step once landed (``HIT_MEMORY``) x one expert's
-  CPU time each; ``"demand"``, those that land before that token's first upload that its split
-  wanted with the link free; ``"idle"``, all. The rest are held over for the next token's layer
-  windows (prefetch, above), so demand uploads never queue behind them;
+  CPU time each; ``"windows"``, first as many as the next token's layer windows carry (dense part
+  over upload, summed) held over, to land within that token, not after it, the rest ``"priced"``;
+  ``"demand"``, those that land before that token's first upload that its split wanted with the
+  link free; ``"idle"``, all. The rest are held over for the next token's layer windows
+  (prefetch, above), so demand uploads never queue behind them;
 - *audit* (``audit=True``): every swap the prefetch or the fills plan (issued or not) is scored at
   the first step of its layer that it could serve (a fill lands a token later): +1 when its expert
   is routed there, -1 for each step until then that routes its victim; the score decays over 64
@@ -123,13 +125,14 @@ class LookaheadConfig:
     ``confidence`` in [0, 1] (forecast routes at the next step to prefetch), ``margin`` >= 0,
     ``max_prefetch`` in 0..``MAX_FILLS_PER_TOKEN``, ``fill_share`` in [0, 1], ``slack`` >= 0,
     ``memory`` > 1 (steps, the forecaster's), ``reuse_weight`` >= 0, ``fills`` ("values" or
-    "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``, ``fill_window`` ("priced",
-    "demand" or "idle"), ``fill_price`` >= 0, ``guard_memory`` 0 (no guard) or > 1 (tokens),
-    ``guard_margin`` in [0, 1), ``guard_probe`` >= 1 (tokens), ``guard_backoff`` >= 1 (guard.py). The
-    guard's fields default to the grid configuration (``simulate.heldout.LOOKAHEAD_GRID``) that
-    ``experiments/policies_eval.py`` chooses on its development set; ``fill_window``, ``fill_price``
-    and ``values`` to an earlier grid's choice there; the other defaults and the module's constants
-    were set by hand on that set; the held-out figures are on test families no tuning saw.
+    "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``, ``fill_window`` ("windows",
+    "priced", "demand" or "idle"), ``fill_price`` >= 0, ``guard_memory`` 0 (no guard) or > 1
+    (tokens), ``guard_margin`` in [0, 1), ``guard_probe`` >= 1, ``guard_backoff`` >= 1 (guard.py).
+    The guard's fields and ``fill_window`` default to the grid configuration
+    (``simulate.heldout.LOOKAHEAD_GRID``) that ``experiments/policies_eval.py`` chooses on its
+    development set; ``fill_price`` and ``values`` to an earlier grid's choice there; the other
+    defaults and the module's constants were set by hand on that set; the held-out figures are on
+    test families no tuning saw.
     """
 
     confidence: float = 0.3
@@ -142,7 +145,7 @@ class LookaheadConfig:
     fills: str = "values"
     values: str = "adaptive"
     audit: bool = True
-    fill_window: str = "priced"
+    fill_window: str = "windows"
     fill_price: float = 0.5
     guard_memory: float = 32.0
     guard_margin: float = 0.01
@@ -150,16 +153,13 @@ class LookaheadConfig:
     guard_backoff: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.fills not in ("frequency", "values", "long"):
-            raise ValueError(f"lookahead fills: {self.fills!r}, expected 'frequency', 'long' or 'values'")
-        if self.fill_window not in ("demand", "priced", "idle"):
-            raise ValueError(f"lookahead fill_window: {self.fill_window!r}, expected 'demand', 'priced' or 'idle'")
-        if self.values not in VALUES + ("adaptive",):
-            raise ValueError(f"lookahead values: {self.values!r}, expected one of {', '.join(VALUES)} or 'adaptive'")
+        for name, allowed in (("fills", ("frequency", "values", "long")), ("fill_window", ("windows", "priced", "demand",
+                              "idle")), ("values", VALUES + ("adaptive",))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"lookahead {name}: {getattr(self, name)!r}, expected one of {', '.join(allowed)}")
         checks = {"confidence": 0.0 <= self.confidence <= 1.0, "margin": self.margin >= 0.0,
-                  "max_prefetch": 0 <= self.max_prefetch <= MAX_FILLS_PER_TOKEN,
-                  "fill_share": 0.0 <= self.fill_share <= 1.0, "slack": self.slack >= 0.0,
-                  "memory": self.memory > 1.0, "reuse_weight": self.reuse_weight >= 0.0,
+                  "max_prefetch": 0 <= self.max_prefetch <= MAX_FILLS_PER_TOKEN, "fill_share": 0.0 <= self.fill_share <= 1.0,
+                  "slack": self.slack >= 0.0, "memory": self.memory > 1.0, "reuse_weight": self.reuse_weight >= 0.0,
                   "fill_price": self.fill_price >= 0.0, "guard_memory": self.guard_memory == 0.0 or self.guard_memory > 1.0,
                   "guard_margin": 0.0 <= self.guard_margin < 1.0, "guard_probe": self.guard_probe >= 1,
                   "guard_backoff": self.guard_backoff >= 1.0}
@@ -530,17 +530,17 @@ class CostPlanner(BasePolicy):
             while n < len(moves) and spent + self.up_s[moves[n].layer] <= first:
                 spent += self.up_s[moves[n].layer]
                 n += 1
-        else:  # priced: the most fills whose predicted delay of the last token is at most their worth
-            q0 = self._queue
-            base = _replay(want, q0)
-            n, q, worth = 0, q0, 0.0
-            price = self.config.fill_price * self._hit
+        else:  # priced (windows: first what the next token's layer windows carry, held over; the rest priced)
+            room = sum(int(self.layer_s[l] // self.up_s[l]) for l in g.moe_layers if self.up_s[l] > 0)
+            hold, moves = (moves[:room], moves[room:]) if mode == "windows" else ([], moves)
+            base, n, q, worth, price = _replay(want, self._queue), 0, self._queue, 0.0, self.config.fill_price * self._hit
             for i, m in enumerate(moves[:PRICED_MAX]):
                 q += self.up_s[m.layer]
                 worth += price * self.costs.cpu_s(m.layer, 1)
                 if _replay(want, q) - base <= worth + 1e-15:
                     n = i + 1
-        self._spare = moves[n:]
+            self._spare = hold
+        self._spare = self._spare + moves[n:]
         return tuple(moves[:n])
 
     def complete(self, layer: int, expert: int) -> None:
@@ -569,7 +569,7 @@ class CostPlanner(BasePolicy):
         if self.guard is not None:
             self.guard.moved(moves, self._ending)
         self._queue += sum(self.up_s[m.layer] for m in moves)
-        if self.config.fill_window == "priced":
+        if self.config.fill_window in ("priced", "windows"):
             for m in moves:
                 if self._ending or (m.layer, m.expert) in self._spare_keys:
                     self._watch[m.layer, m.expert] = None

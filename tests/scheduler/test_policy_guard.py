@@ -185,9 +185,11 @@ def _token_end_fills(pol, toks, starts=()):
 
 def test_the_token_where_following_starts_ends_with_hybrids_fills():
     """The guard decides before a token's fills: where it starts to follow, the fills are hybrid's
-    (into free slots only: none here), not the swaps lookahead plans there when it plans on."""
+    (into free slots only: none here), not the swaps lookahead plans there when it plans on (every
+    fill priced at the token's end: none held over for the next token's windows)."""
     g, toks = _tokens(L=6, E=32, k=4, T=40, seed=1)
-    make = lambda: make_policy("lookahead", g, Capacity.per_layer(g, 8), cost_model=_cm(g.num_layers))
+    make = lambda: make_policy("lookahead", g, Capacity.per_layer(g, 8), cost_model=_cm(g.num_layers),
+                               fill_window="priced")
     own = _token_end_fills(make(), toks)
     starts = [n for n in sorted(own) if n > 8 and any(m.victim is not None for m in own[n])][:2]
     assert len(starts) == 2  # lookahead's own swaps at those token ends
