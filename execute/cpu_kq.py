@@ -484,8 +484,6 @@ def prefetch_plan(base, r0, rb, end, mode):
         return max(2 * rb, 2048), base + r0 * rb
     if mode == 1:
         return 2 * rb, base + (r0 + 2) * rb
-    if mode == 3:
-        return max(2 * rb, 8192), base + r0 * rb
     return 0, end
 
 

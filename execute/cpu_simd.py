@@ -250,7 +250,7 @@ def choose_isa(name: str | None = None, what: str = "MOELAB_CPU_ISA") -> int:
 # How a run of weight rows is prefetched (the job's J_ISA field carries the mode above its 2 path
 # bits): "2k" at least 2 KB (and two rows) past the row being dotted, the run's first bytes at
 # once; "rows" the row two on, from the run's third row; "off" none (the hardware's prefetchers).
-PREFETCH_MODES = ("2k", "rows", "off", "8k")  # the row prefetch, see cpu_kq.prefetch_plan: 2k or 8k = at least 2 or 8 KB ahead
+PREFETCH_MODES = ("2k", "rows", "off")
 
 
 def choose_prefetch(name: str | None = None, what: str = "MOELAB_CPU_PREFETCH") -> int:
