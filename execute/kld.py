@@ -24,7 +24,8 @@ Routing is computed independently in each run, so a near-tie the two numerics br
 sends a token to other experts; that shows here as it would in a real decode.
 
 Near ties (``execute.kld_ties``, off with ``--no-twin``): the reference runs a third time as a
-*rounding twin*, every matrix product's and MoE block's output perturbed by a relative ``--twin-jitter``
+*rounding twin* (the reference's routes forced: a routing difference is not rounding), every
+matrix product's and MoE block's output perturbed by a relative ``--twin-jitter``
 (default 2^-22 + sqrt(K) 2^-24 for a product over K: the activation halves and float32 accumulation
 in another order); a position whose reference top-1/top-2 margin, or whose routing difference's
 root's margin, is below 4 sqrt(2) times the twin's spread there is a near tie, and
@@ -234,11 +235,11 @@ def _forced(args, weights, geometry, capacity, use_gpu: bool, ids, probe, ref, t
         backend = _backend(args, weights, use_gpu, capacity, PROG)
         got, res, _ = _logits(weights, _policy(args, geometry, capacity), backend, use_gpu, ids, args, None, bar,
                               forced_routes(probe, weights.info.num_layers, len(ids)))
+        return {**numerics(ref, twin, got), "wall_s": res.wall_s}
     except (_Fail, KeyboardInterrupt):
         raise
     except Exception as exc:  # noqa: BLE001 - a failure of the extra run is reported, not fatal
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {**numerics(ref, twin, got), "wall_s": res.wall_s}
 
 
 def kld(args) -> dict:
@@ -287,6 +288,7 @@ def kld(args) -> dict:
                 twin_probe = RouterProbe(weights, len(ids), np.random.default_rng(0), jitter)
                 twin, _, _ = _logits(weights, make_policy("cpu", geometry, Capacity.per_layer(geometry, 0)),
                                      twin_probe, False, ids, args, None, bar,
+                                     forced_routes(probe, info.num_layers, len(ids)),
                                      twin=(np.random.default_rng(1), args.twin_jitter))
         except BaseException:
             backend.close()

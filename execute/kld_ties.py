@@ -5,7 +5,8 @@ how: activations as two f16 halves, ~22 bits, float32 accumulation in another or
 random-weight model's next-token logits are nearly uniform, so some positions' top-1 and top-2 are
 closer together than that rounding can resolve. The measure of "closer than rounding" does not come
 from the policy's own run (a bug would widen it) but from a **rounding twin**: the reference run
-once more with every matrix product's output (q/k/v, attention output, router, head:
+once more, its routes forced to the reference's (the twin's own routing differences would spread
+through the KV cache and measure those, not rounding), with every matrix product's output (q/k/v, attention output, router, head:
 :class:`TwinModel`) and every MoE block's output ``y`` multiplied elementwise by ``1 + d``, ``d``
 uniform in ``[-r, r]`` (seeded), i.e. the reference's own sensitivity to perturbations of the
 path's rounding. That size (:func:`rounding`) is the halves' 2^-22 plus the typical rounding of a
@@ -171,6 +172,14 @@ def spread(ref: np.ndarray, other: np.ndarray) -> np.ndarray:
     return out
 
 
+def _flips(ids: np.ndarray, sel: np.ndarray) -> int:
+    """Positions whose top-k of selection values ``sel`` (N, E) is not the set ``ids`` (N, k): the
+    routing decisions the twin's rounding would have changed (its routes are forced)."""
+    ok = ~np.isnan(sel).any(axis=1)
+    top = np.argsort(-sel[ok], axis=1, kind="stable")[:, :ids.shape[1]]
+    return int((np.sort(top, axis=1) != np.sort(ids[ok], axis=1)).any(axis=1).sum())
+
+
 def _policy_ids(route_log, layers, positions: int) -> dict[int, list]:
     """``route_log`` ((pos, [(layer, ids, weights)]) per position) -> per layer, each position's id set."""
     out = {l: [None] * positions for l in layers}
@@ -293,7 +302,5 @@ def ties(ref: np.ndarray, twin: np.ndarray, got: np.ndarray, ref_probe=None, twi
         out["spread_ratio_median_unaffected"] = float(np.median(ratio[clean])) if clean.any() else float("nan")
         out["positions_routed_differently"] = len(routes)
         out["blocks_routed_differently"] = sum(len(v) for v in routes.values())
-        out["twin_blocks_routed_differently"] = sum(
-            int((np.sort(ref_probe.ids[l], axis=1) != np.sort(twin_probe.ids[l], axis=1)).any(axis=1).sum())
-            for l in ref_probe.ids)
+        out["twin_route_flips"] = sum(_flips(ref_probe.ids[l], twin_probe.sel[l]) for l in ref_probe.ids)
     return out

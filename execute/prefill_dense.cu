@@ -85,6 +85,19 @@ __device__ __noinline__ double np_sum<0>(const double* a, int n) {
     return np_sum_leaf(a, n);
 }
 
+// y (rows, cols) = (sum over b of part[b] in b order) * sr[row] (* sc[col] when sc): the K-slices'
+// partial products of a split product (ChunkDense.matmul) summed in float32, times the halves' scales
+extern "C" __global__ void pd_sum_parts(const float* __restrict__ part, int parts, long long n, int cols,
+                                        const float* __restrict__ sr, const float* __restrict__ sc,
+                                        float* __restrict__ y) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float s = part[i];
+        for (int b = 1; b < parts; b++) s += part[(long long)b * n + i];
+        s *= sr[i / cols];
+        y[i] = sc ? s * sc[i % cols] : s;
+    }
+}
+
 // y (rows, cols) *= sr[row] * sc[col] (powers of two: the halves' scales of the activation rows and
 // of the weight rows, which are y's columns)
 extern "C" __global__ void pd_scale_rows_cols(float* __restrict__ y, const float* __restrict__ sr,

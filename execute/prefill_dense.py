@@ -10,7 +10,12 @@
   weight row (q d of Q8_0 has at most 19 significant bits, which its two halves carry but for
   weights below 2^-24 of their row's largest): three products (hi.hi, lo.hi, hi.lo; the lo.lo term
   is below the halves' rounding). F32 matrices (a router) are multiplied as stored (no tile copy);
-  larger Q8_0/BF16 matrices keep ``GpuDense.matmul`` (float32 tiles);
+  larger Q8_0/BF16 matrices keep ``GpuDense.matmul`` (float32 tiles). The tensor cores' float32
+  accumulation truncates at each step, so its error grows with K (2.5e-6 relative at K = 2048,
+  4.8e-6 at 4096 on the H200, ``experiments/prefill_precision.py``): the f16 products run as
+  slices of ``MOELAB_PREFILL_SPLIT_K`` (256) columns of K, one batched cuBLAS call, their partial
+  products summed in float32 in slice order (``pd_sum_parts``, with the halves' scales); ``0``:
+  one product over all of K;
 - routing: the router logits' top-k and weights on the device in float64 (``pd_route``; softmax and
   softmax_topk gating, router bias, norm and scale as ``execute.batch_route.route_rows``), so only
   ids (int32) and weights (float64) cross to the host, in one copy into pinned memory. The ids are
@@ -29,6 +34,8 @@ routing; results agree with the CuPy path to float32 rounding (GPU tests). ``MOE
 from __future__ import annotations
 
 
+import os
+
 import numpy as np
 
 try:
@@ -37,9 +44,10 @@ except ImportError:  # the switch reads without CuPy; ChunkDense needs it
     cp = None
 
 from . import quant as Q
+from .experts import ExecutorError
 from .xp import env_switch
 
-__all__ = ["ChunkDense", "dense_env", "warm_library"]
+__all__ = ["ChunkDense", "dense_env", "split_k_env", "warm_library"]
 
 _CUDA_R_32F, _CUDA_R_16F = 0, 2  # cudaDataType
 _COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
@@ -54,6 +62,33 @@ _MAX_ROUTE_EXPERTS, _MAX_ROUTE_K = 2048, 64  # pd_route's shared memory and its 
 def dense_env() -> bool:
     """``MOELAB_PREFILL_DENSE``: unset or 1 -> True, 0 -> False; another value is an ExecutorError."""
     return env_switch("MOELAB_PREFILL_DENSE")
+
+
+_SPLIT_K = ("0", "128", "256", "512", "1024")
+_MAX_PARTS_BYTES = 1 << 27  # a split product's partial products (float32); wider slices beyond
+
+
+def split_k_env() -> int:
+    """``MOELAB_PREFILL_SPLIT_K``: the K-slice of the chunk's f16 products (unset: 256; 0: one
+    product over all of K); another value is an ExecutorError."""
+    v = os.environ.get("MOELAB_PREFILL_SPLIT_K", "256").strip()
+    if v not in _SPLIT_K:
+        raise ExecutorError(f"environment variable MOELAB_PREFILL_SPLIT_K: {v!r}, expected one of {', '.join(_SPLIT_K)}")
+    return int(v)
+
+
+def k_slice(split: int, cols: int, t: int, rows: int) -> int:
+    """The K-slice of a (t, cols) x (rows, cols)^T product: ``split`` (halved down to 64 until it
+    divides cols), doubled while the partial products pass ``_MAX_PARTS_BYTES``; ``cols`` (one
+    product) when ``split`` is 0 or no slice fits."""
+    kc = split
+    while kc >= 64 and cols % kc:
+        kc //= 2
+    if kc < 64 or kc >= cols:
+        return cols
+    while 4 * (cols // kc) * t * rows > _MAX_PARTS_BYTES and cols % (2 * kc) == 0 and 2 * kc < cols:
+        kc *= 2
+    return kc if 4 * (cols // kc) * t * rows <= _MAX_PARTS_BYTES else cols
 
 
 def _kernel(name: str):
@@ -76,12 +111,13 @@ def warm_library(info, t: int, cache_len: int) -> None:
     experts = max(max(info.num_experts), 1)
     s = cp.cuda.Stream(non_blocking=True)
     with s:
+        split = split_k_env()
         for rows, cols in ((nh * hd + 2 * nkv * hd, hidden), (hidden, nh * hd)):
             w, a = cp.zeros((rows, cols), cp.float16), cp.zeros((t, cols), cp.float16)
-            y = cp.empty((t, rows), cp.float32)
-            shape = type("Shape", (), {"rows": rows, "cols": cols})
-            ChunkDense._gemm(w, shape, a, t, y, _ZERO)
-            ChunkDense._gemm(w, shape, a, t, y, _ONE)
+            kc = k_slice(split, cols, t, rows)
+            y = cp.empty((cols // kc, t, rows), cp.float32)
+            for beta in (_ZERO, _ONE):
+                ChunkDense._gemm_ptr(w.data.ptr, rows, cols, a.data.ptr, t, y.data.ptr, beta, kc)
         x = cp.zeros((t, hidden), cp.float32)
         # the array first: CuPy's operator, not numpy's dispatch to __array_ufunc__
         x = x + (x @ cp.zeros((experts, hidden), cp.float32).T)[:, :1] * np.float32(1.0)
@@ -114,6 +150,8 @@ class ChunkDense:
         self._route = _kernel("pd_route")
         self._qk = _kernel("pd_qk_rope_kv")
         self._softmax = _kernel("pd_softmax")
+        self._sum_parts = _kernel("pd_sum_parts")
+        self.split_k = split_k_env()
         self._split = None  # pf_split shares its module with mma.sync kernels (compute capability 8.0)
         if int(cp.cuda.Device().compute_capability) >= 80:
             from .prefill import _kernel as pf_kernel
@@ -172,49 +210,58 @@ class ChunkDense:
                                                          and m.rows * m.cols <= _MAX_SPLIT_WEIGHTS)):
             return None
         x = _f32c(x)
-        t, n = int(x.shape[0]), m.rows
+        t, n, c = int(x.shape[0]), m.rows, m.cols
         y = cp.empty((t, n), cp.float32)
         grid = (min(-(-y.size // 256), 4096),)
+        sp = cp.cuda.get_current_stream().ptr
+        kc = k_slice(self.split_k, c, t, n)
+        part = y.data.ptr if kc == c else self._work_buf("part", (c // kc) * t * n, cp.float32, sp)
         if m.qt == Q.F16:  # the halves in work buffers of this stream, by address
-            sp, c = cp.cuda.get_current_stream().ptr, int(x.shape[1])
             hi, lo = self._work_buf("hi", t * c, cp.uint16, sp), self._work_buf("lo", t * c, cp.uint16, sp)
             inv = self._work_buf("inv", t, cp.float32, sp)
             self._l_split((t, 1), 256, sp, x.data.ptr, 0, c, hi, lo, inv)
-            self._gemm_ptr(m.w.data.ptr, m, hi, t, y.data.ptr, _ZERO)
-            self._gemm_ptr(m.w.data.ptr, m, lo, t, y.data.ptr, _ONE)
-            self._l_scale((grid[0], 1), 256, sp, y.data.ptr, inv, y.size, n)
+            self._gemm_ptr(m.w.data.ptr, n, c, hi, t, part, _ZERO, kc)
+            self._gemm_ptr(m.w.data.ptr, n, c, lo, t, part, _ONE, kc)
+            if kc == c:
+                self._l_scale((grid[0], 1), 256, sp, y.data.ptr, inv, y.size, n)
+            else:
+                self._sum_parts(grid, (256,), (np.uint64(part), np.int32(c // kc), np.int64(y.size), np.int32(n),
+                                               np.uint64(inv), np.uint64(0), y))
             return y
         xh, xl, xi = self._halves(x)
         tile = cp.empty((m.rows, m.cols), cp.float32)
         gd.dequant(m, 0, m.rows, tile)
         wh, wl, wi = self._halves(tile)
         del tile
-        self._gemm(wh, m, xh, t, y, _ZERO)
-        self._gemm(wh, m, xl, t, y, _ONE)
-        self._gemm(wl, m, xh, t, y, _ONE)
-        self._scale2(grid, (256,), (y, xi, wi, np.int64(y.size), np.int32(n)))
+        for w_, a_, beta in ((wh, xh, _ZERO), (wh, xl, _ONE), (wl, xh, _ONE)):
+            self._gemm_ptr(w_.data.ptr, n, c, a_.data.ptr, t, part, beta, kc)
+        if kc == c:
+            self._scale2(grid, (256,), (y, xi, wi, np.int64(y.size), np.int32(n)))
+        else:
+            self._sum_parts(grid, (256,), (np.uint64(part), np.int32(c // kc), np.int64(y.size), np.int32(n), xi, wi, y))
         return y
 
     @staticmethod
-    def _gemm(w, m, a, t: int, y, beta: np.ndarray) -> None:
-        """y (t, rows) = a (t, cols) f16 . w (rows, cols) f16 transposed + beta y, f32 accumulation
-        (``m`` gives rows and cols)."""
-        ChunkDense._gemm_ptr(w.data.ptr, m, a.data.ptr, t, y.data.ptr, beta)
-
-    @staticmethod
-    def _gemm_ptr(w: int, m, a: int, t: int, y: int, beta: np.ndarray) -> None:
-        """:meth:`_gemm` on device addresses."""
+    def _gemm_ptr(w: int, rows: int, cols: int, a: int, t: int, y: int, beta: np.ndarray, kc: int = 0) -> None:
+        """y (t, rows) = a (t, cols) f16 . w (rows, cols) f16 transposed + beta y, f32 accumulation (device
+        addresses); with ``kc`` < cols, K in slices of kc: y holds cols / kc partial products
+        (t, rows), one after another (one batched call)."""
         from cupy_backends.cuda.libs import cublas
 
+        kc = kc or cols
         h = cp.cuda.device.get_cublas_handle()
         cublas.setStream(h, cp.cuda.get_current_stream().ptr)
         mode = cublas.getPointerMode(h)
         if mode != _PTR_HOST:
             cublas.setPointerMode(h, _PTR_HOST)
-        try:  # column-major: y^T (rows, t) = m (cols, rows)^T . a^T (cols, t)
-            cublas.gemmEx(h, _OP_T, _OP_N, m.rows, t, m.cols, _ONE.ctypes.data, w, _CUDA_R_16F, m.cols,
-                          a, _CUDA_R_16F, m.cols, beta.ctypes.data, y, _CUDA_R_32F, m.rows,
-                          _COMPUTE_32F, _GEMM_DEFAULT)
+        try:  # column-major: y^T (rows, t) = m (cols, rows)^T . a^T (cols, t), per slice of cols
+            if kc == cols:
+                cublas.gemmEx(h, _OP_T, _OP_N, rows, t, cols, _ONE.ctypes.data, w, _CUDA_R_16F, cols,
+                              a, _CUDA_R_16F, cols, beta.ctypes.data, y, _CUDA_R_32F, rows, _COMPUTE_32F, _GEMM_DEFAULT)
+            else:
+                cublas.gemmStridedBatchedEx(h, _OP_T, _OP_N, rows, t, kc, _ONE.ctypes.data, w, _CUDA_R_16F, cols, kc,
+                                            a, _CUDA_R_16F, cols, kc, beta.ctypes.data, y, _CUDA_R_32F, rows, t * rows,
+                                            cols // kc, _COMPUTE_32F, _GEMM_DEFAULT)
         finally:
             if mode != _PTR_HOST:
                 cublas.setPointerMode(h, mode)

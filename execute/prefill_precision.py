@@ -46,7 +46,7 @@ from . import quant as Q
 from .archs import rope_angles
 
 __all__ = ["U", "HALVES", "product_bound", "norm_bound", "row_errors", "reference_block", "compare", "supported",
-           "GpuBlock", "block_records", "table"]
+           "GpuBlock", "block_records", "table", "time_products"]
 
 U = 2.0 ** -24
 HALVES = 2.0 ** -22  # the f16 activation halves' relative precision
@@ -463,6 +463,35 @@ def _decode(rows: list, g, l: int, ref: dict, dpos: list[int]) -> None:
     keys = {"qkv": "qkv", "attention": "o", "wo": "att", "router_logits": "logits"}
     for stage, vals in got.items():
         _record(rows, l, "decode", "isolated", stage, np.array(vals), ref[keys[stage]][dpos], bounds[stage])
+
+
+def time_products(weights, tokens: int = 256, splits=(256, 0), reps: int = 20, seed: int = 0) -> list[dict]:
+    """The chunk path's f16 products of block 0 (qkv, wo) and the head on ``tokens`` random rows,
+    each K-slice of ``splits`` (``ChunkDense.split_k``; 0: one product) timed with CUDA events
+    (median of ``reps`` calls, ms), side by side in one process."""
+    import cupy as cp
+
+    from .model import MoeModel
+
+    model = MoeModel(weights, use_gpu=True, max_tokens=tokens)
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, m in (("qkv", model.layers[0]["wqkv"]), ("wo", model.layers[0]["wo"]), ("head", model.output)):
+        x = cp.asarray(rng.standard_normal((tokens, m.cols)).astype(np.float32))
+        for split in splits:
+            model.pd.split_k = split
+            for _ in range(3):
+                model._proj(x, m)
+            ev = [cp.cuda.Event() for _ in range(2 * reps)]
+            for i in range(reps):
+                ev[2 * i].record()
+                model._proj(x, m)
+                ev[2 * i + 1].record()
+            ev[-1].synchronize()
+            ms = [cp.cuda.get_elapsed_time(ev[2 * i], ev[2 * i + 1]) for i in range(reps)]
+            out.append({"matrix": name, "rows": m.rows, "cols": m.cols, "tokens": tokens, "split_k": split,
+                        "ms": float(np.median(ms))})
+    return out
 
 
 def table(rows: list[dict]) -> str:

@@ -28,6 +28,7 @@ def _args(argv):
     p.add_argument("--tokens", type=int, default=256, help="chunk length (default 256)")
     p.add_argument("--blocks", default=None, help="comma-separated blocks to compare (default: all)")
     p.add_argument("--seed", type=int, default=0, help="the random token ids' seed")
+    p.add_argument("--time", action="store_true", help="also time block 0's f16 products and the head, K-slices 256 and 0")
     a = p.parse_args(argv)
     if a.tokens < 2:
         p.error(f"--tokens {a.tokens}: expected >= 2")
@@ -38,6 +39,15 @@ def _args(argv):
     except ValueError:
         p.error(f"--blocks {a.blocks!r}: expected comma-separated block numbers")
     return a
+
+
+def _timings(rows) -> str:
+    if not rows:
+        return ""
+    lines = ["", "f16 products of a chunk (CUDA events, median ms; split_k 0: one product over all of K):", "",
+             "| matrix | rows x cols | tokens | split_k | ms |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['matrix']} | {r['rows']} x {r['cols']} | {r['tokens']} | {r['split_k']} | {r['ms']:.4f} |" for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -65,14 +75,20 @@ def main(argv=None) -> int:
         print(line, flush=True)
         (a.out / "result.json").write_text(json.dumps({"config": config, "rows": rows, "partial": True}, indent=2) + "\n")
 
-    compare(load_model(model), a.tokens, a.seed, blocks=a.blocks, progress=progress, rows=rows)
+    weights = load_model(model)
+    if a.time:  # first: short, and the precision rows follow whatever happens
+        from execute.prefill_precision import time_products
+
+        config["timings"] = time_products(weights, a.tokens)
+        print(json.dumps(config["timings"]), flush=True)
+    compare(weights, a.tokens, a.seed, blocks=a.blocks, progress=progress, rows=rows)
     config["synth_s"], config["wall_s"] = made_s, time.perf_counter() - t0
     (a.out / "result.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     text = table(rows)
     (a.out / "README.md").write_text(
         f"# Prefill precision, stage by stage\n\n`{config['command']}` ({a.tokens} tokens, seed {a.seed}); ratio = "
         "relative error / the stage's bound (execute/prefill_precision.py); chained rows carry the block's "
-        f"earlier stages' error.\n\n```\n{text}\n```\n")
+        f"earlier stages' error.\n\n```\n{text}\n```\n" + _timings(config.get("timings")))
     print(text)
     if a.synth is not None:
         model.unlink(missing_ok=True)

@@ -94,7 +94,7 @@ def test_cpu_policy_matches_the_reference(models, arch, quant, batch, bound):
     assert out["cpu"] > 0 and out["uploads"] == 0
     t = out["ties"]  # tiny models have clear margins: no flips, no near ties, routes the reference's
     assert t["flips"] == [] and t["twin_top1_agreement"] == 1.0 and t["top1_agreement_outside_ties"] == 1.0
-    assert t.get("positions_routed_differently", 0) == 0 and t.get("twin_blocks_routed_differently", 0) == 0
+    assert t.get("positions_routed_differently", 0) == 0 and t.get("twin_route_flips", 0) == 0
     f = t["forced"]  # the reference's routes forced: the same routes, so the same figures
     assert (f is None) == (arch == "deepseek2")  # expert groups: routing not analysed, no forced run
     if f is None:
@@ -210,7 +210,7 @@ def test_a_failed_forced_run_is_reported_and_the_figures_stand(models, monkeypat
     def broken(*a, **k):
         raise RuntimeError("no routes today")
 
-    monkeypatch.setattr(kld, "forced_routes", broken)
+    monkeypatch.setattr(kld, "numerics", broken)
     out = kld.kld(_args(models("qwen3moe", "Q8_0"), *CPU, "--tokens", "12"))
     assert out["ties"]["forced"] == {"error": "RuntimeError: no routes today"} and out["top1_agreement"] == 1.0
     out = kld.kld(_args(models("qwen3moe", "Q8_0"), *CPU, "--tokens", "12", "--no-forced"))

@@ -12,7 +12,7 @@ import pytest
 from execute import quant as Q
 from execute.archs import ARCHS
 from execute.experts import ExecutorError
-from execute.prefill_dense import dense_env
+from execute.prefill_dense import dense_env, k_slice, split_k_env
 
 from .conftest import cupy_or_skip
 
@@ -25,6 +25,21 @@ def test_switch(monkeypatch):
     monkeypatch.setenv("MOELAB_PREFILL_DENSE", "on")
     with pytest.raises(ExecutorError, match="MOELAB_PREFILL_DENSE: 'on', expected 0 or 1"):
         dense_env()
+
+
+def test_k_slices(monkeypatch):
+    monkeypatch.delenv("MOELAB_PREFILL_SPLIT_K", raising=False)
+    assert split_k_env() == 256
+    monkeypatch.setenv("MOELAB_PREFILL_SPLIT_K", "0")
+    assert split_k_env() == 0
+    monkeypatch.setenv("MOELAB_PREFILL_SPLIT_K", "300")
+    with pytest.raises(ExecutorError, match="MOELAB_PREFILL_SPLIT_K: '300', expected one of 0, 128, 256"):
+        split_k_env()
+    assert k_slice(256, 2048, 256, 5120) == 256 and k_slice(256, 4096, 256, 2048) == 256
+    assert k_slice(0, 2048, 256, 5120) == 2048 and k_slice(256, 256, 8, 64) == 256  # off; one slice is the product
+    assert k_slice(256, 2880, 16, 64) == 64  # halved until it divides K
+    assert k_slice(256, 2048, 256, 32000) == 512  # the head of a 256-token chunk: 4 partial products (131 MB), not 8
+    assert k_slice(256, 96, 4, 8) == 96
 
 
 def nmse(a, b) -> float:
@@ -52,6 +67,32 @@ def test_rmsnorm_matches_the_cupy_expression(pd, shape, wshape):
     got = pd.rms(x, w, 1e-6).get()
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-6 * np.abs(ref).max())
     assert pd.rms(x, w[:-1] if len(wshape) == 1 else w[1:], 1e-6) is None  # shapes that do not broadcast
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qt", [Q.F16, Q.Q8_0])
+def test_k_slices_keep_long_products_at_the_halves_precision(pd, qt):
+    """Over K = 4096 one tensor-core product loses ~5e-6 (its float32 accumulation truncates at each
+    step); in slices of 256 summed in float32 the error stays near the halves' 2^-22."""
+    import cupy as cp
+
+    from execute.gpu_dense import GpuDense, device_matrix
+
+    gd = GpuDense(hidden=4096, heads=8, kv_heads=2, head_dim=32, experts=8, top_k=2)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((48, 4096)).astype(np.float32)
+    v = (rng.standard_normal((320, 4096)) / 64).astype(np.float32)
+    raw = Q.quantize(v, qt)
+    vals = Q.dequantize(raw, qt, 4096).reshape(320, 4096).astype(np.float64)
+    m = device_matrix((raw, qt), vals.astype(np.float32))
+    ref = x.astype(np.float64) @ vals.T
+    rel = {}
+    for split in (256, 0):
+        pd.split_k = split
+        got = pd.matmul(cp.asarray(x), m, gd).get()
+        rel[split] = float(np.median(np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)))
+    pd.split_k = 256
+    assert rel[256] < 1e-6 and rel[256] < rel[0] / 3, rel
 
 
 @pytest.mark.gpu
