@@ -169,14 +169,15 @@ def _host(args, rep: int, when: str, before=None) -> tuple[dict, str | None] | N
     return state, problem
 
 
-def calibrated_on_round(raw: dict, rnd: int) -> dict:
+def calibrated_on_round(raw: dict, rnd: int, same: bool = False) -> dict:
     """``raw`` with the session calibration of round ``rnd`` only (its calibration replay's records
     and unlogged runs) and the checked runs of the other rounds only: a prediction from it is out
-    of sample in time (calibrated on one round, checked on the others). Records without a round
+    of sample in time (calibrated on one round, checked on the others); ``same``: that round's own
+    runs only (the host as it was in that round; the workload still another). Records without a round
     tag (recorded before the tag) are split evenly, in order, over the rounds (every round replays
     the same workload). ValueError when the recording has no such round or only one round."""
     rounds = int(raw["args"].get("repeats", 1))
-    if not 0 <= rnd < rounds or rounds < 2:
+    if not 0 <= rnd < rounds or (rounds < 2 and not same):
         raise ValueError(f"calibration round {rnd}: the recording has rounds 0..{rounds - 1}, expected another round to check")
     recs = raw.get("calibration_records") or []
     if recs and all("round" in r for r in recs):
@@ -188,7 +189,7 @@ def calibrated_on_round(raw: dict, rnd: int) -> dict:
         raise ValueError(f"calibration round {rnd}: no calibration replay recorded in that round")
     return {**raw, "calibration_records": mine,
             "calibration_runs": [r for r in raw.get("calibration_runs") or [] if r.get("round") == rnd],
-            "runs": [r for r in raw["runs"] if r["repeat"] != rnd]}
+            "runs": [r for r in raw["runs"] if (r["repeat"] == rnd) == same]}
 
 
 def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:

@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibration-round", type=int, default=None, metavar="R",
                     help="session calibration from round R's replays only, checked on the other rounds' runs "
                          "(out of sample in time; with the session calibration)")
+    ap.add_argument("--same-round", action="store_true",
+                    help="with --calibration-round R: check round R's own runs (the host as it was then)")
     ap.add_argument("--budgets", type=_budgets, default=None,
                     help="expert budgets in MiB (the peer benchmark's: 2048,4096,12288): runs gpu, cpu, and lru "
                          "and hybrid at each")
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.peer:
         return svr.predict_peer_rows(args.peer, args.hardware)
+    if args.same_round and args.calibration_round is None:
+        ap.error("--same-round needs --calibration-round R")
     if args.calibration_round is not None and args.host_calibration != "session":
         ap.error("--calibration-round needs the session calibration (drop --host-calibration file)")
     for flag, v, low in (("--repeats", args.repeats, 1), ("--warmup-rounds", args.warmup_rounds, 0),

@@ -100,11 +100,12 @@ def run(args) -> int:
         from execute.fidelity import calibrated_on_round
 
         try:
-            raw = calibrated_on_round(raw, args.calibration_round)
+            raw = calibrated_on_round(raw, args.calibration_round, getattr(args, "same_round", False))
         except ValueError as e:
             print(f"sim_vs_real: --calibration-round: {e}", file=sys.stderr)
             return 2
-        log(f"calibrated on round {args.calibration_round}, checked on the other rounds' runs")
+        log(f"calibrated on round {args.calibration_round}, checked on "
+            + ("its own runs" if getattr(args, "same_round", False) else "the other rounds' runs"))
     if not raw.get("runs"):
         print("sim_vs_real: no recorded runs to compare", file=sys.stderr)
         return 1

@@ -399,6 +399,8 @@ def test_a_calibration_round_keeps_its_own_replays_and_the_other_rounds_runs():
     one = calibrated_on_round(raw, 1)
     assert [r["round"] for r in one["calibration_records"]] == [1, 1]
     assert one["calibration_runs"] == [{"round": 1}] and [r["repeat"] for r in one["runs"]] == [0, 2]
+    same = calibrated_on_round(raw, 1, same=True)
+    assert same["calibration_records"] == one["calibration_records"] and [r["repeat"] for r in same["runs"]] == [1]
     old = calibrated_on_round({**raw, "calibration_records": [{"n": i} for i in range(6)]}, 2)  # untagged: even split
     assert [r["n"] for r in old["calibration_records"]] == [4, 5]
     for bad in (3, -1):
