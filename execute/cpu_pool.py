@@ -411,7 +411,8 @@ class CpuExpertPool:
     takes part too (the caller would otherwise only wait), which lets a team that would take every
     core leave the caller one: ``threads`` - 1 workers when ``threads`` >= the host's cores, else
     ``threads`` workers (``workers``). Workers spin up to ``spin_us`` after each call for the next
-    one (a hot team starts a call in about a microsecond), then sleep on a futex (waking costs a
+    one (a hot team starts a call in about a microsecond; every wait yields its core now and then,
+    see _spin), then sleep on a futex (waking costs a
     system call and the scheduler's latency). ``result()``, its share done, spins as long (1 ms
     when ``threads`` leaves a core free), then sleeps. ``spin_us`` defaults to the environment's
     ``MOELAB_POOL_SPIN_US``, else 2000 us when ``threads`` leaves a core free and 100 us otherwise
