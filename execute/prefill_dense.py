@@ -100,7 +100,7 @@ def _kernel(name: str):
 def warm_library(info, t: int, cache_len: int) -> None:
     """The library side of a chunk's first run for a GQA model of ``info``'s shapes on ``t`` tokens
     (a KV cache of ``cache_len`` positions), on zeros on a private stream: cuBLAS's products of the
-    projections' shapes (f16, as :meth:`ChunkDense._gemm`) and of the router's and attention's
+    projections' shapes (f16, in K-slices as :meth:`ChunkDense._gemm_ptr`) and of the router's and attention's
     (float32; batched as :meth:`ChunkDense._bgemm`) and the CuPy element-wise kernels around them,
     so that their first uses (cuBLAS's set-up, kernel loads) are paid on the thread that calls this,
     e.g. while the main thread loads weights (``execute.first_token.GpuInit``). Nothing is kept; the
