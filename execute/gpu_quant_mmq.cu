@@ -91,6 +91,99 @@ struct SmemQ8 {  // a block's tiles: weights' quants and scales, the pass's inpu
     uint8_t* wr;   // [16 MT][WSLOT]: the tile's weight bytes (RAW)
 };
 
+// acc[i][j][.] += m-tile m0 + i (of the tile's MB rows: quants aq, scales asc) . tokens t0 + 8 j (this lane's
+// fragments; inputs xq, their scales xd and sums xs) over the tile's nch chunks. SPLIT (a scale per 16)
+// and OFFS (offsets) are compile-time, so the chunks' and m-tiles' mma chains and their scaling
+// interleave (no branch between them). A chunk's two levels are summed in int32 by the tensor cores
+// (the first level's sums times 256 as the second's accumulator: |C| <= 32 * 128 * 127 each, exact),
+// then scaled in float32 once.
+template <int MB, int MW, bool SPLIT, bool OFFS>
+__device__ __forceinline__ void q8_tile(const uint8_t* xq, const float* xd, const float* xs, const uint8_t* aq,
+                                        const float4* asc, int nch, int t0, int m0, float (*acc)[2][4]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    #pragma unroll
+    for (int c = 0; c < QKB / 32; c++) {
+        if (c >= nch) break;
+        uint32_t b[2][2][2];  // [n-tile j][level][k half]
+        float dx[2][2], s0[2][2] = {{0.f, 0.f}, {0.f, 0.f}}, s1[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+        #pragma unroll
+        for (int j = 0; j < 2; j++) {
+            int tb = t0 + 8 * j;
+            #pragma unroll
+            for (int lv = 0; lv < 2; lv++) {
+                const uint32_t* xw = reinterpret_cast<const uint32_t*>(xq + (lv * QNB + tb + g) * QROW + 32 * c);
+                b[j][lv][0] = xw[q];
+                b[j][lv][1] = xw[4 + q];
+            }
+            #pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int t = tb + 2 * q + i;
+                dx[j][i] = xd[t * (QKB / 32) + c];
+                if (OFFS) {
+                    s0[j][i] = xs[2 * (t * (QKB / 32) + c)];
+                    s1[j][i] = xs[2 * (t * (QKB / 32) + c) + 1];
+                }
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < MW; i++) {
+            int mt = m0 + i;
+            const uint32_t* ra = reinterpret_cast<const uint32_t*>(aq + (16 * mt + g) * QROW + 32 * c);
+            const uint32_t* rb = ra + 8 * QROW / 4;
+            uint32_t a[4] = {ra[q], rb[q], ra[4 + q], rb[4 + q]};
+            float4 sa = asc[c * MB + 16 * mt + g], sb = asc[c * MB + 16 * mt + g + 8];
+            #pragma unroll
+            for (int j = 0; j < 2; j++) {
+                float v[4];
+                if (SPLIT) {  // a scale per 16 weights: the two halves' sums apart
+                    int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+                    mma_s8k16(lo, a[0], a[1], b[j][0][0]);
+                    mma_s8k16(hi, a[2], a[3], b[j][0][1]);
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) { lo[e] *= 256; hi[e] *= 256; }
+                    mma_s8k16(lo, a[0], a[1], b[j][1][0]);
+                    mma_s8k16(hi, a[2], a[3], b[j][1][1]);
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float4 s = e < 2 ? sa : sb;
+                        v[e] = fmaf(s.x, (float)lo[e], s.y * (float)hi[e]);
+                    }
+                } else {
+                    int cs[4] = {0, 0, 0, 0};
+                    mma_s8k32(cs, a, b[j][0][0], b[j][0][1]);
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) cs[e] *= 256;
+                    mma_s8k32(cs, a, b[j][1][0], b[j][1][1]);
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) v[e] = (e < 2 ? sa : sb).x * (float)cs[e];
+                }
+                float* ac = acc[i][j];
+                ac[0] = fmaf(dx[j][0], v[0], ac[0]);
+                ac[1] = fmaf(dx[j][1], v[1], ac[1]);
+                ac[2] = fmaf(dx[j][0], v[2], ac[2]);
+                ac[3] = fmaf(dx[j][1], v[3], ac[3]);
+                if (OFFS) {
+                    ac[0] += sa.z * s0[j][0] + sa.w * s1[j][0];
+                    ac[1] += sa.z * s0[j][1] + sa.w * s1[j][1];
+                    ac[2] += sb.z * s0[j][0] + sb.w * s1[j][0];
+                    ac[3] += sb.z * s0[j][1] + sb.w * s1[j][1];
+                }
+            }
+        }
+    }
+}
+template <int MB, int MW>
+__device__ __forceinline__ void q8_tiles(bool split, bool offs, const uint8_t* xq, const float* xd, const float* xs,
+                                         const uint8_t* aq, const float4* asc, int nch, int t0, int m0, float (*acc)[2][4]) {
+    if (split) {
+        if (offs) q8_tile<MB, MW, true, true>(xq, xd, xs, aq, asc, nch, t0, m0, acc);
+        else q8_tile<MB, MW, true, false>(xq, xd, xs, aq, asc, nch, t0, m0, acc);
+    } else {
+        if (offs) q8_tile<MB, MW, false, true>(xq, xd, xs, aq, asc, nch, t0, m0, acc);
+        else q8_tile<MB, MW, false, false>(xq, xd, xs, aq, asc, nch, t0, m0, acc);
+    }
+}
+
 // acc[mt][j][i] = rows of m-tile mt . tokens 16 warp + 8 j (this lane's fragments) over K = cols;
 // x8: the planes of an nx x cols input matrix; S.xr holds the pass's nt input rows
 template <int MT, int RAW>
@@ -101,7 +194,7 @@ __device__ void q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8,
     const long long rc = nx * cols;
     const float* pd = reinterpret_cast<const float*>(x8 + 2 * rc);
     const float* ps = pd + nx * (cols / 32);
-    bool split = qsplit(R.qt[0]) || qsplit(R.qt[1]);  // a scale per 16: the two halves' sums apart
+    bool split = qsplit(R.qt[0]) || qsplit(R.qt[1]), offs = qmin(R.qt[0]) || qmin(R.qt[1]);  // (q8_tile)
     for (int mat = 0; mat <= R.two; mat++) {  // the block's rows towards L2: the tiles' decodes then read L2
         long long nbytes = R.nrows * R.rb[mat];
         for (long long o = 128 * threadIdx.x; o < nbytes; o += 128 * blockDim.x) PREFETCH_L2(R.p[mat] + o);
@@ -159,60 +252,7 @@ __device__ void q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8,
         cp_wait();
         __syncthreads();
         if (16 * warp >= nt) continue;
-        for (int c = 0; c < nch; c++) {
-            uint32_t b[2][2][2];  // [n-tile j][level][k half]
-            float dx[2][2], s0[2][2], s1[2][2];  // [j][column i]: this lane's tokens 16 warp + 8 j + 2 q + i
-            #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                int tb = 16 * warp + 8 * j;
-                #pragma unroll
-                for (int lv = 0; lv < 2; lv++) {
-                    const uint32_t* xw = reinterpret_cast<const uint32_t*>(S.xq + (lv * QNB + tb + g) * QROW + 32 * c);
-                    b[j][lv][0] = xw[q];
-                    b[j][lv][1] = xw[4 + q];
-                }
-                #pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    int t = tb + 2 * q + i;
-                    dx[j][i] = S.xd[t * (QKB / 32) + c];
-                    s0[j][i] = S.xs[2 * (t * (QKB / 32) + c)];
-                    s1[j][i] = S.xs[2 * (t * (QKB / 32) + c) + 1];
-                }
-            }
-            #pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                const uint32_t* ra = reinterpret_cast<const uint32_t*>(S.aq + (16 * mt + g) * QROW + 32 * c);
-                const uint32_t* rb = ra + 8 * QROW / 4;
-                uint32_t a[4] = {ra[q], rb[q], ra[4 + q], rb[4 + q]};
-                float4 sa = S.asc[c * MB + 16 * mt + g], sb = S.asc[c * MB + 16 * mt + g + 8];
-                #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    float v[4];
-                    if (split) {
-                        int c1l[4] = {0, 0, 0, 0}, c2l[4] = {0, 0, 0, 0}, c1h[4] = {0, 0, 0, 0}, c2h[4] = {0, 0, 0, 0};
-                        mma_s8k16(c1l, a[0], a[1], b[j][0][0]);
-                        mma_s8k16(c2l, a[0], a[1], b[j][1][0]);
-                        mma_s8k16(c1h, a[2], a[3], b[j][0][1]);
-                        mma_s8k16(c2h, a[2], a[3], b[j][1][1]);
-                        for (int i = 0; i < 4; i++) {
-                            float lo = fmaf((float)c1l[i], 256.f, (float)c2l[i]), hi = fmaf((float)c1h[i], 256.f, (float)c2h[i]);
-                            float4 s = i < 2 ? sa : sb;
-                            v[i] = s.x * lo + s.y * hi;
-                        }
-                    } else {
-                        int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0};
-                        mma_s8k32(c1, a, b[j][0][0], b[j][0][1]);
-                        mma_s8k32(c2, a, b[j][1][0], b[j][1][1]);
-                        for (int i = 0; i < 4; i++) v[i] = (i < 2 ? sa : sb).x * fmaf((float)c1[i], 256.f, (float)c2[i]);
-                    }
-                    float* ac = acc[mt][j];
-                    ac[0] += dx[j][0] * v[0] + sa.z * s0[j][0] + sa.w * s1[j][0];
-                    ac[1] += dx[j][1] * v[1] + sa.z * s0[j][1] + sa.w * s1[j][1];
-                    ac[2] += dx[j][0] * v[2] + sb.z * s0[j][0] + sb.w * s1[j][0];
-                    ac[3] += dx[j][1] * v[3] + sb.z * s0[j][1] + sb.w * s1[j][1];
-                }
-            }
-        }
+        q8_tiles<16 * MT, MT>(split, offs, S.xq, S.xd, S.xs, S.aq, S.asc, nch, 16 * warp, 0, acc);
     }
 }
 
@@ -402,75 +442,7 @@ __device__ void q8p_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8
         if (16 * tw >= nt) continue;
         const uint8_t* xq = buf + Q8P<MT>::WR;
         const float* xd = reinterpret_cast<const float*>(xq + Q8P<MT>::XQ);
-        const float* xs = xd + QNB * (QKB / 32);
-        for (int c = 0; c < nch; c++) {
-            uint32_t b[2][2][2];  // [n-tile j][level][k half]
-            float dx[2][2], s0[2][2] = {{0.f, 0.f}, {0.f, 0.f}}, s1[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-            #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                int tb = 16 * tw + 8 * j;
-                #pragma unroll
-                for (int lv = 0; lv < 2; lv++) {
-                    const uint32_t* xw = reinterpret_cast<const uint32_t*>(xq + (lv * QNB + tb + g) * QROW + 32 * c);
-                    b[j][lv][0] = xw[q];
-                    b[j][lv][1] = xw[4 + q];
-                }
-                #pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    int t = tb + 2 * q + i;
-                    dx[j][i] = xd[t * (QKB / 32) + c];
-                    if (offs) {
-                        s0[j][i] = xs[2 * (t * (QKB / 32) + c)];
-                        s1[j][i] = xs[2 * (t * (QKB / 32) + c) + 1];
-                    }
-                }
-            }
-            #pragma unroll
-            for (int i = 0; i < MW; i++) {
-                int mt = mh * MW + i;
-                const uint32_t* ra = reinterpret_cast<const uint32_t*>(aq + (16 * mt + g) * QROW + 32 * c);
-                const uint32_t* rb = ra + 8 * QROW / 4;
-                uint32_t a[4] = {ra[q], rb[q], ra[4 + q], rb[4 + q]};
-                float4 sa = asc[c * MB + 16 * mt + g], sb = asc[c * MB + 16 * mt + g + 8];
-                #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    float v[4];
-                    if (split) {  // a scale per 16 weights: the two halves' sums apart
-                        int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
-                        mma_s8k16(lo, a[0], a[1], b[j][0][0]);
-                        mma_s8k16(hi, a[2], a[3], b[j][0][1]);
-                        #pragma unroll
-                        for (int e = 0; e < 4; e++) { lo[e] *= 256; hi[e] *= 256; }
-                        mma_s8k16(lo, a[0], a[1], b[j][1][0]);
-                        mma_s8k16(hi, a[2], a[3], b[j][1][1]);
-                        #pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            float4 s = e < 2 ? sa : sb;
-                            v[e] = fmaf(s.x, (float)lo[e], s.y * (float)hi[e]);
-                        }
-                    } else {  // level sums |C| <= 32 * 128 * 127 each: 256 C1 + C2 fits int32
-                        int cs[4] = {0, 0, 0, 0};
-                        mma_s8k32(cs, a, b[j][0][0], b[j][0][1]);
-                        #pragma unroll
-                        for (int e = 0; e < 4; e++) cs[e] *= 256;
-                        mma_s8k32(cs, a, b[j][1][0], b[j][1][1]);
-                        #pragma unroll
-                        for (int e = 0; e < 4; e++) v[e] = (e < 2 ? sa : sb).x * (float)cs[e];
-                    }
-                    float* ac = acc[i][j];
-                    ac[0] = fmaf(dx[j][0], v[0], ac[0]);
-                    ac[1] = fmaf(dx[j][1], v[1], ac[1]);
-                    ac[2] = fmaf(dx[j][0], v[2], ac[2]);
-                    ac[3] = fmaf(dx[j][1], v[3], ac[3]);
-                    if (offs) {
-                        ac[0] += sa.z * s0[j][0] + sa.w * s1[j][0];
-                        ac[1] += sa.z * s0[j][1] + sa.w * s1[j][1];
-                        ac[2] += sb.z * s0[j][0] + sb.w * s1[j][0];
-                        ac[3] += sb.z * s0[j][1] + sb.w * s1[j][1];
-                    }
-                }
-            }
-        }
+        q8_tiles<MB, MW>(split, offs, xq, xd, xd + QNB * (QKB / 32), aq, asc, nch, 16 * tw, mh * MW, acc);
     }
 }
 

@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--cols", type=int, default=4096, help="a multiple of 256")
-    p.add_argument("--experts", type=int, default=8, help="experts per call (<= 32)")
+    p.add_argument("--experts", type=int, default=8, help="experts per call (<= 32 unless --no-one)")
     p.add_argument("--ffn", type=int, default=768, help="expert rows of gate/up, a multiple of 256")
     p.add_argument("--hidden", type=int, default=2048, help="a multiple of 256")
     p.add_argument("--tokens", type=int, default=64, help="tokens through each expert in the batched call")
@@ -199,8 +199,8 @@ def main(argv=None) -> int:
         p.error(f"--down-rows: {a.down_rows}, expected values in 1..32")
     if a.rows < 1 or a.cols < 256 or a.cols % 256 or a.reps < 1 or a.tokens < 1 or a.copies < 1:
         p.error("--rows >= 1, --cols a multiple of 256, --reps >= 1, --tokens >= 1, --copies >= 1")
-    if not 1 <= a.experts <= 32 or a.ffn % 256 or a.hidden % 256 or a.ffn < 256 or a.hidden < 256:
-        p.error("--experts in 1..32, --ffn and --hidden multiples of 256")
+    if not 1 <= a.experts <= (4096 if a.no_one else 32) or a.ffn % 256 or a.hidden % 256 or a.ffn < 256 or a.hidden < 256:
+        p.error("--experts in 1..32 (1..4096 with --no-one), --ffn and --hidden multiples of 256")
     names = [t for t in a.types.split(",") if t]
     if unknown := [t for t in names if t not in Q.QTYPE_BY_NAME]:
         p.error(f"--types: unknown {unknown}; expected names of {sorted(Q.QTYPE_BY_NAME)}")
