@@ -136,8 +136,9 @@ class CpuMisses:
     copy link then carries at most that many experts per token).
 
     Invariants: a one-token step's decision has no uploads, streams or promotions; every fill
-    queued goes into the slot the policy took for it at the step; the policy sees the calls it
-    would see unwrapped, with the fills completing as background moves."""
+    queued goes into the slot the policy took for it at the step; the policy commits its own
+    decisions (less the slots dropped above) and its uploads complete as those fills do; planning
+    changes no residency (``plan`` keeps only the pair to commit)."""
 
     def __init__(self, policy, max_fills: int | None = None) -> None:
         if max_fills is not None and max_fills < 0:
