@@ -92,14 +92,14 @@ struct SmemQ8 {  // a block's tiles: weights' quants and scales, the pass's inpu
 };
 
 // acc[i][j][.] += m-tile m0 + i (of the tile's MB rows: quants aq, scales asc) . tokens t0 + 8 j (this lane's
-// fragments; inputs xq, their scales xd and sums xs) over the tile's nch chunks. SPLIT (a scale per 16)
-// and OFFS (offsets) are compile-time, so the chunks' and m-tiles' mma chains and their scaling
-// interleave (no branch between them). A chunk's two levels are summed in int32 by the tensor cores
-// (the first level's sums times 256 as the second's accumulator: |C| <= 32 * 128 * 127 each, exact),
-// then scaled in float32 once.
-template <int MB, int MW, bool SPLIT, bool OFFS>
-__device__ __forceinline__ void q8_tile(const uint8_t* xq, const float* xd, const float* xs, const uint8_t* aq,
-                                        const float4* asc, int nch, int t0, int m0, float (*acc)[2][4]) {
+// fragments; inputs xq, their scales xd and sums xs) over the tile's nch chunks; SPLIT: a scale per 16,
+// OFFS: offsets. A chunk's two levels are summed in int32 by the tensor cores (the first level's sums
+// times 256 as the second's accumulator: |C| <= 32 * 128 * 127 each, exact), then scaled in float32
+// once. (The flags as template arguments, a function per case, gained 0-8% at 64 tokens x 8 experts
+// on the H200 and doubled the module's compile: docs/perf/gpu_quant_int8_h200.)
+template <int MB, int MW>
+__device__ __forceinline__ void q8_tile(bool SPLIT, bool OFFS, const uint8_t* xq, const float* xd, const float* xs,
+                                        const uint8_t* aq, const float4* asc, int nch, int t0, int m0, float (*acc)[2][4]) {
     int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     #pragma unroll
     for (int c = 0; c < QKB / 32; c++) {
@@ -172,17 +172,6 @@ __device__ __forceinline__ void q8_tile(const uint8_t* xq, const float* xd, cons
         }
     }
 }
-template <int MB, int MW>
-__device__ __forceinline__ void q8_tiles(bool split, bool offs, const uint8_t* xq, const float* xd, const float* xs,
-                                         const uint8_t* aq, const float4* asc, int nch, int t0, int m0, float (*acc)[2][4]) {
-    if (split) {
-        if (offs) q8_tile<MB, MW, true, true>(xq, xd, xs, aq, asc, nch, t0, m0, acc);
-        else q8_tile<MB, MW, true, false>(xq, xd, xs, aq, asc, nch, t0, m0, acc);
-    } else {
-        if (offs) q8_tile<MB, MW, false, true>(xq, xd, xs, aq, asc, nch, t0, m0, acc);
-        else q8_tile<MB, MW, false, false>(xq, xd, xs, aq, asc, nch, t0, m0, acc);
-    }
-}
 
 // acc[mt][j][i] = rows of m-tile mt . tokens 16 warp + 8 j (this lane's fragments) over K = cols;
 // x8: the planes of an nx x cols input matrix; S.xr holds the pass's nt input rows
@@ -252,7 +241,7 @@ __device__ void q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8,
         cp_wait();
         __syncthreads();
         if (16 * warp >= nt) continue;
-        q8_tiles<16 * MT, MT>(split, offs, S.xq, S.xd, S.xs, S.aq, S.asc, nch, 16 * warp, 0, acc);
+        q8_tile<16 * MT, MT>(split, offs, S.xq, S.xd, S.xs, S.aq, S.asc, nch, 16 * warp, 0, acc);
     }
 }
 
@@ -442,7 +431,7 @@ __device__ void q8p_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8
         if (16 * tw >= nt) continue;
         const uint8_t* xq = buf + Q8P<MT>::WR;
         const float* xd = reinterpret_cast<const float*>(xq + Q8P<MT>::XQ);
-        q8_tiles<MB, MW>(split, offs, xq, xd, xd + QNB * (QKB / 32), aq, asc, nch, 16 * tw, mh * MW, acc);
+        q8_tile<MB, MW>(split, offs, xq, xd, xd + QNB * (QKB / 32), aq, asc, nch, 16 * tw, mh * MW, acc);
     }
 }
 
