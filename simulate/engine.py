@@ -173,10 +173,12 @@ class Simulator:
     pool (``scheduler.graph.CpuMisses`` decisions, ``execute.graph_cpu``): the host submits one call
     per block after the launch (``cpu_submit_s`` each), a block's put waits for its call, the pool
     starts ``handoff_in_s`` after the put and the block ends no earlier than ``handoff_out_s`` after
-    the pool does."""
+    the pool does; ``graph_cpu_block_s`` replaces ``graph_block_s`` for such a graph's blocks (a
+    measured figure: its blocks launch more kernels than the resident-only graph's)."""
 
     def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False,
-                 background_wait: str = "device", swaps: str = "await", graph_cpu: bool = False):
+                 background_wait: str = "device", swaps: str = "await", graph_cpu: bool = False,
+                 graph_cpu_block_s: float | None = None):
         if background_wait not in BACKGROUND_WAITS:
             raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
         if swaps not in SWAP_WAITS:
@@ -185,6 +187,9 @@ class Simulator:
         self.record = record
         self.token_graph = token_graph
         self.graph_cpu = graph_cpu
+        if graph_cpu_block_s is not None and not graph_cpu_block_s > 0:
+            raise ValueError(f"graph_cpu_block_s: {graph_cpu_block_s}, expected > 0 seconds (or None)")
+        self.graph_cpu_block_s = graph_cpu_block_s  # a CPU graph's block time, else graph_block_s
         self.background_wait = background_wait
         self.swaps = swaps
 
@@ -401,7 +406,8 @@ class Simulator:
             kind = type(item)
             if kind is _GraphToken:  # the graph on the GPU, the host waits for it (execute.token_graph)
                 m, pos1 = item.blocks, item.token.pos + 1
-                gg = (m * hc.graph_block_s + float(cum_dense[L] - cum_dense[min(m, L)]) + pos1 * cum_kv + c.head_s)
+                blk = self.graph_cpu_block_s if item.cpu and self.graph_cpu_block_s else hc.graph_block_s
+                gg = (m * blk + float(cum_dense[L] - cum_dense[min(m, L)]) + pos1 * cum_kv + c.head_s)
                 if item.ahead:
                     g0 = max(g, launch_next)
                 else:
@@ -410,7 +416,7 @@ class Simulator:
                 gpu_busy += gg
                 busy = 0.0
                 if item.cpu:  # the blocks' CPU calls, submitted after the launch, in the graph's chain
-                    g, p, busy, spans = _graph_cpu_chain(g0, h, p, item.cpu, pos1, c, hc)
+                    g, p, busy, spans = _graph_cpu_chain(g0, h, p, item.cpu, pos1, c, hc, self.graph_cpu_block_s)
                     h += L * hc.cpu_submit_s
                     cpu_busy += busy
                     if events is not None:
@@ -585,13 +591,16 @@ class Simulator:
         return g, hit_s, upc_s, cpu_s, len(up), len(d.cpu)
 
 
-def _graph_cpu_chain(g0: float, h0: float, p: float, cpu: tuple, pos1: int, c, hc) -> tuple:
+def _graph_cpu_chain(g0: float, h0: float, p: float, cpu: tuple, pos1: int, c, hc,
+                     block_s: float | None = None) -> tuple:
     """A token graph whose blocks hand ``cpu[l]`` misses each to the pool (``Simulator``'s
-    ``graph_cpu``), launched at ``g0`` by the host at ``h0``, the pool free at ``p``: -> (the
-    graph's end, the pool's, the pool's busy seconds, CPU spans for the timeline)."""
+    ``graph_cpu``), launched at ``g0`` by the host at ``h0``, the pool free at ``p``, each block
+    ``block_s`` (None: ``graph_block_s``) plus its attention: -> (the graph's end, the pool's, the
+    pool's busy seconds, CPU spans for the timeline)."""
     t, busy, spans = g0, 0.0, []
+    base = hc.graph_block_s if block_s is None else block_s
     for l, nc in enumerate(cpu):
-        block = hc.graph_block_s + pos1 * c.kv_s_per_pos[l]
+        block = base + pos1 * c.kv_s_per_pos[l]
         dense = min(c.dense_s[l] + pos1 * c.kv_s_per_pos[l], block)
         put = max(t + dense, h0 + (l + 1) * hc.cpu_submit_s)  # the put waits for the host's call
         end = put + block - dense

@@ -185,3 +185,13 @@ def test_graph_cpu_on_a_random_trace_gives_the_replays_decisions_and_never_beats
     assert np.all(r.token_s >= r.bound_s * (1 - 1e-12))
     if policy != "cpu":
         assert sim.summary()["uploads"] == 0 and sim.summary()["fills"] > 0
+
+
+def test_a_cpu_graphs_own_block_time_replaces_the_resident_only_one():
+    c = costs(GCPU, "lru")
+    items = cpu_items(0) + cpu_items(1)
+    base = list(Simulator(c, token_graph=True, graph_cpu=True).run(iter(items)).token_s)
+    slow = list(Simulator(c, token_graph=True, graph_cpu=True, graph_cpu_block_s=100 * US).run(iter(items)).token_s)
+    assert slow[1] - base[1] == pytest.approx(L * 60 * US, rel=1e-6)  # 40 -> 100 us a block, no miss
+    with pytest.raises(ValueError, match="graph_cpu_block_s"):
+        Simulator(c, graph_cpu=True, graph_cpu_block_s=0.0)
