@@ -161,6 +161,24 @@ def models(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def graph_models(tmp_path_factory):
+    """``graph_models(arch)``: loaded weights of a 6-block tiny model of that architecture (Q8_0
+    experts, seed 13), made once: the token graph's, the late start's and the CPU graph's tests."""
+    from execute.gguf_model import load_model
+    from execute.synth import config_from_preset, synth_model
+
+    root, cache = tmp_path_factory.mktemp("graph_models"), {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cfg = config_from_preset("tiny", arch=arch, quant="Q8_0", num_layers=6, seed=13)
+            cache[arch] = load_model(synth_model(root / f"{arch}.gguf", cfg))
+        return cache[arch]
+
+    return get
+
+
 def run_json(capsys, *argv) -> tuple[str, dict]:
     """``moelab run ... --json`` on one thread: (the streamed text, the figures)."""
     import json

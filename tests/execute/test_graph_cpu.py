@@ -84,19 +84,8 @@ def _run(w, policy: str, slots: int, tokens, graph_cpu: bool, monkeypatch, wrap:
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    from execute.gguf_model import load_model
-    from execute.synth import config_from_preset, synth_model
-
-    root, cache = tmp_path_factory.mktemp("graph_cpu"), {}
-
-    def get(arch: str):
-        if arch not in cache:
-            cfg = config_from_preset("tiny", arch=arch, quant="Q8_0", num_layers=6, seed=13)
-            cache[arch] = load_model(synth_model(root / f"{arch}.gguf", cfg))
-        return cache[arch]
-
-    return get
+def weights(graph_models):
+    return graph_models
 
 
 @pytest.mark.gpu

@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 
 from execute import model as M
-from execute.gguf_model import load_model
-from execute.synth import config_from_preset, synth_model
 from scheduler import Capacity, make_policy
 from scheduler import graph as scheduler_graph
 from scheduler.audit import Audit
@@ -22,16 +20,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    root, cache = tmp_path_factory.mktemp("token_graph"), {}
-
-    def get(arch: str):
-        if arch not in cache:
-            cfg = config_from_preset("tiny", arch=arch, quant="Q8_0", num_layers=6, seed=13)
-            cache[arch] = load_model(synth_model(root / f"{arch}.gguf", cfg))
-        return cache[arch]
-
-    return get
+def weights(graph_models):
+    return graph_models
 
 
 def _run(w, policy: str, slots: int, tokens, graph: bool, monkeypatch, lag_tokens: int = 1):
