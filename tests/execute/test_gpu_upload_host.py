@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import threading
+import time
 import types
 
 import numpy as np
@@ -155,17 +157,28 @@ def test_the_first_copy_settles_a_deferred_registration_and_close_waits_for_a_lo
     with pytest.raises(G.ExecutorError, match="registered already"):
         gx.start_load({})
     gx.close()
-    un = cp.cuda.runtime.hostUnregister
-    un.reset_mock()
+    rt = cp.cuda.runtime
+    rt.hostUnregister.reset_mock()
+    rt.hostRegister.reset_mock()
+    started = threading.Event()
+
+    def slow_register(*args):  # the thread is inside a layer's registration when close() comes
+        started.set()
+        time.sleep(0.01)
+
+    rt.hostRegister.side_effect = slow_register
     gx = _make(G, layers, slots=[6, 0, 7], defer_pin=True)
     with pytest.raises(G.ExecutorError, match="experts 7..8 of layer 0"):
         gx.start_load({(0, 7): 0, (0, 8): 1})
     gx.start_load(PLACED)
     with pytest.raises(G.ExecutorError, match="given already"):
         gx.start_load(PLACED)
-    gx.close()  # joins the thread before the arenas go
-    assert sorted(c.args[0] for c in un.call_args_list) == sorted(
-        a.ctypes.data for l in layers if l is not None for a in (l.gate.data, l.up.data, l.down.data))
+    assert started.wait(10)
+    gx.close()  # joins the thread (it stops after the layer it is in) before unregistering
+    registered = [c.args[0] for c in rt.hostRegister.call_args_list]
+    assert len(registered) >= 3 and len(registered) % 3 == 0  # whole layers: gate, up, down
+    assert sorted(c.args[0] for c in rt.hostUnregister.call_args_list) == sorted(registered)
+    assert set(registered) <= {a.ctypes.data for l in layers if l is not None for a in (l.gate.data, l.up.data, l.down.data)}
 
 
 def test_staging_ring_delivers_every_byte_and_waits_before_reuse(mem_cupy):
