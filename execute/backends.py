@@ -190,9 +190,10 @@ class EngineExperts:
         """A step a token graph computed (``run``): the engine follows its decision's residency."""
         self.engine.settle_layer(item)
 
-    def token_graph(self, model):
+    def token_graph(self, model, graph_cpu: bool | None = None):
         """A ``TokenGraph`` running ``model``'s decode tokens with this engine's experts, or None
-        (no GPU, a model off the fused path or with shared experts, or ``MOELAB_TOKEN_GRAPH=0``)."""
+        (no GPU, a model off the fused path or with shared experts, or ``MOELAB_TOKEN_GRAPH=0``);
+        ``graph_cpu``: its misses on the CPU pool (None: ``MOELAB_GRAPH_CPU``)."""
         eng = self.engine
         if eng.gpu is None or not getattr(model, "fast", False) or eng.table_dev is None:
             return None
@@ -204,7 +205,7 @@ class EngineExperts:
             return None
         if not any(t is not None and t[2] > 0 for t in eng.gpu.slot_tables):  # no expert can be resident
             return None
-        return TokenGraph(model, eng)
+        return TokenGraph(model, eng, graph_cpu)
 
     def device_chunk(self, model):
         """A ``DeviceChunk`` running ``model``'s prefill chunks with every block queued at once and

@@ -29,9 +29,9 @@ def run_policy(args, geometry, capacity):
                              **options)
     except (ValueError, CapacityError) as exc:
         raise Fail(f"moelab run: {exc}") from None
-    from .xp import env_switch
+    from .graph_gate import graph_cpu_wanted
 
-    if env_switch("MOELAB_GRAPH_CPU", "0"):  # the token graph's misses on the CPU pool (execute.graph_cpu)
+    if graph_cpu_wanted(getattr(args, "graph_cpu", None)):  # the token graph's misses on the CPU pool
         from scheduler.graph import CpuMisses
 
         policy = CpuMisses(policy)
@@ -249,7 +249,7 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
         model.warm_up(min(len(prompt), args.prefill_chunk))
         attach = getattr(backend, "token_graph", None)
         if attach is not None and args.tokens > 1:
-            model.token_graph = attach(model)
+            model.token_graph = attach(model, getattr(args, "graph_cpu", None))
             if model.token_graph is not None:
                 model.token_graph.prepare()
     if record:
@@ -299,6 +299,8 @@ def generate(args, weights, tok, prompt: list[int], draft_len: int, stream, reco
         ph.add("first_sample_s", first - marks["prefill"])
     out["first_token_breakdown"] = ph.breakdown(out["first_token_s"])
     out["speculative"] = draft_len
+    tg = model.token_graph
+    out["graph_cpu"] = tg is not None and tg.cpu is not None  # misses on the CPU pool inside the token graph
     if model.router_predictor is not None:
         out["router_predictor"] = model.router_predictor.summary()
     if draft_len:

@@ -58,6 +58,9 @@ def parser_run() -> argparse.ArgumentParser:
                         "hybrid-cost's cost model then takes the hardware's pageable link rate")
     p.add_argument("--miss-fraction", type=float, default=None,
                    help=f"--policy hybrid: share of distinct misses sent over PCIe (default {MISS_FRAC_256}/256)")
+    p.add_argument("--graph-cpu", action="store_true", default=None,
+                   help="a decode token's misses on the CPU pool inside its CUDA graph, its uploads deferred "
+                        "after the token (default: MOELAB_GRAPH_CPU, off: a miss halts the token graph)")
     p.add_argument("--audit", default=None, help="write the per-batch audit JSONL (with routes) here")
     p.add_argument("--record-trace", default=None, help="write the routing as a trace directory (traces/ format)")
     p.add_argument("--router-predictor", action="store_true",
@@ -84,6 +87,9 @@ def check_run_args(args) -> None:
         raise Fail(f"moelab run: --speculative {args.speculative}, expected a draft length 0..{MAX_DRAFT}")
     if args.compare and not args.speculative:
         raise Fail("moelab run: --compare compares speculative with plain decoding; give --speculative N")
+    if args.graph_cpu and (args.policy == "cpu" or args.backend == "numpy"):
+        raise Fail(f"moelab run: --graph-cpu: the token graph runs on the GPU; not with "
+                   f"{'--backend numpy' if args.backend == 'numpy' else '--policy cpu'}")
 
 
 def run_figures(argv: list[str]) -> tuple[dict, list[int]]:

@@ -1,6 +1,6 @@
 """Misses inside a token's graph: the CPU pool computes them, the graph waits on the device.
 
-With ``MOELAB_GRAPH_CPU=1`` (off by default) a ``TokenGraph`` (``execute.token_graph``) is captured
+With ``moelab run --graph-cpu`` or ``MOELAB_GRAPH_CPU=1`` (off by default) a ``TokenGraph`` (``execute.token_graph``) is captured
 with this module's four launches per block in place of the resident-only expert kernels, so a
 decode token runs as one graph whatever the cache holds: no block halts it, and the host does
 nothing between blocks. Per block ``l`` of a token (``handoff.cu``, ``graphcpu_*``):
@@ -42,20 +42,12 @@ from .experts import ExecutorError
 from .gpu_experts import Launch
 from .handoff import _ERR, _SLOTS, _STAMPS, _Mapped, _kernel
 
-__all__ = ["GraphCpu", "graph_cpu_env"]
+__all__ = ["GraphCpu"]
 
 _rt = cp.cuda.runtime
 _RPW, _RPB, _WARPS = 2, 2, 4  # as gpu_experts' one-token launches (moe1_gate_up, moe1_down_combine)
 _REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 _PAGE = 4096
-
-
-def graph_cpu_env() -> bool:
-    """``MOELAB_GRAPH_CPU``: ``1`` runs a decode token's misses on the CPU pool inside its graph
-    (the policy wrapped in ``scheduler.graph.CpuMisses``), ``0`` (the default) halts at a miss."""
-    from .xp import env_switch
-
-    return env_switch("MOELAB_GRAPH_CPU", "0")
 
 
 class GraphCpu:

@@ -7,7 +7,18 @@ from scheduler.graph import GraphBackoff
 
 from .experts import ExecutorError
 
-__all__ = ["GraphCpuGate"]
+__all__ = ["GraphCpuGate", "graph_cpu_wanted"]
+
+
+def graph_cpu_wanted(flag: bool | None = None) -> bool:
+    """Whether a decode token's misses run on the CPU pool inside its graph (the policy then wrapped
+    in ``scheduler.graph.CpuMisses``): ``flag`` (``moelab run --graph-cpu``) when given, else the
+    ``MOELAB_GRAPH_CPU`` switch (``1``; ``0``, the default: a miss halts the token graph)."""
+    if flag is not None:
+        return bool(flag)
+    from .xp import env_switch
+
+    return env_switch("MOELAB_GRAPH_CPU", "0")
 
 
 class GraphCpuGate(GraphBackoff):

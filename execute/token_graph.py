@@ -34,7 +34,7 @@ graph does not find (a background fill completed after its launch) halts it, as 
 Numerics: the same kernels on the same values as the block-by-block path (router weights as the
 router kernel wrote them), so logits are bit-identical.
 
-Misses on the CPU (``MOELAB_GRAPH_CPU=1``, off by default; ``execute.graph_cpu``): each block hands
+Misses on the CPU (``--graph-cpu`` or ``MOELAB_GRAPH_CPU=1``, off by default; ``execute.graph_cpu``): each block hands
 its non-resident experts to the CPU pool through mapped memory inside the graph, so no block
 halts; the policy must be wrapped in ``scheduler.graph.CpuMisses`` (its decisions then say the
 same, which ``GraphCpuGate`` checks), and no token is launched ahead.
@@ -69,11 +69,12 @@ def token_graph_env() -> bool:
 
 class TokenGraph:
     """The token graph of ``model`` (a ``MoeModel`` on the fused path) with ``engine``'s experts.
-    ``pipeline`` False launches no token ahead (for side-by-side timing)."""
+    ``pipeline`` False launches no token ahead (for side-by-side timing). ``graph_cpu``: misses on
+    the CPU pool inside the graph (``execute.graph_cpu``; None: ``MOELAB_GRAPH_CPU``)."""
 
     pipeline = True
 
-    def __init__(self, model, engine):
+    def __init__(self, model, engine, graph_cpu: bool | None = None):
         info, gd = model.info, model.gd
         self.model, self.engine, self.gx = model, engine, engine.gpu
         self.L, self.k, hidden = info.num_layers, info.top_k, info.hidden
@@ -117,11 +118,10 @@ class TokenGraph:
         self.gpu_s = 0.0  # device time of the graphs (CUDA events around each launch)
         self._t0, self._t1 = cp.cuda.Event(), cp.cuda.Event()
         self.cpu = None  # execute.graph_cpu.GraphCpu: misses go to the CPU pool inside the graph
-        from .graph_cpu import graph_cpu_env
+        from .graph_gate import GraphCpuGate, graph_cpu_wanted
 
-        if graph_cpu_env():
+        if graph_cpu_wanted(graph_cpu):
             from .graph_cpu import GraphCpu
-            from .graph_gate import GraphCpuGate
 
             self.cpu = GraphCpu.create(engine, L, k, hidden)
             if self.cpu is not None:

@@ -6,7 +6,8 @@ smallest N whose remaining expert bytes fit ``--budget-mib`` (from the GGUF's pe
 bytes), and at N = all blocks (every expert on the CPU, as ``--cpu-moe``). ``moelab run MODEL -p
 PROMPT -n 64 --raw --threads 15 --json`` runs with ``--policy gpu``, ``lru``, ``hybrid`` and
 ``hybrid-cost`` (``--cache-mib`` = the budget; hybrid-cost with docs/fidelity/h200-calibrated.json)
-and ``cpu``. The prompt is fixed text cut to at most ``--prompt-tokens`` tokens by moelab's
+and ``cpu``; ``--graph-cpu POLICIES`` adds rows ``POLICY+cpugraph``: the same runs with ``moelab run
+--graph-cpu`` (a decode token's misses on the CPU pool inside its graph). The prompt is fixed text cut to at most ``--prompt-tokens`` tokens by moelab's
 tokenizer on the GGUF's vocabulary (``--raw``: no chat template); llama-bench's pp256 feeds 256
 random token ids. result.json records moelab's count (256 on the 32000-token synthetic vocabulary).
 
@@ -91,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--threads", type=int, default=15, help="moelab run --threads")
             s.add_argument("--llama-threads", type=int, default=16, help="llama-bench -t")
             s.add_argument("--policies", default=",".join(POLICIES))
+            s.add_argument("--graph-cpu", default="", metavar="POLICIES",
+                           help="also run these policies with moelab run --graph-cpu, as rows POLICY+cpugraph "
+                                "(comma list; default none)")
             s.add_argument("--hardware", default=str(HARDWARE))
             s.add_argument("--timeout-s", type=float, default=300.0, help="per llama-bench / moelab run")
             s.add_argument("--deadline-s", type=float, default=0.0,

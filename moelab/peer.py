@@ -27,7 +27,8 @@ def bench_config(args, blocks: list[int], n_budget: int, prompt_tokens: int) -> 
             "block_expert_bytes": blocks, "budget_mib": args.budget_mib, "ncmoe_budget": n_budget,
             "rounds": args.rounds, "repetitions": args.repetitions, "prompt_tokens_llama": args.prompt_tokens,
             "prompt_tokens_moelab": prompt_tokens, "tokens": args.tokens, "llama_threads": args.llama_threads,
-            "threads": args.threads, "policies": list(args.policies), "hardware": str(args.hardware),
+            "threads": args.threads, "policies": list(args.policies), "graph_cpu": list(args.graph_cpu),
+            "hardware": str(args.hardware),
             "warmup": args.warmup,
             "llama_bench": str(args.llama_bench), "timeout_s": args.timeout_s,
             "llama_source": llama_source(Path(args.llama_bench)), "moelab_commit": moelab_commit()}
@@ -59,6 +60,7 @@ def check_bench_args(args) -> None:
     args.model = Path(args.model or args.work / "q8.gguf")
     args.llama_bench = Path(args.llama_bench or args.work / "build" / "bin" / "llama-bench")
     args.policies = [p for p in args.policies.split(",") if p]
+    args.graph_cpu = [p for p in getattr(args, "graph_cpu", "").split(",") if p]
     for name in ("budget_mib", "rounds", "repetitions", "tokens", "prompt_tokens", "threads", "llama_threads"):
         if getattr(args, name) < 1:
             raise Fail(f"bench: --{name.replace('_', '-')} {getattr(args, name)}, expected >= 1")
@@ -67,6 +69,10 @@ def check_bench_args(args) -> None:
     bad = [p for p in args.policies if p not in POLICIES]
     if bad or not args.policies:
         raise Fail(f"bench: --policies {','.join(bad) or '(empty)'}: expected some of {','.join(POLICIES)}")
+    bad = [p for p in args.graph_cpu if p not in POLICIES or p == "cpu"]
+    if bad or len(set(args.graph_cpu)) < len(args.graph_cpu):
+        raise Fail(f"bench: --graph-cpu {','.join(bad) or ','.join(args.graph_cpu)}: expected distinct policies of "
+                   f"{','.join(p for p in POLICIES if p != 'cpu')} (the CPU graph is a GPU token graph)")
     if not args.model.is_file():
         raise Fail(f"bench: model {args.model}: no such file (run prepare first)")
     if not (args.llama_bench.is_file() and os.access(args.llama_bench, os.X_OK)):
@@ -74,7 +80,7 @@ def check_bench_args(args) -> None:
     exe = moelab_cmd(args)[0]
     if not shutil.which(exe):
         raise Fail(f"bench: --moelab {exe}: not an executable")
-    if "hybrid-cost" in args.policies and not Path(args.hardware).is_file():
+    if "hybrid-cost" in args.policies + args.graph_cpu and not Path(args.hardware).is_file():
         raise Fail(f"bench: --hardware {args.hardware}: no such file (needed by --policy hybrid-cost)")
 
 
@@ -110,7 +116,7 @@ def bench(args) -> int:
           f"{args.rounds} rounds x {len(round_cells)} configurations", flush=True)
     complete = run_rounds(args, round_cells, prompt, out, done)
     med = medians(round_cells, done)
-    comp = comparisons(args.policies, med, len(blocks), n_budget)
+    comp = comparisons(args.policies, med, len(blocks), n_budget, args.graph_cpu)
     table = tables(med, comp, round_cells)
     result = {"config": config, "prompt": prompt, "complete": complete, "rows": done, "medians": med,
               "comparisons": comp}

@@ -6,7 +6,7 @@ import shlex
 import statistics
 from pathlib import Path
 
-from .peer_runs import BUDGET_POLICIES
+from .peer_runs import BUDGET_POLICIES, GRAPH_CPU
 
 __all__ = ["medians", "comparisons", "best_of", "label", "tables", "plot", "readme", "SPEEDS"]
 
@@ -41,21 +41,25 @@ def best_of(med: dict, names: list[str], key: str) -> tuple[float | None, str | 
     return max(vals) if vals else (None, None)
 
 
-def comparisons(policies: list[str], med: dict, num_blocks: int, n_budget: int) -> list[dict]:
+def comparisons(policies: list[str], med: dict, num_blocks: int, n_budget: int,
+                graph_cpu: list[str] = ()) -> list[dict]:
     """Each moelab policy (and the best budget policy) against its llama.cpp peer: gpu vs -ncmoe 0,
     cpu vs -ncmoe all blocks, a budget policy vs the best -ncmoe N >= the budget's N (no more
-    expert bytes in VRAM), prompt and decode each on its own; ratios moelab / llama.cpp."""
+    expert bytes in VRAM), prompt and decode each on its own; ratios moelab / llama.cpp. The
+    ``graph_cpu`` policies' rows (``POLICY+cpugraph``) follow, with their own best at budget."""
     def llama(n):
         return f"llama.cpp -ncmoe {n}"
 
     peers = {"gpu": [llama(0)], "cpu": [llama(num_blocks)]}
     lower = [llama(n) for n in sorted({n_budget, num_blocks})]
-    at_budget = [f"moelab {p}" for p in policies if p in BUDGET_POLICIES]
-    subjects = [(f"moelab {p}", [f"moelab {p}"]) for p in policies]
-    subjects += [("moelab best at budget", at_budget)] if at_budget else []
+    subjects = []
+    for names, tag in ((policies, ""), (graph_cpu, GRAPH_CPU)):
+        at_budget = [f"moelab {p}{tag}" for p in names if p in BUDGET_POLICIES]
+        subjects += [(f"moelab {p}{tag}", [f"moelab {p}{tag}"]) for p in names]
+        subjects += [(f"moelab best at budget{tag}", at_budget)] if at_budget else []
     rows = []
     for label, mine in subjects:
-        theirs = peers.get(label.removeprefix("moelab "), lower)
+        theirs = peers.get(label.removeprefix("moelab ").removesuffix(GRAPH_CPU), lower)
         row = {"moelab": label, "peer": theirs[0].removeprefix("llama.cpp ") if len(theirs) == 1 else
                "best of " + ", ".join(n.removeprefix("llama.cpp ") for n in theirs),
                "expert_bytes_vram": max(med.get(c, {}).get("expert_bytes_vram", 0) for c in mine),
@@ -74,9 +78,9 @@ def comparisons(policies: list[str], med: dict, num_blocks: int, n_budget: int) 
 def label(row: dict) -> str:
     """The table's name of a comparison row (the best-at-budget row says which policy won)."""
     name = row["moelab"].removeprefix("moelab ")
-    if name != "best at budget":
+    if name.removesuffix(GRAPH_CPU) != "best at budget":
         return name
-    won = [(c or "-").removeprefix("moelab ") for c in row["moelab_cells"].values()]
+    won = [(c or "-").removeprefix("moelab ").removesuffix(GRAPH_CPU) for c in row["moelab_cells"].values()]
     return f"{name} ({won[0]} / {won[1]})"
 
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from .peer_build import ROOT, Fail, child_env, moelab_cmd
 
-__all__ = ["HARDWARE", "POLICIES", "BUDGET_POLICIES", "PROMPT_WORDS", "MOELAB_FIELDS", "block_expert_bytes",
+__all__ = ["HARDWARE", "POLICIES", "BUDGET_POLICIES", "GRAPH_CPU", "PROMPT_WORDS", "MOELAB_FIELDS", "block_expert_bytes",
            "budget_blocks", "fit_prompt", "cells", "llama_command", "moelab_command", "parse_llama", "parse_moelab",
            "measure", "round_order", "run_rounds", "warmup", "read_rows"]
 
 HARDWARE = ROOT / "docs" / "fidelity" / "h200-calibrated.json"
 POLICIES = ("gpu", "lru", "hybrid", "hybrid-cost", "cpu")
 BUDGET_POLICIES = ("lru", "hybrid", "hybrid-cost")
+GRAPH_CPU = "+cpugraph"  # a cell's suffix: the policy run with ``moelab run --graph-cpu``
 PROMPT_WORDS = (
     "A mixture of experts layer sends every token to a few of its many feed forward networks, "
     "chosen by a small router. Most of the weights sit in those experts, so a model that does not "
@@ -69,14 +70,16 @@ def cells(args, blocks: list[int], n_budget: int) -> list[dict]:
     for n in sorted({0, n_budget, len(blocks)}):
         out.append({"cell": f"llama.cpp -ncmoe {n}", "tool": "llama.cpp", "ncmoe": n,
                     "expert_bytes_vram": sum(blocks[n:])})
-    for policy in args.policies:
+    runs = [(p, False) for p in args.policies] + [(p, True) for p in getattr(args, "graph_cpu", [])]
+    for policy, graph_cpu in runs:
         extra = ["--policy", policy]
         if policy in BUDGET_POLICIES:
             extra += ["--cache-mib", str(args.budget_mib)]
         if policy == "hybrid-cost":
             extra += ["--hardware", str(args.hardware)]
         vram = sum(blocks) if policy == "gpu" else 0 if policy == "cpu" else args.budget_mib * 2**20
-        out.append({"cell": f"moelab {policy}", "tool": "moelab", "policy": policy, "extra": extra,
+        out.append({"cell": f"moelab {policy}{GRAPH_CPU if graph_cpu else ''}", "tool": "moelab", "policy": policy,
+                    "graph_cpu": graph_cpu, "extra": extra + (["--graph-cpu"] if graph_cpu else []),
                     "expert_bytes_vram": vram})
     return out
 
@@ -91,7 +94,8 @@ def moelab_command(args, cell: dict, prompt: str) -> list[str]:
     """``moelab run`` of ``cell``; the first ``gpu`` run also records its routing as OUT/trace (every
     policy routes the same greedy tokens: ``simulate.peer`` replays it to predict each row)."""
     trace = Path(args.out) / "trace"
-    record = ["--record-trace", str(trace)] if cell.get("policy") == "gpu" and not trace.exists() else []
+    record = (["--record-trace", str(trace)] if cell.get("policy") == "gpu" and not cell.get("graph_cpu")
+              and not trace.exists() else [])
     return [*moelab_cmd(args), "run", str(args.model), "-p", prompt, "-n", str(args.tokens), "--raw",
             "--threads", str(args.threads), *cell["extra"], *record, "--json"]
 
@@ -204,13 +208,16 @@ def run_rounds(args, round_cells: list[dict], prompt: str, out: Path, done: list
 
 
 def warmup(args, round_cells: list[dict], prompt: str, log: Path) -> None:
-    """One unrecorded moelab run (``-n 4``, hybrid's options when hybrid is measured) before this
-    invocation's first moelab run: kernel compilation and caches are not charged to round 0."""
-    names = [c for c in round_cells if c["tool"] == "moelab"]
-    cell = next((c for c in names if c["policy"] == "hybrid"), names[0])
-    row = measure(argparse.Namespace(**{**vars(args), "tokens": 4}), cell, prompt, log)
-    print(f"bench: warm-up {cell['cell']} -n 4: {row.get('error', 'done')} ({row['wall_s']:.0f} s, not recorded)",
-          flush=True)
+    """Unrecorded moelab runs (``-n 4``, hybrid's options when hybrid is measured; again with
+    ``--graph-cpu`` when a cell takes it) before this invocation's first moelab run: kernel
+    compilation and caches are not charged to round 0."""
+    for graph_cpu in sorted({c.get("graph_cpu", False) for c in round_cells if c["tool"] == "moelab"}):
+        names = [c for c in round_cells if c["tool"] == "moelab" and c.get("graph_cpu", False) == graph_cpu]
+        cell = next((c for c in names if c["policy"] == "hybrid"), names[0])
+        path = log.with_name(f"{log.stem}_cpugraph{log.suffix}") if graph_cpu else log
+        row = measure(argparse.Namespace(**{**vars(args), "tokens": 4}), cell, prompt, path)
+        print(f"bench: warm-up {cell['cell']} -n 4: {row.get('error', 'done')} ({row['wall_s']:.0f} s, not recorded)",
+              flush=True)
 
 
 def read_rows(path: Path) -> list[dict]:

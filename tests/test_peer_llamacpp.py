@@ -56,19 +56,20 @@ import json, os, sys
 a = sys.argv[1:]
 assert a[0] == "run" and "--raw" in a and "--json" in a
 policy = a[a.index("--policy") + 1]
+graph_cpu = "--graph-cpu" in a
 with open(os.environ["PEER_CALLS"], "a") as f:
-    f.write(f"moelab {{policy}}\n")
+    f.write(f"moelab {{policy}}{{'+cpugraph' if graph_cpu else ''}}\n")
 if policy == os.environ.get("PEER_FAIL_POLICY"):
     print(f"moelab: {{policy}} broke", file=sys.stderr)
     sys.exit(2)
 prompt = a[a.index("-p") + 1]
-speed = {{"gpu": 500.0, "lru": 50.0, "hybrid": 60.0, "hybrid-cost": 70.0, "cpu": 5.0}}[policy]
+speed = {{"gpu": 500.0, "lru": 50.0, "hybrid": 60.0, "hybrid-cost": 70.0, "cpu": 5.0}}[policy] * (1.5 if graph_cpu else 1)
 cache = float(a[a.index("--cache-mib") + 1]) - 1 if "--cache-mib" in a else 0.0
 print("some text\n{{\nmore text")
 print(json.dumps({{"model": a[1], "policy": policy, "prompt_tokens": len(prompt.split()), "prompt_s": 1.0,
                   "prompt_tokens_per_s": speed * 2, "generated": 8, "decode_tokens": 7, "decode_s": 1.0,
                   "decode_tokens_per_s": speed, "stopped_at_eos": False, "cache_mib": cache, "hit_rate": 0.5,
-                  "uploads": 3, "upload_mib": 1.0, "digest": "00", "first_token_s": 0.5}}, indent=2))
+                  "uploads": 3, "upload_mib": 1.0, "digest": "00", "first_token_s": 0.5, "graph_cpu": graph_cpu}}, indent=2))
 '''
 
 
@@ -219,6 +220,30 @@ def test_bench_runs_interleaved_rounds_and_compares_each_policy_with_its_peer(ti
     assert "moelab / llama.cpp" in capsys.readouterr().out
 
 
+def test_graph_cpu_adds_policy_rows_run_with_the_flag_beside_the_default_rows(tiny_gguf, fakes, tmp_path):
+    out = tmp_path / "result"
+    assert _bench(tiny_gguf, fakes, out, "--rounds", "1", "--policies", "lru,hybrid",
+                  "--graph-cpu", "hybrid,lru") == 0
+    llama = [f"llama {n}" for n in (0, 3, 4)]
+    moelab = ["moelab lru", "moelab hybrid", "moelab hybrid+cpugraph", "moelab lru+cpugraph"]
+    warmup = ["moelab hybrid", "moelab hybrid+cpugraph"]  # the CPU graph's kernels warmed up too
+    assert fakes["calls"].read_text().splitlines() == llama + warmup + moelab
+    res = json.loads((out / "result.json").read_text())
+    assert res["config"]["graph_cpu"] == ["hybrid", "lru"]
+    for r in res["rows"]:
+        assert ("--graph-cpu" in r["command"]) == r["cell"].endswith("+cpugraph"), r["cell"]
+        assert "--record-trace" not in r["command"]
+    comp = {r["moelab"]: r for r in res["comparisons"]}
+    assert comp["moelab hybrid+cpugraph"]["decode_tokens_per_s"] == 90.0
+    assert comp["moelab hybrid+cpugraph"]["peer"] == comp["moelab hybrid"]["peer"] == "best of -ncmoe 3, -ncmoe 4"
+    assert comp["moelab best at budget"]["decode_tokens_per_s"] == 60.0  # the default rows only
+    best = comp["moelab best at budget+cpugraph"]
+    assert best["decode_tokens_per_s"] == 90.0 and best["ratio_decode"] == pytest.approx(90.0 / 25.0)
+    assert comp["moelab lru+cpugraph"]["expert_bytes_vram"] == 2**20
+    readme = (out / "README.md").read_text()
+    assert "| hybrid+cpugraph | 1 |" in readme and "| best at budget+cpugraph (hybrid / hybrid) |" in readme
+
+
 def test_a_failed_configuration_is_recorded_the_others_run_and_the_exit_is_nonzero(tiny_gguf, fakes, tmp_path,
                                                                                   monkeypatch, capsys):
     monkeypatch.setenv("PEER_FAIL_POLICY", "hybrid")
@@ -264,6 +289,9 @@ def test_bench_refuses_another_configuration_in_the_same_out(tiny_gguf, fakes, t
     (["--policies", "gpu,fast"], "--policies fast"),
     (["--budget-mib", "0"], "--budget-mib 0"),
     (["--hardware", "/nonexistent.json"], "--hardware /nonexistent.json"),
+    (["--graph-cpu", "hybrid,cpu"], "--graph-cpu cpu"),
+    (["--graph-cpu", "lru,lru"], "--graph-cpu lru,lru"),
+    (["--policies", "lru", "--graph-cpu", "hybrid-cost", "--hardware", "/none.json"], "--hardware /none.json"),
 ])
 def test_bench_bad_input_is_one_line_before_any_output(tiny_gguf, fakes, tmp_path, capsys, extra, message):
     out = tmp_path / "result"

@@ -59,6 +59,32 @@ def test_a_gated_call_computes_the_pairs_written_before_its_gate(picks):
     assert not yout[n:].any()
 
 
+@pytest.mark.parametrize("flag, env, wrapped", [(None, "0", False), (None, "1", True), (True, "0", True)])
+def test_moelab_run_graph_cpu_or_the_switch_wraps_the_policy_in_cpu_misses(flag, env, wrapped, monkeypatch):
+    from execute.cli_generate import run_policy
+    from execute.cli_run import parser_run
+    from execute.graph_gate import graph_cpu_wanted
+    from scheduler import Capacity, Geometry
+    from scheduler.graph import CpuMisses
+
+    monkeypatch.setenv("MOELAB_GRAPH_CPU", env)
+    args = parser_run().parse_args(["m.gguf", "-p", "x", "--policy", "lru", *(["--graph-cpu"] if flag else [])])
+    assert args.graph_cpu is flag and graph_cpu_wanted(args.graph_cpu) is wrapped
+    g = Geometry((8, 8), 2, (100, 100))
+    policy = run_policy(args, g, Capacity.per_layer(g, 3))
+    assert isinstance(policy, CpuMisses) is wrapped and policy.name == "lru"
+
+
+@pytest.mark.parametrize("extra, message", [(["--policy", "cpu"], "not with --policy cpu"),
+                                            (["--policy", "lru", "--backend", "numpy"], "not with --backend numpy")])
+def test_moelab_run_graph_cpu_without_the_gpu_token_graph_is_refused_before_loading(extra, message, tmp_path, capsys):
+    from execute.cli_run import run_main
+
+    assert run_main([str(tmp_path / "none.gguf"), "-p", "x", "--graph-cpu", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--graph-cpu" in err and message in err and err.count("\n") == 1
+
+
 def _run(w, policy: str, slots: int, tokens, graph_cpu: bool, monkeypatch, wrap: bool = True):
     from execute import model as M
     from scheduler import Capacity, make_policy
