@@ -79,6 +79,7 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
     from .calibrate import StandIn, build_layers, calibration_replay, calibration_runs, synth_tokens, write_json
     from .calibrate_replay import POOL_RUN, RUN_CONFIGS
     from .calibrate_measure import GpuTimer, measure_gpu_experts
+    from .calibrate_moves import measure_moves
     from .gpu_experts import GpuExperts
     from scheduler import Capacity, Geometry
 
@@ -142,6 +143,17 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
                 f"hits {r['hit_rate']:.3f}  up {r['upload_bytes'] / 1e9:.2f} GB")
             raw["runs"].append({**c, **r, "repeat": rep})
             write_json(Path(args.out) / "raw.json", raw)  # kept if a later run or the analysis fails
+        if getattr(args, "moves", True):  # the moves probe, one round of it per round (calibrate_moves)
+            try:
+                t0 = time.perf_counter()
+                got = measure_moves(cp, gx, layers, dense, args.threads, rounds=1)
+                raw.setdefault("moves", []).extend({**r, "round": rep} for r in got)
+                log(f"[{rep}] moves probe: " + ", ".join(f"{r['kind']} {np.mean(r['token_s']) * 1e3:.3f}" for r in got)
+                    + f" ms/token ({time.perf_counter() - t0:.1f} s)")
+                write_json(Path(args.out) / "raw.json", raw)
+            except Exception as e:  # noqa: BLE001 -- recorded; the comparison runs on without it
+                log(f"moves probe (round {rep}): FAILED {e!r}")
+                raw.setdefault("failed", []).append({"label": "moves probe", "repeat": rep, "error": repr(e)})
         after = _host(args, rep, "after", before)
         if before and after:
             from .calibrate_host import summary

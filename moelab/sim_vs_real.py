@@ -7,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["checked_inputs", "runs_of", "run", "predict_peer_rows"]
+import numpy as np
+
+__all__ = ["checked_inputs", "runs_of", "run", "predict_peer_rows", "predict_moves", "print_moves"]
 
 
 def checked_inputs(a: dict):
@@ -53,6 +55,51 @@ def predict_peer_rows(result_paths, hw_path: str, seeds: int = 3) -> int:
         got = [r for _, _, rows in tables for r in rows if r["error"] is not None]
         print(f"all budgets: rows within 15%: {sum(abs(r['error']) <= 0.15 for r in got)} of {len(got)} measured")
     return 0
+
+
+def predict_moves(runs: list[dict], hw, model) -> dict:
+    """The simulator on the probe's workloads (``execute.calibrate_moves``), the same items as the
+    executor ran: per workload predicted seconds per token (its timed tokens) and, per moved
+    expert, the difference from ``hits``; beside ``moves_summary``'s measured figures."""
+    from execute.calibrate_moves import ScriptedPolicy, moves_summary, moves_tokens
+    from scheduler.costs import Costs, ExecConfig
+    from scheduler.drive import drive
+    from simulate.engine import Simulator
+
+    meas = moves_summary(runs)
+    geo = model.geometry()
+    costs = Costs(model, hw, ExecConfig(policy="gpu"))  # the scripted policy plans as little as gpu's
+    r0 = runs[0]
+    warm, n, k = int(r0["warm"]), len(r0["token_s"]), int(r0["top_k"])
+    pred = {}
+    for kind in meas:
+        toks = moves_tokens(kind, geo.num_layers, warm + n, k)
+        res = Simulator(costs).run(drive(ScriptedPolicy(geo, kind), toks))
+        pred[kind] = float(np.mean(res.token_s[warm:]))
+    out = {}
+    for kind, m in meas.items():
+        row = {"measured_token_s": m["token_s"], "predicted_token_s": pred[kind], "spread": m["spread"],
+               "host_token_s": m["host_token_s"]}
+        if kind != "hits" and "hits" in pred:
+            row["measured_delta_s"] = m["delta_s"]
+            row["predicted_delta_s"] = (pred[kind] - pred["hits"]) / geo.num_layers
+        out[kind] = row
+    return out
+
+
+def print_moves(rows: dict) -> None:
+    """The probe's table: per workload measured and predicted ms per token, and per moved expert
+    the measured and predicted cost over ``hits`` and what the model leaves out."""
+    print("\nmoves probe (execute.calibrate_moves): one moved expert per layer and token")
+    print(f"{'workload':<9}{'ms/tok m':>10}{'pred':>8}{'spread':>8}{'us/event m':>12}{'pred':>8}{'left out':>10}"
+          f"{'host us/tok':>12}")
+    for kind, r in rows.items():
+        host = sum(r["host_token_s"].values()) * 1e6
+        ev = ("", "", "") if "measured_delta_s" not in r else (
+            f"{r['measured_delta_s'] * 1e6:12.1f}", f"{r['predicted_delta_s'] * 1e6:8.1f}",
+            f"{(r['measured_delta_s'] - r['predicted_delta_s']) * 1e6:10.1f}")
+        print(f"{kind:<9}{r['measured_token_s'] * 1e3:10.3f}{r['predicted_token_s'] * 1e3:8.3f}{r['spread']:8.1%}"
+              f"{ev[0]:>12}{ev[1]:>8}{ev[2]:>10}{host:12.1f}")
 
 
 def _write_lane(hw_path, lane: dict) -> Path:
@@ -132,6 +179,7 @@ def run(args) -> int:
             log("host lane solved on the calibration's unlogged runs: " + ", ".join(
                 f"{k} {a_ * 1e6:.1f} -> {b * 1e6:.1f} us" for k, (a_, b) in lane.items()))
     rows = fd.compare(raw, hw, tokens, model)
+    moves = predict_moves(raw["moves"], hw, model) if raw.get("moves") else None
     an, nz = fd.analyse(rows), fd.spread_summary(rows)
     fd.print_table(rows, an, nz)
     own = fd.calibration_check(raw, hw, model, cal_tokens)
@@ -139,8 +187,10 @@ def run(args) -> int:
         frac = "" if c["miss_frac_256"] is None else f" f={c['miss_frac_256']}"
         print(f"calibration run {c['policy']} {c['slots']} slots{frac} (its own trace, in sample): measured "
               f"{c['measured_tokens_per_s']:.1f} tok/s, predicted {c['predicted_tokens_per_s']:.1f} ({c['error']:+.1%})")
+    if moves:
+        print_moves(moves)
     write_json(out / "sim_vs_real.json", {"hardware": str(hw_path), "analysis": an, "noise": nz, "rows": rows,
-                                          "calibration_check": own, "raw": raw})
+                                          "calibration_check": own, "moves": moves, "raw": raw})
     fd.write_csv(out / "sim_vs_real.csv", rows)
     fd.plot(rows, out / "sim_vs_real.png")
     if args.decompose:

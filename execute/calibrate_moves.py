@@ -1,0 +1,170 @@
+"""What a copy costs the executor beyond the copy: a probe of uploads, streams and swaps.
+
+Four scripted workloads decode the same tokens through ``ExpertEngine`` and the dense stand-in
+(``replay_engine``: the loop every replay uses), each layer routed to 8 resident experts except
+for one expert of each layer that the workload moves:
+
+- ``hits``: the 8 experts resident (the baseline);
+- ``upload``: 7 hits and one upload into a slot, evicting the expert the previous token put there;
+- ``stream``: 7 hits and one streamed expert (copied to scratch, run, dropped);
+- ``swap``: 8 hits, and after every token one background swap per layer (``Move`` with a victim,
+  awaited with the driver's one-token lag, ``drive``'s ``lag_tokens=1``).
+
+So each workload has one event per layer more than ``hits``, of one kind. The workloads run
+interleaved over rounds (every other round reversed), each on a fresh engine after warm-up
+tokens. ``moves_summary`` reduces the runs to seconds per token, the engine's host phases per
+token, and per event the difference from ``hits`` (``delta_s``); the simulator replays the same
+items (``ScriptedPolicy`` through ``scheduler.drive``) to compare (``moelab.sim_vs_real``).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from scheduler.core import Capacity, Decision, Geometry, Move, Step, Token
+
+__all__ = ["KINDS", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary", "RESIDENT", "SLOTS"]
+
+KINDS = ("hits", "upload", "stream", "swap")
+RESIDENT = 24  # experts 0..23 resident in slots 0..23 of every layer: the hits
+SLOTS = 32  # slots per layer: 24 the upload target, 25 and 26 the swaps' (alternating tokens)
+UPLOAD, STREAM, SWAP = 100, 110, 120  # the moved experts: 100/101, 110..117, 120..123
+
+
+def _hits(t: int, layer: int, n: int) -> tuple[int, ...]:
+    return tuple((3 * t + 5 * layer + j) % RESIDENT for j in range(n))
+
+
+def moves_tokens(kind: str, num_layers: int, num_tokens: int, top_k: int = 8, start: int = 0) -> tuple:
+    """Decode tokens ``start .. start + num_tokens - 1`` of workload ``kind``: per layer ``top_k``
+    experts, the last one the moved expert (``upload``: 101 on even tokens, 100 on odd; ``stream``:
+    110 + t % 8), the others resident."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r}, expected one of {', '.join(KINDS)}")
+    if not 2 <= top_k <= RESIDENT:
+        raise ValueError(f"top_k: {top_k}, expected 2..{RESIDENT}")
+    out = []
+    for t in range(start, start + num_tokens):
+        steps = []
+        for l in range(num_layers):
+            if kind == "upload":
+                ex = _hits(t, l, top_k - 1) + (UPLOAD + 1 - t % 2,)
+            elif kind == "stream":
+                ex = _hits(t, l, top_k - 1) + (STREAM + t % 8,)
+            else:
+                ex = _hits(t, l, top_k)
+            steps.append(Step(l, ex))
+        out.append(Token(t - start, 0, t, "decode", tuple(steps)))
+    return tuple(out)
+
+
+class ScriptedPolicy:
+    """Decides ``moves_tokens``' steps as the workload says (no cache logic): resident experts
+    are hits; 100/101 is uploaded into slot 24, evicting the other; 110..117 streamed; under
+    ``swap`` every token ends with one swap per layer into slot 25 + t % 2 (122/120 alternating in
+    slot 25, 123/121 in slot 26, the other the victim). Tokens are counted by ``plan_background``
+    from ``start``."""
+
+    def __init__(self, geometry: Geometry, kind: str, start: int = 0):
+        if kind not in KINDS:
+            raise ValueError(f"kind: {kind!r}, expected one of {', '.join(KINDS)}")
+        self.geometry, self.kind, self.t = geometry, kind, start
+
+    def residents(self) -> dict:
+        """(layer, expert) -> slot before the first token."""
+        out = {}
+        for l in range(self.geometry.num_layers):
+            out.update({(l, e): e for e in range(RESIDENT)})
+            out[l, UPLOAD] = 24
+            out[l, SWAP], out[l, SWAP + 1] = 25, 26
+        return out
+
+    def plan(self, step: Step) -> Decision:
+        l, ex = step.layer, step.experts
+        last = ex[-1]
+        if last in (UPLOAD, UPLOAD + 1):
+            return Decision(step, ex[:-1], uploads=(last,), slots=(24,), evictions=((l, 2 * UPLOAD + 1 - last),))
+        if STREAM <= last < STREAM + 8:
+            return Decision(step, ex[:-1], streams=(last,))
+        return Decision(step, ex)
+
+    def commit(self, d: Decision) -> None:
+        pass
+
+    def complete(self, layer: int, expert: int) -> None:
+        pass
+
+    def plan_background(self) -> tuple:
+        t, self.t = self.t, self.t + 1
+        if self.kind != "swap":
+            return ()
+        slot, base = 25 + t % 2, SWAP + t % 2
+        new, old = base + 2 * ((t // 2 + 1) % 2), base + 2 * ((t // 2) % 2)
+        return tuple(Move(l, new, slot, victim=(l, old)) for l in range(self.geometry.num_layers))
+
+    def commit_background(self, moves) -> None:
+        pass
+
+
+def measure_moves(cp, gx, layers, dense, threads: int, rounds: int = 3, tokens: int = 24, warm: int = 4,
+                  top_k: int = 8, seed: int = 5) -> list[dict]:
+    """Run every workload ``rounds`` times, interleaved (every other round reversed): a fresh
+    engine (``SLOTS`` per layer, residents uploaded), ``warm`` tokens, then ``tokens`` timed (wall
+    seconds per token, the engine's host phases). ``gx``: the ``GpuExperts`` to share (at least
+    ``SLOTS`` slots a layer)."""
+    from .calibrate_replay import RUN_PHASES, replay_engine
+    from .engine import ExpertEngine
+
+    L, E = len(layers), layers[0].num_experts
+    if E <= SWAP + 3:
+        raise ValueError(f"measure_moves: {E} experts per layer, expected > {SWAP + 3}")
+    geo = Geometry((E,) * L, top_k, (layers[0].expert_bytes,) * L)
+    cap = Capacity.per_layer(geo, SLOTS)
+    with gx.compute:
+        x0 = cp.asarray(np.random.default_rng(seed).standard_normal((1, layers[0].hidden)).astype(np.float32))
+    out = []
+    for r in range(rounds):
+        for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
+            pol = ScriptedPolicy(geo, kind)
+            engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=60, gpu=gx)
+            try:
+                engine.load_residents(pol.residents())
+                replay_engine(cp, engine, pol, moves_tokens(kind, L, warm, top_k), dense, x0)
+                engine.synchronize()
+                st = engine.stats
+                s0 = {p: getattr(st, p) for p in RUN_PHASES}
+                t0 = time.perf_counter()
+                _, times, _ = replay_engine(cp, engine, pol, moves_tokens(kind, L, tokens, top_k, warm), dense, x0)
+                engine.synchronize()
+                out.append({"kind": kind, "round": r, "layers": L, "warm": warm, "top_k": top_k,
+                            "token_s": times, "wall_s": time.perf_counter() - t0,
+                            "host_s": {p: getattr(st, p) - s0[p] for p in RUN_PHASES},
+                            "uploads": st.uploads, "streams": st.streams})
+            finally:
+                engine.close()
+    return out
+
+
+def moves_summary(runs: list[dict]) -> dict:
+    """Per workload: seconds per token (the median over rounds of each run's mean; the rounds'
+    spread), host phases per token (medians); per moved expert (one per layer and token) the
+    difference from ``hits`` (``delta_s``) and, for ``stream``, from ``upload``
+    (``stream_over_upload_s``)."""
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["kind"], []).append(r)
+    out: dict = {}
+    for kind, rs in by.items():
+        per = np.array([np.mean(r["token_s"]) for r in rs])
+        host = {p: float(np.median([r["host_s"][p] / len(r["token_s"]) for r in rs])) for p in rs[0]["host_s"]}
+        out[kind] = {"token_s": float(np.median(per)), "spread": float((per.max() - per.min()) / np.median(per)),
+                     "rounds": len(rs), "host_token_s": host, "layers": int(rs[0]["layers"])}
+    base = out.get("hits")
+    if base:
+        for kind, v in out.items():
+            if kind != "hits":
+                v["delta_s"] = (v["token_s"] - base["token_s"]) / v["layers"]
+        if "stream" in out and "upload" in out:
+            out["stream"]["stream_over_upload_s"] = (out["stream"]["token_s"] - out["upload"]["token_s"]) / out["stream"]["layers"]
+    return out

@@ -1,0 +1,93 @@
+"""The moves probe's workloads (execute.calibrate_moves) and their simulation (moelab.sim_vs_real):
+one event of one kind per layer and token, residency consistent, and the summary's arithmetic."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from execute.calibrate_moves import KINDS, RESIDENT, ScriptedPolicy, moves_summary, moves_tokens
+from moelab.sim_vs_real import predict_moves
+from scheduler.core import Geometry
+from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
+from scheduler.hardware import load_hardware
+from simulate.fidelity import sim_model
+
+GEO = Geometry((128,) * 4, 8, (5013504,) * 4)
+
+
+def replay(kind, n=9):
+    """Drive the workload, tracking residency as the engine does; returns per-kind event counts."""
+    pol = ScriptedPolicy(GEO, kind)
+    res = dict(pol.residents())  # (layer, expert) -> slot
+    slots = {}
+    for (l, e), s in res.items():
+        assert slots.setdefault((l, s), e) == e  # one expert a slot
+    got = {"uploads": 0, "streams": 0, "moves": 0, "tokens": 0}
+    for item in drive(pol, moves_tokens(kind, GEO.num_layers, n)):
+        if type(item) is RunLayer:
+            d = item.decision
+            assert sorted(d.hits + d.uploads + d.streams + d.cpu) == sorted(item.step.experts)
+            assert all((d.step.layer, e) in res for e in d.hits)
+            assert all(e < RESIDENT for e in d.hits)
+            for v in d.evictions:
+                del res[v]
+            for e, s in zip(d.uploads, d.slots):
+                assert s not in {res[k] for k in res if k[0] == d.step.layer}  # the slot was freed
+                res[d.step.layer, e] = s
+            got["uploads"] += len(d.uploads)
+            got["streams"] += len(d.streams)
+        elif type(item) is StartBackground:
+            for m in item.moves:
+                assert res.pop(m.victim) == m.slot  # the victim held the slot
+            got["moves"] += len(item.moves)
+        elif type(item) is AwaitBackground:
+            for m in item.moves:
+                res[m.layer, m.expert] = m.slot
+        elif type(item) is EndToken:
+            got["tokens"] += 1
+    return got
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_event_per_layer_and_token(kind):
+    got = replay(kind)
+    events = {"hits": 0, "upload": got["uploads"], "stream": got["streams"], "swap": got["moves"]}
+    assert got["tokens"] == 9
+    assert sum(v for k, v in events.items() if k != kind) == 0
+    if kind != "hits":
+        assert events[kind] == 9 * GEO.num_layers
+
+
+def test_bad_kind_and_top_k():
+    with pytest.raises(ValueError, match="kind"):
+        moves_tokens("fill", 2, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        moves_tokens("hits", 2, 2, top_k=40)
+
+
+def runs_of(ms_per_token: dict, rounds=2, layers=16):
+    rng = np.random.default_rng(1)
+    return [{"kind": k, "round": r, "layers": layers, "warm": 2, "top_k": 8,
+             "token_s": list(v * 1e-3 * (1 + 0.01 * r) + rng.random(6) * 1e-9),
+             "host_s": {"host_plan_s": 6e-4, "host_queue_s": 1.2e-3}}
+            for r in range(rounds) for k, v in ms_per_token.items()]
+
+
+def test_summary_deltas_per_event():
+    s = moves_summary(runs_of({"hits": 2.0, "upload": 3.6, "stream": 4.0, "swap": 2.8}))
+    assert s["upload"]["delta_s"] == pytest.approx(1.6e-3 / 16, rel=0.01)
+    assert s["swap"]["delta_s"] == pytest.approx(0.8e-3 / 16, rel=0.01)
+    assert s["stream"]["stream_over_upload_s"] == pytest.approx(0.4e-3 / 16, rel=0.01)
+    assert s["hits"]["spread"] == pytest.approx(0.01, rel=0.05)
+    assert s["hits"]["host_token_s"]["host_queue_s"] == pytest.approx(1.2e-3 / 6)
+
+
+def test_simulated_probe_charges_an_upload_on_the_critical_path():
+    hw = load_hardware("docs/fidelity/2026-12-02-d32bfea/hardware-session.json")
+    model = sim_model(16, 151936)
+    rows = predict_moves(runs_of({"hits": 2.0, "upload": 3.6, "stream": 4.0, "swap": 2.8}), hw, model)
+    up_s = hw.copy_latency_s + 5013504 / (hw.pcie_h2d_gbps * 1e9)
+    assert rows["upload"]["predicted_delta_s"] >= 0.9 * up_s  # each layer waits for its copy
+    assert rows["stream"]["predicted_delta_s"] > rows["upload"]["predicted_delta_s"]  # the batch path
+    assert 0 < rows["swap"]["predicted_delta_s"] < 0.5 * up_s  # copies in the background
+    assert rows["upload"]["measured_delta_s"] == pytest.approx(1.6e-3 / 16, rel=0.01)
