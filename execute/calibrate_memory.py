@@ -7,6 +7,8 @@ a memory map of it; ``measure_pool_memory`` times the pool's calls on the buffer
 its pages were faulted in and on the map's first touch, interleaved, and reads the kernel's
 huge-page counters for each (``/proc/self/smaps``: whether the pages under the experts are 2 MiB or
 4 KiB ones); ``mapped_factor`` is the warm map's factor the peer rows' prediction applies.
+``measure_map_uploads`` times expert uploads (``GpuExperts.upload``) out of the buffers and out of
+the file's map, each page-locked in place as ``moelab run`` registers its file.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import numpy as np
 from .calibrate_fit import stats
 from .experts import LayerExperts
 
-__all__ = ["mapped_layers", "measure_pool_memory", "mapped_factor", "huge_page_kib"]
+__all__ = ["mapped_layers", "measure_pool_memory", "mapped_factor", "huge_page_kib", "measure_map_uploads"]
 
 _ALIGN = 64  # bytes: each tensor starts on this boundary in the file (GGUF aligns to 32)
 
@@ -145,3 +147,53 @@ def mapped_factor(table: dict) -> float | None:
         if huge:
             return 1.0
     return min(max(float(ratio), 0.01), 4.0)
+
+
+def measure_map_uploads(layer: LayerExperts, path: Path, n: int = 32, rounds: int = 5) -> dict:
+    """Seconds per expert of ``n`` uploads back to back (``GpuExperts.upload``, one copy round,
+    waited for) out of ``layer``'s buffers (``anon``) and out of a read-only map of them written to
+    ``path`` (``mapped``, removed after), each page-locked in place (``cudaHostRegister``, as
+    ``moelab run`` registers its file), ``rounds`` rounds alternating; {kind: stats (per expert),
+    "ratio": mapped / anon median, "pages": {kind: huge_page_kib}, "registered": {kind: bool}}."""
+    import time
+
+    from scheduler.core import Capacity, Geometry
+
+    from .gpu_experts import GpuExperts
+
+    if layer.num_experts < n:
+        raise ValueError(f"measure_map_uploads: {layer.num_experts} experts, expected >= {n}")
+    mapped, mm = mapped_layers([layer], path)
+    gxs = {}
+    try:
+        geo = Geometry((layer.num_experts,), 8, (layer.expert_bytes,))
+        for k, lx in (("anon", layer), ("mapped", mapped[0])):
+            gxs[k] = GpuExperts([lx], Capacity.per_layer(geo, n), scratch_slots=1, pinned=True, timeout_s=60)
+        tensors = lambda lx: [t.data for t in (lx.gate, lx.up, lx.down)]
+        pages = {"anon": huge_page_kib(tensors(layer)), "mapped": huge_page_kib(tensors(mapped[0]))}
+        samples: dict[str, list] = {k: [] for k in gxs}
+        for r in range(rounds + 1):  # round 0 warms both (not recorded)
+            for k in (list(gxs) if r % 2 else list(gxs)[::-1]):
+                gx = gxs[k]
+                t0 = time.perf_counter()
+                gx.begin_copies()
+                for e in range(n):
+                    gx.upload(0, (e + r * n) % layer.num_experts, e)
+                gx.wait(gx.copies_event(), "map upload probe")
+                if r:
+                    samples[k].append((time.perf_counter() - t0) / n)
+        out = {k: stats(v) for k, v in samples.items()}
+        out["ratio"] = out["mapped"]["median"] / out["anon"]["median"]
+        out["pages"] = pages
+        out["registered"] = {k: gx.staging is None for k, gx in gxs.items()}
+        out["expert_bytes"], out["experts"] = layer.expert_bytes, n
+        return out
+    finally:
+        for gx in gxs.values():
+            gx.close()
+        del mapped
+        try:
+            mm.close()
+        except BufferError:
+            pass
+        os.unlink(path)
