@@ -111,7 +111,8 @@ def measure_moves(cp, gx, layers, dense, threads: int, rounds: int = 3, tokens: 
                   top_k: int = 8, seed: int = 5) -> list[dict]:
     """Run every workload ``rounds`` times, interleaved (every other round reversed): a fresh
     engine (``SLOTS`` per layer, residents uploaded), ``warm`` tokens, then ``tokens`` timed (wall
-    seconds per token, the engine's host phases). ``gx``: the ``GpuExperts`` to share (at least
+    seconds per token, the engine's host phases and its ``start_background`` and ``await_background``
+    calls' host seconds). ``gx``: the ``GpuExperts`` to share (at least
     ``SLOTS`` slots a layer)."""
     from .calibrate_replay import RUN_PHASES, replay_engine
     from .engine import ExpertEngine
@@ -130,20 +131,36 @@ def measure_moves(cp, gx, layers, dense, threads: int, rounds: int = 3, tokens: 
             engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=60, gpu=gx)
             try:
                 engine.load_residents(pol.residents())
+                bg = {"start_background": 0.0, "await_background": 0.0}  # host seconds in the calls
+                for name in bg:
+                    setattr(engine, name, _timed(getattr(engine, name), bg, name))
                 replay_engine(cp, engine, pol, moves_tokens(kind, L, warm, top_k), dense, x0)
                 engine.synchronize()
                 st = engine.stats
                 s0 = {p: getattr(st, p) for p in RUN_PHASES}
+                bg.update(dict.fromkeys(bg, 0.0))
                 t0 = time.perf_counter()
                 _, times, _ = replay_engine(cp, engine, pol, moves_tokens(kind, L, tokens, top_k, warm), dense, x0)
                 engine.synchronize()
                 out.append({"kind": kind, "round": r, "layers": L, "warm": warm, "top_k": top_k,
                             "token_s": times, "wall_s": time.perf_counter() - t0,
-                            "host_s": {p: getattr(st, p) - s0[p] for p in RUN_PHASES},
+                            "host_s": {**{p: getattr(st, p) - s0[p] for p in RUN_PHASES},
+                                       **{f"{k}_s": v for k, v in bg.items()}},
                             "uploads": st.uploads, "streams": st.streams})
             finally:
                 engine.close()
     return out
+
+
+def _timed(fn, acc: dict, key: str):
+    """``fn`` whose host seconds are added to ``acc[key]``."""
+    def call(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[key] += time.perf_counter() - t0
+    return call
 
 
 def moves_summary(runs: list[dict]) -> dict:
