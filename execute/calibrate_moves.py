@@ -6,11 +6,12 @@ for one expert of each layer that the workload moves:
 
 - ``hits``: the 8 experts resident (the baseline);
 - ``upload``: 7 hits and one upload into a slot, evicting the expert the previous token put there;
-- ``stream``: 7 hits and one streamed expert (copied to scratch, run, dropped);
+- ``stream``: 7 hits and one streamed expert (copied to scratch, run, dropped); ``stream2``: 6 hits
+  and two (is a stream's cost per expert or per layer?);
 - ``swap``: 8 hits, and after every token one background swap per layer (``Move`` with a victim,
   awaited with the driver's one-token lag, ``drive``'s ``lag_tokens=1``).
 
-So each workload has one event per layer more than ``hits``, of one kind. The workloads run
+So each workload has ``EVENTS[kind]`` events per layer more than ``hits``, of one kind. The workloads run
 interleaved over rounds (every other round reversed), each on a fresh engine after warm-up
 tokens. ``moves_summary`` reduces the runs to seconds per token, the engine's host phases per
 token, and per event the difference from ``hits`` (``delta_s``); the simulator replays the same
@@ -24,9 +25,10 @@ import numpy as np
 
 from scheduler.core import Capacity, Decision, Geometry, Move, Step, Token
 
-__all__ = ["KINDS", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary", "RESIDENT", "SLOTS"]
+__all__ = ["KINDS", "EVENTS", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary", "RESIDENT", "SLOTS"]
 
-KINDS = ("hits", "upload", "stream", "swap")
+KINDS = ("hits", "upload", "stream", "stream2", "swap")
+EVENTS = {"hits": 0, "upload": 1, "stream": 1, "stream2": 2, "swap": 1}  # moved experts per layer and token
 RESIDENT = 24  # experts 0..23 resident in slots 0..23 of every layer: the hits
 SLOTS = 32  # slots per layer: 24 the upload target, 25 and 26 the swaps' (alternating tokens)
 UPLOAD, STREAM, SWAP = 100, 110, 120  # the moved experts: 100/101, 110..117, 120..123
@@ -38,8 +40,8 @@ def _hits(t: int, layer: int, n: int) -> tuple[int, ...]:
 
 def moves_tokens(kind: str, num_layers: int, num_tokens: int, top_k: int = 8, start: int = 0) -> tuple:
     """Decode tokens ``start .. start + num_tokens - 1`` of workload ``kind``: per layer ``top_k``
-    experts, the last one the moved expert (``upload``: 101 on even tokens, 100 on odd; ``stream``:
-    110 + t % 8), the others resident."""
+    experts, the last ones the moved experts (``upload``: 101 on even tokens, 100 on odd; ``stream``:
+    110 + t % 8; ``stream2``: that and 110 + (t + 4) % 8), the others resident."""
     if kind not in KINDS:
         raise ValueError(f"kind: {kind!r}, expected one of {', '.join(KINDS)}")
     if not 2 <= top_k <= RESIDENT:
@@ -52,6 +54,8 @@ def moves_tokens(kind: str, num_layers: int, num_tokens: int, top_k: int = 8, st
                 ex = _hits(t, l, top_k - 1) + (UPLOAD + 1 - t % 2,)
             elif kind == "stream":
                 ex = _hits(t, l, top_k - 1) + (STREAM + t % 8,)
+            elif kind == "stream2":
+                ex = _hits(t, l, top_k - 2) + (STREAM + t % 8, STREAM + (t + 4) % 8)
             else:
                 ex = _hits(t, l, top_k)
             steps.append(Step(l, ex))
@@ -82,12 +86,12 @@ class ScriptedPolicy:
 
     def plan(self, step: Step) -> Decision:
         l, ex = step.layer, step.experts
-        last = ex[-1]
-        if last in (UPLOAD, UPLOAD + 1):
-            return Decision(step, ex[:-1], uploads=(last,), slots=(24,), evictions=((l, 2 * UPLOAD + 1 - last),))
-        if STREAM <= last < STREAM + 8:
-            return Decision(step, ex[:-1], streams=(last,))
-        return Decision(step, ex)
+        hits = tuple(e for e in ex if e < RESIDENT)
+        streams = tuple(e for e in ex if STREAM <= e < STREAM + 8)
+        up = tuple(e for e in ex if e in (UPLOAD, UPLOAD + 1))
+        if up:
+            return Decision(step, hits, uploads=up, slots=(24,), evictions=((l, 2 * UPLOAD + 1 - up[0]),))
+        return Decision(step, hits, streams=streams)
 
     def commit(self, d: Decision) -> None:
         pass
@@ -165,8 +169,8 @@ def _timed(fn, acc: dict, key: str):
 
 def moves_summary(runs: list[dict]) -> dict:
     """Per workload: seconds per token (the median over rounds of each run's mean; the rounds'
-    spread), host phases per token (medians); per moved expert (one per layer and token) the
-    difference from ``hits`` (``delta_s``) and, for ``stream``, from ``upload``
+    spread), host phases per token (medians); per moved expert (``EVENTS[kind]`` per layer and
+    token) the difference from ``hits`` (``delta_s``) and, for ``stream``, from ``upload``
     (``stream_over_upload_s``)."""
     by: dict[str, list[dict]] = {}
     for r in runs:
@@ -181,7 +185,7 @@ def moves_summary(runs: list[dict]) -> dict:
     if base:
         for kind, v in out.items():
             if kind != "hits":
-                v["delta_s"] = (v["token_s"] - base["token_s"]) / v["layers"]
+                v["delta_s"] = (v["token_s"] - base["token_s"]) / (v["layers"] * EVENTS[kind])
         if "stream" in out and "upload" in out:
             out["stream"]["stream_over_upload_s"] = (out["stream"]["token_s"] - out["upload"]["token_s"]) / out["stream"]["layers"]
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from execute.calibrate_moves import KINDS, RESIDENT, ScriptedPolicy, moves_summary, moves_tokens
+from execute.calibrate_moves import EVENTS, KINDS, RESIDENT, ScriptedPolicy, moves_summary, moves_tokens
 from moelab.sim_vs_real import predict_moves
 from scheduler.core import Geometry
 from scheduler.drive import AwaitBackground, EndToken, RunLayer, StartBackground, drive
@@ -51,11 +51,10 @@ def replay(kind, n=9):
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_event_per_layer_and_token(kind):
     got = replay(kind)
-    events = {"hits": 0, "upload": got["uploads"], "stream": got["streams"], "swap": got["moves"]}
+    events = {"upload": got["uploads"], "stream": got["streams"], "swap": got["moves"]}
     assert got["tokens"] == 9
-    assert sum(v for k, v in events.items() if k != kind) == 0
-    if kind != "hits":
-        assert events[kind] == 9 * GEO.num_layers
+    assert sum(v for k, v in events.items() if not kind.startswith(k)) == 0
+    assert sum(events.values()) == 9 * GEO.num_layers * EVENTS[kind]
 
 
 def test_bad_kind_and_top_k():
@@ -74,7 +73,8 @@ def runs_of(ms_per_token: dict, rounds=2, layers=16):
 
 
 def test_summary_deltas_per_event():
-    s = moves_summary(runs_of({"hits": 2.0, "upload": 3.6, "stream": 4.0, "swap": 2.8}))
+    s = moves_summary(runs_of({"hits": 2.0, "upload": 3.6, "stream": 4.0, "stream2": 5.2, "swap": 2.8}))
+    assert s["stream2"]["delta_s"] == pytest.approx(3.2e-3 / 32, rel=0.01)
     assert s["upload"]["delta_s"] == pytest.approx(1.6e-3 / 16, rel=0.01)
     assert s["swap"]["delta_s"] == pytest.approx(0.8e-3 / 16, rel=0.01)
     assert s["stream"]["stream_over_upload_s"] == pytest.approx(0.4e-3 / 16, rel=0.01)
