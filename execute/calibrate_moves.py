@@ -9,9 +9,11 @@ for one expert of each layer that the workload moves:
 - ``stream``: 7 hits and one streamed expert (copied to scratch, run, dropped); ``stream2``: 6 hits
   and two (is a stream's cost per expert or per layer?);
 - ``swap``: 8 hits, and after every token one background swap per layer (``Move`` with a victim,
-  awaited with the driver's one-token lag, ``drive``'s ``lag_tokens=1``).
+  awaited with the driver's one-token lag, ``drive``'s ``lag_tokens=1``);
+- ``cpu``: 7 hits and one expert on the CPU pool; ``cpuswap``: the same with ``swap``'s swaps (a swap's
+  cost beside the pool's hand-off; ``BASE``: measured against ``cpu``). ``GPU_KINDS`` leave the pool idle.
 
-So each workload has ``EVENTS[kind]`` events per layer more than ``hits``, of one kind. The workloads run
+So each workload has ``EVENTS[kind]`` events per layer more than its ``BASE`` workload, of one kind. The workloads run
 interleaved over rounds (every other round reversed), each on a fresh engine after warm-up
 tokens. ``moves_summary`` reduces the runs to seconds per token, the engine's host phases per
 token, and per event the difference from ``hits`` (``delta_s``); the simulator replays the same
@@ -25,13 +27,15 @@ import numpy as np
 
 from scheduler.core import Capacity, Decision, Geometry, Move, Step, Token
 
-__all__ = ["KINDS", "EVENTS", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary", "RESIDENT", "SLOTS"]
+__all__ = ["KINDS", "GPU_KINDS", "EVENTS", "BASE", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary", "RESIDENT", "SLOTS"]
 
-KINDS = ("hits", "upload", "stream", "stream2", "swap")
-EVENTS = {"hits": 0, "upload": 1, "stream": 1, "stream2": 2, "swap": 1}  # moved experts per layer and token
+KINDS = ("hits", "upload", "stream", "stream2", "swap", "cpu", "cpuswap")
+GPU_KINDS = KINDS[:5]  # no CPU expert: no pool call (no Numba compile)
+EVENTS = {"hits": 0, "upload": 1, "stream": 1, "stream2": 2, "swap": 1, "cpu": 1, "cpuswap": 1}  # per layer and token
+BASE = {"cpuswap": "cpu"}  # the workload a kind's events are counted against (else hits)
 RESIDENT = 24  # experts 0..23 resident in slots 0..23 of every layer: the hits
 SLOTS = 32  # slots per layer: 24 the upload target, 25 and 26 the swaps' (alternating tokens)
-UPLOAD, STREAM, SWAP = 100, 110, 120  # the moved experts: 100/101, 110..117, 120..123
+UPLOAD, STREAM, SWAP, CPU = 100, 110, 120, 60  # the moved experts: 100/101, 110..117, 120..123, 60..67
 
 
 def _hits(t: int, layer: int, n: int) -> tuple[int, ...]:
@@ -56,6 +60,8 @@ def moves_tokens(kind: str, num_layers: int, num_tokens: int, top_k: int = 8, st
                 ex = _hits(t, l, top_k - 1) + (STREAM + t % 8,)
             elif kind == "stream2":
                 ex = _hits(t, l, top_k - 2) + (STREAM + t % 8, STREAM + (t + 4) % 8)
+            elif kind in ("cpu", "cpuswap"):
+                ex = _hits(t, l, top_k - 1) + (CPU + t % 8,)
             else:
                 ex = _hits(t, l, top_k)
             steps.append(Step(l, ex))
@@ -88,10 +94,11 @@ class ScriptedPolicy:
         l, ex = step.layer, step.experts
         hits = tuple(e for e in ex if e < RESIDENT)
         streams = tuple(e for e in ex if STREAM <= e < STREAM + 8)
+        cpu = tuple(e for e in ex if CPU <= e < CPU + 8)
         up = tuple(e for e in ex if e in (UPLOAD, UPLOAD + 1))
         if up:
             return Decision(step, hits, uploads=up, slots=(24,), evictions=((l, 2 * UPLOAD + 1 - up[0]),))
-        return Decision(step, hits, streams=streams)
+        return Decision(step, hits, streams=streams, cpu=cpu)
 
     def commit(self, d: Decision) -> None:
         pass
@@ -101,7 +108,7 @@ class ScriptedPolicy:
 
     def plan_background(self) -> tuple:
         t, self.t = self.t, self.t + 1
-        if self.kind != "swap":
+        if self.kind not in ("swap", "cpuswap"):
             return ()
         slot, base = 25 + t % 2, SWAP + t % 2
         new, old = base + 2 * ((t // 2 + 1) % 2), base + 2 * ((t // 2) % 2)
@@ -112,7 +119,7 @@ class ScriptedPolicy:
 
 
 def measure_moves(cp, gx, layers, dense, threads: int, rounds: int = 3, tokens: int = 24, warm: int = 4,
-                  top_k: int = 8, seed: int = 5) -> list[dict]:
+                  top_k: int = 8, seed: int = 5, kinds=KINDS) -> list[dict]:
     """Run every workload ``rounds`` times, interleaved (every other round reversed): a fresh
     engine (``SLOTS`` per layer, residents uploaded), ``warm`` tokens, then ``tokens`` timed (wall
     seconds per token, the engine's host phases and its ``start_background`` and ``await_background``
@@ -130,7 +137,7 @@ def measure_moves(cp, gx, layers, dense, threads: int, rounds: int = 3, tokens: 
         x0 = cp.asarray(np.random.default_rng(seed).standard_normal((1, layers[0].hidden)).astype(np.float32))
     out = []
     for r in range(rounds):
-        for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             pol = ScriptedPolicy(geo, kind)
             engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=60, gpu=gx)
             try:
@@ -170,7 +177,7 @@ def _timed(fn, acc: dict, key: str):
 def moves_summary(runs: list[dict]) -> dict:
     """Per workload: seconds per token (the median over rounds of each run's mean; the rounds'
     spread), host phases per token (medians); per moved expert (``EVENTS[kind]`` per layer and
-    token) the difference from ``hits`` (``delta_s``) and, for ``stream``, from ``upload``
+    token) the difference from its ``BASE`` (``delta_s``) and, for ``stream``, from ``upload``
     (``stream_over_upload_s``)."""
     by: dict[str, list[dict]] = {}
     for r in runs:
@@ -181,11 +188,10 @@ def moves_summary(runs: list[dict]) -> dict:
         host = {p: float(np.median([r["host_s"][p] / len(r["token_s"]) for r in rs])) for p in rs[0]["host_s"]}
         out[kind] = {"token_s": float(np.median(per)), "spread": float((per.max() - per.min()) / np.median(per)),
                      "rounds": len(rs), "host_token_s": host, "layers": int(rs[0]["layers"])}
-    base = out.get("hits")
-    if base:
-        for kind, v in out.items():
-            if kind != "hits":
-                v["delta_s"] = (v["token_s"] - base["token_s"]) / (v["layers"] * EVENTS[kind])
+    for kind, v in out.items():
+        base = out.get(BASE.get(kind, "hits"))
+        if kind != "hits" and base:
+            v["delta_s"] = (v["token_s"] - base["token_s"]) / (v["layers"] * EVENTS[kind])
         if "stream" in out and "upload" in out:
             out["stream"]["stream_over_upload_s"] = (out["stream"]["token_s"] - out["upload"]["token_s"]) / out["stream"]["layers"]
     return out

@@ -61,7 +61,7 @@ def predict_moves(runs: list[dict], hw, model) -> dict:
     """The simulator on the probe's workloads (``execute.calibrate_moves``), the same items as the
     executor ran: per workload predicted seconds per token (its timed tokens) and, per moved
     expert, the difference from ``hits``; beside ``moves_summary``'s measured figures."""
-    from execute.calibrate_moves import EVENTS, ScriptedPolicy, moves_summary, moves_tokens
+    from execute.calibrate_moves import BASE, EVENTS, ScriptedPolicy, moves_summary, moves_tokens
     from scheduler.costs import Costs, ExecConfig
     from scheduler.drive import drive
     from simulate.engine import Simulator
@@ -80,9 +80,10 @@ def predict_moves(runs: list[dict], hw, model) -> dict:
     for kind, m in meas.items():
         row = {"measured_token_s": m["token_s"], "predicted_token_s": pred[kind], "spread": m["spread"],
                "host_token_s": m["host_token_s"]}
-        if kind != "hits" and "hits" in pred:
+        base = BASE.get(kind, "hits")
+        if kind != "hits" and base in pred:
             row["measured_delta_s"] = m["delta_s"]
-            row["predicted_delta_s"] = (pred[kind] - pred["hits"]) / (geo.num_layers * EVENTS[kind])
+            row["predicted_delta_s"] = (pred[kind] - pred[base]) / (geo.num_layers * EVENTS[kind])
         out[kind] = row
     return out
 
@@ -90,7 +91,8 @@ def predict_moves(runs: list[dict], hw, model) -> dict:
 def print_moves(rows: dict) -> None:
     """The probe's table: per workload measured and predicted ms per token, and per moved expert
     the measured and predicted cost over ``hits`` and what the model leaves out."""
-    print("\nmoves probe (execute.calibrate_moves): moved experts per layer and token (stream2: two, the others one)")
+    print("\nmoves probe (execute.calibrate_moves): moved experts per layer and token (stream2: two, the others one); "
+          "us/event over hits (cpuswap: over cpu)")
     print(f"{'workload':<9}{'ms/tok m':>10}{'pred':>8}{'spread':>8}{'us/event m':>12}{'pred':>8}{'left out':>10}"
           f"{'host us/tok':>12}")
     for kind, r in rows.items():

@@ -22,7 +22,7 @@ def replay(kind, n=9):
     slots = {}
     for (l, e), s in res.items():
         assert slots.setdefault((l, s), e) == e  # one expert a slot
-    got = {"uploads": 0, "streams": 0, "moves": 0, "tokens": 0}
+    got = {"uploads": 0, "streams": 0, "moves": 0, "cpu": 0, "tokens": 0}
     for item in drive(pol, moves_tokens(kind, GEO.num_layers, n)):
         if type(item) is RunLayer:
             d = item.decision
@@ -36,6 +36,7 @@ def replay(kind, n=9):
                 res[d.step.layer, e] = s
             got["uploads"] += len(d.uploads)
             got["streams"] += len(d.streams)
+            got["cpu"] += len(d.cpu)
         elif type(item) is StartBackground:
             for m in item.moves:
                 assert res.pop(m.victim) == m.slot  # the victim held the slot
@@ -51,10 +52,11 @@ def replay(kind, n=9):
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_event_per_layer_and_token(kind):
     got = replay(kind)
-    events = {"upload": got["uploads"], "stream": got["streams"], "swap": got["moves"]}
-    assert got["tokens"] == 9
-    assert sum(v for k, v in events.items() if not kind.startswith(k)) == 0
-    assert sum(events.values()) == 9 * GEO.num_layers * EVENTS[kind]
+    n = 9 * GEO.num_layers
+    want = {"hits": {}, "upload": {"uploads": n}, "stream": {"streams": n}, "stream2": {"streams": 2 * n},
+            "swap": {"moves": n}, "cpu": {"cpu": n}, "cpuswap": {"cpu": n, "moves": n}}[kind]
+    assert got == {"uploads": 0, "streams": 0, "moves": 0, "cpu": 0, **want, "tokens": 9}
+    assert EVENTS[kind] * n == want.get("moves", sum(want.values()))
 
 
 def test_bad_kind_and_top_k():
@@ -73,8 +75,10 @@ def runs_of(ms_per_token: dict, rounds=2, layers=16):
 
 
 def test_summary_deltas_per_event():
-    s = moves_summary(runs_of({"hits": 2.0, "upload": 3.6, "stream": 4.0, "stream2": 5.2, "swap": 2.8}))
+    s = moves_summary(runs_of({"hits": 2.0, "upload": 3.6, "stream": 4.0, "stream2": 5.2, "swap": 2.8,
+                               "cpu": 4.4, "cpuswap": 6.0}))
     assert s["stream2"]["delta_s"] == pytest.approx(3.2e-3 / 32, rel=0.01)
+    assert s["cpuswap"]["delta_s"] == pytest.approx(1.6e-3 / 16, rel=0.01)  # against cpu
     assert s["upload"]["delta_s"] == pytest.approx(1.6e-3 / 16, rel=0.01)
     assert s["swap"]["delta_s"] == pytest.approx(0.8e-3 / 16, rel=0.01)
     assert s["stream"]["stream_over_upload_s"] == pytest.approx(0.4e-3 / 16, rel=0.01)
