@@ -79,7 +79,7 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
     from .calibrate import StandIn, build_layers, calibration_replay, calibration_runs, synth_tokens, write_json
     from .calibrate_replay import POOL_RUN, RUN_CONFIGS
     from .calibrate_measure import GpuTimer, measure_gpu_experts
-    from .calibrate_moves import measure_moves
+    from .calibrate_moves import KINDS, measure_moves
     from .gpu_experts import GpuExperts
     from scheduler import Capacity, Geometry
 
@@ -146,7 +146,8 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
         if getattr(args, "moves", True):  # the moves probe, one round of it per round (calibrate_moves)
             try:
                 t0 = time.perf_counter()
-                got = measure_moves(cp, gx, layers, dense, args.threads, rounds=1)
+                got = measure_moves(cp, gx, layers, dense, args.threads, rounds=1, top_k=args.top_k,
+                                    kinds=KINDS if rep % 2 == 0 else KINDS[::-1])
                 raw.setdefault("moves", []).extend({**r, "round": rep} for r in got)
                 log(f"[{rep}] moves probe: " + ", ".join(f"{r['kind']} {np.mean(r['token_s']) * 1e3:.3f}" for r in got)
                     + f" ms/token ({time.perf_counter() - t0:.1f} s)")
