@@ -48,7 +48,7 @@ from numba.extending import intrinsic
 from . import quant as Q
 from .cpu_simd import (bits32, choose_isa, choose_prefetch, fma_cvt, hsum, load_f16, load_f32, addr, load_nib32,
                        load_u16, prefetch, store_f32, ptr_f32, ptr_i64, ptr_i8, ptr_i16, lut16, vor, vshl, zero_f32)
-from .cpu_iq import IQ_TABLES, dot_iq1, dot_iq_s, dot_iq_xxs
+from .cpu_iq import IQ_TABLES, choose_gather, dot_iq1, dot_iq_s, dot_iq_xxs
 from .cpu_q32 import dot_mxfp4, dot_q8_0, sdots_any
 from .cpu_kq import (acc_dots, acc_dots_x16lo, block_scratch, dot_iq4_xs, dot_q2_3k, dot_q4_k, dot_q6_k, dots, f16x8, fadd, fmul,
                      idot as _idot, load_f32x8, load_nib32_x16, prefetch_plan, sdot as _sdot, store_i8x32)
@@ -293,7 +293,8 @@ def _row_kernel_of(qt: int):
         l2 = n * cols if j[J_LEVELS] == 2 else 0
         base = w + e * nrows * rb
         end = base + r1 * rb
-        ahead, pf = prefetch_plan(base, r0, rb, end, j[J_ISA] >> 2)  # pf: the next byte to prefetch; per
+        vg = (j[J_ISA] >> 4) & 1  # the i-quants' grid gather (cpu_iq.GATHER_MODES)
+        ahead, pf = prefetch_plan(base, r0, rb, end, (j[J_ISA] >> 2) & 3)  # pf: the next byte to prefetch; per
         for r in range(r0, r1):  # row up to ``ahead`` bytes past it, into the caches while it is dotted
             to = min(base + (r + 1) * rb + ahead, end)
             while pf < to:
@@ -318,12 +319,12 @@ def _row_kernel_of(qt: int):
                 elif qt == _IQ4_XS:
                     v = dot_iq4_xs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table + _IQ4, table + _IQ4U)
                 elif qt == _IQ2_XXS or qt == _IQ3_XXS:
-                    v = dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table + _IQX, qt == _IQ3_XXS)
+                    v = dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table + _IQX, qt == _IQ3_XXS, vg == 1)
                 elif qt == _IQ2_XS or qt == _IQ2_S or qt == _IQ3_S:
                     kind = 0 if qt == _IQ2_XS else 1 if qt == _IQ2_S else 2
-                    v = dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table + _IQX, kind)
+                    v = dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table + _IQX, kind, vg == 1)
                 elif qt == _IQ1_S or qt == _IQ1_M:
-                    v = dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table + _IQX, qt == _IQ1_M)
+                    v = dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table + _IQX, qt == _IQ1_M, vg == 1)
                 elif qt == _Q4_0:
                     v = _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa)
                 elif qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:
@@ -538,7 +539,8 @@ class _Scratch:
     def __init__(self, isa: str | None = None):
         self.n = self.width = 0
         self.arrays: tuple = ()
-        self.isa = choose_isa(isa) | choose_prefetch() << 2  # MOELAB_CPU_ISA (else the host's best), MOELAB_CPU_PREFETCH
+        self.isa = choose_isa(isa) | choose_prefetch() << 2 | choose_gather() << 4  # MOELAB_CPU_ISA (else the
+        # host's best), MOELAB_CPU_PREFETCH, MOELAB_CPU_GATHER
 
     def fields(self, n: int, hidden: int, ffn: int) -> tuple[tuple, np.ndarray]:
         """(arrays, the job fields J_ORDER .. J_ISA: their addresses, _LEVELS, the code tables',

@@ -33,7 +33,7 @@ from .cpu_kq import (acc_dots, acc_dots16, dots, dup_hi, dup_lo, fadd, fmul, loa
 from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, _splat, hsum, load_f16, zero_f32
 from .iq_grids import grid
 
-__all__ = ["IQ_TABLES", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
+__all__ = ["IQ_TABLES", "GATHER_MODES", "choose_gather", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
 
 # byte offsets in IQ_TABLES: the grids as bytes + 64 (see sign_off): IQ2_XXS (256 x 8), IQ3_XXS (256 x 4),
 # IQ2_XS (512 x 8), IQ2_S (1024 x 8), IQ3_S (512 x 4)
@@ -112,6 +112,55 @@ def _blend_tree(builder, parts, k):
 
 gather8x4 = _gather(4, 8)  # IQ2_XXS: four 8-byte grid entries
 gather4x8 = _gather(8, 4)  # IQ3_XXS: eight 4-byte grid entries
+
+
+# How a group's grid entries are gathered (the job's J_ISA field carries the mode at bit 4): "blend"
+# (_gather: broadcasts from memory joined by blends) or "vgather" (_vgather: one hardware gather).
+GATHER_MODES = ("blend", "vgather")
+
+
+def choose_gather(name: str | None = None, what: str = "MOELAB_CPU_GATHER") -> int:
+    """Index in GATHER_MODES of ``name`` (default: the environment's MOELAB_CPU_GATHER, else
+    "blend"); a ValueError naming ``what`` for an unknown mode."""
+    import os
+
+    name = name if name is not None else os.environ.get("MOELAB_CPU_GATHER") or GATHER_MODES[0]
+    if name not in GATHER_MODES:
+        raise ValueError(f"{what}={name!r}: expected one of {', '.join(GATHER_MODES)}")
+    return GATHER_MODES.index(name)
+
+
+def _vgather(k: int, width: int, offsets: bool = False):
+    """``_gather`` by one AVX2 gather (vpgatherdq for k = 4 entries of 8 bytes, vpgatherdd for 8 of
+    4): the k indices (bytes, or with ``offsets`` u16 byte offsets) at w + p widened to dwords by one
+    load (vpmovzx), the table read at table + index * width (or + offset)."""
+    ity = ir.IntType(16 if offsets else 8)
+    i32 = ir.IntType(32)
+    lane = ir.IntType(8 * width)
+    vec = ir.VectorType(lane, k)
+    scale = 1 if offsets else width
+
+    @intrinsic
+    def gather(typingctx, table, w, p):
+        if not all(isinstance(a, types.Integer) for a in (table, w, p)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            t, wa, pa = (context.cast(builder, a, s, types.int64) for a, s in zip(args, sig.args))
+            a = builder.inttoptr(builder.add(wa, pa), ir.PointerType(ir.VectorType(ity, k)))
+            idx = builder.zext(builder.load(a, align=1), ir.VectorType(i32, k))
+            i8p = ir.PointerType(ir.IntType(8))
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, i8p, idx.type, vec, ir.IntType(8)]),
+                                                 f"llvm.x86.avx2.gather.d.{'q' if width == 8 else 'd'}.256")
+            ones = ir.Constant(vec, [-1] * k)
+            r = builder.call(fn, [ir.Constant(vec, None), builder.inttoptr(t, i8p), idx, ones, ir.Constant(ir.IntType(8), scale)])
+            return builder.bitcast(r, ir.VectorType(ir.IntType(8), 32))
+        return I8x32(table, w, p), codegen
+    return gather
+
+
+vgather8x4, vgather4x8 = _vgather(4, 8), _vgather(8, 4)
+vgather8x4_off, vgather4x8_off = _vgather(4, 8, True), _vgather(8, 4, True)
 
 
 @intrinsic
@@ -204,17 +253,18 @@ def _xxs_signs(w, p, sl, three):
 
 
 @njit(inline="always")
-def _xxs_group(w, p, sl, table, g, three):
-    """Group g of the IQ2_XXS/IQ3_XXS block at byte p: its grid bytes gathered, signs applied."""
+def _xxs_group(w, p, sl, table, g, three, vg):
+    """Group g of the IQ2_XXS/IQ3_XXS block at byte p: its grid bytes gathered (``vg``: by
+    _vgather), signs applied."""
     if three:
-        q = gather4x8(table + _G3, w, p + 2 + 8 * g)
+        q = vgather4x8(table + _G3, w, p + 2 + 8 * g) if vg else gather4x8(table + _G3, w, p + 2 + 8 * g)
     else:
-        q = gather8x4(table + _G2, w, p + 2 + 8 * g)
+        q = vgather8x4(table + _G2, w, p + 2 + 8 * g) if vg else gather8x4(table + _G2, w, p + 2 + 8 * g)
     return sign_off(q, load_u32(sl, _SIGNS + 4 * g))
 
 
 @njit(inline="always", fastmath=True)
-def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
+def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three, vg):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations (see cpu_experts._quantize):
     IQ2_XXS (three False; 66-byte blocks: f16 d, per group u32 grid indices, u32 signs + scale) or
     IQ3_XXS (98-byte blocks: f16 d, u8 qs[64], u32 signs + scale per group); ``table``:
@@ -234,10 +284,10 @@ def dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table, three):
         if b + 1 < n:  # the next block's sign bytes, a block ahead of their loads (see iq_scratch)
             _xxs_signs(w, p + bs, buf + _SLOT * ((b + 1) & 1), three)
         u = words4(w, p + 66) if three else words8(w, p + 2)
-        q = (_xxs_group(w, p, sl, table, 0, three), _xxs_group(w, p, sl, table, 1, three),
-             _xxs_group(w, p, sl, table, 2, three), _xxs_group(w, p, sl, table, 3, three),
-             _xxs_group(w, p, sl, table, 4, three), _xxs_group(w, p, sl, table, 5, three),
-             _xxs_group(w, p, sl, table, 6, three), _xxs_group(w, p, sl, table, 7, three))
+        q = (_xxs_group(w, p, sl, table, 0, three, vg), _xxs_group(w, p, sl, table, 1, three, vg),
+             _xxs_group(w, p, sl, table, 2, three, vg), _xxs_group(w, p, sl, table, 3, three, vg),
+             _xxs_group(w, p, sl, table, 4, three, vg), _xxs_group(w, p, sl, table, 5, three, vg),
+             _xxs_group(w, p, sl, table, 6, three, vg), _xxs_group(w, p, sl, table, 7, three, vg))
         f = fmul(fadd(top4_f32(u), np.float32(0.5)), load_f16(w, p) * (np.float32(0.5) if three else np.float32(0.25)))
         blk = xb + 8 * b
         acc = acc_dots(acc, dots(isa, q, xq, xo + 256 * b, l2), fmul(f, load_f32x8(xd, blk)))
@@ -348,17 +398,19 @@ def _index_s(w, p, sl, kind):
 
 
 @njit(inline="always")
-def _s_group(w, p, sl, table, g, kind):
+def _s_group(w, p, sl, table, g, kind, vg):
     """Group g of the IQ2_XS/IQ2_S/IQ3_S block at byte p (offsets and IQ2_XS's signs staged at sl)."""
     if kind == 2:
-        return sign_off(gather4x8_off(table + _G3S, sl, _IDX + 16 * g), load_u32(w, p + 74 + 4 * g))
-    if kind == 1:
-        return sign_off(gather8x4_off(table + _G2S, sl, _IDX + 8 * g), load_u32(w, p + 34 + 4 * g))
-    return sign_off(gather8x4_off(table + _G2XS, sl, _IDX + 8 * g), load_u32(sl, _SIGNS + 4 * g))
+        t = table + _G3S
+        q = vgather4x8_off(t, sl, _IDX + 16 * g) if vg else gather4x8_off(t, sl, _IDX + 16 * g)
+        return sign_off(q, load_u32(w, p + 74 + 4 * g))
+    t = table + (_G2S if kind == 1 else _G2XS)
+    q = vgather8x4_off(t, sl, _IDX + 8 * g) if vg else gather8x4_off(t, sl, _IDX + 8 * g)
+    return sign_off(q, load_u32(w, p + 34 + 4 * g) if kind == 1 else load_u32(sl, _SIGNS + 4 * g))
 
 
 @njit(inline="always", fastmath=True)
-def dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, kind):
+def dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, kind, vg):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations: kind 0 IQ2_XS (74-byte
     blocks: f16 d, u16 qs[32], u8 scales[8]), 1 IQ2_S (82: f16 d, u8 qs[32], u8 signs[32], u8
     qh[8], u8 scales[8]), 2 IQ3_S (110: f16 d, u8 qs[64], u8 qh[8], u8 signs[32], u8 scales[4]);
@@ -377,9 +429,9 @@ def dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, kind):
         sl = buf + _SLOT * (b & 1)
         if b + 1 < n:  # the next block's offsets (and sign bytes), a block ahead of their loads
             _index_s(w, p + bs, buf + _SLOT * ((b + 1) & 1), kind)
-        q = (_s_group(w, p, sl, table, 0, kind), _s_group(w, p, sl, table, 1, kind), _s_group(w, p, sl, table, 2, kind),
-             _s_group(w, p, sl, table, 3, kind), _s_group(w, p, sl, table, 4, kind), _s_group(w, p, sl, table, 5, kind),
-             _s_group(w, p, sl, table, 6, kind), _s_group(w, p, sl, table, 7, kind))
+        q = (_s_group(w, p, sl, table, 0, kind, vg), _s_group(w, p, sl, table, 1, kind, vg), _s_group(w, p, sl, table, 2, kind, vg),
+             _s_group(w, p, sl, table, 3, kind, vg), _s_group(w, p, sl, table, 4, kind, vg), _s_group(w, p, sl, table, 5, kind, vg),
+             _s_group(w, p, sl, table, 6, kind, vg), _s_group(w, p, sl, table, 7, kind, vg))
         v = dots(isa, q, xq, xo + 256 * b, l2)
         blk = xb + 8 * b
         xdv = load_f32x8(xd, blk)
@@ -447,6 +499,12 @@ iq1s_scales, iq1m_scales = _iq1_scales(False), _iq1_scales(True)
 
 
 @njit(inline="always")
+def _g1(t, sl, g, vg):
+    """Group g's IQ1 grid bytes (offsets staged at sl)."""
+    return vgather8x4_off(t, sl, _IDX + 8 * g) if vg else gather8x4_off(t, sl, _IDX + 8 * g)
+
+
+@njit(inline="always")
 def _index_1(w, p, sl, m):
     if m:
         grid_index_1m(w, p, sl)
@@ -455,7 +513,7 @@ def _index_1(w, p, sl, m):
 
 
 @njit(inline="always", fastmath=True)
-def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m):
+def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m, vg):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations: IQ1_S (m False; 50-byte
     blocks: f16 d, u8 qs[32], u16 qh[8]) or IQ1_M (56: u8 qs[32], u8 qh[16] a nibble per 8
     weights, u16 scales[4] with d in their top nibbles). w = dl (g + delta), g in {-1, 0, 1} and
@@ -481,9 +539,8 @@ def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m):
         else:
             d = load_f16(w, p)
             s0, s1 = iq1s_scales(w, p)
-        q = (gather8x4_off(t, sl, _IDX), gather8x4_off(t, sl, _IDX + 8), gather8x4_off(t, sl, _IDX + 16),
-             gather8x4_off(t, sl, _IDX + 24), gather8x4_off(t, sl, _IDX + 32), gather8x4_off(t, sl, _IDX + 40),
-             gather8x4_off(t, sl, _IDX + 48), gather8x4_off(t, sl, _IDX + 56))
+        q = (_g1(t, sl, 0, vg), _g1(t, sl, 1, vg), _g1(t, sl, 2, vg), _g1(t, sl, 3, vg),
+             _g1(t, sl, 4, vg), _g1(t, sl, 5, vg), _g1(t, sl, 6, vg), _g1(t, sl, 7, vg))
         v = dots(isa, q, xq, xo + 256 * b, l2)
         dq = d * np.float32(0.125)
         f0 = fmul(s0, dq)  # per 16 weights

@@ -5,7 +5,8 @@ pool's empty-call round trip and the host's streaming ceiling, all measured in o
 submit -> result, as the engine calls it, once per entry of ``--isa``: an instruction-set path of
 its integer dot (default every path this host runs: vnni = vpdpbusd, avx2 = vpmaddubsw +
 vpmaddwd, plain; MOELAB_CPU_ISA), optionally with a row prefetch mode (``vnni:rows``; 2k, rows,
-off: MOELAB_CPU_PREFETCH; repeat entries to interleave an A/B). ``old`` (``--no-old`` skips it):
+off: MOELAB_CPU_PREFETCH) and the i-quants' grid gather (``vnni:2k:vgather``; blend, vgather:
+MOELAB_CPU_GATHER); repeat entries to interleave an A/B. ``old`` (``--no-old`` skips it):
 the kernels before the rewrite (execute/cpu_experts_baseline.py: float32 activations, rows dotted
 block by block, Numba's OpenMP pool, called on this thread). Shapes: Qwen3-30B-A3B experts
 (hidden 2048, ffn 768); calls of 1, 2 and 8 experts x 1 token (decode) and 8 experts x 8 tokens
@@ -39,13 +40,14 @@ import numba  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from execute import cpu_experts_baseline as old  # noqa: E402
-from execute import cpu_simd  # noqa: E402
+from execute import cpu_iq, cpu_simd  # noqa: E402
 from execute.cpu_pool import CpuExpertPool  # noqa: E402
 from execute import quant as Q  # noqa: E402
 from execute.experts import ExpertTensor, LayerExperts, random_layer  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "BF16")  # the default; any of cpu_experts' types may be asked for
 PREFETCH = os.environ.get("MOELAB_CPU_PREFETCH", cpu_simd.PREFETCH_MODES[0])  # of an --isa entry without one
+GATHER = os.environ.get("MOELAB_CPU_GATHER", cpu_iq.GATHER_MODES[0])
 EXACT = ("MXFP4",)  # types built by quantizing normal weights (random_layer's fast path only sets f16 scales)
 SHAPES = (("1x1", 1, 1), ("2x1", 2, 1), ("8x1", 8, 1), ("8x8", 8, 8))  # (name, experts, tokens each)
 
@@ -129,9 +131,10 @@ def rates(layer: LayerExperts, shape: tuple, threads: int, reps: int, clock, rng
         o = nbytes / float(np.median(to[1:])) / 1e9
     out = []
     for v, entry in enumerate(isas, 1):
-        isa, _, pf = entry.partition(":")
-        os.environ["MOELAB_CPU_ISA"] = isa  # both read when the pool's scratch is made
+        isa, pf, gm = (entry.split(":") + ["", ""])[:3]
+        os.environ["MOELAB_CPU_ISA"] = isa  # all three read when the pool's scratch is made
         os.environ["MOELAB_CPU_PREFETCH"] = pf or PREFETCH
+        os.environ["MOELAB_CPU_GATHER"] = gm or GATHER
         work = calls(layer, k, tokens, reps, rng, v * (reps + 1))
         with CpuExpertPool(threads, timeout_s=120, spin_us=spin_us) as pool:  # its team spins between calls
             tn = [_timed(lambda: pool.submit(layer, pairs, x).result(), clock) for pairs, x in work]
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--types", default=",".join(TYPES), help="comma-separated quant types ('all': every CPU type)")
     p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated call shapes")
     p.add_argument("--isa", default=",".join(cpu_simd.host_isas()), help="comma-separated integer-dot paths, each "
-                   f"ISA[:PREFETCH] (default: this host's, {','.join(cpu_simd.host_isas())}; the first is the last line's)")
+                   f"ISA[:PREFETCH[:GATHER]] (default: this host's, {','.join(cpu_simd.host_isas())}; the first is the last line's)")
     p.add_argument("--old", action=argparse.BooleanOptionalAction, default=True, help="also time the old kernels")
     p.add_argument("--experts", type=int, default=0, help="distinct experts per type (>= 8; default: 64, or twice the L3)")
     p.add_argument("--reps", type=int, default=15, help="calls per figure")
@@ -180,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [next(s for s in SHAPES if s[0] == name) for name in args.shapes.split(",")]
         per_core = [int(t) for t in args.per_core.split(",") if t.strip()]
         isas = args.isa.split(",")
-        for isa, _, pf in (i.partition(":") for i in isas):
-            cpu_simd.choose_isa(isa, "--isa"), cpu_simd.choose_prefetch(pf or PREFETCH, "--isa")
+        for isa, pf, gm in ((i.split(":") + ["", ""])[:3] for i in isas):
+            cpu_simd.choose_isa(isa, "--isa"), cpu_simd.choose_prefetch(pf or PREFETCH, "--isa"), cpu_iq.choose_gather(gm or GATHER, "--isa")
         for qt in types:
             Q.quant_type(qt, "--types", Q.CPU_QTYPES)
     except (ValueError, KeyError, StopIteration) as exc:
@@ -197,11 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--out: directory {args.out.parent} does not exist")
     rng = np.random.default_rng(0)
     first_s = first_call_s(rng)
-    log(f"  first pool call {first_s:.1f} s after start")
-    ceiling = ceiling_gbps(args.threads, ceiling_mib, 5)
-    log(f"  ceiling {ceiling:.1f} GB/s ({args.threads} threads)")
-    empty = empty_call_us(args.threads, 200, rng)
-    log(f"  empty call {empty:.1f} us")
+    ceiling, empty = ceiling_gbps(args.threads, ceiling_mib, 5), empty_call_us(args.threads, 200, rng)
+    log(f"  first pool call {first_s:.1f} s after start; ceiling {ceiling:.1f} GB/s ({args.threads} threads); empty call {empty:.1f} us")
     main_rows, core_rows = [], []
     for qt in types:
         name = Q.LAYOUTS[qt].name

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from execute import cpu_simd
+from execute import cpu_iq, cpu_simd
 from execute import quant as Q
 from execute.cpu_experts import run_experts
 from execute.experts import ExpertTensor, LayerExperts
@@ -205,6 +205,25 @@ def test_every_prefetch_mode_gives_the_same_rows(monkeypatch, rng):
         np.testing.assert_array_equal(y, ys["2k"])
     monkeypatch.setenv("MOELAB_CPU_PREFETCH", "far")
     with pytest.raises(ValueError, match="MOELAB_CPU_PREFETCH='far': expected one of 2k, rows, off"):
+        run_experts(layer, [0], x[:1])
+
+
+GRID = [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M]
+
+
+@pytest.mark.parametrize("qtype", GRID, ids=[Q.LAYOUTS[t].name for t in GRID])
+def test_every_gather_mode_gives_the_same_rows(qtype, monkeypatch, rng):
+    """The grid i-quants' entries gathered by blends or by one hardware gather: the same bytes, so
+    the same rows bit for bit (3-block rows: both scratch slots)."""
+    layer = layer_of(rng, qtype, 2, 768, 256)
+    x = rng.standard_normal((3, 768)).astype(np.float32)
+    ys = {}
+    for mode in cpu_iq.GATHER_MODES:
+        monkeypatch.setenv("MOELAB_CPU_GATHER", mode)
+        ys[mode] = run_experts(layer, [1, 0, 1], x, threads=2)
+    np.testing.assert_array_equal(ys["vgather"], ys["blend"])
+    monkeypatch.setenv("MOELAB_CPU_GATHER", "scalar")
+    with pytest.raises(ValueError, match="MOELAB_CPU_GATHER='scalar': expected one of blend, vgather"):
         run_experts(layer, [0], x[:1])
 
 
