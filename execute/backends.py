@@ -186,6 +186,11 @@ class EngineExperts:
             self.engine.dense_after_experts()
         return y
 
+    def on_compute(self):
+        """A context running the caller's work (the dense path) on the engine's compute stream
+        (``ExpertEngine.on_compute``: no events between the two streams a step)."""
+        return self.engine.on_compute()
+
     def settle_layer(self, item) -> None:
         """A step a token graph computed (``run``): the engine follows its decision's residency."""
         self.engine.settle_layer(item)

@@ -153,6 +153,7 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     token graph or a device chunk, the graph's or chunk's time is counted in block 0's dense time. Every
     driver item is also given to ``audit`` (an ``Audit``) if any; ``progress(tokens)`` is called
     after each batch with the positions run."""
+    import contextlib
     import dataclasses
     import time
 
@@ -180,6 +181,10 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     if attach is not None and getattr(model, "device_chunk", 0) is None:
         model.device_chunk = attach(model) or False  # False: asked once, the path does not apply
     gate = getattr(getattr(model, "token_graph", None), "gate", None)
+    streams = contextlib.ExitStack()  # the dense path on the backend's compute stream, if it has one
+    on_compute = getattr(backend, "on_compute", None)
+    if on_compute is not None:
+        streams.enter_context(on_compute())
     t0 = mark = time.perf_counter()
     other = 0.0
     tokens_in = _tokens(model, inputs)
@@ -225,4 +230,5 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
         if tg is not None:  # no input is taken ahead after the run; a graph launched ahead is waited for
             tg.ahead = None
             tg.drop()
+        streams.close()
     return RunResult(audit, tokens, time.perf_counter() - t0, np.array(dense), np.array(experts), other, logits, steps)

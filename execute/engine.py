@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -481,6 +482,24 @@ class ExpertEngine:
         self._next_wait = (self._next_wait + 1) % len(self._dense_waits)
         cp.cuda.runtime.eventRecord(ev.ptr, self.gpu.compute.ptr)
         cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, ev.ptr)
+
+    @contextmanager
+    def on_compute(self):
+        """A context in which the caller's current stream is the engine's compute stream: the
+        dense path queued there runs in order with the expert work, so no step needs the events
+        between the two streams (``after_caller``, ``to_caller``: three runtime calls a step).
+        On entry the compute stream waits for the caller's work so far; on exit the caller's
+        stream waits for the compute stream's. Without a GPU: nothing."""
+        gx = self.gpu
+        if gx is None:
+            yield
+            return
+        gx.after_caller()
+        try:
+            with gx.compute:
+                yield
+        finally:
+            gx.to_caller()
 
     # a token's graph ---------------------------------------------------------------------------
     def sync_table(self, stream_ptr: int) -> None:

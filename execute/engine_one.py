@@ -181,37 +181,31 @@ def run_one(eng, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: Earl
         one = one_layer(eng, layer)
     if one is None:
         raise ExecutorError(f"layer {layer} has no cache pool; its experts cannot be on the GPU")
-    ptr, stride, n_slots = one.slots
-    ids = early.ids if early is not None and early.topk is topk_ids else topk_ids[0].tolist()
     w = topk_weights[0]
     if not (isinstance(w, np.ndarray) and w.dtype.char == "f"):
         w = np.asarray(topk_weights, np.float32)[0]
-    weights = w.tolist()
-    up = dict(zip(d.uploads, d.slots)) if d.uploads else None
-    if early is not None and (early.layer != layer or early.x is not x or early.ids != ids):
-        early = eng._free_late(early) and None  # begun for another step: run every pair here
-    fast = early is not None and early_bases(early, d, up, ptr, stride, n_slots)
+    uploads = d.uploads
+    up = dict(zip(uploads, d.slots)) if uploads else None
+    fast = None
+    if early is not None:
+        if early.topk is topk_ids and early.x is x and early.layer == layer:  # begun for this step
+            ids = early.ids
+            fast = early_bases(early, d, up, *one.slots)
+        else:
+            ids = topk_ids[0].tolist()
+            if early.layer != layer or early.x is not x or early.ids != ids:
+                early = eng._free_late(early) and None  # begun for another step: run every pair here
+            else:
+                fast = early_bases(early, d, up, *one.slots)
+    else:
+        ids = topk_ids[0].tolist()
     if fast:
         bases, rest = fast
         late = early.late  # the early kernel runs the rest
     else:
         late = 0
         early = eng._free_late(early)
-        bases, rest = [], []
-        picked, hits = (early.pick if early is not None else ()), d.hits
-        for j, e in enumerate(ids):
-            if up is not None and e in up:  # (an early-started expert uploaded anew runs again)
-                s = up[e]
-                if not 0 <= s < n_slots:
-                    raise ExecutorError(f"layer {layer}: slot {s} out of range for pool of {n_slots} slots")
-                rest.append(j)
-            else:
-                s = slot_of.get((layer, e))
-                if s is None or e not in hits:
-                    eng._not_on_gpu(layer, ids, hits, up or {})
-                if j not in picked:
-                    rest.append(j)
-            bases.append(ptr + s * stride)
+        bases, rest = _all_pairs(eng, d, ids, up, one.slots, early.pick if early is not None else ())
     xd = early.xd if early is not None else gx.as_input(x)
     st = eng.stats
     k = len(ids)
@@ -222,12 +216,12 @@ def run_one(eng, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: Earl
     compute = gx.compute.ptr
     if up is not None:
         if late:
-            eng._late.copy_in(layer, d.uploads, d.slots, late, bases)
+            eng._late.copy_in(layer, uploads, d.slots, late, bases)
             st.late_pairs += len(rest)
         else:
-            gx.copy_in(layer, d.uploads, d.slots)
-        st.uploads += len(up)
-    pack1(gx._ex, bases, weights, rest)
+            gx.copy_in(layer, uploads, d.slots)
+        st.uploads += len(uploads)
+    pack1(gx._ex, bases, w.tolist(), rest)
     if rest and not late:
         gu = one.gate_up
         gu.vals[0] = xd.data.ptr
@@ -238,9 +232,33 @@ def run_one(eng, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: Earl
     v[1] = out.data.ptr
     v[2] = k
     dc.launch(1, 32 * k, compute)
-    for v in d.retired:
-        slot_of.pop(v, None)
+    if d.retired:
+        for v in d.retired:
+            slot_of.pop(v, None)
     if up is not None:
         slot_of.place(layer, up.items())
     st.host_queue_s += _perf() - t1
     return out
+
+
+def _all_pairs(eng, d: Decision, ids: list, up: dict | None, slots: tuple, picked) -> tuple[list, list]:
+    """``run_one``'s (bases, rest) by a loop over the routed pairs (``picked``: the pairs an early
+    kernel started and the decision keeps); raises for a pair the decision does not place."""
+    layer = d.layer
+    ptr, stride, n_slots = slots
+    slot_of = eng.slot_of
+    bases, rest, hits = [], [], d.hits
+    for j, e in enumerate(ids):
+        if up is not None and e in up:  # (an early-started expert uploaded anew runs again)
+            s = up[e]
+            if not 0 <= s < n_slots:
+                raise ExecutorError(f"layer {layer}: slot {s} out of range for pool of {n_slots} slots")
+            rest.append(j)
+        else:
+            s = slot_of.get((layer, e))
+            if s is None or e not in hits:
+                eng._not_on_gpu(layer, ids, hits, up or {})
+            if j not in picked:
+                rest.append(j)
+        bases.append(ptr + s * stride)
+    return bases, rest

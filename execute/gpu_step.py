@@ -39,7 +39,6 @@ entries were queued. Off by default (``MOELAB_LATE_START=1``).
 from __future__ import annotations
 
 import ctypes
-import operator
 import os
 import struct
 import sys
@@ -58,7 +57,6 @@ __all__ = ["CopyBatch", "FREE_REFS", "FixedLaunch", "LATE_TIMEOUT_S", "LateStart
 _rt = cp.cuda.runtime
 _H2D = _rt.memcpyHostToDevice
 _launch_kernel = cp.cuda.driver.launchKernel
-_add = operator.add
 _ACCESS_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _MAX_K = 32  # MAXK of gpu_kernels.cu
 LATE_TIMEOUT_S = 1.0  # the longest a late pair waits for its slot address (a step's uploads take ms)
@@ -176,16 +174,19 @@ class CopyBatch:
 
 
 def _copy_plan(gx, layer: int):
-    """(host rows, experts, first slot's address, stride, slots, bytes per expert, then per part:
-    its offset in a slot, host base, row stride, bytes) of a layer whose host rows are contiguous
-    (``GpuExperts._host_rows``), else False; cached in ``gx._copy_plans`` (reset by ``set_capacity``)."""
+    """(experts, slots, bytes per expert, each slot's part addresses, each expert's host part
+    addresses, the parts' bytes, their offsets in a slot) of a layer whose host rows are contiguous
+    (``GpuExperts._host_rows``), else False; cached in ``gx._copy_plans`` (reset by
+    ``set_capacity``). The address tables make a step's gather a lookup per expert."""
     rows = gx._host_rows(layer)
     plan = False
     if rows is not None:
         ptr, stride, n_slots = gx.slot_tables[layer] or (0, 0, 0)
-        offs = tuple(sum(r[2] for r in rows[:i]) for i in range(len(rows)))  # each part's place in a slot
-        plan = (rows, gx.layers[layer].num_experts, ptr, stride, n_slots, sum(r[2] for r in rows), offs,
-                tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows))
+        offs = [sum(r[2] for r in rows[:i]) for i in range(len(rows))]  # each part's place in a slot
+        plan = (gx.layers[layer].num_experts, n_slots, sum(r[2] for r in rows),
+                [tuple(ptr + s * stride + o for o in offs) for s in range(n_slots)],
+                [tuple(base + e * row for base, row, _ in rows) for e in range(gx.layers[layer].num_experts)],
+                tuple(r[2] for r in rows), tuple(offs))
     gx._copy_plans[layer] = plan
     return plan
 
@@ -222,23 +223,27 @@ def queue_copies(gx, layer: int, experts, slots, streamed, scratch, late=None) -
         for e, k in zip(streamed, scratch):
             gx.stream_to(layer, e, k)
     else:
-        rows, n, ptr, stride, n_slots, nbytes, offs, hbase, hrow, sizes = plan
+        n, n_slots, nbytes, dst, src, sizes, offs = plan
         if experts and (min(slots) < 0 or max(slots) >= n_slots or min(experts) < 0 or max(experts) >= n) or \
                 streamed and (min(streamed) < 0 or max(streamed) >= n):  # checked before anything is gathered
             _bad_copy(gx, layer, experts, slots, streamed, n, n_slots)
-        b, filled, total = gx._batch, gx.filled, 0
-        d, src, z = b.dst.extend, b.src.extend, b.size.extend  # as CopyBatch.add, inline (maps: no bytecode per part)
+        b, filled = gx._batch, gx.filled
+        d, h, z = b.dst.extend, b.src.extend, b.size.extend  # as CopyBatch.add, inline
+        m = 0
         for e, s in zip(experts, slots):
             if filled and filled.pop((layer, s), None) == e:
                 continue  # put there by the background load, and nothing has written the slot since
-            d(map((ptr + s * stride).__add__, offs))
-            src(map(_add, hbase, map(e.__mul__, hrow)))
-            z(sizes)
-            total += nbytes
+            d(dst[s])
+            h(src[e])
+            m += 1
         for e, k in zip(streamed, scratch):
-            total += b.add(gx.source_ptr(layer, -1 - k), rows, e)
-        gx.bytes_uploaded += total
-        b.flush(copy)
+            d(map(gx.source_ptr(layer, -1 - k).__add__, offs))
+            h(src[e])
+            m += 1
+        if m:
+            z(sizes * m)
+            gx.bytes_uploaded += m * nbytes
+            b.flush(copy)
     if late is None:
         gx.compute_after_copies()
     else:

@@ -11,6 +11,9 @@ Prints, per policy: the engine's host time per layer step (thread CPU time of th
 passes with the engine's calls minus the fastest without; per-layer launches built before); its
 wall-clock phases (bench_executor's columns); calls per step by name, uploads per step, decisions' digest.
 
+``--dense-stream``: the caller's current stream is the engine's compute stream (the default, as
+``execute.driver.run`` decodes) or another (``caller``: events between the two each step).
+
 ``--base REV``: the same under REV's ``execute`` / ``scheduler`` / ``traces`` and under this tree,
 each in its own process, alternated ``--rounds`` times; the decisions' digests are compared.
 """
@@ -137,6 +140,7 @@ def run(args) -> dict:
                 pol = make_policy(name, geo, cap)
                 gx = GpuExperts(layers, cap, scratch_slots=16, pinned=False)
                 gx._batch._fn, gx._batch._fail_idx = _counted("memcpyBatchAsync", 0), False
+                on_dense_stream(gx, args.dense_stream)
                 engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
                 engine.load_residents(pol.cache.slot)
                 for l in range(len(layers)):  # the per-layer launches (a decode builds them once)
@@ -149,6 +153,14 @@ def run(args) -> dict:
                     best = r
         out[name] = _with_bare(best, bare)
     return out
+
+
+def on_dense_stream(gx, where: str) -> None:
+    """The stand-in's current stream: the engine's compute stream (``compute``, as
+    ``ExpertEngine.on_compute`` makes it) or a stream of its own (``caller``)."""
+    cuda = sys.modules["cupy"].cuda
+    current = gx.compute if where == "compute" else _Handle()
+    cuda.get_current_stream = lambda: current
 
 
 def _with_bare(r: dict, bare_s: float) -> dict:
@@ -210,7 +222,8 @@ def compare_base(args) -> dict:
     """``run`` under REV's packages and this tree's, in child processes, alternated."""
     res = {}
     cmd = [sys.executable, __file__, "--json", "--policies", args.policies] + [
-        f"--{k}={getattr(args, k)}" for k in ("repeats", "tokens", "layers", "experts", "slots", "seed")]
+        f"--{k.replace('_', '-')}={getattr(args, k)}"
+        for k in ("repeats", "tokens", "layers", "experts", "slots", "seed", "dense_stream")]
     for tree, got in in_both_trees(args.base, cmd, args.rounds):
         for name, r in got.items():
             old = res.get((tree, name), r)
@@ -226,6 +239,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32, help="cache slots per layer (gpu: every expert)")
     ap.add_argument("--rounds", type=int, default=2, help="--base: processes per tree, alternated")
     ap.add_argument("--base", help="git revision whose engine to time beside this tree's")
+    ap.add_argument("--dense-stream", choices=("compute", "caller"), default="compute",
+                    help="the caller's current stream: the engine's compute stream, or one of its own")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.tokens < 1 or args.repeats < 1 or args.rounds < 1 or args.layers < 1 or not 8 <= args.slots <= args.experts:

@@ -16,7 +16,11 @@ copies are waited for, where the hand-off's input copy runs); ``--late-start 0,1
 once per ``MOELAB_LATE_START`` value (``gpu_step.LateStart``), in one process. ``--hardware FILE`` gives the
 policies that read a cost model the one that file gives this shape (``bench_cost_model``): then
 ``hybrid-cost`` and ``lookahead`` can run, and ``cost`` in ``--miss-fracs`` runs ``hybrid`` with its
-cost-model share. A ``--policies`` entry may carry config fields: ``hybrid-cost:prefetch=4``.
+cost-model share. ``--dense-stream compute,caller`` runs each policy with the caller's current
+stream on the engine's compute stream (the default, as ``execute.driver.run`` decodes:
+``ExpertEngine.on_compute``) and on the legacy default stream (events between the two a step).
+``--rates-from FILE`` reuses an earlier run's rates instead of measuring them. A ``--policies``
+entry may carry config fields: ``hybrid-cost:prefetch=4``.
 
 Method, bound and breakdown: ``execute.bench_layers``. Prints the results, hybrid / best non-hybrid
 and a per-layer host-time breakdown (hand-off edge columns included); writes
@@ -25,6 +29,8 @@ and a per-layer host-time breakdown (hand-off edge columns included); writes
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 import time
@@ -74,6 +80,13 @@ def parse(argv):
     ap.add_argument("--late-start", default="",
                     help="run each policy once per MOELAB_LATE_START value (comma list of 0 and 1; empty: the "
                          "environment's)")
+    ap.add_argument("--dense-stream", default="compute",
+                    help="where the caller's current stream is while a policy runs (the dense stand-in always "
+                         "queues on the engine's compute stream): compute (ExpertEngine.on_compute: no events "
+                         "between streams a step) and/or caller (the legacy default stream); comma list")
+    ap.add_argument("--rates-from", default=None,
+                    help="an earlier bench_executor.json whose rates (bound, breakdown) to reuse instead of "
+                         "measuring them (saves the set-up's kernel compiles and timing loops)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_executor"))
     args = ap.parse_args(argv)
@@ -116,6 +129,16 @@ def parse(argv):
     args.lates = [v for v in args.late_start.split(",") if v] or [None]
     if not set(args.lates) <= {"0", "1", None}:
         ap.error(f"--late-start: expected 0 and/or 1 separated by commas, got {args.late_start!r}")
+    args.dense_streams = [v for v in args.dense_stream.split(",") if v]
+    if not args.dense_streams or not set(args.dense_streams) <= {"compute", "caller"}:
+        ap.error(f"--dense-stream: expected compute and/or caller separated by commas, got {args.dense_stream!r}")
+    args.rates = None
+    if args.rates_from is not None:
+        try:
+            args.rates = json.loads(Path(args.rates_from).read_text())["rates"]
+            args.rates["dense_s_per_layer"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.error(f"--rates-from: {args.rates_from}: expected a bench_executor.json with rates ({exc})")
     variants = [v for v in args.engine_variants.split(",") if v] or [None]
     for v in variants:
         if v is not None:
@@ -154,7 +177,9 @@ def main(argv=None) -> int:
     pin_s = time.perf_counter() - t0
     log(f"pinned {len(gx.registered)} host buffers in {pin_s:.1f} s (staging: {gx.staging is not None})")
     dense = Dense(cp, args.layers, args.hidden, rng, gx.compute)
-    if {p for p, _ in args.specs} <= NO_CPU:  # no CPU work: the pool's rate (and compile) not needed
+    if args.rates is not None:
+        rates = args.rates
+    elif {p for p, _ in args.specs} <= NO_CPU:  # no CPU work: the pool's rate (and compile) not needed
         rates = measure_rates(cp, layers, gx, None, dense)
     else:
         with CpuExpertPool(args.threads, timeout_s=120) as pool:
@@ -168,14 +193,19 @@ def main(argv=None) -> int:
     syncs = {"none": (False,), "layer": (True,), "both": (False, True)}[args.sync]
     for name, options, prof, variant in runs:
         for sync in syncs:
-            for late in args.lates:  # the engine reads MOELAB_LATE_START when it is built
-                if late is not None:
+            for late, where in [(a, b) for a in args.lates for b in args.dense_streams]:
+                if late is not None:  # the engine reads MOELAB_LATE_START when it is built
                     os.environ["MOELAB_LATE_START"] = late
                 cm = None if args.hw is None else bench_cost_model(args, args.hw, name)
-                r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates, options,
-                               sync, variant, cm)
+                gx.after_caller()  # (x0 and the set-up's work, queued on the legacy default stream)
+                with gx.compute if where == "compute" else contextlib.nullcontext():
+                    r = run_policy(cp, name, args, layers, geo, cap, prof, tokens, routing, dense, gx, rates,
+                                   options, sync, variant, cm)
+                gx.compute.synchronize()
                 if late is not None:
                     r["options"] = dict(r["options"], late_start=int(late))
+                if len(args.dense_streams) > 1:
+                    r["options"] = dict(r["options"], dense=where)
                 results.append(r)
                 pl = r["per_layer_us"]
                 log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound "
