@@ -1,24 +1,30 @@
 """Misses inside a token's graph: the CPU pool computes them, the graph waits on the device.
 
-With ``moelab run --graph-cpu`` or ``MOELAB_GRAPH_CPU=1`` (off by default) a ``TokenGraph`` (``execute.token_graph``) is captured
-with this module's four launches per block in place of the resident-only expert kernels, so a
-decode token runs as one graph whatever the cache holds: no block halts it, and the host does
-nothing between blocks. Per block ``l`` of a token (``handoff.cu``, ``graphcpu_*``):
+With ``moelab run --graph-cpu`` or ``MOELAB_GRAPH_CPU=1`` (off by default) a ``TokenGraph``
+(``execute.token_graph``) is captured with this module's launches per block in place of the
+resident-only expert kernels, so a decode token runs as one graph whatever the cache holds: no
+block halts it, and the host does nothing between blocks. Per block ``l`` of a token
+(``handoff.cu``, ``graphcpu_*``):
 
 1. before the launch the host writes the number of the pool's last call, ``base``, into the graph's
    input; after the launch it submits one gated call per block (``k`` pairs: the block's rows of
    ``ids``, ``xin`` and ``yout``, all in host-mapped memory), call ``base + 1 + l`` for block
    ``l``. The pool's ring of 16 calls makes the host wait for a call to finish before it submits
    the one 16 blocks later; the GPU reaches a block long after its call was published;
-2. ``graphcpu_put`` reads the block's routes and slot table row on the device: the routed experts
-   without a slot are the block's misses. It waits until the host has published the call, writes
-   their ids and their count (into the call's job, which the pool's team reads only after the gate)
-   and the block's input row, then the gate;
-3. ``graphcpu_gate_up`` / ``graphcpu_down`` run the resident pairs (``moe1_gate_up`` and
-   ``moe1_down_combine``'s rows) while the team computes the misses;
-4. ``graphcpu_combine`` waits for the call when the block has a miss (``handoff.cu``'s ``ho_wait``)
-   and adds the rows, router-weighted in rank order as ``handoff1_down_combine``: the bits of the
+2. the put reads the block's routes and slot table row on the device: the routed experts without
+   a slot are the block's misses. It waits until the host has published the call, writes their ids
+   and their count (into the call's job, which the pool's team reads only after the gate) and the
+   block's input row, then the gate;
+3. the resident pairs' gate/up and down rows run while the team computes the misses;
+4. the combine waits for the call when the block has a miss (``handoff.cu``'s ``ho_wait``) and adds
+   the rows, router-weighted in rank order as ``handoff1_down_combine``: the bits of the
    block-by-block hand-off of the same decision.
+
+With ``MOELAB_DECODE_KERNELS=v4`` (the default) that is two programmatic launches a block:
+``graphcpu_gate_up_v4`` (the put in one block beside ``moe1r_gate_up_v4``'s rows) and
+``graphcpu_down_combine_v4`` (``moe1r_down_combine_v4``'s rows, then the wait and the sum, each
+block reading its rows of the CPU's output); with v1-v3 four: ``graphcpu_put``,
+``graphcpu_gate_up``, ``graphcpu_down``, ``graphcpu_combine`` (v1's rows).
 
 The graph's split is its slot table at the launch; the decisions must say the same, which
 ``scheduler.graph.CpuMisses`` makes them do (every miss of such a token on the CPU, its upload
@@ -39,8 +45,9 @@ import numpy as np
 from . import cpu_pool as P
 from .cpu_experts import J_N
 from .experts import ExecutorError
-from .gpu_experts import Launch
+from .gpu_experts import _RPB_V4, Launch
 from .handoff import _ERR, _SLOTS, _STAMPS, _Mapped, _kernel
+from .kernel_variants import decode_kernels_env
 
 __all__ = ["GraphCpu"]
 
@@ -81,10 +88,15 @@ class GraphCpu:
         _rt.hostRegister(lo, hi - lo, _REGISTER_MAPPED)
         self.close = weakref.finalize(self, _unregister, lo, ring)  # the ring kept until then
         self._ring_dev = int(_rt.pointerGetAttributes(lo).devicePointer) + ring.ctypes.data - lo
-        self._put = Launch(_kernel("graphcpu_put"), 22)
-        self._gate_up = Launch(_kernel("graphcpu_gate_up"), 16)
-        self._down = Launch(_kernel("graphcpu_down"), 12)
-        self._combine = Launch(_kernel("graphcpu_combine"), 17)
+        self.v4 = decode_kernels_env() == "v4"  # two launches a block (else the four of v1)
+        if self.v4:
+            self._gate_up = Launch(_kernel("graphcpu_gate_up_v4"), 33, programmatic=True)
+            self._down = Launch(_kernel("graphcpu_down_combine_v4"), 24, programmatic=True)
+        else:
+            self._put = Launch(_kernel("graphcpu_put"), 22)
+            self._gate_up = Launch(_kernel("graphcpu_gate_up"), 16)
+            self._down = Launch(_kernel("graphcpu_down"), 12)
+            self._combine = Launch(_kernel("graphcpu_combine"), 17)
         self.timeout_ns = ho.wait_timeout_ns
         self.calls = 0  # calls submitted
         self.cpu_pairs = 0  # pairs the graphs handed to the pool
@@ -109,8 +121,8 @@ class GraphCpu:
         return [lambda s: _rt.memcpyAsync(d, h, 8, _rt.memcpyHostToDevice, s)]
 
     def block(self, l: int, route: int, table: int, x: int, h: int, out: int) -> list:
-        """Block ``l``'s four launches (device addresses: the router's output, the block's slot table
-        row, the normed input, a (k, ffn) work buffer, the (hidden,) output)."""
+        """Block ``l``'s launches, two (v4) or four (device addresses: the router's output, the
+        block's slot table row, the normed input, a (k, ffn) work buffer, the (hidden,) output)."""
         gx = self.engine.gpu
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = gx._consts[l]
         k, ho = self.k, self.ho
@@ -122,11 +134,18 @@ class GraphCpu:
         err, stamps = ctrl + 8 * _ERR, ctrl + 8 * _STAMPS
         a0 = (route, table, k, x, hidden, ids, xin, pick, ctrl, P._C_GEN, P._C_GATE, P._C_BROKEN, seq0, l,
               self._ring_dev, P._RING, P._RING_FIELDS, J_N, self.timeout_ns, err, stamps, _SLOTS)
+        relay = int(self.relay.data.ptr)
+        if self.v4:
+            a1 = a0 + (h, ffn, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
+            a2 = (route, table, pick, h, out, k, ffn, hidden, _RPB_V4, off_d, qt_d, rb_d, bias, yout, ctrl, P._C_DONE,
+                  P._C_BROKEN, seq0, l, self.timeout_ns, relay, err, stamps, _SLOTS)
+            g1, g2 = (-(-ffn // (_WARPS * _RPW)), k + 1), (-(-hidden // _RPB_V4), 1)
+            return [lambda s: self._gate_up(g1, 32 * _WARPS, s, *a1), lambda s: self._down(g2, 32 * k, s, *a2)]
         a1 = (route, table, k, x, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
         ys = int(self.ys.data.ptr)
         a2 = (route, table, h, ys, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)
-        a3 = (route, pick, k, hidden, ys, yout, out, ctrl, P._C_DONE, P._C_BROKEN, seq0, l, self.timeout_ns,
-              int(self.relay.data.ptr), err, stamps, _SLOTS)
+        a3 = (route, pick, k, hidden, ys, yout, out, ctrl, P._C_DONE, P._C_BROKEN, seq0, l, self.timeout_ns, relay, err,
+              stamps, _SLOTS)
         g1, g2, g3 = (-(-ffn // (_WARPS * _RPW)), k), (-(-hidden // _RPB), 1), (-(-hidden // 256), 1)
         return [lambda s: self._put((1, 1), 256, s, *a0), lambda s: self._gate_up(g1, 32 * _WARPS, s, *a1),
                 lambda s: self._down(g2, 32 * k, s, *a2), lambda s: self._combine(g3, 256, s, *a3)]

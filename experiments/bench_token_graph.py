@@ -37,7 +37,7 @@ def _graph_counts(model) -> tuple:
 
 
 def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: int, mode: str, threads: int,
-            max_fills: int | None = None) -> dict:
+            max_fills: int | None = None, kernels: str = "") -> dict:
     from execute import model as M
     from execute.token_graph import TokenGraph
     from scheduler import Capacity, make_policy
@@ -47,6 +47,8 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
     os.environ["MOELAB_TOKEN_GRAPH"] = "0" if mode in ("plain", "cpuplain") else "1"
     os.environ["MOELAB_GRAPH_CPU"] = "1" if mode == "cpugraph" else "0"
     TokenGraph.pipeline = mode == "pipelined"
+    if kernels:
+        os.environ["MOELAB_DECODE_KERNELS"] = kernels
     info = weights.info
     g = info.geometry()
     cap = Capacity.per_layer(g, max(info.num_experts)) if policy == "gpu" else Capacity.from_mib(g, cache_mib)
@@ -84,7 +86,7 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
     steps = max(d["steps"], 1)
     tried, done, wait_s, ahead, gpu_s = (a - b for a, b in zip(_graph_counts(model), marks["tg"]))
     s = audit.summary()
-    return {"policy": policy, "mode": mode, "tokens": n, "tokens_per_s": n / wall, "wall_s": wall,
+    return {"policy": policy, "mode": mode, "kernels": kernels or "default", "tokens": n, "tokens_per_s": n / wall, "wall_s": wall,
             "wall_us_per_layer_step": 1e6 * wall / steps,
             "engine_host_us_per_layer_step": 1e6 * (d["host_plan_s"] + d["host_queue_s"] + d["host_combine_s"]
                                                     + d["host_early_s"]) / steps,
@@ -109,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--graph-fills", type=int, default=None,
                     help="cpuplain/cpugraph: uploads deferred per token at most (CpuMisses max_fills; default no limit)")
+    ap.add_argument("--kernels", default="",
+                    help="comma list of MOELAB_DECODE_KERNELS variants, each mode run under each (default: as set)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_token_graph"))
     args = ap.parse_args(argv)
@@ -123,12 +127,17 @@ def main(argv=None) -> int:
 
     weights = load_model(args.model)
     tokens = np.random.default_rng(args.seed).integers(weights.info.vocab, size=args.tokens + args.warmup).tolist()
+    from execute.kernel_variants import DECODE_KERNELS
+
+    variants = [v for v in args.kernels.split(",") if v] or [""]
+    if any(v not in DECODE_KERNELS for v in variants if v):
+        ap.error(f"--kernels: {args.kernels!r}, expected a comma list of {', '.join(DECODE_KERNELS)}")
     rows = []
     for policy in args.policies.split(","):
-        for mode in modes:
-            r = run_one(weights, policy, args.cache_mib, tokens, args.warmup, mode, args.threads, args.graph_fills)
+        for mode, kern in ((m, v) for m in modes for v in variants):
+            r = run_one(weights, policy, args.cache_mib, tokens, args.warmup, mode, args.threads, args.graph_fills, kern)
             rows.append(r)
-            print(f"{policy:>8} {mode:>9}: {r['tokens_per_s']:7.1f} tok/s, wall {r['wall_us_per_layer_step']:6.1f} "
+            print(f"{policy:>8} {mode:>9} {r['kernels']:>7}: {r['tokens_per_s']:7.1f} tok/s, wall {r['wall_us_per_layer_step']:6.1f} "
                   f"us/layer step, engine host {r['engine_host_us_per_layer_step']:5.1f}, graph wait "
                   f"{r['graph_wait_us_per_layer_step']:5.1f} us/layer step, graph on GPU "
                   f"{r['graph_gpu_us_per_graph_layer']:5.1f} us/layer, graph {r['graph_tokens_complete']}/"
@@ -136,11 +145,11 @@ def main(argv=None) -> int:
                   f"{r['hit_rate']:.3f}, cpu pairs {r['cpu_pairs']}, fills {r['fills']}, hand-off in/out "
                   f"{r['handoff_in_us']:.1f}/{r['handoff_out_us']:.1f} us", flush=True)
     for policy in args.policies.split(","):
-        base = next((r for r in rows if r["policy"] == policy and r["mode"] == modes[0]), None)
+        base = next((r for r in rows if r["policy"] == policy), None)
         for r in rows:
             if r["policy"] == policy and r is not base:
-                print(f"{policy}: {r['mode']} / {base['mode']} = {r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
-                      flush=True)
+                print(f"{policy}: {r['mode']} {r['kernels']} / {base['mode']} {base['kernels']} = "
+                      f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(vars(args), layers=weights.info.num_layers, experts=list(weights.info.num_experts)[:1])
