@@ -62,6 +62,9 @@ EXECUTOR_KEYS = {
                             "not seconds)",
     "cpu_mapped_factor": "CPU pool time of a call on experts read through a file's memory map (as moelab run reads "
                          "a GGUF file) / on the calibration's anonymous buffers (a ratio; simulate.peer applies it)",
+    "host_stream_layer_s": "engine host time a one-token step with streamed experts and none on the CPU takes on the "
+                           "engine's general path beyond the lane's other terms, once per such step",
+    "host_stream_s": "the same, per streamed expert of such a step",
 }
 RATIO_KEYS = ("gpu_one_expert_scale", "cpu_mapped_factor")  # executor keys that are ratios in (0, 4], not seconds
 

@@ -379,12 +379,16 @@ class Simulator:
         waits until ``handoff_out_s`` after the pool ends, and the host never waits for the pool.
         A one-token step of hits and uploads only takes the engine's one-token path
         (``engine._run_one``): with ``Costs.one_s`` its experts cost the GPU ``one_s`` +
-        ``one_expert_s`` each, the combine included."""
+        ``one_expert_s`` each, the combine included. A one-token step with streamed experts and none on
+        the CPU takes the engine's general path: the host pays ``host_stream_layer_s`` + ``host_stream_s``
+        per streamed expert (the hardware file's executor keys, 0 where absent) before its copies."""
         c, hc = self.costs, self.costs.host
         dense_s, kv_s, gexp, up_s, cpu_call, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
                                                         c.cpu_call_s, c.promote_s)
         batch, combine = c.expert_launch_s, c.combine_s
         one_s, one_e = c.one_s, c.one_expert_s
+        ex = c.hw.executor or {}
+        stream_layer_s, stream_s = ex.get("host_stream_layer_s", 0.0), ex.get("host_stream_s", 0.0)
         observe = audit.observe
         events = [] if self.record else None
         pending: deque = deque()
@@ -494,6 +498,10 @@ class Simulator:
                     h_lane += hc.cpu_submit_s + hc.cpu_handoff_s + hc.cpu_combine_s
                     if events is not None:
                         events.append(("cpu", f"L{l} cpu x{nc}", c0, cpu_s))
+                if d.streams and not nc and d.step.counts is None and tok.num_tokens == 1:  # the general path
+                    hs = stream_layer_s + len(d.streams) * stream_s  # (host_stream_*: scheduler.hardware)
+                    h += hs
+                    h_lane += hs
                 pcopy = 0.0
                 if nu:
                     cs = max(cf, h)

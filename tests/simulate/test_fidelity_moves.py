@@ -95,3 +95,28 @@ def test_simulated_probe_charges_an_upload_on_the_critical_path():
     assert rows["stream"]["predicted_delta_s"] > rows["upload"]["predicted_delta_s"]  # the batch path
     assert 0 < rows["swap"]["predicted_delta_s"] < 0.5 * up_s  # copies in the background
     assert rows["upload"]["measured_delta_s"] == pytest.approx(1.6e-3 / 16, rel=0.01)
+
+
+def test_stream_steps_pay_the_general_paths_host_time():
+    """host_stream_layer_s + host_stream_s per streamed expert, on the host lane of a one-token step with
+    streams and no CPU expert only: the upload workload is unchanged, the stream workloads slower by
+    about that much a layer (the host lane is their critical path here)."""
+    from dataclasses import replace
+
+    from scheduler.costs import Costs, ExecConfig
+    from simulate.engine import Simulator
+
+    hw = load_hardware("docs/fidelity/2026-12-02-d32bfea/hardware-session.json")
+    model = sim_model(4, 151936)
+    geo = model.geometry()
+
+    def per_token(h, kind):
+        toks = moves_tokens(kind, 4, 6)
+        return Simulator(Costs(model, h, ExecConfig(policy="gpu"))).run(drive(ScriptedPolicy(geo, kind), toks)).token_s[2:].mean()
+
+    more = replace(hw, executor={**hw.executor, "host_stream_layer_s": 50e-6, "host_stream_s": 20e-6})
+    assert per_token(more, "upload") == per_token(hw, "upload")
+    assert per_token(more, "cpu") == per_token(hw, "cpu")
+    for kind, n in (("stream", 1), ("stream2", 2)):
+        d = per_token(more, kind) - per_token(hw, kind)
+        assert 0.8 * 4 * (50e-6 + n * 20e-6) <= d <= 4 * (50e-6 + n * 20e-6) + 1e-9
