@@ -210,9 +210,11 @@ def main(argv=None) -> int:
                 pl = r["per_layer_us"]
                 log(f"{label(r)}: {r['tokens_per_s']:.1f} tok/s, hits {r['hit_rate']:.3f}, bound "
                     f"{r['bound_tokens_per_s']:.1f}; host us per layer step: early {pl['host_early_us']:.1f}, plan "
-                    f"{pl['host_plan_us']:.1f}, queue {pl['host_queue_us']:.1f}, combine {pl['host_combine_us']:.1f}")
+                    f"{pl['host_plan_us']:.1f} (submit {pl['host_submit_us']:.1f}), queue {pl['host_queue_us']:.1f}, "
+                    f"sum {pl['host_early_us'] + pl['host_plan_us'] + pl['host_queue_us']:.1f}, combine "
+                    f"{pl['host_combine_us']:.1f}")
     gx.close()
-    config = {k: v for k, v in vars(args).items() if k not in ("hw", "specs")}
+    config = {k: v for k, v in vars(args).items() if k not in ("hw", "specs", "rates")}
     config.update(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), trace=trace_src, slots_per_layer=slots,
                   expert_bytes=eb, total_expert_gb=geo.total_expert_bytes / 1e9, pin_s=pin_s,
                   gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), static_profile="warm-up tokens",
