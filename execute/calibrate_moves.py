@@ -27,7 +27,8 @@ import numpy as np
 
 from scheduler.core import Capacity, Decision, Geometry, Move, Step, Token
 
-__all__ = ["KINDS", "GPU_KINDS", "EVENTS", "BASE", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary", "RESIDENT", "SLOTS"]
+__all__ = ["KINDS", "GPU_KINDS", "EVENTS", "BASE", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary",
+           "moves_fields", "RESIDENT", "SLOTS"]
 
 KINDS = ("hits", "upload", "stream", "stream2", "swap", "cpu", "cpuswap")
 GPU_KINDS = KINDS[:5]  # no CPU expert: no pool call (no Numba compile)
@@ -195,3 +196,21 @@ def moves_summary(runs: list[dict]) -> dict:
         if "stream" in out and "upload" in out:
             out["stream"]["stream_over_upload_s"] = (out["stream"]["token_s"] - out["upload"]["token_s"]) / out["stream"]["layers"]
     return out
+
+
+ENGINE_HOST = ("host_plan_s", "host_queue_s", "host_combine_s")  # run_layer's host phases
+
+
+def moves_fields(summary: dict, executor: dict) -> dict:
+    """The streamed steps' executor keys from ``moves_summary`` (its host phases per layer; the
+    hardware file's ``executor`` for the lane's own terms): ``host_stream_s`` = a second stream's
+    host time (``stream2`` over ``stream``) beyond the ``host_copy_s`` the lane charges a copy, less
+    the hit it replaced (``host_gpu_expert_s``); ``host_stream_layer_s`` = a streamed step's over an
+    uploading one (``stream`` over ``upload``: one copy each) less ``host_stream_s``. Each at least
+    0; {} where a workload is missing."""
+    if not all(k in summary for k in ("upload", "stream", "stream2")):
+        return {}
+    host = lambda k: sum(summary[k]["host_token_s"].get(p, 0.0) for p in ENGINE_HOST) / summary[k]["layers"]
+    per = max(host("stream2") - host("stream") - executor.get("host_copy_s", 0.0)
+              + executor.get("host_gpu_expert_s", 0.0), 0.0)
+    return {"host_stream_layer_s": max(host("stream") - host("upload") - per, 0.0), "host_stream_s": per}

@@ -226,6 +226,11 @@ def session_hardware(hw_file: str, raw: dict, out: Path) -> Path:
     summary = replay_summary(raw["calibration_records"], raw.get("calibration_runs"))
     busy = any(h.get("problem") for h in raw.get("host_state") or ())  # the pool fit's medians then
     hw = apply_replay(hw, summary, raw["expert_bytes"], raw["args"]["threads"], src, busy=busy)
+    if raw.get("moves"):  # the streamed steps' host time, from the session's moves probe
+        from .calibrate_moves import moves_fields, moves_summary
+
+        hw["executor"].update(moves_fields(moves_summary(raw["moves"]), hw["executor"]))
+        src["executor.host_stream"] = "measured in this session: the moves probe's host phases (calibrate_moves.moves_fields)"
     hw["_about"] = f"{hw.get('_about', '')}; host lane and CPU pool from sim_vs_real's session calibration replays"
     hw.setdefault("_calibration", {})["session_replay"] = summary
     out.mkdir(parents=True, exist_ok=True)

@@ -120,3 +120,16 @@ def test_stream_steps_pay_the_general_paths_host_time():
     for kind, n in (("stream", 1), ("stream2", 2)):
         d = per_token(more, kind) - per_token(hw, kind)
         assert 0.8 * 4 * (50e-6 + n * 20e-6) <= d <= 4 * (50e-6 + n * 20e-6) + 1e-9
+
+
+def test_stream_fields_from_the_host_phases():
+    from execute.calibrate_moves import moves_fields
+
+    s = {k: {"layers": 4, "host_token_s": {"host_plan_s": 4 * p, "host_queue_s": 4 * q, "host_combine_s": 0.0}}
+         for k, p, q in (("upload", 10e-6, 30e-6), ("stream", 40e-6, 50e-6), ("stream2", 45e-6, 65e-6))}
+    f = moves_fields(s, {"host_copy_s": 4e-6, "host_gpu_expert_s": 2e-6})
+    assert f["host_stream_s"] == pytest.approx(20e-6 - 4e-6 + 2e-6)
+    assert f["host_stream_layer_s"] == pytest.approx(50e-6 - 18e-6)
+    assert moves_fields({"upload": s["upload"]}, {}) == {}
+    s["stream"]["host_token_s"]["host_plan_s"] = 0.0  # a cheaper streamed step: no negative keys
+    assert min(moves_fields(s, {}).values()) >= 0.0
