@@ -29,7 +29,8 @@ a replay too the thread waits for the pool before each):
   against) decoded through ``replay_engine`` under lru and hybrid (96/256) with 20% of the experts
   cached, every layer's ``run_layer`` phases, decision sizes and CPU job stamps logged and reduced
   by ``replay_host_fields``: the host thread is as fast as it is in a replay, between layers that
-  share the machine with the CPU pool, not as in an isolated call;
+  share the machine with the CPU pool, not as in an isolated call; the streamed steps' host time
+  (``calibrate_moves``: all hits against an upload, one stream, two streams a layer);
 - token graph (``calibrate_graph``): decode tokens as one CUDA graph each, pipelined, under
   ``gpu`` on synthetic models of the calibration's shape at 2 and 6 blocks: the device time of one
   block in the graph and the host's time per step the graph computed and per token (fit over the
@@ -86,7 +87,8 @@ from .calibrate_measure import (MEM_READ_BYTES, PHASES, PLAN_POLICIES, GpuTimer,
                                 measure_dense, measure_engine, measure_gpu_basics, measure_gpu_experts, measure_link,
                                 measure_plan_s, measure_poll_s, synth_tokens)
 from .calibrate_graph import measure_token_graph
-from .calibrate_memory import mapped_factor
+from .calibrate_memory import apply_mapped
+from .calibrate_moves import apply_moves, calibration_moves
 from .calibrate_replay import (HYBRID_96, REPLAY_CONFIGS, RUN_CONFIGS, RUN_PHASES, calibration_replay,
                                calibration_runs, decision_totals, replay_engine, replay_setup, replay_summary,
                                stats_delta)
@@ -206,11 +208,8 @@ def hardware_json(m: dict, name: str, base: dict | None = None) -> dict:
 
             busy = found_busy(m)  # the pool fit then takes each count's median call
             hw = apply_replay(hw, m["engine_replay"], eb, T, src, alone=m["cpu_pool"], busy=busy)
-        factor = mapped_factor(m.get("cpu_mapped"))
-        if factor:
-            hw["executor"] = {**hw["executor"], "cpu_mapped_factor": factor}
-            src["executor.cpu_mapped_factor"] = ("measured: the pool's 8-expert call on experts through a file's map, pages "
-                                                 "faulted in, / on the buffers (calibrate_memory.mapped_factor)")
+        apply_mapped(hw, m, src)
+        apply_moves(hw, m, src)
         if (m.get("token_graph") or {}).get("fields"):
             hw["executor"] = {**hw["executor"], **m["token_graph"]["fields"]}
             src["executor.token_graph"] = ("measured: decode tokens as one CUDA graph each under gpu, pipelined, on "
@@ -352,7 +351,7 @@ def measure_all(args, layers=None, gx=None, partial: dict | None = None) -> dict
     """Every measurement (see the module docstring); reuses ``layers``/``gx`` when given. Results
     go into ``partial`` (a dict, also returned) as they come. Stages are shown on stderr unless
     ``args.quiet``."""
-    total = (layers is None) + 3 + 2 * (not args.quick) + (0 if args.cpu_only else 8)
+    total = (layers is None) + 3 + 2 * (not args.quick) + (0 if args.cpu_only else 9)
     stage = _Stages(total, getattr(args, "quiet", False))
     try:
         m = _measure(args, stage, layers, gx, partial)
@@ -433,6 +432,8 @@ def _measure(args, stage, layers, gx, partial) -> dict:
         stage("engine host costs in unlogged replays")
         m["calibration_runs"] = calibration_runs(cp, gx, layers, args)
         m["engine_replay"] = replay_summary(records, m["calibration_runs"])
+        stage("uploads, streams and swaps (moves probe)")
+        m["moves"] = calibration_moves(cp, gx, layers, args)
         stage("token graph")
         m["token_graph"] = _token_graph(args, reps)
     finally:

@@ -22,7 +22,8 @@ import numpy as np
 from .calibrate_fit import stats
 from .experts import LayerExperts
 
-__all__ = ["mapped_layers", "measure_pool_memory", "mapped_factor", "huge_page_kib", "measure_map_uploads"]
+__all__ = ["mapped_layers", "measure_pool_memory", "mapped_factor", "apply_mapped", "huge_page_kib",
+           "measure_map_uploads"]
 
 _ALIGN = 64  # bytes: each tensor starts on this boundary in the file (GGUF aligns to 32)
 
@@ -147,6 +148,16 @@ def mapped_factor(table: dict) -> float | None:
         if huge:
             return 1.0
     return min(max(float(ratio), 0.01), 4.0)
+
+
+def apply_mapped(hw: dict, m: dict, src: dict) -> None:
+    """Put ``cpu_mapped_factor`` (``mapped_factor`` of ``m["cpu_mapped"]``) into hardware file ``hw``'s
+    executor block and its source into ``src``, where measured."""
+    factor = mapped_factor(m.get("cpu_mapped"))
+    if factor:
+        hw["executor"] = {**hw["executor"], "cpu_mapped_factor": factor}
+        src["executor.cpu_mapped_factor"] = ("measured: the pool's 8-expert call on experts through a file's map, pages "
+                                             "faulted in, / on the buffers (calibrate_memory.mapped_factor)")
 
 
 def measure_map_uploads(layer: LayerExperts, path: Path, n: int = 32, rounds: int = 5) -> dict:

@@ -28,7 +28,7 @@ import numpy as np
 from scheduler.core import Capacity, Decision, Geometry, Move, Step, Token
 
 __all__ = ["KINDS", "GPU_KINDS", "EVENTS", "BASE", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary",
-           "moves_fields", "RESIDENT", "SLOTS"]
+           "moves_fields", "apply_moves", "calibration_moves", "RESIDENT", "SLOTS"]
 
 KINDS = ("hits", "upload", "stream", "stream2", "swap", "cpu", "cpuswap")
 GPU_KINDS = KINDS[:5]  # no CPU expert: no pool call (no Numba compile)
@@ -214,3 +214,31 @@ def moves_fields(summary: dict, executor: dict) -> dict:
     per = max(host("stream2") - host("stream") - executor.get("host_copy_s", 0.0)
               + executor.get("host_gpu_expert_s", 0.0), 0.0)
     return {"host_stream_layer_s": max(host("stream") - host("upload") - per, 0.0), "host_stream_s": per}
+
+
+def calibration_moves(cp, gx, layers, args, rounds: int = 2) -> dict:
+    """``moves_summary`` of ``measure_moves`` (the GPU workloads, ``rounds`` rounds) as ``moelab
+    calibrate`` runs it on its own experts and stand-in; {"error": ...} (with a warning) where it
+    cannot run (fewer experts or slots than the workloads need)."""
+    import sys
+
+    from .calibrate_replay import replay_setup
+
+    try:
+        dense = replay_setup(cp, gx, layers, args, None)[2]
+        return moves_summary(measure_moves(cp, gx, layers, dense, args.threads, rounds=rounds, top_k=args.top_k,
+                                           kinds=GPU_KINDS))
+    except Exception as exc:  # noqa: BLE001 - the rest of the calibration stands without the stream keys
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"moelab calibrate: warning: the moves probe did not run ({msg})", file=sys.stderr)
+        return {"error": msg}
+
+
+def apply_moves(hw: dict, m: dict, src: dict) -> None:
+    """Put ``moves_fields`` of ``m["moves"]`` (a ``moves_summary``) into hardware file ``hw``'s executor
+    block and their source into ``src``, where measured."""
+    fields = moves_fields(m.get("moves") or {}, hw.get("executor") or {})
+    if fields and "executor" in hw:
+        hw["executor"] = {**hw["executor"], **fields}
+        src["executor.host_stream"] = ("measured: the moves probe's host phases per step (calibrate_moves: a "
+                                       "streamed step over an uploading one, a second stream over one)")

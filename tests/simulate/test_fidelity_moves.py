@@ -133,3 +133,18 @@ def test_stream_fields_from_the_host_phases():
     assert moves_fields({"upload": s["upload"]}, {}) == {}
     s["stream"]["host_token_s"]["host_plan_s"] = 0.0  # a cheaper streamed step: no negative keys
     assert min(moves_fields(s, {}).values()) >= 0.0
+
+
+def test_apply_moves_writes_the_keys_with_their_source():
+    from execute.calibrate_moves import apply_moves
+
+    s = {k: {"layers": 1, "host_token_s": {"host_plan_s": v}} for k, v in (("upload", 10e-6), ("stream", 90e-6),
+                                                                           ("stream2", 100e-6))}
+    hw, src = {"executor": {"host_copy_s": 0.0}}, {}
+    apply_moves(hw, {"moves": s}, src)
+    assert hw["executor"]["host_stream_s"] == pytest.approx(10e-6)
+    assert hw["executor"]["host_stream_layer_s"] == pytest.approx(70e-6)
+    assert "executor.host_stream" in src
+    hw2 = {}
+    apply_moves(hw2, {"moves": {"error": "no GPU"}}, src)  # not measured: nothing written
+    assert hw2 == {}
