@@ -255,11 +255,15 @@ class ExpertEngine:
             raise ExecutorError(f"layer {layer} has no experts")
         gx = self.gpu
         if gx is not None:
-            if early is None or early.x is not x:
+            if early is not None and early.topk is topk_ids and early.x is x and early.layer == layer and \
+                    isinstance(topk_ids, np.ndarray):  # begun for this step: x and the ids checked there
+                one = getattr(topk_weights, "shape", None) == topk_ids.shape
+            else:
                 gx.after_caller()  # x may still be in the making on the caller's stream
-            if (len(topk_ids) == 1 and isinstance(topk_ids, np.ndarray) and 1 <= topk_ids.shape[1] <= self._max_k
-                    and getattr(x, "shape", None) == (1, lx.hidden)
-                    and getattr(topk_weights, "shape", None) == topk_ids.shape):
+                one = (len(topk_ids) == 1 and isinstance(topk_ids, np.ndarray) and
+                       1 <= topk_ids.shape[1] <= self._max_k and getattr(x, "shape", None) == (1, lx.hidden)
+                       and getattr(topk_weights, "shape", None) == topk_ids.shape)
+            if one:
                 if not d.cpu and not d.streams and not d.promotions:
                     out = _run_one(self, d, x, topk_ids, topk_weights, early, t0)
                     gx.end_step()  # hand_back(out, read=True)

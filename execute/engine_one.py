@@ -34,10 +34,11 @@ def pack1(ex: np.ndarray, bases, weights, pick) -> None:
     ``weights`` at 8 * MAXK, ``pick`` at 12 * MAXK; the bases and weights past their lists are
     zeroed, the picks past it left as they were (the kernels read the first k bases and weights
     and the first ``picks`` picks only)."""
-    nb, nw, npk = len(bases), len(weights), len(pick)
-    f = _PACKS.get((nb, nw, npk))
-    if f is None:
-        f = _PACKS[(nb, nw, npk)] = struct.Struct(f"<{nb}Q{8 * (_MAX_K - nb)}x{nw}f{4 * (_MAX_K - nw)}x{npk}i")
+    try:
+        f = _PACKS[len(bases), len(weights), len(pick)]
+    except KeyError:
+        nb, nw, npk = len(bases), len(weights), len(pick)
+        f = _PACKS[nb, nw, npk] = struct.Struct(f"<{nb}Q{8 * (_MAX_K - nb)}x{nw}f{4 * (_MAX_K - nw)}x{npk}i")
     f.pack_into(ex, 0, *bases, *weights, *pick)
 
 
@@ -135,9 +136,12 @@ def begin(eng, layer: int, x, topk_ids) -> None:
     row = topk_ids[0]
     ids = row.tolist() if isinstance(row, np.ndarray) else list(row)
     k = len(ids)
-    if not 0 < k <= eng._max_k or min(ids) < 0 or max(ids) >= one.width:  # (an id past the table: not resident)
+    if not 0 < k <= eng._max_k or min(ids) < 0:
         return
-    bases = list(map(one.get, ids))  # each routed expert's slot address, 0 when not resident
+    try:
+        bases = list(map(one.get, ids))  # each routed expert's slot address, 0 when not resident
+    except IndexError:  # an id past the table: not resident
+        return
     if 0 in bases:  # (compress and map: no bytecode per pair)
         pick = list(compress(_RANGES[k], bases))
         if not pick:
@@ -181,9 +185,8 @@ def run_one(eng, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: Earl
         one = one_layer(eng, layer)
     if one is None:
         raise ExecutorError(f"layer {layer} has no cache pool; its experts cannot be on the GPU")
-    w = topk_weights[0]
-    if not (isinstance(w, np.ndarray) and w.dtype.char == "f"):
-        w = np.asarray(topk_weights, np.float32)[0]
+    w = topk_weights[0]  # (packed as float32: a float64 weight rounds as numpy's cast does)
+    weights = w.tolist() if isinstance(w, np.ndarray) else np.asarray(topk_weights, np.float32)[0].tolist()
     uploads = d.uploads
     up = dict(zip(uploads, d.slots)) if uploads else None
     fast = None
@@ -221,7 +224,7 @@ def run_one(eng, d: Decision, x, topk_ids: np.ndarray, topk_weights, early: Earl
         else:
             gx.copy_in(layer, uploads, d.slots)
         st.uploads += len(uploads)
-    pack1(gx._ex, bases, w.tolist(), rest)
+    pack1(gx._ex, bases, weights, rest)
     if rest and not late:
         gu = one.gate_up
         gu.vals[0] = xd.data.ptr
