@@ -29,6 +29,7 @@ TARGETS = {"tokens_per_s_median": 0.05, "tokens_per_s_max": 0.12, "p99_median": 
 
 
 METRICS = ("tokens_per_s", "p50_token_s", "p99_token_s")
+EARLY = 16  # tokens: the cache fills over the first ones (tokens/s over them and after, split in the table)
 
 
 def configs(num_experts: int, budgets_mib=None, layers: int = 0, expert_bytes: int = 0) -> list[dict]:
@@ -167,7 +168,14 @@ def simulate_config(c: dict, hw, model, tokens) -> tuple[dict, str]:
                       profile=profile_of(c, tokens, model.geometry()), **options_of(c))
     for item in drive(pol, tokens):
         ref.observe(item)
-    return result.summary(), ref.digest()
+    return {**result.summary(), **early_late(result.token_s)}, ref.digest()
+
+
+def early_late(token_s) -> dict:
+    """tokens/s over the first ``EARLY`` tokens and over the rest (None where there are none)."""
+    t = np.asarray(token_s, np.float64)
+    rate = lambda v: float(len(v) / v.sum()) if len(v) and v.sum() > 0 else None
+    return {"early_tokens_per_s": rate(t[:EARLY]), "late_tokens_per_s": rate(t[EARLY:])}
 
 
 def profile_of(c, tokens, geometry):
@@ -228,6 +236,10 @@ def compare(raw: dict, hw, tokens, model) -> list[dict]:
             row[f"measured_{m}_min"], row[f"measured_{m}_max"] = ms[m]["min"], ms[m]["max"]
             row[f"spread_{m}"] = ms[m]["spread"]
             row[f"inside_{m}"] = len(reps) > 1 and ms[m]["min"] <= s[m] <= ms[m]["max"]
+        for k in ("early_tokens_per_s", "late_tokens_per_s"):  # the median repeat's
+            v = [early_late(r["token_s"])[k] for r in reps]
+            row[f"measured_{k}"] = None if None in v else float(np.median(v))
+            row[f"predicted_{k}"] = s.get(k)
         row.update({"measured_upload_bytes": c["upload_bytes"], "predicted_upload_bytes": s["upload_bytes"],
                     "measured_hit_rate": c["hit_rate"], "predicted_hit_rate": s["hit_rate"],
                     "same_decisions": all(r["digest"] == digest and r["upload_bytes"] == s["upload_bytes"]
@@ -485,19 +497,21 @@ def spread_summary(rows: list[dict]) -> dict | None:
 
 
 def print_table(rows: list[dict], an: dict, nz: dict | None) -> None:
-    print(f"\n{'config':<18}{'n':>2}{'tok/s meas':>11}{'spread':>7}{'pred':>8}{'err':>7}{'p50 ms m':>10}{'pred':>7}"
-          f"{'p99 ms m':>10}{'pred':>7}{'err':>7}{'GB up':>7}{'hits':>7}{'same':>6}")
+    print(f"\n{'config':<18}{'n':>2}{'tok/s meas':>11}{'spread':>7}{'pred':>8}{'err':>7}{f'<{EARLY}':>8}{f'>={EARLY}':>7}"
+          f"{'p50 ms m':>10}{'pred':>7}{'p99 ms m':>10}{'pred':>7}{'err':>7}{'GB up':>7}{'hits':>7}{'same':>6}")
     for r in rows:
         e = rel_error(r["measured_tokens_per_s"], r["predicted_tokens_per_s"])
         e99 = rel_error(r["measured_p99_token_s"], r["predicted_p99_token_s"])
         inside = "*" if r.get("inside_tokens_per_s") else " "
         print(f"{r['label']:<18}{r.get('repeats', 1):>2}{r['measured_tokens_per_s']:11.1f}"
               f"{100 * r.get('spread_tokens_per_s', 0.0):6.1f}%{r['predicted_tokens_per_s']:8.1f}{100 * e:6.1f}%{inside}"
+              f"{_signed(r, 'early'):>8}{_signed(r, 'late'):>7}"
               f"{r['measured_p50_token_s'] * 1e3:9.2f}{r['predicted_p50_token_s'] * 1e3:7.2f}"
               f"{r['measured_p99_token_s'] * 1e3:10.2f}{r['predicted_p99_token_s'] * 1e3:7.2f}{100 * e99:6.1f}%"
               f"{r['measured_upload_bytes'] / 1e9:7.2f}{r['measured_hit_rate']:7.3f}"
               f"{'yes' if r['same_decisions'] and r['measured_upload_bytes'] == r['predicted_upload_bytes'] else 'NO':>6}")
-    print("(measured = median of the repeats; spread = (max - min) / median; * = prediction inside the measured range)")
+    print(f"(measured = median of the repeats; spread = (max - min) / median; * = prediction inside the measured range; "
+          f"<{EARLY} / >={EARLY}: predicted / measured - 1 of tokens/s over the first {EARLY} tokens / the rest)")
     es = an["errors"]
     print()
     for m in METRICS:
@@ -512,6 +526,11 @@ def print_table(rows: list[dict], an: dict, nz: dict | None) -> None:
             print(f"measured spread of {m} over {nz['repeats']} repeats: median {100 * nz[m]['median']:.1f}%, "
                   f"max {100 * nz[m]['max']:.1f}%; prediction inside it in {nz[m]['inside']} of {nz['configs']} configs")
     print("targets met: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in an["met"].items()))
+
+
+def _signed(r: dict, part: str) -> str:
+    m, p = r.get(f"measured_{part}_tokens_per_s"), r.get(f"predicted_{part}_tokens_per_s")
+    return "-" if not m or p is None else f"{100 * (p / m - 1):+.1f}%"
 
 
 def plot(rows: list[dict], path: Path) -> None:
