@@ -37,6 +37,7 @@ token launched ahead would not see the fills awaited at its start, which the dec
 from __future__ import annotations
 
 import sys
+import time
 import weakref
 
 import cupy as cp
@@ -55,6 +56,15 @@ _rt = cp.cuda.runtime
 _RPW, _RPB, _WARPS = 2, 2, 4  # as gpu_experts' one-token launches (moe1_gate_up, moe1_down_combine)
 _REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 _PAGE = 4096
+_AHEAD = P._RING - 1  # calls submitted ahead of the block being settled (the ring's slots, less one)
+
+
+def graph_cpu_stream_env() -> bool:
+    """``MOELAB_GRAPH_CPU_STREAM``: ``1`` settles a CPU graph's blocks while it runs, each as soon as
+    its put has written its route (``GraphCpu.seen_block``); ``0`` (the default) after the graph."""
+    from .xp import env_switch
+
+    return env_switch("MOELAB_GRAPH_CPU_STREAM", "0")
 
 
 class GraphCpu:
@@ -73,6 +83,9 @@ class GraphCpu:
         self.xin = f[:n].reshape(L, k, hidden)
         self.yout = f[n:2 * n].reshape(L, k, hidden)
         self._yout_dev = self._io.dev + 4 * n
+        self._seen = _Mapped(4 * L * (2 * k + 2) + 8 * L)  # per block: its route and miss count, then a flag
+        self.seen = self._seen.host[:4 * L * (2 * k + 2)].view(np.float32).reshape(L, 2 * k + 2)
+        self.seen_flag = self._seen.host[4 * L * (2 * k + 2):].view(np.int64)
         with engine.gpu.compute:
             self.pick = cp.zeros((L, k + 1), cp.int32)  # per block: each pair's CPU row (-1: GPU), the count
             self.ys = cp.zeros((k, hidden), cp.float32)  # the GPU pairs' rows of the block being combined
@@ -90,14 +103,17 @@ class GraphCpu:
         self._ring_dev = int(_rt.pointerGetAttributes(lo).devicePointer) + ring.ctypes.data - lo
         self.v4 = decode_kernels_env() == "v4"  # two launches a block (else the four of v1)
         if self.v4:
-            self._gate_up = Launch(_kernel("graphcpu_gate_up_v4"), 33, programmatic=True)
+            self._gate_up = Launch(_kernel("graphcpu_gate_up_v4"), 35, programmatic=True)
             self._down = Launch(_kernel("graphcpu_down_combine_v4"), 24, programmatic=True)
         else:
-            self._put = Launch(_kernel("graphcpu_put"), 22)
+            self._put = Launch(_kernel("graphcpu_put"), 24)
             self._gate_up = Launch(_kernel("graphcpu_gate_up"), 16)
             self._down = Launch(_kernel("graphcpu_down"), 12)
             self._combine = Launch(_kernel("graphcpu_combine"), 17)
         self.timeout_ns = ho.wait_timeout_ns
+        self.stream = graph_cpu_stream_env()
+        self._base = 0  # the pool's last call before the running token's
+        self._submitted = 0  # the running token's calls submitted
         self.calls = 0  # calls submitted
         self.cpu_pairs = 0  # pairs the graphs handed to the pool
 
@@ -133,7 +149,8 @@ class GraphCpu:
         yout = self._yout_dev + 4 * k * hidden * l
         err, stamps = ctrl + 8 * _ERR, ctrl + 8 * _STAMPS
         a0 = (route, table, k, x, hidden, ids, xin, pick, ctrl, P._C_GEN, P._C_GATE, P._C_BROKEN, seq0, l,
-              self._ring_dev, P._RING, P._RING_FIELDS, J_N, self.timeout_ns, err, stamps, _SLOTS)
+              self._ring_dev, P._RING, P._RING_FIELDS, J_N, self.timeout_ns, err, stamps, _SLOTS,
+              self._seen.dev + 4 * (2 * k + 2) * l, self._seen.dev + 4 * (2 * k + 2) * self.L + 8 * l)
         relay = int(self.relay.data.ptr)
         if self.v4:
             a1 = a0 + (h, ffn, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
@@ -170,17 +187,59 @@ class GraphCpu:
 
     def after_launch(self) -> None:
         """Submit the token's calls, one per block, in block order (the launched graph waits for
-        each before its block's put)."""
-        pool, ho, layers = self.pool, self.ho, self.engine.layers
-        base = int(self.seq_host[0])
-        for l in range(self.L):
-            seq = base + 1 + l
-            stamp = ho._slot(seq)  # zeroed before the GPU can stamp it (it waits for the call)
-            job = pool.submit(layers[l], self.ids[l], self.xin[l], out=self.yout[l], gated=True, track=True)
-            if job._seq != seq:
-                raise ExecutorError(f"block {l}: the CPU pool numbered the graph's call {job._seq}, expected {seq}")
-            ho._pending.append([job, stamp, False])
-        self.calls += self.L
+        each before its block's put); with ``stream`` the first ``_AHEAD`` only (``seen_block``
+        submits the others)."""
+        self._base, self._submitted = int(self.seq_host[0]), 0
+        for _ in range(min(_AHEAD, self.L) if self.stream else self.L):
+            self._submit()
+
+    def _submit(self) -> None:
+        l, ho = self._submitted, self.ho
+        seq = self._base + 1 + l
+        stamp = ho._slot(seq)  # zeroed before the GPU can stamp it (it waits for the call)
+        job = self.pool.submit(self.engine.layers[l], self.ids[l], self.xin[l], out=self.yout[l], gated=True,
+                               track=True)
+        if job._seq != seq:
+            raise ExecutorError(f"block {l}: the CPU pool numbered the graph's call {job._seq}, expected {seq}")
+        ho._pending.append([job, stamp, False])
+        self._submitted += 1
+        self.calls += 1
+
+    def seen_block(self, l: int, done) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+        """Wait until block ``l``'s put has written its route (the graph runs on), then submit the
+        call ``_AHEAD`` blocks later (its ring slot is block ``l - 1``'s, whose call the graph has
+        waited for unless it had no pair): -> the block's ids ``(k,)`` int64, weights ``(k,)``
+        float32 and CPU experts (rank order). ``done``: the graph's event (a graph that ended
+        without the flag, or a wait past the hand-off's timeout, is an ``ExecutorError``)."""
+        want, flag = self._base + 1 + l, self.seen_flag
+        if flag[l] != want:
+            t0, n = time.perf_counter(), 0
+            while flag[l] != want:
+                n += 1
+                if n & 1023 == 0:
+                    if done.query() and flag[l] != want:
+                        raise ExecutorError(f"block {l}: the token graph ended without handing over its route")
+                    if time.perf_counter() - t0 > 2e-9 * self.timeout_ns + 1.0:
+                        raise ExecutorError(f"block {l}: the token graph did not reach the block's put within "
+                                            f"{2e-9 * self.timeout_ns + 1.0:.1f} s")
+        k, row = self.k, self.seen[l]
+        n = int(row[2 * k:2 * k + 1].view(np.int32)[0])
+        ids, wts = row[:k].view(np.int32).astype(np.int64), row[k:2 * k].copy()
+        cpu = tuple(int(e) for e in self.ids[l, :n])
+        self.cpu_pairs += n
+        if self._submitted < self.L and self._submitted <= l + _AHEAD:
+            self._submit()
+        return ids, wts, cpu
+
+    def submit_rest(self) -> None:
+        """Submit the running token's calls not submitted yet (before a wait for the whole graph)."""
+        while self._submitted < self.L:
+            self._submit()
+
+    def finish_stream(self) -> None:
+        """After a streamed graph: raise a failed call's error, collect the hand-off's edges."""
+        self.ho.check(self.pool)
+        self.ho.collect(self.engine.stats)
 
     def finish(self) -> list[tuple[int, ...]]:
         """After the graph: raise a failed call's error; -> per block, the experts it handed to the

@@ -156,7 +156,9 @@ extern "C" __global__ void handoff_busy(long long ns) {
 // gated by the host with k pairs; graphcpu_put waits until the host has published it
 // (ctrl[gen] >= seq), writes the misses' ids (compacted, rank order) into `ids`, their count into
 // the call's job (ring slot seq % ring_slots, field j_n: the team reads it only after the gate),
-// the block's input row into their rows of `xin`, then the gate. pick[j]: pair j's row of the
+// the block's input row into their rows of `xin`, then the gate. Before it waits it copies the
+// block's route and miss count into `seen` (mapped, 2k + 1 words) and writes seen_flag = seq: the
+// host settles the block's step from there while the graph runs on. pick[j]: pair j's row of the
 // call (-1: on the GPU), pick[k]: the count. graphcpu_combine waits for the call only when the
 // count is nonzero (ho_wait) and sums in j order as moe1_down_combine / handoff1_down_combine.
 
@@ -165,7 +167,8 @@ __device__ void graphcpu_put_block(const float* __restrict__ route, const unsign
                                    int k, const float* __restrict__ x, int hidden, long long* ids, float* xin,
                                    int* pick, long long* ctrl, int gen, int gate, int broken, const long long* seq0,
                                    int layer, long long* ring, int ring_slots, int ring_fields, int j_n,
-                                   long long timeout_ns, long long* err, long long* stamps, int stamp_slots) {
+                                   long long timeout_ns, long long* err, long long* stamps, int stamp_slots,
+                                   float* seen, long long* seen_flag) {
     __shared__ int n_s;
     long long seq = *(volatile const long long*)seq0 + layer + 1;
     if (threadIdx.x == 0) {
@@ -181,6 +184,10 @@ __device__ void graphcpu_put_block(const float* __restrict__ route, const unsign
             }
         }
         pick[k] = n;
+        for (int j = 0; j < 2 * k; j++) seen[j] = route[j];  // the host settles the block from here
+        seen[2 * k] = __int_as_float(n);
+        __threadfence_system();
+        ho_release(seen_flag, seq);
         long long t0 = ho_now();
         while (ho_acquire(ctrl + gen) < seq) {  // the host has filled and published the call
             if (*(volatile const long long*)(ctrl + broken)) break;
@@ -210,10 +217,11 @@ __device__ void graphcpu_put_block(const float* __restrict__ route, const unsign
     const float *__restrict__ route, const unsigned long long *__restrict__ table, int k,                          \
         const float *__restrict__ x, int hidden, long long *ids, float *xin, int *pick, long long *ctrl, int gen,  \
         int gate, int broken, const long long *seq0, int layer, long long *ring, int ring_slots, int ring_fields, \
-        int j_n, long long timeout_ns, long long *err, long long *stamps, int stamp_slots
+        int j_n, long long timeout_ns, long long *err, long long *stamps, int stamp_slots, float *seen,           \
+        long long *seen_flag
 #define GRAPHCPU_PUT_ARGS                                                                                \
     route, table, k, x, hidden, ids, xin, pick, ctrl, gen, gate, broken, seq0, layer, ring, ring_slots, \
-        ring_fields, j_n, timeout_ns, err, stamps, stamp_slots
+        ring_fields, j_n, timeout_ns, err, stamps, stamp_slots, seen, seen_flag
 
 // grid 1, block 256.
 extern "C" __global__ void graphcpu_put(GRAPHCPU_PUT_PARAMS) { graphcpu_put_block(GRAPHCPU_PUT_ARGS); }

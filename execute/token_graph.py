@@ -254,6 +254,8 @@ class TokenGraph:
         """Wait for the launched graph: -> the number of blocks it completed (``halt``), ids ``(L, k)``
         int64 and weights ``(L, k)`` float32 of blocks ``0 .. halt`` (rows past it are not meaningful)."""
         L, k = self.L, self.k
+        if self.cpu is not None:
+            self.cpu.submit_rest()  # (streaming submits them block by block)
         t0 = time.perf_counter()
         self.done.synchronize()
         self.wait_s += time.perf_counter() - t0
@@ -310,6 +312,8 @@ class TokenGraph:
         its first step is yielded, and the next token may be launched then (see Pipelining above);
         the steps' ``last_input`` rows are then not this token's (nothing reads them for a settled
         step)."""
+        if self.cpu is not None and self.cpu.stream:
+            return (yield from self._stream_steps(model, pos, rows))
         if not ahead:
             self.drop()
             if not self.launch(pos):
@@ -332,3 +336,48 @@ class TokenGraph:
                 model.route_log.append((pos, rows))
         yield from settled_steps(model, g_ids[:m], g_wts[:m], ids_rows, w_rows, self.hn_rows)
         return m
+
+    def _stream_steps(self, model, pos: int, rows: list | None):
+        """``steps`` of a CPU graph (``execute.graph_cpu``) settled while it runs: block ``l``'s step
+        is yielded as soon as the graph's put has handed over its route, so the host plans and
+        settles it while the GPU and the pool run the blocks after it; the decisions are the same
+        (the graph's split is its slot table at the launch, every block completes). The token's
+        logits, position and route log are set after its last step, once the graph has ended."""
+        from scheduler import Step
+
+        self.drop()
+        if not self.launch(pos):
+            return 0
+        cpu, L = self.cpu, self.L
+        expect: list = []
+        self.gate.done(True)
+        self.gate.expect(expect)  # filled block by block, before each step is yielded
+        model._route_len = [self.k]
+        for l in range(L):
+            t0 = time.perf_counter()
+            ids, wts, misses = cpu.seen_block(l, self.done)
+            self.wait_s += time.perf_counter() - t0
+            expect.append(misses)
+            id_row, w_row = ids.tolist(), wts.astype(np.float64).tolist()
+            if rows is not None:
+                rows.append((l, id_row, w_row))
+            model.last_input, model.last_ids, model.last_weights = self.hn_rows[l], ids[None], wts[None]
+            model.step_done = True
+            try:
+                yield Step(l, tuple(id_row), None, tuple(w_row))
+            finally:
+                model.step_done = False
+        t0 = time.perf_counter()
+        self.done.synchronize()
+        self.wait_s += time.perf_counter() - t0
+        self.gpu_s += 1e-3 * cp.cuda.get_elapsed_time(self._t0, self._t1)
+        self._pending = None
+        self.tokens += 1
+        self.complete += 1
+        cpu.finish_stream()
+        model.chunk_logits = self.logits.copy()
+        model.logits = model.chunk_logits[-1]
+        model.pos = pos + 1
+        if rows is not None:
+            model.route_log.append((pos, rows))
+        return L

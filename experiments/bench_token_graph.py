@@ -6,7 +6,8 @@ For each policy, the same decode tokens (random ids, one sequence) run on a GGUF
 graph with the next token launched while the host settles the last (the default); ``cpuplain`` and
 ``cpugraph`` run the policy wrapped in ``scheduler.graph.CpuMisses`` (every miss of a decode token on
 the CPU pool, its upload a fill after the token), block by block and as one graph whose blocks hand
-their misses to the pool (``MOELAB_GRAPH_CPU=1``, ``execute.graph_cpu``). The first
+their misses to the pool (``MOELAB_GRAPH_CPU=1``, ``execute.graph_cpu``); ``cpustream`` as
+``cpugraph`` with each block's step settled while the graph runs (``MOELAB_GRAPH_CPU_STREAM=1``). The first
 ``--warmup`` tokens are not timed. Prints and writes (``--out``/bench_token_graph.json) per run:
 tokens/s, wall time per layer step, host time in the engine per layer step (``run_layer`` or
 ``settle_layer``: plan + queue + combine), the host's time blocked on graphs per layer step (wait:
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("plain", "graph", "pipelined", "cpuplain", "cpugraph")
+MODES = ("plain", "graph", "pipelined", "cpuplain", "cpugraph", "cpustream")
 
 
 def _graph_counts(model) -> tuple:
@@ -45,7 +46,8 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
     from scheduler.graph import CpuMisses
 
     os.environ["MOELAB_TOKEN_GRAPH"] = "0" if mode in ("plain", "cpuplain") else "1"
-    os.environ["MOELAB_GRAPH_CPU"] = "1" if mode == "cpugraph" else "0"
+    os.environ["MOELAB_GRAPH_CPU"] = "1" if mode in ("cpugraph", "cpustream") else "0"
+    os.environ["MOELAB_GRAPH_CPU_STREAM"] = "1" if mode == "cpustream" else "0"
     TokenGraph.pipeline = mode == "pipelined"
     if kernels:
         os.environ["MOELAB_DECODE_KERNELS"] = kernels
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("model", help="GGUF model")
     ap.add_argument("--policies", default="gpu,lru", help="comma list (default gpu,lru)")
     ap.add_argument("--modes", default="plain,graph,pipelined",
-                    help="comma list of plain, graph, pipelined, cpuplain, cpugraph")
+                    help="comma list of " + ", ".join(MODES))
     ap.add_argument("--cache-mib", type=float, default=2048, help="expert cache of the policies other than gpu")
     ap.add_argument("--tokens", type=int, default=96, help="timed decode tokens")
     ap.add_argument("--warmup", type=int, default=16, help="untimed tokens first")

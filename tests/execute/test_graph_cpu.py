@@ -115,19 +115,26 @@ def weights(graph_models):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch, policy, slots, kernels", [("qwen3moe", "lru", 3, "v4"), ("qwen3moe", "hybrid", 3, "v4"),
-                                                          ("gpt-oss", "lru", 4, "v4"), ("qwen3moe", "lru", 3, "v1")])
-def test_the_graph_gives_the_block_by_block_bits_of_the_same_decisions(weights, arch, policy, slots, kernels,
+@pytest.mark.parametrize("arch, policy, slots, kernels, stream", [
+    ("qwen3moe", "lru", 3, "v4", "0"), ("qwen3moe", "hybrid", 3, "v4", "0"), ("gpt-oss", "lru", 4, "v4", "0"),
+    ("qwen3moe", "lru", 3, "v1", "0"), ("qwen3moe", "hybrid", 3, "v4", "1"), ("gpt-oss", "lru", 4, "v1", "1")])
+def test_the_graph_gives_the_block_by_block_bits_of_the_same_decisions(weights, arch, policy, slots, kernels, stream,
                                                                        monkeypatch):
-    """v4: two launches a block (graphcpu_gate_up_v4, graphcpu_down_combine_v4); v1: the four."""
+    """v4: two launches a block (graphcpu_gate_up_v4, graphcpu_down_combine_v4); v1: the four.
+    stream: each block's step settled while the graph runs (MOELAB_GRAPH_CPU_STREAM)."""
     cupy_or_skip()
     monkeypatch.setenv("MOELAB_DECODE_KERNELS", kernels)
+    monkeypatch.setenv("MOELAB_GRAPH_CPU_STREAM", stream)
+    import execute.graph_cpu as G
+
+    monkeypatch.setattr(G, "_AHEAD", 2)  # 6 blocks: the calls after the first 2 submitted block by block
     w = weights(arch)
     tokens = np.random.default_rng(5).integers(w.info.vocab, size=40).tolist()  # the cache grows 8 -> 64
     plain, m0, a0, _ = _run(w, policy, slots, tokens, False, monkeypatch)
     got, m1, a1, st = _run(w, policy, slots, tokens, True, monkeypatch)
     tg = m1.token_graph
     assert m0.token_graph is None and tg is not None and tg.cpu is not None and tg.cpu.v4 == (kernels == "v4")
+    assert tg.cpu.stream == (stream == "1")
     assert np.array_equal(got, plain)
     assert m1.route_log == m0.route_log and a1.digest() == a0.digest()
     s = a1.summary()
