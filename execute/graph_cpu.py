@@ -85,7 +85,7 @@ class GraphCpu:
         self._yout_dev = self._io.dev + 4 * n
         self._seen = _Mapped(4 * L * (2 * k + 2) + 8 * L)  # per block: its route and miss count, then a flag
         self.seen = self._seen.host[:4 * L * (2 * k + 2)].view(np.float32).reshape(L, 2 * k + 2)
-        self.seen_flag = self._seen.host[4 * L * (2 * k + 2):].view(np.int64)
+        self.seen_flag = self._seen.host[4 * L * (2 * k + 2):4 * L * (2 * k + 2) + 8 * L].view(np.int64)
         with engine.gpu.compute:
             self.pick = cp.zeros((L, k + 1), cp.int32)  # per block: each pair's CPU row (-1: GPU), the count
             self.ys = cp.zeros((k, hidden), cp.float32)  # the GPU pairs' rows of the block being combined
