@@ -192,10 +192,13 @@ def _words(stride: int):
         def codegen(context, builder, sig, args):
             i32 = ir.IntType(32)
             a = builder.add(*(context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args)))
-            v = builder.load(builder.inttoptr(a, ir.PointerType(ir.VectorType(i32, n))), align=1)
+            def half(k):  # 32 bytes (a 64-byte load would be a 512-bit register: see _grid_index_codegen)
+                h = builder.add(a, ir.Constant(ir.IntType(64), 32 * k))
+                return builder.load(builder.inttoptr(h, ir.PointerType(V8)), align=1)
             if n == 8:
-                return v
-            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 8), list(range(1, n, 2))))
+                return half(0)
+            lo = builder.asm(ir.FunctionType(V8, [V8]), "", "=v,0", [half(0)], side_effect=False)  # not merged
+            return builder.shuffle_vector(lo, half(1), ir.Constant(ir.VectorType(i32, 8), list(range(1, 16, 2))))
         return I32x8(w, off), codegen
     return words
 
@@ -306,7 +309,9 @@ def _cv(n: int, vals, t=_I16):
 
 
 def _grid_index_codegen(kind: int):
-    """Codegen of grid_index for kind 0 IQ2_XS, 1 IQ2_S, 2 IQ3_S, 3 IQ1_S, 4 IQ1_M."""
+    """Codegen of grid_index for kind 0 IQ2_XS, 1 IQ2_S, 2 IQ3_S, 3 IQ1_S, 4 IQ1_M: in parts of 16
+    u16 lanes (256 bits: a wider vector would be a 512-bit register on AVX-512 hosts, whose use
+    turns off one of the three vector ports of Intel's cores while it runs)."""
     def codegen(context, builder, sig, args):
         w, p, buf = (context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args))
         i64 = ir.IntType(64)
@@ -320,39 +325,41 @@ def _grid_index_codegen(kind: int):
         def store(v, a):
             builder.store(v, builder.inttoptr(a, ir.PointerType(v.type)), align=1)
 
-        def spread(v, n, per):  # lane j of the result: lane j // per of v
-            return builder.shuffle_vector(v, v, _cv(n, [j // per for j in range(n)], ir.IntType(32)))
+        def spread(v, js, per):  # lane i of the result: lane js[i] // per of v
+            return builder.shuffle_vector(v, v, _cv(16, [j // per for j in js], ir.IntType(32)))
 
         wp = builder.add(w, p)
-        if kind == 0:  # u16 entries: grid index (9 bits), KSIGNS index (7 bits)
-            e = load(at(wp, 2), 32, _I16)
-            store(builder.shl(builder.and_(e, _cv(32, 511)), _cv(32, 3)), at(buf, _IDX))
-            sg = builder.lshr(e, _cv(32, 9))
-            q = builder.xor(sg, builder.lshr(sg, _cv(32, 4)))
-            q = builder.xor(q, builder.lshr(q, _cv(32, 2)))
-            q = builder.xor(q, builder.lshr(q, _cv(32, 1)))
-            sg = builder.or_(sg, builder.shl(builder.and_(q, _cv(32, 1)), _cv(32, 7)))
-            store(builder.trunc(sg, ir.VectorType(ir.IntType(8), 32)), at(buf, _SIGNS))
-            return context.get_dummy_value()
         n, width = (64, 4) if kind == 2 else (32, 8)
-        qs = builder.zext(load(at(wp, 2 if kind != 4 else 0), n), ir.VectorType(_I16, n))
-        if kind == 1:  # 2 bits of qh[j // 4] at 2 (j % 4)
-            hb = spread(builder.zext(load(at(wp, 66), 8), ir.VectorType(_I16, 8)), 32, 4)
-            hi = builder.and_(builder.lshr(hb, _cv(32, [2 * (j % 4) for j in range(32)])), _cv(32, 3))
-        elif kind == 2:  # bit j % 8 of qh[j // 8]
-            hb = spread(builder.zext(load(at(wp, 66), 8), ir.VectorType(_I16, 8)), 64, 8)
-            hi = builder.and_(builder.lshr(hb, _cv(64, [j % 8 for j in range(64)])), _cv(64, 1))
-        elif kind == 3:  # 3 bits of the u16 qh[j // 4] at 3 (j % 4); its bit 15 clear: the +1/8 table
-            hw = spread(load(at(wp, 34), 8, _I16), 32, 4)
-            hi = builder.and_(builder.lshr(hw, _cv(32, [3 * (j % 4) for j in range(32)])), _cv(32, 7))
-            plus = builder.shl(builder.lshr(builder.xor(hw, _cv(32, 0x8000)), _cv(32, 15)), _cv(32, 11))
-            hi = builder.or_(hi, builder.lshr(plus, _cv(32, 8)))
-        else:  # IQ1_M: nibble j of qh (byte j // 2, high for odd j): 3 bits, bit 3 clear: the +1/8 table
-            hb = spread(builder.zext(load(at(wp, 32), 16), ir.VectorType(_I16, 16)), 32, 2)
-            k = builder.and_(builder.lshr(hb, _cv(32, [4 * (j % 2) for j in range(32)])), _cv(32, 15))
-            hi = builder.xor(k, _cv(32, 8))  # bits 0-2 the index's, bit 3 set for the +1/8 table
-        idx = builder.or_(qs, builder.shl(hi, _cv(n, 8)))
-        store(builder.shl(idx, _cv(n, 3 if width == 8 else 2)), at(buf, _IDX))
+        for j0 in range(0, n, 16):
+            js = list(range(j0, j0 + 16))
+            if kind == 0:  # u16 entries: grid index (9 bits), KSIGNS index (7 bits)
+                e = load(at(wp, 2 + 2 * j0), 16, _I16)
+                store(builder.shl(builder.and_(e, _cv(16, 511)), _cv(16, 3)), at(buf, _IDX + 2 * j0))
+                sg = builder.lshr(e, _cv(16, 9))
+                q = builder.xor(sg, builder.lshr(sg, _cv(16, 4)))
+                q = builder.xor(q, builder.lshr(q, _cv(16, 2)))
+                q = builder.xor(q, builder.lshr(q, _cv(16, 1)))
+                sg = builder.or_(sg, builder.shl(builder.and_(q, _cv(16, 1)), _cv(16, 7)))
+                store(builder.trunc(sg, ir.VectorType(ir.IntType(8), 16)), at(buf, _SIGNS + j0))
+                continue
+            qs = builder.zext(load(at(wp, (2 if kind != 4 else 0) + j0), 16), ir.VectorType(_I16, 16))
+            if kind == 1:  # 2 bits of qh[j // 4] at 2 (j % 4)
+                hb = spread(builder.zext(load(at(wp, 66), 8), ir.VectorType(_I16, 8)), js, 4)
+                hi = builder.and_(builder.lshr(hb, _cv(16, [2 * (j % 4) for j in js])), _cv(16, 3))
+            elif kind == 2:  # bit j % 8 of qh[j // 8]
+                hb = spread(builder.zext(load(at(wp, 66), 8), ir.VectorType(_I16, 8)), js, 8)
+                hi = builder.and_(builder.lshr(hb, _cv(16, [j % 8 for j in js])), _cv(16, 1))
+            elif kind == 3:  # 3 bits of the u16 qh[j // 4] at 3 (j % 4); its bit 15 clear: the +1/8 table
+                hw = spread(load(at(wp, 34), 8, _I16), js, 4)
+                hi = builder.and_(builder.lshr(hw, _cv(16, [3 * (j % 4) for j in js])), _cv(16, 7))
+                plus = builder.shl(builder.lshr(builder.xor(hw, _cv(16, 0x8000)), _cv(16, 15)), _cv(16, 11))
+                hi = builder.or_(hi, builder.lshr(plus, _cv(16, 8)))
+            else:  # IQ1_M: nibble j of qh (byte j // 2, high for odd j): 3 bits, bit 3 clear: the +1/8 table
+                hb = spread(builder.zext(load(at(wp, 32), 16), ir.VectorType(_I16, 16)), js, 2)
+                k = builder.and_(builder.lshr(hb, _cv(16, [4 * (j % 2) for j in js])), _cv(16, 15))
+                hi = builder.xor(k, _cv(16, 8))  # bits 0-2 the index's, bit 3 set for the +1/8 table
+            idx = builder.or_(qs, builder.shl(hi, _cv(16, 8)))
+            store(builder.shl(idx, _cv(16, 3 if width == 8 else 2)), at(buf, _IDX + 2 * j0))
         return context.get_dummy_value()
     return codegen
 
@@ -487,9 +494,8 @@ def _iq1_scales(m: bool):
                 sh = _cv(16, 12)
             v = builder.and_(builder.lshr(h, sh), _cv(16, 7))
             v = builder.or_(builder.shl(v, _cv(16, 1)), _cv(16, 1))
-            f = builder.uitofp(v, ir.VectorType(ir.FloatType(), 16))
-            lo = builder.shuffle_vector(f, f, _cv(8, list(range(8)), i32))
-            hi = builder.shuffle_vector(f, f, _cv(8, list(range(8, 16)), i32))
+            lo, hi = (builder.uitofp(builder.shuffle_vector(v, v, _cv(8, list(range(k, k + 8)), i32)), VF)
+                      for k in (0, 8))  # 8 lanes each (16 float32 would be a 512-bit register)
             return context.make_tuple(builder, sig.return_type, (lo, hi))
         return types.UniTuple(F32x8, 2)(w, p), codegen
     return scales

@@ -221,14 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         del layer
     print(f"expert weights read per call (GB/s, median of {args.reps}); hidden {args.hidden}, ffn {args.ffn}; "
           f"shape = experts x tokens each; {args.threads} threads; numba {numba.__version__}")
-    print(f"{'type':7s}{'shape':>6s}{'isa':>10s}{'old':>9s}{'new':>9s}{'new/old':>9s}{'of ceil':>9s}")
+    print(f"{'type':7s}{'shape':>6s}{'isa':>17s}{'old':>9s}{'new':>9s}{'new/old':>9s}{'of ceil':>9s}")
     for name, shape, isa, o, n in main_rows:
-        print(f"{name:7s}{shape:>6s}{isa:>10s}{o:9.2f}{n:9.2f}{n / o:9.2f}{n / ceiling:9.2f}")
+        print(f"{name:7s}{shape:>6s}{isa:>17s}{o:9.2f}{n:9.2f}{n / o:9.2f}{n / ceiling:9.2f}")
     if core_rows:
         print("per core, 8 experts x 1 token (GB per CPU-second: process time, all threads)")
-        print(f"{'type':7s}{'threads':>8s}{'isa':>10s}{'old':>9s}{'new':>9s}{'new/old':>9s}")
+        print(f"{'type':7s}{'threads':>8s}{'isa':>17s}{'old':>9s}{'new':>9s}{'new/old':>9s}")
         for name, th, isa, o, n in core_rows:
-            print(f"{name:7s}{th:8d}{isa:>10s}{o:9.2f}{n:9.2f}{n / o:9.2f}")
+            print(f"{name:7s}{th:8d}{isa:>17s}{o:9.2f}{n:9.2f}{n / o:9.2f}")
     print(f"streaming ceiling {ceiling:.1f} GB/s ({args.threads} threads, float32 sum of {ceiling_mib} MiB); "
           f"first pool call {first_s:.1f} s after start; {time.perf_counter() - T_START:.0f} s in all")
     if args.out is not None:
