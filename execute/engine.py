@@ -127,15 +127,17 @@ class _Residency(dict):
 
     def place(self, layer: int, items) -> None:
         """``self[(layer, e)] = s`` for each (expert, slot) of ``items``."""
-        words = self._words
-        t = self.slot_tables[layer] if words is not None else None
-        first, row = layer * self._width, self.rows[layer] if t is not None else None
-        for e, s in items:
-            dict.__setitem__(self, (layer, e), s)
-            if t is not None:
-                words[first + e] = row[e] = a = t[0] + s * t[1]
-                self.held.add(a)
+        t = self.slot_tables[layer] if self._words is not None else None
         self.dirty = True
+        if t is None:
+            dict.update(self, {(layer, e): s for e, s in items})
+            return
+        words, row, first, held, put = self._words, self.rows[layer], layer * self._width, self.held, dict.__setitem__
+        ptr, stride = t[0], t[1]
+        for e, s in items:
+            put(self, (layer, e), s)
+            words[first + e] = row[e] = a = ptr + s * stride
+            held.add(a)
 
     def fresh(self, layer: int, slot: int) -> bool:
         """Whether the slot has never held an expert (no kernel queued so far can read it)."""

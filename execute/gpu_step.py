@@ -112,7 +112,7 @@ class CopyBatch:
     def __init__(self, capacity: int = 4 * 2 * _MAX_K):
         self.capacity = capacity
         self._a = np.zeros((3, capacity), np.uint64)  # dst, src, size
-        self._addr = [int(self._a[i].ctypes.data) for i in range(3)]
+        self._addr = tuple(int(self._a[i].ctypes.data) for i in range(3))
         self._view = memoryview(self._a).cast("B")  # packed into (cheaper than packing into the array)
         self._attrs = np.zeros(6, np.uint32)  # CUmemcpyAttributes: order, src hint, dst hint, flags
         self._attrs[0] = _ACCESS_STREAM
@@ -160,8 +160,7 @@ class CopyBatch:
                 pad = 8 * (self.capacity - n)
                 f = self._packs[n] = struct.Struct(f"<{n}Q{pad}x{n}Q{pad}x{n}Q")
             f.pack_into(self._view, 0, *d, *s, *z)
-            x = self._addr
-            err = fn(x[0], x[1], x[2], n, *self._consts, stream_ptr)
+            err = fn(*self._addr, n, *self._consts, stream_ptr)
             if not err:
                 self.batches += 1
                 return
