@@ -10,8 +10,11 @@ for one expert of each layer that the workload moves:
   and two (is a stream's cost per expert or per layer?);
 - ``swap``: 8 hits, and after every token one background swap per layer (``Move`` with a victim,
   awaited with the driver's one-token lag, ``drive``'s ``lag_tokens=1``);
-- ``cpu``: 7 hits and one expert on the CPU pool; ``cpuswap``: the same with ``swap``'s swaps (a swap's
-  cost beside the pool's hand-off; ``BASE``: measured against ``cpu``). ``GPU_KINDS`` leave the pool idle.
+- ``fill``: 8 hits, and after every token one background fill per layer (into a slot no expert held:
+  no wait for the kernels queued before it; ``FILL_SLOTS`` slots a layer);
+- ``cpu``: 7 hits and one expert on the CPU pool; ``cpuswap``, ``cpufill``: the same with ``swap``'s
+  swaps or ``fill``'s fills (their cost beside the pool's hand-off; ``BASE``: measured against
+  ``cpu``). ``GPU_KINDS`` leave the pool idle and fit in ``SLOTS`` slots a layer.
 
 So each workload has ``EVENTS[kind]`` events per layer more than its ``BASE`` workload, of one kind. The workloads run
 interleaved over rounds (every other round reversed), each on a fresh engine after warm-up
@@ -30,13 +33,15 @@ from scheduler.core import Capacity, Decision, Geometry, Move, Step, Token
 __all__ = ["KINDS", "GPU_KINDS", "EVENTS", "BASE", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary",
            "moves_fields", "apply_moves", "calibration_moves", "RESIDENT", "SLOTS"]
 
-KINDS = ("hits", "upload", "stream", "stream2", "swap", "cpu", "cpuswap")
-GPU_KINDS = KINDS[:5]  # no CPU expert: no pool call (no Numba compile)
-EVENTS = {"hits": 0, "upload": 1, "stream": 1, "stream2": 2, "swap": 1, "cpu": 1, "cpuswap": 1}  # per layer and token
-BASE = {"cpuswap": "cpu"}  # the workload a kind's events are counted against (else hits)
+KINDS = ("hits", "upload", "stream", "stream2", "swap", "fill", "cpu", "cpuswap", "cpufill")
+GPU_KINDS = KINDS[:5]  # no CPU expert: no pool call (no Numba compile), SLOTS slots a layer
+EVENTS = {"hits": 0, "upload": 1, "stream": 1, "stream2": 2, "swap": 1, "fill": 1, "cpu": 1, "cpuswap": 1,
+          "cpufill": 1}  # moved experts per layer and token
+BASE = {"cpuswap": "cpu", "cpufill": "cpu"}  # the workload a kind's events are counted against (else hits)
+FILL_SLOTS = 64  # slots a layer the fill kinds need: slots 27 + t fill with expert 30 + t (t < 30)
 RESIDENT = 24  # experts 0..23 resident in slots 0..23 of every layer: the hits
 SLOTS = 32  # slots per layer: 24 the upload target, 25 and 26 the swaps' (alternating tokens)
-UPLOAD, STREAM, SWAP, CPU = 100, 110, 120, 60  # the moved experts: 100/101, 110..117, 120..123, 60..67
+UPLOAD, STREAM, SWAP, CPU, FILL = 100, 110, 120, 60, 30  # moved experts: 100/101, 110..117, 120..123, 60..67, 30..59
 
 
 def _hits(t: int, layer: int, n: int) -> tuple[int, ...]:
@@ -61,7 +66,7 @@ def moves_tokens(kind: str, num_layers: int, num_tokens: int, top_k: int = 8, st
                 ex = _hits(t, l, top_k - 1) + (STREAM + t % 8,)
             elif kind == "stream2":
                 ex = _hits(t, l, top_k - 2) + (STREAM + t % 8, STREAM + (t + 4) % 8)
-            elif kind in ("cpu", "cpuswap"):
+            elif kind in ("cpu", "cpuswap", "cpufill"):
                 ex = _hits(t, l, top_k - 1) + (CPU + t % 8,)
             else:
                 ex = _hits(t, l, top_k)
@@ -109,6 +114,10 @@ class ScriptedPolicy:
 
     def plan_background(self) -> tuple:
         t, self.t = self.t, self.t + 1
+        if self.kind in ("fill", "cpufill"):
+            if t >= 30:
+                raise ValueError(f"{self.kind}: token {t}, the fills have slots for 30 tokens")
+            return tuple(Move(l, FILL + t, 27 + t) for l in range(self.geometry.num_layers))
         if self.kind not in ("swap", "cpuswap"):
             return ()
         slot, base = 25 + t % 2, SWAP + t % 2
@@ -124,8 +133,8 @@ def measure_moves(cp, gx, layers, dense, threads: int, rounds: int = 3, tokens: 
     """Run every workload ``rounds`` times, interleaved (every other round reversed): a fresh
     engine (``SLOTS`` per layer, residents uploaded), ``warm`` tokens, then ``tokens`` timed (wall
     seconds per token, the engine's host phases and its ``start_background`` and ``await_background``
-    calls' host seconds). ``gx``: the ``GpuExperts`` to share (at least
-    ``SLOTS`` slots a layer)."""
+    calls' host seconds). ``gx``: the ``GpuExperts`` to share (at least ``SLOTS`` slots a layer,
+    ``FILL_SLOTS`` with a fill kind)."""
     from .calibrate_replay import RUN_PHASES, replay_engine
     from .engine import ExpertEngine
 
@@ -133,13 +142,14 @@ def measure_moves(cp, gx, layers, dense, threads: int, rounds: int = 3, tokens: 
     if E <= SWAP + 3:
         raise ValueError(f"measure_moves: {E} experts per layer, expected > {SWAP + 3}")
     geo = Geometry((E,) * L, top_k, (layers[0].expert_bytes,) * L)
-    cap = Capacity.per_layer(geo, SLOTS)
+    caps = {n: Capacity.per_layer(geo, n) for n in (SLOTS, FILL_SLOTS)}
     with gx.compute:
         x0 = cp.asarray(np.random.default_rng(seed).standard_normal((1, layers[0].hidden)).astype(np.float32))
     out = []
     for r in range(rounds):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             pol = ScriptedPolicy(geo, kind)
+            cap = caps[FILL_SLOTS if kind.endswith("fill") else SLOTS]
             engine = ExpertEngine(layers, cap, threads=threads, use_gpu=True, timeout_s=60, gpu=gx)
             try:
                 engine.load_residents(pol.residents())

@@ -39,7 +39,10 @@ def replay(kind, n=9):
             got["cpu"] += len(d.cpu)
         elif type(item) is StartBackground:
             for m in item.moves:
-                assert res.pop(m.victim) == m.slot  # the victim held the slot
+                if m.victim is None:  # a fill: into a slot no expert ever held
+                    assert m.slot not in {v for (l, _), v in res.items() if l == m.layer} and m.slot >= 27
+                else:
+                    assert res.pop(m.victim) == m.slot  # the victim held the slot
             got["moves"] += len(item.moves)
         elif type(item) is AwaitBackground:
             for m in item.moves:
@@ -54,14 +57,15 @@ def test_one_event_per_layer_and_token(kind):
     got = replay(kind)
     n = 9 * GEO.num_layers
     want = {"hits": {}, "upload": {"uploads": n}, "stream": {"streams": n}, "stream2": {"streams": 2 * n},
-            "swap": {"moves": n}, "cpu": {"cpu": n}, "cpuswap": {"cpu": n, "moves": n}}[kind]
+            "swap": {"moves": n}, "fill": {"moves": n}, "cpu": {"cpu": n}, "cpuswap": {"cpu": n, "moves": n},
+            "cpufill": {"cpu": n, "moves": n}}[kind]
     assert got == {"uploads": 0, "streams": 0, "moves": 0, "cpu": 0, **want, "tokens": 9}
     assert EVENTS[kind] * n == want.get("moves", sum(want.values()))
 
 
 def test_bad_kind_and_top_k():
     with pytest.raises(ValueError, match="kind"):
-        moves_tokens("fill", 2, 2)
+        moves_tokens("evict", 2, 2)
     with pytest.raises(ValueError, match="top_k"):
         moves_tokens("hits", 2, 2, top_k=40)
 
