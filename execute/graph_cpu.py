@@ -43,6 +43,8 @@ import weakref
 import cupy as cp
 import numpy as np
 
+from scheduler.graph import GRAPH_CPU_AHEAD
+
 from . import cpu_pool as P
 from .cpu_experts import J_N
 from .experts import ExecutorError
@@ -56,7 +58,7 @@ _rt = cp.cuda.runtime
 _RPW, _RPB, _WARPS = 2, 2, 4  # as gpu_experts' one-token launches (moe1_gate_up, moe1_down_combine)
 _REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 _PAGE = 4096
-_AHEAD = P._RING - 1  # calls submitted ahead of the block being settled (the ring's slots, less one)
+_AHEAD = min(GRAPH_CPU_AHEAD, P._RING - 1)  # calls submitted ahead of the block being settled
 
 
 def graph_cpu_stream_env() -> bool:

@@ -28,11 +28,12 @@ from .cache import INFLIGHT
 from .core import Decision, Move, Step
 from .drive import AwaitBackground, EndToken, RunLayer
 
-__all__ = ["MAX_SKIP", "MIN_RATE", "SMOOTHING", "CpuMisses", "GraphBackoff", "resident_at_launch", "runs_in_graph"]
+__all__ = ["MAX_SKIP", "MIN_RATE", "SMOOTHING", "GRAPH_CPU_AHEAD", "CpuMisses", "GraphBackoff", "resident_at_launch", "runs_in_graph"]
 
 MAX_SKIP = 64  # the longest run of tokens that skip the graph after incomplete ones
 MIN_RATE = 0.13  # every token tries while this share of recent tokens would have completed (dev routing)
 SMOOTHING = 0.125  # weight of the newest token in that share (an exponential mean)
+GRAPH_CPU_AHEAD = 15  # CPU-graph calls submitted ahead of the block being settled (the pool's ring of 16, less one)
 
 
 class GraphBackoff:

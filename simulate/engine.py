@@ -44,7 +44,7 @@ import simpy
 from scheduler import Audit, AwaitBackground, EndToken, RunLayer, StartBackground
 
 from scheduler.costs import Costs
-from scheduler.graph import GraphBackoff, runs_in_graph
+from scheduler.graph import GRAPH_CPU_AHEAD, GraphBackoff, runs_in_graph
 
 __all__ = ["Simulator", "SimResult"]
 
@@ -174,11 +174,15 @@ class Simulator:
     per block after the launch (``cpu_submit_s`` each), a block's put waits for its call, the pool
     starts ``handoff_in_s`` after the put and the block ends no earlier than ``handoff_out_s`` after
     the pool does; ``graph_cpu_block_s`` replaces ``graph_block_s`` for such a graph's blocks (a
-    measured figure: its blocks launch more kernels than the resident-only graph's)."""
+    measured figure: its blocks launch more kernels than the resident-only graph's).
+    ``graph_cpu_stream`` (``MOELAB_GRAPH_CPU_STREAM=1``): the host settles block ``l``'s step
+    (``graph_step_s``) once the graph's put of block ``l`` has run, submitting the first
+    ``GRAPH_CPU_AHEAD`` calls after the launch and call ``l + GRAPH_CPU_AHEAD`` after settling block
+    ``l``; it waits for the graph's end only after the last step."""
 
     def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False,
                  background_wait: str = "device", swaps: str = "await", graph_cpu: bool = False,
-                 graph_cpu_block_s: float | None = None):
+                 graph_cpu_block_s: float | None = None, graph_cpu_stream: bool = False):
         if background_wait not in BACKGROUND_WAITS:
             raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
         if swaps not in SWAP_WAITS:
@@ -190,6 +194,7 @@ class Simulator:
         if graph_cpu_block_s is not None and not graph_cpu_block_s > 0:
             raise ValueError(f"graph_cpu_block_s: {graph_cpu_block_s}, expected > 0 seconds (or None)")
         self.graph_cpu_block_s = graph_cpu_block_s  # a CPU graph's block time, else graph_block_s
+        self.graph_cpu_stream = graph_cpu_stream  # the host settles a CPU graph's blocks while it runs
         self.background_wait = background_wait
         self.swaps = swaps
 
@@ -403,6 +408,7 @@ class Simulator:
         late = 0
         L = len(dense_s)
         settle, whole, launch_next = -1, False, 0.0  # token graph: steps below settle were computed by it
+        streamed = False  # the settled steps were charged inside the graph's chain
         if self.token_graph and hc.graph_block_s > 0:
             items = graph_tokens(items, L, self.graph_cpu)
             cum_dense, cum_kv = np.concatenate(([0.0], np.cumsum(dense_s))), float(np.sum(kv_s))
@@ -419,9 +425,11 @@ class Simulator:
                     g0 = max(g, h)
                 gpu_busy += gg
                 busy = 0.0
+                streamed = bool(item.cpu) and self.graph_cpu_stream
                 if item.cpu:  # the blocks' CPU calls, submitted after the launch, in the graph's chain
-                    g, p, busy, spans = _graph_cpu_chain(g0, h, p, item.cpu, pos1, c, hc, self.graph_cpu_block_s)
-                    h += L * hc.cpu_submit_s
+                    g, p, busy, spans, hs = _graph_cpu_chain(g0, h, p, item.cpu, pos1, c, hc, self.graph_cpu_block_s,
+                                                             streamed)
+                    h = hs
                     cpu_busy += busy
                     if events is not None:
                         events.extend(spans)
@@ -439,7 +447,7 @@ class Simulator:
                 continue
             observe(item)
             if kind is RunLayer and item.decision.step.layer < settle:  # computed by the graph: settled
-                h += hc.graph_step_s
+                h += 0.0 if streamed else hc.graph_step_s
                 prev_nu = 0
                 ready, mid = 0.0, True
                 continue
@@ -600,17 +608,26 @@ class Simulator:
 
 
 def _graph_cpu_chain(g0: float, h0: float, p: float, cpu: tuple, pos1: int, c, hc,
-                     block_s: float | None = None) -> tuple:
+                     block_s: float | None = None, stream: bool = False) -> tuple:
     """A token graph whose blocks hand ``cpu[l]`` misses each to the pool (``Simulator``'s
     ``graph_cpu``), launched at ``g0`` by the host at ``h0``, the pool free at ``p``, each block
     ``block_s`` (None: ``graph_block_s``) plus its attention: -> (the graph's end, the pool's, the
-    pool's busy seconds, CPU spans for the timeline)."""
+    pool's busy seconds, CPU spans for the timeline, the host's time after its submits; with
+    ``stream`` after settling every block's step too, ``Simulator``'s ``graph_cpu_stream``)."""
     t, busy, spans = g0, 0.0, []
     base = hc.graph_block_s if block_s is None else block_s
+    L = len(cpu)
+    first = min(GRAPH_CPU_AHEAD, L) if stream else L
+    sub = [h0 + (l + 1) * hc.cpu_submit_s for l in range(first)]  # when each call is submitted
+    h, puts = h0 + first * hc.cpu_submit_s, []
     for l, nc in enumerate(cpu):
+        if l >= first:  # submitted once the host has settled the block GRAPH_CPU_AHEAD before it
+            h = max(h, puts[l - first]) + hc.graph_step_s + hc.cpu_submit_s
+            sub.append(h)
         block = base + pos1 * c.kv_s_per_pos[l]
         dense = min(c.dense_s[l] + pos1 * c.kv_s_per_pos[l], block)
-        put = max(t + dense, h0 + (l + 1) * hc.cpu_submit_s)  # the put waits for the host's call
+        put = max(t + dense, sub[l])  # the put waits for the host's call
+        puts.append(put)
         end = put + block - dense
         if nc:
             cpu_s = c.cpu_call_s(l, nc)
@@ -620,4 +637,7 @@ def _graph_cpu_chain(g0: float, h0: float, p: float, cpu: tuple, pos1: int, c, h
             end = max(end, p + hc.handoff_out_s)
             spans.append(("cpu", f"L{l} cpu x{nc}", c0, cpu_s))
         t = end
-    return t + c.head_s, p, busy, spans
+    if stream:
+        for l in range(L - first, L):  # the steps settled after the last submit
+            h = max(h, puts[l]) + hc.graph_step_s
+    return t + c.head_s, p, busy, spans, h

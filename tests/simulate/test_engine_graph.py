@@ -179,7 +179,7 @@ def test_graph_cpu_on_a_random_trace_gives_the_replays_decisions_and_never_beats
     from scheduler import Audit
 
     sim = Audit(g, keep_log=True, keep_records=False)
-    r = Simulator(c, token_graph=True, graph_cpu=True).run(drive(new(), toks, lag), sim)
+    r = Simulator(c, token_graph=True, graph_cpu=True, graph_cpu_stream=lag == 1).run(drive(new(), toks, lag), sim)
     ref = replay(new(), toks, lag, Audit(g, keep_log=True, keep_records=False))
     assert sim.digest() == ref.digest() and sim.summary() == ref.summary()
     assert np.all(r.token_s >= r.bound_s * (1 - 1e-12))
@@ -195,3 +195,25 @@ def test_a_cpu_graphs_own_block_time_replaces_the_resident_only_one():
     assert slow[1] - base[1] == pytest.approx(L * 60 * US, rel=1e-6)  # 40 -> 100 us a block, no miss
     with pytest.raises(ValueError, match="graph_cpu_block_s"):
         Simulator(c, graph_cpu=True, graph_cpu_block_s=0.0)
+
+
+@pytest.mark.parametrize("ahead", [2, 15])
+def test_streamed_settling_overlaps_the_graph_and_keeps_the_decisions(ahead, monkeypatch):
+    """graph_cpu_stream: block l's step is settled once its put has run, the calls past the first
+    GRAPH_CPU_AHEAD submitted as the host settles; the host's settling hides behind the graph."""
+    import simulate.engine as E
+    from scheduler import Audit
+
+    monkeypatch.setattr(E, "GRAPH_CPU_AHEAD", ahead)
+    c = costs(GCPU, "lru")
+    items = cpu_items(0, {1: 1}) + cpu_items(1) + cpu_items(2, {0: 0, 3: 1})
+    runs = {}
+    for stream in (False, True):
+        a = Audit(tiny_model(num_layers=L).geometry(), keep_log=True)
+        r = Simulator(c, token_graph=True, graph_cpu=True, graph_cpu_stream=stream).run(iter(items), a)
+        runs[stream] = (list(r.token_s), a.digest(), r.bound_s)
+    (off, d0, _), (on, d1, bound) = runs[False], runs[True]
+    assert d0 == d1
+    for t0, t1, b in zip(off, on, bound):
+        assert b * (1 - 1e-12) <= t1 <= t0 and t0 - t1 <= L * c.host.graph_step_s * (1 + 1e-9)
+    assert sum(off) - sum(on) > 0
