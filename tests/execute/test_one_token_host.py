@@ -281,3 +281,66 @@ def test_late_pairs_are_resolved_once_by_their_uploads_or_a_release(fake_cupy, r
     finally:
         engine.close()
         gx.close()
+
+
+def test_on_compute_takes_the_events_between_streams_out_of_a_step(fake_cupy, rng, monkeypatch):
+    """Inside ``engine.on_compute()`` the caller's current stream is the compute stream: a one-token
+    step of hits makes its two launches and one event (``last_read``), no stream wait. On entry the
+    compute stream waits for the caller's stream; on exit the caller's stream for the compute one."""
+    monkeypatch.setenv("MOELAB_LATE_START", "0")
+    import dataclasses
+
+    from execute import quant as Q
+    from execute.engine import ExpertEngine
+    from execute.experts import random_layer
+    from scheduler.core import Capacity, Geometry
+    from scheduler.drive import RunLayer
+
+    from .test_gpu_experts_host import _Dev
+
+    cp, G = fake_cupy
+    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
+    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
+    cap = Capacity.per_layer(Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers)), 4)
+    gx = G.GpuExperts(layers, cap, scratch_slots=2)
+    engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+    current = [cp.cuda.get_current_stream()]
+
+    class Stream:  # a stream whose ``with`` makes it the current one, as cupy's
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def __enter__(self):
+            current.append(self)
+
+        def __exit__(self, *_):
+            current.pop()
+
+        def synchronize(self):
+            pass
+
+    caller, gx.compute = current[0].ptr, Stream(gx.compute.ptr)
+    monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: current[-1])
+    rt = cp.cuda.runtime
+    try:
+        engine.load_residents({(1, 3): 0, (1, 5): 1})
+        x, w, ids = _Dev((1, 256)), np.array([[0.6, 0.4]], np.float32), np.array([[3, 5]])
+        d = Decision(Step(1, (3, 5)), (3, 5))
+        rt.reset_mock()
+        cp.cuda.driver.launchKernel.reset_mock()
+        with engine.on_compute():
+            assert current[-1] is gx.compute
+            entry = [(c[0], c.args) for c in rt.mock_calls]
+            engine.begin_layer(1, x, ids)
+            engine.run_layer(RunLayer(None, d.step, d), x, ids, w)
+            assert [(c[0], c.args) for c in rt.mock_calls[len(entry):]] == \
+                [("eventRecord", (gx.last_read.ptr, gx.compute.ptr))]
+            assert cp.cuda.driver.launchKernel.call_count == 2
+        assert current == [current[0]]
+        assert entry == [("eventRecord", (gx._caller_ev.ptr, caller)),
+                         ("streamWaitEvent", (gx.compute.ptr, gx._caller_ev.ptr))]
+        assert [(c[0], c.args) for c in rt.mock_calls[-2:]] == [("eventRecord", (gx._back_ev.ptr, gx.compute.ptr)),
+                                                                ("streamWaitEvent", (caller, gx._back_ev.ptr))]
+    finally:
+        engine.close()
+        gx.close()
