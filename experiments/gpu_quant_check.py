@@ -66,8 +66,7 @@ def expert_weights(qt: int, num_e: int, ffn: int, hidden: int, rng: np.random.Ge
     return out
 
 
-def tried(fn, what: str) -> float:
-    """``fn()``, or NaN with the error printed: a variant that fails leaves the others' figures."""
+def tried(fn, what: str) -> float:  # fn(), or NaN with the error printed: a failed variant leaves the others' figures
     try:
         return fn()
     except Exception as e:  # noqa: BLE001
@@ -176,7 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens through each expert in the batched call")
     p.add_argument("--types", default="", help="comma-separated type names (default: all)")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--variants", action="store_true", help=f"also time the batched kernels' variants {BATCH_VARIANTS}")
+    p.add_argument("--variants", nargs="?", const=",".join(BATCH_VARIANTS), default="", help="also time these batched variants (comma-separated; alone: all)")
     one = p.add_mutually_exclusive_group()
     one.add_argument("--one", action="store_true", help="time the one-token expert calls only (no matmul, no batches)")
     p.add_argument("--type-modules", action="store_true", help="every expert kernel from a module compiled for its "
@@ -190,7 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--probe", action="store_true", help="also time the one-token launches without their dots (and copies)")
     p.add_argument("--out", type=Path, help="also write the rows here (JSON)")
     a = p.parse_args(argv)
-    a.variants, a.no_matmul = BATCH_VARIANTS if a.variants else (), a.no_matmul or a.type_modules
+    a.variants, a.no_matmul = tuple(v for v in a.variants.split(",") if v), a.no_matmul or a.type_modules
+    if bad_v := [v for v in a.variants if v not in BATCH_VARIANTS]: p.error(f"--variants: unknown {bad_v}; expected names of {BATCH_VARIANTS}")
     try:
         a.down_rows = [int(r) for r in a.down_rows.split(",") if r]
     except ValueError:
