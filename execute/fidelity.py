@@ -202,6 +202,7 @@ def calibrated_on_round(raw: dict, rnd: int, same: bool = False) -> dict:
         raise ValueError(f"calibration round {rnd}: no calibration replay recorded in that round")
     return {**raw, "calibration_records": mine,
             "calibration_runs": [r for r in raw.get("calibration_runs") or [] if r.get("round") == rnd],
+            "moves": [r for r in raw.get("moves") or [] if r.get("round") == rnd],
             "runs": [r for r in raw["runs"] if (r["repeat"] == rnd) == same]}
 
 

@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
                          "(out of sample in time; with the session calibration)")
     ap.add_argument("--same-round", action="store_true",
                     help="with --calibration-round R: check round R's own runs (the host as it was then)")
+    ap.add_argument("--per-round", action="store_true",
+                    help="every round's runs against that round's own session calibration: per config each round's "
+                         "error and their median (no GPU with --from)")
     ap.add_argument("--budgets", type=_budgets, default=None,
                     help="expert budgets in MiB (the peer benchmark's: 2048,4096,12288): runs gpu, cpu, and lru "
                          "and hybrid at each")
@@ -85,6 +88,8 @@ def main(argv=None) -> int:
         return svr.predict_peer_rows(args.peer, args.hardware)
     if args.same_round and args.calibration_round is None:
         ap.error("--same-round needs --calibration-round R")
+    if args.per_round and (args.calibration_round is not None or args.host_calibration != "session"):
+        ap.error("--per-round takes each round's own session calibration (drop --calibration-round, --host-calibration file)")
     if args.calibration_round is not None and args.host_calibration != "session":
         ap.error("--calibration-round needs the session calibration (drop --host-calibration file)")
     for flag, v, low in (("--repeats", args.repeats, 1), ("--warmup-rounds", args.warmup_rounds, 0),

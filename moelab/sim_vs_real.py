@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["checked_inputs", "runs_of", "run", "predict_peer_rows", "predict_moves", "print_moves"]
+__all__ = ["checked_inputs", "runs_of", "run", "predict_peer_rows", "predict_moves", "print_moves", "per_round"]
 
 
 def checked_inputs(a: dict):
@@ -104,6 +104,45 @@ def print_moves(rows: dict) -> None:
               f"{ev[0]:>12}{ev[1]:>8}{ev[2]:>10}{host:12.1f}")
 
 
+def per_round(args, raw: dict, out: Path) -> int:
+    """Each round's runs predicted from that round's own session calibration (its calibration
+    replays, unlogged runs and moves probe; the lane fit on them): the host as it was in that round.
+    Prints per config the tokens/s error of each round and their median; 2 where a round has no
+    calibration."""
+    from execute.calibrate import synth_tokens
+    from execute.fidelity import calibrated_on_round, log, session_hardware
+    from scheduler.hardware import load_hardware
+    from simulate import fidelity as fd
+
+    tokens, model = checked_inputs(raw["args"])
+    a = raw["args"]
+    cal_tokens = synth_tokens(a["layers"], a["experts"], a["top_k"], 64, a["seed"] + 31)[0]
+    per: dict[str, list] = {}
+    for r in range(int(a.get("repeats", 1))):
+        try:
+            raw_r = calibrated_on_round(raw, r, same=True)
+        except ValueError as e:
+            print(f"sim_vs_real: --per-round: {e}", file=sys.stderr)
+            return 2
+        hw = load_hardware(session_hardware(args.hardware, raw_r, out / f"round{r}"))
+        if not getattr(args, "no_lane_fit", False):
+            hw, _ = fd.fit_lane(raw_r, hw, model, cal_tokens)
+        for row in fd.compare(raw_r, hw, tokens, model):
+            per.setdefault(row["label"], []).append(row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1)
+        log(f"round {r}: predicted from its own calibration")
+    print(f"\n{'config':<18}" + "".join(f"{f'round {r}':>9}" for r in range(len(next(iter(per.values())))))
+          + f"{'median':>9}")
+    for label, e in per.items():
+        print(f"{label:<18}" + "".join(f"{100 * x:+8.1f}%" for x in e) + f"{100 * float(np.median(e)):+8.1f}%")
+    every = [abs(x) for e in per.values() for x in e]
+    meds = {k: abs(float(np.median(e))) for k, e in per.items()}
+    worst = max(meds, key=meds.get)
+    print(f"tokens/s error, each run against its round's calibration: median {100 * np.median(every):.1f}%, max "
+          f"{100 * max(every):.1f}%; per config (median over rounds): median {100 * np.median(list(meds.values())):.1f}%, "
+          f"max {100 * meds[worst]:.1f}% ({worst})")
+    return 0
+
+
 def _write_lane(hw_path, lane: dict) -> Path:
     """The session hardware file at ``hw_path`` with ``fit_lane``'s fields written in (and said in
     its sources); its path."""
@@ -158,6 +197,8 @@ def run(args) -> int:
     if not raw.get("runs"):
         print("sim_vs_real: no recorded runs to compare", file=sys.stderr)
         return 1
+    if getattr(args, "per_round", False):
+        return per_round(args, raw, out)
     for h in raw.get("host_state") or ():  # recorded by run_device around each round
         b, e = h["before"], h["after"]
         busy = lambda x: "?" if x["busy_cores"] is None else f"{x['busy_cores']:.1f}"

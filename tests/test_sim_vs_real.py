@@ -447,3 +447,31 @@ def test_a_checked_runs_pool_is_warmed_with_one_call_per_layer():
 
     assert ex.warm_pool(Pool(), layers, 8) >= 0
     assert calls == [(l, [0, 1, 2, 3], (4, 64)) for l in range(3)]  # top-k capped at the layer's experts
+
+
+def test_per_round_predicts_each_round_from_its_own_calibration(tmp_path, monkeypatch, capsys):
+    """Two rounds of the same calibration, the second round's runs 1.25x slower: each round's error
+    follows its own runs (round 1's = 1.25 x (1 + round 0's) - 1); the calibration is not pooled."""
+    from tests.execute.test_calibrate import fake_runs, replay_records
+
+    from execute import calibrate as C
+
+    raw, hw, model, hwp = fake_recording(tmp_path, scales=(1.0, 1.25), configs=1)
+    recs = replay_records(np.random.default_rng(3))
+    runs = fake_runs(np.random.default_rng(1), C.replay_host_fields(recs))
+    raw["calibration_records"] = [{**r, "round": k} for k in (0, 1) for r in recs]
+    raw["calibration_runs"] = [{**r, "round": k} for k in (0, 1) for r in runs]
+    raw["expert_bytes"], raw["args"]["threads"], raw["args"]["repeats"] = 5_013_504, 15, 2
+    monkeypatch.setattr(svr, "sim_model", lambda layers, vocab: model)
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    C.write_json(rec / "raw.json", raw)
+    assert script.main(["--hardware", hwp, "--from", str(rec), "--out", str(tmp_path / "o"), "--per-round",
+                        "--no-lane-fit"]) == 0
+    lines = [l.split() for l in capsys.readouterr().out.splitlines() if l.startswith(("cpu ", "lru "))]
+    assert len(lines) == 1
+    for l in lines:
+        e0, e1 = (float(x.rstrip("%")) / 100 for x in l[-3:-1])
+        assert e1 == pytest.approx(1.25 * (1 + e0) - 1, abs=2e-3)
+    with pytest.raises(SystemExit):
+        script.main(["--hardware", hwp, "--from", str(rec), "--per-round", "--host-calibration", "file"])
