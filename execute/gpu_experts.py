@@ -189,10 +189,10 @@ class GpuExperts:
         # per layer: its (gate_up, down, gate_up1, down_combine1) launches; generic layers: gpu_quant's (or Int8Batch, None, ..)
         self._kl = {l.layer: (self._k_gate_up, self._k_down, self._k1_gate_up, self._k1_down) for l in moe}
         if self.generic_layers:
-            from .gpu_quant import GENERIC_BATCH, Int8Batch, kernel as qk
+            from .gpu_quant import GENERIC_BATCH, ONE_PROGRAMMATIC as pdl, Int8Batch, kernel as qk
 
             batch = (Int8Batch(GENERIC_BATCH), None) if GENERIC_BATCH else (Launch(qk("qmoe_gate_up"), 18), Launch(qk("qmoe_down"), 12))
-            q = (*batch, Launch(qk("qmoe1_gate_up"), 13, self._ex), Launch(qk("qmoe1_down_combine"), 10, self._ex))
+            q = (*batch, Launch(qk("qmoe1_gate_up"), 13, self._ex, pdl), Launch(qk("qmoe1_down_combine"), 10, self._ex, pdl))
             self._kl.update((l, q) for l in self.generic_layers)
         self._k1r = None  # the token graph's launches (routed_layer), compiled on first use
         self._ones: dict[int, tuple[FixedLaunch, FixedLaunch]] = {}  # see _one
@@ -474,9 +474,9 @@ class GpuExperts:
             rpb = _RPB_GQ if layer in self.generic_layers else _RPB
             one = self._ones[layer] = (
                 FixedLaunch(kl[2].func, (0, self.h1, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias),
-                            -(-ffn // (_WARPS * _RPW)), self._ex),
+                            -(-ffn // (_WARPS * _RPW)), self._ex, programmatic=kl[2].programmatic),
                 FixedLaunch(kl[3].func, (self.h1, 0, 0, ffn, hidden, rpb, off_d, qt_d, rb_d, bias), -(-hidden // rpb),
-                            self._ex))
+                            self._ex, programmatic=kl[3].programmatic))
         return one
 
     def pack1(self, bases: Sequence[int], weights: Sequence[float], pick: Sequence[int]) -> None:

@@ -47,7 +47,7 @@ from . import quant as Q
 if TYPE_CHECKING:
     import cupy as cp
 
-__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GENERIC_BATCH", "Int8Batch", "Q8_BLOCK", "Q8_PDL", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_VARIANTS", "Experts",
+__all__ = ["BATCH_VARIANTS", "FLOAT_QTYPES", "GENERIC_BATCH", "Int8Batch", "Q8_BLOCK", "Q8_PDL", "Q8_ROWS", "GPU_QUANT_QTYPES", "ONE_DOWN_ROWS", "ONE_PROBES", "ONE_PROGRAMMATIC", "ONE_VARIANTS", "Experts",
            "kernel", "kernel_info", "matmul", "source", "tables"]
 
 GPU_QUANT_QTYPES = tuple(sorted(Q.LAYOUTS))
@@ -86,6 +86,9 @@ GENERIC_BATCH = "_q8m2"
 # other one-token launches: _d, the same kernels by programmatic dependent launch; _w, gate/up in tiles of
 # 40 KB (a Q8_0 or Q6_K row of 2048 columns in one tile; 4 blocks per SM), down as the default
 ONE_VARIANTS = ("_d", "_w")
+# gpu_experts launches the one-token kernels by programmatic dependent launch (as _d: the same bits; 1.15-1.2x
+# on 8 experts of qwen3-30b-a3b's shape on the H200, docs/perf/gpu_quant_int8_h200)
+ONE_PROGRAMMATIC = True
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
 

@@ -66,11 +66,13 @@ class FixedLaunch:
     """``func`` (a CUfunction address) with argument values ``args`` (64-bit slots, as
     ``gpu_host.Launch``'s) and, with ``blob``, a by-value struct as the first parameter (its bytes
     at each launch). ``vals`` is the argument block: a caller writes the slots that change
-    (``vals[i] = v``) and calls ``launch(grid_y, block, stream_ptr)``; ``grid_x`` is fixed."""
+    (``vals[i] = v``) and calls ``launch(grid_y, block, stream_ptr)``; ``grid_x`` is fixed.
+    ``programmatic``: by programmatic dependent launch (the kernel waits for its inputs itself)."""
 
-    __slots__ = ("func", "vals", "grid_x", "_params", "ptr")
+    __slots__ = ("func", "vals", "grid_x", "_params", "ptr", "programmatic")
 
-    def __init__(self, func: int, args, grid_x: int, blob: np.ndarray | None = None):
+    def __init__(self, func: int, args, grid_x: int, blob: np.ndarray | None = None, programmatic: bool = False):
+        self.programmatic = programmatic
         self.func = int(func)
         self.vals = np.array(args, np.uint64)
         self.grid_x = int(grid_x)
@@ -81,6 +83,10 @@ class FixedLaunch:
         self.ptr = int(self._params.ctypes.data)
 
     def launch(self, grid_y: int, block: int, stream_ptr: int) -> None:
+        if self.programmatic:
+            from .pdl_launch import launch_programmatic
+
+            return launch_programmatic(self.func, (self.grid_x, grid_y), block, 0, stream_ptr, self.ptr)
         _launch_kernel(self.func, self.grid_x, grid_y, 1, block, 1, 1, 0, stream_ptr, self.ptr, 0)
 
 
