@@ -293,7 +293,7 @@ def _row_kernel_of(qt: int):
         l2 = n * cols if j[J_LEVELS] == 2 else 0
         base = w + e * nrows * rb
         end = base + r1 * rb
-        vg = (j[J_ISA] >> 4) & 1  # the i-quants' grid gather (cpu_iq.GATHER_MODES)
+        vg = (j[J_ISA] >> 4) & 3  # the i-quants' grid gather (cpu_iq.GATHER_MODES)
         ahead, pf = prefetch_plan(base, r0, rb, end, (j[J_ISA] >> 2) & 3)  # pf: the next byte to prefetch; per
         for r in range(r0, r1):  # row up to ``ahead`` bytes past it, into the caches while it is dotted
             to = min(base + (r + 1) * rb + ahead, end)
@@ -319,12 +319,12 @@ def _row_kernel_of(qt: int):
                 elif qt == _IQ4_XS:
                     v = dot_iq4_xs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table + _IQ4, table + _IQ4U)
                 elif qt == _IQ2_XXS or qt == _IQ3_XXS:
-                    v = dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table + _IQX, qt == _IQ3_XXS, vg == 1)
+                    v = dot_iq_xxs(w, o, nb, xq, xo, xd, xs, xb, l2, isa, table + _IQX, qt == _IQ3_XXS, vg)
                 elif qt == _IQ2_XS or qt == _IQ2_S or qt == _IQ3_S:
                     kind = 0 if qt == _IQ2_XS else 1 if qt == _IQ2_S else 2
-                    v = dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table + _IQX, kind, vg == 1)
+                    v = dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table + _IQX, kind, vg)
                 elif qt == _IQ1_S or qt == _IQ1_M:
-                    v = dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table + _IQX, qt == _IQ1_M, vg == 1)
+                    v = dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table + _IQX, qt == _IQ1_M, vg)
                 elif qt == _Q4_0:
                     v = _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa)
                 elif qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:

@@ -49,13 +49,14 @@ IQ_TABLES = np.concatenate([(grid(n) + 64).astype(np.uint8).reshape(-1)
 assert IQ_TABLES.size == _G1 + 2 * 2048 * 8
 
 
-def _gather(k: int, width: int, offsets: bool = False):
+def _gather(k: int, width: int, offsets: bool = False, loads: bool = False):
     """An intrinsic (table, w, p) -> I8x32: the ``k`` entries of ``width`` bytes of the table at
     address ``table``, side by side, indexed by the k bytes at address w + p (entry numbers), or
     with ``offsets`` by the k u16 at w + p (byte offsets into the table). The indices come in one
     or two scalar loads and are split by shifts (ALU ports, not loads); each entry is broadcast
     from memory (a load alone, no shuffle) and the k joined by blends (any vector port), where
-    inserts would put one shuffle per entry on the one shuffle port."""
+    inserts would put one shuffle per entry on the one shuffle port. ``loads``: each index by a
+    load of its own (load ports, not ALU ones)."""
     lane = ir.IntType(8 * width)
     vec = ir.VectorType(lane, k)
     per = 4 if offsets else 8  # indices per 64-bit word
@@ -73,17 +74,22 @@ def _gather(k: int, width: int, offsets: bool = False):
             nw = -(-k // per)  # words of indices
             wbits = ir.IntType(min(64, k * step))
             words = []
-            for j in range(nw):
+            for j in range(0 if loads else nw):
                 wv = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, 8 * j)), ir.PointerType(wbits)), align=1)
                 # opaque, so that LLVM does not narrow the shifts below back into byte loads
                 wv = builder.asm(ir.FunctionType(wbits, [wbits]), "", "=r,0", [wv], side_effect=False)
                 words.append(builder.zext(wv, i64) if wbits.width < 64 else wv)
             parts = []
             for j in range(k):
-                f = words[j // per]
-                if j % per:
-                    f = builder.lshr(f, ir.Constant(i64, step * (j % per)))
-                off = builder.and_(f, ir.Constant(i64, (1 << step) - 1))
+                if loads:
+                    it = ir.IntType(step)
+                    f = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, step // 8 * j)), ir.PointerType(it)), align=1)
+                    off = builder.zext(f, i64)
+                else:
+                    f = words[j // per]
+                    if j % per:
+                        f = builder.lshr(f, ir.Constant(i64, step * (j % per)))
+                    off = builder.and_(f, ir.Constant(i64, (1 << step) - 1))
                 if not offsets:
                     off = builder.mul(off, ir.Constant(i64, width))
                 e = builder.load(builder.inttoptr(builder.add(t, off), ir.PointerType(lane)), align=1)
@@ -114,9 +120,10 @@ gather8x4 = _gather(4, 8)  # IQ2_XXS: four 8-byte grid entries
 gather4x8 = _gather(8, 4)  # IQ3_XXS: eight 4-byte grid entries
 
 
-# How a group's grid entries are gathered (the job's J_ISA field carries the mode at bit 4): "blend"
-# (_gather: broadcasts from memory joined by blends) or "vgather" (_vgather: one hardware gather).
-GATHER_MODES = ("blend", "vgather")
+# How a group's grid entries are gathered (the job's J_ISA field carries the mode at bits 4-5): "blend"
+# (_gather: broadcasts from memory joined by blends, the indices split from one load by shifts),
+# "loads" (the same, each index loaded alone) or "vgather" (_vgather: one hardware gather).
+GATHER_MODES = ("blend", "loads", "vgather")
 
 
 def choose_gather(name: str | None = None, what: str = "MOELAB_CPU_GATHER") -> int:
@@ -161,6 +168,29 @@ def _vgather(k: int, width: int, offsets: bool = False):
 
 vgather8x4, vgather4x8 = _vgather(4, 8), _vgather(8, 4)
 vgather8x4_off, vgather4x8_off = _vgather(4, 8, True), _vgather(8, 4, True)
+lgather8x4, lgather4x8 = _gather(4, 8, loads=True), _gather(8, 4, loads=True)
+lgather8x4_off, lgather4x8_off = _gather(4, 8, True, True), _gather(8, 4, True, True)
+
+
+@njit(inline="always")
+def _g8x4(t, w, p, vg):
+    """Four 8-byte grid entries (indices: bytes at w + p) by gather mode vg (GATHER_MODES)."""
+    return vgather8x4(t, w, p) if vg == 2 else lgather8x4(t, w, p) if vg == 1 else gather8x4(t, w, p)
+
+
+@njit(inline="always")
+def _g4x8(t, w, p, vg):
+    return vgather4x8(t, w, p) if vg == 2 else lgather4x8(t, w, p) if vg == 1 else gather4x8(t, w, p)
+
+
+@njit(inline="always")
+def _g8x4_off(t, w, p, vg):
+    return vgather8x4_off(t, w, p) if vg == 2 else lgather8x4_off(t, w, p) if vg == 1 else gather8x4_off(t, w, p)
+
+
+@njit(inline="always")
+def _g4x8_off(t, w, p, vg):
+    return vgather4x8_off(t, w, p) if vg == 2 else lgather4x8_off(t, w, p) if vg == 1 else gather4x8_off(t, w, p)
 
 
 @intrinsic
@@ -257,12 +287,12 @@ def _xxs_signs(w, p, sl, three):
 
 @njit(inline="always")
 def _xxs_group(w, p, sl, table, g, three, vg):
-    """Group g of the IQ2_XXS/IQ3_XXS block at byte p: its grid bytes gathered (``vg``: by
-    _vgather), signs applied."""
+    """Group g of the IQ2_XXS/IQ3_XXS block at byte p: its grid bytes gathered (by mode ``vg``,
+    GATHER_MODES), signs applied."""
     if three:
-        q = vgather4x8(table + _G3, w, p + 2 + 8 * g) if vg else gather4x8(table + _G3, w, p + 2 + 8 * g)
+        q = _g4x8(table + _G3, w, p + 2 + 8 * g, vg)
     else:
-        q = vgather8x4(table + _G2, w, p + 2 + 8 * g) if vg else gather8x4(table + _G2, w, p + 2 + 8 * g)
+        q = _g8x4(table + _G2, w, p + 2 + 8 * g, vg)
     return sign_off(q, load_u32(sl, _SIGNS + 4 * g))
 
 
@@ -409,10 +439,10 @@ def _s_group(w, p, sl, table, g, kind, vg):
     """Group g of the IQ2_XS/IQ2_S/IQ3_S block at byte p (offsets and IQ2_XS's signs staged at sl)."""
     if kind == 2:
         t = table + _G3S
-        q = vgather4x8_off(t, sl, _IDX + 16 * g) if vg else gather4x8_off(t, sl, _IDX + 16 * g)
+        q = _g4x8_off(t, sl, _IDX + 16 * g, vg)
         return sign_off(q, load_u32(w, p + 74 + 4 * g))
     t = table + (_G2S if kind == 1 else _G2XS)
-    q = vgather8x4_off(t, sl, _IDX + 8 * g) if vg else gather8x4_off(t, sl, _IDX + 8 * g)
+    q = _g8x4_off(t, sl, _IDX + 8 * g, vg)
     return sign_off(q, load_u32(w, p + 34 + 4 * g) if kind == 1 else load_u32(sl, _SIGNS + 4 * g))
 
 
@@ -507,7 +537,7 @@ iq1s_scales, iq1m_scales = _iq1_scales(False), _iq1_scales(True)
 @njit(inline="always")
 def _g1(t, sl, g, vg):
     """Group g's IQ1 grid bytes (offsets staged at sl)."""
-    return vgather8x4_off(t, sl, _IDX + 8 * g) if vg else gather8x4_off(t, sl, _IDX + 8 * g)
+    return _g8x4_off(t, sl, _IDX + 8 * g, vg)
 
 
 @njit(inline="always")
