@@ -30,7 +30,8 @@ FIELDS = ("budget_mib", "cache_mib", "policy", "mode", "max_fills", "tokens_per_
           "cpu_experts", "uploads", "fills")
 
 
-def rows_for(result_path: Path, hw, policies: list[str], fills: list[int | None], block_s: float | None) -> list[dict]:
+def rows_for(result_path: Path, hw, policies: list[str], fills: list[int | None], block_s: float | None,
+             stream: bool = False) -> list[dict]:
     result = load_result(result_path)
     model = peer_model(result["config"])
     trace = result_path.parent / "trace"
@@ -44,11 +45,13 @@ def rows_for(result_path: Path, hw, policies: list[str], fills: list[int | None]
         cap = build_capacity(SimConfig(model=model.name, policy=name, cache_mib=mib), model, hw)
         costs = Costs(model, hw, ExecConfig(policy=name))
         cm = costs.cost_model() if name in ("hybrid", "hybrid-cost", "lookahead", "oracle") else None
-        for mode, f in [("now", None)] + [("cpugraph", f) for f in fills]:
+        modes = ("cpugraph", "cpustream") if stream else ("cpugraph",)
+        for mode, f in [("now", None)] + [(m, f) for m in modes for f in fills]:
             policy = make_policy(name, g, cap, tokens=tokens, cost_model=cm)
-            if mode == "cpugraph":
+            if mode != "now":
                 policy = CpuMisses(policy, f)
-            s = Simulator(costs, token_graph=True, graph_cpu=mode == "cpugraph", graph_cpu_block_s=block_s).run(
+            s = Simulator(costs, token_graph=True, graph_cpu=mode != "now", graph_cpu_block_s=block_s,
+                          graph_cpu_stream=mode == "cpustream").run(
                 drive(policy, tokens, 1), Audit(g, keep_records=False)).summary()
             out.append({"budget_mib": result["config"]["budget_mib"], "cache_mib": mib, "policy": name, "mode": mode,
                         "max_fills": "" if f is None else f, "tokens_per_s": s["tokens_per_s"],
@@ -71,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", default="docs/fidelity/h200-calibrated.json")
     ap.add_argument("--block-us", type=float, default=None,
                     help="a CPU graph's block time, us (default: the hardware file's graph_block_s)")
+    ap.add_argument("--stream", action="store_true",
+                    help="also cpustream rows: each block's step settled while the graph runs (graph_cpu_stream)")
     ap.add_argument("--out", default="out/graph_cpu_sim")
     args = ap.parse_args(argv)
     try:
@@ -89,7 +94,7 @@ def main(argv=None) -> int:
     except HardwareError as e:
         ap.error(f"--hardware: {e}")
     block_s = None if args.block_us is None else args.block_us * 1e-6
-    rows = [r for p in paths for r in rows_for(p, hw, args.policies.split(","), fills, block_s)]
+    rows = [r for p in paths for r in rows_for(p, hw, args.policies.split(","), fills, block_s, args.stream)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(vars(args), indent=2))
@@ -100,9 +105,10 @@ def main(argv=None) -> int:
     lines = ["# Token graph with misses on the CPU pool, simulated", "",
              f"`python experiments/graph_cpu_sim.py --budgets {args.budgets} --policies {args.policies} "
              f"--fills {args.fills} --hardware {args.hardware}"
-             + (f" --block-us {args.block_us:g}" if args.block_us else "") + "`: the peer benchmark's recorded H200 "
-             "routing, each policy as it runs now against `CpuMisses` with the graph's CPU chain (simulated, not "
-             "measured). A CPU graph's block costs "
+             + (f" --block-us {args.block_us:g}" if args.block_us else "") + (" --stream" if args.stream else "")
+             + "`: the peer benchmark's recorded H200 routing, each policy as it runs now against `CpuMisses` with "
+             "the graph's CPU chain (simulated, not measured; `cpustream`: each block's step settled while the graph "
+             "runs). A CPU graph's block costs "
              + (f"{args.block_us:g} us (given)" if args.block_us else "the file's resident-only `graph_block_s`")
              + "; docs/perf/graph_cpu_h200 measured about 112-117 us a block with no miss on 4 blocks.",
              "", "| budget MiB | policy | mode | max fills | tokens/s | x now | x lru | hit rate |",
