@@ -33,6 +33,13 @@ experts against the graph's and raises ``ExecutorError`` on a difference. Upload
 slot the running graph reads: fills start after the graph's ``mark_read`` and enter the table only
 once complete (``TokenGraph``'s staging rule); the graph launches no token ahead in this mode (a
 token launched ahead would not see the fills awaited at its start, which the decisions count).
+
+Settling while the graph runs (``MOELAB_GRAPH_CPU_STREAM=1``): the put also copies the block's
+route and miss count into mapped memory and raises a flag; ``TokenGraph`` then yields block
+``l``'s step as soon as its flag is up, so the host plans and settles it while the GPU and the pool
+run the blocks after it (the decisions are the same: they depend on the routes and the policy,
+and the graph's split on the table at the launch). The host submits the first ``_AHEAD`` calls
+after the launch and call ``l + _AHEAD`` once block ``l`` is seen (its ring slot is then free).
 """
 from __future__ import annotations
 
