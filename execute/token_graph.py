@@ -57,6 +57,9 @@ __all__ = ["TokenGraph", "token_graph_env"]
 
 _rt = cp.cuda.runtime
 _HALT_NONE = 0x7F7F7F7F  # halt's value before a token (memset of 0x7f bytes): no block missed
+_DENSE = ("qkv", "qk_rope", "attention", "attn_merge", "wo", "router")  # gpu_dense's launches of a block
+_EXPERTS = {(False, 2): ("gate_up", "down_combine"), (True, 2): ("put+gate_up", "down+wait+combine"),
+            (True, 4): ("put", "gate_up", "down", "wait+combine")}  # (CPU graph, launches): names
 
 
 def token_graph_env() -> bool:
@@ -144,6 +147,7 @@ class TokenGraph:
         cpu = self.cpu
         if cpu is not None:
             out += cpu.prologue()
+        labels = ["record", "halt"] + ["seq"] * (len(out) - 2)  # each launch's name (time_launches)
         x = gd.emb
         table = int(eng.table_dev.data.ptr)
         width = eng.table_dev.shape[1]
@@ -156,13 +160,17 @@ class TokenGraph:
                 float(info.expert_weights_scale or 1.0), self.swa[l])
             self._blocks.append(b)
             route = back + 4 * l * 2 * k
-            out.extend(b.launches(rec_d + 32 * l, route))
+            dense = b.launches(rec_d + 32 * l, route)
+            out.extend(dense)
+            labels += list(_DENSE) if len(dense) == len(_DENSE) else [f"dense{i}" for i in range(len(dense))]
             if cpu is not None:
-                out.extend(cpu.block(l, route, table + 8 * width * l, int(self.hn[l].data.ptr), int(self.h.data.ptr),
-                                     int(self.out[l].data.ptr)))
+                ex = cpu.block(l, route, table + 8 * width * l, int(self.hn[l].data.ptr), int(self.h.data.ptr),
+                               int(self.out[l].data.ptr))
             else:
-                out.extend(gx.routed_layer(l, route, table + 8 * width * l, halt, int(self.hn[l].data.ptr),
-                                           int(self.h.data.ptr), int(self.out[l].data.ptr), k))
+                ex = gx.routed_layer(l, route, table + 8 * width * l, halt, int(self.hn[l].data.ptr),
+                                     int(self.h.data.ptr), int(self.out[l].data.ptr), k)
+            out.extend(ex)
+            labels += list(_EXPERTS.get((cpu is not None, len(ex)), [f"experts{i}" for i in range(len(ex))]))
             x = self.cur[l]
         head = gd.decode_head(x, model.output, model.output_norm, eps, rs, float(info.logit_scale))
         head.vals[6], head.vals[15] = int(self.out[L - 1].data.ptr), int(self.logits.data.ptr)
@@ -170,6 +178,7 @@ class TokenGraph:
         out += [head, lambda s: _rt.memcpyAsync(back_h, back, nback, _rt.memcpyDeviceToHost, s)]
         if cpu is not None:
             out += cpu.epilogue()
+        self._labels = labels + ["head", "read back"] + ["picks"] * (len(out) - len(labels) - 2)
         return out
 
     def _build(self) -> bool:
@@ -223,22 +232,7 @@ class TokenGraph:
             if not self._build():
                 return False
         gx = self.gx
-        rec = self.rec
-        n = pos + 1
-        lo = np.where(self._has_win, np.maximum(n - self._win, 0), 0)  # each block's first key
-        rec[:, 0] = pos
-        rec[:, 1] = lo
-        rec[:, 2] = n - lo
-        s = cp.cuda.get_current_stream().ptr
-        _rt.eventRecord(self.after_experts.ptr, gx.compute.ptr)  # expert work queued before this token
-        _rt.streamWaitEvent(s, self.after_experts.ptr)
-        res = self.engine.slot_of
-        if res.dirty:  # the graph reads a staged copy: the host table may change while it runs
-            np.copyto(self._stage, res.table)
-            copy_to_device(self.engine.table_dev, self._stage, s)
-            res.dirty = False
-        if self.cpu is not None:
-            self.cpu.before_launch()
+        s = self._stage_token(pos)
         _rt.eventRecord(self._t0.ptr, s)
         _rt.graphLaunch(self._exec, s)
         _rt.eventRecord(self._t1.ptr, s)
@@ -249,6 +243,45 @@ class TokenGraph:
             self.cpu.after_launch()
         self._pending = (pos, None)
         return True
+
+    def _stage_token(self, pos: int) -> int:
+        """The decode records of the token at ``pos``, the slot table staged (and the CPU graph's call
+        base written) on the current stream after the expert work queued before: -> the stream."""
+        rec, n = self.rec, pos + 1
+        lo = np.where(self._has_win, np.maximum(n - self._win, 0), 0)  # each block's first key
+        rec[:, 0] = pos
+        rec[:, 1] = lo
+        rec[:, 2] = n - lo
+        s = cp.cuda.get_current_stream().ptr
+        _rt.eventRecord(self.after_experts.ptr, self.gx.compute.ptr)  # expert work queued before this token
+        _rt.streamWaitEvent(s, self.after_experts.ptr)
+        res = self.engine.slot_of
+        if res.dirty:  # the graph reads a staged copy: the host table may change while it runs
+            np.copyto(self._stage, res.table)
+            copy_to_device(self.engine.table_dev, self._stage, s)
+            res.dirty = False
+        if self.cpu is not None:
+            self.cpu.before_launch()
+        return s
+
+    def time_launches(self, pos: int) -> list[tuple[str, float]]:
+        """The token at ``pos`` (its embedding queued) as plain launches instead of the graph, a CUDA
+        event after each, waited for: -> (name, milliseconds) per launch in order (per-kernel
+        timing: each launch ends before the next starts, so programmatic overlap is lost)."""
+        launches = self._launches()
+        events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
+        s = self._stage_token(pos)
+        _rt.eventRecord(events[0].ptr, s)
+        for f, e in zip(launches, events[1:]):
+            f(s)
+            _rt.eventRecord(e.ptr, s)
+        if self.cpu is not None:
+            self.cpu.after_launch()
+            self.cpu.submit_rest()
+        events[-1].synchronize()
+        if self.cpu is not None:
+            self.cpu.finish()
+        return [(n, cp.cuda.get_elapsed_time(a, b)) for n, a, b in zip(self._labels, events, events[1:])]
 
     def result(self) -> tuple[int, np.ndarray, np.ndarray]:
         """Wait for the launched graph: -> the number of blocks it completed (``halt``), ids ``(L, k)``

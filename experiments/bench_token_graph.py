@@ -37,8 +37,21 @@ def _graph_counts(model) -> tuple:
     return (tg.tokens, tg.complete, tg.wait_s, tg.launched_ahead, tg.gpu_s) if tg is not None else (0, 0, 0.0, 0, 0.0)
 
 
+def kernel_times(model, tg, pos: int, n: int) -> dict:
+    """Per launch name: microseconds per block, the mean of ``n`` tokens at ``pos`` run as plain
+    launches with an event after each (``TokenGraph.time_launches``)."""
+    info = model.info
+    emb = np.ascontiguousarray(model.token_embd[0] * np.float32(info.embedding_scale), np.float32)
+    sums: dict = {}
+    for _ in range(n):
+        model.gd.emb.set(emb)
+        for name, ms in tg.time_launches(pos):
+            sums[name] = sums.get(name, 0.0) + 1e3 * ms / (n * info.num_layers)
+    return sums
+
+
 def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: int, mode: str, threads: int,
-            max_fills: int | None = None, kernels: str = "") -> dict:
+            max_fills: int | None = None, kernels: str = "", timed: int = 0) -> dict:
     from execute import model as M
     from execute.token_graph import TokenGraph
     from scheduler import Capacity, make_policy
@@ -78,6 +91,7 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
         st = vars(backend.engine.stats)
         tg = getattr(model, "token_graph", None)
         graph_cpu = tg.cpu.cpu_pairs - marks["cpu"] if tg is not None and tg.cpu is not None else 0
+        per_kernel = kernel_times(model, tg, len(tokens), timed) if timed and tg is not None else {}
     finally:
         backend.close()
         TokenGraph.pipeline = True
@@ -98,7 +112,8 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
             "uploads": d["uploads"], "hit_rate": s["hit_rate"], "cache_mib": cap.slot_bytes(g) / 2**20,
             "cpu_pairs": d["cpu_pairs"] + graph_cpu, "fills": s.get("fills", 0),
             "handoff_in_us": 1e6 * d["handoff_in_s"] / max(d["handoff_calls"], 1),
-            "handoff_out_us": 1e6 * d["handoff_out_s"] / max(d["handoff_calls"], 1)}
+            "handoff_out_us": 1e6 * d["handoff_out_s"] / max(d["handoff_calls"], 1),
+            "kernel_us_per_block": per_kernel}
 
 
 def main(argv=None) -> int:
@@ -115,11 +130,15 @@ def main(argv=None) -> int:
                     help="cpuplain/cpugraph: uploads deferred per token at most (CpuMisses max_fills; default no limit)")
     ap.add_argument("--kernels", default="",
                     help="comma list of MOELAB_DECODE_KERNELS variants, each mode run under each (default: as set)")
+    ap.add_argument("--kernel-times", type=int, default=0, metavar="N",
+                    help="after each graph run, N more tokens as plain launches timed one by one (us a block per launch)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench_token_graph"))
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.warmup < 1:
         ap.error("--tokens and --warmup: expected >= 1")
+    if args.kernel_times < 0:
+        ap.error("--kernel-times: expected >= 0")
     if args.graph_fills is not None and args.graph_fills < 0:
         ap.error("--graph-fills: expected >= 0")
     modes = args.modes.split(",")
@@ -137,7 +156,8 @@ def main(argv=None) -> int:
     rows = []
     for policy in args.policies.split(","):
         for mode, kern in ((m, v) for m in modes for v in variants):
-            r = run_one(weights, policy, args.cache_mib, tokens, args.warmup, mode, args.threads, args.graph_fills, kern)
+            r = run_one(weights, policy, args.cache_mib, tokens, args.warmup, mode, args.threads, args.graph_fills, kern,
+                        args.kernel_times)
             rows.append(r)
             print(f"{policy:>8} {mode:>9} {r['kernels']:>7}: {r['tokens_per_s']:7.1f} tok/s, wall {r['wall_us_per_layer_step']:6.1f} "
                   f"us/layer step, engine host {r['engine_host_us_per_layer_step']:5.1f}, graph wait "
@@ -146,6 +166,9 @@ def main(argv=None) -> int:
                   f"{r['graph_tokens_tried']} tokens complete, {r['tokens_launched_ahead']} ahead, hits "
                   f"{r['hit_rate']:.3f}, cpu pairs {r['cpu_pairs']}, fills {r['fills']}, hand-off in/out "
                   f"{r['handoff_in_us']:.1f}/{r['handoff_out_us']:.1f} us", flush=True)
+            if r["kernel_us_per_block"]:
+                print("    us a block: " + ", ".join(f"{k} {v:.1f}" for k, v in r["kernel_us_per_block"].items())
+                      + f"; sum {sum(r['kernel_us_per_block'].values()):.1f}", flush=True)
     for policy in args.policies.split(","):
         base = next((r for r in rows if r["policy"] == policy), None)
         for r in rows:
