@@ -13,7 +13,6 @@ wall-clock phases (bench_executor's columns); calls per step by name, uploads pe
 
 ``--dense-stream``: the caller's current stream is the engine's compute stream (the default, as
 ``execute.driver.run`` decodes) or another (``caller``: events between the two each step).
-
 ``--base REV``: the same under REV's ``execute`` / ``scheduler`` / ``traces`` and under this tree,
 each in its own process, alternated ``--rounds`` times; the decisions' digests are compared.
 """
@@ -27,82 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections import Counter
 from dataclasses import replace
-from itertools import count
 from pathlib import Path
 
 import numpy as np
 
-CALLS: Counter = Counter()
-_ptrs = count(1 << 36, 1 << 36)  # each array or handle a range of its own (64 GiB apart)
-
-
-class _Dev:
-    """A device array: shape, dtype and a distinct address; no data."""
-
-    def __init__(self, shape, dtype=np.float32, *_, **__):
-        self.shape = tuple(shape) if isinstance(shape, tuple) else (int(shape),)
-        self.dtype = np.dtype(dtype)
-        self.size = int(np.prod(self.shape))
-        self.flags = types.SimpleNamespace(c_contiguous=True)
-        self.data = types.SimpleNamespace(ptr=next(_ptrs))
-
-
-class _Handle:
-    """A stream or an event."""
-
-    def __init__(self, *_, **__):
-        self.ptr = next(_ptrs)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        pass
-
-    def record(self, *_):
-        CALLS["eventRecord"] += 1
-
-    def wait_event(self, *_):
-        CALLS["streamWaitEvent"] += 1
-
-    synchronize = record  # (a stream's synchronize: at close only)
-
-
-class _Pinned(bytearray):
-    ptr = property(lambda self: np.frombuffer(self, np.uint8).ctypes.data)
-    size = bytearray.__len__
-
-
-def _counted(name: str, result=None):
-    def call(*_, **__):
-        CALLS[name] += 1
-        return result
-    return call
-
-
-def standin_cupy() -> types.ModuleType:
-    """The parts of cupy the engine's one-token path and its set-up touch."""
-    cp = types.ModuleType("cupy")
-    cp.float32, cp.int32, cp.uint8, cp.uint16, cp.uint64 = np.float32, np.int32, np.uint8, np.uint16, np.uint64
-    cp.ndarray = _Dev
-    cp.empty = cp.zeros = lambda shape, dtype=np.float32, *a, **k: _Dev(shape, dtype)
-    cp.arange = lambda n, dtype=np.int32: _Dev(n, dtype)
-    kernel = types.SimpleNamespace(get_function=lambda name: types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=1)))
-    cp.RawModule = lambda *a, **k: kernel
-    rt = types.SimpleNamespace(memcpyHostToDevice=1, memcpyDeviceToHost=2, memcpyDeviceToDevice=3,
-                               CUDARuntimeError=RuntimeError)
-    for name in ("eventRecord", "streamWaitEvent", "memcpyAsync", "memcpy2DAsync", "hostRegister", "hostUnregister"):
-        setattr(rt, name, _counted(name))
-    rt.eventQuery, rt.getDeviceCount = _counted("eventQuery", 0), _counted("getDeviceCount", 1)
-    current = _Handle()
-    cp.cuda = types.SimpleNamespace(runtime=rt, driver=types.SimpleNamespace(launchKernel=_counted("launchKernel")),
-                                    Stream=_Handle, Event=_Handle, alloc_pinned_memory=_Pinned,
-                                    get_current_stream=lambda: current)
-    return cp
-
+from engine_standin import CALLS, Dev, Handle, counted, current, standin_cupy
 
 def workload(args):
     """The engine's layers (Q8_0, hidden 256, ffn 128), their geometry, the routed tokens (the
@@ -130,21 +60,29 @@ def run(args) -> dict:
     from execute.gpu_experts import GpuExperts
     from scheduler import Capacity, make_policy
 
+    import execute.gpu_step as S
+    copy_plan = getattr(S, "_copy_plan", lambda gx, l: None)  # (a tree from before the plans: nothing)
     layers, geo, tokens, weights = workload(args)
     out = {}
     for name in args.policies.split(","):
         cap = Capacity.per_layer(geo, args.experts if name == "gpu" else args.slots)
         best, bare = None, float("inf")
-        for _ in range(args.repeats):
+        for i in range(args.repeats + args.bytecodes):
             for timed in (False, True):  # the pass without the engine's calls, then with them
                 pol = make_policy(name, geo, cap)
                 gx = GpuExperts(layers, cap, scratch_slots=16, pinned=False)
-                gx._batch._fn, gx._batch._fail_idx = _counted("memcpyBatchAsync", 0), False
-                on_dense_stream(gx, args.dense_stream)
+                gx._batch._fn, gx._batch._fail_idx = counted("memcpyBatchAsync", 0), False
+                current(sys.modules["cupy"], gx.compute if args.dense_stream == "compute" else Handle())
                 engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
                 engine.load_residents(pol.cache.slot)
-                for l in range(len(layers)):  # the per-layer launches (a decode builds them once)
+                for l in range(len(layers)):  # the per-layer launches and copy plans (a decode builds them once)
                     gx._one(l), getattr(engine, "_late", None) and engine._late._launch(l)
+                    copy_plan(gx, l)
+                if i == args.repeats:  # one more pass, counting the engine's bytecodes (--bytecodes)
+                    if timed:
+                        best["bytecodes"] = bytecodes(lambda: loop(pol, engine, tokens, weights))
+                    engine.close()
+                    continue
                 r = loop(pol, engine if timed else None, tokens, weights)
                 engine.close()
                 if not timed:
@@ -155,12 +93,28 @@ def run(args) -> dict:
     return out
 
 
-def on_dense_stream(gx, where: str) -> None:
-    """The stand-in's current stream: the engine's compute stream (``compute``, as
-    ``ExpertEngine.on_compute`` makes it) or a stream of its own (``caller``)."""
-    cuda = sys.modules["cupy"].cuda
-    current = gx.compute if where == "compute" else _Handle()
-    cuda.get_current_stream = lambda: current
+def bytecodes(run) -> dict:
+    """Bytecodes the interpreter ran in ``execute/`` per step during ``run()`` (which returns
+    ``loop``'s dict), by file and function, most first (sys.settrace's opcode events)."""
+    ops: Counter = Counter()
+
+    def each(frame, event, _):
+        if event == "opcode":
+            ops[f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"] += 1
+        return each
+
+    def enter(frame, *_):
+        if f"{os.sep}execute{os.sep}" in frame.f_code.co_filename:
+            frame.f_trace_opcodes = True
+            return each
+        return None
+
+    sys.settrace(enter)
+    try:
+        steps = run()["steps"]
+    finally:
+        sys.settrace(None)
+    return {k: v / steps for k, v in ops.most_common()}
 
 
 def _with_bare(r: dict, bare_s: float) -> dict:
@@ -173,7 +127,7 @@ def loop(pol, engine, tokens, weights) -> dict:
     thread's CPU time of the whole pass and the engine's counters per step."""
     from scheduler.drive import EndToken, RunLayer, drive
 
-    x, state, digest = _Dev((1, 256)), {}, hashlib.sha256()
+    x, state, digest = Dev((1, 256)), {}, hashlib.sha256()
 
     def forward(tok):
         for step in tok.steps:
@@ -223,7 +177,8 @@ def compare_base(args) -> dict:
     res = {}
     cmd = [sys.executable, __file__, "--json", "--policies", args.policies] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("repeats", "tokens", "layers", "experts", "slots", "seed", "dense_stream")]
+        for k in ("repeats", "tokens", "layers", "experts", "slots", "seed", "dense_stream")] + \
+        ["--bytecodes"] * args.bytecodes
     for tree, got in in_both_trees(args.base, cmd, args.rounds):
         for name, r in got.items():
             old = res.get((tree, name), r)
@@ -241,6 +196,7 @@ def main() -> None:
     ap.add_argument("--base", help="git revision whose engine to time beside this tree's")
     ap.add_argument("--dense-stream", choices=("compute", "caller"), default="compute",
                     help="the caller's current stream: the engine's compute stream, or one of its own")
+    ap.add_argument("--bytecodes", action="store_true", help="also count the engine's bytecodes per step (one more pass)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.tokens < 1 or args.repeats < 1 or args.rounds < 1 or args.layers < 1 or not 8 <= args.slots <= args.experts:
@@ -259,6 +215,10 @@ def main() -> None:
         print(f"  {key:<14} " + " ".join(f"{v:>6.2f}" for v in phases + [sum(phases), r["cpu_us"]]) + f"  "
               f"{r['uploads']:>7.2f}  {r['digest']}  {sum(r['calls'].values()):.2f}: "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["calls"].items()))
+        if r.get("bytecodes"):
+            top = list(r["bytecodes"].items())
+            print(f"  {'':<14} engine bytecodes per step {sum(v for _, v in top):.0f}: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in top[:8]))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 import bench_engine_host as H
+from engine_standin import Dev, standin_cupy
 
 
 class Recorder:
@@ -79,7 +80,7 @@ class Recorder:
 def record(args) -> dict:
     """Per policy: the runtime calls of one pass over the trace (this process's tree)."""
     os.environ["MOELAB_HANDOFF"] = "0"
-    cp = sys.modules["cupy"] = H.standin_cupy()
+    cp = sys.modules["cupy"] = standin_cupy()
     from execute.engine import ExpertEngine
     from execute.gpu_experts import GpuExperts
     from scheduler import Capacity, make_policy
@@ -106,7 +107,7 @@ def record(args) -> dict:
         rec.late = getattr(engine, "_late", None)
         engine.load_residents(pol.cache.slot)
         rec.calls.clear()
-        x, state = H._Dev((1, 256)), {}
+        x, state = Dev((1, 256)), {}
 
         def forward(tok):
             for step in tok.steps:
