@@ -34,10 +34,12 @@ graph does not find (a background fill completed after its launch) halts it, as 
 Numerics: the same kernels on the same values as the block-by-block path (router weights as the
 router kernel wrote them), so logits are bit-identical.
 
-Misses on the CPU (``--graph-cpu`` or ``MOELAB_GRAPH_CPU=1``, off by default; ``execute.graph_cpu``): each block hands
-its non-resident experts to the CPU pool through mapped memory inside the graph, so no block
-halts; the policy must be wrapped in ``scheduler.graph.CpuMisses`` (its decisions then say the
-same, which ``GraphCpuGate`` checks), and no token is launched ahead.
+Misses on the CPU (``moelab run --graph-cpu`` or ``MOELAB_GRAPH_CPU=1``, off by default;
+``execute.graph_cpu``): each block hands its non-resident experts to the CPU pool through mapped
+memory inside the graph, so no block halts; the policy must be wrapped in
+``scheduler.graph.CpuMisses`` (its decisions then say the same, which ``GraphCpuGate`` checks), and
+no token is launched ahead; with ``MOELAB_GRAPH_CPU_STREAM=1`` the host settles each block's step
+while the graph runs on.
 """
 from __future__ import annotations
 
