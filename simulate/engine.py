@@ -386,7 +386,10 @@ class Simulator:
         (``engine._run_one``): with ``Costs.one_s`` its experts cost the GPU ``one_s`` +
         ``one_expert_s`` each, the combine included. A one-token step with streamed experts and none on
         the CPU takes the engine's general path: the host pays ``host_stream_layer_s`` + ``host_stream_s``
-        per streamed expert (the hardware file's executor keys, 0 where absent) before its copies."""
+        per streamed expert (the hardware file's executor keys, 0 where absent) before its copies. The
+        pool's rows come back by a host -> device copy on the one copy engine, so a layer with CPU
+        experts ends no earlier than the copies queued before them (background fills and swaps
+        included: the copy engine serves them in order)."""
         c, hc = self.costs, self.costs.host
         dense_s, kv_s, gexp, up_s, cpu_call, promo_s = (c.dense_s, c.kv_s_per_pos, c.gpu_expert_s, c.upload_s,
                                                         c.cpu_call_s, c.promote_s)
@@ -530,10 +533,10 @@ class Simulator:
                     if events is not None:
                         events.append(("gpu", f"L{l} experts x{n_gpu}", g0, gx))
                 if handoff:  # the combine kernel waits for the pool's rows; the host does not
-                    g = max(g, p + hc.handoff_out_s)
+                    g = max(g, p + hc.handoff_out_s, cf)  # the rows' copy in, behind the copies queued before
                 elif nc:
                     h = max(h, p + hc.cpu_return_s) + hc.cpu_combine_s
-                    g = max(g, h)
+                    g = max(g, h, cf)
                 else:
                     h += hc.layer_combine_s
                     h_lane += hc.layer_combine_s
