@@ -160,44 +160,58 @@ def apply_mapped(hw: dict, m: dict, src: dict) -> None:
                                              "faulted in, / on the buffers (calibrate_memory.mapped_factor)")
 
 
-def measure_map_uploads(layer: LayerExperts, path: Path, n: int = 32, rounds: int = 5) -> dict:
+def measure_map_uploads(layers: list[LayerExperts], path: Path, n: int = 32, rounds: int = 5,
+                        seed: int = 0) -> dict:
     """Seconds per expert of ``n`` uploads back to back (``GpuExperts.upload``, one copy round,
-    waited for) out of ``layer``'s buffers (``anon``) and out of a read-only map of them written to
+    waited for) out of ``layers``' buffers (``anon``) and out of a read-only map of them written to
     ``path`` (``mapped``, removed after), each page-locked in place (``cudaHostRegister``, as
-    ``moelab run`` registers its file), ``rounds`` rounds alternating; {kind: stats (per expert),
-    "ratio": mapped / anon median, "pages": {kind: huge_page_kib}, "registered": {kind: bool}}."""
+    ``moelab run`` registers its file; a range the driver refuses, such as one sharing a page with a
+    range registered before, leaves that engine copying through its staging ring), and out of the
+    buffers through the staging ring (``staged``: ``GpuExperts`` without registration), ``rounds``
+    rounds in rotating order; each round's experts drawn across all the layers (the footprint a
+    run's uploads spread over); {kind: stats (per expert), kind + "_host": stats of the host's time
+    queueing them, "ratio": mapped / anon median, "pages": {kind: huge_page_kib}, "registered":
+    {kind: bool}}."""
     import time
 
     from scheduler.core import Capacity, Geometry
 
     from .gpu_experts import GpuExperts
+    from .gpu_host import PinnedRing
 
-    if layer.num_experts < n:
-        raise ValueError(f"measure_map_uploads: {layer.num_experts} experts, expected >= {n}")
-    mapped, mm = mapped_layers([layer], path)
+    E, L = layers[0].num_experts, len(layers)
+    if E * L < n:
+        raise ValueError(f"measure_map_uploads: {E * L} experts, expected >= {n}")
+    mapped, mm = mapped_layers(layers, path)
     gxs = {}
     try:
-        geo = Geometry((layer.num_experts,), 8, (layer.expert_bytes,))
-        for k, lx in (("anon", layer), ("mapped", mapped[0])):
-            gxs[k] = GpuExperts([lx], Capacity.per_layer(geo, n), scratch_slots=1, pinned=True, timeout_s=60)
-        tensors = lambda lx: [t.data for t in (lx.gate, lx.up, lx.down)]
-        pages = {"anon": huge_page_kib(tensors(layer)), "mapped": huge_page_kib(tensors(mapped[0]))}
+        geo = Geometry((E,) * L, 8, (layers[0].expert_bytes,) * L)
+        for k, lxs, pin in (("anon", layers, True), ("mapped", mapped, True), ("staged", layers, False)):
+            gxs[k] = GpuExperts(lxs, Capacity.per_layer(geo, n), scratch_slots=1, pinned=pin, timeout_s=60)
+        gxs["staged"].staging = PinnedRing(4, max(lx.expert_bytes for lx in layers))  # as a refused registration
+        tensors = lambda lxs: [t.data for lx in lxs for t in (lx.gate, lx.up, lx.down)]
+        pages = {"anon": huge_page_kib(tensors(layers)), "mapped": huge_page_kib(tensors(mapped))}  # staged: anon's
+        rng = np.random.default_rng(seed)
         samples: dict[str, list] = {k: [] for k in gxs}
-        for r in range(rounds + 1):  # round 0 warms both (not recorded)
-            for k in (list(gxs) if r % 2 else list(gxs)[::-1]):
+        samples.update({f"{k}_host": [] for k in gxs})
+        for r in range(rounds + 1):  # round 0 warms them all (not recorded)
+            pick = rng.choice(E * L, n, replace=False)
+            for k in list(gxs)[r % 3:] + list(gxs)[:r % 3]:
                 gx = gxs[k]
                 t0 = time.perf_counter()
                 gx.begin_copies()
-                for e in range(n):
-                    gx.upload(0, (e + r * n) % layer.num_experts, e)
+                for i, x in enumerate(pick):
+                    gx.upload(int(x) // E, int(x) % E, i)
+                t1 = time.perf_counter()
                 gx.wait(gx.copies_event(), "map upload probe")
                 if r:
                     samples[k].append((time.perf_counter() - t0) / n)
+                    samples[f"{k}_host"].append((t1 - t0) / n)
         out = {k: stats(v) for k, v in samples.items()}
         out["ratio"] = out["mapped"]["median"] / out["anon"]["median"]
         out["pages"] = pages
-        out["registered"] = {k: gx.staging is None for k, gx in gxs.items()}
-        out["expert_bytes"], out["experts"] = layer.expert_bytes, n
+        out["registered"] = {k: gx.staging is None for k, gx in gxs.items() if k != "staged"}
+        out["expert_bytes"], out["experts"], out["layers"] = layers[0].expert_bytes, n, L
         return out
     finally:
         for gx in gxs.values():
