@@ -495,17 +495,16 @@ class ExpertEngine:
         dense path queued there runs in order with the expert work, so no step needs the events
         between the two streams (``after_caller``, ``to_caller``: three runtime calls a step).
         On entry the compute stream waits for the caller's work so far; on exit the caller's
-        stream waits for the compute stream's. Without a GPU: nothing."""
+        stream waits for the compute stream's (not after an error: a CUDA error would hide it).
+        Without a GPU: nothing."""
         gx = self.gpu
         if gx is None:
             yield
             return
         gx.after_caller()
-        try:
-            with gx.compute:
-                yield
-        finally:
-            gx.to_caller()
+        with gx.compute:
+            yield
+        gx.to_caller()
 
     # a token's graph ---------------------------------------------------------------------------
     def sync_table(self, stream_ptr: int) -> None:
