@@ -324,7 +324,7 @@ def _row_kernel_of(qt: int):
                     kind = 0 if qt == _IQ2_XS else 1 if qt == _IQ2_S else 2
                     v = dot_iq_s(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table + _IQX, kind, vg)
                 elif qt == _IQ1_S or qt == _IQ1_M:
-                    v = dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table + _IQX, qt == _IQ1_M, vg)
+                    v = dot_iq1(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table + _IQX, qt == _IQ1_M, vg)
                 elif qt == _Q4_0:
                     v = _dot_q4_0(w, o, nb, xq, xo, xd, xs, xb, l2, isa)
                 elif qt == _Q4_1 or qt == _Q5_0 or qt == _Q5_1:

@@ -500,38 +500,42 @@ def _f16_bits(typingctx, h):
     return types.float32(h), codegen
 
 
-def _iq1_scales(m: bool):
-    """An intrinsic (w, p) -> (f0, f1): the odd integer scales 2 s + 1 of a block's 16 half-groups
-    (16 weights each; f0 groups 0-3, f1 groups 4-7, two lanes per group) as float32: IQ1_S's 3-bit
-    s at bit 12 of each group's u16 qh (p + 34, both halves), IQ1_M's 16 at bits 3 k of the
-    u16 scales[k // 4] (p + 48)."""
-    @intrinsic
-    def scales(typingctx, w, p):
-        if not (isinstance(w, types.Integer) and isinstance(p, types.Integer)):
-            return None
+@intrinsic
+def iq1m_scales(typingctx, w, p):
+    """(w, p) -> (f0, f1): IQ1_M's odd integer scales 2 s + 1 of a block's 16 half-groups (16
+    weights each; f0 groups 0-3, f1 groups 4-7, two lanes per group) as float32, s at bits 3 k of
+    the u16 scales[k // 4] (p + 48)."""
+    if not (isinstance(w, types.Integer) and isinstance(p, types.Integer)):
+        return None
 
-        def codegen(context, builder, sig, args):
-            a = builder.add(*(context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args)))
-            a = builder.add(a, ir.Constant(ir.IntType(64), 48 if m else 34))
-            n = 4 if m else 8
-            h = builder.load(builder.inttoptr(a, ir.PointerType(ir.VectorType(_I16, n))), align=1)
-            i32 = ir.IntType(32)
-            if m:
-                h = builder.shuffle_vector(h, h, _cv(16, [k // 4 for k in range(16)], i32))
-                sh = _cv(16, [3 * (k % 4) for k in range(16)])
-            else:
-                h = builder.shuffle_vector(h, h, _cv(16, [k // 2 for k in range(16)], i32))
-                sh = _cv(16, 12)
-            v = builder.and_(builder.lshr(h, sh), _cv(16, 7))
-            v = builder.or_(builder.shl(v, _cv(16, 1)), _cv(16, 1))
-            lo, hi = (builder.uitofp(builder.shuffle_vector(v, v, _cv(8, list(range(k, k + 8)), i32)), VF)
-                      for k in (0, 8))  # 8 lanes each (16 float32 would be a 512-bit register)
-            return context.make_tuple(builder, sig.return_type, (lo, hi))
-        return types.UniTuple(F32x8, 2)(w, p), codegen
-    return scales
+    def codegen(context, builder, sig, args):
+        a = builder.add(*(context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args)))
+        h = builder.load(builder.inttoptr(builder.add(a, ir.Constant(ir.IntType(64), 48)), ir.PointerType(ir.VectorType(_I16, 4))), align=1)
+        i32 = ir.IntType(32)
+        h = builder.shuffle_vector(h, h, _cv(16, [k // 4 for k in range(16)], i32))
+        v = builder.and_(builder.lshr(h, _cv(16, [3 * (k % 4) for k in range(16)])), _cv(16, 7))
+        v = builder.or_(builder.shl(v, _cv(16, 1)), _cv(16, 1))
+        lo, hi = (builder.uitofp(builder.shuffle_vector(v, v, _cv(8, list(range(k, k + 8)), i32)), VF)
+                  for k in (0, 8))  # 8 lanes each (16 float32 would be a 512-bit register)
+        return context.make_tuple(builder, sig.return_type, (lo, hi))
+    return types.UniTuple(F32x8, 2)(w, p), codegen
 
 
-iq1s_scales, iq1m_scales = _iq1_scales(False), _iq1_scales(True)
+@intrinsic
+def iq1s_scales(typingctx, w, p):
+    """(w, p) -> IQ1_S's odd integer scales 2 s + 1 of a block's 8 groups (32 weights each) as
+    float32, s at bit 12 of each group's u16 qh (p + 34)."""
+    if not (isinstance(w, types.Integer) and isinstance(p, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = builder.add(*(context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args)))
+        h = builder.load(builder.inttoptr(builder.add(a, ir.Constant(ir.IntType(64), 34)), ir.PointerType(ir.VectorType(_I16, 8))), align=1)
+        v = builder.and_(builder.lshr(h, _cv(8, 12)), _cv(8, 7))
+        return builder.uitofp(builder.or_(builder.shl(v, _cv(8, 1)), _cv(8, 1)), VF)
+    return F32x8(w, p), codegen
+
+
 
 
 @njit(inline="always")
@@ -549,12 +553,12 @@ def _index_1(w, p, sl, m):
 
 
 @njit(inline="always", fastmath=True)
-def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m, vg):
+def dot_iq1(w, o, nb, xq, xo, xd, xs, xs16, xb, l2, isa, table, m, vg):
     """Row from byte o of w (nb 32-weight groups) . the int8 activations: IQ1_S (m False; 50-byte
     blocks: f16 d, u8 qs[32], u16 qh[8]) or IQ1_M (56: u8 qs[32], u8 qh[16] a nibble per 8
     weights, u16 scales[4] with d in their top nibbles). w = dl (g + delta), g in {-1, 0, 1} and
-    delta +-1/8, so 8 w / dl = u - 9 with u = 8 g + 9 + 8 delta in 0..18 (the tables): per 16
-    weights, dl / 8 (u . x - 9 sum x). ``table``: IQ_TABLES' address."""
+    delta +-1/8, so 8 w / dl = u - 9 with u = 8 g + 9 + 8 delta in 0..18 (the tables): per 32
+    (IQ1_S) or 16 (IQ1_M) weights, dl / 8 (u . x - 9 sum x). ``table``: IQ_TABLES' address."""
     acc = zero_f32()
     cor = zero_f32()
     buf = iq_scratch()
@@ -568,21 +572,22 @@ def dot_iq1(w, o, nb, xq, xo, xd, xs16, xb, l2, isa, table, m, vg):
         sl = buf + _SLOT * (b & 1)
         if b + 1 < n:  # the next block's offsets, a block ahead of their loads
             _index_1(w, p + bs, buf + _SLOT * ((b + 1) & 1), m)
+        q = (_g1(t, sl, 0, vg), _g1(t, sl, 1, vg), _g1(t, sl, 2, vg), _g1(t, sl, 3, vg),
+             _g1(t, sl, 4, vg), _g1(t, sl, 5, vg), _g1(t, sl, 6, vg), _g1(t, sl, 7, vg))
+        v = dots(isa, q, xq, xo + 256 * b, l2)
+        blk = xb + 8 * b
+        xdv = load_f32x8(xd, blk)
         if m:
             sc = load_u64(w, p + 48)  # the top nibbles of the 4 u16 scales: d's bits, low first
             d = _f16_bits(((sc >> 12) & 0xF) | ((sc >> 24) & 0xF0) | ((sc >> 36) & 0xF00) | ((sc >> 48) & 0xF000))
             s0, s1 = iq1m_scales(w, p)
+            dq = d * np.float32(0.125)
+            f0 = fmul(s0, dq)  # per 16 weights
+            f1 = fmul(s1, dq)
+            acc = acc_dots16(acc, v, fmul(f0, dup_lo(xdv)), fmul(f1, dup_hi(xdv)))
+            cor = fadd(cor, fadd(fmul(f0, load_f32x8(xs16, 2 * blk)), fmul(f1, load_f32x8(xs16, 2 * blk + 8))))
         else:
-            d = load_f16(w, p)
-            s0, s1 = iq1s_scales(w, p)
-        q = (_g1(t, sl, 0, vg), _g1(t, sl, 1, vg), _g1(t, sl, 2, vg), _g1(t, sl, 3, vg),
-             _g1(t, sl, 4, vg), _g1(t, sl, 5, vg), _g1(t, sl, 6, vg), _g1(t, sl, 7, vg))
-        v = dots(isa, q, xq, xo + 256 * b, l2)
-        dq = d * np.float32(0.125)
-        f0 = fmul(s0, dq)  # per 16 weights
-        f1 = fmul(s1, dq)
-        blk = xb + 8 * b
-        xdv = load_f32x8(xd, blk)
-        acc = acc_dots16(acc, v, fmul(f0, dup_lo(xdv)), fmul(f1, dup_hi(xdv)))
-        cor = fadd(cor, fadd(fmul(f0, load_f32x8(xs16, 2 * blk)), fmul(f1, load_f32x8(xs16, 2 * blk + 8))))
+            f = fmul(iq1s_scales(w, p), load_f16(w, p) * np.float32(0.125))  # per 32 weights
+            acc = acc_dots(acc, v, fmul(f, xdv))
+            cor = fadd(cor, fmul(f, load_f32x8(xs, blk)))
     return hsum(acc) - np.float32(9.0) * hsum(cor)
