@@ -13,8 +13,9 @@ for one expert of each layer that the workload moves:
 - ``fill``: 8 hits, and after every token one background fill per layer (into a slot no expert held:
   no wait for the kernels queued before it; ``FILL_SLOTS`` slots a layer);
 - ``cpu``: 7 hits and one expert on the CPU pool; ``cpuswap``, ``cpufill``: the same with ``swap``'s
-  swaps or ``fill``'s fills (their cost beside the pool's hand-off; ``BASE``: measured against
-  ``cpu``). ``GPU_KINDS`` leave the pool idle and fit in ``SLOTS`` slots a layer.
+  swaps or ``fill``'s fills (their cost beside the pool's hand-off); ``cpustream``: 6 hits, one
+  stream and one CPU expert (``BASE``: these three measured against ``cpu``). ``GPU_KINDS`` leave
+  the pool idle and fit in ``SLOTS`` slots a layer.
 
 So each workload has ``EVENTS[kind]`` events per layer more than its ``BASE`` workload, of one kind. The workloads run
 interleaved over rounds (every other round reversed), each on a fresh engine after warm-up
@@ -33,11 +34,11 @@ from scheduler.core import Capacity, Decision, Geometry, Move, Step, Token
 __all__ = ["KINDS", "GPU_KINDS", "EVENTS", "BASE", "ScriptedPolicy", "moves_tokens", "measure_moves", "moves_summary",
            "moves_fields", "apply_moves", "calibration_moves", "RESIDENT", "SLOTS"]
 
-KINDS = ("hits", "upload", "stream", "stream2", "swap", "fill", "cpu", "cpuswap", "cpufill")
+KINDS = ("hits", "upload", "stream", "stream2", "swap", "fill", "cpu", "cpuswap", "cpufill", "cpustream")
 GPU_KINDS = KINDS[:5]  # no CPU expert: no pool call (no Numba compile), SLOTS slots a layer
 EVENTS = {"hits": 0, "upload": 1, "stream": 1, "stream2": 2, "swap": 1, "fill": 1, "cpu": 1, "cpuswap": 1,
-          "cpufill": 1}  # moved experts per layer and token
-BASE = {"cpuswap": "cpu", "cpufill": "cpu"}  # the workload a kind's events are counted against (else hits)
+          "cpufill": 1, "cpustream": 1}  # moved experts per layer and token
+BASE = {"cpuswap": "cpu", "cpufill": "cpu", "cpustream": "cpu"}  # what a kind is measured against (else hits)
 FILL_SLOTS = 64  # slots a layer the fill kinds need: slots 27 + t fill with expert 30 + t (t < 30)
 RESIDENT = 24  # experts 0..23 resident in slots 0..23 of every layer: the hits
 SLOTS = 32  # slots per layer: 24 the upload target, 25 and 26 the swaps' (alternating tokens)
@@ -68,6 +69,8 @@ def moves_tokens(kind: str, num_layers: int, num_tokens: int, top_k: int = 8, st
                 ex = _hits(t, l, top_k - 2) + (STREAM + t % 8, STREAM + (t + 4) % 8)
             elif kind in ("cpu", "cpuswap", "cpufill"):
                 ex = _hits(t, l, top_k - 1) + (CPU + t % 8,)
+            elif kind == "cpustream":
+                ex = _hits(t, l, top_k - 2) + (STREAM + t % 8, CPU + t % 8)
             else:
                 ex = _hits(t, l, top_k)
             steps.append(Step(l, ex))
