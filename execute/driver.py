@@ -155,6 +155,7 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     after each batch with the positions run."""
     import contextlib
     import dataclasses
+    import sys
     import time
 
     from scheduler import drive
@@ -230,5 +231,5 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
         if tg is not None:  # no input is taken ahead after the run; a graph launched ahead is waited for
             tg.ahead = None
             tg.drop()
-        streams.close()
+        streams.__exit__(*sys.exc_info())  # (an error in flight: the stream context sees it)
     return RunResult(audit, tokens, time.perf_counter() - t0, np.array(dense), np.array(experts), other, logits, steps)
