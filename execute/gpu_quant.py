@@ -56,16 +56,17 @@ _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block (_q8s*: the weights' tile copied first)
 # (_q8p, _q8p2, _q8px: 8 warps, the next tile's copies in flight while a tile is decoded and multiplied;
 # _q8pd, _q8pxd: _q8p's and _q8px's kernels, each launch after the first by programmatic dependent launch)
-# (_q8k2, _q8k4: 8 warps, each half of every tile's chunks: twice the warps in flight on one block's tiles;
-# _q8m2c, _q8k2c: _q8m2's and _q8k2's with the int32 sums converted to float without I2F, the same bits)
+# (_q8a2: _q8m2 with a pass's idle warps (< 64 tokens) on the tiles' other chunks; _q8k2, _q8k4: the same on 8 warps,
+# at 64 tokens each half of every tile's chunks; _q8m2c, _q8k2c: _q8m2's and _q8k2's with the int32 sums converted
+# to float without I2F, the same bits)
 BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1", "_q8p", "_q8p2", "_q8px", "_q8pd", "_q8pxd", "_q8k2", "_q8k4",
-                  "_q8m2c", "_q8k2c")
+                  "_q8m2c", "_q8k2c", "_q8a2")
 # variants that launch another's kernels by programmatic dependent launch (after the first qx8)
 Q8_PDL = {"_q8pd": "_q8p", "_q8pxd": "_q8px"}
 # their m-tiles (16 rows) per block of gate/up and of down (_q8px: _q8p2's gate/up, _q8p's down)
 Q8_ROWS = {"_q8": (4, 4), "_q8m2": (2, 2), "_q8m1": (1, 1), "_q8s2": (2, 2), "_q8s1": (1, 1), "_q8p": (4, 4),
            "_q8p2": (2, 2), "_q8px": (2, 4), "_q8pd": (4, 4), "_q8pxd": (2, 4), "_q8k2": (2, 2), "_q8k4": (4, 4),
-           "_q8m2c": (2, 2), "_q8k2c": (2, 2)}
+           "_q8m2c": (2, 2), "_q8k2c": (2, 2), "_q8a2": (2, 2)}
 
 
 def _q8p_bytes(mt: int) -> int:

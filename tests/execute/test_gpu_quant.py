@@ -147,8 +147,8 @@ EMULATED_EXPERTS = [(t, t, t) for t in QUANT] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)]
 
 def _emulate_experts(emulated_kernels, rng, qtypes, modes):
     """The expert kernels of ``modes`` (gpu_quant_emu.cpp: 1 one token with 2 down rows per block, 3
-    with 4 and gate/up's _w tiles, 2 batches of 11 tokens, 4 .. 15 the same by the int8 variants _q8,
-    _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px, _q8k2, _q8k4, _q8m2c, _q8k2c) on 2 experts,
+    with 4 and gate/up's _w tiles, 2 batches of 11 tokens, 4 .. 16 the same by the int8 variants _q8,
+    _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px, _q8k2, _q8k4, _q8m2c, _q8k2c, _q8a2) on 2 experts,
     emulated on the host, against the float64 reference."""
     num_e, ffn, hidden = 2, 256, 512
     parts = _expert_parts(rng, qtypes, num_e, ffn, hidden)
@@ -171,16 +171,16 @@ def _emulate_experts(emulated_kernels, rng, qtypes, modes):
 def test_emulated_expert_kernels(qtypes, emulated_kernels, rng):
     """qmoe1_gate_up + qmoe1_down_combine (one token; 2 and 4 down rows per block) and qmoe_gate_up +
     qmoe_down (11 tokens through each), emulated on the host, against the float64 reference."""
-    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2, *range(4, 16)))
+    _emulate_experts(emulated_kernels, rng, qtypes, (1, 3, 2, *range(4, 17)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q5_K, Q.Q6_K), (Q.Q8_0, Q.IQ4_XS, Q.Q4_1)], ids=["Q4_K-Q5_K-Q6_K", "Q8_0-IQ4_XS-Q4_1"])
 def test_emulated_int8_batched_kernels(qtypes, emulated_kernels, rng):
-    """qx8 + qmoe_gate_up_q8 + qx8 + qmoe_down_q8 (and _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px, _q8k2, _q8k4, _q8m2c, _q8k2c: 64, 32, 16 rows a block; 11 tokens
+    """qx8 + qmoe_gate_up_q8 + qx8 + qmoe_down_q8 (and _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px, _q8k2, _q8k4, _q8m2c, _q8k2c, _q8a2: 64, 32, 16 rows a block; 11 tokens
     through each expert) emulated on the host: gate and up of scale-per-16 and per-32 types in one
     block, the offsets of Q4_1, against the float64 reference (about 10 s a mode: slow)."""
-    _emulate_experts(emulated_kernels, rng, qtypes, tuple(range(4, 16)))
+    _emulate_experts(emulated_kernels, rng, qtypes, tuple(range(4, 17)))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K,) * 3, (Q.Q4_K, Q.Q5_K, Q.Q6_K)], ids=["Q4_K", "Q4_K-Q5_K-Q6_K"])
