@@ -146,7 +146,7 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
         if getattr(args, "moves", True):  # the moves probe, one round of it per round (calibrate_moves)
             try:
                 t0 = time.perf_counter()
-                got = measure_moves(cp, gx, layers, dense, args.threads, rounds=1, top_k=args.top_k,
+                got = measure_moves(cp, gx, layers, dense, args.threads, rounds=1, tokens=20, top_k=args.top_k,
                                     kinds=KINDS if rep % 2 == 0 else KINDS[::-1])
                 raw.setdefault("moves", []).extend({**r, "round": rep} for r in got)
                 log(f"[{rep}] moves probe: " + ", ".join(f"{r['kind']} {np.mean(r['token_s']) * 1e3:.3f}" for r in got)
