@@ -152,3 +152,34 @@ def test_apply_moves_writes_the_keys_with_their_source():
     hw2 = {}
     apply_moves(hw2, {"moves": {"error": "no GPU"}}, src)  # not measured: nothing written
     assert hw2 == {}
+
+
+@pytest.mark.gpu
+def test_the_probe_runs_every_workload_on_the_device():
+    """measure_moves on small experts: every workload's tokens timed, the moved experts moved as
+    scripted (uploads and streams counted by the engine), and a summary with the stream fields."""
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 -- no device
+        pytest.skip("no CUDA device")
+    from execute.calibrate_measure import build_layers
+    from execute.calibrate_moves import KINDS, moves_fields, measure_moves
+    from execute.gpu_experts import GpuExperts
+    from execute.standin import StandIn
+    from scheduler import Capacity
+
+    layers = build_layers(np.random.default_rng(0), 2, 128, 256, 128, distinct=2)
+    geo = Geometry((128, 128), 8, (layers[0].expert_bytes,) * 2)
+    gx = GpuExperts(layers, Capacity.per_layer(geo, 64), scratch_slots=16, pinned=True, timeout_s=60)
+    try:
+        dense = StandIn(cp, 2, 256, 128, 32, 128, 1000, 3)
+        runs = measure_moves(cp, gx, layers, dense, 2, rounds=1, tokens=6, warm=2, kinds=KINDS)
+    finally:
+        gx.close()
+    by = {r["kind"]: r for r in runs}
+    assert set(by) == set(KINDS) and all(len(r["token_s"]) == 6 for r in runs)
+    assert by["upload"]["uploads"] == 8 * 2 and by["stream"]["streams"] == 8 * 2 and by["stream2"]["streams"] == 32
+    s = moves_summary(runs)
+    assert set(moves_fields(s, {})) == {"host_stream_layer_s", "host_stream_s"}
+    assert by["swap"]["host_s"]["start_background_s"] > 0
