@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from .cpu_kq import (acc_dots, acc_dots16, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
                      nibbles8, u8_f32x8, zip_hi, zip_lo)
-from .cpu_simd import F32x8, I32x8, I8x32, V8, VF, _splat, hsum, load_f16, zero_f32
+from .cpu_simd import HAS_AVX2, F32x8, I32x8, I8x32, V8, VF, _splat, hsum, load_f16, zero_f32
 from .iq_grids import grid
 
 __all__ = ["IQ_TABLES", "GATHER_MODES", "choose_gather", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
@@ -140,7 +140,10 @@ def choose_gather(name: str | None = None, what: str = "MOELAB_CPU_GATHER") -> i
 def _vgather(k: int, width: int, offsets: bool = False):
     """``_gather`` by one AVX2 gather (vpgatherdq for k = 4 entries of 8 bytes, vpgatherdd for 8 of
     4): the k indices (bytes, or with ``offsets`` u16 byte offsets) at w + p widened to dwords by one
-    load (vpmovzx), the table read at table + index * width (or + offset)."""
+    load (vpmovzx), the table read at table + index * width (or + offset). A host without AVX2
+    compiles _gather's code instead."""
+    if not HAS_AVX2:
+        return _gather(k, width, offsets)
     ity = ir.IntType(16 if offsets else 8)
     i32 = ir.IntType(32)
     lane = ir.IntType(8 * width)
