@@ -25,14 +25,17 @@ from scheduler.files import atomic_open  # noqa: E402
 from scheduler.hardware import load_hardware  # noqa: E402
 from scheduler.policies import LookaheadConfig, lookahead as la  # noqa: E402
 from scheduler.policies.prefetch import PREFETCH_GRID  # noqa: E402
-from simulate.evaluate import BASELINES, SYNTH_FAMILIES, Case, summary, synthetic_cases, trace_model  # noqa: E402
+from simulate.evaluate import (BASELINES, SYNTH_FAMILIES, Case, forecast_precision, summary, synthetic_cases,  # noqa: E402
+                               trace_model)
 from simulate.heldout import (ABOUT, LITE, LOOKAHEAD_GRID, RETIRED, SEED4, SEED4_FAMILIES, TEST_FAMILIES,  # noqa: E402
-                              TEST_SEED, ceiling, evaluate, foresight, grid_summary, held_out_cases, retired_cases, verdict)
+                              TEST_SEED, ceiling, count_rule, early_moves, evaluate, forecasts, foresight, grid_summary,
+                              held_out_cases, retired_cases, targets_table, verdict)
 from traces import load  # noqa: E402
 from traces.importers import import_trace  # noqa: E402
 
 SWITCH, HARDWARE = ROOT / "tests" / "traces" / "data" / "switch-base-8" / "router-trace.v2.json", ("h200-xeon16", "rtx4060-laptop")
-ROWS = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead", "static", "belady", "oracle", "oracle-demand")
+ROWS = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead", "static", "belady", "oracle", "oracle-demand",
+        "oracle-prefetch", "oracle-fills")
 HELD = ((TEST_SEED, TEST_FAMILIES), (SEED4, SEED4_FAMILIES))
 TUNED = {"lookahead": LOOKAHEAD_GRID, "hybrid-cost": PREFETCH_GRID}  # predict: its dataclass default
 FIXED = {k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if all(k not in g for g in LOOKAHEAD_GRID)}
@@ -52,23 +55,6 @@ def held_cases(limit: int | None) -> dict[int, list[Case]]:  # {seed: its cases}
 
 def cases(limit: int | None) -> list[Case]:  # every set (the slow oracle-ceiling test reads them)
     return dev_cases(limit) + [c for cs in held_cases(limit).values() for c in cs]
-
-
-def targets_table(sets: list[tuple[str, list[dict]]], hardware) -> list[str]:
-    """One column per (label, summary rows): each target's figure and whether it is met; 1.2x lru's
-    cell says on how many runs oracle itself reaches it; the gap's, the median per preset."""
-    vs = [(verdict(rows), rows) for _, rows in sets]
-    pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"
-    mark = lambda v, k: "met" if v["met"][k] else "**missed**"
-    per = lambda rows: ", ".join(f"{h} {pct(verdict([r for r in rows if r['hardware'] == h])['gap'])}" for h in hardware)
-    reach = lambda rows: sum((r["oracle_x_lru"] or 0) >= 1.2 for r in rows)
-    cells = ((">= 1.0x max(lru, hybrid), every run", lambda v, rows: f"{v['best']} of {v['runs']} ({mark(v, 'best')})"),
-             (">= 1.2x lru, at least half the runs", lambda v, rows: f"{v['x12']} of {v['runs']} ({mark(v, 'x12')}; "
-              f"oracle reaches it on {reach(rows)}: {'reachable' if 2 * reach(rows) >= len(rows) else 'out of reach'})"),
-             ("median gap closed >= 40%", lambda v, rows: f"{pct(v['gap'])} ({mark(v, 'gap')}; {per(rows)})"),
-             ("at the smallest cache >= 25%", lambda v, rows: f"{pct(v['gap_small'])} ({mark(v, 'gap_small')})"))
-    out = ["| target | " + " | ".join(l for l, _ in sets) + " |", "|---" * (len(sets) + 1) + "|"]
-    return out + [f"| {name} | " + " | ".join(f(v, rows) for v, rows in vs) + " |" for name, f in cells]
 
 
 def run_table(rows, res, extra=None) -> list[str]:
@@ -91,11 +77,14 @@ def run_table(rows, res, extra=None) -> list[str]:
     return out
 
 
-def full_tables(res, cs, hardware) -> list[str]:
+def full_tables(res, cs, hardware, prec) -> list[str]:
     cols, out = [(h, i) for h in hardware for i in (0, 1)], []
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"
     for c in cs:
+        f = prec[c.name]
         out += [f"**{c.name}** ({len(c.tokens)} tokens, {c.model.num_layers} layers x {c.model.num_experts} experts "
-                f"top-{c.model.top_k})", "", "| policy | " + " | ".join(f"{h} {c.slots[i]}" for h, i in cols) + " |",
+                f"top-{c.model.top_k}; forecast precision at {c.slots[0]} slots, cross-layer / temporal / random: "
+                f"{pct(f['cross'])} / {pct(f['temporal'])} / {pct(f['random'])}, steps with a miss {pct(f['miss'])})", "", "| policy | " + " | ".join(f"{h} {c.slots[i]}" for h, i in cols) + " |",
                 "|---" * (len(cols) + 1) + "|"]
         for p in ROWS:
             cells = []
@@ -109,7 +98,7 @@ def full_tables(res, cs, hardware) -> list[str]:
     return out
 
 
-def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> tuple[str, str]:
+def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw, prec) -> tuple[str, str]:
     """(docs/POLICIES.md: method, the targets per set, limits, command; RUN/README.md: the rest)."""
     cfg = TUNED["lookahead"][chosen["lookahead"][0]]
     same = all(getattr(LookaheadConfig(), k) == v for k, v in cfg.items())
@@ -149,7 +138,8 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
     labels = [("development (tuning)", dev_rows)] + [(f"held out, seed {s}", rows[s]) for s in tests]
     out12 = [(l, sum((r["oracle_x_lru"] or 0) < 1.2 for r in rs), len(rs)) for l, rs in labels]  # the ceiling < 1.2x lru
     hc = [(l, summary(tuned, cs, hardware, "hybrid-cost")) for (l, _), cs in zip(labels, [dev, *tests.values()])]
-    ceil += " " + foresight(tuned, [(l, cs) for (l, _), cs in zip(labels, [dev, *tests.values()])], hardware)
+    named = [(l, cs) for (l, _), cs in zip(labels, [dev, *tests.values()])]
+    ceil += " " + foresight(tuned, named, hardware) + " " + early_moves(tuned, named, hardware) + " " + forecasts(prec, named)
     grid = grid_summary(raw, dev, hardware, "lookahead", TUNED["lookahead"])
     lite, top = grid[TUNED["lookahead"].index(LITE)], grid[chosen["lookahead"][0]]
     us = lambda p: statistics.median(r["plan_us"] for k, r in tuned.items() if k[3] == p and r is not None)
@@ -169,7 +159,8 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
         "- The guard compares predictions (its timing model) after its first `guard_memory` tokens. Runs below max(lru, "
         "hybrid): fast-link top-1 runs (lru and hybrid alike upload every miss), where prefetch swaps and frequency "
         "values lose under `guard_margin`, so it never follows; top-4 to top-8 runs where its prefetch and fills move "
-        "more than hybrid's for no more hits: the tokens before following and its probes (followed above).",
+        "more than hybrid's for no more hits: the tokens before following and its probes (followed above). "
+        + count_rule(raw, dev, hardware, grid, chosen["lookahead"][0]),
         "- `oracle` (Belady residency: optimal for hits, not time) is checked on every run, not proved. Where it is "
         "below 1.2x lru no policy here reaches 1.2x; were that so on more than half a set's runs, the half target "
         "would be out of reach there by measurement. It is below on " + ", ".join(f"{n} of {k} ({l})" for l, n, k in
@@ -193,8 +184,8 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw) -> 
     readme += ["", "Targets per set:", ""] + targets_table(labels, hardware) + ["", ceil, "", "## Every policy", "",
                "Cell: tokens/s (x lru), hit rate / demand hit rate, experts moved over PCIe per token.", ""]
     readme += [x for seed, cs in tests.items() for x in [f"### Held out, seed {seed}", ""]
-               + full_tables(tuned, cs, hardware)]
-    readme += ["### Development set", ""] + full_tables(tuned, dev, hardware) + ["Command:", "", f"    {command}", ""]
+               + full_tables(tuned, cs, hardware, prec)]
+    readme += ["### Development set", ""] + full_tables(tuned, dev, hardware, prec) + ["Command:", "", f"    {command}", ""]
     return "\n".join(page), "\n".join(readme)
 
 
@@ -222,8 +213,9 @@ def main(argv=None) -> int:
                                    tuple(b for b in BASELINES + ("predict",) if b not in TUNED), log, raw := {})
     cmd = ("python experiments/policies_eval.py" + (f" --tokens {a.tokens}" if a.tokens else "")
            + (f" --hardware {a.hardware}" if tuple(hardware) != HARDWARE else ""))
+    prec = {c.name: forecast_precision(c.tokens, c.model, c.slots[0]) for c in dev + [c for cs in tests.values() for c in cs]}
     page, readme = render(tuned, held, chosen, dev, tests, hardware, cmd,
-                          os.path.relpath(run_dir.resolve(), out.resolve().parent), raw)
+                          os.path.relpath(run_dir.resolve(), out.resolve().parent), raw, prec)
     run_dir.mkdir(exist_ok=True)
     fields = ("set", "case", "hardware", "slots", "policy", "tokens_per_s", "hit_rate", "demand_hit_rate",
               "moved_per_token", "late_hits", "plan_us")

@@ -33,7 +33,7 @@ from traces.stats import DemandAudit
 from .engine import Simulator
 
 __all__ = ["trace_model", "moe_only", "measure", "Case", "synthetic_cases", "SYNTH_FAMILIES", "cross_validate",
-           "gap_closed", "VARIANTS"]
+           "gap_closed", "VARIANTS", "forecast_precision"]
 
 
 def moe_only(trace: Trace) -> Trace:
@@ -159,15 +159,19 @@ def log_ratio(x: float | None, ref: float | None) -> float:
 
 # the policies every case is measured with (at their defaults), and the families chosen by
 # cross-validation: their grids (index 0 is the family's default before selection)
-BASELINES = ("lru", "freq-lru", "hybrid", "hybrid-cost", "static", "belady", "oracle", "oracle-demand")
-# baselines that are a policy with options: oracle without its moves ahead of use (no future prefetch or fills)
-VARIANTS = {"oracle-demand": ("oracle", {"prefetch": False, "fills": False})}
+BASELINES = ("lru", "freq-lru", "hybrid", "hybrid-cost", "static", "belady", "oracle", "oracle-demand", "oracle-prefetch",
+             "oracle-fills")
+# baselines that are a policy with options: oracle with its moves ahead of use (prefetch, fills) both off, or one
+VARIANTS = {"oracle-demand": ("oracle", {"prefetch": False, "fills": False}),
+            "oracle-prefetch": ("oracle", {"prefetch": True, "fills": False}),
+            "oracle-fills": ("oracle", {"prefetch": False, "fills": True})}
 GRIDS = {
     "predict": ({}, {"max_prefetch": 0}, {"misses": "cpu"}),
     "lookahead": tuple({"values": v, "fill_share": f, "confidence": c}
                        for v in ("recency", "adaptive", "forecast") for f in (1.0, 0.5) for c in (0.3, 0.8)),
 }
-OFFLINE = ("static", "belady", "oracle", "oracle-demand")  # they read the replayed tokens (oracle profile, future)
+# they read the replayed tokens (an oracle profile, the future)
+OFFLINE = ("static", "belady", "oracle", "oracle-demand", "oracle-prefetch", "oracle-fills")
 
 
 def run_set(cases: Sequence[Case], hardware: Sequence[str], baselines=BASELINES, grids=GRIDS,
@@ -232,3 +236,47 @@ def summary(res: dict, cases: Sequence[Case], hardware: Sequence[str], policy: s
                              "x_best": t[policy] / best if best and t[policy] else None,
                              "gap": gap_closed(t[policy], lru, t["oracle"]) if lru and t[policy] and t["oracle"] else None})
     return rows
+
+
+def forecast_precision(tokens: Sequence, model: ModelSpec, slots: int, memory: float | None = None) -> dict:
+    """How well lookahead's forecaster picks an early move on ``tokens``: at each step, among the
+    experts absent from an ``lru`` cache of ``slots`` per layer, the share of steps where the one it
+    ranks first is routed there, by the cross-layer forecast from the token's previous step (what a
+    prefetch reads, ``cross``) and by the temporal one from the layer's last step (what a move at a
+    token's end reads, ``temporal``), against a pick at random among them (``random``: routed absent
+    experts over absent ones, averaged); ``miss``: the share of steps with a miss. Learnt online as
+    lookahead learns (``PredictPolicy``'s statistics folded in at each token's end)."""
+    from scheduler.cache import ABSENT
+    from scheduler.core import Decision
+    from scheduler.policies.lookahead import LookaheadConfig
+    from scheduler.policies.predict import PredictConfig, PredictPolicy
+
+    g = model.geometry()
+    lru = make_policy("lru", g, Capacity.per_layer(g, slots))
+    fc = PredictPolicy(g, Capacity.per_layer(g, g.max_experts), None,
+                       PredictConfig(memory=memory or LookaheadConfig().memory, max_prefetch=0))
+    n = {"cross": [0, 0], "temporal": [0, 0], "random": [0.0, 0], "miss": [0, 0]}
+    for tok in tokens:
+        above = None
+        for step in tok.steps:
+            layer, used = step.layer, set(step.experts)
+            absent = np.flatnonzero(np.frombuffer(lru.cache.state[layer], np.uint8)[:g.num_experts[layer]] == ABSENT)
+            if len(absent):
+                for key, prev, f in (("cross", above, fc.forecast_below), ("temporal", fc.prev[layer], fc.forecast)):
+                    if prev:
+                        r = f(layer, prev)[absent]
+                        n[key][0] += int(absent[int(np.argmax(r))]) in used
+                        n[key][1] += 1
+                n["random"][0] += sum(int(e) in used for e in absent) / len(absent)
+                n["random"][1] += 1
+            n["miss"][0] += bool(len(absent)) and any(int(e) in used for e in absent)
+            n["miss"][1] += 1
+            d = lru.plan(step)
+            lru.commit(d)
+            for e in d.uploads:
+                lru.complete(layer, e)
+            fc.commit(Decision(step, step.experts))
+            above = step.experts
+        lru.commit_background(lru.plan_background())
+        fc.commit_background(())
+    return {k: (a / b if b else None) for k, (a, b) in n.items()}

@@ -25,7 +25,7 @@ from scheduler.costs import DEFAULT_MODEL
 
 from .evaluate import BASELINES, Case, run_set, select, summary, trace_model, view
 
-__all__ = ["LOOKAHEAD_GRID", "LITE", "SEED4", "SEED4_FAMILIES", "TEST_SEED", "TEST_FAMILIES", "RETIRED", "RETIRED_FAMILIES", "retired_cases", "ONLINE", "ABOUT", "held_out_cases", "evaluate", "verdict", "ceiling", "foresight",
+__all__ = ["count_rule", "early_moves", "forecasts", "targets_table", "LOOKAHEAD_GRID", "LITE", "SEED4", "SEED4_FAMILIES", "TEST_SEED", "TEST_FAMILIES", "RETIRED", "RETIRED_FAMILIES", "retired_cases", "ONLINE", "ABOUT", "held_out_cases", "evaluate", "verdict", "ceiling", "foresight",
            "grid_summary"]
 
 TEST_SEED = 3
@@ -86,16 +86,14 @@ SEED4_FAMILIES = tuple((n, L, E, k, dict(zip(_P, p))) for n, L, E, k, *p in (
     ("held k5 e80 weak-reuse very-high-cross", 10, 80, 5, 1.3, 0.15, 0.98, 2.5, 0.01, 2.0),
     ("held k6 e24 steep strong-reuse fast-drift", 16, 24, 6, 2.2, 0.65, 0.5, 1.0, 0.35, 1.2),
     ("held k8 e160 flat-topics no-cross", 8, 160, 8, 0.6, 0.35, 0.0, 0.1, 0.01, 4.0)))
-# lookahead's grid, chosen among on the development set: its guard (scheduler.policies.guard):
-# the window it compares over (tokens, 0: no guard), the margin, the tokens it then follows
-# hybrid, the backoff; the fills all priced at the token's end (the earlier default) instead of
-# first into the next token's windows; and LITE, the cheap form (recency values, no prefetch: no
-# forecaster, no value shadows), with its guard and without, there for their cost against their gain
+# lookahead's grid, chosen among on the development set: the default (its guard's window, margin,
+# probe and backoff were chosen on that set in an earlier grid); no guard; recency values (no
+# frequency: the top-1 fast-link runs where adaptive values lose 0.1% to lru); LITE, the cheap form
+# (recency values, no prefetch: no forecaster, no value shadows), there for its cost against its
+# gain; the fills all priced at the token's end (the earlier default) instead of first into the next
+# token's windows
 LITE = {"values": "recency", "max_prefetch": 0}
-LOOKAHEAD_GRID = tuple({"guard_memory": m, "guard_margin": g, "guard_probe": p, "guard_backoff": b}
-                       for m, g, p, b in ((32.0, 0.01, 32, 2.0), (32.0, 0.01, 32, 1.0), (0.0, 0.0, 32, 1.0),
-                                          (16.0, 0.02, 32, 2.0))) + (LITE, {**LITE, "guard_memory": 0.0},
-                                                                     {"fill_window": "priced"})
+LOOKAHEAD_GRID = ({}, {"guard_memory": 0.0}, {"values": "recency"}, LITE, {"fill_window": "priced"})
 # one paragraph per policy, for the reports
 ABOUT = {
     "lru": "Every miss uploaded; the least recently used resident the step does not use evicted.",
@@ -122,6 +120,8 @@ ABOUT = {
               "experts in the link's idle window, fastest CPU-or-link split, fills of experts used later).",
     "oracle-demand": "oracle without its moves ahead of use (no prefetch, no fills): Belady residency and the fastest "
                      "CPU-or-link split, knowing the future; what foresight gives without moving experts early.",
+    "oracle-prefetch": "oracle with its prefetch (the next step's experts in the link's idle window) and no fills.",
+    "oracle-fills": "oracle with its fills (experts used after the next token, at a token's end) and no prefetch.",
 }
 ONLINE = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead")
 
@@ -214,3 +214,72 @@ def foresight(res: dict, sets: Sequence[tuple[str, Sequence[Case]]], hardware: S
                 f"{o['x12']} of {o['runs']} ({label}; lookahead {v['x12']})" for label, o, v in fs) + " and closes "
             + ", ".join(f"{pct(o)} (lookahead {pct(v)})" for _, o, v in fs) + " of the gap: the rest of oracle's "
             "lead is experts moved before their use, which an online policy has to forecast.")
+
+
+def early_moves(res: dict, sets: Sequence[tuple[str, Sequence[Case]]], hardware: Sequence[str]) -> str:
+    """A sentence: per (label, cases) and preset, the median share of oracle's lead over
+    ``oracle-demand`` that ``oracle-prefetch`` (its prefetch alone) and ``oracle-fills`` (its fills
+    alone) keep, over the runs where oracle leads."""
+    def share(cs, h, p):
+        xs = []
+        for c in cs:
+            for s in c.slots:
+                t = {q: (res.get((c.name, h, s, q)) or {}).get("tokens_per_s") for q in ("oracle-demand", "oracle", p)}
+                if None not in t.values() and t["oracle"] > t["oracle-demand"]:
+                    xs.append((t[p] - t["oracle-demand"]) / (t["oracle"] - t["oracle-demand"]))
+        return f"{100 * statistics.median(xs):.0f}%" if xs else "n/a"
+    return (f"Of oracle's lead over `oracle-demand` (median per run; {' / '.join(hardware)}), its prefetch alone keeps ("
+            + "; ".join(f"{label} " + " / ".join(share(cs, h, "oracle-prefetch") for h in hardware) for label, cs in sets)
+            + ") and its fills alone (" + "; ".join(f"{label} " + " / ".join(share(cs, h, "oracle-fills")
+                                                                              for h in hardware) for label, cs in sets)
+            + "): each kind of early move needs the routes it anticipates.")
+
+
+def forecasts(prec: dict, sets: Sequence[tuple[str, Sequence[Case]]]) -> str:
+    """A sentence: per (label, cases), the median over its traces of ``forecast_precision`` (``prec``:
+    {case name: its dict}) beside a pick at random, the real traces apart."""
+    def med(cs, k):
+        xs = [prec[c.name][k] for c in cs if prec[c.name][k] is not None]
+        return f"{100 * statistics.median(xs):.0f}%" if xs else "n/a"
+    real = [c for _, cs in sets for c in cs if c.family == "real"]
+    return ("How often lookahead's forecaster picks an early move right (`simulate.evaluate.forecast_precision`: the "
+            "best-ranked expert absent from an lru cache of the smaller size is routed at that step; median over the "
+            "traces, cross-layer from the token's previous step / temporal from the layer's last step / a random "
+            "absent expert): " + "; ".join(f"{label} {med(cs, 'cross')} / {med(cs, 'temporal')} / {med(cs, 'random')}"
+                                           for label, cs in sets) + "; of which the real traces "
+            + ", ".join(f"{c.name} {100 * prec[c.name]['cross']:.0f}% / {100 * prec[c.name]['temporal']:.0f}%"
+                        for c in real) + ". A swap ahead of use pays only when its expert is routed before its victim.")
+
+
+def targets_table(sets: list[tuple[str, list[dict]]], hardware) -> list[str]:
+    """One column per (label, summary rows): each target's figure and whether it is met; 1.2x lru's
+    cell says on how many runs oracle itself reaches it; the gap's, the median per preset."""
+    vs = [(verdict(rows), rows) for _, rows in sets]
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"
+    mark = lambda v, k: "met" if v["met"][k] else "**missed**"
+    per = lambda rows: ", ".join(f"{h} {pct(verdict([r for r in rows if r['hardware'] == h])['gap'])}" for h in hardware)
+    reach = lambda rows: sum((r["oracle_x_lru"] or 0) >= 1.2 for r in rows)
+    cells = ((">= 1.0x max(lru, hybrid), every run", lambda v, rows: f"{v['best']} of {v['runs']} ({mark(v, 'best')})"),
+             (">= 1.2x lru, at least half the runs", lambda v, rows: f"{v['x12']} of {v['runs']} ({mark(v, 'x12')}; "
+              f"oracle reaches it on {reach(rows)}: {'reachable' if 2 * reach(rows) >= len(rows) else 'out of reach'})"),
+             ("median gap closed >= 40%", lambda v, rows: f"{pct(v['gap'])} ({mark(v, 'gap')}; {per(rows)})"),
+             ("at the smallest cache >= 25%", lambda v, rows: f"{pct(v['gap_small'])} ({mark(v, 'gap_small')})"))
+    out = ["| target | " + " | ".join(l for l, _ in sets) + " |", "|---" * (len(sets) + 1) + "|"]
+    return out + [f"| {name} | " + " | ".join(f(v, rows) for v, rows in vs) + " |" for name, f in cells]
+
+
+def count_rule(raw: dict, cases: Sequence[Case], hardware: Sequence[str], grid: list[tuple], chosen: int,
+               name: str = "lookahead") -> str:
+    """A sentence: the entry of ``grid`` (``grid_summary``'s) that a rule counting runs at or above
+    max(lru, hybrid) first would choose, against ``chosen``, with both on the real traces
+    (``raw``: ``evaluate``'s development runs)."""
+    most = max(range(len(grid)), key=lambda i: (grid[i][2], grid[i][1], -i))
+    if most == chosen:
+        return "Counting runs at or above max(lru, hybrid) first would choose the same entry."
+    x = lambda c, h, s, i: raw[c.name, h, s, f"{name}#{i}"]["tokens_per_s"] / raw[c.name, h, s, "lru"]["tokens_per_s"]
+    real = ", ".join(f"{c.name} {h} {s} x{x(c, h, s, most):.2f} against x{x(c, h, s, chosen):.2f}"
+                     for c in cases if c.family == "real" for h in hardware for s in c.slots
+                     if raw.get((c.name, h, s, f"{name}#{most}")) and abs(x(c, h, s, most) - x(c, h, s, chosen)) >= 0.01)
+    return (f"Counting runs at or above max(lru, hybrid) first would choose `{grid[most][0]}` ({grid[most][2]} of "
+            f"{grid[most][3]} against {grid[chosen][2]}; geometric mean x{grid[most][1]:.4f} against x{grid[chosen][1]:.4f})"
+            + (f", which gives up on the real traces (over lru): {real}" if real else "") + ".")
