@@ -29,8 +29,11 @@ exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums
 (``qx8``) to the two int8 levels of the one-token path, tiles copied by ``cp.async`` while the
 weights decode to int8, ``mma`` ``.s8`` with exact int32 sums (the one-token path's error, ~2e-5);
 the pipelined ones (``_q8p*``: 8 warps, ``Q8_BLOCK``'s dynamic shared memory) copy the next tile's
-inputs and weight bytes while a tile is decoded and multiplied (``Q8_PDL``: by dependent launch).
-The source lies in ``gpu_quant.cu`` and the five ``gpu_quant_*.cu`` parts it includes
+inputs and weight bytes while a tile is decoded and multiplied (``Q8_PDL``: by dependent launch);
+part 6's (``_q8a2``, ``_q8k2``, ``_q8k4``) put a pass's spare warps on the tiles' other chunks (a pass
+of 4 tokens, or 8 warps on 64), and ``_q8m2c`` / ``_q8k2c`` convert the int32 sums without I2F (the
+same bits). ``ONE_PROGRAMMATIC``: the engine's one-token launches of these kernels as ``_d``'s.
+The source lies in ``gpu_quant.cu`` and the six ``gpu_quant_*.cu`` parts it includes
 (:func:`source` inlines them).
 """
 from __future__ import annotations
@@ -87,9 +90,10 @@ GENERIC_BATCH = "_q8m2"
 # other one-token launches: _d, the same kernels by programmatic dependent launch; _w, gate/up in tiles of
 # 40 KB (a Q8_0 or Q6_K row of 2048 columns in one tile; 4 blocks per SM), down as the default
 ONE_VARIANTS = ("_d", "_w")
-# gpu_experts launches the one-token kernels by programmatic dependent launch (as _d: the same bits; 1.15-1.2x
-# on 8 experts of qwen3-30b-a3b's shape on the H200, docs/perf/gpu_quant_int8_h200)
-ONE_PROGRAMMATIC = True
+# True: gpu_experts launches generic layers' one-token kernels by programmatic dependent launch (as _d: the same
+# kernels and bits; _d ran 1.15-1.2x the plain launches on 8 experts of qwen3-30b-a3b's shape on the H200,
+# docs/perf/gpu_quant_int8_h200). Off until the engine's GPU tests have run with it on a GPU.
+ONE_PROGRAMMATIC = False
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
 

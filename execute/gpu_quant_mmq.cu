@@ -1,4 +1,4 @@
-// gpu_quant.cu, part 5 of 5: batched expert kernels on int8 tensor cores (the _q8 variants of
+// gpu_quant.cu, part 5 of 6: batched expert kernels on int8 tensor cores (the _q8 variants of
 // qmoe_gate_up / qmoe_down: _q8, _q8m2, _q8m1 at 4, 2, 1 m-tiles; _q8s2, _q8s1 at 2, 1 with the
 // tile's weight bytes copied to shared memory beside the inputs before the decode) and the input
 // pre-pass they read (qx8).
@@ -97,18 +97,13 @@ struct SmemQ8 {  // a block's tiles: weights' quants and scales, the pass's inpu
 // times 256 as the second's accumulator: |C| <= 32 * 128 * 127 each, exact), then scaled in float32
 // once. (The flags as template arguments, a function per case, gained 0-8% at 64 tokens x 8 experts
 // on the H200 and doubled the module's compile: docs/perf/gpu_quant_int8_h200.)
-// CV = 1: each level's sums apart, their accumulators started at 2^23 + 2^22 (float bits 0x4B400000,
-// |C| < 2^22), so two float subtractions and one fma give 256 C1 + C2 rounded once, as the int32 sum's
-// conversion (I2F, a quarter of the float rate) rounds it: the same bits, the two mma chains apart.
-template <int MB, int MW, int CV = 0>  // the tile's chunks c0, c0 + cs, ..
+template <int MB, int MW>
 __device__ __forceinline__ void q8_tile(bool SPLIT, bool OFFS, const uint8_t* xq, const float* xd, const float* xs,
-                                        const uint8_t* aq, const float4* asc, int nch, int t0, int m0, float (*acc)[2][4],
-                                        int c0 = 0, int cs = 1) {
+                                        const uint8_t* aq, const float4* asc, int nch, int t0, int m0, float (*acc)[2][4]) {
     int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     #pragma unroll
     for (int c = 0; c < QKB / 32; c++) {
         if (c >= nch) break;
-        if (c % cs != c0) continue;
         uint32_t b[2][2][2];  // [n-tile j][level][k half]
         float dx[2][2], s0[2][2] = {{0.f, 0.f}, {0.f, 0.f}}, s1[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
         #pragma unroll
@@ -140,29 +135,7 @@ __device__ __forceinline__ void q8_tile(bool SPLIT, bool OFFS, const uint8_t* xq
             #pragma unroll
             for (int j = 0; j < 2; j++) {
                 float v[4];
-                constexpr int M0 = 0x4B400000;
-                constexpr float MF = 12582912.f;  // 2^23 + 2^22
-                if (CV && SPLIT) {
-                    int l1[4] = {M0, M0, M0, M0}, l2[4] = {M0, M0, M0, M0}, h1[4] = {M0, M0, M0, M0}, h2[4] = {M0, M0, M0, M0};
-                    mma_s8k16(l1, a[0], a[1], b[j][0][0]);
-                    mma_s8k16(h1, a[2], a[3], b[j][0][1]);
-                    mma_s8k16(l2, a[0], a[1], b[j][1][0]);
-                    mma_s8k16(h2, a[2], a[3], b[j][1][1]);
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float4 s = e < 2 ? sa : sb;
-                        float lo = fmaf(256.f, __int_as_float(l1[e]) - MF, __int_as_float(l2[e]) - MF);
-                        float hi = fmaf(256.f, __int_as_float(h1[e]) - MF, __int_as_float(h2[e]) - MF);
-                        v[e] = fmaf(s.x, lo, s.y * hi);
-                    }
-                } else if (CV) {
-                    int c1[4] = {M0, M0, M0, M0}, c2[4] = {M0, M0, M0, M0};
-                    mma_s8k32(c1, a, b[j][0][0], b[j][0][1]);
-                    mma_s8k32(c2, a, b[j][1][0], b[j][1][1]);
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        v[e] = (e < 2 ? sa : sb).x * fmaf(256.f, __int_as_float(c1[e]) - MF, __int_as_float(c2[e]) - MF);
-                } else if (SPLIT) {  // a scale per 16 weights: the two halves' sums apart
+                if (SPLIT) {  // a scale per 16 weights: the two halves' sums apart
                     int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
                     mma_s8k16(lo, a[0], a[1], b[j][0][0]);
                     mma_s8k16(hi, a[2], a[3], b[j][0][1]);
@@ -200,20 +173,13 @@ __device__ __forceinline__ void q8_tile(bool SPLIT, bool OFFS, const uint8_t* xq
     }
 }
 
-// acc[mt][j][i] = rows of m-tile mt . tokens 16 g + 8 j (this lane's fragments) over K = cols, g the
-// token group returned (-1: this warp holds no sums); x8: the planes of an nx x cols input matrix; S.xr
-// holds the pass's nt input rows. KS = 0: warp w takes tokens 16 w .. 16 w + 15 (4 warps). KS > 0 (4 KS
-// warps): the pass's G = ceil(nt / 16) token groups (<= 4) each get W / G warps (<= 4), which take the
-// tile's chunks in turn, their sums added to the first's in warp order at the end (through S.xq): a
-// pass of 4 tokens keeps every warp multiplying, and 8 warps keep twice the warps in flight.
-template <int MT, int RAW, int KS = 0, int CV = 0>
-__device__ int q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8, long long nx, int nt, const SmemQ8& S,
-                       float (*acc)[2][4]) {
+// acc[mt][j][i] = rows of m-tile mt . tokens 16 warp + 8 j (this lane's fragments) over K = cols;
+// x8: the planes of an nx x cols input matrix; S.xr holds the pass's nt input rows
+template <int MT, int RAW>
+__device__ void q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8, long long nx, int nt, const SmemQ8& S,
+                        float (*acc)[2][4]) {
     constexpr int MB = 16 * MT;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-    int ng = KS ? min(4, (nt + 15) / 16) : 4, nks = KS ? min(QKB / 32, 4 * KS / ng) : 1;  // token groups, chunk slices
-    int tw = warp % ng, kh = warp / ng;  // this warp's token group and chunk slice
-    bool on = kh < nks && 16 * tw < nt;
     const long long rc = nx * cols;
     const float* pd = reinterpret_cast<const float*>(x8 + 2 * rc);
     const float* ps = pd + nx * (cols / 32);
@@ -274,21 +240,9 @@ __device__ int q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8, 
         }
         cp_wait();
         __syncthreads();
-        if (!on) continue;
-        q8_tile<16 * MT, MT, CV>(split, offs, S.xq, S.xd, S.xs, S.aq, S.asc, nch, 16 * tw, 0, acc, kh, nks);
+        if (16 * warp >= nt) continue;
+        q8_tile<16 * MT, MT>(split, offs, S.xq, S.xd, S.xs, S.aq, S.asc, nch, 16 * warp, 0, acc);
     }
-    float* red = reinterpret_cast<float*>(S.xq);  // [ng][MT * 8][32]: one slice's sums (<= MT * 4 KB <= xq's 18 KB)
-    for (int r = 1; r < nks; r++) {  // (uniform: nt is the block's)
-        __syncthreads();  // the last tile (or the previous slice's sums) consumed
-        #pragma unroll
-        for (int i = 0; i < MT * 8; i++)
-            if (kh == r && on) red[(tw * MT * 8 + i) * 32 + lane] = (&acc[0][0][0])[i];
-        __syncthreads();
-        #pragma unroll
-        for (int i = 0; i < MT * 8; i++)
-            if (kh == 0 && on) (&acc[0][0][0])[i] += red[(tw * MT * 8 + i) * 32 + lane];
-    }
-    return on && kh == 0 ? tw : -1;
 }
 
 // as qmoe_gate_up with the input as x8 (qx8's planes of the nx rows of x) instead of x, ldx
@@ -308,7 +262,7 @@ __device__ int q8_pass(const Rows& R, int cols, const uint8_t* __restrict__ x8, 
     __shared__ int xr[QNB];                                                                              \
     SmemQ8 S = {aq, asc, xq, xd, xs, xr, wr};
 
-template <int MT, int RAW, int KS = 0, int CV = 0> __device__ void gate_up_q8(GATE_UP_Q8_ARGS, const SmemQ8& S) {
+template <int MT, int RAW> __device__ void gate_up_q8(GATE_UP_Q8_ARGS, const SmemQ8& S) {
     constexpr int RB = 8 * MT;
     int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const uint8_t* e = reinterpret_cast<const uint8_t*>(base[g]);
@@ -319,9 +273,9 @@ template <int MT, int RAW, int KS = 0, int CV = 0> __device__ void gate_up_q8(GA
             __syncthreads();  // the previous pass's rows are read
             for (int t = threadIdx.x; t < QNB; t += blockDim.x) S.xr[t] = xrow[order[p0 + (t < nt ? t : 0)]];
             float acc[MT][2][4];
-            int tg = q8_pass<MT, RAW, KS, CV>(R, hidden, x8, nx, nt, S, acc);
-            for (int j = 0; j < 2 && tg >= 0; j++) {
-                int tn = 16 * tg + 8 * j + 2 * (lane & 3);
+            q8_pass<MT, RAW>(R, hidden, x8, nx, nt, S, acc);
+            for (int j = 0; j < 2; j++) {
+                int tn = 16 * warp + 8 * j + 2 * (lane & 3);
                 for (int mt = 0; mt < MT; mt++) {
                     int r = s + 8 * mt + (lane >> 2);
                     if (r >= ffn) continue;
@@ -334,7 +288,7 @@ template <int MT, int RAW, int KS = 0, int CV = 0> __device__ void gate_up_q8(GA
     }
 }
 
-template <int MT, int RAW, int KS = 0, int CV = 0> __device__ void down_q8(DOWN_Q8_ARGS, const SmemQ8& S) {
+template <int MT, int RAW> __device__ void down_q8(DOWN_Q8_ARGS, const SmemQ8& S) {
     constexpr int RB = 16 * MT;
     int g = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = WARPS * rows_per_warp;
     const float* bd = reinterpret_cast<const float*>(base[g]) + 2 * ffn;
@@ -346,9 +300,9 @@ template <int MT, int RAW, int KS = 0, int CV = 0> __device__ void down_q8(DOWN_
             __syncthreads();
             for (int t = threadIdx.x; t < QNB; t += blockDim.x) S.xr[t] = order[p0 + (t < nt ? t : 0)];
             float acc[MT][2][4];
-            int tg = q8_pass<MT, RAW, KS, CV>(R, ffn, h8, nh, nt, S, acc);
-            for (int j = 0; j < 2 && tg >= 0; j++) {
-                int tn = 16 * tg + 8 * j + 2 * (lane & 3);
+            q8_pass<MT, RAW>(R, ffn, h8, nh, nt, S, acc);
+            for (int j = 0; j < 2; j++) {
+                int tn = 16 * warp + 8 * j + 2 * (lane & 3);
                 for (int mt = 0; mt < MT; mt++)
                     for (int hf = 0; hf < 2; hf++) {
                         int r = s + 16 * mt + (lane >> 2) + 8 * hf;
@@ -376,25 +330,6 @@ QMOE_Q8(_q8m2, 2, 0)
 QMOE_Q8(_q8m1, 1, 0)
 QMOE_Q8(_q8s2, 2, 1)
 QMOE_Q8(_q8s1, 1, 1)
-// _q8a2: _q8m2 with the token groups' warps over the tiles' chunks (KS = 1: a pass of 4 tokens keeps 4 warps
-// multiplying); _q8k2, _q8k4: 2 and 4 m-tiles, 8 warps (KS = 2: at 64 tokens each half of the chunks);
-// _q8m2c, _q8k2c: _q8m2's and _q8k2's sums converted by CV = 1. MINB: resident blocks per SM the
-// registers must allow (qwen3-30b-a3b's 8 experts: 384 and 192 blocks of gate/up at 2 and 4 m-tiles)
-#define QMOE_Q8K(SUFFIX, MT, KS, CV, MINB)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(KS ? 128 * KS : 128, MINB) qmoe_gate_up##SUFFIX(GATE_UP_Q8_ARGS) {                      \
-        SMEM_Q8(MT, 0)                                                                                             \
-        gate_up_q8<MT, 0, KS, CV>(base, gstart, order, xrow, x8, nx, h, ffn, hidden, rows_per_warp, off_g, qt_g, rb_g, off_u, \
-                             qt_u, rb_u, act, bias, S);                                                            \
-    }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(KS ? 128 * KS : 128, MINB) qmoe_down##SUFFIX(DOWN_Q8_ARGS) {                            \
-        SMEM_Q8(MT, 0)                                                                                             \
-        down_q8<MT, 0, KS, CV>(base, gstart, order, h8, nh, y, ffn, hidden, rows_per_warp, off_d, qt_d, rb_d, bias, S);       \
-    }
-QMOE_Q8K(_q8k2, 2, 2, 0, 3)
-QMOE_Q8K(_q8k4, 4, 2, 0, 2)
-QMOE_Q8K(_q8m2c, 2, 0, 1, 1)
-QMOE_Q8K(_q8a2, 2, 1, 0, 1)
-QMOE_Q8K(_q8k2c, 2, 2, 1, 3)
 
 // _q8p, _q8p2, _q8px: the pipelined variants (MT = 4, 2 m-tiles, 8 warps, dynamic shared memory of Q8P<MT>::BYTES).
 // Two buffers each hold a tile's input planes and its weight rows' bytes (the 16-byte words covering

@@ -322,3 +322,38 @@ def test_routed_batch_of_128_experts(variant, rng):
     y = cp.asnumpy(Experts(w, qtypes, ffn, hidden, tokens=tokens, variant=variant)(cp.asarray(x)))
     bound = REL_ERR_INT8 if variant else REL_ERR
     assert np.isfinite(y).all() and np.linalg.norm(y - ref) <= bound * np.linalg.norm(ref)
+
+
+@pytest.mark.gpu
+def test_one_token_programmatic_launches_give_the_same_bits(rng, monkeypatch):
+    """gpu_quant.ONE_PROGRAMMATIC on: GpuExperts launches a generic layer's one-token kernels by
+    programmatic dependent launch (pdl_launch accepts the attribute) and gives the plain launches' bits."""
+    cp = pytest.importorskip("cupy")
+    import execute.gpu_quant as GQ
+    from execute import pdl_launch
+    from execute.experts import random_layer
+    from execute.gpu_experts import GpuExperts
+    from scheduler.core import Capacity, Geometry
+
+    layer = random_layer(rng, 0, 4, 512, 256, Q.Q5_K, exact=False)
+    x = cp.asarray(rng.standard_normal((1, 512)).astype(np.float32))
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(GQ, "ONE_PROGRAMMATIC", on)
+        gx = GpuExperts([layer], Capacity.per_layer(Geometry((4,), 2, (layer.expert_bytes,)), 4), scratch_slots=1)
+        try:
+            assert gx.generic_layers == {0} and gx._one(0)[0].programmatic is on
+            gx.begin_copies()
+            for e in range(3):
+                gx.upload(0, e, e)
+            gx.compute_after_copies()
+            gx.pack1([gx.source_ptr(0, e) for e in range(3)], [0.5, 0.3, 0.2], [0, 1, 2])
+            xd = gx.as_input(x)
+            gx.after_caller()
+            gx.gate_up1(0, xd, 3, 3)
+            out = gx.down_combine1(0, 3)
+            gx.to_caller()
+            outs.append(out.get())
+        finally:
+            gx.close()
+    assert pdl_launch.refused is None and np.isfinite(outs[0]).all() and np.array_equal(outs[0], outs[1])
