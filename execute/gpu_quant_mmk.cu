@@ -5,7 +5,7 @@
 
 // q8_tile over the tile's chunks c0, c0 + cs, ..; CV = 1: each level's sums apart, their accumulators
 // started at 2^23 + 2^22 (float bits 0x4B400000; |C| < 2^22), so two float subtractions and one fma give
-// 256 C1 + C2 rounded once, as the int32 sum's conversion (I2F, a quarter of the float rate) rounds it:
+// 256 C1 + C2 rounded once, as the int32 sum's conversion (I2F, the slower conversion pipe) rounds it:
 // the same bits, the two mma chains apart.
 template <int MB, int MW, int CV>
 __device__ __forceinline__ void q8k_tile(bool SPLIT, bool OFFS, const uint8_t* xq, const float* xd, const float* xs,
