@@ -29,8 +29,8 @@ a replay too the thread waits for the pool before each):
   against) decoded through ``replay_engine`` under lru and hybrid (96/256) with 20% of the experts
   cached, every layer's ``run_layer`` phases, decision sizes and CPU job stamps logged and reduced
   by ``replay_host_fields``: the host thread is as fast as it is in a replay, between layers that
-  share the machine with the CPU pool, not as in an isolated call; the streamed steps' host time
-  (``calibrate_moves``: all hits against an upload, one stream, two streams a layer);
+  share the machine with the CPU pool, not as in an isolated call; with ``MOELAB_CALIBRATE_MOVES=1``
+  the streamed steps' host time (``calibrate_moves``: hits against an upload, one and two streams);
 - token graph (``calibrate_graph``): decode tokens as one CUDA graph each, pipelined, under
   ``gpu`` on synthetic models of the calibration's shape at 2 and 6 blocks: the device time of one
   block in the graph and the host's time per step the graph computed and per token (fit over the

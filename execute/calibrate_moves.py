@@ -25,6 +25,7 @@ items (``ScriptedPolicy`` through ``scheduler.drive``) to compare (``moelab.sim_
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -229,14 +230,20 @@ def moves_fields(summary: dict, executor: dict) -> dict:
     return {"host_stream_layer_s": max(host("stream") - host("upload") - per, 0.0), "host_stream_s": per}
 
 
+CALIBRATE_MOVES = os.environ.get("MOELAB_CALIBRATE_MOVES", "0") == "1"  # off until the probe has run on a GPU
+
+
 def calibration_moves(cp, gx, layers, args, rounds: int = 2) -> dict:
     """``moves_summary`` of ``measure_moves`` (the GPU workloads, ``rounds`` rounds) as ``moelab
-    calibrate`` runs it on its own experts and stand-in; {"error": ...} (with a warning) where it
-    cannot run (fewer experts or slots than the workloads need)."""
+    calibrate`` runs it on its own experts and stand-in, with ``MOELAB_CALIBRATE_MOVES=1`` (else
+    {"skipped": ...}: no stream keys are written); {"error": ...} (with a warning) where it cannot
+    run (fewer experts or slots than the workloads need)."""
     import sys
 
     from .calibrate_replay import replay_setup
 
+    if not CALIBRATE_MOVES:
+        return {"skipped": "MOELAB_CALIBRATE_MOVES is not 1"}
     try:
         dense = replay_setup(cp, gx, layers, args, None)[2]
         return moves_summary(measure_moves(cp, gx, layers, dense, args.threads, rounds=rounds, top_k=args.top_k,

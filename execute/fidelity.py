@@ -143,7 +143,7 @@ def run_device(args, runs: list[dict], make_policy_of) -> dict:
                 f"hits {r['hit_rate']:.3f}  up {r['upload_bytes'] / 1e9:.2f} GB")
             raw["runs"].append({**c, **r, "repeat": rep})
             write_json(Path(args.out) / "raw.json", raw)  # kept if a later run or the analysis fails
-        if getattr(args, "moves", True):  # the moves probe, one round of it per round (calibrate_moves)
+        if getattr(args, "moves", False):  # the moves probe, one round of it per round (calibrate_moves)
             try:
                 t0 = time.perf_counter()
                 got = measure_moves(cp, gx, layers, dense, args.threads, rounds=1, tokens=20, top_k=args.top_k,

@@ -69,9 +69,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cold-pool", action="store_true",
                     help="time each run from its engine's first pool calls (default: one call per layer first, "
                          "as moelab run's prompt calls the pool before decoding)")
-    ap.add_argument("--no-moves", dest="moves", action="store_false",
-                    help="skip the moves probe each round (execute.calibrate_moves: an upload, a stream or a swap per "
-                         "layer against all hits, the same items simulated)")
+    ap.add_argument("--moves", action="store_true",
+                    help="run the moves probe each round (execute.calibrate_moves: an upload, streams, a swap or a fill "
+                         "per layer against all hits, the same items simulated; its stream fields enter the session file)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decompose", action="store_true",
                     help="also fit per-token times on CPU layers, CPU experts and copies (OUT/decompose.csv) and "

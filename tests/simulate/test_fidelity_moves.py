@@ -183,3 +183,15 @@ def test_the_probe_runs_every_workload_on_the_device():
     s = moves_summary(runs)
     assert set(moves_fields(s, {})) == {"host_stream_layer_s", "host_stream_s"}
     assert by["swap"]["host_s"]["start_background_s"] > 0
+
+
+def test_calibrate_skips_the_probe_unless_switched_on(monkeypatch):
+    """Not yet run on a GPU: moelab calibrate leaves the probe out (no stream keys) by default."""
+    import execute.calibrate_moves as M
+
+    monkeypatch.setattr(M, "CALIBRATE_MOVES", False)
+    got = M.calibration_moves(None, None, [], None)
+    assert "skipped" in got
+    hw = {"executor": {}}
+    M.apply_moves(hw, {"moves": got}, {})
+    assert hw == {"executor": {}}
