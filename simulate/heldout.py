@@ -282,4 +282,4 @@ def count_rule(raw: dict, cases: Sequence[Case], hardware: Sequence[str], grid: 
                      if raw.get((c.name, h, s, f"{name}#{most}")) and abs(x(c, h, s, most) - x(c, h, s, chosen)) >= 0.01)
     return (f"Counting runs at or above max(lru, hybrid) first would choose `{grid[most][0]}` ({grid[most][2]} of "
             f"{grid[most][3]} against {grid[chosen][2]}; geometric mean x{grid[most][1]:.4f} against x{grid[chosen][1]:.4f})"
-            + (f", which gives up on the real traces (over lru): {real}" if real else "") + ".")
+            + (f"; on the real traces (over lru, where they differ by 0.01 or more): {real}" if real else "") + ".")
