@@ -8,6 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .xp import env_switch
 from .xp import host as _host
 
 __all__ = ["TokenInput", "ChunkInput", "RunResult", "run", "settled_steps"]
@@ -182,9 +183,11 @@ def run(model, backend, policy, inputs, lag_tokens: int = 1, audit=None,
     if attach is not None and getattr(model, "device_chunk", 0) is None:
         model.device_chunk = attach(model) or False  # False: asked once, the path does not apply
     gate = getattr(getattr(model, "token_graph", None), "gate", None)
-    streams = contextlib.ExitStack()  # the dense path on the backend's compute stream, if it has one
+    # MOELAB_DENSE_ON_COMPUTE=1: the dense path on the backend's compute stream (no events between the
+    # two streams a step; off until measured on a GPU)
+    streams = contextlib.ExitStack()
     on_compute = getattr(backend, "on_compute", None)
-    if on_compute is not None:
+    if on_compute is not None and env_switch("MOELAB_DENSE_ON_COMPUTE", default="0"):
         streams.enter_context(on_compute())
     t0 = mark = time.perf_counter()
     other = 0.0

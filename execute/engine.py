@@ -493,7 +493,8 @@ class ExpertEngine:
     def on_compute(self):
         """A context in which the caller's current stream is the engine's compute stream: the
         dense path queued there runs in order with the expert work, so no step needs the events
-        between the two streams (``after_caller``, ``to_caller``: three runtime calls a step).
+        between the two streams (``after_caller``, ``to_caller``: three runtime calls a step);
+        ``execute.driver.run`` decodes in it with ``MOELAB_DENSE_ON_COMPUTE=1`` (off by default).
         On entry the compute stream waits for the caller's work so far; on exit the caller's
         stream waits for the compute stream's (not after an error: a CUDA error would hide it).
         Without a GPU: nothing."""

@@ -11,8 +11,9 @@ Prints, per policy: the engine's host time per layer step (thread CPU time of th
 passes with the engine's calls minus the fastest without; per-layer launches built before); its
 wall-clock phases (bench_executor's columns); calls per step by name, uploads per step, decisions' digest.
 
-``--dense-stream``: the caller's current stream is the engine's compute stream (the default, as
-``execute.driver.run`` decodes) or another (``caller``: events between the two each step).
+``--dense-stream``: the caller's current stream is a stream of its own (``caller``, the default:
+events between the two each step) or the engine's compute stream (``compute``, as
+``execute.driver.run`` decodes with ``MOELAB_DENSE_ON_COMPUTE=1``).
 ``--base REV``: the same under REV's ``execute`` / ``scheduler`` / ``traces`` and under this tree,
 each in its own process, alternated ``--rounds`` times; the decisions' digests are compared.
 """
@@ -194,8 +195,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32, help="cache slots per layer (gpu: every expert)")
     ap.add_argument("--rounds", type=int, default=2, help="--base: processes per tree, alternated")
     ap.add_argument("--base", help="git revision whose engine to time beside this tree's")
-    ap.add_argument("--dense-stream", choices=("compute", "caller"), default="compute",
-                    help="the caller's current stream: the engine's compute stream, or one of its own")
+    ap.add_argument("--dense-stream", choices=("caller", "compute"), default="caller",
+                    help="the caller's current stream: one of its own, or the engine's compute stream")
     ap.add_argument("--bytecodes", action="store_true", help="also count the engine's bytecodes per step (one more pass)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -16,9 +16,10 @@ copies are waited for, where the hand-off's input copy runs); ``--late-start 0,1
 once per ``MOELAB_LATE_START`` value (``gpu_step.LateStart``), in one process. ``--hardware FILE`` gives the
 policies that read a cost model the one that file gives this shape (``bench_cost_model``): then
 ``hybrid-cost`` and ``lookahead`` can run, and ``cost`` in ``--miss-fracs`` runs ``hybrid`` with its
-cost-model share. ``--dense-stream compute,caller`` runs each policy with the caller's current
-stream on the engine's compute stream (the default, as ``execute.driver.run`` decodes:
-``ExpertEngine.on_compute``) and on the legacy default stream (events between the two a step).
+cost-model share. ``--dense-stream caller,compute`` runs each policy with the caller's current
+stream on the legacy default stream (the default: events between the two streams a step) and on
+the engine's compute stream (``ExpertEngine.on_compute``, as ``execute.driver.run`` decodes with
+``MOELAB_DENSE_ON_COMPUTE=1``).
 ``--rates-from FILE`` reuses an earlier run's rates instead of measuring them. A ``--policies``
 entry may carry config fields: ``hybrid-cost:prefetch=4``.
 
@@ -80,10 +81,10 @@ def parse(argv):
     ap.add_argument("--late-start", default="",
                     help="run each policy once per MOELAB_LATE_START value (comma list of 0 and 1; empty: the "
                          "environment's)")
-    ap.add_argument("--dense-stream", default="compute",
+    ap.add_argument("--dense-stream", default="caller",
                     help="where the caller's current stream is while a policy runs (the dense stand-in always "
-                         "queues on the engine's compute stream): compute (ExpertEngine.on_compute: no events "
-                         "between streams a step) and/or caller (the legacy default stream); comma list")
+                         "queues on the engine's compute stream): caller (the legacy default stream) and/or "
+                         "compute (ExpertEngine.on_compute: no events between streams a step); comma list")
     ap.add_argument("--rates-from", default=None,
                     help="an earlier bench_executor.json whose rates (bound, breakdown) to reuse instead of "
                          "measuring them (saves the set-up's kernel compiles and timing loops)")
