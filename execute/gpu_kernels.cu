@@ -228,23 +228,6 @@ struct Experts1 {
     int pick[MAXK];
 };
 
-// ys[i] (lane 0) = (down_e hj + bd_e)[r0 + i] for i < rows_per_block, r0 + i < hidden: one warp's
-// rows of a pair's down projection (e: the pair's expert, hj: its (ffn,) gate/up output), as every
-// one-token down kernel of v1 computes them (moe1_down_combine, moe1r_down_combine, handoff.cu's).
-__device__ __forceinline__ void down1_rows(const unsigned char* e, const float* hj, int r0, int rows_per_block,
-                                           int ffn, int hidden, long long off_d, int qt_d, long long rb_d, int bias,
-                                           float* ys) {
-    int lane = threadIdx.x & 31, tok[TB] = {0, 0, 0, 0};
-    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
-    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
-        int r = r0 + i;
-        float a[TB] = {0.f, 0.f, 0.f, 0.f};
-        row_dot(qt_d, e + off_d + r * rb_d, ffn, hj, 0, tok, 1, a);
-        float s = warp_sum(a[0]);
-        if (lane == 0) ys[i] = bias ? s + bd[r] : s;
-    }
-}
-
 // h[j, r] = act(gate_j x + bg_j, up_j x + bu_j) for the rows of this block's warps; e: pair j's expert.
 __device__ __forceinline__ void gate_up1_rows(const unsigned char* e, int j, const float* __restrict__ x,
                                               float* __restrict__ h, int ffn, int hidden, int rows_per_warp,
@@ -331,9 +314,16 @@ extern "C" __global__ void moe1_down_combine(const Experts1 ex, const float* __r
                                              int k, int ffn, int hidden, int rows_per_block, long long off_d,
                                              int qt_d, long long rb_d, int bias) {
     __shared__ float ys[MAXK][32];
-    int j = threadIdx.x >> 5, r0 = blockIdx.x * rows_per_block;
-    down1_rows(reinterpret_cast<const unsigned char*>(ex.base[j]), h + (long long)j * ffn, r0, rows_per_block, ffn,
-               hidden, off_d, qt_d, rb_d, bias, ys[j]);
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(ex.base[j]);
+    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
+        int r = r0 + i;
+        float a[TB] = {0.f, 0.f, 0.f, 0.f};
+        row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
+        float s = warp_sum(a[0]);
+        if (lane == 0) ys[j][i] = bias ? s + bd[r] : s;
+    }
     __syncthreads();
     int i = threadIdx.x;
     if (i < rows_per_block && r0 + i < hidden) {
@@ -394,9 +384,16 @@ extern "C" __global__ void moe1r_down_combine(const float* __restrict__ route, c
                                               long long off_d, int qt_d, long long rb_d, int bias) {
     __shared__ float ys[MAXK][32];
     if (*(volatile const int*)halt <= layer) return;
-    int j = threadIdx.x >> 5, r0 = blockIdx.x * rows_per_block;
-    down1_rows(reinterpret_cast<const unsigned char*>(route_base(route, table, j)), h + (long long)j * ffn, r0,
-               rows_per_block, ffn, hidden, off_d, qt_d, rb_d, bias, ys[j]);
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(route_base(route, table, j));
+    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
+        int r = r0 + i;
+        float a[TB] = {0.f, 0.f, 0.f, 0.f};
+        row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
+        float s = warp_sum(a[0]);
+        if (lane == 0) ys[j][i] = bias ? s + bd[r] : s;
+    }
     __syncthreads();
     int i = threadIdx.x;
     if (i < rows_per_block && r0 + i < hidden) {

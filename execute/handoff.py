@@ -61,9 +61,8 @@ _RPB = 2  # output rows per block in handoff1_down_combine (as moe1_down_combine
 
 
 def _kernel(name: str):
-    """A kernel of gpu_kernels.cu + expert_kernels_v4.cu + handoff.cu (one module, compiled once per
-    process; the CPU graph's v4 launches use the v4 helpers)."""
-    return cuda_module("gpu_kernels.cu", "expert_kernels_v4.cu", "handoff.cu").get_function(name)
+    """A kernel of gpu_kernels.cu + handoff.cu (one module, compiled once per process)."""
+    return cuda_module("gpu_kernels.cu", "handoff.cu").get_function(name)
 
 
 class _Mapped:

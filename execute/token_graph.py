@@ -149,7 +149,6 @@ class TokenGraph:
         cpu = self.cpu
         if cpu is not None:
             out += cpu.prologue()
-        labels = ["record", "halt"] + ["seq"] * (len(out) - 2)  # each launch's name (time_launches)
         x = gd.emb
         table = int(eng.table_dev.data.ptr)
         width = eng.table_dev.shape[1]
@@ -162,17 +161,13 @@ class TokenGraph:
                 float(info.expert_weights_scale or 1.0), self.swa[l])
             self._blocks.append(b)
             route = back + 4 * l * 2 * k
-            dense = b.launches(rec_d + 32 * l, route)
-            out.extend(dense)
-            labels += list(_DENSE) if len(dense) == len(_DENSE) else [f"dense{i}" for i in range(len(dense))]
+            out.extend(b.launches(rec_d + 32 * l, route))
             if cpu is not None:
-                ex = cpu.block(l, route, table + 8 * width * l, int(self.hn[l].data.ptr), int(self.h.data.ptr),
-                               int(self.out[l].data.ptr))
+                out.extend(cpu.block(l, route, table + 8 * width * l, int(self.hn[l].data.ptr), int(self.h.data.ptr),
+                                     int(self.out[l].data.ptr)))
             else:
-                ex = gx.routed_layer(l, route, table + 8 * width * l, halt, int(self.hn[l].data.ptr),
-                                     int(self.h.data.ptr), int(self.out[l].data.ptr), k)
-            out.extend(ex)
-            labels += list(_EXPERTS.get((cpu is not None, len(ex)), [f"experts{i}" for i in range(len(ex))]))
+                out.extend(gx.routed_layer(l, route, table + 8 * width * l, halt, int(self.hn[l].data.ptr),
+                                           int(self.h.data.ptr), int(self.out[l].data.ptr), k))
             x = self.cur[l]
         head = gd.decode_head(x, model.output, model.output_norm, eps, rs, float(info.logit_scale))
         head.vals[6], head.vals[15] = int(self.out[L - 1].data.ptr), int(self.logits.data.ptr)
@@ -180,7 +175,6 @@ class TokenGraph:
         out += [head, lambda s: _rt.memcpyAsync(back_h, back, nback, _rt.memcpyDeviceToHost, s)]
         if cpu is not None:
             out += cpu.epilogue()
-        self._labels = labels + ["head", "read back"] + ["picks"] * (len(out) - len(labels) - 2)
         return out
 
     def _build(self) -> bool:
@@ -234,7 +228,22 @@ class TokenGraph:
             if not self._build():
                 return False
         gx = self.gx
-        s = self._stage_token(pos)
+        rec = self.rec
+        n = pos + 1
+        lo = np.where(self._has_win, np.maximum(n - self._win, 0), 0)  # each block's first key
+        rec[:, 0] = pos
+        rec[:, 1] = lo
+        rec[:, 2] = n - lo
+        s = cp.cuda.get_current_stream().ptr
+        _rt.eventRecord(self.after_experts.ptr, gx.compute.ptr)  # expert work queued before this token
+        _rt.streamWaitEvent(s, self.after_experts.ptr)
+        res = self.engine.slot_of
+        if res.dirty:  # the graph reads a staged copy: the host table may change while it runs
+            np.copyto(self._stage, res.table)
+            copy_to_device(self.engine.table_dev, self._stage, s)
+            res.dirty = False
+        if self.cpu is not None:
+            self.cpu.before_launch()
         _rt.eventRecord(self._t0.ptr, s)
         _rt.graphLaunch(self._exec, s)
         _rt.eventRecord(self._t1.ptr, s)
@@ -247,8 +256,9 @@ class TokenGraph:
         return True
 
     def _stage_token(self, pos: int) -> int:
-        """The decode records of the token at ``pos``, the slot table staged (and the CPU graph's call
-        base written) on the current stream after the expert work queued before: -> the stream."""
+        """``launch``'s staging for ``time_launches``: the decode records of the token at ``pos``, the
+        slot table staged (and the CPU graph's call base written) on the current stream after the
+        expert work queued before: -> the stream."""
         rec, n = self.rec, pos + 1
         lo = np.where(self._has_win, np.maximum(n - self._win, 0), 0)  # each block's first key
         rec[:, 0] = pos
@@ -271,6 +281,13 @@ class TokenGraph:
         event after each, waited for: -> (name, milliseconds) per launch in order (per-kernel
         timing: each launch ends before the next starts, so programmatic overlap is lost)."""
         launches = self._launches()
+        cpu = self.cpu
+        ex = 4 if cpu is not None and not cpu.v4 else 2
+        names = (["record", "halt"] + ["seq"] * (cpu is not None)
+                 + [*_DENSE, *_EXPERTS[(cpu is not None, ex)]] * self.L + ["head", "read back"]
+                 + ["picks"] * (cpu is not None))
+        if len(names) != len(launches):  # another block shape: numbered
+            names = [f"launch{i}" for i in range(len(launches))]
         events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
         s = self._stage_token(pos)
         _rt.eventRecord(events[0].ptr, s)
@@ -283,7 +300,7 @@ class TokenGraph:
         events[-1].synchronize()
         if self.cpu is not None:
             self.cpu.finish()
-        return [(n, cp.cuda.get_elapsed_time(a, b)) for n, a, b in zip(self._labels, events, events[1:])]
+        return [(n, cp.cuda.get_elapsed_time(a, b)) for n, a, b in zip(names, events, events[1:])]
 
     def result(self) -> tuple[int, np.ndarray, np.ndarray]:
         """Wait for the launched graph: -> the number of blocks it completed (``halt``), ids ``(L, k)``
