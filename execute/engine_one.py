@@ -99,18 +99,20 @@ def early_bases(early: Early, d: Decision, up: dict | None, ptr: int, stride: in
     got, rest = early.got, early.rest
     if d.hits != got or (up is None) != (not rest):
         return None
-    for v in d.evictions:
-        if v[1] in got and v[0] == d.layer:
-            return None
+    if d.evictions:
+        layer = d.layer
+        for v in d.evictions:
+            if v[1] in got and v[0] == layer:
+                return None
     if up is None:
         return early.bases, ()
     if len(up) != len(rest):
         return None
-    bases, ids = list(early.bases), early.ids
-    for j in rest:
-        s = up.get(ids[j])
-        if s is None or not 0 <= s < n_slots:
-            return None
+    slots = list(map(up.get, map(early.ids.__getitem__, rest)))  # (no bytecode per pair)
+    if None in slots or min(slots) < 0 or max(slots) >= n_slots:
+        return None
+    bases = list(early.bases)
+    for j, s in zip(rest, slots):
         bases[j] = ptr + s * stride
     return bases, rest
 
