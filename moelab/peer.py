@@ -30,6 +30,7 @@ def bench_config(args, blocks: list[int], n_budget: int, prompt_tokens: int) -> 
             "threads": args.threads, "policies": list(args.policies), "graph_cpu": list(args.graph_cpu),
             "hardware": str(args.hardware),
             "warmup": args.warmup,
+            "moelab_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELAB_")},
             "llama_bench": str(args.llama_bench), "timeout_s": args.timeout_s,
             "llama_source": llama_source(Path(args.llama_bench)), "moelab_commit": moelab_commit()}
 

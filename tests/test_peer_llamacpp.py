@@ -220,7 +220,8 @@ def test_bench_runs_interleaved_rounds_and_compares_each_policy_with_its_peer(ti
     assert "moelab / llama.cpp" in capsys.readouterr().out
 
 
-def test_graph_cpu_adds_policy_rows_run_with_the_flag_beside_the_default_rows(tiny_gguf, fakes, tmp_path):
+def test_graph_cpu_adds_policy_rows_run_with_the_flag_beside_the_default_rows(tiny_gguf, fakes, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOELAB_GRAPH_CPU_STREAM", "1")  # a switch of the runs: recorded with them
     out = tmp_path / "result"
     assert _bench(tiny_gguf, fakes, out, "--rounds", "1", "--policies", "lru,hybrid",
                   "--graph-cpu", "hybrid,lru") == 0
@@ -229,7 +230,7 @@ def test_graph_cpu_adds_policy_rows_run_with_the_flag_beside_the_default_rows(ti
     warmup = ["moelab hybrid", "moelab hybrid+cpugraph"]  # the CPU graph's kernels warmed up too
     assert fakes["calls"].read_text().splitlines() == llama + warmup + moelab
     res = json.loads((out / "result.json").read_text())
-    assert res["config"]["graph_cpu"] == ["hybrid", "lru"]
+    assert res["config"]["graph_cpu"] == ["hybrid", "lru"] and res["config"]["moelab_env"]["MOELAB_GRAPH_CPU_STREAM"] == "1"
     for r in res["rows"]:
         assert ("--graph-cpu" in r["command"]) == r["cell"].endswith("+cpugraph"), r["cell"]
         assert "--record-trace" not in r["command"]
@@ -242,6 +243,7 @@ def test_graph_cpu_adds_policy_rows_run_with_the_flag_beside_the_default_rows(ti
     assert comp["moelab lru+cpugraph"]["expert_bytes_vram"] == 2**20
     readme = (out / "README.md").read_text()
     assert "| hybrid+cpugraph | 1 |" in readme and "| best at budget+cpugraph (hybrid / hybrid) |" in readme
+    assert "with `MOELAB_GRAPH_CPU_STREAM=1`" in readme
 
 
 def test_a_failed_configuration_is_recorded_the_others_run_and_the_exit_is_nonzero(tiny_gguf, fakes, tmp_path,
