@@ -171,6 +171,42 @@ def test_the_row_kernels_compile_each_paths_instructions():
         assert_path_instructions(fresh.inspect_asm(sig))
 
 
+_ZMM_SCRIPT = """
+import re, sys
+from numba import njit, types as T
+from execute import quant as Q
+from execute.cpu_experts import _row_kernel_of
+for name in sys.argv[1:]:
+    f = njit(fastmath=True)(_row_kernel_of(Q.QTYPE_BY_NAME[name]))
+    f.compile((T.int64,) * 9)
+    asm = f.inspect_asm((T.int64,) * 9)
+    for block in re.split(r"\\n\\.?[A-Za-z_$.][\\w$.]*:", asm):
+        plain = re.search(r"vpmaddwd\\s.*zmm", block) and re.search(r"vpmovsxbd\\s.*zmm", block)
+        if "zmm" in block and not plain:
+            print(name, [l.strip() for l in block.splitlines() if "zmm" in l][:3])
+"""
+
+
+@pytest.mark.slow
+def test_no_row_loop_uses_512_bit_registers(tmp_path):
+    """Every quantized type's row kernel as compiled for an AVX-512 Intel core (sapphirerapids):
+    no zmm register outside the plain path (whose widening multiplies the vnni and avx2 paths never
+    run), since one zmm instruction in a loop turns off one of the core's three vector ports."""
+    if not cpu_simd._features.get("avx512bw"):
+        pytest.skip("this host's LLVM features have no AVX-512: nothing would use zmm")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, NUMBA_CPU_NAME="sapphirerapids", NUMBA_CACHE_DIR=str(tmp_path))
+    names = [Q.LAYOUTS[t].name for t in sorted(set(CPU) - {Q.F32, Q.F16, Q.BF16})]
+    out = subprocess.run([sys.executable, "-c", _ZMM_SCRIPT, *names], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "", out.stdout
+
+
 def test_a_changed_kernel_source_drops_the_cached_kernels(tmp_path, monkeypatch):
     """Numba keys a cached kernel on its own file: the indexes of every kernel module go when the
     digest of their sources changes (a pool loop cached in cpu_pool.py must not keep old kernels)."""
