@@ -148,9 +148,7 @@ def _execute(todo: list[SimConfig], jobs: int, dask_address: str | None):
 
 
 def _execute_pool(todo: list[SimConfig], jobs: int):
-    import multiprocessing as mp
-
-    pool = mp.get_context("spawn").Pool(jobs, initializer=_ignore_sigint)
+    pool = _start_pool(jobs)
     try:
         yield from pool.imap_unordered(run_row, todo)
         pool.close()  # workers leave on their own: nothing of theirs is left for the resource tracker
@@ -161,8 +159,24 @@ def _execute_pool(todo: list[SimConfig], jobs: int):
         pool.join()
 
 
+def _start_pool(jobs: int):
+    """A pool of ``jobs`` spawned workers that ignore SIGINT from their first instruction: they are
+    started while the parent ignores it (a spawned interpreter keeps an ignored SIGINT ignored; the
+    signal mask is not inherited), so a Ctrl-C that reaches a worker still importing does not print
+    its traceback. A Ctrl-C in the parent's start of the pool (well under a second) goes unseen."""
+    import multiprocessing as mp
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return mp.get_context("spawn").Pool(jobs, initializer=_ignore_sigint)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the parent, which stops the pool and keeps the finished rows."""
+    """Workers leave Ctrl-C to the parent, which stops the pool and keeps the finished rows (a pool
+    started outside ``_start_pool`` ignores it from here)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

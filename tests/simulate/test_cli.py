@@ -111,3 +111,30 @@ def test_sweep_records_a_config_that_cannot_run(tmp_path):
     s = Sweep(tmp_path / "e.csv")
     s.run(configs, progress=False)
     assert "top_k" in s.rows[0]["error"]
+
+
+def test_sweep_workers_are_started_with_sigint_ignored(monkeypatch):
+    """A worker still importing when Ctrl-C comes must not print a traceback: the pool is created
+    while the parent ignores SIGINT (a spawned interpreter keeps it ignored), and the parent's own
+    handler is back afterwards, also when the pool cannot start."""
+    import multiprocessing as mp
+    import signal
+
+    from simulate import sweep as S
+
+    seen = []
+
+    class Ctx:
+        def Pool(self, jobs, initializer=None):
+            seen.append((jobs, signal.getsignal(signal.SIGINT), initializer))
+            if len(seen) == 2:
+                raise OSError("no processes")
+            return "pool"
+
+    monkeypatch.setattr(mp, "get_context", lambda method: Ctx())
+    handler = signal.getsignal(signal.SIGINT)
+    assert S._start_pool(3) == "pool"
+    assert seen == [(3, signal.SIG_IGN, S._ignore_sigint)] and signal.getsignal(signal.SIGINT) is handler
+    with pytest.raises(OSError, match="no processes"):
+        S._start_pool(2)
+    assert signal.getsignal(signal.SIGINT) is handler
