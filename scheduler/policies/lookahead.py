@@ -128,9 +128,9 @@ class LookaheadConfig:
     "frequency"), ``values`` (``VALUES`` or "adaptive"), ``audit``, ``fill_window`` ("windows",
     "priced", "demand" or "idle"), ``fill_price`` >= 0, ``guard_memory`` 0 (no guard) or > 1
     (tokens), ``guard_margin`` in [0, 1), ``guard_probe`` >= 1, ``guard_backoff`` >= 1 (guard.py).
-    The guard's fields and ``fill_window`` default to the grid configuration
-    (``simulate.heldout.LOOKAHEAD_GRID``) that ``experiments/policies_eval.py`` chooses on its
-    development set; ``fill_price`` and ``values`` to an earlier grid's choice there; the other
+    ``fill_price`` defaults to the grid configuration (``simulate.heldout.LOOKAHEAD_GRID``) that
+    ``experiments/policies_eval.py`` chooses on its development set; the guard's fields,
+    ``fill_window`` and ``values`` to an earlier grid's choice there; the other
     defaults and the module's constants were set by hand on that set; the held-out figures are on
     test families no tuning saw.
     """
@@ -146,7 +146,7 @@ class LookaheadConfig:
     values: str = "adaptive"
     audit: bool = True
     fill_window: str = "windows"
-    fill_price: float = 0.5
+    fill_price: float = 2.0
     guard_memory: float = 32.0
     guard_margin: float = 0.01
     guard_probe: int = 32
