@@ -12,7 +12,8 @@ as ``moelab run``'s prefill chunks, then one token at a time), else decode token
 ``seeds`` synthetic traces (random weights do not route like a trained model: the measured hit
 rates are then the check on the traces). Each row's policy is built as its command built it:
 ``hybrid`` without ``--hardware`` takes the fixed PCIe share (``--miss-fraction``, else
-``MISS_FRAC_256`` / 256), not the cost model's. The run reads its experts through the file's
+``MISS_FRAC_256`` / 256), not the cost model's; a ``POLICY+cpugraph`` row (``moelab run
+--graph-cpu``) is simulated with the CPU graph (``simulate.run``'s ``graph_cpu``). The run reads its experts through the file's
 memory map: where the hardware file measured it, the pool's calls take ``cpu_mapped_factor``
 times their time on the calibration's anonymous buffers (``mapped_pool``).
 """
@@ -31,7 +32,7 @@ from scheduler.models import ModelSpec, load_model
 from .run import SimConfig, SimError, load_tokens, run
 from .speculative import merge_rows
 
-__all__ = ["load_result", "peer_model", "predict_peer", "format_peer", "mapped_pool"]
+__all__ = ["load_result", "peer_model", "predict_peer", "format_peer", "mapped_pool", "policy_of"]
 
 
 def load_result(path: Path) -> dict:
@@ -71,8 +72,9 @@ def _measured(rows: list[dict]) -> dict[str, dict]:
         cell = r.get("cell", "")
         if not cell.startswith("moelab "):
             continue
-        e = out.setdefault(cell, {"policy": cell.split(" ", 1)[1], "decode": [], "cache_mib": None, "hit_rate": [],
-                                  "miss_fraction": None})
+        policy, graph_cpu = policy_of(cell)
+        e = out.setdefault(cell, {"policy": policy, "graph_cpu": graph_cpu, "decode": [], "cache_mib": None,
+                                  "hit_rate": [], "miss_fraction": None})
         if e["policy"] == "hybrid" and e["miss_fraction"] is None:
             e["miss_fraction"] = miss_fraction_of(r.get("command") or [])
         if r.get("decode_tokens_per_s"):
@@ -81,6 +83,16 @@ def _measured(rows: list[dict]) -> dict[str, dict]:
             e["cache_mib"] = r.get("cache_mib", e["cache_mib"])
             e["decode_tokens"] = int(r.get("decode_tokens", 63))
     return out
+
+
+def policy_of(cell: str) -> tuple[str, bool]:
+    """A moelab cell's policy, and whether its run took ``--graph-cpu`` (cells ``moelab POLICY`` and
+    ``moelab POLICY+cpugraph``); ValueError naming the cell for another suffix."""
+    name = cell.split(" ", 1)[1] if " " in cell else ""
+    policy, plus, mode = name.partition("+")
+    if not policy or (plus and mode != "cpugraph"):
+        raise ValueError(f"result.json rows: cell {cell!r}, expected 'moelab POLICY' or 'moelab POLICY+cpugraph'")
+    return policy, bool(plus)
 
 
 def miss_fraction_of(command: list[str]) -> float | None:
@@ -150,7 +162,7 @@ def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None 
                            else 0.0, trace="synth" if trace is None else str(trace), synth_tokens=n, seed=seed,
                            phase="decode" if trace is None else "all", miss_fraction=e["miss_fraction"])
             try:
-                s = run(sc, hardware=hw, model=model, tokens=recorded)[0].summary()
+                s = run(sc, hardware=hw, model=model, tokens=recorded, graph_cpu=e["graph_cpu"])[0].summary()
             except SimError as err:
                 raise ValueError(f"{cell}: {err}") from None
             tps.append(s["tokens_per_s"])

@@ -16,6 +16,7 @@ import numpy as np
 from scheduler import POLICIES, Audit, Capacity, drive, make_policy, pad_slot_bytes
 
 from scheduler.costs import DEFAULT_HARDWARE, DEFAULT_MODEL, Costs, ExecConfig
+from scheduler.graph import CpuMisses
 from .engine import SimResult, Simulator
 from scheduler.hardware import Hardware, load_hardware
 from scheduler.models import ModelSpec, load_model
@@ -207,9 +208,13 @@ def build_capacity(cfg: SimConfig, model: ModelSpec, hw: Hardware) -> Capacity:
 
 
 def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
-        model: ModelSpec | None = None, tokens=None, options: dict | None = None) -> tuple[SimResult, dict]:
+        model: ModelSpec | None = None, tokens=None, options: dict | None = None,
+        graph_cpu: bool = False) -> tuple[SimResult, dict]:
     """Simulate ``cfg``; returns the result and a dict of derived facts (slots, MiB, bytes).
-    ``options``: the policy family's config fields (``make_policy``), beside the config's."""
+    ``options``: the policy family's config fields (``make_policy``), beside the config's.
+    ``graph_cpu``: as ``moelab run --graph-cpu``: the policy wrapped in ``scheduler.graph.CpuMisses``
+    (a one-token step's misses on the CPU inside the token graph, its uploads deferred as fills),
+    charged by the simulator's ``graph_cpu`` chain at the token graph's block time."""
     model = model or _model(cfg)
     hw = hardware or load_hardware(cfg.hardware)
     if tokens is None:
@@ -224,11 +229,16 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
                              miss_fraction=cfg.miss_fraction, **options)
     except ValueError as e:
         raise SimError(f"policy {cfg.policy}: {e}") from None
+    if graph_cpu and cfg.policy == "cpu":
+        raise SimError("graph_cpu: policy cpu has no GPU cache; the CPU graph runs a cache's misses on the CPU")
     audit = Audit(geometry, keep_records=False)
     slots = capacity.min_slots_per_layer(geometry) if cfg.policy != "gpu" else geometry.max_experts
     # the executor's: some expert can be resident, and no shared expert (execute.backends.token_graph)
     graph = cfg.token_graph and capacity.slot_bytes(geometry) > 0 and not model.shared_ffn
-    result = Simulator(costs, record=record, token_graph=graph).run(drive(policy, tokens, cfg.lag_tokens), audit)
+    if graph_cpu:
+        policy, graph = CpuMisses(policy), True
+    result = Simulator(costs, record=record, token_graph=graph, graph_cpu=graph_cpu).run(
+        drive(policy, tokens, cfg.lag_tokens), audit)
     info = {"slots_per_layer": slots, "cache_mib": capacity.slot_bytes(geometry) / 2**20,
             "expert_bytes": model.expert_bytes(model.num_layers - 1), "num_experts": model.num_experts,
             "model_expert_mib": model.total_expert_bytes() / 2**20}
