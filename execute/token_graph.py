@@ -228,22 +228,7 @@ class TokenGraph:
             if not self._build():
                 return False
         gx = self.gx
-        rec = self.rec
-        n = pos + 1
-        lo = np.where(self._has_win, np.maximum(n - self._win, 0), 0)  # each block's first key
-        rec[:, 0] = pos
-        rec[:, 1] = lo
-        rec[:, 2] = n - lo
-        s = cp.cuda.get_current_stream().ptr
-        _rt.eventRecord(self.after_experts.ptr, gx.compute.ptr)  # expert work queued before this token
-        _rt.streamWaitEvent(s, self.after_experts.ptr)
-        res = self.engine.slot_of
-        if res.dirty:  # the graph reads a staged copy: the host table may change while it runs
-            np.copyto(self._stage, res.table)
-            copy_to_device(self.engine.table_dev, self._stage, s)
-            res.dirty = False
-        if self.cpu is not None:
-            self.cpu.before_launch()
+        s = self._stage_token(pos)
         _rt.eventRecord(self._t0.ptr, s)
         _rt.graphLaunch(self._exec, s)
         _rt.eventRecord(self._t1.ptr, s)
@@ -256,7 +241,7 @@ class TokenGraph:
         return True
 
     def _stage_token(self, pos: int) -> int:
-        """``launch``'s staging for ``time_launches``: the decode records of the token at ``pos``, the
+        """``launch``'s staging (also ``time_launches``'s): the decode records of the token at ``pos``, the
         slot table staged (and the CPU graph's call base written) on the current stream after the
         expert work queued before: -> the stream."""
         rec, n = self.rec, pos + 1

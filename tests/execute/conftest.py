@@ -179,6 +179,33 @@ def graph_models(tmp_path_factory):
     return get
 
 
+def decode_bits(w, tokens, policy: str, monkeypatch, **switches):
+    """Decode ``tokens`` of ``w`` with ``policy`` on 3 slots per layer through the GPU engine, the
+    ``MOELAB_*`` environment switches given (``TOKEN_GRAPH="1"`` ...): -> (logits, route log,
+    decision digest, late pairs, whether the token graph was built). The engine's ``synchronize``
+    raises a late pair's time-out or a hand-off's failure."""
+    from execute import model as M
+    from scheduler import Capacity, make_policy
+    from scheduler.audit import Audit
+
+    for name, value in switches.items():
+        monkeypatch.setenv(f"MOELAB_{name}", value)
+    g = w.info.geometry()
+    cap = Capacity.per_layer(g, 3)
+    model = M.MoeModel(w, use_gpu=True, max_tokens=8)
+    model.route_log = []
+    backend = M.EngineExperts(w, cap, threads=2, use_gpu=True)
+    audit = Audit(g, keep_log=True)
+    inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
+    try:
+        res = M.run(model, backend, make_policy(policy, g, cap), inputs, 1, audit=audit, keep_logits=True)
+        backend.engine.synchronize()
+        late_pairs = backend.engine.stats.late_pairs
+    finally:
+        backend.close()
+    return np.stack(res.logits), model.route_log, audit.digest(), late_pairs, model.token_graph is not None
+
+
 def run_json(capsys, *argv) -> tuple[str, dict]:
     """``moelab run ... --json`` on one thread: (the streamed text, the figures)."""
     import json

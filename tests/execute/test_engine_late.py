@@ -10,12 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from execute import model as M
-from scheduler import Capacity, make_policy
 from scheduler import graph as scheduler_graph
-from scheduler.audit import Audit
 
-from .conftest import cupy_or_skip
+from .conftest import cupy_or_skip, decode_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -27,23 +24,10 @@ def weights(graph_models):
 
 def _run(w, tokens, graph: bool, late: bool, monkeypatch):
     """(logits, route log, decision digest, late pairs) of ``lru`` on 3 slots per layer."""
-    monkeypatch.setenv("MOELAB_TOKEN_GRAPH", "1" if graph else "0")
-    monkeypatch.setenv("MOELAB_LATE_START", "1" if late else "0")
-    g = w.info.geometry()
-    cap = Capacity.per_layer(g, 3)
-    model = M.MoeModel(w, use_gpu=True, max_tokens=8)
-    model.route_log = []
-    backend = M.EngineExperts(w, cap, threads=2, use_gpu=True)
-    audit = Audit(g, keep_log=True)
-    inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
-    try:
-        res = M.run(model, backend, make_policy("lru", g, cap), inputs, 1, audit=audit, keep_logits=True)
-        backend.engine.synchronize()  # raises a late pair's time-out
-        late_pairs = backend.engine.stats.late_pairs
-        assert (model.token_graph is not None) == graph
-    finally:
-        backend.close()
-    return np.stack(res.logits), model.route_log, audit.digest(), late_pairs
+    logits, routes, digest, late_pairs, built = decode_bits(w, tokens, "lru", monkeypatch, TOKEN_GRAPH=str(int(graph)),
+                                                            LATE_START=str(int(late)))
+    assert built == graph
+    return logits, routes, digest, late_pairs
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])

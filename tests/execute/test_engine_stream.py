@@ -16,9 +16,8 @@ from execute import model as M
 from execute.experts import ExecutorError
 from scheduler import Capacity, make_policy
 from scheduler import graph as scheduler_graph
-from scheduler.audit import Audit
 
-from .conftest import cupy_or_skip
+from .conftest import cupy_or_skip, decode_bits
 
 
 class Counted(M.NumpyExperts):
@@ -58,22 +57,8 @@ def test_the_switch_enters_the_backends_stream_context_once_a_run(models, monkey
 
 def _run(w, tokens, policy: str, graph: bool, late: bool, on_compute: bool, monkeypatch):
     """(logits, route log, decision digest) of ``policy`` on 3 slots per layer."""
-    monkeypatch.setenv("MOELAB_TOKEN_GRAPH", "1" if graph else "0")
-    monkeypatch.setenv("MOELAB_LATE_START", "1" if late else "0")
-    monkeypatch.setenv("MOELAB_DENSE_ON_COMPUTE", "1" if on_compute else "0")
-    g = w.info.geometry()
-    cap = Capacity.per_layer(g, 3)
-    model = M.MoeModel(w, use_gpu=True, max_tokens=8)
-    model.route_log = []
-    backend = M.EngineExperts(w, cap, threads=2, use_gpu=True)
-    audit = Audit(g, keep_log=True)
-    inputs = [M.TokenInput(i, 0, i, "decode", t) for i, t in enumerate(tokens)]
-    try:
-        res = M.run(model, backend, make_policy(policy, g, cap), inputs, 1, audit=audit, keep_logits=True)
-        backend.engine.synchronize()  # raises a late pair's time-out, a hand-off's failure
-    finally:
-        backend.close()
-    return np.stack(res.logits), model.route_log, audit.digest()
+    return decode_bits(w, tokens, policy, monkeypatch, TOKEN_GRAPH=str(int(graph)), LATE_START=str(int(late)),
+                       DENSE_ON_COMPUTE=str(int(on_compute)))[:3]
 
 
 @pytest.mark.gpu

@@ -97,6 +97,26 @@ def test_a_decision_that_breaks_the_early_start_goes_to_the_full_loop():
     assert _early_bases(all_hits, d, None, PTR, STRIDE, SLOTS) == (all_hits.bases, ())
 
 
+def _engine(G, rng, batch_fn=None):
+    """Two Q8_0 layers of 8 experts (256 x 128) with 4 slots each, a GpuExperts over the stand-in
+    cupy (``batch_fn``: its batched-copy call, which then never fails) and a one-thread engine on
+    it: -> (layers, capacity, gx, engine)."""
+    import dataclasses
+
+    from execute import quant as Q
+    from execute.engine import ExpertEngine
+    from execute.experts import random_layer
+    from scheduler.core import Capacity, Geometry
+
+    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
+    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
+    cap = Capacity.per_layer(Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers)), 4)
+    gx = G.GpuExperts(layers, cap, scratch_slots=2)
+    if batch_fn is not None:
+        gx._batch._fn, gx._batch._fail_idx = batch_fn, False
+    return layers, cap, gx, ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+
+
 def _calls(cp, batch_calls: list) -> dict:
     rt = cp.cuda.runtime
     return {"record": rt.eventRecord.call_count, "wait": rt.streamWaitEvent.call_count,
@@ -113,25 +133,13 @@ def test_driver_calls_of_a_one_token_step(fake_cupy, rng, monkeypatch, late):
     launch, no event between the streams); MOELAB_LATE_START=0: the copies' event and the compute
     stream's wait, and the uploaded pair's gate/up launch."""
     monkeypatch.setenv("MOELAB_LATE_START", "1" if late else "0")
-    import dataclasses
-
-    from execute import quant as Q
-    from execute.engine import ExpertEngine
-    from execute.experts import random_layer
-    from scheduler.core import Capacity, Geometry
     from scheduler.drive import RunLayer
 
     from .test_gpu_experts_host import _Dev
 
     cp, G = fake_cupy
-    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
-    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
-    geo = Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers))
-    cap = Capacity.per_layer(geo, 4)
-    gx = G.GpuExperts(layers, cap, scratch_slots=2)
     batches: list = []
-    gx._batch._fn, gx._batch._fail_idx = (lambda *a: batches.append(a) or 0), False
-    engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+    layers, cap, gx, engine = _engine(G, rng, lambda *a: batches.append(a) or 0)
     try:
         engine.load_residents({(1, 3): 0, (1, 5): 1})
         x, w = _Dev((1, 256)), np.array([[0.6, 0.4]], np.float32)
@@ -162,21 +170,11 @@ def test_begin_layer_starts_the_resident_experts_at_their_slot_addresses(fake_cu
     """The engine's own early record (``begin_layer``, read from the residency's table): each
     resident routed expert at its slot's address, in routed order, the others left for run_layer;
     nothing started for an id outside the table, a negative id or no resident expert."""
-    import dataclasses
-
-    from execute import quant as Q
-    from execute.engine import ExpertEngine
-    from execute.experts import random_layer
-    from scheduler.core import Capacity, Geometry
 
     from .test_gpu_experts_host import _Dev
 
     cp, G = fake_cupy
-    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
-    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
-    cap = Capacity.per_layer(Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers)), 4)
-    gx = G.GpuExperts(layers, cap, scratch_slots=2)
-    engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+    layers, cap, gx, engine = _engine(G, rng)
     try:
         engine.load_residents({(1, 3): 2, (1, 5): 0, (0, 6): 1})
         ptr, stride, _ = gx.slot_tables[1]
@@ -208,23 +206,13 @@ def test_late_pairs_are_resolved_once_by_their_uploads_or_a_release(fake_cupy, r
     background wait or a synchronize release the pending step (entries with address 0), behind
     last_read, and the step then runs its pairs as without the late start."""
     monkeypatch.setenv("MOELAB_LATE_START", "1")
-    import dataclasses
-
-    from execute import quant as Q
-    from execute.engine import ExpertEngine
-    from execute.experts import random_layer
-    from scheduler.core import Capacity, Geometry, Move
+    from scheduler.core import Move
     from scheduler.drive import RunLayer
 
     from .test_gpu_experts_host import _Dev
 
     cp, G = fake_cupy
-    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
-    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
-    cap = Capacity.per_layer(Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers)), 4)
-    gx = G.GpuExperts(layers, cap, scratch_slots=2)
-    gx._batch._fn, gx._batch._fail_idx = (lambda *a: 0), False
-    engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+    layers, cap, gx, engine = _engine(G, rng, lambda *a: 0)
     late = engine._late
     try:
         engine.load_residents({(1, 3): 0})
@@ -288,22 +276,12 @@ def test_on_compute_takes_the_events_between_streams_out_of_a_step(fake_cupy, rn
     step of hits makes its two launches and one event (``last_read``), no stream wait. On entry the
     compute stream waits for the caller's stream; on exit the caller's stream for the compute one."""
     monkeypatch.setenv("MOELAB_LATE_START", "0")
-    import dataclasses
-
-    from execute import quant as Q
-    from execute.engine import ExpertEngine
-    from execute.experts import random_layer
-    from scheduler.core import Capacity, Geometry
     from scheduler.drive import RunLayer
 
     from .test_gpu_experts_host import _Dev
 
     cp, G = fake_cupy
-    base = random_layer(rng, 0, 8, 256, 128, Q.Q8_0)
-    layers = [dataclasses.replace(base, layer=l) for l in range(2)]
-    cap = Capacity.per_layer(Geometry((8, 8), 2, tuple(l.expert_bytes for l in layers)), 4)
-    gx = G.GpuExperts(layers, cap, scratch_slots=2)
-    engine = ExpertEngine(layers, cap, threads=1, use_gpu=True, gpu=gx)
+    layers, cap, gx, engine = _engine(G, rng)
     current = [cp.cuda.get_current_stream()]
 
     class Stream:  # a stream whose ``with`` makes it the current one, as cupy's
