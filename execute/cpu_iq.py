@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from .cpu_kq import (acc_dots, acc_dots16, dots, dup_hi, dup_lo, fadd, fmul, load_f32x8, load_u32, load_u64,
                      nibbles8, u8_f32x8, zip_hi, zip_lo)
-from .cpu_simd import HAS_AVX2, F32x8, I32x8, I8x32, V8, VF, _splat, hsum, load_f16, zero_f32
+from .cpu_simd import HAS_AVX2, F32x8, I32x8, I8x32, V8, VF, _splat, choose_mode, hsum, load_f16, zero_f32
 from .iq_grids import grid
 
 __all__ = ["IQ_TABLES", "GATHER_MODES", "choose_gather", "dot_iq_xxs", "dot_iq_s", "dot_iq1"]
@@ -129,12 +129,7 @@ GATHER_MODES = ("blend", "loads", "vgather")
 def choose_gather(name: str | None = None, what: str = "MOELAB_CPU_GATHER") -> int:
     """Index in GATHER_MODES of ``name`` (default: the environment's MOELAB_CPU_GATHER, else
     "blend"); a ValueError naming ``what`` for an unknown mode."""
-    import os
-
-    name = name if name is not None else os.environ.get("MOELAB_CPU_GATHER") or GATHER_MODES[0]
-    if name not in GATHER_MODES:
-        raise ValueError(f"{what}={name!r}: expected one of {', '.join(GATHER_MODES)}")
-    return GATHER_MODES.index(name)
+    return choose_mode(GATHER_MODES, "MOELAB_CPU_GATHER", name, what)
 
 
 def _vgather(k: int, width: int, offsets: bool = False):

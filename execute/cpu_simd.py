@@ -28,7 +28,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = ["I8x32", "I32x8", "F32x8", "HAS_VNNI", "zero_i32", "zero_f32", "load_i8x32", "load_nib32",
            "nib_lo", "nib_hi", "vand", "vor", "vshl", "vshr", "xor80", "lut16", "dpbusd", "dpbusd_isa", "sign_abs", "bits32", "ISA_PATHS", "host_isas", "choose_isa",
-           "PREFETCH_MODES", "choose_prefetch", "fma_cvt",
+           "PREFETCH_MODES", "choose_mode", "choose_prefetch", "fma_cvt",
            "fma_cvt2", "comb256", "hsum", "addr", "prefetch", "load_f16", "load_f32", "load_u16", "load_i8", "load_u8", "store_f32",
            "ptr_f32", "ptr_i64", "ptr_i8", "ptr_i16", "atomic_load", "atomic_store", "atomic_add", "pause", "futex_wait",
            "futex_wake", "now_ns", "yield_cpu"]
@@ -253,15 +253,21 @@ def choose_isa(name: str | None = None, what: str = "MOELAB_CPU_ISA") -> int:
 PREFETCH_MODES = ("2k", "rows", "off")
 
 
+def choose_mode(modes: tuple, env: str, name: str | None = None, what: str | None = None) -> int:
+    """Index in ``modes`` of ``name`` (default: the environment's ``env``, else the first mode); a
+    ValueError naming ``what`` (default ``env``) for an unknown mode."""
+    import os
+
+    name = name if name is not None else os.environ.get(env) or modes[0]
+    if name not in modes:
+        raise ValueError(f"{what or env}={name!r}: expected one of {', '.join(modes)}")
+    return modes.index(name)
+
+
 def choose_prefetch(name: str | None = None, what: str = "MOELAB_CPU_PREFETCH") -> int:
     """Index in PREFETCH_MODES of ``name`` (default: the environment's MOELAB_CPU_PREFETCH, else
     "2k"); a ValueError naming ``what`` for an unknown mode."""
-    import os
-
-    name = name if name is not None else os.environ.get("MOELAB_CPU_PREFETCH") or PREFETCH_MODES[0]
-    if name not in PREFETCH_MODES:
-        raise ValueError(f"{what}={name!r}: expected one of {', '.join(PREFETCH_MODES)}")
-    return PREFETCH_MODES.index(name)
+    return choose_mode(PREFETCH_MODES, "MOELAB_CPU_PREFETCH", name, what)
 
 
 def _isa_branches(builder, isa, name: str) -> tuple[list, object]:
