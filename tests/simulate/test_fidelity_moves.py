@@ -158,11 +158,9 @@ def test_apply_moves_writes_the_keys_with_their_source():
 def test_the_probe_runs_every_workload_on_the_device():
     """measure_moves on small experts: every workload's tokens timed, the moved experts moved as
     scripted (uploads and streams counted by the engine), and a summary with the stream fields."""
-    cp = pytest.importorskip("cupy")
-    try:
-        cp.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 -- no device
-        pytest.skip("no CUDA device")
+    from ..execute.conftest import cupy_or_skip
+
+    cp = cupy_or_skip()
     from execute.calibrate_measure import build_layers
     from execute.calibrate_moves import KINDS, moves_fields, measure_moves
     from execute.gpu_experts import GpuExperts
