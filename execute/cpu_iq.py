@@ -116,10 +116,6 @@ def _blend_tree(builder, parts, k):
     return vs[0]
 
 
-gather8x4 = _gather(4, 8)  # IQ2_XXS: four 8-byte grid entries
-gather4x8 = _gather(8, 4)  # IQ3_XXS: eight 4-byte grid entries
-
-
 # How a group's grid entries are gathered (the job's J_ISA field carries the mode at bits 4-5): "blend"
 # (_gather: broadcasts from memory joined by blends, the indices split from one load by shifts),
 # "loads" (the same, each index loaded alone) or "vgather" (_vgather: one hardware gather).
@@ -164,31 +160,19 @@ def _vgather(k: int, width: int, offsets: bool = False):
     return gather
 
 
-vgather8x4, vgather4x8 = _vgather(4, 8), _vgather(8, 4)
-vgather8x4_off, vgather4x8_off = _vgather(4, 8, True), _vgather(8, 4, True)
-lgather8x4, lgather4x8 = _gather(4, 8, loads=True), _gather(8, 4, loads=True)
-lgather8x4_off, lgather4x8_off = _gather(4, 8, True, True), _gather(8, 4, True, True)
+def _by_mode(k: int, width: int, offsets: bool = False):
+    """k grid entries of ``width`` bytes (indices: bytes at w + p, or with ``offsets`` u16 byte
+    offsets) by gather mode vg (GATHER_MODES): _vgather, _gather with loads, or _gather."""
+    blend, loads, hw = _gather(k, width, offsets), _gather(k, width, offsets, True), _vgather(k, width, offsets)
+
+    @njit(inline="always")
+    def by_mode(t, w, p, vg):
+        return hw(t, w, p) if vg == 2 else loads(t, w, p) if vg == 1 else blend(t, w, p)
+    return by_mode
 
 
-@njit(inline="always")
-def _g8x4(t, w, p, vg):
-    """Four 8-byte grid entries (indices: bytes at w + p) by gather mode vg (GATHER_MODES)."""
-    return vgather8x4(t, w, p) if vg == 2 else lgather8x4(t, w, p) if vg == 1 else gather8x4(t, w, p)
-
-
-@njit(inline="always")
-def _g4x8(t, w, p, vg):
-    return vgather4x8(t, w, p) if vg == 2 else lgather4x8(t, w, p) if vg == 1 else gather4x8(t, w, p)
-
-
-@njit(inline="always")
-def _g8x4_off(t, w, p, vg):
-    return vgather8x4_off(t, w, p) if vg == 2 else lgather8x4_off(t, w, p) if vg == 1 else gather8x4_off(t, w, p)
-
-
-@njit(inline="always")
-def _g4x8_off(t, w, p, vg):
-    return vgather4x8_off(t, w, p) if vg == 2 else lgather4x8_off(t, w, p) if vg == 1 else gather4x8_off(t, w, p)
+_g8x4, _g4x8 = _by_mode(4, 8), _by_mode(8, 4)  # IQ2_XXS: four 8-byte entries; IQ3_XXS: eight 4-byte
+_g8x4_off, _g4x8_off = _by_mode(4, 8, True), _by_mode(8, 4, True)  # at u16 byte offsets staged per block
 
 
 @intrinsic
@@ -406,9 +390,6 @@ grid_index_2xs.__doc__ = """A block's grid byte offsets (u16, scratch from _IDX)
 of each entry's 7-bit index, from _SIGNS); likewise IQ2_S, IQ3_S (offsets of 4-byte entries) and
 IQ1_S/IQ1_M (from the -1/8 table, 2048 entries on for +1/8)."""
 
-
-gather8x4_off = _gather(4, 8, offsets=True)  # the grid entries at u16 byte offsets staged per block
-gather4x8_off = _gather(8, 4, offsets=True)
 
 
 @intrinsic
