@@ -118,7 +118,7 @@ class LayerExperts:
 
 
 # byte offsets of each block type's f16 scale fields, for random_layer(exact=False) (MXFP4: its exponent byte)
-_SCALE_FIELDS = {2: (0,), 8: (0,), 12: (0, 2), 14: (208,)}
+_SCALE_FIELDS = {2: (0,), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 
 
 def random_layer(rng: np.random.Generator, layer: int, num_experts: int, hidden: int, ffn: int,
@@ -132,8 +132,8 @@ def random_layer(rng: np.random.Generator, layer: int, num_experts: int, hidden:
     from . import quant as Q
 
     def tensor(rows: int, cols: int, qt: int, name: str) -> ExpertTensor:
-        q = Q.quant_type(qt, name)
-        rb = Q.row_bytes(qt, cols, name)
+        q = Q.quant_type(qt, name, Q.LAYOUTS)  # any stored layout (the GPU's generic kernels read them all)
+        rb = Q.row_bytes(qt, cols, name, Q.LAYOUTS)
         if exact or q.block_weights == 1:
             w = rng.standard_normal((num_experts * rows, cols), dtype=np.float32) / np.float32(np.sqrt(cols))
             data = Q.quantize(w, qt).reshape(num_experts, rows * rb)

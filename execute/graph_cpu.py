@@ -244,7 +244,7 @@ class GraphCpu:
             while flag[l] != want:
                 n += 1
                 if n & 1023 == 0:
-                    if done.query() and flag[l] != want:
+                    if done.done and flag[l] != want:
                         raise ExecutorError(f"block {l}: the token graph ended without handing over its route")
                     if time.perf_counter() - t0 > 2e-9 * self.timeout_ns + 1.0:
                         raise ExecutorError(f"block {l}: the token graph did not reach the block's put within "

@@ -150,3 +150,18 @@ def test_an_unwrapped_policy_is_refused(weights, monkeypatch):
     w = weights("qwen3moe")
     with pytest.raises(ExecutorError, match="CpuMisses"):
         _run(w, "lru", 3, list(range(1, 6)), True, monkeypatch, wrap=False)
+
+
+@pytest.mark.gpu
+def test_a_streamed_wait_for_a_route_the_ended_graph_never_wrote_is_an_error():
+    """seen_block polls the graph's event while it spins: an ended graph without the block's flag
+    is an ExecutorError naming the block (not a hang, not an AttributeError)."""
+    cp = cupy_or_skip()
+    from execute.graph_cpu import GraphCpu
+    g = GraphCpu.__new__(GraphCpu)
+    g._base, g.seen_flag, g.timeout_ns = 0, np.zeros(3, np.int64), 10**9
+    ev = cp.cuda.Event(disable_timing=True)
+    ev.record()
+    ev.synchronize()
+    with pytest.raises(ExecutorError, match="block 1: the token graph ended without handing over its route"):
+        g.seen_block(1, ev)
