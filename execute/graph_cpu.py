@@ -21,11 +21,9 @@ block halts it, and the host does nothing between blocks. Per block ``l`` of a t
    block-by-block hand-off of the same decision.
 
 These are four launches a block (``handoff.cu``): ``graphcpu_put``, ``graphcpu_gate_up``,
-``graphcpu_down``, ``graphcpu_combine`` (v1's rows). With ``MOELAB_GRAPH_CPU_V4=1`` and
-``MOELAB_DECODE_KERNELS=v4`` (off by default until measured on a GPU) they are two programmatic
-launches (``graph_cpu.cu``): ``graphcpu_gate_up_v4`` (the put in one block beside
-``moe1r_gate_up_v4``'s rows) and ``graphcpu_down_combine_v4`` (``moe1r_down_combine_v4``'s rows,
-then the wait and the sum, each block reading its rows of the CPU's output).
+``graphcpu_down``, ``graphcpu_combine`` (v1's rows). (Two launches a block on the v4 kernels, the
+put beside the gate/up rows and the wait and sum in the down launch, ran a 4 GiB ``hybrid`` decode
+at 43 tokens/s against these four's 90 on the H200, and were dropped.)
 
 The graph's split is its slot table at the launch; the decisions must say the same, which
 ``scheduler.graph.CpuMisses`` makes them do (every miss of such a token on the CPU, its upload
@@ -56,10 +54,8 @@ from scheduler.graph import GRAPH_CPU_AHEAD
 from . import cpu_pool as P
 from .cpu_experts import J_N
 from .experts import ExecutorError
-from .gpu_experts import _RPB_V4, Launch
-from .gpu_host import cuda_module
+from .gpu_experts import Launch
 from .handoff import _ERR, _SLOTS, _STAMPS, _Mapped, _kernel
-from .kernel_variants import decode_kernels_env
 
 __all__ = ["GraphCpu"]
 
@@ -68,20 +64,6 @@ _RPW, _RPB, _WARPS = 2, 2, 4  # as gpu_experts' one-token launches (moe1_gate_up
 _REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 _PAGE = 4096
 _AHEAD = min(GRAPH_CPU_AHEAD, P._RING - 1)  # calls submitted ahead of the block being settled
-
-
-def graph_cpu_v4_env() -> bool:
-    """``MOELAB_GRAPH_CPU_V4``: ``1`` runs a CPU graph's experts as two v4 launches a block (with
-    ``MOELAB_DECODE_KERNELS=v4``); ``0`` (the default) as the four measured ones."""
-    from .xp import env_switch
-
-    return env_switch("MOELAB_GRAPH_CPU_V4", "0")
-
-
-def _kernel2(name: str):
-    """A kernel of graph_cpu.cu (after gpu_kernels.cu, expert_kernels_v4.cu and handoff.cu: one
-    module, compiled once per process, only when a switch above asks for one of its kernels)."""
-    return cuda_module("gpu_kernels.cu", "expert_kernels_v4.cu", "handoff.cu", "graph_cpu.cu").get_function(name)
 
 
 def graph_cpu_stream_env() -> bool:
@@ -127,16 +109,10 @@ class GraphCpu:
         self.close = weakref.finalize(self, _unregister, lo, ring)  # the ring kept until then
         self._ring_dev = int(_rt.pointerGetAttributes(lo).devicePointer) + ring.ctypes.data - lo
         self.stream = graph_cpu_stream_env()
-        self.v4 = graph_cpu_v4_env() and decode_kernels_env() == "v4"  # two launches a block (else four)
-        if self.v4:
-            self._gate_up = Launch(_kernel2("graphcpu_gate_up_v4"), 35, programmatic=True)
-            self._down = Launch(_kernel2("graphcpu_down_combine_v4"), 24, programmatic=True)
-        else:
-            self._put = (Launch(_kernel2("graphcpu_put_seen"), 24) if self.stream else
-                         Launch(_kernel("graphcpu_put"), 22))
-            self._gate_up = Launch(_kernel("graphcpu_gate_up"), 16)
-            self._down = Launch(_kernel("graphcpu_down"), 12)
-            self._combine = Launch(_kernel("graphcpu_combine"), 17)
+        self._put = Launch(_kernel("graphcpu_put"), 24)
+        self._gate_up = Launch(_kernel("graphcpu_gate_up"), 16)
+        self._down = Launch(_kernel("graphcpu_down"), 12)
+        self._combine = Launch(_kernel("graphcpu_combine"), 17)
         self.timeout_ns = ho.wait_timeout_ns
         self._base = 0  # the pool's last call before the running token's
         self._submitted = 0  # the running token's calls submitted
@@ -163,7 +139,7 @@ class GraphCpu:
         return [lambda s: _rt.memcpyAsync(d, h, 8, _rt.memcpyHostToDevice, s)]
 
     def block(self, l: int, route: int, table: int, x: int, h: int, out: int) -> list:
-        """Block ``l``'s launches, four or two (``v4``) (device addresses: the router's output, the
+        """Block ``l``'s four launches (device addresses: the router's output, the
         block's slot table row, the normed input, a (k, ffn) work buffer, the (hidden,) output)."""
         gx = self.engine.gpu
         hidden, ffn, off_g, qt_g, rb_g, off_u, qt_u, rb_u, off_d, qt_d, rb_d, act, bias = gx._consts[l]
@@ -176,15 +152,10 @@ class GraphCpu:
         err, stamps = ctrl + 8 * _ERR, ctrl + 8 * _STAMPS
         a0 = (route, table, k, x, hidden, ids, xin, pick, ctrl, P._C_GEN, P._C_GATE, P._C_BROKEN, seq0, l,
               self._ring_dev, P._RING, P._RING_FIELDS, J_N, self.timeout_ns, err, stamps, _SLOTS)
-        if self.v4 or self.stream:  # the put copies the block's route and miss count for the host
-            a0 += (self._seen.dev + 4 * (2 * k + 2) * l, self._seen.dev + 4 * (2 * k + 2) * self.L + 8 * l)
+        # streamed: the put copies the block's route and miss count for the host (else null pointers)
+        a0 += ((self._seen.dev + 4 * (2 * k + 2) * l, self._seen.dev + 4 * (2 * k + 2) * self.L + 8 * l)
+               if self.stream else (0, 0))
         relay = int(self.relay.data.ptr)
-        if self.v4:
-            a1 = a0 + (h, ffn, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
-            a2 = (route, table, pick, h, out, k, ffn, hidden, _RPB_V4, off_d, qt_d, rb_d, bias, yout, ctrl, P._C_DONE,
-                  P._C_BROKEN, seq0, l, self.timeout_ns, relay, err, stamps, _SLOTS)
-            g1, g2 = (-(-ffn // (_WARPS * _RPW)), k + 1), (-(-hidden // _RPB_V4), 1)
-            return [lambda s: self._gate_up(g1, 32 * _WARPS, s, *a1), lambda s: self._down(g2, 32 * k, s, *a2)]
         a1 = (route, table, k, x, h, ffn, hidden, _RPW, off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias)
         ys = int(self.ys.data.ptr)
         a2 = (route, table, h, ys, k, ffn, hidden, _RPB, off_d, qt_d, rb_d, bias)

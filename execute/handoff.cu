@@ -166,7 +166,8 @@ extern "C" __global__ void handoff_busy(long long ns) {
 // (ctrl[gen] >= seq), writes the misses' ids (compacted, rank order) into `ids`, their count into
 // the call's job (ring slot seq % ring_slots, field j_n: the team reads it only after the gate),
 // the block's input row into their rows of `xin`, then the gate. pick[j]: pair j's row of the
-// call (-1: on the GPU), pick[k]: the count. graphcpu_combine waits for the call only when the
+// call (-1: on the GPU), pick[k]: the count. With `seen` (mapped, 2k + 1 words; null: none) the
+// put first copies the route and the count there and writes *seen_flag = seq. graphcpu_combine waits for the call only when the
 // count is nonzero (ho_wait) and sums in j order as moe1_down_combine / handoff1_down_combine.
 
 // grid 1, block 256.
@@ -175,7 +176,7 @@ extern "C" __global__ void graphcpu_put(const float* __restrict__ route, const u
                                         int* pick, long long* ctrl, int gen, int gate, int broken,
                                         const long long* seq0, int layer, long long* ring, int ring_slots,
                                         int ring_fields, int j_n, long long timeout_ns, long long* err,
-                                        long long* stamps, int stamp_slots) {
+                                        long long* stamps, int stamp_slots, float* seen, long long* seen_flag) {
     __shared__ int n_s;
     long long seq = *(volatile const long long*)seq0 + layer + 1;
     if (threadIdx.x == 0) {
@@ -191,6 +192,12 @@ extern "C" __global__ void graphcpu_put(const float* __restrict__ route, const u
             }
         }
         pick[k] = n;
+        if (seen) {  // streamed: the host settles the block from its route and miss count while the graph runs
+            for (int j = 0; j < 2 * k; j++) seen[j] = route[j];
+            seen[2 * k] = __int_as_float(n);
+            __threadfence_system();
+            ho_release(seen_flag, seq);
+        }
         long long t0 = ho_now();
         while (ho_acquire(ctrl + gen) < seq) {  // the host has filled and published the call
             if (*(volatile const long long*)(ctrl + broken)) break;

@@ -60,8 +60,7 @@ __all__ = ["TokenGraph", "token_graph_env"]
 _rt = cp.cuda.runtime
 _HALT_NONE = 0x7F7F7F7F  # halt's value before a token (memset of 0x7f bytes): no block missed
 _DENSE = ("qkv", "qk_rope", "attention", "attn_merge", "wo", "router")  # gpu_dense's launches of a block
-_EXPERTS = {(False, 2): ("gate_up", "down_combine"), (True, 2): ("put+gate_up", "down+wait+combine"),
-            (True, 4): ("put", "gate_up", "down", "wait+combine")}  # (CPU graph, launches): names
+_EXPERTS = {False: ("gate_up", "down_combine"), True: ("put", "gate_up", "down", "wait+combine")}  # by CPU graph
 
 
 def token_graph_env() -> bool:
@@ -267,9 +266,8 @@ class TokenGraph:
         timing: each launch ends before the next starts, so programmatic overlap is lost)."""
         launches = self._launches()
         cpu = self.cpu
-        ex = 4 if cpu is not None and not cpu.v4 else 2
         names = (["record", "halt"] + ["seq"] * (cpu is not None)
-                 + [*_DENSE, *_EXPERTS[(cpu is not None, ex)]] * self.L + ["head", "read back"]
+                 + [*_DENSE, *_EXPERTS[cpu is not None]] * self.L + ["head", "read back"]
                  + ["picks"] * (cpu is not None))
         if len(names) != len(launches):  # another block shape: numbered
             names = [f"launch{i}" for i in range(len(launches))]

@@ -7,8 +7,7 @@ graph with the next token launched while the host settles the last (the default)
 ``cpugraph`` run the policy wrapped in ``scheduler.graph.CpuMisses`` (every miss of a decode token on
 the CPU pool, its upload a fill after the token), block by block and as one graph whose blocks hand
 their misses to the pool (``MOELAB_GRAPH_CPU=1``, ``execute.graph_cpu``); ``cpustream`` as
-``cpugraph`` with each block's step settled while the graph runs (``MOELAB_GRAPH_CPU_STREAM=1``);
-``cpugraph2`` and ``cpustream2`` with two v4 launches a block (``MOELAB_GRAPH_CPU_V4=1``). The first
+``cpugraph`` with each block's step settled while the graph runs (``MOELAB_GRAPH_CPU_STREAM=1``). The first
 ``--warmup`` tokens are not timed. Prints and writes (``--out``/bench_token_graph.json) per run:
 tokens/s, wall time per layer step, host time in the engine per layer step (``run_layer`` or
 ``settle_layer``: plan + queue + combine), the host's time blocked on graphs per layer step (wait:
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("plain", "graph", "pipelined", "cpuplain", "cpugraph", "cpustream", "cpugraph2", "cpustream2")
+MODES = ("plain", "graph", "pipelined", "cpuplain", "cpugraph", "cpustream")
 
 
 def _graph_counts(model) -> tuple:
@@ -62,7 +61,6 @@ def run_one(weights, policy: str, cache_mib: float, tokens: list[int], warmup: i
     os.environ["MOELAB_TOKEN_GRAPH"] = "0" if mode in ("plain", "cpuplain") else "1"
     os.environ["MOELAB_GRAPH_CPU"] = "1" if mode.startswith(("cpugraph", "cpustream")) else "0"
     os.environ["MOELAB_GRAPH_CPU_STREAM"] = "1" if mode.startswith("cpustream") else "0"
-    os.environ["MOELAB_GRAPH_CPU_V4"] = "1" if mode.endswith("2") else "0"
     TokenGraph.pipeline = mode == "pipelined"
     if kernels:
         os.environ["MOELAB_DECODE_KERNELS"] = kernels
