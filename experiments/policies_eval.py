@@ -1,17 +1,20 @@
 """Every scheduler policy on routing traces, simulated with the link and the CPU charged: lookahead's and
 hybrid-cost's defaults chosen on a development set (granite, switch-base-8, ``synthetic_cases`` seed 0, ``retired_cases``
-seeds 1, 2), then measured on held-out families (``TEST_FAMILIES`` seed 3, ``SEED4_FAMILIES`` seed 4), each set apart.
+seeds 1, 2), then measured on held-out families (``TEST_FAMILIES`` seed 3, ``SEED4_FAMILIES`` seed 4) and on real
+routing from other models (``--real NAME=FORMAT:PATH``, any ``moelab trace import`` format), each set apart.
 Logic in ``simulate.evaluate``/``simulate.heldout``; writes RUN/{config.json,results.csv,README.md}, docs/POLICIES.md.
 
-    python experiments/policies_eval.py [--tokens 12 --out /tmp/p.md --run-dir /tmp/run]   # committed [small]
+    python experiments/policies_eval.py [--real NAME=vllm:FILE ...] [--tokens 12 --out /tmp/p.md --run-dir /tmp/run]
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import dataclasses
+import hashlib
 import io
 import json
+import math
 import os
 import statistics
 import sys
@@ -31,7 +34,8 @@ from simulate.heldout import (ABOUT, LITE, LOOKAHEAD_GRID, RETIRED, SEED4, SEED4
                               TEST_SEED, ceiling, count_rule, early_moves, evaluate, forecasts, foresight, grid_summary,
                               held_out_cases, retired_cases, targets_table, verdict)
 from traces import load  # noqa: E402
-from traces.importers import import_trace  # noqa: E402
+from traces.format import TraceError  # noqa: E402
+from traces.importers import IMPORTERS, import_trace  # noqa: E402
 
 SWITCH, HARDWARE = ROOT / "tests" / "traces" / "data" / "switch-base-8" / "router-trace.v2.json", ("h200-xeon16", "rtx4060-laptop")
 ROWS = ("lru", "freq-lru", "hybrid", "hybrid-cost", "predict", "lookahead", "static", "belady", "oracle", "oracle-demand",
@@ -40,6 +44,15 @@ HELD = ((TEST_SEED, TEST_FAMILIES), (SEED4, SEED4_FAMILIES))
 TUNED = {"lookahead": LOOKAHEAD_GRID, "hybrid-cost": PREFETCH_GRID}  # predict: its dataclass default
 FIXED = {k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if all(k not in g for g in LOOKAHEAD_GRID)}
 FIXED |= {k: getattr(la, k) for k in "AUDIT_DECAY AUDIT_MIN SHADOW_MEMORY ADAPT_MARGIN PRICED_MAX HIT_MEMORY".split()}
+REAL = "real"  # the key of the real held-out set beside the seeds
+FORECAST_FREE = ("lru", "freq-lru", "hybrid", "hybrid-cost")  # online policies that move no expert on a forecast
+# real routing files known by their git blob id (not bundled: their repository carries no license)
+KNOWN = {
+    "ab67860b812ffde42d090b28c2db09441d15016a": "Mixtral-8x7B-Instruct-v0.1-FP8 served by vLLM, 2 GSM8K problems",
+    "bdd16e7e589e4ef52f498439b96161ffc7197600": "Mixtral-8x7B-Instruct-v0.1-FP8 served by vLLM, 2 HumanEval problems",
+}
+KNOWN_FROM = ("github.com/Mario928/speculative-moe, routing_data_collected/{gsm8k,humaneval}_2_routing.jsonl (git blobs "
+              "ab67860b, bdd16e7e: `git cat-file -p BLOB` in a clone)")
 
 
 def dev_cases(limit: int | None) -> list[Case]:
@@ -53,8 +66,107 @@ def held_cases(limit: int | None) -> dict[int, list[Case]]:  # {seed: its cases}
     return {seed: held_out_cases(limit or 192, seed, fams) for seed, fams in HELD}
 
 
-def cases(limit: int | None) -> list[Case]:  # every set (the slow oracle-ceiling test reads them)
+def blob_id(path: Path) -> str:
+    """The file's git blob id (how ``KNOWN`` names a file)."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def real_cases(specs, limit: int | None) -> tuple[list[Case], dict]:
+    """``--real NAME=FORMAT:PATH`` each as a case (family "real") of its rows' tokens, caches of 1/4 and 1/2 of
+    its experts (at least top-k); and {name: its file, blob id, provenance}. ValueError names what is wrong."""
+    out, about = [], {}
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        fmt, colon, path = rest.partition(":")
+        if not (eq and colon and name and path) or fmt not in IMPORTERS:
+            raise ValueError(f"--real: {spec!r}, expected NAME=FORMAT:PATH with FORMAT one of {', '.join(IMPORTERS)}")
+        if name in about or any(name == n for n in ("granite", "switch-base-8")):
+            raise ValueError(f"--real: {spec!r}, the name {name!r} is already a trace of the evaluation")
+        if not Path(path).is_file():
+            raise ValueError(f"--real: {spec!r}, file {path} does not exist")
+        try:
+            t = import_trace(fmt, path)
+            model = trace_model(t)
+        except (TraceError, ValueError) as e:
+            raise ValueError(f"--real: {spec!r}: {e}") from None
+        toks = tuple(t.tokens())[:limit]
+        if len(toks) < 4:
+            raise ValueError(f"--real: {spec!r}, {len(toks)} tokens, expected >= 4")
+        E, k = model.num_experts, model.top_k
+        out.append(Case(name, "real", toks, model, (max(k, E // 4), max(k, E // 2))))
+        bid = blob_id(Path(path))
+        about[name] = {"file": str(path), "format": fmt, "blob": bid, "about": KNOWN.get(bid, "")}
+    return out, about
+
+
+def cases(limit: int | None) -> list[Case]:  # every bundled set (the slow oracle-ceiling test reads them)
     return dev_cases(limit) + [c for cs in held_cases(limit).values() for c in cs]
+
+
+def label(key) -> str:  # a held-out set's name
+    return "real" if key == REAL else f"seed {key}"
+
+
+def geo(xs) -> float | None:
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def family_table(res, named, hardware, prec) -> list[str]:
+    """One row per real trace and per synthetic set: lookahead's tokens/s over lru (geometric mean,
+    range), the runs at or above max(lru, hybrid), at or above 1.2x lru (lookahead / oracle-demand /
+    oracle), the median gap closed and the forecast precision (cross-layer / temporal, median)."""
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"
+    out = ["| set | trace family | runs | lookahead / lru: geometric mean (range) | >= max(lru, hybrid) | >= 1.2x lru: "
+           "lookahead / oracle-demand / oracle | median gap closed | forecast precision, cross / temporal |",
+           "|---" * 8 + "|"]
+    for set_label, cs in named:
+        groups = [(c.name, [c]) for c in cs if c.family == "real"] + (
+            [("synthetic, " + str(len(syn)) + " families", syn)] if (syn := [c for c in cs if c.family != "real"]) else [])
+        for fam, g in groups:
+            rows = summary(res, g, hardware)
+            v, od = verdict(rows), verdict(summary(res, g, hardware, "oracle-demand"))
+            xs = [r["x_lru"] for r in rows if r["x_lru"]]
+            med = lambda k: statistics.median(p) if (p := [prec[c.name][k] for c in g if prec[c.name][k] is not None]) else None
+            out.append(f"| {set_label} | {fam} | {v['runs']} | x{geo(xs):.2f} ({min(xs):.2f}-{max(xs):.2f}) | {v['best']} | "
+                       f"{v['x12']} / {od['x12']} / {sum((r['oracle_x_lru'] or 0) >= 1.2 for r in rows)} | {pct(v['gap'])} | "
+                       f"{pct(med('cross'))} / {pct(med('temporal'))} |")
+    return out
+
+
+def why_half(res, named, hardware) -> str:
+    """A sentence, per set: on how many runs 1.2x lru is reached by the best forecast-free online policy of
+    the run (``FORECAST_FREE``, the best one picked per run after the fact), by ``oracle-demand`` (foresight
+    without early moves), by lookahead and by oracle; and the median share of the lru -> oracle gap that
+    the best forecast-free policy closes."""
+    parts = []
+    for set_label, cs in named:
+        n = free12 = od12 = la12 = or12 = 0
+        gaps = []
+        for c in cs:
+            for h in hardware:
+                for s in c.slots:
+                    t = {p: (res.get((c.name, h, s, p)) or {}).get("tokens_per_s") for p in
+                         FORECAST_FREE + ("oracle-demand", "lookahead", "oracle")}
+                    if not t["lru"] or not t["oracle"]:
+                        continue
+                    free = max(t[p] or 0 for p in FORECAST_FREE)
+                    n += 1
+                    free12 += free >= 1.2 * t["lru"]
+                    od12 += (t["oracle-demand"] or 0) >= 1.2 * t["lru"]
+                    la12 += (t["lookahead"] or 0) >= 1.2 * t["lru"]
+                    or12 += t["oracle"] >= 1.2 * t["lru"]
+                    if t["oracle"] > t["lru"]:
+                        gaps.append((free - t["lru"]) / (t["oracle"] - t["lru"]))
+        med = f"{100 * statistics.median(gaps):.0f}%" if gaps else "n/a"
+        parts.append(f"{set_label}: {free12} / {od12} / {la12} / {or12} of {n} (half: {(n + 1) // 2}), gap closed {med}")
+    return ("Why 1.2x lru on half the runs is missed, per set: runs at or above 1.2x lru by the best forecast-free "
+            "online policy of each run (" + ", ".join(f"`{p}`" for p in FORECAST_FREE) + ", picked per run after the "
+            "fact) / by `oracle-demand` (foresight, no early moves) / by lookahead / by oracle, and the median share of "
+            "the lru -> oracle gap that best forecast-free policy closes: " + "; ".join(parts) + ". Where the "
+            "forecast-free count is below half, the rest has to come from moves made on a forecast, and their "
+            "precision (above: forecast precision) bounds them.")
 
 
 def run_table(rows, res, extra=None) -> list[str]:
@@ -98,7 +210,7 @@ def full_tables(res, cs, hardware, prec) -> list[str]:
     return out
 
 
-def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw, prec) -> tuple[str, str]:
+def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw, prec, about=None) -> tuple[str, str]:
     """(docs/POLICIES.md: method, the targets per set, limits, command; RUN/README.md: the rest)."""
     cfg = TUNED["lookahead"][chosen["lookahead"][0]]
     same = all(getattr(LookaheadConfig(), k) == v for k, v in cfg.items())
@@ -127,6 +239,12 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw, pre
             f"- *Held out, seed {SEED4}*: {sets(tests[SEED4])}. Fixed before any run of it, run only after a "
             "default was chosen (the cheap forms' figures on it were seen before they joined the grid, and one "
             "variant's that the development set rejected; the rule that chooses did not change).",
+            ] + (["- *Held out, real*: " + "; ".join(
+                f"{c.name} ({c.model.num_layers}x{c.model.num_experts} top-{c.model.top_k}, {len(c.tokens)} tokens; "
+                f"{(about or {}).get(c.name, {}).get('about') or (about or {}).get(c.name, {}).get('file', '')})"
+                for c in tests[REAL]) + ". Routing of another model than the development set's, run once with the "
+                "default already fixed: nothing was chosen or changed on it. Not bundled (its source carries no "
+                "license): where to get each file, the run's README."] if REAL in tests else []) + [
             "- *Guard*: lookahead prices a shadow `hybrid` with its own timing model; while the shadow is predicted "
             "faster it follows hybrid (no prefetch or fills of its own), evicting first what hybrid's cache lacks, "
             "and once both caches hold the same experts it makes exactly hybrid's decisions and moves; called back "
@@ -135,7 +253,7 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw, pre
     fol = lambda r: f"{100 * (tuned.get((r['case'], r['hardware'], r['slots'], 'lookahead')) or {}).get('followed', 0):.0f}%"
     below = lambda rows: "; ".join(f"{r['case']} {r['hardware']} {r['slots']} ({r['x_best']:.3f}, followed {fol(r)})" for r in sorted(
         (r for r in rows if r["x_best"] is not None and r["x_best"] < 1.0), key=lambda r: r["x_best"])) or "none"
-    labels = [("development (tuning)", dev_rows)] + [(f"held out, seed {s}", rows[s]) for s in tests]
+    labels = [("development (tuning)", dev_rows)] + [(f"held out, {label(s)}", rows[s]) for s in tests]
     out12 = [(l, sum((r["oracle_x_lru"] or 0) < 1.2 for r in rs), len(rs)) for l, rs in labels]  # the ceiling < 1.2x lru
     hc = [(l, summary(tuned, cs, hardware, "hybrid-cost")) for (l, _), cs in zip(labels, [dev, *tests.values()])]
     named = [(l, cs) for (l, _), cs in zip(labels, [dev, *tests.values()])]
@@ -151,9 +269,17 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw, pre
         f"{l}: {below(r)}" for l, r in labels) + ".", "", f"`hybrid-cost` with its prefetch setting chosen on the "
         f"development set (`{TUNED['hybrid-cost'][chosen['hybrid-cost'][0]]}`; scheduler/policies/prefetch.py), the "
         "same targets (simulated; off by default, `HybridCostConfig`: the executor on the H200 ran slower with it, "
-        "docs/PERF.md):", ""] + targets_table(hc, hardware) + ["", ceil, "", plan, "", "## Known limits", "",
-        "- Every held-out family is synthetic, from the generator (`traces.synth`) of the development set's; the "
-        "two real traces are development data. Every trace is priced with granite's expert sizes.",
+        "docs/PERF.md):", ""] + targets_table(hc, hardware) + ["", ceil, "", plan, "", "## Per trace family", "",
+        "lookahead at its default; sets as in Method; *gap closed* as above; forecast precision as above, at the "
+        "smaller cache.", ""] + family_table(tuned, named, hardware, prec) + ["", why_half(tuned, named, hardware)]
+    if REAL in tests:
+        page += ["", "Held out, real, per run (tokens/s, link and CPU charged):", ""] + run_table(rows[REAL], tuned)
+    real_geo = sorted({f"{c.model.num_layers}x{c.model.num_experts} top-{c.model.top_k}" for c in tests.get(REAL, ())})
+    page += ["", "## Known limits", "",
+        "- The synthetic held-out families come from the generator (`traces.synth`) of the development set's; granite "
+        "and switch-base-8 are development data; " + (f"the real held-out routing has one geometry only ({', '.join(real_geo)}), "
+        "other real geometries (top-4 to top-8, 64 or more experts) were not available to this run" if real_geo else
+        "no real routing is held out in this run (`--real`)") + ". Every trace is priced with granite's expert sizes.",
         "- lookahead's fixed constants (" + ", ".join(f"`{k}`={v}" for k, v in FIXED.items()) + ") were set on "
         "the development set (by hand, or by an earlier grid), not cross-validated.",
         "- The guard compares predictions (its timing model) after its first `guard_memory` tokens. Runs below max(lru, "
@@ -178,14 +304,18 @@ def render(tuned, held, chosen, dev, tests, hardware, command, run_dir, raw, pre
                "lookahead's grid on the development set:", "", "| # | configuration | tokens/s over lru (geometric "
                "mean) | >= max(lru, hybrid) | planning, CPU us per layer step (median) |", "|---" * 5 + "|"]
     readme += [f"| {i} | `{g}` | {x:.4f} | {b} of {n} | {t:.0f} |" for i, (g, x, b, n, t) in enumerate(grid)] + [""]
-    readme += [x for seed in tests for x in [f"## Held out: seed {seed}", ""] + run_table(rows[seed], tuned) + [""]]
+    readme += [x for seed in tests for x in [f"## Held out: {label(seed)}", ""] + run_table(rows[seed], tuned) + [""]]
     readme += ["## Development set", "", "Chosen with each trace in; the last column: the grid's choice without "
                "the trace (lookahead / lru).", ""] + run_table(dev_rows, tuned, ("grid held out", loto_cell))
     readme += ["", "Targets per set:", ""] + targets_table(labels, hardware) + ["", ceil, "", "## Every policy", "",
                "Cell: tokens/s (x lru), hit rate / demand hit rate, experts moved over PCIe per token.", ""]
-    readme += [x for seed, cs in tests.items() for x in [f"### Held out, seed {seed}", ""]
+    readme += [x for seed, cs in tests.items() for x in [f"### Held out, {label(seed)}", ""]
                + full_tables(tuned, cs, hardware, prec)]
     readme += ["### Development set", ""] + full_tables(tuned, dev, hardware, prec) + ["Command:", "", f"    {command}", ""]
+    if about:
+        readme += ["The real held-out files (not bundled: their repository carries no license): " + "; ".join(
+            f"{n}: git blob {a['blob']}" + (f" ({a['about']})" if a["about"] else "") for n, a in about.items())
+            + (f". Source: {KNOWN_FROM}." if any(a["about"] for a in about.values()) else "."), ""]
     return "\n".join(page), "\n".join(readme)
 
 
@@ -195,6 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", default=",".join(HARDWARE), help="hardware presets, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "docs" / "POLICIES.md"))
     ap.add_argument("--run-dir", default=str(ROOT / "docs" / "perf" / "policies_eval"))
+    ap.add_argument("--real", action="append", default=[], metavar="NAME=FORMAT:PATH",
+                    help="a real routing trace held out (repeatable): its name, importer and file")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     if a.tokens is not None and a.tokens < 4:
@@ -207,27 +339,34 @@ def main(argv=None) -> int:
     for flag, d in (("--out", out.resolve().parent), ("--run-dir", run_dir.resolve().parent)):
         if not d.is_dir():
             return print(f"{flag}: directory {d} does not exist", file=sys.stderr) or 2
+    try:
+        real, about = real_cases(a.real, a.tokens)
+    except ValueError as e:
+        return print(e, file=sys.stderr) or 2
     t0, dev, tests = time.perf_counter(), dev_cases(a.tokens), held_cases(a.tokens)
+    if real:
+        tests[REAL] = real
     log = None if a.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     tuned, held, chosen = evaluate(dev, [c for cs in tests.values() for c in cs], hardware, TUNED,
                                    tuple(b for b in BASELINES + ("predict",) if b not in TUNED), log, raw := {})
     cmd = ("python experiments/policies_eval.py" + (f" --tokens {a.tokens}" if a.tokens else "")
-           + (f" --hardware {a.hardware}" if tuple(hardware) != HARDWARE else ""))
+           + (f" --hardware {a.hardware}" if tuple(hardware) != HARDWARE else "") + "".join(f" --real {r}" for r in a.real))
     prec = {c.name: forecast_precision(c.tokens, c.model, c.slots[0]) for c in dev + [c for cs in tests.values() for c in cs]}
     page, readme = render(tuned, held, chosen, dev, tests, hardware, cmd,
-                          os.path.relpath(run_dir.resolve(), out.resolve().parent), raw, prec)
+                          os.path.relpath(run_dir.resolve(), out.resolve().parent), raw, prec, about)
     run_dir.mkdir(exist_ok=True)
     fields = ("set", "case", "hardware", "slots", "policy", "tokens_per_s", "hit_rate", "demand_hit_rate",
               "moved_per_token", "late_hits", "plan_us")
     (w := csv.DictWriter(buf := io.StringIO(), fields, extrasaction="ignore", lineterminator="\n")).writeheader()
-    kind = {c.name: f"test{seed}" for seed, cs in tests.items() for c in cs} | {c.name: "dev" for c in dev}
+    kind = {c.name: REAL if seed == REAL else f"test{seed}" for seed, cs in tests.items() for c in cs} | {c.name: "dev" for c in dev}
     for (c, h, s, p), r in tuned.items():
         w.writerow({"set": kind[c], "case": c, "hardware": h, "slots": s, "policy": p, **(r or {})})
     ver = lambda cs, p="lookahead": verdict(summary(tuned, cs, hardware, p))
     config = {"command": cmd, "hardware": hardware, "tokens": a.tokens, "test_seeds": [seed for seed, _ in HELD],
               "dev_synthetic_seed": 0, "dev_synthetic_families": [list(f) for f in SYNTH_FAMILIES],
               "dev_retired": [[seed, [list(f) for f in fams]] for seed, fams in RETIRED],
-              "test_families": {seed: [list(f) for f in fams] for seed, fams in HELD}, "lookahead_fixed": FIXED,
+              "test_families": {seed: [list(f) for f in fams] for seed, fams in HELD}, "real_held_out": about,
+              "lookahead_fixed": FIXED,
               **{f"{n.replace('-', '_')}_{k}": v for n, g in TUNED.items() for k, v in (
                   ("grid", list(g)), ("default", g[chosen[n][0]]),
                   ("targets_held_out", {s: ver(cs, n) for s, cs in tests.items()}), ("targets_tuning", ver(dev, n)))}}
