@@ -44,6 +44,7 @@ HELD = ((TEST_SEED, TEST_FAMILIES), (SEED4, SEED4_FAMILIES))
 TUNED = {"lookahead": LOOKAHEAD_GRID, "hybrid-cost": PREFETCH_GRID}  # predict: its dataclass default
 FIXED = {k: v for k, v in dataclasses.asdict(LookaheadConfig()).items() if all(k not in g for g in LOOKAHEAD_GRID)}
 FIXED |= {k: getattr(la, k) for k in "AUDIT_DECAY AUDIT_MIN SHADOW_MEMORY ADAPT_MARGIN PRICED_MAX HIT_MEMORY".split()}
+RUN_DIR = ROOT / "docs" / "perf" / "policies_eval"
 REAL = "real"  # the key of the real held-out set beside the seeds
 FORECAST_FREE = ("lru", "freq-lru", "hybrid", "hybrid-cost")  # online policies that move no expert on a forecast
 # real routing files known by their git blob id (not bundled: their repository carries no license)
@@ -324,7 +325,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per trace (default: all; synthetic 192)")
     ap.add_argument("--hardware", default=",".join(HARDWARE), help="hardware presets, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "docs" / "POLICIES.md"))
-    ap.add_argument("--run-dir", default=str(ROOT / "docs" / "perf" / "policies_eval"))
+    ap.add_argument("--run-dir", default=str(RUN_DIR), help="the run's folder (a recorded run: its own folder under it)")
     ap.add_argument("--real", action="append", default=[], metavar="NAME=FORMAT:PATH",
                     help="a real routing trace held out (repeatable): its name, importer and file")
     ap.add_argument("--quiet", action="store_true")
@@ -350,7 +351,9 @@ def main(argv=None) -> int:
     tuned, held, chosen = evaluate(dev, [c for cs in tests.values() for c in cs], hardware, TUNED,
                                    tuple(b for b in BASELINES + ("predict",) if b not in TUNED), log, raw := {})
     cmd = ("python experiments/policies_eval.py" + (f" --tokens {a.tokens}" if a.tokens else "")
-           + (f" --hardware {a.hardware}" if tuple(hardware) != HARDWARE else "") + "".join(f" --real {r}" for r in a.real))
+           + (f" --hardware {a.hardware}" if tuple(hardware) != HARDWARE else "") + "".join(f" --real {r}" for r in a.real)
+           + (f" --run-dir {os.path.relpath(run_dir.resolve(), ROOT)}" if run_dir.resolve() != RUN_DIR.resolve()
+              and run_dir.resolve().is_relative_to(ROOT) else ""))
     prec = {c.name: forecast_precision(c.tokens, c.model, c.slots[0]) for c in dev + [c for cs in tests.values() for c in cs]}
     page, readme = render(tuned, held, chosen, dev, tests, hardware, cmd,
                           os.path.relpath(run_dir.resolve(), out.resolve().parent), raw, prec, about)
