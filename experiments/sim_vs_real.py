@@ -40,7 +40,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--from", dest="from_dir", default=None, help="reuse DIR/raw.json's measurements (no GPU)")
     ap.add_argument("--peer", nargs="+", default=None,
                     help="peer benchmark result.json file(s): predict their moelab rows (no GPU)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "sim_vs_real"), help="output folder (created)")
+    ap.add_argument("--out", default=None,
+                    help="output folder (created; default $OUT, else sim_vs_real; with --peer: none unless given)")
+    ap.add_argument("--graph-cpu-block-us", type=float, default=None, metavar="US",
+                    help="with --peer: a CPU graph's block time for the +cpugraph rows, measured (bench_token_graph's "
+                         "cpugraph mode at no miss, docs/perf/graph_cpu_h200: 112-117 us); default: the file's "
+                         "resident-only graph_block_s")
+    ap.add_argument("--upload-factor", type=float, default=1.0, metavar="F",
+                    help="with --peer: the runs' host -> device copies take F times the file's (moelab run copies out "
+                         "of the model file's map; a ratio tuned on other sessions' rows; default 1)")
     ap.add_argument("--layers", type=int, default=16)
     add_shape_args(ap)
     ap.add_argument("--tokens", type=int, default=256)
@@ -84,8 +92,19 @@ def main(argv=None) -> int:
 
     ap = parser()
     args = ap.parse_args(argv)
+    if args.graph_cpu_block_us is not None and not args.graph_cpu_block_us > 0:
+        ap.error(f"--graph-cpu-block-us {args.graph_cpu_block_us:g}: expected > 0 microseconds")
+    if not 0 < args.upload_factor <= 4:
+        ap.error(f"--upload-factor {args.upload_factor:g}: expected a ratio in (0, 4]")
     if args.peer:
-        return svr.predict_peer_rows(args.peer, args.hardware)
+        block = None if args.graph_cpu_block_us is None else args.graph_cpu_block_us * 1e-6
+        command = "python3 experiments/sim_vs_real.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        return svr.predict_peer_rows(args.peer, args.hardware, graph_cpu_block_s=block, out=args.out, command=command,
+                                     upload_factor=args.upload_factor)
+    if args.graph_cpu_block_us is not None or args.upload_factor != 1.0:
+        ap.error("--graph-cpu-block-us and --upload-factor: only with --peer")
+    if args.out is None:
+        args.out = os.environ.get("OUT", "sim_vs_real")
     if args.same_round and args.calibration_round is None:
         ap.error("--same-round needs --calibration-round R")
     if args.per_round and (args.calibration_round is not None or args.host_calibration != "session"):

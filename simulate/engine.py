@@ -412,6 +412,7 @@ class Simulator:
         L = len(dense_s)
         settle, whole, launch_next = -1, False, 0.0  # token graph: steps below settle were computed by it
         streamed = False  # the settled steps were charged inside the graph's chain
+        table_dirty = False  # the slot table changed since the last graph's launch (its staged copy goes up)
         if self.token_graph and hc.graph_block_s > 0:
             items = graph_tokens(items, L, self.graph_cpu)
             cum_dense, cum_kv = np.concatenate(([0.0], np.cumsum(dense_s))), float(np.sum(kv_s))
@@ -423,9 +424,10 @@ class Simulator:
                 gg = (m * blk + float(cum_dense[L] - cum_dense[min(m, L)]) + pos1 * cum_kv + c.head_s)
                 if item.ahead:
                     g0 = max(g, launch_next)
-                else:
+                else:  # a changed slot table goes up by a copy queued behind the copies before it
                     h += hc.graph_token_s
-                    g0 = max(g, h)
+                    g0 = max(g, h, cf) if table_dirty else max(g, h)
+                table_dirty = False
                 gpu_busy += gg
                 busy = 0.0
                 streamed = bool(item.cpu) and self.graph_cpu_stream
@@ -458,6 +460,8 @@ class Simulator:
                 d = item.decision
                 tok = item.token
                 l = d.step.layer
+                if d.uploads or d.evictions or d.promotions:
+                    table_dirty = True
                 h += hc.plan_s
                 comb = combine
                 if d.step.counts is None and tok.num_tokens == 1:
@@ -566,6 +570,7 @@ class Simulator:
                 mid = False
                 yield env.timeout(h - env.now)
             elif kind is StartBackground:  # a batch that may overwrite a slot read by queued kernels waits for them
+                table_dirty = table_dirty or bool(item.moves)
                 kernels = not device_wait or any(m.victim is not None for m in item.moves)
                 cs = max(cf, h, g) if kernels else max(cf, h)
                 n = len(item.moves)
@@ -581,6 +586,7 @@ class Simulator:
                 pending.append(cf)
             elif kind is AwaitBackground:
                 done = pending.popleft()
+                table_dirty = table_dirty or bool(item.moves)
                 if mid or device_wait:  # device: the next layer's experts wait, whether or not inside a token
                     ready = max(ready, done)
                 elif done > h:

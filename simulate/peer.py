@@ -15,7 +15,9 @@ rates are then the check on the traces). Each row's policy is built as its comma
 ``MISS_FRAC_256`` / 256), not the cost model's; a ``POLICY+cpugraph`` row (``moelab run
 --graph-cpu``) is simulated with the CPU graph (``simulate.run``'s ``graph_cpu``). The run reads its experts through the file's
 memory map: where the hardware file measured it, the pool's calls take ``cpu_mapped_factor``
-times their time on the calibration's anonymous buffers (``mapped_pool``).
+times their time on the calibration's anonymous buffers (``mapped_pool``). A row whose command gave
+``--hardware F`` plans with F as the executor read it (``plan_hardware``: the path, else its tail
+under this checkout), not with the file the prediction is timed on.
 """
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from scheduler import MISS_FRAC_256
-from scheduler.hardware import Hardware
+from scheduler.hardware import Hardware, HardwareError, load_hardware
 from scheduler.models import ModelSpec, load_model
 
 from .run import SimConfig, SimError, load_tokens, run
 from .speculative import merge_rows
 
-__all__ = ["load_result", "peer_model", "predict_peer", "format_peer", "mapped_pool", "policy_of"]
+__all__ = ["load_result", "peer_model", "predict_peer", "format_peer", "mapped_pool", "policy_of", "hardware_of",
+           "plan_hardware"]
 
 
 def load_result(path: Path) -> dict:
@@ -77,6 +80,8 @@ def _measured(rows: list[dict]) -> dict[str, dict]:
                                   "hit_rate": [], "miss_fraction": None})
         if e["policy"] == "hybrid" and e["miss_fraction"] is None:
             e["miss_fraction"] = miss_fraction_of(r.get("command") or [])
+        if "plan_file" not in e:
+            e["plan_file"] = hardware_of(r.get("command") or [])
         if r.get("decode_tokens_per_s"):
             e["decode"].append(float(r["decode_tokens_per_s"]))
             e["hit_rate"].append(float(r.get("hit_rate", 0.0)))
@@ -109,6 +114,34 @@ def miss_fraction_of(command: list[str]) -> float | None:
     return MISS_FRAC_256 / 256
 
 
+def hardware_of(command: list[str]) -> str | None:
+    """The ``--hardware`` path of a ``moelab run`` command line (its cost model's file), else None."""
+    args = [str(a) for a in command]
+    for i, a in enumerate(args):
+        if a == "--hardware" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--hardware="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def plan_hardware(path: str | None, root: Path = Path(".")) -> Path | None:
+    """The file a row's policy planned with: ``path`` where it exists, else its longest tail that
+    exists under ``root`` (a checkout's path on the benchmark's machine: ``/work/main/docs/x.json`` ->
+    ``docs/x.json``), else None (a file that is not kept, e.g. ``/tmp/cal.json``)."""
+    if not path:
+        return None
+    p = Path(path)
+    if p.is_file():
+        return p
+    parts = p.parts[1:] if p.is_absolute() else p.parts
+    for i in range(len(parts) - 1):  # a bare file name is not matched: too easily another file
+        q = Path(root, *parts[i:])
+        if q.is_file():
+            return q
+    return None
+
+
 def mapped_pool(hw: Hardware) -> Hardware:
     """``hw`` with its CPU pool as ``moelab run`` drives it on a GGUF file's memory map: every pool
     call ``executor.cpu_mapped_factor`` times as long (task and rates scaled); ``hw`` where the
@@ -137,13 +170,26 @@ def batched_tokens(tokens, batches) -> list:
     return out
 
 
-def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None = None) -> list[dict]:
+def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None = None,
+                 graph_cpu_block_s: float | None = None, root: Path = Path("."),
+                 upload_factor: float = 1.0) -> list[dict]:
     """Per moelab row of ``result``: measured (median; None where every run failed) and predicted
     decode tokens/s, hit rates, and the relative error; ``trace``: the run's recorded routing
-    (prompt and generation, replayed once), else ``seeds`` synthetic traces."""
+    (prompt and generation, replayed once), else ``seeds`` synthetic traces; ``graph_cpu_block_s``:
+    a CPU graph's block time for the ``+cpugraph`` rows (None: the file's ``graph_block_s``). A row
+    whose command gave ``--hardware`` plans (``hybrid-cost``'s cost model, ``hybrid``'s share) with
+    that file as the executor read it (``plan_hardware`` under ``root``), else with ``hw``; each row
+    says which (``plan_file``). ``upload_factor``: every host -> device copy of the run takes that many
+    times the file's (``moelab run``'s copies out of the model file's map, against the calibration's
+    pinned buffers; a ratio tuned on other sessions' rows, not measured), in the timing only."""
+    if not 0 < upload_factor <= 4:
+        raise ValueError(f"upload_factor: {upload_factor}, expected a ratio in (0, 4]")
     cfg = result["config"]
     model = peer_model(cfg)
-    hw = mapped_pool(hw)
+    plain, hw = hw, mapped_pool(hw)
+    if upload_factor != 1.0:
+        hw = replace(hw, pcie_h2d_gbps=hw.pcie_h2d_gbps / upload_factor)
+    plans: dict = {}
     out = []
     recorded = None
     if trace is not None:  # the recorded rows, stepped as the run stepped them
@@ -157,12 +203,21 @@ def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None 
         mib = e["cache_mib"] if e["cache_mib"] is not None else float(cfg["budget_mib"])
         n = e.get("decode_tokens", int(cfg.get("tokens", 64)) - 1)
         tps, hits = [], []
+        given = e.get("plan_file")
+        found = plan_hardware(given, root)
+        if found is not None and found not in plans:
+            try:
+                plans[found] = load_hardware(found)
+            except HardwareError as err:
+                raise ValueError(f"{cell}: --hardware {given} (read as {found}): {err}") from None
+        plan_hw = plans[found] if found is not None else plain
         for seed in range(1 if trace is not None else seeds):
             sc = SimConfig(model=model.name, hardware=hw.name, policy=e["policy"], cache_mib=mib if e["policy"] != "cpu"
                            else 0.0, trace="synth" if trace is None else str(trace), synth_tokens=n, seed=seed,
                            phase="decode" if trace is None else "all", miss_fraction=e["miss_fraction"])
             try:
-                s = run(sc, hardware=hw, model=model, tokens=recorded, graph_cpu=e["graph_cpu"])[0].summary()
+                s = run(sc, hardware=hw, model=model, tokens=recorded, graph_cpu=e["graph_cpu"],
+                        graph_cpu_block_s=graph_cpu_block_s, policy_hardware=plan_hw)[0].summary()
             except SimError as err:
                 raise ValueError(f"{cell}: {err}") from None
             tps.append(s["tokens_per_s"])
@@ -172,7 +227,8 @@ def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None 
         out.append({"row": cell, "policy": e["policy"], "cache_mib": mib, "measured_tokens_per_s": meas,
                     "predicted_tokens_per_s": pred, "error": None if meas is None else pred / meas - 1,
                     "measured_hit_rate": float(np.median(e["hit_rate"])) if e["hit_rate"] else None,
-                    "predicted_hit_rate": float(np.mean(hits))})
+                    "predicted_hit_rate": float(np.mean(hits)),
+                    "plan_file": None if given is None else (str(found) if found is not None else f"{given} (absent)")})
     return out
 
 

@@ -209,12 +209,17 @@ def build_capacity(cfg: SimConfig, model: ModelSpec, hw: Hardware) -> Capacity:
 
 def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
         model: ModelSpec | None = None, tokens=None, options: dict | None = None,
-        graph_cpu: bool = False) -> tuple[SimResult, dict]:
+        graph_cpu: bool = False, graph_cpu_block_s: float | None = None,
+        policy_hardware: Hardware | None = None) -> tuple[SimResult, dict]:
     """Simulate ``cfg``; returns the result and a dict of derived facts (slots, MiB, bytes).
     ``options``: the policy family's config fields (``make_policy``), beside the config's.
     ``graph_cpu``: as ``moelab run --graph-cpu``: the policy wrapped in ``scheduler.graph.CpuMisses``
     (a one-token step's misses on the CPU inside the token graph, its uploads deferred as fills),
-    charged by the simulator's ``graph_cpu`` chain at the token graph's block time."""
+    charged by the simulator's ``graph_cpu`` chain at the token graph's block time, or at
+    ``graph_cpu_block_s`` (a CPU graph's measured block time: its blocks launch more kernels).
+    ``policy_hardware``: the file a cost-model policy plans with (``moelab run --hardware``'s, as the
+    executor builds it: ``Costs(model, file, ExecConfig(pinned)).cost_model()``) where it is not the
+    one the run is timed on."""
     model = model or _model(cfg)
     hw = hardware or load_hardware(cfg.hardware)
     if tokens is None:
@@ -223,7 +228,10 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     capacity = build_capacity(cfg, model, hw)
     options = {**({"adaptive": cfg.adaptive} if cfg.policy == "hybrid" else {}), **(options or {})}
     costs = Costs(model, hw, ExecConfig(pinned=cfg.pinned, policy=cfg.policy))
-    cost_model = costs.cost_model() if cfg.policy in ("hybrid", "hybrid-cost", "lookahead", "oracle") else None
+    cost_model = None
+    if cfg.policy in ("hybrid", "hybrid-cost", "lookahead", "oracle"):
+        cost_model = (costs if policy_hardware is None else
+                      Costs(model, policy_hardware, ExecConfig(pinned=cfg.pinned))).cost_model()
     try:  # static: the replayed tokens' own counts (an oracle); belady: every step, held
         policy = make_policy(cfg.policy, geometry, capacity, tokens=tokens, cost_model=cost_model,
                              miss_fraction=cfg.miss_fraction, **options)
@@ -237,7 +245,8 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     graph = cfg.token_graph and capacity.slot_bytes(geometry) > 0 and not model.shared_ffn
     if graph_cpu:
         policy, graph = CpuMisses(policy), True
-    result = Simulator(costs, record=record, token_graph=graph, graph_cpu=graph_cpu).run(
+    result = Simulator(costs, record=record, token_graph=graph, graph_cpu=graph_cpu,
+                       graph_cpu_block_s=graph_cpu_block_s if graph_cpu else None).run(
         drive(policy, tokens, cfg.lag_tokens), audit)
     info = {"slots_per_layer": slots, "cache_mib": capacity.slot_bytes(geometry) / 2**20,
             "expert_bytes": model.expert_bytes(model.num_layers - 1), "num_experts": model.num_experts,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import AwaitBackground, Decision, EndToken, Move, RunLayer, Step, Token
+from scheduler import AwaitBackground, Decision, EndToken, Move, RunLayer, StartBackground, Step, Token
 from simulate import Costs, ExecConfig, Simulator
 from simulate.engine import _GraphToken, graph_tokens
 
@@ -217,3 +217,31 @@ def test_streamed_settling_overlaps_the_graph_and_keeps_the_decisions(ahead, mon
     for t0, t1, b in zip(off, on, bound):
         assert b * (1 - 1e-12) <= t1 <= t0 and t0 - t1 <= L * c.host.graph_step_s * (1 + 1e-9)
     assert sum(off) - sum(on) > 0
+
+
+def with_fill(items: list, moves: tuple) -> list:
+    """A token's items with a background batch started after its last step (before its EndToken),
+    as ``scheduler.drive`` yields a token's fills."""
+    return items[:-1] + [StartBackground(items[-1].token, moves)] + items[-1:]
+
+
+def test_a_graph_launched_after_the_slot_table_changed_waits_for_the_copies_queued_before_it():
+    """The host stages a changed slot table by a copy on the one copy engine, so a graph launched by
+    the host after fills were started runs no earlier than they land (execute.token_graph's
+    _stage_token); a token launched ahead was staged before them and does not wait."""
+    c = costs({**GCPU, "host_cpu_submit_s": 0.0}, "lru")  # (the graph's puts then never wait for the host)
+    fill = (Move(2, 0, 2, (2, 1)),)
+    up = c.upload_s[2]
+    assert up > 5 * GCPU["graph_token_s"]
+    plain = times_cpu(c, cpu_items(0) + cpu_items(1))
+    filled = times_cpu(c, with_fill(cpu_items(0), fill) + cpu_items(1))
+    # token 0's graph has ended when its fill starts (it evicts: the copy waits for the kernels);
+    # token 1's launch costs graph_token_s on the host, then waits for the copy
+    assert sum(filled) - sum(plain) == pytest.approx(up - GCPU["graph_token_s"], rel=1e-6)
+    # a resident-only graph launched ahead of the fill does not wait for it
+    g = {"graph_block_s": 40 * US, "graph_step_s": 3 * US, "graph_token_s": 20 * US}
+    ahead = [it for it in graph_tokens(iter(with_fill(token_items(0), fill) + token_items(1)), L)
+             if type(it) is _GraphToken]
+    assert [m.ahead for m in ahead] == [False, True]
+    assert times(costs(g), with_fill(token_items(0), fill) + token_items(1)) == pytest.approx(
+        times(costs(g), token_items(0) + token_items(1)), rel=1e-9)
