@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
                     help="with --peer: a CPU graph's block time for the +cpugraph rows, measured (bench_token_graph's "
                          "cpugraph mode at no miss, docs/perf/graph_cpu_h200: 112-117 us); default: the file's "
                          "resident-only graph_block_s")
+    ap.add_argument("--graph-cpu-pair-us", type=float, default=0.0, metavar="US",
+                    help="with --peer: a CPU graph's block grows by US a CPU pair (measured: 51-61 us, "
+                         "docs/perf/graph_cpu_h200); default 0, the pool's call overlapping the block")
     ap.add_argument("--upload-factor", type=float, default=1.0, metavar="F",
                     help="with --peer: the runs' host -> device copies take F times the file's (moelab run copies out "
                          "of the model file's map; a ratio tuned on other sessions' rows; default 1)")
@@ -94,15 +97,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.graph_cpu_block_us is not None and not args.graph_cpu_block_us > 0:
         ap.error(f"--graph-cpu-block-us {args.graph_cpu_block_us:g}: expected > 0 microseconds")
+    if not args.graph_cpu_pair_us >= 0:
+        ap.error(f"--graph-cpu-pair-us {args.graph_cpu_pair_us:g}: expected >= 0 microseconds")
     if not 0 < args.upload_factor <= 4:
         ap.error(f"--upload-factor {args.upload_factor:g}: expected a ratio in (0, 4]")
     if args.peer:
         block = None if args.graph_cpu_block_us is None else args.graph_cpu_block_us * 1e-6
         command = "python3 experiments/sim_vs_real.py " + " ".join(argv if argv is not None else sys.argv[1:])
         return svr.predict_peer_rows(args.peer, args.hardware, graph_cpu_block_s=block, out=args.out, command=command,
-                                     upload_factor=args.upload_factor)
-    if args.graph_cpu_block_us is not None or args.upload_factor != 1.0:
-        ap.error("--graph-cpu-block-us and --upload-factor: only with --peer")
+                                     upload_factor=args.upload_factor, graph_cpu_pair_s=args.graph_cpu_pair_us * 1e-6)
+    if args.graph_cpu_block_us is not None or args.upload_factor != 1.0 or args.graph_cpu_pair_us:
+        ap.error("--graph-cpu-block-us, --graph-cpu-pair-us and --upload-factor: only with --peer")
     if args.out is None:
         args.out = os.environ.get("OUT", "sim_vs_real")
     if args.same_round and args.calibration_round is None:

@@ -174,7 +174,10 @@ class Simulator:
     per block after the launch (``cpu_submit_s`` each), a block's put waits for its call, the pool
     starts ``handoff_in_s`` after the put and the block ends no earlier than ``handoff_out_s`` after
     the pool does; ``graph_cpu_block_s`` replaces ``graph_block_s`` for such a graph's blocks (a
-    measured figure: its blocks launch more kernels than the resident-only graph's).
+    measured figure: its blocks launch more kernels than the resident-only graph's), and
+    ``graph_cpu_pair_s`` is added to a block for each of its CPU pairs (measured: a CPU graph's block
+    grows by about that much a pair, beyond what the pool's call alone would give; 0: the pool's
+    call overlaps the block's GPU work).
     ``graph_cpu_stream`` (``MOELAB_GRAPH_CPU_STREAM=1``): the host settles block ``l``'s step
     (``graph_step_s``) once the graph's put of block ``l`` has run, submitting the first
     ``GRAPH_CPU_AHEAD`` calls after the launch and call ``l + GRAPH_CPU_AHEAD`` after settling block
@@ -182,7 +185,8 @@ class Simulator:
 
     def __init__(self, costs: Costs, record: bool = False, token_graph: bool = False,
                  background_wait: str = "device", swaps: str = "await", graph_cpu: bool = False,
-                 graph_cpu_block_s: float | None = None, graph_cpu_stream: bool = False):
+                 graph_cpu_block_s: float | None = None, graph_cpu_stream: bool = False,
+                 graph_cpu_pair_s: float = 0.0):
         if background_wait not in BACKGROUND_WAITS:
             raise ValueError(f"background_wait: {background_wait!r}, expected one of {', '.join(BACKGROUND_WAITS)}")
         if swaps not in SWAP_WAITS:
@@ -194,6 +198,9 @@ class Simulator:
         if graph_cpu_block_s is not None and not graph_cpu_block_s > 0:
             raise ValueError(f"graph_cpu_block_s: {graph_cpu_block_s}, expected > 0 seconds (or None)")
         self.graph_cpu_block_s = graph_cpu_block_s  # a CPU graph's block time, else graph_block_s
+        if not graph_cpu_pair_s >= 0:
+            raise ValueError(f"graph_cpu_pair_s: {graph_cpu_pair_s}, expected >= 0 seconds")
+        self.graph_cpu_pair_s = graph_cpu_pair_s  # a CPU graph's block time per CPU pair
         self.graph_cpu_stream = graph_cpu_stream  # the host settles a CPU graph's blocks while it runs
         self.background_wait = background_wait
         self.swaps = swaps
@@ -421,7 +428,8 @@ class Simulator:
             if kind is _GraphToken:  # the graph on the GPU, the host waits for it (execute.token_graph)
                 m, pos1 = item.blocks, item.token.pos + 1
                 blk = self.graph_cpu_block_s if item.cpu and self.graph_cpu_block_s else hc.graph_block_s
-                gg = (m * blk + float(cum_dense[L] - cum_dense[min(m, L)]) + pos1 * cum_kv + c.head_s)
+                gg = (m * blk + float(cum_dense[L] - cum_dense[min(m, L)]) + pos1 * cum_kv + c.head_s
+                      + sum(item.cpu) * self.graph_cpu_pair_s)
                 if item.ahead:
                     g0 = max(g, launch_next)
                 else:  # a changed slot table goes up by a copy queued behind the copies before it
@@ -433,7 +441,7 @@ class Simulator:
                 streamed = bool(item.cpu) and self.graph_cpu_stream
                 if item.cpu:  # the blocks' CPU calls, submitted after the launch, in the graph's chain
                     g, p, busy, spans, hs = _graph_cpu_chain(g0, h, p, item.cpu, pos1, c, hc, self.graph_cpu_block_s,
-                                                             streamed)
+                                                             streamed, self.graph_cpu_pair_s)
                     h = hs
                     cpu_busy += busy
                     if events is not None:
@@ -617,10 +625,10 @@ class Simulator:
 
 
 def _graph_cpu_chain(g0: float, h0: float, p: float, cpu: tuple, pos1: int, c, hc,
-                     block_s: float | None = None, stream: bool = False) -> tuple:
+                     block_s: float | None = None, stream: bool = False, pair_s: float = 0.0) -> tuple:
     """A token graph whose blocks hand ``cpu[l]`` misses each to the pool (``Simulator``'s
     ``graph_cpu``), launched at ``g0`` by the host at ``h0``, the pool free at ``p``, each block
-    ``block_s`` (None: ``graph_block_s``) plus its attention: -> (the graph's end, the pool's, the
+    ``block_s`` (None: ``graph_block_s``) plus its attention and ``pair_s`` a CPU pair: -> (the graph's end, the pool's, the
     pool's busy seconds, CPU spans for the timeline, the host's time after its submits; with
     ``stream`` after settling every block's step too, ``Simulator``'s ``graph_cpu_stream``)."""
     t, busy, spans = g0, 0.0, []
@@ -637,7 +645,7 @@ def _graph_cpu_chain(g0: float, h0: float, p: float, cpu: tuple, pos1: int, c, h
         dense = min(c.dense_s[l] + pos1 * c.kv_s_per_pos[l], block)
         put = max(t + dense, sub[l])  # the put waits for the host's call
         puts.append(put)
-        end = put + block - dense
+        end = put + block - dense + nc * pair_s
         if nc:
             cpu_s = c.cpu_call_s(l, nc)
             c0 = max(p, put + hc.handoff_in_s)

@@ -172,11 +172,12 @@ def batched_tokens(tokens, batches) -> list:
 
 def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None = None,
                  graph_cpu_block_s: float | None = None, root: Path = Path("."),
-                 upload_factor: float = 1.0) -> list[dict]:
+                 upload_factor: float = 1.0, graph_cpu_pair_s: float = 0.0) -> list[dict]:
     """Per moelab row of ``result``: measured (median; None where every run failed) and predicted
     decode tokens/s, hit rates, and the relative error; ``trace``: the run's recorded routing
     (prompt and generation, replayed once), else ``seeds`` synthetic traces; ``graph_cpu_block_s``:
-    a CPU graph's block time for the ``+cpugraph`` rows (None: the file's ``graph_block_s``). A row
+    a CPU graph's block time for the ``+cpugraph`` rows (None: the file's ``graph_block_s``), and
+    ``graph_cpu_pair_s`` more a CPU pair (``simulate.engine.Simulator``'s). A row
     whose command gave ``--hardware`` plans (``hybrid-cost``'s cost model, ``hybrid``'s share) with
     that file as the executor read it (``plan_hardware`` under ``root``), else with ``hw``; each row
     says which (``plan_file``). ``upload_factor``: every host -> device copy of the run takes that many
@@ -217,7 +218,8 @@ def predict_peer(result: dict, hw: Hardware, seeds: int = 3, trace: Path | None 
                            phase="decode" if trace is None else "all", miss_fraction=e["miss_fraction"])
             try:
                 s = run(sc, hardware=hw, model=model, tokens=recorded, graph_cpu=e["graph_cpu"],
-                        graph_cpu_block_s=graph_cpu_block_s, policy_hardware=plan_hw)[0].summary()
+                        graph_cpu_block_s=graph_cpu_block_s, policy_hardware=plan_hw,
+                        graph_cpu_pair_s=graph_cpu_pair_s)[0].summary()
             except SimError as err:
                 raise ValueError(f"{cell}: {err}") from None
             tps.append(s["tokens_per_s"])

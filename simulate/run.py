@@ -210,13 +210,14 @@ def build_capacity(cfg: SimConfig, model: ModelSpec, hw: Hardware) -> Capacity:
 def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
         model: ModelSpec | None = None, tokens=None, options: dict | None = None,
         graph_cpu: bool = False, graph_cpu_block_s: float | None = None,
-        policy_hardware: Hardware | None = None) -> tuple[SimResult, dict]:
+        policy_hardware: Hardware | None = None, graph_cpu_pair_s: float = 0.0) -> tuple[SimResult, dict]:
     """Simulate ``cfg``; returns the result and a dict of derived facts (slots, MiB, bytes).
     ``options``: the policy family's config fields (``make_policy``), beside the config's.
     ``graph_cpu``: as ``moelab run --graph-cpu``: the policy wrapped in ``scheduler.graph.CpuMisses``
     (a one-token step's misses on the CPU inside the token graph, its uploads deferred as fills),
     charged by the simulator's ``graph_cpu`` chain at the token graph's block time, or at
-    ``graph_cpu_block_s`` (a CPU graph's measured block time: its blocks launch more kernels).
+    ``graph_cpu_block_s`` (a CPU graph's measured block time: its blocks launch more kernels) plus
+    ``graph_cpu_pair_s`` a CPU pair (``Simulator``'s).
     ``policy_hardware``: the file a cost-model policy plans with (``moelab run --hardware``'s, as the
     executor builds it: ``Costs(model, file, ExecConfig(pinned)).cost_model()``) where it is not the
     one the run is timed on."""
@@ -246,7 +247,8 @@ def run(cfg: SimConfig, record: bool = False, hardware: Hardware | None = None,
     if graph_cpu:
         policy, graph = CpuMisses(policy), True
     result = Simulator(costs, record=record, token_graph=graph, graph_cpu=graph_cpu,
-                       graph_cpu_block_s=graph_cpu_block_s if graph_cpu else None).run(
+                       graph_cpu_block_s=graph_cpu_block_s if graph_cpu else None,
+                       graph_cpu_pair_s=graph_cpu_pair_s if graph_cpu else 0.0).run(
         drive(policy, tokens, cfg.lag_tokens), audit)
     info = {"slots_per_layer": slots, "cache_mib": capacity.slot_bytes(geometry) / 2**20,
             "expert_bytes": model.expert_bytes(model.num_layers - 1), "num_experts": model.num_experts,

@@ -245,3 +245,18 @@ def test_a_graph_launched_after_the_slot_table_changed_waits_for_the_copies_queu
     assert [m.ahead for m in ahead] == [False, True]
     assert times(costs(g), with_fill(token_items(0), fill) + token_items(1)) == pytest.approx(
         times(costs(g), token_items(0) + token_items(1)), rel=1e-9)
+
+
+def test_a_cpu_graphs_block_grows_by_its_pair_time_for_each_cpu_pair():
+    """graph_cpu_pair_s: a block with n CPU pairs takes n x that longer on the GPU (a block long
+    enough that the pool's call ends inside it); a token without CPU pairs is unchanged."""
+    c = costs(GCPU, "lru")
+    items = cpu_items(0) + cpu_items(1, {1: 1, 2: 0}) + cpu_items(2)
+    run = lambda pair: list(Simulator(c, token_graph=True, graph_cpu=True, graph_cpu_block_s=2000 * US,
+                                      graph_cpu_pair_s=pair).run(iter(items)).token_s)
+    base, paired = run(0.0), run(30 * US)
+    assert c.cpu_call_s(1, 1) + 7 * US < 2000 * US - c.dense_s[1]
+    assert paired[0] == pytest.approx(base[0], rel=1e-9) and paired[2] == pytest.approx(base[2], rel=1e-9)
+    assert paired[1] - base[1] == pytest.approx(2 * 30 * US, rel=1e-6)
+    with pytest.raises(ValueError, match="graph_cpu_pair_s"):
+        Simulator(c, graph_cpu=True, graph_cpu_pair_s=-1e-6)

@@ -1,6 +1,6 @@
 """The peer rows' prediction (simulate.peer, experiments/sim_vs_real.py --peer): a row that ran with
-``--hardware`` plans with that file, the CPU graph's own block time, the runs' copies against the
-file's, and the recording a run leaves (rows.csv, README.md)."""
+``--hardware`` plans with that file, the CPU graph's own block and per-pair times, the runs' copies
+against the file's, and the recording a run leaves (rows.csv, README.md)."""
 from __future__ import annotations
 
 import csv
@@ -83,6 +83,9 @@ def test_the_upload_factor_slows_the_copies_only_and_the_plan_file_is_reported(t
     blocky = {r["row"]: r for r in peer.predict_peer(small, hw, trace=t, root=ROOT, graph_cpu_block_s=3e-3)}  # past any block's pool call
     assert blocky["moelab lru+cpugraph"]["predicted_tokens_per_s"] < base["moelab lru+cpugraph"]["predicted_tokens_per_s"]
     assert blocky["moelab lru"]["predicted_tokens_per_s"] == base["moelab lru"]["predicted_tokens_per_s"]
+    paired = {r["row"]: r for r in peer.predict_peer(small, hw, trace=t, root=ROOT, graph_cpu_pair_s=1e-3)}
+    assert paired["moelab lru+cpugraph"]["predicted_tokens_per_s"] < base["moelab lru+cpugraph"]["predicted_tokens_per_s"]
+    assert paired["moelab lru"]["predicted_tokens_per_s"] == base["moelab lru"]["predicted_tokens_per_s"]
     with pytest.raises(ValueError, match="upload_factor"):
         peer.predict_peer(small, hw, trace=t, upload_factor=0.0)
 
@@ -101,19 +104,20 @@ def test_peer_with_out_writes_the_rows_and_a_readme(tmp_path):
     t.rename(tmp_path / "b" / "trace")
     out = tmp_path / "out" / "deeper"
     p = script("--hardware", str(HW), "--peer", str(tmp_path / "b" / "result.json"), "--graph-cpu-block-us", "117",
-               "--out", str(out))
+               "--graph-cpu-pair-us", "56", "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert "default rows within 15%: " in p.stdout and "+cpugraph rows within 15%: " in p.stdout
     rows = list(csv.DictReader(open(out / "rows.csv")))
     assert [r["row"] for r in rows] == ["moelab lru", "moelab lru+cpugraph"]
     readme = (out / "README.md").read_text()
-    assert "--graph-cpu-block-us 117" in readme and "117 us (given)" in readme
+    assert "--graph-cpu-block-us 117" in readme and "117 us (given), 56 us more a CPU pair (given)" in readme
     assert "| 2048 | `moelab lru+cpugraph` |" in readme
 
 
 @pytest.mark.parametrize("args, says", [
     (["--upload-factor", "0"], "--upload-factor 0: expected a ratio in (0, 4]"),
     (["--graph-cpu-block-us", "-1"], "--graph-cpu-block-us -1: expected > 0 microseconds"),
+    (["--graph-cpu-pair-us", "-1"], "--graph-cpu-pair-us -1: expected >= 0 microseconds"),
 ])
 def test_bad_peer_options_are_one_line_errors(args, says):
     p = script("--hardware", str(HW), "--peer", str(RESULT), *args)
