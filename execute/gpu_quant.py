@@ -91,9 +91,9 @@ GENERIC_BATCH = "_q8m2"
 # 40 KB (a Q8_0 or Q6_K row of 2048 columns in one tile; 4 blocks per SM), down as the default
 ONE_VARIANTS = ("_d", "_w")
 # True: gpu_experts launches generic layers' one-token kernels by programmatic dependent launch (as _d: the same
-# kernels and bits; _d ran 1.15-1.2x the plain launches on 8 experts of qwen3-30b-a3b's shape on the H200,
-# docs/perf/gpu_quant_int8_h200). Off until the engine's GPU tests have run with it on a GPU.
-ONE_PROGRAMMATIC = False
+# kernels and bits, tested; _d ran 1.15-1.2x and 1.18-1.23x the plain launches on 8 experts of qwen3-30b-a3b's
+# shape on the H200, docs/perf/gpu_quant_int8_h200 and docs/perf/gpu_quant_h200/100e6da)
+ONE_PROGRAMMATIC = True
 ONE_PROBES = ("_p", "_n")  # one-token launches without the dots (and the weight copies): timing only, no results
 ONE_DOWN_ROWS = 4  # rows per block of qmoe1_down_combine as gpu_experts launches it (one wave of blocks)
 
