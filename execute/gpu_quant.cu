@@ -20,7 +20,7 @@
 // Float types (F32, F16, BF16) keep the weight-by-weight path (qw, qmatmul_f).
 // Tables of the i-quants come from execute/iq_grids.py, uploaded once by execute/gpu_quant.py into
 // global memory (read through the L1 cache: lanes index them at different rows).
-// The source lies in six parts, included here in this order (execute.gpu_quant.source() inlines
+// The source lies in five parts, included here in this order (execute.gpu_quant.source() inlines
 // them for NVRTC).
 #include "gpu_quant_decode.cu"
 #ifndef MOELAB_HOST_CHECK  // the kernels (the host check builds the decoders alone)
@@ -28,5 +28,4 @@
 #include "gpu_quant_mma.cu"
 #include "gpu_quant_one.cu"
 #include "gpu_quant_mmq.cu"
-#include "gpu_quant_mmk.cu"
 #endif

@@ -29,11 +29,9 @@ exact f16 once per 64 tokens and inputs as two f16 halves, each 32 weights' sums
 (``qx8``) to the two int8 levels of the one-token path, tiles copied by ``cp.async`` while the
 weights decode to int8, ``mma`` ``.s8`` with exact int32 sums (the one-token path's error, ~2e-5);
 the pipelined ones (``_q8p*``: 8 warps, ``Q8_BLOCK``'s dynamic shared memory) copy the next tile's
-inputs and weight bytes while a tile is decoded and multiplied (``Q8_PDL``: by dependent launch);
-part 6's (``_q8a2``, ``_q8k2``, ``_q8k4``) put a pass's spare warps on the tiles' other chunks (a pass
-of 4 tokens, or 8 warps on 64), and ``_q8m2c`` / ``_q8k2c`` convert the int32 sums without I2F (the
-same bits). ``ONE_PROGRAMMATIC``: the engine's one-token launches of these kernels as ``_d``'s.
-The source lies in ``gpu_quant.cu`` and the six ``gpu_quant_*.cu`` parts it includes
+inputs and weight bytes while a tile is decoded and multiplied (``Q8_PDL``: by dependent launch).
+``ONE_PROGRAMMATIC``: the engine's one-token launches of these kernels as ``_d``'s.
+The source lies in ``gpu_quant.cu`` and the five ``gpu_quant_*.cu`` parts it includes
 (:func:`source` inlines them).
 """
 from __future__ import annotations
@@ -59,17 +57,12 @@ _MODULES: dict[tuple[str, ...], cp.RawModule] = {}
 # other qmoe_gate_up / qmoe_down kernels: int8 tensor cores, 64 / 32 / 16 rows a block (_q8s*: the weights' tile copied first)
 # (_q8p, _q8p2, _q8px: 8 warps, the next tile's copies in flight while a tile is decoded and multiplied;
 # _q8pd, _q8pxd: _q8p's and _q8px's kernels, each launch after the first by programmatic dependent launch)
-# (_q8a2: _q8m2 with a pass's idle warps (< 64 tokens) on the tiles' other chunks; _q8k2, _q8k4: the same on 8 warps,
-# at 64 tokens each half of every tile's chunks; _q8m2c, _q8k2c: _q8m2's and _q8k2's with the int32 sums converted
-# to float without I2F, the same bits)
-BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1", "_q8p", "_q8p2", "_q8px", "_q8pd", "_q8pxd", "_q8k2", "_q8k4",
-                  "_q8m2c", "_q8k2c", "_q8a2")
+BATCH_VARIANTS = ("_q8", "_q8m2", "_q8m1", "_q8s2", "_q8s1", "_q8p", "_q8p2", "_q8px", "_q8pd", "_q8pxd")
 # variants that launch another's kernels by programmatic dependent launch (after the first qx8)
 Q8_PDL = {"_q8pd": "_q8p", "_q8pxd": "_q8px"}
 # their m-tiles (16 rows) per block of gate/up and of down (_q8px: _q8p2's gate/up, _q8p's down)
 Q8_ROWS = {"_q8": (4, 4), "_q8m2": (2, 2), "_q8m1": (1, 1), "_q8s2": (2, 2), "_q8s1": (1, 1), "_q8p": (4, 4),
-           "_q8p2": (2, 2), "_q8px": (2, 4), "_q8pd": (4, 4), "_q8pxd": (2, 4), "_q8k2": (2, 2), "_q8k4": (4, 4),
-           "_q8m2c": (2, 2), "_q8k2c": (2, 2), "_q8a2": (2, 2)}
+           "_q8p2": (2, 2), "_q8px": (2, 4), "_q8pd": (4, 4), "_q8pxd": (2, 4)}
 
 
 def _q8p_bytes(mt: int) -> int:
@@ -81,8 +74,7 @@ def _q8p_bytes(mt: int) -> int:
 # threads and dynamic shared bytes per block of gate/up and of down, where other than (128, 0, 0)
 Q8_BLOCK = {"_q8p": (256, _q8p_bytes(4), _q8p_bytes(4)), "_q8p2": (256, _q8p_bytes(2), _q8p_bytes(2)),
             "_q8px": (256, _q8p_bytes(2), _q8p_bytes(4)), "_q8pd": (256, _q8p_bytes(4), _q8p_bytes(4)),
-            "_q8pxd": (256, _q8p_bytes(2), _q8p_bytes(4)), "_q8k2": (256, 0, 0), "_q8k4": (256, 0, 0),
-            "_q8k2c": (256, 0, 0)}
+            "_q8pxd": (256, _q8p_bytes(2), _q8p_bytes(4))}
 # the batched kernels gpu_experts launches for layers the arena's kernels do not read: "" the f16
 # qmoe_gate_up / qmoe_down, or an int8 variant of Q8_ROWS (Int8Batch): the fastest on the H200, every
 # type alike, 1.7-1.9x the f16 kernels' (docs/perf/gpu_quant_int8_h200)

@@ -2,8 +2,7 @@
 // stdin = tables, g_block, mode; mode 0: qt, rows, cols, n, rb, W, X -> Y (n, rows);
 // mode 1 / 2: qt_g, qt_u, qt_d, E, ffn, hidden, T, rb x 3, weights, W, X -> the one-token output
 // (hidden) / every token through every expert (E * T, hidden); mode 3: mode 1 with 4 down rows per
-// block (mode 1: 2) and gate/up's _w tiles; modes 4 .. 16: mode 2 by the int8 variants _q8, _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px, _q8k2, _q8k4,
-// _q8m2c, _q8k2c, _q8a2
+// block (mode 1: 2) and gate/up's _w tiles; modes 4 .. 11: mode 2 by the int8 variants _q8, _q8m2, _q8m1, _q8s2, _q8s1, _q8p, _q8p2, _q8px
 // (inputs through qx8).
 // Build with -DGPU_QUANT_CU='"path"'.
 #include "gpu_quant_simt.h"
@@ -60,8 +59,8 @@ int main() {
     const unsigned long long* bp = base.data(); const int *gs = gstart.data(), *od = order.data(), *xr = xrow.data();
     float* hp = h.data(); float* yp = y.data();
     if (mode >= 4) {
-        int mt = mode == 4 || mode == 9 || mode == 13 ? 4 : mode == 5 || mode == 7 || mode == 10 || mode == 11 || mode >= 12 ? 2 : 1;
-        int threads = mode >= 9 && mode != 14 && mode != 16 ? 256 : 128;
+        int mt = mode == 4 || mode == 9 ? 4 : mode == 5 || mode == 7 || mode == 10 || mode == 11 ? 2 : 1;
+        int threads = mode >= 9 ? 256 : 128;
         int md = mode == 11 ? 4 : mt;  // down's m-tiles
         std::vector<uint8_t> x8((size_t)T * hidden * 19 / 8), h8((size_t)E * T * ffn * 19 / 8);
         uint8_t* x8p = x8.data(); uint8_t* h8p = h8.data();
@@ -69,14 +68,10 @@ int main() {
         Dim3 g1 = {(unsigned)((ffn + 8 * mt - 1) / (8 * mt)), (unsigned)E, 1}, g2 = {(unsigned)((hidden + 16 * md - 1) / (16 * md)), (unsigned)E, 1};
         auto gate_up = mode == 4 ? qmoe_gate_up_q8 : mode == 5 ? qmoe_gate_up_q8m2 : mode == 6 ? qmoe_gate_up_q8m1
                      : mode == 7 ? qmoe_gate_up_q8s2 : mode == 8 ? qmoe_gate_up_q8s1
-                     : mode == 9 ? qmoe_gate_up_q8p : mode == 10 ? qmoe_gate_up_q8p2 : mode == 11 ? qmoe_gate_up_q8px
-                     : mode == 12 ? qmoe_gate_up_q8k2 : mode == 13 ? qmoe_gate_up_q8k4 : mode == 14 ? qmoe_gate_up_q8m2c
-                     : mode == 15 ? qmoe_gate_up_q8k2c : qmoe_gate_up_q8a2;
+                     : mode == 9 ? qmoe_gate_up_q8p : mode == 10 ? qmoe_gate_up_q8p2 : qmoe_gate_up_q8px;
         auto down = mode == 4 ? qmoe_down_q8 : mode == 5 ? qmoe_down_q8m2 : mode == 6 ? qmoe_down_q8m1
                   : mode == 7 ? qmoe_down_q8s2 : mode == 8 ? qmoe_down_q8s1
-                  : mode == 9 ? qmoe_down_q8p : mode == 10 ? qmoe_down_q8p2 : mode == 11 ? qmoe_down_q8px
-                  : mode == 12 ? qmoe_down_q8k2 : mode == 13 ? qmoe_down_q8k4 : mode == 14 ? qmoe_down_q8m2c
-                  : mode == 15 ? qmoe_down_q8k2c : qmoe_down_q8a2;
+                  : mode == 9 ? qmoe_down_q8p : mode == 10 ? qmoe_down_q8p2 : qmoe_down_q8px;
         launch(g1, threads, [=] { gate_up(bp, gs, od, xr, x8p, T, hp, ffn, hidden, 2 * mt, 0, qg, rg, off_u, qu, ru, 0, 0); });
         launch({(unsigned)((E * T * ffn / 32 + 15) / 16), 1, 1}, 128, [=] { qx8(hp, ffn, E * T, ffn, h8p); });
         launch(g2, threads, [=] { down(bp, gs, od, h8p, E * T, yp, ffn, hidden, 4 * md, off_d, qd, rdn, 0); });
