@@ -10,7 +10,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from scheduler.hardware import load_hardware
@@ -52,25 +51,12 @@ def test_a_cost_model_policy_plans_with_its_own_file_and_is_timed_on_the_other()
     assert planned_slow["tokens_per_s"] != on_slow["tokens_per_s"]  # timed on hw, not on the slow link
 
 
-def small_trace(tmp_path: Path) -> Path:
-    """A 12-position trace of the peer's 48 blocks: an 8-token prompt, 4 decode tokens."""
-    from traces import Trace
-
-    T, L, k = 12, 48, 8
-    rng = np.random.default_rng(0)
-    ids = np.stack([np.stack([rng.choice(128, k, replace=False) for _ in range(L)]) for _ in range(T)]).astype(np.int32)
-    phase = np.array([0] * 8 + [1] * 4, np.int8)
-    Trace("peer", (128,) * L, k, ids, np.zeros(T, np.int32), np.arange(T, dtype=np.int32), phase,
-          np.full((T, L, k), 1.0 / k, np.float32), {"batches": [8, 1, 1, 1, 1], "prompt_tokens": 8}).save(str(tmp_path / "t"))
-    return tmp_path / "t"
-
-
-def test_the_upload_factor_slows_the_copies_only_and_the_plan_file_is_reported(tmp_path):
+def test_the_upload_factor_slows_the_copies_only_and_the_plan_file_is_reported():
     result = peer.load_result(RESULT)
     keep = {"moelab lru", "moelab hybrid-cost", "moelab lru+cpugraph"}
     small = {**result, "rows": [r for r in result["rows"] if r["cell"] in keep]}
     hw = load_hardware(HW)
-    t = small_trace(tmp_path)
+    t = RESULT.parent / "trace"  # the run's recorded routing
     base = {r["row"]: r for r in peer.predict_peer(small, hw, trace=t, root=ROOT)}
     slow = {r["row"]: r for r in peer.predict_peer(small, hw, trace=t, root=ROOT, upload_factor=2.0)}
     assert set(base) == keep
@@ -96,12 +82,13 @@ def script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 def test_peer_with_out_writes_the_rows_and_a_readme(tmp_path):
-    t = small_trace(tmp_path)
+    import shutil
+
     res = json.loads(RESULT.read_text())
     res["rows"] = [r for r in res["rows"] if r["cell"] in ("moelab lru", "moelab lru+cpugraph", "llama.cpp -ncmoe 0")]
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "result.json").write_text(json.dumps(res))
-    t.rename(tmp_path / "b" / "trace")
+    shutil.copytree(RESULT.parent / "trace", tmp_path / "b" / "trace")
     out = tmp_path / "out" / "deeper"
     p = script("--hardware", str(HW), "--peer", str(tmp_path / "b" / "result.json"), "--graph-cpu-block-us", "117",
                "--graph-cpu-pair-us", "56", "--out", str(out))
