@@ -167,8 +167,9 @@ extern "C" __global__ void handoff_busy(long long ns) {
 // the call's job (ring slot seq % ring_slots, field j_n: the team reads it only after the gate),
 // the block's input row into their rows of `xin`, then the gate. pick[j]: pair j's row of the
 // call (-1: on the GPU), pick[k]: the count. With `seen` (mapped, 2k + 1 words; null: none) the
-// put first copies the route and the count there and writes *seen_flag = seq. graphcpu_combine waits for the call only when the
-// count is nonzero (ho_wait) and sums in j order as moe1_down_combine / handoff1_down_combine.
+// put first copies the route and the count there and writes *seen_flag = seq (a streamed graph).
+// graphcpu_combine waits for the call only when the count is nonzero (ho_wait) and sums in j order
+// as moe1_down_combine / handoff1_down_combine.
 
 // grid 1, block 256.
 extern "C" __global__ void graphcpu_put(const float* __restrict__ route, const unsigned long long* __restrict__ table,
