@@ -16,8 +16,8 @@ rates are then the check on the traces). Each row's policy is built as its comma
 --graph-cpu``) is simulated with the CPU graph (``simulate.run``'s ``graph_cpu``). The run reads its experts through the file's
 memory map: where the hardware file measured it, the pool's calls take ``cpu_mapped_factor``
 times their time on the calibration's anonymous buffers (``mapped_pool``). A row whose command gave
-``--hardware F`` plans with F as the executor read it (``plan_hardware``: the path, else its tail
-under this checkout), not with the file the prediction is timed on.
+``--hardware F`` plans with F as the executor read it (``plan_hardware``: its tail under this
+checkout, else the path), not with the file the prediction is timed on.
 """
 from __future__ import annotations
 
@@ -126,20 +126,19 @@ def hardware_of(command: list[str]) -> str | None:
 
 
 def plan_hardware(path: str | None, root: Path = Path(".")) -> Path | None:
-    """The file a row's policy planned with: ``path`` where it exists, else its longest tail that
-    exists under ``root`` (a checkout's path on the benchmark's machine: ``/work/main/docs/x.json`` ->
-    ``docs/x.json``), else None (a file that is not kept, e.g. ``/tmp/cal.json``)."""
+    """The file a row's policy planned with: the longest tail of ``path`` that exists under ``root``
+    (a checkout's path on the benchmark's machine: ``/work/main/docs/x.json`` -> ``docs/x.json``,
+    the recording's own copy even where another checkout has that path here), else ``path`` where
+    it exists, else None (a file that is not kept, e.g. ``/tmp/cal.json``)."""
     if not path:
         return None
     p = Path(path)
-    if p.is_file():
-        return p
     parts = p.parts[1:] if p.is_absolute() else p.parts
     for i in range(len(parts) - 1):  # a bare file name is not matched: too easily another file
         q = Path(root, *parts[i:])
         if q.is_file():
             return q
-    return None
+    return p if p.is_file() else None
 
 
 def mapped_pool(hw: Hardware) -> Hardware:
