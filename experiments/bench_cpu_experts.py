@@ -16,7 +16,6 @@ block by block, Numba's OpenMP pool, called on this thread). Shapes: Qwen3-30B-A
 
 The ceiling: a Numba float32 sum over ``--ceiling-mib``, same threads. ``--per-core`` rates (default
 1, 2 threads): GB per CPU-second (process time: meaningful on a shared machine). Medians of ``--reps``.
-The host's one-minute load average at the start and the end is printed and kept in ``--out``.
 
     python3 experiments/bench_cpu_experts.py --threads 15
 
@@ -77,14 +76,6 @@ def _timed(fn, clock=time.perf_counter) -> float:
     t0 = clock()
     fn()
     return clock() - t0
-
-
-def _load() -> float:
-    """The host's one-minute load average (nan where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
 
 
 def l3_bytes() -> int:
@@ -207,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ceiling_mib = args.ceiling_mib or max(1024, 4 * l3 // 2**20)
     if args.out is not None and not args.out.parent.is_dir():
         p.error(f"--out: directory {args.out.parent} does not exist")
-    rng = np.random.default_rng(0)
-    load0 = _load()
+    rng, load0 = np.random.default_rng(0), os.getloadavg()[0]  # the host's load at the start and the end: printed, kept
     first_s = first_call_s(rng)
     ceiling, empty = ceiling_gbps(args.threads, ceiling_mib, 5), empty_call_us(args.threads, 200, rng)
     log(f"  first pool call {first_s:.1f} s after start; ceiling {ceiling:.1f} GB/s ({args.threads} threads); empty call {empty:.1f} us")
@@ -239,15 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'type':7s}{'threads':>8s}{'isa':>17s}{'old':>9s}{'new':>9s}{'new/old':>9s}")
         for name, th, isa, o, n in core_rows:
             print(f"{name:7s}{th:8d}{isa:>17s}{o:9.2f}{n:9.2f}{n / o:9.2f}")
-    load1 = _load()
-    print(f"streaming ceiling {ceiling:.1f} GB/s ({args.threads} threads, float32 sum of {ceiling_mib} MiB); "
-          f"first pool call {first_s:.1f} s after start; {time.perf_counter() - T_START:.0f} s in all; "
-          f"load average {load0:.2f} at the start, {load1:.2f} at the end (other work on the host deflates every figure)")
+    print(f"streaming ceiling {ceiling:.1f} GB/s ({args.threads} threads, float32 sum of {ceiling_mib} MiB); first pool call {first_s:.1f} s "
+          f"after start; {time.perf_counter() - T_START:.0f} s in all; load average {load0:.2f} -> {(load1 := os.getloadavg()[0]):.2f}")
     if args.out is not None:
         args.out.write_text(json.dumps({
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "load_average": [load0, load1],
             "ceiling_gbps": ceiling, "ceiling_mib": ceiling_mib, "l3_bytes": l3, "empty_call_us": empty, "first_call_s": first_s,
-            "load_average": [load0, load1],
             "rates": [dict(zip(("type", "shape", "isa", "old_gbps", "new_gbps"), r)) for r in main_rows],
             "per_core": [dict(zip(("type", "threads", "isa", "old_gbps", "new_gbps"), r)) for r in core_rows]}, indent=1))
     q8 = [(isa, o, n) for name, shape, isa, o, n in main_rows if name == "Q8_0" and shape == "8x1"]
