@@ -628,8 +628,9 @@ def _graph_cpu_chain(g0: float, h0: float, p: float, cpu: tuple, pos1: int, c, h
                      block_s: float | None = None, stream: bool = False, pair_s: float = 0.0) -> tuple:
     """A token graph whose blocks hand ``cpu[l]`` misses each to the pool (``Simulator``'s
     ``graph_cpu``), launched at ``g0`` by the host at ``h0``, the pool free at ``p``, each block
-    ``block_s`` (None: ``graph_block_s``) plus its attention and ``pair_s`` a CPU pair: -> (the graph's end, the pool's, the
-    pool's busy seconds, CPU spans for the timeline, the host's time after its submits; with
+    ``block_s`` (None: ``graph_block_s``) plus its attention and ``pair_s`` a CPU pair: -> (the
+    graph's end, the pool's, the pool's busy seconds, CPU spans for the timeline, the host's time
+    after its submits; with
     ``stream`` after settling every block's step too, ``Simulator``'s ``graph_cpu_stream``)."""
     t, busy, spans = g0, 0.0, []
     base = hc.graph_block_s if block_s is None else block_s
