@@ -62,6 +62,39 @@ def _gather(k: int, width: int, offsets: bool = False, loads: bool = False):
     per = 4 if offsets else 8  # indices per 64-bit word
     step = 16 if offsets else 8
 
+    def code(builder, t, base):
+        i64 = ir.IntType(64)
+        nw = -(-k // per)  # words of indices
+        wbits = ir.IntType(min(64, k * step))
+        words = []
+        for j in range(0 if loads else nw):
+            wv = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, 8 * j)), ir.PointerType(wbits)), align=1)
+            # opaque, so that LLVM does not narrow the shifts below back into byte loads
+            wv = builder.asm(ir.FunctionType(wbits, [wbits]), "", "=r,0", [wv], side_effect=False)
+            words.append(builder.zext(wv, i64) if wbits.width < 64 else wv)
+        parts = []
+        for j in range(k):
+            if loads:
+                it = ir.IntType(step)
+                f = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, step // 8 * j)), ir.PointerType(it)), align=1)
+                off = builder.zext(f, i64)
+            else:
+                f = words[j // per]
+                if j % per:
+                    f = builder.lshr(f, ir.Constant(i64, step * (j % per)))
+                off = builder.and_(f, ir.Constant(i64, (1 << step) - 1))
+            if not offsets:
+                off = builder.mul(off, ir.Constant(i64, width))
+            e = builder.load(builder.inttoptr(builder.add(t, off), ir.PointerType(lane)), align=1)
+            b = _splat(builder, e, vec)  # vpbroadcast from memory
+            parts.append(builder.asm(ir.FunctionType(vec, [vec]), "", "=v,0", [b], side_effect=False))
+        return builder.bitcast(_blend_tree(builder, parts, k), ir.VectorType(ir.IntType(8), 32))
+    return _table_intrinsic(code)
+
+
+def _table_intrinsic(code):
+    """An intrinsic (table, w, p) -> I8x32 (three integers, as int64) whose LLVM value is
+    ``code(builder, table, w + p)``."""
     @intrinsic
     def gather(typingctx, table, w, p):
         if not all(isinstance(a, types.Integer) for a in (table, w, p)):
@@ -69,33 +102,7 @@ def _gather(k: int, width: int, offsets: bool = False, loads: bool = False):
 
         def codegen(context, builder, sig, args):
             t, wa, pa = (context.cast(builder, a, s, types.int64) for a, s in zip(args, sig.args))
-            i64 = ir.IntType(64)
-            base = builder.add(wa, pa)
-            nw = -(-k // per)  # words of indices
-            wbits = ir.IntType(min(64, k * step))
-            words = []
-            for j in range(0 if loads else nw):
-                wv = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, 8 * j)), ir.PointerType(wbits)), align=1)
-                # opaque, so that LLVM does not narrow the shifts below back into byte loads
-                wv = builder.asm(ir.FunctionType(wbits, [wbits]), "", "=r,0", [wv], side_effect=False)
-                words.append(builder.zext(wv, i64) if wbits.width < 64 else wv)
-            parts = []
-            for j in range(k):
-                if loads:
-                    it = ir.IntType(step)
-                    f = builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, step // 8 * j)), ir.PointerType(it)), align=1)
-                    off = builder.zext(f, i64)
-                else:
-                    f = words[j // per]
-                    if j % per:
-                        f = builder.lshr(f, ir.Constant(i64, step * (j % per)))
-                    off = builder.and_(f, ir.Constant(i64, (1 << step) - 1))
-                if not offsets:
-                    off = builder.mul(off, ir.Constant(i64, width))
-                e = builder.load(builder.inttoptr(builder.add(t, off), ir.PointerType(lane)), align=1)
-                b = _splat(builder, e, vec)  # vpbroadcast from memory
-                parts.append(builder.asm(ir.FunctionType(vec, [vec]), "", "=v,0", [b], side_effect=False))
-            return builder.bitcast(_blend_tree(builder, parts, k), ir.VectorType(ir.IntType(8), 32))
+            return code(builder, t, builder.add(wa, pa))
         return I8x32(table, w, p), codegen
     return gather
 
@@ -141,23 +148,16 @@ def _vgather(k: int, width: int, offsets: bool = False):
     vec = ir.VectorType(lane, k)
     scale = 1 if offsets else width
 
-    @intrinsic
-    def gather(typingctx, table, w, p):
-        if not all(isinstance(a, types.Integer) for a in (table, w, p)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            t, wa, pa = (context.cast(builder, a, s, types.int64) for a, s in zip(args, sig.args))
-            a = builder.inttoptr(builder.add(wa, pa), ir.PointerType(ir.VectorType(ity, k)))
-            idx = builder.zext(builder.load(a, align=1), ir.VectorType(i32, k))
-            i8p = ir.PointerType(ir.IntType(8))
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, i8p, idx.type, vec, ir.IntType(8)]),
-                                                 f"llvm.x86.avx2.gather.d.{'q' if width == 8 else 'd'}.256")
-            ones = ir.Constant(vec, [-1] * k)
-            r = builder.call(fn, [ir.Constant(vec, None), builder.inttoptr(t, i8p), idx, ones, ir.Constant(ir.IntType(8), scale)])
-            return builder.bitcast(r, ir.VectorType(ir.IntType(8), 32))
-        return I8x32(table, w, p), codegen
-    return gather
+    def code(builder, t, base):
+        a = builder.inttoptr(base, ir.PointerType(ir.VectorType(ity, k)))
+        idx = builder.zext(builder.load(a, align=1), ir.VectorType(i32, k))
+        i8p = ir.PointerType(ir.IntType(8))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, i8p, idx.type, vec, ir.IntType(8)]),
+                                             f"llvm.x86.avx2.gather.d.{'q' if width == 8 else 'd'}.256")
+        ones = ir.Constant(vec, [-1] * k)
+        r = builder.call(fn, [ir.Constant(vec, None), builder.inttoptr(t, i8p), idx, ones, ir.Constant(ir.IntType(8), scale)])
+        return builder.bitcast(r, ir.VectorType(ir.IntType(8), 32))
+    return _table_intrinsic(code)
 
 
 def _by_mode(k: int, width: int, offsets: bool = False):
