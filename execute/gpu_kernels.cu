@@ -307,6 +307,22 @@ extern "C" __global__ void moe1_gate_up_late(const Experts1 ex, const unsigned l
                   off_g, qt_g, rb_g, off_u, qt_u, rb_u, act, bias);
 }
 
+// Rows r0 .. r0 + rows_per_block - 1 (those below hidden) of pair j's down projection of h[j] (plus
+// its bias), by the calling warp: lane 0 writes row r0 + i to out[i].
+__device__ __forceinline__ void down1_rows(const unsigned char* e, int j, const float* __restrict__ h, int ffn,
+                                           int hidden, int r0, int rows_per_block, long long off_d, int qt_d,
+                                           long long rb_d, int bias, float* out) {
+    int lane = threadIdx.x & 31, tok[TB] = {0, 0, 0, 0};
+    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
+    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
+        int r = r0 + i;
+        float a[TB] = {0.f, 0.f, 0.f, 0.f};
+        row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
+        float s = warp_sum(a[0]);
+        if (lane == 0) out[i] = bias ? s + bd[r] : s;
+    }
+}
+
 // out[r] = sum_j weight[j] * (down_j h[j] + bd_j)[r], j = 0 .. k - 1 in order (warp j computes
 // pair j's rows into shared memory, then one thread per row sums them: the order of moe_combine).
 // grid ceil(hidden / rows_per_block), block 32 * k; rows_per_block <= 32.
@@ -314,16 +330,9 @@ extern "C" __global__ void moe1_down_combine(const Experts1 ex, const float* __r
                                              int k, int ffn, int hidden, int rows_per_block, long long off_d,
                                              int qt_d, long long rb_d, int bias) {
     __shared__ float ys[MAXK][32];
-    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
-    const unsigned char* e = reinterpret_cast<const unsigned char*>(ex.base[j]);
-    const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
-    for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
-        int r = r0 + i;
-        float a[TB] = {0.f, 0.f, 0.f, 0.f};
-        row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
-        float s = warp_sum(a[0]);
-        if (lane == 0) ys[j][i] = bias ? s + bd[r] : s;
-    }
+    int j = threadIdx.x >> 5, r0 = blockIdx.x * rows_per_block;
+    down1_rows(reinterpret_cast<const unsigned char*>(ex.base[j]), j, h, ffn, hidden, r0, rows_per_block, off_d, qt_d,
+               rb_d, bias, ys[j]);
     __syncthreads();
     int i = threadIdx.x;
     if (i < rows_per_block && r0 + i < hidden) {

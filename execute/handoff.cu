@@ -104,18 +104,9 @@ extern "C" __global__ void handoff1_down_combine(const Experts1 ex, const float*
                                                  int broken, long long seq, long long timeout_ns, long long* relay,
                                                  long long* err, long long* stamps, const float* ycpu) {
     __shared__ float ys[MAXK][32];
-    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block, tok[TB] = {0, 0, 0, 0};
+    int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * rows_per_block;
     const unsigned char* e = reinterpret_cast<const unsigned char*>(ex.base[j]);
-    if (e) {
-        const float* bd = reinterpret_cast<const float*>(e) + 2 * ffn;
-        for (int i = 0; i < rows_per_block && r0 + i < hidden; i++) {
-            int r = r0 + i;
-            float a[TB] = {0.f, 0.f, 0.f, 0.f};
-            row_dot(qt_d, e + off_d + r * rb_d, ffn, h + (long long)j * ffn, 0, tok, 1, a);
-            float s = warp_sum(a[0]);
-            if (lane == 0) ys[j][i] = bias ? s + bd[r] : s;
-        }
-    }
+    if (e) down1_rows(e, j, h, ffn, hidden, r0, rows_per_block, off_d, qt_d, rb_d, bias, ys[j]);
     bool ok = ho_wait(ctrl, done, broken, seq, timeout_ns, relay, err, stamps);
     if (!e && lane < rows_per_block && r0 + lane < hidden)
         ys[j][lane] = ok ? *(volatile const float*)(ycpu + (long long)ex.pick[j] * hidden + r0 + lane) : 0.f;
