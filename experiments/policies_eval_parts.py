@@ -26,7 +26,6 @@ KNOWN_FROM = ("github.com/Mario928/speculative-moe, routing_data_collected/{gsm8
               "ab67860b, bdd16e7e: `git cat-file -p BLOB` in a clone)")
 
 
-
 def blob_id(path: Path) -> str:
     """The file's git blob id (how ``KNOWN`` names a file)."""
     data = path.read_bytes()
